@@ -1,0 +1,53 @@
+// origami: the command. `origami <command> [options]`; `origami <command> --help` for each.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "commands.h"
+#include "core/error.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int, char**);
+  const char* summary;
+};
+
+const Command kCommands[] = {
+    {"train", origami::cmd_train, "train a gpt2 / llama / mixtral model from a Hugging Face config.json"},
+    {"generate", origami::cmd_generate, "sample text from a saved checkpoint"},
+    {"data", origami::cmd_data, "prepare tokenized datasets (origami data prepare --help)"},
+    {"dump", origami::cmd_dump, "write logits, losses and gradients of one batch (for checking against other implementations)"},
+};
+
+void usage(FILE* out) {
+  std::fprintf(out, "usage: origami <command> [options]\n\ncommands:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
+  std::fprintf(out, "\n'origami <command> --help' describes a command's options.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    try {
+      return c.run(argc - 1, argv + 1);
+    } catch (const origami::Error& e) {
+      std::fprintf(stderr, "origami %s: error: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "origami %s: unexpected error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "origami: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs everything origami needs on a fresh Debian 12 machine. Safe to run twice:
+# packages already present are skipped, and apt is only refreshed when something is missing.
+set -euo pipefail
+
+# Product dependencies (Debian packages only).
+debian_packages=(
+  build-essential cmake ninja-build pkg-config
+  libopenblas0-openmp libopenblas-dev     # BLAS, OpenMP build: one thread pool shared with our own loops
+  libomp-dev
+  openmpi-bin libopenmpi-dev              # MPI launcher and library
+  nlohmann-json3-dev                      # config.json / safetensors header / run-config parsing
+  libgtest-dev                            # unit tests
+  python3 python3-torch python3-numpy python3-pip   # PyTorch oracle for tests/reference (Debian's 1.13)
+  fortunes fortunes-min                   # the demo corpus: public-domain text, %-separated documents
+)
+
+missing=()
+for p in "${debian_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Test-only Python packages (PyPI), installed for Debian's python3 next to its torch 1.13:
+# Hugging Face transformers/tokenizers/safetensors check our checkpoints and BPE encodings.
+PY=/usr/bin/python3
+if ! $PY -c "import transformers, tokenizers, safetensors" 2>/dev/null; then
+  echo "setup: installing test-only Python packages from PyPI"
+  $PY -m pip install -q --break-system-packages --no-warn-script-location \
+    "transformers==4.46.3" "tokenizers==0.20.3" "safetensors==0.4.5"
+fi
+echo "setup: ok"

@@ -1,0 +1,115 @@
+#include "core/args.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace origami {
+
+Args::Args(std::string command, std::string summary)
+    : command_(std::move(command)), summary_(std::move(summary)) {}
+
+Args& Args::option(const std::string& name, const std::string& metavar, const std::string& help,
+                   const std::string& default_value) {
+  order_.push_back(name);
+  opts_[name] = Opt{metavar, help, default_value, false, false};
+  return *this;
+}
+
+Args& Args::flag(const std::string& name, const std::string& help) {
+  order_.push_back(name);
+  opts_[name] = Opt{"", help, "", true, false};
+  return *this;
+}
+
+bool Args::parse(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(help().c_str(), stdout);
+      return false;
+    }
+    ORIGAMI_CHECK(a.rfind("--", 0) == 0, command_, ": unexpected argument '", a,
+                  "' (options start with --; see --help)");
+    std::string name = a.substr(2), value;
+    auto eq = name.find('=');
+    bool inline_value = eq != std::string::npos;
+    if (inline_value) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    auto it = opts_.find(name);
+    ORIGAMI_CHECK(it != opts_.end(), command_, ": unknown option --", name, " (see --help)");
+    Opt& o = it->second;
+    if (o.is_flag) {
+      ORIGAMI_CHECK(!inline_value, command_, ": --", name, " takes no value");
+      value = "1";
+    } else if (!inline_value) {
+      ORIGAMI_CHECK(i + 1 < argc, command_, ": --", name, " needs a value (", o.metavar, ")");
+      value = argv[++i];
+    }
+    o.value = value;
+    o.set = true;
+  }
+  return true;
+}
+
+void Args::fill_from_json(const nlohmann::json& obj, const std::string& source) {
+  ORIGAMI_CHECK(obj.is_object(), source, ": a run-config file must hold a JSON object");
+  for (auto& [key, val] : obj.items()) {
+    auto it = opts_.find(key);
+    ORIGAMI_CHECK(it != opts_.end(), source, ": unknown key '", key, "' (the keys are the options of '",
+                  command_, " --help' without the leading --)");
+    Opt& o = it->second;
+    if (o.set) continue;  // flags win
+    if (val.is_string()) o.value = val.get<std::string>();
+    else if (val.is_boolean()) o.value = val.get<bool>() ? "1" : "";
+    else o.value = val.dump();
+    o.set = true;
+  }
+}
+
+const Args::Opt& Args::get(const std::string& name) const {
+  auto it = opts_.find(name);
+  ORIGAMI_ASSERT(it != opts_.end());
+  return it->second;
+}
+
+bool Args::has(const std::string& name) const { return !get(name).value.empty(); }
+std::string Args::str(const std::string& name) const { return get(name).value; }
+bool Args::on(const std::string& name) const { return has(name) && get(name).value != "0"; }
+
+int64_t Args::integer(const std::string& name) const {
+  const std::string& v = get(name).value;
+  char* end = nullptr;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  ORIGAMI_CHECK(!v.empty() && *end == 0, command_, ": --", name, " must be an integer, got '", v, "'");
+  return x;
+}
+
+double Args::number(const std::string& name) const {
+  const std::string& v = get(name).value;
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  ORIGAMI_CHECK(!v.empty() && *end == 0, command_, ": --", name, " must be a number, got '", v, "'");
+  return x;
+}
+
+std::string Args::help() const {
+  std::string s = "usage: origami " + command_ + " [options]\n\n" + summary_ + "\n\noptions:\n";
+  for (const auto& name : order_) {
+    const Opt& o = opts_.at(name);
+    std::string left = "  --" + name + (o.is_flag ? "" : " " + o.metavar);
+    if (left.size() < 30) left.resize(30, ' ');
+    else left += "\n" + std::string(30, ' ');
+    s += left + o.help;
+    if (!o.is_flag && !o.value.empty()) s += " (default " + o.value + ")";
+    s += "\n";
+  }
+  s += "  --help                      show this help\n";
+  return s;
+}
+
+}  // namespace origami

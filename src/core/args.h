@@ -1,0 +1,48 @@
+// Command-line options for the `origami` subcommands: declared once with their help text,
+// parsed strictly (unknown flag, missing value or malformed number is an Error naming it).
+// A run-config JSON file may supply the same keys (without the leading "--"); flags win.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace origami {
+
+class Args {
+ public:
+  Args(std::string command, std::string summary);
+
+  // An option taking a value. An empty default means "unset" unless given.
+  Args& option(const std::string& name, const std::string& metavar, const std::string& help,
+               const std::string& default_value = "");
+  // A boolean switch.
+  Args& flag(const std::string& name, const std::string& help);
+
+  // Parses argv (argv[0] is the subcommand's name). Returns false when --help was asked for
+  // (the help text is then already printed).
+  bool parse(int argc, char** argv);
+  // Fills options not given on the command line from a JSON object (run-config file).
+  void fill_from_json(const nlohmann::json& obj, const std::string& source);
+
+  bool has(const std::string& name) const;  // given, from a file, or with a non-empty default
+  std::string str(const std::string& name) const;
+  int64_t integer(const std::string& name) const;
+  double number(const std::string& name) const;
+  bool on(const std::string& name) const;
+  std::string help() const;
+
+ private:
+  struct Opt {
+    std::string metavar, help, value;
+    bool is_flag = false, set = false;
+  };
+  const Opt& get(const std::string& name) const;
+  std::string command_, summary_;
+  std::vector<std::string> order_;
+  std::map<std::string, Opt> opts_;
+};
+
+}  // namespace origami

@@ -1,0 +1,53 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/args.h"
+#include "core/error.h"
+
+using origami::Args;
+
+namespace {
+Args make() {
+  Args a("train", "test");
+  a.option("lr", "X", "learning rate", "3e-4").option("steps", "N", "steps").flag("verbose", "talk");
+  return a;
+}
+bool parse(Args& a, std::vector<std::string> v) {
+  v.insert(v.begin(), "train");
+  std::vector<char*> argv;
+  for (auto& s : v) argv.push_back(s.data());
+  return a.parse(int(argv.size()), argv.data());
+}
+}  // namespace
+
+TEST(Args, DefaultsFlagsAndValues) {
+  Args a = make();
+  ASSERT_TRUE(parse(a, {"--steps", "12", "--verbose"}));
+  EXPECT_DOUBLE_EQ(a.number("lr"), 3e-4);
+  EXPECT_EQ(a.integer("steps"), 12);
+  EXPECT_TRUE(a.on("verbose"));
+  Args b = make();
+  ASSERT_TRUE(parse(b, {"--lr=0.5"}));
+  EXPECT_DOUBLE_EQ(b.number("lr"), 0.5);
+  EXPECT_FALSE(b.has("steps"));
+}
+
+TEST(Args, RejectsUnknownMissingAndMalformed) {
+  Args a = make();
+  EXPECT_THROW(parse(a, {"--nope", "1"}), origami::Error);
+  Args b = make();
+  EXPECT_THROW(parse(b, {"--steps"}), origami::Error);
+  Args c = make();
+  ASSERT_TRUE(parse(c, {"--steps", "1x"}));
+  EXPECT_THROW(c.integer("steps"), origami::Error);
+}
+
+TEST(Args, RunConfigFileFillsButFlagsWin) {
+  Args a = make();
+  ASSERT_TRUE(parse(a, {"--lr", "0.1"}));
+  a.fill_from_json(nlohmann::json{{"lr", 0.9}, {"steps", 7}}, "run.json");
+  EXPECT_DOUBLE_EQ(a.number("lr"), 0.1);
+  EXPECT_EQ(a.integer("steps"), 7);
+  EXPECT_THROW(a.fill_from_json(nlohmann::json{{"bogus", 1}}, "run.json"), origami::Error);
+}
