@@ -1,0 +1,20 @@
+// Linear layer: y[N, out] = x[N, in]·W (+ b).
+// Legend: N rows (tokens), in/out features. W in Hugging Face layout: Linear is [out, in]
+// (y = x·Wᵀ), GPT-2's Conv1D is [in, out] (y = x·W).
+// Backward: dx is overwritten (or accumulated with accumulate_dx), dW and db accumulate (+=).
+#pragma once
+#include <cstdint>
+
+namespace origami {
+
+enum class WeightLayout { out_in, in_out };
+
+template <typename T>
+void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t N, int64_t in, int64_t out,
+                    WeightLayout layout);
+
+template <typename T>
+void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int64_t N, int64_t in,
+                     int64_t out, WeightLayout layout, bool accumulate_dx = false);
+
+}  // namespace origami

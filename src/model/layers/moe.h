@@ -1,0 +1,46 @@
+// Sparse mixture-of-experts MLP (Mixtral), in phases:
+//   route   logits_NE = x·gateᵀ, probs = softmax over all E, top-K by prob, weights renormalised
+//   permute the N·K (token, slot) assignments grouped by expert (rows R = N·K in expert order)
+//   experts grouped GEMM per expert: gu = xs·[w1;w3]ᵀ, act = silu(g)·u, y = act·w2ᵀ
+//   combine out[n] = Σ_k weight[n,k]·y[row(n,k)]
+// Router losses for the micro-batch (Switch / Megatron convention; see DESIGN.md):
+//   aux = aux_coef·E·Σ_e f_e·P_e with f_e = count_e/(N·K) (no gradient), P_e = mean_n probs[n,e]
+//   z   = z_coef·mean_n (logsumexp_e logits[n,e])²
+// Legend: N tokens, C channels, F expert inner size, E experts, K experts per token.
+// Expert weights: `experts` points at expert 0; expert e's block, 3·F·C floats, is
+// [w1 (F×C) | w3 (F×C) | w2 (C×F)] (Hugging Face Linear layouts), as the parameter table lays it out.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace origami {
+
+struct MoeSizes {
+  int64_t N, C, F, E, K;
+};
+
+// What forward keeps for backward.
+template <typename T>
+struct MoeCache {
+  std::vector<T> probs_NE, lse_N;
+  std::vector<int32_t> expert_NK;     // chosen experts per token, best first
+  std::vector<T> weight_NK;           // renormalised routing weights
+  std::vector<int64_t> row_NK;        // permuted row of assignment (n, k)
+  std::vector<int64_t> expert_begin;  // [E+1] first permuted row of each expert
+  std::vector<T> xs_RC, gu_R2F, act_RF, y_RC;
+  std::vector<int64_t> count_E;  // tokens routed to each expert (for metrics and f_e)
+  double aux = 0, z = 0;         // coefficient-weighted router losses of this call
+};
+
+template <typename T>
+void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC, const T* experts,
+                 const MoeSizes& s, double aux_coef, double z_coef);
+
+// dx_NC is overwritten; dgate_EC and dexperts accumulate (+=). loss_scale multiplies the router
+// losses' gradient (dout_NC already carries the scale of the main loss).
+template <typename T>
+void moe_backward(T* dx_NC, T* dgate_EC, T* dexperts, const T* dout_NC, const MoeCache<T>& cache,
+                  const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s, double aux_coef,
+                  double z_coef, T loss_scale);
+
+}  // namespace origami
