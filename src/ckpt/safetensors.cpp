@@ -45,7 +45,7 @@ size_t dtype_size_or_zero(std::string_view dtype) {
 
 std::string errno_text() { return std::strerror(errno); }
 
-std::string quoted(const std::string& path) { return cat("'", path, "'"); }
+std::string quote_path(const std::string& path) { return cat("'", path, "'"); }
 
 // numel of a shape in uint64, false on overflow.
 bool checked_numel(const std::vector<int64_t>& shape, uint64_t* out) {
@@ -149,12 +149,12 @@ void SafetensorsFile::release() noexcept {
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   using nlohmann::json;
-  const std::string where = cat("safetensors file ", quoted(path), ": ");
+  const std::string where = cat("safetensors file ", quote_path(path), ": ");
   SafetensorsFile f;
   f.path_ = path;
 
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ORIGAMI_CHECK(fd >= 0, "cannot open safetensors file ", quoted(path), ": ", errno_text());
+  ORIGAMI_CHECK(fd >= 0, "cannot open safetensors file ", quote_path(path), ": ", errno_text());
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -274,7 +274,7 @@ const TensorInfo* SafetensorsFile::find(std::string_view name) const {
 
 const TensorInfo& SafetensorsFile::at(std::string_view name) const {
   const TensorInfo* t = find(name);
-  ORIGAMI_CHECK(t, "safetensors file ", quoted(path_), " has no tensor '", name, "'");
+  ORIGAMI_CHECK(t, "safetensors file ", quote_path(path_), " has no tensor '", name, "'");
   return *t;
 }
 
@@ -303,7 +303,7 @@ void SafetensorsFile::read_f32(const TensorInfo& t, float* out) const {
       out[i] = float(v);
     }
   } else {
-    fail("safetensors file ", quoted(path_), ": tensor '", t.name, "' has dtype ", t.dtype,
+    fail("safetensors file ", quote_path(path_), ": tensor '", t.name, "' has dtype ", t.dtype,
          ", which cannot be read as float (F32, F16, BF16 or F64)");
   }
 }
@@ -318,12 +318,12 @@ void SafetensorsFile::read_i32(const TensorInfo& t, int32_t* out) const {
     for (size_t i = 0; i < n; ++i) {
       int64_t v;
       std::memcpy(&v, p + 8 * i, 8);
-      ORIGAMI_CHECK(v >= INT32_MIN && v <= INT32_MAX, "safetensors file ", quoted(path_), ": tensor '",
+      ORIGAMI_CHECK(v >= INT32_MIN && v <= INT32_MAX, "safetensors file ", quote_path(path_), ": tensor '",
                     t.name, "' element ", i, " = ", v, " does not fit in int32");
       out[i] = int32_t(v);
     }
   } else {
-    fail("safetensors file ", quoted(path_), ": tensor '", t.name, "' has dtype ", t.dtype,
+    fail("safetensors file ", quote_path(path_), ": tensor '", t.name, "' has dtype ", t.dtype,
          ", which cannot be read as int32 (I32 or I64)");
   }
 }
@@ -348,7 +348,7 @@ void write_all(const TmpFile& tmp, const void* data, size_t len) {
   while (len > 0) {
     const ssize_t w = ::write(tmp.fd, p, std::min<size_t>(len, size_t(1) << 30));
     if (w < 0 && errno == EINTR) continue;
-    ORIGAMI_CHECK(w > 0, "cannot write safetensors file ", quoted(tmp.path), ": ",
+    ORIGAMI_CHECK(w > 0, "cannot write safetensors file ", quote_path(tmp.path), ": ",
                   w < 0 ? errno_text() : std::string("no progress"));
     p += w;
     len -= size_t(w);
@@ -359,7 +359,7 @@ void write_all(const TmpFile& tmp, const void* data, size_t len) {
 
 void write_safetensors(const std::string& path, const std::vector<TensorWrite>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  const std::string where = cat("writing safetensors file ", quoted(path), ": ");
+  const std::string where = cat("writing safetensors file ", quote_path(path), ": ");
   ORIGAMI_CHECK(!path.empty(), "writing safetensors file: empty path");
 
   // Validate everything and lay out the header before touching the disk.
@@ -403,7 +403,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorWrite>& 
   tmp.fd = ::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (tmp.fd < 0) {
     tmp.committed = true;  // nothing of ours to remove
-    fail("cannot create safetensors file ", quoted(tmp.path), ": ", errno_text());
+    fail("cannot create safetensors file ", quote_path(tmp.path), ": ", errno_text());
   }
   write_all(tmp, &header_len, 8);
   write_all(tmp, text.data(), text.size());
@@ -430,11 +430,11 @@ void write_safetensors(const std::string& path, const std::vector<TensorWrite>& 
   }
   // Flush to disk before the rename, so that after a crash `path` is never a partial file.
   ORIGAMI_CHECK(::fsync(tmp.fd) == 0 || errno == EINVAL, "cannot flush safetensors file ",
-                quoted(tmp.path), ": ", errno_text());
+                quote_path(tmp.path), ": ", errno_text());
   const int fd = std::exchange(tmp.fd, -1);
-  ORIGAMI_CHECK(::close(fd) == 0, "cannot close safetensors file ", quoted(tmp.path), ": ", errno_text());
-  ORIGAMI_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, "cannot rename ", quoted(tmp.path),
-                " to ", quoted(path), ": ", errno_text());
+  ORIGAMI_CHECK(::close(fd) == 0, "cannot close safetensors file ", quote_path(tmp.path), ": ", errno_text());
+  ORIGAMI_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, "cannot rename ", quote_path(tmp.path),
+                " to ", quote_path(path), ": ", errno_text());
   tmp.committed = true;
   // Persist the rename itself; best effort (not every file system supports syncing a directory).
   std::string dir = std::filesystem::path(path).parent_path().string();
