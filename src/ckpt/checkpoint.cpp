@@ -1,0 +1,109 @@
+#include "ckpt/checkpoint.h"
+
+#include <filesystem>
+#include <set>
+
+#include "ckpt/safetensors.h"
+#include "core/error.h"
+#include "core/io.h"
+
+namespace origami {
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// Tensors Hugging Face GPT-2 files may hold that are not parameters.
+bool ignorable(const ModelConfig& cfg, const std::string& name) {
+  auto ends_with = [&](const char* suffix) {
+    std::string s(suffix);
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (cfg.is_gpt2()) return ends_with("attn.bias") || ends_with("attn.masked_bias") || name == "lm_head.weight";
+  return cfg.tied_embeddings && name == "lm_head.weight";
+}
+
+std::string canonical_name(const ModelConfig& cfg, const std::string& name) {
+  const std::string prefix = "transformer.";
+  if (cfg.is_gpt2() && name.rfind(prefix, 0) == 0) return name.substr(prefix.size());
+  return name;
+}
+
+std::vector<TensorWrite> param_tensors(const Params& params, const float* base, const std::string& prefix) {
+  std::vector<TensorWrite> out;
+  for (size_t i = 0; i < params.table().size(); ++i) {
+    const ParamSpec& p = params.table()[i];
+    out.push_back({prefix + p.name, p.shape, base + params.offset(i)});
+  }
+  return out;
+}
+
+}  // namespace
+
+void load_weights(const std::string& path, const ModelConfig& cfg, Params& params) {
+  SafetensorsFile f = SafetensorsFile::open(path);
+  std::set<std::string> loaded;
+  for (const TensorInfo& t : f.tensors()) {
+    const std::string name = canonical_name(cfg, t.name);
+    const int64_t i = params.index(name);
+    if (i < 0) {
+      if (ignorable(cfg, name)) continue;
+      fail("'", path, "': tensor '", t.name, "' is not a parameter of this ", cfg.model_type(),
+           " model (check that the file matches the config)");
+    }
+    const ParamSpec& p = params.table()[size_t(i)];
+    ORIGAMI_CHECK(t.shape == p.shape, "'", path, "': tensor '", t.name, "' has shape ", shape_str(t.shape),
+                  " but the config needs ", shape_str(p.shape));
+    f.read_f32(t, params.data() + params.offset(size_t(i)));
+    loaded.insert(name);
+  }
+  for (const ParamSpec& p : params.table())
+    ORIGAMI_CHECK(loaded.count(p.name), "'", path, "': tensor '", p.name, "' (shape ", shape_str(p.shape),
+                  ") is missing");
+}
+
+void save_weights(const std::string& path, const Params& params) {
+  write_safetensors(path, param_tensors(params, params.data(), ""), {{"format", "pt"}});
+}
+
+void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Params& params, AdamW& opt,
+                     const TrainerState& state, const std::string& tokenizer_path) {
+  make_dirs(dir);
+  save_weights(dir + "/model.safetensors", params);
+  save_model_config(cfg, dir + "/config.json");
+  auto tensors = param_tensors(params, opt.exp_avg().data(), "exp_avg.");
+  auto sq = param_tensors(params, opt.exp_avg_sq().data(), "exp_avg_sq.");
+  tensors.insert(tensors.end(), sq.begin(), sq.end());
+  write_safetensors(dir + "/optimizer.safetensors", tensors);
+  if (!tokenizer_path.empty()) write_file_atomic(dir + "/tokenizer.json", read_file(tokenizer_path, "tokenizer file"));
+  nlohmann::json js = {{"step", state.step}, {"adam_steps", opt.steps_taken()}, {"options", state.options}};
+  write_file_atomic(dir + "/trainer_state.json", js.dump(2) + "\n");
+}
+
+TrainerState load_optimizer_state(const std::string& dir, const Params& params, AdamW& opt) {
+  const std::string opt_path = dir + "/optimizer.safetensors";
+  SafetensorsFile f = SafetensorsFile::open(opt_path);
+  for (size_t i = 0; i < params.table().size(); ++i) {
+    const ParamSpec& p = params.table()[i];
+    for (auto [prefix, buf] : {std::pair{"exp_avg.", &opt.exp_avg()}, std::pair{"exp_avg_sq.", &opt.exp_avg_sq()}}) {
+      const TensorInfo& t = f.at(prefix + p.name);
+      ORIGAMI_CHECK(t.shape == p.shape, "'", opt_path, "': tensor '", t.name, "' has shape ", shape_str(t.shape),
+                    " but the model needs ", shape_str(p.shape));
+      f.read_f32(t, buf->data() + params.offset(i));
+    }
+  }
+  nlohmann::json js = read_json_file(dir + "/trainer_state.json", "trainer state");
+  TrainerState st;
+  ORIGAMI_CHECK(js.contains("step") && js["step"].is_number_integer() && js.contains("adam_steps"),
+                "'", dir, "/trainer_state.json': needs integer 'step' and 'adam_steps'");
+  st.step = js["step"].get<int64_t>();
+  opt.set_steps_taken(js["adam_steps"].get<int64_t>());
+  if (js.contains("options")) st.options = js["options"];
+  return st;
+}
+
+}  // namespace origami
