@@ -1,0 +1,18 @@
+// Small file helpers shared by the data module: whole-file reads and atomic writes (temp file in the
+// same directory, then rename, so a reader never sees a half-written file).
+#pragma once
+#include <string>
+#include <string_view>
+
+namespace origami {
+
+// The bytes of `path`. Error naming the file when it is missing, not a regular file or unreadable.
+std::string read_file_bytes(const std::string& path);
+
+// Writes `bytes` to `path` atomically. Error naming the file on any I/O failure.
+void write_file_atomically(const std::string& path, std::string_view bytes);
+
+// Renames `from` to `to` (replacing `to`); Error naming both on failure.
+void rename_file(const std::string& from, const std::string& to);
+
+}  // namespace origami

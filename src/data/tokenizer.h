@@ -1,0 +1,115 @@
+// Tokenizers: text <-> token ids.
+//
+//   ByteTokenizer     ids 0..255 are the bytes of the text, 256 is end-of-document; vocab 257.
+//   Gpt2BpeTokenizer  GPT-2 byte-level BPE from Hugging Face `vocab.json` + `merges.txt` (what the
+//                     `tokenizers` ByteLevel BPE `model.save()` writes, and what GPT-2 ships). Gives
+//                     the same ids as Hugging Face `tokenizers` (ByteLevel pre-tokenizer with
+//                     add_prefix_space=false, no normalizer) with `<|endoftext|>` as special token.
+//
+// A tokenizer has a self-contained JSON form, {"type":"byte"} or
+// {"type":"gpt2","vocab":{token:id,...},"merges":["a b",...]}. `origami data prepare` writes it as
+// PREFIX.tokenizer.json next to the dataset; training copies it into checkpoints so that
+// `origami generate` decodes with the tokenizer the data was made with.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace origami {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Bytes of the tokens, concatenated (may be invalid UTF-8 when a multi-byte character is cut).
+  // An id outside [0, vocab_size()) or with no token is an Error naming it.
+  virtual std::string decode(std::span<const int32_t> ids) const = 0;
+  virtual int32_t vocab_size() const = 0;  // one past the largest id
+  virtual int32_t eod() const = 0;         // end-of-document id, appended after each document
+  virtual std::string name() const = 0;    // "byte" or "gpt2", for messages
+  virtual nlohmann::json to_json() const = 0;
+};
+
+// Bytes as tokens. decode(eod) gives the text "<|endoftext|>".
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const int32_t> ids) const override;
+  int32_t vocab_size() const override { return 257; }
+  int32_t eod() const override { return 256; }
+  std::string name() const override { return "byte"; }
+  nlohmann::json to_json() const override;
+};
+
+// GPT-2 pre-tokenization: splits text into the pieces matched, left to right, by
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// implemented by hand over UTF-8 code points (classes in data/unicode_classes.h cover all of
+// Unicode). Bytes that are not valid UTF-8 count, one each, as [^\s\p{L}\p{N}]. The pieces are
+// views into `text` and concatenate to it.
+std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
+
+// GPT-2's reversible byte -> printable code point map (bytes that are printable Latin-1 map to
+// themselves, the rest to U+0100 onwards), as used by byte-level BPE vocabularies.
+const std::array<char32_t, 256>& gpt2_byte_to_unicode();
+
+class Gpt2BpeTokenizer final : public Tokenizer {
+ public:
+  // vocab: token (in byte-level alphabet) -> id; merges in rank order. `source` names where they
+  // came from, for error messages. Errors: a byte symbol or merge result missing from the vocab,
+  // duplicate ids, no "<|endoftext|>" token.
+  Gpt2BpeTokenizer(const std::vector<std::pair<std::string, int32_t>>& vocab,
+                   const std::vector<std::pair<std::string, std::string>>& merges, const std::string& source);
+  // Loads Hugging Face vocab.json + merges.txt (a first line "#version: ..." is skipped).
+  static std::unique_ptr<Gpt2BpeTokenizer> from_files(const std::string& vocab_json_path,
+                                                      const std::string& merges_txt_path);
+
+  // Literal "<|endoftext|>" in the text becomes eod (as Hugging Face does for a special token);
+  // everything else is pre-tokenized and BPE-merged by rank. Thread-safe (the word cache is locked).
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const int32_t> ids) const override;
+  int32_t vocab_size() const override { return int32_t(id_bytes_.size()); }
+  int32_t eod() const override { return eod_; }
+  std::string name() const override { return "gpt2"; }
+  nlohmann::json to_json() const override;
+  int64_t num_merges() const { return int64_t(merge_list_.size()); }
+
+ private:
+  struct Merge {
+    int32_t rank, id;
+  };
+  struct StringHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;  // no cache
+  void encode_text(std::string_view text, std::vector<int32_t>& out) const;    // pre-tokenize + cache
+
+  std::vector<std::pair<std::string, int32_t>> vocab_;              // as given, for to_json
+  std::vector<std::pair<std::string, std::string>> merge_list_;     // as given, for to_json
+  std::vector<std::string> id_bytes_;                               // id -> decoded bytes
+  std::vector<bool> id_valid_;                                      // ids that have a token
+  std::array<int32_t, 256> byte_id_{};                              // byte -> id of its symbol
+  std::unordered_map<uint64_t, Merge> merges_;                      // (left id << 32 | right id)
+  int32_t eod_ = -1;
+  // Encoded pieces, keyed by their bytes. Cleared when it grows past kMaxCache entries.
+  static constexpr size_t kMaxCache = 1 << 20;
+  mutable std::mutex cache_mutex_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> cache_;
+};
+
+// Builds a tokenizer from its JSON form; `source` names it in error messages.
+std::unique_ptr<Tokenizer> tokenizer_from_json(const nlohmann::json& j,
+                                               const std::string& source = "tokenizer JSON");
+std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path);
+void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic
+
+}  // namespace origami
