@@ -1,5 +1,69 @@
+// origami dump: logits, losses and every parameter gradient of one micro-batch, written as
+// safetensors — what independent implementations (tests/reference/) compare against.
+#include <filesystem>
+
+#include "ckpt/checkpoint.h"
+#include "ckpt/safetensors.h"
 #include "commands.h"
+#include "core/args.h"
 #include "core/error.h"
+#include "data/indexed_dataset.h"
+#include "data/sampler.h"
+#include "kernels/cpu/gemm.h"
+#include "model/model.h"
+
 namespace origami {
-int cmd_dump(int, char**) { fail("'dump' is being built"); }  // TEMPORARY scaffold, replaced before landing
+
+int cmd_dump(int argc, char** argv) {
+  Args a("dump",
+         "Run forward and backward on one micro-batch and write logits [B,T,V], loss, lm_loss,\n"
+         "aux_loss, z_loss and grad.<name> for every parameter (F32 safetensors). Rows are the\n"
+         "training windows s*B .. s*B+B-1 for --step s, as 'origami train' reads them.");
+  a.option("config", "FILE", "model config.json")
+      .option("init-from", "PATH", "weights: .safetensors file or checkpoint directory (default: init from --seed)")
+      .option("data", "PREFIX", "dataset prefix")
+      .option("micro-batch", "B", "rows", "2")
+      .option("seq-len", "T", "tokens per row", "16")
+      .option("step", "S", "which batch of B windows", "0")
+      .option("data-order", "sequential|shuffled", "window order", "sequential")
+      .option("seed", "S", "seed for initialisation and shuffling", "1234")
+      .option("threads", "N", "threads (default: all cores)", "0")
+      .option("out", "FILE", "output .safetensors file");
+  if (!a.parse(argc, argv)) return 0;
+  ORIGAMI_CHECK(a.has("out"), "give --out FILE.safetensors");
+  ORIGAMI_CHECK(a.has("data"), "give --data PREFIX");
+  std::string init = a.str("init-from"), config = a.str("config");
+  const bool init_dir = !init.empty() && std::filesystem::is_directory(init);
+  if (config.empty() && init_dir) config = init + "/config.json";
+  ORIGAMI_CHECK(!config.empty(), "give --config config.json");
+  if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
+
+  const ModelConfig cfg = load_model_config(config);
+  const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len"), step = a.integer("step");
+  ORIGAMI_CHECK(B > 0 && T > 0 && step >= 0, "--micro-batch and --seq-len must be positive and --step >= 0");
+  IndexedDataset ds = IndexedDataset::open(a.str("data"));
+  WindowSampler sampler(ds, T, parse_sample_order(a.str("data-order")), uint64_t(a.integer("seed")));
+  std::vector<int32_t> tokens(size_t(B * (T + 1)));
+  for (int64_t r = 0; r < B; ++r) sampler.window(step * B + r, tokens.data() + r * (T + 1));
+
+  Params params(make_param_table(cfg));
+  if (init.empty()) params.init(uint64_t(a.integer("seed")), cfg.num_layers);
+  else load_weights(init_dir ? init + "/model.safetensors" : init, cfg, params);
+  Model model(cfg, params);
+  std::vector<float> logits(size_t(B * T * cfg.vocab_size));
+  params.zero_grad();
+  const Losses l = model.forward_backward(tokens.data(), B, T, 1.f, true, logits.data());
+
+  const float loss = float(l.loss), lm = float(l.lm_loss), aux = float(l.aux_loss), z = float(l.z_loss);
+  std::vector<TensorWrite> out = {{"logits", {B, T, cfg.vocab_size}, logits.data()},
+                                  {"loss", {1}, &loss}, {"lm_loss", {1}, &lm}, {"aux_loss", {1}, &aux}, {"z_loss", {1}, &z}};
+  TensorWrite tok{"tokens", {B, T + 1}, nullptr, "I32", tokens.data()};
+  out.push_back(tok);
+  for (size_t i = 0; i < params.table().size(); ++i)
+    out.push_back({"grad." + params.table()[i].name, params.table()[i].shape, params.grad() + params.offset(i)});
+  write_safetensors(a.str("out"), out);
+  std::printf("loss %.6f (lm %.6f aux %.6f z %.6f) -> %s\n", l.loss, l.lm_loss, l.aux_loss, l.z_loss, a.str("out").c_str());
+  return 0;
 }
+
+}  // namespace origami

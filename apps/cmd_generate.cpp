@@ -1,5 +1,76 @@
+// origami generate: sample text from a checkpoint directory.
+#include <cmath>
+#include <cstdio>
+
+#include "ckpt/checkpoint.h"
 #include "commands.h"
+#include "core/args.h"
 #include "core/error.h"
+#include "core/rng.h"
+#include "data/tokenizer.h"
+#include "kernels/cpu/gemm.h"
+#include "model/model.h"
+#include "train/sampling.h"
+
 namespace origami {
-int cmd_generate(int, char**) { fail("'generate' is being built"); }  // TEMPORARY scaffold, replaced before landing
+
+int cmd_generate(int argc, char** argv) {
+  Args a("generate",
+         "Sample a continuation of --prompt from a checkpoint written by 'origami train --save'\n"
+         "(its tokenizer.json decodes the text).");
+  a.option("checkpoint", "DIR", "checkpoint directory")
+      .option("prompt", "TEXT", "text to continue", "")
+      .option("max-new-tokens", "N", "tokens to sample", "200")
+      .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
+      .option("top-k", "K", "sample among the K most likely tokens (0: all)", "40")
+      .option("seed", "S", "sampling seed", "1")
+      .option("threads", "N", "threads (default: all cores)", "0")
+      .flag("stop-at-eod", "stop at the end-of-document token");
+  if (!a.parse(argc, argv)) return 0;
+  ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
+  const std::string dir = a.str("checkpoint");
+  const int64_t max_new = a.integer("max-new-tokens"), top_k = a.integer("top-k");
+  const double temperature = a.number("temperature");
+  ORIGAMI_CHECK(max_new >= 0, "--max-new-tokens must not be negative, got ", max_new);
+  ORIGAMI_CHECK(temperature >= 0, "--temperature must not be negative, got ", temperature);
+  ORIGAMI_CHECK(top_k >= 0, "--top-k must not be negative, got ", top_k);
+  if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
+
+  const ModelConfig cfg = load_model_config(dir + "/config.json");
+  auto tok = load_tokenizer_file(dir + "/tokenizer.json");
+  Params params(make_param_table(cfg));
+  load_weights(dir + "/model.safetensors", cfg, params);
+  Model model(cfg, params);
+
+  std::vector<int32_t> ids = tok->encode(a.str("prompt"));
+  if (ids.empty()) ids.push_back(tok->eod());  // an empty prompt starts a new document
+  const size_t prompt_len = ids.size();
+  std::fputs(a.str("prompt").c_str(), stdout);
+  std::fflush(stdout);
+  const uint64_t seed = uint64_t(a.integer("seed"));
+  std::vector<float> logits;
+  std::vector<int32_t> window;
+  size_t printed = prompt_len;
+  for (int64_t i = 0; i < max_new; ++i) {
+    // The last max_positions tokens, plus one unused target slot.
+    const size_t T = std::min<size_t>(ids.size(), size_t(cfg.max_positions));
+    window.assign(ids.end() - std::ptrdiff_t(T), ids.end());
+    window.push_back(0);
+    logits.resize(T * size_t(cfg.vocab_size));
+    model.forward_backward(window.data(), 1, int64_t(T), 1.f, false, logits.data());
+    const float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
+    const int32_t next = sample_token(last, int32_t(std::min<int64_t>(cfg.vocab_size, tok->vocab_size())), temperature,
+                                      int32_t(top_k), uniform01(seed, 0x9e3779b9, uint64_t(i)));
+    if (next == tok->eod() && a.on("stop-at-eod")) break;
+    ids.push_back(next);
+    // Print whole decoded tokens as they come (the decoder handles multi-byte characters at the end).
+    std::string text = tok->decode(std::span<const int32_t>(ids.data() + printed, ids.size() - printed));
+    std::fputs(text.c_str(), stdout);
+    std::fflush(stdout);
+    printed = ids.size();
+  }
+  std::fputs("\n", stdout);
+  return 0;
 }
+
+}  // namespace origami
