@@ -189,7 +189,7 @@ int data_prepare(int argc, char** argv) {
   std::printf("tokenizer: %s, vocab %d, eod %d; tokens stored as %s\n", tokenizer->name().c_str(),
               tokenizer->vocab_size(), tokenizer->eod(), token_dtype_name(dtype));
   std::printf("wrote %s.bin, %s.idx, %s.tokenizer.json\n", prefix.c_str(), prefix.c_str(), prefix.c_str());
-  std::printf("encode: %.2f MB in %.2f s = %.2f MB/s, %.0f tokens/s (total %.2f s)\n", num_bytes / 1e6, encode_s,
+  std::printf("encode: %.2f MB in %.3f s = %.1f MB/s, %.0f tokens/s (total %.2f s)\n", num_bytes / 1e6, encode_s,
               num_bytes / 1e6 / encode_s, writer.num_tokens() / encode_s, total_s);
   return 0;
 }
