@@ -1,0 +1,876 @@
+// Per-op oracle (DESIGN.md, "Correctness: three oracles"): every layer's backward is checked against
+// central finite differences in double precision, and forwards against naive direct formulas.
+//
+// Objective: L = Σ r ⊙ output with a fixed random r (so ∂L/∂output = r), except the LM head
+// (its summed loss) and MoE (Σ r ⊙ out + loss_scale·(aux + z)).
+// Criterion for every compared element: |analytic − numeric| ≤ tol·max(1, |numeric|), tol = 1e-6 for
+// finite differences with h = 1e-6 (central-difference truncation is O(h²) ≈ 1e-12 and rounding
+// ≈ 1e-16·|L|/h ≈ 1e-9 here, so a real bug cannot hide under it).
+// Sizes are deliberately odd: non-power-of-two channels, T = 70 and 130 (not multiples of the
+// attention block of 64, and more than one block), GQA with KV < H, MoE with E = 5, K = 2.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "model/layers/activation.h"
+#include "model/layers/attention.h"
+#include "model/layers/embedding.h"
+#include "model/layers/linear.h"
+#include "model/layers/lm_head.h"
+#include "model/layers/moe.h"
+#include "model/layers/norm.h"
+#include "model/layers/rope.h"
+
+using namespace origami;
+
+namespace {
+
+using Vec = std::vector<double>;
+using LD = long double;
+
+constexpr double kH = 1e-6;      // finite-difference step
+constexpr double kFdTol = 1e-6;  // |a − n| ≤ kFdTol·max(1, |n|)
+
+struct Rng {
+  std::mt19937_64 g;
+  explicit Rng(uint64_t seed) : g(seed) {}
+  double uni(double lo = -1, double hi = 1) { return std::uniform_real_distribution<double>(lo, hi)(g); }
+  double normal(double s = 1) { return std::normal_distribution<double>(0, s)(g); }
+  int64_t integer(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
+  Vec vec(size_t n, double lo = -1, double hi = 1) {
+    Vec v(n);
+    for (auto& x : v) x = uni(lo, hi);
+    return v;
+  }
+};
+
+// Σ r ⊙ y, accumulated in long double so the objective adds no rounding of its own worth mentioning.
+double dot(const Vec& r, const Vec& y) {
+  LD s = 0;
+  for (size_t i = 0; i < r.size(); ++i) s += LD(r[i]) * LD(y[i]);
+  return double(s);
+}
+
+std::vector<size_t> all_indices(size_t n) {
+  std::vector<size_t> v(n);
+  std::iota(v.begin(), v.end(), size_t(0));
+  return v;
+}
+// All indices when n ≤ m, else m distinct random ones (sorted), always including the first and last.
+std::vector<size_t> some_indices(size_t n, size_t m, Rng& rng) {
+  if (n <= m) return all_indices(n);
+  std::vector<size_t> v = all_indices(n);
+  std::shuffle(v.begin() + 1, v.end() - 1, rng.g);
+  v.resize(m - 1);
+  v.push_back(n - 1);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// Compares analytic[i] with the central difference of loss() in p[i], for i in idx.
+void fd_check(const std::string& what, Vec& p, const Vec& analytic, const std::function<double()>& loss,
+              const std::vector<size_t>& idx, double tol = kFdTol, double h = kH) {
+  ASSERT_EQ(p.size(), analytic.size()) << what;
+  double worst = 0;
+  size_t worst_i = 0, fails = 0;
+  for (size_t i : idx) {
+    const double keep = p[i];
+    p[i] = keep + h;
+    const double lp = loss();
+    p[i] = keep - h;
+    const double lm = loss();
+    p[i] = keep;
+    const double num = (lp - lm) / (2 * h);
+    const double err = std::abs(analytic[i] - num) / std::max(1.0, std::abs(num));
+    if (err > worst) worst = err, worst_i = i;
+    if (err > tol && fails++ < 5)
+      ADD_FAILURE() << what << "[" << i << "]: analytic " << analytic[i] << " vs numeric " << num
+                    << " (rel err " << err << ")";
+  }
+  EXPECT_EQ(fails, 0u) << what << ": " << fails << " of " << idx.size() << " elements off";
+  std::printf("  fd %-28s %6zu elems, max rel err %.2e (at %zu)\n", what.c_str(), idx.size(), worst, worst_i);
+}
+
+// Elementwise |a − b| ≤ tol·max(1, |b|).
+void expect_close(const std::string& what, const Vec& a, const Vec& b, double tol) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  double worst = 0;
+  size_t fails = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double err = std::abs(a[i] - b[i]) / std::max(1.0, std::abs(b[i]));
+    worst = std::max(worst, err);
+    if (!(err <= tol) && fails++ < 5)
+      ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs " << b[i] << " (rel err " << err << ")";
+  }
+  EXPECT_EQ(fails, 0u) << what;
+  std::printf("  cmp %-27s %6zu elems, max rel err %.2e\n", what.c_str(), a.size(), worst);
+}
+
+Vec sub(const Vec& a, const Vec& b) {
+  Vec d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+Vec scaled(const Vec& a, double s) {
+  Vec d(a);
+  for (auto& x : d) x *= s;
+  return d;
+}
+std::vector<float> to_f(const Vec& v) { return std::vector<float>(v.begin(), v.end()); }
+Vec to_d(const std::vector<float>& v) { return Vec(v.begin(), v.end()); }
+
+constexpr double kFloatTol = 1e-5;  // float vs double instantiation agreement
+
+}  // namespace
+
+// ───────────────────────────── Linear ─────────────────────────────
+
+class LinearFd : public ::testing::TestWithParam<std::tuple<WeightLayout, bool>> {};
+
+TEST_P(LinearFd, BackwardMatchesFiniteDifferences) {
+  const auto [layout, with_bias] = GetParam();
+  const int64_t N = 7, in = 13, out = 11;
+  Rng rng(11 + int(layout) * 2 + with_bias);
+  Vec x = rng.vec(N * in), w = rng.vec(in * out), b = rng.vec(out), r = rng.vec(N * out);
+  const double* bp = with_bias ? b.data() : nullptr;
+  auto fwd = [&] {
+    Vec y(N * out, 12345.0);  // garbage: forward must overwrite
+    linear_forward(y.data(), x.data(), w.data(), bp, N, in, out, layout);
+    return y;
+  };
+  // Forward vs direct formula.
+  {
+    Vec y = fwd(), ref(N * out);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < out; ++o) {
+        LD s = with_bias ? b[o] : 0;
+        for (int64_t i = 0; i < in; ++i)
+          s += LD(x[n * in + i]) * (layout == WeightLayout::out_in ? w[o * in + i] : w[i * out + o]);
+        ref[n * out + o] = double(s);
+      }
+    expect_close("linear y", y, ref, 1e-13);
+  }
+  auto loss = [&] { return dot(r, fwd()); };
+  // dx overwritten (pre-filled garbage), dw and db accumulated onto pre-filled values.
+  Vec dx(N * in, 777.0), dw0 = rng.vec(in * out), db0 = rng.vec(out), dw = dw0, db = db0;
+  linear_backward(dx.data(), dw.data(), with_bias ? db.data() : nullptr, r.data(), x.data(), w.data(), N, in, out,
+                  layout);
+  fd_check("linear dx", x, dx, loss, all_indices(x.size()));
+  fd_check("linear dw (+=)", w, sub(dw, dw0), loss, all_indices(w.size()));
+  if (with_bias) fd_check("linear db (+=)", b, sub(db, db0), loss, all_indices(b.size()));
+  else EXPECT_EQ(db, db0);
+  // accumulate_dx: dx += on top of the previous result.
+  Vec dx2 = dx;
+  linear_backward(dx2.data(), (double*)nullptr, (double*)nullptr, r.data(), x.data(), w.data(), N, in, out, layout,
+                  true);
+  expect_close("linear dx accumulate", dx2, scaled(dx, 2), 1e-14);
+  // Float instantiation agrees.
+  {
+    auto xf = to_f(x), wf = to_f(w), bf = to_f(b), rf = to_f(r);
+    std::vector<float> yf(N * out), dxf(N * in), dwf(in * out, 0.f), dbf(out, 0.f);
+    linear_forward(yf.data(), xf.data(), wf.data(), with_bias ? bf.data() : nullptr, N, in, out, layout);
+    linear_backward(dxf.data(), dwf.data(), with_bias ? dbf.data() : nullptr, rf.data(), xf.data(), wf.data(), N, in,
+                    out, layout);
+    expect_close("linear y float", to_d(yf), fwd(), kFloatTol);
+    expect_close("linear dx float", to_d(dxf), dx, kFloatTol);
+    expect_close("linear dw float", to_d(dwf), sub(dw, dw0), kFloatTol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LinearFd,
+                         ::testing::Combine(::testing::Values(WeightLayout::out_in, WeightLayout::in_out),
+                                            ::testing::Bool()));
+
+// ───────────────────────────── Norms ─────────────────────────────
+
+TEST(NormFd, LayerNorm) {
+  const int64_t N = 9, C = 37;
+  const double eps = 1e-5;
+  Rng rng(21);
+  Vec x = rng.vec(N * C, -2, 3), w = rng.vec(C, 0.5, 1.5), b = rng.vec(C), r = rng.vec(N * C);
+  for (int64_t n = 0; n < N; ++n)  // rows with different offsets and scales
+    for (int64_t c = 0; c < C; ++c) x[n * C + c] = x[n * C + c] * (0.3 + 0.4 * n) + n - 3;
+  Vec mean(N), rstd(N);
+  auto fwd = [&] {
+    Vec y(N * C, 999.0);
+    layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, eps);
+    return y;
+  };
+  {
+    Vec y = fwd(), ref(N * C), rm(N), rs(N);
+    for (int64_t n = 0; n < N; ++n) {
+      LD m = 0, v = 0;
+      for (int64_t c = 0; c < C; ++c) m += x[n * C + c];
+      m /= C;
+      for (int64_t c = 0; c < C; ++c) v += (x[n * C + c] - m) * (x[n * C + c] - m);
+      v /= C;
+      const LD s = 1 / std::sqrt(v + eps);
+      for (int64_t c = 0; c < C; ++c) ref[n * C + c] = double((x[n * C + c] - m) * s * w[c] + b[c]);
+      rm[n] = double(m), rs[n] = double(s);
+    }
+    expect_close("layernorm y", y, ref, 1e-13);
+    expect_close("layernorm mean", mean, rm, 1e-14);
+    expect_close("layernorm rstd", rstd, rs, 1e-14);
+  }
+  auto loss = [&] { return dot(r, fwd()); };
+  fwd();
+  Vec dx0 = rng.vec(N * C), dw0 = rng.vec(C), db0 = rng.vec(C), dx = dx0, dw = dw0, db = db0;
+  layernorm_backward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+  fd_check("layernorm dx (+=)", x, sub(dx, dx0), loss, all_indices(x.size()));
+  fd_check("layernorm dw (+=)", w, sub(dw, dw0), loss, all_indices(w.size()));
+  fd_check("layernorm db (+=)", b, sub(db, db0), loss, all_indices(b.size()));
+  {
+    auto xf = to_f(x), wf = to_f(w), bf = to_f(b), rf = to_f(r);
+    std::vector<float> yf(N * C), mf(N), sf(N), dxf(N * C, 0.f), dwf(C, 0.f), dbf(C, 0.f);
+    layernorm_forward(yf.data(), mf.data(), sf.data(), xf.data(), wf.data(), bf.data(), N, C, eps);
+    layernorm_backward(dxf.data(), dwf.data(), dbf.data(), rf.data(), xf.data(), wf.data(), mf.data(), sf.data(), N, C);
+    expect_close("layernorm y float", to_d(yf), fwd(), kFloatTol);
+    expect_close("layernorm dx float", to_d(dxf), sub(dx, dx0), kFloatTol);
+    expect_close("layernorm dw float", to_d(dwf), sub(dw, dw0), kFloatTol);
+    expect_close("layernorm db float", to_d(dbf), sub(db, db0), kFloatTol);
+  }
+}
+
+TEST(NormFd, RMSNorm) {
+  const int64_t N = 9, C = 37;
+  const double eps = 1e-6;
+  Rng rng(22);
+  Vec x = rng.vec(N * C, -2, 3), w = rng.vec(C, 0.5, 1.5), r = rng.vec(N * C);
+  Vec rstd(N);
+  auto fwd = [&] {
+    Vec y(N * C, 999.0);
+    rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, eps);
+    return y;
+  };
+  {
+    Vec y = fwd(), ref(N * C), rs(N);
+    for (int64_t n = 0; n < N; ++n) {
+      LD ss = 0;
+      for (int64_t c = 0; c < C; ++c) ss += LD(x[n * C + c]) * x[n * C + c];
+      const LD s = 1 / std::sqrt(ss / C + eps);
+      for (int64_t c = 0; c < C; ++c) ref[n * C + c] = double(x[n * C + c] * s * w[c]);
+      rs[n] = double(s);
+    }
+    expect_close("rmsnorm y", y, ref, 1e-13);
+    expect_close("rmsnorm rstd", rstd, rs, 1e-14);
+  }
+  auto loss = [&] { return dot(r, fwd()); };
+  fwd();
+  Vec dx0 = rng.vec(N * C), dw0 = rng.vec(C), dx = dx0, dw = dw0;
+  rmsnorm_backward(dx.data(), dw.data(), r.data(), x.data(), w.data(), rstd.data(), N, C);
+  fd_check("rmsnorm dx (+=)", x, sub(dx, dx0), loss, all_indices(x.size()));
+  fd_check("rmsnorm dw (+=)", w, sub(dw, dw0), loss, all_indices(w.size()));
+  {
+    auto xf = to_f(x), wf = to_f(w), rf = to_f(r);
+    std::vector<float> yf(N * C), sf(N), dxf(N * C, 0.f), dwf(C, 0.f);
+    rmsnorm_forward(yf.data(), sf.data(), xf.data(), wf.data(), N, C, eps);
+    rmsnorm_backward(dxf.data(), dwf.data(), rf.data(), xf.data(), wf.data(), sf.data(), N, C);
+    expect_close("rmsnorm y float", to_d(yf), fwd(), kFloatTol);
+    expect_close("rmsnorm dx float", to_d(dxf), sub(dx, dx0), kFloatTol);
+    expect_close("rmsnorm dw float", to_d(dwf), sub(dw, dw0), kFloatTol);
+  }
+}
+
+// ───────────────────────────── Activations ─────────────────────────────
+
+TEST(ActivationFd, GeluTanh) {
+  const int64_t n = 101;
+  Rng rng(31);
+  Vec x = rng.vec(n, -5, 5), r = rng.vec(n);
+  x[0] = 0, x[1] = -1e-3, x[2] = 8;
+  auto fwd = [&] {
+    Vec y(n, 999.0);
+    gelu_forward(y.data(), x.data(), n);
+    return y;
+  };
+  {
+    Vec y = fwd(), ref(n);
+    const LD k = std::sqrt(LD(2) / LD(3.14159265358979323846264338327950288L));
+    for (int64_t i = 0; i < n; ++i) {
+      const LD v = x[i];
+      ref[i] = double(LD(0.5) * v * (1 + std::tanh(k * (v + LD(0.044715) * v * v * v))));
+    }
+    expect_close("gelu y", y, ref, 1e-14);
+  }
+  auto loss = [&] { return dot(r, fwd()); };
+  Vec dx(n, 999.0);
+  gelu_backward(dx.data(), r.data(), x.data(), n);
+  fd_check("gelu dx", x, dx, loss, all_indices(n));
+  {
+    auto xf = to_f(x), rf = to_f(r);
+    std::vector<float> yf(n), dxf(n);
+    gelu_forward(yf.data(), xf.data(), n);
+    gelu_backward(dxf.data(), rf.data(), xf.data(), n);
+    expect_close("gelu y float", to_d(yf), fwd(), kFloatTol);
+    expect_close("gelu dx float", to_d(dxf), dx, kFloatTol);
+  }
+}
+
+TEST(ActivationFd, SwiGLU) {
+  const int64_t N = 7, F = 13;
+  Rng rng(32);
+  Vec gu = rng.vec(N * 2 * F, -4, 4), r = rng.vec(N * F);
+  auto fwd = [&] {
+    Vec h(N * F, 999.0);
+    swiglu_forward(h.data(), gu.data(), N, F);
+    return h;
+  };
+  {
+    Vec h = fwd(), ref(N * F);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < F; ++i) {
+        const LD g = gu[n * 2 * F + i], u = gu[n * 2 * F + F + i];
+        ref[n * F + i] = double(g / (1 + std::exp(-g)) * u);
+      }
+    expect_close("swiglu h", h, ref, 1e-14);
+  }
+  auto loss = [&] { return dot(r, fwd()); };
+  Vec dgu(N * 2 * F, 999.0);
+  swiglu_backward(dgu.data(), r.data(), gu.data(), N, F);
+  fd_check("swiglu dgu", gu, dgu, loss, all_indices(gu.size()));
+  {
+    auto guf = to_f(gu), rf = to_f(r);
+    std::vector<float> hf(N * F), dguf(N * 2 * F);
+    swiglu_forward(hf.data(), guf.data(), N, F);
+    swiglu_backward(dguf.data(), rf.data(), guf.data(), N, F);
+    expect_close("swiglu h float", to_d(hf), fwd(), kFloatTol);
+    expect_close("swiglu dgu float", to_d(dguf), dgu, kFloatTol);
+  }
+}
+
+// ───────────────────────────── Embedding ─────────────────────────────
+
+class EmbeddingFd : public ::testing::TestWithParam<bool> {};
+
+TEST_P(EmbeddingFd, BackwardMatchesFiniteDifferences) {
+  const bool with_wpe = GetParam();
+  const int64_t B = 3, Tn = 11, C = 19, V = 17, stride = Tn + 1;
+  Rng rng(41 + with_wpe);
+  std::vector<int32_t> tokens(B * stride);
+  for (auto& t : tokens) t = int32_t(rng.integer(0, 6));  // few distinct ids: many repeats
+  tokens[5] = int32_t(V - 1);
+  Vec wte = rng.vec(V * C), wpe = rng.vec(Tn * C), r = rng.vec(B * Tn * C);
+  auto fwd = [&] {
+    Vec x(B * Tn * C, 999.0);
+    embedding_forward(x.data(), tokens.data(), stride, wte.data(), with_wpe ? wpe.data() : nullptr, B, Tn, C);
+    return x;
+  };
+  {
+    Vec x = fwd(), ref(B * Tn * C);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Tn; ++t)
+        for (int64_t c = 0; c < C; ++c)
+          ref[(b * Tn + t) * C + c] = wte[tokens[b * stride + t] * C + c] + (with_wpe ? wpe[t * C + c] : 0.0);
+    expect_close("embedding x", x, ref, 0);
+  }
+  auto loss = [&] { return dot(r, fwd()); };
+  Vec dwte0 = rng.vec(V * C), dwpe0 = rng.vec(Tn * C), dwte = dwte0, dwpe = dwpe0;
+  embedding_backward(dwte.data(), with_wpe ? dwpe.data() : nullptr, r.data(), tokens.data(), stride, B, Tn, C);
+  fd_check("embedding dwte (+=)", wte, sub(dwte, dwte0), loss, all_indices(wte.size()));
+  if (with_wpe) fd_check("embedding dwpe (+=)", wpe, sub(dwpe, dwpe0), loss, all_indices(wpe.size()));
+  else EXPECT_EQ(dwpe, dwpe0);
+  {
+    auto wtef = to_f(wte), wpef = to_f(wpe), rf = to_f(r);
+    std::vector<float> xf(B * Tn * C), dwtef(V * C, 0.f), dwpef(Tn * C, 0.f);
+    embedding_forward(xf.data(), tokens.data(), stride, wtef.data(), with_wpe ? wpef.data() : nullptr, B, Tn, C);
+    embedding_backward(dwtef.data(), with_wpe ? dwpef.data() : nullptr, rf.data(), tokens.data(), stride, B, Tn, C);
+    expect_close("embedding x float", to_d(xf), fwd(), kFloatTol);
+    expect_close("embedding dwte float", to_d(dwtef), sub(dwte, dwte0), kFloatTol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Wpe, EmbeddingFd, ::testing::Bool());
+
+// ───────────────────────────── RoPE ─────────────────────────────
+
+class RopeFd : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(RopeFd, ForwardBackwardInverseTransposeAndFd) {
+  const int64_t D = GetParam(), B = 2, Tn = 70, H = 6, KV = 2, S = (H + 2 * KV) * D, half = D / 2;
+  const double theta = 10000;
+  const RopeTable rt(Tn + 3, D, theta);
+  Rng rng(51 + D);
+  Vec x = rng.vec(B * Tn * S), r = rng.vec(B * Tn * S);
+  auto fwd = [&] {
+    Vec y = x;
+    rope_forward(y.data(), rt, B, Tn, H, KV, D);
+    return y;
+  };
+  // Forward vs the Hugging Face formula q·cos + rotate_half(q)·sin; v untouched, position 0 identity.
+  Vec y = fwd();
+  {
+    Vec ref(B * Tn * S);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Tn; ++t)
+        for (int64_t j = 0; j < S; ++j) {
+          const int64_t row = (b * Tn + t) * S, head = j / D, i = j % D;
+          if (head >= H + KV) {
+            ref[row + j] = x[row + j];
+            continue;
+          }
+          const int64_t fi = i % half;
+          const LD inv_freq = std::pow(LD(theta), -LD(2 * fi) / LD(D)), ang = LD(t) * inv_freq;
+          const LD rot = i < half ? -LD(x[row + head * D + i + half]) : LD(x[row + head * D + i - half]);
+          ref[row + j] = double(x[row + j] * std::cos(ang) + rot * std::sin(ang));
+        }
+    expect_close("rope y vs HF formula", y, ref, 1e-13);
+  }
+  // Backward is the exact inverse (rotation) and transposition of the forward.
+  {
+    Vec z = y;
+    rope_backward(z.data(), rt, B, Tn, H, KV, D);
+    expect_close("rope bwd(fwd(x)) = x", z, x, 1e-14);
+    Vec rb = r;
+    rope_backward(rb.data(), rt, B, Tn, H, KV, D);
+    const double lhs = dot(r, y), rhs = dot(rb, x);
+    EXPECT_NEAR(lhs, rhs, 1e-12 * std::max(1.0, std::abs(lhs))) << "<r, R x> vs <Rᵀ r, x>";
+    // FD: ∂(Σ r ⊙ R x)/∂x = Rᵀ r.
+    auto loss = [&] { return dot(r, fwd()); };
+    fd_check("rope dx", x, rb, loss, some_indices(x.size(), 1500, rng));
+    auto xf = to_f(x), rf = to_f(r);
+    rope_forward(xf.data(), rt, B, Tn, H, KV, D);
+    rope_backward(rf.data(), rt, B, Tn, H, KV, D);
+    expect_close("rope y float", to_d(xf), y, kFloatTol);
+    expect_close("rope dx float", to_d(rf), rb, kFloatTol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDim, RopeFd, ::testing::Values(int64_t(8), int64_t(10)));
+
+// ───────────────────────────── Attention ─────────────────────────────
+
+struct AttnCase {
+  int64_t B, T, H, KV, D;
+  size_t fd_elems;  // random subset size of qkv for finite differences (all when larger than qkv)
+  double amp = 1.5;  // qkv uniform in ±amp; large amp gives scores beyond float's exp range (> 88)
+  double float_tol = kFloatTol;
+};
+
+class AttentionFd : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(AttentionFd, ForwardVsNaiveAndBackwardFd) {
+  const auto [B, Tn, H, KV, D, fd_elems, amp, float_tol] = GetParam();
+  const int64_t S = (H + 2 * KV) * D, HD = H * D, group = H / KV;
+  Rng rng(61 + Tn * 7 + D + uint64_t(amp));
+  Vec qkv = rng.vec(B * Tn * S, -amp, amp), r = rng.vec(B * Tn * HD);
+  for (auto& v : qkv) v = double(float(v));  // the float run below sees exactly the same inputs
+  Vec out(B * Tn * HD), lse(B * H * Tn);
+  auto fwd = [&] {
+    std::fill(out.begin(), out.end(), 999.0);
+    std::fill(lse.begin(), lse.end(), 999.0);
+    attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D);
+  };
+  fwd();
+  // Naive T×T causal softmax attention, in long double.
+  {
+    Vec ref_out(B * Tn * HD), ref_lse(B * H * Tn);
+    std::vector<LD> s(Tn);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t g = h / group;
+        for (int64_t i = 0; i < Tn; ++i) {
+          const double* q = qkv.data() + (b * Tn + i) * S + h * D;
+          LD m = -INFINITY;
+          for (int64_t j = 0; j <= i; ++j) {
+            const double* k = qkv.data() + (b * Tn + j) * S + (H + g) * D;
+            LD acc = 0;
+            for (int64_t d = 0; d < D; ++d) acc += LD(q[d]) * k[d];
+            s[j] = acc / std::sqrt(LD(D));
+            m = std::max(m, s[j]);
+          }
+          LD sum = 0;
+          for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - m);
+          ref_lse[(b * H + h) * Tn + i] = double(m + std::log(sum));
+          for (int64_t d = 0; d < D; ++d) {
+            LD o = 0;
+            for (int64_t j = 0; j <= i; ++j)
+              o += std::exp(s[j] - m) / sum * qkv[(b * Tn + j) * S + (H + KV + g) * D + d];
+            ref_out[(b * Tn + i) * HD + h * D + d] = double(o);
+          }
+        }
+      }
+    expect_close("attention out vs naive", out, ref_out, 1e-13);
+    expect_close("attention lse vs naive", lse, ref_lse, 1e-13);
+  }
+  if (amp > 2)
+    EXPECT_GT(*std::max_element(lse.begin(), lse.end()), 100.0) << "test does not reach large scores";
+  auto loss = [&] {
+    fwd();
+    return dot(r, out);
+  };
+  fwd();
+  Vec dqkv(B * Tn * S, 999.0);  // garbage: backward overwrites
+  attention_backward(dqkv.data(), r.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D);
+  fd_check("attention dqkv", qkv, dqkv, loss, some_indices(qkv.size(), fd_elems, rng));
+  // Every k and v element of the last position only influences rows ≥ that position: check the
+  // final token's k/v gradient and the first token's q gradient explicitly (block edges).
+  {
+    std::vector<size_t> edge;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t : {int64_t(0), std::min<int64_t>(63, Tn - 1), std::min<int64_t>(64, Tn - 1), Tn - 1})
+        for (int64_t j = 0; j < S; j += std::max<int64_t>(1, D / 3)) edge.push_back(size_t((b * Tn + t) * S + j));
+    std::sort(edge.begin(), edge.end());
+    edge.erase(std::unique(edge.begin(), edge.end()), edge.end());
+    fd_check("attention dqkv block edges", qkv, dqkv, loss, edge);
+  }
+  // Float instantiation agrees.
+  {
+    fwd();
+    auto qf = to_f(qkv), rf = to_f(r);
+    std::vector<float> of(B * Tn * HD), lf(B * H * Tn), dqf(B * Tn * S);
+    attention_forward(of.data(), lf.data(), qf.data(), B, Tn, H, KV, D);
+    attention_backward(dqf.data(), rf.data(), qf.data(), of.data(), lf.data(), B, Tn, H, KV, D);
+    expect_close("attention out float", to_d(of), out, float_tol);
+    expect_close("attention lse float", to_d(lf), lse, float_tol);
+    expect_close("attention dqkv float", to_d(dqf), dqkv, float_tol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionFd,
+                         ::testing::Values(AttnCase{1, 5, 2, 1, 4, 100000},    // tiny: every element
+                                           AttnCase{2, 70, 6, 2, 8, 700},     // two blocks, GQA 3:1
+                                           AttnCase{1, 130, 6, 2, 10, 500},    // three blocks, D = 10
+                                           AttnCase{1, 64, 3, 3, 8, 400},      // exactly one block, MHA
+                                           AttnCase{1, 129, 4, 1, 8, 600},     // MQA, one-row last block
+                                           // Scores up to ~±200: the online softmax must not overflow
+                                           // (float exp overflows past 88). Float rounding of such
+                                           // scores (~1e-5 absolute) bounds float agreement to ~1e-4.
+                                           AttnCase{1, 70, 2, 1, 8, 400, 12.0, 2e-4}));
+
+// ───────────────────────────── LM head ─────────────────────────────
+
+TEST(LmHeadFd, FusedCrossEntropy) {
+  const int64_t N = 9, C = 13, V = 23;
+  const double grad_scale = 0.37;
+  Rng rng(71);
+  Vec x = rng.vec(N * C, -2, 2), w = rng.vec(V * C, -1, 1);
+  std::vector<int32_t> tgt(N);
+  for (auto& t : tgt) t = int32_t(rng.integer(0, V - 1));
+  tgt[0] = 0, tgt[1] = int32_t(V - 1);
+  std::vector<double> scratch;
+  auto loss = [&] {
+    return lm_head_loss<double>(nullptr, nullptr, nullptr, x.data(), w.data(), tgt.data(), N, C, V, 1.0, scratch);
+  };
+  // Loss and logits vs direct formula.
+  Vec logits(N * V, 999.0), dx(N * C, 999.0), dw0 = rng.vec(V * C), dw = dw0;
+  const double L = lm_head_loss<double>(dx.data(), dw.data(), logits.data(), x.data(), w.data(), tgt.data(), N, C, V,
+                                        grad_scale, scratch);
+  {
+    Vec ref(N * V);
+    LD ref_loss = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      LD m = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        LD s = 0;
+        for (int64_t c = 0; c < C; ++c) s += LD(x[n * C + c]) * w[v * C + c];
+        ref[n * V + v] = double(s);
+        m = std::max(m, s);
+      }
+      LD sum = 0;
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(LD(ref[n * V + v]) - m);
+      ref_loss += m + std::log(sum) - ref[n * V + tgt[n]];
+    }
+    expect_close("lm_head logits", logits, ref, 1e-13);
+    EXPECT_NEAR(L, double(ref_loss), 1e-13 * double(ref_loss));
+    EXPECT_NEAR(loss(), L, 1e-13 * L) << "loss without backward";
+  }
+  // dx = grad_scale·∂L/∂x (overwritten); dW += grad_scale·∂L/∂W.
+  fd_check("lm_head dx", x, scaled(dx, 1 / grad_scale), loss, all_indices(x.size()));
+  fd_check("lm_head dw (+=)", w, scaled(sub(dw, dw0), 1 / grad_scale), loss, all_indices(w.size()));
+  {
+    auto xf = to_f(x), wf = to_f(w);
+    std::vector<float> dxf(N * C), dwf(V * C, 0.f), sf;
+    const double Lf = lm_head_loss<float>(dxf.data(), dwf.data(), nullptr, xf.data(), wf.data(), tgt.data(), N, C, V,
+                                          float(grad_scale), sf);
+    EXPECT_NEAR(Lf, L, kFloatTol * L);
+    expect_close("lm_head dx float", to_d(dxf), dx, kFloatTol);
+    expect_close("lm_head dw float", to_d(dwf), sub(dw, dw0), kFloatTol);
+  }
+}
+
+// Logits far outside float's exp range (|logit| up to ~300): the fused softmax must stay finite.
+TEST(LmHeadFd, LargeLogitsStayFinite) {
+  const int64_t N = 6, C = 11, V = 19;
+  Rng rng(73);
+  Vec x = rng.vec(N * C, -30, 30), w = rng.vec(V * C, -2, 2);
+  for (auto& v : x) v = double(float(v));
+  for (auto& v : w) v = double(float(v));
+  std::vector<int32_t> tgt(N);
+  for (auto& t : tgt) t = int32_t(rng.integer(0, V - 1));
+  std::vector<double> scratch;
+  Vec logits(N * V), dx(N * C), dw(V * C, 0.0);
+  const double L = lm_head_loss<double>(dx.data(), dw.data(), logits.data(), x.data(), w.data(), tgt.data(), N, C, V,
+                                        1.0, scratch);
+  EXPECT_GT(*std::max_element(logits.begin(), logits.end()), 100.0) << "test does not reach large logits";
+  LD ref = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const double m = *std::max_element(logits.begin() + n * V, logits.begin() + (n + 1) * V);
+    LD sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(LD(logits[n * V + v]) - m);
+    ref += m + std::log(sum) - logits[n * V + tgt[n]];
+  }
+  EXPECT_NEAR(L, double(ref), 1e-12 * std::max(1.0, double(ref)));
+  auto loss = [&] {
+    return lm_head_loss<double>(nullptr, nullptr, nullptr, x.data(), w.data(), tgt.data(), N, C, V, 1.0, scratch);
+  };
+  fd_check("lm_head large dx", x, dx, loss, all_indices(x.size()));
+  fd_check("lm_head large dw", w, dw, loss, all_indices(w.size()));
+  auto xf = to_f(x), wf = to_f(w);
+  std::vector<float> dxf(N * C), dwf(V * C, 0.f), sf;
+  const double Lf = lm_head_loss<float>(dxf.data(), dwf.data(), nullptr, xf.data(), wf.data(), tgt.data(), N, C, V,
+                                        1.f, sf);
+  ASSERT_TRUE(std::isfinite(Lf));
+  EXPECT_NEAR(Lf, L, 1e-4 * std::max(1.0, L));  // logit rounding in float is ~1e-5 absolute here
+  for (float v : dxf) ASSERT_TRUE(std::isfinite(v));
+  expect_close("lm_head large dx float", to_d(dxf), dx, 1e-4);
+}
+
+// The head processes rows in chunks of ⌊8M / V⌋; with a large vocabulary the chunking is exercised.
+TEST(LmHeadFd, ChunkedRowsMatchSingleRowCalls) {
+  const int64_t N = 10, C = 3, V = (int64_t(1) << 20) + 1;  // chunk = 7 rows: two chunks, 7 + 3
+  Rng rng(72);
+  Vec x = rng.vec(N * C, -2, 2), w = rng.vec(V * C, -1, 1);
+  std::vector<int32_t> tgt(N);
+  for (auto& t : tgt) t = int32_t(rng.integer(0, V - 1));
+  std::vector<double> scratch;
+  Vec dx(N * C, 999.0), dw(V * C, 0.0);
+  const double L = lm_head_loss<double>(dx.data(), dw.data(), nullptr, x.data(), w.data(), tgt.data(), N, C, V, 1.0,
+                                        scratch);
+  // Row by row (one chunk each), accumulating dW.
+  Vec dx1(N * C), dw1(V * C, 0.0);
+  double L1 = 0;
+  for (int64_t n = 0; n < N; ++n)
+    L1 += lm_head_loss<double>(dx1.data() + n * C, dw1.data(), nullptr, x.data() + n * C, w.data(), tgt.data() + n, 1,
+                               C, V, 1.0, scratch);
+  EXPECT_NEAR(L, L1, 1e-12 * L);
+  expect_close("lm_head chunked dx", dx, dx1, 1e-12);
+  expect_close("lm_head chunked dw", dw, dw1, 1e-12);
+  // A few finite differences in x.
+  auto loss = [&] {
+    return lm_head_loss<double>(nullptr, nullptr, nullptr, x.data(), w.data(), tgt.data(), N, C, V, 1.0, scratch);
+  };
+  fd_check("lm_head chunked dx", x, dx, loss, {0, 5, 20, 22, 29});
+}
+
+// ───────────────────────────── MoE ─────────────────────────────
+
+namespace {
+
+struct MoeProblem {
+  MoeSizes s;
+  Vec x, gate, experts;
+};
+
+// Naive dense MoE forward, in long double: routing by sorting, every expert evaluated directly.
+struct MoeNaive {
+  Vec out, probs, lse;
+  std::vector<int32_t> chosen;
+  Vec weight;
+  std::vector<int64_t> count;
+  double aux = 0, z = 0;
+};
+
+MoeNaive moe_naive(const MoeProblem& p, double aux_coef, double z_coef) {
+  const auto [N, C, F, E, K] = p.s;
+  MoeNaive r;
+  r.out.assign(N * C, 0), r.probs.assign(N * E, 0), r.lse.assign(N, 0), r.chosen.assign(N * K, -1);
+  r.weight.assign(N * K, 0), r.count.assign(E, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    std::vector<LD> lg(E), pr(E);
+    LD m = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) {
+      LD s = 0;
+      for (int64_t c = 0; c < C; ++c) s += LD(p.x[n * C + c]) * p.gate[e * C + c];
+      lg[e] = s, m = std::max(m, s);
+    }
+    LD sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(lg[e] - m);
+    r.lse[n] = double(m + std::log(sum));
+    for (int64_t e = 0; e < E; ++e) pr[e] = std::exp(lg[e] - m) / sum, r.probs[n * E + e] = double(pr[e]);
+    std::vector<int32_t> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pr[a] > pr[b]; });
+    LD psum = 0;
+    for (int64_t k = 0; k < K; ++k) psum += pr[order[k]];
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = order[k];
+      r.chosen[n * K + k] = e, r.count[e]++;
+      const LD wk = pr[e] / psum;
+      r.weight[n * K + k] = double(wk);
+      const double* w1 = p.experts.data() + e * 3 * F * C;
+      const double *w3 = w1 + F * C, *w2 = w1 + 2 * F * C;
+      std::vector<LD> act(F);
+      for (int64_t f = 0; f < F; ++f) {
+        LD g = 0, u = 0;
+        for (int64_t c = 0; c < C; ++c) g += LD(w1[f * C + c]) * p.x[n * C + c], u += LD(w3[f * C + c]) * p.x[n * C + c];
+        act[f] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        LD y = 0;
+        for (int64_t f = 0; f < F; ++f) y += LD(w2[c * F + f]) * act[f];
+        r.out[n * C + c] += double(wk * y);
+      }
+    }
+  }
+  LD aux = 0, z = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    LD P = 0;
+    for (int64_t n = 0; n < N; ++n) P += r.probs[n * E + e];
+    aux += LD(r.count[e]) / LD(N * K) * P / LD(N);
+  }
+  for (int64_t n = 0; n < N; ++n) z += LD(r.lse[n]) * r.lse[n];
+  r.aux = double(aux_coef * E * aux), r.z = double(z_coef * z / N);
+  return r;
+}
+
+// Smallest gap, over tokens, between the K-th and (K+1)-th largest router logit.
+double min_topk_margin(const MoeProblem& p) {
+  const auto [N, C, F, E, K] = p.s;
+  double worst = INFINITY;
+  for (int64_t n = 0; n < N; ++n) {
+    Vec lg(E);
+    for (int64_t e = 0; e < E; ++e) {
+      LD s = 0;
+      for (int64_t c = 0; c < C; ++c) s += LD(p.x[n * C + c]) * p.gate[e * C + c];
+      lg[e] = double(s);
+    }
+    std::sort(lg.begin(), lg.end(), std::greater<>());
+    worst = std::min(worst, lg[K - 1] - lg[K]);
+  }
+  return worst;
+}
+
+// Random problem whose top-K selection is robust: K-th / (K+1)-th router logit gap ≥ 0.05 for every
+// token (a perturbation of h = 1e-6 moves a logit by ≲ 1e-5). With starve_last, expert E−1 gets no token.
+MoeProblem moe_problem(MoeSizes s, uint64_t seed, bool starve_last) {
+  Rng rng(seed);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    MoeProblem p{s, rng.vec(s.N * s.C, -1, 1), rng.vec(s.E * s.C, -1, 1), rng.vec(s.E * 3 * s.F * s.C, -0.6, 0.6)};
+    if (starve_last) {
+      for (int64_t n = 0; n < s.N; ++n) p.x[n * s.C] = rng.uni(1, 2);
+      p.gate[(s.E - 1) * s.C] = -8;
+    }
+    if (min_topk_margin(p) >= 0.05) return p;
+  }
+  ADD_FAILURE() << "no well-separated MoE problem found";
+  return {};
+}
+
+}  // namespace
+
+struct MoeCase {
+  MoeSizes s;
+  bool starve_last;
+  double loss_scale;
+};
+
+class MoeFd : public ::testing::TestWithParam<MoeCase> {};
+
+TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
+  const auto [s, starve_last, loss_scale] = GetParam();
+  const auto [N, C, F, E, K] = s;
+  const double aux_coef = 0.3, z_coef = 0.05;  // large enough that router-loss gradients matter
+  MoeProblem p = moe_problem(s, 81 + uint64_t(E) + starve_last, starve_last);
+  ASSERT_FALSE(p.x.empty());
+  Rng rng(91);
+  Vec r = rng.vec(N * C);
+
+  MoeCache<double> cache;
+  Vec out(N * C, 999.0);
+  moe_forward(out.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s, aux_coef, z_coef);
+  const std::vector<int32_t> chosen0 = cache.expert_NK;
+
+  // Routing vs naive selection; permutation consistent; forward output and router losses vs dense naive.
+  {
+    const MoeNaive ref = moe_naive(p, aux_coef, z_coef);
+    EXPECT_EQ(cache.expert_NK, ref.chosen) << "top-k selection differs from naive";
+    expect_close("moe probs", cache.probs_NE, ref.probs, 1e-14);
+    expect_close("moe lse", cache.lse_N, ref.lse, 1e-14);
+    expect_close("moe weights", cache.weight_NK, ref.weight, 1e-14);
+    EXPECT_EQ(cache.count_E, ref.count);
+    if (starve_last) EXPECT_EQ(cache.count_E[size_t(E - 1)], 0);
+    ASSERT_EQ(cache.expert_begin.size(), size_t(E + 1));
+    EXPECT_EQ(cache.expert_begin[0], 0);
+    EXPECT_EQ(cache.expert_begin[size_t(E)], N * K);
+    std::vector<int> seen(size_t(N * K), 0);
+    for (int64_t i = 0; i < N * K; ++i) {
+      const int64_t row = cache.row_NK[size_t(i)], e = cache.expert_NK[size_t(i)];
+      ASSERT_GE(row, cache.expert_begin[size_t(e)]);
+      ASSERT_LT(row, cache.expert_begin[size_t(e + 1)]);
+      seen[size_t(row)]++;
+      for (int64_t c = 0; c < C; ++c) EXPECT_EQ(cache.xs_RC[size_t(row * C + c)], p.x[size_t((i / K) * C + c)]);
+    }
+    for (int v : seen) EXPECT_EQ(v, 1) << "row_NK is not a permutation";
+    expect_close("moe out vs naive", out, ref.out, 1e-13);
+    EXPECT_NEAR(cache.aux, ref.aux, 1e-14);
+    EXPECT_NEAR(cache.z, ref.z, 1e-14);
+    EXPECT_GT(cache.aux, 0);
+    EXPECT_GT(cache.z, 0);
+  }
+
+  // L = Σ r ⊙ out + loss_scale·(aux + z); backward gets dout = r and loss_scale.
+  size_t selection_changed = 0;
+  auto loss = [&] {
+    MoeCache<double> c;
+    Vec o(N * C);
+    moe_forward(o.data(), c, p.x.data(), p.gate.data(), p.experts.data(), s, aux_coef, z_coef);
+    if (c.expert_NK != chosen0) ++selection_changed;
+    return dot(r, o) + loss_scale * (c.aux + c.z);
+  };
+  Vec dx(N * C, 999.0), dgate0 = rng.vec(E * C), dexp0 = rng.vec(E * 3 * F * C), dgate = dgate0, dexp = dexp0;
+  moe_backward(dx.data(), dgate.data(), dexp.data(), r.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s,
+               aux_coef, z_coef, loss_scale);
+  fd_check("moe dx", p.x, dx, loss, all_indices(p.x.size()));
+  fd_check("moe dgate (+=)", p.gate, sub(dgate, dgate0), loss, all_indices(p.gate.size()));
+  fd_check("moe dexperts (+=)", p.experts, sub(dexp, dexp0), loss, all_indices(p.experts.size()));
+  EXPECT_EQ(selection_changed, 0u) << "top-k selection changed under perturbation: FD invalid";
+  if (starve_last) {  // the unused expert's weights get no gradient
+    for (int64_t i = (E - 1) * 3 * F * C; i < E * 3 * F * C; ++i) EXPECT_EQ(dexp[size_t(i)], dexp0[size_t(i)]);
+  }
+
+  // Float instantiation agrees.
+  {
+    auto xf = to_f(p.x), gf = to_f(p.gate), ef = to_f(p.experts), rf = to_f(r);
+    MoeCache<float> cf;
+    std::vector<float> of(N * C), dxf(N * C), dgf(E * C, 0.f), def(E * 3 * F * C, 0.f);
+    moe_forward(of.data(), cf, xf.data(), gf.data(), ef.data(), s, aux_coef, z_coef);
+    EXPECT_EQ(cf.expert_NK, cache.expert_NK);
+    moe_backward(dxf.data(), dgf.data(), def.data(), rf.data(), cf, xf.data(), gf.data(), ef.data(), s, aux_coef,
+                 z_coef, float(loss_scale));
+    expect_close("moe out float", to_d(of), out, kFloatTol);
+    EXPECT_NEAR(cf.aux, cache.aux, kFloatTol);
+    EXPECT_NEAR(cf.z, cache.z, kFloatTol);
+    expect_close("moe dx float", to_d(dxf), dx, kFloatTol);
+    expect_close("moe dgate float", to_d(dgf), sub(dgate, dgate0), kFloatTol);
+    expect_close("moe dexperts float", to_d(def), sub(dexp, dexp0), kFloatTol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, MoeFd,
+                         ::testing::Values(MoeCase{{11, 9, 7, 5, 2}, false, 0.7},
+                                           MoeCase{{13, 6, 5, 5, 2}, true, 1.0},
+                                           MoeCase{{10, 7, 3, 5, 3}, false, 2.5}));
+
+// Ties in router probability go to the lower expert index (deterministic selection).
+TEST(MoeRouting, TiesPreferLowerIndex) {
+  const MoeSizes s{3, 4, 3, 5, 2};
+  Vec x(s.N * s.C, 0.0), gate(s.E * s.C, 0.0), experts(s.E * 3 * s.F * s.C, 0.1);
+  // Token 0: all logits equal → experts 0, 1. Token 1: experts 2 and 4 tie on top → 2, 4.
+  x[1 * s.C + 0] = 1;
+  gate[2 * s.C + 0] = 2, gate[4 * s.C + 0] = 2, gate[3 * s.C + 0] = 1;
+  // Token 2: expert 3 alone on top, then 1 and 4 tie → 3, 1.
+  x[2 * s.C + 1] = 1;
+  gate[3 * s.C + 1] = 3, gate[1 * s.C + 1] = 1, gate[4 * s.C + 1] = 1;
+  MoeCache<double> c;
+  Vec out(s.N * s.C);
+  moe_forward(out.data(), c, x.data(), gate.data(), experts.data(), s, 0.0, 0.0);
+  EXPECT_EQ(c.expert_NK, (std::vector<int32_t>{0, 1, 2, 4, 3, 1}));
+}
