@@ -3,6 +3,7 @@
 //   origami data prepare --input FILE|DIR --output PREFIX [--tokenizer byte|gpt2|FILE.json]
 //                        [--vocab vocab.json --merges merges.txt] [--split auto|fortune|file|line]
 //   origami data info --data PREFIX
+#include <cmath>
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -204,6 +205,24 @@ int data_info(int argc, char** argv) {
   std::printf("%s: %llu sequences, %llu documents, %llu tokens, dtype %s\n", prefix.c_str(),
               (unsigned long long)ds.num_sequences(), (unsigned long long)ds.num_documents(),
               (unsigned long long)ds.num_tokens(), token_dtype_name(ds.dtype()));
+  // Unigram entropy in nats: the loss of a model that knows only token frequencies, the
+  // baseline a trained model's loss must fall well below.
+  {
+    std::vector<uint64_t> freq;
+    std::vector<int32_t> buf(1 << 16);
+    for (uint64_t first = 0; first < ds.num_tokens(); first += buf.size()) {
+      const uint64_t n = std::min<uint64_t>(buf.size(), ds.num_tokens() - first);
+      ds.read_tokens(first, n, buf.data());
+      for (uint64_t k = 0; k < n; ++k) {
+        if (size_t(buf[k]) >= freq.size()) freq.resize(size_t(buf[k]) + 1, 0);
+        ++freq[size_t(buf[k])];
+      }
+    }
+    double h = 0;
+    for (uint64_t f : freq)
+      if (f) h -= double(f) / double(ds.num_tokens()) * std::log(double(f) / double(ds.num_tokens()));
+    std::printf("unigram entropy: %.4f nats/token (loss of a model that knows only token frequencies)\n", h);
+  }
   std::string tok_path = prefix + ".tokenizer.json";
   if (fs::exists(tok_path)) {
     auto tok = load_tokenizer_file(tok_path);

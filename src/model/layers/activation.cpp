@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/cpu/fast_math.h"
+
 namespace origami {
 
 namespace {
@@ -13,7 +15,7 @@ void gelu_forward(T* y, const T* x, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const T v = x[i];
-    y[i] = T(0.5) * v * (T(1) + std::tanh(T(kGeluScale) * (v + T(0.044715) * v * v * v)));
+    y[i] = T(0.5) * v * (T(1) + tanh_fast(T(kGeluScale) * (v + T(0.044715) * v * v * v)));
   }
 }
 
@@ -23,7 +25,7 @@ void gelu_backward(T* dx, const T* dy, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T v = x[i];
     const T u = T(kGeluScale) * (v + T(0.044715) * v * v * v);
-    const T t = std::tanh(u);
+    const T t = tanh_fast(u);
     const T du = T(kGeluScale) * (T(1) + T(3 * 0.044715) * v * v);
     dx[i] = dy[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
   }
@@ -35,7 +37,7 @@ void swiglu_forward(T* h, const T* gu, int64_t N, int64_t F) {
   for (int64_t r = 0; r < N; ++r) {
     const T *g = gu + r * 2 * F, *u = g + F;
     T* hr = h + r * F;
-    for (int64_t i = 0; i < F; ++i) hr[i] = g[i] / (T(1) + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < F; ++i) hr[i] = g[i] / (T(1) + exp_fast(-g[i])) * u[i];
   }
 }
 
@@ -46,7 +48,7 @@ void swiglu_backward(T* dgu, const T* dh, const T* gu, int64_t N, int64_t F) {
     const T *g = gu + r * 2 * F, *u = g + F, *d = dh + r * F;
     T *dg = dgu + r * 2 * F, *du = dg + F;
     for (int64_t i = 0; i < F; ++i) {
-      const T sig = T(1) / (T(1) + std::exp(-g[i]));
+      const T sig = T(1) / (T(1) + exp_fast(-g[i]));
       du[i] = d[i] * g[i] * sig;
       dg[i] = d[i] * u[i] * sig * (T(1) + g[i] * (T(1) - sig));
     }

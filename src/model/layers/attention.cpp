@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/gemm.h"
 
 namespace origami {
@@ -49,7 +50,7 @@ void attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int6
               const T rescale = std::exp(row_max[r] - m);  // 0 on the first block (−inf)
               T sum = 0;
               for (int64_t k = 0; k < allowed; ++k) {
-                p[k] = std::exp(p[k] - m);
+                p[k] = exp_fast(p[k] - m);
                 sum += p[k];
               }
               std::fill(p + allowed, p + nk, T(0));
@@ -112,7 +113,7 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, cons
               for (int64_t r = 0; r < nq; ++r) {
                 T* p = prob.data() + r * kBlock;
                 const int64_t allowed = std::max<int64_t>(0, std::min(nk, i0 + r - j0 + 1));
-                for (int64_t k = 0; k < allowed; ++k) p[k] = std::exp(p[k] - L[i0 + r]);
+                for (int64_t k = 0; k < allowed; ++k) p[k] = exp_fast(p[k] - L[i0 + r]);
                 std::fill(p + allowed, p + nk, T(0));
               }
               // dV_j += Pᵀ·dO_i ; dP = dO_i·V_jᵀ

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/gemm.h"
 
 namespace origami {
@@ -26,13 +27,13 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, const T* w, const i
       T m = lr[0];
       for (int64_t v = 1; v < V; ++v) m = std::max(m, lr[v]);
       double sum = 0;
-      for (int64_t v = 0; v < V; ++v) sum += double(std::exp(lr[v] - m));
+      for (int64_t v = 0; v < V; ++v) sum += double(exp_fast(lr[v] - m));
       const double lse = double(m) + std::log(sum);
       const int32_t tgt = targets[n0 + r];
       total += lse - double(lr[tgt]);
       if (dx) {  // dlogits in place
         const T lse_t = T(lse);
-        for (int64_t v = 0; v < V; ++v) lr[v] = grad_scale * std::exp(lr[v] - lse_t);
+        for (int64_t v = 0; v < V; ++v) lr[v] = grad_scale * exp_fast(lr[v] - lse_t);
         lr[tgt] -= grad_scale;
       }
     }
