@@ -3,8 +3,10 @@
 # %-separated quotations) with the byte tokenizer, train a small GPT-2 for a few minutes on
 # 2 threads, then sample from the checkpoint. Everything lands under runs/demo/.
 set -euo pipefail
+# Threads that wait sleep instead of spinning: on a shared or busy machine spinning costs up to 2x.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-1200}
+STEPS=${STEPS:-600}
 bash scripts/setup.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 ninja -C build origami
@@ -14,7 +16,7 @@ build/origami data info --data runs/demo/fortunes
 build/origami train --config configs/demo_gpt2.json --data runs/demo/fortunes \
   --steps "$STEPS" --micro-batch 16 --seq-len 128 --lr 2e-3 --min-lr 2e-4 --warmup 100 \
   --lr-schedule cosine --weight-decay 0.1 --grad-clip 1.0 --data-order shuffled --threads 2 \
-  --metrics runs/demo/metrics.jsonl --save runs/demo/checkpoint --save-every 500 --quiet
+  --metrics runs/demo/metrics.jsonl --save runs/demo/checkpoint --save-every 200 --quiet
 for prompt in "Q: What is the meaning of life?
 A:" "The computer"; do
   echo "---- origami generate --prompt \"$prompt\""
