@@ -1,11 +1,13 @@
 // origami generate: sample text from a checkpoint directory.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 
 #include "ckpt/checkpoint.h"
 #include "commands.h"
 #include "core/args.h"
 #include "core/error.h"
+#include "core/io.h"
 #include "core/rng.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/gemm.h"
@@ -41,6 +43,13 @@ int cmd_generate(int argc, char** argv) {
   Params params(make_param_table(cfg));
   load_weights(dir + "/model.safetensors", cfg, params);
   Model model(cfg, params);
+  // Positions beyond the training sequence length were never trained: slide a window of that size.
+  int64_t context = cfg.max_positions;
+  if (std::filesystem::exists(dir + "/trainer_state.json")) {
+    const nlohmann::json st = read_json_file(dir + "/trainer_state.json", "trainer state");
+    if (st.contains("options") && st["options"].contains("seq_len") && st["options"]["seq_len"].is_number_integer())
+      context = std::min<int64_t>(context, st["options"]["seq_len"].get<int64_t>());
+  }
 
   std::vector<int32_t> ids = tok->encode(a.str("prompt"));
   if (ids.empty()) ids.push_back(tok->eod());  // an empty prompt starts a new document
@@ -52,8 +61,8 @@ int cmd_generate(int argc, char** argv) {
   std::vector<int32_t> window;
   size_t printed = prompt_len;
   for (int64_t i = 0; i < max_new; ++i) {
-    // The last max_positions tokens, plus one unused target slot.
-    const size_t T = std::min<size_t>(ids.size(), size_t(cfg.max_positions));
+    // The last `context` tokens, plus one unused target slot.
+    const size_t T = std::min<size_t>(ids.size(), size_t(context));
     window.assign(ids.end() - std::ptrdiff_t(T), ids.end());
     window.push_back(0);
     logits.resize(T * size_t(cfg.vocab_size));
