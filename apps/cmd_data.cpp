@@ -17,7 +17,7 @@
 #include "core/args.h"
 #include "core/error.h"
 #include "core/timer.h"
-#include "data/files.h"
+#include "core/files.h"
 #include "data/indexed_dataset.h"
 #include "data/tokenizer.h"
 

@@ -5,6 +5,7 @@
 
 #include "ckpt/safetensors.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/io.h"
 
 namespace origami {
@@ -79,9 +80,9 @@ void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Param
   auto sq = param_tensors(params, opt.exp_avg_sq().data(), "exp_avg_sq.");
   tensors.insert(tensors.end(), sq.begin(), sq.end());
   write_safetensors(dir + "/optimizer.safetensors", tensors);
-  if (!tokenizer_path.empty()) write_file_atomic(dir + "/tokenizer.json", read_file(tokenizer_path, "tokenizer file"));
+  if (!tokenizer_path.empty()) write_file_atomically(dir + "/tokenizer.json", read_file_bytes(tokenizer_path));
   nlohmann::json js = {{"step", state.step}, {"adam_steps", opt.steps_taken()}, {"options", state.options}};
-  write_file_atomic(dir + "/trainer_state.json", js.dump(2) + "\n");
+  write_file_atomically(dir + "/trainer_state.json", js.dump(2) + "\n");
 }
 
 TrainerState load_optimizer_state(const std::string& dir, const Params& params, AdamW& opt) {

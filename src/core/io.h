@@ -1,4 +1,4 @@
-// Small file helpers with errors that name the file.
+// JSON files and directories, with errors that name the file (whole-file I/O: core/files.h).
 #pragma once
 #include <string>
 
@@ -6,10 +6,8 @@
 
 namespace origami {
 
-std::string read_file(const std::string& path, const std::string& what);
+// Parses a JSON file; `what` names it in errors ("model config", "run config", ...).
 nlohmann::json read_json_file(const std::string& path, const std::string& what);
-// Writes `path + ".tmp"` and renames it, so a crash never leaves a half-written file.
-void write_file_atomic(const std::string& path, const std::string& contents);
 void make_dirs(const std::string& path);
 
 }  // namespace origami

@@ -13,7 +13,7 @@
 #include <utility>
 
 #include "core/error.h"
-#include "data/files.h"
+#include "core/files.h"
 
 namespace origami {
 

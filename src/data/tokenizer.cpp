@@ -6,7 +6,7 @@
 #include <unordered_set>
 
 #include "core/error.h"
-#include "data/files.h"
+#include "core/files.h"
 #include "data/unicode_classes.h"
 
 namespace origami {

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/io.h"
 
 namespace origami {
@@ -201,7 +202,7 @@ ModelConfig load_model_config(const std::string& path) {
 }
 
 void save_model_config(const ModelConfig& cfg, const std::string& path) {
-  write_file_atomic(path, cfg.raw.dump(2) + "\n");
+  write_file_atomically(path, cfg.raw.dump(2) + "\n");
 }
 
 }  // namespace origami

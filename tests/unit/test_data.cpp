@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
-#include "data/files.h"
+#include "core/files.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"

@@ -1,4 +1,4 @@
-// Small file helpers shared by the data module: whole-file reads and atomic writes (temp file in the
+// File helpers: whole-file reads and atomic writes (temp file in the
 // same directory, then rename, so a reader never sees a half-written file).
 #pragma once
 #include <string>

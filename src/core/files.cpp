@@ -1,4 +1,4 @@
-#include "data/files.h"
+#include "core/files.h"
 
 #include <cerrno>
 #include <cstdio>
