@@ -605,8 +605,10 @@ def config_path(name):
 
 def rel_err(a, b):
     """max|a-b| / max(max|b|, tiny); b is the reference."""
-    a = torch.as_tensor(a).double().reshape(-1)
-    b = torch.as_tensor(b).double().reshape(-1)
+    def as64(x):  # python floats must not pass through float32
+        return x.detach().double().reshape(-1) if torch.is_tensor(x) else \
+            torch.as_tensor(np.asarray(x, dtype=np.float64)).reshape(-1)
+    a, b = as64(a), as64(b)
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
