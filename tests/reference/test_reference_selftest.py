@@ -125,13 +125,17 @@ def check_fp32_headroom(report, tmp):
         cfg = ref.load_config(ref.config_path(name))
         clipped = unclipped = 0
         for run, args in tt.RUNS.items():
-            p32 = ref.init_params(cfg, seed=11)
+            p32 = ref.init_params(cfg, seed=tt.SEEDS[name])
             p64 = {k: v.double() for k, v in p32.items()}
             m32 = ref.train(cfg, p32, sampler, **args)
             m64 = ref.train(cfg, p64, sampler, **args)
             for f in ("loss", "grad_norm"):
                 e = max(ref.rel_err(a[f], b[f]) for a, b in zip(m32, m64))
                 report.check(f"{name}/{run}: fp32 vs fp64 reference, 10-step {f}", e, 1e-5)
+            gap = min(m["min_topk_gap"] for m in m64)
+            if gap != float("inf"):
+                report.check(f"{name}/{run}: routing decisive, min top-k gap {gap:.1e} > 1e-5",
+                             0.0 if gap > 1e-5 else 1.0, 0.0)
             clipped += sum(m["grad_norm"] > args["grad_clip"] for m in m64)
             unclipped += sum(m["grad_norm"] <= args["grad_clip"] for m in m64)
         report.check(f"{name}: training runs clip in {clipped} steps, not in {unclipped}",

@@ -2,13 +2,13 @@
 
 Two runs per model, both micro-batch 2, global batch 4 (2 accumulation micro-batches),
 seq 16, weight decay 0.1, sequential data order:
-  "cosine": lr 3e-3 -> 3e-4 cosine with warmup 2, grad clip 1.0 (the spec's setting; the
-            gradient norm is 1.3..12 here, so clipping triggers in every step)
-  "constant": lr 3e-3 constant, warmup 0, grad clip 2.0 (norms cross 2.0, so the
-            clipped and the unclipped branch both run)
+  "cosine":   lr 3e-3 -> 3e-4 cosine with warmup 2, grad clip 1.0 (the spec's setting;
+              with this init the gradient norm is 2..8, so clipping triggers every step)
+  "constant": lr 3e-3 constant, warmup 0, grad clip 3.0 (the norm crosses 3.0, so the
+              clipped and the unclipped branch both run)
 The reference runs in float64 from the same float32 weights. Per step: loss, lm_loss,
-aux_loss, z_loss, grad_norm and lr must agree to 1e-4 relative. (lr 1e-2 makes llama
-spike, which amplifies even fp32-vs-fp64 differences of the reference itself to ~3e-4.)
+aux_loss, z_loss, grad_norm and lr must agree to 1e-4 relative (the reference's own
+fp32-vs-fp64 drift in these runs is below 2e-6; test_reference_selftest.py checks that).
 """
 import os
 import sys
@@ -25,7 +25,10 @@ SEQ_LEN = 16
 TRAIN_ARGS = dict(steps=10, micro_batch=2, global_batch=4, lr=3e-3, min_lr=3e-4, warmup=2,
                   schedule="cosine", weight_decay=0.1, grad_clip=1.0)
 RUNS = {"cosine": TRAIN_ARGS,
-        "constant": dict(TRAIN_ARGS, min_lr=3e-3, warmup=0, schedule="constant", grad_clip=2.0)}
+        "constant": dict(TRAIN_ARGS, min_lr=3e-3, warmup=0, schedule="constant", grad_clip=3.0)}
+# init seeds; mixtral's keeps every top-k decision of both runs >= 4e-5 away from a tie
+# (seed 11 came within 6e-7, where fp32 and fp64 could legitimately route differently)
+SEEDS = {"gpt2": 11, "llama": 11, "mixtral": 12}
 FIELDS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr")
 
 
@@ -35,7 +38,7 @@ def check_model(name, run, report, tmp, data):
     cfg_path = ref.config_path(name)
     cfg = ref.load_config(cfg_path)
     init = os.path.join(tmp, f"{name}_init.safetensors")
-    ref.save_params(ref.init_params(cfg, seed=11), init)
+    ref.save_params(ref.init_params(cfg, seed=SEEDS[name]), init)
 
     got = ref.origami_train(cfg_path, init, data, os.path.join(tmp, f"{name}_{run}_m.jsonl"),
                             a["steps"], a["micro_batch"], a["global_batch"], SEQ_LEN, a["lr"],
