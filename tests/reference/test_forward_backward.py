@@ -53,7 +53,12 @@ def compare_dump(tag, cfg, params, sampler, step, dump, report, grads=True, rows
     if got_names != names:
         report.fail(f"{tag}: gradient names",
                     f"missing {sorted(names - got_names)[:6]}, unexpected {sorted(got_names - names)[:6]}")
-    others = set(dump) - got_names - set(SCALARS) - {"logits"}
+    if "tokens" in dump:   # optional extra: the [B, T+1] windows origami read
+        window = torch.cat([inp, tgt[:, -1:]], dim=1)
+        ok = tuple(dump["tokens"].shape) == tuple(window.shape) and \
+            torch.equal(dump["tokens"].long(), window.long())
+        report.check(f"{tag}: tokens (optional) equal the reference's windows", 0.0 if ok else 1.0, 0.0)
+    others = set(dump) - got_names - set(SCALARS) - {"logits", "tokens"}
     if others:
         print(f"  note {tag}: dump also holds {sorted(others)[:6]}")
     worst, worst_name, n = 0.0, "-", 0

@@ -6,7 +6,7 @@ For gpt2, llama and mixtral: `origami train --steps 2 --save DIR`, then
     the reference's logits for DIR/model.safetensors (1e-4);
   - `origami dump --init-from DIR/model.safetensors --config DIR/config.json` logits agree;
   - the saved weights equal the reference's weights after the same 2 steps, measured
-    against the size of the update (5e-4 overall, 2e-3 per tensor; see below why not
+    against the size of the update (1e-3 overall, 5e-3 per tensor; see below why not
     per element), and DIR/config.json keeps the model's shape fields.
 """
 import os
@@ -79,8 +79,9 @@ def check_model(name, report, tmp, data):
     # Weights after 2 steps, compared through the update: ||w_origami - w_ref|| / ||w_ref - w_init||.
     # Per element this cannot be tight: Adam divides by |g|, so fp32 noise on the few
     # near-zero gradient elements moves them by a visible fraction of lr (max-abs errors
-    # ~7e-4 of a tensor's scale for an exact fp32 engine). In norm, fp32 noise is ~4e-5 of
-    # the update while dropping weight decay shows as ~2.5e-3.
+    # ~7e-4 of a tensor's scale for an exact fp32 engine). In norm, fp32 noise is 1e-5..1e-4
+    # of the update (per tensor up to ~7e-4, Mixtral experts) while dropping weight decay
+    # shows as ~2.5e-3 overall and decaying 1-D parameters as >= 8e-3 per tensor.
     # GPT-2's key bias has an exactly-zero gradient (see ref.exact_zero_grad_mask): left out.
     w0 = ref.load_params(cfg, init, torch.float64)
     want = {k: v.clone() for k, v in w0.items()}
@@ -93,16 +94,16 @@ def check_model(name, report, tmp, data):
     num = sum(float(((saved[k] - want[k]) ** 2).sum()) for k in want)
     den = sum(float(((want[k] - w0[k]) ** 2).sum()) for k in want)
     report.check(f"{name}: saved weights vs reference after 2 steps (relative to the update)",
-                 (num / den) ** 0.5, 5e-4)
+                 (num / den) ** 0.5, 1e-3)
     worst, worst_name = 0.0, "-"
     for k in want:
         d = float((want[k] - w0[k]).norm())
         e = float((saved[k] - want[k]).norm()) / max(d, 1e-30)
-        if e > 2e-3:
-            report.check(f"{name}: saved {k} vs reference after 2 steps (relative to its update)", e, 2e-3)
+        if e > 5e-3:
+            report.check(f"{name}: saved {k} vs reference after 2 steps (relative to its update)", e, 5e-3)
         if e >= worst:
             worst, worst_name = e, k
-    report.check(f"{name}: per-tensor update error, worst {worst_name}", worst, 2e-3)
+    report.check(f"{name}: per-tensor update error, worst {worst_name}", worst, 5e-3)
 
 
 def main():
