@@ -1,0 +1,119 @@
+"""origami dump vs the float64 reference: logits, loss parts and every parameter gradient.
+
+For gpt2, llama and mixtral (tests/reference/configs/*_tiny.json): seeded weights are
+saved with safetensors, a byte-tokenized text is prepared with `origami data prepare`,
+and `origami dump` evaluates micro-batch 0 (B=2, T=16) and a later micro-batch (B=3..7) whose
+rows wrap around the end of the dataset. Every tensor must agree to 1e-4 relative
+(max|a-b| / max|ref|), and the dump must hold exactly one `grad.<name>` per parameter.
+"""
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import origami_ref as ref  # noqa: E402
+
+torch.set_num_threads(2)
+TOL = 1e-4
+B, T = 2, 16
+SCALARS = ("loss", "lm_loss", "aux_loss", "z_loss")
+
+
+def compare_dump(tag, cfg, params, sampler, step, dump, report, grads=True, rows=B):
+    inp, tgt = sampler.batch(step, rows)
+    want = ref.loss_and_grads(cfg, params, inp, tgt)
+    gap = ref.min_topk_gap(cfg, want["router_logits"])
+    if gap < 1e-5:
+        print(f"  WARNING {tag}: router top-k gap {gap:.1e}: fp32 may route differently")
+
+    def cmp(what, got, ref_t, shape):
+        if got is None:
+            report.fail(f"{tag}: {what}", "missing from dump")
+            return None
+        if got.dtype != torch.float32:
+            report.fail(f"{tag}: {what}", f"dtype {got.dtype}, expected float32")
+        if tuple(got.shape) != tuple(shape):
+            report.fail(f"{tag}: {what}", f"shape {tuple(got.shape)}, expected {tuple(shape)}")
+            return None
+        return ref.rel_err(got, ref_t)
+
+    e = cmp("logits", dump.get("logits"), want["logits"], want["logits"].shape)
+    if e is not None:
+        report.check(f"{tag}: logits", e, TOL)
+    for k in SCALARS:
+        e = cmp(k, dump.get(k), want[k], (1,))
+        if e is not None:
+            report.check(f"{tag}: {k} (origami {float(dump[k]):.8g}, ref {float(want[k]):.8g})", e, TOL)
+    if not grads:
+        return
+    names = set(f"grad.{n}" for n in params)
+    got_names = set(k for k in dump if k.startswith("grad."))
+    if got_names != names:
+        report.fail(f"{tag}: gradient names",
+                    f"missing {sorted(names - got_names)[:6]}, unexpected {sorted(got_names - names)[:6]}")
+    if "tokens" in dump:   # optional extra: the [B, T+1] windows origami read
+        window = torch.cat([inp, tgt[:, -1:]], dim=1)
+        ok = tuple(dump["tokens"].shape) == tuple(window.shape) and \
+            torch.equal(dump["tokens"].long(), window.long())
+        report.check(f"{tag}: tokens (optional) equal the reference's windows", 0.0 if ok else 1.0, 0.0)
+    others = set(dump) - got_names - set(SCALARS) - {"logits", "tokens"}
+    if others:
+        print(f"  note {tag}: dump also holds {sorted(others)[:6]}")
+    worst, worst_name, n = 0.0, "-", 0
+    for name, g in want["grads"].items():
+        e = cmp(f"grad {name}", dump.get(f"grad.{name}"), g, g.shape)
+        if e is None:
+            continue
+        n += 1
+        if e > TOL:
+            report.check(f"{tag}: grad {name}", e, TOL)
+        if e >= worst:
+            worst, worst_name = e, name
+    report.check(f"{tag}: {n}/{len(params)} gradients, worst {worst_name}", worst, TOL)
+
+
+def check_model(name, report, tmp, data):
+    cfg_path = ref.config_path(name)
+    cfg = ref.load_config(cfg_path)
+    init = os.path.join(tmp, f"{name}.safetensors")
+    ref.save_params(ref.init_params(cfg, seed=5), init)
+    params = ref.load_params(cfg, init, torch.float64)
+    sampler = ref.WindowSampler(data, T)
+
+    out = os.path.join(tmp, f"{name}_dump0.safetensors")
+    dump = ref.origami_dump(cfg_path, init, data, B, T, out, step=0)
+    compare_dump(f"{name} step 0", cfg, params, sampler, 0, dump, report)
+
+    # a micro-batch whose rows straddle the end of the data (window index wraps modulo
+    # num_windows inside the batch): needs a micro-batch size that does not divide it
+    nw = sampler.num_windows
+    bw = next(b for b in (3, 4, 5, 6, 7) if nw % b)
+    step = nw // bw
+    out = os.path.join(tmp, f"{name}_dumpw.safetensors")
+    dump = ref.origami_dump(cfg_path, init, data, bw, T, out, step=step)
+    rows = [(step * bw + r) % nw for r in range(bw)]
+    compare_dump(f"{name} B={bw} step {step} (windows {rows} of {nw})", cfg, params, sampler,
+                 step, dump, report, grads=(name == "mixtral"), rows=bw)
+
+
+def main():
+    report = ref.Report("origami dump vs float64 reference (B=2, T=16)")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            text = ref.sample_text(os.path.join(tmp, "text.txt"), 4000)
+            data = ref.origami_prepare_data(text, os.path.join(tmp, "data"))
+        except Exception as e:
+            report.fail("origami data prepare", f"{type(e).__name__}: {e}")
+            return report.finish()
+        for name in ref.MODELS:
+            try:
+                check_model(name, report, tmp, data)
+            except Exception as e:
+                report.fail(name, f"{type(e).__name__}: {e}")
+    return report.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

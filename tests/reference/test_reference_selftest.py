@@ -1,0 +1,160 @@
+"""Self-checks of the oracle's non-model parts (needs no origami):
+  - AdamW (wd on ndim>=2 only) vs torch.optim.AdamW with two parameter groups
+  - global-norm clipping vs torch.nn.utils.clip_grad_norm_
+  - LR schedule values at hand-computed points
+  - Megatron .bin/.idx reader round trip (uint16 and int32) and the window sampler
+  - gradient accumulation: mean of 2 micro-batch gradients of loss == gradient of the mean
+  - tolerance headroom: the reference trained 10 steps in float32 vs float64 agrees to
+    well under the 1e-4 that origami (float32) is held to.
+"""
+import math
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import origami_ref as ref  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def check_adamw(report):
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (5, 3), "b": (3,), "emb": (7, 2)}
+    p0 = {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+             for _ in range(4)]
+    lrs = [1e-3, 3e-3, 2e-3, 5e-4]
+    ours = {k: v.clone() for k, v in p0.items()}
+    opt = ref.AdamW(ours, weight_decay=0.1)
+    theirs = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
+    topt = torch.optim.AdamW([
+        {"params": [theirs["w"], theirs["emb"]], "weight_decay": 0.1},
+        {"params": [theirs["b"]], "weight_decay": 0.0}], lr=1.0, betas=(0.9, 0.95), eps=1e-8)
+    for gr, lr in zip(grads, lrs):
+        opt.step(ours, gr, lr)
+        for grp in topt.param_groups:
+            grp["lr"] = lr
+        for k in theirs:
+            theirs[k].grad = gr[k].clone()
+        topt.step()
+    err = max(ref.rel_err(ours[k], theirs[k].detach()) for k in shapes)
+    report.check("AdamW vs torch.optim.AdamW (4 steps, wd on ndim>=2)", err, 1e-12)
+
+
+def check_clip(report):
+    g = torch.Generator().manual_seed(1)
+    for scale, label in ((10.0, "clipping"), (0.01, "no clipping")):
+        grads = {k: scale * torch.randn(4, 3, generator=g, dtype=torch.float64) for k in "abc"}
+        ps = [torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64)) for _ in "abc"]
+        for p, k in zip(ps, "abc"):
+            p.grad = grads[k].clone()
+        tn = torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        n = ref.clip_grads(grads, 1.0)
+        report.check(f"clip ({label}): norm", ref.rel_err(n, tn), 1e-12)
+        err = max(ref.rel_err(grads[k], p.grad) for p, k in zip(ps, "abc"))
+        report.check(f"clip ({label}): grads", err, 1e-12)
+
+
+def check_lr(report):
+    lr, mn, W, S = 1e-2, 1e-3, 2, 10
+    expect = {0: lr * 1 / 2, 1: lr, 2: lr,
+              6: mn + 0.5 * (lr - mn) * (1 + math.cos(math.pi * 4 / 8)),
+              9: mn + 0.5 * (lr - mn) * (1 + math.cos(math.pi * 7 / 8))}
+    err = max(abs(ref.lr_at(s, lr, mn, W, S, "cosine") - v) / v for s, v in expect.items())
+    report.check("cosine LR schedule", err, 1e-15)
+    err = max(abs(ref.lr_at(s, lr, mn, W, S, "constant") - (lr if s >= W else lr * (s + 1) / W))
+              for s in range(S))
+    report.check("constant LR schedule", err, 1e-15)
+
+
+def check_data(report, tmp):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 257, n) for n in (5, 17, 1, 30)]
+    flat = np.concatenate(seqs)
+    for code in (8, 4):
+        prefix = os.path.join(tmp, f"d{code}")
+        ref.write_indexed_dataset(prefix, seqs, dtype_code=code)
+        back, docs = ref.read_indexed_dataset(prefix)
+        ok = all(np.array_equal(a, b) for a, b in zip(back, seqs)) and len(back) == len(seqs)
+        report.check(f"indexed dataset round trip (dtype code {code})", 0.0 if ok else 1.0, 0.0)
+    T = 8
+    s = ref.WindowSampler(os.path.join(tmp, "d8"), T)
+    nw = (len(flat) - 1) // T
+    ok = s.num_windows == nw
+    inp, tgt = s.batch(3, 2)   # windows 6, 7 -> mod nw
+    for r in range(2):
+        i = (3 * 2 + r) % nw
+        ok &= np.array_equal(inp[r].numpy(), flat[i * T:i * T + T])
+        ok &= np.array_equal(tgt[r].numpy(), flat[i * T + 1:i * T + T + 1])
+    report.check(f"window sampler ({nw} windows, wrap-around)", 0.0 if ok else 1.0, 0.0)
+
+
+def check_accumulation(report):
+    cfg = ref.load_config(ref.config_path("mixtral"))
+    P = ref.init_params(cfg, seed=5, dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    tok = torch.randint(0, 257, (4, 9), generator=g)
+    a = ref.loss_and_grads(cfg, P, tok[:2, :-1], tok[:2, 1:])
+    b = ref.loss_and_grads(cfg, P, tok[2:, :-1], tok[2:, 1:])
+    # finite-difference check of one router weight against the autograd gradient of `loss`
+    k = "model.layers.0.block_sparse_moe.gate.weight"
+    h = 1e-6
+    Pp = dict(P); Pp[k] = P[k].clone(); Pp[k][1, 3] += h
+    Pm = dict(P); Pm[k] = P[k].clone(); Pm[k][1, 3] -= h
+    fd = (ref.losses(cfg, Pp, tok[:2, :-1], tok[:2, 1:])["loss"]
+          - ref.losses(cfg, Pm, tok[:2, :-1], tok[:2, 1:])["loss"]) / (2 * h)
+    err = abs(float(a["grads"][k][1, 3]) - float(fd)) / float(a["grads"][k].abs().max())
+    report.check("mixtral d loss / d router weight: autograd vs finite difference", err, 1e-6)
+    report.check("mixtral micro-batches differ (accumulation is not trivial)",
+                 0.0 if ref.rel_err(a["grads"][k], b["grads"][k]) > 1e-3 else 1.0, 0.0)
+
+
+def check_fp32_headroom(report, tmp):
+    """The reference in float32 vs float64 over the training test's setting: the
+    differences are what an exact float32 engine may legitimately show."""
+    text = ref.sample_text(os.path.join(tmp, "t.txt"), 4000)
+    seqs = [np.frombuffer(open(text, "rb").read(), dtype=np.uint8).astype(np.int64)]
+    ref.write_indexed_dataset(os.path.join(tmp, "t"), seqs)
+    sampler = ref.WindowSampler(os.path.join(tmp, "t"), 16)
+    import test_training as tt
+    for name in ref.MODELS:
+        cfg = ref.load_config(ref.config_path(name))
+        clipped = unclipped = 0
+        for run, args in tt.RUNS.items():
+            p32 = ref.init_params(cfg, seed=tt.SEEDS[name])
+            p64 = {k: v.double() for k, v in p32.items()}
+            m32 = ref.train(cfg, p32, sampler, **args)
+            m64 = ref.train(cfg, p64, sampler, **args)
+            for f in ("loss", "grad_norm"):
+                e = max(ref.rel_err(a[f], b[f]) for a, b in zip(m32, m64))
+                report.check(f"{name}/{run}: fp32 vs fp64 reference, 10-step {f}", e, 1e-5)
+            gap = min(m["min_topk_gap"] for m in m64)
+            if gap != float("inf"):
+                report.check(f"{name}/{run}: routing decisive, min top-k gap {gap:.1e} > 1e-5",
+                             0.0 if gap > 1e-5 else 1.0, 0.0)
+            clipped += sum(m["grad_norm"] > args["grad_clip"] for m in m64)
+            unclipped += sum(m["grad_norm"] <= args["grad_clip"] for m in m64)
+        report.check(f"{name}: training runs clip in {clipped} steps, not in {unclipped}",
+                     0.0 if clipped and unclipped else 1.0, 0.0)
+
+
+def main():
+    report = ref.Report("reference self-test")
+    with tempfile.TemporaryDirectory() as tmp:
+        for fn in (check_adamw, check_clip, check_lr, lambda r: check_data(r, tmp),
+                   check_accumulation, lambda r: check_fp32_headroom(r, tmp)):
+            try:
+                fn(report)
+            except Exception as e:
+                import traceback
+                traceback.print_exc()
+                report.fail(getattr(fn, "__name__", "check"), f"{type(e).__name__}: {e}")
+    return report.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
