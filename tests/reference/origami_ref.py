@@ -21,6 +21,7 @@ import math
 import os
 import struct
 import subprocess
+import tempfile
 from collections import OrderedDict
 
 import numpy as np
@@ -681,3 +682,29 @@ class Report:
         if bad:
             print("FAILED:", ", ".join(r[0] for r in bad[:20]) + (" ..." if len(bad) > 20 else ""))
         return 1 if bad else 0
+
+
+def run_model_checks(title, check, variants=(None,)):
+    """The main() of an engine test: prepares a small byte dataset with origami, then runs
+    check(name, report, tmp, data) — or check(name, variant, report, tmp, data) for each variant —
+    for every model type, turning an exception into a failed check. Returns the exit status."""
+    report = Report(title)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            text = sample_text(os.path.join(tmp, "text.txt"), 4000)
+            data = origami_prepare_data(text, os.path.join(tmp, "data"))
+        except Exception as e:
+            report.fail("origami data prepare", f"{type(e).__name__}: {e}")
+            return report.finish()
+        for name in MODELS:
+            for variant in variants:
+                label = name if variant is None else f"{name}/{variant}"
+                try:
+                    if variant is None:
+                        check(name, report, tmp, data)
+                    else:
+                        check(name, variant, report, tmp, data)
+                except Exception as e:
+                    report.fail(label, f"{type(e).__name__}: {e}")
+    return report.finish()
+

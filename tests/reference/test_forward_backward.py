@@ -8,7 +8,6 @@ rows wrap around the end of the dataset. Every tensor must agree to 1e-4 relativ
 """
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -99,20 +98,7 @@ def check_model(name, report, tmp, data):
 
 
 def main():
-    report = ref.Report("origami dump vs float64 reference (B=2, T=16)")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            text = ref.sample_text(os.path.join(tmp, "text.txt"), 4000)
-            data = ref.origami_prepare_data(text, os.path.join(tmp, "data"))
-        except Exception as e:
-            report.fail("origami data prepare", f"{type(e).__name__}: {e}")
-            return report.finish()
-        for name in ref.MODELS:
-            try:
-                check_model(name, report, tmp, data)
-            except Exception as e:
-                report.fail(name, f"{type(e).__name__}: {e}")
-    return report.finish()
+    return ref.run_model_checks("origami dump vs float64 reference (B=2, T=16)", check_model)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ For gpt2, llama and mixtral: `origami train --steps 2 --save DIR`, then
 """
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -107,20 +106,7 @@ def check_model(name, report, tmp, data):
 
 
 def main():
-    report = ref.Report("origami checkpoints in Hugging Face transformers")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            text = ref.sample_text(os.path.join(tmp, "text.txt"), 4000)
-            data = ref.origami_prepare_data(text, os.path.join(tmp, "data"))
-        except Exception as e:
-            report.fail("origami data prepare", f"{type(e).__name__}: {e}")
-            return report.finish()
-        for name in ref.MODELS:
-            try:
-                check_model(name, report, tmp, data)
-            except Exception as e:
-                report.fail(name, f"{type(e).__name__}: {e}")
-    return report.finish()
+    return ref.run_model_checks("origami checkpoints in Hugging Face transformers", check_model)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ fp32-vs-fp64 drift in these runs is below 2e-6; test_reference_selftest.py check
 """
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -68,21 +67,7 @@ def check_model(name, run, report, tmp, data):
 
 
 def main():
-    report = ref.Report("origami train vs reference (10 steps)")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            text = ref.sample_text(os.path.join(tmp, "text.txt"), 4000)
-            data = ref.origami_prepare_data(text, os.path.join(tmp, "data"))
-        except Exception as e:
-            report.fail("origami data prepare", f"{type(e).__name__}: {e}")
-            return report.finish()
-        for name in ref.MODELS:
-            for run in RUNS:
-                try:
-                    check_model(name, run, report, tmp, data)
-                except Exception as e:
-                    report.fail(f"{name}/{run}", f"{type(e).__name__}: {e}")
-    return report.finish()
+    return ref.run_model_checks("origami train vs reference (10 steps)", check_model, variants=RUNS)
 
 
 if __name__ == "__main__":
