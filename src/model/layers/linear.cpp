@@ -26,11 +26,13 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
     else gemm<T>(true, false, in, out, N, T(1), x, in, dy, out, T(1), dw, out);     // dW[in,out] += xᵀ·dy
   }
   if (db) {
+    // Column sums over rows; a thread owns a block of 64 columns and walks the rows in order
+    // (contiguous reads, a fixed summation order).
 #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; ++o) {
-      T s = 0;
-      for (int64_t n = 0; n < N; ++n) s += dy[n * out + o];
-      db[o] += s;
+    for (int64_t o0 = 0; o0 < out; o0 += 64) {
+      const int64_t o1 = o0 + 64 < out ? o0 + 64 : out;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t o = o0; o < o1; ++o) db[o] += dy[n * out + o];
     }
   }
 }
