@@ -1,7 +1,5 @@
 // origami dump: logits, losses and every parameter gradient of one micro-batch, written as
 // safetensors — what independent implementations (tests/reference/) compare against.
-#include <filesystem>
-
 #include "ckpt/checkpoint.h"
 #include "ckpt/safetensors.h"
 #include "commands.h"
@@ -33,8 +31,7 @@ int cmd_dump(int argc, char** argv) {
   ORIGAMI_CHECK(a.has("out"), "give --out FILE.safetensors");
   ORIGAMI_CHECK(a.has("data"), "give --data PREFIX");
   std::string init = a.str("init-from"), config = a.str("config");
-  const bool init_dir = !init.empty() && std::filesystem::is_directory(init);
-  if (config.empty() && init_dir) config = init + "/config.json";
+  if (config.empty()) config = checkpoint_config(init);
   ORIGAMI_CHECK(!config.empty(), "give --config config.json");
   if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
 
@@ -48,7 +45,7 @@ int cmd_dump(int argc, char** argv) {
 
   Params params(make_param_table(cfg));
   if (init.empty()) params.init(uint64_t(a.integer("seed")), cfg.num_layers);
-  else load_weights(init_dir ? init + "/model.safetensors" : init, cfg, params);
+  else load_weights(weights_file(init), cfg, params);
   Model model(cfg, params);
   std::vector<float> logits(size_t(B * T * cfg.vocab_size));
   params.zero_grad();

@@ -1,6 +1,5 @@
 // origami train: train a model from a Hugging Face config.json on a prepared dataset.
-#include <filesystem>
-
+#include "ckpt/checkpoint.h"
 #include "commands.h"
 #include "core/args.h"
 #include "core/error.h"
@@ -67,8 +66,7 @@ int cmd_train(int argc, char** argv) {
   o.quiet = a.on("quiet");
 
   std::string config = a.str("config");
-  if (config.empty() && !o.init_from.empty() && std::filesystem::is_directory(o.init_from))
-    config = o.init_from + "/config.json";
+  if (config.empty()) config = checkpoint_config(o.init_from);
   ORIGAMI_CHECK(!config.empty(), "no model config: give --config config.json (see --help)");
   return run_training(load_model_config(config), o);
 }

@@ -67,6 +67,18 @@ void load_weights(const std::string& path, const ModelConfig& cfg, Params& param
                   ") is missing");
 }
 
+bool is_checkpoint_dir(const std::string& init_from) {
+  return !init_from.empty() && std::filesystem::is_directory(init_from);
+}
+
+std::string weights_file(const std::string& init_from) {
+  return is_checkpoint_dir(init_from) ? init_from + "/model.safetensors" : init_from;
+}
+
+std::string checkpoint_config(const std::string& init_from) {
+  return is_checkpoint_dir(init_from) ? init_from + "/config.json" : "";
+}
+
 void save_weights(const std::string& path, const Params& params) {
   write_safetensors(path, param_tensors(params, params.data(), ""), {{"format", "pt"}});
 }

@@ -23,6 +23,12 @@ namespace origami {
 // gpt2 names may carry the "transformer." prefix; GPT-2's attention-mask buffers and a tied
 // lm_head.weight are skipped.
 void load_weights(const std::string& path, const ModelConfig& cfg, Params& params);
+
+// --init-from names either a .safetensors file or a checkpoint directory.
+bool is_checkpoint_dir(const std::string& init_from);
+std::string weights_file(const std::string& init_from);  // DIR/model.safetensors, or the file itself
+// DIR/config.json for a checkpoint directory, else "" (a bare weights file carries no config).
+std::string checkpoint_config(const std::string& init_from);
 void save_weights(const std::string& path, const Params& params);
 
 struct TrainerState {

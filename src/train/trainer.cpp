@@ -33,8 +33,6 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
-bool is_dir(const std::string& p) { return std::filesystem::is_directory(p); }
-
 }  // namespace
 
 nlohmann::json TrainOptions::as_json() const {
@@ -88,15 +86,13 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o) {
   int64_t start_step = 0;
   if (o.init_from.empty()) {
     params.init(o.seed, cfg.num_layers);
-  } else if (is_dir(o.init_from)) {
-    load_weights(o.init_from + "/model.safetensors", cfg, params);
-    if (std::filesystem::exists(o.init_from + "/optimizer.safetensors")) {
+  } else {
+    load_weights(weights_file(o.init_from), cfg, params);
+    if (is_checkpoint_dir(o.init_from) && std::filesystem::exists(o.init_from + "/optimizer.safetensors")) {
       start_step = load_optimizer_state(o.init_from, params, opt).step;
       ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", o.init_from, "' is already at step ", start_step,
                     "; ask for more --steps to continue");
     }
-  } else {
-    load_weights(o.init_from, cfg, params);
   }
   Model model(cfg, params);
 
@@ -139,7 +135,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o) {
       Losses l = model.forward_backward(tokens.data(), B, T, 1.f / float(micro), true);
       sum.loss += l.loss / double(micro), sum.lm_loss += l.lm_loss / double(micro);
       sum.aux_loss += l.aux_loss / double(micro), sum.z_loss += l.z_loss / double(micro);
-      const auto& ec = model.expert_counts();
+      const auto ec = model.expert_counts();
       if (counts.empty()) counts = ec;
       else
         for (size_t i = 0; i < ec.size(); ++i)
