@@ -89,7 +89,7 @@ class Reader {
     if (v && !(v->is_string() && v->get<std::string>() == want))
       fail(source_, ": field '", key, "' = ", v->dump(), " is not supported (", why, "); only \"", want, "\" is");
   }
-  void require_null(const std::string& key, const char* why) {
+  void require_false(const std::string& key, const char* why) {
     const nlohmann::json* v = find(key);
     if (v && !(v->is_boolean() && !v->get<bool>()))
       fail(source_, ": field '", key, "' = ", v->dump(), " is not supported (", why, ")");
@@ -123,8 +123,8 @@ void parse_gpt2(Reader& r, ModelConfig& c, const std::string& src) {
     r.require_zero(k, "dropout is not implemented");
   if (!r.boolean("scale_attn_weights", true))
     fail(src, ": field 'scale_attn_weights' = false is not supported");
-  r.require_null("scale_attn_by_inverse_layer_idx", "per-layer attention scaling");
-  r.require_null("reorder_and_upcast_attn", "mixed-precision attention reordering");
+  r.require_false("scale_attn_by_inverse_layer_idx", "per-layer attention scaling");
+  r.require_false("reorder_and_upcast_attn", "mixed-precision attention reordering");
 }
 
 void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
@@ -144,8 +144,8 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
   }
   r.require_value("hidden_act", "silu", "the MLP is SwiGLU");
   r.require_zero("attention_dropout", "dropout is not implemented");
-  r.require_null("attention_bias", "projection biases are not implemented for llama/mixtral");
-  r.require_null("mlp_bias", "projection biases are not implemented for llama/mixtral");
+  r.require_false("attention_bias", "projection biases are not implemented for llama/mixtral");
+  r.require_false("mlp_bias", "projection biases are not implemented for llama/mixtral");
   if (const nlohmann::json* v = r.find("rope_scaling"))
     fail(src, ": field 'rope_scaling' = ", v->dump(), " is not supported (only plain RoPE is); remove it or set it to null");
   if (c.type == ModelType::mixtral) {

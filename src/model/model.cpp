@@ -113,10 +113,13 @@ Model::Model(const ModelConfig& cfg, Params& params) : cfg_(cfg), params_(params
     head_ = cfg.tied_embeddings ? wte_ : need("lm_head.weight");
     rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
   }
-  if (cfg.is_moe()) {
-    moe_.resize(size_t(cfg.num_layers));
-    expert_counts_.assign(size_t(cfg.num_layers), std::vector<int64_t>(size_t(cfg.num_experts), 0));
-  }
+  if (cfg.is_moe()) moe_.resize(size_t(cfg.num_layers));
+}
+
+std::vector<std::vector<int64_t>> Model::expert_counts() const {
+  std::vector<std::vector<int64_t>> counts;
+  for (const MoeCache<float>& mc : moe_) counts.push_back(mc.count_E);
+  return counts;
 }
 
 void Model::ensure_activations(int64_t B, int64_t T) {
@@ -198,7 +201,6 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
       moe_forward(next, mc, ln2, w(o.router), w(o.experts), ms, c.aux_loss_coef, c.z_loss_coef);
       out.aux_loss += mc.aux;
       out.z_loss += mc.z;
-      expert_counts_[size_t(l)] = mc.count_E;
     } else {
       float* ma = a.mlp_a.data() + l * N * (gpt2 ? F : 2 * F);
       float* mb = a.mlp_b.data() + l * N * F;

@@ -39,7 +39,7 @@ class Model {
                           float* logits_BTV = nullptr);
 
   // Tokens routed to each expert per MoE layer in the last call ([L][E]; empty for dense models).
-  const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
+  std::vector<std::vector<int64_t>> expert_counts() const;
   const ModelConfig& config() const { return cfg_; }
 
  private:
@@ -60,7 +60,6 @@ class Model {
   RopeTable rope_;
   std::shared_ptr<Activations> act_;
   std::vector<MoeCache<float>> moe_;
-  std::vector<std::vector<int64_t>> expert_counts_;
   std::vector<float> head_scratch_;
 };
 
