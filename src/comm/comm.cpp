@@ -1,0 +1,82 @@
+#include "comm/comm.h"
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace origami {
+
+int64_t dtype_bytes(DType t) {
+  switch (t) {
+    case DType::f32: case DType::i32: return 4;
+    case DType::f64: case DType::i64: return 8;
+  }
+  return 0;
+}
+
+Request& Request::operator=(Request&& o) noexcept {
+  if (this != &o) {
+    if (impl_) impl_->wait();
+    impl_ = std::move(o.impl_);
+  }
+  return *this;
+}
+
+Request::~Request() {
+  if (impl_) impl_->wait();
+}
+
+bool Request::test() {
+  if (!impl_) return true;
+  if (!impl_->test()) return false;
+  impl_.reset();
+  return true;
+}
+
+void Request::wait() {
+  if (!impl_) return;
+  impl_->wait();
+  impl_.reset();
+}
+
+void Comm::all_to_all(void* out, const void* in, int64_t count, DType t) {
+  std::vector<int64_t> counts(size_t(size()), count);
+  all_to_allv(out, counts.data(), in, counts.data(), t);
+}
+
+namespace {
+
+// One rank: reductions are identities, gathers and scatters are copies, nothing is sent.
+class LocalComm final : public Comm {
+ public:
+  explicit LocalComm(const std::string& name) : Comm(0, 1, name) {}
+  Request iall_reduce(void*, int64_t, DType, ReduceOp) override { return {}; }
+  Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp) override {
+    copy(out, in, count, t);
+    return {};
+  }
+  Request iall_gather(void* out, const void* in, int64_t count, DType t) override {
+    copy(out, in, count, t);
+    return {};
+  }
+  Request isend(const void*, int64_t, DType, int dest, int) override { fail("internal error: send to rank ", dest, " on a one-rank communicator"); }
+  Request irecv(void*, int64_t, DType, int src, int) override { fail("internal error: receive from rank ", src, " on a one-rank communicator"); }
+  void all_to_allv(void* out, const int64_t* recv_counts, const void* in, const int64_t* send_counts, DType t) override {
+    ORIGAMI_ASSERT(recv_counts[0] == send_counts[0]);
+    copy(out, in, send_counts[0], t);
+  }
+  void broadcast(void*, int64_t, DType, int) override {}
+  void barrier() override {}
+  std::unique_ptr<Comm> split(int, int, const std::string& name) override { return std::make_unique<LocalComm>(name); }
+
+ private:
+  static void copy(void* out, const void* in, int64_t count, DType t) {
+    if (out != in) std::memmove(out, in, size_t(count * dtype_bytes(t)));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_local_comm(const std::string& name) { return std::make_unique<LocalComm>(name); }
+
+}  // namespace origami

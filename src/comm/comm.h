@@ -1,0 +1,116 @@
+// The communicator interface: the collectives and point-to-point transfers every parallel
+// feature uses, over one group of ranks. Implementations: MPI (comm/mpi_comm.cpp, CPU clusters)
+// and a one-rank local communicator (no MPI needed); an NCCL one can be added behind the same
+// interface without touching callers.
+//
+// Buffers are typed by DType; counts are elements. Every call adds to bytes_sent() the bytes this
+// rank sends under the bandwidth-optimal (ring / pairwise) algorithm, so reported traffic can be
+// checked exactly against analytic formulas whatever the MPI library does internally:
+//   all_reduce           2·(n−1)/n · S      (S = bytes of the buffer)
+//   reduce_scatter       (n−1)/n · S        (S = bytes of the full input, n·count)
+//   all_gather           (n−1)/n · S        (S = bytes of the full output, n·count)
+//   all_to_all(v)        bytes addressed to the other ranks
+//   broadcast            S at the root, 0 elsewhere
+//   send                 S
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace origami {
+
+enum class DType { f32, f64, i32, i64 };
+enum class ReduceOp { sum, max };
+int64_t dtype_bytes(DType t);
+
+template <typename T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
+template <> constexpr DType dtype_of<int64_t>() { return DType::i64; }
+
+// A pending non-blocking operation. wait() blocks until done; test() makes progress and says
+// whether it is done. Destroying an unfinished request waits for it (buffers must outlive it).
+class Request {
+ public:
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual bool test() = 0;
+    virtual void wait() = 0;
+  };
+  Request() = default;
+  explicit Request(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  Request(Request&&) = default;
+  Request& operator=(Request&& o) noexcept;
+  ~Request();
+  bool test();
+  void wait();
+  bool pending() const { return impl_ != nullptr; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // The mesh axis (or axis group) this communicator spans, e.g. "tp", "dp", "world".
+  const std::string& name() const { return name_; }
+  double bytes_sent() const { return bytes_sent_; }
+  void reset_bytes() { bytes_sent_ = 0; }
+
+  // In place: buf[count] becomes the reduction over all ranks.
+  virtual Request iall_reduce(void* buf, int64_t count, DType t, ReduceOp op) = 0;
+  // in[n·count] (rank-major blocks) → out[count] = reduction of every rank's block `rank()`.
+  virtual Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) = 0;
+  // in[count] → out[n·count], rank r's block at r·count.
+  virtual Request iall_gather(void* out, const void* in, int64_t count, DType t) = 0;
+  virtual Request isend(const void* buf, int64_t count, DType t, int dest, int tag) = 0;
+  virtual Request irecv(void* buf, int64_t count, DType t, int src, int tag) = 0;
+  // in: blocks for rank 0, 1, ... of send_counts[r] elements; out: blocks from each rank of recv_counts[r].
+  virtual void all_to_allv(void* out, const int64_t* recv_counts, const void* in, const int64_t* send_counts,
+                           DType t) = 0;
+  virtual void broadcast(void* buf, int64_t count, DType t, int root) = 0;
+  virtual void barrier() = 0;
+  // Collective over this communicator: ranks with the same color form a new communicator, ordered by key.
+  virtual std::unique_ptr<Comm> split(int color, int key, const std::string& name) = 0;
+
+  // Blocking forms.
+  void all_reduce(void* buf, int64_t count, DType t, ReduceOp op = ReduceOp::sum) { iall_reduce(buf, count, t, op).wait(); }
+  void reduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op = ReduceOp::sum) {
+    ireduce_scatter(out, in, count, t, op).wait();
+  }
+  void all_gather(void* out, const void* in, int64_t count, DType t) { iall_gather(out, in, count, t).wait(); }
+  void all_to_all(void* out, const void* in, int64_t count, DType t);
+  void send(const void* buf, int64_t count, DType t, int dest, int tag) { isend(buf, count, t, dest, tag).wait(); }
+  void recv(void* buf, int64_t count, DType t, int src, int tag) { irecv(buf, count, t, src, tag).wait(); }
+
+  // Typed conveniences.
+  template <typename T> void all_reduce(T* buf, int64_t count, ReduceOp op = ReduceOp::sum) {
+    all_reduce(static_cast<void*>(buf), count, dtype_of<T>(), op);
+  }
+  template <typename T> T all_reduce_value(T v, ReduceOp op = ReduceOp::sum) {
+    all_reduce(&v, 1, op);
+    return v;
+  }
+
+ protected:
+  Comm(int rank, int size, std::string name) : rank_(rank), size_(size), name_(std::move(name)) {}
+  // Byte accounting shared by all implementations (see the table at the top of this file).
+  void count_all_reduce(int64_t count, DType t) { bytes_sent_ += 2.0 * (size_ - 1) / size_ * double(count * dtype_bytes(t)); }
+  void count_scatter_gather(int64_t count, DType t) { bytes_sent_ += double(size_ - 1) * double(count * dtype_bytes(t)); }
+  void count_bytes(double b) { bytes_sent_ += b; }
+
+ private:
+  int rank_, size_;
+  std::string name_;
+  double bytes_sent_ = 0;
+};
+
+// The one-rank communicator: every collective is a copy or nothing. Used when origami runs without mpirun.
+std::unique_ptr<Comm> make_local_comm(const std::string& name = "world");
+
+}  // namespace origami

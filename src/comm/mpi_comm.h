@@ -1,0 +1,31 @@
+// The process's communication runtime: MPI when the process was started by an MPI launcher
+// (mpirun / mpiexec / srun set their rank variables), otherwise one local rank without MPI.
+#pragma once
+#include <memory>
+
+#include "comm/comm.h"
+
+namespace origami {
+
+class CommRuntime {
+ public:
+  // Starts MPI (MPI_THREAD_FUNNELED: only the main thread communicates; OpenMP threads compute).
+  CommRuntime(int* argc, char*** argv);
+  ~CommRuntime();  // MPI_Finalize
+  CommRuntime(const CommRuntime&) = delete;
+  CommRuntime& operator=(const CommRuntime&) = delete;
+
+  Comm& world() { return *world_; }
+  bool distributed() const { return mpi_; }
+  // Ends every rank of the job with `code` (MPI_Abort); used when one rank fails on its own.
+  [[noreturn]] void abort(int code);
+
+ private:
+  bool mpi_ = false;
+  std::unique_ptr<Comm> world_;
+};
+
+// True when an MPI launcher started this process.
+bool launched_by_mpi();
+
+}  // namespace origami
