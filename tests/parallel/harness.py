@@ -1,0 +1,163 @@
+"""Shared helpers of the tests in tests/parallel/ (and bench/parallel_bench.py): the environment
+for oversubscribed mpirun runs, a small byte-level dataset, the test model configs, running
+`origami train` under a layout, reading metrics and safetensors files (numpy only).
+
+Every run gets OMP_WAIT_POLICY=passive and --threads 1 per rank: on a 2-core machine shared by
+up to 8 ranks, spin-waiting OpenMP threads collapse throughput.
+"""
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.environ.get("ORIGAMI_ROOT", os.path.dirname(os.path.dirname(HERE)))
+BIN = os.environ.get("ORIGAMI_BIN", os.path.join(ROOT, "build", "origami"))
+CONFIGS = os.path.join(HERE, "configs")
+MPIRUN = shutil.which("mpirun") or "mpirun"
+
+
+def env():
+    e = dict(os.environ)
+    e.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_WAIT_POLICY": "passive",
+              "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+              # Open MPI: no warnings about missing high-speed transports in a container.
+              "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+              # oversubscribed ranks yield the core while they wait in MPI
+              "OMPI_MCA_mpi_yield_when_idle": "1"})
+    return e
+
+
+def command(np_, args, binary=None):
+    """The command line of `origami ARGS` on np_ ranks; np_ == 0 runs the binary without mpirun
+    (the one-rank reference)."""
+    b = [binary or BIN, *args]
+    if np_ == 0:
+        return b
+    return [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np_), *b]
+
+
+def run(np_, args, timeout=300, binary=None):
+    """Runs and returns (returncode, combined output, wall seconds). Never raises on failure."""
+    t0 = time.time()
+    try:
+        p = subprocess.run(command(np_, args, binary), capture_output=True, text=True, timeout=timeout, env=env(),
+                           stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout + p.stderr, time.time() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return None, out + err + "\n[timed out after %ds]" % timeout, time.time() - t0
+
+
+def load_config(name, **changes):
+    with open(os.path.join(CONFIGS, name + ".json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    return cfg
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    return path
+
+
+WORDS = ("the quick brown fox jumps over lazy dog and cat while a bird sings of rivers mountains "
+         "stars code tensor rank gradient loss step parallel data model layer head expert token").split()
+
+
+def prepare_data(tmp, name="corpus", n_docs=120, seed=3):
+    """A byte-level dataset (256 bytes + end-of-document = 257 tokens) of ~40 KB of seeded
+    pseudo-text, made with `origami data prepare`. Returns the prefix."""
+    rng = random.Random(seed)
+    text = os.path.join(tmp, name + ".txt")
+    with open(text, "w") as f:
+        for i in range(n_docs):
+            n = rng.randrange(20, 80)
+            f.write("doc %d: " % i + " ".join(rng.choice(WORDS) for _ in range(n)) + ".\n%\n")
+    prefix = os.path.join(tmp, name)
+    p = subprocess.run([BIN, "data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte"],
+                       capture_output=True, text=True, env=env())
+    if p.returncode != 0:
+        sys.exit("data prepare failed:\n" + p.stdout + p.stderr)
+    return prefix
+
+
+def read_metrics(path):
+    """The JSON objects of a metrics file; a line that is not JSON raises ValueError naming it."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for i, l in enumerate(f):
+            if l.strip():
+                try:
+                    out.append(json.loads(l))
+                except ValueError:
+                    raise ValueError("%s line %d is not JSON: %r" % (path, i + 1, l[:200]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors (the format: u64 little-endian header length, JSON header, raw little-endian data)
+# ----------------------------------------------------------------------------------------------
+
+_DT = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8", "F16": "<f2", "U16": "<u2"}
+
+
+def read_safetensors(path):
+    """{name: numpy array} of a .safetensors file."""
+    import numpy as np
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    base = 8 + n
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = h["data_offsets"]
+        out[name] = np.frombuffer(raw[base + a:base + b], dtype=_DT[h["dtype"]]).reshape(h["shape"])
+    return out
+
+
+def compare_tensors(ref, got):
+    """Worst per-tensor deviation max|got − ref| / max|ref| over all tensors (a tensor that is all
+    zero in ref is compared absolutely). Returns (worst, tensor name, problems) where problems
+    lists missing/extra names and shape mismatches."""
+    import numpy as np
+    problems = []
+    for k in sorted(set(ref) ^ set(got)):
+        problems.append(("missing " if k in ref else "extra ") + k)
+    worst, where = 0.0, ""
+    for k in sorted(set(ref) & set(got)):
+        a, b = ref[k], got[k]
+        if a.shape != b.shape:
+            problems.append("%s: shape %s vs %s" % (k, list(a.shape), list(b.shape)))
+            continue
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        scale = float(np.max(np.abs(a64))) if a.size else 0.0
+        d = float(np.max(np.abs(a64 - b64))) if a.size else 0.0
+        if not np.all(np.isfinite(b64)):
+            d = float("inf")
+        r = d / scale if scale > 0 else d
+        if r > worst or not where:
+            worst, where = r, k
+    return worst, where, problems
+
+
+def tmpdir(prefix="origami_par_"):
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def fmt_table(header, rows):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(str(s).ljust(w) for s, w in zip(cells, widths)) + " |"
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
