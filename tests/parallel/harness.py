@@ -89,8 +89,9 @@ def prepare_data(tmp, name="corpus", n_docs=120, seed=3):
     return prefix
 
 
-def read_metrics(path):
-    """The JSON objects of a metrics file; a line that is not JSON raises ValueError naming it."""
+def read_metrics(path, tolerant=False):
+    """The JSON objects of a metrics file; a line that is not JSON raises ValueError naming it
+    (tolerant: skipped, e.g. the last line of a killed run)."""
     if not os.path.exists(path):
         return []
     out = []
@@ -100,6 +101,8 @@ def read_metrics(path):
                 try:
                     out.append(json.loads(l))
                 except ValueError:
+                    if tolerant:
+                        continue
                     raise ValueError("%s line %d is not JSON: %r" % (path, i + 1, l[:200]))
     return out
 
