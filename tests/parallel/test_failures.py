@@ -188,19 +188,41 @@ def wait_exit(p, timeout):
     return rc, time.time() - t0
 
 
-def cleanup(p):
+def descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        for c in children(todo.pop()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def cleanup(p, known=()):
+    """Stops mpirun and every rank it started. Open MPI puts each rank in its own process group,
+    so the ranks are killed by pid: first SIGTERM to mpirun (it then stops its ranks), then
+    SIGKILL to whatever is left."""
+    procs = list(known)
     if p.poll() is None:
+        procs += descendants(p.pid)
+        p.terminate()
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for pid in procs:
+        if is_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def part_b(tmp, data):
     for victim in (1, 0):
         tag = "kill%d" % victim
         p, mpath, ck, log = start_job(tmp, data, tag)
+        pids = {}
         try:
             if not check(wait_metrics(p, mpath), "%s: the TP2 job wrote a metrics line" % tag):
                 print(open(log).read()[-3000:])
@@ -211,6 +233,7 @@ def part_b(tmp, data):
             steps_before = len(h.read_metrics(mpath, tolerant=True))
             os.kill(pids[victim], signal.SIGKILL)
             rc, dt = wait_exit(p, 60)
+            time.sleep(0 if rc is None else 2)
             alive = is_alive(pids[1 - victim])
             ROWS.append(("SIGKILL rank %d" % victim, 2, "after %d steps" % steps_before, rc, "%.1f" % dt, "-",
                          "survivor %s" % ("ALIVE" if alive else "gone"), "ok" if rc not in (None, 0) else "FAIL",
@@ -220,19 +243,24 @@ def part_b(tmp, data):
                   "%s: SIGKILL to rank %d (pid %d) after %d steps: mpirun exit %s after %.1f s, other rank %s"
                   % (tag, victim, pids[victim], steps_before, rc, dt, "still alive" if alive else "gone"))
         finally:
-            cleanup(p)
+            cleanup(p, pids.values())
 
 
 def part_c(tmp, data):
     tag = "term"
     p, mpath, ck, log = start_job(tmp, data, tag)
+    pids = {}
     try:
         if not check(wait_metrics(p, mpath), "term: the TP2 job wrote a metrics line"):
             print(open(log).read()[-3000:])
             return
         time.sleep(0.5)
+        pids = rank_pids(p.pid)
         p.send_signal(signal.SIGTERM)  # to mpirun only
         rc, dt = wait_exit(p, 60)
+        time.sleep(0 if rc is None else 2)
+        left = [pid for pid in pids.values() if is_alive(pid)]
+        check(not left, "term: no rank outlives mpirun (left: %s)" % left)
         recs = h.read_metrics(mpath, tolerant=True)
         saved = os.path.exists(os.path.join(ck, "trainer_state.json"))
         detail = "no checkpoint"
@@ -260,7 +288,7 @@ def part_c(tmp, data):
         check(consistent, "term: %s" % detail)
         print("      log tail: " + " | ".join(text.strip().splitlines()[-4:])[:600])
     finally:
-        cleanup(p)
+        cleanup(p, pids.values())
 
 
 def main():
