@@ -299,3 +299,31 @@ Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int s
 }
 
 }  // namespace origami
+
+namespace origami {
+
+std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes) {
+  const int parts = stages * chunks;
+  ORIGAMI_CHECK(stages >= 1 && chunks >= 1, "pipeline stages and chunks must be at least 1, got stages=", stages,
+                " chunks=", chunks);
+  std::vector<int> n = sizes;
+  if (n.empty()) {
+    ORIGAMI_CHECK(num_layers % parts == 0, "the model's ", num_layers, " layers cannot be split evenly over ", parts,
+                  " pipeline stages (", stages, " stages x ", chunks,
+                  " chunks): give a multiple, or an explicit split with --pp-layers");
+    n.assign(size_t(parts), num_layers / parts);
+  }
+  ORIGAMI_CHECK(int(n.size()) == parts, "--pp-layers lists ", n.size(), " stage sizes but the pipeline has ", parts,
+                " (virtual) stages");
+  std::vector<LayerRange> out;
+  int at = 0;
+  for (int k : n) {
+    ORIGAMI_CHECK(k >= 1, "--pp-layers: every stage needs at least one layer, got ", k);
+    out.push_back({at, at + k});
+    at += k;
+  }
+  ORIGAMI_CHECK(at == num_layers, "--pp-layers sums to ", at, " layers but the model has ", num_layers);
+  return out;
+}
+
+}  // namespace origami

@@ -89,3 +89,17 @@ Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int s
                         double t_forward, double t_backward);
 
 }  // namespace origami
+
+namespace origami {
+
+// Stage partitioning: the layers [begin, end) of each virtual stage (stages·chunks of them, in
+// virtual-stage order). With `sizes` (--pp-layers 5,6,6,5) the layers per virtual stage are given
+// explicitly — the embedding and LM head make the first and last stage heavier; otherwise the
+// layers are split evenly, which needs num_layers to be a multiple of stages·chunks. Errors name
+// the values and the rule.
+struct LayerRange {
+  int begin, end;
+};
+std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes = {});
+
+}  // namespace origami

@@ -334,3 +334,31 @@ TEST(ScheduleReplay, CatchesBrokenSchedules) {
     expect_has(error_of([&] { replay_schedules(lists, 2, 4, 2, 1, 2); }), "earliest unmatched message");
   }
 }
+
+TEST(SchedulePartition, EvenExplicitAndErrors) {
+  using origami::partition_layers;
+  auto ranges = partition_layers(8, 4, 1);
+  ASSERT_EQ(ranges.size(), 4u);
+  for (int s = 0; s < 4; ++s) {
+    EXPECT_EQ(ranges[size_t(s)].begin, 2 * s);
+    EXPECT_EQ(ranges[size_t(s)].end, 2 * s + 2);
+  }
+  ranges = partition_layers(22, 4, 1, {5, 6, 6, 5});
+  EXPECT_EQ(ranges[1].begin, 5);
+  EXPECT_EQ(ranges[3].end, 22);
+  EXPECT_EQ(partition_layers(8, 2, 2).size(), 4u);  // virtual stages, in virtual-stage order
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const origami::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { partition_layers(6, 4, 1); }).find("6 layers cannot be split evenly over 4"), std::string::npos);
+  EXPECT_NE(message([] { partition_layers(22, 4, 1, {5, 6, 6, 6}); }).find("sums to 23 layers but the model has 22"),
+            std::string::npos);
+  EXPECT_NE(message([] { partition_layers(8, 4, 1, {4, 4}); }).find("lists 2 stage sizes but the pipeline has 4"),
+            std::string::npos);
+  EXPECT_NE(message([] { partition_layers(8, 2, 1, {8, 0}); }).find("at least one layer"), std::string::npos);
+}
