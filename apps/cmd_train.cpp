@@ -1,5 +1,8 @@
 // origami train: train a model from a Hugging Face config.json on a prepared dataset.
 #include "ckpt/checkpoint.h"
+#include <cstdio>
+
+#include "comm/mpi_comm.h"
 #include "commands.h"
 #include "core/args.h"
 #include "core/error.h"
@@ -8,7 +11,9 @@
 
 namespace origami {
 
-int cmd_train(int argc, char** argv) {
+namespace {
+
+int train(int argc, char** argv, Comm& world) {
   Args a("train",
          "Train a gpt2, llama or mixtral model (Hugging Face config.json) on a dataset made by\n"
          "'origami data prepare'. Keys of a --run-config JSON file are these options without '--';\n"
@@ -35,40 +40,86 @@ int cmd_train(int argc, char** argv) {
       .option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
       .option("save", "DIR", "write a checkpoint (HF safetensors + optimizer state) to DIR")
       .option("save-every", "N", "also save every N steps", "0")
-      .option("threads", "N", "threads for BLAS and kernels (default: all cores)", "0")
-      .flag("quiet", "print every 50th step only");
-  if (!a.parse(argc, argv)) return 0;
-  if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
-
+      .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
+      .flag("quiet", "print every 50th step only")
+      .option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
+      .option("dp", "D", "data-parallel degree (default: ranks / (TP x CP x PP))", "")
+      .option("pp", "P", "pipeline-parallel degree (not available yet: 1)", "1")
+      .option("cp", "C", "context-parallel degree (not available yet: 1)", "1")
+      .flag("sequence-parallel", "split norms and residuals along the sequence over TP (all-reduce becomes "
+                                 "reduce-scatter + all-gather)")
+      .option("zero", "0|1|2", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients", "0")
+      .option("bucket-mb", "X", "data-parallel gradient bucket size in MiB", "16")
+      .option("mesh-order", "ORDER", "rank order of the mesh axes, first varies fastest", "tp-cp-ep-dp-pp");
+  bool parsed = false;
   TrainOptions o;
-  o.data = a.str("data");
-  o.init_from = a.str("init-from");
-  o.steps = a.integer("steps");
-  o.micro_batch = a.integer("micro-batch");
-  o.global_batch = a.has("global-batch") ? a.integer("global-batch") : o.micro_batch;
-  o.seq_len = a.integer("seq-len");
-  o.lr.lr = a.number("lr");
-  o.lr.min_lr = a.number("min-lr");
-  o.lr.warmup = a.integer("warmup");
-  o.lr.total_steps = o.steps;
-  o.lr.schedule = parse_lr_schedule(a.str("lr-schedule"));
-  o.adam.weight_decay = a.number("weight-decay");
-  o.adam.beta1 = a.number("beta1");
-  o.adam.beta2 = a.number("beta2");
-  o.adam.eps = a.number("eps");
-  o.grad_clip = a.number("grad-clip");
-  o.seed = uint64_t(a.integer("seed"));
-  o.data_order = a.str("data-order");
-  o.metrics = a.str("metrics");
-  o.save = a.str("save");
-  o.save_every = a.integer("save-every");
-  o.threads = int(a.integer("threads"));
-  o.quiet = a.on("quiet");
+  ModelConfig cfg;
+  check_on_every_rank(world, "train", [&] {
+    if (!(parsed = a.parse(argc, argv))) return;
+    if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
 
-  std::string config = a.str("config");
-  if (config.empty()) config = checkpoint_config(o.init_from);
-  ORIGAMI_CHECK(!config.empty(), "no model config: give --config config.json (see --help)");
-  return run_training(load_model_config(config), o);
+    o.data = a.str("data");
+    o.init_from = a.str("init-from");
+    o.steps = a.integer("steps");
+    o.micro_batch = a.integer("micro-batch");
+    o.global_batch = a.has("global-batch") ? a.integer("global-batch") : o.micro_batch;
+    o.seq_len = a.integer("seq-len");
+    o.lr.lr = a.number("lr");
+    o.lr.min_lr = a.number("min-lr");
+    o.lr.warmup = a.integer("warmup");
+    o.lr.total_steps = o.steps;
+    o.lr.schedule = parse_lr_schedule(a.str("lr-schedule"));
+    o.adam.weight_decay = a.number("weight-decay");
+    o.adam.beta1 = a.number("beta1");
+    o.adam.beta2 = a.number("beta2");
+    o.adam.eps = a.number("eps");
+    o.grad_clip = a.number("grad-clip");
+    o.seed = uint64_t(a.integer("seed"));
+    o.data_order = a.str("data-order");
+    o.metrics = a.str("metrics");
+    o.save = a.str("save");
+    o.save_every = a.integer("save-every");
+    o.threads = int(a.integer("threads"));
+    o.quiet = a.on("quiet");
+    o.tp = int(a.integer("tp"));
+    o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
+    ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
+    o.pp = int(a.integer("pp"));
+    o.cp = int(a.integer("cp"));
+    o.sequence_parallel = a.on("sequence-parallel");
+    o.zero = int(a.integer("zero"));
+    o.bucket_mb = a.number("bucket-mb");
+    o.mesh_order = a.str("mesh-order");
+
+    std::string config = a.str("config");
+    if (config.empty()) config = checkpoint_config(o.init_from);
+    ORIGAMI_CHECK(!config.empty(), "no model config: give --config config.json (see --help)");
+    cfg = load_model_config(config);
+  });
+  if (!parsed) return 0;
+  return run_training(cfg, o, world);
+}
+
+}  // namespace
+
+// Under mpirun every rank runs this. Mistakes found before training starts are reported once, by
+// check_on_every_rank, and every rank exits 1; an error on one rank during training prints that rank's
+// message and aborts the whole job (MPI_Abort), so no rank is left waiting in a collective.
+int cmd_train(int argc, char** argv) {
+  CommRuntime runtime(&argc, &argv);
+  Comm& world = runtime.world();
+  if (world.rank() != 0 && !std::freopen("/dev/null", "w", stdout))  // one rank speaks
+    std::fprintf(stderr, "rank %d: cannot silence stdout\n", world.rank());
+  try {
+    return train(argc, argv, world);
+  } catch (const ErrorReported&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (!runtime.distributed()) throw;
+    std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(), e.what());
+    std::fflush(stderr);
+    runtime.abort(1);
+  }
 }
 
 }  // namespace origami

@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
     try {
       return c.run(argc - 1, argv + 1);
+    } catch (const origami::ErrorReported&) {
+      return 1;
     } catch (const origami::Error& e) {
       std::fprintf(stderr, "origami %s: error: %s\n", c.name, e.what());
       return 1;

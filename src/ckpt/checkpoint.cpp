@@ -1,5 +1,6 @@
 #include "ckpt/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
@@ -45,9 +46,28 @@ std::vector<TensorWrite> param_tensors(const Params& params, const float* base, 
 
 }  // namespace
 
+namespace {
+
+// Reads one global tensor and copies this rank's shard of it into dst (the tensor's place in a flat buffer).
+void read_shard(const SafetensorsFile& f, const TensorInfo& t, const ParamSpec& p, const ParamLayout& lay, float* dst,
+                std::vector<float>& tmp) {
+  if (p.split.dim < 0 || lay.tp == 1) {
+    f.read_f32(t, dst);
+    return;
+  }
+  tmp.resize(size_t(p.numel()));
+  f.read_f32(t, tmp.data());
+  p.for_each_run(lay.tp, lay.tp_rank, [&](int64_t local, int64_t global, int64_t n) {
+    std::copy_n(tmp.data() + global, n, dst + local);
+  });
+}
+
+}  // namespace
+
 void load_weights(const std::string& path, const ModelConfig& cfg, Params& params) {
   SafetensorsFile f = SafetensorsFile::open(path);
   std::set<std::string> loaded;
+  std::vector<float> tmp;
   for (const TensorInfo& t : f.tensors()) {
     const std::string name = canonical_name(cfg, t.name);
     const int64_t i = params.index(name);
@@ -59,7 +79,7 @@ void load_weights(const std::string& path, const ModelConfig& cfg, Params& param
     const ParamSpec& p = params.table()[size_t(i)];
     ORIGAMI_CHECK(t.shape == p.shape, "'", path, "': tensor '", t.name, "' has shape ", shape_str(t.shape),
                   " but the config needs ", shape_str(p.shape));
-    f.read_f32(t, params.data() + params.offset(size_t(i)));
+    read_shard(f, t, p, params.layout(), params.data() + params.offset(size_t(i)), tmp);
     loaded.insert(name);
   }
   for (const ParamSpec& p : params.table())
@@ -83,30 +103,32 @@ void save_weights(const std::string& path, const Params& params) {
   write_safetensors(path, param_tensors(params, params.data(), ""), {{"format", "pt"}});
 }
 
-void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Params& params, AdamW& opt,
-                     const TrainerState& state, const std::string& tokenizer_path) {
+void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Params& global, const float* exp_avg,
+                     const float* exp_avg_sq, const TrainerState& state, const std::string& tokenizer_path) {
+  ORIGAMI_ASSERT(global.layout().tp == 1);
   make_dirs(dir);
-  save_weights(dir + "/model.safetensors", params);
+  save_weights(dir + "/model.safetensors", global);
   save_model_config(cfg, dir + "/config.json");
-  auto tensors = param_tensors(params, opt.exp_avg().data(), "exp_avg.");
-  auto sq = param_tensors(params, opt.exp_avg_sq().data(), "exp_avg_sq.");
+  auto tensors = param_tensors(global, exp_avg, "exp_avg.");
+  auto sq = param_tensors(global, exp_avg_sq, "exp_avg_sq.");
   tensors.insert(tensors.end(), sq.begin(), sq.end());
   write_safetensors(dir + "/optimizer.safetensors", tensors);
   if (!tokenizer_path.empty()) write_file_atomically(dir + "/tokenizer.json", read_file_bytes(tokenizer_path));
-  nlohmann::json js = {{"step", state.step}, {"adam_steps", opt.steps_taken()}, {"options", state.options}};
+  nlohmann::json js = {{"step", state.step}, {"adam_steps", state.adam_steps}, {"options", state.options}};
   write_file_atomically(dir + "/trainer_state.json", js.dump(2) + "\n");
 }
 
-TrainerState load_optimizer_state(const std::string& dir, const Params& params, AdamW& opt) {
+TrainerState load_optimizer_state(const std::string& dir, const Params& params, float* m_flat, float* v_flat) {
   const std::string opt_path = dir + "/optimizer.safetensors";
   SafetensorsFile f = SafetensorsFile::open(opt_path);
+  std::vector<float> tmp;
   for (size_t i = 0; i < params.table().size(); ++i) {
     const ParamSpec& p = params.table()[i];
-    for (auto [prefix, buf] : {std::pair{"exp_avg.", &opt.exp_avg()}, std::pair{"exp_avg_sq.", &opt.exp_avg_sq()}}) {
+    for (auto [prefix, buf] : {std::pair{"exp_avg.", m_flat}, std::pair{"exp_avg_sq.", v_flat}}) {
       const TensorInfo& t = f.at(prefix + p.name);
       ORIGAMI_CHECK(t.shape == p.shape, "'", opt_path, "': tensor '", t.name, "' has shape ", shape_str(t.shape),
                     " but the model needs ", shape_str(p.shape));
-      f.read_f32(t, buf->data() + params.offset(i));
+      read_shard(f, t, p, params.layout(), buf + params.offset(i), tmp);
     }
   }
   nlohmann::json js = read_json_file(dir + "/trainer_state.json", "trainer state");
@@ -114,9 +136,36 @@ TrainerState load_optimizer_state(const std::string& dir, const Params& params, 
   ORIGAMI_CHECK(js.contains("step") && js["step"].is_number_integer() && js.contains("adam_steps"),
                 "'", dir, "/trainer_state.json': needs integer 'step' and 'adam_steps'");
   st.step = js["step"].get<int64_t>();
-  opt.set_steps_taken(js["adam_steps"].get<int64_t>());
+  st.adam_steps = js["adam_steps"].get<int64_t>();
   if (js.contains("options")) st.options = js["options"];
   return st;
+}
+
+std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float* flat, const Params* global_ptr) {
+  const int64_t n = params.size();
+  if (tp.rank() != 0) {
+    tp.send(flat, n, DType::f32, 0, 0);
+    return {};
+  }
+  ORIGAMI_ASSERT(global_ptr != nullptr);
+  const Params& global = *global_ptr;
+  std::vector<float> out(size_t(global.size()), 0.f), shard;
+  for (int r = 0; r < tp.size(); ++r) {
+    const float* src = flat;
+    if (r > 0) {
+      shard.resize(size_t(n));
+      tp.recv(shard.data(), n, DType::f32, r, 0);
+      src = shard.data();
+    }
+    for (size_t i = 0; i < params.table().size(); ++i) {
+      const ParamSpec& p = params.table()[i];
+      if (p.split.dim < 0 && r > 0) continue;  // replicated: rank 0's copy
+      p.for_each_run(tp.size(), r, [&](int64_t local, int64_t g, int64_t len) {
+        std::copy_n(src + params.offset(i) + local, len, out.data() + global.offset(i) + g);
+      });
+    }
+  }
+  return out;
 }
 
 }  // namespace origami

@@ -6,22 +6,27 @@
 //   tokenizer.json         origami's self-contained tokenizer (when the data had one)
 // Every file is written to a temporary name and renamed, so an interrupted save never leaves a
 // half-written checkpoint under the final names.
+//
+// A checkpoint is always in the global (one-rank) form, whatever the layout that wrote it: a
+// parallel run gathers its tensor-parallel shards (and ZeRO optimizer shards) on rank 0 to save,
+// and every rank of any layout loads by cutting its own shard out of the global tensors.
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "train/optimizer.h"
 
 namespace origami {
 
-// Loads every parameter from a safetensors file, by Hugging Face name. A missing tensor, a
-// shape mismatch or an unexpected tensor is an Error naming the file and the tensor.
-// gpt2 names may carry the "transformer." prefix; GPT-2's attention-mask buffers and a tied
-// lm_head.weight are skipped.
+// Loads every parameter from a safetensors file, by Hugging Face name, into this rank's shard
+// (params.layout()). A missing tensor, a shape mismatch or an unexpected tensor is an Error naming
+// the file and the tensor. gpt2 names may carry the "transformer." prefix; GPT-2's attention-mask
+// buffers and a tied lm_head.weight are skipped.
 void load_weights(const std::string& path, const ModelConfig& cfg, Params& params);
 
 // --init-from names either a .safetensors file or a checkpoint directory.
@@ -32,13 +37,22 @@ std::string checkpoint_config(const std::string& init_from);
 void save_weights(const std::string& path, const Params& params);
 
 struct TrainerState {
-  int64_t step = 0;  // optimizer steps completed
+  int64_t step = 0;        // optimizer steps completed
+  int64_t adam_steps = 0;  // AdamW's step count (bias correction)
   nlohmann::json options;
 };
 
-void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Params& params, AdamW& opt,
-                     const TrainerState& state, const std::string& tokenizer_path);
-// Restores optimizer moments and the step count from a checkpoint directory.
-TrainerState load_optimizer_state(const std::string& dir, const Params& params, AdamW& opt);
+// Writes a checkpoint from global (one-rank layout) buffers: `global` holds the parameters,
+// exp_avg / exp_avg_sq the AdamW moments in the same layout.
+void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Params& global, const float* exp_avg,
+                     const float* exp_avg_sq, const TrainerState& state, const std::string& tokenizer_path);
+// Reads the AdamW moments of this rank's shard (params' layout) into m_flat / v_flat, and the
+// trainer state, from a checkpoint directory.
+TrainerState load_optimizer_state(const std::string& dir, const Params& params, float* m_flat, float* v_flat);
+
+// Tensor-parallel gather: every rank of `tp` passes its buffer `flat` (params' layout); TP rank 0
+// returns the global buffer in `global`'s layout (one-rank layout; needed on TP rank 0 only), the
+// others an empty vector.
+std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float* flat, const Params* global);
 
 }  // namespace origami

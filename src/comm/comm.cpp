@@ -1,5 +1,6 @@
 #include "comm/comm.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include "core/error.h"
@@ -42,6 +43,22 @@ void Request::wait() {
 void Comm::all_to_all(void* out, const void* in, int64_t count, DType t) {
   std::vector<int64_t> counts(size_t(size()), count);
   all_to_allv(out, counts.data(), in, counts.data(), t);
+}
+
+void check_on_every_rank(Comm& world, const std::string& command, const std::function<void()>& fn) {
+  std::string message;
+  bool failed = false;
+  try {
+    fn();
+  } catch (const Error& e) {
+    failed = true;
+    message = e.what();
+  }
+  // first failing rank = size − max(size − rank over failing ranks)
+  const int32_t first = world.size() - world.all_reduce_value(int32_t(failed ? world.size() - world.rank() : 0), ReduceOp::max);
+  if (first == world.size()) return;
+  if (first == world.rank()) std::fprintf(stderr, "origami %s: error: %s\n", command.c_str(), message.c_str());
+  throw ErrorReported(failed ? message : "reported by rank " + std::to_string(first));
 }
 
 namespace {

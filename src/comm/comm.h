@@ -14,6 +14,7 @@
 //   send                 S
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,7 +67,7 @@ class Comm {
   virtual Request iall_reduce(void* buf, int64_t count, DType t, ReduceOp op) = 0;
   // in[n·count] (rank-major blocks) → out[count] = reduction of every rank's block `rank()`.
   virtual Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) = 0;
-  // in[count] → out[n·count], rank r's block at r·count.
+  // in[count] → out[n·count], rank r's block at r·count (in place when in == out + rank()·count).
   virtual Request iall_gather(void* out, const void* in, int64_t count, DType t) = 0;
   virtual Request isend(const void* buf, int64_t count, DType t, int dest, int tag) = 0;
   virtual Request irecv(void* buf, int64_t count, DType t, int src, int tag) = 0;
@@ -109,6 +110,11 @@ class Comm {
   std::string name_;
   double bytes_sent_ = 0;
 };
+
+// Runs fn on every rank of `world` (fn must not communicate). If it throws Error on any rank, the
+// lowest such rank prints "origami <command>: error: <message>" — one message for the whole job —
+// and every rank throws ErrorReported, so all exit non-zero together instead of some hanging.
+void check_on_every_rank(Comm& world, const std::string& command, const std::function<void()>& fn);
 
 // The one-rank communicator: every collective is a copy or nothing. Used when origami runs without mpirun.
 std::unique_ptr<Comm> make_local_comm(const std::string& name = "world");

@@ -89,8 +89,11 @@ class MpiComm final : public Comm {
   }
   Request iall_gather(void* out, const void* in, int64_t count, DType t) override {
     count_scatter_gather(count, t);
+    // In place when this rank's block already sits at its position in `out`.
+    const bool in_place = in == static_cast<const char*>(out) + int64_t(rank()) * count * dtype_bytes(t);
     return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Iallgather(in, mpi_count(count), mpi_type(t), out, mpi_count(count), mpi_type(t), comm_, r));
+      CHECK_MPI(MPI_Iallgather(in_place ? MPI_IN_PLACE : in, mpi_count(count), mpi_type(t), out, mpi_count(count),
+                               mpi_type(t), comm_, r));
     });
   }
   Request isend(const void* buf, int64_t count, DType t, int dest, int tag) override {

@@ -12,6 +12,11 @@ struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An Error that has already been printed (by the one rank chosen to report it); main() only exits non-zero.
+struct ErrorReported : Error {
+  using Error::Error;
+};
+
 template <typename... Args>
 std::string cat(const Args&... args) {
   std::ostringstream os;

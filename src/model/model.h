@@ -4,8 +4,14 @@
 // Legend: B batch rows, T positions, N = B·T tokens, C hidden, L layers, H heads, KV kv heads,
 // D head dim, S = (H + 2·KV)·D packed qkv width, F MLP inner size, V vocabulary, E experts, K top-k.
 // A training window row holds T+1 tokens: inputs are tokens[0..T), targets tokens[1..T].
+//
+// Under tensor parallelism (size t) the model runs on this rank's shards: H/t heads, KV/t kv heads,
+// F/t MLP (and per-expert) features, Vp/t vocabulary rows (Vp = V padded to a multiple of t), and
+// with sequence parallelism Nl = N/t tokens outside TP regions. Sizes below with an "l" suffix are
+// local. The communication is the TensorParallel region calls in forward_backward, nothing else.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -13,6 +19,7 @@
 #include "model/layers/moe.h"
 #include "model/layers/rope.h"
 #include "model/params.h"
+#include "parallel/tensor_parallel.h"
 
 namespace origami {
 
@@ -31,12 +38,19 @@ double train_flops_per_token(const ModelConfig& cfg, int64_t T);
 
 class Model {
  public:
-  Model(const ModelConfig& cfg, Params& params);
+  // params: this rank's shards (laid out with the same TP size as `tp`).
+  Model(const ModelConfig& cfg, Params& params, TensorParallel tp = {});
 
   // Forward over tokens_B(T+1); with `backward`, gradients of loss_scale·loss are accumulated
-  // (+=) into params.grad(). logits_BTV, if given, receives the logits.
+  // (+=) into params.grad(). logits_BTV, if given, receives the logits (this rank's vocabulary shard).
+  // Losses are those of the whole micro-batch, the same on every TP rank.
   Losses forward_backward(const int32_t* tokens, int64_t B, int64_t T, float loss_scale, bool backward,
                           float* logits_BTV = nullptr);
+
+  // Called during backward with an offset X each time the gradients of every parameter at buffer
+  // offsets ≥ X are final for this call (decreasing X, ending with 0): lets data parallelism start
+  // reducing gradient buckets while backward goes on.
+  void on_grads_ready(std::function<void(int64_t)> fn) { grads_ready_ = std::move(fn); }
 
   // Tokens routed to each expert per MoE layer in the last call ([L][E]; empty for dense models).
   std::vector<std::vector<int64_t>> expert_counts() const;
@@ -53,10 +67,18 @@ class Model {
   float* w(int64_t off) { return off < 0 ? nullptr : params_.data() + off; }
   float* g(int64_t off) { return off < 0 ? nullptr : params_.grad() + off; }
 
+  void grads_ready(int64_t offset) {
+    if (grads_ready_) grads_ready_(offset);
+  }
+
   ModelConfig cfg_;
   Params& params_;
+  TensorParallel tp_;
+  int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
   std::vector<LayerOffsets> layers_;
-  int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1;
+  std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
+  int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1, head_begin_ = -1;
+  std::function<void(int64_t)> grads_ready_;
   RopeTable rope_;
   std::shared_ptr<Activations> act_;
   std::vector<MoeCache<float>> moe_;

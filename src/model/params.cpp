@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <sys/mman.h>
+#include <algorithm>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -14,73 +16,134 @@ int64_t ParamSpec::numel() const {
   return n;
 }
 
+std::vector<int64_t> ParamSpec::local_shape(int tp) const {
+  std::vector<int64_t> s = shape;
+  if (split.dim < 0) return s;
+  int64_t& n = s[size_t(split.dim)];
+  if (split.pad) n = (n + tp - 1) / tp * tp;
+  ORIGAMI_ASSERT(n % (int64_t(tp) * split.parts) == 0);
+  n /= tp;
+  return s;
+}
+
+int64_t ParamSpec::local_numel(int tp) const {
+  int64_t n = 1;
+  for (int64_t d : local_shape(tp)) n *= d;
+  return n;
+}
+
+// Tensor-parallel splits (Megatron): column-parallel weights (QKV, MLP up / gate|up, expert w1 and w3) are
+// split along their output features, row-parallel ones (attention output, MLP down, expert w2) along their
+// input features; embeddings and the LM head along the (padded) vocabulary. Norms, row-parallel biases,
+// positions and the router are replicated; norms take partial gradients under sequence parallelism.
 std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
   std::vector<ParamSpec> t;
-  auto add = [&](std::string name, std::vector<int64_t> shape, Init init = Init::normal) {
-    t.push_back({std::move(name), std::move(shape), init});
+  const TpSplit replicated, norm{-1, 1, false, true}, vocab{0, 1, true, false};
+  auto add = [&](std::string name, std::vector<int64_t> shape, Init init, TpSplit split) {
+    t.push_back({std::move(name), std::move(shape), init, split});
   };
+  // Hugging Face Linear [out, in]: column-parallel splits dim 0, row-parallel dim 1; Conv1D [in, out] the reverse.
+  const TpSplit out_in_col{0}, out_in_row{1};
   const int64_t C = c.hidden, V = c.vocab_size, F = c.ffn, D = c.head_dim;
   const int64_t H = c.num_heads, KV = c.num_kv_heads;
   if (c.is_gpt2()) {
-    add("wte.weight", {V, C});
-    add("wpe.weight", {c.max_positions, C});
+    add("wte.weight", {V, C}, Init::normal, vocab);
+    add("wpe.weight", {c.max_positions, C}, Init::normal, replicated);
     for (int64_t l = 0; l < c.num_layers; ++l) {
       std::string p = "h." + std::to_string(l) + ".";
-      add(p + "ln_1.weight", {C}, Init::ones);
-      add(p + "ln_1.bias", {C}, Init::zeros);
-      add(p + "attn.c_attn.weight", {C, 3 * C});
-      add(p + "attn.c_attn.bias", {3 * C}, Init::zeros);
-      add(p + "attn.c_proj.weight", {C, C}, Init::scaled_normal);
-      add(p + "attn.c_proj.bias", {C}, Init::zeros);
-      add(p + "ln_2.weight", {C}, Init::ones);
-      add(p + "ln_2.bias", {C}, Init::zeros);
-      add(p + "mlp.c_fc.weight", {C, F});
-      add(p + "mlp.c_fc.bias", {F}, Init::zeros);
-      add(p + "mlp.c_proj.weight", {F, C}, Init::scaled_normal);
-      add(p + "mlp.c_proj.bias", {C}, Init::zeros);
+      add(p + "ln_1.weight", {C}, Init::ones, norm);
+      add(p + "ln_1.bias", {C}, Init::zeros, norm);
+      add(p + "attn.c_attn.weight", {C, 3 * C}, Init::normal, {1, 3});  // q|k|v blocks, each split
+      add(p + "attn.c_attn.bias", {3 * C}, Init::zeros, {0, 3});
+      add(p + "attn.c_proj.weight", {C, C}, Init::scaled_normal, {0});
+      add(p + "attn.c_proj.bias", {C}, Init::zeros, replicated);  // added after the TP reduction
+      add(p + "ln_2.weight", {C}, Init::ones, norm);
+      add(p + "ln_2.bias", {C}, Init::zeros, norm);
+      add(p + "mlp.c_fc.weight", {C, F}, Init::normal, {1});
+      add(p + "mlp.c_fc.bias", {F}, Init::zeros, {0});
+      add(p + "mlp.c_proj.weight", {F, C}, Init::scaled_normal, {0});
+      add(p + "mlp.c_proj.bias", {C}, Init::zeros, replicated);
     }
-    add("ln_f.weight", {C}, Init::ones);
-    add("ln_f.bias", {C}, Init::zeros);
+    add("ln_f.weight", {C}, Init::ones, norm);
+    add("ln_f.bias", {C}, Init::zeros, norm);
     return t;
   }
-  add("model.embed_tokens.weight", {V, C});
+  add("model.embed_tokens.weight", {V, C}, Init::normal, vocab);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     std::string p = "model.layers." + std::to_string(l) + ".";
-    add(p + "input_layernorm.weight", {C}, Init::ones);
-    add(p + "self_attn.q_proj.weight", {H * D, C});
-    add(p + "self_attn.k_proj.weight", {KV * D, C});
-    add(p + "self_attn.v_proj.weight", {KV * D, C});
-    add(p + "self_attn.o_proj.weight", {C, H * D}, Init::scaled_normal);
-    add(p + "post_attention_layernorm.weight", {C}, Init::ones);
+    add(p + "input_layernorm.weight", {C}, Init::ones, norm);
+    add(p + "self_attn.q_proj.weight", {H * D, C}, Init::normal, out_in_col);
+    add(p + "self_attn.k_proj.weight", {KV * D, C}, Init::normal, out_in_col);
+    add(p + "self_attn.v_proj.weight", {KV * D, C}, Init::normal, out_in_col);
+    add(p + "self_attn.o_proj.weight", {C, H * D}, Init::scaled_normal, out_in_row);
+    add(p + "post_attention_layernorm.weight", {C}, Init::ones, norm);
     if (c.is_moe()) {
       std::string m = p + "block_sparse_moe.";
-      add(m + "gate.weight", {c.num_experts, C});
-      for (int64_t e = 0; e < c.num_experts; ++e) {
+      add(m + "gate.weight", {c.num_experts, C}, Init::normal, replicated);
+      for (int64_t e = 0; e < c.num_experts; ++e) {  // each expert split by TP inside (until expert parallelism)
         std::string x = m + "experts." + std::to_string(e) + ".";
-        add(x + "w1.weight", {F, C});
-        add(x + "w3.weight", {F, C});
-        add(x + "w2.weight", {C, F}, Init::scaled_normal);
+        add(x + "w1.weight", {F, C}, Init::normal, out_in_col);
+        add(x + "w3.weight", {F, C}, Init::normal, out_in_col);
+        add(x + "w2.weight", {C, F}, Init::scaled_normal, out_in_row);
       }
     } else {
-      add(p + "mlp.gate_proj.weight", {F, C});
-      add(p + "mlp.up_proj.weight", {F, C});
-      add(p + "mlp.down_proj.weight", {C, F}, Init::scaled_normal);
+      add(p + "mlp.gate_proj.weight", {F, C}, Init::normal, out_in_col);
+      add(p + "mlp.up_proj.weight", {F, C}, Init::normal, out_in_col);
+      add(p + "mlp.down_proj.weight", {C, F}, Init::scaled_normal, out_in_row);
     }
   }
-  add("model.norm.weight", {C}, Init::ones);
-  if (!c.tied_embeddings) add("lm_head.weight", {V, C});
+  add("model.norm.weight", {C}, Init::ones, norm);
+  if (!c.tied_embeddings) add("lm_head.weight", {V, C}, Init::normal, vocab);
   return t;
 }
 
-Params::Params(std::vector<ParamSpec> table) : table_(std::move(table)) {
+int64_t num_parameters(const ModelConfig& cfg) {
+  int64_t n = 0;
+  for (const ParamSpec& p : make_param_table(cfg)) n += p.numel();
+  return n;
+}
+
+Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::move(table)), layout_(layout) {
+  ORIGAMI_ASSERT(layout_.tp >= 1 && layout_.dp >= 1 && layout_.tp_rank >= 0 && layout_.tp_rank < layout_.tp);
+  for (size_t i = 0; i < table_.size(); ++i) by_name_[table_[i].name] = i;
+  // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a tensor).
+  std::vector<size_t> first_of_bucket;  // table index where each bucket starts, last bucket first
+  int64_t filled = 0;
+  for (size_t i = table_.size(); i-- > 0;) {
+    filled += local_numel(i);
+    if (i == 0 || (layout_.bucket_floats > 0 && filled >= layout_.bucket_floats)) {
+      first_of_bucket.push_back(i);
+      filled = 0;
+    }
+  }
+  // Offsets from the start, with each bucket padded at its end to a multiple of dp.
+  offsets_.assign(table_.size(), 0);
   int64_t off = 0;
-  for (size_t i = 0; i < table_.size(); ++i) {
-    offsets_.push_back(off);
-    by_name_[table_[i].name] = i;
-    off += table_[i].numel();
+  for (size_t b = first_of_bucket.size(); b-- > 0;) {
+    const size_t end = b == 0 ? table_.size() : first_of_bucket[b - 1];
+    const int64_t begin = off;
+    for (size_t i = first_of_bucket[b]; i < end; ++i) offsets_[i] = off, off += local_numel(i);
+    off = begin + (off - begin + layout_.dp - 1) / layout_.dp * layout_.dp;
+    buckets_.insert(buckets_.begin(), Range{begin, off});
   }
   data_.assign(size_t(off), 0.f);
-  grad_.assign(size_t(off), 0.f);
+  const size_t bytes = std::max<size_t>(1, size_t(off) * sizeof(float));
+  void* g = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ORIGAMI_CHECK(g != MAP_FAILED, "cannot allocate ", bytes, " bytes for gradients");
+  grad_ = std::unique_ptr<float, Unmap>(static_cast<float*>(g), Unmap{bytes});
+}
+
+void Params::Unmap::operator()(float* p) const { munmap(p, bytes); }
+
+std::vector<Segment> Params::segments(const std::vector<Range>& ranges) const {
+  std::vector<Segment> out;
+  for (const Range& r : ranges)
+    for (size_t i = 0; i < table_.size(); ++i) {
+      const int64_t b = std::max(r.begin, offsets_[i]), e = std::min(r.end, offsets_[i] + local_numel(i));
+      if (b < e) out.push_back({b, e, i});
+    }
+  std::sort(out.begin(), out.end(), [](const Segment& a, const Segment& b) { return a.begin < b.begin; });
+  return out;
 }
 
 int64_t Params::index(const std::string& name) const {
@@ -97,7 +160,7 @@ float* Params::value(const std::string& name) {
 float* Params::grad(const std::string& name) {
   int64_t i = index(name);
   ORIGAMI_CHECK(i >= 0, "internal error: no parameter named '", name, "'");
-  return grad_.data() + offsets_[size_t(i)];
+  return grad_.get() + offsets_[size_t(i)];
 }
 
 void Params::init(uint64_t seed, int64_t num_layers) {
@@ -105,22 +168,26 @@ void Params::init(uint64_t seed, int64_t num_layers) {
   for (size_t i = 0; i < table_.size(); ++i) {
     const ParamSpec& p = table_[i];
     float* w = data_.data() + offsets_[i];
-    const int64_t n = p.numel();
     const uint64_t key = hash_name(p.name);
-    switch (p.init) {
-      case Init::zeros: std::fill(w, w + n, 0.f); break;
-      case Init::ones: std::fill(w, w + n, 1.f); break;
-      case Init::normal:
-      case Init::scaled_normal: {
-        const double s = p.init == Init::normal ? std_normal : std_scaled;
+    const double s = p.init == Init::normal ? std_normal : std_scaled;
+    p.for_each_run(layout_.tp, layout_.tp_rank, [&](int64_t local, int64_t global, int64_t n) {
+      switch (p.init) {
+        case Init::zeros: std::fill(w + local, w + local + n, 0.f); break;
+        case Init::ones: std::fill(w + local, w + local + n, 1.f); break;
+        case Init::normal:
+        case Init::scaled_normal:
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < n; ++j) w[j] = float(s * normal01(seed, key, uint64_t(j)));
-        break;
+          for (int64_t j = 0; j < n; ++j) w[local + j] = float(s * normal01(seed, key, uint64_t(global + j)));
+          break;
       }
-    }
+    });
   }
 }
 
-void Params::zero_grad() { std::memset(grad_.data(), 0, grad_.size() * sizeof(float)); }
+void Params::zero_grad() { std::memset(grad_.get(), 0, data_.size() * sizeof(float)); }
+
+void Params::release_grad() {
+  if (madvise(grad_.get(), grad_.get_deleter().bytes, MADV_DONTNEED) != 0) zero_grad();
+}
 
 }  // namespace origami

@@ -1,12 +1,19 @@
-// Parameters: one table of {Hugging Face name, shape, init} generated from the config, one
-// contiguous float buffer carved from it, and a gradient buffer of the same layout.
+// Parameters: one table of {Hugging Face name, global shape, tensor-parallel split, init}
+// generated from the config, one contiguous float buffer per rank carved from it (this rank's
+// shard of every tensor), and a gradient buffer of the same layout.
 // Layers find their weights by name through the table — offsets are never hand-numbered.
 //
 // The table orders tensors so that weights used by one fused GEMM sit next to each other:
 // llama q_proj|k_proj|v_proj form one [(H+2KV)·D, C] matrix, gate_proj|up_proj one [2F, C],
-// and each expert's w1|w3 one [2F, C].
+// and each expert's w1|w3 one [2F, C] — on every TP rank, for its shard.
+//
+// The buffer is also cut into data-parallel buckets: contiguous ranges, formed from the end of
+// the table (backward produces the last layers' gradients first), each padded with zeros to a
+// multiple of the DP size so it can be reduce-scattered in equal shards.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -17,42 +24,115 @@ namespace origami {
 
 enum class Init { normal, scaled_normal, zeros, ones };
 
+// How a tensor is split over the tensor-parallel group (Megatron's column-, row- and vocab-parallel).
+struct TpSplit {
+  int dim = -1;              // dimension split across TP ranks; -1: replicated on every TP rank
+  int parts = 1;             // that dimension is `parts` equal blocks (gpt2 c_attn: q|k|v), each split across TP
+  bool pad = false;          // the dimension (vocabulary) is padded to a multiple of TP with zero rows
+  bool seq_partial = false;  // replicated, and with sequence parallelism its gradient is a partial sum over
+                             // the sequence shards (norm weights): reduced over TP before the optimizer
+};
+
 struct ParamSpec {
   std::string name;            // Hugging Face name (gpt2: without the "transformer." prefix)
-  std::vector<int64_t> shape;  // Hugging Face layout (gpt2 Conv1D: [in, out]; Linear: [out, in])
+  std::vector<int64_t> shape;  // global, Hugging Face layout (gpt2 Conv1D: [in, out]; Linear: [out, in])
   Init init = Init::normal;
-  int64_t numel() const;
+  TpSplit split;
+  int64_t numel() const;       // global elements
   bool decays() const { return shape.size() >= 2; }  // AdamW weight decay on matrices only
+  std::vector<int64_t> local_shape(int tp) const;    // this shard's shape (padded dimension included)
+  int64_t local_numel(int tp) const;
+  // Calls fn(local_offset, global_offset, length) for the contiguous runs that map TP rank `tp_rank`'s
+  // shard onto the global tensor (row-major offsets; padding rows are in no run).
+  template <typename Fn> void for_each_run(int tp, int tp_rank, Fn&& fn) const;
 };
 
 std::vector<ParamSpec> make_param_table(const ModelConfig& cfg);
+int64_t num_parameters(const ModelConfig& cfg);  // global count, whatever the layout
+
+// The per-rank layout of the buffers.
+struct ParamLayout {
+  int tp = 1, tp_rank = 0;
+  int dp = 1;                 // buckets are padded to a multiple of this
+  int64_t bucket_floats = 0;  // target bucket size; 0: one bucket
+};
+
+struct Range {
+  int64_t begin, end;  // [begin, end) of the flat buffer
+};
+
+// The part of one parameter tensor inside a range: buffer [begin, end), tensor index `param`.
+struct Segment {
+  int64_t begin, end;
+  size_t param;
+};
 
 class Params {
  public:
-  explicit Params(std::vector<ParamSpec> table);
+  explicit Params(std::vector<ParamSpec> table, ParamLayout layout = {});
 
   const std::vector<ParamSpec>& table() const { return table_; }
+  const ParamLayout& layout() const { return layout_; }
+  // Buckets in the order their gradients become final (last parameters first); each one's length
+  // is a multiple of the layout's dp.
+  const std::vector<Range>& buckets() const { return buckets_; }
+  // The parameter segments covered by `ranges` (bucket padding excluded), in buffer order.
+  std::vector<Segment> segments(const std::vector<Range>& ranges) const;
   int64_t size() const { return int64_t(data_.size()); }
   float* data() { return data_.data(); }
   const float* data() const { return data_.data(); }
-  float* grad() { return grad_.data(); }
-  const float* grad() const { return grad_.data(); }
+  float* grad() { return grad_.get(); }
+  const float* grad() const { return grad_.get(); }
   int64_t offset(size_t i) const { return offsets_[i]; }
+  int64_t local_numel(size_t i) const { return table_[i].local_numel(layout_.tp); }
   // Index of a parameter by name, or -1.
   int64_t index(const std::string& name) const;
   float* value(const std::string& name);  // throws if absent (internal error)
   float* grad(const std::string& name);
 
-  // Deterministic init: element j of parameter `name` depends only on (seed, name, j).
+  // Deterministic init: element j of parameter `name` depends only on (seed, name, j), j the index
+  // in the global tensor — never on the layout.
   // normal: N(0, 0.02²); scaled_normal: N(0, (0.02/√(2L))²) (GPT-2 residual projections).
   void init(uint64_t seed, int64_t num_layers);
   void zero_grad();
+  // Zeroes the gradient buffer by returning its pages to the operating system: memory is used again
+  // only where gradients are next written (ZeRO-2 keeps only its shard resident between steps).
+  void release_grad();
 
  private:
   std::vector<ParamSpec> table_;
+  ParamLayout layout_;
   std::vector<int64_t> offsets_;
+  std::vector<Range> buckets_;
   std::unordered_map<std::string, size_t> by_name_;
-  std::vector<float> data_, grad_;
+  std::vector<float> data_;
+  struct Unmap {
+    size_t bytes;
+    void operator()(float* p) const;
+  };
+  std::unique_ptr<float, Unmap> grad_;  // anonymous pages (zero-filled, releasable)
 };
+
+template <typename Fn>
+void ParamSpec::for_each_run(int tp, int tp_rank, Fn&& fn) const {
+  if (split.dim < 0) {
+    fn(int64_t(0), int64_t(0), numel());
+    return;
+  }
+  // View the tensor as [outer, rows, inner] around the split dimension; rows (padded to local·tp) are
+  // `parts` blocks, and this rank holds rows [p·rows/parts + r·lp, + lp) of each block p.
+  const std::vector<int64_t> local = local_shape(tp);
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < split.dim; ++d) outer *= shape[size_t(d)];
+  for (size_t d = size_t(split.dim) + 1; d < shape.size(); ++d) inner *= shape[d];
+  const int64_t rows = shape[size_t(split.dim)], local_rows = local[size_t(split.dim)];
+  const int64_t lp = local_rows / split.parts, gp = local_rows * tp / split.parts;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t p = 0; p < split.parts; ++p) {
+      const int64_t g0 = p * gp + int64_t(tp_rank) * lp;                 // first global row of the run
+      const int64_t n = std::max<int64_t>(0, std::min(lp, rows - g0));  // rows past `rows` are padding
+      if (n > 0) fn((o * local_rows + p * lp) * inner, (o * rows + g0) * inner, n * inner);
+    }
+}
 
 }  // namespace origami

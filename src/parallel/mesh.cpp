@@ -133,11 +133,13 @@ std::map<std::string, double> Mesh::bytes_sent() const {
   std::map<std::string, double> out;
   for (const auto& [name, c] : comms_)
     if (c->bytes_sent() > 0) out[name] = c->bytes_sent();
+  if (world_.bytes_sent() > 0) out["world"] = world_.bytes_sent();
   return out;
 }
 
 void Mesh::reset_bytes() {
   for (auto& [name, c] : comms_) c->reset_bytes();
+  world_.reset_bytes();
 }
 
 }  // namespace origami

@@ -68,7 +68,7 @@ class Mesh {
   int degree(std::string_view axis) const { return shape_.degree(axis); }
   Comm& world() { return world_; }
   Comm& comm(std::string_view axes);
-  // Bytes this rank sent per axis group since the last reset (zero entries omitted).
+  // Bytes this rank sent per axis group (and "world") since the last reset (zero entries omitted).
   std::map<std::string, double> bytes_sent() const;
   void reset_bytes();
 

@@ -1,14 +1,22 @@
 #include "train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
 
 namespace origami {
 
-AdamW::AdamW(const Params& params, AdamWConfig cfg)
-    : cfg_(cfg), m_(size_t(params.size()), 0.f), v_(size_t(params.size()), 0.f) {
-  for (const ParamSpec& p : params.table()) decay_.push_back(p.decays() ? 1 : 0);
+AdamW::AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges) : cfg_(cfg) {
+  segs_ = params.segments(ranges.empty() ? std::vector<Range>{{0, params.size()}} : ranges);
+  int64_t n = 0;
+  for (const Segment& s : segs_) {
+    state_at_.push_back(n);
+    decay_.push_back(params.table()[s.param].decays() ? 1 : 0);
+    n += s.end - s.begin;
+  }
+  m_.assign(size_t(n), 0.f);
+  v_.assign(size_t(n), 0.f);
 }
 
 void AdamW::step(Params& params, double lr) {
@@ -16,38 +24,36 @@ void AdamW::step(Params& params, double lr) {
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_)), bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
   const float b1 = float(cfg_.beta1), b2 = float(cfg_.beta2);
   const float step_size = float(lr / bc1), inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2)), eps = float(cfg_.eps);
-  float* w = params.data();
-  const float* g = params.grad();
-  for (size_t i = 0; i < params.table().size(); ++i) {
-    const int64_t begin = params.offset(i), end = begin + params.table()[i].numel();
+  for (size_t i = 0; i < segs_.size(); ++i) {
+    const int64_t n = segs_[i].end - segs_[i].begin;
+    float* w = params.data() + segs_[i].begin;
+    const float* g = params.grad() + segs_[i].begin;
+    float* m = m_.data() + state_at_[i];
+    float* v = v_.data() + state_at_[i];
     const float keep = decay_[i] ? float(1.0 - lr * cfg_.weight_decay) : 1.f;
 #pragma omp parallel for simd schedule(static)
-    for (int64_t j = begin; j < end; ++j) {
-      m_[size_t(j)] = b1 * m_[size_t(j)] + (1.f - b1) * g[j];
-      v_[size_t(j)] = b2 * v_[size_t(j)] + (1.f - b2) * g[j] * g[j];
-      w[j] = w[j] * keep - step_size * m_[size_t(j)] / (std::sqrt(v_[size_t(j)]) * inv_sqrt_bc2 + eps);
+    for (int64_t j = 0; j < n; ++j) {
+      m[j] = b1 * m[j] + (1.f - b1) * g[j];
+      v[j] = b2 * v[j] + (1.f - b2) * g[j] * g[j];
+      w[j] = w[j] * keep - step_size * m[j] / (std::sqrt(v[j]) * inv_sqrt_bc2 + eps);
     }
   }
 }
 
-double grad_global_norm(const Params& params) {
-  const float* g = params.grad();
-  double s = 0;
-#pragma omp parallel for simd reduction(+ : s) schedule(static)
-  for (int64_t i = 0; i < params.size(); ++i) s += double(g[i]) * g[i];
-  return std::sqrt(s);
+void AdamW::state_to_flat(float* m_flat, float* v_flat) const {
+  for (size_t i = 0; i < segs_.size(); ++i) {
+    const size_t n = size_t(segs_[i].end - segs_[i].begin);
+    std::copy_n(m_.data() + state_at_[i], n, m_flat + segs_[i].begin);
+    std::copy_n(v_.data() + state_at_[i], n, v_flat + segs_[i].begin);
+  }
 }
 
-double clip_grad_norm(Params& params, double max_norm) {
-  const double norm = grad_global_norm(params);
-  const double coef = max_norm / (norm + 1e-6);
-  if (max_norm > 0 && coef < 1.0) {
-    float* g = params.grad();
-    const float c = float(coef);
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < params.size(); ++i) g[i] *= c;
+void AdamW::state_from_flat(const float* m_flat, const float* v_flat) {
+  for (size_t i = 0; i < segs_.size(); ++i) {
+    const size_t n = size_t(segs_[i].end - segs_[i].begin);
+    std::copy_n(m_flat + segs_[i].begin, n, m_.data() + state_at_[i]);
+    std::copy_n(v_flat + segs_[i].begin, n, v_.data() + state_at_[i]);
   }
-  return norm;
 }
 
 LrSchedule parse_lr_schedule(const std::string& s) {

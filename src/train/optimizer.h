@@ -1,5 +1,6 @@
-// AdamW with decoupled weight decay (PyTorch semantics) on the flat parameter buffer, global-norm
-// gradient clipping (torch.nn.utils.clip_grad_norm_ semantics) and learning-rate schedules.
+// AdamW with decoupled weight decay (PyTorch semantics) on ranges of the flat parameter buffer
+// (all of it, or a ZeRO shard), and learning-rate schedules. Gradient clipping lives with data
+// parallelism (parallel/data_parallel.h), which knows how to compute the true global norm.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -15,28 +16,27 @@ struct AdamWConfig {
 
 class AdamW {
  public:
-  AdamW(const Params& params, AdamWConfig cfg);
+  // Updates the parameters in `ranges` of the buffer (empty: all of it); state exists only for them.
+  AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges = {});
   // One update with learning rate lr: p −= lr·wd·p (matrices only), then the bias-corrected
   // Adam step p −= lr·m̂/(√v̂ + ε).
   void step(Params& params, double lr);
   int64_t steps_taken() const { return t_; }
-
-  // State for checkpoints: exp_avg / exp_avg_sq in the parameter buffer's layout.
-  std::vector<float>& exp_avg() { return m_; }
-  std::vector<float>& exp_avg_sq() { return v_; }
   void set_steps_taken(int64_t t) { t_ = t; }
+
+  // State for checkpoints, in the parameter buffer's layout: writes exp_avg / exp_avg_sq of the
+  // elements this optimizer owns into m_flat / v_flat (other elements untouched), or reads them back.
+  void state_to_flat(float* m_flat, float* v_flat) const;
+  void state_from_flat(const float* m_flat, const float* v_flat);
 
  private:
   AdamWConfig cfg_;
+  std::vector<Segment> segs_;
+  std::vector<int64_t> state_at_;  // where each segment's state starts in m_ / v_
+  std::vector<uint8_t> decay_;     // per segment
   std::vector<float> m_, v_;
-  std::vector<uint8_t> decay_;  // per parameter tensor
   int64_t t_ = 0;
 };
-
-// √(Σ g²) over the whole gradient buffer, accumulated in double.
-double grad_global_norm(const Params& params);
-// Scales gradients by max_norm/(norm + 1e-6) when that is < 1. Returns the norm before clipping.
-double clip_grad_norm(Params& params, double max_norm);
 
 enum class LrSchedule { constant, cosine };
 LrSchedule parse_lr_schedule(const std::string& s);

@@ -6,8 +6,13 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <sys/resource.h>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/safetensors.h"
+#include "parallel/data_parallel.h"
+#include "parallel/mesh.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "data/indexed_dataset.h"
@@ -37,13 +42,14 @@ std::string format_duration(double seconds) {
 
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
+          {"tp", tp}, {"dp", dp}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}};
 }
 
-void TrainOptions::validate(const ModelConfig& cfg) const {
+void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(!data.empty(), "no training data: give --data PREFIX (made by 'origami data prepare')");
   ORIGAMI_CHECK(steps > 0, "--steps must be positive, got ", steps);
   ORIGAMI_CHECK(micro_batch > 0, "--micro-batch must be positive, got ", micro_batch);
@@ -63,58 +69,137 @@ void TrainOptions::validate(const ModelConfig& cfg) const {
   ORIGAMI_CHECK(save_every == 0 || !save.empty(), "--save-every needs --save DIR");
   ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
   parse_sample_order(data_order);
+  // Layout.
+  ORIGAMI_CHECK(pp == 1, "--pp ", pp, ": pipeline parallelism is not available yet (only --pp 1)");
+  ORIGAMI_CHECK(cp == 1, "--cp ", cp, ": context parallelism is not available yet (only --cp 1)");
+  ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
+  ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
+  ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);
+  ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
+  const MeshDims dims = layout_dims(world_size);
+  MeshShape(world_size, dims, mesh_order);  // validates the world size and the order
+  auto divides = [&](int64_t n, const char* what) {
+    ORIGAMI_CHECK(n % tp == 0, "--tp ", tp, " must divide the number of ", what, " (", n, ")");
+  };
+  divides(cfg.num_heads, "attention heads");
+  divides(cfg.num_kv_heads, "key/value heads");
+  divides(cfg.hidden, "hidden features");
+  divides(cfg.ffn, cfg.is_moe() ? "expert FFN features" : "FFN features");
+  ORIGAMI_CHECK(global_batch % (int64_t(dims.dp) * micro_batch) == 0, "--global-batch (", global_batch,
+                ") must be a multiple of --micro-batch x DP (", micro_batch, " x ", dims.dp, " = ",
+                micro_batch * dims.dp, ")");
+  ORIGAMI_CHECK(!sequence_parallel || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
+                seq_len, ") must be a multiple of --tp (", tp, ")");
 }
 
-int run_training(const ModelConfig& cfg, const TrainOptions& o) {
-  o.validate(cfg);
-  if (o.threads > 0) set_num_threads(o.threads);
+MeshDims TrainOptions::layout_dims(int world_size) const {
+  MeshDims d;
+  d.tp = tp, d.cp = cp, d.pp = pp, d.dp = dp;
+  d.etp = tp, d.ep = 1, d.edp = 0;  // MoE experts split by TP inside each expert until expert parallelism
+  return MeshShape::derive(world_size, d);
+}
 
-  // Data.
-  IndexedDataset dataset = IndexedDataset::open(o.data);
+namespace {
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+}  // namespace
+
+int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
+  // Everything a user can get wrong is checked first, on every rank, before any communication.
+  std::optional<IndexedDataset> dataset;
   const std::string tokenizer_path = o.data + ".tokenizer.json";
-  const bool has_tokenizer = std::filesystem::exists(tokenizer_path);
-  if (has_tokenizer) {
-    auto tok = load_tokenizer_file(tokenizer_path);
-    ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
-                  tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
-  }
-  WindowSampler sampler(dataset, o.seq_len, parse_sample_order(o.data_order), o.seed);
+  bool has_tokenizer = false;
+  check_on_every_rank(world, "train", [&] {
+    o.validate(cfg, world.size());
+    dataset = IndexedDataset::open(o.data);
+    has_tokenizer = std::filesystem::exists(tokenizer_path);
+    if (has_tokenizer) {
+      auto tok = load_tokenizer_file(tokenizer_path);
+      ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
+                    tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
+    }
+    if (!o.init_from.empty()) SafetensorsFile::open(weights_file(o.init_from));  // exists and parses
+  });
+  if (o.threads > 0) set_num_threads(o.threads);
+  const bool rank0 = world.rank() == 0;
+  WindowSampler sampler(*dataset, o.seq_len, parse_sample_order(o.data_order), o.seed);
 
-  // Model, parameters, optimizer.
-  Params params(make_param_table(cfg));
-  AdamW opt(params, o.adam);
+  // Layout: mesh, tensor parallelism, this rank's parameter shard and buckets, data parallelism.
+  Mesh mesh(world, MeshShape(world.size(), o.layout_dims(world.size()), o.mesh_order));
+  Comm& tp_comm = mesh.comm("tp");
+  Comm& dp_comm = mesh.comm("dp");
+  const int dp = dp_comm.size(), dp_rank = dp_comm.rank();
+  ParamLayout layout{tp_comm.size(), tp_comm.rank(), dp, int64_t(o.bucket_mb * 1024 * 1024 / sizeof(float))};
+  Params params(make_param_table(cfg), layout);
+  DataParallel data_parallel(params, dp_comm, tp_comm, world, o.zero, o.sequence_parallel);
+  AdamW opt(params, o.adam, data_parallel.owned());
   int64_t start_step = 0;
   if (o.init_from.empty()) {
     params.init(o.seed, cfg.num_layers);
   } else {
     load_weights(weights_file(o.init_from), cfg, params);
     if (is_checkpoint_dir(o.init_from) && std::filesystem::exists(o.init_from + "/optimizer.safetensors")) {
-      start_step = load_optimizer_state(o.init_from, params, opt).step;
+      std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
+      const TrainerState st = load_optimizer_state(o.init_from, params, m.data(), v.data());
+      opt.state_from_flat(m.data(), v.data());
+      opt.set_steps_taken(st.adam_steps);
+      start_step = st.step;
       ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", o.init_from, "' is already at step ", start_step,
                     "; ask for more --steps to continue");
     }
   }
-  Model model(cfg, params);
+  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel));
+  model.on_grads_ready([&](int64_t offset) { data_parallel.grads_ready(offset); });
 
   std::unique_ptr<std::ofstream> metrics;
-  if (!o.metrics.empty()) {
+  if (rank0 && !o.metrics.empty()) {
     metrics = std::make_unique<std::ofstream>(o.metrics, start_step > 0 ? std::ios::app : std::ios::trunc);
     ORIGAMI_CHECK(*metrics, "cannot write metrics file '", o.metrics, "'");
   }
-  const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / B;
+  const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
   const double flops_per_step = train_flops_per_token(cfg, T) * double(G * T);
-  std::printf("origami train: %s, %lld parameters, %lld layers | data %s: %llu tokens, %lld windows of %lld | "
-              "global batch %lld = %lld x micro-batch %lld | %d threads\n",
-              cfg.model_type().c_str(), (long long)params.size(), (long long)cfg.num_layers, o.data.c_str(),
-              (unsigned long long)dataset.num_tokens(), (long long)sampler.num_windows(), (long long)T, (long long)G,
-              (long long)micro, (long long)B, num_threads());
-  if (start_step > 0) std::printf("resuming from '%s' at step %lld\n", o.init_from.c_str(), (long long)start_step);
-  std::fflush(stdout);
+  const std::string layout_name = mesh.shape().describe() + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
+                                  (o.zero > 0 && dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+  if (rank0) {
+    std::printf("origami train: %s, %lld parameters, %lld layers | data %s: %llu tokens, %lld windows of %lld | "
+                "global batch %lld = %lld x micro-batch %lld x DP %d | %s, %d threads per rank\n",
+                cfg.model_type().c_str(), (long long)num_parameters(cfg), (long long)cfg.num_layers, o.data.c_str(),
+                (unsigned long long)dataset->num_tokens(), (long long)sampler.num_windows(), (long long)T, (long long)G,
+                (long long)micro, (long long)B, dp, layout_name.c_str(), num_threads());
+    if (start_step > 0) std::printf("resuming from '%s' at step %lld\n", o.init_from.c_str(), (long long)start_step);
+    std::fflush(stdout);
+  }
 
+  // A checkpoint is written in the one-rank form: ZeRO optimizer shards are summed over DP (each rank
+  // contributes only the elements it owns), then the first DP replica's TP shards are gathered on rank 0.
   auto save = [&](int64_t steps_done) {
     if (o.save.empty()) return;
-    save_checkpoint(o.save, cfg, params, opt, {steps_done, o.as_json()}, has_tokenizer ? tokenizer_path : "");
-    std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
+    std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
+    opt.state_to_flat(m.data(), v.data());
+    if (o.zero > 0) {
+      dp_comm.all_reduce(m.data(), params.size());
+      dp_comm.all_reduce(v.data(), params.size());
+    }
+    if (dp_rank == 0) {
+      std::unique_ptr<Params> global;
+      if (rank0) global = std::make_unique<Params>(make_param_table(cfg));
+      std::vector<float> gw = gather_tp_shards(tp_comm, params, params.data(), global.get());
+      std::vector<float> gm = gather_tp_shards(tp_comm, params, m.data(), global.get());
+      std::vector<float> gv = gather_tp_shards(tp_comm, params, v.data(), global.get());
+      if (rank0) {
+        std::copy(gw.begin(), gw.end(), global->data());
+        save_checkpoint(o.save, cfg, *global, gm.data(), gv.data(), {steps_done, opt.steps_taken(), o.as_json()},
+                        has_tokenizer ? tokenizer_path : "");
+        std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
+        std::fflush(stdout);
+      }
+    }
+    world.barrier();
   };
 
   g_stop_signal = 0;
@@ -123,49 +208,67 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o) {
   std::vector<int32_t> tokens(size_t(B * (T + 1)));
   Timer run_timer;
   int exit_code = 0;
+  const size_t num_moe = cfg.is_moe() ? size_t(cfg.num_layers * cfg.num_experts) : 0;
   for (int64_t step = start_step; step < o.steps; ++step) {
     Timer step_timer;
+    const double cpu0 = cpu_seconds();
+    mesh.reset_bytes();
     const double lr = lr_at(o.lr, step);
-    params.zero_grad();
     Losses sum;
-    std::vector<std::vector<int64_t>> counts;
+    std::vector<double> counts(num_moe, 0.0);
     for (int64_t m = 0; m < micro; ++m) {
-      for (int64_t r = 0; r < B; ++r) sampler.window(step * G + m * B + r, tokens.data() + r * (T + 1));
-      // Each micro-batch's loss enters the step's objective with weight 1/micro (a mean).
-      Losses l = model.forward_backward(tokens.data(), B, T, 1.f / float(micro), true);
-      sum.loss += l.loss / double(micro), sum.lm_loss += l.lm_loss / double(micro);
-      sum.aux_loss += l.aux_loss / double(micro), sum.z_loss += l.z_loss / double(micro);
-      const auto ec = model.expert_counts();
-      if (counts.empty()) counts = ec;
-      else
-        for (size_t i = 0; i < ec.size(); ++i)
-          for (size_t e = 0; e < ec[i].size(); ++e) counts[i][e] += ec[i][e];
+      const int64_t row0 = step * G + dp_rank * (G / dp) + m * B;
+      for (int64_t r = 0; r < B; ++r) sampler.window(row0 + r, tokens.data() + r * (T + 1));
+      // Each micro-batch's loss enters the step's objective with weight 1/(G/B) (a mean over all of them).
+      data_parallel.begin_micro_batch(m == 0, m == micro - 1);
+      Losses l = model.forward_backward(tokens.data(), B, T, 1.f / float(micro * dp), true);
+      data_parallel.end_micro_batch();
+      sum.loss += l.loss, sum.lm_loss += l.lm_loss, sum.aux_loss += l.aux_loss, sum.z_loss += l.z_loss;
+      size_t i = 0;
+      for (const auto& layer : model.expert_counts())
+        for (int64_t c : layer) counts[i++] += double(c);
     }
-    const double gnorm = clip_grad_norm(params, o.grad_clip);
+    const double gnorm = data_parallel.finish_gradients(o.grad_clip);
     opt.step(params, lr);
+    data_parallel.gather_params();
+
+    // Step metrics over the job: losses and expert counts from one rank per TP group (its peers hold
+    // the same values), CPU time from every rank, and the stop flag (any rank signalled).
+    const double weight = tp_comm.rank() == 0 ? 1.0 : 0.0, per = weight / double(micro * dp);
+    std::vector<double> red = {sum.loss * per, sum.lm_loss * per, sum.aux_loss * per, sum.z_loss * per,
+                               cpu_seconds() - cpu0, g_stop_signal ? 1.0 : 0.0};
+    for (double c : counts) red.push_back(c * weight);
+    world.all_reduce(red.data(), int64_t(red.size()));
     const double ms = step_timer.ms();
     const double tok_s = double(G * T) / (ms / 1000.0);
     const double gflops = flops_per_step / (ms / 1000.0) / 1e9;
     const int64_t done = step + 1;
     const double eta = run_timer.ms() / 1000.0 / double(done - start_step) * double(o.steps - done);
-    if (!o.quiet || done == o.steps || done % 50 == 0) {
-      std::printf("step %lld/%lld | loss %.4f", (long long)done, (long long)o.steps, sum.loss);
-      if (cfg.is_moe()) std::printf(" (lm %.4f aux %.4f z %.5f)", sum.lm_loss, sum.aux_loss, sum.z_loss);
+    if (rank0 && (!o.quiet || done == o.steps || done % 50 == 0)) {
+      std::printf("step %lld/%lld | loss %.4f", (long long)done, (long long)o.steps, red[0]);
+      if (cfg.is_moe()) std::printf(" (lm %.4f aux %.4f z %.5f)", red[1], red[2], red[3]);
       std::printf(" | lr %.3e | grad norm %.3f | %.0f tok/s | %.1f ms | %.1f GFLOP/s | eta %s\n", lr, gnorm, tok_s, ms,
                   gflops, format_duration(eta).c_str());
       std::fflush(stdout);
     }
     if (metrics) {
-      nlohmann::json j = {{"step", done}, {"loss", sum.loss}, {"lm_loss", sum.lm_loss}, {"aux_loss", sum.aux_loss},
-                          {"z_loss", sum.z_loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", G * T},
-                          {"ms", ms}, {"tokens_per_s", tok_s}, {"gflops", gflops}};
-      if (cfg.is_moe()) j["expert_tokens"] = counts;
+      nlohmann::json bytes = nlohmann::json::object();
+      for (const auto& [axis, b] : mesh.bytes_sent()) bytes[axis] = std::llround(b);
+      nlohmann::json j = {{"step", done}, {"loss", red[0]}, {"lm_loss", red[1]}, {"aux_loss", red[2]},
+                          {"z_loss", red[3]}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", G * T},
+                          {"ms", ms}, {"tokens_per_s", tok_s}, {"gflops", gflops}, {"cpu_s", red[4]},
+                          {"layout", layout_name}, {"comm_bytes", bytes}};
+      if (cfg.is_moe()) {
+        std::vector<std::vector<int64_t>> ec(size_t(cfg.num_layers), std::vector<int64_t>(size_t(cfg.num_experts)));
+        for (size_t i = 0; i < num_moe; ++i) ec[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[6 + i]);
+        j["expert_tokens"] = ec;
+      }
       *metrics << j.dump() << "\n";
       metrics->flush();
     }
     if (o.save_every > 0 && done % o.save_every == 0 && done < o.steps) save(done);
-    if (g_stop_signal) {
-      std::printf("stopping on signal %d after step %lld\n", int(g_stop_signal), (long long)done);
+    if (red[5] > 0) {
+      if (rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
       save(done);
       exit_code = 130;
       break;

@@ -1,13 +1,21 @@
-// The training loop on one process: micro-batches with gradient accumulation, clipping, AdamW,
-// learning-rate schedule, one human line and one JSON metrics object per step, periodic and final
-// checkpoints, and a clean stop (checkpoint saved) on SIGINT/SIGTERM.
+// The training loop: micro-batches with gradient accumulation, clipping, AdamW, learning-rate
+// schedule, one human line and one JSON metrics object per step, periodic and final checkpoints,
+// and a clean stop (checkpoint saved) on SIGINT/SIGTERM — on one process or on every rank of an
+// MPI job laid out as TP × DP (with sequence parallelism and ZeRO).
+//
+// Layout invariance: initialisation depends only on (seed, parameter name, global element index);
+// the rows of step s are windows s·G .. s·G+G−1 whatever the layout, DP rank d taking rows
+// [d·G/dp, (d+1)·G/dp) in micro-batches of B; every micro-batch's loss enters with weight
+// 1/(G/B), so the step's loss and gradients are those of the one-rank run.
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
 #include "model/config.h"
+#include "parallel/mesh.h"
 #include "train/optimizer.h"
 
 namespace origami {
@@ -29,11 +37,21 @@ struct TrainOptions {
   int64_t save_every = 0;      // 0: only at the end
   int threads = 0;             // 0: all cores
   bool quiet = false;          // no per-step lines (progress only)
+  // Layout.
+  int tp = 1, cp = 1, pp = 1;
+  int dp = 0;                  // 0: world size / (tp·cp·pp)
+  bool sequence_parallel = false;
+  int zero = 0;                // ZeRO stage 0, 1, 2
+  double bucket_mb = 16;       // data-parallel gradient bucket size (MiB of fp32 gradients)
+  std::string mesh_order = "tp-cp-ep-dp-pp";
   nlohmann::json as_json() const;
-  void validate(const ModelConfig& cfg) const;  // Error naming the value and the rule
+  // Error naming the value and the rule (options, and the layout against the model and world size).
+  void validate(const ModelConfig& cfg, int world_size) const;
+  MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
 };
 
-// Returns the process exit code (0, or 130 when stopped by a signal after saving).
-int run_training(const ModelConfig& cfg, const TrainOptions& opts);
+// Returns the process exit code (0, or 130 when stopped by a signal after saving). Collective over
+// `world`: every rank calls it with the same arguments.
+int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world);
 
 }  // namespace origami

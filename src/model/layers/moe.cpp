@@ -94,11 +94,10 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
 }
 
 template <typename T>
-void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>& c, const T* x, const T* gate,
-                  const T* experts, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale) {
+void moe_backward_experts(T* dx, T* dweight, T* dexperts, const T* dout, const MoeCache<T>& c, const T* experts,
+                          const MoeSizes& s) {
   const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
   std::vector<T> dy(size_t(R * C)), dgu(size_t(R * 2 * F)), dact(size_t(R * F)), dxs(size_t(R * C));
-  std::vector<T> dweight(static_cast<size_t>(R));
   // Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)].
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i) {
@@ -112,7 +111,7 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
       g[ch] = w * d[ch];
       dot += d[ch] * y[ch];
     }
-    dweight[size_t(i)] = dot;
+    dweight[i] = dot;
   }
   // Experts backward.
   for (int64_t e = 0; e < E; ++e) {
@@ -128,7 +127,23 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
     gemm<T>(false, false, rn, C, 2 * F, T(1), dgu.data() + r0 * 2 * F, 2 * F, w13, C, T(0), dxs.data() + r0 * C, C);
     gemm<T>(true, false, 2 * F, C, rn, T(1), dgu.data() + r0 * 2 * F, 2 * F, c.xs_RC.data() + r0 * C, C, T(1), dw13, C);
   }
-  // Router backward: d logits from the renormalised weights, the aux loss and the z-loss.
+  // Unpermute: dx[n] = Σ_k dxs[row(n,k)].
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    T* d = dx + n * C;
+    for (int64_t ch = 0; ch < C; ++ch) d[ch] = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const T* g = dxs.data() + c.row_NK[size_t(n * K + k)] * C;
+      for (int64_t ch = 0; ch < C; ++ch) d[ch] += g[ch];
+    }
+  }
+}
+
+template <typename T>
+void moe_backward_router(T* dx, T* dgate, const T* dweight, const MoeCache<T>& c, const T* x, const T* gate,
+                         const MoeSizes& s, double aux_coef, double z_coef, T loss_scale) {
+  const int64_t N = s.N, C = s.C, E = s.E, K = s.K, R = N * K;
+  // d logits from the renormalised weights, the aux loss and the z-loss.
   std::vector<T> dlogits(size_t(N * E));
   const T aux_g = T(aux_coef * double(E) / double(N)) * loss_scale;  // ∂aux/∂p[n,e] = aux_g·f_e
   const T z_g = T(2.0 * z_coef / double(N)) * loss_scale;
@@ -142,9 +157,9 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
     T psum = 0, dot = 0;
     for (int64_t k = 0; k < K; ++k) {
       psum += p[c.expert_NK[size_t(n * K + k)]];
-      dot += dweight[size_t(n * K + k)] * c.weight_NK[size_t(n * K + k)];
+      dot += dweight[n * K + k] * c.weight_NK[size_t(n * K + k)];
     }
-    for (int64_t k = 0; k < K; ++k) dp[c.expert_NK[size_t(n * K + k)]] += (dweight[size_t(n * K + k)] - dot) / psum;
+    for (int64_t k = 0; k < K; ++k) dp[c.expert_NK[size_t(n * K + k)]] += (dweight[n * K + k] - dot) / psum;
     // Softmax backward, then the z-loss term 2·lse·p.
     T pdp = 0;
     for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[e];
@@ -152,21 +167,24 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
     for (int64_t e = 0; e < E; ++e) dl[e] = p[e] * (dp[e] - pdp) + zl * p[e];
   }
   gemm<T>(true, false, E, C, N, T(1), dlogits.data(), E, x, C, T(1), dgate, C);  // dgate += dlogitsᵀ·x
-  gemm<T>(false, false, N, C, E, T(1), dlogits.data(), E, gate, C, T(0), dx, C);  // dx = dlogits·gate
-  // Unpermute: dx[n] += Σ_k dxs[row(n,k)].
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) {
-      const T* g = dxs.data() + c.row_NK[size_t(n * K + k)] * C;
-      T* d = dx + n * C;
-      for (int64_t ch = 0; ch < C; ++ch) d[ch] += g[ch];
-    }
+  if (dx) gemm<T>(false, false, N, C, E, T(1), dlogits.data(), E, gate, C, T(1), dx, C);  // dx += dlogits·gate
+}
+
+template <typename T>
+void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>& c, const T* x, const T* gate,
+                  const T* experts, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale) {
+  std::vector<T> dweight(static_cast<size_t>(s.N * s.K));
+  moe_backward_experts(dx, dweight.data(), dexperts, dout, c, experts, s);
+  moe_backward_router(dx, dgate, dweight.data(), c, x, gate, s, aux_coef, z_coef, loss_scale);
 }
 
 #define INSTANTIATE(T)                                                                                         \
   template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, double, double); \
   template void moe_backward<T>(T*, T*, T*, const T*, const MoeCache<T>&, const T*, const T*, const T*,        \
-                                const MoeSizes&, double, double, T);
+                                const MoeSizes&, double, double, T);                                          \
+  template void moe_backward_experts<T>(T*, T*, T*, const T*, const MoeCache<T>&, const T*, const MoeSizes&);  \
+  template void moe_backward_router<T>(T*, T*, const T*, const MoeCache<T>&, const T*, const T*, const MoeSizes&, \
+                                       double, double, T);
 INSTANTIATE(float)
 INSTANTIATE(double)
 

@@ -36,8 +36,21 @@ template <typename T>
 void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC, const T* experts,
                  const MoeSizes& s, double aux_coef, double z_coef);
 
-// dx_NC is overwritten; dgate_EC and dexperts accumulate (+=). loss_scale multiplies the router
-// losses' gradient (dout_NC already carries the scale of the main loss).
+// Backward in two phases, so tensor parallelism can reduce in between: with experts split by TP
+// inside each expert, the expert outputs y — and with them dweight and the experts' dx — are
+// partial sums over TP ranks, while the router is replicated.
+// Phase 1, experts and combine: dx_NC = gradient through the experts (overwritten), dweight_NK =
+// gradient of the routing weights (overwritten), dexperts accumulates (+=).
+template <typename T>
+void moe_backward_experts(T* dx_NC, T* dweight_NK, T* dexperts, const T* dout_NC, const MoeCache<T>& cache,
+                          const T* experts, const MoeSizes& s);
+// Phase 2, router (from the complete dweight_NK, plus the aux and z losses): dgate_EC accumulates;
+// dx_NC (may be null) accumulates the router's part of the input gradient.
+template <typename T>
+void moe_backward_router(T* dx_NC, T* dgate_EC, const T* dweight_NK, const MoeCache<T>& cache, const T* x_NC,
+                         const T* gate_EC, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale);
+// Both phases on one rank. dx_NC is overwritten; dgate_EC and dexperts accumulate (+=). loss_scale
+// multiplies the router losses' gradient (dout_NC already carries the scale of the main loss).
 template <typename T>
 void moe_backward(T* dx_NC, T* dgate_EC, T* dexperts, const T* dout_NC, const MoeCache<T>& cache,
                   const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s, double aux_coef,

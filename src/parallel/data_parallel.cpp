@@ -1,0 +1,132 @@
+#include "parallel/data_parallel.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace origami {
+
+DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel)
+    : params_(params), dp_(dp), tp_(tp), world_(world), zero_(zero_stage), sp_(sequence_parallel && tp.size() > 1) {
+  ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 2, "--zero must be 0, 1 or 2, got ", zero_);
+  ORIGAMI_ASSERT(params.layout().dp == dp.size());
+  const int64_t d = dp.size(), r = dp.rank();
+  int64_t total = 0;
+  for (const Range& b : params.buckets()) {
+    const int64_t n = (b.end - b.begin) / d;
+    shards_.push_back({b.begin + r * n, b.begin + (r + 1) * n});
+    shard_at_.push_back(total);
+    total += n;
+  }
+  owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
+  if (zero_ >= 1) recv_.assign(size_t(total), 0.f);
+  if (zero_ == 2) acc_.assign(size_t(total), 0.f);
+  pending_.resize(params.buckets().size());
+  started_.assign(params.buckets().size(), 0);
+}
+
+void DataParallel::begin_micro_batch(bool first, bool last) {
+  if (zero_ == 2) {
+    params_.release_grad();  // zero, and free, the full buffer: only this micro-batch writes it
+    if (first) std::fill(acc_.begin(), acc_.end(), 0.f);
+    armed_ = true;
+  } else {
+    if (first) params_.zero_grad();
+    armed_ = last;  // accumulate locally; reduce once per step
+  }
+  last_ = last;
+  std::fill(started_.begin(), started_.end(), 0);
+}
+
+void DataParallel::start_bucket(size_t b) {
+  const Range& r = params_.buckets()[b];
+  float* g = params_.grad() + r.begin;
+  if (zero_ == 0) pending_[b] = dp_.iall_reduce(g, r.end - r.begin, DType::f32, ReduceOp::sum);
+  else pending_[b] = dp_.ireduce_scatter(recv_.data() + shard_at_[b], g, shards_[b].end - shards_[b].begin, DType::f32, ReduceOp::sum);
+  started_[b] = 1;
+}
+
+void DataParallel::grads_ready(int64_t offset) {
+  if (!armed_) return;
+  const std::vector<Range>& buckets = params_.buckets();
+  for (size_t b = 0; b < buckets.size(); ++b)
+    if (!started_[b] && buckets[b].begin >= offset) start_bucket(b);
+  for (Request& r : pending_) r.test();  // drive progress of the reductions already in flight
+}
+
+void DataParallel::complete_bucket(size_t b) {
+  pending_[b].wait();
+  if (zero_ == 0) return;
+  const Range& s = shards_[b];
+  const float* in = recv_.data() + shard_at_[b];
+  if (zero_ == 1) {
+    std::memcpy(params_.grad() + s.begin, in, size_t(s.end - s.begin) * sizeof(float));
+  } else {
+    float* acc = acc_.data() + shard_at_[b];
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < s.end - s.begin; ++i) acc[i] += in[i];
+  }
+}
+
+void DataParallel::end_micro_batch() {
+  if (!armed_) return;
+  grads_ready(0);  // every bucket, in case backward did not announce them all
+  for (size_t b = 0; b < pending_.size(); ++b) complete_bucket(b);
+  if (zero_ == 2) {
+    params_.release_grad();
+    if (last_)  // the optimizer reads gradients from the buffer: write back this rank's shards only
+      for (size_t b = 0; b < shards_.size(); ++b)
+        std::memcpy(params_.grad() + shards_[b].begin, acc_.data() + shard_at_[b],
+                    size_t(shards_[b].end - shards_[b].begin) * sizeof(float));
+  }
+  armed_ = false;
+}
+
+double DataParallel::finish_gradients(double max_norm) {
+  float* g = params_.grad();
+  const std::vector<ParamSpec>& table = params_.table();
+  // Sequence parallelism: norm-weight gradients are partial sums over the TP ranks' sequence shards.
+  if (sp_) {
+    std::vector<float> packed;
+    const std::vector<Segment> segs = params_.segments(owned_);
+    for (const Segment& s : segs)
+      if (table[s.param].split.seq_partial) packed.insert(packed.end(), g + s.begin, g + s.end);
+    tp_.all_reduce(packed.data(), int64_t(packed.size()));
+    size_t at = 0;
+    for (const Segment& s : segs)
+      if (table[s.param].split.seq_partial) {
+        std::memcpy(g + s.begin, packed.data() + at, size_t(s.end - s.begin) * sizeof(float));
+        at += size_t(s.end - s.begin);
+      }
+  }
+  // Global norm: each element once over DP (this rank's shard) and TP (replicated tensors on TP rank 0).
+  double sq = 0;
+  for (const Segment& s : params_.segments(shards_)) {
+    if (table[s.param].split.dim < 0 && tp_.rank() != 0) continue;
+    double part = 0;
+#pragma omp parallel for simd reduction(+ : part) schedule(static)
+    for (int64_t i = s.begin; i < s.end; ++i) part += double(g[i]) * g[i];
+    sq += part;
+  }
+  const double norm = std::sqrt(world_.all_reduce_value(sq));
+  const double coef = max_norm / (norm + 1e-6);
+  if (max_norm > 0 && coef < 1.0)
+    for (const Range& r : owned_) {
+      const float c = float(coef);
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = r.begin; i < r.end; ++i) g[i] *= c;
+    }
+  return norm;
+}
+
+void DataParallel::gather_params() {
+  if (zero_ == 0 || dp_.size() == 1) return;
+  float* w = params_.data();
+  const std::vector<Range>& buckets = params_.buckets();
+  for (size_t b = 0; b < buckets.size(); ++b)  // in place: this rank's shard already sits at its position
+    pending_[b] = dp_.iall_gather(w + buckets[b].begin, w + shards_[b].begin, shards_[b].end - shards_[b].begin, DType::f32);
+  for (Request& r : pending_) r.wait();
+}
+
+}  // namespace origami

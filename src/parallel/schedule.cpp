@@ -1,0 +1,329 @@
+#include "parallel/schedule.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+
+#include "core/error.h"
+
+namespace origami {
+
+ScheduleKind parse_schedule_kind(const std::string& s) {
+  if (s == "gpipe") return ScheduleKind::gpipe;
+  if (s == "1f1b") return ScheduleKind::one_f_one_b;
+  if (s == "interleaved") return ScheduleKind::interleaved;
+  fail("unknown pipeline schedule '", s, "' (expected gpipe, 1f1b or interleaved)");
+}
+
+const char* schedule_kind_name(ScheduleKind k) {
+  switch (k) {
+    case ScheduleKind::gpipe: return "gpipe";
+    case ScheduleKind::one_f_one_b: return "1f1b";
+    case ScheduleKind::interleaved: return "interleaved";
+  }
+  return "?";
+}
+
+const char* action_type_name(ActionType t) {
+  switch (t) {
+    case ActionType::recv_forward: return "recv_forward";
+    case ActionType::forward: return "forward";
+    case ActionType::send_forward: return "send_forward";
+    case ActionType::recv_backward: return "recv_backward";
+    case ActionType::backward: return "backward";
+    case ActionType::send_backward: return "send_backward";
+  }
+  return "?";
+}
+
+std::string to_string(const Action& a) {
+  return cat(action_type_name(a.type), "(mb ", a.microbatch, ", chunk ", a.chunk, ")");
+}
+
+void check_schedule(ScheduleKind kind, int stages, int microbatches, int chunks) {
+  const char* name = schedule_kind_name(kind);
+  ORIGAMI_CHECK(stages >= 1, "pipeline stages must be >= 1, got stages=", stages);
+  ORIGAMI_CHECK(microbatches >= 1, "micro-batches per step must be >= 1, got microbatches=", microbatches);
+  ORIGAMI_CHECK(chunks >= 1, "model chunks per stage must be >= 1, got chunks=", chunks);
+  ORIGAMI_CHECK(chunks == 1 || kind == ScheduleKind::interleaved, "schedule ", name,
+                " runs one model chunk per stage, got chunks=", chunks, " (only interleaved takes chunks > 1)");
+  if (kind == ScheduleKind::interleaved) {
+    ORIGAMI_CHECK(stages >= 2, "the interleaved schedule needs stages >= 2, got stages=", stages);
+    ORIGAMI_CHECK(microbatches % stages == 0, "the interleaved schedule needs micro-batches to be a multiple of "
+                  "pipeline stages (Megatron's rule: micro-batches enter each chunk in groups of `stages`), got "
+                  "microbatches=", microbatches, " with stages=", stages);
+  }
+}
+
+int num_warmup_forwards(ScheduleKind kind, int stages, int stage, int microbatches, int chunks) {
+  const int p = stages, s = stage, m = microbatches, v = chunks;
+  switch (kind) {
+    case ScheduleKind::gpipe: return m;
+    case ScheduleKind::one_f_one_b: return std::min(p - s - 1, m);
+    case ScheduleKind::interleaved: return std::min((p - s - 1) * 2 + (v - 1) * p, m * v);
+  }
+  return 0;
+}
+
+namespace {
+
+// Appends the compute of (microbatch, chunk) with the receive right before it and the send right
+// after it, leaving out the transfers across the model's two ends (first and last virtual stage).
+struct Builder {
+  int stages, stage, chunks;
+  std::vector<Action> out;
+
+  int virtual_stage(int chunk) const { return chunk * stages + stage; }
+  bool first(int chunk) const { return virtual_stage(chunk) == 0; }
+  bool last(int chunk) const { return virtual_stage(chunk) == stages * chunks - 1; }
+
+  void forward(int mb, int chunk) {
+    if (!first(chunk)) out.push_back({ActionType::recv_forward, mb, chunk});
+    out.push_back({ActionType::forward, mb, chunk});
+    if (!last(chunk)) out.push_back({ActionType::send_forward, mb, chunk});
+  }
+  void backward(int mb, int chunk) {
+    if (!last(chunk)) out.push_back({ActionType::recv_backward, mb, chunk});
+    out.push_back({ActionType::backward, mb, chunk});
+    if (!first(chunk)) out.push_back({ActionType::send_backward, mb, chunk});
+  }
+};
+
+}  // namespace
+
+std::vector<Action> make_schedule(ScheduleKind kind, int stages, int stage, int microbatches, int chunks) {
+  check_schedule(kind, stages, microbatches, chunks);
+  ORIGAMI_CHECK(stage >= 0 && stage < stages, "pipeline stage ", stage, " out of range for stages=", stages,
+                " (valid: 0..", stages - 1, ")");
+  const int p = stages, m = microbatches, v = chunks;
+  Builder b{p, stage, v, {}};
+  const int warmup = num_warmup_forwards(kind, p, stage, m, v);
+
+  if (kind != ScheduleKind::interleaved) {
+    // gpipe is 1F1B with a warm-up of all M forwards: every forward, then every backward, both
+    // in micro-batch order 0..M-1. 1F1B: warm-up, then steady state "forward warmup+i, backward i",
+    // then the last `warmup` backwards (cool-down).
+    for (int i = 0; i < warmup; ++i) b.forward(i, 0);
+    for (int i = 0; i < m - warmup; ++i) {
+      b.forward(warmup + i, 0);
+      b.backward(i, 0);
+    }
+    for (int i = m - warmup; i < m; ++i) b.backward(i, 0);
+    return std::move(b.out);
+  }
+
+  // Interleaved 1F1B (Megatron's forward_backward_pipelining_with_interleaving), derived:
+  // Each stage runs M*v "virtual micro-batches" k = 0..M*v-1, a (micro-batch, chunk) pair each.
+  // They come in groups of p*v consecutive k: a group takes the p micro-batches g*p..g*p+p-1
+  // through chunk 0, then the same p through chunk 1, ..., chunk v-1. Why p at a time: micro-batch
+  // j's output of chunk c on stage 0 travels through stages 1..p-1 (p-1 forward steps) before it
+  // comes back to stage 0 as the input of chunk c+1, so doing p micro-batches on a chunk keeps
+  // stage 0 busy until the first one returns. Groups must be full, hence M % p == 0.
+  //   forward k:  chunk (k / p) % v,          micro-batch (k / (p*v))*p + k % p
+  //   backward k: chunk v-1 - (k / p) % v,    micro-batch (k / (p*v))*p + k % p
+  // Backwards visit chunks in reverse because gradients enter at the last virtual stage (chunk v-1).
+  // Warm-up: the first backward anywhere is (micro-batch 0, chunk v-1) on stage p-1; its forward is
+  // k = (v-1)*p, so stage p-1 runs (v-1)*p forwards and then the 1F1B steady state (whose first
+  // forward is that k). A stage further up keeps running forwards until that gradient comes back
+  // from the stages below it. Megatron counts 2 forwards per stage below: its steady state ends
+  // each step with one combined exchange with both neighbours, so a message moves one stage per
+  // step (a forward + a backward) each way and a round trip to the next stage takes 2 steps. Hence
+  // (p-s-1)*2 + (v-1)*p, capped at M*v (then the schedule is all forwards, then all backwards).
+  // (With sends that do not wait, as replay_schedules models them, (p-s-1) + (v-1)*p already reaches
+  // the same bubble with p-s-1 fewer chunks in flight; we keep Megatron's count, so our memory and
+  // message pattern match Megatron's.)
+  const auto fwd_chunk = [&](int k) { return (k / p) % v; };
+  const auto bwd_chunk = [&](int k) { return v - 1 - (k / p) % v; };
+  const auto microbatch = [&](int k) { return (k / (p * v)) * p + k % p; };
+  const int total = m * v;
+  for (int k = 0; k < warmup; ++k) b.forward(microbatch(k), fwd_chunk(k));
+  for (int i = 0; i < total - warmup; ++i) {
+    const int k = warmup + i;
+    b.forward(microbatch(k), fwd_chunk(k));
+    b.backward(microbatch(i), bwd_chunk(i));
+  }
+  for (int k = total - warmup; k < total; ++k) b.backward(microbatch(k), bwd_chunk(k));
+  return std::move(b.out);
+}
+
+// ---- Replay ----
+
+namespace {
+
+// What one stage has done for one (micro-batch, chunk); bits.
+enum : uint8_t { got_input = 1, forwarded = 2, sent_output = 4, got_grad = 8, backwarded = 16, sent_grad = 32 };
+
+struct Message {
+  int microbatch;
+  int to_virtual;  // virtual stage the message is for
+  double time;     // when it becomes available (the send's time)
+};
+
+struct StageState {
+  size_t next = 0;  // index of the next action to run
+  double clock = 0;
+  int in_flight = 0;
+  std::vector<uint8_t> done;  // [microbatch * chunks + chunk]
+};
+
+}  // namespace
+
+Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
+                        double t_forward, double t_backward) {
+  ORIGAMI_CHECK(stages >= 1 && microbatches >= 1 && chunks >= 1, "replay needs stages, microbatches, chunks >= 1, got ",
+                stages, ", ", microbatches, ", ", chunks);
+  ORIGAMI_CHECK(int(per_stage.size()) == stages, "replay got ", per_stage.size(), " action lists for stages=", stages);
+  const int p = stages, m = microbatches, v = chunks, last_virtual = p * v - 1;
+  enum Direction { fwd = 0, bwd = 1 };
+  // Channel (from-stage, to-stage, direction): FIFO of messages sent and not yet received.
+  std::vector<std::deque<Message>> channels(size_t(p) * p * 2);
+  auto channel = [&](int from, int to, int dir) -> std::deque<Message>& {
+    return channels[(size_t(from) * p + to) * 2 + dir];
+  };
+
+  Replay r;
+  r.stages.resize(p);
+  std::vector<StageState> st(p);
+  for (auto& s : st) s.done.assign(size_t(m) * v, 0);
+
+  // Runs stage s's next action; returns false if it is a receive whose message has not been sent yet.
+  auto step = [&](int s) -> bool {
+    StageState& S = st[s];
+    StageTiming& T = r.stages[s];
+    const Action& a = per_stage[s][S.next];
+    auto where = [&] { return cat("stage ", s, " action ", S.next, " ", to_string(a), ": "); };
+    ORIGAMI_CHECK(a.microbatch >= 0 && a.microbatch < m && a.chunk >= 0 && a.chunk < v, where(),
+                  "micro-batch must be in 0..", m - 1, " and chunk in 0..", v - 1);
+    const int u = a.chunk * p + s;
+    uint8_t& done = S.done[size_t(a.microbatch) * v + a.chunk];
+    auto once = [&](uint8_t bit) {
+      ORIGAMI_CHECK(!(done & bit), where(), "runs twice");
+      done |= bit;
+    };
+    // A receive: match the earliest unmatched send on the channel, wait for it if needed.
+    auto receive = [&](int from, int dir) -> bool {
+      auto& q = channel(from, s, dir);
+      if (q.empty()) return false;
+      const Message msg = q.front();
+      ORIGAMI_CHECK(msg.microbatch == a.microbatch && msg.to_virtual == u, where(),
+                    "the earliest unmatched message from stage ", from, " is for mb ", msg.microbatch,
+                    ", virtual stage ", msg.to_virtual, ", not mb ", a.microbatch, ", virtual stage ", u);
+      q.pop_front();
+      if (msg.time > S.clock) {
+        T.idle += msg.time - S.clock;
+        S.clock = msg.time;
+      }
+      return true;
+    };
+    switch (a.type) {
+      case ActionType::recv_forward:
+        ORIGAMI_CHECK(u != 0, where(), "the first virtual stage has no input to receive");
+        ORIGAMI_CHECK(!(done & got_input), where(), "runs twice");
+        if (!receive((u - 1) % p, fwd)) return false;
+        done |= got_input;
+        break;
+      case ActionType::forward:
+        ORIGAMI_CHECK(u == 0 || (done & got_input), where(), "runs before its recv_forward");
+        once(forwarded);
+        S.clock += t_forward;
+        T.busy += t_forward;
+        T.max_in_flight = std::max(T.max_in_flight, ++S.in_flight);
+        break;
+      case ActionType::send_forward:
+        ORIGAMI_CHECK(u != last_virtual, where(), "the last virtual stage has no output to send");
+        ORIGAMI_CHECK(done & forwarded, where(), "runs before its forward");
+        once(sent_output);
+        channel(s, (u + 1) % p, fwd).push_back({a.microbatch, u + 1, S.clock});
+        break;
+      case ActionType::recv_backward:
+        ORIGAMI_CHECK(u != last_virtual, where(), "the last virtual stage has no output gradient to receive");
+        ORIGAMI_CHECK(!(done & got_grad), where(), "runs twice");
+        if (!receive((u + 1) % p, bwd)) return false;
+        done |= got_grad;
+        break;
+      case ActionType::backward:
+        ORIGAMI_CHECK(done & forwarded, where(), "runs before this stage's forward of the same micro-batch and chunk");
+        ORIGAMI_CHECK(u == last_virtual || (done & got_grad), where(), "runs before its recv_backward");
+        once(backwarded);
+        S.clock += t_backward;
+        T.busy += t_backward;
+        --S.in_flight;
+        break;
+      case ActionType::send_backward:
+        ORIGAMI_CHECK(u != 0, where(), "the first virtual stage has no input gradient to send");
+        ORIGAMI_CHECK(done & backwarded, where(), "runs before its backward");
+        once(sent_grad);
+        channel(s, (u - 1 + p) % p, bwd).push_back({a.microbatch, u - 1, S.clock});
+        break;
+    }
+    ++S.next;
+    return true;
+  };
+
+  // Sweep: run every stage as far as it can go, until all are done or none moves. The result does
+  // not depend on the sweep order: a stage's times depend only on its own list and the send times.
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int s = 0; s < p; ++s)
+      while (st[s].next < per_stage[s].size() && step(s)) moved = true;
+  }
+
+  std::string stuck;
+  for (int s = 0; s < p; ++s)
+    if (st[s].next < per_stage[s].size())
+      stuck += cat(stuck.empty() ? "" : "; ", "stage ", s, " waits at action ", st[s].next, " ",
+                   to_string(per_stage[s][st[s].next]));
+  ORIGAMI_CHECK(stuck.empty(), "deadlock: no stage can progress: ", stuck);
+
+  for (int from = 0; from < p; ++from)
+    for (int to = 0; to < p; ++to)
+      for (int dir : {fwd, bwd}) {
+        const auto& q = channel(from, to, dir);
+        ORIGAMI_CHECK(q.empty(), "stage ", from, " sent ", dir == fwd ? "an activation" : "a gradient", " (mb ",
+                      q.front().microbatch, ", to virtual stage ", q.front().to_virtual, ") that stage ", to,
+                      " never receives");  // (arguments are evaluated only when the check fails)
+      }
+  for (int s = 0; s < p; ++s)
+    for (int mb = 0; mb < m; ++mb)
+      for (int c = 0; c < v; ++c) {
+        const uint8_t done = st[s].done[size_t(mb) * v + c];
+        ORIGAMI_CHECK(done & forwarded, "stage ", s, " never runs forward(mb ", mb, ", chunk ", c, ")");
+        ORIGAMI_CHECK(done & backwarded, "stage ", s, " never runs backward(mb ", mb, ", chunk ", c, ")");
+      }
+
+  for (int s = 0; s < p; ++s) {
+    r.stages[s].finish = st[s].clock;
+    r.makespan = std::max(r.makespan, st[s].clock);
+  }
+  return r;
+}
+
+}  // namespace origami
+
+namespace origami {
+
+std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes) {
+  const int parts = stages * chunks;
+  ORIGAMI_CHECK(stages >= 1 && chunks >= 1, "pipeline stages and chunks must be at least 1, got stages=", stages,
+                " chunks=", chunks);
+  std::vector<int> n = sizes;
+  if (n.empty()) {
+    ORIGAMI_CHECK(num_layers % parts == 0, "the model's ", num_layers, " layers cannot be split evenly over ", parts,
+                  " pipeline stages (", stages, " stages x ", chunks,
+                  " chunks): give a multiple, or an explicit split with --pp-layers");
+    n.assign(size_t(parts), num_layers / parts);
+  }
+  ORIGAMI_CHECK(int(n.size()) == parts, "--pp-layers lists ", n.size(), " stage sizes but the pipeline has ", parts,
+                " (virtual) stages");
+  std::vector<LayerRange> out;
+  int at = 0;
+  for (int k : n) {
+    ORIGAMI_CHECK(k >= 1, "--pp-layers: every stage needs at least one layer, got ", k);
+    out.push_back({at, at + k});
+    at += k;
+  }
+  ORIGAMI_CHECK(at == num_layers, "--pp-layers sums to ", at, " layers but the model has ", num_layers);
+  return out;
+}
+
+}  // namespace origami

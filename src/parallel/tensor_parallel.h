@@ -1,0 +1,62 @@
+// Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
+// al. 2022) for one model replica: the TP communicator and the communication a layer performs at
+// the borders of a tensor-parallel region, each forward next to its backward.
+//
+// Activations are [N, C] with N = B·T tokens in [B, T] order. Outside TP regions (norms, residual
+// adds) every TP rank holds all N tokens — or with sequence parallelism only its sequence shard:
+// positions [r·T/t, (r+1)·T/t) of every row, Nl = N/t tokens. Inside a region (between a column-
+// parallel and a row-parallel layer) every rank holds all N tokens and its slice of the features.
+//
+//   region    forward                                   backward
+//   enter     copy_to_tp: identity                      all-reduce of the partial input gradients
+//             (SP) gather_from_sp: all-gather           (SP) reduce-scatter
+//   exit      reduce_from_tp: all-reduce of partials    identity
+//             (SP) reduce_scatter_to_sp                 (SP) all-gather
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "comm/comm.h"
+
+namespace origami {
+
+class TensorParallel {
+ public:
+  TensorParallel();  // one rank, no communication
+  TensorParallel(Comm& tp, bool sequence_parallel);
+
+  Comm& comm() const { return *comm_; }
+  int size() const { return comm_->size(); }
+  int rank() const { return comm_->rank(); }
+  bool sp() const { return sp_; }
+  // Tokens a rank holds outside TP regions.
+  int64_t local_tokens(int64_t N) const { return sp_ ? N / size() : N; }
+  // The full-size [N, C] buffer a region border needs: `local` itself without SP, else `scratch`.
+  float* full(float* local, float* scratch) const { return sp_ ? scratch : local; }
+
+  // enter: full_NC ← local (local == full_NC without SP: nothing to do).
+  void enter(float* full_NC, const float* local, int64_t B, int64_t T, int64_t C);
+  // enter's backward: the partial gradients d_full_NC (summed over TP ranks) → d_local
+  // (without SP: all-reduce in place, d_local == d_full_NC).
+  void enter_backward(float* d_local, float* d_full_NC, int64_t B, int64_t T, int64_t C);
+  // exit: the partial sums partial_NC (summed over TP ranks) → local (without SP: in place).
+  void exit(float* local, float* partial_NC, int64_t B, int64_t T, int64_t C);
+  // exit's backward: d_local → d_full_NC; returns the full gradient (d_local itself without SP).
+  const float* exit_backward(float* d_full_NC, const float* d_local, int64_t B, int64_t T, int64_t C);
+
+  // All-reduce (sum) of values that are partial sums over the TP ranks.
+  void all_reduce(float* x, int64_t n) { comm_->all_reduce(x, n); }
+  // Vocab-parallel cross-entropy: each rank's per-row (max, sum-exp, target logit) → whole-vocabulary
+  // statistics (an all-gather of 3 floats per row, then merge_vocab_stats).
+  void combine_vocab_stats(float* stats_n3, int64_t n);
+
+ private:
+  // [B, T, C] ↔ [t][B, T/t, C] (rank-major shards); the identity when B == 1.
+  void to_shards(float* out, const float* in, int64_t B, int64_t T, int64_t C) const;
+  void from_shards(float* out, const float* in, int64_t B, int64_t T, int64_t C) const;
+  Comm* comm_;
+  bool sp_ = false;
+  std::vector<float> buf_;
+};
+
+}  // namespace origami
