@@ -132,28 +132,36 @@ def read_safetensors(path):
 
 
 def compare_tensors(ref, got):
-    """Worst per-tensor deviation max|got − ref| / max|ref| over all tensors (a tensor that is all
-    zero in ref is compared absolutely). Returns (worst, tensor name, problems) where problems
-    lists missing/extra names and shape mismatches."""
+    """Deviation of the tensors `got` from `ref` (both {name: array}). Returns a dict:
+      rel: (max over tensors of max|got − ref| / max|ref|, tensor)   (all-zero ref tensor: absolute)
+      abs: (max over all elements of |got − ref|, tensor, element index, ref value, got value)
+      problems: missing / extra names, shape mismatches, non-finite values."""
     import numpy as np
     problems = []
     for k in sorted(set(ref) ^ set(got)):
         problems.append(("missing " if k in ref else "extra ") + k)
-    worst, where = 0.0, ""
+    rel, ab = (0.0, "-"), (0.0, "-", (), 0.0, 0.0)
     for k in sorted(set(ref) & set(got)):
         a, b = ref[k], got[k]
         if a.shape != b.shape:
             problems.append("%s: shape %s vs %s" % (k, list(a.shape), list(b.shape)))
             continue
+        if a.size == 0:
+            continue
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        scale = float(np.max(np.abs(a64))) if a.size else 0.0
-        d = float(np.max(np.abs(a64 - b64))) if a.size else 0.0
         if not np.all(np.isfinite(b64)):
-            d = float("inf")
+            problems.append("%s: non-finite values" % k)
+            continue
+        diff = np.abs(a64 - b64)
+        i = np.unravel_index(int(np.argmax(diff)), diff.shape)
+        d = float(diff[i])
+        scale = float(np.max(np.abs(a64)))
         r = d / scale if scale > 0 else d
-        if r > worst or not where:
-            worst, where = r, k
-    return worst, where, problems
+        if r > rel[0] or rel[1] == "-":
+            rel = (r, k)
+        if d > ab[0] or ab[1] == "-":
+            ab = (d, k, tuple(int(x) for x in i), float(a64[i]), float(b64[i]))
+    return {"rel": rel, "abs": ab, "problems": problems}
 
 
 def tmpdir(prefix="origami_par_"):
