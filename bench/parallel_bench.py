@@ -46,6 +46,10 @@ LAYOUTS = [
 ]
 
 
+def fmt_bytes(b):
+    return "%.2f MB" % (b / 1e6) if b >= 1e5 else "%.0f B" % b
+
+
 def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
     if os.path.exists(mpath):
         os.remove(mpath)
@@ -125,7 +129,7 @@ def main():
             ratio = m["cpu_s"] / ref["cpu_s"]
             rows.append(("(%s) %s" % (c, case["name"]), lab, "%.0f" % m["tokens_per_s"], "%.0f" % ref["tokens_per_s"],
                          "%.2fx" % (m["tokens_per_s"] / ref["tokens_per_s"]),
-                         ", ".join("%s %.2f MB" % (k, v / 1e6) for k, v in sorted(m["comm"].items())) or "-",
+                         ", ".join("%s %s" % (k, fmt_bytes(v)) for k, v in sorted(m["comm"].items())) or "-",
                          "%.3f / %.3f" % (m["cpu_s"], ref["cpu_s"]), "%.3f" % ratio, "%.3f" % (m["cpu_s"] / refB["cpu_s"]),
                          "<= %.2f %s" % (target, "met" if ratio <= target else "NOT met")))
     print()
@@ -136,6 +140,8 @@ def main():
                        "target"), rows))
     load1 = os.getloadavg()
     print("load average: start %.2f %.2f %.2f, end %.2f %.2f %.2f; total %.0f s" % (*load0, *load1, time.time() - t_start))
+    print("(CPU time includes MPI's polling while a rank waits for its peer: on a machine shared with other work,\n"
+          " a descheduled peer makes the waiting rank poll longer, which raises the ratio.)")
     out = os.path.join(a.workdir, "results.json")
     with open(out, "w") as f:
         json.dump({"cases": results, "args": vars(a), "load_start": load0, "load_end": load1}, f, indent=1)
