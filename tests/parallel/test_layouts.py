@@ -8,7 +8,9 @@ tiny models with vocab 260 and heads / kv heads / hidden / FFN divisible by 4, s
 clipping at 1.0 (the one-rank runs clip in 6-10 of the 20 steps; the test checks that at least
 one step is clipped) on a byte-level dataset are run once on one rank (the binary without
 mpirun) and then under every layout of LAYOUTS, with mpirun --oversubscribe, 1 thread per rank
-and OMP_WAIT_POLICY=passive.
+and OMP_WAIT_POLICY=passive. Two more cases: DP2×TP2 with the mesh order dp-tp-cp-ep-pp (dp
+fastest), and TP4 on the byte tokenizer's vocabulary of 257, which the engine pads to 260 inside
+the shards (compared with a one-rank run of that vocab-257 config; the checkpoint keeps 257 rows).
 
 Asserted for every (model, layout), against the one-rank run with the same --global-batch and
 --micro-batch:
@@ -74,6 +76,11 @@ LAYOUTS = [
     ("DP4 z2 (2 micro)", 4, ["--zero", "2"], 16),
     ("DP2 (4 micro)", 2, [], 16),
     ("DP2xTP4+SP z2", 8, ["--tp", "4", "--sequence-parallel", "--zero", "2"], 16),
+    # the mesh order only renumbers ranks: dp varies fastest here
+    ("DP2xTP2 dp-first order", 4, ["--tp", "2", "--mesh-order", "dp-tp-cp-ep-pp"], 8),
+    # vocabulary 257 (the byte tokenizer's) is padded to a multiple of TP inside the shards; the
+    # checkpoint keeps 257 rows. Compared with a one-rank run of the same vocab-257 config.
+    ("TP4 vocab 257 (padded)", 4, ["--tp", "4"], 8, {"vocab_size": 257}),
 ]
 MODELS = ["gpt2", "llama", "mixtral"]
 CONTROL = "control: 1 rank, 2 threads"
@@ -166,7 +173,7 @@ def short(name):
 def main():
     models = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else MODELS
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
-    layouts = [l for l in LAYOUTS if only is None or l[0] in only]
+    layouts = [tuple(l) + (None,) * (5 - len(l)) for l in LAYOUTS if only is None or l[0] in only]
     tmp = h.tmpdir()
     rows, failures = [], []
     print("AdamW eps %s; tolerances: loss %.0e relative, parameters %.0e absolute, moments %.0e of max"
@@ -174,28 +181,39 @@ def main():
     try:
         data = h.prepare_data(tmp)
         for model in models:
-            cfg_path = os.path.join(h.CONFIGS, model + "_tiny.json")
             moe = model == "mixtral"
-            refs = {}
-            for G in sorted({l[3] for l in layouts} | {8}):
-                mpath, ck = os.path.join(tmp, "%s_ref%d.jsonl" % (model, G)), os.path.join(tmp, "%s_ref%d" % (model, G))
-                rc, out, wall = h.run(0, train_args(cfg_path, data, G, mpath, ck))
+            cfg_paths, refs = {}, {}
+            for _, _, _, G, changes in layouts + [(CONTROL, 0, [], 8, None)]:
+                key = (G, json.dumps(changes, sort_keys=True))
+                if key in refs:
+                    continue
+                if changes:
+                    cfg_paths[key[1]] = h.write_json(os.path.join(tmp, "%s_%d.json" % (model, len(cfg_paths))),
+                                                     h.load_config(model + "_tiny", **changes))
+                else:
+                    cfg_paths[key[1]] = os.path.join(h.CONFIGS, model + "_tiny.json")
+                tag = "%s_ref%d_%d" % (model, G, len(refs))
+                mpath, ck = os.path.join(tmp, tag + ".jsonl"), os.path.join(tmp, tag)
+                rc, out, wall = h.run(0, train_args(cfg_paths[key[1]], data, G, mpath, ck))
                 if rc != 0:
                     print(out)
-                    sys.exit("FAIL: one-rank reference run of %s (G=%d) exited %s" % (model, G, rc))
-                refs[G] = (h.read_metrics(mpath), ck)
-                clipped = sum(1 for r in refs[G][0] if r["grad_norm"] > 1.0)
-                print("%s one-rank G=%d: loss %.4f -> %.4f, %d of %d steps clipped, %.1f s" % (
-                    model, G, refs[G][0][0]["loss"], refs[G][0][-1]["loss"], clipped, STEPS, wall), flush=True)
+                    sys.exit("FAIL: one-rank reference run of %s (G=%d, %s) exited %s" % (model, G, changes, rc))
+                refs[key] = (h.read_metrics(mpath), ck)
+                clipped = sum(1 for r in refs[key][0] if r["grad_norm"] > 1.0)
+                print("%s one-rank G=%d%s: loss %.4f -> %.4f, %d of %d steps clipped, %.1f s" % (
+                    model, G, " " + json.dumps(changes) if changes else "", refs[key][0][0]["loss"],
+                    refs[key][0][-1]["loss"], clipped, STEPS, wall), flush=True)
                 if clipped == 0:
                     failures.append("%s G=%d: no step was clipped; the test would not exercise clipping" % (model, G))
-            for name, ranks, flags, G in [(CONTROL, 0, [], 8)] + layouts:
+            for name, ranks, flags, G, changes in [(CONTROL, 0, [], 8, None)] + layouts:
+                key = (G, json.dumps(changes, sort_keys=True))
+                cfg_path = cfg_paths[key[1]]
                 control = name == CONTROL
                 tag = "%s_%s" % (model, "".join(c if c.isalnum() else "_" for c in name))
                 mpath, ck = os.path.join(tmp, tag + ".jsonl"), os.path.join(tmp, tag)
                 rc, out, wall = h.run(ranks, train_args(cfg_path, data, G, mpath, ck, threads=2 if control else 1) + flags,
                                       timeout=240)
-                ref_metrics, ref_ck = refs[G]
+                ref_metrics, ref_ck = refs[key]
                 fails = []
                 if rc != 0:
                     fails.append("exit %s: %s" % (rc, " | ".join(l for l in out.splitlines() if "error" in l.lower())[:400]
