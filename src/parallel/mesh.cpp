@@ -111,6 +111,7 @@ std::string MeshShape::describe() const {
     if (v > 1) os << sep << name << v, sep = " x ";
   if (*sep == 0) os << "1 rank";
   if (dims_.ep > 1 || dims_.etp != dims_.tp) os << " | MoE: ETP" << dims_.etp << " x EP" << dims_.ep << " x EDP" << dims_.edp;
+  if (order_ != "tp-cp-ep-dp-pp") os << " (order " << order_ << ")";
   return os.str();
 }
 

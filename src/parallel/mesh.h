@@ -42,7 +42,8 @@ class MeshShape {
   // The ranks sharing every coordinate of `rank` except those of `axes` ("tp", "dp-cp", "etp-ep", ...;
   // all from one mesh), ordered by their coordinates along `axes` (first fastest in mesh order).
   std::vector<int> group(int rank, std::string_view axes) const;
-  std::string describe() const;  // e.g. "TP2 x DP2 (order tp-cp-ep-dp-pp)"
+  // e.g. "TP2 x DP2", with " (order dp-tp-cp-ep-pp)" when the order is not the default.
+  std::string describe() const;
 
  private:
   struct Axis {
