@@ -83,7 +83,7 @@ void DataParallel::end_micro_batch() {
   armed_ = false;
 }
 
-double DataParallel::finish_gradients(double max_norm) {
+double DataParallel::finish_gradients() {
   float* g = params_.grad();
   const std::vector<ParamSpec>& table = params_.table();
   // Sequence parallelism: norm-weight gradients are partial sums over the TP ranks' sequence shards.
@@ -109,15 +109,7 @@ double DataParallel::finish_gradients(double max_norm) {
     for (int64_t i = s.begin; i < s.end; ++i) part += double(g[i]) * g[i];
     sq += part;
   }
-  const double norm = std::sqrt(world_.all_reduce_value(sq));
-  const double coef = max_norm / (norm + 1e-6);
-  if (max_norm > 0 && coef < 1.0)
-    for (const Range& r : owned_) {
-      const float c = float(coef);
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = r.begin; i < r.end; ++i) g[i] *= c;
-    }
-  return norm;
+  return std::sqrt(world_.all_reduce_value(sq));
 }
 
 void DataParallel::gather_params() {
