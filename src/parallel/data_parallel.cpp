@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <omp.h>
+
 #include "core/error.h"
 
 namespace origami {
@@ -101,13 +103,20 @@ double DataParallel::finish_gradients() {
       }
   }
   // Global norm: each element once over DP (this rank's shard) and TP (replicated tensors on TP rank 0).
+  // One parallel region for all segments (as in AdamW::step); each thread sums its share of each.
+  const std::vector<Segment> segs = params_.segments(shards_);
   double sq = 0;
-  for (const Segment& s : params_.segments(shards_)) {
-    if (table[s.param].split.dim < 0 && tp_.rank() != 0) continue;
-    double part = 0;
-#pragma omp parallel for simd reduction(+ : part) schedule(static)
-    for (int64_t i = s.begin; i < s.end; ++i) part += double(g[i]) * g[i];
-    sq += part;
+#pragma omp parallel reduction(+ : sq)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (const Segment& s : segs) {
+      if (table[s.param].split.dim < 0 && tp_.rank() != 0) continue;
+      const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
+      double part = 0;
+#pragma omp simd reduction(+ : part)
+      for (int64_t i = lo; i < hi; ++i) part += double(g[i]) * g[i];
+      sq += part;
+    }
   }
   return std::sqrt(world_.all_reduce_value(sq));
 }
