@@ -323,7 +323,8 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
       // Expert outputs are partial sums over TP, so is dweight: reduce it before the (replicated) router;
       // the router's input gradient is added on TP rank 0 only, so the region's reduction counts it once.
       const MoeCache<float>& mc = moe_[size_t(l)];
-      moe_backward_experts(a.d_ln.data(), a.d_weight.data(), g(o.experts), d_out, mc, w(o.experts), ms);
+      moe_backward_experts(a.d_ln.data(), a.d_weight.data(), g(o.experts), d_out, mc, moe_scratch_, w(o.experts),
+                           ms);
       tp.all_reduce(a.d_weight.data(), N * c.top_k);
       moe_backward_router(tp.rank() == 0 ? a.d_ln.data() : nullptr, g(o.router), a.d_weight.data(), mc, ln2,
                           w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);

@@ -81,7 +81,8 @@ class Model {
   std::function<void(int64_t)> grads_ready_;
   RopeTable rope_;
   std::shared_ptr<Activations> act_;
-  std::vector<MoeCache<float>> moe_;
+  std::vector<MoeCache<float>> moe_;  // per layer
+  MoeScratch<float> moe_scratch_;      // shared by the layers' backward
   std::vector<float> head_scratch_;
 };
 

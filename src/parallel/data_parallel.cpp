@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <omp.h>
+
 #include "core/error.h"
 
 namespace origami {
@@ -83,7 +85,7 @@ void DataParallel::end_micro_batch() {
   armed_ = false;
 }
 
-double DataParallel::finish_gradients(double max_norm) {
+double DataParallel::finish_gradients() {
   float* g = params_.grad();
   const std::vector<ParamSpec>& table = params_.table();
   // Sequence parallelism: norm-weight gradients are partial sums over the TP ranks' sequence shards.
@@ -101,23 +103,22 @@ double DataParallel::finish_gradients(double max_norm) {
       }
   }
   // Global norm: each element once over DP (this rank's shard) and TP (replicated tensors on TP rank 0).
+  // One parallel region for all segments (as in AdamW::step); each thread sums its share of each.
+  const std::vector<Segment> segs = params_.segments(shards_);
   double sq = 0;
-  for (const Segment& s : params_.segments(shards_)) {
-    if (table[s.param].split.dim < 0 && tp_.rank() != 0) continue;
-    double part = 0;
-#pragma omp parallel for simd reduction(+ : part) schedule(static)
-    for (int64_t i = s.begin; i < s.end; ++i) part += double(g[i]) * g[i];
-    sq += part;
-  }
-  const double norm = std::sqrt(world_.all_reduce_value(sq));
-  const double coef = max_norm / (norm + 1e-6);
-  if (max_norm > 0 && coef < 1.0)
-    for (const Range& r : owned_) {
-      const float c = float(coef);
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = r.begin; i < r.end; ++i) g[i] *= c;
+#pragma omp parallel reduction(+ : sq)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (const Segment& s : segs) {
+      if (table[s.param].split.dim < 0 && tp_.rank() != 0) continue;
+      const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
+      double part = 0;
+#pragma omp simd reduction(+ : part)
+      for (int64_t i = lo; i < hi; ++i) part += double(g[i]) * g[i];
+      sq += part;
     }
-  return norm;
+  }
+  return std::sqrt(world_.all_reduce_value(sq));
 }
 
 void DataParallel::gather_params() {

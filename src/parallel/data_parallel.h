@@ -39,10 +39,9 @@ class DataParallel {
   // After a micro-batch's backward: waits for the reductions it started.
   void end_micro_batch();
 
-  // After the step's last micro-batch: completes sequence-parallel gradients over TP, returns the global
-  // gradient norm and, when max_norm > 0 and it is exceeded, scales the owned gradients by
-  // max_norm/(norm + 1e-6) (torch.nn.utils.clip_grad_norm_ semantics).
-  double finish_gradients(double max_norm);
+  // After the step's last micro-batch: completes sequence-parallel gradients over TP and returns the
+  // global gradient norm. Clipping is left to the optimizer (clip_coefficient, AdamW::step's grad_scale).
+  double finish_gradients();
   // After the optimizer updated the owned ranges (ZeRO ≥ 1): all-gathers every bucket's parameters.
   void gather_params();
 

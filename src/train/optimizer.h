@@ -1,6 +1,8 @@
 // AdamW with decoupled weight decay (PyTorch semantics) on ranges of the flat parameter buffer
-// (all of it, or a ZeRO shard), and learning-rate schedules. Gradient clipping lives with data
-// parallelism (parallel/data_parallel.h), which knows how to compute the true global norm.
+// (all of it, or a ZeRO shard), and learning-rate schedules. Global-norm clipping is a gradient
+// multiplier that step() applies as it reads the gradients (one pass over the buffer less than
+// scaling them first); the norm comes from data parallelism (parallel/data_parallel.h), which knows
+// how to compute the true global one.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -18,9 +20,9 @@ class AdamW {
  public:
   // Updates the parameters in `ranges` of the buffer (empty: all of it); state exists only for them.
   AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges = {});
-  // One update with learning rate lr: p −= lr·wd·p (matrices only), then the bias-corrected
-  // Adam step p −= lr·m̂/(√v̂ + ε).
-  void step(Params& params, double lr);
+  // One update with learning rate lr on the gradients g·grad_scale: p −= lr·wd·p (matrices only),
+  // then the bias-corrected Adam step p −= lr·m̂/(√v̂ + ε). The gradient buffer is left unchanged.
+  void step(Params& params, double lr, float grad_scale = 1.f);
   int64_t steps_taken() const { return t_; }
   void set_steps_taken(int64_t t) { t_ = t; }
 
@@ -37,6 +39,10 @@ class AdamW {
   std::vector<float> m_, v_;
   int64_t t_ = 0;
 };
+
+// The gradient multiplier of global-norm clipping (torch.nn.utils.clip_grad_norm_ semantics):
+// max_norm/(norm + 1e-6) when max_norm > 0 and that is below 1, else 1.
+float clip_coefficient(double norm, double max_norm);
 
 enum class LrSchedule { constant, cosine };
 LrSchedule parse_lr_schedule(const std::string& s);

@@ -228,8 +228,8 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
       for (const auto& layer : model.expert_counts())
         for (int64_t c : layer) counts[i++] += double(c);
     }
-    const double gnorm = data_parallel.finish_gradients(o.grad_clip);
-    opt.step(params, lr);
+    const double gnorm = data_parallel.finish_gradients();
+    opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
     data_parallel.gather_params();
 
     // Step metrics over the job: losses and expert counts from one rank per TP group (its peers hold

@@ -94,17 +94,21 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
 }
 
 template <typename T>
-void moe_backward_experts(T* dx, T* dweight, T* dexperts, const T* dout, const MoeCache<T>& c, const T* experts,
-                          const MoeSizes& s) {
+void moe_backward_experts(T* dx, T* dweight, T* dexperts, const T* dout, const MoeCache<T>& c, MoeScratch<T>& scratch,
+                          const T* experts, const MoeSizes& s) {
   const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
-  std::vector<T> dy(size_t(R * C)), dgu(size_t(R * 2 * F)), dact(size_t(R * F)), dxs(size_t(R * C));
+  scratch.dy_RC.resize(size_t(R * C));  // every element is written below before it is read
+  scratch.dgu_R2F.resize(size_t(R * 2 * F));
+  scratch.dact_RF.resize(size_t(R * F));
+  T *dy = scratch.dy_RC.data(), *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
+  T* dxs = dy;  // expert e's rows of dy are dead once its dact and dw2 are computed
   // Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)].
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i) {
     const T* d = dout + (i / K) * C;
     const int64_t row = c.row_NK[size_t(i)];
     const T* y = c.y_RC.data() + row * C;
-    T* g = dy.data() + row * C;
+    T* g = dy + row * C;
     const T w = c.weight_NK[size_t(i)];
     T dot = 0;
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -113,7 +117,7 @@ void moe_backward_experts(T* dx, T* dweight, T* dexperts, const T* dout, const M
     }
     dweight[i] = dot;
   }
-  // Experts backward.
+  // Experts backward (dxs overwrites dy, expert by expert).
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = c.expert_begin[size_t(e)], rn = c.count_E[size_t(e)];
     if (rn == 0) continue;
@@ -121,11 +125,11 @@ void moe_backward_experts(T* dx, T* dweight, T* dexperts, const T* dout, const M
     const T* w2 = w13 + 2 * F * C;
     T* dw13 = dexperts + e * 3 * F * C;
     T* dw2 = dw13 + 2 * F * C;
-    gemm<T>(false, false, rn, F, C, T(1), dy.data() + r0 * C, C, w2, F, T(0), dact.data() + r0 * F, F);
-    gemm<T>(true, false, C, F, rn, T(1), dy.data() + r0 * C, C, c.act_RF.data() + r0 * F, F, T(1), dw2, F);
-    swiglu_backward(dgu.data() + r0 * 2 * F, dact.data() + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    gemm<T>(false, false, rn, C, 2 * F, T(1), dgu.data() + r0 * 2 * F, 2 * F, w13, C, T(0), dxs.data() + r0 * C, C);
-    gemm<T>(true, false, 2 * F, C, rn, T(1), dgu.data() + r0 * 2 * F, 2 * F, c.xs_RC.data() + r0 * C, C, T(1), dw13, C);
+    gemm<T>(false, false, rn, F, C, T(1), dy + r0 * C, C, w2, F, T(0), dact + r0 * F, F);
+    gemm<T>(true, false, C, F, rn, T(1), dy + r0 * C, C, c.act_RF.data() + r0 * F, F, T(1), dw2, F);
+    swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
+    gemm<T>(false, false, rn, C, 2 * F, T(1), dgu + r0 * 2 * F, 2 * F, w13, C, T(0), dxs + r0 * C, C);
+    gemm<T>(true, false, 2 * F, C, rn, T(1), dgu + r0 * 2 * F, 2 * F, c.xs_RC.data() + r0 * C, C, T(1), dw13, C);
   }
   // Unpermute: dx[n] = Σ_k dxs[row(n,k)].
 #pragma omp parallel for schedule(static)
@@ -133,7 +137,7 @@ void moe_backward_experts(T* dx, T* dweight, T* dexperts, const T* dout, const M
     T* d = dx + n * C;
     for (int64_t ch = 0; ch < C; ++ch) d[ch] = 0;
     for (int64_t k = 0; k < K; ++k) {
-      const T* g = dxs.data() + c.row_NK[size_t(n * K + k)] * C;
+      const T* g = dxs + c.row_NK[size_t(n * K + k)] * C;
       for (int64_t ch = 0; ch < C; ++ch) d[ch] += g[ch];
     }
   }
@@ -174,7 +178,8 @@ template <typename T>
 void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>& c, const T* x, const T* gate,
                   const T* experts, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale) {
   std::vector<T> dweight(static_cast<size_t>(s.N * s.K));
-  moe_backward_experts(dx, dweight.data(), dexperts, dout, c, experts, s);
+  MoeScratch<T> scratch;
+  moe_backward_experts(dx, dweight.data(), dexperts, dout, c, scratch, experts, s);
   moe_backward_router(dx, dgate, dweight.data(), c, x, gate, s, aux_coef, z_coef, loss_scale);
 }
 
@@ -182,7 +187,8 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
   template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, double, double); \
   template void moe_backward<T>(T*, T*, T*, const T*, const MoeCache<T>&, const T*, const T*, const T*,        \
                                 const MoeSizes&, double, double, T);                                          \
-  template void moe_backward_experts<T>(T*, T*, T*, const T*, const MoeCache<T>&, const T*, const MoeSizes&);  \
+  template void moe_backward_experts<T>(T*, T*, T*, const T*, const MoeCache<T>&, MoeScratch<T>&, const T*,      \
+                                        const MoeSizes&);                                                     \
   template void moe_backward_router<T>(T*, T*, const T*, const MoeCache<T>&, const T*, const T*, const MoeSizes&, \
                                        double, double, T);
 INSTANTIATE(float)

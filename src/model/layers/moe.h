@@ -32,6 +32,15 @@ struct MoeCache {
   double aux = 0, z = 0;         // coefficient-weighted router losses of this call
 };
 
+// Backward work buffers, kept by the caller between calls (one for all layers: sized on first use,
+// so backward allocates, and page-faults in, nothing per call).
+template <typename T>
+struct MoeScratch {
+  std::vector<T> dy_RC;    // ∂/∂(expert outputs); per expert, reused for ∂/∂(permuted inputs)
+  std::vector<T> dgu_R2F;  // ∂/∂[gate | up]
+  std::vector<T> dact_RF;  // ∂/∂(silu(gate)·up)
+};
+
 template <typename T>
 void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC, const T* experts,
                  const MoeSizes& s, double aux_coef, double z_coef);
@@ -43,13 +52,13 @@ void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC,
 // gradient of the routing weights (overwritten), dexperts accumulates (+=).
 template <typename T>
 void moe_backward_experts(T* dx_NC, T* dweight_NK, T* dexperts, const T* dout_NC, const MoeCache<T>& cache,
-                          const T* experts, const MoeSizes& s);
+                          MoeScratch<T>& scratch, const T* experts, const MoeSizes& s);
 // Phase 2, router (from the complete dweight_NK, plus the aux and z losses): dgate_EC accumulates;
 // dx_NC (may be null) accumulates the router's part of the input gradient.
 template <typename T>
 void moe_backward_router(T* dx_NC, T* dgate_EC, const T* dweight_NK, const MoeCache<T>& cache, const T* x_NC,
                          const T* gate_EC, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale);
-// Both phases on one rank. dx_NC is overwritten; dgate_EC and dexperts accumulate (+=). loss_scale
+// Both phases on one rank (with scratch of its own). dx_NC is overwritten; dgate_EC and dexperts accumulate (+=). loss_scale
 // multiplies the router losses' gradient (dout_NC already carries the scale of the main loss).
 template <typename T>
 void moe_backward(T* dx_NC, T* dgate_EC, T* dexperts, const T* dout_NC, const MoeCache<T>& cache,
