@@ -42,6 +42,7 @@ import harness as h  # noqa: E402
 # label, ranks, flags, micro-batch divisor (DP splits the global batch), target CPU ratio
 LAYOUTS = [
     ("DP2", 2, [], 2, 1.15),
+    ("DP2 ZeRO-1", 2, ["--zero", "1"], 2, 1.15),
     ("TP2", 2, ["--tp", "2"], 1, 1.3),
     ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], 1, 1.3),
 ]
