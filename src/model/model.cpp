@@ -252,7 +252,7 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
     float* lse = a.lse.data() + l * B * H * T;
     float* next = a.resid.data() + (l + 1) * Nl * C;
     // Attention: column-parallel QKV (this rank's heads), row-parallel output projection.
-    float* ln1_loc = tp.sp() ? a.loc.data() : ln1;  // SP: the norm's own tokens before the gather
+    float* ln1_loc = tp.local(ln1, a.loc.data());  // SP: the norm's own tokens before the gather
     norm_forward(ln1_loc, a.mean1.data() + l * Nl, a.rstd1.data() + l * Nl, res, o.ln1_w, o.ln1_b);
     tp.enter(ln1, ln1_loc, B, T, C);
     linear_forward(qkv, ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
@@ -263,7 +263,7 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
     tp.exit(mid, part, B, T, C);
     residual_add(mid, res, w(o.o_b), Nl, C);
     // MLP or MoE: column-parallel up (gate|up, expert w1|w3), row-parallel down (expert w2).
-    float* ln2_loc = tp.sp() ? a.loc.data() : ln2;
+    float* ln2_loc = tp.local(ln2, a.loc.data());
     norm_forward(ln2_loc, a.mean2.data() + l * Nl, a.rstd2.data() + l * Nl, mid, o.ln2_w, o.ln2_b);
     tp.enter(ln2, ln2_loc, B, T, C);
     part = tp.full(next, a.full.data());
@@ -288,7 +288,7 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
     residual_add(next, mid, w(o.proj_b), Nl, C);
   }
   const float* top = a.resid.data() + L * Nl * C;
-  float* lnf_loc = tp.sp() ? a.loc.data() : a.lnf.data();
+  float* lnf_loc = tp.local(a.lnf.data(), a.loc.data());
   norm_forward(lnf_loc, a.meanf.data(), a.rstdf.data(), top, lnf_w_, lnf_b_);
   tp.enter(a.lnf.data(), lnf_loc, B, T, C);
   // Vocab-parallel LM head and cross-entropy; its backward is fused into its forward:
@@ -304,7 +304,7 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
   // ---- backward ----
   float* d_res = a.d_res.data();  // ∂/∂(residual stream) at the current depth, this rank's tokens
   std::fill(a.d_res.begin(), a.d_res.end(), 0.f);
-  float* d_ln_loc = tp.sp() ? a.loc.data() : a.d_ln.data();
+  float* d_ln_loc = tp.local(a.d_ln.data(), a.loc.data());
   tp.enter_backward(d_ln_loc, a.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, top, a.meanf.data(), a.rstdf.data(), lnf_w_, lnf_b_);
   grads_ready(head_begin_);

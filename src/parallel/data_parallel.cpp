@@ -26,6 +26,12 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
   if (zero_ == 2) acc_.assign(size_t(total), 0.f);
   pending_.resize(params.buckets().size());
   started_.assign(params.buckets().size(), 0);
+  const std::vector<ParamSpec>& table = params.table();
+  if (sp_)
+    for (const Segment& seg : params.segments(owned_))
+      if (table[seg.param].split.seq_partial) sp_segs_.push_back(seg);
+  for (const Segment& seg : params.segments(shards_))
+    if (table[seg.param].split.dim >= 0 || tp.rank() == 0) norm_segs_.push_back(seg);
 }
 
 void DataParallel::begin_micro_batch(bool first, bool last) {
@@ -87,30 +93,24 @@ void DataParallel::end_micro_batch() {
 
 double DataParallel::finish_gradients() {
   float* g = params_.grad();
-  const std::vector<ParamSpec>& table = params_.table();
   // Sequence parallelism: norm-weight gradients are partial sums over the TP ranks' sequence shards.
   if (sp_) {
     std::vector<float> packed;
-    const std::vector<Segment> segs = params_.segments(owned_);
-    for (const Segment& s : segs)
-      if (table[s.param].split.seq_partial) packed.insert(packed.end(), g + s.begin, g + s.end);
+    for (const Segment& s : sp_segs_) packed.insert(packed.end(), g + s.begin, g + s.end);
     tp_.all_reduce(packed.data(), int64_t(packed.size()));
     size_t at = 0;
-    for (const Segment& s : segs)
-      if (table[s.param].split.seq_partial) {
-        std::memcpy(g + s.begin, packed.data() + at, size_t(s.end - s.begin) * sizeof(float));
-        at += size_t(s.end - s.begin);
-      }
+    for (const Segment& s : sp_segs_) {
+      std::memcpy(g + s.begin, packed.data() + at, size_t(s.end - s.begin) * sizeof(float));
+      at += size_t(s.end - s.begin);
+    }
   }
   // Global norm: each element once over DP (this rank's shard) and TP (replicated tensors on TP rank 0).
   // One parallel region for all segments (as in AdamW::step); each thread sums its share of each.
-  const std::vector<Segment> segs = params_.segments(shards_);
   double sq = 0;
 #pragma omp parallel reduction(+ : sq)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    for (const Segment& s : segs) {
-      if (table[s.param].split.dim < 0 && tp_.rank() != 0) continue;
+    for (const Segment& s : norm_segs_) {
       const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
       double part = 0;
 #pragma omp simd reduction(+ : part)

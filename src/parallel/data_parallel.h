@@ -56,6 +56,8 @@ class DataParallel {
   std::vector<Range> owned_;         // optimizer ranges
   std::vector<Range> shards_;        // this rank's shard of each bucket (norm ranges, whatever the stage)
   std::vector<int64_t> shard_at_;    // where bucket b's shard starts in recv_ / acc_
+  std::vector<Segment> sp_segs_;     // owned segments of sequence-partial tensors (reduced over TP under SP)
+  std::vector<Segment> norm_segs_;   // shard segments this rank counts in the norm (TP-replicated: TP rank 0)
   std::vector<float> recv_;          // ZeRO ≥ 1: reduce-scatter output, one shard per bucket
   std::vector<float> acc_;           // ZeRO-2: gradient shard accumulated over micro-batches
   std::vector<Request> pending_;     // per bucket

@@ -31,8 +31,12 @@ class TensorParallel {
   bool sp() const { return sp_; }
   // Tokens a rank holds outside TP regions.
   int64_t local_tokens(int64_t N) const { return sp_ ? N / size() : N; }
-  // The full-size [N, C] buffer a region border needs: `local` itself without SP, else `scratch`.
+  // The buffers on either side of a region border: without SP both sides hold all N tokens and are
+  // one buffer; with SP the other side is `scratch`.
+  // full(): the [N, C] buffer for the side inside the region, given the outside (local) buffer.
   float* full(float* local, float* scratch) const { return sp_ ? scratch : local; }
+  // local(): the [Nl, C] buffer for the side outside the region, given the inside (full) buffer.
+  float* local(float* full, float* scratch) const { return sp_ ? scratch : full; }
 
   // enter: full_NC ← local (local == full_NC without SP: nothing to do).
   void enter(float* full_NC, const float* local, int64_t B, int64_t T, int64_t C);
