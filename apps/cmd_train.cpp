@@ -44,7 +44,13 @@ int train(int argc, char** argv, Comm& world) {
       .flag("quiet", "print every 50th step only")
       .option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
       .option("dp", "D", "data-parallel degree (default: ranks / (TP x CP x PP))", "")
-      .option("pp", "P", "pipeline-parallel degree (not available yet: 1)", "1")
+      .option("pp", "P", "pipeline-parallel degree (stages)", "1")
+      .option("vpp", "V", "model chunks per pipeline stage (interleaved schedule)", "1")
+      .option("pp-schedule", "gpipe|1f1b|interleaved", "pipeline schedule (default: 1f1b; interleaved when --vpp > 1)")
+      .option("pp-layers", "N,N,...", "layers of each virtual stage, in order (default: an even split)")
+      .option("recompute", "none|selective|full",
+              "activation recomputation: selective recomputes the attention core, full keeps only each layer's input",
+              "none")
       .option("cp", "C", "context-parallel degree (not available yet: 1)", "1")
       .flag("sequence-parallel", "split norms and residuals along the sequence over TP (all-reduce becomes "
                                  "reduce-scatter + all-gather)")
@@ -85,6 +91,11 @@ int train(int argc, char** argv, Comm& world) {
     o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
     ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
     o.pp = int(a.integer("pp"));
+    o.vpp = int(a.integer("vpp"));
+    o.pp_schedule = a.str("pp-schedule");
+    if (a.has("pp-layers"))
+      for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
+    o.recompute = a.str("recompute");
     o.cp = int(a.integer("cp"));
     o.sequence_parallel = a.on("sequence-parallel");
     o.zero = int(a.integer("zero"));

@@ -66,13 +66,14 @@ void read_shard(const SafetensorsFile& f, const TensorInfo& t, const ParamSpec& 
 
 void load_weights(const std::string& path, const ModelConfig& cfg, Params& params) {
   SafetensorsFile f = SafetensorsFile::open(path);
-  std::set<std::string> loaded;
+  std::set<std::string> loaded, model_names;
+  for (const ParamSpec& p : make_param_table(cfg)) model_names.insert(p.name);
   std::vector<float> tmp;
   for (const TensorInfo& t : f.tensors()) {
     const std::string name = canonical_name(cfg, t.name);
     const int64_t i = params.index(name);
     if (i < 0) {
-      if (ignorable(cfg, name)) continue;
+      if (ignorable(cfg, name) || model_names.count(name)) continue;  // another pipeline stage's
       fail("'", path, "': tensor '", t.name, "' is not a parameter of this ", cfg.model_type(),
            " model (check that the file matches the config)");
     }
@@ -163,6 +164,35 @@ std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float*
       p.for_each_run(tp.size(), r, [&](int64_t local, int64_t g, int64_t len) {
         std::copy_n(src + params.offset(i) + local, len, out.data() + global.offset(i) + g);
       });
+    }
+  }
+  return out;
+}
+
+std::vector<float> gather_pp_stages(Comm& pp, const std::vector<float>& stage_buf,
+                                    const std::vector<std::vector<ParamSpec>>& tables, const Params* global) {
+  if (pp.size() == 1) return stage_buf;
+  if (pp.rank() != 0) {
+    pp.send(stage_buf.data(), int64_t(stage_buf.size()), DType::f32, 0, 0);
+    return {};
+  }
+  ORIGAMI_ASSERT(global != nullptr);
+  std::vector<float> out(size_t(global->size()), 0.f), buf;
+  std::set<std::string> placed;
+  for (int s = 0; s < pp.size(); ++s) {
+    int64_t n = 0;  // the one-rank layout of a stage's table: tensors back to back, in table order
+    for (const ParamSpec& p : tables[size_t(s)]) n += p.numel();
+    if (s > 0) {
+      buf.resize(size_t(n));
+      pp.recv(buf.data(), n, DType::f32, s, 0);
+    }
+    const float* src = s == 0 ? stage_buf.data() : buf.data();
+    ORIGAMI_ASSERT(s > 0 || int64_t(stage_buf.size()) == n);
+    int64_t at = 0;
+    for (const ParamSpec& p : tables[size_t(s)]) {
+      if (placed.insert(p.name).second)
+        std::copy_n(src + at, p.numel(), out.data() + global->offset(size_t(global->index(p.name))));
+      at += p.numel();
     }
   }
   return out;

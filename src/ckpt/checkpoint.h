@@ -24,8 +24,8 @@
 namespace origami {
 
 // Loads every parameter from a safetensors file, by Hugging Face name, into this rank's shard
-// (params.layout()). A missing tensor, a shape mismatch or an unexpected tensor is an Error naming
-// the file and the tensor. gpt2 names may carry the "transformer." prefix; GPT-2's attention-mask
+// (params.layout()); tensors of the model that other pipeline stages hold are skipped. A missing
+// tensor, a shape mismatch or an unexpected tensor is an Error naming the file and the tensor. gpt2 names may carry the "transformer." prefix; GPT-2's attention-mask
 // buffers and a tied lm_head.weight are skipped.
 void load_weights(const std::string& path, const ModelConfig& cfg, Params& params);
 
@@ -54,5 +54,12 @@ TrainerState load_optimizer_state(const std::string& dir, const Params& params, 
 // returns the global buffer in `global`'s layout (one-rank layout; needed on TP rank 0 only), the
 // others an empty vector.
 std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float* flat, const Params* global);
+
+// Pipeline gather: every rank of `pp` passes its stage's buffer in the one-rank layout of its stage's
+// table (tables[stage], as gather_tp_shards returns it); pp rank 0 returns the whole model's buffer
+// in `global`'s layout (needed on pp rank 0 only; a tensor held by two stages is taken from the
+// first), the others an empty vector.
+std::vector<float> gather_pp_stages(Comm& pp, const std::vector<float>& stage_buf,
+                                    const std::vector<std::vector<ParamSpec>>& tables, const Params* global);
 
 }  // namespace origami

@@ -89,6 +89,23 @@ int64_t Args::integer(const std::string& name) const {
   return x;
 }
 
+std::vector<int64_t> Args::integers(const std::string& name) const {
+  const std::string& v = get(name).value;
+  std::vector<int64_t> out;
+  size_t at = 0;
+  while (true) {
+    const size_t comma = v.find(',', at);
+    const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    char* end = nullptr;
+    const long long x = std::strtoll(item.c_str(), &end, 10);
+    ORIGAMI_CHECK(!item.empty() && *end == 0, command_, ": --", name,
+                  " must be comma-separated integers (like 5,6,6,5), got '", v, "'");
+    out.push_back(x);
+    if (comma == std::string::npos) return out;
+    at = comma + 1;
+  }
+}
+
 double Args::number(const std::string& name) const {
   const std::string& v = get(name).value;
   char* end = nullptr;

@@ -31,6 +31,7 @@ class Args {
   std::string str(const std::string& name) const;
   int64_t integer(const std::string& name) const;
   double number(const std::string& name) const;
+  std::vector<int64_t> integers(const std::string& name) const;  // "5,6,6,5"
   bool on(const std::string& name) const;
   std::string help() const;
 

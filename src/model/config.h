@@ -37,6 +37,12 @@ struct ModelConfig {
   std::string model_type() const;
 };
 
+// Layers [begin, end) of a model part (a pipeline stage's chunk).
+struct LayerRange {
+  int begin, end;
+  bool operator==(const LayerRange&) const = default;
+};
+
 // Parses and validates; `source` names the file in error messages.
 ModelConfig parse_model_config(const nlohmann::json& j, const std::string& source);
 ModelConfig load_model_config(const std::string& path);

@@ -13,28 +13,74 @@
 
 namespace origami {
 
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::none;
+  if (s == "selective") return Recompute::selective;
+  if (s == "full") return Recompute::full;
+  fail("--recompute must be none, selective or full, got '", s, "'");
+}
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::selective: return "selective";
+    case Recompute::full: return "full";
+  }
+  return "?";
+}
+
 namespace {
 
 int64_t qkv_width(const ModelConfig& c) { return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim; }
 
-// Per-layer MLP activation floats per token: gpt2 keeps pre-activation and GELU output (2F),
-// llama gate|up and SwiGLU output (3F); mixtral's MoE cache is sized by the routed rows.
-int64_t mlp_floats_per_token(const ModelConfig& c) {
-  if (c.is_gpt2()) return 2 * c.ffn;
-  if (!c.is_moe()) return 3 * c.ffn;
-  return c.top_k * (2 * c.hidden + 3 * c.ffn) + 2 * c.num_experts + 3 * c.top_k;
+// The activation sizes of one TP rank (see ActivationShape): N tokens inside TP regions, Nl outside.
+struct LocalSizes {
+  int64_t B, T, N, Nl, C, Hl, Sl, HDl, Fl;
+  int64_t fa, fb;  // MLP buffers per token: gpt2 pre-activation and GELU output (F, F), llama gate|up
+                   // and SwiGLU output (2F, F); MoE layers keep their cache instead (0, 0)
+  LocalSizes(const ModelConfig& c, const ActivationShape& a)
+      : B(a.B), T(a.T), N(a.B * a.T), Nl(a.sp ? a.B * a.T / a.tp : a.B * a.T), C(c.hidden), Hl(c.num_heads / a.tp),
+        Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
+        fa(c.is_moe() ? 0 : c.is_gpt2() ? c.ffn / a.tp : 2 * c.ffn / a.tp), fb(c.is_moe() ? 0 : c.ffn / a.tp) {}
+};
+
+// Bytes of a MoE cache for N tokens (MoeCache::resize): fp32 probabilities [N, E], log-sum-exp [N],
+// routing weights [R] and the four row buffers (xs, y [R, C], gate|up [R, 2F], activation [R, F]);
+// int32 chosen experts [R]; int64 rows [R], expert starts [E+1] and counts [E]; R = N·K.
+int64_t moe_cache_bytes(const ModelConfig& c, int64_t N, int64_t Fl) {
+  const int64_t R = N * c.top_k, E = c.num_experts;
+  return 4 * (N * E + N + R + R * (2 * c.hidden + 3 * Fl)) + 4 * R + 8 * (R + E + 1 + E);
 }
+
+// Bytes per layer kept outside the attention core, and inside it.
+int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s) {
+  const int64_t stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
+  const int64_t mlp = c.is_moe() ? moe_cache_bytes(c, s.N, s.Fl) : 4 * s.N * (s.fa + s.fb);
+  return 4 * (s.Nl * s.C + 2 * s.N * s.C + stats + s.N * s.Sl) + mlp;
+}
+int64_t core_bytes(const LocalSizes& s) { return 4 * (s.N * s.HDl + s.B * s.Hl * s.T); }
 
 }  // namespace
 
-int64_t activation_floats(const ModelConfig& c, int64_t B, int64_t T) {
-  const int64_t N = B * T, C = c.hidden, L = c.num_layers;
-  const int64_t per_layer_per_token = 4 * C             // residual mid, norm outputs ×2, (residual in: below)
-                                      + qkv_width(c)    // qkv (after RoPE)
-                                      + c.num_heads * c.head_dim  // attention output
-                                      + c.num_heads + 4           // lse, norm statistics
-                                      + mlp_floats_per_token(c);
-  return N * (L * per_layer_per_token + (L + 1) * C + C + 2);  // + residual stream, final norm
+int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, int64_t layers) {
+  const LocalSizes s(c, a);
+  const int64_t resid = 4 * (layers + 1) * s.Nl * s.C;
+  switch (a.recompute) {
+    case Recompute::none: return resid + layers * (layer_bytes(c, s) + core_bytes(s));
+    case Recompute::selective: return resid + layers * layer_bytes(c, s);
+    case Recompute::full: return resid;
+  }
+  return 0;
+}
+
+int64_t recompute_bytes(const ModelConfig& c, const ActivationShape& a) {
+  const LocalSizes s(c, a);
+  switch (a.recompute) {
+    case Recompute::none: return 0;
+    case Recompute::selective: return core_bytes(s);
+    case Recompute::full: return layer_bytes(c, s) + core_bytes(s);
+  }
+  return 0;
 }
 
 double train_flops_per_token(const ModelConfig& c, int64_t T) {
@@ -46,26 +92,48 @@ double train_flops_per_token(const ModelConfig& c, int64_t T) {
   return 6 * matmul_params + 6 * L * double(T) * double(c.num_heads * c.head_dim);
 }
 
-struct Model::Activations {
-  int64_t B = 0, T = 0;
-  std::vector<int32_t> targets;  // [N]
-  std::vector<float> resid;      // [(L+1), Nl, C] residual stream entering each layer (+ final)
-  std::vector<float> resid_mid;  // [L, Nl, C] after the attention residual add
-  std::vector<float> ln1, ln2;   // [L, N, C] norm outputs, all tokens (gathered under SP)
-  std::vector<float> mean1, rstd1, mean2, rstd2;  // [L, Nl]
-  std::vector<float> qkv;        // [L, N, Sl]
-  std::vector<float> att;        // [L, N, Hl·D]
-  std::vector<float> lse;        // [L, B, Hl, T]
-  std::vector<float> mlp_a, mlp_b;  // [L, N, ·] gpt2: pre-GELU, GELU out; llama: gate|up, SwiGLU out
-  std::vector<float> lnf, meanf, rstdf;  // final norm: output [N, C], statistics [Nl]
-  // Region scratch under SP: a norm's output before the gather [Nl, C]; partial sums / gathered gradients [N, C].
-  std::vector<float> loc, full;
-  // Backward scratch.
-  std::vector<float> d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b, d_weight;
+// What one (micro-batch, chunk) forward keeps for backward; also used, with one layer, for the
+// buffers recomputation rebuilds. Per-layer buffers are [layers, ...] (sizes in size_slot).
+struct Model::Slot {
+  std::vector<float> resid;  // [(Lc+1), Nl, C]: the input of each layer, then the chunk's output
+  std::vector<float> mid;    // [., Nl, C] residual stream after the attention residual add
+  std::vector<float> ln1, ln2;  // [., N, C] norm outputs, all tokens (gathered under SP)
+  std::vector<float> mean1, rstd1, mean2, rstd2;  // [., Nl] (means: LayerNorm only)
+  std::vector<float> qkv;    // [., N, Sl] after RoPE
+  std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama: gate|up, SwiGLU out
+  std::vector<MoeCache<float>> moe;  // [.] mixtral
+  std::vector<float> att;    // [core, N, Hl·D] attention output
+  std::vector<float> lse;    // [core, B, Hl, T]
+  int64_t layers = 0, core_layers = 0;
+  int64_t bytes() const {
+    int64_t b = 0;
+    for (const auto* v : {&resid, &mid, &ln1, &ln2, &mean1, &rstd1, &mean2, &rstd2, &qkv, &mlp_a, &mlp_b, &att, &lse})
+      b += int64_t(v->size() * sizeof(float));
+    for (const MoeCache<float>& m : moe) b += m.bytes();
+    return b;
+  }
 };
 
-Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp)
-    : cfg_(cfg), params_(params), tp_(std::move(tp)), act_(std::make_shared<Activations>()) {
+// One layer's buffers, in a slot or in the recomputation buffer.
+struct Model::LayerActs {
+  float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *att, *lse;
+  MoeCache<float>* moe;
+};
+
+// Work buffers (not kept across calls): region scratch under SP, the head, backward.
+struct Model::Scratch {
+  // Under SP: a norm's output before the gather [Nl, C]; partial sums / gathered gradients [N, C].
+  std::vector<float> loc, full;
+  std::vector<int32_t> targets;          // [N]
+  std::vector<float> lnf, meanf, rstdf;  // final norm: output [N, C], statistics [Nl]
+  std::vector<float> head;               // LM head chunks
+  std::vector<float> d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b, d_weight;
+  MoeScratch<float> moe;
+};
+
+Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute)
+    : cfg_(cfg), params_(params), tp_(std::move(tp)), part_(part.chunks.empty() ? ModelPart::whole(cfg.num_layers) : part),
+      recompute_(recompute), scratch_(std::make_unique<Scratch>()) {
   const int64_t t = tp_.size();
   ORIGAMI_ASSERT(params.layout().tp == t && params.layout().tp_rank == tp_.rank());
   ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && cfg.ffn % t == 0);
@@ -84,6 +152,7 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp)
   };
   layers_.resize(size_t(cfg.num_layers));
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (!part_.holds_layer(l)) continue;
     LayerOffsets& o = layers_[size_t(l)];
     if (cfg.is_gpt2()) {
       const std::string p = "h." + std::to_string(l) + ".";
@@ -112,70 +181,103 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp)
       }
     }
   }
-  if (cfg.is_gpt2()) {
-    wte_ = need("wte.weight"), wpe_ = need("wpe.weight");
-    lnf_w_ = need("ln_f.weight"), lnf_b_ = need("ln_f.bias");
-    head_ = wte_;
-  } else {
-    wte_ = need("model.embed_tokens.weight");
-    lnf_w_ = need("model.norm.weight");
-    head_ = cfg.tied_embeddings ? wte_ : need("lm_head.weight");
-    rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
+  if (part_.embedding) {
+    wte_ = need(cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight");
+    if (cfg.is_gpt2()) wpe_ = need("wpe.weight");
   }
-  if (cfg.is_moe()) moe_.resize(size_t(cfg.num_layers));
+  if (part_.head) {
+    lnf_w_ = need(cfg.is_gpt2() ? "ln_f.weight" : "model.norm.weight");
+    if (cfg.is_gpt2()) lnf_b_ = need("ln_f.bias");
+    head_ = cfg.is_gpt2() || cfg.tied_embeddings ? need(cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight")
+                                                 : need("lm_head.weight");
+    head_begin_ = lnf_w_;  // final norm and (untied) LM head: the end of the buffer
+  }
+  if (!cfg.is_gpt2()) rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
   // Where each layer's parameters start in the buffer (for the gradient-ready hook).
-  const std::string final_norm = cfg.is_gpt2() ? "ln_f.weight" : "model.norm.weight";
   layer_begin_.assign(size_t(cfg.num_layers), INT64_MAX);
+  const std::string prefix = cfg.is_gpt2() ? "h." : "model.layers.";
   for (size_t i = 0; i < params_.table().size(); ++i) {
     const std::string& n = params_.table()[i].name;
-    const std::string prefix = cfg.is_gpt2() ? "h." : "model.layers.";
     if (n.rfind(prefix, 0) == 0) {
       const size_t l = std::stoul(n.substr(prefix.size()));
       layer_begin_[l] = std::min(layer_begin_[l], params_.offset(i));
     }
   }
-  head_begin_ = off(final_norm);
-  ORIGAMI_ASSERT(head_begin_ >= 0 && (cfg.tied_embeddings || head_ >= head_begin_));
+  free_.resize(part_.chunks.size());
+  reset_expert_counts();
 }
 
-std::vector<std::vector<int64_t>> Model::expert_counts() const {
-  std::vector<std::vector<int64_t>> counts;
-  for (const MoeCache<float>& mc : moe_) counts.push_back(mc.count_E);
-  return counts;
+Model::~Model() = default;
+
+void Model::reset_expert_counts() {
+  expert_counts_.assign(cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, std::vector<int64_t>(size_t(cfg_.num_experts), 0));
 }
 
-void Model::ensure_activations(int64_t B, int64_t T) {
-  Activations& a = *act_;
-  if (a.B == B && a.T == T) return;
-  const ModelConfig& c = cfg_;
-  const int64_t N = B * T, Nl = tp_.local_tokens(N), C = c.hidden, L = c.num_layers;
-  const int64_t Sl = (Hl_ + 2 * KVl_) * c.head_dim, HDl = Hl_ * c.head_dim;
-  const int64_t fa = c.is_gpt2() ? Fl_ : 2 * Fl_;  // width of mlp_a (pre-activation or gate|up)
-  const int64_t fb = c.is_moe() ? 0 : Fl_;
-  a.B = B, a.T = T;
-  a.targets.resize(size_t(N));
-  a.resid.resize(size_t((L + 1) * Nl * C));
-  a.resid_mid.resize(size_t(L * Nl * C));
-  a.ln1.resize(size_t(L * N * C));
-  a.ln2.resize(size_t(L * N * C));
-  for (auto* v : {&a.mean1, &a.rstd1, &a.mean2, &a.rstd2}) v->resize(size_t(L * Nl));
-  a.qkv.resize(size_t(L * N * Sl));
-  a.att.resize(size_t(L * N * HDl));
-  a.lse.resize(size_t(L * B * Hl_ * T));
-  a.mlp_a.resize(c.is_moe() ? 0 : size_t(L * N * fa));
-  a.mlp_b.resize(size_t(L * N * fb));
-  a.lnf.resize(size_t(N * C));
-  a.meanf.resize(size_t(Nl));
-  a.rstdf.resize(size_t(Nl));
-  a.loc.resize(tp_.sp() ? size_t(Nl * C) : 0);
-  a.full.resize(tp_.sp() ? size_t(N * C) : 0);
-  a.d_res.resize(size_t(Nl * C));
-  a.d_ln.resize(size_t(N * C));
-  a.d_att.resize(size_t(N * HDl));
-  a.d_qkv.resize(size_t(N * Sl));
-  a.d_mlp_a.resize(size_t(N * fa));
-  a.d_mlp_b.resize(size_t(N * Fl_));
-  a.d_weight.resize(c.is_moe() ? size_t(N * c.top_k) : 0);
+ActivationShape Model::activation_shape() const { return {B_, T_, tp_.size(), tp_.sp(), recompute_}; }
+
+void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const {
+  const LocalSizes z(cfg_, activation_shape());
+  auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
+  size(s.resid, resid_rows * z.Nl * z.C);
+  size(s.mid, layers * z.Nl * z.C);
+  size(s.ln1, layers * z.N * z.C);
+  size(s.ln2, layers * z.N * z.C);
+  size(s.mean1, cfg_.is_gpt2() ? layers * z.Nl : 0);
+  size(s.mean2, cfg_.is_gpt2() ? layers * z.Nl : 0);
+  size(s.rstd1, layers * z.Nl);
+  size(s.rstd2, layers * z.Nl);
+  size(s.qkv, layers * z.N * z.Sl);
+  size(s.mlp_a, layers * z.N * z.fa);
+  size(s.mlp_b, layers * z.N * z.fb);
+  s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
+  for (MoeCache<float>& m : s.moe) m.resize({z.N, z.C, z.Fl, cfg_.num_experts, cfg_.top_k});
+  size(s.att, core_layers * z.N * z.HDl);
+  size(s.lse, core_layers * z.B * z.Hl * z.T);
+  s.layers = layers, s.core_layers = core_layers;
+}
+
+void Model::set_batch(int64_t B, int64_t T) {
+  if (B == B_ && T == T_) return;
+  ORIGAMI_CHECK(T <= cfg_.max_positions, "sequence length ", T, " exceeds the model's maximum positions (",
+                cfg_.max_positions, ")");
+  ORIGAMI_ASSERT(live_.empty() && (!tp_.sp() || T % tp_.size() == 0));
+  B_ = B, T_ = T;
+  for (auto& f : free_) f.clear();
+  recomputed_ = std::make_unique<Slot>();
+  if (recompute_ == Recompute::full) size_slot(*recomputed_, 0, 1, 1);
+  if (recompute_ == Recompute::selective) size_slot(*recomputed_, 0, 0, 1);
+  recompute_bytes_ = recomputed_->bytes();
+  live_bytes_ = 0;
+  peak_bytes_ = act_bytes();
+  const LocalSizes z(cfg_, activation_shape());
+  Scratch& s = *scratch_;
+  const int64_t N = z.N, Nl = z.Nl, C = z.C;
+  s.loc.resize(tp_.sp() ? size_t(Nl * C) : 0);
+  s.full.resize(tp_.sp() ? size_t(N * C) : 0);
+  s.targets.resize(size_t(N));
+  s.lnf.resize(part_.head ? size_t(N * C) : 0);
+  s.meanf.resize(part_.head ? size_t(Nl) : 0);
+  s.rstdf.resize(part_.head ? size_t(Nl) : 0);
+  s.d_res.resize(size_t(Nl * C));
+  s.d_ln.resize(size_t(N * C));
+  s.d_att.resize(size_t(N * z.HDl));
+  s.d_qkv.resize(size_t(N * z.Sl));
+  s.d_mlp_a.resize(size_t(N * (cfg_.is_gpt2() ? Fl_ : 2 * Fl_)));
+  s.d_mlp_b.resize(size_t(N * Fl_));
+  s.d_weight.resize(cfg_.is_moe() ? size_t(N * cfg_.top_k) : 0);
+}
+
+Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
+  const LocalSizes z(cfg_, activation_shape());
+  Slot& m = s.layers > 0 ? s : *recomputed_;  // per-layer buffers: kept, or rebuilt by recomputation
+  const int64_t j = s.layers > 0 ? i : 0;
+  Slot& k = s.core_layers > 0 ? s : *recomputed_;  // attention core
+  const int64_t jc = s.core_layers > 0 ? i : 0;
+  auto at = [](std::vector<float>& v, int64_t idx, int64_t n) { return v.empty() ? nullptr : v.data() + idx * n; };
+  return {at(m.mid, j, z.Nl * z.C),   at(m.ln1, j, z.N * z.C),  at(m.ln2, j, z.N * z.C), at(m.mean1, j, z.Nl),
+          at(m.rstd1, j, z.Nl),       at(m.mean2, j, z.Nl),     at(m.rstd2, j, z.Nl),    at(m.qkv, j, z.N * z.Sl),
+          at(m.mlp_a, j, z.N * z.fa), at(m.mlp_b, j, z.N * z.fb), at(k.att, jc, z.N * z.HDl),
+          at(k.lse, jc, z.B * z.Hl * z.T), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
 }
 
 namespace {
@@ -199,163 +301,242 @@ void residual_add(float* out, const float* res, const float* bias, int64_t N, in
 
 }  // namespace
 
-Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, float loss_scale, bool backward,
-                               float* logits_out) {
+// Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
+// added on TP rank 0 only), and the region exit sums the partial embeddings.
+void Model::embed(float* x0, const int32_t* tokens) {
+  const int64_t B = B_, T = T_, C = cfg_.hidden;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t tok = tokens[b * (T + 1) + t];
+      ORIGAMI_CHECK(tok >= 0 && tok < cfg_.vocab_size, "token id ", tok, " is outside the model's vocabulary of ",
+                    cfg_.vocab_size);
+    }
+  float* part = tp_.full(x0, scratch_->full.data());
+  embedding_forward(part, tokens, T + 1, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C, vocab_begin_, Vl_);
+  tp_.exit(x0, part, B, T, C);
+}
+
+// One decoder layer: out = mid + mlp(norm2(mid)), mid = in + attn(norm1(in)). `losses` (null when
+// recomputing) receives the router losses and the expert counts.
+void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float* out, Losses* losses) {
   const ModelConfig& c = cfg_;
-  ORIGAMI_CHECK(T <= c.max_positions, "sequence length ", T, " exceeds the model's maximum positions (",
-                c.max_positions, ")");
-  ORIGAMI_ASSERT(!tp_.sp() || T % tp_.size() == 0);
-  ensure_activations(B, T);
-  Activations& a = *act_;
-  const int64_t N = B * T, Nl = tp_.local_tokens(N), C = c.hidden, L = c.num_layers, D = c.head_dim;
-  const int64_t H = Hl_, KV = KVl_, F = Fl_, S = (H + 2 * KV) * D, HD = H * D, V = c.vocab_size;
+  const LayerOffsets& o = layers_[size_t(l)];
+  Scratch& s = *scratch_;
+  TensorParallel& tp = tp_;
+  const int64_t B = B_, T = T_, N = B * T, Nl = tp.local_tokens(N), C = c.hidden, D = c.head_dim;
+  const int64_t H = Hl_, KV = KVl_, F = Fl_, S = (H + 2 * KV) * D, HD = H * D;
   const bool gpt2 = c.is_gpt2();
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
-  const MoeSizes ms{N, C, F, c.num_experts, c.top_k};
-  TensorParallel& tp = tp_;
   auto norm_forward = [&](float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
     if (gpt2) layernorm_forward(y, mean, rstd, x, w(w_off), w(b_off), Nl, C, c.norm_eps);
     else rmsnorm_forward(y, rstd, x, w(w_off), Nl, C, c.norm_eps);
   };
+  // Attention: column-parallel QKV (this rank's heads), row-parallel output projection.
+  float* ln1_loc = tp.local(a.ln1, s.loc.data());  // SP: the norm's own tokens before the gather
+  norm_forward(ln1_loc, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
+  tp.enter(a.ln1, ln1_loc, B, T, C);
+  linear_forward(a.qkv, a.ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D);
+  attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D);
+  float* part = tp.full(a.mid, s.full.data());
+  linear_forward(part, a.att, w(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
+  tp.exit(a.mid, part, B, T, C);
+  residual_add(a.mid, in, w(o.o_b), Nl, C);
+  // MLP or MoE: column-parallel up (gate|up, expert w1|w3), row-parallel down (expert w2).
+  float* ln2_loc = tp.local(a.ln2, s.loc.data());
+  norm_forward(ln2_loc, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
+  tp.enter(a.ln2, ln2_loc, B, T, C);
+  part = tp.full(out, s.full.data());
+  if (c.is_moe()) {
+    moe_forward(part, *a.moe, a.ln2, w(o.router), w(o.experts), {N, C, F, c.num_experts, c.top_k}, c.aux_loss_coef,
+                c.z_loss_coef);
+    if (losses) {
+      losses->aux_loss += a.moe->aux;
+      losses->z_loss += a.moe->z;
+      for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->count_E[size_t(e)];
+    }
+  } else if (gpt2) {
+    linear_forward(a.mlp_a, a.ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
+    gelu_forward(a.mlp_b, a.mlp_a, N * F);
+    linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
+  } else {
+    linear_forward(a.mlp_a, a.ln2, w(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
+    swiglu_forward(a.mlp_b, a.mlp_a, N, F);
+    linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
+  }
+  tp.exit(out, part, B, T, C);
+  residual_add(out, a.mid, w(o.proj_b), Nl, C);
+}
+
+// d_res: ∂/∂out on entry, ∂/∂in on return (this rank's tokens).
+void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float* d_res, float loss_scale) {
+  const ModelConfig& c = cfg_;
+  const LayerOffsets& o = layers_[size_t(l)];
+  Scratch& s = *scratch_;
+  TensorParallel& tp = tp_;
+  const int64_t B = B_, T = T_, N = B * T, Nl = tp.local_tokens(N), C = c.hidden, D = c.head_dim;
+  const int64_t H = Hl_, KV = KVl_, F = Fl_, S = (H + 2 * KV) * D, HD = H * D;
+  const bool gpt2 = c.is_gpt2();
+  const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
   auto norm_backward = [&](float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
                            int64_t w_off, int64_t b_off) {
     if (gpt2) layernorm_backward(dx, g(w_off), g(b_off), dy, x, w(w_off), mean, rstd, Nl, C);
     else rmsnorm_backward(dx, g(w_off), dy, x, w(w_off), rstd, Nl, C);
   };
+  float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
+  // MLP branch: out = mid + mlp(norm2(mid)).
+  const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);  // all tokens
+  if (c.is_moe()) {
+    // Expert outputs are partial sums over TP, so is dweight: reduce it before the (replicated) router;
+    // the router's input gradient is added on TP rank 0 only, so the region's reduction counts it once.
+    const MoeSizes ms{N, C, F, c.num_experts, c.top_k};
+    moe_backward_experts(s.d_ln.data(), s.d_weight.data(), g(o.experts), d_out, *a.moe, s.moe, w(o.experts), ms);
+    tp.all_reduce(s.d_weight.data(), N * c.top_k);
+    moe_backward_router(tp.rank() == 0 ? s.d_ln.data() : nullptr, g(o.router), s.d_weight.data(), *a.moe, a.ln2,
+                        w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);
+  } else {
+    linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, w(o.proj_w), N, F, C, lay);
+    if (gpt2) {
+      gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
+      linear_backward(s.d_ln.data(), g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), a.ln2, w(o.fc_w), N, C, F, lay);
+    } else {
+      swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N, F);
+      linear_backward(s.d_ln.data(), g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), a.ln2, w(o.fc_w), N,
+                      C, 2 * F, lay);
+    }
+  }
+  tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
+  norm_backward(d_res, d_ln_loc, a.mid, a.mean2, a.rstd2, o.ln2_w, o.ln2_b);
+  // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
+  if (recompute_ == Recompute::selective) attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D);
+  d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
+  linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, w(o.o_w), N, HD, C, lay);
+  attention_backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.att, a.lse, B, T, H, KV, D);
+  if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D);
+  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), a.ln1, w(o.qkv_w), N, C, S, lay);
+  tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
+  norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
+}
 
+// Final norm, then the vocab-parallel LM head and cross-entropy with its backward fused in:
+// d_ln = this rank's part of ∂(loss_scale·lm_loss)/∂lnf, then d_res = ∂/∂top.
+Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out) {
+  const ModelConfig& c = cfg_;
+  Scratch& s = *scratch_;
+  TensorParallel& tp = tp_;
+  const int64_t B = B_, T = T_, N = B * T, Nl = tp.local_tokens(N), C = c.hidden;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      const int32_t tok = tokens[b * (T + 1) + t], tgt = tokens[b * (T + 1) + t + 1];
-      ORIGAMI_CHECK(tok >= 0 && tok < V && tgt >= 0 && tgt < V, "token id ", tok < 0 || tok >= V ? tok : tgt,
-                    " is outside the model's vocabulary of ", V);
-      a.targets[size_t(b * T + t)] = tgt;
+      const int32_t tgt = tokens[b * (T + 1) + t + 1];
+      ORIGAMI_CHECK(tgt >= 0 && tgt < c.vocab_size, "token id ", tgt, " is outside the model's vocabulary of ",
+                    c.vocab_size);
+      s.targets[size_t(b * T + t)] = tgt;
     }
-
-  // ---- forward ----
-  // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
-  // added on TP rank 0 only), and the region exit sums the partial embeddings.
-  {
-    float* x0 = a.resid.data();
-    float* part = tp.full(x0, a.full.data());
-    embedding_forward(part, tokens, T + 1, w(wte_), tp.rank() == 0 ? w(wpe_) : nullptr, B, T, C, vocab_begin_, Vl_);
-    tp.exit(x0, part, B, T, C);
-  }
-  Losses out;
-  for (int64_t l = 0; l < L; ++l) {
-    const LayerOffsets& o = layers_[size_t(l)];
-    float* res = a.resid.data() + l * Nl * C;
-    float* mid = a.resid_mid.data() + l * Nl * C;
-    float* ln1 = a.ln1.data() + l * N * C;
-    float* ln2 = a.ln2.data() + l * N * C;
-    float* qkv = a.qkv.data() + l * N * S;
-    float* att = a.att.data() + l * N * HD;
-    float* lse = a.lse.data() + l * B * H * T;
-    float* next = a.resid.data() + (l + 1) * Nl * C;
-    // Attention: column-parallel QKV (this rank's heads), row-parallel output projection.
-    float* ln1_loc = tp.local(ln1, a.loc.data());  // SP: the norm's own tokens before the gather
-    norm_forward(ln1_loc, a.mean1.data() + l * Nl, a.rstd1.data() + l * Nl, res, o.ln1_w, o.ln1_b);
-    tp.enter(ln1, ln1_loc, B, T, C);
-    linear_forward(qkv, ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
-    if (!gpt2) rope_forward(qkv, rope_, B, T, H, KV, D);
-    attention_forward(att, lse, qkv, B, T, H, KV, D);
-    float* part = tp.full(mid, a.full.data());
-    linear_forward(part, att, w(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
-    tp.exit(mid, part, B, T, C);
-    residual_add(mid, res, w(o.o_b), Nl, C);
-    // MLP or MoE: column-parallel up (gate|up, expert w1|w3), row-parallel down (expert w2).
-    float* ln2_loc = tp.local(ln2, a.loc.data());
-    norm_forward(ln2_loc, a.mean2.data() + l * Nl, a.rstd2.data() + l * Nl, mid, o.ln2_w, o.ln2_b);
-    tp.enter(ln2, ln2_loc, B, T, C);
-    part = tp.full(next, a.full.data());
-    if (c.is_moe()) {
-      MoeCache<float>& mc = moe_[size_t(l)];
-      moe_forward(part, mc, ln2, w(o.router), w(o.experts), ms, c.aux_loss_coef, c.z_loss_coef);
-      out.aux_loss += mc.aux;
-      out.z_loss += mc.z;
-    } else {
-      float* ma = a.mlp_a.data() + l * N * (gpt2 ? F : 2 * F);
-      float* mb = a.mlp_b.data() + l * N * F;
-      if (gpt2) {
-        linear_forward(ma, ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
-        gelu_forward(mb, ma, N * F);
-      } else {
-        linear_forward(ma, ln2, w(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
-        swiglu_forward(mb, ma, N, F);
-      }
-      linear_forward(part, mb, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
-    }
-    tp.exit(next, part, B, T, C);
-    residual_add(next, mid, w(o.proj_b), Nl, C);
-  }
-  const float* top = a.resid.data() + L * Nl * C;
-  float* lnf_loc = tp.local(a.lnf.data(), a.loc.data());
-  norm_forward(lnf_loc, a.meanf.data(), a.rstdf.data(), top, lnf_w_, lnf_b_);
-  tp.enter(a.lnf.data(), lnf_loc, B, T, C);
-  // Vocab-parallel LM head and cross-entropy; its backward is fused into its forward:
-  // d_ln = this rank's part of ∂(loss_scale·lm_loss)/∂lnf.
+  float* lnf_loc = tp.local(s.lnf.data(), s.loc.data());
+  if (c.is_gpt2()) layernorm_forward(lnf_loc, s.meanf.data(), s.rstdf.data(), top, w(lnf_w_), w(lnf_b_), Nl, C, c.norm_eps);
+  else rmsnorm_forward(lnf_loc, s.rstdf.data(), top, w(lnf_w_), Nl, C, c.norm_eps);
+  tp.enter(s.lnf.data(), lnf_loc, B, T, C);
   VocabShard<float> shard{vocab_begin_, vocab_valid_, nullptr};
   if (tp.size() > 1) shard.combine = [&tp](float* stats, int64_t n) { tp.combine_vocab_stats(stats, n); };
-  const double lm_sum = lm_head_loss(backward ? a.d_ln.data() : nullptr, g(head_), logits_out, a.lnf.data(), w(head_),
-                                     a.targets.data(), N, C, Vl_, loss_scale / float(N), head_scratch_, shard);
-  out.lm_loss = lm_sum / double(N);
-  out.loss = out.lm_loss + out.aux_loss + out.z_loss;
+  Losses out;
+  out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), w(head_),
+                             s.targets.data(), N, C, Vl_, loss_scale / float(N), s.head, shard) / double(N);
   if (!backward) return out;
+  float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
+  tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
+  std::fill(s.d_res.begin(), s.d_res.end(), 0.f);
+  if (c.is_gpt2())
+    layernorm_backward(s.d_res.data(), g(lnf_w_), g(lnf_b_), d_ln_loc, top, w(lnf_w_), s.meanf.data(), s.rstdf.data(), Nl, C);
+  else rmsnorm_backward(s.d_res.data(), g(lnf_w_), d_ln_loc, top, w(lnf_w_), s.rstdf.data(), Nl, C);
+  return out;
+}
 
-  // ---- backward ----
-  float* d_res = a.d_res.data();  // ∂/∂(residual stream) at the current depth, this rank's tokens
-  std::fill(a.d_res.begin(), a.d_res.end(), 0.f);
-  float* d_ln_loc = tp.local(a.d_ln.data(), a.loc.data());
-  tp.enter_backward(d_ln_loc, a.d_ln.data(), B, T, C);
-  norm_backward(d_res, d_ln_loc, top, a.meanf.data(), a.rstdf.data(), lnf_w_, lnf_b_);
-  grads_ready(head_begin_);
-  for (int64_t l = L - 1; l >= 0; --l) {
-    const LayerOffsets& o = layers_[size_t(l)];
-    const float* res = a.resid.data() + l * Nl * C;
-    const float* mid = a.resid_mid.data() + l * Nl * C;
-    const float* ln1 = a.ln1.data() + l * N * C;
-    const float* ln2 = a.ln2.data() + l * N * C;
-    const float* qkv = a.qkv.data() + l * N * S;
-    const float* att = a.att.data() + l * N * HD;
-    const float* lse = a.lse.data() + l * B * H * T;
-    // MLP branch: next = mid + mlp(norm2(mid)); d_res is ∂/∂next.
-    const float* d_out = tp.exit_backward(a.full.data(), d_res, B, T, C);  // all tokens
-    if (c.is_moe()) {
-      // Expert outputs are partial sums over TP, so is dweight: reduce it before the (replicated) router;
-      // the router's input gradient is added on TP rank 0 only, so the region's reduction counts it once.
-      const MoeCache<float>& mc = moe_[size_t(l)];
-      moe_backward_experts(a.d_ln.data(), a.d_weight.data(), g(o.experts), d_out, mc, moe_scratch_, w(o.experts),
-                           ms);
-      tp.all_reduce(a.d_weight.data(), N * c.top_k);
-      moe_backward_router(tp.rank() == 0 ? a.d_ln.data() : nullptr, g(o.router), a.d_weight.data(), mc, ln2,
-                          w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);
-    } else {
-      const float* ma = a.mlp_a.data() + l * N * (gpt2 ? F : 2 * F);
-      const float* mb = a.mlp_b.data() + l * N * F;
-      linear_backward(a.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, mb, w(o.proj_w), N, F, C, lay);
-      if (gpt2) {
-        gelu_backward(a.d_mlp_a.data(), a.d_mlp_b.data(), ma, N * F);
-        linear_backward(a.d_ln.data(), g(o.fc_w), g(o.fc_b), a.d_mlp_a.data(), ln2, w(o.fc_w), N, C, F, lay);
-      } else {
-        swiglu_backward(a.d_mlp_a.data(), a.d_mlp_b.data(), ma, N, F);
-        linear_backward(a.d_ln.data(), g(o.fc_w), static_cast<float*>(nullptr), a.d_mlp_a.data(), ln2, w(o.fc_w), N,
-                        C, 2 * F, lay);
-      }
-    }
-    tp.enter_backward(d_ln_loc, a.d_ln.data(), B, T, C);
-    norm_backward(d_res, d_ln_loc, mid, a.mean2.data() + l * Nl, a.rstd2.data() + l * Nl, o.ln2_w, o.ln2_b);
-    // Attention branch: mid = res + o_proj(attn(qkv(norm1(res)))); d_res is now ∂/∂mid.
-    d_out = tp.exit_backward(a.full.data(), d_res, B, T, C);
-    linear_backward(a.d_att.data(), g(o.o_w), g(o.o_b), d_out, att, w(o.o_w), N, HD, C, lay);
-    attention_backward(a.d_qkv.data(), a.d_att.data(), qkv, att, lse, B, T, H, KV, D);
-    if (!gpt2) rope_backward(a.d_qkv.data(), rope_, B, T, H, KV, D);
-    linear_backward(a.d_ln.data(), g(o.qkv_w), g(o.qkv_b), a.d_qkv.data(), ln1, w(o.qkv_w), N, C, S, lay);
-    tp.enter_backward(d_ln_loc, a.d_ln.data(), B, T, C);
-    norm_backward(d_res, d_ln_loc, res, a.mean1.data() + l * Nl, a.rstd1.data() + l * Nl, o.ln1_w, o.ln1_b);
+Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* input) {
+  ORIGAMI_ASSERT(B_ > 0 && chunk >= 0 && chunk < int(part_.chunks.size()) && !live_.count({mb, chunk}));
+  const LayerRange r = part_.chunks[size_t(chunk)];
+  const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
+  std::unique_ptr<Slot> slot;
+  if (!free_[size_t(chunk)].empty()) {
+    slot = std::move(free_[size_t(chunk)].back());
+    free_[size_t(chunk)].pop_back();
+  } else {
+    slot = std::make_unique<Slot>();
+    const int64_t kept = recompute_ == Recompute::full ? 0 : Lc;
+    size_slot(*slot, Lc + 1, kept, recompute_ == Recompute::none ? Lc : 0);
+  }
+  float* resid = slot->resid.data();
+  if (chunk == 0 && part_.embedding) embed(resid, tokens);
+  else std::memcpy(resid, input, size_t(NlC) * sizeof(float));
+  Losses out;
+  for (int64_t i = 0; i < Lc; ++i)
+    layer_forward(r.begin + i, layer_acts(*slot, i), resid + i * NlC, resid + (i + 1) * NlC, &out);
+  live_bytes_ += slot->bytes();
+  peak_bytes_ = std::max(peak_bytes_, act_bytes());
+  live_[{mb, chunk}] = std::move(slot);
+  return out;
+}
+
+const float* Model::output(int mb, int chunk) const {
+  const Slot& s = *live_.at({mb, chunk});
+  const LayerRange r = part_.chunks[size_t(chunk)];
+  return s.resid.data() + (r.end - r.begin) * tp_.local_tokens(B_ * T_) * cfg_.hidden;
+}
+
+const float* Model::input_grad() const { return scratch_->d_res.data(); }
+
+void Model::release(int mb, int chunk) {
+  auto it = live_.find({mb, chunk});
+  live_bytes_ -= it->second->bytes();
+  free_[size_t(chunk)].push_back(std::move(it->second));
+  live_.erase(it);
+}
+
+Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_output, float loss_scale,
+                       float* logits_BTV) {
+  auto it = live_.find({mb, chunk});
+  ORIGAMI_ASSERT(it != live_.end());
+  Slot& slot = *it->second;
+  const LayerRange r = part_.chunks[size_t(chunk)];
+  const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
+  const bool head_chunk = part_.head && chunk == int(part_.chunks.size()) - 1;
+  float* resid = slot.resid.data();
+  float* d_res = scratch_->d_res.data();  // ∂/∂(residual stream) at the current depth, this rank's tokens
+  Losses out;
+  if (head_chunk) {
+    out = head(resid + Lc * NlC, tokens, loss_scale, true, logits_BTV);
+    grads_ready(head_begin_);
+  } else {
+    std::memcpy(d_res, d_output, size_t(NlC) * sizeof(float));
+  }
+  for (int64_t i = Lc - 1; i >= 0; --i) {
+    const int64_t l = r.begin + i;
+    const LayerActs a = layer_acts(slot, i);
+    if (recompute_ == Recompute::full)  // rebuild the layer's buffers; its output is rewritten unchanged
+      layer_forward(l, a, resid + i * NlC, resid + (i + 1) * NlC, nullptr);
+    layer_backward(l, a, resid + i * NlC, d_res, loss_scale);
     grads_ready(layer_begin_[size_t(l)]);
   }
-  const float* d_out = tp.exit_backward(a.full.data(), d_res, B, T, C);
-  embedding_backward(g(wte_), g(wpe_), d_out, tokens, T + 1, B, T, C, vocab_begin_, Vl_);
-  grads_ready(0);
+  if (chunk == 0 && part_.embedding) {
+    const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);
+    embedding_backward(g(wte_), g(wpe_), d_x0, tokens, T_ + 1, B_, T_, cfg_.hidden, vocab_begin_, Vl_);
+    grads_ready(0);
+  }
+  release(mb, chunk);
+  return out;
+}
+
+Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, float loss_scale, bool backward,
+                               float* logits_out) {
+  ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head);
+  set_batch(B, T);
+  Losses out = forward(0, 0, tokens, nullptr);
+  if (backward) {
+    out += this->backward(0, 0, tokens, nullptr, loss_scale, logits_out);
+  } else {
+    out += head(output(0, 0), tokens, loss_scale, false, logits_out);
+    release(0, 0);
+  }
+  out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;
 }
 

@@ -1,5 +1,5 @@
-// Model assembly: the decoder stack of gpt2 / llama / mixtral over one micro-batch, forward and
-// backward, on the flat parameter and gradient buffers of `Params`.
+// Model assembly: the decoder stack of gpt2 / llama / mixtral, forward and backward, on the flat
+// parameter and gradient buffers of `Params`.
 //
 // Legend: B batch rows, T positions, N = B·T tokens, C hidden, L layers, H heads, KV kv heads,
 // D head dim, S = (H + 2·KV)·D packed qkv width, F MLP inner size, V vocabulary, E experts, K top-k.
@@ -8,11 +8,23 @@
 // Under tensor parallelism (size t) the model runs on this rank's shards: H/t heads, KV/t kv heads,
 // F/t MLP (and per-expert) features, Vp/t vocabulary rows (Vp = V padded to a multiple of t), and
 // with sequence parallelism Nl = N/t tokens outside TP regions. Sizes below with an "l" suffix are
-// local. The communication is the TensorParallel region calls in forward_backward, nothing else.
+// local. The communication is the TensorParallel region calls, nothing else.
+//
+// Under pipeline parallelism a Model holds one stage's ModelPart: chunks of layers, plus the
+// embedding on the first stage and the final norm + LM head on the last. Each (micro-batch, chunk)
+// forward keeps its activations in a slot until that pair's backward (the pipeline schedule decides
+// how many are in flight). The LM head and loss run at the start of the last chunk's backward (its
+// backward is fused into its forward), so every gradient is written during backward.
+//
+// Activation recomputation (Korthikanti et al. 2022): `selective` keeps no attention output and
+// log-sum-exp and recomputes the attention core from the kept q|k|v in backward; `full` keeps only
+// each layer's input and reruns the layer's forward (TP communication included) before its backward.
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -25,10 +37,33 @@ namespace origami {
 
 struct Losses {
   double loss = 0, lm_loss = 0, aux_loss = 0, z_loss = 0;
+  Losses& operator+=(const Losses& o) {
+    loss += o.loss, lm_loss += o.lm_loss, aux_loss += o.aux_loss, z_loss += o.z_loss;
+    return *this;
+  }
 };
 
-// Floats of activation memory one micro-batch keeps for backward (planner and allocation share it).
-int64_t activation_floats(const ModelConfig& cfg, int64_t B, int64_t T);
+enum class Recompute { none, selective, full };
+Recompute parse_recompute(const std::string& s);  // "none" | "selective" | "full"; else an Error naming it
+const char* recompute_name(Recompute r);
+
+// Activation memory, computed (the planner's formulas; the model measures its real buffers and
+// tests check the two agree). A slot is what one (micro-batch, chunk) forward keeps for backward:
+//   every layer's input and the chunk's output   (layers+1)·Nl·C
+//   per layer (none, selective)                  after-attention residual Nl·C, both norm outputs
+//                                                2·N·C (gathered under SP), norm statistics (2 or 4)·Nl,
+//                                                q|k|v N·Sl, MLP activations (dense) or the MoE cache
+//   per layer (none only)                        attention output N·Hl·D, log-sum-exp B·Hl·T
+// plus, with recomputation, one layer's recomputed buffers (full: everything per layer above;
+// selective: the attention output and log-sum-exp).
+struct ActivationShape {
+  int64_t B = 0, T = 0;
+  int tp = 1;
+  bool sp = false;
+  Recompute recompute = Recompute::none;
+};
+int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, int64_t layers);
+int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
 
 // Model FLOPs per token of a training step (forward + backward), convention:
 // 6·(parameters in matmuls a token passes through: attention, MLP or its K active experts,
@@ -38,52 +73,96 @@ double train_flops_per_token(const ModelConfig& cfg, int64_t T);
 
 class Model {
  public:
-  // params: this rank's shards (laid out with the same TP size as `tp`).
-  Model(const ModelConfig& cfg, Params& params, TensorParallel tp = {});
+  // params: this stage's tensors (make_param_table(cfg, part)), this rank's TP shards of them.
+  Model(const ModelConfig& cfg, Params& params, TensorParallel tp = {}, ModelPart part = {},
+        Recompute recompute = Recompute::none);
+  ~Model();
 
-  // Forward over tokens_B(T+1); with `backward`, gradients of loss_scale·loss are accumulated
-  // (+=) into params.grad(). logits_BTV, if given, receives the logits (this rank's vocabulary shard).
-  // Losses are those of the whole micro-batch, the same on every TP rank.
+  // The whole model (one chunk, both ends) on one micro-batch: forward over tokens_B(T+1), then with
+  // `backward` the gradients of loss_scale·loss accumulated (+=) into params.grad(). logits_BTV, if
+  // given, receives the logits (this rank's vocabulary shard). Losses are those of the micro-batch.
   Losses forward_backward(const int32_t* tokens, int64_t B, int64_t T, float loss_scale, bool backward,
                           float* logits_BTV = nullptr);
 
+  // ---- Pipeline interface: one chunk of one micro-batch at a time ----
+  // Sizes for the following calls (allocates the recomputation buffer).
+  void set_batch(int64_t B, int64_t T);
+  // Forward of `chunk` for micro-batch `mb`: from the embedding of tokens (chunk 0 of the first
+  // stage) or from `input` [Nl, C] (received from the previous virtual stage). Keeps a slot.
+  // Returns the router losses of the chunk's MoE layers (lm_loss comes from backward).
+  Losses forward(int mb, int chunk, const int32_t* tokens, const float* input);
+  // The chunk's output [Nl, C] (to send to the next virtual stage); valid until its backward.
+  const float* output(int mb, int chunk) const;
+  // Backward of (mb, chunk) from d_output [Nl, C] (null on the head chunk, which computes the LM head
+  // and loss here, scaled by loss_scale; logits_BTV, if given, receives its logits); releases the slot.
+  // Returns the LM loss on the head chunk.
+  Losses backward(int mb, int chunk, const int32_t* tokens, const float* d_output, float loss_scale,
+                  float* logits_BTV = nullptr);
+  // ∂/∂(input) [Nl, C] of the last backward (to send to the previous virtual stage); valid until the
+  // next backward.
+  const float* input_grad() const;
+
+  // Bytes of activations kept now (live slots + the recomputation buffer), and the most since reset.
+  int64_t act_bytes() const { return live_bytes_ + recompute_bytes_; }
+  int64_t act_bytes_peak() const { return peak_bytes_; }
+  void reset_act_peak() { peak_bytes_ = act_bytes(); }
+  ActivationShape activation_shape() const;
+
   // Called during backward with an offset X each time the gradients of every parameter at buffer
-  // offsets ≥ X are final for this call (decreasing X, ending with 0): lets data parallelism start
-  // reducing gradient buckets while backward goes on.
+  // offsets ≥ X are final for this backward (decreasing X; 0 at the embedding): lets data parallelism
+  // start reducing gradient buckets while backward goes on.
   void on_grads_ready(std::function<void(int64_t)> fn) { grads_ready_ = std::move(fn); }
 
-  // Tokens routed to each expert per MoE layer in the last call ([L][E]; empty for dense models).
-  std::vector<std::vector<int64_t>> expert_counts() const;
+  // Tokens routed to each expert per MoE layer ([L][E], global layer index; zeros for layers on
+  // other stages; empty for dense models), summed over forwards since the last reset.
+  const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
+  void reset_expert_counts();
   const ModelConfig& config() const { return cfg_; }
+  const ModelPart& part() const { return part_; }
 
  private:
   struct LayerOffsets {  // offsets into the parameter/gradient buffers; -1 when absent
     int64_t ln1_w = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, o_w = -1, o_b = -1, ln2_w = -1, ln2_b = -1;
     int64_t fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1, router = -1, experts = -1;
   };
-  struct Activations;
+  struct Slot;
+  struct LayerActs;
+  struct Scratch;
 
-  void ensure_activations(int64_t B, int64_t T);
   float* w(int64_t off) { return off < 0 ? nullptr : params_.data() + off; }
   float* g(int64_t off) { return off < 0 ? nullptr : params_.grad() + off; }
-
   void grads_ready(int64_t offset) {
     if (grads_ready_) grads_ready_(offset);
   }
+  // Sizes a slot's buffers: `resid_rows` residual-stream rows of [Nl, C], per-layer buffers for
+  // `layers`, attention output and log-sum-exp for `core_layers`.
+  void size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const;
+  LayerActs layer_acts(Slot& s, int64_t i);
+  void release(int mb, int chunk);  // back to the chunk's free list  // layer i of a slot (recomputed buffers where it keeps none)
+  void layer_forward(int64_t l, const LayerActs& a, const float* in, float* out, Losses* losses);
+  void layer_backward(int64_t l, const LayerActs& a, const float* in, float* d_res, float loss_scale);
+  // Final norm, LM head and loss on the chunk output `top`; with `backward`, leaves ∂/∂top in d_res.
+  Losses head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out);
+  void embed(float* x0, const int32_t* tokens);
 
   ModelConfig cfg_;
   Params& params_;
   TensorParallel tp_;
+  ModelPart part_;
+  Recompute recompute_;
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
-  std::vector<LayerOffsets> layers_;
+  int64_t B_ = 0, T_ = 0;
+  std::vector<LayerOffsets> layers_;  // by global layer index (entries of other stages unused)
   std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
   int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1, head_begin_ = -1;
   std::function<void(int64_t)> grads_ready_;
   RopeTable rope_;
-  std::shared_ptr<Activations> act_;
-  std::vector<MoeCache<float>> moe_;  // per layer
-  MoeScratch<float> moe_scratch_;      // shared by the layers' backward
-  std::vector<float> head_scratch_;
+  std::map<std::pair<int, int>, std::unique_ptr<Slot>> live_;  // (micro-batch, chunk) → slot
+  std::vector<std::vector<std::unique_ptr<Slot>>> free_;       // per chunk: released slots, reused
+  std::unique_ptr<Slot> recomputed_;                           // one layer's recomputed buffers
+  std::unique_ptr<Scratch> scratch_;                           // backward work buffers
+  int64_t live_bytes_ = 0, recompute_bytes_ = 0, peak_bytes_ = 0;
+  std::vector<std::vector<int64_t>> expert_counts_;
 };
 
 }  // namespace origami

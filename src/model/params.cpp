@@ -97,6 +97,36 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
   return t;
 }
 
+bool ModelPart::holds_layer(int64_t l) const {
+  for (const LayerRange& r : chunks)
+    if (l >= r.begin && l < r.end) return true;
+  return false;
+}
+
+int64_t ModelPart::num_layers() const {
+  int64_t n = 0;
+  for (const LayerRange& r : chunks) n += r.end - r.begin;
+  return n;
+}
+
+std::vector<ParamSpec> make_param_table(const ModelConfig& c, const ModelPart& part) {
+  const std::string layer_prefix = c.is_gpt2() ? "h." : "model.layers.";
+  const std::string embedding = c.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight";
+  const bool shared = (c.is_gpt2() || c.tied_embeddings) && part.embedding != part.head;
+  std::vector<ParamSpec> out;
+  for (ParamSpec& p : make_param_table(c)) {
+    bool keep;
+    if (p.name.rfind(layer_prefix, 0) == 0) keep = part.holds_layer(std::stol(p.name.substr(layer_prefix.size())));
+    else if (p.name == embedding) keep = part.embedding || (part.head && (c.is_gpt2() || c.tied_embeddings));
+    else if (p.name == "wpe.weight") keep = part.embedding;
+    else keep = part.head;  // final norm, untied lm_head
+    if (!keep) continue;
+    p.pp_shared = shared && p.name == embedding;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
 int64_t num_parameters(const ModelConfig& cfg) {
   int64_t n = 0;
   for (const ParamSpec& p : make_param_table(cfg)) n += p.numel();
@@ -106,12 +136,14 @@ int64_t num_parameters(const ModelConfig& cfg) {
 Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::move(table)), layout_(layout) {
   ORIGAMI_ASSERT(layout_.tp >= 1 && layout_.dp >= 1 && layout_.tp_rank >= 0 && layout_.tp_rank < layout_.tp);
   for (size_t i = 0; i < table_.size(); ++i) by_name_[table_[i].name] = i;
-  // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a tensor).
+  // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a
+  // tensor); a pp_shared tensor is a bucket of its own.
   std::vector<size_t> first_of_bucket;  // table index where each bucket starts, last bucket first
   int64_t filled = 0;
   for (size_t i = table_.size(); i-- > 0;) {
+    if (table_[i].pp_shared && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
     filled += local_numel(i);
-    if (i == 0 || (layout_.bucket_floats > 0 && filled >= layout_.bucket_floats)) {
+    if (i == 0 || table_[i].pp_shared || (layout_.bucket_floats > 0 && filled >= layout_.bucket_floats)) {
       first_of_bucket.push_back(i);
       filled = 0;
     }

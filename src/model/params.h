@@ -38,6 +38,10 @@ struct ParamSpec {
   std::vector<int64_t> shape;  // global, Hugging Face layout (gpt2 Conv1D: [in, out]; Linear: [out, in])
   Init init = Init::normal;
   TpSplit split;
+  // The tied embedding held by both the first and the last pipeline stage (embedding and LM head):
+  // a data-parallel bucket of its own on both, so its DP shards line up and can be summed across
+  // the two stages (the embedding group).
+  bool pp_shared = false;
   int64_t numel() const;       // global elements
   bool decays() const { return shape.size() >= 2; }  // AdamW weight decay on matrices only
   std::vector<int64_t> local_shape(int tp) const;    // this shard's shape (padded dimension included)
@@ -47,7 +51,24 @@ struct ParamSpec {
   template <typename Fn> void for_each_run(int tp, int tp_rank, Fn&& fn) const;
 };
 
+// The part of the model one pipeline stage holds: the layers of each of its chunks (in chunk order),
+// whether its chunk 0 starts with the embedding (it is the first virtual stage) and whether its last
+// chunk ends with the final norm and LM head (the last virtual stage). Without pipeline parallelism:
+// one chunk with every layer and both ends.
+struct ModelPart {
+  std::vector<LayerRange> chunks;
+  bool embedding = true, head = true;
+  static ModelPart whole(int64_t num_layers) { return {{{0, int(num_layers)}}, true, true}; }
+  bool holds_layer(int64_t l) const;
+  int64_t num_layers() const;
+};
+
+// The whole model's tensors, in buffer order: embedding(s), layers, final norm, LM head.
 std::vector<ParamSpec> make_param_table(const ModelConfig& cfg);
+// The tensors of one pipeline stage, in the same order. A tied embedding (gpt2, tie_word_embeddings)
+// is on the first stage for the lookup and on the last for the LM head, marked pp_shared when those
+// are different stages.
+std::vector<ParamSpec> make_param_table(const ModelConfig& cfg, const ModelPart& part);
 int64_t num_parameters(const ModelConfig& cfg);  // global count, whatever the layout
 
 // The per-rank layout of the buffers.

@@ -9,8 +9,10 @@
 
 namespace origami {
 
-DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel)
-    : params_(params), dp_(dp), tp_(tp), world_(world), zero_(zero_stage), sp_(sequence_parallel && tp.size() > 1) {
+DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel,
+                           Comm* embedding)
+    : params_(params), dp_(dp), tp_(tp), world_(world), embedding_(embedding), zero_(zero_stage),
+      sp_(sequence_parallel && tp.size() > 1) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 2, "--zero must be 0, 1 or 2, got ", zero_);
   ORIGAMI_ASSERT(params.layout().dp == dp.size());
   const int64_t d = dp.size(), r = dp.rank();
@@ -30,21 +32,32 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
   if (sp_)
     for (const Segment& seg : params.segments(owned_))
       if (table[seg.param].split.seq_partial) sp_segs_.push_back(seg);
-  for (const Segment& seg : params.segments(shards_))
-    if (table[seg.param].split.dim >= 0 || tp.rank() == 0) norm_segs_.push_back(seg);
+  for (size_t b = 0; b < params.buckets().size(); ++b)
+    for (const Segment& seg : params.segments({params.buckets()[b]}))
+      if (table[seg.param].pp_shared) {
+        ORIGAMI_ASSERT(embedding_ != nullptr && embedding_->size() == 2);
+        shared_buckets_.push_back(b);
+        break;
+      }
+  for (const Segment& seg : params.segments(shards_)) {
+    const bool tp_counted = table[seg.param].split.dim >= 0 || tp.rank() == 0;
+    const bool pp_counted = !table[seg.param].pp_shared || embedding_->rank() == 0;
+    if (tp_counted && pp_counted) norm_segs_.push_back(seg);
+  }
 }
 
-void DataParallel::begin_micro_batch(bool first, bool last) {
-  if (zero_ == 2) {
-    params_.release_grad();  // zero, and free, the full buffer: only this micro-batch writes it
-    if (first) std::fill(acc_.begin(), acc_.end(), 0.f);
-    armed_ = true;
-  } else {
-    if (first) params_.zero_grad();
-    armed_ = last;  // accumulate locally; reduce once per step
-  }
-  last_ = last;
+void DataParallel::begin_step() {
+  if (zero_ == 2) std::fill(acc_.begin(), acc_.end(), 0.f);
+  else params_.zero_grad();
   std::fill(started_.begin(), started_.end(), 0);
+}
+
+void DataParallel::begin_backward(bool final) {
+  if (zero_ == 2) {
+    params_.release_grad();  // zero, and free, the full buffer: only this pass writes it
+    std::fill(started_.begin(), started_.end(), 0);
+  }
+  armed_ = zero_ == 2 || final;
 }
 
 void DataParallel::start_bucket(size_t b) {
@@ -77,22 +90,31 @@ void DataParallel::complete_bucket(size_t b) {
   }
 }
 
-void DataParallel::end_micro_batch() {
-  if (!armed_) return;
-  grads_ready(0);  // every bucket, in case backward did not announce them all
-  for (size_t b = 0; b < pending_.size(); ++b) complete_bucket(b);
+void DataParallel::end_backward() {
   if (zero_ == 2) {
+    grads_ready(0);  // every bucket, in case backward did not announce them all
+    for (size_t b = 0; b < pending_.size(); ++b) complete_bucket(b);
     params_.release_grad();
-    if (last_)  // the optimizer reads gradients from the buffer: write back this rank's shards only
-      for (size_t b = 0; b < shards_.size(); ++b)
-        std::memcpy(params_.grad() + shards_[b].begin, acc_.data() + shard_at_[b],
-                    size_t(shards_[b].end - shards_[b].begin) * sizeof(float));
   }
   armed_ = false;
 }
 
 double DataParallel::finish_gradients() {
   float* g = params_.grad();
+  if (zero_ == 2) {  // the optimizer reads gradients from the buffer: write back this rank's shards only
+    for (size_t b = 0; b < shards_.size(); ++b)
+      std::memcpy(g + shards_[b].begin, acc_.data() + shard_at_[b], size_t(shards_[b].end - shards_[b].begin) * sizeof(float));
+  } else {
+    for (size_t b = 0; b < pending_.size(); ++b) {
+      if (!started_[b]) start_bucket(b);  // buckets backward did not announce (a tied embedding on the last stage)
+      complete_bucket(b);
+    }
+  }
+  // The tied embedding: its bucket (ZeRO 0) or this rank's shard of it, summed over the first and last stage.
+  for (size_t b : shared_buckets_) {
+    const Range r = zero_ == 0 ? params_.buckets()[b] : shards_[b];
+    embedding_->all_reduce(g + r.begin, r.end - r.begin);
+  }
   // Sequence parallelism: norm-weight gradients are partial sums over the TP ranks' sequence shards.
   if (sp_) {
     std::vector<float> packed;

@@ -10,8 +10,13 @@
 //             accumulator: the full gradient buffer is released (its pages returned) after each
 //             reduction, so only this rank's shard stays resident between micro-batches and steps
 //
-// The gradient norm is the true global one: each element counted once over TP × DP (TP-replicated
-// parameters on TP rank 0 only; DP-replicated gradients within this rank's shard only).
+// Under pipeline parallelism a tied embedding lives on the first and the last stage, in a bucket of
+// its own on both: after the DP reduction its gradient (or this rank's DP shard of it — the shards
+// line up) is summed over the two stages, which then apply identical updates.
+//
+// The gradient norm is the true global one: each element counted once over TP × DP × PP (TP-replicated
+// parameters on TP rank 0 only; DP-replicated gradients within this rank's shard only; the tied
+// embedding on the first stage only).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -24,23 +29,31 @@ namespace origami {
 class DataParallel {
  public:
   // dp: data-parallel group; tp: tensor-parallel group (sequence-parallel gradients are reduced over it);
-  // world: every rank that holds distinct gradients (for the norm).
-  DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel);
+  // world: every rank (for the norm); embedding: the first and last pipeline stage of this rank's
+  // pipeline when it holds a pp_shared tensor (the tied embedding), else null.
+  DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel,
+               Comm* embedding = nullptr);
 
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
   const std::vector<Range>& owned() const { return owned_; }
 
-  // Before a micro-batch: zeroes gradients as needed and arms the reduction (ZeRO 0/1 reduce after the
-  // last micro-batch of a step only; ZeRO-2 after every one).
-  void begin_micro_batch(bool first, bool last);
+  // A step, whatever the schedule (one forward-backward per micro-batch, or a pipeline's chunks):
+  //   begin_step(); { begin_backward(final); <backward: the model calls grads_ready> end_backward(); }...
+  //   finish_gradients(); <optimizer>; gather_params()
+  void begin_step();
+  // Before a backward pass. `final`: no later backward of this step writes the gradients this one
+  // writes (the last micro-batch; under interleaving, the chunk's last). ZeRO 0/1 reduce during final
+  // passes only; ZeRO-2 after every pass, its gradient buffer holding one pass's gradients.
+  void begin_backward(bool final);
   // The model's gradients-ready hook: starts the reduction of every armed bucket at offsets ≥ offset.
   void grads_ready(int64_t offset);
-  // After a micro-batch's backward: waits for the reductions it started.
-  void end_micro_batch();
+  // After a backward pass (ZeRO-2: reduces what is left and waits, then releases the buffer).
+  void end_backward();
 
-  // After the step's last micro-batch: completes sequence-parallel gradients over TP and returns the
-  // global gradient norm. Clipping is left to the optimizer (clip_coefficient, AdamW::step's grad_scale).
+  // After the step's last backward: completes the reductions, sums the tied embedding over the
+  // embedding group, completes sequence-parallel gradients over TP and returns the global gradient
+  // norm. Clipping is left to the optimizer (clip_coefficient, AdamW::step's grad_scale).
   double finish_gradients();
   // After the optimizer updated the owned ranges (ZeRO ≥ 1): all-gathers every bucket's parameters.
   void gather_params();
@@ -51,6 +64,8 @@ class DataParallel {
 
   Params& params_;
   Comm &dp_, &tp_, &world_;
+  Comm* embedding_;
+  std::vector<size_t> shared_buckets_;  // buckets of pp_shared tensors (summed over embedding_)
   int zero_;
   bool sp_;
   std::vector<Range> owned_;         // optimizer ranges
@@ -62,7 +77,7 @@ class DataParallel {
   std::vector<float> acc_;           // ZeRO-2: gradient shard accumulated over micro-batches
   std::vector<Request> pending_;     // per bucket
   std::vector<uint8_t> started_;
-  bool armed_ = false, last_ = false;
+  bool armed_ = false;
 };
 
 }  // namespace origami

@@ -302,6 +302,15 @@ Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int s
 
 namespace origami {
 
+int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes) {
+  int64_t live = 0, peak = 0;
+  for (const Action& a : actions) {
+    if (a.type == ActionType::forward) peak = std::max(peak, live += slot_bytes.at(size_t(a.chunk)));
+    if (a.type == ActionType::backward) live -= slot_bytes.at(size_t(a.chunk));
+  }
+  return peak;
+}
+
 std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes) {
   const int parts = stages * chunks;
   ORIGAMI_CHECK(stages >= 1 && chunks >= 1, "pipeline stages and chunks must be at least 1, got stages=", stages,

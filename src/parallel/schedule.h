@@ -16,8 +16,11 @@
 // Bubble with zero-cost communication: (p-1)/M for gpipe and 1f1b, (p-1)/(v*M) for interleaved,
 // exactly and for any ratio of backward to forward cost (the reason is in test_schedule.cpp).
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
+
+#include "model/config.h"
 
 namespace origami {
 
@@ -88,6 +91,10 @@ struct Replay {
 Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
                         double t_forward, double t_backward);
 
+// Activation bytes a stage keeps at its peak over one step: replays its action list, the forward of
+// chunk c adding slot_bytes[c] and that pair's backward releasing them (model.h: slot_bytes()).
+int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes);
+
 }  // namespace origami
 
 namespace origami {
@@ -97,9 +104,6 @@ namespace origami {
 // explicitly — the embedding and LM head make the first and last stage heavier; otherwise the
 // layers are split evenly, which needs num_layers to be a multiple of stages·chunks. Errors name
 // the values and the rule.
-struct LayerRange {
-  int begin, end;
-};
 std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes = {});
 
 }  // namespace origami

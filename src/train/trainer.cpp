@@ -13,6 +13,7 @@
 #include "ckpt/safetensors.h"
 #include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
+#include "parallel/pipeline.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "data/indexed_dataset.h"
@@ -42,7 +43,8 @@ std::string format_duration(double seconds) {
 
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
-          {"tp", tp}, {"dp", dp}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
+          {"tp", tp}, {"dp", dp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"pp_layers", pp_layers}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
@@ -70,7 +72,9 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
   parse_sample_order(data_order);
   // Layout.
-  ORIGAMI_CHECK(pp == 1, "--pp ", pp, ": pipeline parallelism is not available yet (only --pp 1)");
+  ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
+  ORIGAMI_CHECK(vpp >= 1, "--vpp must be at least 1, got ", vpp);
+  parse_recompute(recompute);
   ORIGAMI_CHECK(cp == 1, "--cp ", cp, ": context parallelism is not available yet (only --cp 1)");
   ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
   ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
@@ -88,8 +92,28 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(global_batch % (int64_t(dims.dp) * micro_batch) == 0, "--global-batch (", global_batch,
                 ") must be a multiple of --micro-batch x DP (", micro_batch, " x ", dims.dp, " = ",
                 micro_batch * dims.dp, ")");
+  // Pipeline: the layer split, then the schedule against the micro-batches each step has.
+  partition_layers(int(cfg.num_layers), pp, vpp, pp_layers);
+  const ScheduleKind kind = schedule_kind();
+  const int64_t m = micro_batches(world_size);
+  ORIGAMI_CHECK(kind != ScheduleKind::interleaved || pp >= 2, "--pp-schedule interleaved needs --pp >= 2, got --pp ", pp);
+  ORIGAMI_CHECK(kind != ScheduleKind::interleaved || m % pp == 0, "--pp-schedule interleaved needs the micro-batches "
+                "per step (--global-batch / (--micro-batch x DP) = ", global_batch, " / (", micro_batch, " x ", dims.dp,
+                ") = ", m, ") to be a multiple of --pp (", pp, ")");
+  ORIGAMI_CHECK(vpp == 1 || kind == ScheduleKind::interleaved, "--vpp ", vpp, " needs --pp-schedule interleaved, got ",
+                schedule_kind_name(kind));
+  check_schedule(kind, pp, int(m), vpp);
   ORIGAMI_CHECK(!sequence_parallel || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
                 seq_len, ") must be a multiple of --tp (", tp, ")");
+}
+
+ScheduleKind TrainOptions::schedule_kind() const {
+  if (pp_schedule.empty()) return vpp > 1 ? ScheduleKind::interleaved : ScheduleKind::one_f_one_b;
+  return parse_schedule_kind(pp_schedule);
+}
+
+int64_t TrainOptions::micro_batches(int world_size) const {
+  return global_batch / (micro_batch * layout_dims(world_size).dp);
 }
 
 MeshDims TrainOptions::layout_dims(int world_size) const {
@@ -129,14 +153,27 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   const bool rank0 = world.rank() == 0;
   WindowSampler sampler(*dataset, o.seq_len, parse_sample_order(o.data_order), o.seed);
 
-  // Layout: mesh, tensor parallelism, this rank's parameter shard and buckets, data parallelism.
+  // Layout: mesh; this rank's pipeline stage (its chunks of layers), TP shard and DP buckets.
   Mesh mesh(world, MeshShape(world.size(), o.layout_dims(world.size()), o.mesh_order));
   Comm& tp_comm = mesh.comm("tp");
   Comm& dp_comm = mesh.comm("dp");
-  const int dp = dp_comm.size(), dp_rank = dp_comm.rank();
+  Comm& pp_comm = mesh.comm("pp");
+  const int dp = dp_comm.size(), dp_rank = dp_comm.rank(), pp = pp_comm.size(), stage = pp_comm.rank();
+  const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
+  auto part_of = [&](int s) {
+    ModelPart part{{}, s == 0, s == pp - 1};
+    for (int c = 0; c < o.vpp; ++c) part.chunks.push_back(virtual_stages[size_t(c * pp + s)]);
+    return part;
+  };
+  const ModelPart part = part_of(stage);
+  // The tied embedding's gradient is summed over the first and last stage (a group of 2; the middle
+  // stages form groups of their own, unused).
+  std::unique_ptr<Comm> embedding_comm;
+  if (pp > 1) embedding_comm = pp_comm.split(stage == 0 || stage == pp - 1 ? 0 : 1, stage, "embedding");
   ParamLayout layout{tp_comm.size(), tp_comm.rank(), dp, int64_t(o.bucket_mb * 1024 * 1024 / sizeof(float))};
-  Params params(make_param_table(cfg), layout);
-  DataParallel data_parallel(params, dp_comm, tp_comm, world, o.zero, o.sequence_parallel);
+  Params params(make_param_table(cfg, part), layout);
+  DataParallel data_parallel(params, dp_comm, tp_comm, world, o.zero, o.sequence_parallel,
+                             part.embedding != part.head ? embedding_comm.get() : nullptr);
   AdamW opt(params, o.adam, data_parallel.owned());
   int64_t start_step = 0;
   if (o.init_from.empty()) {
@@ -153,30 +190,49 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
                     "; ask for more --steps to continue");
     }
   }
-  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel));
+  const Recompute recompute = parse_recompute(o.recompute);
+  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute);
   model.on_grads_ready([&](int64_t offset) { data_parallel.grads_ready(offset); });
+  const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
+  Pipeline pipeline(model, pp_comm, data_parallel, o.schedule_kind(), int(micro), o.vpp);
+  // Activation memory this stage should peak at (the planner's formula, checked against the measured peak).
+  const ActivationShape act_shape{B, T, tp_comm.size(), o.sequence_parallel && tp_comm.size() > 1, recompute};
+  std::vector<int64_t> chunk_bytes;
+  for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, act_shape, r.end - r.begin));
+  const int64_t act_computed =
+      schedule_activation_peak(pipeline.actions(), chunk_bytes) + recompute_bytes(cfg, act_shape);
 
   std::unique_ptr<std::ofstream> metrics;
   if (rank0 && !o.metrics.empty()) {
     metrics = std::make_unique<std::ofstream>(o.metrics, start_step > 0 ? std::ios::app : std::ios::trunc);
     ORIGAMI_CHECK(*metrics, "cannot write metrics file '", o.metrics, "'");
   }
-  const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
   const double flops_per_step = train_flops_per_token(cfg, T) * double(G * T);
-  const std::string layout_name = mesh.shape().describe() + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
-                                  (o.zero > 0 && dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+  std::string layout_name = mesh.shape().describe() + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
+                            (o.zero > 0 && dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+  if (pp > 1) layout_name += cat(" ", schedule_kind_name(o.schedule_kind()), o.vpp > 1 ? cat(" v", o.vpp) : "");
+  if (recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(recompute));
   if (rank0) {
     std::printf("origami train: %s, %lld parameters, %lld layers | data %s: %llu tokens, %lld windows of %lld | "
                 "global batch %lld = %lld x micro-batch %lld x DP %d | %s, %d threads per rank\n",
                 cfg.model_type().c_str(), (long long)num_parameters(cfg), (long long)cfg.num_layers, o.data.c_str(),
                 (unsigned long long)dataset->num_tokens(), (long long)sampler.num_windows(), (long long)T, (long long)G,
                 (long long)micro, (long long)B, dp, layout_name.c_str(), num_threads());
+    if (pp > 1) {
+      std::printf("pipeline stages (layers per chunk):");
+      for (int s = 0; s < pp; ++s) {
+        std::printf(" %d:", s);
+        for (const LayerRange& r : part_of(s).chunks) std::printf(" [%d,%d)", r.begin, r.end);
+      }
+      std::printf("\n");
+    }
     if (start_step > 0) std::printf("resuming from '%s' at step %lld\n", o.init_from.c_str(), (long long)start_step);
     std::fflush(stdout);
   }
 
   // A checkpoint is written in the one-rank form: ZeRO optimizer shards are summed over DP (each rank
-  // contributes only the elements it owns), then the first DP replica's TP shards are gathered on rank 0.
+  // contributes only the elements it owns), then the first DP replica's TP shards are gathered on each
+  // stage's TP rank 0, and the stages' tensors on rank 0.
   auto save = [&](int64_t steps_done) {
     if (o.save.empty()) return;
     std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
@@ -186,15 +242,20 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
       dp_comm.all_reduce(v.data(), params.size());
     }
     if (dp_rank == 0) {
-      std::unique_ptr<Params> global;
+      std::unique_ptr<Params> stage_global, global;
+      if (tp_comm.rank() == 0) stage_global = std::make_unique<Params>(make_param_table(cfg, part));
       if (rank0) global = std::make_unique<Params>(make_param_table(cfg));
-      std::vector<float> gw = gather_tp_shards(tp_comm, params, params.data(), global.get());
-      std::vector<float> gm = gather_tp_shards(tp_comm, params, m.data(), global.get());
-      std::vector<float> gv = gather_tp_shards(tp_comm, params, v.data(), global.get());
+      std::vector<std::vector<ParamSpec>> tables;
+      for (int s = 0; s < pp; ++s) tables.push_back(make_param_table(cfg, part_of(s)));
+      std::vector<std::vector<float>> gathered;  // weights, exp_avg, exp_avg_sq
+      for (const float* flat : {static_cast<const float*>(params.data()), static_cast<const float*>(m.data()), static_cast<const float*>(v.data())}) {
+        std::vector<float> stage_buf = gather_tp_shards(tp_comm, params, flat, stage_global.get());
+        if (tp_comm.rank() == 0) gathered.push_back(gather_pp_stages(pp_comm, stage_buf, tables, global.get()));
+      }
       if (rank0) {
-        std::copy(gw.begin(), gw.end(), global->data());
-        save_checkpoint(o.save, cfg, *global, gm.data(), gv.data(), {steps_done, opt.steps_taken(), o.as_json()},
-                        has_tokenizer ? tokenizer_path : "");
+        std::copy(gathered[0].begin(), gathered[0].end(), global->data());
+        save_checkpoint(o.save, cfg, *global, gathered[1].data(), gathered[2].data(),
+                        {steps_done, opt.steps_taken(), o.as_json()}, has_tokenizer ? tokenizer_path : "");
         std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
         std::fflush(stdout);
       }
@@ -205,7 +266,9 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   g_stop_signal = 0;
   auto old_int = std::signal(SIGINT, on_signal);
   auto old_term = std::signal(SIGTERM, on_signal);
-  std::vector<int32_t> tokens(size_t(B * (T + 1)));
+  std::vector<int32_t> tokens(size_t(micro * B * (T + 1)));
+  std::vector<const int32_t*> micro_tokens;
+  for (int64_t m = 0; m < micro; ++m) micro_tokens.push_back(tokens.data() + m * B * (T + 1));
   Timer run_timer;
   int exit_code = 0;
   const size_t num_moe = cfg.is_moe() ? size_t(cfg.num_layers * cfg.num_experts) : 0;
@@ -213,40 +276,48 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     Timer step_timer;
     const double cpu0 = cpu_seconds();
     mesh.reset_bytes();
+    if (embedding_comm) embedding_comm->reset_bytes();
     const double lr = lr_at(o.lr, step);
-    Losses sum;
-    std::vector<double> counts(num_moe, 0.0);
-    for (int64_t m = 0; m < micro; ++m) {
-      const int64_t row0 = step * G + dp_rank * (G / dp) + m * B;
-      for (int64_t r = 0; r < B; ++r) sampler.window(row0 + r, tokens.data() + r * (T + 1));
-      // Each micro-batch's loss enters the step's objective with weight 1/(G/B) (a mean over all of them).
-      data_parallel.begin_micro_batch(m == 0, m == micro - 1);
-      Losses l = model.forward_backward(tokens.data(), B, T, 1.f / float(micro * dp), true);
-      data_parallel.end_micro_batch();
-      sum.loss += l.loss, sum.lm_loss += l.lm_loss, sum.aux_loss += l.aux_loss, sum.z_loss += l.z_loss;
-      size_t i = 0;
-      for (const auto& layer : model.expert_counts())
-        for (int64_t c : layer) counts[i++] += double(c);
-    }
+    // This DP rank's rows of the step, read by every pipeline stage (the first embeds them, the last
+    // takes its targets from them).
+    const int64_t row0 = step * G + dp_rank * (G / dp);
+    for (int64_t r = 0; r < micro * B; ++r) sampler.window(row0 + r, tokens.data() + r * (T + 1));
+    data_parallel.begin_step();
+    model.reset_expert_counts();
+    model.reset_act_peak();
+    // Each micro-batch's loss enters the step's objective with weight 1/(G/B) (a mean over all of them).
+    const Losses sum = pipeline.run(micro_tokens, B, T, 1.f / float(micro * dp));
     const double gnorm = data_parallel.finish_gradients();
     opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
     data_parallel.gather_params();
 
-    // Step metrics over the job: losses and expert counts from one rank per TP group (its peers hold
-    // the same values), CPU time from every rank, and the stop flag (any rank signalled).
+    // Step metrics over the job: losses, expert counts and per-stage figures from one rank per TP
+    // group (its peers hold the same values) — per-stage ones from DP rank 0 only — CPU time from every
+    // rank, and the stop flag (any rank signalled). The loss parts come from the stages that own them.
     const double weight = tp_comm.rank() == 0 ? 1.0 : 0.0, per = weight / double(micro * dp);
-    std::vector<double> red = {sum.loss * per, sum.lm_loss * per, sum.aux_loss * per, sum.z_loss * per,
-                               cpu_seconds() - cpu0, g_stop_signal ? 1.0 : 0.0};
-    for (double c : counts) red.push_back(c * weight);
+    const double stage_weight = dp_rank == 0 ? weight : 0.0;
+    std::vector<double> red = {sum.lm_loss * per, sum.aux_loss * per, sum.z_loss * per, cpu_seconds() - cpu0,
+                               g_stop_signal ? 1.0 : 0.0};
+    for (const auto& layer : model.expert_counts())
+      for (int64_t c : layer) red.push_back(double(c) * weight);
+    const size_t stage_at = red.size();  // per stage: measured and computed activation peak, busy, schedule and pp bytes
+    red.resize(stage_at + 5 * size_t(pp), 0.0);
+    const double stage_values[5] = {double(model.act_bytes_peak()), double(act_computed), pipeline.times().busy,
+                                    pipeline.times().total, mesh.comm("pp").bytes_sent()};
+    for (size_t k = 0; k < 5; ++k) red[stage_at + k * size_t(pp) + size_t(stage)] = stage_values[k] * stage_weight;
     world.all_reduce(red.data(), int64_t(red.size()));
+    auto per_stage = [&](size_t k) {
+      return std::vector<double>(red.begin() + long(stage_at + k * size_t(pp)), red.begin() + long(stage_at + (k + 1) * size_t(pp)));
+    };
+    const double loss = red[0] + red[1] + red[2];
     const double ms = step_timer.ms();
     const double tok_s = double(G * T) / (ms / 1000.0);
     const double gflops = flops_per_step / (ms / 1000.0) / 1e9;
     const int64_t done = step + 1;
     const double eta = run_timer.ms() / 1000.0 / double(done - start_step) * double(o.steps - done);
     if (rank0 && (!o.quiet || done == o.steps || done % 50 == 0)) {
-      std::printf("step %lld/%lld | loss %.4f", (long long)done, (long long)o.steps, red[0]);
-      if (cfg.is_moe()) std::printf(" (lm %.4f aux %.4f z %.5f)", red[1], red[2], red[3]);
+      std::printf("step %lld/%lld | loss %.4f", (long long)done, (long long)o.steps, loss);
+      if (cfg.is_moe()) std::printf(" (lm %.4f aux %.4f z %.5f)", red[0], red[1], red[2]);
       std::printf(" | lr %.3e | grad norm %.3f | %.0f tok/s | %.1f ms | %.1f GFLOP/s | eta %s\n", lr, gnorm, tok_s, ms,
                   gflops, format_duration(eta).c_str());
       std::fflush(stdout);
@@ -254,20 +325,33 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     if (metrics) {
       nlohmann::json bytes = nlohmann::json::object();
       for (const auto& [axis, b] : mesh.bytes_sent()) bytes[axis] = std::llround(b);
-      nlohmann::json j = {{"step", done}, {"loss", red[0]}, {"lm_loss", red[1]}, {"aux_loss", red[2]},
-                          {"z_loss", red[3]}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", G * T},
-                          {"ms", ms}, {"tokens_per_s", tok_s}, {"gflops", gflops}, {"cpu_s", red[4]},
-                          {"layout", layout_name}, {"comm_bytes", bytes}};
+      if (embedding_comm && embedding_comm->bytes_sent() > 0) bytes["embedding"] = std::llround(embedding_comm->bytes_sent());
+      auto as_int = [](const std::vector<double>& v) {
+        std::vector<int64_t> r;
+        for (double x : v) r.push_back(std::llround(x));
+        return r;
+      };
+      auto as_ms = [](std::vector<double> v) {
+        for (double& x : v) x *= 1000.0;
+        return v;
+      };
+      nlohmann::json j = {{"step", done}, {"loss", loss}, {"lm_loss", red[0]}, {"aux_loss", red[1]},
+                          {"z_loss", red[2]}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", G * T},
+                          {"ms", ms}, {"tokens_per_s", tok_s}, {"gflops", gflops}, {"cpu_s", red[3]},
+                          {"layout", layout_name}, {"comm_bytes", bytes},
+                          {"act_bytes_peak", as_int(per_stage(0))}, {"act_bytes_computed", as_int(per_stage(1))},
+                          {"pp_busy_ms", as_ms(per_stage(2))}, {"pp_ms", as_ms(per_stage(3))},
+                          {"pp_bytes", as_int(per_stage(4))}};
       if (cfg.is_moe()) {
         std::vector<std::vector<int64_t>> ec(size_t(cfg.num_layers), std::vector<int64_t>(size_t(cfg.num_experts)));
-        for (size_t i = 0; i < num_moe; ++i) ec[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[6 + i]);
+        for (size_t i = 0; i < num_moe; ++i) ec[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[5 + i]);
         j["expert_tokens"] = ec;
       }
       *metrics << j.dump() << "\n";
       metrics->flush();
     }
     if (o.save_every > 0 && done % o.save_every == 0 && done < o.steps) save(done);
-    if (red[5] > 0) {
+    if (red[4] > 0) {
       if (rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
       save(done);
       exit_code = 130;

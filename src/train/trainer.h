@@ -1,7 +1,8 @@
 // The training loop: micro-batches with gradient accumulation, clipping, AdamW, learning-rate
 // schedule, one human line and one JSON metrics object per step, periodic and final checkpoints,
 // and a clean stop (checkpoint saved) on SIGINT/SIGTERM — on one process or on every rank of an
-// MPI job laid out as TP × DP (with sequence parallelism and ZeRO).
+// MPI job laid out as TP × DP × PP (with sequence parallelism, ZeRO, pipeline schedules and
+// activation recomputation).
 //
 // Layout invariance: initialisation depends only on (seed, parameter name, global element index);
 // the rows of step s are windows s·G .. s·G+G−1 whatever the layout, DP rank d taking rows
@@ -10,12 +11,14 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
 #include "model/config.h"
 #include "parallel/mesh.h"
+#include "parallel/schedule.h"
 #include "train/optimizer.h"
 
 namespace origami {
@@ -40,6 +43,10 @@ struct TrainOptions {
   // Layout.
   int tp = 1, cp = 1, pp = 1;
   int dp = 0;                  // 0: world size / (tp·cp·pp)
+  int vpp = 1;                 // model chunks per pipeline stage (the interleaved schedule's v)
+  std::string pp_schedule;     // gpipe | 1f1b | interleaved; "": 1f1b, interleaved when vpp > 1
+  std::vector<int> pp_layers;  // layers of each virtual stage; empty: an even split
+  std::string recompute = "none";  // none | selective | full
   bool sequence_parallel = false;
   int zero = 0;                // ZeRO stage 0, 1, 2
   double bucket_mb = 16;       // data-parallel gradient bucket size (MiB of fp32 gradients)
@@ -48,6 +55,8 @@ struct TrainOptions {
   // Error naming the value and the rule (options, and the layout against the model and world size).
   void validate(const ModelConfig& cfg, int world_size) const;
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
+  ScheduleKind schedule_kind() const;
+  int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
 };
 
 // Returns the process exit code (0, or 130 when stopped by a signal after saving). Collective over

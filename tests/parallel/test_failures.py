@@ -108,8 +108,13 @@ def part_a(tmp, data):
     # Sequence parallelism over TP2 with seq-len 15.
     layout_error(tmp, data, "seq-len % TP with SP", 2, gpt2, ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
                  ["seq"], [15, 2])
-    # Pipeline and context parallelism are later issues.
-    layout_error(tmp, data, "--pp 2", 2, gpt2, ["--pp", "2"], ["pp", "pipeline"], [2])
+    # Pipeline: 2 layers over 4 stages; an explicit split not summing to the layer count; the
+    # interleaved schedule with 1 micro-batch per step on 2 stages (needs a multiple of 2).
+    layout_error(tmp, data, "layers % PP", 4, gpt2, ["--pp", "4"], ["layers"], [2, 4])
+    layout_error(tmp, data, "--pp-layers sum", 2, gpt2, ["--pp", "2", "--pp-layers", "1,2"], ["layers"], [3, 2])
+    layout_error(tmp, data, "interleaved micro-batches % PP", 2, cfg("gpt2_l4", "gpt2_tiny", n_layer=4),
+                 ["--pp", "2", "--vpp", "2"], ["micro-batches"], [1, 2])
+    # Context parallelism is a later issue.
     layout_error(tmp, data, "--cp 2", 2, gpt2, ["--cp", "2"], ["cp", "context"], [2])
     # ZeRO stage 3 does not exist here.
     layout_error(tmp, data, "--zero 3", 2, gpt2, ["--zero", "3"], ["zero"], [3])

@@ -233,6 +233,33 @@ TEST(ScheduleReplay, InFlightBound) {
   EXPECT_EQ(r.stages[3].max_in_flight, 5);
 }
 
+// The activation peak the planner computes from a stage's list: with equal slots, the in-flight
+// bound times the slot; with unequal chunk slots (interleaved, chunk 1 three times chunk 0's), the
+// largest sum of live slots — checked here against a direct count.
+TEST(ScheduleMemory, ActivationPeakFollowsTheList) {
+  for (const Config& c : grid()) {
+    const Replay r = replay(c, 1, 2);
+    for (int s = 0; s < c.stages; ++s) {
+      SCOPED_TRACE(cat(c.name(), " stage ", s));
+      const std::vector<Action> list = make_schedule(c.kind, c.stages, s, c.microbatches, c.chunks);
+      EXPECT_EQ(schedule_activation_peak(list, std::vector<int64_t>(size_t(c.chunks), 1000)),
+                1000 * int64_t(r.stages[s].max_in_flight));
+      std::vector<int64_t> sizes;
+      for (int k = 0; k < c.chunks; ++k) sizes.push_back(100 * (2 * k + 1));
+      int64_t live = 0, peak = 0;
+      std::vector<int> held(size_t(c.chunks), 0);
+      for (const Action& a : list) {
+        if (a.type == ActionType::forward) held[size_t(a.chunk)]++;
+        if (a.type == ActionType::backward) held[size_t(a.chunk)]--;
+        live = 0;
+        for (int k = 0; k < c.chunks; ++k) live += held[size_t(k)] * sizes[size_t(k)];
+        peak = std::max(peak, live);
+      }
+      EXPECT_EQ(schedule_activation_peak(list, sizes), peak);
+    }
+  }
+}
+
 TEST(ScheduleErrors, MessagesNameTheValues) {
   auto expect = [](const std::string& msg, std::initializer_list<const char*> parts) {
     EXPECT_FALSE(msg.empty()) << "no Error thrown";

@@ -14,10 +14,7 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
                  double aux_coef, double z_coef) {
   const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
   // Route.
-  c.probs_NE.resize(size_t(N * E));
-  c.lse_N.resize(size_t(N));
-  c.expert_NK.resize(size_t(R));
-  c.weight_NK.resize(size_t(R));
+  c.resize(s);
   gemm<T>(false, true, N, E, C, T(1), x, C, gate, C, T(0), c.probs_NE.data(), E);  // logits, softmaxed in place
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -44,19 +41,14 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
     for (int64_t k = 0; k < K; ++k) w[k] /= wsum;
   }
   // Permute: counting sort of assignments by expert (stable: token order within an expert).
-  c.count_E.assign(size_t(E), 0);
+  std::fill(c.count_E.begin(), c.count_E.end(), 0);
   for (int64_t i = 0; i < R; ++i) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
-  c.expert_begin.assign(size_t(E + 1), 0);
+  std::fill(c.expert_begin.begin(), c.expert_begin.end(), 0);
   for (int64_t e = 0; e < E; ++e) c.expert_begin[size_t(e + 1)] = c.expert_begin[size_t(e)] + c.count_E[size_t(e)];
-  c.row_NK.resize(size_t(R));
   {
     std::vector<int64_t> next(c.expert_begin.begin(), c.expert_begin.end() - 1);
     for (int64_t i = 0; i < R; ++i) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
   }
-  c.xs_RC.resize(size_t(R * C));
-  c.gu_R2F.resize(size_t(R * 2 * F));
-  c.act_RF.resize(size_t(R * F));
-  c.y_RC.resize(size_t(R * C));
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i)
     std::memcpy(c.xs_RC.data() + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));

@@ -10,6 +10,7 @@
 // Expert weights: `experts` points at expert 0; expert e's block, 3·F·C floats, is
 // [w1 (F×C) | w3 (F×C) | w2 (C×F)] (Hugging Face Linear layouts), as the parameter table lays it out.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -30,6 +31,20 @@ struct MoeCache {
   std::vector<T> xs_RC, gu_R2F, act_RF, y_RC;
   std::vector<int64_t> count_E;  // tokens routed to each expert (for metrics and f_e)
   double aux = 0, z = 0;         // coefficient-weighted router losses of this call
+  // Sizes every buffer for s (R = N·K routed rows, fixed by top-K): moe_forward calls it, and a
+  // caller may call it ahead so the cache's memory is allocated (and counted) before first use.
+  void resize(const MoeSizes& s) {
+    using std::size_t;
+    const size_t N = size_t(s.N), R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), E = size_t(s.E);
+    probs_NE.resize(N * E), lse_N.resize(N), expert_NK.resize(R), weight_NK.resize(R), row_NK.resize(R);
+    expert_begin.resize(E + 1), count_E.resize(E);
+    xs_RC.resize(R * C), gu_R2F.resize(R * 2 * F), act_RF.resize(R * F), y_RC.resize(R * C);
+  }
+  int64_t bytes() const {  // what resize() allocated
+    auto b = [](const auto& v) { return int64_t(v.size() * sizeof(v[0])); };
+    return b(probs_NE) + b(lse_N) + b(expert_NK) + b(weight_NK) + b(row_NK) + b(expert_begin) + b(count_E) +
+           b(xs_RC) + b(gu_R2F) + b(act_RF) + b(y_RC);
+  }
 };
 
 // Backward work buffers, kept by the caller between calls (one for all layers: sized on first use,

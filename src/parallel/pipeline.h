@@ -1,0 +1,59 @@
+// Pipeline-parallel executor: runs one stage's action list (make_schedule, schedule.h) for one
+// training step — the same lists the planner's simulator replays.
+//
+// Transfers are non-blocking point-to-point on the pipeline communicator (stage = its rank): each
+// receive is posted before the compute action preceding the one that needs it, so the transfer
+// overlaps that compute; sends return at once and are completed before their buffer is reused.
+// A message carries the residual stream between virtual stages, [Nl, C] — with sequence
+// parallelism only this TP rank's sequence shard crosses stages.
+//
+// Gradients: before each backward the executor tells DataParallel whether it is the chunk's final
+// backward of the step (no later backward writes its gradients), so bucket reductions start there.
+// With the interleaved schedule chunk c's final backward precedes chunk c−1's, which keeps the
+// gradients-ready offsets (higher chunks sit higher in the buffer) valid.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "comm/comm.h"
+#include "model/model.h"
+#include "parallel/data_parallel.h"
+#include "parallel/schedule.h"
+
+namespace origami {
+
+// The executor's own timers for the last step (seconds).
+struct PipelineTimes {
+  double busy = 0;   // in forward and backward compute
+  double wait = 0;   // blocked on receives and send completion
+  double total = 0;  // the whole schedule
+};
+
+class Pipeline {
+ public:
+  // pp: this rank's pipeline group (stage = pp.rank()); model: this stage's part (its chunks are
+  // virtual stages chunk·stages + stage); dp: gradient reduction hooks.
+  Pipeline(Model& model, Comm& pp, DataParallel& dp, ScheduleKind kind, int microbatches, int chunks);
+
+  // One step: micro-batch m reads tokens[m] ([B, T+1] windows); gradients of loss_scale·loss of each
+  // micro-batch accumulate. Returns the losses summed over micro-batches as seen by this stage: the LM
+  // loss on the last stage, router losses of this stage's MoE layers; `loss` is their sum.
+  Losses run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale);
+
+  const std::vector<Action>& actions() const { return actions_; }
+  const PipelineTimes& times() const { return times_; }
+
+ private:
+  struct Transfer;
+  int tag(int microbatch, int boundary, bool backward) const;
+
+  Model& model_;
+  Comm& pp_;
+  DataParallel& dp_;
+  int chunks_, microbatches_;
+  std::vector<Action> actions_;
+  std::vector<uint8_t> final_;  // per action: a backward no later backward of its chunk follows
+  PipelineTimes times_;
+};
+
+}  // namespace origami
