@@ -468,8 +468,10 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
   if (chunk == 0 && part_.embedding) embed(resid, tokens);
   else std::memcpy(resid, input, size_t(NlC) * sizeof(float));
   Losses out;
-  for (int64_t i = 0; i < Lc; ++i)
+  for (int64_t i = 0; i < Lc; ++i) {
     layer_forward(r.begin + i, layer_acts(*slot, i), resid + i * NlC, resid + (i + 1) * NlC, &out);
+    if (progress_) progress_();
+  }
   live_bytes_ += slot->bytes();
   peak_bytes_ = std::max(peak_bytes_, act_bytes());
   live_[{mb, chunk}] = std::move(slot);
@@ -515,6 +517,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
       layer_forward(l, a, resid + i * NlC, resid + (i + 1) * NlC, nullptr);
     layer_backward(l, a, resid + i * NlC, d_res, loss_scale);
     grads_ready(layer_begin_[size_t(l)]);
+    if (progress_) progress_();
   }
   if (chunk == 0 && part_.embedding) {
     const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);

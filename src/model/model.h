@@ -112,6 +112,9 @@ class Model {
   // offsets ≥ X are final for this backward (decreasing X; 0 at the embedding): lets data parallelism
   // start reducing gradient buckets while backward goes on.
   void on_grads_ready(std::function<void(int64_t)> fn) { grads_ready_ = std::move(fn); }
+  // Called after every layer's forward and backward: lets the pipeline drive its non-blocking
+  // transfers (MPI moves a large message only while the sender and the receiver call into it).
+  void on_progress(std::function<void()> fn) { progress_ = std::move(fn); }
 
   // Tokens routed to each expert per MoE layer ([L][E], global layer index; zeros for layers on
   // other stages; empty for dense models), summed over forwards since the last reset.
@@ -156,6 +159,7 @@ class Model {
   std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
   int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1, head_begin_ = -1;
   std::function<void(int64_t)> grads_ready_;
+  std::function<void()> progress_;
   RopeTable rope_;
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> live_;  // (micro-batch, chunk) → slot
   std::vector<std::vector<std::unique_ptr<Slot>>> free_;       // per chunk: released slots, reused

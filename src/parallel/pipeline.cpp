@@ -100,6 +100,12 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
     return t;
   };
 
+  // Between layers, every transfer in flight is driven (tested) so it moves while this stage computes.
+  model_.on_progress([&] {
+    for (auto& [i, t] : recvs) t->req.test();
+    for (auto& [k, t] : fwd_sends) t->req.test();
+    for (auto& t : bwd_sends) t->req.test();
+  });
   Losses out;
   for (size_t i = 0; i < actions_.size(); ++i) {
     const Action& a = actions_[i];
@@ -157,6 +163,7 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
       if (bwd_sends[k]->req.test()) spare.push_back(std::move(bwd_sends[k])), bwd_sends.erase(bwd_sends.begin() + long(k));
       else ++k;
   }
+  model_.on_progress(nullptr);
   ORIGAMI_ASSERT(recvs.empty() && fwd_sends.empty());
   for (auto& t : bwd_sends) timed_wait(t->req);
   times_.total = now() - t0;

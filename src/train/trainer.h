@@ -7,7 +7,8 @@
 // Layout invariance: initialisation depends only on (seed, parameter name, global element index);
 // the rows of step s are windows s·G .. s·G+G−1 whatever the layout, DP rank d taking rows
 // [d·G/dp, (d+1)·G/dp) in micro-batches of B; every micro-batch's loss enters with weight
-// 1/(G/B), so the step's loss and gradients are those of the one-rank run.
+// 1/(G/B), so the step's loss and gradients are those of the one-rank run. Every pipeline stage
+// reads the same rows; each (micro-batch, chunk) runs in the order of its stage's schedule.
 #pragma once
 #include <cstdint>
 #include <string>
