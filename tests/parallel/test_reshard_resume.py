@@ -1,8 +1,8 @@
 """A checkpoint saved by one layout resumes under another, exactly: 3 steps of mixtral as TP2 x DP2
 with sequence parallelism and ZeRO-1 (4 ranks), saved, then resumed to step 6 as DP2 with ZeRO-2
-(2 ranks) and as one rank, equal the uninterrupted one-rank run's losses within 1e-6 relative.
+(2 ranks), as one rank, as PP2 and as PP2 x DP2 with ZeRO-1 and full recomputation, equal the uninterrupted one-rank run's losses within 1e-6 relative.
 Checkpoints are always in the one-rank form (TP shards gathered, ZeRO moments summed over DP) and
-every layout cuts its own shard out of them."""
+every layout cuts its own shard (and pipeline stage) out of them."""
 import json
 import os
 import subprocess
@@ -48,8 +48,9 @@ def main():
     train(4, *common, "--steps", "3", "--tp", "2", "--sequence-parallel", "--zero", "1", "--save", ck,
           "--metrics", part)
     failures = []
-    for ranks, layout in ((2, ["--dp", "2", "--zero", "2"]), (1, [])):
-        resumed = os.path.join(tmp, f"resumed{ranks}.jsonl")
+    for i, (ranks, layout) in enumerate(((2, ["--dp", "2", "--zero", "2"]), (1, []), (2, ["--pp", "2"]),
+                          (4, ["--pp", "2", "--dp", "2", "--zero", "1", "--recompute", "full"]))):
+        resumed = os.path.join(tmp, f"resumed{i}.jsonl")
         out = train(ranks, *common, "--steps", "6", *layout, "--init-from", ck, "--metrics", resumed)
         a, b = losses(full), losses(part)[:3] + losses(resumed)
         worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
