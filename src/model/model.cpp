@@ -213,6 +213,11 @@ void Model::reset_expert_counts() {
   expert_counts_.assign(cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, std::vector<int64_t>(size_t(cfg_.num_experts), 0));
 }
 
+Model::Dims Model::dims() const {
+  const int64_t N = B_ * T_, D = cfg_.head_dim;
+  return {B_, T_, N, tp_.local_tokens(N), cfg_.hidden, D, Hl_, KVl_, Fl_, (Hl_ + 2 * KVl_) * D, Hl_ * D};
+}
+
 ActivationShape Model::activation_shape() const { return {B_, T_, tp_.size(), tp_.sp(), recompute_}; }
 
 void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const {
@@ -323,8 +328,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   const LayerOffsets& o = layers_[size_t(l)];
   Scratch& s = *scratch_;
   TensorParallel& tp = tp_;
-  const int64_t B = B_, T = T_, N = B * T, Nl = tp.local_tokens(N), C = c.hidden, D = c.head_dim;
-  const int64_t H = Hl_, KV = KVl_, F = Fl_, S = (H + 2 * KV) * D, HD = H * D;
+  const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   const bool gpt2 = c.is_gpt2();
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
   auto norm_forward = [&](float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
@@ -374,8 +378,7 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   const LayerOffsets& o = layers_[size_t(l)];
   Scratch& s = *scratch_;
   TensorParallel& tp = tp_;
-  const int64_t B = B_, T = T_, N = B * T, Nl = tp.local_tokens(N), C = c.hidden, D = c.head_dim;
-  const int64_t H = Hl_, KV = KVl_, F = Fl_, S = (H + 2 * KV) * D, HD = H * D;
+  const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   const bool gpt2 = c.is_gpt2();
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
   auto norm_backward = [&](float* dx, const float* dy, const float* x, const float* mean, const float* rstd,

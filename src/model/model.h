@@ -128,6 +128,11 @@ class Model {
     int64_t ln1_w = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, o_w = -1, o_b = -1, ln2_w = -1, ln2_b = -1;
     int64_t fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1, router = -1, experts = -1;
   };
+  // This rank's sizes for the current batch (legend at the top; H, KV, F, S, HD local under TP).
+  struct Dims {
+    int64_t B, T, N, Nl, C, D, H, KV, F, S, HD;
+  };
+  Dims dims() const;
   struct Slot;
   struct LayerActs;
   struct Scratch;
