@@ -56,7 +56,7 @@ int64_t moe_cache_bytes(const ModelConfig& c, int64_t N, int64_t Fl) {
 int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s) {
   const int64_t stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
   const int64_t mlp = c.is_moe() ? moe_cache_bytes(c, s.N, s.Fl) : 4 * s.N * (s.fa + s.fb);
-  return 4 * (s.Nl * s.C + 2 * s.N * s.C + stats + s.N * s.Sl) + mlp;
+  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl) + mlp;
 }
 int64_t core_bytes(const LocalSizes& s) { return 4 * (s.N * s.HDl + s.B * s.Hl * s.T); }
 
@@ -97,7 +97,7 @@ double train_flops_per_token(const ModelConfig& c, int64_t T) {
 struct Model::Slot {
   std::vector<float> resid;  // [(Lc+1), Nl, C]: the input of each layer, then the chunk's output
   std::vector<float> mid;    // [., Nl, C] residual stream after the attention residual add
-  std::vector<float> ln1, ln2;  // [., N, C] norm outputs, all tokens (gathered under SP)
+  std::vector<float> ln1, ln2;  // [., Nl, C] norm outputs (SP: this rank's sequence shard, gathered when used)
   std::vector<float> mean1, rstd1, mean2, rstd2;  // [., Nl] (means: LayerNorm only)
   std::vector<float> qkv;    // [., N, Sl] after RoPE
   std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama: gate|up, SwiGLU out
@@ -122,8 +122,9 @@ struct Model::LayerActs {
 
 // Work buffers (not kept across calls): region scratch under SP, the head, backward.
 struct Model::Scratch {
-  // Under SP: a norm's output before the gather [Nl, C]; partial sums / gathered gradients [N, C].
-  std::vector<float> loc, full;
+  // Under SP: a norm's output before the gather [Nl, C]; partial sums / gathered gradients [N, C];
+  // a kept norm output gathered over the sequence for the GEMM that reads it [N, C].
+  std::vector<float> loc, full, gathered;
   std::vector<int32_t> targets;          // [N]
   std::vector<float> lnf, meanf, rstdf;  // final norm: output [N, C], statistics [Nl]
   std::vector<float> head;               // LM head chunks
@@ -225,8 +226,8 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_
   auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
   size(s.resid, resid_rows * z.Nl * z.C);
   size(s.mid, layers * z.Nl * z.C);
-  size(s.ln1, layers * z.N * z.C);
-  size(s.ln2, layers * z.N * z.C);
+  size(s.ln1, layers * z.Nl * z.C);
+  size(s.ln2, layers * z.Nl * z.C);
   size(s.mean1, cfg_.is_gpt2() ? layers * z.Nl : 0);
   size(s.mean2, cfg_.is_gpt2() ? layers * z.Nl : 0);
   size(s.rstd1, layers * z.Nl);
@@ -259,6 +260,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   const int64_t N = z.N, Nl = z.Nl, C = z.C;
   s.loc.resize(tp_.sp() ? size_t(Nl * C) : 0);
   s.full.resize(tp_.sp() ? size_t(N * C) : 0);
+  s.gathered.resize(tp_.sp() ? size_t(N * C) : 0);
   s.targets.resize(size_t(N));
   s.lnf.resize(part_.head ? size_t(N * C) : 0);
   s.meanf.resize(part_.head ? size_t(Nl) : 0);
@@ -279,7 +281,7 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
   Slot& k = s.core_layers > 0 ? s : *recomputed_;  // attention core
   const int64_t jc = s.core_layers > 0 ? i : 0;
   auto at = [](std::vector<float>& v, int64_t idx, int64_t n) { return v.empty() ? nullptr : v.data() + idx * n; };
-  return {at(m.mid, j, z.Nl * z.C),   at(m.ln1, j, z.N * z.C),  at(m.ln2, j, z.N * z.C), at(m.mean1, j, z.Nl),
+  return {at(m.mid, j, z.Nl * z.C),   at(m.ln1, j, z.Nl * z.C), at(m.ln2, j, z.Nl * z.C), at(m.mean1, j, z.Nl),
           at(m.rstd1, j, z.Nl),       at(m.mean2, j, z.Nl),     at(m.rstd2, j, z.Nl),    at(m.qkv, j, z.N * z.Sl),
           at(m.mlp_a, j, z.N * z.fa), at(m.mlp_b, j, z.N * z.fb), at(k.att, jc, z.N * z.HDl),
           at(k.lse, jc, z.B * z.Hl * z.T), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
@@ -335,11 +337,13 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
     if (gpt2) layernorm_forward(y, mean, rstd, x, w(w_off), w(b_off), Nl, C, c.norm_eps);
     else rmsnorm_forward(y, rstd, x, w(w_off), Nl, C, c.norm_eps);
   };
-  // Attention: column-parallel QKV (this rank's heads), row-parallel output projection.
-  float* ln1_loc = tp.local(a.ln1, s.loc.data());  // SP: the norm's own tokens before the gather
-  norm_forward(ln1_loc, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
-  tp.enter(a.ln1, ln1_loc, B, T, C);
-  linear_forward(a.qkv, a.ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  // Attention: column-parallel QKV (this rank's heads), row-parallel output projection. Under SP the
+  // norm output is kept as this rank's sequence shard and gathered for the GEMM (backward gathers it
+  // again: Megatron's sequence parallelism keeps no [N, C] activation).
+  float* ln1 = tp.full(a.ln1, s.gathered.data());
+  norm_forward(a.ln1, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
+  tp.enter(ln1, a.ln1, B, T, C);
+  linear_forward(a.qkv, ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D);
   attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D);
   float* part = tp.full(a.mid, s.full.data());
@@ -347,12 +351,12 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   tp.exit(a.mid, part, B, T, C);
   residual_add(a.mid, in, w(o.o_b), Nl, C);
   // MLP or MoE: column-parallel up (gate|up, expert w1|w3), row-parallel down (expert w2).
-  float* ln2_loc = tp.local(a.ln2, s.loc.data());
-  norm_forward(ln2_loc, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
-  tp.enter(a.ln2, ln2_loc, B, T, C);
+  float* ln2 = tp.full(a.ln2, s.gathered.data());
+  norm_forward(a.ln2, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
+  tp.enter(ln2, a.ln2, B, T, C);
   part = tp.full(out, s.full.data());
   if (c.is_moe()) {
-    moe_forward(part, *a.moe, a.ln2, w(o.router), w(o.experts), {N, C, F, c.num_experts, c.top_k}, c.aux_loss_coef,
+    moe_forward(part, *a.moe, ln2, w(o.router), w(o.experts), {N, C, F, c.num_experts, c.top_k}, c.aux_loss_coef,
                 c.z_loss_coef);
     if (losses) {
       losses->aux_loss += a.moe->aux;
@@ -360,11 +364,11 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
       for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->count_E[size_t(e)];
     }
   } else if (gpt2) {
-    linear_forward(a.mlp_a, a.ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
+    linear_forward(a.mlp_a, ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
     gelu_forward(a.mlp_b, a.mlp_a, N * F);
     linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   } else {
-    linear_forward(a.mlp_a, a.ln2, w(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
+    linear_forward(a.mlp_a, ln2, w(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
     swiglu_forward(a.mlp_b, a.mlp_a, N, F);
     linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   }
@@ -388,6 +392,8 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   };
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   // MLP branch: out = mid + mlp(norm2(mid)).
+  float* ln2 = tp.full(a.ln2, s.gathered.data());
+  tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
   const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);  // all tokens
   if (c.is_moe()) {
     // Expert outputs are partial sums over TP, so is dweight: reduce it before the (replicated) router;
@@ -395,16 +401,16 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
     const MoeSizes ms{N, C, F, c.num_experts, c.top_k};
     moe_backward_experts(s.d_ln.data(), s.d_weight.data(), g(o.experts), d_out, *a.moe, s.moe, w(o.experts), ms);
     tp.all_reduce(s.d_weight.data(), N * c.top_k);
-    moe_backward_router(tp.rank() == 0 ? s.d_ln.data() : nullptr, g(o.router), s.d_weight.data(), *a.moe, a.ln2,
+    moe_backward_router(tp.rank() == 0 ? s.d_ln.data() : nullptr, g(o.router), s.d_weight.data(), *a.moe, ln2,
                         w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);
   } else {
     linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, w(o.proj_w), N, F, C, lay);
     if (gpt2) {
       gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
-      linear_backward(s.d_ln.data(), g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), a.ln2, w(o.fc_w), N, C, F, lay);
+      linear_backward(s.d_ln.data(), g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, w(o.fc_w), N, C, F, lay);
     } else {
       swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N, F);
-      linear_backward(s.d_ln.data(), g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), a.ln2, w(o.fc_w), N,
+      linear_backward(s.d_ln.data(), g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, w(o.fc_w), N,
                       C, 2 * F, lay);
     }
   }
@@ -416,7 +422,9 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, w(o.o_w), N, HD, C, lay);
   attention_backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.att, a.lse, B, T, H, KV, D);
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D);
-  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), a.ln1, w(o.qkv_w), N, C, S, lay);
+  float* ln1 = tp.full(a.ln1, s.gathered.data());
+  tp.enter(ln1, a.ln1, B, T, C);
+  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, w(o.qkv_w), N, C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
 }

@@ -51,7 +51,8 @@ const char* recompute_name(Recompute r);
 // tests check the two agree). A slot is what one (micro-batch, chunk) forward keeps for backward:
 //   every layer's input and the chunk's output   (layers+1)·Nl·C
 //   per layer (none, selective)                  after-attention residual Nl·C, both norm outputs
-//                                                2·N·C (gathered under SP), norm statistics (2 or 4)·Nl,
+//                                                2·Nl·C (SP: sequence shards, gathered again in
+//                                                backward), norm statistics (2 or 4)·Nl,
 //                                                q|k|v N·Sl, MLP activations (dense) or the MoE cache
 //   per layer (none only)                        attention output N·Hl·D, log-sum-exp B·Hl·T
 // plus, with recomputation, one layer's recomputed buffers (full: everything per layer above;

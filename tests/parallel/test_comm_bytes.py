@@ -41,8 +41,11 @@ TP (Megatron tensor parallelism; every TP rank sends the same amount, so rank 0 
   sequence-sharded residual stream, b1/b2 the reduce-scatters of the backward, and the matching
   all-gathers sit before the QKV / MLP inputs (forward) and after the o_proj / down projection
   (backward); the embedding output is reduce-scattered in forward and all-gathered in backward;
-  the LM head input is all-gathered in forward and reduce-scattered in backward. So the per
-  micro-batch sum is unchanged, and once per step the gradients of parameters that act on the
+  the LM head input is all-gathered in forward and reduce-scattered in backward. So that sum is
+  unchanged; in addition each layer keeps its two norm outputs as sequence shards (no [N, C]
+  activation is kept) and all-gathers them again in backward for the weight gradients of QKV and
+  the MLP up/gate (or the router and experts):                                  L·2·AG_t(N·C)
+  per micro-batch. Once per step the gradients of parameters that act on the
   sequence-sharded stream — every LayerNorm/RMSNorm weight and bias — are partial sums over the
   sequence shards and are all-reduced over tp:                                AR_t(norm elements)
   The norm gradients reduced are those this rank updates: all of them with ZeRO-0; with ZeRO ≥ 1
@@ -210,6 +213,7 @@ def expected(cfg, tp, dp, sp, zero, m, bucket_mb=16.0):
         if E:
             terms.append(("MoE routing-weight grad L*AR(N*K)", m * L * AR(tp, N * K)))
         if sp:
+            terms.append(("SP norm outputs re-gathered in bwd L*2*AG(N*C)", m * L * 2 * AG(tp, N * C)))
             terms.append(("SP norm grads AR(%d)" % norm_elems, AR(tp, norm_elems)))
         out["tp"] = terms
     if dp > 1:
