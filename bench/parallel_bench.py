@@ -19,7 +19,8 @@ Method: every run does --warmup + --steps optimizer steps in a fresh process (mp
 layouts); warm-up steps are dropped; a run's value is the median over its measured steps; the
 reported value is the median over --rounds rounds, in an order rotated each round. Environment:
 OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1, OMP_WAIT_POLICY=passive, --threads 1, mpirun
---oversubscribe --bind-to none, the whole job under `taskset -c CORES`.
+--oversubscribe --bind-to none, Open MPI's shared-memory transport with the single-copy mechanism
+--single-copy (default cma), the whole job under `taskset -c CORES`.
 
 Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--rounds 3] [--steps 4] [--warmup 1]
 """
@@ -59,8 +60,10 @@ def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
             "--global-batch", str(G), "--seq-len", str(T), "--lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0",
             "--threads", "1", "--metrics", mpath, "--quiet", *flags]
     cmd = ["taskset", "-c", a.cores] + h.command(ranks, args, a.origami)
+    env = h.env()
+    env["OMPI_MCA_btl_vader_single_copy_mechanism"] = a.single_copy
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=h.env(), timeout=a.timeout, stdin=subprocess.DEVNULL)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout, stdin=subprocess.DEVNULL)
     wall = time.time() - t0
     if p.returncode != 0:
         raise RuntimeError("exit %d: %s\n%s" % (p.returncode, " ".join(cmd), (p.stdout + p.stderr)[-3000:]))
@@ -83,6 +86,9 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of every run")
     ap.add_argument("--cores", default="0,1")
+    ap.add_argument("--single-copy", default="cma", help="Open MPI shared-memory single-copy mechanism for large "
+                    "messages (cma: the receiver copies straight from the sender; none: copied through shared "
+                    "fragments by both ranks)")
     ap.add_argument("--origami", default=os.path.join(ROOT, "build", "origami"))
     ap.add_argument("--workdir", default=os.path.join(HERE, "runs", "parallel"))
     ap.add_argument("--timeout", type=int, default=900)
@@ -93,8 +99,9 @@ def main():
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
     load0 = os.getloadavg()
     t_start = time.time()
-    print("parallel_bench: cases %s, %d rounds x (%d warm-up + %d measured steps), cores %s, load %.2f %.2f %.2f"
-          % (",".join(cases), a.rounds, a.warmup, a.steps, a.cores, *load0), flush=True)
+    print("parallel_bench: cases %s, %d rounds x (%d warm-up + %d measured steps), cores %s, single copy %s, "
+          "load %.2f %.2f %.2f" % (",".join(cases), a.rounds, a.warmup, a.steps, a.cores, a.single_copy, *load0),
+          flush=True)
     results = {}
     rows = []
     for c in cases:
