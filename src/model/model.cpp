@@ -214,6 +214,10 @@ void Model::reset_expert_counts() {
   expert_counts_.assign(cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, std::vector<int64_t>(size_t(cfg_.num_experts), 0));
 }
 
+int64_t Model::mlp_a_width() const {
+  return cfg_.is_moe() ? 0 : cfg_.is_gpt2() ? Fl_ : 2 * Fl_;
+}
+
 Model::Dims Model::dims() const {
   const int64_t N = B_ * T_, D = cfg_.head_dim;
   return {B_, T_, N, tp_.local_tokens(N), cfg_.hidden, D, Hl_, KVl_, Fl_, (Hl_ + 2 * KVl_) * D, Hl_ * D};
@@ -222,23 +226,23 @@ Model::Dims Model::dims() const {
 ActivationShape Model::activation_shape() const { return {B_, T_, tp_.size(), tp_.sp(), recompute_}; }
 
 void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const {
-  const LocalSizes z(cfg_, activation_shape());
+  const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
-  size(s.resid, resid_rows * z.Nl * z.C);
-  size(s.mid, layers * z.Nl * z.C);
-  size(s.ln1, layers * z.Nl * z.C);
-  size(s.ln2, layers * z.Nl * z.C);
-  size(s.mean1, cfg_.is_gpt2() ? layers * z.Nl : 0);
-  size(s.mean2, cfg_.is_gpt2() ? layers * z.Nl : 0);
-  size(s.rstd1, layers * z.Nl);
-  size(s.rstd2, layers * z.Nl);
-  size(s.qkv, layers * z.N * z.Sl);
-  size(s.mlp_a, layers * z.N * z.fa);
-  size(s.mlp_b, layers * z.N * z.fb);
+  size(s.resid, resid_rows * Nl * C);
+  size(s.mid, layers * Nl * C);
+  size(s.ln1, layers * Nl * C);
+  size(s.ln2, layers * Nl * C);
+  size(s.mean1, cfg_.is_gpt2() ? layers * Nl : 0);
+  size(s.mean2, cfg_.is_gpt2() ? layers * Nl : 0);
+  size(s.rstd1, layers * Nl);
+  size(s.rstd2, layers * Nl);
+  size(s.qkv, layers * N * S);
+  size(s.mlp_a, layers * N * mlp_a_width());
+  size(s.mlp_b, layers * N * (cfg_.is_moe() ? 0 : F));
   s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
-  for (MoeCache<float>& m : s.moe) m.resize({z.N, z.C, z.Fl, cfg_.num_experts, cfg_.top_k});
-  size(s.att, core_layers * z.N * z.HDl);
-  size(s.lse, core_layers * z.B * z.Hl * z.T);
+  for (MoeCache<float>& m : s.moe) m.resize({N, C, F, cfg_.num_experts, cfg_.top_k});
+  size(s.att, core_layers * N * HD);
+  size(s.lse, core_layers * B * H * T);
   s.layers = layers, s.core_layers = core_layers;
 }
 
@@ -255,9 +259,8 @@ void Model::set_batch(int64_t B, int64_t T) {
   recompute_bytes_ = recomputed_->bytes();
   live_bytes_ = 0;
   peak_bytes_ = act_bytes();
-  const LocalSizes z(cfg_, activation_shape());
   Scratch& s = *scratch_;
-  const int64_t N = z.N, Nl = z.Nl, C = z.C;
+  const auto [Bd, Td, N, Nl, C, D, H, KV, F, S, HD] = dims();
   s.loc.resize(tp_.sp() ? size_t(Nl * C) : 0);
   s.full.resize(tp_.sp() ? size_t(N * C) : 0);
   s.gathered.resize(tp_.sp() ? size_t(N * C) : 0);
@@ -267,24 +270,25 @@ void Model::set_batch(int64_t B, int64_t T) {
   s.rstdf.resize(part_.head ? size_t(Nl) : 0);
   s.d_res.resize(size_t(Nl * C));
   s.d_ln.resize(size_t(N * C));
-  s.d_att.resize(size_t(N * z.HDl));
-  s.d_qkv.resize(size_t(N * z.Sl));
-  s.d_mlp_a.resize(size_t(N * (cfg_.is_gpt2() ? Fl_ : 2 * Fl_)));
+  s.d_att.resize(size_t(N * HD));
+  s.d_qkv.resize(size_t(N * S));
+  s.d_mlp_a.resize(size_t(N * mlp_a_width()));
   s.d_mlp_b.resize(size_t(N * Fl_));
   s.d_weight.resize(cfg_.is_moe() ? size_t(N * cfg_.top_k) : 0);
 }
 
 Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
-  const LocalSizes z(cfg_, activation_shape());
+  const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
+  const int64_t fa = mlp_a_width(), fb = cfg_.is_moe() ? 0 : F;
   Slot& m = s.layers > 0 ? s : *recomputed_;  // per-layer buffers: kept, or rebuilt by recomputation
   const int64_t j = s.layers > 0 ? i : 0;
   Slot& k = s.core_layers > 0 ? s : *recomputed_;  // attention core
   const int64_t jc = s.core_layers > 0 ? i : 0;
   auto at = [](std::vector<float>& v, int64_t idx, int64_t n) { return v.empty() ? nullptr : v.data() + idx * n; };
-  return {at(m.mid, j, z.Nl * z.C),   at(m.ln1, j, z.Nl * z.C), at(m.ln2, j, z.Nl * z.C), at(m.mean1, j, z.Nl),
-          at(m.rstd1, j, z.Nl),       at(m.mean2, j, z.Nl),     at(m.rstd2, j, z.Nl),    at(m.qkv, j, z.N * z.Sl),
-          at(m.mlp_a, j, z.N * z.fa), at(m.mlp_b, j, z.N * z.fb), at(k.att, jc, z.N * z.HDl),
-          at(k.lse, jc, z.B * z.Hl * z.T), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
+  return {at(m.mid, j, Nl * C),   at(m.ln1, j, Nl * C), at(m.ln2, j, Nl * C), at(m.mean1, j, Nl),
+          at(m.rstd1, j, Nl),       at(m.mean2, j, Nl),   at(m.rstd2, j, Nl),   at(m.qkv, j, N * S),
+          at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(k.att, jc, N * HD),
+          at(k.lse, jc, B * H * T), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
 }
 
 namespace {
@@ -307,6 +311,21 @@ void residual_add(float* out, const float* res, const float* bias, int64_t N, in
 }
 
 }  // namespace
+
+// LayerNorm (gpt2) or RMSNorm over this rank's Nl tokens; mean is unused by RMSNorm.
+void Model::norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
+  const Dims d = dims();
+  if (cfg_.is_gpt2()) layernorm_forward(y, mean, rstd, x, w(w_off), w(b_off), d.Nl, d.C, cfg_.norm_eps);
+  else rmsnorm_forward(y, rstd, x, w(w_off), d.Nl, d.C, cfg_.norm_eps);
+}
+
+// dx accumulates (+=) into the residual stream's gradient; the weight (and bias) gradients accumulate.
+void Model::norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
+                          int64_t w_off, int64_t b_off) {
+  const Dims d = dims();
+  if (cfg_.is_gpt2()) layernorm_backward(dx, g(w_off), g(b_off), dy, x, w(w_off), mean, rstd, d.Nl, d.C);
+  else rmsnorm_backward(dx, g(w_off), dy, x, w(w_off), rstd, d.Nl, d.C);
+}
 
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
 // added on TP rank 0 only), and the region exit sums the partial embeddings.
@@ -333,10 +352,6 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   const bool gpt2 = c.is_gpt2();
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
-  auto norm_forward = [&](float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
-    if (gpt2) layernorm_forward(y, mean, rstd, x, w(w_off), w(b_off), Nl, C, c.norm_eps);
-    else rmsnorm_forward(y, rstd, x, w(w_off), Nl, C, c.norm_eps);
-  };
   // Attention: column-parallel QKV (this rank's heads), row-parallel output projection. Under SP the
   // norm output is kept as this rank's sequence shard and gathered for the GEMM (backward gathers it
   // again: Megatron's sequence parallelism keeps no [N, C] activation).
@@ -385,11 +400,6 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   const bool gpt2 = c.is_gpt2();
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
-  auto norm_backward = [&](float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
-                           int64_t w_off, int64_t b_off) {
-    if (gpt2) layernorm_backward(dx, g(w_off), g(b_off), dy, x, w(w_off), mean, rstd, Nl, C);
-    else rmsnorm_backward(dx, g(w_off), dy, x, w(w_off), rstd, Nl, C);
-  };
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   // MLP branch: out = mid + mlp(norm2(mid)).
   float* ln2 = tp.full(a.ln2, s.gathered.data());
@@ -435,7 +445,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
   const ModelConfig& c = cfg_;
   Scratch& s = *scratch_;
   TensorParallel& tp = tp_;
-  const int64_t B = B_, T = T_, N = B * T, Nl = tp.local_tokens(N), C = c.hidden;
+  const int64_t B = B_, T = T_, N = B * T, C = c.hidden;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int32_t tgt = tokens[b * (T + 1) + t + 1];
@@ -444,8 +454,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
       s.targets[size_t(b * T + t)] = tgt;
     }
   float* lnf_loc = tp.local(s.lnf.data(), s.loc.data());
-  if (c.is_gpt2()) layernorm_forward(lnf_loc, s.meanf.data(), s.rstdf.data(), top, w(lnf_w_), w(lnf_b_), Nl, C, c.norm_eps);
-  else rmsnorm_forward(lnf_loc, s.rstdf.data(), top, w(lnf_w_), Nl, C, c.norm_eps);
+  norm_forward(lnf_loc, s.meanf.data(), s.rstdf.data(), top, lnf_w_, lnf_b_);
   tp.enter(s.lnf.data(), lnf_loc, B, T, C);
   VocabShard<float> shard{vocab_begin_, vocab_valid_, nullptr};
   if (tp.size() > 1) shard.combine = [&tp](float* stats, int64_t n) { tp.combine_vocab_stats(stats, n); };
@@ -456,9 +465,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   std::fill(s.d_res.begin(), s.d_res.end(), 0.f);
-  if (c.is_gpt2())
-    layernorm_backward(s.d_res.data(), g(lnf_w_), g(lnf_b_), d_ln_loc, top, w(lnf_w_), s.meanf.data(), s.rstdf.data(), Nl, C);
-  else rmsnorm_backward(s.d_res.data(), g(lnf_w_), d_ln_loc, top, w(lnf_w_), s.rstdf.data(), Nl, C);
+  norm_backward(s.d_res.data(), d_ln_loc, top, s.meanf.data(), s.rstdf.data(), lnf_w_, lnf_b_);
   return out;
 }
 

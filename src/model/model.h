@@ -134,6 +134,8 @@ class Model {
     int64_t B, T, N, Nl, C, D, H, KV, F, S, HD;
   };
   Dims dims() const;
+  // mlp_a floats per token: gpt2 pre-activation F, llama gate|up 2F, MoE layers none (their cache).
+  int64_t mlp_a_width() const;
   struct Slot;
   struct LayerActs;
   struct Scratch;
@@ -153,6 +155,9 @@ class Model {
   // Final norm, LM head and loss on the chunk output `top`; with `backward`, leaves ∂/∂top in d_res.
   Losses head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out);
   void embed(float* x0, const int32_t* tokens);
+  void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
+  void norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
+                     int64_t w_off, int64_t b_off);
 
   ModelConfig cfg_;
   Params& params_;
