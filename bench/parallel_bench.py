@@ -60,10 +60,9 @@ def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
             "--global-batch", str(G), "--seq-len", str(T), "--lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0",
             "--threads", "1", "--metrics", mpath, "--quiet", *flags]
     cmd = ["taskset", "-c", a.cores] + h.command(ranks, args, a.origami)
-    env = h.env()
-    env["OMPI_MCA_btl_vader_single_copy_mechanism"] = a.single_copy
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout, stdin=subprocess.DEVNULL)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=h.env(a.single_copy), timeout=a.timeout,
+                       stdin=subprocess.DEVNULL)
     wall = time.time() - t0
     if p.returncode != 0:
         raise RuntimeError("exit %d: %s\n%s" % (p.returncode, " ".join(cmd), (p.stdout + p.stderr)[-3000:]))

@@ -55,9 +55,8 @@ def run_one(a, cfg_path, prefix, p, flags, m, T, mpath):
             str(a.micro_batch), "--global-batch", str(m * a.micro_batch), "--seq-len", str(T), "--lr", "3e-4",
             "--threads", "1", "--metrics", mpath, "--quiet", *flags]
     cmd = ["taskset", "-c", a.cores] + h.command(p, args, a.origami)
-    env = h.env()
-    env["OMPI_MCA_btl_vader_single_copy_mechanism"] = a.single_copy
-    p_ = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout, stdin=subprocess.DEVNULL)
+    p_ = subprocess.run(cmd, capture_output=True, text=True, env=h.env(a.single_copy), timeout=a.timeout,
+                        stdin=subprocess.DEVNULL)
     if p_.returncode != 0:
         raise RuntimeError("exit %d: %s\n%s" % (p_.returncode, " ".join(cmd), (p_.stdout + p_.stderr)[-3000:]))
     recs = h.read_metrics(mpath)[a.warmup:]

@@ -36,10 +36,14 @@ Pipeline::Pipeline(Model& model, Comm& pp, DataParallel& dp, ScheduleKind kind, 
       ORIGAMI_ASSERT(actions_[i].chunk < last_final_chunk);
       last_final_chunk = actions_[i].chunk;
     }
-  const int64_t boundaries = int64_t(pp.size()) * chunks - 1;
-  ORIGAMI_CHECK(2 * int64_t(microbatches) * std::max<int64_t>(boundaries, 1) <= 32767, "pipeline with ",
-                microbatches, " micro-batches and ", boundaries, " stage boundaries needs more MPI tags than the "
-                "32767 every MPI library provides; use fewer micro-batches");
+  check_tags(pp.size(), microbatches, chunks);
+}
+
+void Pipeline::check_tags(int stages, int microbatches, int chunks) {
+  const int64_t boundaries = int64_t(stages) * chunks - 1;
+  ORIGAMI_CHECK(2 * int64_t(microbatches) * std::max<int64_t>(boundaries, 1) <= 32767, "a pipeline with ",
+                microbatches, " micro-batches per step and ", boundaries, " stage boundaries needs more MPI tags "
+                "than the 32767 every MPI library provides; use fewer micro-batches");
 }
 
 // Message tags: one per (micro-batch, boundary between virtual stages b and b+1, direction).

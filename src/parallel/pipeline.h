@@ -40,6 +40,10 @@ class Pipeline {
   // loss on the last stage, router losses of this stage's MoE layers; `loss` is their sum.
   Losses run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale);
 
+  // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
+  // (one per micro-batch, stage boundary and direction).
+  static void check_tags(int stages, int microbatches, int chunks);
+
   const std::vector<Action>& actions() const { return actions_; }
   const PipelineTimes& times() const { return times_; }
 

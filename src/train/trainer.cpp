@@ -103,6 +103,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(vpp == 1 || kind == ScheduleKind::interleaved, "--vpp ", vpp, " needs --pp-schedule interleaved, got ",
                 schedule_kind_name(kind));
   check_schedule(kind, pp, int(m), vpp);
+  Pipeline::check_tags(pp, int(m), vpp);
   ORIGAMI_CHECK(!sequence_parallel || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
                 seq_len, ") must be a multiple of --tp (", tp, ")");
 }
@@ -303,7 +304,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     const size_t stage_at = red.size();  // per stage: measured and computed activation peak, busy, schedule and pp bytes
     red.resize(stage_at + 5 * size_t(pp), 0.0);
     const double stage_values[5] = {double(model.act_bytes_peak()), double(act_computed), pipeline.times().busy,
-                                    pipeline.times().total, mesh.comm("pp").bytes_sent()};
+                                    pipeline.times().total, pp_comm.bytes_sent()};
     for (size_t k = 0; k < 5; ++k) red[stage_at + k * size_t(pp) + size_t(stage)] = stage_values[k] * stage_weight;
     world.all_reduce(red.data(), int64_t(red.size()));
     auto per_stage = [&](size_t k) {

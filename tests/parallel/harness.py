@@ -22,12 +22,14 @@ CONFIGS = os.path.join(HERE, "configs")
 MPIRUN = shutil.which("mpirun") or "mpirun"
 
 
-def env():
+def env(single_copy="none"):
+    """The environment of every mpirun here. single_copy: Open MPI's shared-memory single-copy
+    mechanism for large messages ("none" works in every container; the benchmarks use "cma")."""
     e = dict(os.environ)
     e.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_WAIT_POLICY": "passive",
               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
               # Open MPI: no warnings about missing high-speed transports in a container.
-              "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+              "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": single_copy,
               # oversubscribed ranks yield the core while they wait in MPI
               "OMPI_MCA_mpi_yield_when_idle": "1"})
     return e
