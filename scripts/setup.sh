@@ -7,6 +7,7 @@ set -euo pipefail
 debian_packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas0-openmp libopenblas-dev     # BLAS, OpenMP build: one thread pool shared with our own loops
+  libdnnl-dev                             # oneDNN (OpenMP build): its sgemm for the layers' GEMMs
   libomp-dev
   openmpi-bin libopenmpi-dev              # MPI launcher and library
   nlohmann-json3-dev                      # config.json / safetensors header / run-config parsing

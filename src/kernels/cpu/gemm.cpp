@@ -1,6 +1,7 @@
 #include "kernels/cpu/gemm.h"
 
 #include <cblas.h>
+#include <dnnl.h>
 #include <omp.h>
 
 namespace origami {
@@ -11,8 +12,12 @@ template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  cblas_sgemm(CblasRowMajor, op(ta), op(tb), int(M), int(N), int(K), alpha, A, int(lda), B, int(ldb),
-              beta, C, int(ldc));
+  if (omp_in_parallel()) {  // a per-thread tile (attention): OpenBLAS's small-matrix kernels
+    cblas_sgemm(CblasRowMajor, op(ta), op(tb), int(M), int(N), int(K), alpha, A, int(lda), B, int(ldb),
+                beta, C, int(ldc));
+    return;
+  }
+  dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 template <>
@@ -24,7 +29,7 @@ void gemm<double>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alph
 }
 
 void set_num_threads(int n) {
-  omp_set_num_threads(n);
+  omp_set_num_threads(n);  // our loops and oneDNN (OpenMP build)
   openblas_set_num_threads(n);
 }
 

@@ -1,7 +1,13 @@
-// Row-major GEMM on the CPU BLAS: C = alpha·op(A)·op(B) + beta·C, op(X) = X or Xᵀ.
+// Row-major GEMM on the CPU: C = alpha·op(A)·op(B) + beta·C, op(X) = X or Xᵀ.
 // op(A) is [M, K], op(B) is [K, N], C is [M, N]; lda/ldb/ldc are row strides, so a block of
 // rows or columns inside a wider matrix (one head inside a packed qkv row) is passed directly.
-// Called outside an OpenMP parallel region, the BLAS uses all threads; inside one, a single thread.
+// Libraries, chosen by measurement on the model's shapes (bench/README.md, "Choosing the BLAS"):
+//   float, outside an OpenMP parallel region: oneDNN's dnnl_sgemm on all threads (its JIT kernels
+//     beat OpenBLAS on the layer GEMMs, and beta = 0 costs no separate pass over C);
+//   float, inside one (attention's 64×64 tiles, one per thread): OpenBLAS, single-threaded — its
+//     small-matrix kernels are faster there than oneDNN's;
+//   double (finite-difference tests): OpenBLAS.
+// Both libraries are OpenMP builds, so they and our own loops share one thread pool.
 #pragma once
 #include <cstdint>
 
@@ -11,7 +17,7 @@ template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
           int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
-// Sets the thread count of both OpenMP and the BLAS (one pool: the OpenMP build of OpenBLAS).
+// Sets the thread count of OpenMP (our loops, oneDNN) and OpenBLAS: one pool.
 void set_num_threads(int n);
 int num_threads();
 

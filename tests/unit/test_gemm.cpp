@@ -1,0 +1,116 @@
+// gemm (src/kernels/cpu/gemm.h) against a naive double-precision loop: every transpose pair, row
+// strides wider than the matrices, beta 0 (C holding NaN must be overwritten, not scaled), 1 and
+// 0.5, through both float paths — oneDNN outside an OpenMP parallel region (all threads), OpenBLAS
+// inside one (one tile per thread, as attention calls it) — and the double path.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/gemm.h"
+
+using namespace origami;
+
+namespace {
+
+struct Case {
+  bool ta, tb;
+  int64_t M, N, K;
+  double beta;
+};
+
+// A matrix of `rows` x `cols` stored with row stride `ld` (>= cols), padding filled with `pad`.
+template <typename T>
+std::vector<T> matrix(int64_t rows, int64_t cols, int64_t ld, uint32_t seed, T pad) {
+  std::vector<T> m(size_t(rows * ld), pad);
+  uint32_t s = seed;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      s = s * 1664525u + 1013904223u;
+      m[size_t(r * ld + c)] = T(double(s >> 8) / double(1u << 24) - 0.5);
+    }
+  return m;
+}
+
+// Runs gemm<T> on one case and returns the largest |C - reference| relative to the reference's scale;
+// the padding of C (outside its N columns) must come back untouched.
+template <typename T>
+double max_error(const Case& c, uint32_t seed) {
+  const int64_t ar = c.ta ? c.K : c.M, ac = c.ta ? c.M : c.K;  // A as stored
+  const int64_t br = c.tb ? c.N : c.K, bc = c.tb ? c.K : c.N;
+  const int64_t lda = ac + 3, ldb = bc + 5, ldc = c.N + 7;
+  const T alpha = T(0.75), pad = T(-7);
+  auto A = matrix<T>(ar, ac, lda, seed, pad), B = matrix<T>(br, bc, ldb, seed + 1, pad);
+  auto C = matrix<T>(c.M, c.N, ldc, seed + 2, pad);
+  if (c.beta == 0)  // BLAS semantics: beta 0 ignores C, so NaN there must not leak into the result
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t j = 0; j < c.N; ++j) C[size_t(i * ldc + j)] = std::numeric_limits<T>::quiet_NaN();
+  std::vector<double> ref(size_t(c.M * c.N));
+  double scale = 0;
+  for (int64_t i = 0; i < c.M; ++i)
+    for (int64_t j = 0; j < c.N; ++j) {
+      double s = 0, mag = 0;
+      for (int64_t k = 0; k < c.K; ++k) {
+        const double a = c.ta ? A[size_t(k * lda + i)] : A[size_t(i * lda + k)];
+        const double b = c.tb ? B[size_t(j * ldb + k)] : B[size_t(k * ldb + j)];
+        s += a * b, mag += std::fabs(a * b);
+      }
+      const double c0 = c.beta == 0 ? 0.0 : double(C[size_t(i * ldc + j)]);
+      ref[size_t(i * c.N + j)] = double(alpha) * s + c.beta * c0;
+      scale = std::max(scale, double(alpha) * mag + std::fabs(c.beta * c0));
+    }
+  gemm<T>(c.ta, c.tb, c.M, c.N, c.K, alpha, A.data(), lda, B.data(), ldb, T(c.beta), C.data(), ldc);
+  double err = 0;
+  for (int64_t i = 0; i < c.M; ++i) {
+    for (int64_t j = 0; j < c.N; ++j) {
+      const double e = std::fabs(double(C[size_t(i * ldc + j)]) - ref[size_t(i * c.N + j)]) / scale;
+      if (!(e <= err)) err = e;  // a NaN result becomes the error (std::max would drop it)
+    }
+    for (int64_t j = c.N; j < ldc; ++j)
+      if (C[size_t(i * ldc + j)] != pad) return std::numeric_limits<double>::infinity();
+  }
+  return err;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (double beta : {0.0, 1.0, 0.5}) {
+        out.push_back({ta, tb, 37, 29, 53, beta});    // odd sizes
+        out.push_back({ta, tb, 300, 260, 130, beta});  // large enough to be split over threads
+      }
+  out.push_back({false, false, 1, 1, 1, 0.0});
+  out.push_back({true, false, 64, 64, 64, 1.0});  // attention's tile
+  return out;
+}
+
+std::string name(const Case& c) {
+  return cat(c.ta ? "T" : "N", c.tb ? "T" : "N", " ", c.M, "x", c.N, "x", c.K, " beta ", c.beta);
+}
+
+}  // namespace
+
+TEST(Gemm, FloatOutsideParallelRegion) {
+  set_num_threads(2);
+  for (const auto& c : cases()) EXPECT_LT(max_error<float>(c, 11), 1e-6) << name(c);  // false for NaN
+}
+
+TEST(Gemm, FloatInsideParallelRegionOneTilePerThread) {
+  set_num_threads(2);
+  for (const auto& c : cases()) {
+    std::vector<double> err(2, -1);
+#pragma omp parallel num_threads(2)
+    err[size_t(omp_get_thread_num())] = max_error<float>(c, 20 + uint32_t(omp_get_thread_num()));
+    for (double e : err) EXPECT_TRUE(e >= 0 && e < 1e-6) << name(c) << ": " << e;
+  }
+}
+
+TEST(Gemm, Double) {
+  set_num_threads(2);
+  for (const auto& c : cases()) EXPECT_LT(max_error<double>(c, 31), 1e-14) << name(c);
+}
