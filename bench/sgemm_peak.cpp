@@ -19,7 +19,9 @@
 // For each size — n for a square, or MxNxK — C = A·B (row-major, no transposes, beta = 0) is
 // repeated for about --seconds after one warm-up call; the best single-call rate (2·M·N·K FLOP per
 // call) is the size's rate. Libraries alternate size by size. The peak is the best rate over sizes
-// and libraries.
+// and libraries. With --per-thread, each library runs single-threaded and --threads threads call
+// it at once, each on its own C (how attention calls its 64x64 tiles from inside a parallel
+// region); the rate is all threads' FLOPs over the wall time.
 //
 // It also measures the core's FP32 FMA ceiling, the most any kernel could reach: each of --threads
 // threads runs 12 independent chains of fused multiply-adds on registers only (no loads, no
@@ -115,7 +117,6 @@ bool load_blas(const std::string& name, int threads, Blas& out, std::string& why
                        float, float*, int64_t);
     auto f = reinterpret_cast<Fn>(dlsym(h, "dnnl_sgemm"));
     if (!f) return why = "no dnnl_sgemm", false;
-    setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);  // oneDNN reads OpenMP's setting
     out.sgemm = [f](int m, int n, int k, const float* A, const float* B, float* C) {
       f('N', 'N', m, n, k, 1.f, A, k, B, n, 0.f, C, n);
     };
@@ -170,6 +171,7 @@ std::vector<std::string> split(const std::string& s) {
 
 int main(int argc, char** argv) {
   int threads = 2;
+  bool per_thread = false;
   double seconds = 1.0;
   std::vector<std::string> sizes = {"1024", "2048", "3072"}, libs = {"openblas", "onednn", "blis"};
   bool libs_given = false;
@@ -179,19 +181,24 @@ int main(int argc, char** argv) {
     else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
     else if (a == "--sizes" && i + 1 < argc) sizes = split(argv[++i]);
     else if (a == "--blas" && i + 1 < argc) libs = split(argv[++i]), libs_given = true;
+    else if (a == "--per-thread") per_thread = true;
     else {
-      std::fprintf(stderr, "usage: sgemm_peak [--threads N] [--blas openblas,onednn,blis] [--sizes n|MxNxK,...] [--seconds S]\n");
+      std::fprintf(stderr, "usage: sgemm_peak [--threads N] [--blas openblas,onednn,blis] [--sizes n|MxNxK,...] [--seconds S] [--per-thread]\n");
       return 2;
     }
   }
   std::vector<Shape> shapes;
   for (const auto& s : sizes) shapes.push_back(parse_shape(s));
+  // Threads per call: oneDNN (and OpenBLAS/BLIS through OpenMP) read OMP_NUM_THREADS when libgomp
+  // loads, i.e. at the first dlopen below.
+  const int call_threads = per_thread ? 1 : threads;
+  setenv("OMP_NUM_THREADS", std::to_string(call_threads).c_str(), 1);
   std::vector<Blas> blas;
   std::string missing;
   for (const auto& name : libs) {
     Blas b;
     std::string why;
-    if (load_blas(name, threads, b, why)) blas.push_back(b);
+    if (load_blas(name, call_threads, b, why)) blas.push_back(b);
     else if (libs_given) {  // asked for by name: an error
       std::fprintf(stderr, "sgemm_peak: cannot load %s: %s\n", name.c_str(), why.c_str());
       return 1;
@@ -206,14 +213,32 @@ int main(int argc, char** argv) {
     const double flop = 2.0 * m * double(n) * k;
     for (const auto& lib : blas) {
       lib.sgemm(m, n, k, A.data(), B.data(), C.data());  // warm-up: page faults, thread start, JIT
-      double best = 0, total = 0;
-      int calls = 0;
-      while (total < seconds || calls < 3) {
+      double best = 0;
+      if (per_thread) {  // `threads` threads, each calling on its own C for ~seconds: total rate
+        std::vector<long> calls(size_t(threads), 0);
+        std::vector<std::thread> pool;
         auto t0 = clock::now();
-        lib.sgemm(m, n, k, A.data(), B.data(), C.data());
-        double s = std::chrono::duration<double>(clock::now() - t0).count();
-        total += s, ++calls;
-        best = std::max(best, flop / s / 1e9);
+        for (int t = 0; t < threads; ++t)
+          pool.emplace_back([&, t] {
+            std::vector<float> Ct(C.size());
+            lib.sgemm(m, n, k, A.data(), B.data(), Ct.data());  // this thread's warm-up (JIT, buffers)
+            for (auto s = clock::now(); std::chrono::duration<double>(clock::now() - s).count() < seconds;)
+              lib.sgemm(m, n, k, A.data(), B.data(), Ct.data()), ++calls[size_t(t)];
+          });
+        for (auto& th : pool) th.join();
+        long total_calls = 0;
+        for (long c : calls) total_calls += c;
+        best = flop * double(total_calls) / std::chrono::duration<double>(clock::now() - t0).count() / 1e9;
+      } else {
+        double total = 0;
+        int calls = 0;
+        while (total < seconds || calls < 3) {
+          auto t0 = clock::now();
+          lib.sgemm(m, n, k, A.data(), B.data(), C.data());
+          double s = std::chrono::duration<double>(clock::now() - t0).count();
+          total += s, ++calls;
+          best = std::max(best, flop / s / 1e9);
+        }
       }
       rate[lib.name][name] = best;
     }
@@ -222,7 +247,7 @@ int main(int argc, char** argv) {
   //  "peak_blas": "...", "peak_n": "...", "missing": [...], "fma_gflops": x}
   double peak = 0;
   std::string peak_blas, peak_n;
-  std::printf("{\"threads\": %d, \"blas\": {", threads);
+  std::printf("{\"threads\": %d, \"per_thread\": %s, \"blas\": {", threads, per_thread ? "true" : "false");
   for (size_t li = 0; li < blas.size(); ++li) {
     double lib_peak = 0;
     std::printf("%s\"%s\": {\"sizes\": {", li ? ", " : "", blas[li].name.c_str());
