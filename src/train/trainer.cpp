@@ -1,7 +1,5 @@
 #include "train/trainer.h"
 
-#include <atomic>
-#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +13,7 @@
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
 #include "core/error.h"
+#include "core/stop_signals.h"
 #include "core/timer.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
@@ -26,9 +25,6 @@
 namespace origami {
 
 namespace {
-
-std::atomic<int> g_stop_signal{0};
-void on_signal(int sig) { g_stop_signal = sig; }
 
 std::string format_duration(double seconds) {
   const int64_t s = int64_t(seconds + 0.5);
@@ -264,9 +260,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     world.barrier();
   };
 
-  g_stop_signal = 0;
-  auto old_int = std::signal(SIGINT, on_signal);
-  auto old_term = std::signal(SIGTERM, on_signal);
+  StopSignals stop_signals;  // SIGINT/SIGTERM are taken here, at step boundaries (core/stop_signals.h)
   std::vector<int32_t> tokens(size_t(micro * B * (T + 1)));
   std::vector<const int32_t*> micro_tokens;
   for (int64_t m = 0; m < micro; ++m) micro_tokens.push_back(tokens.data() + m * B * (T + 1));
@@ -298,7 +292,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     const double weight = tp_comm.rank() == 0 ? 1.0 : 0.0, per = weight / double(micro * dp);
     const double stage_weight = dp_rank == 0 ? weight : 0.0;
     std::vector<double> red = {sum.lm_loss * per, sum.aux_loss * per, sum.z_loss * per, cpu_seconds() - cpu0,
-                               g_stop_signal ? 1.0 : 0.0};
+                               stop_signals.poll() ? 1.0 : 0.0};
     for (const auto& layer : model.expert_counts())
       for (int64_t c : layer) red.push_back(double(c) * weight);
     const size_t stage_at = red.size();  // per stage: measured and computed activation peak, busy, schedule and pp bytes
@@ -360,8 +354,6 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     }
     if (done == o.steps) save(done);
   }
-  std::signal(SIGINT, old_int);
-  std::signal(SIGTERM, old_term);
   return exit_code;
 }
 
