@@ -8,6 +8,8 @@
 //     small-matrix kernels are faster there than oneDNN's;
 //   double (finite-difference tests): OpenBLAS.
 // Both libraries are OpenMP builds, so they and our own loops share one thread pool.
+// oneDNN 2.x's JIT kernels are not safe against handled signals (core/stop_signals.h says why and
+// how the trainer keeps SIGINT/SIGTERM away from them).
 #pragma once
 #include <cstdint>
 
