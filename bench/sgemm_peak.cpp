@@ -92,8 +92,7 @@ double fma_ceiling(int threads) {
   return best;
 }
 
-
-// A row-major C = A·B (no transposes, alpha 1, beta 0) of one library, and its thread setter.
+// One library's row-major C = A·B (no transposes, alpha 1, beta 0); load_blas sets its threads.
 struct Blas {
   std::string name;
   std::function<void(int m, int n, int k, const float* A, const float* B, float* C)> sgemm;

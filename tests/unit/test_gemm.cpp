@@ -114,3 +114,9 @@ TEST(Gemm, Double) {
   set_num_threads(2);
   for (const auto& c : cases()) EXPECT_LT(max_error<double>(c, 31), 1e-14) << name(c);
 }
+
+TEST(Gemm, FloatRejectsALeadingDimensionTooSmall) {  // oneDNN would leave C untouched and say so only by status
+  set_num_threads(2);
+  std::vector<float> A(16, 1.f), B(16, 1.f), C(16, -3.f);
+  EXPECT_THROW(gemm<float>(false, false, 4, 4, 4, 1.f, A.data(), 2, B.data(), 4, 0.f, C.data(), 4), Error);
+}

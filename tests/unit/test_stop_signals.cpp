@@ -56,8 +56,9 @@ TEST(StopSignals, ASignalStormDuringGemmsCorruptsNothing) {
   });
   const int64_t n = 384;  // shapes on oneDNN's JIT kernels
   std::vector<float> A(size_t(n * n), 0.5f), B(size_t(n * n), 0.25f), C(size_t(n * n));
+  std::vector<std::vector<float>> heap;  // allocations kept between the GEMMs: heap the kernels could hit
   for (int rep = 0; rep < 300; ++rep) {
-    std::vector<float> scratch(size_t(1000 + rep));  // heap traffic between the GEMMs
+    heap.emplace_back(size_t(1000 + rep), 1.f);
     gemm<float>(false, rep % 2 == 1, n, n, n, 1.f, A.data(), n, B.data(), n, 0.f, C.data(), n);
     ASSERT_EQ(C[size_t(rep % (n * n))], float(n) * 0.125f) << "rep " << rep;
   }

@@ -4,6 +4,8 @@
 #include <dnnl.h>
 #include <omp.h>
 
+#include "core/error.h"
+
 namespace origami {
 
 static CBLAS_TRANSPOSE op(bool t) { return t ? CblasTrans : CblasNoTrans; }
@@ -17,7 +19,10 @@ void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                 beta, C, int(ldc));
     return;
   }
-  dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  // dnnl_sgemm reports bad arguments (a leading dimension too small, ...) by its status alone and
+  // leaves C untouched: a silent wrong result unless checked.
+  const dnnl_status_t status = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  ORIGAMI_ASSERT(status == dnnl_success);
 }
 
 template <>
