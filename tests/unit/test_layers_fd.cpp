@@ -185,9 +185,20 @@ TEST_P(LinearFd, BackwardMatchesFiniteDifferences) {
   }
 }
 
+namespace origami {
+void PrintTo(WeightLayout l, std::ostream* os) { *os << (l == WeightLayout::out_in ? "out_in" : "in_out"); }
+}  // namespace origami
+
+// Test names say the case (e.g. LinearFd.BackwardMatchesFiniteDifferences/OutIn_Bias).
+std::string linear_case_name(const ::testing::TestParamInfo<std::tuple<WeightLayout, bool>>& info) {
+  const auto [layout, with_bias] = info.param;
+  return std::string(layout == WeightLayout::out_in ? "OutIn" : "InOut") + (with_bias ? "_Bias" : "_NoBias");
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, LinearFd,
                          ::testing::Combine(::testing::Values(WeightLayout::out_in, WeightLayout::in_out),
-                                            ::testing::Bool()));
+                                            ::testing::Bool()),
+                         linear_case_name);
 
 // ───────────────────────────── Norms ─────────────────────────────
 
@@ -387,7 +398,8 @@ TEST_P(EmbeddingFd, BackwardMatchesFiniteDifferences) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Wpe, EmbeddingFd, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(Wpe, EmbeddingFd, ::testing::Bool(),
+                         [](const auto& info) { return std::string(info.param ? "WithWpe" : "NoWpe"); });
 
 // ───────────────────────────── RoPE ─────────────────────────────
 
@@ -443,7 +455,8 @@ TEST_P(RopeFd, ForwardBackwardInverseTransposeAndFd) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(HeadDim, RopeFd, ::testing::Values(int64_t(8), int64_t(10)));
+INSTANTIATE_TEST_SUITE_P(HeadDim, RopeFd, ::testing::Values(int64_t(8), int64_t(10)),
+                         [](const auto& info) { return "D" + std::to_string(info.param); });
 
 // ───────────────────────────── Attention ─────────────────────────────
 
@@ -453,6 +466,9 @@ struct AttnCase {
   double amp = 1.5;  // qkv uniform in ±amp; large amp gives scores beyond float's exp range (> 88)
   double float_tol = kFloatTol;
 };
+
+std::string attention_case_name(const AttnCase& c);
+void PrintTo(const AttnCase& c, std::ostream* os) { *os << attention_case_name(c); }  // gtest's case listing
 
 class AttentionFd : public ::testing::TestWithParam<AttnCase> {};
 
@@ -534,6 +550,11 @@ TEST_P(AttentionFd, ForwardVsNaiveAndBackwardFd) {
   }
 }
 
+std::string attention_case_name(const AttnCase& c) {  // e.g. B2_T70_H6_KV2_D8
+  return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_KV" +
+         std::to_string(c.KV) + "_D" + std::to_string(c.D) + (c.amp > 2 ? "_LargeScores" : "");
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionFd,
                          ::testing::Values(AttnCase{1, 5, 2, 1, 4, 100000},    // tiny: every element
                                            AttnCase{2, 70, 6, 2, 8, 700},     // two blocks, GQA 3:1
@@ -543,7 +564,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionFd,
                                            // Scores up to ~±200: the online softmax must not overflow
                                            // (float exp overflows past 88). Float rounding of such
                                            // scores (~1e-5 absolute) bounds float agreement to ~1e-4.
-                                           AttnCase{1, 70, 2, 1, 8, 400, 12.0, 2e-4}));
+                                           AttnCase{1, 70, 2, 1, 8, 400, 12.0, 2e-4}),
+                         [](const ::testing::TestParamInfo<AttnCase>& info) { return attention_case_name(info.param); });
 
 // ───────────────────────────── LM head ─────────────────────────────
 
@@ -772,6 +794,9 @@ struct MoeCase {
   double loss_scale;
 };
 
+std::string moe_case_name(const MoeCase& c);
+void PrintTo(const MoeCase& c, std::ostream* os) { *os << moe_case_name(c); }  // gtest's case listing
+
 class MoeFd : public ::testing::TestWithParam<MoeCase> {};
 
 TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
@@ -854,10 +879,16 @@ TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
   }
 }
 
+std::string moe_case_name(const MoeCase& c) {  // e.g. N13_C6_F5_E5_K2_StarvedExpert
+  return "N" + std::to_string(c.s.N) + "_C" + std::to_string(c.s.C) + "_F" + std::to_string(c.s.F) + "_E" +
+         std::to_string(c.s.E) + "_K" + std::to_string(c.s.K) + (c.starve_last ? "_StarvedExpert" : "");
+}
+
 INSTANTIATE_TEST_SUITE_P(Configs, MoeFd,
                          ::testing::Values(MoeCase{{11, 9, 7, 5, 2}, false, 0.7},
                                            MoeCase{{13, 6, 5, 5, 2}, true, 1.0},
-                                           MoeCase{{10, 7, 3, 5, 3}, false, 2.5}));
+                                           MoeCase{{10, 7, 3, 5, 3}, false, 2.5}),
+                         [](const ::testing::TestParamInfo<MoeCase>& info) { return moe_case_name(info.param); });
 
 // Ties in router probability go to the lower expert index (deterministic selection).
 TEST(MoeRouting, TiesPreferLowerIndex) {
