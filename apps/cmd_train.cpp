@@ -24,7 +24,7 @@ int train(int argc, char** argv, Comm& world) {
       .option("init-from", "PATH", "start from a .safetensors file, or resume a checkpoint directory")
       .option("steps", "N", "total optimizer steps", "100")
       .option("micro-batch", "B", "rows per forward/backward pass", "4")
-      .option("global-batch", "G", "rows per optimizer step (a multiple of B)", "")
+      .option("global-batch", "G", "rows per optimizer step, a multiple of B x DP (default: B x DP)", "")
       .option("seq-len", "T", "tokens per row", "128")
       .option("lr", "X", "peak learning rate", "3e-4")
       .option("min-lr", "X", "final learning rate of the cosine schedule", "0")
@@ -42,6 +42,15 @@ int train(int argc, char** argv, Comm& world) {
       .option("save-every", "N", "also save every N steps", "0")
       .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
       .flag("quiet", "print every 50th step only")
+      .flag("verbose", "print every rank's memory breakdown at startup")
+      .option("max-skipped-steps", "N",
+              "steps whose loss or gradient norm is not finite are skipped (no update); the run stops, without "
+              "saving, at the (N+1)-th such step (exit code 3)", "0")
+      .option("loss-spike-factor", "K",
+              "warn when a step's loss is above K times the median of the last 100 steps (0: off)", "0")
+      .option("memory-limit-gb", "X",
+              "memory each rank may use (GiB); the run is refused at startup if it needs more (default: what "
+              "the machine has available, shared by its ranks)", "0")
       .option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
       .option("dp", "D", "data-parallel degree (default: ranks / (TP x CP x PP))", "")
       .option("pp", "P", "pipeline-parallel degree (stages)", "1")
@@ -68,7 +77,8 @@ int train(int argc, char** argv, Comm& world) {
     o.init_from = a.str("init-from");
     o.steps = a.integer("steps");
     o.micro_batch = a.integer("micro-batch");
-    o.global_batch = a.has("global-batch") ? a.integer("global-batch") : o.micro_batch;
+    o.global_batch = a.has("global-batch") ? a.integer("global-batch") : 0;  // 0: micro-batch x DP
+    ORIGAMI_CHECK(!a.has("global-batch") || o.global_batch >= 1, "--global-batch must be positive, got ", o.global_batch);
     o.seq_len = a.integer("seq-len");
     o.lr.lr = a.number("lr");
     o.lr.min_lr = a.number("min-lr");
@@ -87,6 +97,10 @@ int train(int argc, char** argv, Comm& world) {
     o.save_every = a.integer("save-every");
     o.threads = int(a.integer("threads"));
     o.quiet = a.on("quiet");
+    o.verbose = a.on("verbose");
+    o.max_skipped_steps = a.integer("max-skipped-steps");
+    o.loss_spike_factor = a.number("loss-spike-factor");
+    o.memory_limit_gb = a.number("memory-limit-gb");
     o.tp = int(a.integer("tp"));
     o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
     ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);

@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -43,6 +44,9 @@ int main(int argc, char** argv) {
       return 1;
     } catch (const origami::Error& e) {
       std::fprintf(stderr, "origami %s: error: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::bad_alloc&) {  // large buffers are checked before allocation and name their purpose
+      std::fprintf(stderr, "origami %s: error: out of memory (in an allocation outside the checked buffers)\n", c.name);
       return 1;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "origami %s: unexpected error: %s\n", c.name, e.what());

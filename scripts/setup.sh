@@ -14,6 +14,7 @@ debian_packages=(
   libgtest-dev                            # unit tests
   python3 python3-torch python3-numpy python3-pip   # PyTorch oracle for tests/reference (Debian's 1.13)
   fortunes fortunes-min                   # the demo corpus: public-domain text, %-separated documents
+  time                                    # /usr/bin/time: peak RSS per rank in tests/parallel/test_run_safety.py
 )
 
 missing=()

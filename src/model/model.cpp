@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "model/layers/activation.h"
 #include "model/layers/attention.h"
 #include "model/layers/embedding.h"
@@ -60,7 +61,41 @@ int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s) {
 }
 int64_t core_bytes(const LocalSizes& s) { return 4 * (s.N * s.HDl + s.B * s.Hl * s.T); }
 
+// Elements of the model's work buffers (Model::Scratch) for a batch: set_batch sizes each buffer to
+// exactly this, and workspace_bytes() counts it.
+struct ScratchSizes {
+  int64_t loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
+  int64_t targets;              // int32 [N]
+  int64_t lnf, statsf;          // head stage: final norm output [N, C], mean and rstd [Nl] each
+  int64_t d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b, d_weight;
+  int64_t head;                 // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
+  int64_t moe_dy, moe_dgu, moe_dact;  // MoE backward: [R, C], [R, 2F], [R, F], R = N·K
+  ScratchSizes(const ModelConfig& c, const ActivationShape& a, bool head_stage) {
+    const LocalSizes s(c, a);
+    const bool sp = a.sp;
+    const int64_t R = c.is_moe() ? s.N * c.top_k : 0, Vl = (c.vocab_size + a.tp - 1) / a.tp;
+    loc = sp ? s.Nl * s.C : 0, full = sp ? s.N * s.C : 0, gathered = full;
+    targets = s.N;
+    lnf = head_stage ? s.N * s.C : 0, statsf = head_stage ? s.Nl : 0;
+    d_res = s.Nl * s.C, d_ln = s.N * s.C, d_att = s.N * s.HDl, d_qkv = s.N * s.Sl;
+    d_mlp_a = s.N * s.fa, d_mlp_b = s.N * s.fb, d_weight = R;
+    head = head_stage ? lm_head_chunk_rows(s.N, Vl) * (Vl + 4) : 0;
+    moe_dy = R * s.C, moe_dgu = R * 2 * s.Fl, moe_dact = R * s.Fl;
+  }
+  int64_t bytes() const {  // every buffer holds 4-byte elements (floats, int32 targets)
+    return 4 * (loc + full + gathered + targets + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
+                d_weight + head + moe_dy + moe_dgu + moe_dact);
+  }
+};
+
 }  // namespace
+
+int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const ModelPart& part) {
+  const LocalSizes s(c, a);
+  // TensorParallel's region buffer: under SP with B > 1, the gathered or reordered [N, C].
+  const int64_t tp_region = a.sp && a.B > 1 ? 4 * s.N * s.C : 0;
+  return ScratchSizes(c, a, part.head).bytes() + tp_region;
+}
 
 int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, int64_t layers) {
   const LocalSizes s(c, a);
@@ -228,21 +263,23 @@ ActivationShape Model::activation_shape() const { return {B_, T_, tp_.size(), tp
 void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
-  size(s.resid, resid_rows * Nl * C);
-  size(s.mid, layers * Nl * C);
-  size(s.ln1, layers * Nl * C);
-  size(s.ln2, layers * Nl * C);
-  size(s.mean1, cfg_.is_gpt2() ? layers * Nl : 0);
-  size(s.mean2, cfg_.is_gpt2() ? layers * Nl : 0);
-  size(s.rstd1, layers * Nl);
-  size(s.rstd2, layers * Nl);
-  size(s.qkv, layers * N * S);
-  size(s.mlp_a, layers * N * mlp_a_width());
-  size(s.mlp_b, layers * N * (cfg_.is_moe() ? 0 : F));
-  s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
-  for (MoeCache<float>& m : s.moe) m.resize({N, C, F, cfg_.num_experts, cfg_.top_k});
-  size(s.att, core_layers * N * HD);
-  size(s.lse, core_layers * B * H * T);
+  allocating("the activations kept for backward", slot_bytes(cfg_, activation_shape(), layers), [&] {
+    size(s.resid, resid_rows * Nl * C);
+    size(s.mid, layers * Nl * C);
+    size(s.ln1, layers * Nl * C);
+    size(s.ln2, layers * Nl * C);
+    size(s.mean1, cfg_.is_gpt2() ? layers * Nl : 0);
+    size(s.mean2, cfg_.is_gpt2() ? layers * Nl : 0);
+    size(s.rstd1, layers * Nl);
+    size(s.rstd2, layers * Nl);
+    size(s.qkv, layers * N * S);
+    size(s.mlp_a, layers * N * mlp_a_width());
+    size(s.mlp_b, layers * N * (cfg_.is_moe() ? 0 : F));
+    s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
+    for (MoeCache<float>& m : s.moe) m.resize({N, C, F, cfg_.num_experts, cfg_.top_k});
+    size(s.att, core_layers * N * HD);
+    size(s.lse, core_layers * B * H * T);
+  });
   s.layers = layers, s.core_layers = core_layers;
 }
 
@@ -260,21 +297,27 @@ void Model::set_batch(int64_t B, int64_t T) {
   live_bytes_ = 0;
   peak_bytes_ = act_bytes();
   Scratch& s = *scratch_;
-  const auto [Bd, Td, N, Nl, C, D, H, KV, F, S, HD] = dims();
-  s.loc.resize(tp_.sp() ? size_t(Nl * C) : 0);
-  s.full.resize(tp_.sp() ? size_t(N * C) : 0);
-  s.gathered.resize(tp_.sp() ? size_t(N * C) : 0);
-  s.targets.resize(size_t(N));
-  s.lnf.resize(part_.head ? size_t(N * C) : 0);
-  s.meanf.resize(part_.head ? size_t(Nl) : 0);
-  s.rstdf.resize(part_.head ? size_t(Nl) : 0);
-  s.d_res.resize(size_t(Nl * C));
-  s.d_ln.resize(size_t(N * C));
-  s.d_att.resize(size_t(N * HD));
-  s.d_qkv.resize(size_t(N * S));
-  s.d_mlp_a.resize(size_t(N * mlp_a_width()));
-  s.d_mlp_b.resize(size_t(N * Fl_));
-  s.d_weight.resize(cfg_.is_moe() ? size_t(N * cfg_.top_k) : 0);
+  const ScratchSizes n(cfg_, activation_shape(), part_.head);
+  allocating("the model's work buffers", n.bytes(), [&] {
+    s.loc.resize(size_t(n.loc));
+    s.full.resize(size_t(n.full));
+    s.gathered.resize(size_t(n.gathered));
+    s.targets.resize(size_t(n.targets));
+    s.lnf.resize(size_t(n.lnf));
+    s.meanf.resize(size_t(n.statsf));
+    s.rstdf.resize(size_t(n.statsf));
+    s.d_res.resize(size_t(n.d_res));
+    s.d_ln.resize(size_t(n.d_ln));
+    s.d_att.resize(size_t(n.d_att));
+    s.d_qkv.resize(size_t(n.d_qkv));
+    s.d_mlp_a.resize(size_t(n.d_mlp_a));
+    s.d_mlp_b.resize(size_t(n.d_mlp_b));
+    s.d_weight.resize(size_t(n.d_weight));
+    s.head.resize(size_t(n.head));
+    s.moe.dy_RC.resize(size_t(n.moe_dy));
+    s.moe.dgu_R2F.resize(size_t(n.moe_dgu));
+    s.moe.dact_RF.resize(size_t(n.moe_dact));
+  });
 }
 
 Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {

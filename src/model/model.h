@@ -65,6 +65,10 @@ struct ActivationShape {
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, int64_t layers);
 int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
+// Work buffers of a stage's model for a batch (not kept across calls: backward gradients of the
+// activations, the LM head's logits chunk, MoE backward buffers, SP region buffers), allocated once
+// by Model::set_batch (and TensorParallel's region buffer).
+int64_t workspace_bytes(const ModelConfig& cfg, const ActivationShape& a, const ModelPart& part);
 
 // Model FLOPs per token of a training step (forward + backward), convention:
 // 6·(parameters in matmuls a token passes through: attention, MLP or its K active experts,

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "core/rng.h"
 
 namespace origami {
@@ -38,6 +39,7 @@ int64_t ParamSpec::local_numel(int tp) const {
 // positions and the router are replicated; norms take partial gradients under sequence parallelism.
 std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
   std::vector<ParamSpec> t;
+  t.reserve(size_t(4 + c.num_layers * (12 + 3 * c.num_experts)));
   const TpSplit replicated, norm{-1, 1, false, true}, vocab{0, 1, true, false};
   auto add = [&](std::string name, std::vector<int64_t> shape, Init init, TpSplit split) {
     t.push_back({std::move(name), std::move(shape), init, split});
@@ -103,6 +105,12 @@ bool ModelPart::holds_layer(int64_t l) const {
   return false;
 }
 
+ModelPart ModelPart::of_stage(const std::vector<LayerRange>& virtual_stages, int stages, int stage) {
+  ModelPart part{{}, stage == 0, stage == stages - 1};
+  for (size_t v = size_t(stage); v < virtual_stages.size(); v += size_t(stages)) part.chunks.push_back(virtual_stages[v]);
+  return part;
+}
+
 int64_t ModelPart::num_layers() const {
   int64_t n = 0;
   for (const LayerRange& r : chunks) n += r.end - r.begin;
@@ -113,8 +121,9 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c, const ModelPart& p
   const std::string layer_prefix = c.is_gpt2() ? "h." : "model.layers.";
   const std::string embedding = c.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight";
   const bool shared = (c.is_gpt2() || c.tied_embeddings) && part.embedding != part.head;
-  std::vector<ParamSpec> out;
-  for (ParamSpec& p : make_param_table(c)) {
+  std::vector<ParamSpec> out = make_param_table(c);
+  size_t kept = 0;  // compacted in place: a model of 10^5 layers has ~10^6 tensors
+  for (ParamSpec& p : out) {
     bool keep;
     if (p.name.rfind(layer_prefix, 0) == 0) keep = part.holds_layer(std::stol(p.name.substr(layer_prefix.size())));
     else if (p.name == embedding) keep = part.embedding || (part.head && (c.is_gpt2() || c.tied_embeddings));
@@ -122,8 +131,10 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c, const ModelPart& p
     else keep = part.head;  // final norm, untied lm_head
     if (!keep) continue;
     p.pp_shared = shared && p.name == embedding;
-    out.push_back(std::move(p));
+    if (&out[kept] != &p) out[kept] = std::move(p);  // (a self-move would empty the shape vector)
+    ++kept;
   }
+  out.resize(kept);
   return out;
 }
 
@@ -133,35 +144,48 @@ int64_t num_parameters(const ModelConfig& cfg) {
   return n;
 }
 
-Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::move(table)), layout_(layout) {
-  ORIGAMI_ASSERT(layout_.tp >= 1 && layout_.dp >= 1 && layout_.tp_rank >= 0 && layout_.tp_rank < layout_.tp);
-  for (size_t i = 0; i < table_.size(); ++i) by_name_[table_[i].name] = i;
+BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout) {
+  ORIGAMI_ASSERT(layout.tp >= 1 && layout.dp >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp);
   // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a
   // tensor); a pp_shared tensor is a bucket of its own.
   std::vector<size_t> first_of_bucket;  // table index where each bucket starts, last bucket first
   int64_t filled = 0;
-  for (size_t i = table_.size(); i-- > 0;) {
-    if (table_[i].pp_shared && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
-    filled += local_numel(i);
-    if (i == 0 || table_[i].pp_shared || (layout_.bucket_floats > 0 && filled >= layout_.bucket_floats)) {
+  for (size_t i = table.size(); i-- > 0;) {
+    if (table[i].pp_shared && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
+    filled += table[i].local_numel(layout.tp);
+    if (i == 0 || table[i].pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats)) {
       first_of_bucket.push_back(i);
       filled = 0;
     }
   }
   // Offsets from the start, with each bucket padded at its end to a multiple of dp.
-  offsets_.assign(table_.size(), 0);
+  BufferPlan plan;
+  plan.offsets.assign(table.size(), 0);
   int64_t off = 0;
   for (size_t b = first_of_bucket.size(); b-- > 0;) {
-    const size_t end = b == 0 ? table_.size() : first_of_bucket[b - 1];
+    const size_t end = b == 0 ? table.size() : first_of_bucket[b - 1];
     const int64_t begin = off;
-    for (size_t i = first_of_bucket[b]; i < end; ++i) offsets_[i] = off, off += local_numel(i);
-    off = begin + (off - begin + layout_.dp - 1) / layout_.dp * layout_.dp;
-    buckets_.insert(buckets_.begin(), Range{begin, off});
+    for (size_t i = first_of_bucket[b]; i < end; ++i) plan.offsets[i] = off, off += table[i].local_numel(layout.tp);
+    plan.bucket_data.push_back(off - begin);
+    off = begin + (off - begin + layout.dp - 1) / layout.dp * layout.dp;
+    plan.buckets.push_back(Range{begin, off});
   }
-  data_.assign(size_t(off), 0.f);
-  const size_t bytes = std::max<size_t>(1, size_t(off) * sizeof(float));
+  // Built first bucket first; listed in the order gradients become final (last bucket first).
+  std::reverse(plan.buckets.begin(), plan.buckets.end());
+  std::reverse(plan.bucket_data.begin(), plan.bucket_data.end());
+  plan.size = off;
+  return plan;
+}
+
+Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::move(table)), layout_(layout) {
+  for (size_t i = 0; i < table_.size(); ++i) by_name_[table_[i].name] = i;
+  BufferPlan plan = plan_buffer(table_, layout_);
+  offsets_ = std::move(plan.offsets);
+  buckets_ = std::move(plan.buckets);
+  const size_t bytes = std::max<size_t>(1, size_t(plan.size) * sizeof(float));
+  allocating("the parameters", int64_t(bytes), [&] { data_.assign(size_t(plan.size), 0.f); });
   void* g = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ORIGAMI_CHECK(g != MAP_FAILED, "cannot allocate ", bytes, " bytes for gradients");
+  ORIGAMI_CHECK(g != MAP_FAILED, "out of memory: cannot allocate ", format_bytes(int64_t(bytes)), " for the gradients");
   grad_ = std::unique_ptr<float, Unmap>(static_cast<float*>(g), Unmap{bytes});
 }
 

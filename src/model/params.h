@@ -59,6 +59,9 @@ struct ModelPart {
   std::vector<LayerRange> chunks;
   bool embedding = true, head = true;
   static ModelPart whole(int64_t num_layers) { return {{{0, int(num_layers)}}, true, true}; }
+  // Stage `stage` of `stages` over the virtual stages of partition_layers (chunk c of the stage is
+  // virtual stage c·stages + stage).
+  static ModelPart of_stage(const std::vector<LayerRange>& virtual_stages, int stages, int stage);
   bool holds_layer(int64_t l) const;
   int64_t num_layers() const;
 };
@@ -81,6 +84,16 @@ struct ParamLayout {
 struct Range {
   int64_t begin, end;  // [begin, end) of the flat buffer
 };
+
+// Where each tensor and each data-parallel bucket lies in one rank's buffer: exactly what Params
+// allocates, computed without allocating (the memory check before a run and the planner use it).
+struct BufferPlan {
+  std::vector<int64_t> offsets;      // per table entry
+  std::vector<Range> buckets;        // in the order their gradients become final (last tensors first)
+  std::vector<int64_t> bucket_data;  // floats of tensors in each bucket; the rest of it is padding
+  int64_t size = 0;                  // floats in the buffer, padding included
+};
+BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout);
 
 // The part of one parameter tensor inside a range: buffer [begin, end), tensor index `param`.
 struct Segment {

@@ -2,10 +2,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <omp.h>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace origami {
 
@@ -15,17 +17,17 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
       sp_(sequence_parallel && tp.size() > 1) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 2, "--zero must be 0, 1 or 2, got ", zero_);
   ORIGAMI_ASSERT(params.layout().dp == dp.size());
-  const int64_t d = dp.size(), r = dp.rank();
+  shards_ = bucket_shards(params.buckets(), dp.size(), dp.rank());
   int64_t total = 0;
-  for (const Range& b : params.buckets()) {
-    const int64_t n = (b.end - b.begin) / d;
-    shards_.push_back({b.begin + r * n, b.begin + (r + 1) * n});
+  for (const Range& s : shards_) {
     shard_at_.push_back(total);
-    total += n;
+    total += s.end - s.begin;
   }
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
-  if (zero_ >= 1) recv_.assign(size_t(total), 0.f);
-  if (zero_ == 2) acc_.assign(size_t(total), 0.f);
+  allocating("the data-parallel gradient shards", (zero_ >= 1) * (zero_ == 2 ? 2 : 1) * total * 4, [&] {
+    if (zero_ >= 1) recv_.assign(size_t(total), 0.f);
+    if (zero_ == 2) acc_.assign(size_t(total), 0.f);
+  });
   pending_.resize(params.buckets().size());
   started_.assign(params.buckets().size(), 0);
   const std::vector<ParamSpec>& table = params.table();
@@ -42,8 +44,17 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
   for (const Segment& seg : params.segments(shards_)) {
     const bool tp_counted = table[seg.param].split.dim >= 0 || tp.rank() == 0;
     const bool pp_counted = !table[seg.param].pp_shared || embedding_->rank() == 0;
-    if (tp_counted && pp_counted) norm_segs_.push_back(seg);
+    (tp_counted && pp_counted ? norm_segs_ : copy_segs_).push_back(seg);
   }
+}
+
+std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int dp_rank) {
+  std::vector<Range> out;
+  for (const Range& b : buckets) {
+    const int64_t n = (b.end - b.begin) / dp;
+    out.push_back({b.begin + dp_rank * n, b.begin + (dp_rank + 1) * n});
+  }
+  return out;
 }
 
 void DataParallel::begin_step() {
@@ -99,7 +110,7 @@ void DataParallel::end_backward() {
   armed_ = false;
 }
 
-double DataParallel::finish_gradients() {
+DataParallel::Gradients DataParallel::finish_gradients(double local_loss) {
   float* g = params_.grad();
   if (zero_ == 2) {  // the optimizer reads gradients from the buffer: write back this rank's shards only
     for (size_t b = 0; b < shards_.size(); ++b)
@@ -128,19 +139,26 @@ double DataParallel::finish_gradients() {
   }
   // Global norm: each element once over DP (this rank's shard) and TP (replicated tensors on TP rank 0).
   // One parallel region for all segments (as in AdamW::step); each thread sums its share of each.
-  double sq = 0;
+  // The copies not counted are summed too, only to find a non-finite element.
+  auto sum_squares = [g](const std::vector<Segment>& segs) {
+    double sq = 0;
 #pragma omp parallel reduction(+ : sq)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    for (const Segment& s : norm_segs_) {
-      const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
-      double part = 0;
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      for (const Segment& s : segs) {
+        const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
+        double part = 0;
 #pragma omp simd reduction(+ : part)
-      for (int64_t i = lo; i < hi; ++i) part += double(g[i]) * g[i];
-      sq += part;
+        for (int64_t i = lo; i < hi; ++i) part += double(g[i]) * g[i];
+        sq += part;
+      }
     }
-  }
-  return std::sqrt(world_.all_reduce_value(sq));
+    return sq;
+  };
+  double red[2] = {sum_squares(norm_segs_), std::isfinite(local_loss) ? 0.0 : 1.0};
+  if (!std::isfinite(sum_squares(copy_segs_))) red[0] = std::numeric_limits<double>::quiet_NaN();
+  world_.all_reduce(red, 2);
+  return {std::sqrt(red[0]), red[1] == 0};
 }
 
 void DataParallel::gather_params() {

@@ -18,6 +18,7 @@
 // parameters on TP rank 0 only; DP-replicated gradients within this rank's shard only; the tied
 // embedding on the first stage only).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -25,6 +26,10 @@
 #include "model/params.h"
 
 namespace origami {
+
+// Data-parallel rank r's shard of each bucket: [begin + r·n, begin + (r+1)·n), n = length / dp
+// (bucket lengths are multiples of dp, see plan_buffer).
+std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int dp_rank);
 
 class DataParallel {
  public:
@@ -54,7 +59,15 @@ class DataParallel {
   // After the step's last backward: completes the reductions, sums the tied embedding over the
   // embedding group, completes sequence-parallel gradients over TP and returns the global gradient
   // norm. Clipping is left to the optimizer (clip_coefficient, AdamW::step's grad_scale).
-  double finish_gradients();
+  // The same all-reduce tells every rank whether any rank's loss (`local_loss`: this rank's part of
+  // the step's loss) or gradients were not finite: a gradient element this rank applies but does not
+  // count in the norm (a TP-replicated copy) makes the norm NaN too, so no rank updates with it.
+  struct Gradients {
+    double norm;       // global gradient norm, before clipping; not finite if any rank's gradients are not
+    bool loss_finite;  // every rank's local loss was finite
+    bool finite() const { return loss_finite && std::isfinite(norm); }
+  };
+  Gradients finish_gradients(double local_loss);
   // After the optimizer updated the owned ranges (ZeRO ≥ 1): all-gathers every bucket's parameters.
   void gather_params();
 
@@ -73,6 +86,7 @@ class DataParallel {
   std::vector<int64_t> shard_at_;    // where bucket b's shard starts in recv_ / acc_
   std::vector<Segment> sp_segs_;     // owned segments of sequence-partial tensors (reduced over TP under SP)
   std::vector<Segment> norm_segs_;   // shard segments this rank counts in the norm (TP-replicated: TP rank 0)
+  std::vector<Segment> copy_segs_;   // shard segments it applies but does not count (checked for finiteness)
   std::vector<float> recv_;          // ZeRO ≥ 1: reduce-scatter output, one shard per bucket
   std::vector<float> acc_;           // ZeRO-2: gradient shard accumulated over micro-batches
   std::vector<Request> pending_;     // per bucket

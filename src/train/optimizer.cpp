@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace origami {
 
@@ -15,8 +16,10 @@ AdamW::AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ra
     decay_.push_back(params.table()[s.param].decays() ? 1 : 0);
     n += s.end - s.begin;
   }
-  m_.assign(size_t(n), 0.f);
-  v_.assign(size_t(n), 0.f);
+  allocating("the AdamW moments", 8 * n, [&] {
+    m_.assign(size_t(n), 0.f);
+    v_.assign(size_t(n), 0.f);
+  });
 }
 
 void AdamW::step(Params& params, double lr, float grad_scale) {

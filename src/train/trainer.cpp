@@ -1,6 +1,13 @@
 #include "train/trainer.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <limits>
+#include <map>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -13,6 +20,7 @@
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "core/stop_signals.h"
 #include "core/timer.h"
 #include "data/indexed_dataset.h"
@@ -21,10 +29,14 @@
 #include "kernels/cpu/gemm.h"
 #include "model/model.h"
 #include "model/params.h"
+#include "train/memory_plan.h"
 
 namespace origami {
 
 namespace {
+
+// --loss-spike-factor: the running median is over the last kSpikeWindow finite losses, from kSpikeMinSteps on.
+constexpr size_t kSpikeWindow = 100, kSpikeMinSteps = 10;
 
 std::string format_duration(double seconds) {
   const int64_t s = int64_t(seconds + 0.5);
@@ -66,6 +78,11 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(save_every >= 0, "--save-every must not be negative, got ", save_every);
   ORIGAMI_CHECK(save_every == 0 || !save.empty(), "--save-every needs --save DIR");
   ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
+  ORIGAMI_CHECK(max_skipped_steps >= 0, "--max-skipped-steps must not be negative, got ", max_skipped_steps);
+  ORIGAMI_CHECK(loss_spike_factor == 0 || loss_spike_factor > 1,
+                "--loss-spike-factor must be 0 (off) or above 1, got ", loss_spike_factor);
+  ORIGAMI_CHECK(memory_limit_gb >= 0, "--memory-limit-gb must not be negative (0: the machine's memory), got ",
+                memory_limit_gb);
   parse_sample_order(data_order);
   // Layout.
   ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
@@ -113,6 +130,12 @@ int64_t TrainOptions::micro_batches(int world_size) const {
   return global_batch / (micro_batch * layout_dims(world_size).dp);
 }
 
+TrainOptions TrainOptions::resolved(int world_size) const {
+  TrainOptions r = *this;
+  if (r.global_batch == 0) r.global_batch = r.micro_batch * layout_dims(world_size).dp;
+  return r;
+}
+
 MeshDims TrainOptions::layout_dims(int world_size) const {
   MeshDims d;
   d.tp = tp, d.cp = cp, d.pp = pp, d.dp = dp;
@@ -122,6 +145,60 @@ MeshDims TrainOptions::layout_dims(int world_size) const {
 
 namespace {
 
+// The memory check before allocation: every rank's parts (computed by rank_memory) and what its node
+// has available (measured) are gathered, and every rank takes the same decision, so one message —
+// naming the neediest rank's breakdown — ends the job before anything large is allocated.
+std::vector<MemoryParts> check_memory(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
+  const int64_t runtime = resident_bytes();
+  MemoryParts mine;
+  check_on_every_rank(world, "train", [&] { mine = rank_memory(cfg, o, world.size(), world.rank(), runtime); });
+  const AvailableMemory avail = available_memory();
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  constexpr int K = MemoryParts::kCount + 2;  // the parts, a node id (a hash exact in a double), available bytes
+  std::vector<double> row(K), all(size_t(K) * size_t(world.size()));
+  for (int i = 0; i < MemoryParts::kCount; ++i) row[size_t(i)] = double(mine[i]);
+  row[K - 2] = double(std::hash<std::string>{}(host) & ((uint64_t(1) << 52) - 1));
+  row[K - 1] = double(avail.bytes);
+  world.all_gather(all.data(), row.data(), K, DType::f64);
+  std::vector<MemoryParts> parts(size_t(world.size()));
+  for (size_t r = 0; r < parts.size(); ++r)
+    for (int i = 0; i < MemoryParts::kCount; ++i) parts[r][i] = int64_t(all[r * K + size_t(i)]);
+  check_on_every_rank(world, "train", [&] {
+    auto needs = [&](const std::vector<size_t>& ranks) {
+      size_t worst = ranks[0];
+      for (size_t r : ranks)
+        if (parts[r].total() > parts[worst].total()) worst = r;
+      const MemoryParts& w = parts[worst];
+      return cat("rank ", worst, " needs ", format_bytes(double(w.total())), " (", w.describe(), "; the largest part is ",
+                 MemoryParts::name(w.largest()), ")");
+    };
+    const char* advice = "; TP or PP over more ranks, ZeRO, a smaller --micro-batch or --recompute need less";
+    std::vector<size_t> every(parts.size());
+    for (size_t r = 0; r < every.size(); ++r) every[r] = r;
+    if (o.memory_limit_gb > 0) {
+      const double limit = o.memory_limit_gb * double(1 << 30);
+      for (const MemoryParts& p : parts)
+        ORIGAMI_CHECK(double(p.total()) <= limit, "not enough memory: ", needs(every), ", more than --memory-limit-gb ",
+                      o.memory_limit_gb, " (", format_bytes(limit), ")", advice);
+      return;
+    }
+    // Per node: what its ranks will allocate beyond what they hold now, against what it has available.
+    std::map<double, std::vector<size_t>> nodes;
+    for (size_t r = 0; r < parts.size(); ++r) nodes[all[r * K + K - 2]].push_back(r);
+    for (const auto& [id, ranks] : nodes) {
+      double more = 0;
+      for (size_t r : ranks) more += double(parts[r].total() - parts[r].runtime);
+      const double available = all[ranks[0] * K + K - 1];
+      ORIGAMI_CHECK(more <= available, "not enough memory: ", needs(ranks), "; ",
+                    ranks.size() == 1 ? std::string("its node") : cat("the ", ranks.size(), " ranks on its node"),
+                    " would allocate ", format_bytes(more), " and it has ", format_bytes(available), " available (",
+                    avail.source, ")", advice, " (--memory-limit-gb sets a limit per rank instead)");
+    }
+  });
+  return parts;
+}
+
 double cpu_seconds() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -130,12 +207,14 @@ double cpu_seconds() {
 
 }  // namespace
 
-int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
+int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   // Everything a user can get wrong is checked first, on every rank, before any communication.
   std::optional<IndexedDataset> dataset;
-  const std::string tokenizer_path = o.data + ".tokenizer.json";
+  const std::string tokenizer_path = opts.data + ".tokenizer.json";
   bool has_tokenizer = false;
+  TrainOptions o;  // with the derived values (the global batch) filled in
   check_on_every_rank(world, "train", [&] {
+    o = opts.resolved(world.size());
     o.validate(cfg, world.size());
     dataset = IndexedDataset::open(o.data);
     has_tokenizer = std::filesystem::exists(tokenizer_path);
@@ -146,7 +225,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     }
     if (!o.init_from.empty()) SafetensorsFile::open(weights_file(o.init_from));  // exists and parses
   });
+  // Then the memory every rank will need, before anything large is allocated (the libraries' thread
+  // pools and buffers are set up first: the check measures them as the runtime part).
   if (o.threads > 0) set_num_threads(o.threads);
+  warm_up_gemm();
+  const std::vector<MemoryParts> memory = check_memory(cfg, o, world);
   const bool rank0 = world.rank() == 0;
   WindowSampler sampler(*dataset, o.seq_len, parse_sample_order(o.data_order), o.seed);
 
@@ -157,11 +240,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   Comm& pp_comm = mesh.comm("pp");
   const int dp = dp_comm.size(), dp_rank = dp_comm.rank(), pp = pp_comm.size(), stage = pp_comm.rank();
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
-  auto part_of = [&](int s) {
-    ModelPart part{{}, s == 0, s == pp - 1};
-    for (int c = 0; c < o.vpp; ++c) part.chunks.push_back(virtual_stages[size_t(c * pp + s)]);
-    return part;
-  };
+  auto part_of = [&](int s) { return ModelPart::of_stage(virtual_stages, pp, s); };
   const ModelPart part = part_of(stage);
   // The tied embedding's gradient is summed over the first and last stage (a group of 2; the middle
   // stages form groups of their own, unused).
@@ -189,15 +268,29 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   }
   const Recompute recompute = parse_recompute(o.recompute);
   Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute);
-  model.on_grads_ready([&](int64_t offset) { data_parallel.grads_ready(offset); });
+  // Test-only fault injection: ORIGAMI_TEST_NAN_GRAD=STEP:RANK makes world rank RANK's gradient at
+  // the first parameter backward reaches in step STEP (1-based) NaN, before any reduction — as a fault
+  // in one rank's backward would. The non-finite guard must stop every rank.
+  int64_t nan_step = -1;
+  if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD")) {
+    int nan_rank = -1;
+    long long st = -1;
+    ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &st, &nan_rank) == 2, "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK, got '", e, "'");
+    if (nan_rank == world.rank()) nan_step = st;
+  }
+  int64_t current_step = 0;
+  bool injected = false;
+  model.on_grads_ready([&](int64_t offset) {
+    if (current_step == nan_step && !injected) {
+      params.grad()[offset] = std::numeric_limits<float>::quiet_NaN();
+      injected = true;
+    }
+    data_parallel.grads_ready(offset);
+  });
   const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
   Pipeline pipeline(model, pp_comm, data_parallel, o.schedule_kind(), int(micro), o.vpp);
-  // Activation memory this stage should peak at (the planner's formula, checked against the measured peak).
-  const ActivationShape act_shape{B, T, tp_comm.size(), o.sequence_parallel && tp_comm.size() > 1, recompute};
-  std::vector<int64_t> chunk_bytes;
-  for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, act_shape, r.end - r.begin));
-  const int64_t act_computed =
-      schedule_activation_peak(pipeline.actions(), chunk_bytes) + recompute_bytes(cfg, act_shape);
+  // Activation memory this stage should peak at (the memory check's figure, compared with the measured peak).
+  const int64_t act_computed = memory[size_t(world.rank())].activations;
 
   std::unique_ptr<std::ofstream> metrics;
   if (rank0 && !o.metrics.empty()) {
@@ -211,10 +304,20 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   if (recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(recompute));
   if (rank0) {
     std::printf("origami train: %s, %lld parameters, %lld layers | data %s: %llu tokens, %lld windows of %lld | "
-                "global batch %lld = %lld x micro-batch %lld x DP %d | %s, %d threads per rank\n",
+                "global batch %lld%s = %lld accumulation step%s x micro-batch %lld x DP %d | %s, %d threads per rank\n",
                 cfg.model_type().c_str(), (long long)num_parameters(cfg), (long long)cfg.num_layers, o.data.c_str(),
                 (unsigned long long)dataset->num_tokens(), (long long)sampler.num_windows(), (long long)T, (long long)G,
-                (long long)micro, (long long)B, dp, layout_name.c_str(), num_threads());
+                opts.global_batch == 0 ? " (default: micro-batch x DP)" : "", (long long)micro, micro == 1 ? "" : "s",
+                (long long)B, dp, layout_name.c_str(), num_threads());
+    const MemoryParts& most = *std::max_element(memory.begin(), memory.end(),
+                                                [](const auto& a, const auto& b) { return a.total() < b.total(); });
+    std::printf("memory: %s per rank at most (%s)\n", format_bytes(double(most.total())).c_str(),
+                o.memory_limit_gb > 0 ? cat("--memory-limit-gb ", o.memory_limit_gb).c_str()
+                                      : cat(format_bytes(double(available_memory().bytes)), " available").c_str());
+    if (o.verbose)
+      for (size_t r = 0; r < memory.size(); ++r)
+        std::printf("memory of rank %zu: %s; total %s\n", r, memory[r].describe().c_str(),
+                    format_bytes(double(memory[r].total())).c_str());
     if (pp > 1) {
       std::printf("pipeline stages (layers per chunk):");
       for (int s = 0; s < pp; ++s) {
@@ -230,8 +333,10 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   // A checkpoint is written in the one-rank form: ZeRO optimizer shards are summed over DP (each rank
   // contributes only the elements it owns), then the first DP replica's TP shards are gathered on each
   // stage's TP rank 0, and the stages' tensors on rank 0.
+  int64_t last_saved = -1;
   auto save = [&](int64_t steps_done) {
     if (o.save.empty()) return;
+    last_saved = steps_done;
     std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
     opt.state_to_flat(m.data(), v.data());
     if (o.zero > 0) {
@@ -266,6 +371,8 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
   for (int64_t m = 0; m < micro; ++m) micro_tokens.push_back(tokens.data() + m * B * (T + 1));
   Timer run_timer;
   int exit_code = 0;
+  int64_t skipped = 0, last_update = start_step;  // steps skipped for a non-finite loss or gradient; last step updated
+  std::deque<double> recent_losses;                 // the last finite losses, for --loss-spike-factor (rank 0)
   const size_t num_moe = cfg.is_moe() ? size_t(cfg.num_layers * cfg.num_experts) : 0;
   for (int64_t step = start_step; step < o.steps; ++step) {
     Timer step_timer;
@@ -281,10 +388,19 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     model.reset_expert_counts();
     model.reset_act_peak();
     // Each micro-batch's loss enters the step's objective with weight 1/(G/B) (a mean over all of them).
+    current_step = step + 1;
     const Losses sum = pipeline.run(micro_tokens, B, T, 1.f / float(micro * dp));
-    const double gnorm = data_parallel.finish_gradients();
-    opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
-    data_parallel.gather_params();
+    // Non-finite guard: every rank learns from the norm's own all-reduce whether any rank's loss or
+    // gradients were not finite, and then all skip the update together.
+    const DataParallel::Gradients grads = data_parallel.finish_gradients(sum.lm_loss + sum.aux_loss + sum.z_loss);
+    const double gnorm = grads.norm;
+    if (grads.finite()) {
+      opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
+      data_parallel.gather_params();
+      last_update = step + 1;
+    } else {
+      ++skipped;
+    }
 
     // Step metrics over the job: losses, expert counts and per-stage figures from one rank per TP
     // group (its peers hold the same values) — per-stage ones from DP rank 0 only — CPU time from every
@@ -310,12 +426,38 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
     const double gflops = flops_per_step / (ms / 1000.0) / 1e9;
     const int64_t done = step + 1;
     const double eta = run_timer.ms() / 1000.0 / double(done - start_step) * double(o.steps - done);
-    if (rank0 && (!o.quiet || done == o.steps || done % 50 == 0)) {
+    const bool skip = !grads.finite();
+    if (rank0 && (!o.quiet || done == o.steps || done % 50 == 0 || skip)) {
       std::printf("step %lld/%lld | loss %.4f", (long long)done, (long long)o.steps, loss);
       if (cfg.is_moe()) std::printf(" (lm %.4f aux %.4f z %.5f)", red[0], red[1], red[2]);
-      std::printf(" | lr %.3e | grad norm %.3f | %.0f tok/s | %.1f ms | %.1f GFLOP/s | eta %s\n", lr, gnorm, tok_s, ms,
-                  gflops, format_duration(eta).c_str());
+      std::printf(" | lr %.3e | grad norm %.3f | %.0f tok/s | %.1f ms | %.1f GFLOP/s | eta %s%s\n", lr, gnorm, tok_s, ms,
+                  gflops, format_duration(eta).c_str(), skip ? " | update skipped" : "");
       std::fflush(stdout);
+    }
+    // A loss spike (above --loss-spike-factor times the median of the last finite losses) is a warning.
+    bool spike = false;
+    if (rank0 && o.loss_spike_factor > 0 && !skip) {
+      if (recent_losses.size() >= kSpikeMinSteps) {
+        std::vector<double> sorted(recent_losses.begin(), recent_losses.end());
+        std::nth_element(sorted.begin(), sorted.begin() + long(sorted.size() / 2), sorted.end());
+        const double median = sorted[sorted.size() / 2];
+        if ((spike = loss > o.loss_spike_factor * median))
+          std::fprintf(stderr, "origami train: warning: step %lld: loss spike: %.4f is %.2fx the median %.4f of the last %zu "
+                       "steps (--loss-spike-factor %g)\n", (long long)done, loss, loss / median, median,
+                       recent_losses.size(), o.loss_spike_factor);
+      }
+      recent_losses.push_back(loss);
+      if (recent_losses.size() > kSpikeWindow) recent_losses.pop_front();
+    }
+    std::string non_finite;  // what was not finite, when the update was skipped
+    if (skip) {
+      non_finite = !grads.loss_finite && !std::isfinite(gnorm) ? cat("the loss (", loss, ") and the gradient norm (", gnorm, ") are not finite")
+                   : !grads.loss_finite                         ? cat("the loss is not finite (", loss, ")")
+                                                                : cat("the gradient norm is not finite (", gnorm, ")");
+      if (rank0 && skipped <= o.max_skipped_steps)
+        std::fprintf(stderr, "origami train: warning: step %lld: %s; the update was skipped on every rank (%lld of at "
+                     "most %lld skipped steps, --max-skipped-steps)\n", (long long)done, non_finite.c_str(),
+                     (long long)skipped, (long long)o.max_skipped_steps);
     }
     if (metrics) {
       nlohmann::json bytes = nlohmann::json::object();
@@ -337,6 +479,17 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
                           {"act_bytes_peak", as_int(per_stage(0))}, {"act_bytes_computed", as_int(per_stage(1))},
                           {"pp_busy_ms", as_ms(per_stage(2))}, {"pp_ms", as_ms(per_stage(3))},
                           {"pp_bytes", as_int(per_stage(4))}};
+      if (skip) j["skipped"] = non_finite;
+      if (spike) j["loss_spike"] = true;
+      if (done == start_step + 1) {  // the memory check's figures: the neediest rank's parts, every rank's total
+        const auto most = std::max_element(memory.begin(), memory.end(),
+                                           [](const auto& a, const auto& b) { return a.total() < b.total(); });
+        std::vector<int64_t> totals;
+        for (const MemoryParts& m : memory) totals.push_back(m.total());
+        j["memory_bytes"] = most->as_json();
+        j["memory_bytes"]["rank"] = most - memory.begin();
+        j["memory_bytes_per_rank"] = totals;
+      }
       if (cfg.is_moe()) {
         std::vector<std::vector<int64_t>> ec(size_t(cfg.num_layers), std::vector<int64_t>(size_t(cfg.num_experts)));
         for (size_t i = 0; i < num_moe; ++i) ec[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[5 + i]);
@@ -345,11 +498,23 @@ int run_training(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
       *metrics << j.dump() << "\n";
       metrics->flush();
     }
+    if (skipped > o.max_skipped_steps) {  // every rank takes this branch: `skipped` comes from the norm's all-reduce
+      if (rank0) {
+        std::fprintf(stderr, "origami train: error: step %lld: %s; %lld skipped step%s exceed%s --max-skipped-steps %lld: "
+                     "stopping without saving (the last update was step %lld%s)\n", (long long)done,
+                     non_finite.c_str(), (long long)skipped, skipped == 1 ? "" : "s", skipped == 1 ? "s" : "",
+                     (long long)o.max_skipped_steps, (long long)last_update,
+                     last_saved >= 0 ? cat("; ", o.save, " holds step ", last_saved).c_str() : "");
+        std::fflush(stderr);
+      }
+      exit_code = kExitNonFinite;
+      break;
+    }
     if (o.save_every > 0 && done % o.save_every == 0 && done < o.steps) save(done);
     if (red[4] > 0) {
       if (rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
       save(done);
-      exit_code = 130;
+      exit_code = kExitSignal;
       break;
     }
     if (done == o.steps) save(done);

@@ -29,7 +29,7 @@ struct TrainOptions {
   std::string init_from;       // safetensors file, or checkpoint directory (resumes optimizer and step)
   int64_t steps = 100;         // total optimizer steps
   int64_t micro_batch = 4;     // B: rows per forward/backward
-  int64_t global_batch = 4;    // G: rows per optimizer step (G / B micro-batches)
+  int64_t global_batch = 0;    // G: rows per optimizer step (G / (B·DP) micro-batches); 0: B·DP
   int64_t seq_len = 128;       // T
   LrConfig lr;
   AdamWConfig adam;
@@ -41,6 +41,11 @@ struct TrainOptions {
   int64_t save_every = 0;      // 0: only at the end
   int threads = 0;             // 0: all cores
   bool quiet = false;          // no per-step lines (progress only)
+  bool verbose = false;        // also print the memory breakdown per rank at startup
+  // Run safety.
+  int64_t max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
+  double loss_spike_factor = 0;   // warn when a step's loss exceeds this times the running median; 0: off
+  double memory_limit_gb = 0;     // per-rank memory limit (GiB) for the check before allocation; 0: the machine's
   // Layout.
   int tp = 1, cp = 1, pp = 1;
   int dp = 0;                  // 0: world size / (tp·cp·pp)
@@ -56,12 +61,20 @@ struct TrainOptions {
   // Error naming the value and the rule (options, and the layout against the model and world size).
   void validate(const ModelConfig& cfg, int world_size) const;
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
+  // A copy with the derived values filled in: global_batch = micro_batch × DP when 0.
+  TrainOptions resolved(int world_size) const;
   ScheduleKind schedule_kind() const;
   int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
 };
 
-// Returns the process exit code (0, or 130 when stopped by a signal after saving). Collective over
-// `world`: every rank calls it with the same arguments.
+// Exit codes of a run that ends without an error: stopped by SIGINT/SIGTERM after saving, and stopped
+// because more steps had a non-finite loss or gradient norm than --max-skipped-steps allows (nothing is
+// saved after the last finite update). Errors exit 1.
+constexpr int kExitSignal = 130;
+constexpr int kExitNonFinite = 3;
+
+// Returns the process exit code (0, kExitSignal or kExitNonFinite). Collective over `world`: every
+// rank calls it with the same arguments.
 int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world);
 
 }  // namespace origami

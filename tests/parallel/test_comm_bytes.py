@@ -75,9 +75,9 @@ splitting a tensor — each padded at its end to a multiple of d; P_padded = Σ 
   buckets under DP4) exercises padding and several buckets.
 
 world (read from trainer.cpp / data_parallel.cpp): per step one all-reduce of the squared gradient
-norm (1 double) and one of the step metrics (lm, aux, z, cpu_s, stop flag, the L·E expert token
+norm and the count of ranks whose loss is not finite (the non-finite guard: 2 doubles) and one of the step metrics (lm, aux, z, cpu_s, stop flag, the L·E expert token
 counts and 5 figures per pipeline stage — activation peak measured and computed, busy and schedule
-time, pp bytes: 5 + L·E + 5·PP doubles), over all n ranks:    AR_n(8·(1 + 5 + L·E + 5·PP)) bytes.
+time, pp bytes: 5 + L·E + 5·PP doubles), over all n ranks:    AR_n(8·(2 + 5 + L·E + 5·PP)) bytes.
 
 Usage: python3 tests/parallel/test_comm_bytes.py [gpt2,llama,mixtral]
 """
@@ -228,7 +228,7 @@ def expected(cfg, tp, dp, sp, zero, m, bucket_mb=16.0):
         out["dp"] = terms
     n = tp * dp
     if n > 1:
-        out["world"] = [("AR_n(8*(1+5+L*E+5*PP))", 2.0 * (n - 1) / n * 8 * (1 + 5 + L * E + 5 * 1))]
+        out["world"] = [("AR_n(8*(2+5+L*E+5*PP))", 2.0 * (n - 1) / n * 8 * (2 + 5 + L * E + 5 * 1))]
     return {k: (sum(b for _, b in v), v) for k, v in out.items()}
 
 

@@ -1,5 +1,7 @@
 #include "kernels/cpu/gemm.h"
 
+#include <vector>
+
 #include <cblas.h>
 #include <dnnl.h>
 #include <omp.h>
@@ -39,5 +41,17 @@ void set_num_threads(int n) {
 }
 
 int num_threads() { return omp_get_max_threads(); }
+
+void warm_up_gemm() {
+  constexpr int64_t n = 512, tile = 64;
+  std::vector<float> a(size_t(n * n), 1.f), b(size_t(n * n), 1.f), c(size_t(n * n));
+  gemm<float>(false, true, n, n, n, 1.f, a.data(), n, b.data(), n, 0.f, c.data(), n);
+#pragma omp parallel
+  {
+    std::vector<float> t(size_t(3 * tile * tile), 1.f);
+    gemm<float>(false, true, tile, tile, tile, 1.f, t.data(), tile, t.data() + tile * tile, tile, 0.f,
+                t.data() + 2 * tile * tile, tile);
+  }
+}
 
 }  // namespace origami

@@ -24,16 +24,20 @@ void merge_vocab_stats(T* out, const T* stats, int64_t k, int64_t n) {
   }
 }
 
+int64_t lm_head_chunk_rows(int64_t N, int64_t V) {
+  // At most ~16M logits (64 MB in fp32) alive at once, in chunks of equal size: a small remainder
+  // chunk runs its three GEMMs at a much lower rate (GPT-2, V=50257, N=256: 166+90 rows took 350 ms
+  // for the three GEMMs, one chunk of 256 rows 318 ms).
+  const int64_t max_rows = std::max<int64_t>(1, (int64_t(16) << 20) / V);
+  const int64_t num_chunks = (N + max_rows - 1) / max_rows;
+  return std::max<int64_t>(1, (N + num_chunks - 1) / num_chunks);
+}
+
 template <typename T>
 double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, const T* w, const int32_t* targets, int64_t N,
                     int64_t C, int64_t V, T grad_scale, std::vector<T>& scratch, const VocabShard<T>& shard) {
   const int64_t valid = shard.valid < 0 ? V : shard.valid, v0 = shard.vocab_begin;
-  // Rows per chunk: at most ~16M logits (64 MB in fp32) alive at once, in chunks of equal size: a
-  // small remainder chunk runs its three GEMMs at a much lower rate (GPT-2, V=50257, N=256: 166+90
-  // rows took 350 ms for the three GEMMs, one chunk of 256 rows 318 ms).
-  const int64_t max_rows = std::max<int64_t>(1, (int64_t(16) << 20) / V);
-  const int64_t num_chunks = (N + max_rows - 1) / max_rows;
-  const int64_t chunk = std::max<int64_t>(1, (N + num_chunks - 1) / num_chunks);
+  const int64_t chunk = lm_head_chunk_rows(N, V);
   if (int64_t(scratch.size()) < chunk * (V + 4)) scratch.resize(size_t(chunk * (V + 4)));
   double total = 0;
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {

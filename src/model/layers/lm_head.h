@@ -29,6 +29,10 @@ struct VocabShard {
 template <typename T>
 void merge_vocab_stats(T* out_n3, const T* stats_kn3, int64_t k, int64_t n);
 
+// Rows of logits computed at once for N rows of a V-row (shard of the) vocabulary: chunks of equal
+// size with at most ~16M logits alive. The scratch holds chunk·(V + 4) elements.
+int64_t lm_head_chunk_rows(int64_t N, int64_t V);
+
 // Returns Σ_n loss_n (in double).
 template <typename T>
 double lm_head_loss(T* dx_NC, T* dw_VC, T* logits_NV, const T* x_NC, const T* w_VC, const int32_t* targets_N,

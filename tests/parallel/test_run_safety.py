@@ -1,0 +1,274 @@
+"""Run safety: the non-finite guard, the memory check before allocation and the derived defaults.
+
+(a) Non-finite guard (--max-skipped-steps, default 0). Every run is TP2 x DP2 on 4 ranks, each rank
+    under a shell wrapper that records its own exit status:
+    - `--lr 1e9`: step 1 is finite and its update blows the weights up, step 2's loss is not. Every
+      rank exits 3 (kExitNonFinite) at step 2 (mpirun's status; a rank's own status is recorded
+      unless mpirun killed it first, once another rank had exited), one "error:" line names step 2 and the quantity, the
+      metrics file ends at step 2 with "skipped", and the checkpoint (--save-every 1) holds step 1
+      with finite weights — nothing was written after the last finite step.
+    - `--lr 1e9 --max-skipped-steps 3`: steps 2, 3, 4 are skipped and reported (three warnings, three
+      "skipped" metrics rows), step 5 ends the run with exit 3 on every rank.
+    - ORIGAMI_TEST_NAN_GRAD=STEP:RANK (test-only) makes one rank's gradient NaN before any reduction.
+      On rank 1 (TP rank 1) the element is the final norm's weight, a TP-replicated tensor that the
+      norm counts on TP rank 0 only: the guard must still see it (it checks the copies it does not
+      count). On rank 2 it is a DP-reduced element. Either way every rank stops at that very step.
+(b) Memory check: a config with vocab_size 1e12, and a llama with 100000 layers of hidden 8192, are
+    refused within 1 s (exit 1, one message with the breakdown and the largest part); so is the demo
+    under --memory-limit-gb 0.05. The demo is accepted, and the predicted total (first metrics row,
+    "memory_bytes") is within 10% of the peak RSS measured by /usr/bin/time: for the demo on one
+    rank (with --save, whose gathered buffers count), and per rank for TP2 x PP2 on 4 ranks.
+(c) Defaults: without --global-batch, a DP2 run uses micro-batch x DP and says so. Loss spikes
+    (--loss-spike-factor) are flagged exactly where the running-median rule says.
+
+Usage: python3 tests/parallel/test_run_safety.py [a,b,c]
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h  # noqa: E402
+
+FAILS = []
+DEMO_CONFIG = os.path.join(h.ROOT, "configs", "demo_gpt2.json")
+FORTUNES = "/usr/share/games/fortunes"
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        FAILS.append(what)
+    return ok
+
+
+def run_wrapped(tmp, label, np_, args, extra_env=None, timeout=120):
+    """Runs `origami ARGS` on np_ ranks (0: without mpirun), each rank under sh (and /usr/bin/time,
+    for its peak RSS). Returns (mpirun's exit code, output, {rank: exit code}, {rank: peak RSS bytes})."""
+    d = os.path.join(tmp, re.sub(r"\W", "_", label))
+    os.makedirs(d)
+    rank = "${OMPI_COMM_WORLD_RANK:-0}"
+    script = ('/usr/bin/time -f %%M -o %s/rss.%s "$0" "$@"; rc=$?; echo $rc > %s/rc.%s; exit $rc'
+              % (d, rank, d, rank))
+    cmd = ["sh", "-c", script, h.BIN, *args]
+    if np_ > 0:
+        cmd = [h.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np_), *cmd]
+    e = h.env()
+    e.update(extra_env or {})
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the wrapper, mpirun and every rank: nothing outlives the test
+        out, _ = p.communicate()
+        rc, out = None, (out or "") + "\n[timed out]"
+    codes, rss = {}, {}
+    for r in range(max(np_, 1)):
+        f = os.path.join(d, "rc.%d" % r)
+        codes[r] = int(open(f).read()) if os.path.exists(f) and open(f).read().strip() else None
+        f = os.path.join(d, "rss.%d" % r)
+        if os.path.exists(f):
+            m = re.findall(r"^\d+$", open(f).read(), re.M)  # the last line; earlier ones say how it exited
+            rss[r] = int(m[-1]) * 1024 if m else None
+    return rc, out, codes, rss
+
+
+def own_exits_ok(codes):
+    """Every rank returns 3 by itself (the decision comes from a collective), but once the first one
+    has exited, mpirun may kill the others before their wrapper records a status (None). No rank
+    may record anything but 3, and at least one must have recorded it."""
+    return all(c in (3, None) for c in codes.values()) and 3 in codes.values()
+
+
+def train_args(cfg, data, steps, *extra):
+    return ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--seq-len", "32", "--micro-batch", "2",
+            "--global-batch", "4", "--threads", "1", *extra]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) the non-finite guard
+# ---------------------------------------------------------------------------------------------
+
+def part_a(tmp, data):
+    cfg = os.path.join(h.CONFIGS, "gpt2_tiny.json")
+    tp2dp2 = ["--tp", "2", "--dp", "2"]
+
+    # --lr 1e9: the first non-finite step ends the run, nothing saved after the last finite one.
+    mpath, ck = os.path.join(tmp, "lr.jsonl"), os.path.join(tmp, "lr_ck")
+    rc, out, codes, _ = run_wrapped(tmp, "lr1e9", 4, train_args(cfg, data, 6, "--lr", "1e9", *tp2dp2, "--metrics", mpath,
+                                                                "--save", ck, "--save-every", "1"))
+    errors = [l for l in out.splitlines() if "error:" in l]
+    check(rc == 3 and own_exits_ok(codes), "--lr 1e9 on TP2xDP2: mpirun exit %s, ranks' own exits %s" % (rc, codes))
+    check(len(errors) == 1 and "step 2" in errors[0] and "not finite" in errors[0] and "--max-skipped-steps 0" in errors[0]
+          and "last update was step 1" in errors[0],
+          "one error line naming step 2, what was not finite and the limit: %r" % errors)
+    rows = h.read_metrics(mpath)
+    check([r["step"] for r in rows] == [1, 2] and "skipped" not in rows[0] and "not finite" in rows[1].get("skipped", ""),
+          "metrics: step 1 updated, step 2 skipped and last: %s" % [(r["step"], r.get("skipped")) for r in rows])
+    state = json.load(open(os.path.join(ck, "trainer_state.json")))
+    weights = h.read_safetensors(os.path.join(ck, "model.safetensors"))
+    import numpy as np
+    finite = all(np.all(np.isfinite(w)) for w in weights.values())
+    check(state["step"] == 1 and finite, "the checkpoint holds step %s (want 1, the last finite one), weights finite: %s"
+          % (state["step"], finite))
+
+    # --max-skipped-steps 3: steps 2..4 skipped and reported, step 5 ends the run.
+    mpath = os.path.join(tmp, "skip3.jsonl")
+    rc, out, codes, _ = run_wrapped(tmp, "skip3", 4, train_args(cfg, data, 8, "--lr", "1e9", *tp2dp2, "--metrics", mpath,
+                                                                "--max-skipped-steps", "3"))
+    warnings = [l for l in out.splitlines() if "warning:" in l and "skipped on every rank" in l]
+    errors = [l for l in out.splitlines() if "error:" in l]
+    rows = h.read_metrics(mpath)
+    check(rc == 3 and own_exits_ok(codes), "--max-skipped-steps 3: exit %s, ranks' own exits %s" % (rc, codes))
+    check([w.split("step ")[1].split(":")[0] for w in warnings] == ["2", "3", "4"]
+          and "(3 of at most 3 skipped steps" in warnings[-1],
+          "three skipped steps reported (2, 3, 4): %r" % warnings)
+    check(len(errors) == 1 and "step 5" in errors[0] and "4 skipped steps exceed --max-skipped-steps 3" in errors[0],
+          "step 5 ends the run: %r" % errors)
+    check([r["step"] for r in rows if "skipped" in r] == [2, 3, 4, 5] and rows[-1]["step"] == 5,
+          "metrics rows 2-5 marked skipped, none after 5: %s" % [(r["step"], "skipped" in r) for r in rows])
+
+    # A NaN in one rank's gradient only, before any reduction.
+    for rank, what in ((1, "a TP-replicated tensor on TP rank 1"), (2, "a DP-reduced tensor on DP rank 1")):
+        mpath = os.path.join(tmp, "nan%d.jsonl" % rank)
+        rc, out, codes, _ = run_wrapped(tmp, "nan%d" % rank, 4, train_args(cfg, data, 6, *tp2dp2, "--metrics", mpath),
+                                        extra_env={"ORIGAMI_TEST_NAN_GRAD": "3:%d" % rank})
+        errors = [l for l in out.splitlines() if "error:" in l]
+        rows = h.read_metrics(mpath)
+        check(rc == 3 and own_exits_ok(codes) and len(errors) == 1 and "step 3" in errors[0]
+              and "gradient norm is not finite" in errors[0] and [r["step"] for r in rows] == [1, 2, 3],
+              "NaN injected at step 3 on rank %d (%s): exit %s, ranks %s, stopped after step %s: %r"
+              % (rank, what, rc, codes, rows[-1]["step"] if rows else None, errors))
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) the memory check
+# ---------------------------------------------------------------------------------------------
+
+def predicted(mpath):
+    rows = h.read_metrics(mpath)
+    return rows[0]["memory_bytes"], rows[0]["memory_bytes_per_rank"]
+
+
+def part_b(tmp, data):
+    huge_vocab = h.write_json(os.path.join(tmp, "vocab1e12.json"), h.load_config("gpt2_tiny", vocab_size=10 ** 12))
+    deep = h.write_json(os.path.join(tmp, "deep_llama.json"),
+                        h.load_config("llama_tiny", num_hidden_layers=100000, hidden_size=8192, intermediate_size=28672,
+                                      num_attention_heads=64, num_key_value_heads=8, head_dim=128))
+    for label, cfg, largest in (("vocab_size 1e12", huge_vocab, "weights|gradients|optimizer state"),
+                                ("llama, 100000 layers of hidden 8192", deep, "optimizer state")):
+        t0 = time.time()
+        rc, out, codes, _ = run_wrapped(tmp, label, 0, train_args(cfg, data, 3))
+        wall = time.time() - t0
+        errors = [l for l in out.splitlines() if "error:" in l]
+        ok = (rc == 1 and wall < 1.0 and len(errors) == 1 and "not enough memory" in errors[0]
+              and re.search(r"the largest part is (%s)" % largest, errors[0]) and "TiB" in errors[0]
+              and "available" in errors[0])
+        check(ok, "%s refused in %.2f s (< 1 s), exit %s: %r" % (label, wall, rc, errors[:1]))
+    # The same under mpirun: one message, every rank exits 1.
+    rc, out, codes, _ = run_wrapped(tmp, "vocab 2 ranks", 2, train_args(huge_vocab, data, 3))
+    errors = [l for l in out.splitlines() if "error:" in l]
+    check(rc == 1 and all(c == 1 for c in codes.values()) and len(errors) == 1,
+          "vocab_size 1e12 on 2 ranks: exit %s, ranks %s, %d error line(s)" % (rc, codes, len(errors)))
+    # A per-rank limit.
+    rc, out, _, _ = run_wrapped(tmp, "limit", 0, ["train", "--config", DEMO_CONFIG, "--data", data, "--steps", "2",
+                                                  "--micro-batch", "16", "--seq-len", "128", "--memory-limit-gb", "0.05"])
+    errors = [l for l in out.splitlines() if "error:" in l]
+    check(rc == 1 and len(errors) == 1 and "--memory-limit-gb 0.05" in errors[0] and "activations" in errors[0],
+          "--memory-limit-gb 0.05 refuses the demo: %r" % errors)
+
+    # Prediction against the measured peak RSS: the demo (one rank, 2 threads, with its checkpoints).
+    demo_data = os.path.join(tmp, "fortunes")
+    p = subprocess.run([h.BIN, "data", "prepare", "--input", FORTUNES, "--output", demo_data, "--tokenizer", "byte"],
+                       capture_output=True, text=True, env=h.env())
+    check(p.returncode == 0, "data prepare of the demo corpus: %s" % p.stderr[-300:])
+    mpath = os.path.join(tmp, "demo.jsonl")
+    demo = ["train", "--config", DEMO_CONFIG, "--data", demo_data, "--steps", "4", "--micro-batch", "16", "--seq-len",
+            "128", "--lr", "2e-3", "--data-order", "shuffled", "--metrics", mpath, "--save", os.path.join(tmp, "demo_ck"),
+            "--save-every", "2"]
+    rc, out, _, rss = run_wrapped(tmp, "demo", 0, demo + ["--threads", "2"], extra_env={"OMP_NUM_THREADS": "2"})
+    if check(rc == 0, "the demo is accepted and runs (exit %s)" % rc):
+        parts, totals = predicted(mpath)
+        err = (totals[0] - rss[0]) / rss[0]
+        check(abs(err) <= 0.10, "demo: predicted %.1f MiB, measured peak RSS %.1f MiB (%+.1f%%, within 10%%); parts %s"
+              % (totals[0] / 2 ** 20, rss[0] / 2 ** 20, 100 * err, parts))
+    # TP2 x PP2 on 4 ranks, every rank against its own prediction.
+    mpath = os.path.join(tmp, "tp2pp2.jsonl")
+    args = ["train", "--config", DEMO_CONFIG, "--data", demo_data, "--steps", "3", "--micro-batch", "16", "--seq-len",
+            "128", "--global-batch", "64", "--tp", "2", "--pp", "2", "--threads", "1", "--metrics", mpath, "--save",
+            os.path.join(tmp, "tp2pp2_ck")]
+    rc, out, codes, rss = run_wrapped(tmp, "tp2pp2", 4, args, timeout=300)
+    if check(rc == 0, "TP2xPP2 runs (exit %s)" % rc):
+        _, totals = predicted(mpath)
+        for r in range(4):
+            err = (totals[r] - rss[r]) / rss[r]
+            check(abs(err) <= 0.10, "TP2xPP2 rank %d: predicted %.1f MiB, measured peak RSS %.1f MiB (%+.1f%%)"
+                  % (r, totals[r] / 2 ** 20, rss[r] / 2 ** 20, 100 * err))
+    if FAILS:
+        print(out[-2000:])
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) defaults
+# ---------------------------------------------------------------------------------------------
+
+def part_c(tmp, data):
+    cfg = os.path.join(h.CONFIGS, "gpt2_tiny.json")
+    rc, out, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--steps", "2", "--seq-len", "32", "--micro-batch",
+                           "4", "--threads", "1"])
+    check(rc == 0 and "global batch 8 (default: micro-batch x DP) = 1 accumulation step x micro-batch 4 x DP 2" in out,
+          "DP2 without --global-batch: micro-batch x DP, stated at startup (exit %s): %s"
+          % (rc, [l for l in out.splitlines() if "global batch" in l or "error" in l][:1]))
+
+
+def part_spikes(tmp, data):
+    """--loss-spike-factor: the steps flagged (stderr warning and "loss_spike" in the metrics) are
+    exactly those whose loss is above K x the median of the previous (up to 100) losses, from the
+    11th step on — recomputed here from the metrics. An lr warmup to 2.0 makes the loss climb."""
+    cfg = os.path.join(h.CONFIGS, "gpt2_tiny.json")
+    for lr, want_spikes in (("2", True), ("0.5", False)):
+        mpath = os.path.join(tmp, "spike%s.jsonl" % lr)
+        rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--steps", "20", "--seq-len", "32",
+                               "--micro-batch", "4", "--threads", "1", "--lr", lr, "--warmup", "20", "--lr-schedule",
+                               "constant", "--loss-spike-factor", "1.5", "--metrics", mpath])
+        rows = h.read_metrics(mpath)
+        losses = [r["loss"] for r in rows]
+        expected = []
+        for i, l in enumerate(losses):
+            prev = sorted(losses[max(0, i - 100):i])
+            if len(prev) >= 10 and l > 1.5 * prev[len(prev) // 2]:
+                expected.append(i + 1)
+        flagged = [r["step"] for r in rows if r.get("loss_spike")]
+        warned = [int(m) for m in re.findall(r"warning: step (\d+): loss spike", out)]
+        check(rc == 0 and flagged == expected and warned == expected and bool(expected) == want_spikes,
+              "--loss-spike-factor 1.5, lr warmup to %s: flagged %s, warned %s, recomputed %s" % (lr, flagged, warned,
+                                                                                              expected))
+
+
+def main():
+    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["a", "b", "c"]
+    tmp = h.tmpdir()
+    try:
+        data = h.prepare_data(tmp)
+        for p, fn in (("a", part_a), ("b", part_b), ("c", part_c), ("c", part_spikes)):
+            if p in parts:
+                fn(tmp, data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if FAILS:
+        print("\nFAILED:")
+        for x in FAILS:
+            print("  " + x)
+        sys.exit(1)
+    print("\nall run-safety checks passed")
+
+
+if __name__ == "__main__":
+    main()
