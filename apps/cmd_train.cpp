@@ -1,6 +1,7 @@
 // origami train: train a model from a Hugging Face config.json on a prepared dataset.
 #include "ckpt/checkpoint.h"
 #include <cstdio>
+#include <new>
 
 #include "comm/mpi_comm.h"
 #include "commands.h"
@@ -49,8 +50,8 @@ int train(int argc, char** argv, Comm& world) {
       .option("loss-spike-factor", "K",
               "warn when a step's loss is above K times the median of the last 100 steps (0: off)", "0")
       .option("memory-limit-gb", "X",
-              "memory each rank may use (GiB); the run is refused at startup if it needs more (default: what "
-              "the machine has available, shared by its ranks)", "0")
+              "memory each rank may use (GiB): a run that needs more is refused at startup; 0: what each node has "
+              "available, shared by its ranks", "0")
       .option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
       .option("dp", "D", "data-parallel degree (default: ranks / (TP x CP x PP))", "")
       .option("pp", "P", "pipeline-parallel degree (stages)", "1")
@@ -141,7 +142,9 @@ int cmd_train(int argc, char** argv) {
     throw;
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
-    std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(), e.what());
+    const bool oom = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
+    std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(),
+                 oom ? "out of memory (in an allocation outside the checked buffers)" : e.what());
     std::fflush(stderr);
     runtime.abort(1);
   }

@@ -142,6 +142,18 @@ TrainerState load_optimizer_state(const std::string& dir, const Params& params, 
   return st;
 }
 
+int64_t save_buffer_bytes(int64_t P, int64_t S, int64_t G, int64_t other_stage, int tp, int pp, bool stage_root,
+                          bool rank0) {
+  // At the peak (the third gather): every rank holds exp_avg and exp_avg_sq flattened (2·P); a stage
+  // root its stage's Params and the gathered buffer (2·S) and, under TP, one received shard (P);
+  // rank 0 the whole model's Params, two gathered results and the one being built (4·G) and, under
+  // PP, one received stage.
+  int64_t floats = 2 * P;
+  if (stage_root) floats += 2 * S + (tp > 1 ? P : 0);
+  if (rank0) floats += 4 * G + (pp > 1 ? other_stage : 0);
+  return 4 * floats;
+}
+
 std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float* flat, const Params* global_ptr) {
   const int64_t n = params.size();
   if (tp.rank() != 0) {

@@ -50,6 +50,14 @@ void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Param
 // trainer state, from a checkpoint directory.
 TrainerState load_optimizer_state(const std::string& dir, const Params& params, float* m_flat, float* v_flat);
 
+// Peak bytes of the buffers a save allocates on one rank (the trainer's save: moments flattened on
+// every rank, then gather_tp_shards and gather_pp_stages for the weights and both moments):
+// P floats in this rank's buffer, S in its stage's tensors, G in the whole model's, `other_stage`
+// the largest other stage (what rank 0 receives at once). stage_root: TP rank 0 of DP replica 0
+// of its stage (it gathers the stage); rank0: world rank 0 (it gathers the stages and writes).
+int64_t save_buffer_bytes(int64_t P, int64_t S, int64_t G, int64_t other_stage, int tp, int pp, bool stage_root,
+                          bool rank0);
+
 // Tensor-parallel gather: every rank of `tp` passes its buffer `flat` (params' layout); TP rank 0
 // returns the global buffer in `global`'s layout (one-rank layout; needed on TP rank 0 only), the
 // others an empty vector.

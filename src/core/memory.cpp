@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <sstream>
-#include <sys/resource.h>
 #include <unistd.h>
 
 namespace origami {
@@ -27,16 +26,10 @@ int64_t resident_bytes() {
   return resident * int64_t(sysconf(_SC_PAGESIZE));
 }
 
-int64_t peak_resident_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return int64_t(u.ru_maxrss) * 1024;  // Linux reports kilobytes
-}
-
 namespace {
 
 // A number from a one-line file (cgroup interface files); -1 when absent or "max".
-int64_t read_number_file(const char* path) {
+int64_t read_number_file(const std::string& path) {
   std::ifstream f(path);
   std::string s;
   if (!(f >> s) || s == "max") return -1;
@@ -45,6 +38,16 @@ int64_t read_number_file(const char* path) {
   } catch (const std::exception&) {
     return -1;
   }
+}
+
+// A "key value" line of a cgroup memory.stat file; 0 when absent.
+int64_t read_stat(const std::string& path, const std::string& key) {
+  std::ifstream f(path);
+  std::string k;
+  int64_t v = 0;
+  while (f >> k >> v)
+    if (k == key) return v;
+  return 0;
 }
 
 }  // namespace
@@ -59,11 +62,37 @@ AvailableMemory available_memory() {
     int64_t kib = 0;
     if (is >> key >> kib && key == "MemAvailable:") out.bytes = kib * 1024;
   }
-  // cgroup v2 (containers, batch schedulers): the limit of this process's group.
-  const int64_t max = read_number_file("/sys/fs/cgroup/memory.max");
-  const int64_t current = read_number_file("/sys/fs/cgroup/memory.current");
-  if (max > 0 && current >= 0 && (out.bytes < 0 || max - current < out.bytes))
-    out = {std::max<int64_t>(0, max - current), "the cgroup's memory.max"};
+  // Control groups (containers, batch schedulers): this process's group and each of its ancestors
+  // may set a limit; what the group uses counts against it, less the file cache the kernel reclaims
+  // first. cgroup v2: "0::/path" in /proc/self/cgroup, memory.max / memory.current / inactive_file;
+  // v1: "N:memory:/path", memory.limit_in_bytes / memory.usage_in_bytes / total_inactive_file.
+  auto lower_by_groups = [&](std::string root, const std::string& group, const char* max_file, const char* used_file,
+                             const char* inactive_key, const char* name) {
+    for (std::string dir = root + (group == "/" ? "" : group);;) {
+      const int64_t max = read_number_file(dir + "/" + max_file), used = read_number_file(dir + "/" + used_file);
+      if (max > 0 && max < (int64_t(1) << 60) && used >= 0) {
+        const int64_t held = std::max<int64_t>(0, used - read_stat(dir + "/memory.stat", inactive_key));
+        if (out.bytes < 0 || max - held < out.bytes) out = {std::max<int64_t>(0, max - held), name};
+      }
+      const size_t slash = dir.rfind('/');
+      if (dir == root || slash == std::string::npos) break;
+      dir = dir.substr(0, slash);
+    }
+  };
+  std::ifstream cg("/proc/self/cgroup");
+  while (std::getline(cg, line)) {
+    if (line.rfind("0::", 0) == 0)
+      lower_by_groups("/sys/fs/cgroup", line.substr(3), "memory.max", "memory.current", "inactive_file",
+                      "the cgroup's memory.max");
+    const size_t v1 = line.find(":memory:");
+    if (v1 != std::string::npos) {
+      std::string group = line.substr(v1 + 8);
+      // Inside a container the group's path is often not visible under the mount: use the mount's root.
+      if (!std::ifstream("/sys/fs/cgroup/memory" + group + "/memory.limit_in_bytes")) group = "/";
+      lower_by_groups("/sys/fs/cgroup/memory", group, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                      "total_inactive_file", "the cgroup's memory.limit_in_bytes");
+    }
+  }
   if (out.bytes < 0) out = {INT64_MAX, "unknown"};
   return out;
 }

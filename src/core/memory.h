@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "core/error.h"
@@ -20,15 +21,17 @@ void allocating(const char* purpose, int64_t bytes, Fn&& fn) {
     fn();
   } catch (const std::bad_alloc&) {
     fail("out of memory: cannot allocate ", format_bytes(double(bytes)), " for ", purpose);
+  } catch (const std::length_error&) {
+    fail("cannot allocate ", format_bytes(double(bytes)), " for ", purpose, ": more than a buffer can hold");
   }
 }
 
-// Resident set size of this process now, and its peak so far (bytes).
+// Resident set size of this process now (bytes).
 int64_t resident_bytes();
-int64_t peak_resident_bytes();
 
-// Memory this process may still take: MemAvailable (/proc/meminfo), lowered by the cgroup's limit
-// (memory.max − memory.current) where one is set. `source` says which bound applied.
+// Memory this process may still take: MemAvailable (/proc/meminfo), lowered by the limits of its
+// cgroup v2 group and the group's ancestors (memory.max − (memory.current − inactive_file)) where
+// set. `source` says which bound applied.
 struct AvailableMemory {
   int64_t bytes = 0;
   std::string source;

@@ -53,4 +53,8 @@ void WindowSampler::window(int64_t i, int32_t* out_T_plus_1) {
   dataset_.read_tokens(uint64_t(w) * uint64_t(seq_len_), uint64_t(seq_len_) + 1, out_T_plus_1);
 }
 
+int64_t WindowSampler::bytes() const {
+  return order_ == SampleOrder::shuffled ? num_windows_ * int64_t(sizeof(int64_t)) : 0;
+}
+
 }  // namespace origami

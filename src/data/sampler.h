@@ -37,6 +37,8 @@ class WindowSampler {
 
   int64_t seq_len() const { return seq_len_; }
   int64_t num_windows() const { return num_windows_; }
+  // Memory the sampler takes once sampling (the shuffled order's permutation of the windows).
+  int64_t bytes() const;
   SampleOrder order() const { return order_; }
 
   // The window that sample index i reads (see the top of this file). Not thread-safe: a shuffled

@@ -260,10 +260,10 @@ Model::Dims Model::dims() const {
 
 ActivationShape Model::activation_shape() const { return {B_, T_, tp_.size(), tp_.sp(), recompute_}; }
 
-void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const {
+void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
-  allocating("the activations kept for backward", slot_bytes(cfg_, activation_shape(), layers), [&] {
+  allocating("the activations kept for backward", bytes, [&] {
     size(s.resid, resid_rows * Nl * C);
     size(s.mid, layers * Nl * C);
     size(s.ln1, layers * Nl * C);
@@ -291,8 +291,9 @@ void Model::set_batch(int64_t B, int64_t T) {
   B_ = B, T_ = T;
   for (auto& f : free_) f.clear();
   recomputed_ = std::make_unique<Slot>();
-  if (recompute_ == Recompute::full) size_slot(*recomputed_, 0, 1, 1);
-  if (recompute_ == Recompute::selective) size_slot(*recomputed_, 0, 0, 1);
+  const int64_t rebuilt = recompute_bytes(cfg_, activation_shape());
+  if (recompute_ == Recompute::full) size_slot(*recomputed_, 0, 1, 1, rebuilt);
+  if (recompute_ == Recompute::selective) size_slot(*recomputed_, 0, 0, 1, rebuilt);
   recompute_bytes_ = recomputed_->bytes();
   live_bytes_ = 0;
   peak_bytes_ = act_bytes();
@@ -523,7 +524,7 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
   } else {
     slot = std::make_unique<Slot>();
     const int64_t kept = recompute_ == Recompute::full ? 0 : Lc;
-    size_slot(*slot, Lc + 1, kept, recompute_ == Recompute::none ? Lc : 0);
+    size_slot(*slot, Lc + 1, kept, recompute_ == Recompute::none ? Lc : 0, slot_bytes(cfg_, activation_shape(), Lc));
   }
   float* resid = slot->resid.data();
   if (chunk == 0 && part_.embedding) embed(resid, tokens);

@@ -150,8 +150,8 @@ class Model {
     if (grads_ready_) grads_ready_(offset);
   }
   // Sizes a slot's buffers: `resid_rows` residual-stream rows of [Nl, C], per-layer buffers for
-  // `layers`, attention output and log-sum-exp for `core_layers`.
-  void size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers) const;
+  // `layers`, attention output and log-sum-exp for `core_layers` (`bytes` in all, named if it fails).
+  void size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const;
   LayerActs layer_acts(Slot& s, int64_t i);
   void release(int mb, int chunk);  // back to the chunk's free list  // layer i of a slot (recomputed buffers where it keeps none)
   void layer_forward(int64_t l, const LayerActs& a, const float* in, float* out, Losses* losses);

@@ -24,7 +24,7 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
     total += s.end - s.begin;
   }
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
-  allocating("the data-parallel gradient shards", (zero_ >= 1) * (zero_ == 2 ? 2 : 1) * total * 4, [&] {
+  allocating("the data-parallel gradient shards", zero_ * 4 * total, [&] {
     if (zero_ >= 1) recv_.assign(size_t(total), 0.f);
     if (zero_ == 2) acc_.assign(size_t(total), 0.f);
   });
@@ -44,7 +44,10 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
   for (const Segment& seg : params.segments(shards_)) {
     const bool tp_counted = table[seg.param].split.dim >= 0 || tp.rank() == 0;
     const bool pp_counted = !table[seg.param].pp_shared || embedding_->rank() == 0;
-    (tp_counted && pp_counted ? norm_segs_ : copy_segs_).push_back(seg);
+    // Checked but not counted: TP replicas. (The tied embedding's copy on the last stage equals the
+    // first stage's after the embedding all-reduce, which counts it.)
+    if (tp_counted && pp_counted) norm_segs_.push_back(seg);
+    else if (!tp_counted) copy_segs_.push_back(seg);
   }
 }
 

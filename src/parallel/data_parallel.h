@@ -61,7 +61,7 @@ class DataParallel {
   // norm. Clipping is left to the optimizer (clip_coefficient, AdamW::step's grad_scale).
   // The same all-reduce tells every rank whether any rank's loss (`local_loss`: this rank's part of
   // the step's loss) or gradients were not finite: a gradient element this rank applies but does not
-  // count in the norm (a TP-replicated copy) makes the norm NaN too, so no rank updates with it.
+  // count in the norm (a TP replica on TP rank ≥ 1) makes the norm NaN too, so no rank updates with it.
   struct Gradients {
     double norm;       // global gradient norm, before clipping; not finite if any rank's gradients are not
     bool loss_finite;  // every rank's local loss was finite
@@ -86,7 +86,7 @@ class DataParallel {
   std::vector<int64_t> shard_at_;    // where bucket b's shard starts in recv_ / acc_
   std::vector<Segment> sp_segs_;     // owned segments of sequence-partial tensors (reduced over TP under SP)
   std::vector<Segment> norm_segs_;   // shard segments this rank counts in the norm (TP-replicated: TP rank 0)
-  std::vector<Segment> copy_segs_;   // shard segments it applies but does not count (checked for finiteness)
+  std::vector<Segment> copy_segs_;   // TP replicas it applies but does not count (checked for finiteness)
   std::vector<float> recv_;          // ZeRO ≥ 1: reduce-scatter output, one shard per bucket
   std::vector<float> acc_;           // ZeRO-2: gradient shard accumulated over micro-batches
   std::vector<Request> pending_;     // per bucket

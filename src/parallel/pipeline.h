@@ -40,6 +40,11 @@ class Pipeline {
   // loss on the last stage, router losses of this stage's MoE layers; `loss` is their sum.
   Losses run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale);
 
+  // Bytes of the message buffers a stage of `stages` holds at most for messages of `floats` floats:
+  // a received input, the next receive posted ahead and a backward send in flight (forward sends
+  // go out of the model's slot). None without pipeline parallelism.
+  static int64_t buffer_bytes(int stages, int64_t floats) { return stages > 1 ? 3 * 4 * floats : 0; }
+
   // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
   // (one per micro-batch, stage boundary and direction).
   static void check_tags(int stages, int microbatches, int chunks);

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 
+#include "ckpt/checkpoint.h"
 #include "core/memory.h"
 #include "model/model.h"
 #include "model/params.h"
 #include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
+#include "parallel/pipeline.h"
 #include "parallel/schedule.h"
 
 namespace origami {
@@ -16,26 +18,15 @@ namespace {
 constexpr const char* kNames[MemoryParts::kCount] = {"weights",   "gradients",  "optimizer state", "activations",
                                                      "workspace", "checkpoint", "runtime"};
 
-int64_t* parts_of(MemoryParts& m) { return &m.weights; }
-
-// Buffers the checkpoint save in trainer.cpp allocates on this rank, at its peak (the third of the
-// three gathered flat buffers — weights, exp_avg, exp_avg_sq): every rank flattens the moments of
-// its buffer (2·P); each stage's TP rank 0 of DP replica 0 gathers its stage's tensors (a stage
-// Params and the gathered buffer, S each, plus one received TP shard P when TP > 1); rank 0 also
-// holds the whole model (G), the gathered results (two G, and G being built) and one received stage.
-int64_t checkpoint_bytes(int64_t P, int64_t S, int64_t G, int64_t largest_other_stage, int tp, int pp,
-                         bool stage_root, bool rank0) {
-  int64_t floats = 2 * P;
-  if (stage_root) floats += 2 * S + (tp > 1 ? P : 0);
-  if (rank0) floats += G + 2 * G + G + (pp > 1 ? largest_other_stage : 0);
-  return 4 * floats;
+int64_t floats_of(const std::vector<ParamSpec>& table) {
+  int64_t n = 0;
+  for (const ParamSpec& p : table) n += p.numel();
+  return n;
 }
 
 }  // namespace
 
 const char* MemoryParts::name(int i) { return kNames[i]; }
-int64_t& MemoryParts::operator[](int i) { return parts_of(*this)[i]; }
-int64_t MemoryParts::operator[](int i) const { return parts_of(const_cast<MemoryParts&>(*this))[i]; }
 
 int64_t MemoryParts::total() const {
   int64_t t = 0;
@@ -64,15 +55,16 @@ nlohmann::json MemoryParts::as_json() const {
   return j;
 }
 
-MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime) {
+MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank, int64_t runtime,
+                        int64_t sampler) {
+  const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   const int tp = mesh.degree("tp"), dp = mesh.degree("dp"), pp = mesh.degree("pp");
   const int tp_rank = mesh.coord(rank, "tp"), dp_rank = mesh.coord(rank, "dp"), stage = mesh.coord(rank, "pp");
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
   const std::vector<ParamSpec> table = make_param_table(cfg, part);
-  const BufferPlan plan =
-      plan_buffer(table, {tp, tp_rank, dp, int64_t(o.bucket_mb * 1024 * 1024 / sizeof(float))});
+  const BufferPlan plan = plan_buffer(table, o.param_layout(tp, tp_rank, dp));
   MemoryParts m;
   m.runtime = runtime;
 
@@ -93,31 +85,34 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world
   m.optimizer = 2 * 4 * owned;
 
   // Activations: the stage's schedule keeps slots of its chunks' layers (the pipeline's computed peak).
-  const Recompute recompute = parse_recompute(o.recompute);
-  const ActivationShape shape{o.micro_batch, o.seq_len, tp, o.sequence_parallel && tp > 1, recompute};
+  const ActivationShape shape = o.activation_shape(tp);
   std::vector<int64_t> chunk_bytes;
   for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, shape, r.end - r.begin));
   const int micro = int(o.micro_batches(world_size));
   m.activations = schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes) +
                   recompute_bytes(cfg, shape);
 
-  // Workspace: the model's work buffers; pipeline messages of [Nl, C] (a received input, the next
-  // receive and a backward send in flight); the step's token windows (int32).
+  // Workspace: the model's work buffers, pipeline messages of [Nl, C], the step's token windows
+  // (int32) and the sampler's order.
   const int64_t Nl = (shape.sp ? o.micro_batch * o.seq_len / tp : o.micro_batch * o.seq_len);
-  m.workspace = workspace_bytes(cfg, shape, part) + (pp > 1 ? 3 * 4 * Nl * cfg.hidden : 0) +
-                4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1);
+  m.workspace = workspace_bytes(cfg, shape, part) + Pipeline::buffer_bytes(pp, Nl * cfg.hidden) +
+                4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1) + sampler;
 
   if (!o.save.empty()) {
-    int64_t stage_floats = 0, global_floats = 0, largest_other = 0;
-    for (const ParamSpec& p : table) stage_floats += p.numel();
-    for (int s = 0; s < pp; ++s) {
-      int64_t n = 0;
-      for (const ParamSpec& p : make_param_table(cfg, ModelPart::of_stage(virtual_stages, pp, s))) n += p.numel();
-      if (s > 0) largest_other = std::max(largest_other, n);
+    // Only the ranks that gather need the stage's and the whole model's sizes (rank 0: every stage's).
+    const bool stage_root = dp_rank == 0 && tp_rank == 0, rank0 = rank == 0;
+    int64_t global = 0, other_stage = 0;
+    if (rank0) {
+      global = floats_of(make_param_table(cfg));
+      for (int s = 1; s < pp; ++s)
+        other_stage = std::max(other_stage, floats_of(make_param_table(cfg, ModelPart::of_stage(virtual_stages, pp, s))));
     }
-    for (const ParamSpec& p : make_param_table(cfg)) global_floats += p.numel();
-    m.checkpoint = checkpoint_bytes(plan.size, stage_floats, global_floats, largest_other, tp, pp,
-                                    dp_rank == 0 && tp_rank == 0, rank == 0);
+    const int64_t save = save_buffer_bytes(plan.size, stage_root ? floats_of(table) : 0, global, other_stage, tp, pp,
+                                           stage_root, rank0);
+    // ZeRO-2 returns the full gradient buffer's pages after each backward: a save (after the step)
+    // reuses them, so only what it needs beyond them adds to the step's peak.
+    const int64_t released = o.zero == 2 ? 4 * (plan.size - shard_floats) : 0;
+    m.checkpoint = std::max<int64_t>(0, save - released);
   }
   return m;
 }

@@ -61,6 +61,12 @@ nlohmann::json TrainOptions::as_json() const {
 
 void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(!data.empty(), "no training data: give --data PREFIX (made by 'origami data prepare')");
+  // Layout degrees first: the global batch's default derives from them.
+  ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
+  ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
+  ORIGAMI_CHECK(vpp >= 1, "--vpp must be at least 1, got ", vpp);
+  ORIGAMI_CHECK(cp == 1, "--cp ", cp, ": context parallelism is not available yet (only --cp 1)");
+  ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
   ORIGAMI_CHECK(steps > 0, "--steps must be positive, got ", steps);
   ORIGAMI_CHECK(micro_batch > 0, "--micro-batch must be positive, got ", micro_batch);
   ORIGAMI_CHECK(global_batch > 0 && global_batch % micro_batch == 0, "--global-batch (", global_batch,
@@ -85,12 +91,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 memory_limit_gb);
   parse_sample_order(data_order);
   // Layout.
-  ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
-  ORIGAMI_CHECK(vpp >= 1, "--vpp must be at least 1, got ", vpp);
   parse_recompute(recompute);
-  ORIGAMI_CHECK(cp == 1, "--cp ", cp, ": context parallelism is not available yet (only --cp 1)");
-  ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
-  ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
   ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);
   ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
   const MeshDims dims = layout_dims(world_size);
@@ -132,8 +133,17 @@ int64_t TrainOptions::micro_batches(int world_size) const {
 
 TrainOptions TrainOptions::resolved(int world_size) const {
   TrainOptions r = *this;
-  if (r.global_batch == 0) r.global_batch = r.micro_batch * layout_dims(world_size).dp;
+  if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0)
+    r.global_batch = r.micro_batch * layout_dims(world_size).dp;
   return r;
+}
+
+ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) const {
+  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float))};
+}
+
+ActivationShape TrainOptions::activation_shape(int tp_size) const {
+  return {micro_batch, seq_len, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute)};
 }
 
 MeshDims TrainOptions::layout_dims(int world_size) const {
@@ -145,58 +155,87 @@ MeshDims TrainOptions::layout_dims(int world_size) const {
 
 namespace {
 
+// What shrinks a part, for the memory check's message.
+const char* memory_advice(int part) {
+  switch (part) {
+    case 0: case 1: case 2:  // weights, gradients, optimizer state
+      return "TP or PP over more ranks, or ZeRO (--zero 1 shards the optimizer state, --zero 2 the gradients too), "
+             "need less per rank";
+    case 3: return "a smaller --micro-batch, --recompute selective|full, TP with --sequence-parallel or PP need less";
+    case 4: return "a smaller --micro-batch or --seq-len needs less (the LM head works in chunks of the vocabulary)";
+    case 5: return "a save gathers the whole model on rank 0 today; save less often or not at all (--save)";
+    default: return "the process itself is that large before the run allocates";
+  }
+}
+
 // The memory check before allocation: every rank's parts (computed by rank_memory) and what its node
-// has available (measured) are gathered, and every rank takes the same decision, so one message —
-// naming the neediest rank's breakdown — ends the job before anything large is allocated.
-std::vector<MemoryParts> check_memory(const ModelConfig& cfg, const TrainOptions& o, Comm& world) {
+// has available (measured once every rank has set up its libraries) are gathered, and every rank
+// takes the same decision, so one message — naming the neediest rank's breakdown and what shrinks
+// its largest part — ends the job before anything large is allocated.
+struct MemoryCheck {
+  std::vector<MemoryParts> parts;  // per rank
+  size_t neediest = 0;             // the rank with the largest total
+  std::string budget;              // what rank 0's node (or the per-rank limit) allows, in words
+};
+
+MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t sampler, Comm& world) {
   const int64_t runtime = resident_bytes();
   MemoryParts mine;
-  check_on_every_rank(world, "train", [&] { mine = rank_memory(cfg, o, world.size(), world.rank(), runtime); });
+  check_on_every_rank(world, "train",
+                      [&] { mine = rank_memory(cfg, o, world.size(), world.rank(), runtime, sampler); });
+  world.barrier();  // every rank on a node holds its runtime memory before any measures what is left
   const AvailableMemory avail = available_memory();
   char host[256] = {};
   gethostname(host, sizeof host - 1);
-  constexpr int K = MemoryParts::kCount + 2;  // the parts, a node id (a hash exact in a double), available bytes
+  // Per rank: the parts, a node id (a host-name hash exact in a double), available bytes, which bound.
+  constexpr int K = MemoryParts::kCount + 3;
   std::vector<double> row(K), all(size_t(K) * size_t(world.size()));
   for (int i = 0; i < MemoryParts::kCount; ++i) row[size_t(i)] = double(mine[i]);
-  row[K - 2] = double(std::hash<std::string>{}(host) & ((uint64_t(1) << 52) - 1));
-  row[K - 1] = double(avail.bytes);
+  row[K - 3] = double(std::hash<std::string>{}(host) & ((uint64_t(1) << 52) - 1));
+  row[K - 2] = double(avail.bytes);
+  row[K - 1] = avail.source == "MemAvailable" ? 0 : 1;
   world.all_gather(all.data(), row.data(), K, DType::f64);
-  std::vector<MemoryParts> parts(size_t(world.size()));
-  for (size_t r = 0; r < parts.size(); ++r)
-    for (int i = 0; i < MemoryParts::kCount; ++i) parts[r][i] = int64_t(all[r * K + size_t(i)]);
+  MemoryCheck out;
+  out.parts.resize(size_t(world.size()));
+  for (size_t r = 0; r < out.parts.size(); ++r) {
+    for (int i = 0; i < MemoryParts::kCount; ++i) out.parts[r][i] = int64_t(all[r * K + size_t(i)]);
+    if (out.parts[r].total() > out.parts[out.neediest].total()) out.neediest = r;
+  }
+  const std::vector<MemoryParts>& parts = out.parts;
+  auto needs = [&](size_t worst) {
+    const MemoryParts& w = parts[worst];
+    return cat("rank ", worst, " needs ", format_bytes(double(w.total())), " (", w.describe(), "; the largest part is ",
+               MemoryParts::name(w.largest()), ")");
+  };
+  const double limit = o.memory_limit_gb * double(1 << 30);
+  out.budget = o.memory_limit_gb > 0 ? cat("--memory-limit-gb ", o.memory_limit_gb, " per rank")
+                                     : cat(format_bytes(all[K - 2]), " available on rank 0's node");
   check_on_every_rank(world, "train", [&] {
-    auto needs = [&](const std::vector<size_t>& ranks) {
-      size_t worst = ranks[0];
-      for (size_t r : ranks)
-        if (parts[r].total() > parts[worst].total()) worst = r;
-      const MemoryParts& w = parts[worst];
-      return cat("rank ", worst, " needs ", format_bytes(double(w.total())), " (", w.describe(), "; the largest part is ",
-                 MemoryParts::name(w.largest()), ")");
-    };
-    const char* advice = "; TP or PP over more ranks, ZeRO, a smaller --micro-batch or --recompute need less";
-    std::vector<size_t> every(parts.size());
-    for (size_t r = 0; r < every.size(); ++r) every[r] = r;
     if (o.memory_limit_gb > 0) {
-      const double limit = o.memory_limit_gb * double(1 << 30);
-      for (const MemoryParts& p : parts)
-        ORIGAMI_CHECK(double(p.total()) <= limit, "not enough memory: ", needs(every), ", more than --memory-limit-gb ",
-                      o.memory_limit_gb, " (", format_bytes(limit), ")", advice);
+      const MemoryParts& w = parts[out.neediest];
+      ORIGAMI_CHECK(double(w.total()) <= limit, "not enough memory: ", needs(out.neediest), ", more than --memory-limit-gb ",
+                    o.memory_limit_gb, " (", format_bytes(limit), "); ", memory_advice(w.largest()));
       return;
     }
     // Per node: what its ranks will allocate beyond what they hold now, against what it has available.
     std::map<double, std::vector<size_t>> nodes;
-    for (size_t r = 0; r < parts.size(); ++r) nodes[all[r * K + K - 2]].push_back(r);
+    for (size_t r = 0; r < parts.size(); ++r) nodes[all[r * K + K - 3]].push_back(r);
     for (const auto& [id, ranks] : nodes) {
       double more = 0;
-      for (size_t r : ranks) more += double(parts[r].total() - parts[r].runtime);
-      const double available = all[ranks[0] * K + K - 1];
-      ORIGAMI_CHECK(more <= available, "not enough memory: ", needs(ranks), "; ",
+      size_t worst = ranks[0];
+      for (size_t r : ranks) {
+        more += double(parts[r].total() - parts[r].runtime);
+        if (parts[r].total() > parts[worst].total()) worst = r;
+      }
+      const double* first = &all[ranks[0] * K];
+      ORIGAMI_CHECK(more <= first[K - 2], "not enough memory: ", needs(worst), "; ",
                     ranks.size() == 1 ? std::string("its node") : cat("the ", ranks.size(), " ranks on its node"),
-                    " would allocate ", format_bytes(more), " and it has ", format_bytes(available), " available (",
-                    avail.source, ")", advice, " (--memory-limit-gb sets a limit per rank instead)");
+                    " would allocate ", format_bytes(more), " and it has ", format_bytes(first[K - 2]), " available (",
+                    first[K - 1] == 0 ? "MemAvailable" : "its control group's limit", "); ",
+                    memory_advice(parts[worst].largest()), " (--memory-limit-gb sets a limit per rank instead)");
     }
   });
-  return parts;
+  return out;
 }
 
 double cpu_seconds() {
@@ -213,6 +252,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   const std::string tokenizer_path = opts.data + ".tokenizer.json";
   bool has_tokenizer = false;
   TrainOptions o;  // with the derived values (the global batch) filled in
+  // Test-only fault injection: ORIGAMI_TEST_NAN_GRAD=STEP:RANK makes world rank RANK's gradient at
+  // the first parameter backward reaches in step STEP NaN, before any reduction — as a fault in one
+  // rank's backward would. The non-finite guard must stop every rank.
+  long long nan_step = -1;
+  int nan_rank = -1;
   check_on_every_rank(world, "train", [&] {
     o = opts.resolved(world.size());
     o.validate(cfg, world.size());
@@ -224,14 +268,17 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                     tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
     }
     if (!o.init_from.empty()) SafetensorsFile::open(weights_file(o.init_from));  // exists and parses
+    if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD"))
+      ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &nan_step, &nan_rank) == 2 && nan_step >= 1 && nan_rank >= 0,
+                    "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK (a step from 1, a world rank), got '", e, "'");
   });
   // Then the memory every rank will need, before anything large is allocated (the libraries' thread
   // pools and buffers are set up first: the check measures them as the runtime part).
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
-  const std::vector<MemoryParts> memory = check_memory(cfg, o, world);
-  const bool rank0 = world.rank() == 0;
   WindowSampler sampler(*dataset, o.seq_len, parse_sample_order(o.data_order), o.seed);
+  const MemoryCheck memory = check_memory(cfg, o, sampler.bytes(), world);
+  const bool rank0 = world.rank() == 0;
 
   // Layout: mesh; this rank's pipeline stage (its chunks of layers), TP shard and DP buckets.
   Mesh mesh(world, MeshShape(world.size(), o.layout_dims(world.size()), o.mesh_order));
@@ -246,8 +293,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // stages form groups of their own, unused).
   std::unique_ptr<Comm> embedding_comm;
   if (pp > 1) embedding_comm = pp_comm.split(stage == 0 || stage == pp - 1 ? 0 : 1, stage, "embedding");
-  ParamLayout layout{tp_comm.size(), tp_comm.rank(), dp, int64_t(o.bucket_mb * 1024 * 1024 / sizeof(float))};
-  Params params(make_param_table(cfg, part), layout);
+  Params params(make_param_table(cfg, part), o.param_layout(tp_comm.size(), tp_comm.rank(), dp));
   DataParallel data_parallel(params, dp_comm, tp_comm, world, o.zero, o.sequence_parallel,
                              part.embedding != part.head ? embedding_comm.get() : nullptr);
   AdamW opt(params, o.adam, data_parallel.owned());
@@ -268,20 +314,10 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   }
   const Recompute recompute = parse_recompute(o.recompute);
   Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute);
-  // Test-only fault injection: ORIGAMI_TEST_NAN_GRAD=STEP:RANK makes world rank RANK's gradient at
-  // the first parameter backward reaches in step STEP (1-based) NaN, before any reduction — as a fault
-  // in one rank's backward would. The non-finite guard must stop every rank.
-  int64_t nan_step = -1;
-  if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD")) {
-    int nan_rank = -1;
-    long long st = -1;
-    ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &st, &nan_rank) == 2, "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK, got '", e, "'");
-    if (nan_rank == world.rank()) nan_step = st;
-  }
   int64_t current_step = 0;
   bool injected = false;
   model.on_grads_ready([&](int64_t offset) {
-    if (current_step == nan_step && !injected) {
+    if (current_step == nan_step && nan_rank == world.rank() && !injected) {
       params.grad()[offset] = std::numeric_limits<float>::quiet_NaN();
       injected = true;
     }
@@ -290,7 +326,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
   Pipeline pipeline(model, pp_comm, data_parallel, o.schedule_kind(), int(micro), o.vpp);
   // Activation memory this stage should peak at (the memory check's figure, compared with the measured peak).
-  const int64_t act_computed = memory[size_t(world.rank())].activations;
+  const int64_t act_computed = memory.parts[size_t(world.rank())].activations;
 
   std::unique_ptr<std::ofstream> metrics;
   if (rank0 && !o.metrics.empty()) {
@@ -309,15 +345,13 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                 (unsigned long long)dataset->num_tokens(), (long long)sampler.num_windows(), (long long)T, (long long)G,
                 opts.global_batch == 0 ? " (default: micro-batch x DP)" : "", (long long)micro, micro == 1 ? "" : "s",
                 (long long)B, dp, layout_name.c_str(), num_threads());
-    const MemoryParts& most = *std::max_element(memory.begin(), memory.end(),
-                                                [](const auto& a, const auto& b) { return a.total() < b.total(); });
-    std::printf("memory: %s per rank at most (%s)\n", format_bytes(double(most.total())).c_str(),
-                o.memory_limit_gb > 0 ? cat("--memory-limit-gb ", o.memory_limit_gb).c_str()
-                                      : cat(format_bytes(double(available_memory().bytes)), " available").c_str());
+    std::printf("memory: %s per rank at most (rank %zu; %s)\n",
+                format_bytes(double(memory.parts[memory.neediest].total())).c_str(), memory.neediest,
+                memory.budget.c_str());
     if (o.verbose)
-      for (size_t r = 0; r < memory.size(); ++r)
-        std::printf("memory of rank %zu: %s; total %s\n", r, memory[r].describe().c_str(),
-                    format_bytes(double(memory[r].total())).c_str());
+      for (size_t r = 0; r < memory.parts.size(); ++r)
+        std::printf("memory of rank %zu: %s; total %s\n", r, memory.parts[r].describe().c_str(),
+                    format_bytes(double(memory.parts[r].total())).c_str());
     if (pp > 1) {
       std::printf("pipeline stages (layers per chunk):");
       for (int s = 0; s < pp; ++s) {
@@ -327,6 +361,9 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       std::printf("\n");
     }
     if (start_step > 0) std::printf("resuming from '%s' at step %lld\n", o.init_from.c_str(), (long long)start_step);
+    if (nan_step >= 1)
+      std::printf("test fault injection: a NaN in rank %d's gradient at step %lld (ORIGAMI_TEST_NAN_GRAD)\n", nan_rank,
+                  nan_step);
     std::fflush(stdout);
   }
 
@@ -334,11 +371,28 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // contributes only the elements it owns), then the first DP replica's TP shards are gathered on each
   // stage's TP rank 0, and the stages' tensors on rank 0.
   int64_t last_saved = -1;
+  // Returns false, on every rank, when the state is not finite (an update from finite gradients can
+  // still overflow): nothing is written then.
   auto save = [&](int64_t steps_done) {
-    if (o.save.empty()) return;
-    last_saved = steps_done;
+    if (o.save.empty()) return true;
     std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
     opt.state_to_flat(m.data(), v.data());
+    const float* state[3] = {params.data(), m.data(), v.data()};
+    double bad = 0;
+    for (const float* x : state) {
+      double sum = 0;  // x·0 is 0 for a finite element and NaN for a non-finite one
+#pragma omp parallel for simd reduction(+ : sum)
+      for (int64_t i = 0; i < params.size(); ++i) sum += double(x[i]) * 0.0;
+      bad += std::isfinite(sum) ? 0 : 1;
+    }
+    if (world.all_reduce_value(bad) > 0) {
+      if (rank0)
+        std::fprintf(stderr, "origami train: error: step %lld: the weights or AdamW moments are not finite after the "
+                     "update; not saving%s\n", (long long)steps_done,
+                     last_saved >= 0 ? cat(" (", o.save, " holds step ", last_saved, ")").c_str() : "");
+      return false;
+    }
+    last_saved = steps_done;
     if (o.zero > 0) {
       dp_comm.all_reduce(m.data(), params.size());
       dp_comm.all_reduce(v.data(), params.size());
@@ -363,6 +417,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       }
     }
     world.barrier();
+    return true;
   };
 
   StopSignals stop_signals;  // SIGINT/SIGTERM are taken here, at step boundaries (core/stop_signals.h)
@@ -392,7 +447,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     const Losses sum = pipeline.run(micro_tokens, B, T, 1.f / float(micro * dp));
     // Non-finite guard: every rank learns from the norm's own all-reduce whether any rank's loss or
     // gradients were not finite, and then all skip the update together.
-    const DataParallel::Gradients grads = data_parallel.finish_gradients(sum.lm_loss + sum.aux_loss + sum.z_loss);
+    const DataParallel::Gradients grads = data_parallel.finish_gradients(sum.loss);
     const double gnorm = grads.norm;
     if (grads.finite()) {
       opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
@@ -482,12 +537,10 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       if (skip) j["skipped"] = non_finite;
       if (spike) j["loss_spike"] = true;
       if (done == start_step + 1) {  // the memory check's figures: the neediest rank's parts, every rank's total
-        const auto most = std::max_element(memory.begin(), memory.end(),
-                                           [](const auto& a, const auto& b) { return a.total() < b.total(); });
         std::vector<int64_t> totals;
-        for (const MemoryParts& m : memory) totals.push_back(m.total());
-        j["memory_bytes"] = most->as_json();
-        j["memory_bytes"]["rank"] = most - memory.begin();
+        for (const MemoryParts& m : memory.parts) totals.push_back(m.total());
+        j["memory_bytes"] = memory.parts[memory.neediest].as_json();
+        j["memory_bytes"]["rank"] = memory.neediest;
         j["memory_bytes_per_rank"] = totals;
       }
       if (cfg.is_moe()) {
@@ -501,24 +554,30 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     if (skipped > o.max_skipped_steps) {  // every rank takes this branch: `skipped` comes from the norm's all-reduce
       if (rank0) {
         std::fprintf(stderr, "origami train: error: step %lld: %s; %lld skipped step%s exceed%s --max-skipped-steps %lld: "
-                     "stopping without saving (the last update was step %lld%s)\n", (long long)done,
+                     "stopping without saving (%s%s)\n", (long long)done,
                      non_finite.c_str(), (long long)skipped, skipped == 1 ? "" : "s", skipped == 1 ? "s" : "",
-                     (long long)o.max_skipped_steps, (long long)last_update,
+                     (long long)o.max_skipped_steps,
+                     last_update > 0 ? cat("the last update was step ", last_update).c_str() : "no update was made",
                      last_saved >= 0 ? cat("; ", o.save, " holds step ", last_saved).c_str() : "");
         std::fflush(stderr);
       }
       exit_code = kExitNonFinite;
       break;
     }
-    if (o.save_every > 0 && done % o.save_every == 0 && done < o.steps) save(done);
-    if (red[4] > 0) {
-      if (rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
-      save(done);
+    const bool stop = red[4] > 0;
+    if (stop && rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
+    if ((stop || done == o.steps || (o.save_every > 0 && done % o.save_every == 0)) && !save(done)) {
+      exit_code = kExitNonFinite;
+      break;
+    }
+    if (stop) {
       exit_code = kExitSignal;
       break;
     }
-    if (done == o.steps) save(done);
   }
+  if (rank0 && skipped > 0 && exit_code != kExitNonFinite)
+    std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm\n",
+                 (long long)skipped, skipped == 1 ? " was" : "s were");
   return exit_code;
 }
 

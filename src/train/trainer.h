@@ -18,6 +18,8 @@
 
 #include "comm/comm.h"
 #include "model/config.h"
+#include "model/model.h"
+#include "model/params.h"
 #include "parallel/mesh.h"
 #include "parallel/schedule.h"
 #include "train/optimizer.h"
@@ -61,8 +63,12 @@ struct TrainOptions {
   // Error naming the value and the rule (options, and the layout against the model and world size).
   void validate(const ModelConfig& cfg, int world_size) const;
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
-  // A copy with the derived values filled in: global_batch = micro_batch × DP when 0.
+  // A copy with the derived values filled in: global_batch = micro_batch × DP when 0 (and the layout
+  // degrees valid; validate() names them otherwise).
   TrainOptions resolved(int world_size) const;
+  // This rank's buffer layout (TP shard, DP bucket padding, bucket size) and activation shape.
+  ParamLayout param_layout(int tp, int tp_rank, int dp) const;
+  ActivationShape activation_shape(int tp) const;
   ScheduleKind schedule_kind() const;
   int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
 };

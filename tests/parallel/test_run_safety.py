@@ -9,6 +9,8 @@
       with finite weights — nothing was written after the last finite step.
     - `--lr 1e9 --max-skipped-steps 3`: steps 2, 3, 4 are skipped and reported (three warnings, three
       "skipped" metrics rows), step 5 ends the run with exit 3 on every rank.
+    - `--lr 1e39`: the gradients are finite but the update overflows float: the save after it is
+      refused on every rank (exit 3), nothing is written.
     - ORIGAMI_TEST_NAN_GRAD=STEP:RANK (test-only) makes one rank's gradient NaN before any reduction.
       On rank 1 (TP rank 1) the element is the final norm's weight, a TP-replicated tensor that the
       norm counts on TP rank 0 only: the guard must still see it (it checks the copies it does not
@@ -134,6 +136,16 @@ def part_a(tmp, data):
           "step 5 ends the run: %r" % errors)
     check([r["step"] for r in rows if "skipped" in r] == [2, 3, 4, 5] and rows[-1]["step"] == 5,
           "metrics rows 2-5 marked skipped, none after 5: %s" % [(r["step"], "skipped" in r) for r in rows])
+
+    # Finite gradients, but an update that overflows the weights (--lr 1e39 exceeds float): the save
+    # after it refuses, on every rank, and the directory keeps nothing non-finite.
+    ck = os.path.join(tmp, "overflow_ck")
+    rc, out, codes, _ = run_wrapped(tmp, "overflow", 2, train_args(cfg, data, 3, "--lr", "1e39", "--tp", "2", "--save", ck,
+                                                                   "--save-every", "1"))
+    errors = [l for l in out.splitlines() if "error:" in l]
+    check(rc == 3 and own_exits_ok(codes) and len(errors) == 1 and "step 1" in errors[0]
+          and "weights or AdamW moments are not finite" in errors[0] and not os.path.exists(os.path.join(ck, "model.safetensors")),
+          "--lr 1e39: the update overflows, the save refuses (exit %s, ranks %s, nothing written): %r" % (rc, codes, errors))
 
     # A NaN in one rank's gradient only, before any reduction.
     for rank, what in ((1, "a TP-replicated tensor on TP rank 1"), (2, "a DP-reduced tensor on DP rank 1")):
