@@ -303,7 +303,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   } else {
     load_weights(weights_file(o.init_from), cfg, params);
     if (is_checkpoint_dir(o.init_from) && std::filesystem::exists(o.init_from + "/optimizer.safetensors")) {
-      std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
+      std::vector<float> m, v;
+      allocating("the AdamW moments read from the checkpoint", 8 * params.size(), [&] {
+        m.assign(size_t(params.size()), 0.f);
+        v.assign(size_t(params.size()), 0.f);
+      });
       const TrainerState st = load_optimizer_state(o.init_from, params, m.data(), v.data());
       opt.state_from_flat(m.data(), v.data());
       opt.set_steps_taken(st.adam_steps);
@@ -375,7 +379,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // still overflow): nothing is written then.
   auto save = [&](int64_t steps_done) {
     if (o.save.empty()) return true;
-    std::vector<float> m(size_t(params.size()), 0.f), v(size_t(params.size()), 0.f);
+    std::vector<float> m, v;
+    allocating("the AdamW moments of the checkpoint", 8 * params.size(), [&] {
+      m.assign(size_t(params.size()), 0.f);
+      v.assign(size_t(params.size()), 0.f);
+    });
     opt.state_to_flat(m.data(), v.data());
     const float* state[3] = {params.data(), m.data(), v.data()};
     double bad = 0;
@@ -397,7 +405,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       dp_comm.all_reduce(m.data(), params.size());
       dp_comm.all_reduce(v.data(), params.size());
     }
-    if (dp_rank == 0) {
+    if (dp_rank == 0) allocating("the checkpoint's gathered tensors", memory.parts[size_t(world.rank())].checkpoint, [&] {
       std::unique_ptr<Params> stage_global, global;
       if (tp_comm.rank() == 0) stage_global = std::make_unique<Params>(make_param_table(cfg, part));
       if (rank0) global = std::make_unique<Params>(make_param_table(cfg));
@@ -415,7 +423,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
         std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
         std::fflush(stdout);
       }
-    }
+    });
     world.barrier();
     return true;
   };
