@@ -17,6 +17,15 @@ namespace {
 
 constexpr const char* kNames[MemoryParts::kCount] = {"weights",   "gradients",  "optimizer state", "activations",
                                                      "workspace", "checkpoint", "runtime"};
+constexpr const char* kAdvice[MemoryParts::kCount] = {
+    "TP or PP over more ranks, or ZeRO (--zero 1 shards the optimizer state, --zero 2 the gradients too), need "
+    "less per rank",
+    "TP or PP over more ranks, or --zero 2 (sharded gradients), need less per rank",
+    "TP or PP over more ranks, or ZeRO (--zero 1 shards the optimizer state), need less per rank",
+    "a smaller --micro-batch, --recompute selective|full, TP with --sequence-parallel or PP need less",
+    "a smaller --micro-batch or --seq-len needs less (the LM head works in chunks of the vocabulary)",
+    "a save gathers the whole model on rank 0 today; save less often or not at all (--save)",
+    "the process itself is that large before the run allocates"};
 
 int64_t floats_of(const std::vector<ParamSpec>& table) {
   int64_t n = 0;
@@ -27,6 +36,7 @@ int64_t floats_of(const std::vector<ParamSpec>& table) {
 }  // namespace
 
 const char* MemoryParts::name(int i) { return kNames[i]; }
+const char* MemoryParts::advice(int i) { return kAdvice[i]; }
 
 int64_t MemoryParts::total() const {
   int64_t t = 0;
@@ -70,16 +80,16 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
 
   // Parameters and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size.
   const std::vector<Range> shards = bucket_shards(plan.buckets, dp, dp_rank);
-  int64_t shard_floats = 0, owned = 0;
+  // The elements this rank's optimizer updates: every tensor element (ZeRO 0) or its shard of each
+  // bucket without the padding.
+  int64_t shard_floats = 0, all_data = 0, shard_data = 0;
   for (size_t b = 0; b < shards.size(); ++b) {
+    const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
     shard_floats += shards[b].end - shards[b].begin;
-    const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];  // padding is not optimised
-    owned += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
+    all_data += plan.bucket_data[b];
+    shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
   }
-  if (o.zero == 0) {
-    owned = 0;
-    for (int64_t d : plan.bucket_data) owned += d;
-  }
+  const int64_t owned = o.zero == 0 ? all_data : shard_data;
   m.weights = 4 * plan.size;
   m.grads = 4 * plan.size + (o.zero >= 1 ? 4 * shard_floats : 0) + (o.zero == 2 ? 4 * shard_floats : 0);
   m.optimizer = 2 * 4 * owned;

@@ -25,7 +25,8 @@ struct MemoryParts {
   int64_t checkpoint = 0;   // what a save (--save) adds at its peak: today it gathers the whole model on rank 0
   int64_t runtime = 0;      // the process before the run allocates (code, libraries, MPI, thread pool), measured
   static constexpr int kCount = 7;
-  static const char* name(int i);  // "weights", "gradients", ...
+  static const char* name(int i);    // "weights", "gradients", ...
+  static const char* advice(int i);  // what shrinks part i (for the memory check's message)
   int64_t& operator[](int i) { return this->*kMembers[size_t(i)]; }
   int64_t operator[](int i) const { return this->*kMembers[size_t(i)]; }
   int64_t total() const;

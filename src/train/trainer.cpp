@@ -155,19 +155,6 @@ MeshDims TrainOptions::layout_dims(int world_size) const {
 
 namespace {
 
-// What shrinks a part, for the memory check's message.
-const char* memory_advice(int part) {
-  switch (part) {
-    case 0: case 1: case 2:  // weights, gradients, optimizer state
-      return "TP or PP over more ranks, or ZeRO (--zero 1 shards the optimizer state, --zero 2 the gradients too), "
-             "need less per rank";
-    case 3: return "a smaller --micro-batch, --recompute selective|full, TP with --sequence-parallel or PP need less";
-    case 4: return "a smaller --micro-batch or --seq-len needs less (the LM head works in chunks of the vocabulary)";
-    case 5: return "a save gathers the whole model on rank 0 today; save less often or not at all (--save)";
-    default: return "the process itself is that large before the run allocates";
-  }
-}
-
 // The memory check before allocation: every rank's parts (computed by rank_memory) and what its node
 // has available (measured once every rank has set up its libraries) are gathered, and every rank
 // takes the same decision, so one message — naming the neediest rank's breakdown and what shrinks
@@ -214,7 +201,7 @@ MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t 
     if (o.memory_limit_gb > 0) {
       const MemoryParts& w = parts[out.neediest];
       ORIGAMI_CHECK(double(w.total()) <= limit, "not enough memory: ", needs(out.neediest), ", more than --memory-limit-gb ",
-                    o.memory_limit_gb, " (", format_bytes(limit), "); ", memory_advice(w.largest()));
+                    o.memory_limit_gb, " (", format_bytes(limit), "); ", MemoryParts::advice(w.largest()));
       return;
     }
     // Per node: what its ranks will allocate beyond what they hold now, against what it has available.
@@ -232,7 +219,7 @@ MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t 
                     ranks.size() == 1 ? std::string("its node") : cat("the ", ranks.size(), " ranks on its node"),
                     " would allocate ", format_bytes(more), " and it has ", format_bytes(first[K - 2]), " available (",
                     first[K - 1] == 0 ? "MemAvailable" : "its control group's limit", "); ",
-                    memory_advice(parts[worst].largest()), " (--memory-limit-gb sets a limit per rank instead)");
+                    MemoryParts::advice(parts[worst].largest()), " (--memory-limit-gb sets a limit per rank instead)");
     }
   });
   return out;
@@ -457,7 +444,8 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     // gradients were not finite, and then all skip the update together.
     const DataParallel::Gradients grads = data_parallel.finish_gradients(sum.loss);
     const double gnorm = grads.norm;
-    if (grads.finite()) {
+    const bool skip = !grads.finite();
+    if (!skip) {
       opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
       data_parallel.gather_params();
       last_update = step + 1;
@@ -489,7 +477,6 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     const double gflops = flops_per_step / (ms / 1000.0) / 1e9;
     const int64_t done = step + 1;
     const double eta = run_timer.ms() / 1000.0 / double(done - start_step) * double(o.steps - done);
-    const bool skip = !grads.finite();
     if (rank0 && (!o.quiet || done == o.steps || done % 50 == 0 || skip)) {
       std::printf("step %lld/%lld | loss %.4f", (long long)done, (long long)o.steps, loss);
       if (cfg.is_moe()) std::printf(" (lm %.4f aux %.4f z %.5f)", red[0], red[1], red[2]);
