@@ -54,6 +54,9 @@ int train(int argc, char** argv, Comm& world) {
               "available, shared by its ranks", "0")
       .option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
       .option("dp", "D", "data-parallel degree (default: ranks / (TP x CP x PP))", "")
+      .option("ep", "E", "expert-parallel degree (MoE): each rank group of E holds E-th of the experts; EP x ETP "
+                         "may span what attention uses for TP, CP and DP (MoE parallel folding)", "1")
+      .option("etp", "T", "expert tensor-parallel degree (MoE): each expert's FFN split over T ranks", "1")
       .option("pp", "P", "pipeline-parallel degree (stages)", "1")
       .option("vpp", "V", "model chunks per pipeline stage (interleaved schedule)", "1")
       .option("pp-schedule", "gpipe|1f1b|interleaved", "pipeline schedule (default: 1f1b; interleaved when --vpp > 1)")
@@ -105,6 +108,8 @@ int train(int argc, char** argv, Comm& world) {
     o.tp = int(a.integer("tp"));
     o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
     ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
+    o.ep = int(a.integer("ep"));
+    o.etp = int(a.integer("etp"));
     o.pp = int(a.integer("pp"));
     o.vpp = int(a.integer("vpp"));
     o.pp_schedule = a.str("pp-schedule");

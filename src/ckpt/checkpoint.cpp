@@ -183,7 +183,6 @@ std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float*
 
 std::vector<float> gather_pp_stages(Comm& pp, const std::vector<float>& stage_buf,
                                     const std::vector<std::vector<ParamSpec>>& tables, const Params* global) {
-  if (pp.size() == 1) return stage_buf;
   if (pp.rank() != 0) {
     pp.send(stage_buf.data(), int64_t(stage_buf.size()), DType::f32, 0, 0);
     return {};
@@ -207,6 +206,8 @@ std::vector<float> gather_pp_stages(Comm& pp, const std::vector<float>& stage_bu
       at += p.numel();
     }
   }
+  // Every tensor of the result came from some rank (no expert or stage silently missing).
+  ORIGAMI_ASSERT(placed.size() == global->table().size());
   return out;
 }
 

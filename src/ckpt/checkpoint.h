@@ -63,10 +63,11 @@ int64_t save_buffer_bytes(int64_t P, int64_t S, int64_t G, int64_t other_stage, 
 // others an empty vector.
 std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float* flat, const Params* global);
 
-// Pipeline gather: every rank of `pp` passes its stage's buffer in the one-rank layout of its stage's
-// table (tables[stage], as gather_tp_shards returns it); pp rank 0 returns the whole model's buffer
-// in `global`'s layout (needed on pp rank 0 only; a tensor held by two stages is taken from the
-// first), the others an empty vector.
+// Gather by name: every rank of `pp` passes its part's buffer in the one-rank layout of its table
+// (tables[rank], as gather_tp_shards returns it); pp rank 0 returns the buffer in `global`'s layout
+// (needed on pp rank 0 only; a tensor held by two ranks is taken from the first; every tensor of
+// `global` must come from some rank), the others an empty vector. Used for the pipeline stages, and
+// for the EP ranks' experts of a stage.
 std::vector<float> gather_pp_stages(Comm& pp, const std::vector<float>& stage_buf,
                                     const std::vector<std::vector<ParamSpec>>& tables, const Params* global);
 

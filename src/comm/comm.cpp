@@ -82,6 +82,10 @@ class LocalComm final : public Comm {
     ORIGAMI_ASSERT(recv_counts[0] == send_counts[0]);
     copy(out, in, send_counts[0], t);
   }
+  void all_gather_v(void* out, const void* in, const int64_t* counts, DType t) override { copy(out, in, counts[0], t); }
+  void reduce_scatter_v(void* out, const void* in, const int64_t* counts, DType t, ReduceOp) override {
+    copy(out, in, counts[0], t);
+  }
   void broadcast(void*, int64_t, DType, int) override {}
   void barrier() override {}
   std::unique_ptr<Comm> split(int, int, const std::string& name) override { return std::make_unique<LocalComm>(name); }

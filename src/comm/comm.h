@@ -10,6 +10,8 @@
 //   reduce_scatter       (n−1)/n · S        (S = bytes of the full input, n·count)
 //   all_gather           (n−1)/n · S        (S = bytes of the full output, n·count)
 //   all_to_all(v)        bytes addressed to the other ranks
+//   all_gather_v         (n−1) · own block      (pairwise: each rank sends its block to every other)
+//   reduce_scatter_v     S − own block          (pairwise: each rank sends every other rank its block)
 //   broadcast            S at the root, 0 elsewhere
 //   send                 S
 #pragma once
@@ -74,6 +76,13 @@ class Comm {
   // in: blocks for rank 0, 1, ... of send_counts[r] elements; out: blocks from each rank of recv_counts[r].
   virtual void all_to_allv(void* out, const int64_t* recv_counts, const void* in, const int64_t* send_counts,
                            DType t) = 0;
+  // Variable-size blocks (message sizes known only at run time, e.g. the MoE token dispatcher):
+  // counts[r] elements from rank r. out receives every rank's block in rank order; in is this
+  // rank's block (in place when in == out + its block's offset).
+  virtual void all_gather_v(void* out, const void* in, const int64_t* counts, DType t) = 0;
+  // in: one block per rank, counts[r] elements, rank-major; out[counts[rank()]] = reduction of
+  // every rank's block rank().
+  virtual void reduce_scatter_v(void* out, const void* in, const int64_t* counts, DType t, ReduceOp op) = 0;
   virtual void broadcast(void* buf, int64_t count, DType t, int root) = 0;
   virtual void barrier() = 0;
   // Collective over this communicator: ranks with the same color form a new communicator, ordered by key.
@@ -104,6 +113,14 @@ class Comm {
   void count_all_reduce(int64_t count, DType t) { bytes_sent_ += 2.0 * (size_ - 1) / size_ * double(count * dtype_bytes(t)); }
   void count_scatter_gather(int64_t count, DType t) { bytes_sent_ += double(size_ - 1) * double(count * dtype_bytes(t)); }
   void count_bytes(double b) { bytes_sent_ += b; }
+  void count_gather_v(const int64_t* counts, DType t) {
+    bytes_sent_ += double(size_ - 1) * double(counts[rank_] * dtype_bytes(t));
+  }
+  void count_scatter_v(const int64_t* counts, DType t) {
+    int64_t others = 0;
+    for (int r = 0; r < size_; ++r) others += r == rank_ ? 0 : counts[r];
+    bytes_sent_ += double(others * dtype_bytes(t));
+  }
 
  private:
   int rank_, size_;

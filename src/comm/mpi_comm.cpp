@@ -115,6 +115,23 @@ class MpiComm final : public Comm {
     count_bytes(double(others * dtype_bytes(t)));
     CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), mpi_type(t), out, rc.data(), rd.data(), mpi_type(t), comm_));
   }
+  void all_gather_v(void* out, const void* in, const int64_t* counts, DType t) override {
+    count_gather_v(counts, t);
+    std::vector<int> c(static_cast<size_t>(size())), d(static_cast<size_t>(size()));
+    int64_t at = 0;
+    for (size_t r = 0; r < c.size(); ++r) c[r] = mpi_count(counts[r]), d[r] = mpi_count(at), at += counts[r];
+    const bool in_place = in == static_cast<const char*>(out) + d[size_t(rank())] * dtype_bytes(t);
+    CHECK_MPI(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in, c[size_t(rank())], mpi_type(t), out, c.data(), d.data(),
+                             mpi_type(t), comm_));
+  }
+  void reduce_scatter_v(void* out, const void* in, const int64_t* counts, DType t, ReduceOp op) override {
+    count_scatter_v(counts, t);
+    std::vector<int> c(static_cast<size_t>(size()));
+    int64_t total = 0;
+    for (size_t r = 0; r < c.size(); ++r) c[r] = mpi_count(counts[r]), total += counts[r];
+    mpi_count(total);  // displacements are ints too
+    CHECK_MPI(MPI_Reduce_scatter(in, out, c.data(), mpi_type(t), mpi_op(op), comm_));
+  }
   void broadcast(void* buf, int64_t count, DType t, int root) override {
     if (rank() == root) count_bytes(double(count * dtype_bytes(t)));
     CHECK_MPI(MPI_Bcast(buf, mpi_count(count), mpi_type(t), root, comm_));

@@ -39,24 +39,22 @@ struct LocalSizes {
   int64_t B, T, N, Nl, C, Hl, Sl, HDl, Fl;
   int64_t fa, fb;  // MLP buffers per token: gpt2 pre-activation and GELU output (F, F), llama gate|up
                    // and SwiGLU output (2F, F); MoE layers keep their cache instead (0, 0)
+  MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
+  int64_t moe_rows;  // the dispatcher's most expert-side rows
   LocalSizes(const ModelConfig& c, const ActivationShape& a)
       : B(a.B), T(a.T), N(a.B * a.T), Nl(a.sp ? a.B * a.T / a.tp : a.B * a.T), C(c.hidden), Hl(c.num_heads / a.tp),
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
-        fa(c.is_moe() ? 0 : c.is_gpt2() ? c.ffn / a.tp : 2 * c.ffn / a.tp), fb(c.is_moe() ? 0 : c.ffn / a.tp) {}
+        fa(c.is_moe() ? 0 : c.is_gpt2() ? c.ffn / a.tp : 2 * c.ffn / a.tp), fb(c.is_moe() ? 0 : c.ffn / a.tp),
+        moe{N / a.tp, C, c.ffn / a.etp, c.num_experts, c.top_k},
+        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(N / a.tp, c.top_k, c.num_experts, a.ep, a.etp) : 0) {}
+  // MoE shares cut from (and gathered into) full [N, C] buffers: TP without SP.
+  bool moe_shares(const ModelConfig& c, const ActivationShape& a) const { return c.is_moe() && a.tp > 1 && !a.sp; }
 };
-
-// Bytes of a MoE cache for N tokens (MoeCache::resize): fp32 probabilities [N, E], log-sum-exp [N],
-// routing weights [R] and the four row buffers (xs, y [R, C], gate|up [R, 2F], activation [R, F]);
-// int32 chosen experts [R]; int64 rows [R], expert starts [E+1] and counts [E]; R = N·K.
-int64_t moe_cache_bytes(const ModelConfig& c, int64_t N, int64_t Fl) {
-  const int64_t R = N * c.top_k, E = c.num_experts;
-  return 4 * (N * E + N + R + R * (2 * c.hidden + 3 * Fl)) + 4 * R + 8 * (R + E + 1 + E);
-}
 
 // Bytes per layer kept outside the attention core, and inside it.
 int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s) {
   const int64_t stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
-  const int64_t mlp = c.is_moe() ? moe_cache_bytes(c, s.N, s.Fl) : 4 * s.N * (s.fa + s.fb);
+  const int64_t mlp = c.is_moe() ? MoeCache<float>::bytes(s.moe, s.moe_rows) : 4 * s.N * (s.fa + s.fb);
   return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl) + mlp;
 }
 int64_t core_bytes(const LocalSizes& s) { return 4 * (s.N * s.HDl + s.B * s.Hl * s.T); }
@@ -67,24 +65,26 @@ struct ScratchSizes {
   int64_t loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
   int64_t targets;              // int32 [N]
   int64_t lnf, statsf;          // head stage: final norm output [N, C], mean and rstd [Nl] each
-  int64_t d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b, d_weight;
-  int64_t head;                 // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
-  int64_t moe_dy, moe_dgu, moe_dact;  // MoE backward: [R, C], [R, 2F], [R, F], R = N·K
+  int64_t d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
+  int64_t head;   // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
+  int64_t share;  // MoE under TP without SP: a share's input, output and input gradient, [N/TP, C] each
+  int64_t moe;    // MoE work buffers, bytes (MoeScratch)
   ScratchSizes(const ModelConfig& c, const ActivationShape& a, bool head_stage) {
     const LocalSizes s(c, a);
     const bool sp = a.sp;
-    const int64_t R = c.is_moe() ? s.N * c.top_k : 0, Vl = (c.vocab_size + a.tp - 1) / a.tp;
+    const int64_t Vl = (c.vocab_size + a.tp - 1) / a.tp;
     loc = sp ? s.Nl * s.C : 0, full = sp ? s.N * s.C : 0, gathered = full;
     targets = s.N;
     lnf = head_stage ? s.N * s.C : 0, statsf = head_stage ? s.Nl : 0;
     d_res = s.Nl * s.C, d_ln = s.N * s.C, d_att = s.N * s.HDl, d_qkv = s.N * s.Sl;
-    d_mlp_a = s.N * s.fa, d_mlp_b = s.N * s.fb, d_weight = R;
+    d_mlp_a = s.N * s.fa, d_mlp_b = s.N * s.fb;
     head = head_stage ? lm_head_chunk_rows(s.N, Vl) * (Vl + 4) : 0;
-    moe_dy = R * s.C, moe_dgu = R * 2 * s.Fl, moe_dact = R * s.Fl;
+    share = s.moe_shares(c, a) ? s.moe.N * s.C : 0;
+    moe = c.is_moe() ? MoeScratch<float>::bytes(s.moe, s.moe_rows, a.etp) : 0;
   }
-  int64_t bytes() const {  // every buffer holds 4-byte elements (floats, int32 targets)
+  int64_t bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
     return 4 * (loc + full + gathered + targets + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
-                d_weight + head + moe_dy + moe_dgu + moe_dact);
+                head + 3 * share) + moe;
   }
 };
 
@@ -92,8 +92,8 @@ struct ScratchSizes {
 
 int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const ModelPart& part) {
   const LocalSizes s(c, a);
-  // TensorParallel's region buffer: under SP with B > 1, the gathered or reordered [N, C].
-  const int64_t tp_region = a.sp && a.B > 1 ? 4 * s.N * s.C : 0;
+  // TensorParallel's region buffer: under SP (or gathering MoE shares) with B > 1, the gathered or reordered [N, C].
+  const int64_t tp_region = (a.sp || s.moe_shares(c, a)) && a.B > 1 ? 4 * s.N * s.C : 0;
   return ScratchSizes(c, a, part.head).bytes() + tp_region;
 }
 
@@ -163,14 +163,19 @@ struct Model::Scratch {
   std::vector<int32_t> targets;          // [N]
   std::vector<float> lnf, meanf, rstdf;  // final norm: output [N, C], statistics [Nl]
   std::vector<float> head;               // LM head chunks
-  std::vector<float> d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b, d_weight;
+  std::vector<float> d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
+  std::vector<float> share_x, share_y, share_dx;  // MoE under TP without SP: this rank's share [N/TP, C]
   MoeScratch<float> moe;
 };
 
-Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute)
-    : cfg_(cfg), params_(params), tp_(std::move(tp)), part_(part.chunks.empty() ? ModelPart::whole(cfg.num_layers) : part),
-      recompute_(recompute), scratch_(std::make_unique<Scratch>()) {
+Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute,
+             ExpertShard experts)
+    : cfg_(cfg), params_(params), experts_(experts.params ? *experts.params : params),
+      dispatcher_(experts.dispatcher), tp_(std::move(tp)),
+      part_(part.chunks.empty() ? ModelPart::whole(cfg.num_layers) : part), recompute_(recompute),
+      scratch_(std::make_unique<Scratch>()) {
   const int64_t t = tp_.size();
+  ORIGAMI_ASSERT(experts_.layout().tp == dispatcher_.etp() && (!cfg.is_moe() || cfg.ffn % dispatcher_.etp() == 0));
   ORIGAMI_ASSERT(params.layout().tp == t && params.layout().tp_rank == tp_.rank());
   ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && cfg.ffn % t == 0);
   Hl_ = cfg.num_heads / t, KVl_ = cfg.num_kv_heads / t, Fl_ = cfg.ffn / t;
@@ -185,6 +190,11 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
     int64_t o = off(name);
     ORIGAMI_ASSERT(o >= 0);
     return o;
+  };
+  auto need_expert = [&](const std::string& name) {
+    const int64_t i = experts_.index(name);
+    ORIGAMI_ASSERT(i >= 0);
+    return experts_.offset(size_t(i));
   };
   layers_.resize(size_t(cfg.num_layers));
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
@@ -206,10 +216,13 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
       o.o_w = need(p + "self_attn.o_proj.weight");
       o.ln2_w = need(p + "post_attention_layernorm.weight");
       if (cfg.is_moe()) {
+        // Local experts are contiguous blocks [w1 | w3 | w2] of 3·(F/ETP)·C in the experts' buffer.
+        const std::string x = p + "block_sparse_moe.experts.";
+        const int64_t first = dispatcher_.first_expert(cfg.num_experts), El = dispatcher_.local_experts(cfg.num_experts);
         o.router = need(p + "block_sparse_moe.gate.weight");
-        o.experts = need(p + "block_sparse_moe.experts.0.w1.weight");
-        ORIGAMI_ASSERT(cfg.num_experts == 1 ||
-                       need(p + "block_sparse_moe.experts.1.w1.weight") - o.experts == 3 * Fl_ * cfg.hidden);
+        o.experts = need_expert(x + std::to_string(first) + ".w1.weight");
+        ORIGAMI_ASSERT(need_expert(x + std::to_string(first + El - 1) + ".w2.weight") - o.experts ==
+                       (3 * El - 1) * (cfg.ffn / dispatcher_.etp()) * cfg.hidden);
       } else {
         o.fc_w = need(p + "mlp.gate_proj.weight");  // gate|up contiguous: one [2F, C] matrix
         ORIGAMI_ASSERT(need(p + "mlp.up_proj.weight") == o.fc_w + Fl_ * cfg.hidden);
@@ -230,15 +243,22 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
   }
   if (!cfg.is_gpt2()) rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
   // Where each layer's parameters start in the buffer (for the gradient-ready hook).
-  layer_begin_.assign(size_t(cfg.num_layers), INT64_MAX);
   const std::string prefix = cfg.is_gpt2() ? "h." : "model.layers.";
-  for (size_t i = 0; i < params_.table().size(); ++i) {
-    const std::string& n = params_.table()[i].name;
-    if (n.rfind(prefix, 0) == 0) {
-      const size_t l = std::stoul(n.substr(prefix.size()));
-      layer_begin_[l] = std::min(layer_begin_[l], params_.offset(i));
+  auto begins = [&](const Params& buf) {
+    std::vector<int64_t> begin(size_t(cfg.num_layers), INT64_MAX);
+    for (size_t i = 0; i < buf.table().size(); ++i) {
+      const std::string& n = buf.table()[i].name;
+      if (n.rfind(prefix, 0) == 0) {
+        const size_t l = std::stoul(n.substr(prefix.size()));
+        begin[l] = std::min(begin[l], buf.offset(i));
+      }
     }
-  }
+    return begin;
+  };
+  layer_begin_ = begins(params_);
+  expert_begin_ = begins(experts_);
+  for (int64_t l = cfg.num_layers - 1, above = experts_.size(); l >= 0; --l)  // a layer without experts: as above it
+    above = expert_begin_[size_t(l)] = std::min(expert_begin_[size_t(l)], above);
   free_.resize(part_.chunks.size());
   reset_expert_counts();
 }
@@ -247,6 +267,7 @@ Model::~Model() = default;
 
 void Model::reset_expert_counts() {
   expert_counts_.assign(cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, std::vector<int64_t>(size_t(cfg_.num_experts), 0));
+  expert_rows_ = 0;
 }
 
 int64_t Model::mlp_a_width() const {
@@ -258,7 +279,17 @@ Model::Dims Model::dims() const {
   return {B_, T_, N, tp_.local_tokens(N), cfg_.hidden, D, Hl_, KVl_, Fl_, (Hl_ + 2 * KVl_) * D, Hl_ * D};
 }
 
-ActivationShape Model::activation_shape() const { return {B_, T_, tp_.size(), tp_.sp(), recompute_}; }
+ActivationShape Model::activation_shape() const {
+  return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep()};
+}
+
+MoeSizes Model::moe_sizes() const {
+  return {B_ * T_ / tp_.size(), cfg_.hidden, cfg_.ffn / dispatcher_.etp(), cfg_.num_experts, cfg_.top_k};
+}
+
+int64_t Model::moe_rows() const {
+  return TokenDispatcher::max_rows(B_ * T_ / tp_.size(), cfg_.top_k, cfg_.num_experts, dispatcher_.ep(), dispatcher_.etp());
+}
 
 void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
@@ -276,7 +307,7 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_
     size(s.mlp_a, layers * N * mlp_a_width());
     size(s.mlp_b, layers * N * (cfg_.is_moe() ? 0 : F));
     s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
-    for (MoeCache<float>& m : s.moe) m.resize({N, C, F, cfg_.num_experts, cfg_.top_k});
+    for (MoeCache<float>& m : s.moe) m.resize(moe_sizes(), moe_rows());
     size(s.att, core_layers * N * HD);
     size(s.lse, core_layers * B * H * T);
   });
@@ -313,11 +344,9 @@ void Model::set_batch(int64_t B, int64_t T) {
     s.d_qkv.resize(size_t(n.d_qkv));
     s.d_mlp_a.resize(size_t(n.d_mlp_a));
     s.d_mlp_b.resize(size_t(n.d_mlp_b));
-    s.d_weight.resize(size_t(n.d_weight));
     s.head.resize(size_t(n.head));
-    s.moe.dy_RC.resize(size_t(n.moe_dy));
-    s.moe.dgu_R2F.resize(size_t(n.moe_dgu));
-    s.moe.dact_RF.resize(size_t(n.moe_dact));
+    for (auto* v : {&s.share_x, &s.share_y, &s.share_dx}) v->resize(size_t(n.share));
+    if (cfg_.is_moe()) s.moe.resize(moe_sizes(), moe_rows(), dispatcher_.etp());
   });
 }
 
@@ -409,20 +438,17 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   linear_forward(part, a.att, w(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
   residual_add(a.mid, in, w(o.o_b), Nl, C);
-  // MLP or MoE: column-parallel up (gate|up, expert w1|w3), row-parallel down (expert w2).
-  float* ln2 = tp.full(a.ln2, s.gathered.data());
   norm_forward(a.ln2, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
+  if (c.is_moe()) {
+    moe_layer_forward(l, a, out, losses);
+    residual_add(out, a.mid, nullptr, Nl, C);
+    return;
+  }
+  // MLP: column-parallel up (gate|up), row-parallel down.
+  float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);
   part = tp.full(out, s.full.data());
-  if (c.is_moe()) {
-    moe_forward(part, *a.moe, ln2, w(o.router), w(o.experts), {N, C, F, c.num_experts, c.top_k}, c.aux_loss_coef,
-                c.z_loss_coef);
-    if (losses) {
-      losses->aux_loss += a.moe->aux;
-      losses->z_loss += a.moe->z;
-      for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->count_E[size_t(e)];
-    }
-  } else if (gpt2) {
+  if (gpt2) {
     linear_forward(a.mlp_a, ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
     gelu_forward(a.mlp_b, a.mlp_a, N * F);
     linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
@@ -446,18 +472,13 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   // MLP branch: out = mid + mlp(norm2(mid)).
-  float* ln2 = tp.full(a.ln2, s.gathered.data());
-  tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
-  const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);  // all tokens
+  const float* d_out = nullptr;
   if (c.is_moe()) {
-    // Expert outputs are partial sums over TP, so is dweight: reduce it before the (replicated) router;
-    // the router's input gradient is added on TP rank 0 only, so the region's reduction counts it once.
-    const MoeSizes ms{N, C, F, c.num_experts, c.top_k};
-    moe_backward_experts(s.d_ln.data(), s.d_weight.data(), g(o.experts), d_out, *a.moe, s.moe, w(o.experts), ms);
-    tp.all_reduce(s.d_weight.data(), N * c.top_k);
-    moe_backward_router(tp.rank() == 0 ? s.d_ln.data() : nullptr, g(o.router), s.d_weight.data(), *a.moe, ln2,
-                        w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);
+    moe_layer_backward(l, a, d_ln_loc, d_res, loss_scale);
   } else {
+    float* ln2 = tp.full(a.ln2, s.gathered.data());
+    tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
+    d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);  // all tokens
     linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, w(o.proj_w), N, F, C, lay);
     if (gpt2) {
       gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
@@ -467,8 +488,8 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
       linear_backward(s.d_ln.data(), g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, w(o.fc_w), N,
                       C, 2 * F, lay);
     }
+    tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   }
-  tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, a.mid, a.mean2, a.rstd2, o.ln2_w, o.ln2_b);
   // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
   if (recompute_ == Recompute::selective) attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D);
@@ -481,6 +502,44 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, w(o.qkv_w), N, C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
+}
+
+// The MoE branch, out = moe(norm2(mid)) (the residual add is the caller's), on this rank's share of
+// the tokens (TensorParallel::share); the outputs are gathered back to every TP rank's local buffer.
+// `losses` (null when recomputing) receives the router losses of the share and the routed counts.
+void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses* losses) {
+  const ModelConfig& c = cfg_;
+  const LayerOffsets& o = layers_[size_t(l)];
+  Scratch& s = *scratch_;
+  const int64_t B = B_, T = T_, C = c.hidden;
+  const float* x = tp_.share(a.ln2, s.share_x.data(), B, T, C);
+  float* y = tp_.share_buffer(out, s.share_y.data());
+  origami::moe_forward(y, *a.moe, x, w(o.router), experts_.data() + o.experts, moe_sizes(), c.aux_loss_coef,
+                       c.z_loss_coef, dispatcher_, s.moe);
+  tp_.gather_shares(out, y, B, T, C);
+  if (losses) {
+    losses->aux_loss += a.moe->aux;
+    losses->z_loss += a.moe->z;
+    for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->count_E[size_t(e)];
+    expert_rows_ += a.moe->plan.rows;
+  }
+}
+
+// d_ln ← ∂/∂norm2(mid) [Nl, C] from d_res = ∂/∂out [Nl, C]: the share's part, gathered. The router's
+// gradient is the share's part too (a token-partial tensor, reduced over TP with the gradients).
+void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const float* d_res, float loss_scale) {
+  const ModelConfig& c = cfg_;
+  const LayerOffsets& o = layers_[size_t(l)];
+  Scratch& s = *scratch_;
+  const int64_t B = B_, T = T_, C = c.hidden;
+  const MoeSizes ms = moe_sizes();
+  const float* x = tp_.share(a.ln2, s.share_x.data(), B, T, C);
+  const float* d_out = tp_.share(d_res, s.share_y.data(), B, T, C);
+  float* dx = tp_.share_buffer(d_ln, s.share_dx.data());
+  moe_backward_experts(dx, experts_.grad() + o.experts, d_out, *a.moe, s.moe, experts_.data() + o.experts, ms,
+                       dispatcher_);
+  moe_backward_router(dx, g(o.router), s.moe, *a.moe, x, w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);
+  tp_.gather_shares(d_ln, dx, B, T, C);
 }
 
 // Final norm, then the vocab-parallel LM head and cross-entropy with its backward fused in:
@@ -568,7 +627,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   Losses out;
   if (head_chunk) {
     out = head(resid + Lc * NlC, tokens, loss_scale, true, logits_BTV);
-    grads_ready(head_begin_);
+    grads_ready(head_begin_, experts_.size());
   } else {
     std::memcpy(d_res, d_output, size_t(NlC) * sizeof(float));
   }
@@ -578,13 +637,13 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
     if (recompute_ == Recompute::full)  // rebuild the layer's buffers; its output is rewritten unchanged
       layer_forward(l, a, resid + i * NlC, resid + (i + 1) * NlC, nullptr);
     layer_backward(l, a, resid + i * NlC, d_res, loss_scale);
-    grads_ready(layer_begin_[size_t(l)]);
+    grads_ready(layer_begin_[size_t(l)], expert_begin_[size_t(l)]);
     if (progress_) progress_();
   }
   if (chunk == 0 && part_.embedding) {
     const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);
     embedding_backward(g(wte_), g(wpe_), d_x0, tokens, T_ + 1, B_, T_, cfg_.hidden, vocab_begin_, Vl_);
-    grads_ready(0);
+    grads_ready(0, 0);
   }
   release(mb, chunk);
   return out;

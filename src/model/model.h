@@ -6,9 +6,13 @@
 // A training window row holds T+1 tokens: inputs are tokens[0..T), targets tokens[1..T].
 //
 // Under tensor parallelism (size t) the model runs on this rank's shards: H/t heads, KV/t kv heads,
-// F/t MLP (and per-expert) features, Vp/t vocabulary rows (Vp = V padded to a multiple of t), and
-// with sequence parallelism Nl = N/t tokens outside TP regions. Sizes below with an "l" suffix are
-// local. The communication is the TensorParallel region calls, nothing else.
+// F/t MLP features, Vp/t vocabulary rows (Vp = V padded to a multiple of t), and with sequence
+// parallelism Nl = N/t tokens outside TP regions. Sizes below with an "l" suffix are local.
+//
+// MoE layers are split by tokens, not features (MoE parallel folding): each TP rank routes its own
+// share of the tokens (its sequence shard, N/t), and the routed experts live on the MoE mesh — their
+// tensors in a buffer of their own (ExpertShard), their layout known only to the TokenDispatcher.
+// The communication is the TensorParallel calls and the dispatcher's, nothing else.
 //
 // Under pipeline parallelism a Model holds one stage's ModelPart: chunks of layers, plus the
 // embedding on the first stage and the final norm + LM head on the last. Each (micro-batch, chunk)
@@ -32,6 +36,7 @@
 #include "model/layers/rope.h"
 #include "model/params.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/token_dispatcher.h"
 
 namespace origami {
 
@@ -62,6 +67,7 @@ struct ActivationShape {
   int tp = 1;
   bool sp = false;
   Recompute recompute = Recompute::none;
+  int etp = 1, ep = 1;  // MoE mesh: the expert-side buffers are sized for the dispatcher's worst case
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, int64_t layers);
 int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
@@ -76,11 +82,20 @@ int64_t workspace_bytes(const ModelConfig& cfg, const ActivationShape& a, const 
 // full-attention count).
 double train_flops_per_token(const ModelConfig& cfg, int64_t T);
 
+// The routed experts a rank holds: their tensors (split_experts' `experts` table, laid out over ETP)
+// and the dispatcher over the MoE mesh. Default: no buffer of their own (the experts are in the
+// model's one buffer, all local).
+struct ExpertShard {
+  Params* params = nullptr;
+  TokenDispatcher dispatcher;
+};
+
 class Model {
  public:
-  // params: this stage's tensors (make_param_table(cfg, part)), this rank's TP shards of them.
+  // params: this stage's tensors (make_param_table(cfg, part), or split_experts' `dense` table when
+  // `experts` has a buffer), this rank's TP shards of them.
   Model(const ModelConfig& cfg, Params& params, TensorParallel tp = {}, ModelPart part = {},
-        Recompute recompute = Recompute::none);
+        Recompute recompute = Recompute::none, ExpertShard experts = {});
   ~Model();
 
   // The whole model (one chunk, both ends) on one micro-batch: forward over tokens_B(T+1), then with
@@ -113,17 +128,19 @@ class Model {
   void reset_act_peak() { peak_bytes_ = act_bytes(); }
   ActivationShape activation_shape() const;
 
-  // Called during backward with an offset X each time the gradients of every parameter at buffer
-  // offsets ≥ X are final for this backward (decreasing X; 0 at the embedding): lets data parallelism
-  // start reducing gradient buckets while backward goes on.
-  void on_grads_ready(std::function<void(int64_t)> fn) { grads_ready_ = std::move(fn); }
+  // Called during backward with offsets (X, Xe) each time the gradients of every parameter at
+  // offsets ≥ X of the buffer, and ≥ Xe of the experts' buffer, are final for this backward
+  // (decreasing; 0 at the embedding): lets data parallelism reduce gradient buckets while backward goes on.
+  void on_grads_ready(std::function<void(int64_t, int64_t)> fn) { grads_ready_ = std::move(fn); }
   // Called after every layer's forward and backward: lets the pipeline drive its non-blocking
   // transfers (MPI moves a large message only while the sender and the receiver call into it).
   void on_progress(std::function<void()> fn) { progress_ = std::move(fn); }
 
-  // Tokens routed to each expert per MoE layer ([L][E], global layer index; zeros for layers on
-  // other stages; empty for dense models), summed over forwards since the last reset.
+  // Tokens this rank routed to each expert per MoE layer ([L][E], global layer index; zeros for
+  // layers on other stages; empty for dense models), summed over forwards since the last reset; and
+  // the expert-side rows its local experts computed (what the dispatcher brought it).
   const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
+  int64_t expert_rows() const { return expert_rows_; }
   void reset_expert_counts();
   const ModelConfig& config() const { return cfg_; }
   const ModelPart& part() const { return part_; }
@@ -146,9 +163,13 @@ class Model {
 
   float* w(int64_t off) { return off < 0 ? nullptr : params_.data() + off; }
   float* g(int64_t off) { return off < 0 ? nullptr : params_.grad() + off; }
-  void grads_ready(int64_t offset) {
-    if (grads_ready_) grads_ready_(offset);
+  void grads_ready(int64_t offset, int64_t expert_offset) {
+    if (grads_ready_) grads_ready_(offset, expert_offset);
   }
+  MoeSizes moe_sizes() const;  // this rank's share of the current batch
+  int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
+  void moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses* losses);
+  void moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const float* d_res, float loss_scale);
   // Sizes a slot's buffers: `resid_rows` residual-stream rows of [Nl, C], per-layer buffers for
   // `layers`, attention output and log-sum-exp for `core_layers` (`bytes` in all, named if it fails).
   void size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const;
@@ -165,6 +186,8 @@ class Model {
 
   ModelConfig cfg_;
   Params& params_;
+  Params& experts_;  // the routed experts' buffer (params_ itself when they have none of their own)
+  TokenDispatcher dispatcher_;
   TensorParallel tp_;
   ModelPart part_;
   Recompute recompute_;
@@ -172,8 +195,9 @@ class Model {
   int64_t B_ = 0, T_ = 0;
   std::vector<LayerOffsets> layers_;  // by global layer index (entries of other stages unused)
   std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
+  std::vector<int64_t> expert_begin_;  // the same in the experts' buffer (carried over dense layers)
   int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1, head_begin_ = -1;
-  std::function<void(int64_t)> grads_ready_;
+  std::function<void(int64_t, int64_t)> grads_ready_;
   std::function<void()> progress_;
   RopeTable rope_;
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> live_;  // (micro-batch, chunk) → slot
@@ -182,6 +206,7 @@ class Model {
   std::unique_ptr<Scratch> scratch_;                           // backward work buffers
   int64_t live_bytes_ = 0, recompute_bytes_ = 0, peak_bytes_ = 0;
   std::vector<std::vector<int64_t>> expert_counts_;
+  int64_t expert_rows_ = 0;
 };
 
 }  // namespace origami

@@ -36,13 +36,15 @@ int64_t ParamSpec::local_numel(int tp) const {
 // Tensor-parallel splits (Megatron): column-parallel weights (QKV, MLP up / gate|up, expert w1 and w3) are
 // split along their output features, row-parallel ones (attention output, MLP down, expert w2) along their
 // input features; embeddings and the LM head along the (padded) vocabulary. Norms, row-parallel biases,
-// positions and the router are replicated; norms take partial gradients under sequence parallelism.
+// positions and the router are replicated; norms take partial gradients under sequence parallelism, the
+// router always (each TP rank routes its own share of the tokens). Routed experts are split over the MoE
+// mesh's expert-tensor-parallel group the same way (see split_experts).
 std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
   std::vector<ParamSpec> t;
   t.reserve(size_t(4 + c.num_layers * (12 + 3 * c.num_experts)));
-  const TpSplit replicated, norm{-1, 1, false, true}, vocab{0, 1, true, false};
-  auto add = [&](std::string name, std::vector<int64_t> shape, Init init, TpSplit split) {
-    t.push_back({std::move(name), std::move(shape), init, split});
+  const TpSplit replicated, norm{-1, 1, false, true}, vocab{0, 1, true, false}, router{-1, 1, false, false, true};
+  auto add = [&](std::string name, std::vector<int64_t> shape, Init init, TpSplit split, int expert = -1) {
+    t.push_back({std::move(name), std::move(shape), init, split, false, expert});
   };
   // Hugging Face Linear [out, in]: column-parallel splits dim 0, row-parallel dim 1; Conv1D [in, out] the reverse.
   const TpSplit out_in_col{0}, out_in_row{1};
@@ -81,12 +83,12 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
     add(p + "post_attention_layernorm.weight", {C}, Init::ones, norm);
     if (c.is_moe()) {
       std::string m = p + "block_sparse_moe.";
-      add(m + "gate.weight", {c.num_experts, C}, Init::normal, replicated);
-      for (int64_t e = 0; e < c.num_experts; ++e) {  // each expert split by TP inside (until expert parallelism)
+      add(m + "gate.weight", {c.num_experts, C}, Init::normal, router);
+      for (int64_t e = 0; e < c.num_experts; ++e) {
         std::string x = m + "experts." + std::to_string(e) + ".";
-        add(x + "w1.weight", {F, C}, Init::normal, out_in_col);
-        add(x + "w3.weight", {F, C}, Init::normal, out_in_col);
-        add(x + "w2.weight", {C, F}, Init::scaled_normal, out_in_row);
+        add(x + "w1.weight", {F, C}, Init::normal, out_in_col, int(e));
+        add(x + "w3.weight", {F, C}, Init::normal, out_in_col, int(e));
+        add(x + "w2.weight", {C, F}, Init::scaled_normal, out_in_row, int(e));
       }
     } else {
       add(p + "mlp.gate_proj.weight", {F, C}, Init::normal, out_in_col);
@@ -97,6 +99,17 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
   add("model.norm.weight", {C}, Init::ones, norm);
   if (!c.tied_embeddings) add("lm_head.weight", {V, C}, Init::normal, vocab);
   return t;
+}
+
+SplitTable split_experts(std::vector<ParamSpec> table, int64_t num_experts, int ep, int ep_rank) {
+  ORIGAMI_ASSERT(ep >= 1 && num_experts % ep == 0);
+  const int64_t per = num_experts / ep, first = int64_t(ep_rank) * per;
+  SplitTable out;
+  for (ParamSpec& p : table) {
+    if (p.expert < 0) out.dense.push_back(std::move(p));
+    else if (p.expert >= first && p.expert < first + per) out.experts.push_back(std::move(p));
+  }
+  return out;
 }
 
 bool ModelPart::holds_layer(int64_t l) const {

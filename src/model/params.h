@@ -31,6 +31,8 @@ struct TpSplit {
   bool pad = false;          // the dimension (vocabulary) is padded to a multiple of TP with zero rows
   bool seq_partial = false;  // replicated, and with sequence parallelism its gradient is a partial sum over
                              // the sequence shards (norm weights): reduced over TP before the optimizer
+  bool token_partial = false;  // replicated, and each TP rank computes it on its own share of the tokens
+                               // whatever SP says (the MoE router): reduced over TP before the optimizer
 };
 
 struct ParamSpec {
@@ -42,6 +44,9 @@ struct ParamSpec {
   // a data-parallel bucket of its own on both, so its DP shards line up and can be summed across
   // the two stages (the embedding group).
   bool pp_shared = false;
+  // A routed expert's tensor: its global expert index (else -1). Such tensors live in a buffer of
+  // their own, laid out over the MoE mesh (split over ETP, held by one EP rank, reduced over EDP).
+  int expert = -1;
   int64_t numel() const;       // global elements
   bool decays() const { return shape.size() >= 2; }  // AdamW weight decay on matrices only
   std::vector<int64_t> local_shape(int tp) const;    // this shard's shape (padded dimension included)
@@ -73,6 +78,14 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& cfg);
 // are different stages.
 std::vector<ParamSpec> make_param_table(const ModelConfig& cfg, const ModelPart& part);
 int64_t num_parameters(const ModelConfig& cfg);  // global count, whatever the layout
+
+// A stage's table cut in two for MoE parallel folding: `dense` (everything but routed experts, laid out
+// over the attention mesh) and `experts` (the tensors of this EP rank's experts, [ep_rank·E/ep,
+// (ep_rank+1)·E/ep), laid out over the MoE mesh). Both keep the table's order and global names.
+struct SplitTable {
+  std::vector<ParamSpec> dense, experts;
+};
+SplitTable split_experts(std::vector<ParamSpec> table, int64_t num_experts, int ep, int ep_rank);
 
 // The per-rank layout of the buffers.
 struct ParamLayout {

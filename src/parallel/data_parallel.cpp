@@ -11,9 +11,8 @@
 
 namespace origami {
 
-DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel,
-                           Comm* embedding)
-    : params_(params), dp_(dp), tp_(tp), world_(world), embedding_(embedding), zero_(zero_stage),
+DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding)
+    : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
       sp_(sequence_parallel && tp.size() > 1) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 2, "--zero must be 0, 1 or 2, got ", zero_);
   ORIGAMI_ASSERT(params.layout().dp == dp.size());
@@ -31,9 +30,10 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int 
   pending_.resize(params.buckets().size());
   started_.assign(params.buckets().size(), 0);
   const std::vector<ParamSpec>& table = params.table();
-  if (sp_)
-    for (const Segment& seg : params.segments(owned_))
-      if (table[seg.param].split.seq_partial) sp_segs_.push_back(seg);
+  for (const Segment& seg : params.segments(owned_)) {
+    const TpSplit& split = table[seg.param].split;
+    if ((sp_ && split.seq_partial) || (tp.size() > 1 && split.token_partial)) partial_segs_.push_back(seg);
+  }
   for (size_t b = 0; b < params.buckets().size(); ++b)
     for (const Segment& seg : params.segments({params.buckets()[b]}))
       if (table[seg.param].pp_shared) {
@@ -113,7 +113,7 @@ void DataParallel::end_backward() {
   armed_ = false;
 }
 
-DataParallel::Gradients DataParallel::finish_gradients(double local_loss) {
+double DataParallel::complete_gradients() {
   float* g = params_.grad();
   if (zero_ == 2) {  // the optimizer reads gradients from the buffer: write back this rank's shards only
     for (size_t b = 0; b < shards_.size(); ++b)
@@ -129,13 +129,13 @@ DataParallel::Gradients DataParallel::finish_gradients(double local_loss) {
     const Range r = zero_ == 0 ? params_.buckets()[b] : shards_[b];
     embedding_->all_reduce(g + r.begin, r.end - r.begin);
   }
-  // Sequence parallelism: norm-weight gradients are partial sums over the TP ranks' sequence shards.
-  if (sp_) {
+  // TP-partial gradients: norm weights under SP (sequence shards), the MoE router (token shares).
+  if (!partial_segs_.empty()) {
     std::vector<float> packed;
-    for (const Segment& s : sp_segs_) packed.insert(packed.end(), g + s.begin, g + s.end);
+    for (const Segment& s : partial_segs_) packed.insert(packed.end(), g + s.begin, g + s.end);
     tp_.all_reduce(packed.data(), int64_t(packed.size()));
     size_t at = 0;
-    for (const Segment& s : sp_segs_) {
+    for (const Segment& s : partial_segs_) {
       std::memcpy(g + s.begin, packed.data() + at, size_t(s.end - s.begin) * sizeof(float));
       at += size_t(s.end - s.begin);
     }
@@ -158,9 +158,14 @@ DataParallel::Gradients DataParallel::finish_gradients(double local_loss) {
     }
     return sq;
   };
-  double red[2] = {sum_squares(norm_segs_), std::isfinite(local_loss) ? 0.0 : 1.0};
-  if (!std::isfinite(sum_squares(copy_segs_))) red[0] = std::numeric_limits<double>::quiet_NaN();
-  world_.all_reduce(red, 2);
+  if (!std::isfinite(sum_squares(copy_segs_))) return std::numeric_limits<double>::quiet_NaN();
+  return sum_squares(norm_segs_);
+}
+
+Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, double local_loss) {
+  double red[2] = {0.0, std::isfinite(local_loss) ? 0.0 : 1.0};
+  for (DataParallel* set : sets) red[0] += set->complete_gradients();
+  world.all_reduce(red, 2);
   return {std::sqrt(red[0]), red[1] == 0};
 }
 

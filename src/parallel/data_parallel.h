@@ -17,6 +17,11 @@
 // The gradient norm is the true global one: each element counted once over TP × DP × PP (TP-replicated
 // parameters on TP rank 0 only; DP-replicated gradients within this rank's shard only; the tied
 // embedding on the first stage only).
+//
+// MoE parallel folding: a rank has two parameter sets, each with its own DataParallel — the dense
+// one (attention mesh: TP, reduced over DP) and the routed experts (MoE mesh: split over ETP, one
+// EP rank's experts, reduced over EDP). finish_gradients takes both and forms one global norm with
+// one all-reduce over the world, each element counted once under any folding.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -33,11 +38,11 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 
 class DataParallel {
  public:
-  // dp: data-parallel group; tp: tensor-parallel group (sequence-parallel gradients are reduced over it);
-  // world: every rank (for the norm); embedding: the first and last pipeline stage of this rank's
-  // pipeline when it holds a pp_shared tensor (the tied embedding), else null.
-  DataParallel(Params& params, Comm& dp, Comm& tp, Comm& world, int zero_stage, bool sequence_parallel,
-               Comm* embedding = nullptr);
+  // dp: data-parallel group; tp: tensor-parallel group (TP-partial gradients are reduced over it:
+  // sequence-partial ones under SP, token-partial ones whenever it has more than one rank);
+  // embedding: the first and last pipeline stage of this rank's pipeline when it holds a pp_shared
+  // tensor (the tied embedding), else null.
+  DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr);
 
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
@@ -45,7 +50,7 @@ class DataParallel {
 
   // A step, whatever the schedule (one forward-backward per micro-batch, or a pipeline's chunks):
   //   begin_step(); { begin_backward(final); <backward: the model calls grads_ready> end_backward(); }...
-  //   finish_gradients(); <optimizer>; gather_params()
+  //   finish_gradients({sets}); <optimizer>; gather_params()
   void begin_step();
   // Before a backward pass. `final`: no later backward of this step writes the gradients this one
   // writes (the last micro-batch; under interleaving, the chunk's last). ZeRO 0/1 reduce during final
@@ -57,17 +62,10 @@ class DataParallel {
   void end_backward();
 
   // After the step's last backward: completes the reductions, sums the tied embedding over the
-  // embedding group, completes sequence-parallel gradients over TP and returns the global gradient
-  // norm. Clipping is left to the optimizer (clip_coefficient, AdamW::step's grad_scale).
-  // The same all-reduce tells every rank whether any rank's loss (`local_loss`: this rank's part of
-  // the step's loss) or gradients were not finite: a gradient element this rank applies but does not
-  // count in the norm (a TP replica on TP rank ≥ 1) makes the norm NaN too, so no rank updates with it.
-  struct Gradients {
-    double norm;       // global gradient norm, before clipping; not finite if any rank's gradients are not
-    bool loss_finite;  // every rank's local loss was finite
-    bool finite() const { return loss_finite && std::isfinite(norm); }
-  };
-  Gradients finish_gradients(double local_loss);
+  // embedding group and TP-partial gradients over TP; returns this rank's part of the squared global
+  // norm — NaN when a gradient element it applies but does not count (a TP replica on TP rank ≥ 1)
+  // is not finite, so no rank updates with it. finish_gradients (below) calls it.
+  double complete_gradients();
   // After the optimizer updated the owned ranges (ZeRO ≥ 1): all-gathers every bucket's parameters.
   void gather_params();
 
@@ -76,7 +74,7 @@ class DataParallel {
   void complete_bucket(size_t b);
 
   Params& params_;
-  Comm &dp_, &tp_, &world_;
+  Comm &dp_, &tp_;
   Comm* embedding_;
   std::vector<size_t> shared_buckets_;  // buckets of pp_shared tensors (summed over embedding_)
   int zero_;
@@ -84,7 +82,7 @@ class DataParallel {
   std::vector<Range> owned_;         // optimizer ranges
   std::vector<Range> shards_;        // this rank's shard of each bucket (norm ranges, whatever the stage)
   std::vector<int64_t> shard_at_;    // where bucket b's shard starts in recv_ / acc_
-  std::vector<Segment> sp_segs_;     // owned segments of sequence-partial tensors (reduced over TP under SP)
+  std::vector<Segment> partial_segs_;  // owned segments of TP-partial tensors (reduced over TP)
   std::vector<Segment> norm_segs_;   // shard segments this rank counts in the norm (TP-replicated: TP rank 0)
   std::vector<Segment> copy_segs_;   // TP replicas it applies but does not count (checked for finiteness)
   std::vector<float> recv_;          // ZeRO ≥ 1: reduce-scatter output, one shard per bucket
@@ -93,5 +91,16 @@ class DataParallel {
   std::vector<uint8_t> started_;
   bool armed_ = false;
 };
+
+// The step's gradients over every parameter set of this rank (complete_gradients of each), with one
+// all-reduce over the world: the global norm (before clipping; clipping is the optimizer's,
+// clip_coefficient), and whether any rank's loss (`local_loss`: this rank's part of the step's loss)
+// or gradients were not finite.
+struct Gradients {
+  double norm;       // global gradient norm; not finite if any rank's gradients are not
+  bool loss_finite;  // every rank's local loss was finite
+  bool finite() const { return loss_finite && std::isfinite(norm); }
+};
+Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, double local_loss);
 
 }  // namespace origami

@@ -104,13 +104,13 @@ std::vector<int> MeshShape::group(int rank, std::string_view axes) const {
   return ranks;
 }
 
-std::string MeshShape::describe() const {
+std::string MeshShape::describe(bool experts) const {
   std::ostringstream os;
   const char* sep = "";
   for (auto [name, v] : {std::pair{"TP", dims_.tp}, {"CP", dims_.cp}, {"DP", dims_.dp}, {"PP", dims_.pp}})
     if (v > 1) os << sep << name << v, sep = " x ";
   if (*sep == 0) os << "1 rank";
-  if (dims_.ep > 1 || dims_.etp != dims_.tp) os << " | MoE: ETP" << dims_.etp << " x EP" << dims_.ep << " x EDP" << dims_.edp;
+  if (experts) os << " | experts ETP" << dims_.etp << " x EP" << dims_.ep << " x EDP" << dims_.edp;
   if (order_ != "tp-cp-ep-dp-pp") os << " (order " << order_ << ")";
   return os.str();
 }

@@ -42,8 +42,9 @@ class MeshShape {
   // The ranks sharing every coordinate of `rank` except those of `axes` ("tp", "dp-cp", "etp-ep", ...;
   // all from one mesh), ordered by their coordinates along `axes` (first fastest in mesh order).
   std::vector<int> group(int rank, std::string_view axes) const;
-  // e.g. "TP2 x DP2", with " (order dp-tp-cp-ep-pp)" when the order is not the default.
-  std::string describe() const;
+  // e.g. "TP2 x DP2" (the attention mesh), with `experts` also the MoE mesh ("TP2 x DP2 | experts
+  // ETP1 x EP4 x EDP1"), and " (order dp-tp-cp-ep-pp)" when the order is not the default.
+  std::string describe(bool experts = false) const;
 
  private:
   struct Axis {

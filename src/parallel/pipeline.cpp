@@ -21,8 +21,9 @@ struct Pipeline::Transfer {
   Request req;
 };
 
-Pipeline::Pipeline(Model& model, Comm& pp, DataParallel& dp, ScheduleKind kind, int microbatches, int chunks)
-    : model_(model), pp_(pp), dp_(dp), chunks_(chunks), microbatches_(microbatches) {
+Pipeline::Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, ScheduleKind kind, int microbatches,
+                   int chunks)
+    : model_(model), pp_(pp), dp_(std::move(dp)), chunks_(chunks), microbatches_(microbatches) {
   ORIGAMI_ASSERT(int(model.part().chunks.size()) == chunks);
   actions_ = make_schedule(kind, pp.size(), pp.rank(), microbatches, chunks);
   // A backward is final when no later backward of the same chunk follows; finals in decreasing chunk order.
@@ -146,11 +147,11 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
           timed_wait(f->second->req);
           fwd_sends.erase(f);
         }
-        dp_.begin_backward(final_[i]);
+        for (DataParallel* d : dp_) d->begin_backward(final_[i]);
         const double c0 = now();
         out += model_.backward(a.microbatch, a.chunk, tok, d_out ? d_out->buf.data() : nullptr, loss_scale);
         times_.busy += now() - c0;
-        dp_.end_backward();
+        for (DataParallel* d : dp_) d->end_backward();
         if (d_out) spare.push_back(std::move(d_out));
         break;
       }

@@ -32,8 +32,8 @@ struct PipelineTimes {
 class Pipeline {
  public:
   // pp: this rank's pipeline group (stage = pp.rank()); model: this stage's part (its chunks are
-  // virtual stages chunk·stages + stage); dp: gradient reduction hooks.
-  Pipeline(Model& model, Comm& pp, DataParallel& dp, ScheduleKind kind, int microbatches, int chunks);
+  // virtual stages chunk·stages + stage); dp: gradient reduction hooks, one per parameter set.
+  Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, ScheduleKind kind, int microbatches, int chunks);
 
   // One step: micro-batch m reads tokens[m] ([B, T+1] windows); gradients of loss_scale·loss of each
   // micro-batch accumulate. Returns the losses summed over micro-batches as seen by this stage: the LM
@@ -58,7 +58,7 @@ class Pipeline {
 
   Model& model_;
   Comm& pp_;
-  DataParallel& dp_;
+  std::vector<DataParallel*> dp_;
   int chunks_, microbatches_;
   std::vector<Action> actions_;
   std::vector<uint8_t> final_;  // per action: a backward no later backward of its chunk follows

@@ -33,19 +33,40 @@ void TensorParallel::from_shards(float* out, const float* in, int64_t B, int64_t
       std::memcpy(out + (b * T + r * Ts) * C, in + ((r * B + b) * Ts) * C, size_t(Ts * C) * sizeof(float));
 }
 
+void TensorParallel::gather(float* full, const float* shard, int64_t B, int64_t T, int64_t C) {
+  const int64_t N = B * T;
+  if (B == 1) {
+    comm_->all_gather(full, shard, N / size() * C, DType::f32);
+    return;
+  }
+  buf_.resize(size_t(N * C));
+  comm_->all_gather(buf_.data(), shard, N / size() * C, DType::f32);
+  from_shards(full, buf_.data(), B, T, C);
+}
+
 void TensorParallel::enter(float* full, const float* local, int64_t B, int64_t T, int64_t C) {
   if (!sp_) {
     ORIGAMI_ASSERT(full == local);
     return;
   }
-  const int64_t N = B * T;
-  if (B == 1) {
-    comm_->all_gather(full, local, N / size() * C, DType::f32);
+  gather(full, local, B, T, C);
+}
+
+const float* TensorParallel::share(const float* local, float* scratch, int64_t B, int64_t T, int64_t C) const {
+  if (whole_shares()) return local;
+  const int64_t Ts = T / size(), r = rank();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(scratch + b * Ts * C, local + (b * T + r * Ts) * C, size_t(Ts * C) * sizeof(float));
+  return scratch;
+}
+
+void TensorParallel::gather_shares(float* local, const float* share, int64_t B, int64_t T, int64_t C) {
+  if (whole_shares()) {
+    ORIGAMI_ASSERT(local == share);
     return;
   }
-  buf_.resize(size_t(N * C));
-  comm_->all_gather(buf_.data(), local, N / size() * C, DType::f32);
-  from_shards(full, buf_.data(), B, T, C);
+  gather(local, share, B, T, C);
 }
 
 void TensorParallel::enter_backward(float* d_local, float* d_full, int64_t B, int64_t T, int64_t C) {

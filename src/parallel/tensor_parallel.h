@@ -50,6 +50,17 @@ class TensorParallel {
 
   // All-reduce (sum) of values that are partial sums over the TP ranks.
   void all_reduce(float* x, int64_t n) { comm_->all_reduce(x, n); }
+  // Layers split by tokens rather than features (MoE: each TP rank routes its own share, so no
+  // token's expert work runs twice). A rank's share is its sequence shard, N/t tokens: with SP the
+  // tokens it holds outside regions, without SP the same positions cut from the full buffer.
+  int64_t share_tokens(int64_t N) const { return N / size(); }
+  // This rank's share of `local` ([Nl, C]): local itself with SP or one rank, else copied into scratch.
+  const float* share(const float* local, float* scratch, int64_t B, int64_t T, int64_t C) const;
+  // Where a share-sized result goes before gather_shares: local itself with SP or one rank, else scratch.
+  float* share_buffer(float* local, float* scratch) const { return whole_shares() ? local : scratch; }
+  // local ([Nl, C]) ← every rank's share (an all-gather without SP; nothing when share is local).
+  void gather_shares(float* local, const float* share, int64_t B, int64_t T, int64_t C);
+
   // Vocab-parallel cross-entropy: each rank's per-row (max, sum-exp, target logit) → whole-vocabulary
   // statistics (an all-gather of 3 floats per row, then merge_vocab_stats).
   void combine_vocab_stats(float* stats_n3, int64_t n);
@@ -58,6 +69,9 @@ class TensorParallel {
   // [B, T, C] ↔ [t][B, T/t, C] (rank-major shards); the identity when B == 1.
   void to_shards(float* out, const float* in, int64_t B, int64_t T, int64_t C) const;
   void from_shards(float* out, const float* in, int64_t B, int64_t T, int64_t C) const;
+  // full_NC ← every rank's sequence shard (all-gather, reordered when B > 1).
+  void gather(float* full_NC, const float* shard, int64_t B, int64_t T, int64_t C);
+  bool whole_shares() const { return sp_ || size() == 1; }  // a share is the whole local buffer
   Comm* comm_;
   bool sp_ = false;
   std::vector<float> buf_;

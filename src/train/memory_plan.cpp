@@ -74,25 +74,34 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
   const std::vector<ParamSpec> table = make_param_table(cfg, part);
-  const BufferPlan plan = plan_buffer(table, o.param_layout(tp, tp_rank, dp));
+  const int ep = mesh.degree("ep"), etp = mesh.degree("etp"), edp = mesh.degree("edp");
+  const int ep_rank = mesh.coord(rank, "ep"), etp_rank = mesh.coord(rank, "etp"), edp_rank = mesh.coord(rank, "edp");
+  const SplitTable sets = split_experts(table, cfg.num_experts, ep, ep_rank);
   MemoryParts m;
   m.runtime = runtime;
 
-  // Parameters and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size.
-  const std::vector<Range> shards = bucket_shards(plan.buckets, dp, dp_rank);
-  // The elements this rank's optimizer updates: every tensor element (ZeRO 0) or its shard of each
+  // Per parameter set (dense tensors over TP and DP, this rank's experts over ETP and EDP): parameters
+  // and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size; the
+  // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding.
-  int64_t shard_floats = 0, all_data = 0, shard_data = 0;
-  for (size_t b = 0; b < shards.size(); ++b) {
-    const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
-    shard_floats += shards[b].end - shards[b].begin;
-    all_data += plan.bucket_data[b];
-    shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
-  }
-  const int64_t owned = o.zero == 0 ? all_data : shard_data;
-  m.weights = 4 * plan.size;
-  m.grads = 4 * plan.size + (o.zero >= 1 ? 4 * shard_floats : 0) + (o.zero == 2 ? 4 * shard_floats : 0);
-  m.optimizer = 2 * 4 * owned;
+  int64_t floats = 0, shard_floats = 0;  // both sets: buffer floats, and this rank's bucket shards
+  auto add_set = [&](const std::vector<ParamSpec>& t, int tp_size, int tp_r, int dp_size, int dp_r) {
+    const BufferPlan plan = plan_buffer(t, o.param_layout(tp_size, tp_r, dp_size));
+    const std::vector<Range> shards = bucket_shards(plan.buckets, dp_size, dp_r);
+    int64_t shard = 0, all_data = 0, shard_data = 0;
+    for (size_t b = 0; b < shards.size(); ++b) {
+      const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
+      shard += shards[b].end - shards[b].begin;
+      all_data += plan.bucket_data[b];
+      shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
+    }
+    m.weights += 4 * plan.size;
+    m.grads += 4 * plan.size + (o.zero >= 1 ? 4 * shard : 0) + (o.zero == 2 ? 4 * shard : 0);
+    m.optimizer += 2 * 4 * (o.zero == 0 ? all_data : shard_data);
+    floats += plan.size, shard_floats += shard;
+  };
+  add_set(sets.dense, tp, tp_rank, dp, dp_rank);
+  add_set(sets.experts, etp, etp_rank, edp, edp_rank);
 
   // Activations: the stage's schedule keeps slots of its chunks' layers (the pipeline's computed peak).
   const ActivationShape shape = o.activation_shape(tp);
@@ -117,11 +126,19 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
       for (int s = 1; s < pp; ++s)
         other_stage = std::max(other_stage, floats_of(make_param_table(cfg, ModelPart::of_stage(virtual_stages, pp, s))));
     }
-    const int64_t save = save_buffer_bytes(plan.size, stage_root ? floats_of(table) : 0, global, other_stage, tp, pp,
-                                           stage_root, rank0);
+    // The experts' gathers: ETP shards on the first EDP replica's ETP rank 0 (a Params of its experts
+    // and the gathered buffer), then the stage's experts on EP rank 0 (the stage root: the same again
+    // for all experts, and the stage buffer they are appended to).
+    const bool expert_root = edp_rank == 0 && etp_rank == 0 && cfg.is_moe();
+    const int64_t local_experts = expert_root ? floats_of(sets.experts) : 0;
+    const int64_t stage_experts = stage_root && cfg.is_moe() ? floats_of(split_experts(table, cfg.num_experts, 1, 0).experts) : 0;
+    const int64_t experts_floats = 2 * local_experts + (expert_root && etp > 1 ? floats_of(sets.experts) : 0) +
+                                   3 * stage_experts + (stage_root && cfg.is_moe() ? floats_of(table) : 0);
+    const int64_t save = save_buffer_bytes(floats, stage_root ? floats_of(table) : 0, global, other_stage, tp, pp,
+                                           stage_root, rank0) + 4 * experts_floats;
     // ZeRO-2 returns the full gradient buffer's pages after each backward: a save (after the step)
     // reuses them, so only what it needs beyond them adds to the step's peak.
-    const int64_t released = o.zero == 2 ? 4 * (plan.size - shard_floats) : 0;
+    const int64_t released = o.zero == 2 ? 4 * (floats - shard_floats) : 0;
     m.checkpoint = std::max<int64_t>(0, save - released);
   }
   return m;

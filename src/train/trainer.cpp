@@ -51,7 +51,7 @@ std::string format_duration(double seconds) {
 
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
-          {"tp", tp}, {"dp", dp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"tp", tp}, {"dp", dp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
           {"pp_layers", pp_layers}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
@@ -94,6 +94,20 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   parse_recompute(recompute);
   ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);
   ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
+  // The MoE mesh: experts over EP, each expert's FFN over ETP, EDP the rest of a pipeline stage's ranks.
+  ORIGAMI_CHECK(ep >= 1 && etp >= 1, "--ep and --etp must be at least 1, got --ep ", ep, " --etp ", etp);
+  ORIGAMI_CHECK(cfg.is_moe() || (ep == 1 && etp == 1), "--ep ", ep, " --etp ", etp, ": expert parallelism needs a "
+                "mixture-of-experts model, and this ", cfg.model_type(), " model has no experts");
+  if (cfg.is_moe()) {
+    ORIGAMI_CHECK(cfg.num_experts % ep == 0, "--ep ", ep, " must divide the number of experts (", cfg.num_experts, ")");
+    ORIGAMI_CHECK(cfg.ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.ffn, ")");
+    const int stage_ranks = world_size % pp == 0 ? world_size / pp : 0;
+    ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
+                  ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
+                  world_size / pp, "): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP");
+    ORIGAMI_CHECK(tp == 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (", seq_len,
+                  ") must be a multiple of --tp (", tp, ")");
+  }
   const MeshDims dims = layout_dims(world_size);
   MeshShape(world_size, dims, mesh_order);  // validates the world size and the order
   auto divides = [&](int64_t n, const char* what) {
@@ -102,7 +116,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   divides(cfg.num_heads, "attention heads");
   divides(cfg.num_kv_heads, "key/value heads");
   divides(cfg.hidden, "hidden features");
-  divides(cfg.ffn, cfg.is_moe() ? "expert FFN features" : "FFN features");
+  if (!cfg.is_moe()) divides(cfg.ffn, "FFN features");  // experts are split by --etp instead
   ORIGAMI_CHECK(global_batch % (int64_t(dims.dp) * micro_batch) == 0, "--global-batch (", global_batch,
                 ") must be a multiple of --micro-batch x DP (", micro_batch, " x ", dims.dp, " = ",
                 micro_batch * dims.dp, ")");
@@ -143,13 +157,13 @@ ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) co
 }
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
-  return {micro_batch, seq_len, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute)};
+  return {micro_batch, seq_len, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep};
 }
 
 MeshDims TrainOptions::layout_dims(int world_size) const {
   MeshDims d;
   d.tp = tp, d.cp = cp, d.pp = pp, d.dp = dp;
-  d.etp = tp, d.ep = 1, d.edp = 0;  // MoE experts split by TP inside each expert until expert parallelism
+  d.etp = etp, d.ep = ep, d.edp = 0;
   return MeshShape::derive(world_size, d);
 }
 
@@ -225,6 +239,21 @@ MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t 
   return out;
 }
 
+// One parameter set of this rank with its gradient reduction and optimizer: the dense tensors on the
+// attention mesh (TP shards, reduced over DP) or the routed experts on the MoE mesh (ETP shards of
+// this EP rank's experts, reduced over EDP). A dense model's expert set is empty.
+struct ParamSet {
+  Params params;
+  Comm &dp_comm, &tp_comm;  // DP (EDP) and TP (ETP) groups
+  DataParallel dp;
+  AdamW opt;
+  ParamSet(std::vector<ParamSpec> table, const TrainOptions& o, Comm& dp_group, Comm& tp_group, bool sequence_parallel,
+           Comm* embedding)
+      : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size())),
+        dp_comm(dp_group), tp_comm(tp_group), dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding),
+        opt(params, o.adam, dp.owned()) {}
+};
+
 double cpu_seconds() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -267,11 +296,14 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   const MemoryCheck memory = check_memory(cfg, o, sampler.bytes(), world);
   const bool rank0 = world.rank() == 0;
 
-  // Layout: mesh; this rank's pipeline stage (its chunks of layers), TP shard and DP buckets.
+  // Layout: the attention and MoE meshes over the same ranks; this rank's pipeline stage (its chunks
+  // of layers), the TP shard and DP buckets of its dense tensors, and its experts (EP) with their ETP
+  // shard and EDP buckets.
   Mesh mesh(world, MeshShape(world.size(), o.layout_dims(world.size()), o.mesh_order));
   Comm& tp_comm = mesh.comm("tp");
   Comm& dp_comm = mesh.comm("dp");
   Comm& pp_comm = mesh.comm("pp");
+  Comm &ep_comm = mesh.comm("ep"), &etp_comm = mesh.comm("etp"), &edp_comm = mesh.comm("edp");
   const int dp = dp_comm.size(), dp_rank = dp_comm.rank(), pp = pp_comm.size(), stage = pp_comm.rank();
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   auto part_of = [&](int s) { return ModelPart::of_stage(virtual_stages, pp, s); };
@@ -280,42 +312,49 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // stages form groups of their own, unused).
   std::unique_ptr<Comm> embedding_comm;
   if (pp > 1) embedding_comm = pp_comm.split(stage == 0 || stage == pp - 1 ? 0 : 1, stage, "embedding");
-  Params params(make_param_table(cfg, part), o.param_layout(tp_comm.size(), tp_comm.rank(), dp));
-  DataParallel data_parallel(params, dp_comm, tp_comm, world, o.zero, o.sequence_parallel,
-                             part.embedding != part.head ? embedding_comm.get() : nullptr);
-  AdamW opt(params, o.adam, data_parallel.owned());
+  SplitTable tables = split_experts(make_param_table(cfg, part), cfg.num_experts, ep_comm.size(), ep_comm.rank());
+  ParamSet dense(std::move(tables.dense), o, dp_comm, tp_comm, o.sequence_parallel,
+                 part.embedding != part.head ? embedding_comm.get() : nullptr);
+  ParamSet experts(std::move(tables.experts), o, edp_comm, etp_comm, false, nullptr);
+  ParamSet* const sets[2] = {&dense, &experts};
+  Params& params = dense.params;
   int64_t start_step = 0;
   if (o.init_from.empty()) {
-    params.init(o.seed, cfg.num_layers);
+    for (ParamSet* set : sets) set->params.init(o.seed, cfg.num_layers);
   } else {
-    load_weights(weights_file(o.init_from), cfg, params);
+    for (ParamSet* set : sets) load_weights(weights_file(o.init_from), cfg, set->params);
     if (is_checkpoint_dir(o.init_from) && std::filesystem::exists(o.init_from + "/optimizer.safetensors")) {
-      std::vector<float> m, v;
-      allocating("the AdamW moments read from the checkpoint", 8 * params.size(), [&] {
-        m.assign(size_t(params.size()), 0.f);
-        v.assign(size_t(params.size()), 0.f);
-      });
-      const TrainerState st = load_optimizer_state(o.init_from, params, m.data(), v.data());
-      opt.state_from_flat(m.data(), v.data());
-      opt.set_steps_taken(st.adam_steps);
-      start_step = st.step;
+      for (ParamSet* set : sets) {
+        std::vector<float> m, v;
+        const int64_t n = set->params.size();
+        allocating("the AdamW moments read from the checkpoint", 8 * n, [&] {
+          m.assign(size_t(n), 0.f);
+          v.assign(size_t(n), 0.f);
+        });
+        const TrainerState st = load_optimizer_state(o.init_from, set->params, m.data(), v.data());
+        set->opt.state_from_flat(m.data(), v.data());
+        set->opt.set_steps_taken(st.adam_steps);
+        start_step = st.step;
+      }
       ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", o.init_from, "' is already at step ", start_step,
                     "; ask for more --steps to continue");
     }
   }
   const Recompute recompute = parse_recompute(o.recompute);
-  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute);
+  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute,
+              {&experts.params, TokenDispatcher(tp_comm, ep_comm, etp_comm)});
   int64_t current_step = 0;
   bool injected = false;
-  model.on_grads_ready([&](int64_t offset) {
+  model.on_grads_ready([&](int64_t offset, int64_t expert_offset) {
     if (current_step == nan_step && nan_rank == world.rank() && !injected) {
       params.grad()[offset] = std::numeric_limits<float>::quiet_NaN();
       injected = true;
     }
-    data_parallel.grads_ready(offset);
+    dense.dp.grads_ready(offset);
+    experts.dp.grads_ready(expert_offset);
   });
   const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
-  Pipeline pipeline(model, pp_comm, data_parallel, o.schedule_kind(), int(micro), o.vpp);
+  Pipeline pipeline(model, pp_comm, {&dense.dp, &experts.dp}, o.schedule_kind(), int(micro), o.vpp);
   // Activation memory this stage should peak at (the memory check's figure, compared with the measured peak).
   const int64_t act_computed = memory.parts[size_t(world.rank())].activations;
 
@@ -325,7 +364,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     ORIGAMI_CHECK(*metrics, "cannot write metrics file '", o.metrics, "'");
   }
   const double flops_per_step = train_flops_per_token(cfg, T) * double(G * T);
-  std::string layout_name = mesh.shape().describe() + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
+  std::string layout_name = mesh.shape().describe(cfg.is_moe()) + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
                             (o.zero > 0 && dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
   if (pp > 1) layout_name += cat(" ", schedule_kind_name(o.schedule_kind()), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(recompute));
@@ -366,20 +405,28 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // still overflow): nothing is written then.
   auto save = [&](int64_t steps_done) {
     if (o.save.empty()) return true;
-    std::vector<float> m, v;
-    allocating("the AdamW moments of the checkpoint", 8 * params.size(), [&] {
-      m.assign(size_t(params.size()), 0.f);
-      v.assign(size_t(params.size()), 0.f);
-    });
-    opt.state_to_flat(m.data(), v.data());
-    const float* state[3] = {params.data(), m.data(), v.data()};
-    double bad = 0;
-    for (const float* x : state) {
-      double sum = 0;  // x·0 is 0 for a finite element and NaN for a non-finite one
-#pragma omp parallel for simd reduction(+ : sum)
-      for (int64_t i = 0; i < params.size(); ++i) sum += double(x[i]) * 0.0;
-      bad += std::isfinite(sum) ? 0 : 1;
+    // Per set: the weights and the AdamW moments, flattened in its buffer's layout.
+    std::vector<float> moments[2][2];
+    for (size_t k = 0; k < 2; ++k) {
+      const int64_t n = sets[k]->params.size();
+      allocating("the AdamW moments of the checkpoint", 8 * n, [&] {
+        moments[k][0].assign(size_t(n), 0.f);
+        moments[k][1].assign(size_t(n), 0.f);
+      });
+      sets[k]->opt.state_to_flat(moments[k][0].data(), moments[k][1].data());
     }
+    auto flat = [&](size_t k, int which) -> const float* {
+      return which == 0 ? sets[k]->params.data() : moments[k][size_t(which - 1)].data();
+    };
+    double bad = 0;
+    for (size_t k = 0; k < 2; ++k)
+      for (int which = 0; which < 3; ++which) {
+        const float* x = flat(k, which);
+        double sum = 0;  // x·0 is 0 for a finite element and NaN for a non-finite one
+#pragma omp parallel for simd reduction(+ : sum)
+        for (int64_t i = 0; i < sets[k]->params.size(); ++i) sum += double(x[i]) * 0.0;
+        bad += std::isfinite(sum) ? 0 : 1;
+      }
     if (world.all_reduce_value(bad) > 0) {
       if (rank0)
         std::fprintf(stderr, "origami train: error: step %lld: the weights or AdamW moments are not finite after the "
@@ -388,25 +435,46 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       return false;
     }
     last_saved = steps_done;
-    if (o.zero > 0) {
-      dp_comm.all_reduce(m.data(), params.size());
-      dp_comm.all_reduce(v.data(), params.size());
-    }
-    if (dp_rank == 0) allocating("the checkpoint's gathered tensors", memory.parts[size_t(world.rank())].checkpoint, [&] {
-      std::unique_ptr<Params> stage_global, global;
-      if (tp_comm.rank() == 0) stage_global = std::make_unique<Params>(make_param_table(cfg, part));
+    if (o.zero > 0)
+      for (size_t k = 0; k < 2; ++k)
+        for (std::vector<float>& x : moments[k]) sets[k]->dp_comm.all_reduce(x.data(), int64_t(x.size()));
+    // Gathers, for the weights and each moment: the dense tensors' TP shards on the first DP replica's
+    // TP rank 0; the experts' ETP shards on the first EDP replica's ETP rank 0, then the EP ranks'
+    // experts on EP rank 0 — the same rank, each stage's first —, which appends them to the stage's
+    // tensors (global names: a tensor is placed by name, whatever rank held it); then the stages on rank 0.
+    const bool stage_root = dp_rank == 0 && tp_comm.rank() == 0;
+    allocating("the checkpoint's gathered tensors", memory.parts[size_t(world.rank())].checkpoint, [&] {
+      std::unique_ptr<Params> dense_stage, local_experts, stage_experts, global;
+      std::vector<std::vector<ParamSpec>> ep_tables, stage_tables;
+      SplitTable stage_split = split_experts(make_param_table(cfg, part), cfg.num_experts, 1, 0);
+      if (stage_root) dense_stage = std::make_unique<Params>(stage_split.dense);
+      if (edp_comm.rank() == 0 && etp_comm.rank() == 0) {
+        local_experts = std::make_unique<Params>(experts.params.table());
+        for (int e = 0; e < ep_comm.size(); ++e)
+          ep_tables.push_back(split_experts(make_param_table(cfg, part), cfg.num_experts, ep_comm.size(), e).experts);
+        if (ep_comm.rank() == 0) stage_experts = std::make_unique<Params>(stage_split.experts);
+      }
       if (rank0) global = std::make_unique<Params>(make_param_table(cfg));
-      std::vector<std::vector<ParamSpec>> tables;
-      for (int s = 0; s < pp; ++s) tables.push_back(make_param_table(cfg, part_of(s)));
+      for (int s = 0; s < pp; ++s) {
+        SplitTable t = split_experts(make_param_table(cfg, part_of(s)), cfg.num_experts, 1, 0);
+        t.dense.insert(t.dense.end(), t.experts.begin(), t.experts.end());
+        stage_tables.push_back(std::move(t.dense));
+      }
       std::vector<std::vector<float>> gathered;  // weights, exp_avg, exp_avg_sq
-      for (const float* flat : {static_cast<const float*>(params.data()), static_cast<const float*>(m.data()), static_cast<const float*>(v.data())}) {
-        std::vector<float> stage_buf = gather_tp_shards(tp_comm, params, flat, stage_global.get());
-        if (tp_comm.rank() == 0) gathered.push_back(gather_pp_stages(pp_comm, stage_buf, tables, global.get()));
+      for (int which = 0; which < 3; ++which) {
+        std::vector<float> stage_buf, experts_buf;
+        if (dp_rank == 0) stage_buf = gather_tp_shards(tp_comm, dense.params, flat(0, which), dense_stage.get());
+        if (edp_comm.rank() == 0) {
+          experts_buf = gather_tp_shards(etp_comm, experts.params, flat(1, which), local_experts.get());
+          if (etp_comm.rank() == 0) experts_buf = gather_pp_stages(ep_comm, experts_buf, ep_tables, stage_experts.get());
+        }
+        stage_buf.insert(stage_buf.end(), experts_buf.begin(), experts_buf.end());
+        if (stage_root) gathered.push_back(gather_pp_stages(pp_comm, stage_buf, stage_tables, global.get()));
       }
       if (rank0) {
         std::copy(gathered[0].begin(), gathered[0].end(), global->data());
         save_checkpoint(o.save, cfg, *global, gathered[1].data(), gathered[2].data(),
-                        {steps_done, opt.steps_taken(), o.as_json()}, has_tokenizer ? tokenizer_path : "");
+                        {steps_done, dense.opt.steps_taken(), o.as_json()}, has_tokenizer ? tokenizer_path : "");
         std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
         std::fflush(stdout);
       }
@@ -434,7 +502,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     // takes its targets from them).
     const int64_t row0 = step * G + dp_rank * (G / dp);
     for (int64_t r = 0; r < micro * B; ++r) sampler.window(row0 + r, tokens.data() + r * (T + 1));
-    data_parallel.begin_step();
+    for (ParamSet* set : sets) set->dp.begin_step();
     model.reset_expert_counts();
     model.reset_act_peak();
     // Each micro-batch's loss enters the step's objective with weight 1/(G/B) (a mean over all of them).
@@ -442,26 +510,36 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     const Losses sum = pipeline.run(micro_tokens, B, T, 1.f / float(micro * dp));
     // Non-finite guard: every rank learns from the norm's own all-reduce whether any rank's loss or
     // gradients were not finite, and then all skip the update together.
-    const DataParallel::Gradients grads = data_parallel.finish_gradients(sum.loss);
+    const Gradients grads = finish_gradients({&dense.dp, &experts.dp}, world, sum.loss);
     const double gnorm = grads.norm;
     const bool skip = !grads.finite();
     if (!skip) {
-      opt.step(params, lr, clip_coefficient(gnorm, o.grad_clip));
-      data_parallel.gather_params();
+      for (ParamSet* set : sets) {
+        set->opt.step(set->params, lr, clip_coefficient(gnorm, o.grad_clip));
+        set->dp.gather_params();
+      }
       last_update = step + 1;
     } else {
       ++skipped;
     }
 
-    // Step metrics over the job: losses, expert counts and per-stage figures from one rank per TP
-    // group (its peers hold the same values) — per-stage ones from DP rank 0 only — CPU time from every
-    // rank, and the stop flag (any rank signalled). The loss parts come from the stages that own them.
+    // Step metrics over the job: the LM loss and per-stage figures from one rank per TP group (its
+    // peers hold the same values) — per-stage ones from DP rank 0 only —; the router losses and expert
+    // counts from every rank (each TP rank routes its own share of the tokens); CPU time and, for MoE,
+    // the expert-side rows from every rank; the stop flag (any rank signalled). The loss parts come
+    // from the stages that own them.
     const double weight = tp_comm.rank() == 0 ? 1.0 : 0.0, per = weight / double(micro * dp);
+    const double share_per = 1.0 / double(micro * dp);
     const double stage_weight = dp_rank == 0 ? weight : 0.0;
-    std::vector<double> red = {sum.lm_loss * per, sum.aux_loss * per, sum.z_loss * per, cpu_seconds() - cpu0,
-                               stop_signals.poll() ? 1.0 : 0.0};
+    std::vector<double> red = {sum.lm_loss * per, sum.aux_loss * share_per, sum.z_loss * share_per,
+                               cpu_seconds() - cpu0, stop_signals.poll() ? 1.0 : 0.0};
     for (const auto& layer : model.expert_counts())
-      for (int64_t c : layer) red.push_back(double(c) * weight);
+      for (int64_t c : layer) red.push_back(double(c));
+    const size_t rows_at = red.size();  // MoE: expert-side rows per rank
+    if (cfg.is_moe()) {
+      red.resize(rows_at + size_t(world.size()), 0.0);
+      red[rows_at + size_t(world.rank())] = double(model.expert_rows());
+    }
     const size_t stage_at = red.size();  // per stage: measured and computed activation peak, busy, schedule and pp bytes
     red.resize(stage_at + 5 * size_t(pp), 0.0);
     const double stage_values[5] = {double(model.act_bytes_peak()), double(act_computed), pipeline.times().busy,
@@ -542,6 +620,18 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
         std::vector<std::vector<int64_t>> ec(size_t(cfg.num_layers), std::vector<int64_t>(size_t(cfg.num_experts)));
         for (size_t i = 0; i < num_moe; ++i) ec[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[5 + i]);
         j["expert_tokens"] = ec;
+        // The rows each rank's experts computed, and per stage the most over the mean (the imbalance
+        // the dispatcher saw; the largest over stages).
+        std::vector<int64_t> rows(red.begin() + long(rows_at), red.begin() + long(rows_at) + world.size());
+        double imbalance = 1;
+        for (int s = 0; s < pp; ++s) {
+          double most = 0, total = 0, n = 0;
+          for (int r = 0; r < world.size(); ++r)
+            if (mesh.shape().coord(r, "pp") == s) most = std::max(most, double(rows[size_t(r)])), total += double(rows[size_t(r)]), ++n;
+          if (total > 0) imbalance = std::max(imbalance, most / (total / n));
+        }
+        j["expert_rows"] = rows;
+        j["expert_imbalance"] = imbalance;
       }
       *metrics << j.dump() << "\n";
       metrics->flush();

@@ -2,7 +2,8 @@
 // schedule, one human line and one JSON metrics object per step, periodic and final checkpoints,
 // and a clean stop (checkpoint saved) on SIGINT/SIGTERM — on one process or on every rank of an
 // MPI job laid out as TP × DP × PP (with sequence parallelism, ZeRO, pipeline schedules and
-// activation recomputation).
+// activation recomputation) — and, for MoE models, the experts on their own mesh ETP × EP × EDP × PP
+// over the same ranks (MoE parallel folding).
 //
 // Layout invariance: initialisation depends only on (seed, parameter name, global element index);
 // the rows of step s are windows s·G .. s·G+G−1 whatever the layout, DP rank d taking rows
@@ -51,6 +52,7 @@ struct TrainOptions {
   // Layout.
   int tp = 1, cp = 1, pp = 1;
   int dp = 0;                  // 0: world size / (tp·cp·pp)
+  int ep = 1, etp = 1;         // MoE mesh: expert parallel, expert tensor parallel (EDP = ranks per stage / (ETP·EP))
   int vpp = 1;                 // model chunks per pipeline stage (the interleaved schedule's v)
   std::string pp_schedule;     // gpipe | 1f1b | interleaved; "": 1f1b, interleaved when vpp > 1
   std::vector<int> pp_layers;  // layers of each virtual stage; empty: an even split
@@ -66,7 +68,8 @@ struct TrainOptions {
   // A copy with the derived values filled in: global_batch = micro_batch × DP when 0 (and the layout
   // degrees valid; validate() names them otherwise).
   TrainOptions resolved(int world_size) const;
-  // This rank's buffer layout (TP shard, DP bucket padding, bucket size) and activation shape.
+  // A buffer layout (TP shard — ETP for the experts' buffer —, DP bucket padding — EDP —, bucket
+  // size), and this layout's activation shape (tp: the attention mesh's TP degree).
   ParamLayout param_layout(int tp, int tp_rank, int dp) const;
   ActivationShape activation_shape(int tp) const;
   ScheduleKind schedule_kind() const;

@@ -18,7 +18,7 @@ micro-batch, C hidden size, L layers, K experts per token, m = micro-batches per
     AG_t(x) = RS_t(x) = (t−1)/t·4·x  (x = floats of the full, gathered buffer)
 
 TP (Megatron tensor parallelism; every TP rank sends the same amount, so rank 0 is representative):
-  Per micro-batch, per layer, 4 all-reduces of the N×C activation:
+  Per micro-batch, per layer (gpt2, llama), 4 all-reduces of the N×C activation:
     forward  f1: after the attention output projection (row-parallel o_proj/c_proj: partial sums)
     forward  f2: after the MLP down projection, or the MoE combine (row-parallel w2: partial sums)
     backward b1: input grad of the QKV projection (column-parallel: each rank holds the grad from
@@ -32,9 +32,13 @@ TP (Megatron tensor parallelism; every TP rank sends the same amount, so rank 0 
   + the vocab-parallel cross-entropy: per token the local max, local sum of exp and the target
     logit (0 when the target is not in this rank's shard) are all-gathered, 3 floats per token:
     all_gather of 3·N floats per rank, full buffer t·3·N floats:          AG_t(t·3·N) = (t−1)·3·N·4
-  + MoE layers (mixtral: every layer): each rank's expert outputs are partial (F-sharded
-    experts), so the gradient of the top-k routing weights (dL/dw_k = <dy, expert_k(x)>) is
-    partial and all-reduced in backward, N·K floats per MoE layer:              L_moe·AR_t(N·K)
+  + MoE layers (mixtral: every layer) are split by tokens, not features (MoE parallel folding):
+    f2 and b2 are gone; each TP rank routes its share of N/t tokens and, without SP, the expert
+    outputs (forward) and the input gradients (backward) are all-gathered:     L_moe·2·AG_t(N·C)
+    (with SP the shares are the sequence shards the rank already holds: nothing), and the per-
+    expert routed counts (E int64) are all-reduced in forward for the load-balancing loss:
+                                                                          L_moe·2·(t−1)/t·8·E
+    So mixtral's layers give L·2·AR_t(N·C) for attention plus those.
   per step: m · (that sum).
   With sequence parallelism each all-reduce of N·C becomes an all-gather + reduce-scatter pair
   (AG_t(N·C) + RS_t(N·C) = AR_t(N·C): the same bytes): f1/f2 become reduce-scatters into the
@@ -45,9 +49,12 @@ TP (Megatron tensor parallelism; every TP rank sends the same amount, so rank 0 
   unchanged; in addition each layer keeps its two norm outputs as sequence shards (no [N, C]
   activation is kept) and all-gathers them again in backward for the weight gradients of QKV and
   the MLP up/gate (or the router and experts):                                  L·2·AG_t(N·C)
-  per micro-batch. Once per step the gradients of parameters that act on the
-  sequence-sharded stream — every LayerNorm/RMSNorm weight and bias — are partial sums over the
-  sequence shards and are all-reduced over tp:                                AR_t(norm elements)
+  per micro-batch (mixtral: the attention norm's only, L·AG_t(N·C): the MoE works on the shard).
+  Once per step the gradients of parameters that act on the sequence-sharded stream — every
+  LayerNorm/RMSNorm weight and bias — are partial sums over the sequence shards and are
+  all-reduced over tp:                                                        AR_t(norm elements)
+  and, with or without SP, so are the MoE routers' (each TP rank routes its own tokens):
+                                                                            AR_t(router elements)
   The norm gradients reduced are those this rank updates: all of them with ZeRO-0; with ZeRO ≥ 1
   only those inside its DP shard of each bucket (the optimizer and the gradient norm read only the
   shard; data_parallel.cpp finish_gradients), so for rank 0
@@ -70,14 +77,17 @@ splitting a tensor — each padded at its end to a multiple of d; P_padded = Σ 
   Local parameters under TP t (Megatron sharding, params.cpp): vocab-parallel embedding and LM
   head ceil(V/t)·C; column-parallel QKV / c_attn / c_fc / gate / up / w1 / w3 (weights and
   biases) /t; row-parallel o_proj / c_proj / down / w2 weights /t, their biases replicated; norms,
-  gpt2 wpe and the MoE router replicated. The test models' tensors are all multiples of 4
+  gpt2 wpe and the MoE router replicated. The routed experts are not in this buffer: they have
+  their own, reduced over EDP = t·d (the MoE mesh ETP1 × EP1 × EDP by default: each expert whole
+  on every rank), by the same rules — that is the "edp" entry. The test models' tensors are all multiples of 4
   elements, so their buckets need no padding; the "pad" case (gpt2 with n_embd 42 and 0.02 MiB
   buckets under DP4) exercises padding and several buckets.
 
 world (read from trainer.cpp / data_parallel.cpp): per step one all-reduce of the squared gradient
 norm and the count of ranks whose loss is not finite (the non-finite guard: 2 doubles) and one of the step metrics (lm, aux, z, cpu_s, stop flag, the L·E expert token
-counts and 5 figures per pipeline stage — activation peak measured and computed, busy and schedule
-time, pp bytes: 5 + L·E + 5·PP doubles), over all n ranks:    AR_n(8·(2 + 5 + L·E + 5·PP)) bytes.
+counts, 5 figures per pipeline stage — activation peak measured and computed, busy and schedule
+time, pp bytes — and, for MoE, the expert-side rows of each rank: 5 + L·E + 5·PP (+ n) doubles),
+over all n ranks:                                       AR_n(8·(2 + 5 + L·E + 5·PP (+ n))) bytes.
 
 Usage: python3 tests/parallel/test_comm_bytes.py [gpt2,llama,mixtral]
 """
@@ -128,12 +138,16 @@ def dims(cfg):
             cfg["max_position_embeddings"], False, cfg.get("tie_word_embeddings", False))
 
 
-def local_table(cfg, t):
-    """[(name, local elements, is_norm)] of one TP rank, in buffer (Hugging Face table) order."""
+def local_table(cfg, t, experts=False):
+    """[(name, local elements, kind)] of one TP rank, in buffer (Hugging Face table) order; kind is
+    "norm", "router" or "". experts: the routed experts' own buffer (whole experts, ETP1 EP1) instead."""
+    if experts:
+        V, C, L, H, KV, D, F, E, K, P, gpt2, tied = dims(cfg)
+        return [(w, F * C, "") for l in range(L) for e in range(E) for w in ("w1", "w3", "w2")]
     V, C, L, H, KV, D, F, E, K, P, gpt2, tied = dims(cfg)
     Vl = -(-V // t)  # the vocabulary is padded to a multiple of t
     out = []
-    add = lambda name, n, norm=False: out.append((name, n, norm))
+    add = lambda name, n, norm=False: out.append((name, n, "norm" if norm else ""))
     if gpt2:
         add("wte", Vl * C)
         add("wpe", P * C)
@@ -153,9 +167,7 @@ def local_table(cfg, t):
         add("o_proj", C * H * D // t)
         add("post_attention_layernorm", C, True)
         if E:
-            add("router", E * C)                                                # replicated
-            for e in range(E):
-                add("w1", F // t * C), add("w3", F // t * C), add("w2", C * F // t)
+            out.append(("router", E * C, "router"))  # replicated, token-partial; experts: their own buffer
         else:
             add("gate_proj", F // t * C), add("up_proj", F // t * C), add("down_proj", C * F // t)
     add("norm", C, True)
@@ -187,8 +199,30 @@ def buffer_layout(table, d, bucket_floats):
     return offsets, buckets
 
 
-def local_params(cfg, t):
-    return sum(n for _, n, _ in local_table(cfg, t))
+def local_params(cfg, t, experts=False):
+    return sum(n for _, n, _ in local_table(cfg, t, experts))
+
+
+def dp_terms(table, d, zero, m, bucket_floats):
+    """Bytes of the gradient reduction of one buffer over d ranks, and rank 0's owned elements of
+    each kind (the TP-partial gradients it reduces over tp)."""
+    AR = lambda n, x: 2.0 * (n - 1) / n * F32 * x
+    AG = lambda n, x: (n - 1) / n * F32 * x
+    offsets, buckets = buffer_layout(table, d, bucket_floats)
+    P_pad = sum(e - b for b, e in buckets)
+    P = sum(n for _, n, _ in table)
+    # rank 0's shard of every bucket: its first (length / d) elements
+    shards = [(b, b + (e - b) // d) for b, e in buckets] if zero > 0 else [(0, P_pad)]
+    owned = lambda kind: sum(max(0, min(o + n, se) - max(o, sb)) for (_, n, k), o in zip(table, offsets) if k == kind
+                             for sb, se in shards)
+    pad = " (%d buckets, padded from %d)" % (len(buckets), P) if P_pad != P or len(buckets) > 1 else ""
+    if zero == 0:
+        terms = [("AR(P=%d)%s" % (P_pad, pad), AR(d, P_pad))]
+    elif zero == 1:
+        terms = [("RS(P=%d)%s" % (P_pad, pad), AG(d, P_pad)), ("AG(P)", AG(d, P_pad))]
+    else:
+        terms = [("%d x RS(P=%d)%s" % (m, P_pad, pad), m * AG(d, P_pad)), ("AG(P)", AG(d, P_pad))]
+    return terms, owned("norm"), owned("router")
 
 
 def expected(cfg, tp, dp, sp, zero, m, bucket_mb=16.0):
@@ -197,38 +231,36 @@ def expected(cfg, tp, dp, sp, zero, m, bucket_mb=16.0):
     N = MICRO * SEQ
     AR = lambda n, x: 2.0 * (n - 1) / n * F32 * x
     AG = lambda n, x: (n - 1) / n * F32 * x  # x: floats of the full buffer (also RS)
-    table = local_table(cfg, tp)
-    offsets, buckets = buffer_layout(table, dp, int(bucket_mb * 1024 * 1024 / 4))
-    P_pad = sum(e - b for b, e in buckets)
-    # rank 0's shard of every bucket: its first (length / d) elements
-    shards = [(b, b + (e - b) // dp) for b, e in buckets] if zero > 0 else [(0, P_pad)]
-    norm_elems = sum(max(0, min(o + n, se) - max(o, sb)) for (_, n, norm), o in zip(table, offsets) if norm
-                     for sb, se in shards)
+    bucket_floats = int(bucket_mb * 1024 * 1024 / 4)
+    dense_terms, norm_elems, router_elems = dp_terms(local_table(cfg, tp), dp, zero, m, bucket_floats)
     out = {}
     if tp > 1:
-        terms = [("layers: L*4*AR(N*C)", m * L * 4 * AR(tp, N * C)),
-                 ("embedding fwd AR(N*C)", m * AR(tp, N * C)),
-                 ("LM-head bwd AR(N*C)", m * AR(tp, N * C)),
-                 ("CE stats AG(t*3N)", m * AG(tp, tp * 3 * N))]
         if E:
-            terms.append(("MoE routing-weight grad L*AR(N*K)", m * L * AR(tp, N * K)))
+            terms = [("attention: L*2*AR(N*C)", m * L * 2 * AR(tp, N * C))]
+            if not sp:
+                terms.append(("MoE shares gathered fwd+bwd L*2*AG(N*C)", m * L * 2 * AG(tp, N * C)))
+            terms.append(("MoE counts L*AR(E int64)", m * L * 2.0 * (tp - 1) / tp * 8 * E))
+        else:
+            terms = [("layers: L*4*AR(N*C)", m * L * 4 * AR(tp, N * C))]
+        terms += [("embedding fwd AR(N*C)", m * AR(tp, N * C)),
+                  ("LM-head bwd AR(N*C)", m * AR(tp, N * C)),
+                  ("CE stats AG(t*3N)", m * AG(tp, tp * 3 * N))]
         if sp:
-            terms.append(("SP norm outputs re-gathered in bwd L*2*AG(N*C)", m * L * 2 * AG(tp, N * C)))
-            terms.append(("SP norm grads AR(%d)" % norm_elems, AR(tp, norm_elems)))
+            terms.append(("SP norm outputs re-gathered in bwd L*%d*AG(N*C)" % (1 if E else 2),
+                          m * L * (1 if E else 2) * AG(tp, N * C)))
+        partial = (norm_elems if sp else 0) + router_elems
+        if partial:
+            terms.append(("TP-partial grads (%snorms) AR(%d)" % ("routers, " if router_elems else "", partial),
+                          AR(tp, partial)))
         out["tp"] = terms
     if dp > 1:
-        pad = " (%d buckets, padded from %d)" % (len(buckets), local_params(cfg, tp)) if P_pad != local_params(
-            cfg, tp) or len(buckets) > 1 else ""
-        if zero == 0:
-            terms = [("AR(P=%d)%s" % (P_pad, pad), AR(dp, P_pad))]
-        elif zero == 1:
-            terms = [("RS(P=%d)%s" % (P_pad, pad), AG(dp, P_pad)), ("AG(P)", AG(dp, P_pad))]
-        else:
-            terms = [("%d x RS(P=%d)%s" % (m, P_pad, pad), m * AG(dp, P_pad)), ("AG(P)", AG(dp, P_pad))]
-        out["dp"] = terms
+        out["dp"] = dense_terms
+    if E and tp * dp > 1:  # the experts' buffer over EDP = t·d
+        out["edp"] = dp_terms(local_table(cfg, tp, True), tp * dp, zero, m, bucket_floats)[0]
     n = tp * dp
     if n > 1:
-        out["world"] = [("AR_n(8*(2+5+L*E+5*PP))", 2.0 * (n - 1) / n * 8 * (2 + 5 + L * E + 5 * 1))]
+        out["world"] = [("AR_n(8*(2+5+L*E+5*PP%s))" % ("+n" if E else ""),
+                         2.0 * (n - 1) / n * 8 * (2 + 5 + L * E + 5 * 1 + (n if E else 0)))]
     return {k: (sum(b for _, b in v), v) for k, v in out.items()}
 
 
@@ -256,9 +288,10 @@ def main():
                 # The formula's global parameter count is the one origami prints.
                 printed = [int(w) for line in out.splitlines() if line.startswith("origami train:")
                            for w, nxt in zip(line.split(), line.split()[1:]) if nxt.startswith("parameters")]
-                if rc == 0 and printed != [local_params(cfg, 1)]:
+                total = local_params(cfg, 1) + local_params(cfg, 1, True)
+                if rc == 0 and printed != [total]:
                     failures.append("%s %s: origami printed %s parameters, the table here gives %d"
-                                    % (model, name, printed, local_params(cfg, 1)))
+                                    % (model, name, printed, total))
                 try:
                     recs = h.read_metrics(mpath)
                 except ValueError as e:

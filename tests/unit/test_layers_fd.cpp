@@ -831,7 +831,8 @@ TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
       ASSERT_GE(row, cache.expert_begin[size_t(e)]);
       ASSERT_LT(row, cache.expert_begin[size_t(e + 1)]);
       seen[size_t(row)]++;
-      for (int64_t c = 0; c < C; ++c) EXPECT_EQ(cache.xs_RC[size_t(row * C + c)], p.x[size_t((i / K) * C + c)]);
+      // one rank: the expert-side rows are the permuted rows themselves
+      for (int64_t c = 0; c < C; ++c) EXPECT_EQ(cache.xe_RC[size_t(row * C + c)], p.x[size_t((i / K) * C + c)]);
     }
     for (int v : seen) EXPECT_EQ(v, 1) << "row_NK is not a permutation";
     expect_close("moe out vs naive", out, ref.out, 1e-13);
