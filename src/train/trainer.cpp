@@ -147,8 +147,8 @@ int64_t TrainOptions::micro_batches(int world_size) const {
 
 TrainOptions TrainOptions::resolved(int world_size) const {
   TrainOptions r = *this;
-  if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0)
-    r.global_batch = r.micro_batch * layout_dims(world_size).dp;
+  if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0)  // DP only: validate() names MoE mistakes
+    r.global_batch = r.micro_batch * MeshShape::derive(world_size, {tp, cp, dp, pp, 1, 1, 0}).dp;
   return r;
 }
 
@@ -492,6 +492,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   int64_t skipped = 0, last_update = start_step;  // steps skipped for a non-finite loss or gradient; last step updated
   std::deque<double> recent_losses;                 // the last finite losses, for --loss-spike-factor (rank 0)
   const size_t num_moe = cfg.is_moe() ? size_t(cfg.num_layers * cfg.num_experts) : 0;
+  // Test-only: ORIGAMI_TEST_ROUTING=DIR makes every rank append its own routed counts per step to
+  // DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently.
+  std::unique_ptr<std::ofstream> routing_log;
+  if (const char* dir = std::getenv("ORIGAMI_TEST_ROUTING"); dir && cfg.is_moe())
+    routing_log = std::make_unique<std::ofstream>(cat(dir, "/routing.", world.rank(), ".jsonl"), std::ios::app);
   for (int64_t step = start_step; step < o.steps; ++step) {
     Timer step_timer;
     const double cpu0 = cpu_seconds();
@@ -535,6 +540,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                                cpu_seconds() - cpu0, stop_signals.poll() ? 1.0 : 0.0};
     for (const auto& layer : model.expert_counts())
       for (int64_t c : layer) red.push_back(double(c));
+    if (routing_log) *routing_log << nlohmann::json({{"step", step + 1}, {"expert_counts", model.expert_counts()}}).dump() << std::endl;
     const size_t rows_at = red.size();  // MoE: expert-side rows per rank
     if (cfg.is_moe()) {
       red.resize(rows_at + size_t(world.size()), 0.0);
