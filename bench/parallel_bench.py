@@ -22,7 +22,15 @@ OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1, OMP_WAIT_POLICY=passive, --threads 1, mp
 --oversubscribe --bind-to none, Open MPI's shared-memory transport with the single-copy mechanism
 --single-copy (default cma), the whole job under `taskset -c CORES`.
 
-Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--rounds 3] [--steps 4] [--warmup 1]
+--layouts moe runs the expert-parallel layouts instead (MoE parallel folding: the paper's comparison
+at the size this machine allows) on the Mixtral case (c) and (c16) (16 experts, top-2): EP2 (DP2
+attention), EP2 with TP2 attention (folded, ETP1), EP4 (DP4 attention, 4 ranks on the 2 cores) and
+EP2xETP2 (4 ranks), against DP2 and TP2; it also reports the receive imbalance (`expert_imbalance`:
+the most expert-side rows a rank computed over the mean) and the dispatcher's bytes per axis (ep,
+etp; their exactness against the routed counts is tests/parallel/test_expert_parallel.py's).
+Targets: CPU ratio EP2 <= 1.15, EP4 <= 1.25.
+
+Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--layouts dense|moe] [--rounds 3] [--steps 4] [--warmup 1]
 """
 import argparse
 import json
@@ -46,6 +54,14 @@ LAYOUTS = [
     ("DP2 ZeRO-1", 2, ["--zero", "1"], 2, 1.15),
     ("TP2", 2, ["--tp", "2"], 1, 1.3),
     ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], 1, 1.3),
+]
+MOE_LAYOUTS = [
+    ("DP2", 2, [], 2, 1.15),
+    ("TP2", 2, ["--tp", "2"], 1, 1.3),
+    ("EP2", 2, ["--ep", "2"], 2, 1.15),
+    ("EP2 | TP2 attn", 2, ["--tp", "2", "--ep", "2"], 1, 1.15),
+    ("EP4", 4, ["--ep", "4"], 4, 1.25),
+    ("EP2xETP2", 4, ["--ep", "2", "--etp", "2"], 4, 1.25),
 ]
 
 
@@ -75,12 +91,14 @@ def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
         for k, v in (r.get("comm_bytes") or {}).items():
             comm.setdefault(k, []).append(v)
     return {"ms": med("ms"), "tokens_per_s": med("tokens_per_s"), "cpu_s": med("cpu_s"), "wall_s": wall,
+            "imbalance": med("expert_imbalance"),
             "comm": {k: statistics.median(v) for k, v in comm.items()}, "layout": recs[0].get("layout", "")}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="b,c")
+    ap.add_argument("--layouts", default="dense", choices=("dense", "moe"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of every run")
@@ -96,6 +114,9 @@ def main():
         sys.exit("origami binary not found at %s (cmake -S . -B build -G Ninja && ninja -C build)" % a.origami)
     os.makedirs(a.workdir, exist_ok=True)
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    layouts = MOE_LAYOUTS if a.layouts == "moe" else LAYOUTS
+    if a.layouts == "moe" and a.cases == "b,c":
+        cases = ["c", "c16"]
     load0 = os.getloadavg()
     t_start = time.time()
     print("parallel_bench: cases %s, %d rounds x (%d warm-up + %d measured steps), cores %s, single copy %s, "
@@ -104,7 +125,9 @@ def main():
     results = {}
     rows = []
     for c in cases:
-        case = sbs.CASES[c]
+        case = sbs.CASES[c] if c != "c16" else dict(
+            sbs.CASES["c"], name="mixtral L4 d256 E16k2 F512 B8 T256 V256",
+            config=dict(sbs.CASES["c"]["config"], num_local_experts=16))
         cfg, B, T = case["config"], case["B"], case["T"]
         cdir = os.path.join(a.workdir, "case_" + c)
         os.makedirs(cdir, exist_ok=True)
@@ -114,8 +137,8 @@ def main():
         rng = random.Random(1234)
         sbs.write_megatron(prefix, [rng.randrange(cfg["vocab_size"]) for _ in range(n_tokens)], cfg["vocab_size"])
         # runs: the one-rank references (micro-batch B and B/2) and the layouts
-        runs = [("1 rank B=%d" % B, 0, [], B), ("1 rank B=%d" % (B // 2), 0, [], B // 2)]
-        runs += [(lab, ranks, flags, B // div) for lab, ranks, flags, div, _ in LAYOUTS]
+        runs = [("1 rank B=%d" % b, 0, [], b) for b in sorted({B} | {B // div for _, _, _, div, _ in layouts}, reverse=True)]
+        runs += [(lab, ranks, flags, B // div) for lab, ranks, flags, div, _ in layouts]
         per = {}
         for rnd in range(a.rounds):
             order = runs[rnd % len(runs):] + runs[:rnd % len(runs)]
@@ -130,7 +153,7 @@ def main():
                      "cpu_s": statistics.median(x["cpu_s"] for x in v), "comm": v[-1]["comm"], "layout": v[-1]["layout"],
                      "rounds": v} for lab, v in per.items()}
         results[c] = med
-        for lab, ranks, flags, div, target in LAYOUTS:
+        for lab, ranks, flags, div, target in layouts:
             m = med[lab]
             ref = med["1 rank B=%d" % (B // div)]
             refB = med["1 rank B=%d" % B]
@@ -140,13 +163,14 @@ def main():
                          "%.0f" % ref["tokens_per_s"], "%.2fx" % (m["tokens_per_s"] / ref["tokens_per_s"]),
                          ", ".join("%s %s" % (k, fmt_bytes(v)) for k, v in sorted(m["comm"].items())) or "-",
                          "%.3f / %.3f" % (m["cpu_s"], ref["cpu_s"]), "%.3f" % ratio, "%.3f" % (m["cpu_s"] / refB["cpu_s"]),
+                         "%.2f" % statistics.median(x["imbalance"] for x in m["rounds"]),
                          "<= %.2f %s" % (target, "met" if ratio <= target else "NOT met")))
     print()
-    print("Medians over %d rounds of %d measured steps; 2 ranks x 1 thread vs 1 rank x 1 thread, cores %s." % (
+    print("Medians over %d rounds of %d measured steps; ranks x 1 thread vs 1 rank x 1 thread, cores %s." % (
         a.rounds, a.steps, a.cores))
     print(h.fmt_table(("case", "layout", "tok/s", "best round tok/s", "1-rank tok/s (same micro-batch)", "speed-up",
                        "bytes sent per step, rank 0", "CPU s/step all ranks / 1 rank", "CPU ratio", "vs 1 rank B",
-                       "target"), rows))
+                       "expert imbalance", "target"), rows))
     load1 = os.getloadavg()
     print("load average: start %.2f %.2f %.2f, end %.2f %.2f %.2f; total %.0f s" % (*load0, *load1, time.time() - t_start))
     print("(CPU time includes MPI's polling while a rank waits for its peer: on a machine shared with other work,\n"
