@@ -283,13 +283,9 @@ ActivationShape Model::activation_shape() const {
   return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep()};
 }
 
-MoeSizes Model::moe_sizes() const {
-  return {B_ * T_ / tp_.size(), cfg_.hidden, cfg_.ffn / dispatcher_.etp(), cfg_.num_experts, cfg_.top_k};
-}
+MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }
 
-int64_t Model::moe_rows() const {
-  return TokenDispatcher::max_rows(B_ * T_ / tp_.size(), cfg_.top_k, cfg_.num_experts, dispatcher_.ep(), dispatcher_.etp());
-}
+int64_t Model::moe_rows() const { return LocalSizes(cfg_, activation_shape()).moe_rows; }
 
 void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();

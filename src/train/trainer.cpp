@@ -244,13 +244,13 @@ MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t 
 // this EP rank's experts, reduced over EDP). A dense model's expert set is empty.
 struct ParamSet {
   Params params;
-  Comm &dp_comm, &tp_comm;  // DP (EDP) and TP (ETP) groups
+  Comm& dp_comm;  // DP (EDP): the ZeRO moment shards are summed over it for a save
   DataParallel dp;
   AdamW opt;
   ParamSet(std::vector<ParamSpec> table, const TrainOptions& o, Comm& dp_group, Comm& tp_group, bool sequence_parallel,
            Comm* embedding)
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size())),
-        dp_comm(dp_group), tp_comm(tp_group), dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding),
+        dp_comm(dp_group), dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding),
         opt(params, o.adam, dp.owned()) {}
 };
 
@@ -446,12 +446,13 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     allocating("the checkpoint's gathered tensors", memory.parts[size_t(world.rank())].checkpoint, [&] {
       std::unique_ptr<Params> dense_stage, local_experts, stage_experts, global;
       std::vector<std::vector<ParamSpec>> ep_tables, stage_tables;
-      SplitTable stage_split = split_experts(make_param_table(cfg, part), cfg.num_experts, 1, 0);
+      const std::vector<ParamSpec> stage_table = make_param_table(cfg, part);
+      SplitTable stage_split = split_experts(stage_table, cfg.num_experts, 1, 0);
       if (stage_root) dense_stage = std::make_unique<Params>(stage_split.dense);
       if (edp_comm.rank() == 0 && etp_comm.rank() == 0) {
         local_experts = std::make_unique<Params>(experts.params.table());
         for (int e = 0; e < ep_comm.size(); ++e)
-          ep_tables.push_back(split_experts(make_param_table(cfg, part), cfg.num_experts, ep_comm.size(), e).experts);
+          ep_tables.push_back(split_experts(stage_table, cfg.num_experts, ep_comm.size(), e).experts);
         if (ep_comm.rank() == 0) stage_experts = std::make_unique<Params>(stage_split.experts);
       }
       if (rank0) global = std::make_unique<Params>(make_param_table(cfg));
