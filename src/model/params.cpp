@@ -105,6 +105,10 @@ SplitTable split_experts(std::vector<ParamSpec> table, int64_t num_experts, int 
   ORIGAMI_ASSERT(ep >= 1 && num_experts % ep == 0);
   const int64_t per = num_experts / ep, first = int64_t(ep_rank) * per;
   SplitTable out;
+  if (num_experts == 0) {  // dense: the whole table (no copy; deep models' tables are large)
+    out.dense = std::move(table);
+    return out;
+  }
   for (ParamSpec& p : table) {
     if (p.expert < 0) out.dense.push_back(std::move(p));
     else if (p.expert >= first && p.expert < first + per) out.experts.push_back(std::move(p));

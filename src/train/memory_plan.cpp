@@ -73,10 +73,14 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   const int tp_rank = mesh.coord(rank, "tp"), dp_rank = mesh.coord(rank, "dp"), stage = mesh.coord(rank, "pp");
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
-  const std::vector<ParamSpec> table = make_param_table(cfg, part);
+  std::vector<ParamSpec> table = make_param_table(cfg, part);
+  int64_t stage_floats = 0, stage_expert_floats = 0;  // the stage's whole tensors (a save gathers them)
+  for (const ParamSpec& p : table) (p.expert < 0 ? stage_floats : stage_expert_floats) += p.numel();
+  stage_floats += stage_expert_floats;
   const int ep = mesh.degree("ep"), etp = mesh.degree("etp"), edp = mesh.degree("edp");
   const int ep_rank = mesh.coord(rank, "ep"), etp_rank = mesh.coord(rank, "etp"), edp_rank = mesh.coord(rank, "edp");
-  const SplitTable sets = split_experts(table, cfg.num_experts, ep, ep_rank);
+  // The table is large for deep models (the memory check must answer within a second): moved, not copied.
+  const SplitTable sets = split_experts(std::move(table), cfg.num_experts, ep, ep_rank);
   MemoryParts m;
   m.runtime = runtime;
 
@@ -131,10 +135,10 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
     // for all experts, and the stage buffer they are appended to).
     const bool expert_root = edp_rank == 0 && etp_rank == 0 && cfg.is_moe();
     const int64_t local_experts = expert_root ? floats_of(sets.experts) : 0;
-    const int64_t stage_experts = stage_root && cfg.is_moe() ? floats_of(split_experts(table, cfg.num_experts, 1, 0).experts) : 0;
+    const int64_t stage_experts = stage_root && cfg.is_moe() ? stage_expert_floats : 0;
     const int64_t experts_floats = 2 * local_experts + (expert_root && etp > 1 ? floats_of(sets.experts) : 0) +
-                                   3 * stage_experts + (stage_root && cfg.is_moe() ? floats_of(table) : 0);
-    const int64_t save = save_buffer_bytes(floats, stage_root ? floats_of(table) : 0, global, other_stage, tp, pp,
+                                   3 * stage_experts + (stage_root && cfg.is_moe() ? stage_floats : 0);
+    const int64_t save = save_buffer_bytes(floats, stage_root ? stage_floats : 0, global, other_stage, tp, pp,
                                            stage_root, rank0) + 4 * experts_floats;
     // ZeRO-2 returns the full gradient buffer's pages after each backward: a save (after the step)
     // reuses them, so only what it needs beyond them adds to the step's peak.
