@@ -64,7 +64,11 @@ int train(int argc, char** argv, Comm& world) {
       .option("recompute", "none|selective|full",
               "activation recomputation: selective recomputes the attention core, full keeps only each layer's input",
               "none")
-      .option("cp", "C", "context-parallel degree (not available yet: 1)", "1")
+      .option("cp", "C", "context-parallel degree: each sequence split over C ranks (2C load-balanced chunks)", "1")
+      .option("cp-comm", "p2p|a2a|a2a+p2p", "context-parallel attention: p2p ring of k|v, a2a all-to-all to heads "
+                                          "(Ulysses), a2a+p2p all-to-all in groups of --cp-a2a-size and ring across",
+              "p2p")
+      .option("cp-a2a-size", "A", "with --cp-comm a2a+p2p: ranks per all-to-all group (divides --cp)")
       .flag("sequence-parallel", "split norms and residuals along the sequence over TP (all-reduce becomes "
                                  "reduce-scatter + all-gather)")
       .option("zero", "0|1|2", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients", "0")
@@ -117,6 +121,8 @@ int train(int argc, char** argv, Comm& world) {
       for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
     o.recompute = a.str("recompute");
     o.cp = int(a.integer("cp"));
+    o.cp_comm = a.str("cp-comm");
+    o.cp_a2a_size = a.has("cp-a2a-size") ? int(a.integer("cp-a2a-size")) : 0;
     o.sequence_parallel = a.on("sequence-parallel");
     o.zero = int(a.integer("zero"));
     o.bucket_mb = a.number("bucket-mb");

@@ -41,12 +41,14 @@ struct LocalSizes {
                    // and SwiGLU output (2F, F); MoE layers keep their cache instead (0, 0)
   MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
   int64_t moe_rows;  // the dispatcher's most expert-side rows
+  CpShape core;      // the attention core (context parallelism)
   LocalSizes(const ModelConfig& c, const ActivationShape& a)
-      : B(a.B), T(a.T), N(a.B * a.T), Nl(a.sp ? a.B * a.T / a.tp : a.B * a.T), C(c.hidden), Hl(c.num_heads / a.tp),
+      : B(a.B), T(a.T), N(a.B * a.T), Nl(a.local_tokens()), C(c.hidden), Hl(c.num_heads / a.tp),
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
         fa(c.is_moe() ? 0 : c.is_gpt2() ? c.ffn / a.tp : 2 * c.ffn / a.tp), fb(c.is_moe() ? 0 : c.ffn / a.tp),
         moe{N / a.tp, C, c.ffn / a.etp, c.num_experts, c.top_k},
-        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(N / a.tp, c.top_k, c.num_experts, a.ep, a.etp) : 0) {}
+        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(N / a.tp, c.top_k, c.num_experts, a.ep, a.etp) : 0),
+        core{a.B, a.T, c.num_heads / a.tp, c.num_kv_heads / a.tp, c.head_dim, a.cp, a.cp_a2a} {}
   // MoE shares cut from (and gathered into) full [N, C] buffers: TP without SP.
   bool moe_shares(const ModelConfig& c, const ActivationShape& a) const { return c.is_moe() && a.tp > 1 && !a.sp; }
 };
@@ -57,18 +59,19 @@ int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s) {
   const int64_t mlp = c.is_moe() ? MoeCache<float>::bytes(s.moe, s.moe_rows) : 4 * s.N * (s.fa + s.fb);
   return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl) + mlp;
 }
-int64_t core_bytes(const LocalSizes& s) { return 4 * (s.N * s.HDl + s.B * s.Hl * s.T); }
+int64_t core_bytes(const LocalSizes& s) { return 4 * s.core.core_floats(); }
 
 // Elements of the model's work buffers (Model::Scratch) for a batch: set_batch sizes each buffer to
 // exactly this, and workspace_bytes() counts it.
 struct ScratchSizes {
   int64_t loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
-  int64_t targets;              // int32 [N]
+  int64_t targets;              // int32 [N] each: the inputs and the targets of this rank's positions
   int64_t lnf, statsf;          // head stage: final norm output [N, C], mean and rstd [Nl] each
   int64_t d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
   int64_t head;   // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
   int64_t share;  // MoE under TP without SP: a share's input, output and input gradient, [N/TP, C] each
   int64_t moe;    // MoE work buffers, bytes (MoeScratch)
+  int64_t cp;     // context parallelism's work buffers (ContextParallel::reserve)
   ScratchSizes(const ModelConfig& c, const ActivationShape& a, bool head_stage) {
     const LocalSizes s(c, a);
     const bool sp = a.sp;
@@ -81,9 +84,10 @@ struct ScratchSizes {
     head = head_stage ? lm_head_chunk_rows(s.N, Vl) * (Vl + 4) : 0;
     share = s.moe_shares(c, a) ? s.moe.N * s.C : 0;
     moe = c.is_moe() ? MoeScratch<float>::bytes(s.moe, s.moe_rows, a.etp) : 0;
+    cp = s.core.workspace_floats();
   }
   int64_t bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
-    return 4 * (loc + full + gathered + targets + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
+    return 4 * (loc + full + gathered + 2 * targets + cp + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
                 head + 3 * share) + moe;
   }
 };
@@ -138,11 +142,13 @@ struct Model::Slot {
   std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama: gate|up, SwiGLU out
   std::vector<MoeCache<float>> moe;  // [.] mixtral
   std::vector<float> att;    // [core, N, Hl·D] attention output
-  std::vector<float> lse;    // [core, B, Hl, T]
+  std::vector<float> lse;    // [core, B, Hl, T] (CP all-to-all: [core, A, B, Hl/A, T])
+  std::vector<float> qkv_h, att_h;  // CP all-to-all: head-sharded q|k|v and output [core, A, N, ·]
   int64_t layers = 0, core_layers = 0;
   int64_t bytes() const {
     int64_t b = 0;
-    for (const auto* v : {&resid, &mid, &ln1, &ln2, &mean1, &rstd1, &mean2, &rstd2, &qkv, &mlp_a, &mlp_b, &att, &lse})
+    for (const auto* v : {&resid, &mid, &ln1, &ln2, &mean1, &rstd1, &mean2, &rstd2, &qkv, &mlp_a, &mlp_b, &att, &lse,
+                          &qkv_h, &att_h})
       b += int64_t(v->size() * sizeof(float));
     for (const MoeCache<float>& m : moe) b += m.bytes();
     return b;
@@ -151,7 +157,7 @@ struct Model::Slot {
 
 // One layer's buffers, in a slot or in the recomputation buffer.
 struct Model::LayerActs {
-  float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *att, *lse;
+  float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *att, *lse, *qkv_h, *att_h;
   MoeCache<float>* moe;
 };
 
@@ -160,7 +166,7 @@ struct Model::Scratch {
   // Under SP: a norm's output before the gather [Nl, C]; partial sums / gathered gradients [N, C];
   // a kept norm output gathered over the sequence for the GEMM that reads it [N, C].
   std::vector<float> loc, full, gathered;
-  std::vector<int32_t> targets;          // [N]
+  std::vector<int32_t> inputs, targets;  // [N] of this rank's positions
   std::vector<float> lnf, meanf, rstdf;  // final norm: output [N, C], statistics [Nl]
   std::vector<float> head;               // LM head chunks
   std::vector<float> d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
@@ -169,9 +175,9 @@ struct Model::Scratch {
 };
 
 Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute,
-             ExpertShard experts)
+             ExpertShard experts, ContextParallel cp)
     : cfg_(cfg), params_(params), experts_(experts.params ? *experts.params : params),
-      dispatcher_(experts.dispatcher), tp_(std::move(tp)),
+      dispatcher_(experts.dispatcher), tp_(std::move(tp)), cp_(std::move(cp)),
       part_(part.chunks.empty() ? ModelPart::whole(cfg.num_layers) : part), recompute_(recompute),
       scratch_(std::make_unique<Scratch>()) {
   const int64_t t = tp_.size();
@@ -280,7 +286,7 @@ Model::Dims Model::dims() const {
 }
 
 ActivationShape Model::activation_shape() const {
-  return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep()};
+  return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(), cp_.a2a_size()};
 }
 
 MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }
@@ -306,16 +312,22 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_
     for (MoeCache<float>& m : s.moe) m.resize(moe_sizes(), moe_rows());
     size(s.att, core_layers * N * HD);
     size(s.lse, core_layers * B * H * T);
+    const bool heads = cp_.a2a_size() > 1;
+    size(s.qkv_h, heads ? core_layers * cp_.a2a_size() * N * cp_shape().Sa() : 0);
+    size(s.att_h, heads ? core_layers * N * HD : 0);
   });
   s.layers = layers, s.core_layers = core_layers;
 }
 
 void Model::set_batch(int64_t B, int64_t T) {
-  if (B == B_ && T == T_) return;
+  if (B == B_ && T == T_ * cp_.size()) return;
   ORIGAMI_CHECK(T <= cfg_.max_positions, "sequence length ", T, " exceeds the model's maximum positions (",
                 cfg_.max_positions, ")");
-  ORIGAMI_ASSERT(live_.empty() && (!tp_.sp() || T % tp_.size() == 0));
-  B_ = B, T_ = T;
+  const int c = cp_.size();
+  ORIGAMI_ASSERT(live_.empty() && (c == 1 || T % (2 * c) == 0) && (!tp_.sp() || T / c % tp_.size() == 0));
+  B_ = B, T_ = T / c;
+  positions_.resize(size_t(T_));
+  for (int64_t t = 0; t < T_; ++t) positions_[size_t(t)] = c == 1 ? t : cp_.position(t, T_);
   for (auto& f : free_) f.clear();
   recomputed_ = std::make_unique<Slot>();
   const int64_t rebuilt = recompute_bytes(cfg_, activation_shape());
@@ -330,7 +342,9 @@ void Model::set_batch(int64_t B, int64_t T) {
     s.loc.resize(size_t(n.loc));
     s.full.resize(size_t(n.full));
     s.gathered.resize(size_t(n.gathered));
+    s.inputs.resize(size_t(n.targets));
     s.targets.resize(size_t(n.targets));
+    cp_.reserve(cp_shape());
     s.lnf.resize(size_t(n.lnf));
     s.meanf.resize(size_t(n.statsf));
     s.rstdf.resize(size_t(n.statsf));
@@ -357,7 +371,8 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
   return {at(m.mid, j, Nl * C),   at(m.ln1, j, Nl * C), at(m.ln2, j, Nl * C), at(m.mean1, j, Nl),
           at(m.rstd1, j, Nl),       at(m.mean2, j, Nl),   at(m.rstd2, j, Nl),   at(m.qkv, j, N * S),
           at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(k.att, jc, N * HD),
-          at(k.lse, jc, B * H * T), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
+          at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_shape().Sa()),
+          at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
 }
 
 namespace {
@@ -396,18 +411,25 @@ void Model::norm_backward(float* dx, const float* dy, const float* x, const floa
   else rmsnorm_backward(dx, g(w_off), dy, x, w(w_off), rstd, d.Nl, d.C);
 }
 
+void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const {
+  const int64_t window = T_ * cp_.size() + 1;
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t) {
+      const int32_t tok = tokens[b * window + positions_[size_t(t)] + shift];
+      ORIGAMI_CHECK(tok >= 0 && tok < cfg_.vocab_size, "token id ", tok, " is outside the model's vocabulary of ",
+                    cfg_.vocab_size);
+      out[b * T_ + t] = tok;
+    }
+}
+
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
 // added on TP rank 0 only), and the region exit sums the partial embeddings.
 void Model::embed(float* x0, const int32_t* tokens) {
   const int64_t B = B_, T = T_, C = cfg_.hidden;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t tok = tokens[b * (T + 1) + t];
-      ORIGAMI_CHECK(tok >= 0 && tok < cfg_.vocab_size, "token id ", tok, " is outside the model's vocabulary of ",
-                    cfg_.vocab_size);
-    }
+  gather_tokens(scratch_->inputs.data(), tokens, 0);
   float* part = tp_.full(x0, scratch_->full.data());
-  embedding_forward(part, tokens, T + 1, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C, vocab_begin_, Vl_);
+  embedding_forward(part, scratch_->inputs.data(), T, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C,
+                    vocab_begin_, Vl_, positions_.data());
   tp_.exit(x0, part, B, T, C);
 }
 
@@ -428,8 +450,8 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   norm_forward(a.ln1, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
   tp.enter(ln1, a.ln1, B, T, C);
   linear_forward(a.qkv, ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
-  if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D);
-  attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D);
+  if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, positions_.data());
+  cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape());
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, w(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
@@ -488,11 +510,11 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   }
   norm_backward(d_res, d_ln_loc, a.mid, a.mean2, a.rstd2, o.ln2_w, o.ln2_b);
   // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
-  if (recompute_ == Recompute::selective) attention_forward(a.att, a.lse, a.qkv, B, T, H, KV, D);
+  if (recompute_ == Recompute::selective) cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape());
   d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, w(o.o_w), N, HD, C, lay);
-  attention_backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.att, a.lse, B, T, H, KV, D);
-  if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D);
+  cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape());
+  if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, positions_.data());
   float* ln1 = tp.full(a.ln1, s.gathered.data());
   tp.enter(ln1, a.ln1, B, T, C);
   linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, w(o.qkv_w), N, C, S, lay);
@@ -545,21 +567,18 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
   Scratch& s = *scratch_;
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = c.hidden;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t tgt = tokens[b * (T + 1) + t + 1];
-      ORIGAMI_CHECK(tgt >= 0 && tgt < c.vocab_size, "token id ", tgt, " is outside the model's vocabulary of ",
-                    c.vocab_size);
-      s.targets[size_t(b * T + t)] = tgt;
-    }
+  gather_tokens(s.targets.data(), tokens, 1);
   float* lnf_loc = tp.local(s.lnf.data(), s.loc.data());
   norm_forward(lnf_loc, s.meanf.data(), s.rstdf.data(), top, lnf_w_, lnf_b_);
   tp.enter(s.lnf.data(), lnf_loc, B, T, C);
   VocabShard<float> shard{vocab_begin_, vocab_valid_, nullptr};
   if (tp.size() > 1) shard.combine = [&tp](float* stats, int64_t n) { tp.combine_vocab_stats(stats, n); };
   Losses out;
+  // The mean over the micro-batch's B·T tokens: under CP this rank's part of it (summed over CP).
+  const int64_t tokens_total = N * cp_.size();
   out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), w(head_),
-                             s.targets.data(), N, C, Vl_, loss_scale / float(N), s.head, shard) / double(N);
+                             s.targets.data(), N, C, Vl_, loss_scale / float(tokens_total), s.head, shard) /
+                double(tokens_total);
   if (!backward) return out;
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
@@ -638,7 +657,9 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   }
   if (chunk == 0 && part_.embedding) {
     const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);
-    embedding_backward(g(wte_), g(wpe_), d_x0, tokens, T_ + 1, B_, T_, cfg_.hidden, vocab_begin_, Vl_);
+    gather_tokens(scratch_->inputs.data(), tokens, 0);
+    embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
+                       positions_.data());
     grads_ready(0, 0);
   }
   release(mb, chunk);

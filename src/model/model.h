@@ -20,6 +20,11 @@
 // how many are in flight). The LM head and loss run at the start of the last chunk's backward (its
 // backward is fused into its forward), so every gradient is written during backward.
 //
+// Under context parallelism (size c) each rank holds B rows of T/c positions: chunks r and 2c−1−r of
+// every sequence (parallel/context_parallel.h). The model's T below is that local length; the token
+// windows it is given are whole (every CP rank reads the same ones) and it takes its positions' inputs
+// and targets from them. Only the attention core talks to the other CP ranks.
+//
 // Activation recomputation (Korthikanti et al. 2022): `selective` keeps no attention output and
 // log-sum-exp and recomputes the attention core from the kept q|k|v in backward; `full` keeps only
 // each layer's input and reruns the layer's forward (TP communication included) before its backward.
@@ -35,6 +40,7 @@
 #include "model/layers/moe.h"
 #include "model/layers/rope.h"
 #include "model/params.h"
+#include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/token_dispatcher.h"
 
@@ -59,15 +65,20 @@ const char* recompute_name(Recompute r);
 //                                                2·Nl·C (SP: sequence shards, gathered again in
 //                                                backward), norm statistics (2 or 4)·Nl,
 //                                                q|k|v N·Sl, MLP activations (dense) or the MoE cache
-//   per layer (none only)                        attention output N·Hl·D, log-sum-exp B·Hl·T
+//   per layer (none only)                        the attention core's: output N·Hl·D, log-sum-exp
+//                                                B·Hl·T, under CP all-to-all also the head-sharded
+//                                                q|k|v and output (CpShape::core_floats)
 // plus, with recomputation, one layer's recomputed buffers (full: everything per layer above;
 // selective: the attention output and log-sum-exp).
+// T is a rank's local positions (the sequence length / CP).
 struct ActivationShape {
   int64_t B = 0, T = 0;
   int tp = 1;
   bool sp = false;
   Recompute recompute = Recompute::none;
   int etp = 1, ep = 1;  // MoE mesh: the expert-side buffers are sized for the dispatcher's worst case
+  int cp = 1, cp_a2a = 1;  // context parallelism: CP size and all-to-all group size
+  int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, int64_t layers);
 int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
@@ -95,7 +106,7 @@ class Model {
   // params: this stage's tensors (make_param_table(cfg, part), or split_experts' `dense` table when
   // `experts` has a buffer), this rank's TP shards of them.
   Model(const ModelConfig& cfg, Params& params, TensorParallel tp = {}, ModelPart part = {},
-        Recompute recompute = Recompute::none, ExpertShard experts = {});
+        Recompute recompute = Recompute::none, ExpertShard experts = {}, ContextParallel cp = {});
   ~Model();
 
   // The whole model (one chunk, both ends) on one micro-batch: forward over tokens_B(T+1), then with
@@ -105,7 +116,8 @@ class Model {
                           float* logits_BTV = nullptr);
 
   // ---- Pipeline interface: one chunk of one micro-batch at a time ----
-  // Sizes for the following calls (allocates the recomputation buffer).
+  // Sizes for the following calls: B windows of T positions (the whole sequence; under CP the rank
+  // holds T/CP of them). Allocates the recomputation and work buffers.
   void set_batch(int64_t B, int64_t T);
   // Forward of `chunk` for micro-batch `mb`: from the embedding of tokens (chunk 0 of the first
   // stage) or from `input` [Nl, C] (received from the previous virtual stage). Keeps a slot.
@@ -143,6 +155,7 @@ class Model {
   int64_t expert_rows() const { return expert_rows_; }
   void reset_expert_counts();
   const ModelConfig& config() const { return cfg_; }
+  ContextParallel& context_parallel() { return cp_; }
   const ModelPart& part() const { return part_; }
 
  private:
@@ -180,6 +193,9 @@ class Model {
   // Final norm, LM head and loss on the chunk output `top`; with `backward`, leaves ∂/∂top in d_res.
   Losses head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out);
   void embed(float* x0, const int32_t* tokens);
+  // The inputs (or with `shift` 1 the targets) of this rank's positions from whole windows [B, T+1].
+  void gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const;
+  CpShape cp_shape() const { return cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
   void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   void norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
                      int64_t w_off, int64_t b_off);
@@ -189,10 +205,12 @@ class Model {
   Params& experts_;  // the routed experts' buffer (params_ itself when they have none of their own)
   TokenDispatcher dispatcher_;
   TensorParallel tp_;
+  ContextParallel cp_;
   ModelPart part_;
   Recompute recompute_;
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
-  int64_t B_ = 0, T_ = 0;
+  int64_t B_ = 0, T_ = 0;          // batch rows and this rank's positions per row
+  std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence
   std::vector<LayerOffsets> layers_;  // by global layer index (entries of other stages unused)
   std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
   std::vector<int64_t> expert_begin_;  // the same in the experts' buffer (carried over dense layers)

@@ -117,15 +117,22 @@ std::string MeshShape::describe(bool experts) const {
 
 Mesh::Mesh(Comm& world, MeshShape shape) : world_(world), shape_(std::move(shape)) {
   ORIGAMI_ASSERT(world.size() == shape_.world());
-  for (const char* axes : {"tp", "cp", "dp", "pp", "dp-cp", "etp", "ep", "edp"}) {
+  for (const char* axes : {"tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp-cp", "tp-cp"}) {
     const std::vector<int> g = shape_.group(world.rank(), axes);
+    if (const std::string_view a(axes), first = a.substr(0, a.find('-')); first.size() < a.size() &&
+        g.size() == shape_.group(world.rank(), first).size()) {  // the other axes have degree 1
+      same_as_[std::string(a)] = std::string(first);
+      continue;
+    }
     const int key = int(std::find(g.begin(), g.end(), world.rank()) - g.begin());
     comms_[axes] = world.split(g.front(), key, axes);  // the group's smallest rank names it
   }
 }
 
 Comm& Mesh::comm(std::string_view axes) {
-  auto it = comms_.find(axes == "cp-dp" ? std::string_view("dp-cp") : axes);
+  if (axes == "cp-dp") axes = "dp-cp";
+  if (auto same = same_as_.find(axes); same != same_as_.end()) axes = same->second;
+  auto it = comms_.find(axes);
   ORIGAMI_CHECK(it != comms_.end(), "internal error: no communicator for axis group '", axes, "'");
   return *it->second;
 }

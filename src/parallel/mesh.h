@@ -62,7 +62,9 @@ class MeshShape {
 class Mesh {
  public:
   // Collective over `world`: creates the communicators of every axis (tp, cp, dp, pp, etp, ep,
-  // edp) and of the groups used for gradient reduction (dp-cp: data parallel with context parallel, over which dense gradients are reduced).
+  // edp) and of two groups: dp-cp (dense gradients are reduced over data and context parallel) and
+  // tp-cp (the tokens MoE layers route). A group that spans no more ranks than one of its axes (cp
+  // of 1) is that axis's communicator, so its traffic is reported under the axis's name.
   Mesh(Comm& world, MeshShape shape);
   const MeshShape& shape() const { return shape_; }
   int rank() const { return world_.rank(); }
@@ -78,6 +80,7 @@ class Mesh {
   Comm& world_;
   MeshShape shape_;
   std::map<std::string, std::unique_ptr<Comm>, std::less<>> comms_;
+  std::map<std::string, std::string, std::less<>> same_as_;  // group → the axis it equals
 };
 
 }  // namespace origami

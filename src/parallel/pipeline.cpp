@@ -57,7 +57,7 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
   ORIGAMI_ASSERT(int(tokens.size()) == microbatches_);
   model_.set_batch(B, T);
   const ActivationShape shape = model_.activation_shape();
-  const int64_t n = (shape.sp ? B * T / shape.tp : B * T) * model_.config().hidden;  // floats per message
+  const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message
   const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p;
   auto virtual_stage = [&](const Action& a) { return a.chunk * p + s; };
 

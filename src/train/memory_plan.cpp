@@ -69,8 +69,11 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
                         int64_t sampler) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
-  const int tp = mesh.degree("tp"), dp = mesh.degree("dp"), pp = mesh.degree("pp");
-  const int tp_rank = mesh.coord(rank, "tp"), dp_rank = mesh.coord(rank, "dp"), stage = mesh.coord(rank, "pp");
+  // Dense gradients and ZeRO shards span DP x CP (the trainer's dp-cp group).
+  const std::vector<int> grad_group = mesh.group(rank, "dp-cp");
+  const int tp = mesh.degree("tp"), dp = int(grad_group.size()), pp = mesh.degree("pp");
+  const int tp_rank = mesh.coord(rank, "tp"), stage = mesh.coord(rank, "pp");
+  const int dp_rank = int(std::find(grad_group.begin(), grad_group.end(), rank) - grad_group.begin());
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
   std::vector<ParamSpec> table = make_param_table(cfg, part);
@@ -117,7 +120,7 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
 
   // Workspace: the model's work buffers, pipeline messages of [Nl, C], the step's token windows
   // (int32) and the sampler's order.
-  const int64_t Nl = (shape.sp ? o.micro_batch * o.seq_len / tp : o.micro_batch * o.seq_len);
+  const int64_t Nl = shape.local_tokens();
   m.workspace = workspace_bytes(cfg, shape, part) + Pipeline::buffer_bytes(pp, Nl * cfg.hidden) +
                 4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1) + sampler;
 

@@ -51,7 +51,7 @@ std::string format_duration(double seconds) {
 
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
-          {"tp", tp}, {"dp", dp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
           {"pp_layers", pp_layers}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
@@ -65,7 +65,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
   ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
   ORIGAMI_CHECK(vpp >= 1, "--vpp must be at least 1, got ", vpp);
-  ORIGAMI_CHECK(cp == 1, "--cp ", cp, ": context parallelism is not available yet (only --cp 1)");
+  ORIGAMI_CHECK(cp >= 1, "--cp must be at least 1, got ", cp);
   ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
   ORIGAMI_CHECK(steps > 0, "--steps must be positive, got ", steps);
   ORIGAMI_CHECK(micro_batch > 0, "--micro-batch must be positive, got ", micro_batch);
@@ -105,8 +105,30 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
     ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
                   ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
                   world_size / pp, "): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP");
-    ORIGAMI_CHECK(tp == 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (", seq_len,
-                  ") must be a multiple of --tp (", tp, ")");
+    ORIGAMI_CHECK(tp == 1 || cp > 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (",
+                  seq_len, ") must be a multiple of --tp (", tp, ")");
+  }
+  // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP
+  // (and by TP for MoE layers' shares); heads over the all-to-all group.
+  const CpComm comm = parse_cp_comm(cp_comm);
+  ORIGAMI_CHECK(cp_a2a_size == 0 || comm == CpComm::a2a_p2p, "--cp-a2a-size is for --cp-comm a2a+p2p (got --cp-comm ",
+                cp_comm, ")");
+  ORIGAMI_CHECK(comm != CpComm::a2a_p2p || cp_a2a_size >= 1, "--cp-comm a2a+p2p needs --cp-a2a-size A (the ranks "
+                "of each all-to-all group)");
+  ORIGAMI_CHECK(cp_a2a_size == 0 || cp % cp_a2a_size == 0, "--cp-a2a-size ", cp_a2a_size, " must divide --cp ", cp);
+  if (cp > 1) {
+    const int64_t cut = int64_t(2) * cp * (sequence_parallel || cfg.is_moe() ? tp : 1);
+    ORIGAMI_CHECK(seq_len % cut == 0, "--cp ", cp, " cuts each sequence into 2 x ", cp, " chunks",
+                  sequence_parallel ? cat(", each rank's split again over --tp ", tp, " (sequence parallel)")
+                  : cfg.is_moe() && tp > 1 ? cat(", each rank's split again over --tp ", tp, " (MoE shares)") : "",
+                  ": --seq-len (", seq_len, ") must be a multiple of ", cut);
+    const int A = cp_a2a();
+    const int64_t heads = cfg.num_heads / tp, kv = cfg.num_kv_heads / tp;
+    ORIGAMI_CHECK(heads % A == 0, "--cp-comm ", cp_comm, " splits each rank's attention heads (", heads,
+                  tp > 1 ? cat(" = ", cfg.num_heads, " / --tp ", tp) : "", ") over ", A,
+                  " ranks: the heads must be a multiple of ", A);
+    ORIGAMI_CHECK(kv % A == 0 || A % kv == 0, "--cp-comm ", cp_comm, " over ", A, " ranks: each rank's key/value heads (",
+                  kv, ") must be a multiple of ", A, " or divide it (then they are replicated)");
   }
   const MeshDims dims = layout_dims(world_size);
   MeshShape(world_size, dims, mesh_order);  // validates the world size and the order
@@ -132,7 +154,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 schedule_kind_name(kind));
   check_schedule(kind, pp, int(m), vpp);
   Pipeline::check_tags(pp, int(m), vpp);
-  ORIGAMI_CHECK(!sequence_parallel || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
+  ORIGAMI_CHECK(!sequence_parallel || cp > 1 || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
                 seq_len, ") must be a multiple of --tp (", tp, ")");
 }
 
@@ -157,7 +179,17 @@ ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) co
 }
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
-  return {micro_batch, seq_len, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep};
+  return {micro_batch, seq_len / cp,        tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
+          cp,          cp_a2a()};
+}
+
+int TrainOptions::cp_a2a() const {
+  switch (parse_cp_comm(cp_comm)) {
+    case CpComm::p2p: return 1;
+    case CpComm::a2a: return cp;
+    case CpComm::a2a_p2p: return cp_a2a_size;
+  }
+  return 1;
 }
 
 MeshDims TrainOptions::layout_dims(int world_size) const {
@@ -301,7 +333,8 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // shard and EDP buckets.
   Mesh mesh(world, MeshShape(world.size(), o.layout_dims(world.size()), o.mesh_order));
   Comm& tp_comm = mesh.comm("tp");
-  Comm& dp_comm = mesh.comm("dp");
+  Comm& dp_comm = mesh.comm("dp");        // data rows: CP ranks read the same windows
+  Comm& grad_comm = mesh.comm("dp-cp");   // dense gradients: summed over DP and CP (each CP rank its tokens')
   Comm& pp_comm = mesh.comm("pp");
   Comm &ep_comm = mesh.comm("ep"), &etp_comm = mesh.comm("etp"), &edp_comm = mesh.comm("edp");
   const int dp = dp_comm.size(), dp_rank = dp_comm.rank(), pp = pp_comm.size(), stage = pp_comm.rank();
@@ -313,7 +346,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   std::unique_ptr<Comm> embedding_comm;
   if (pp > 1) embedding_comm = pp_comm.split(stage == 0 || stage == pp - 1 ? 0 : 1, stage, "embedding");
   SplitTable tables = split_experts(make_param_table(cfg, part), cfg.num_experts, ep_comm.size(), ep_comm.rank());
-  ParamSet dense(std::move(tables.dense), o, dp_comm, tp_comm, o.sequence_parallel,
+  ParamSet dense(std::move(tables.dense), o, grad_comm, tp_comm, o.sequence_parallel,
                  part.embedding != part.head ? embedding_comm.get() : nullptr);
   ParamSet experts(std::move(tables.experts), o, edp_comm, etp_comm, false, nullptr);
   ParamSet* const sets[2] = {&dense, &experts};
@@ -341,8 +374,12 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     }
   }
   const Recompute recompute = parse_recompute(o.recompute);
+  // MoE layers route every token of TP x CP once: the counts behind the router's load-balancing loss
+  // are summed over that group.
   Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute,
-              {&experts.params, TokenDispatcher(tp_comm, ep_comm, etp_comm)});
+              {&experts.params, TokenDispatcher(mesh.comm("tp-cp"), ep_comm, etp_comm)},
+              ContextParallel(mesh.comm("cp"), parse_cp_comm(o.cp_comm), o.cp_a2a()));
+  ContextParallel& cp = model.context_parallel();
   int64_t current_step = 0;
   bool injected = false;
   model.on_grads_ready([&](int64_t offset, int64_t expert_offset) {
@@ -366,6 +403,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   const double flops_per_step = train_flops_per_token(cfg, T) * double(G * T);
   std::string layout_name = mesh.shape().describe(cfg.is_moe()) + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
                             (o.zero > 0 && dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+  if (cp.size() > 1) layout_name += cat(" cp ", cp.describe(cfg.num_kv_heads / tp_comm.size()));
   if (pp > 1) layout_name += cat(" ", schedule_kind_name(o.schedule_kind()), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(recompute));
   if (rank0) {
@@ -442,7 +480,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     // TP rank 0; the experts' ETP shards on the first EDP replica's ETP rank 0, then the EP ranks'
     // experts on EP rank 0 — the same rank, each stage's first —, which appends them to the stage's
     // tensors (global names: a tensor is placed by name, whatever rank held it); then the stages on rank 0.
-    const bool stage_root = dp_rank == 0 && tp_comm.rank() == 0;
+    const bool stage_root = grad_comm.rank() == 0 && tp_comm.rank() == 0;
     allocating("the checkpoint's gathered tensors", memory.parts[size_t(world.rank())].checkpoint, [&] {
       std::unique_ptr<Params> dense_stage, local_experts, stage_experts, global;
       std::vector<std::vector<ParamSpec>> ep_tables, stage_tables;
@@ -464,7 +502,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       std::vector<std::vector<float>> gathered;  // weights, exp_avg, exp_avg_sq
       for (int which = 0; which < 3; ++which) {
         std::vector<float> stage_buf, experts_buf;
-        if (dp_rank == 0) stage_buf = gather_tp_shards(tp_comm, dense.params, flat(0, which), dense_stage.get());
+        if (grad_comm.rank() == 0) stage_buf = gather_tp_shards(tp_comm, dense.params, flat(0, which), dense_stage.get());
         if (edp_comm.rank() == 0) {
           experts_buf = gather_tp_shards(etp_comm, experts.params, flat(1, which), local_experts.get());
           if (etp_comm.rank() == 0) experts_buf = gather_pp_stages(ep_comm, experts_buf, ep_tables, stage_experts.get());
@@ -502,6 +540,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     Timer step_timer;
     const double cpu0 = cpu_seconds();
     mesh.reset_bytes();
+    cp.reset_counters();
     if (embedding_comm) embedding_comm->reset_bytes();
     const double lr = lr_at(o.lr, step);
     // This DP rank's rows of the step, read by every pipeline stage (the first embeds them, the last
@@ -536,7 +575,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     // from the stages that own them.
     const double weight = tp_comm.rank() == 0 ? 1.0 : 0.0, per = weight / double(micro * dp);
     const double share_per = 1.0 / double(micro * dp);
-    const double stage_weight = dp_rank == 0 ? weight : 0.0;
+    const double stage_weight = grad_comm.rank() == 0 ? weight : 0.0;  // DP and CP rank 0
     std::vector<double> red = {sum.lm_loss * per, sum.aux_loss * share_per, sum.z_loss * share_per,
                                cpu_seconds() - cpu0, stop_signals.poll() ? 1.0 : 0.0};
     for (const auto& layer : model.expert_counts())
@@ -546,6 +585,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
     if (cfg.is_moe()) {
       red.resize(rows_at + size_t(world.size()), 0.0);
       red[rows_at + size_t(world.rank())] = double(model.expert_rows());
+    }
+    const size_t pairs_at = red.size();  // CP: the causal pairs each rank's attention computed
+    if (cp.size() > 1) {
+      red.resize(pairs_at + size_t(world.size()), 0.0);
+      red[pairs_at + size_t(world.rank())] = double(cp.counters().pairs);
     }
     const size_t stage_at = red.size();  // per stage: measured and computed activation peak, busy, schedule and pp bytes
     red.resize(stage_at + 5 * size_t(pp), 0.0);
@@ -595,8 +639,14 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                      (long long)skipped, (long long)o.max_skipped_steps);
     }
     if (metrics) {
-      nlohmann::json bytes = nlohmann::json::object();
+      nlohmann::json bytes = nlohmann::json::object(), j_cp;
       for (const auto& [axis, b] : mesh.bytes_sent()) bytes[axis] = std::llround(b);
+      if (cp.size() > 1) {
+        bytes["cp"] = std::llround(cp.bytes_sent());
+        // Rank 0's ring: transfer time and the part waited for; every rank's causal pairs.
+        j_cp = {{"ring_s", cp.counters().transfer_s}, {"ring_wait_s", cp.counters().wait_s},
+                {"pairs", std::vector<int64_t>(red.begin() + long(pairs_at), red.begin() + long(pairs_at) + world.size())}};
+      }
       if (embedding_comm && embedding_comm->bytes_sent() > 0) bytes["embedding"] = std::llround(embedding_comm->bytes_sent());
       auto as_int = [](const std::vector<double>& v) {
         std::vector<int64_t> r;
@@ -614,6 +664,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                           {"act_bytes_peak", as_int(per_stage(0))}, {"act_bytes_computed", as_int(per_stage(1))},
                           {"pp_busy_ms", as_ms(per_stage(2))}, {"pp_ms", as_ms(per_stage(3))},
                           {"pp_bytes", as_int(per_stage(4))}};
+      if (!j_cp.is_null()) j["cp"] = j_cp;
       if (skip) j["skipped"] = non_finite;
       if (spike) j["loss_spike"] = true;
       if (done == start_step + 1) {  // the memory check's figures: the neediest rank's parts, every rank's total

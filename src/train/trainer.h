@@ -52,6 +52,8 @@ struct TrainOptions {
   // Layout.
   int tp = 1, cp = 1, pp = 1;
   int dp = 0;                  // 0: world size / (tp·cp·pp)
+  std::string cp_comm = "p2p"; // context-parallel attention: p2p | a2a | a2a+p2p
+  int cp_a2a_size = 0;         // a2a+p2p: ranks per all-to-all group (0: not given)
   int ep = 1, etp = 1;         // MoE mesh: expert parallel, expert tensor parallel (EDP = ranks per stage / (ETP·EP))
   int vpp = 1;                 // model chunks per pipeline stage (the interleaved schedule's v)
   std::string pp_schedule;     // gpipe | 1f1b | interleaved; "": 1f1b, interleaved when vpp > 1
@@ -65,6 +67,7 @@ struct TrainOptions {
   // Error naming the value and the rule (options, and the layout against the model and world size).
   void validate(const ModelConfig& cfg, int world_size) const;
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
+  int cp_a2a() const;  // the all-to-all group size A: 1 for p2p, cp for a2a
   // A copy with the derived values filled in: global_batch = micro_batch × DP when 0 (and the layout
   // degrees valid; validate() names them otherwise).
   TrainOptions resolved(int world_size) const;

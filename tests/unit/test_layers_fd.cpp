@@ -567,6 +567,60 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionFd,
                                            AttnCase{1, 70, 2, 1, 8, 400, 12.0, 2e-4}),
                          [](const ::testing::TestParamInfo<AttnCase>& info) { return attention_case_name(info.param); });
 
+// Context parallelism's premise (parallel/context_parallel.h): attention over a sequence computed as
+// any set of (query chunk, key chunk) blocks, merged by log-sum-exp in any order, equals the whole
+// computation, forward and backward. Chunks of uneven lengths crossing the 64-row tiles; the keys
+// read from a separate k|v buffer (as a ring buffer holds them); key chunks visited in a shuffled
+// order per query chunk; blocks whose keys all follow the queries skipped.
+TEST(AttentionBlocks, AnyChunkingMergesToTheWhole) {
+  const int64_t B = 2, Tn = 130, H = 6, KV = 2, D = 8, S = (H + 2 * KV) * D, HD = H * D, W = 2 * KV * D;
+  Rng rng(97);
+  const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
+  Vec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D);
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D);
+  Vec kv(B * Tn * W);  // [B, T, k | v]
+  for (int64_t n = 0; n < B * Tn; ++n)
+    for (int64_t j = 0; j < W; ++j) kv[n * W + j] = qkv[n * S + H * D + j];
+  const std::vector<int64_t> edges = {0, 17, 70, 71, 128, 130};  // chunk c is [edges[c], edges[c+1])
+  const size_t chunks = edges.size() - 1;
+  std::mt19937_64 g(5);
+  Vec bout(out.size(), 0.0), blse(lse.size(), -INFINITY), bdq(dqkv.size(), 0.0), bdkv(kv.size(), 0.0);
+  auto blocks = [&](bool backward) {
+    for (size_t qc = 0; qc < chunks; ++qc) {
+      std::vector<size_t> order(qc + 1);  // key chunks up to the query chunk; later ones are empty
+      std::iota(order.begin(), order.end(), size_t(0));
+      std::shuffle(order.begin(), order.end(), g);
+      for (size_t kc : order) {
+        const int64_t q0 = edges[qc], k0 = edges[kc];
+        const BlockDims d{B, edges[qc + 1] - q0, edges[kc + 1] - k0, H, KV, D, kc == qc ? 0 : kAllKeys};
+        const Heads<const double> q{qkv.data() + q0 * S, Tn * S, S}, k{kv.data() + k0 * W, Tn * W, W},
+            v{kv.data() + k0 * W + KV * D, Tn * W, W};
+        if (!backward) {
+          attention_block_forward<double>({bout.data() + q0 * HD, Tn * HD, HD}, {blse.data() + q0, H * Tn, Tn}, q, k,
+                                          v, d);
+        } else {
+          attention_block_backward<double>({bdq.data() + q0 * S, Tn * S, S}, {bdkv.data() + k0 * W, Tn * W, W},
+                                           {bdkv.data() + k0 * W + KV * D, Tn * W, W},
+                                           {dout.data() + q0 * HD, Tn * HD, HD}, q, k, v,
+                                           {bout.data() + q0 * HD, Tn * HD, HD}, {blse.data() + q0, H * Tn, Tn}, d);
+        }
+      }
+    }
+  };
+  blocks(false);
+  expect_close("merged blocks: out", bout, out, 1e-13);
+  expect_close("merged blocks: lse", blse, lse, 1e-13);
+  blocks(true);
+  Vec whole_q(dqkv.size(), 0.0), whole_kv(kv.size());
+  for (int64_t n = 0; n < B * Tn; ++n) {
+    for (int64_t j = 0; j < HD; ++j) whole_q[n * S + j] = dqkv[n * S + j];
+    for (int64_t j = 0; j < W; ++j) whole_kv[n * W + j] = dqkv[n * S + HD + j];
+  }
+  expect_close("merged blocks: dq", bdq, whole_q, 1e-12);
+  expect_close("merged blocks: dk|dv", bdkv, whole_kv, 1e-12);
+}
+
 // ───────────────────────────── LM head ─────────────────────────────
 
 TEST(LmHeadFd, FusedCrossEntropy) {

@@ -11,13 +11,23 @@
 namespace origami {
 
 namespace {
-constexpr int64_t kBlock = 64;  // query and key block size
+constexpr int64_t kBlock = 64;  // query and key tile size
+
+// Keys of a tile row: query i (block row r of the tile at i0) sees keys j ≤ i + diag of the key
+// tile at j0, i.e. the first `visible` of its nk keys (≤ 0: none).
+inline int64_t visible(int64_t i0, int64_t r, int64_t j0, int64_t nk, int64_t diag) {
+  return std::min(nk, i0 + r + diag - j0 + 1);
 }
+// Key tiles a query tile [i0, i0+nq) reaches: [0, key_end).
+inline int64_t key_end(int64_t i0, int64_t nq, int64_t Tk, int64_t diag) {
+  return std::min(Tk, i0 + nq + std::min(diag, Tk));
+}
+}  // namespace
 
 template <typename T>
-void attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int64_t H, int64_t KV,
-                       int64_t D) {
-  const int64_t S = (H + 2 * KV) * D, HD = H * D, group = H / KV;
+void attention_block_forward(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T> k, Heads<const T> v,
+                             const BlockDims& dm) {
+  const int64_t B = dm.B, Tq = dm.Tq, Tk = dm.Tk, H = dm.H, D = dm.D, group = dm.H / dm.KV;
   const T scale = T(1.0 / std::sqrt(double(D)));
 #pragma omp parallel
   {
@@ -26,32 +36,39 @@ void attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int6
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t g = h / group;
-        const T* Q = qkv + b * Tn * S + h * D;
-        const T* K = qkv + b * Tn * S + (H + g) * D;
-        const T* V = qkv + b * Tn * S + (H + KV + g) * D;
-        for (int64_t i0 = 0; i0 < Tn; i0 += kBlock) {
-          const int64_t nq = std::min(kBlock, Tn - i0);
-          std::fill(acc.begin(), acc.end(), T(0));
-          std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<T>::infinity());
-          std::fill(row_sum.begin(), row_sum.end(), T(0));
-          for (int64_t j0 = 0; j0 < i0 + nq; j0 += kBlock) {
-            const int64_t nk = std::min(kBlock, Tn - j0);
+        const T* Q = q.p + b * q.row + h * D;
+        const T* K = k.p + b * k.row + g * D;
+        const T* V = v.p + b * v.row + g * D;
+        T* O = out.p + b * out.row + h * D;
+        T* L = lse.p + b * lse.row + h * lse.head;
+        for (int64_t i0 = 0; i0 < Tq; i0 += kBlock) {
+          const int64_t nq = std::min(kBlock, Tq - i0), kend = key_end(i0, nq, Tk, dm.diag);
+          if (kend <= 0) continue;
+          // The running result in unnormalised form: acc = out·row_sum relative to row_max = lse.
+          for (int64_t r = 0; r < nq; ++r) {
+            row_max[r] = L[i0 + r];
+            row_sum[r] = T(1);
+            for (int64_t d = 0; d < D; ++d) acc[r * D + d] = O[(i0 + r) * out.tok + d];
+          }
+          for (int64_t j0 = 0; j0 < kend; j0 += kBlock) {
+            const int64_t nk = std::min(kBlock, Tk - j0);
             // scores[nq, nk] = scale · Q_i·K_jᵀ
-            gemm<T>(false, true, nq, nk, D, scale, Q + i0 * S, S, K + j0 * S, S, T(0), scores.data(), kBlock);
+            gemm<T>(false, true, nq, nk, D, scale, Q + i0 * q.tok, q.tok, K + j0 * k.tok, k.tok, T(0), scores.data(),
+                    kBlock);
             for (int64_t r = 0; r < nq; ++r) {
               T* p = scores.data() + r * kBlock;
-              const int64_t allowed = std::min(nk, i0 + r - j0 + 1);  // causal: keys j ≤ i
+              const int64_t allowed = visible(i0, r, j0, nk, dm.diag);
               if (allowed <= 0) {
                 std::fill(p, p + nk, T(0));
                 continue;
               }
               T m = row_max[r];
-              for (int64_t k = 0; k < allowed; ++k) m = std::max(m, p[k]);
-              const T rescale = std::exp(row_max[r] - m);  // 0 on the first block (−inf)
+              for (int64_t j = 0; j < allowed; ++j) m = std::max(m, p[j]);
+              const T rescale = std::exp(row_max[r] - m);  // 0 while no key was seen (−∞)
               T sum = 0;
-              for (int64_t k = 0; k < allowed; ++k) {
-                p[k] = exp_fast(p[k] - m);
-                sum += p[k];
+              for (int64_t j = 0; j < allowed; ++j) {
+                p[j] = exp_fast(p[j] - m);
+                sum += p[j];
               }
               std::fill(p + allowed, p + nk, T(0));
               row_sum[r] = row_sum[r] * rescale + sum;
@@ -60,13 +77,13 @@ void attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int6
               for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
             }
             // acc[nq, D] += P·V_j
-            gemm<T>(false, false, nq, D, nk, T(1), scores.data(), kBlock, V + j0 * S, S, T(1), acc.data(), D);
+            gemm<T>(false, false, nq, D, nk, T(1), scores.data(), kBlock, V + j0 * v.tok, v.tok, T(1), acc.data(), D);
           }
           for (int64_t r = 0; r < nq; ++r) {
-            T* o = out + (b * Tn + i0 + r) * HD + h * D;
+            T* o = O + (i0 + r) * out.tok;
             const T inv = T(1) / row_sum[r];
             for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-            lse[(b * H + h) * Tn + i0 + r] = row_max[r] + std::log(row_sum[r]);
+            L[i0 + r] = row_max[r] + std::log(row_sum[r]);
           }
         }
       }
@@ -74,60 +91,61 @@ void attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int6
 }
 
 template <typename T>
-void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const T* lse, int64_t B,
-                        int64_t Tn, int64_t H, int64_t KV, int64_t D) {
-  const int64_t S = (H + 2 * KV) * D, HD = H * D, group = H / KV;
+void attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dout, Heads<const T> q,
+                              Heads<const T> k, Heads<const T> v, Heads<const T> out, Lse<const T> lse,
+                              const BlockDims& dm) {
+  const int64_t B = dm.B, Tq = dm.Tq, Tk = dm.Tk, D = dm.D, KV = dm.KV, group = dm.H / dm.KV;
   const T scale = T(1.0 / std::sqrt(double(D)));
   // One task per (batch row, kv head): it owns dK, dV of that kv head and dQ of its query heads.
 #pragma omp parallel
   {
-    std::vector<T> prob(kBlock * kBlock), dprob(kBlock * kBlock), delta(static_cast<size_t>(Tn));
+    std::vector<T> prob(kBlock * kBlock), dprob(kBlock * kBlock), delta(static_cast<size_t>(Tq));
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < KV; ++g) {
-        const T* K = qkv + b * Tn * S + (H + g) * D;
-        const T* V = qkv + b * Tn * S + (H + KV + g) * D;
-        T* dK = dqkv + b * Tn * S + (H + g) * D;
-        T* dV = dqkv + b * Tn * S + (H + KV + g) * D;
-        for (int64_t t = 0; t < Tn; ++t)
-          for (int64_t d = 0; d < D; ++d) dK[t * S + d] = dV[t * S + d] = T(0);
+        const T* K = k.p + b * k.row + g * D;
+        const T* V = v.p + b * v.row + g * D;
+        T* dK = dk.p + b * dk.row + g * D;
+        T* dV = dv.p + b * dv.row + g * D;
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const T* Q = qkv + b * Tn * S + h * D;
-          T* dQ = dqkv + b * Tn * S + h * D;
-          const T* O = out + b * Tn * HD + h * D;
-          const T* dO = dout + b * Tn * HD + h * D;
-          const T* L = lse + (b * H + h) * Tn;
-          for (int64_t t = 0; t < Tn; ++t) {
+          const T* Q = q.p + b * q.row + h * D;
+          T* dQ = dq.p + b * dq.row + h * D;
+          const T* O = out.p + b * out.row + h * D;
+          const T* dO = dout.p + b * dout.row + h * D;
+          const T* L = lse.p + b * lse.row + h * lse.head;
+          for (int64_t t = 0; t < Tq; ++t) {
             T s = 0;
-            for (int64_t d = 0; d < D; ++d) {
-              s += dO[t * HD + d] * O[t * HD + d];
-              dQ[t * S + d] = T(0);
-            }
-            delta[size_t(t)] = s;  // Σ_d dO·O = Σ_j P_ij·dP_ij
+            for (int64_t d = 0; d < D; ++d) s += dO[t * dout.tok + d] * O[t * out.tok + d];
+            delta[size_t(t)] = s;  // Σ_d dO·O = Σ_j P_ij·dP_ij over all keys of the query row
           }
-          for (int64_t i0 = 0; i0 < Tn; i0 += kBlock) {
-            const int64_t nq = std::min(kBlock, Tn - i0);
-            for (int64_t j0 = 0; j0 < i0 + nq; j0 += kBlock) {
-              const int64_t nk = std::min(kBlock, Tn - j0);
-              gemm<T>(false, true, nq, nk, D, scale, Q + i0 * S, S, K + j0 * S, S, T(0), prob.data(), kBlock);
+          for (int64_t i0 = 0; i0 < Tq; i0 += kBlock) {
+            const int64_t nq = std::min(kBlock, Tq - i0), kend = key_end(i0, nq, Tk, dm.diag);
+            for (int64_t j0 = 0; j0 < kend; j0 += kBlock) {
+              const int64_t nk = std::min(kBlock, Tk - j0);
+              gemm<T>(false, true, nq, nk, D, scale, Q + i0 * q.tok, q.tok, K + j0 * k.tok, k.tok, T(0), prob.data(),
+                      kBlock);
               for (int64_t r = 0; r < nq; ++r) {
                 T* p = prob.data() + r * kBlock;
-                const int64_t allowed = std::max<int64_t>(0, std::min(nk, i0 + r - j0 + 1));
-                for (int64_t k = 0; k < allowed; ++k) p[k] = exp_fast(p[k] - L[i0 + r]);
+                const int64_t allowed = std::max<int64_t>(0, visible(i0, r, j0, nk, dm.diag));
+                for (int64_t j = 0; j < allowed; ++j) p[j] = exp_fast(p[j] - L[i0 + r]);
                 std::fill(p + allowed, p + nk, T(0));
               }
               // dV_j += Pᵀ·dO_i ; dP = dO_i·V_jᵀ
-              gemm<T>(true, false, nk, D, nq, T(1), prob.data(), kBlock, dO + i0 * HD, HD, T(1), dV + j0 * S, S);
-              gemm<T>(false, true, nq, nk, D, T(1), dO + i0 * HD, HD, V + j0 * S, S, T(0), dprob.data(), kBlock);
+              gemm<T>(true, false, nk, D, nq, T(1), prob.data(), kBlock, dO + i0 * dout.tok, dout.tok, T(1),
+                      dV + j0 * dv.tok, dv.tok);
+              gemm<T>(false, true, nq, nk, D, T(1), dO + i0 * dout.tok, dout.tok, V + j0 * v.tok, v.tok, T(0),
+                      dprob.data(), kBlock);
               // dS = P ∘ (dP − delta_i)
               for (int64_t r = 0; r < nq; ++r) {
                 T *p = prob.data() + r * kBlock, *dp = dprob.data() + r * kBlock;
                 const T dl = delta[size_t(i0 + r)];
-                for (int64_t k = 0; k < nk; ++k) dp[k] = p[k] * (dp[k] - dl);
+                for (int64_t j = 0; j < nk; ++j) dp[j] = p[j] * (dp[j] - dl);
               }
               // dQ_i += scale·dS·K_j ; dK_j += scale·dSᵀ·Q_i
-              gemm<T>(false, false, nq, D, nk, scale, dprob.data(), kBlock, K + j0 * S, S, T(1), dQ + i0 * S, S);
-              gemm<T>(true, false, nk, D, nq, scale, dprob.data(), kBlock, Q + i0 * S, S, T(1), dK + j0 * S, S);
+              gemm<T>(false, false, nq, D, nk, scale, dprob.data(), kBlock, K + j0 * k.tok, k.tok, T(1),
+                      dQ + i0 * dq.tok, dq.tok);
+              gemm<T>(true, false, nk, D, nq, scale, dprob.data(), kBlock, Q + i0 * q.tok, q.tok, T(1),
+                      dK + j0 * dk.tok, dk.tok);
             }
           }
         }
@@ -135,9 +153,38 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, cons
   }
 }
 
-template void attention_forward<float>(float*, float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void attention_forward<double>(double*, double*, const double*, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void attention_backward<float>(float*, const float*, const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void attention_backward<double>(double*, const double*, const double*, const double*, const double*, int64_t, int64_t, int64_t, int64_t, int64_t);
+// The whole sequence is one causal block over the packed qkv rows.
+template <typename T>
+void attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D) {
+  const int64_t S = (H + 2 * KV) * D, HD = H * D;
+  std::fill(out, out + B * Tn * HD, T(0));
+  std::fill(lse, lse + B * H * Tn, -std::numeric_limits<T>::infinity());
+  attention_block_forward<T>({out, Tn * HD, HD}, {lse, H * Tn, Tn}, {qkv, Tn * S, S}, {qkv + H * D, Tn * S, S},
+                             {qkv + (H + KV) * D, Tn * S, S}, {B, Tn, Tn, H, KV, D, 0});
+}
+
+template <typename T>
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const T* lse, int64_t B, int64_t Tn,
+                        int64_t H, int64_t KV, int64_t D) {
+  const int64_t S = (H + 2 * KV) * D, HD = H * D;
+  std::fill(dqkv, dqkv + B * Tn * S, T(0));
+  attention_block_backward<T>({dqkv, Tn * S, S}, {dqkv + H * D, Tn * S, S}, {dqkv + (H + KV) * D, Tn * S, S},
+                              {dout, Tn * HD, HD}, {qkv, Tn * S, S}, {qkv + H * D, Tn * S, S},
+                              {qkv + (H + KV) * D, Tn * S, S}, {out, Tn * HD, HD}, {lse, H * Tn, Tn},
+                              {B, Tn, Tn, H, KV, D, 0});
+}
+
+#define ORIGAMI_ATTENTION(T)                                                                                        \
+  template void attention_forward<T>(T*, T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t);                \
+  template void attention_backward<T>(T*, const T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,        \
+                                      int64_t, int64_t);                                                            \
+  template void attention_block_forward<T>(Heads<T>, Lse<T>, Heads<const T>, Heads<const T>, Heads<const T>,        \
+                                           const BlockDims&);                                                       \
+  template void attention_block_backward<T>(Heads<T>, Heads<T>, Heads<T>, Heads<const T>, Heads<const T>,           \
+                                            Heads<const T>, Heads<const T>, Heads<const T>, Lse<const T>,           \
+                                            const BlockDims&);
+ORIGAMI_ATTENTION(float)
+ORIGAMI_ATTENTION(double)
+#undef ORIGAMI_ATTENTION
 
 }  // namespace origami

@@ -1,7 +1,7 @@
 // Causal self-attention core with grouped-query heads, computed in blocks with an online softmax
 // (FlashAttention-style): no T×T matrix per head is ever stored. Forward also yields the
 // log-sum-exp of each query row's scores, which backward uses to recompute probabilities and
-// which context parallelism will use to merge partial results.
+// which context parallelism uses to merge partial results exactly.
 //
 // Legend: B batch, T positions, H query heads, KV key/value heads (H % KV == 0; query head h
 // reads kv head h / (H/KV)), D head dim, S = (H + 2·KV)·D the packed row width.
@@ -21,5 +21,42 @@ void attention_forward(T* out_BTHD, T* lse_BHT, const T* qkv_BTS, int64_t B, int
 template <typename T>
 void attention_backward(T* dqkv_BTS, const T* dout_BTHD, const T* qkv_BTS, const T* out_BTHD,
                         const T* lse_BHT, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D);
+
+// ---- Blocks: attention of Tq query rows against Tk key rows, merged into a running result ----
+// The whole-sequence functions above are one block each; context parallelism (parallel/
+// context_parallel.h) computes a sequence split over ranks as (query chunk, key chunk) blocks.
+//
+// Strided views, so a block reads its rows wherever they are (a packed qkv buffer, a ring buffer):
+//   Heads: element d of head h at token t of batch row b is p[b·row + t·tok + h·D + d]
+//   Lse:   the log-sum-exp of head h at query t of batch row b is p[b·row + h·head + t]
+template <typename T>
+struct Heads {
+  T* p;
+  int64_t row, tok;
+};
+template <typename T>
+struct Lse {
+  T* p;
+  int64_t row, head;
+};
+// Key j is visible to query i iff j ≤ i + diag: diag 0 is the causal diagonal block (the same
+// positions), kAllKeys a block of keys that all precede the queries.
+constexpr int64_t kAllKeys = int64_t(1) << 60;
+struct BlockDims {
+  int64_t B, Tq, Tk, H, KV, D, diag;
+};
+
+// Merges the block into (out, lse): on entry they hold the attention over the keys seen so far
+// (normalised output; lse −∞ and out 0 for none), on return over those and this block's keys.
+template <typename T>
+void attention_block_forward(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T> k, Heads<const T> v,
+                             const BlockDims& d);
+
+// The block's part of the gradients, accumulated (+=) into dq, dk, dv. out and lse are the final
+// (fully merged) forward results of the query rows, dout their gradient.
+template <typename T>
+void attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dout, Heads<const T> q,
+                              Heads<const T> k, Heads<const T> v, Heads<const T> out, Lse<const T> lse,
+                              const BlockDims& d);
 
 }  // namespace origami

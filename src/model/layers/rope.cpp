@@ -18,14 +18,15 @@ RopeTable::RopeTable(int64_t T, int64_t D, double theta) : max_T(T), half(D / 2)
 // sign = +1 rotates by +angle (forward), −1 by −angle (backward: the transpose).
 template <typename T>
 static void rotate(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
-                   double sign) {
+                   const int64_t* pos, double sign) {
   const int64_t S = (H + 2 * KV) * D, half = D / 2;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tn; ++t) {
       T* row = qkv + (b * Tn + t) * S;
-      const double* c = rt.cos.data() + t * half;
-      const double* s = rt.sin.data() + t * half;
+      const int64_t p = pos ? pos[t] : t;
+      const double* c = rt.cos.data() + p * half;
+      const double* s = rt.sin.data() + p * half;
       for (int64_t h = 0; h < H + KV; ++h) {  // q heads then k heads; v is untouched
         T* x = row + h * D;
         for (int64_t i = 0; i < half; ++i) {
@@ -39,17 +40,19 @@ static void rotate(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H
 }
 
 template <typename T>
-void rope_forward(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D) {
-  rotate(qkv, rt, B, Tn, H, KV, D, 1.0);
+void rope_forward(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
+                  const int64_t* pos) {
+  rotate(qkv, rt, B, Tn, H, KV, D, pos, 1.0);
 }
 template <typename T>
-void rope_backward(T* dqkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D) {
-  rotate(dqkv, rt, B, Tn, H, KV, D, -1.0);
+void rope_backward(T* dqkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
+                   const int64_t* pos) {
+  rotate(dqkv, rt, B, Tn, H, KV, D, pos, -1.0);
 }
 
-template void rope_forward<float>(float*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void rope_forward<double>(double*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void rope_backward<float>(float*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void rope_backward<double>(double*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t);
+template void rope_forward<float>(float*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*);
+template void rope_forward<double>(double*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*);
+template void rope_backward<float>(float*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*);
+template void rope_backward<double>(double*, const RopeTable&, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*);
 
 }  // namespace origami

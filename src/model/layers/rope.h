@@ -2,7 +2,8 @@
 // D values, element i pairs with i + D/2 and is rotated by angle pos·θ^(−2i/D).
 // Applied in place to the q and k heads of a packed qkv row [q(H·D) | k(KV·D) | v(KV·D)];
 // backward rotates the gradient by the opposite angle, in place.
-// Legend: B batch, T positions, H query heads, KV key/value heads, D head dim.
+// Legend: B batch, T positions, H query heads, KV key/value heads, D head dim. pos[T], when given,
+// is each row's position in the sequence (context parallelism holds non-contiguous chunks); else t.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -18,8 +19,10 @@ struct RopeTable {
 };
 
 template <typename T>
-void rope_forward(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D);
+void rope_forward(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
+                  const int64_t* pos = nullptr);
 template <typename T>
-void rope_backward(T* dqkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D);
+void rope_backward(T* dqkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
+                   const int64_t* pos = nullptr);
 
 }  // namespace origami
