@@ -137,46 +137,49 @@ void ContextParallel::reserve(const CpShape& s) {
 
 // ---- The blocks ----
 
-void ContextParallel::forward_blocks(const Views& v, int kv_group, const std::function<void()>& progress) {
-  const CpShape& s = v.s;
+// Calls fn(q0, k0, lse0, diag) for each (query chunk, key chunk) block of this rank's queries against
+// ring group kv_group's keys, skipping those whose keys all follow their queries (empty under the
+// causal mask), then progress(). q0 and k0 are the chunks' first rows in the [A][B][Tl] row space of
+// the head-sharded buffers (times a buffer's row width for an offset), lse0 the query chunk's first
+// log-sum-exp entry, diag the block's mask (attention.h).
+template <typename F>
+void ContextParallel::for_each_block(const CpShape& s, int kv_group, const std::function<void()>& progress,
+                                     F&& fn) {
   const int A = s.a2a, group = rank_ / A;
-  const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), KVa = s.KVa(), D = s.D, Sa = s.Sa(), HaD = Ha * D;
-  for (int sq = 0; sq < A; ++sq)
-    for (int eq = 0; eq < 2; ++eq)
-      for (int sk = 0; sk < A; ++sk)
-        for (int ek = 0; ek < 2; ++ek) {
-          const int64_t cq = chunk(group * A + sq, eq), ck = chunk(kv_group * A + sk, ek);
-          if (cq < ck) continue;  // every key follows every query: empty under the causal mask
-          const int64_t q0 = sq * B * Tl + eq * m, k0 = (sk * B * Tl + ek * m) * v.kv.tok;
-          attention_block_forward<float>({v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + sq * B * Ha * Tl + eq * m, Ha * Tl, Tl},
-                                         {v.qkv + q0 * Sa, Tl * Sa, Sa}, {v.kv.p + k0 + v.kv.k, Tl * v.kv.tok, v.kv.tok},
-                                         {v.kv.p + k0 + v.kv.v, Tl * v.kv.tok, v.kv.tok},
-                                         {B, m, m, Ha, KVa, D, cq == ck ? 0 : kAllKeys});
-          counters_.pairs += B * Ha * (cq == ck ? m * (m + 1) / 2 : m * m);
-          progress();
-        }
-}
-
-void ContextParallel::backward_blocks(const Views& v, int kv_group, const std::function<void()>& progress) {
-  const CpShape& s = v.s;
-  const int A = s.a2a, group = rank_ / A;
-  const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), KVa = s.KVa(), D = s.D, Sa = s.Sa(), HaD = Ha * D;
+  const int64_t B = s.B, Tl = s.Tl, m = Tl / 2;
   for (int sq = 0; sq < A; ++sq)
     for (int eq = 0; eq < 2; ++eq)
       for (int sk = 0; sk < A; ++sk)
         for (int ek = 0; ek < 2; ++ek) {
           const int64_t cq = chunk(group * A + sq, eq), ck = chunk(kv_group * A + sk, ek);
           if (cq < ck) continue;
-          const int64_t q0 = sq * B * Tl + eq * m, k0 = sk * B * Tl + ek * m;
-          const int64_t kt = v.kv.tok, dt = v.dkv.tok;
-          attention_block_backward<float>(
-              {v.dqkv + q0 * Sa, Tl * Sa, Sa}, {v.dkv.p + k0 * dt + v.dkv.k, Tl * dt, dt},
-              {v.dkv.p + k0 * dt + v.dkv.v, Tl * dt, dt}, {v.dout + q0 * HaD, Tl * HaD, HaD},
-              {v.qkv + q0 * Sa, Tl * Sa, Sa}, {v.kv.p + k0 * kt + v.kv.k, Tl * kt, kt},
-              {v.kv.p + k0 * kt + v.kv.v, Tl * kt, kt}, {v.out + q0 * HaD, Tl * HaD, HaD},
-              {v.lse + sq * B * Ha * Tl + eq * m, Ha * Tl, Tl}, {B, m, m, Ha, KVa, D, cq == ck ? 0 : kAllKeys});
+          fn(sq * B * Tl + eq * m, sk * B * Tl + ek * m, sq * B * s.Ha() * Tl + eq * m, cq == ck ? 0 : kAllKeys);
           progress();
         }
+}
+
+void ContextParallel::forward_blocks(const Views& v, int kv_group, const std::function<void()>& progress) {
+  const CpShape& s = v.s;
+  const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), D = s.D, Sa = s.Sa(), HaD = Ha * D, kt = v.kv.tok;
+  for_each_block(s, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, int64_t diag) {
+    attention_block_forward<float>({v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + lse0, Ha * Tl, Tl},
+                                   {v.qkv + q0 * Sa, Tl * Sa, Sa}, {v.kv.p + k0 * kt + v.kv.k, Tl * kt, kt},
+                                   {v.kv.p + k0 * kt + v.kv.v, Tl * kt, kt}, {B, m, m, Ha, s.KVa(), D, diag});
+    counters_.pairs += B * Ha * (diag == 0 ? m * (m + 1) / 2 : m * m);
+  });
+}
+
+void ContextParallel::backward_blocks(const Views& v, int kv_group, const std::function<void()>& progress) {
+  const CpShape& s = v.s;
+  const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), D = s.D, Sa = s.Sa(), HaD = Ha * D, kt = v.kv.tok,
+                dt = v.dkv.tok;
+  for_each_block(s, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, int64_t diag) {
+    attention_block_backward<float>(
+        {v.dqkv + q0 * Sa, Tl * Sa, Sa}, {v.dkv.p + k0 * dt + v.dkv.k, Tl * dt, dt},
+        {v.dkv.p + k0 * dt + v.dkv.v, Tl * dt, dt}, {v.dout + q0 * HaD, Tl * HaD, HaD}, {v.qkv + q0 * Sa, Tl * Sa, Sa},
+        {v.kv.p + k0 * kt + v.kv.k, Tl * kt, kt}, {v.kv.p + k0 * kt + v.kv.v, Tl * kt, kt},
+        {v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + lse0, Ha * Tl, Tl}, {B, m, m, Ha, s.KVa(), D, diag});
+  });
 }
 
 // ---- Forward and backward ----

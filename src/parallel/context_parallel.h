@@ -32,6 +32,7 @@
 //   backward  4·N·[(A−1)·(Sa + Ha·D) + (R > 1 ? 2R−1 : 0)·A·W]
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -112,6 +113,8 @@ class ContextParallel {
  private:
   struct Views;
   // The (query chunk, key chunk) blocks of this rank's queries against the k|v of ring group `kv_group`.
+  template <typename F>
+  void for_each_block(const CpShape& s, int kv_group, const std::function<void()>& progress, F&& fn);
   void forward_blocks(const Views& v, int kv_group, const std::function<void()>& progress);
   void backward_blocks(const Views& v, int kv_group, const std::function<void()>& progress);
   int64_t chunk(int cp_rank, int half) const { return half == 0 ? cp_rank : 2 * size_ - 1 - cp_rank; }
