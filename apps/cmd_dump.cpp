@@ -9,6 +9,7 @@
 #include "data/sampler.h"
 #include "kernels/cpu/gemm.h"
 #include "model/model.h"
+#include "train/trainer.h"
 
 namespace origami {
 
@@ -27,6 +28,7 @@ int cmd_dump(int argc, char** argv) {
       .option("seed", "S", "seed for initialisation and shuffling", "1234")
       .option("threads", "N", "threads (default: all cores)", "0")
       .option("out", "FILE", "output .safetensors file");
+  add_routing_options(a, false);
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("out"), "give --out FILE.safetensors");
   ORIGAMI_CHECK(a.has("data"), "give --data PREFIX");
@@ -35,7 +37,11 @@ int cmd_dump(int argc, char** argv) {
   ORIGAMI_CHECK(!config.empty(), "give --config config.json");
   if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
 
-  const ModelConfig cfg = load_model_config(config);
+  TrainOptions routing;
+  read_routing_options(a, routing, false);
+  const ModelConfig model_cfg = load_model_config(config);
+  routing.validate_routing(model_cfg);
+  const ModelConfig cfg = routing.with_routing(model_cfg);
   const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len"), step = a.integer("step");
   ORIGAMI_CHECK(B > 0 && T > 0 && step >= 0, "--micro-batch and --seq-len must be positive and --step >= 0");
   IndexedDataset ds = IndexedDataset::open(a.str("data"));

@@ -12,11 +12,39 @@
 
 namespace origami {
 
+void add_routing_options(Args& a, bool train) {
+  a.option("moe-aux-loss", "none|micro|seq|global",
+           "MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so far", "micro")
+      .option("moe-aux-loss-coef", "X", "its coefficient (default: the config's router_aux_loss_coef)")
+      .option("moe-capacity-factor", "F", "drop assignments beyond ceil(F x tokens x top-k / experts) per expert "
+                                          "(counted over the tokens a rank routes); 0: dropless", "0")
+      .option("moe-drop-policy", "probs|position", "with a capacity: keep the highest-probability or the earliest "
+                                                  "assignments", "probs")
+      .flag("moe-pad-to-capacity", "with a capacity: pad every expert to it (fixed shapes through the dispatcher)")
+      .option("moe-router-score", "softmax|sigmoid", "router scores (sigmoid: top-k weights renormalised)", "softmax");
+  if (train)
+    a.option("moe-router-bias-update-rate", "R", "aux-loss-free balancing: a per-expert selection bias moved by "
+                                                 "R x sign(mean load - load) after each step; 0: off", "0");
+}
+
+void read_routing_options(const Args& a, TrainOptions& o, bool train) {
+  o.moe_aux_loss = a.str("moe-aux-loss");
+  if (a.has("moe-aux-loss-coef")) {
+    o.moe_aux_loss_coef = a.number("moe-aux-loss-coef");
+    ORIGAMI_CHECK(o.moe_aux_loss_coef >= 0, "--moe-aux-loss-coef must not be negative, got ", o.moe_aux_loss_coef);
+  }
+  o.moe_capacity_factor = a.number("moe-capacity-factor");
+  o.moe_drop_policy = a.str("moe-drop-policy");
+  o.moe_pad_to_capacity = a.on("moe-pad-to-capacity");
+  o.moe_router_score = a.str("moe-router-score");
+  if (train) o.moe_router_bias_update_rate = a.number("moe-router-bias-update-rate");
+}
+
 namespace {
 
 int train(int argc, char** argv, Comm& world) {
   Args a("train",
-         "Train a gpt2, llama or mixtral model (Hugging Face config.json) on a dataset made by\n"
+         "Train a gpt2, llama, mixtral or qwen2_moe model (Hugging Face config.json) on a dataset made by\n"
          "'origami data prepare'. Keys of a --run-config JSON file are these options without '--';\n"
          "options given on the command line win.");
   a.option("config", "FILE", "model config.json (default: config.json of an --init-from checkpoint)")
@@ -74,6 +102,7 @@ int train(int argc, char** argv, Comm& world) {
       .option("zero", "0|1|2", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients", "0")
       .option("bucket-mb", "X", "data-parallel gradient bucket size in MiB", "16")
       .option("mesh-order", "ORDER", "rank order of the mesh axes, first varies fastest", "tp-cp-ep-dp-pp");
+  add_routing_options(a, true);
   bool parsed = false;
   TrainOptions o;
   ModelConfig cfg;
@@ -127,6 +156,7 @@ int train(int argc, char** argv, Comm& world) {
     o.zero = int(a.integer("zero"));
     o.bucket_mb = a.number("bucket-mb");
     o.mesh_order = a.str("mesh-order");
+    read_routing_options(a, o, true);
 
     std::string config = a.str("config");
     if (config.empty()) config = checkpoint_config(o.init_from);

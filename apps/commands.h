@@ -3,6 +3,12 @@
 #pragma once
 
 namespace origami {
+class Args;
+struct TrainOptions;
+// The MoE routing options (--moe-*), shared by train and dump (`train` adds the bias update rate).
+void add_routing_options(Args& a, bool train);
+void read_routing_options(const Args& a, TrainOptions& o, bool train);
+
 int cmd_train(int argc, char** argv);     // apps/cmd_train.cpp
 int cmd_generate(int argc, char** argv);  // apps/cmd_generate.cpp
 int cmd_dump(int argc, char** argv);      // apps/cmd_dump.cpp

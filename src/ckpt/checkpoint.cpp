@@ -116,6 +116,7 @@ void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Param
   write_safetensors(dir + "/optimizer.safetensors", tensors);
   if (!tokenizer_path.empty()) write_file_atomically(dir + "/tokenizer.json", read_file_bytes(tokenizer_path));
   nlohmann::json js = {{"step", state.step}, {"adam_steps", state.adam_steps}, {"options", state.options}};
+  if (!state.router_bias.empty()) js["router_bias"] = state.router_bias;
   write_file_atomically(dir + "/trainer_state.json", js.dump(2) + "\n");
 }
 
@@ -139,6 +140,7 @@ TrainerState load_optimizer_state(const std::string& dir, const Params& params, 
   st.step = js["step"].get<int64_t>();
   st.adam_steps = js["adam_steps"].get<int64_t>();
   if (js.contains("options")) st.options = js["options"];
+  if (js.contains("router_bias")) st.router_bias = js["router_bias"].get<std::vector<std::vector<float>>>();
   return st;
 }
 

@@ -2,7 +2,8 @@
 //   model.safetensors      parameters under their Hugging Face names (F32)
 //   config.json            the model config as read
 //   optimizer.safetensors  AdamW exp_avg.<name> / exp_avg_sq.<name>
-//   trainer_state.json     steps done, optimizer step count, the run's options
+//   trainer_state.json     steps done, optimizer step count, the run's options, the MoE router's
+//                          selection biases (aux-loss-free balancing)
 //   tokenizer.json         origami's self-contained tokenizer (when the data had one)
 // Every file is written to a temporary name and renamed, so an interrupted save never leaves a
 // half-written checkpoint under the final names.
@@ -13,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -40,6 +42,7 @@ struct TrainerState {
   int64_t step = 0;        // optimizer steps completed
   int64_t adam_steps = 0;  // AdamW's step count (bias correction)
   nlohmann::json options;
+  std::vector<std::vector<float>> router_bias;  // aux-loss-free balancing's [L][E] biases (empty: off)
 };
 
 // Writes a checkpoint from global (one-rank layout) buffers: `global` holds the parameters,

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <set>
@@ -15,9 +17,58 @@ std::string ModelConfig::model_type() const {
     case ModelType::gpt2: return "gpt2";
     case ModelType::llama: return "llama";
     case ModelType::mixtral: return "mixtral";
+    case ModelType::qwen2_moe: return "qwen2_moe";
   }
   return "?";
 }
+
+RouterScore parse_router_score(const std::string& s) {
+  if (s == "softmax") return RouterScore::softmax;
+  if (s == "sigmoid") return RouterScore::sigmoid;
+  fail("--moe-router-score must be softmax or sigmoid, got '", s, "'");
+}
+
+AuxLoss parse_aux_loss(const std::string& s) {
+  if (s == "none") return AuxLoss::none;
+  if (s == "micro") return AuxLoss::micro;
+  if (s == "seq") return AuxLoss::seq;
+  if (s == "global") return AuxLoss::global;
+  fail("--moe-aux-loss must be none, micro, seq or global, got '", s, "'");
+}
+
+DropPolicy parse_drop_policy(const std::string& s) {
+  if (s == "probs") return DropPolicy::probs;
+  if (s == "position") return DropPolicy::position;
+  fail("--moe-drop-policy must be probs or position, got '", s, "'");
+}
+
+const char* aux_loss_name(AuxLoss a) {
+  switch (a) {
+    case AuxLoss::none: return "none";
+    case AuxLoss::micro: return "micro";
+    case AuxLoss::seq: return "seq";
+    case AuxLoss::global: return "global";
+  }
+  return "?";
+}
+
+int64_t MoeRouting::capacity(int64_t N, int64_t K, int64_t E) const {
+  if (capacity_factor <= 0) return 0;
+  // ceil in exact arithmetic where factor·N·K/E is an integer (1e-9 absorbs the rounding of the product)
+  return std::max<int64_t>(1, int64_t(std::ceil(capacity_factor * double(N * K) / double(E) - 1e-9)));
+}
+
+bool ModelConfig::is_moe_layer(int64_t l) const {
+  return is_moe() && (l + 1) % sparse_step == 0 && std::find(dense_layers.begin(), dense_layers.end(), l) == dense_layers.end();
+}
+
+int64_t ModelConfig::num_moe_layers(int64_t begin, int64_t end) const {
+  int64_t n = 0;
+  for (int64_t l = begin; l < end; ++l) n += is_moe_layer(l);
+  return n;
+}
+
+bool ModelConfig::has_dense_layers() const { return num_moe_layers(0, num_layers) < num_layers; }
 
 namespace {
 
@@ -133,7 +184,7 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
   c.num_layers = r.integer("num_hidden_layers", 32);
   c.num_heads = r.integer("num_attention_heads", 32);
   c.num_kv_heads = r.integer("num_key_value_heads", c.num_heads);
-  c.ffn = r.integer("intermediate_size", c.type == ModelType::mixtral ? 14336 : 11008);
+  c.ffn = r.integer("intermediate_size", c.type == ModelType::mixtral ? 14336 : c.type == ModelType::qwen2_moe ? 5632 : 11008);
   c.max_positions = r.integer("max_position_embeddings", 2048);
   c.norm_eps = r.number("rms_norm_eps", 1e-6);
   c.rope_theta = r.number("rope_theta", 10000.0);
@@ -144,25 +195,50 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
   }
   r.require_value("hidden_act", "silu", "the MLP is SwiGLU");
   r.require_zero("attention_dropout", "dropout is not implemented");
-  r.require_false("attention_bias", "projection biases are not implemented for llama/mixtral");
-  r.require_false("mlp_bias", "projection biases are not implemented for llama/mixtral");
+  if (c.type != ModelType::qwen2_moe) {  // qwen2_moe always has q/k/v biases (and no such fields)
+    r.require_false("attention_bias", "projection biases are not implemented for llama/mixtral");
+    r.require_false("mlp_bias", "projection biases are not implemented for llama/mixtral");
+  }
   if (const nlohmann::json* v = r.find("rope_scaling"))
     fail(src, ": field 'rope_scaling' = ", v->dump(), " is not supported (only plain RoPE is); remove it or set it to null");
   if (c.type == ModelType::mixtral) {
     c.num_experts = r.integer("num_local_experts", 8);
+    c.expert_ffn = c.ffn;
+  }
+  if (c.type == ModelType::qwen2_moe) {
+    c.qkv_bias = true;
+    c.num_experts = r.integer("num_experts", 60);
+    c.expert_ffn = r.integer("moe_intermediate_size", 1408);
+    c.shared_ffn = r.integer("shared_expert_intermediate_size", 5632);
+    c.routing.norm_topk = r.boolean("norm_topk_prob", false);
+    c.sparse_step = r.integer("decoder_sparse_step", 1);
+    if (const nlohmann::json* v = r.find("mlp_only_layers")) {
+      ORIGAMI_CHECK(v->is_array(), src, ": field 'mlp_only_layers' must be a list of layer indices, got ", v->dump());
+      for (const nlohmann::json& l : *v) {
+        ORIGAMI_CHECK(l.is_number_integer() && l.get<int64_t>() >= 0 && l.get<int64_t>() < c.num_layers, src,
+                      ": field 'mlp_only_layers' holds ", l.dump(), ", not a layer index in [0, ", c.num_layers, ")");
+        c.dense_layers.push_back(l.get<int64_t>());
+      }
+    }
+    r.require_false("use_sliding_window", "sliding-window attention is not implemented");
+    r.find("sliding_window"), r.find("max_window_layers");  // used only with use_sliding_window
+  }
+  if (c.is_moe()) {
     c.top_k = r.integer("num_experts_per_tok", 2);
-    c.aux_loss_coef = r.number("router_aux_loss_coef", 0.001);
-    c.z_loss_coef = r.number("router_z_loss_coef", 0.0);
+    c.routing.aux_coef = r.number("router_aux_loss_coef", 0.001);
+    c.routing.z_coef = r.number("router_z_loss_coef", 0.0);
     ORIGAMI_CHECK(c.top_k <= c.num_experts, src, ": num_experts_per_tok (", c.top_k,
-                  ") must not exceed num_local_experts (", c.num_experts, ")");
-    ORIGAMI_CHECK(c.aux_loss_coef >= 0 && c.z_loss_coef >= 0, src, ": router loss coefficients must be >= 0");
+                  ") must not exceed the number of experts (", c.num_experts, ")");
+    ORIGAMI_CHECK(c.routing.aux_coef >= 0 && c.routing.z_coef >= 0, src, ": router loss coefficients must be >= 0");
     r.require_zero("router_jitter_noise", "router jitter is not implemented");
+  }
+  if (c.type == ModelType::mixtral) {
     // A sliding window at least as long as any sequence changes nothing.
     if (const nlohmann::json* v = r.find("sliding_window"))
       ORIGAMI_CHECK(v->is_number_integer() && v->get<int64_t>() >= c.max_positions, src,
                     ": field 'sliding_window' = ", v->dump(),
                     " is not supported (sliding-window attention is not implemented); set it to null");
-  } else {
+  } else if (c.type == ModelType::llama) {
     if (const nlohmann::json* v = r.find("sliding_window"))
       fail(src, ": field 'sliding_window' = ", v->dump(), " is not supported for llama");
   }
@@ -176,11 +252,12 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   ModelConfig c;
   c.raw = j;
   std::string mt = r.string("model_type", "");
-  ORIGAMI_CHECK(!mt.empty(), src, ": missing 'model_type' (gpt2, llama or mixtral)");
+  ORIGAMI_CHECK(!mt.empty(), src, ": missing 'model_type' (gpt2, llama, mixtral or qwen2_moe)");
   if (mt == "gpt2") c.type = ModelType::gpt2;
   else if (mt == "llama") c.type = ModelType::llama;
   else if (mt == "mixtral") c.type = ModelType::mixtral;
-  else fail(src, ": model_type '", mt, "' is not supported (gpt2, llama, mixtral)");
+  else if (mt == "qwen2_moe") c.type = ModelType::qwen2_moe;
+  else fail(src, ": model_type '", mt, "' is not supported (gpt2, llama, mixtral, qwen2_moe)");
   if (c.is_gpt2()) parse_gpt2(r, c, src);
   else parse_llama_like(r, c, src);
   if (c.head_dim == 0) {

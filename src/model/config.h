@@ -1,16 +1,43 @@
-// Model configuration read from a Hugging Face config.json (model_type gpt2, llama, mixtral).
+// Model configuration read from a Hugging Face config.json (model_type gpt2, llama, mixtral, qwen2_moe).
 // Every field that changes the model's math is either implemented or rejected by name;
 // bookkeeping fields (architectures, torch_dtype, token ids, ...) are accepted and kept so the
 // config can be written back unchanged next to a checkpoint.
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 namespace origami {
 
-enum class ModelType { gpt2, llama, mixtral };
+enum class RouterScore { softmax, sigmoid };
+enum class AuxLoss { none, micro, seq, global };
+enum class DropPolicy { probs, position };
+// Parse a flag's value; an Error names the flag, the value and the choices.
+RouterScore parse_router_score(const std::string& s);
+AuxLoss parse_aux_loss(const std::string& s);
+DropPolicy parse_drop_policy(const std::string& s);
+const char* aux_loss_name(AuxLoss a);
+
+// How MoE layers route (model/layers/moe.h): the model config's fields (score, norm_topk, the
+// coefficients) and the run's choices (flags).
+struct MoeRouting {
+  RouterScore score = RouterScore::softmax;
+  bool norm_topk = true;           // renormalise the chosen K weights (always, with sigmoid scores)
+  AuxLoss aux = AuxLoss::micro;
+  double aux_coef = 0, z_coef = 0;
+  double capacity_factor = 0;      // 0: dropless
+  DropPolicy drop = DropPolicy::probs;
+  bool pad = false;                // pad every expert to its capacity (fixed shapes)
+  double bias_rate = 0;            // aux-loss-free balancing: the bias update rate (0: off)
+  bool renormalise() const { return norm_topk || score == RouterScore::sigmoid; }
+  // Rows each expert keeps, of the N·K assignments of N tokens: ceil(factor·N·K/E); 0: dropless.
+  int64_t capacity(int64_t N, int64_t K, int64_t E) const;
+};
+
+
+enum class ModelType { gpt2, llama, mixtral, qwen2_moe };
 
 struct ModelConfig {
   ModelType type = ModelType::gpt2;
@@ -20,19 +47,27 @@ struct ModelConfig {
   int64_t num_heads = 0;      // H
   int64_t num_kv_heads = 0;   // KV (== H for gpt2)
   int64_t head_dim = 0;       // D
-  int64_t ffn = 0;            // F: MLP (or per-expert) inner size
+  int64_t ffn = 0;            // F: dense MLP inner size (gpt2, llama, qwen2_moe's dense layers)
   int64_t max_positions = 0;  // longest sequence (gpt2: n_positions, llama: max_position_embeddings)
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   bool tied_embeddings = true;
-  // Mixture of experts (mixtral).
-  int64_t num_experts = 0;   // E
-  int64_t top_k = 0;         // K
-  double aux_loss_coef = 0;  // router_aux_loss_coef
-  double z_loss_coef = 0;    // router_z_loss_coef (origami extension; HF ignores it)
-  nlohmann::json raw;        // the file as read
+  bool qkv_bias = false;       // q/k/v projection biases (gpt2's c_attn bias, qwen2_moe)
+  // Mixture of experts (mixtral, qwen2_moe).
+  int64_t num_experts = 0;    // E
+  int64_t top_k = 0;          // K
+  int64_t expert_ffn = 0;     // F of each routed expert (mixtral intermediate_size, qwen2_moe moe_intermediate_size)
+  int64_t shared_ffn = 0;     // qwen2_moe: the shared expert's inner size (0: no shared expert)
+  int64_t sparse_step = 1;    // qwen2_moe decoder_sparse_step: layer l is MoE when (l+1) % step == 0 ...
+  std::vector<int64_t> dense_layers;  // ... and l is not in mlp_only_layers
+  MoeRouting routing;         // norm_topk (qwen2_moe norm_topk_prob), aux_coef (router_aux_loss_coef),
+                              // z_coef (router_z_loss_coef, an origami extension HF ignores)
+  nlohmann::json raw;         // the file as read
 
   bool is_moe() const { return num_experts > 0; }
+  bool is_moe_layer(int64_t l) const;
+  int64_t num_moe_layers(int64_t begin, int64_t end) const;  // MoE layers among [begin, end)
+  bool has_dense_layers() const;                               // llama-style MLP layers (gpt2's included)
   bool is_gpt2() const { return type == ModelType::gpt2; }
   std::string model_type() const;
 };

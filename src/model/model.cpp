@@ -1,10 +1,13 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "kernels/cpu/gemm.h"
 #include "model/layers/activation.h"
 #include "model/layers/attention.h"
 #include "model/layers/embedding.h"
@@ -37,27 +40,31 @@ int64_t qkv_width(const ModelConfig& c) { return (c.num_heads + 2 * c.num_kv_hea
 // The activation sizes of one TP rank (see ActivationShape): N tokens inside TP regions, Nl outside.
 struct LocalSizes {
   int64_t B, T, N, Nl, C, Hl, Sl, HDl, Fl;
-  int64_t fa, fb;  // MLP buffers per token: gpt2 pre-activation and GELU output (F, F), llama gate|up
-                   // and SwiGLU output (2F, F); MoE layers keep their cache instead (0, 0)
+  int64_t fa, fb;  // MLP buffers per token, each layer's sized for the model's widest MLP: dense layers'
+                   // gpt2 pre-activation and GELU output (F, F), llama gate|up and SwiGLU output (2F, F);
+                   // qwen2_moe's shared expert (2Fs, Fs); the routed experts keep their cache instead
+  int64_t sh;      // shared expert: its output [C] and gate [1] per token outside TP regions (0: none)
   MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
   int64_t moe_rows;  // the dispatcher's most expert-side rows
   CpShape core;      // the attention core (context parallelism)
   LocalSizes(const ModelConfig& c, const ActivationShape& a)
       : B(a.B), T(a.T), N(a.B * a.T), Nl(a.local_tokens()), C(c.hidden), Hl(c.num_heads / a.tp),
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
-        fa(c.is_moe() ? 0 : c.is_gpt2() ? c.ffn / a.tp : 2 * c.ffn / a.tp), fb(c.is_moe() ? 0 : c.ffn / a.tp),
-        moe{N / a.tp, C, c.ffn / a.etp, c.num_experts, c.top_k},
-        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(N / a.tp, c.top_k, c.num_experts, a.ep, a.etp) : 0),
+        fa(std::max(c.has_dense_layers() ? (c.is_gpt2() ? 1 : 2) * c.ffn : 0, 2 * c.shared_ffn) / a.tp),
+        fb(std::max(c.has_dense_layers() ? c.ffn : 0, c.shared_ffn) / a.tp), sh(c.shared_ffn > 0 ? C + 1 : 0),
+        moe{N / a.tp, C, c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
+            c.routing.capacity(N / a.tp, c.top_k, c.num_experts), c.routing.pad},
+        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(N / a.tp, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
         core{a.B, a.T, c.num_heads / a.tp, c.num_kv_heads / a.tp, c.head_dim, a.cp, a.cp_a2a} {}
   // MoE shares cut from (and gathered into) full [N, C] buffers: TP without SP.
   bool moe_shares(const ModelConfig& c, const ActivationShape& a) const { return c.is_moe() && a.tp > 1 && !a.sp; }
 };
 
-// Bytes per layer kept outside the attention core, and inside it.
-int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s) {
+// Bytes per layer kept outside the attention core (a MoE layer's with its cache), and inside it.
+int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s, bool moe_layer) {
   const int64_t stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
-  const int64_t mlp = c.is_moe() ? MoeCache<float>::bytes(s.moe, s.moe_rows) : 4 * s.N * (s.fa + s.fb);
-  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl) + mlp;
+  const int64_t cache = moe_layer ? MoeCache<float>::bytes(s.moe, s.moe_rows) : 0;
+  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.N * (s.fa + s.fb) + s.Nl * s.sh) + cache;
 }
 int64_t core_bytes(const LocalSizes& s) { return 4 * s.core.core_floats(); }
 
@@ -70,6 +77,8 @@ struct ScratchSizes {
   int64_t d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
   int64_t head;   // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
   int64_t share;  // MoE under TP without SP: a share's input, output and input gradient, [N/TP, C] each
+  int64_t sh_d, sh_full, sh_loc, sh_dz;  // shared expert backward: ∂/∂(its output) [Nl, C], its input
+                                         // gradient [N, C] (and SP shard [Nl, C]), ∂/∂(gate logit) [Nl]
   int64_t moe;    // MoE work buffers, bytes (MoeScratch)
   int64_t cp;     // context parallelism's work buffers (ContextParallel::reserve)
   ScratchSizes(const ModelConfig& c, const ActivationShape& a, bool head_stage) {
@@ -83,12 +92,15 @@ struct ScratchSizes {
     d_mlp_a = s.N * s.fa, d_mlp_b = s.N * s.fb;
     head = head_stage ? lm_head_chunk_rows(s.N, Vl) * (Vl + 4) : 0;
     share = s.moe_shares(c, a) ? s.moe.N * s.C : 0;
+    const bool shared = c.shared_ffn > 0;
+    sh_d = shared ? s.Nl * s.C : 0, sh_full = shared ? s.N * s.C : 0, sh_loc = shared && sp ? s.Nl * s.C : 0;
+    sh_dz = shared ? s.Nl : 0;
     moe = c.is_moe() ? MoeScratch<float>::bytes(s.moe, s.moe_rows, a.etp) : 0;
     cp = s.core.workspace_floats();
   }
   int64_t bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
     return 4 * (loc + full + gathered + 2 * targets + cp + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
-                head + 3 * share) + moe;
+                head + 3 * share + sh_d + sh_full + sh_loc + sh_dz) + moe;
   }
 };
 
@@ -101,12 +113,14 @@ int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const Mo
   return ScratchSizes(c, a, part.head).bytes() + tp_region;
 }
 
-int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, int64_t layers) {
+int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, LayerRange r) {
   const LocalSizes s(c, a);
+  const int64_t layers = r.end - r.begin, moe_layers = c.num_moe_layers(r.begin, r.end);
   const int64_t resid = 4 * (layers + 1) * s.Nl * s.C;
+  const int64_t kept = (layers - moe_layers) * layer_bytes(c, s, false) + moe_layers * layer_bytes(c, s, true);
   switch (a.recompute) {
-    case Recompute::none: return resid + layers * (layer_bytes(c, s) + core_bytes(s));
-    case Recompute::selective: return resid + layers * layer_bytes(c, s);
+    case Recompute::none: return resid + kept + layers * core_bytes(s);
+    case Recompute::selective: return resid + kept;
     case Recompute::full: return resid;
   }
   return 0;
@@ -117,7 +131,7 @@ int64_t recompute_bytes(const ModelConfig& c, const ActivationShape& a) {
   switch (a.recompute) {
     case Recompute::none: return 0;
     case Recompute::selective: return core_bytes(s);
-    case Recompute::full: return layer_bytes(c, s) + core_bytes(s);
+    case Recompute::full: return layer_bytes(c, s, c.is_moe()) + core_bytes(s);  // sized for any layer
   }
   return 0;
 }
@@ -125,9 +139,11 @@ int64_t recompute_bytes(const ModelConfig& c, const ActivationShape& a) {
 double train_flops_per_token(const ModelConfig& c, int64_t T) {
   const double C = double(c.hidden), F = double(c.ffn), L = double(c.num_layers);
   const double attn = C * double(qkv_width(c)) + double(c.num_heads * c.head_dim) * C;
-  double mlp = c.is_gpt2() ? 2 * C * F : 3 * C * F;
-  if (c.is_moe()) mlp = double(c.top_k) * 3 * C * F + C * double(c.num_experts);
-  const double matmul_params = L * (attn + mlp) + C * double(c.vocab_size);
+  const double dense_mlp = c.is_gpt2() ? 2 * C * F : 3 * C * F;
+  const double moe_mlp = double(c.top_k) * 3 * C * double(c.expert_ffn) + C * double(c.num_experts) +
+                         (c.shared_ffn > 0 ? 3 * C * double(c.shared_ffn) + C : 0);
+  const double moe_layers = double(c.num_moe_layers(0, c.num_layers));
+  const double matmul_params = L * attn + (L - moe_layers) * dense_mlp + moe_layers * moe_mlp + C * double(c.vocab_size);
   return 6 * matmul_params + 6 * L * double(T) * double(c.num_heads * c.head_dim);
 }
 
@@ -139,16 +155,18 @@ struct Model::Slot {
   std::vector<float> ln1, ln2;  // [., Nl, C] norm outputs (SP: this rank's sequence shard, gathered when used)
   std::vector<float> mean1, rstd1, mean2, rstd2;  // [., Nl] (means: LayerNorm only)
   std::vector<float> qkv;    // [., N, Sl] after RoPE
-  std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama: gate|up, SwiGLU out
-  std::vector<MoeCache<float>> moe;  // [.] mixtral
+  std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama and the shared expert:
+                                    // gate|up, SwiGLU out
+  std::vector<float> sh_out, sh_gate;  // [., Nl, C], [., Nl] the shared expert's output and sigmoid gate
+  std::vector<MoeCache<float>> moe;  // [.] MoE layers' (unsized for dense layers)
   std::vector<float> att;    // [core, N, Hl·D] attention output
   std::vector<float> lse;    // [core, B, Hl, T] (CP all-to-all: [core, A, B, Hl/A, T])
   std::vector<float> qkv_h, att_h;  // CP all-to-all: head-sharded q|k|v and output [core, A, N, ·]
   int64_t layers = 0, core_layers = 0;
   int64_t bytes() const {
     int64_t b = 0;
-    for (const auto* v : {&resid, &mid, &ln1, &ln2, &mean1, &rstd1, &mean2, &rstd2, &qkv, &mlp_a, &mlp_b, &att, &lse,
-                          &qkv_h, &att_h})
+    for (const auto* v : {&resid, &mid, &ln1, &ln2, &mean1, &rstd1, &mean2, &rstd2, &qkv, &mlp_a, &mlp_b, &sh_out,
+                          &sh_gate, &att, &lse, &qkv_h, &att_h})
       b += int64_t(v->size() * sizeof(float));
     for (const MoeCache<float>& m : moe) b += m.bytes();
     return b;
@@ -157,7 +175,8 @@ struct Model::Slot {
 
 // One layer's buffers, in a slot or in the recomputation buffer.
 struct Model::LayerActs {
-  float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *att, *lse, *qkv_h, *att_h;
+  float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *sh_out, *sh_gate, *att, *lse, *qkv_h,
+      *att_h;
   MoeCache<float>* moe;
 };
 
@@ -171,6 +190,7 @@ struct Model::Scratch {
   std::vector<float> head;               // LM head chunks
   std::vector<float> d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
   std::vector<float> share_x, share_y, share_dx;  // MoE under TP without SP: this rank's share [N/TP, C]
+  std::vector<float> sh_d, sh_full, sh_loc, sh_dz;  // shared expert backward (ScratchSizes)
   MoeScratch<float> moe;
 };
 
@@ -181,9 +201,9 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
       part_(part.chunks.empty() ? ModelPart::whole(cfg.num_layers) : part), recompute_(recompute),
       scratch_(std::make_unique<Scratch>()) {
   const int64_t t = tp_.size();
-  ORIGAMI_ASSERT(experts_.layout().tp == dispatcher_.etp() && (!cfg.is_moe() || cfg.ffn % dispatcher_.etp() == 0));
+  ORIGAMI_ASSERT(experts_.layout().tp == dispatcher_.etp() && (!cfg.is_moe() || cfg.expert_ffn % dispatcher_.etp() == 0));
   ORIGAMI_ASSERT(params.layout().tp == t && params.layout().tp_rank == tp_.rank());
-  ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && cfg.ffn % t == 0);
+  ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && cfg.ffn % t == 0 && cfg.shared_ffn % t == 0);
   Hl_ = cfg.num_heads / t, KVl_ = cfg.num_kv_heads / t, Fl_ = cfg.ffn / t;
   Vl_ = (cfg.vocab_size + t - 1) / t;  // rows per rank of the vocabulary padded to a multiple of t
   vocab_begin_ = tp_.rank() * Vl_;
@@ -219,16 +239,27 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
       o.ln1_w = need(p + "input_layernorm.weight");
       o.qkv_w = need(p + "self_attn.q_proj.weight");  // q|k|v contiguous: one [Sl, C] matrix
       ORIGAMI_ASSERT(need(p + "self_attn.v_proj.weight") == o.qkv_w + (Hl_ + KVl_) * cfg.head_dim * cfg.hidden);
+      if (cfg.qkv_bias) {  // and their biases: one [Sl] vector
+        o.qkv_b = need(p + "self_attn.q_proj.bias");
+        ORIGAMI_ASSERT(need(p + "self_attn.v_proj.bias") == o.qkv_b + (Hl_ + KVl_) * cfg.head_dim);
+      }
       o.o_w = need(p + "self_attn.o_proj.weight");
       o.ln2_w = need(p + "post_attention_layernorm.weight");
-      if (cfg.is_moe()) {
+      if (cfg.is_moe_layer(l)) {
         // Local experts are contiguous blocks [w1 | w3 | w2] of 3·(F/ETP)·C in the experts' buffer.
-        const std::string x = p + "block_sparse_moe.experts.";
+        const bool qwen = cfg.type == ModelType::qwen2_moe;
+        const std::string m = p + (qwen ? "mlp." : "block_sparse_moe."), x = m + "experts.";
         const int64_t first = dispatcher_.first_expert(cfg.num_experts), El = dispatcher_.local_experts(cfg.num_experts);
-        o.router = need(p + "block_sparse_moe.gate.weight");
-        o.experts = need_expert(x + std::to_string(first) + ".w1.weight");
-        ORIGAMI_ASSERT(need_expert(x + std::to_string(first + El - 1) + ".w2.weight") - o.experts ==
-                       (3 * El - 1) * (cfg.ffn / dispatcher_.etp()) * cfg.hidden);
+        o.router = need(m + "gate.weight");
+        o.experts = need_expert(x + std::to_string(first) + (qwen ? ".gate_proj.weight" : ".w1.weight"));
+        ORIGAMI_ASSERT(need_expert(x + std::to_string(first + El - 1) + (qwen ? ".down_proj.weight" : ".w2.weight")) -
+                           o.experts == (3 * El - 1) * (cfg.expert_ffn / dispatcher_.etp()) * cfg.hidden);
+        if (cfg.shared_ffn > 0) {  // gate|up contiguous, as a dense MLP's
+          o.fc_w = need(m + "shared_expert.gate_proj.weight");
+          ORIGAMI_ASSERT(need(m + "shared_expert.up_proj.weight") == o.fc_w + cfg.shared_ffn / t * cfg.hidden);
+          o.proj_w = need(m + "shared_expert.down_proj.weight");
+          o.shared_gate = need(m + "shared_expert_gate.weight");
+        }
       } else {
         o.fc_w = need(p + "mlp.gate_proj.weight");  // gate|up contiguous: one [2F, C] matrix
         ORIGAMI_ASSERT(need(p + "mlp.up_proj.weight") == o.fc_w + Fl_ * cfg.hidden);
@@ -267,17 +298,32 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
     above = expert_begin_[size_t(l)] = std::min(expert_begin_[size_t(l)], above);
   free_.resize(part_.chunks.size());
   reset_expert_counts();
+  if (cfg.routing.bias_rate > 0)
+    router_bias_.assign(size_t(cfg.num_layers), std::vector<float>(size_t(cfg.num_experts), 0.f));
 }
 
 Model::~Model() = default;
 
 void Model::reset_expert_counts() {
-  expert_counts_.assign(cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, std::vector<int64_t>(size_t(cfg_.num_experts), 0));
+  const size_t L = cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, E = size_t(cfg_.num_experts);
+  expert_counts_.assign(L, std::vector<int64_t>(E, 0));
+  expert_dropped_.assign(L, 0);
   expert_rows_ = 0;
+  global_counts_.assign(L, {});
+  global_frac_.clear();
 }
 
-int64_t Model::mlp_a_width() const {
-  return cfg_.is_moe() ? 0 : cfg_.is_gpt2() ? Fl_ : 2 * Fl_;
+void Model::update_router_bias(const std::vector<std::vector<int64_t>>& load) {
+  const double rate = cfg_.routing.bias_rate;
+  for (size_t l = 0; l < router_bias_.size(); ++l) {
+    if (!cfg_.is_moe_layer(int64_t(l))) continue;
+    const std::vector<int64_t>& n = load.at(l);
+    const double mean = double(std::accumulate(n.begin(), n.end(), int64_t(0))) / double(n.size());
+    for (size_t e = 0; e < n.size(); ++e) {
+      const double gap = mean - double(n[e]);  // under-loaded experts gain, over-loaded ones lose
+      router_bias_[l][e] += float(rate * double((gap > 0) - (gap < 0)));
+    }
+  }
 }
 
 Model::Dims Model::dims() const {
@@ -293,8 +339,10 @@ MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).
 
 int64_t Model::moe_rows() const { return LocalSizes(cfg_, activation_shape()).moe_rows; }
 
-void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const {
+void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t layers, int64_t core_layers,
+                      int64_t bytes) const {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
+  const LocalSizes ls(cfg_, activation_shape());
   auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
   allocating("the activations kept for backward", bytes, [&] {
     size(s.resid, resid_rows * Nl * C);
@@ -306,10 +354,13 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_
     size(s.rstd1, layers * Nl);
     size(s.rstd2, layers * Nl);
     size(s.qkv, layers * N * S);
-    size(s.mlp_a, layers * N * mlp_a_width());
-    size(s.mlp_b, layers * N * (cfg_.is_moe() ? 0 : F));
+    size(s.mlp_a, layers * N * ls.fa);
+    size(s.mlp_b, layers * N * ls.fb);
+    size(s.sh_out, ls.sh > 0 ? layers * Nl * C : 0);
+    size(s.sh_gate, ls.sh > 0 ? layers * Nl : 0);
     s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
-    for (MoeCache<float>& m : s.moe) m.resize(moe_sizes(), moe_rows());
+    for (int64_t i = 0; i < int64_t(s.moe.size()); ++i)  // the recomputation buffer (first_layer −1) serves any layer
+      if (first_layer < 0 || cfg_.is_moe_layer(first_layer + i)) s.moe[size_t(i)].resize(ls.moe, ls.moe_rows);
     size(s.att, core_layers * N * HD);
     size(s.lse, core_layers * B * H * T);
     const bool heads = cp_.a2a_size() > 1;
@@ -331,8 +382,8 @@ void Model::set_batch(int64_t B, int64_t T) {
   for (auto& f : free_) f.clear();
   recomputed_ = std::make_unique<Slot>();
   const int64_t rebuilt = recompute_bytes(cfg_, activation_shape());
-  if (recompute_ == Recompute::full) size_slot(*recomputed_, 0, 1, 1, rebuilt);
-  if (recompute_ == Recompute::selective) size_slot(*recomputed_, 0, 0, 1, rebuilt);
+  if (recompute_ == Recompute::full) size_slot(*recomputed_, 0, -1, 1, 1, rebuilt);
+  if (recompute_ == Recompute::selective) size_slot(*recomputed_, 0, -1, 0, 1, rebuilt);
   recompute_bytes_ = recomputed_->bytes();
   live_bytes_ = 0;
   peak_bytes_ = act_bytes();
@@ -356,13 +407,18 @@ void Model::set_batch(int64_t B, int64_t T) {
     s.d_mlp_b.resize(size_t(n.d_mlp_b));
     s.head.resize(size_t(n.head));
     for (auto* v : {&s.share_x, &s.share_y, &s.share_dx}) v->resize(size_t(n.share));
+    s.sh_d.resize(size_t(n.sh_d));
+    s.sh_full.resize(size_t(n.sh_full));
+    s.sh_loc.resize(size_t(n.sh_loc));
+    s.sh_dz.resize(size_t(n.sh_dz));
     if (cfg_.is_moe()) s.moe.resize(moe_sizes(), moe_rows(), dispatcher_.etp());
   });
 }
 
 Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
-  const int64_t fa = mlp_a_width(), fb = cfg_.is_moe() ? 0 : F;
+  const LocalSizes ls(cfg_, activation_shape());
+  const int64_t fa = ls.fa, fb = ls.fb;
   Slot& m = s.layers > 0 ? s : *recomputed_;  // per-layer buffers: kept, or rebuilt by recomputation
   const int64_t j = s.layers > 0 ? i : 0;
   Slot& k = s.core_layers > 0 ? s : *recomputed_;  // attention core
@@ -370,7 +426,8 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
   auto at = [](std::vector<float>& v, int64_t idx, int64_t n) { return v.empty() ? nullptr : v.data() + idx * n; };
   return {at(m.mid, j, Nl * C),   at(m.ln1, j, Nl * C), at(m.ln2, j, Nl * C), at(m.mean1, j, Nl),
           at(m.rstd1, j, Nl),       at(m.mean2, j, Nl),   at(m.rstd2, j, Nl),   at(m.qkv, j, N * S),
-          at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(k.att, jc, N * HD),
+          at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(m.sh_out, j, Nl * C), at(m.sh_gate, j, Nl),
+          at(k.att, jc, N * HD),
           at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_shape().Sa()),
           at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
 }
@@ -457,26 +514,71 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   tp.exit(a.mid, part, B, T, C);
   residual_add(a.mid, in, w(o.o_b), Nl, C);
   norm_forward(a.ln2, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
-  if (c.is_moe()) {
-    moe_layer_forward(l, a, out, losses);
-    residual_add(out, a.mid, nullptr, Nl, C);
+  if (!c.is_moe_layer(l)) {
+    mlp_forward(out, a, o, F);
+    residual_add(out, a.mid, w(o.proj_b), Nl, C);
     return;
   }
-  // MLP: column-parallel up (gate|up), row-parallel down.
+  moe_layer_forward(l, a, out, losses);
+  if (c.shared_ffn > 0) {  // out += sigmoid(ln2·w_gate)·shared(ln2), per token of this rank
+    mlp_forward(a.sh_out, a, o, c.shared_ffn / tp.size());
+    const float* wg = w(o.shared_gate);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < Nl; ++n) {
+      const float* x = a.ln2 + n * C;
+      float z = 0;
+      for (int64_t ch = 0; ch < C; ++ch) z += x[ch] * wg[ch];
+      const float gate = a.sh_gate[n] = 1.f / (1.f + std::exp(-z));
+      float* o_n = out + n * C;
+      const float* y = a.sh_out + n * C;
+      for (int64_t ch = 0; ch < C; ++ch) o_n[ch] += gate * y[ch];
+    }
+  }
+  residual_add(out, a.mid, nullptr, Nl, C);
+}
+
+// y [Nl, C] ← the MLP of F features (this rank's) on norm2(mid): column-parallel up (gate|up),
+// row-parallel down; gpt2's GELU MLP or a SwiGLU one (llama, qwen2_moe's dense layers and shared expert).
+void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F) {
+  Scratch& s = *scratch_;
+  TensorParallel& tp = tp_;
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
+  const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
   float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);
-  part = tp.full(out, s.full.data());
-  if (gpt2) {
+  float* part = tp.full(y, s.full.data());
+  if (cfg_.is_gpt2()) {
     linear_forward(a.mlp_a, ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
     gelu_forward(a.mlp_b, a.mlp_a, N * F);
-    linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   } else {
     linear_forward(a.mlp_a, ln2, w(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
     swiglu_forward(a.mlp_b, a.mlp_a, N, F);
-    linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   }
-  tp.exit(out, part, B, T, C);
-  residual_add(out, a.mid, w(o.proj_b), Nl, C);
+  linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
+  tp.exit(y, part, B, T, C);
+}
+
+// mlp_forward's backward from d_y [Nl, C]: d_local [Nl, C] ← ∂/∂norm2(mid) (overwritten), through
+// d_full [N, C] (the same buffer without SP); the weights' gradients accumulate.
+void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const LayerActs& a, const LayerOffsets& o,
+                         int64_t F) {
+  Scratch& s = *scratch_;
+  TensorParallel& tp = tp_;
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
+  const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
+  float* ln2 = tp.full(a.ln2, s.gathered.data());
+  tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
+  const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
+  linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, w(o.proj_w), N, F, C, lay);
+  if (cfg_.is_gpt2()) {
+    gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
+    linear_backward(d_full, g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, w(o.fc_w), N, C, F, lay);
+  } else {
+    swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N, F);
+    linear_backward(d_full, g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, w(o.fc_w), N, C, 2 * F,
+                    lay);
+  }
+  tp.enter_backward(d_local, d_full, B, T, C);
 }
 
 // d_res: ∂/∂out on entry, ∂/∂in on return (this rank's tokens).
@@ -490,28 +592,35 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   const WeightLayout lay = gpt2 ? WeightLayout::in_out : WeightLayout::out_in;
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   // MLP branch: out = mid + mlp(norm2(mid)).
-  const float* d_out = nullptr;
-  if (c.is_moe()) {
-    moe_layer_backward(l, a, d_ln_loc, d_res, loss_scale);
+  if (!c.is_moe_layer(l)) {
+    mlp_backward(d_ln_loc, s.d_ln.data(), d_res, a, o, F);
   } else {
-    float* ln2 = tp.full(a.ln2, s.gathered.data());
-    tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
-    d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);  // all tokens
-    linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, w(o.proj_w), N, F, C, lay);
-    if (gpt2) {
-      gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
-      linear_backward(s.d_ln.data(), g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, w(o.fc_w), N, C, F, lay);
-    } else {
-      swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N, F);
-      linear_backward(s.d_ln.data(), g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, w(o.fc_w), N,
-                      C, 2 * F, lay);
+    moe_layer_backward(l, a, d_ln_loc, d_res, loss_scale);
+    if (c.shared_ffn > 0) {
+      // gate·shared: ∂/∂shared = gate·d_out; ∂/∂(gate logit) = (d_out·shared)·gate·(1 − gate).
+      float *d_sh = s.sh_d.data(), *dz = s.sh_dz.data();
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < Nl; ++n) {
+        const float* dn = d_res + n * C;
+        const float* y = a.sh_out + n * C;
+        const float gate = a.sh_gate[n];
+        float dot = 0;
+        for (int64_t ch = 0; ch < C; ++ch) d_sh[n * C + ch] = gate * dn[ch], dot += dn[ch] * y[ch];
+        dz[n] = dot * gate * (1.f - gate);
+      }
+      // The gate's weight (replicated; under SP a partial sum over the sequence shards) and input.
+      gemm<float>(true, false, 1, C, Nl, 1.f, dz, 1, a.ln2, C, 1.f, g(o.shared_gate), C);
+      gemm<float>(false, false, Nl, C, 1, 1.f, dz, 1, w(o.shared_gate), C, 1.f, d_ln_loc, C);
+      float* sh_loc = tp.local(s.sh_full.data(), s.sh_loc.data());
+      mlp_backward(sh_loc, s.sh_full.data(), d_sh, a, o, c.shared_ffn / tp.size());
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < Nl * C; ++i) d_ln_loc[i] += sh_loc[i];
     }
-    tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   }
   norm_backward(d_res, d_ln_loc, a.mid, a.mean2, a.rstd2, o.ln2_w, o.ln2_b);
   // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
   if (recompute_ == Recompute::selective) cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape());
-  d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
+  const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, w(o.o_w), N, HD, C, lay);
   cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, positions_.data());
@@ -532,13 +641,22 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   const int64_t B = B_, T = T_, C = c.hidden;
   const float* x = tp_.share(a.ln2, s.share_x.data(), B, T, C);
   float* y = tp_.share_buffer(out, s.share_y.data());
-  origami::moe_forward(y, *a.moe, x, w(o.router), experts_.data() + o.experts, moe_sizes(), c.aux_loss_coef,
-                       c.z_loss_coef, dispatcher_, s.moe);
+  // The router's bias (aux-loss-free balancing) and, for the global-batch loss, the step's running
+  // counts — or, recomputing, the fractions this micro-batch's first forward used.
+  MoeBalance balance;
+  if (!router_bias_.empty()) balance.bias = router_bias_[size_t(l)].data();
+  const bool global = c.routing.aux == AuxLoss::global;
+  if (global && losses) balance.global = &global_counts_[size_t(l)];
+  if (global && !losses) balance.reuse = &global_frac_.at({l, mb_});
+  origami::moe_forward(y, *a.moe, x, w(o.router), experts_.data() + o.experts, moe_sizes(), c.routing, balance,
+                       dispatcher_, s.moe);
   tp_.gather_shares(out, y, B, T, C);
   if (losses) {
+    if (global) global_frac_[{l, mb_}] = a.moe->frac;
     losses->aux_loss += a.moe->aux;
     losses->z_loss += a.moe->z;
-    for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->count_E[size_t(e)];
+    for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->routed_E[size_t(e)];
+    expert_dropped_[size_t(l)] += a.moe->dropped;
     expert_rows_ += a.moe->plan.rows;
   }
 }
@@ -556,7 +674,7 @@ void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const
   float* dx = tp_.share_buffer(d_ln, s.share_dx.data());
   moe_backward_experts(dx, experts_.grad() + o.experts, d_out, *a.moe, s.moe, experts_.data() + o.experts, ms,
                        dispatcher_);
-  moe_backward_router(dx, g(o.router), s.moe, *a.moe, x, w(o.router), ms, c.aux_loss_coef, c.z_loss_coef, loss_scale);
+  moe_backward_router(dx, g(o.router), s.moe, *a.moe, x, w(o.router), ms, c.routing, loss_scale);
   tp_.gather_shares(d_ln, dx, B, T, C);
 }
 
@@ -589,6 +707,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
 
 Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* input) {
   ORIGAMI_ASSERT(B_ > 0 && chunk >= 0 && chunk < int(part_.chunks.size()) && !live_.count({mb, chunk}));
+  mb_ = mb;
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
   std::unique_ptr<Slot> slot;
@@ -598,7 +717,7 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
   } else {
     slot = std::make_unique<Slot>();
     const int64_t kept = recompute_ == Recompute::full ? 0 : Lc;
-    size_slot(*slot, Lc + 1, kept, recompute_ == Recompute::none ? Lc : 0, slot_bytes(cfg_, activation_shape(), Lc));
+    size_slot(*slot, Lc + 1, r.begin, kept, recompute_ == Recompute::none ? Lc : 0, slot_bytes(cfg_, activation_shape(), r));
   }
   float* resid = slot->resid.data();
   if (chunk == 0 && part_.embedding) embed(resid, tokens);
@@ -633,6 +752,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
                        float* logits_BTV) {
   auto it = live_.find({mb, chunk});
   ORIGAMI_ASSERT(it != live_.end());
+  mb_ = mb;
   Slot& slot = *it->second;
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;

@@ -80,7 +80,7 @@ struct ActivationShape {
   int cp = 1, cp_a2a = 1;  // context parallelism: CP size and all-to-all group size
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
-int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, int64_t layers);
+int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);
 int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
 // Work buffers of a stage's model for a batch (not kept across calls: backward gradients of the
 // activations, the LM head's logits chunk, MoE backward buffers, SP region buffers), allocated once
@@ -148,12 +148,20 @@ class Model {
   // transfers (MPI moves a large message only while the sender and the receiver call into it).
   void on_progress(std::function<void()> fn) { progress_ = std::move(fn); }
 
-  // Tokens this rank routed to each expert per MoE layer ([L][E], global layer index; zeros for
-  // layers on other stages; empty for dense models), summed over forwards since the last reset; and
-  // the expert-side rows its local experts computed (what the dispatcher brought it).
+  // Tokens this rank routed to each expert per MoE layer ([L][E], global layer index, the router's
+  // choices before any capacity drop; zeros for layers on other stages and dense layers; empty for
+  // dense models), and the assignments the capacity dropped per layer ([L]), summed over forwards
+  // since the last reset; and the expert-side rows its local experts computed (what the dispatcher
+  // brought it). The reset also starts a new step for the global-batch balance.
   const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
+  const std::vector<int64_t>& expert_dropped() const { return expert_dropped_; }
   int64_t expert_rows() const { return expert_rows_; }
   void reset_expert_counts();
+  // Aux-loss-free balancing (routing.bias_rate > 0): the per-expert selection bias of every layer
+  // ([L][E]; empty when off), and its update after a step from the step's load, [L][E] tokens per
+  // expert summed over every rank: b_e += rate·sign(mean load − load_e).
+  std::vector<std::vector<float>>& router_bias() { return router_bias_; }
+  void update_router_bias(const std::vector<std::vector<int64_t>>& load);
   const ModelConfig& config() const { return cfg_; }
   ContextParallel& context_parallel() { return cp_; }
   const ModelPart& part() const { return part_; }
@@ -161,15 +169,14 @@ class Model {
  private:
   struct LayerOffsets {  // offsets into the parameter/gradient buffers; -1 when absent
     int64_t ln1_w = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, o_w = -1, o_b = -1, ln2_w = -1, ln2_b = -1;
-    int64_t fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1, router = -1, experts = -1;
+    int64_t fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;  // the MLP (MoE layers: the shared expert's)
+    int64_t router = -1, experts = -1, shared_gate = -1;
   };
   // This rank's sizes for the current batch (legend at the top; H, KV, F, S, HD local under TP).
   struct Dims {
     int64_t B, T, N, Nl, C, D, H, KV, F, S, HD;
   };
   Dims dims() const;
-  // mlp_a floats per token: gpt2 pre-activation F, llama gate|up 2F, MoE layers none (their cache).
-  int64_t mlp_a_width() const;
   struct Slot;
   struct LayerActs;
   struct Scratch;
@@ -181,11 +188,16 @@ class Model {
   }
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
+  void mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F);
+  void mlp_backward(float* d_local, float* d_full, const float* d_y, const LayerActs& a, const LayerOffsets& o,
+                    int64_t F);
   void moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses* losses);
   void moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const float* d_res, float loss_scale);
   // Sizes a slot's buffers: `resid_rows` residual-stream rows of [Nl, C], per-layer buffers for
-  // `layers`, attention output and log-sum-exp for `core_layers` (`bytes` in all, named if it fails).
-  void size_slot(Slot& s, int64_t resid_rows, int64_t layers, int64_t core_layers, int64_t bytes) const;
+  // `layers` from `first_layer` (−1: one layer's, for any layer: the recomputation buffer), attention
+  // output and log-sum-exp for `core_layers` (`bytes` in all, named if it fails).
+  void size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t layers, int64_t core_layers,
+                 int64_t bytes) const;
   LayerActs layer_acts(Slot& s, int64_t i);
   void release(int mb, int chunk);  // back to the chunk's free list  // layer i of a slot (recomputed buffers where it keeps none)
   void layer_forward(int64_t l, const LayerActs& a, const float* in, float* out, Losses* losses);
@@ -224,7 +236,12 @@ class Model {
   std::unique_ptr<Scratch> scratch_;                           // backward work buffers
   int64_t live_bytes_ = 0, recompute_bytes_ = 0, peak_bytes_ = 0;
   std::vector<std::vector<int64_t>> expert_counts_;
+  std::vector<int64_t> expert_dropped_;
   int64_t expert_rows_ = 0;
+  std::vector<std::vector<float>> router_bias_;            // [L][E] (aux-loss-free balancing)
+  std::vector<GlobalCounts> global_counts_;                // [L] AuxLoss::global: the step's counts so far
+  std::map<std::pair<int64_t, int>, std::vector<double>> global_frac_;  // (layer, micro-batch) → φ used
+  int mb_ = 0;                                             // the micro-batch of the current forward/backward
 };
 
 }  // namespace origami

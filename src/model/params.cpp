@@ -73,27 +73,39 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c) {
     return t;
   }
   add("model.embed_tokens.weight", {V, C}, Init::normal, vocab);
+  const bool qwen = c.type == ModelType::qwen2_moe;
+  const int64_t Fe = c.expert_ffn, Fs = c.shared_ffn;
+  // gate|up|down of a SwiGLU MLP (the routed experts' as w1|w3|w2 in mixtral).
+  auto swiglu = [&](const std::string& m, int64_t f, const char* const (&names)[3], int expert) {
+    add(m + names[0] + ".weight", {f, C}, Init::normal, out_in_col, expert);
+    add(m + names[1] + ".weight", {f, C}, Init::normal, out_in_col, expert);
+    add(m + names[2] + ".weight", {C, f}, Init::scaled_normal, out_in_row, expert);
+  };
+  static const char* const hf[3] = {"gate_proj", "up_proj", "down_proj"}, *const mixtral[3] = {"w1", "w3", "w2"};
   for (int64_t l = 0; l < c.num_layers; ++l) {
     std::string p = "model.layers." + std::to_string(l) + ".";
     add(p + "input_layernorm.weight", {C}, Init::ones, norm);
     add(p + "self_attn.q_proj.weight", {H * D, C}, Init::normal, out_in_col);
     add(p + "self_attn.k_proj.weight", {KV * D, C}, Init::normal, out_in_col);
     add(p + "self_attn.v_proj.weight", {KV * D, C}, Init::normal, out_in_col);
+    if (c.qkv_bias) {  // q|k|v biases contiguous too: one [Sl] vector per TP rank
+      add(p + "self_attn.q_proj.bias", {H * D}, Init::zeros, out_in_col);
+      add(p + "self_attn.k_proj.bias", {KV * D}, Init::zeros, out_in_col);
+      add(p + "self_attn.v_proj.bias", {KV * D}, Init::zeros, out_in_col);
+    }
     add(p + "self_attn.o_proj.weight", {C, H * D}, Init::scaled_normal, out_in_row);
     add(p + "post_attention_layernorm.weight", {C}, Init::ones, norm);
-    if (c.is_moe()) {
-      std::string m = p + "block_sparse_moe.";
+    if (c.is_moe_layer(l)) {
+      const std::string m = p + (qwen ? "mlp." : "block_sparse_moe.");
       add(m + "gate.weight", {c.num_experts, C}, Init::normal, router);
-      for (int64_t e = 0; e < c.num_experts; ++e) {
-        std::string x = m + "experts." + std::to_string(e) + ".";
-        add(x + "w1.weight", {F, C}, Init::normal, out_in_col, int(e));
-        add(x + "w3.weight", {F, C}, Init::normal, out_in_col, int(e));
-        add(x + "w2.weight", {C, F}, Init::scaled_normal, out_in_row, int(e));
+      for (int64_t e = 0; e < c.num_experts; ++e)
+        swiglu(m + "experts." + std::to_string(e) + ".", Fe, qwen ? hf : mixtral, int(e));
+      if (Fs > 0) {  // the shared expert: a dense MLP on the attention mesh's TP, scaled by its gate
+        swiglu(m + "shared_expert.", Fs, hf, -1);
+        add(m + "shared_expert_gate.weight", {1, C}, Init::normal, norm);
       }
     } else {
-      add(p + "mlp.gate_proj.weight", {F, C}, Init::normal, out_in_col);
-      add(p + "mlp.up_proj.weight", {F, C}, Init::normal, out_in_col);
-      add(p + "mlp.down_proj.weight", {C, F}, Init::scaled_normal, out_in_row);
+      swiglu(p + "mlp.", F, hf, -1);
     }
   }
   add("model.norm.weight", {C}, Init::ones, norm);

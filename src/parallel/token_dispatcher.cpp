@@ -23,14 +23,21 @@ T* at_least(std::vector<T>& v, int64_t n) {
 
 }  // namespace
 
-TokenDispatcher::TokenDispatcher() : tokens_(&local_comm()), ep_(&local_comm()), etp_(&local_comm()) {}
-TokenDispatcher::TokenDispatcher(Comm& tokens, Comm& ep, Comm& etp) : tokens_(&tokens), ep_(&ep), etp_(&etp) {}
+TokenDispatcher::TokenDispatcher()
+    : tokens_(&local_comm()), replicas_(&local_comm()), ep_(&local_comm()), etp_(&local_comm()) {}
+TokenDispatcher::TokenDispatcher(Comm& tokens, Comm& replicas, Comm& ep, Comm& etp)
+    : tokens_(&tokens), replicas_(&replicas), ep_(&ep), etp_(&etp) {}
 
-int64_t TokenDispatcher::max_rows(int64_t n, int64_t K, int64_t E, int ep, int etp) {
-  return std::min(K, E / ep) * n * ep * etp;
+int64_t TokenDispatcher::max_rows(int64_t n, int64_t K, int64_t E, int ep, int etp, int64_t cap, bool pad) {
+  const int64_t dropless = std::min(K, E / ep) * n * ep * etp;
+  if (cap == 0) return dropless;
+  const int64_t capped = E / ep * cap * ep * etp;
+  return pad ? capped : std::min(dropless, capped);
 }
 
-void TokenDispatcher::global_counts(int64_t* count_E, int64_t E) { tokens_->all_reduce(count_E, E); }
+void TokenDispatcher::global_counts(int64_t* counts, int64_t n) { tokens_->all_reduce(counts, n); }
+
+void TokenDispatcher::replica_counts(int64_t* counts, int64_t n) { replicas_->all_reduce(counts, n); }
 
 void TokenDispatcher::plan(DispatchPlan& p, const int64_t* count_E, int64_t E) {
   const int64_t EP = ep(), ETP = etp(), El = local_experts(E);

@@ -18,8 +18,10 @@
 // counts first (all-to-all over EP, all-gather over ETP); nothing assumes balance. Without expert
 // parallelism the communicators have one rank and the exchanges are copies.
 //
-// `tokens` is the group of ranks that share one micro-batch's tokens (TP; later TP×CP): the router's
-// load-balancing statistics f_e are counted over all of them (global_counts).
+// `tokens` is the group of ranks that share one micro-batch's tokens (TP×CP): the router's
+// load-balancing statistics f_e are counted over all of them (global_counts). `replicas` is the
+// attention mesh's data-parallel group: with `tokens` it spans the pipeline stage, over which the
+// global-batch balance counts (replica_counts).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -46,7 +48,7 @@ struct DispatchBuffers {
 class TokenDispatcher {
  public:
   TokenDispatcher();  // one rank: every expert local, every exchange a copy
-  TokenDispatcher(Comm& tokens, Comm& ep, Comm& etp);
+  TokenDispatcher(Comm& tokens, Comm& replicas, Comm& ep, Comm& etp);
 
   int ep() const { return ep_->size(); }
   int etp() const { return etp_->size(); }
@@ -54,13 +56,17 @@ class TokenDispatcher {
   int64_t local_experts(int64_t E) const { return E / ep_->size(); }
   int64_t first_expert(int64_t E) const { return ep_->rank() * local_experts(E); }
   int64_t token_ranks() const { return tokens_->size(); }
-  // Most expert-side rows one call can bring to a rank (dropless, any imbalance), when every rank
-  // routes n tokens to K experts each: a token sends at most min(K, El) rows to one EP rank, and
-  // the rank serves the tokens of EP sources times ETP peers.
-  static int64_t max_rows(int64_t n, int64_t K, int64_t E, int ep, int etp);
+  int64_t replicas() const { return replicas_->size(); }
+  // Most expert-side rows one call can bring to a rank (any imbalance), when every rank routes n
+  // tokens to K experts each: dropless, a token sends at most min(K, El) rows to one EP rank, and
+  // the rank serves the tokens of EP sources times ETP peers; with a capacity `cap` (0: none) each
+  // source sends at most cap rows per expert (exactly cap when padded).
+  static int64_t max_rows(int64_t n, int64_t K, int64_t E, int ep, int etp, int64_t cap = 0, bool pad = false);
 
-  // count_E [E]: this rank's rows per expert → its sum over the token group (in place).
-  void global_counts(int64_t* count_E, int64_t E);
+  // counts [n]: this rank's counts → their sum over the token group (in place).
+  void global_counts(int64_t* counts, int64_t n);
+  // counts [n]: the token group's counts → their sum over the data-parallel replicas (in place).
+  void replica_counts(int64_t* counts, int64_t n);
   // count_E [E]: this rank's rows per expert (its rows are sorted by expert) → the exchange.
   void plan(DispatchPlan& p, const int64_t* count_E, int64_t E);
   // in [Σ send, C]: this rank's rows sorted by expert → out [rows, C] grouped by local expert.
@@ -82,7 +88,7 @@ class TokenDispatcher {
   // Rows of [b][a][j] order → [j][b][a] (forward) or back.
   template <typename T>
   void regroup(T* out, const T* in, const DispatchPlan& p, int64_t C, bool to_expert_order) const;
-  Comm *tokens_, *ep_, *etp_;
+  Comm *tokens_, *replicas_, *ep_, *etp_;
 };
 
 }  // namespace origami

@@ -113,7 +113,7 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   // Activations: the stage's schedule keeps slots of its chunks' layers (the pipeline's computed peak).
   const ActivationShape shape = o.activation_shape(tp);
   std::vector<int64_t> chunk_bytes;
-  for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, shape, r.end - r.begin));
+  for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, shape, r));
   const int micro = int(o.micro_batches(world_size));
   m.activations = schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes) +
                   recompute_bytes(cfg, shape);

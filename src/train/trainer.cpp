@@ -52,6 +52,10 @@ std::string format_duration(double seconds) {
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
           {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"moe_aux_loss", moe_aux_loss}, {"moe_aux_loss_coef", moe_aux_loss_coef},
+          {"moe_capacity_factor", moe_capacity_factor}, {"moe_drop_policy", moe_drop_policy},
+          {"moe_pad_to_capacity", moe_pad_to_capacity}, {"moe_router_score", moe_router_score},
+          {"moe_router_bias_update_rate", moe_router_bias_update_rate},
           {"pp_layers", pp_layers}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
@@ -59,7 +63,40 @@ nlohmann::json TrainOptions::as_json() const {
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}};
 }
 
+void TrainOptions::validate_routing(const ModelConfig& cfg) const {
+  const AuxLoss aux = parse_aux_loss(moe_aux_loss);
+  const DropPolicy drop = parse_drop_policy(moe_drop_policy);
+  const RouterScore score = parse_router_score(moe_router_score);
+  ORIGAMI_CHECK(moe_capacity_factor >= 0, "--moe-capacity-factor must not be negative (0: dropless), got ",
+                moe_capacity_factor);
+  ORIGAMI_CHECK(moe_capacity_factor > 0 || (!moe_pad_to_capacity && drop == DropPolicy::probs),
+                moe_pad_to_capacity ? "--moe-pad-to-capacity" : "--moe-drop-policy position",
+                " needs --moe-capacity-factor F (without it routing is dropless)");
+  ORIGAMI_CHECK(moe_aux_loss_coef >= 0 || moe_aux_loss_coef == -1, "--moe-aux-loss-coef must not be negative, got ",
+                moe_aux_loss_coef);
+  ORIGAMI_CHECK(moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must not be negative (0: off), got ",
+                moe_router_bias_update_rate);
+  const bool any = aux != AuxLoss::micro || moe_aux_loss_coef >= 0 || moe_capacity_factor > 0 ||
+                   score != RouterScore::softmax || moe_router_bias_update_rate > 0;
+  ORIGAMI_CHECK(cfg.is_moe() || !any, "the --moe-* routing options need a mixture-of-experts model, and this ",
+                cfg.model_type(), " model has no experts");
+}
+
+ModelConfig TrainOptions::with_routing(const ModelConfig& cfg) const {
+  ModelConfig c = cfg;
+  MoeRouting& r = c.routing;
+  r.aux = parse_aux_loss(moe_aux_loss);
+  if (moe_aux_loss_coef >= 0) r.aux_coef = moe_aux_loss_coef;
+  r.capacity_factor = moe_capacity_factor;
+  r.drop = parse_drop_policy(moe_drop_policy);
+  r.pad = moe_pad_to_capacity;
+  r.score = parse_router_score(moe_router_score);
+  r.bias_rate = moe_router_bias_update_rate;
+  return c;
+}
+
 void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
+  validate_routing(cfg);
   ORIGAMI_CHECK(!data.empty(), "no training data: give --data PREFIX (made by 'origami data prepare')");
   // Layout degrees first: the global batch's default derives from them.
   ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
@@ -100,7 +137,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 "mixture-of-experts model, and this ", cfg.model_type(), " model has no experts");
   if (cfg.is_moe()) {
     ORIGAMI_CHECK(cfg.num_experts % ep == 0, "--ep ", ep, " must divide the number of experts (", cfg.num_experts, ")");
-    ORIGAMI_CHECK(cfg.ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.ffn, ")");
+    ORIGAMI_CHECK(cfg.expert_ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.expert_ffn, ")");
     const int stage_ranks = world_size % pp == 0 ? world_size / pp : 0;
     ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
                   ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
@@ -138,7 +175,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   divides(cfg.num_heads, "attention heads");
   divides(cfg.num_kv_heads, "key/value heads");
   divides(cfg.hidden, "hidden features");
-  if (!cfg.is_moe()) divides(cfg.ffn, "FFN features");  // experts are split by --etp instead
+  if (cfg.has_dense_layers()) divides(cfg.ffn, "FFN features");  // routed experts are split by --etp instead
+  if (cfg.shared_ffn > 0) divides(cfg.shared_ffn, "shared expert's FFN features");
   ORIGAMI_CHECK(global_batch % (int64_t(dims.dp) * micro_batch) == 0, "--global-batch (", global_batch,
                 ") must be a multiple of --micro-batch x DP (", micro_batch, " x ", dims.dp, " = ",
                 micro_batch * dims.dp, ")");
@@ -294,7 +332,7 @@ double cpu_seconds() {
 
 }  // namespace
 
-int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
+int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& world) {
   // Everything a user can get wrong is checked first, on every rank, before any communication.
   std::optional<IndexedDataset> dataset;
   const std::string tokenizer_path = opts.data + ".tokenizer.json";
@@ -305,9 +343,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   // rank's backward would. The non-finite guard must stop every rank.
   long long nan_step = -1;
   int nan_rank = -1;
+  ModelConfig cfg;  // with the run's routing options
   check_on_every_rank(world, "train", [&] {
     o = opts.resolved(world.size());
-    o.validate(cfg, world.size());
+    o.validate(model_cfg, world.size());
+    cfg = o.with_routing(model_cfg);
     dataset = IndexedDataset::open(o.data);
     has_tokenizer = std::filesystem::exists(tokenizer_path);
     if (has_tokenizer) {
@@ -352,6 +392,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   ParamSet* const sets[2] = {&dense, &experts};
   Params& params = dense.params;
   int64_t start_step = 0;
+  std::vector<std::vector<float>> saved_bias;  // the router's selection biases of a resumed checkpoint
   if (o.init_from.empty()) {
     for (ParamSet* set : sets) set->params.init(o.seed, cfg.num_layers);
   } else {
@@ -368,6 +409,7 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
         set->opt.state_from_flat(m.data(), v.data());
         set->opt.set_steps_taken(st.adam_steps);
         start_step = st.step;
+        saved_bias = st.router_bias;
       }
       ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", o.init_from, "' is already at step ", start_step,
                     "; ask for more --steps to continue");
@@ -375,11 +417,16 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
   }
   const Recompute recompute = parse_recompute(o.recompute);
   // MoE layers route every token of TP x CP once: the counts behind the router's load-balancing loss
-  // are summed over that group.
+  // are summed over that group (and for the global-batch loss also over DP: the whole stage).
   Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute,
-              {&experts.params, TokenDispatcher(mesh.comm("tp-cp"), ep_comm, etp_comm)},
+              {&experts.params, TokenDispatcher(mesh.comm("tp-cp"), dp_comm, ep_comm, etp_comm)},
               ContextParallel(mesh.comm("cp"), parse_cp_comm(o.cp_comm), o.cp_a2a()));
   ContextParallel& cp = model.context_parallel();
+  if (!saved_bias.empty()) {  // a resumed run routes with the biases it saved (and updates them with a rate)
+    ORIGAMI_CHECK(saved_bias.size() == size_t(cfg.num_layers) && saved_bias[0].size() == size_t(cfg.num_experts),
+                  "'", o.init_from, "/trainer_state.json': router_bias is not [layers][experts] of this model");
+    model.router_bias() = saved_bias;
+  }
   int64_t current_step = 0;
   bool injected = false;
   model.on_grads_ready([&](int64_t offset, int64_t expert_offset) {
@@ -513,7 +560,8 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
       if (rank0) {
         std::copy(gathered[0].begin(), gathered[0].end(), global->data());
         save_checkpoint(o.save, cfg, *global, gathered[1].data(), gathered[2].data(),
-                        {steps_done, dense.opt.steps_taken(), o.as_json()}, has_tokenizer ? tokenizer_path : "");
+                        {steps_done, dense.opt.steps_taken(), o.as_json(), model.router_bias()},
+                        has_tokenizer ? tokenizer_path : "");
         std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
         std::fflush(stdout);
       }
@@ -580,6 +628,8 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                                cpu_seconds() - cpu0, stop_signals.poll() ? 1.0 : 0.0};
     for (const auto& layer : model.expert_counts())
       for (int64_t c : layer) red.push_back(double(c));
+    const size_t dropped_at = red.size();  // MoE: assignments the capacity dropped per layer
+    for (int64_t d : model.expert_dropped()) red.push_back(double(d));
     if (routing_log) *routing_log << nlohmann::json({{"step", step + 1}, {"expert_counts", model.expert_counts()}}).dump() << std::endl;
     const size_t rows_at = red.size();  // MoE: expert-side rows per rank
     if (cfg.is_moe()) {
@@ -597,6 +647,10 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
                                     pipeline.times().total, pp_comm.bytes_sent()};
     for (size_t k = 0; k < 5; ++k) red[stage_at + k * size_t(pp) + size_t(stage)] = stage_values[k] * stage_weight;
     world.all_reduce(red.data(), int64_t(red.size()));
+    // MoE: the step's load per expert over every rank, and the aux-loss-free balancing's bias update.
+    std::vector<std::vector<int64_t>> load(size_t(cfg.is_moe() ? cfg.num_layers : 0), std::vector<int64_t>(size_t(cfg.num_experts)));
+    for (size_t i = 0; i < num_moe; ++i) load[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[5 + i]);
+    if (cfg.routing.bias_rate > 0 && !skip) model.update_router_bias(load);
     auto per_stage = [&](size_t k) {
       return std::vector<double>(red.begin() + long(stage_at + k * size_t(pp)), red.begin() + long(stage_at + (k + 1) * size_t(pp)));
     };
@@ -675,9 +729,11 @@ int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) 
         j["memory_bytes_per_rank"] = totals;
       }
       if (cfg.is_moe()) {
-        std::vector<std::vector<int64_t>> ec(size_t(cfg.num_layers), std::vector<int64_t>(size_t(cfg.num_experts)));
-        for (size_t i = 0; i < num_moe; ++i) ec[i / size_t(cfg.num_experts)][i % size_t(cfg.num_experts)] = std::llround(red[5 + i]);
-        j["expert_tokens"] = ec;
+        j["expert_tokens"] = load;
+        std::vector<int64_t> dropped;
+        for (int64_t l = 0; l < cfg.num_layers; ++l) dropped.push_back(std::llround(red[dropped_at + size_t(l)]));
+        j["expert_dropped"] = dropped;
+        if (!model.router_bias().empty()) j["router_bias"] = model.router_bias();
         // The rows each rank's experts computed, and per stage the most over the mean (the imbalance
         // the dispatcher saw; the largest over stages).
         std::vector<int64_t> rows(red.begin() + long(rows_at), red.begin() + long(rows_at) + world.size());

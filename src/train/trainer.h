@@ -63,7 +63,19 @@ struct TrainOptions {
   int zero = 0;                // ZeRO stage 0, 1, 2
   double bucket_mb = 16;       // data-parallel gradient bucket size (MiB of fp32 gradients)
   std::string mesh_order = "tp-cp-ep-dp-pp";
+  // MoE routing (model/layers/moe.h).
+  std::string moe_aux_loss = "micro";    // none | micro | seq | global
+  double moe_aux_loss_coef = -1;         // < 0: the config's router_aux_loss_coef
+  double moe_capacity_factor = 0;        // 0: dropless
+  std::string moe_drop_policy = "probs"; // probs | position
+  bool moe_pad_to_capacity = false;
+  std::string moe_router_score = "softmax";  // softmax | sigmoid
+  double moe_router_bias_update_rate = 0;    // aux-loss-free balancing; 0: off
   nlohmann::json as_json() const;
+  // Error naming the value and the rule, for the routing options alone (also used by 'origami dump').
+  void validate_routing(const ModelConfig& cfg) const;
+  // The model config with the routing options applied.
+  ModelConfig with_routing(const ModelConfig& cfg) const;
   // Error naming the value and the rule (options, and the layout against the model and world size).
   void validate(const ModelConfig& cfg, int world_size) const;
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size

@@ -755,7 +755,7 @@ struct MoeNaive {
 };
 
 MoeNaive moe_naive(const MoeProblem& p, double aux_coef, double z_coef) {
-  const auto [N, C, F, E, K] = p.s;
+  const int64_t N = p.s.N, C = p.s.C, F = p.s.F, E = p.s.E, K = p.s.K;
   MoeNaive r;
   r.out.assign(N * C, 0), r.probs.assign(N * E, 0), r.lse.assign(N, 0), r.chosen.assign(N * K, -1);
   r.weight.assign(N * K, 0), r.count.assign(E, 0);
@@ -809,7 +809,7 @@ MoeNaive moe_naive(const MoeProblem& p, double aux_coef, double z_coef) {
 
 // Smallest gap, over tokens, between the K-th and (K+1)-th largest router logit.
 double min_topk_margin(const MoeProblem& p) {
-  const auto [N, C, F, E, K] = p.s;
+  const int64_t N = p.s.N, C = p.s.C, F = p.s.F, E = p.s.E, K = p.s.K;
   double worst = INFINITY;
   for (int64_t n = 0; n < N; ++n) {
     Vec lg(E);
@@ -842,11 +842,25 @@ MoeProblem moe_problem(MoeSizes s, uint64_t seed, bool starve_last) {
 
 }  // namespace
 
+// Routing variants of the FD check (the naive comparison is for the default, variant 0):
+// 1 sigmoid scores, sequence-wise aux loss over 2 rows; 2 a capacity of 1.0 (probs policy) padded,
+// weights not renormalised; 3 a capacity of 0.75 (position policy), global-batch aux loss.
 struct MoeCase {
   MoeSizes s;
   bool starve_last;
   double loss_scale;
+  int variant = 0;
 };
+
+MoeRouting moe_variant(MoeSizes& s, int variant) {
+  MoeRouting r;
+  r.aux_coef = 0.3, r.z_coef = 0.05;  // large enough that router-loss gradients matter
+  if (variant == 1) r.score = RouterScore::sigmoid, r.aux = AuxLoss::seq, s.B = 2;
+  if (variant == 2) r.capacity_factor = 1.0, r.pad = true, r.norm_topk = false;
+  if (variant == 3) r.capacity_factor = 0.75, r.drop = DropPolicy::position, r.aux = AuxLoss::global;
+  s.cap = r.capacity(s.N, s.K, s.E), s.pad = r.pad;
+  return r;
+}
 
 std::string moe_case_name(const MoeCase& c);
 void PrintTo(const MoeCase& c, std::ostream* os) { *os << moe_case_name(c); }  // gtest's case listing
@@ -854,9 +868,11 @@ void PrintTo(const MoeCase& c, std::ostream* os) { *os << moe_case_name(c); }  /
 class MoeFd : public ::testing::TestWithParam<MoeCase> {};
 
 TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
-  const auto [s, starve_last, loss_scale] = GetParam();
-  const auto [N, C, F, E, K] = s;
-  const double aux_coef = 0.3, z_coef = 0.05;  // large enough that router-loss gradients matter
+  const auto [case_s, starve_last, loss_scale, variant] = GetParam();
+  MoeSizes s = case_s;
+  const MoeRouting routing = moe_variant(s, variant);
+  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K;
+  const double aux_coef = routing.aux_coef, z_coef = routing.z_coef;
   MoeProblem p = moe_problem(s, 81 + uint64_t(E) + starve_last, starve_last);
   ASSERT_FALSE(p.x.empty());
   Rng rng(91);
@@ -864,17 +880,28 @@ TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
 
   MoeCache<double> cache;
   Vec out(N * C, 999.0);
-  moe_forward(out.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s, aux_coef, z_coef);
+  moe_forward(out.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s, routing);
   const std::vector<int32_t> chosen0 = cache.expert_NK;
+  const std::vector<int64_t> rows0 = cache.row_NK;
+  if (variant >= 2) {  // the capacity binds: some assignment dropped, every expert within it
+    EXPECT_GT(cache.dropped, 0);
+    for (int64_t e = 0; e < E; ++e) EXPECT_LE(cache.count_E[size_t(e)], s.cap);
+    if (s.pad)
+      for (int64_t e = 0; e < E; ++e) EXPECT_EQ(cache.count_E[size_t(e)], s.cap);
+  }
 
   // Routing vs naive selection; permutation consistent; forward output and router losses vs dense naive.
-  {
+  if (variant == 0) {
     const MoeNaive ref = moe_naive(p, aux_coef, z_coef);
     EXPECT_EQ(cache.expert_NK, ref.chosen) << "top-k selection differs from naive";
-    expect_close("moe probs", cache.probs_NE, ref.probs, 1e-14);
+    Vec probs(N * E);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) probs[size_t(n * E + e)] = std::exp(cache.logits_NE[size_t(n * E + e)] - cache.lse_N[size_t(n)]);
+    expect_close("moe probs", probs, ref.probs, 1e-14);
     expect_close("moe lse", cache.lse_N, ref.lse, 1e-14);
     expect_close("moe weights", cache.weight_NK, ref.weight, 1e-14);
     EXPECT_EQ(cache.count_E, ref.count);
+    EXPECT_EQ(cache.routed_E, ref.count);
     if (starve_last) EXPECT_EQ(cache.count_E[size_t(E - 1)], 0);
     ASSERT_EQ(cache.expert_begin.size(), size_t(E + 1));
     EXPECT_EQ(cache.expert_begin[0], 0);
@@ -901,17 +928,18 @@ TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
   auto loss = [&] {
     MoeCache<double> c;
     Vec o(N * C);
-    moe_forward(o.data(), c, p.x.data(), p.gate.data(), p.experts.data(), s, aux_coef, z_coef);
-    if (c.expert_NK != chosen0) ++selection_changed;
+    moe_forward(o.data(), c, p.x.data(), p.gate.data(), p.experts.data(), s, routing);
+    if (c.expert_NK != chosen0 || c.row_NK != rows0) ++selection_changed;
     return dot(r, o) + loss_scale * (c.aux + c.z);
   };
   Vec dx(N * C, 999.0), dgate0 = rng.vec(E * C), dexp0 = rng.vec(E * 3 * F * C), dgate = dgate0, dexp = dexp0;
   moe_backward(dx.data(), dgate.data(), dexp.data(), r.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s,
-               aux_coef, z_coef, loss_scale);
+               routing, loss_scale);
   fd_check("moe dx", p.x, dx, loss, all_indices(p.x.size()));
   fd_check("moe dgate (+=)", p.gate, sub(dgate, dgate0), loss, all_indices(p.gate.size()));
   fd_check("moe dexperts (+=)", p.experts, sub(dexp, dexp0), loss, all_indices(p.experts.size()));
-  EXPECT_EQ(selection_changed, 0u) << "top-k selection changed under perturbation: FD invalid";
+  EXPECT_EQ(selection_changed, 0u) << "top-k selection or capacity drops changed under perturbation: FD invalid";
+  (void)aux_coef, (void)z_coef;
   if (starve_last) {  // the unused expert's weights get no gradient
     for (int64_t i = (E - 1) * 3 * F * C; i < E * 3 * F * C; ++i) EXPECT_EQ(dexp[size_t(i)], dexp0[size_t(i)]);
   }
@@ -921,10 +949,10 @@ TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
     auto xf = to_f(p.x), gf = to_f(p.gate), ef = to_f(p.experts), rf = to_f(r);
     MoeCache<float> cf;
     std::vector<float> of(N * C), dxf(N * C), dgf(E * C, 0.f), def(E * 3 * F * C, 0.f);
-    moe_forward(of.data(), cf, xf.data(), gf.data(), ef.data(), s, aux_coef, z_coef);
+    moe_forward(of.data(), cf, xf.data(), gf.data(), ef.data(), s, routing);
     EXPECT_EQ(cf.expert_NK, cache.expert_NK);
-    moe_backward(dxf.data(), dgf.data(), def.data(), rf.data(), cf, xf.data(), gf.data(), ef.data(), s, aux_coef,
-                 z_coef, float(loss_scale));
+    moe_backward(dxf.data(), dgf.data(), def.data(), rf.data(), cf, xf.data(), gf.data(), ef.data(), s, routing,
+                 float(loss_scale));
     expect_close("moe out float", to_d(of), out, kFloatTol);
     EXPECT_NEAR(cf.aux, cache.aux, kFloatTol);
     EXPECT_NEAR(cf.z, cache.z, kFloatTol);
@@ -935,14 +963,19 @@ TEST_P(MoeFd, RoutingForwardAndBackwardFd) {
 }
 
 std::string moe_case_name(const MoeCase& c) {  // e.g. N13_C6_F5_E5_K2_StarvedExpert
+  static const char* const variants[] = {"", "_SigmoidSeqAux", "_Capacity1PaddedNoRenorm", "_Capacity075PositionGlobal"};
   return "N" + std::to_string(c.s.N) + "_C" + std::to_string(c.s.C) + "_F" + std::to_string(c.s.F) + "_E" +
-         std::to_string(c.s.E) + "_K" + std::to_string(c.s.K) + (c.starve_last ? "_StarvedExpert" : "");
+         std::to_string(c.s.E) + "_K" + std::to_string(c.s.K) + (c.starve_last ? "_StarvedExpert" : "") +
+         variants[c.variant];
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, MoeFd,
                          ::testing::Values(MoeCase{{11, 9, 7, 5, 2}, false, 0.7},
                                            MoeCase{{13, 6, 5, 5, 2}, true, 1.0},
-                                           MoeCase{{10, 7, 3, 5, 3}, false, 2.5}),
+                                           MoeCase{{10, 7, 3, 5, 3}, false, 2.5},
+                                           MoeCase{{12, 6, 4, 5, 2}, false, 1.0, 1},
+                                           MoeCase{{12, 6, 4, 5, 2}, false, 1.0, 2},
+                                           MoeCase{{12, 6, 4, 5, 3}, true, 0.7, 3}),
                          [](const ::testing::TestParamInfo<MoeCase>& info) { return moe_case_name(info.param); });
 
 // Ties in router probability go to the lower expert index (deterministic selection).
@@ -957,6 +990,6 @@ TEST(MoeRouting, TiesPreferLowerIndex) {
   gate[3 * s.C + 1] = 3, gate[1 * s.C + 1] = 1, gate[4 * s.C + 1] = 1;
   MoeCache<double> c;
   Vec out(s.N * s.C);
-  moe_forward(out.data(), c, x.data(), gate.data(), experts.data(), s, 0.0, 0.0);
+  moe_forward(out.data(), c, x.data(), gate.data(), experts.data(), s, MoeRouting{});
   EXPECT_EQ(c.expert_NK, (std::vector<int32_t>{0, 1, 2, 4, 3, 1}));
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "kernels/cpu/gemm.h"
 #include "core/error.h"
@@ -10,53 +11,103 @@
 
 namespace origami {
 
+namespace {
+
+// Scores of one token from its logits: softmax (given its log-sum-exp) or sigmoid.
+template <typename T>
+void scores(T* p, const T* logits, T lse, int64_t E, RouterScore score) {
+  if (score == RouterScore::softmax)
+    for (int64_t e = 0; e < E; ++e) p[e] = std::exp(logits[e] - lse);
+  else
+    for (int64_t e = 0; e < E; ++e) p[e] = T(1) / (T(1) + std::exp(-logits[e]));
+}
+
+// Σ_e p (the sigmoid scores' normaliser of pa; 1 for softmax).
+template <typename T>
+T score_sum(const T* p, int64_t E, RouterScore score) {
+  if (score == RouterScore::softmax) return T(1);
+  T s = 0;
+  for (int64_t e = 0; e < E; ++e) s += p[e];
+  return s;
+}
+
+}  // namespace
+
 template <typename T>
 void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* experts, const MoeSizes& s,
-                 double aux_coef, double z_coef, TokenDispatcher& d, MoeScratch<T>& scratch) {
-  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
-  ORIGAMI_ASSERT(int64_t(c.y_RC.size()) == R * C && int64_t(scratch.xs_RC.size()) >= R * C);
+                 const MoeRouting& r, const MoeBalance& bal, TokenDispatcher& d, MoeScratch<T>& scratch) {
+  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K, B = s.B, Tn = N / B;
+  ORIGAMI_ASSERT(int64_t(c.y_RC.size()) == s.sent_rows() * C && int64_t(scratch.xs_RC.size()) >= s.sent_rows() * C);
+  ORIGAMI_ASSERT(N % B == 0);
   // Route.
-  gemm<T>(false, true, N, E, C, T(1), x, C, gate, C, T(0), c.probs_NE.data(), E);  // logits, softmaxed in place
+  gemm<T>(false, true, N, E, C, T(1), x, C, gate, C, T(0), c.logits_NE.data(), E);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
-    T* p = c.probs_NE.data() + n * E;
-    T m = p[0];
-    for (int64_t e = 1; e < E; ++e) m = std::max(m, p[e]);
+    const T* l = c.logits_NE.data() + n * E;
+    T m = l[0];
+    for (int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
     T sum = 0;
-    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - m));
-    c.lse_N[size_t(n)] = m + std::log(sum);
-    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
-    // Top-K by probability (ties: lower expert index first), then renormalise.
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - m);
+    const T lse = c.lse_N[size_t(n)] = m + std::log(sum);
+    std::vector<T> p(static_cast<size_t>(E));
+    scores(p.data(), l, lse, E, r.score);
+    // Top-K by score + bias (ties: lower expert index first).
     int32_t* idx = c.expert_NK.data() + n * K;
+    T* sc = c.score_NK.data() + n * K;
     T* w = c.weight_NK.data() + n * K;
-    T wsum = 0;
+    auto key = [&](int64_t e) { return bal.bias ? p[size_t(e)] + T(bal.bias[e]) : p[size_t(e)]; };
+    T psum = 0;
     for (int64_t k = 0; k < K; ++k) {
       int32_t best = -1;
       for (int64_t e = 0; e < E; ++e) {
         if (std::find(idx, idx + k, int32_t(e)) != idx + k) continue;
-        if (best < 0 || p[e] > p[best]) best = int32_t(e);
+        if (best < 0 || key(e) > key(best)) best = int32_t(e);
       }
       idx[k] = best;
-      wsum += (w[k] = p[best]);
+      psum += (sc[k] = w[k] = p[size_t(best)]);
     }
-    for (int64_t k = 0; k < K; ++k) w[k] /= wsum;
+    if (r.renormalise())
+      for (int64_t k = 0; k < K; ++k) w[k] /= psum;
   }
-  // Permute: counting sort of assignments by expert (stable: token order within an expert).
+  // The router's choices per expert, and the capacity rule: each expert keeps at most cap assignments
+  // (row_NK −1 marks a dropped one).
+  std::fill(c.routed_E.begin(), c.routed_E.end(), 0);
+  for (int64_t i = 0; i < R; ++i) c.routed_E[size_t(c.expert_NK[size_t(i)])]++;
+  std::fill(c.row_NK.begin(), c.row_NK.end(), 0);
+  c.dropped = 0;
+  if (s.cap > 0) {
+    std::vector<std::vector<int64_t>> cand(static_cast<size_t>(E));  // each expert's assignments, in token order
+    for (int64_t i = 0; i < R; ++i) cand[size_t(c.expert_NK[size_t(i)])].push_back(i);
+    for (auto& list : cand) {
+      if (int64_t(list.size()) <= s.cap) continue;
+      if (r.drop == DropPolicy::probs)  // highest score first; stable: the earlier token on ties
+        std::stable_sort(list.begin(), list.end(),
+                         [&](int64_t a, int64_t b) { return c.score_NK[size_t(a)] > c.score_NK[size_t(b)]; });
+      for (size_t j = size_t(s.cap); j < list.size(); ++j) c.row_NK[size_t(list[j])] = -1;
+      c.dropped += int64_t(list.size()) - s.cap;
+    }
+  }
+  // Permute: counting sort of the kept assignments by expert (stable: token order within an expert);
+  // padding rows after each expert's own.
   std::fill(c.count_E.begin(), c.count_E.end(), 0);
-  for (int64_t i = 0; i < R; ++i) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
+  for (int64_t i = 0; i < R; ++i)
+    if (c.row_NK[size_t(i)] >= 0) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
+  std::vector<int64_t> kept(c.count_E);
+  if (s.pad) std::fill(c.count_E.begin(), c.count_E.end(), s.cap);
   c.expert_begin[0] = 0;
   for (int64_t e = 0; e < E; ++e) c.expert_begin[size_t(e + 1)] = c.expert_begin[size_t(e)] + c.count_E[size_t(e)];
   {
     std::vector<int64_t> next(c.expert_begin.begin(), c.expert_begin.end() - 1);
-    for (int64_t i = 0; i < R; ++i) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
+    for (int64_t i = 0; i < R; ++i)
+      if (c.row_NK[size_t(i)] >= 0) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
   }
   T* xs = scratch.xs_RC.data();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i)
-    std::memcpy(xs + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));
-  // The load-balancing counts over the whole micro-batch, and the exchange.
-  std::copy(c.count_E.begin(), c.count_E.end(), c.total_E.begin());
-  d.global_counts(c.total_E.data(), E);
+    if (c.row_NK[size_t(i)] >= 0) std::memcpy(xs + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));
+  for (int64_t e = 0; e < E; ++e)  // padding rows: zeros in, zeros out of the expert
+    std::fill(xs + (c.expert_begin[size_t(e)] + kept[size_t(e)]) * C, xs + c.expert_begin[size_t(e + 1)] * C, T(0));
+  // The exchange.
   c.tokens_total = N * d.token_ranks();
   d.plan(c.plan, c.count_E.data(), E);
   ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(c.xe_RC.size()) && int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
@@ -79,35 +130,75 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
     T* o = out + n * C;
     std::fill(o, o + C, T(0));
     for (int64_t k = 0; k < K; ++k) {
+      const int64_t row = c.row_NK[size_t(n * K + k)];
+      if (row < 0) continue;
       const T w = c.weight_NK[size_t(n * K + k)];
-      const T* y = c.y_RC.data() + c.row_NK[size_t(n * K + k)] * C;
+      const T* y = c.y_RC.data() + row * C;
       for (int64_t ch = 0; ch < C; ++ch) o[ch] += w * y[ch];
     }
   }
-  // Router losses: this share's terms of the micro-batch's.
+  // The aux loss's fractions φ (counted over the token group, and for `global` over the step so far).
   const double Nt = double(c.tokens_total);
+  std::fill(c.frac.begin(), c.frac.end(), 0.0);
+  if (r.aux == AuxLoss::seq) {
+    std::vector<int64_t> count_BE(size_t(B * E), 0);
+    for (int64_t i = 0; i < R; ++i) count_BE[size_t((i / K) / Tn * E + c.expert_NK[size_t(i)])]++;
+    d.global_counts(count_BE.data(), B * E);
+    const double per = double(Tn * d.token_ranks() * K);  // a sequence's assignments
+    for (int64_t i = 0; i < B * E; ++i) c.frac[size_t(i)] = double(count_BE[size_t(i)]) / per;
+  } else if (r.aux == AuxLoss::global && bal.reuse) {
+    std::copy(bal.reuse->begin(), bal.reuse->end(), c.frac.begin());
+  } else if (r.aux != AuxLoss::none) {
+    std::vector<int64_t> total(c.routed_E);
+    d.global_counts(total.data(), E);
+    double denom = Nt * double(K);
+    if (r.aux == AuxLoss::global) {
+      d.replica_counts(total.data(), E);
+      GlobalCounts one{std::vector<double>(size_t(E), 0.0), 0};
+      GlobalCounts& g = bal.global ? *bal.global : one;
+      if (g.sum.empty()) g.sum.assign(size_t(E), 0.0);
+      for (int64_t e = 0; e < E; ++e) g.sum[size_t(e)] += double(total[size_t(e)]);
+      ++g.micro;
+      denom *= double(g.micro) * double(d.replicas());
+      for (int64_t e = 0; e < E; ++e) c.frac[size_t(e)] = g.sum[size_t(e)] / denom;
+    } else {
+      for (int64_t e = 0; e < E; ++e) c.frac[size_t(e)] = double(total[size_t(e)]) / denom;
+    }
+  }
+  // Router losses: this share's terms of the micro-batch's.
   double aux = 0, z = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    double P = 0;
-    for (int64_t n = 0; n < N; ++n) P += c.probs_NE[size_t(n * E + e)];
-    aux += double(c.total_E[size_t(e)]) / (Nt * double(K)) * (P / Nt);
+  if (r.aux != AuxLoss::none) {
+    std::vector<T> p(static_cast<size_t>(E));
+    for (int64_t n = 0; n < N; ++n) {
+      scores(p.data(), c.logits_NE.data() + n * E, c.lse_N[size_t(n)], E, r.score);
+      const double S = double(score_sum(p.data(), E, r.score));
+      const double* phi = c.frac.data() + (r.aux == AuxLoss::seq ? (n / Tn) * E : 0);
+      for (int64_t e = 0; e < E; ++e) aux += phi[e] * double(p[size_t(e)]) / S;
+    }
   }
   for (int64_t n = 0; n < N; ++n) z += double(c.lse_N[size_t(n)]) * c.lse_N[size_t(n)];
-  c.aux = aux_coef * double(E) * aux;
-  c.z = z_coef * z / Nt;
+  c.aux = r.aux_coef * double(E) * aux / Nt;
+  c.z = r.z_coef * z / Nt;
 }
 
 template <typename T>
 void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& c, MoeScratch<T>& scratch,
                           const T* experts, const MoeSizes& s, TokenDispatcher& d) {
-  const int64_t N = s.N, C = s.C, F = s.F, K = s.K, R = N * K;
+  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
   T *dy = scratch.xs_RC.data(), *dweight = scratch.d_weight.data();
   T *dye = scratch.e_RC.data(), *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
-  // Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)].
+  // Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)] (0 when dropped);
+  // padding rows get zeros.
+  for (int64_t e = 0; e < E; ++e)
+    std::fill(dy + c.expert_begin[size_t(e)] * C, dy + c.expert_begin[size_t(e + 1)] * C, T(0));
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i) {
-    const T* dn = dout + (i / K) * C;
     const int64_t row = c.row_NK[size_t(i)];
+    if (row < 0) {
+      dweight[i] = 0;
+      continue;
+    }
+    const T* dn = dout + (i / K) * C;
     const T* y = c.y_RC.data() + row * C;
     T* g = dy + row * C;
     const T w = c.weight_NK[size_t(i)];
@@ -136,13 +227,15 @@ void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& 
   }
   T* dxs = dy;
   d.from_experts(dxs, dye, c.plan, C, scratch.dispatch);
-  // Unpermute: dx[n] = Σ_k dxs[row(n,k)].
+  // Unpermute: dx[n] = Σ_{kept k} dxs[row(n,k)].
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     T* dn = dx + n * C;
     for (int64_t ch = 0; ch < C; ++ch) dn[ch] = 0;
     for (int64_t k = 0; k < K; ++k) {
-      const T* g = dxs + c.row_NK[size_t(n * K + k)] * C;
+      const int64_t row = c.row_NK[size_t(n * K + k)];
+      if (row < 0) continue;
+      const T* g = dxs + row * C;
       for (int64_t ch = 0; ch < C; ++ch) dn[ch] += g[ch];
     }
   }
@@ -150,33 +243,50 @@ void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& 
 
 template <typename T>
 void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const MoeCache<T>& c, const T* x,
-                         const T* gate, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale) {
-  const int64_t N = s.N, C = s.C, E = s.E, K = s.K;
+                         const T* gate, const MoeSizes& s, const MoeRouting& r, T loss_scale) {
+  const int64_t N = s.N, C = s.C, E = s.E, K = s.K, Tn = N / s.B;
   const T* dweight = scratch.d_weight.data();
   const double Nt = double(c.tokens_total);
-  // d logits from the renormalised weights, the aux loss and the z-loss.
+  // d logits from the routing weights, the aux loss and the z-loss.
   std::vector<T> dlogits(size_t(N * E));
-  const T aux_g = T(aux_coef * double(E) / Nt) * loss_scale;  // ∂aux/∂p[n,e] = aux_g·f_e
-  const T z_g = T(2.0 * z_coef / Nt) * loss_scale;
-  const T RK = T(Nt * double(K));
+  const T aux_g = r.aux == AuxLoss::none ? T(0) : T(r.aux_coef * double(E) / Nt) * loss_scale;  // ∂aux/∂pa = aux_g·φ
+  const T z_g = T(2.0 * r.z_coef / Nt) * loss_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
-    const T* p = c.probs_NE.data() + n * E;
-    T* dl = dlogits.data() + n * E;
-    T* dp = dl;  // dprobs first, turned into dlogits in place
-    for (int64_t e = 0; e < E; ++e) dp[e] = aux_g * T(c.total_E[size_t(e)]) / RK;
-    // weight_k = p_k / Σ_j p_j over the chosen: dp_j += (dw_j − Σ_k dw_k·weight_k) / Σ p
-    T psum = 0, dot = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      psum += p[c.expert_NK[size_t(n * K + k)]];
-      dot += dweight[n * K + k] * c.weight_NK[size_t(n * K + k)];
+    std::vector<T> p(static_cast<size_t>(E));
+    const T* l = c.logits_NE.data() + n * E;
+    const T lse = c.lse_N[size_t(n)];
+    scores(p.data(), l, lse, E, r.score);
+    T* dp = dlogits.data() + n * E;  // ∂/∂p first, turned into ∂/∂logits in place
+    // The aux loss through pa = p / Σp (Σp = 1 for softmax): dp_j = (dpa_j − Σ_e dpa_e·pa_e) / Σp.
+    const double* phi = c.frac.data() + (r.aux == AuxLoss::seq ? (n / Tn) * E : 0);
+    const T S = score_sum(p.data(), E, r.score);
+    T dot = 0;
+    for (int64_t e = 0; e < E; ++e) dp[e] = aux_g * T(phi[e]), dot += dp[e] * p[size_t(e)] / S;
+    if (r.score == RouterScore::sigmoid)
+      for (int64_t e = 0; e < E; ++e) dp[e] = (dp[e] - dot) / S;
+    // The weights: w_k = p_k / Σ_j p_j over the chosen (renormalised): dp_j += (dw_j − Σ_k dw_k·w_k) / Σ p;
+    // else w_k = p_k.
+    const int32_t* idx = c.expert_NK.data() + n * K;
+    const T* dw = dweight + n * K;
+    if (r.renormalise()) {
+      T psum = 0, wdot = 0;
+      for (int64_t k = 0; k < K; ++k) psum += c.score_NK[size_t(n * K + k)], wdot += dw[k] * c.weight_NK[size_t(n * K + k)];
+      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (dw[k] - wdot) / psum;
+    } else {
+      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += dw[k];
     }
-    for (int64_t k = 0; k < K; ++k) dp[c.expert_NK[size_t(n * K + k)]] += (dweight[n * K + k] - dot) / psum;
-    // Softmax backward, then the z-loss term 2·lse·p.
-    T pdp = 0;
-    for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[e];
-    const T zl = z_g * c.lse_N[size_t(n)];
-    for (int64_t e = 0; e < E; ++e) dl[e] = p[e] * (dp[e] - pdp) + zl * p[e];
+    // The score function's backward, then the z-loss term 2·lse·softmax(logits).
+    if (r.score == RouterScore::softmax) {
+      T pdp = 0;
+      for (int64_t e = 0; e < E; ++e) pdp += p[size_t(e)] * dp[e];
+      for (int64_t e = 0; e < E; ++e) dp[e] = p[size_t(e)] * (dp[e] - pdp);
+    } else {
+      for (int64_t e = 0; e < E; ++e) dp[e] *= p[size_t(e)] * (T(1) - p[size_t(e)]);
+    }
+    const T zl = z_g * lse;
+    if (zl != T(0))
+      for (int64_t e = 0; e < E; ++e) dp[e] += zl * std::exp(l[e] - lse);
   }
   gemm<T>(true, false, E, C, N, T(1), dlogits.data(), E, x, C, T(1), dgate, C);  // dgate += dlogitsᵀ·x
   gemm<T>(false, false, N, C, E, T(1), dlogits.data(), E, gate, C, T(1), dx, C);  // dx += dlogits·gate
@@ -184,35 +294,36 @@ void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const Mo
 
 template <typename T>
 void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* experts, const MoeSizes& s,
-                 double aux_coef, double z_coef) {
+                 const MoeRouting& r, const MoeBalance& balance) {
   TokenDispatcher local;
   MoeScratch<T> scratch;
-  const int64_t rows = TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1);
+  const int64_t rows = TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1, s.cap, s.pad);
   c.resize(s, rows);
   scratch.resize(s, rows, 1);
-  moe_forward(out, c, x, gate, experts, s, aux_coef, z_coef, local, scratch);
+  moe_forward(out, c, x, gate, experts, s, r, balance, local, scratch);
 }
 
 template <typename T>
 void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>& c, const T* x, const T* gate,
-                  const T* experts, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale) {
+                  const T* experts, const MoeSizes& s, const MoeRouting& r, T loss_scale) {
   TokenDispatcher local;
   MoeScratch<T> scratch;
-  scratch.resize(s, TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1), 1);
+  scratch.resize(s, TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1, s.cap, s.pad), 1);
   moe_backward_experts(dx, dexperts, dout, c, scratch, experts, s, local);
-  moe_backward_router(dx, dgate, scratch, c, x, gate, s, aux_coef, z_coef, loss_scale);
+  moe_backward_router(dx, dgate, scratch, c, x, gate, s, r, loss_scale);
 }
 
 #define INSTANTIATE(T)                                                                                          \
-  template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, double, double,   \
-                               TokenDispatcher&, MoeScratch<T>&);                                                \
-  template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, double, double);  \
+  template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, const MoeRouting&, \
+                               const MoeBalance&, TokenDispatcher&, MoeScratch<T>&);                             \
+  template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, const MoeRouting&, \
+                               const MoeBalance&);                                                               \
   template void moe_backward<T>(T*, T*, T*, const T*, const MoeCache<T>&, const T*, const T*, const T*,         \
-                                const MoeSizes&, double, double, T);                                           \
+                                const MoeSizes&, const MoeRouting&, T);                                        \
   template void moe_backward_experts<T>(T*, T*, const T*, const MoeCache<T>&, MoeScratch<T>&, const T*,           \
                                         const MoeSizes&, TokenDispatcher&);                                    \
   template void moe_backward_router<T>(T*, T*, const MoeScratch<T>&, const MoeCache<T>&, const T*, const T*,      \
-                                       const MoeSizes&, double, double, T);
+                                       const MoeSizes&, const MoeRouting&, T);
 INSTANTIATE(float)
 INSTANTIATE(double)
 

@@ -1,20 +1,33 @@
-// Sparse mixture-of-experts MLP (Mixtral), in phases, over this rank's share of the tokens (N of
-// them; the Nt tokens of the micro-batch are shared by the dispatcher's token group, Nt = N·ranks):
-//   route    logits_NE = x·gateᵀ, probs = softmax over all E, top-K by prob, weights renormalised
-//   permute  the R = N·K (token, slot) assignments sorted by expert, stably (token order within one)
-//   dispatch to the ranks holding those experts: TokenDispatcher::to_experts → Re expert-side rows
+// Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE's routed experts), in phases, over this rank's
+// share of the tokens (N of them; the Nt tokens of the micro-batch are shared by the dispatcher's
+// token group, Nt = N·ranks):
+//   route    logits_NE = x·gateᵀ; scores p = softmax(logits) or sigmoid(logits); the top K by p + bias
+//            (the bias of aux-loss-free balancing, for selection only; ties: the lower expert index);
+//            weights w_k = p[n, e_k], divided by Σ_k p[n, e_k] when renormalised (mixtral, sigmoid,
+//            qwen2_moe's norm_topk_prob)
+//   drop     with a capacity cap = ceil(factor·N·K/E), each expert keeps at most cap of its assignments:
+//            the highest p (ties: the earlier token) or the earliest tokens; a dropped assignment adds
+//            nothing (the token keeps its residual). With padding every expert gets exactly cap rows.
+//   permute  the kept (token, slot) assignments sorted by expert, stably (token order within one),
+//            each expert's padding rows (zeros) after its own
+//   dispatch to the ranks holding those experts: TokenDispatcher::to_experts → expert-side rows
 //            grouped by local expert
 //   experts  one GEMM pair per local expert over its rows: gu = xe·[w1;w3]ᵀ, act = silu(g)·u, ye = act·w2ᵀ
-//   return   TokenDispatcher::from_experts → y, this rank's R rows in permuted order
-//   combine  out[n] = Σ_k weight[n,k]·y[row(n,k)]
+//   return   TokenDispatcher::from_experts → y, this rank's rows in permuted order
+//   combine  out[n] = Σ_{kept k} w_k·y[row(n,k)]
 // Backward runs the phases in reverse; the dispatcher's two calls swap roles on the gradients.
-// Router losses of the micro-batch (Switch / Megatron convention; see DESIGN.md), with f_e counted
-// over the whole micro-batch (the counts are summed over the token group first):
-//   aux = aux_coef·E·Σ_e f_e·P_e with f_e = count_e/(Nt·K) (no gradient), P_e = (1/Nt)·Σ_n probs[n,e]
-//   z   = z_coef·(1/Nt)·Σ_n (logsumexp_e logits[n,e])²
-// Each rank's aux and z are its share's terms: they sum over the token group to the micro-batch's.
-// Legend: N tokens here, C channels, F expert inner size on this rank (the FFN over ETP), E experts,
-// K experts per token, El = E/EP local experts.
+//
+// Router losses (DESIGN.md, "MoE routing"), all of the form coef·E/Nt · Σ_n Σ_e φ[n,e]·pa[n,e], where
+// pa = p (softmax) or p/Σ_e p (sigmoid) carries the gradient and φ, the assignment fractions, none:
+//   micro   φ = f_e = count_e/(Nt·K), counted over the micro-batch (summed over the token group)
+//   seq     φ = f_{b,e} = count_{b,e}/(T·K) of the token's own sequence b (T = Nt/B its length)
+//   global  φ = f̄_e: the counts of the step's micro-batches so far, also summed over the data-parallel
+//           replicas, over (micro-batches · replicas · Nt · K)
+//   z       z_coef·(1/Nt)·Σ_n (logsumexp_e logits[n,e])²
+// count_e counts the router's choices before dropping. Each rank's aux and z are its share's terms:
+// they sum over the token group to the micro-batch's.
+// Legend: N tokens here in B rows of N/B (a row's tokens contiguous), C channels, F expert inner size
+// on this rank (the FFN over ETP), E experts, K experts per token, El = E/EP local experts, R = N·K.
 // Expert weights: `experts` points at local expert 0; each local expert's block, 3·F·C floats, is
 // [w1 (F×C) | w3 (F×C) | w2 (C×F)] (Hugging Face Linear layouts), as the parameter table lays it out.
 #pragma once
@@ -22,55 +35,78 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/config.h"
 #include "parallel/token_dispatcher.h"
 
 namespace origami {
 
 struct MoeSizes {
   int64_t N, C, F, E, K;
+  int64_t B = 1;        // rows (sequences) among the N tokens
+  int64_t cap = 0;      // capacity per expert (0: dropless)
+  bool pad = false;     // every expert padded to cap
+  // Permuted rows this rank sends: the kept assignments (at most N·K), or E·cap when padded.
+  int64_t sent_rows() const { return pad ? E * cap : N * K; }
+};
+
+// AuxLoss::global: a layer's counts of the step's micro-batches so far, summed over the stage's ranks.
+struct GlobalCounts {
+  std::vector<double> sum;  // [E]
+  int64_t micro = 0;
+};
+
+// What a call's router uses beyond the weights.
+struct MoeBalance {
+  const float* bias = nullptr;                 // [E] added to the scores for selection; null: none
+  GlobalCounts* global = nullptr;              // AuxLoss::global: add this micro-batch's counts to these
+  const std::vector<double>* reuse = nullptr;  // AuxLoss::global, recomputation: the first forward's φ
 };
 
 // What forward keeps for backward. Expert-side buffers hold up to `rows` rows (the dispatcher's
 // worst case, TokenDispatcher::max_rows): dropless routing may send any share of the tokens to a rank.
 template <typename T>
 struct MoeCache {
-  std::vector<T> probs_NE, lse_N;
+  std::vector<T> logits_NE, lse_N;
   std::vector<int32_t> expert_NK;     // chosen experts per token, best first
-  std::vector<T> weight_NK;           // renormalised routing weights
-  std::vector<int64_t> row_NK;        // permuted row of assignment (n, k)
+  std::vector<T> score_NK;            // their scores p[n, e_k]
+  std::vector<T> weight_NK;           // routing weights
+  std::vector<int64_t> row_NK;        // permuted row of assignment (n, k); -1: dropped
   std::vector<int64_t> expert_begin;  // [E+1] first permuted row of each expert
-  std::vector<int64_t> count_E;       // rows this rank routed to each expert
-  std::vector<int64_t> total_E;       // the same over the token group (f_e)
+  std::vector<int64_t> count_E;       // permuted rows of each expert (kept assignments, plus padding)
+  std::vector<int64_t> routed_E;      // this rank's choices per expert, before dropping
+  std::vector<double> frac;           // φ of the aux loss: [E] (micro, global) or [B·E] (seq)
   DispatchPlan plan;
   std::vector<T> xe_RC, gu_R2F, act_RF;  // expert side: inputs, gate|up, activations [rows, .]
-  std::vector<T> y_RC;                   // this rank's rows' expert outputs [R, C], permuted order
+  std::vector<T> y_RC;                   // this rank's rows' expert outputs [sent_rows, C], permuted order
   int64_t tokens_total = 0;              // Nt
+  int64_t dropped = 0;                   // assignments dropped by the capacity
   double aux = 0, z = 0;                 // coefficient-weighted router losses: this share's terms
   // Sizes every buffer (a caller may call it ahead so the memory is allocated, and counted, before use).
   void resize(const MoeSizes& s, int64_t rows) {
     using std::size_t;
     const size_t N = size_t(s.N), R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), E = size_t(s.E);
-    probs_NE.resize(N * E), lse_N.resize(N), expert_NK.resize(R), weight_NK.resize(R), row_NK.resize(R);
-    expert_begin.resize(E + 1), count_E.resize(E), total_E.resize(E);
+    logits_NE.resize(N * E), lse_N.resize(N), expert_NK.resize(R), score_NK.resize(R), weight_NK.resize(R);
+    row_NK.resize(R), expert_begin.resize(E + 1), count_E.resize(E), routed_E.resize(E), frac.resize(size_t(s.B) * E);
     xe_RC.resize(size_t(rows) * C), gu_R2F.resize(size_t(rows) * 2 * F), act_RF.resize(size_t(rows) * F);
-    y_RC.resize(R * C);
+    y_RC.resize(size_t(s.sent_rows()) * C);
   }
   // Bytes resize(s, rows) allocates, without allocating.
   static int64_t bytes(const MoeSizes& s, int64_t rows) {
     const int64_t N = s.N, R = N * s.K, t = int64_t(sizeof(T));
-    return t * (N * s.E + N + R + R * s.C + rows * (s.C + 3 * s.F)) + 4 * R + 8 * (R + 3 * s.E + 1);
+    return t * (N * s.E + N + 2 * R + s.sent_rows() * s.C + rows * (s.C + 3 * s.F)) + 4 * R +
+           8 * (R + 3 * s.E + 1 + s.B * s.E);
   }
   int64_t bytes() const {  // what resize() allocated
     auto b = [](const auto& v) { return int64_t(v.size() * sizeof(v[0])); };
-    return b(probs_NE) + b(lse_N) + b(expert_NK) + b(weight_NK) + b(row_NK) + b(expert_begin) + b(count_E) +
-           b(total_E) + b(xe_RC) + b(gu_R2F) + b(act_RF) + b(y_RC);
+    return b(logits_NE) + b(lse_N) + b(expert_NK) + b(score_NK) + b(weight_NK) + b(row_NK) + b(expert_begin) +
+           b(count_E) + b(routed_E) + b(frac) + b(xe_RC) + b(gu_R2F) + b(act_RF) + b(y_RC);
   }
 };
 
 // Work buffers of forward and backward, not kept between calls (one for all layers).
 template <typename T>
 struct MoeScratch {
-  std::vector<T> xs_RC;    // this rank's permuted rows [R, C]: inputs, then ∂/∂y and ∂/∂(inputs)
+  std::vector<T> xs_RC;    // this rank's permuted rows [sent_rows, C]: inputs, then ∂/∂y and ∂/∂(inputs)
   std::vector<T> e_RC;     // expert side [rows, C]: outputs, then ∂/∂(outputs) and ∂/∂(inputs)
   std::vector<T> dgu_R2F;  // ∂/∂[gate | up] [rows, 2F]
   std::vector<T> dact_RF;  // ∂/∂(silu(gate)·up) [rows, F]
@@ -79,20 +115,21 @@ struct MoeScratch {
   void resize(const MoeSizes& s, int64_t rows, int etp) {
     using std::size_t;
     const size_t R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), X = size_t(rows);
-    xs_RC.resize(R * C), e_RC.resize(X * C), dgu_R2F.resize(X * 2 * F), dact_RF.resize(X * F), d_weight.resize(R);
+    xs_RC.resize(size_t(s.sent_rows()) * C), e_RC.resize(X * C), dgu_R2F.resize(X * 2 * F), dact_RF.resize(X * F);
+    d_weight.resize(R);
     dispatch.gathered.resize(X * C);
     dispatch.mine.resize(etp > 1 ? X * C : 0);
   }
   static int64_t bytes(const MoeSizes& s, int64_t rows, int etp) {
     const int64_t R = s.N * s.K;
-    return int64_t(sizeof(T)) * (R * s.C + R + rows * (2 * s.C + 3 * s.F) + (etp > 1 ? rows * s.C : 0));
+    return int64_t(sizeof(T)) * (s.sent_rows() * s.C + R + rows * (2 * s.C + 3 * s.F) + (etp > 1 ? rows * s.C : 0));
   }
 };
 
 // Forward over this rank's N tokens; `rows` for cache.resize is the dispatcher's max_rows.
 template <typename T>
 void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s,
-                 double aux_coef, double z_coef, TokenDispatcher& dispatcher, MoeScratch<T>& scratch);
+                 const MoeRouting& r, const MoeBalance& balance, TokenDispatcher& dispatcher, MoeScratch<T>& scratch);
 
 // Backward in two phases (the model runs them back to back; the router's phase needs the complete
 // routing-weight gradients, which the experts' phase leaves in scratch.d_weight).
@@ -104,17 +141,17 @@ void moe_backward_experts(T* dx_NC, T* dexperts, const T* dout_NC, const MoeCach
 // accumulates the router's part of the input gradient. loss_scale multiplies the router losses' gradient.
 template <typename T>
 void moe_backward_router(T* dx_NC, T* dgate_EC, const MoeScratch<T>& scratch, const MoeCache<T>& cache, const T* x_NC,
-                         const T* gate_EC, const MoeSizes& s, double aux_coef, double z_coef, T loss_scale);
+                         const T* gate_EC, const MoeSizes& s, const MoeRouting& r, T loss_scale);
 
 // The layer on one rank (every expert local, work buffers of its own): forward, and both backward
 // phases with dx_NC overwritten, dgate_EC and dexperts accumulated (+=). dout_NC already carries
 // the scale of the main loss.
 template <typename T>
 void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s,
-                 double aux_coef, double z_coef);
+                 const MoeRouting& r, const MoeBalance& balance = {});
 template <typename T>
 void moe_backward(T* dx_NC, T* dgate_EC, T* dexperts, const T* dout_NC, const MoeCache<T>& cache,
-                  const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s, double aux_coef,
-                  double z_coef, T loss_scale);
+                  const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s, const MoeRouting& r,
+                  T loss_scale);
 
 }  // namespace origami
