@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """MoE routing benchmark on case (c) (side_by_side.py: Mixtral L4 d256, 8 experts top-2, F 512,
-vocabulary 256) on 2 ranks as EP2 (attention DP2, experts EP2 over the same ranks).
+vocabulary 257: the byte tokenizer's) on 2 ranks as EP2 (attention DP2, experts EP2 over the same ranks).
 
 Speed (micro-batch 8, T 256, global batch 16: one micro-batch per rank and step): per routing setting —
 dropless, capacity factor 1.0 and 1.25, each with the probs and the position policy, padded and not —
@@ -78,14 +78,14 @@ def main():
     os.makedirs(a.workdir, exist_ok=True)
     case = sbs.CASES["c"]
     cfg_path = os.path.join(a.workdir, "mixtral_c.json")
+    cfg = dict(case["config"], vocab_size=257)  # the byte tokenizer's 256 bytes + end-of-document
     with open(cfg_path, "w") as f:
-        json.dump(case["config"], f)
+        json.dump(cfg, f)
     data = os.path.join(a.workdir, "fortunes")
     if not os.path.exists(data + ".bin"):
         subprocess.run([a.origami, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", data,
                         "--tokenizer", "byte"], check=True, capture_output=True)
     B, T, G = case["B"], case["T"], 2 * case["B"]
-    cfg = case["config"]
     K, L = cfg["num_experts_per_tok"], cfg["num_hidden_layers"]
     results = {}
     for r in range(a.rounds):

@@ -1,12 +1,14 @@
 """origami's whole-model oracle: an independent PyTorch implementation.
 
-Plain functional torch (no transformers in the model code). A model is
-(config dict, ordered dict {HF parameter name: tensor}); `forward` returns logits
-and the router logits of every MoE layer; `losses` turns those into
+Plain functional torch (no transformers in the model code). Model types gpt2, llama,
+mixtral and qwen2_moe. A model is (config dict, ordered dict {HF parameter name: tensor});
+`forward` returns logits and the router logits of every MoE layer; `losses` turns those into
 lm_loss / aux_loss / z_loss / loss exactly as DESIGN.md and the engine spec define.
+MoE routing options (origami's --moe-* flags: capacity and drop policy, aux-loss variant,
+sigmoid scores, balancing biases) are a dict, see ROUTING_DEFAULTS and `route`.
 
 Also here: safetensors load/save with Hugging Face names, a reader of Megatron
-indexed datasets (.bin/.idx) and the sequential window sampler, AdamW + global-norm
+indexed datasets (.bin/.idx), the byte tokenizer's document split, the sequential window sampler, AdamW + global-norm
 clipping + LR schedule, and thin wrappers that run the `origami` binary.
 
 Everything is written to run in float64 (the strong oracle) or float32.
@@ -39,7 +41,7 @@ def load_config(path):
 
 def model_type(cfg):
     mt = cfg.get("model_type")
-    if mt not in ("gpt2", "llama", "mixtral"):
+    if mt not in ("gpt2", "llama", "mixtral", "qwen2_moe"):
         raise ValueError(f"unsupported model_type {mt!r}")
     return mt
 
@@ -56,8 +58,45 @@ def _dims(cfg):
 
 
 def tied(cfg):
-    # HF default: GPT-2 ties, Llama/Mixtral configs carry tie_word_embeddings explicitly
+    # HF default: GPT-2 ties, Llama/Mixtral configs carry tie_word_embeddings explicitly,
+    # Qwen2-MoE defaults to untied
     return bool(cfg.get("tie_word_embeddings", model_type(cfg) == "gpt2"))
+
+
+def num_experts(cfg):
+    """E of the MoE layers (0 for dense models)."""
+    mt = model_type(cfg)
+    if mt == "mixtral":
+        return cfg["num_local_experts"]
+    if mt == "qwen2_moe":
+        return cfg.get("num_experts", 0)
+    return 0
+
+
+def moe_layers(cfg):
+    """Indices of the layers whose MLP is a sparse MoE block."""
+    mt = model_type(cfg)
+    L = _dims(cfg)[4]
+    if mt == "mixtral":
+        return list(range(L))
+    if mt == "qwen2_moe":
+        only = cfg.get("mlp_only_layers") or []
+        step = cfg.get("decoder_sparse_step", 1)
+        E = num_experts(cfg)
+        return [l for l in range(L) if l not in only and E > 0 and (l + 1) % step == 0]
+    return []
+
+
+def moe_prefix(cfg):
+    """Name of the MoE block inside a layer: Mixtral `block_sparse_moe.`, Qwen2-MoE `mlp.`."""
+    return "block_sparse_moe." if model_type(cfg) == "mixtral" else "mlp."
+
+
+def renormalise_topk(cfg, score="softmax"):
+    """Whether the K selected weights are divided by their sum."""
+    if score == "sigmoid" or model_type(cfg) == "mixtral":
+        return True
+    return bool(cfg.get("norm_topk_prob", False))
 
 
 # --------------------------------------------------------------------------------------
@@ -95,20 +134,28 @@ def param_shapes(cfg):
             s["lm_head.weight"] = (V, C)
         return s
     I = cfg["intermediate_size"]
+    qkv_bias = mt == "qwen2_moe"
+    moe = set(moe_layers(cfg))
     s["model.embed_tokens.weight"] = (V, C)
     for l in range(L):
         p = f"model.layers.{l}."
         s[p + "input_layernorm.weight"] = (C,)
         s[p + "self_attn.q_proj.weight"] = (H * D, C)   # nn.Linear: [out, in]
+        if qkv_bias:
+            s[p + "self_attn.q_proj.bias"] = (H * D,)
         s[p + "self_attn.k_proj.weight"] = (KV * D, C)
+        if qkv_bias:
+            s[p + "self_attn.k_proj.bias"] = (KV * D,)
         s[p + "self_attn.v_proj.weight"] = (KV * D, C)
+        if qkv_bias:
+            s[p + "self_attn.v_proj.bias"] = (KV * D,)
         s[p + "self_attn.o_proj.weight"] = (C, H * D)
         s[p + "post_attention_layernorm.weight"] = (C,)
-        if mt == "llama":
+        if l not in moe:
             s[p + "mlp.gate_proj.weight"] = (I, C)
             s[p + "mlp.up_proj.weight"] = (I, C)
             s[p + "mlp.down_proj.weight"] = (C, I)
-        else:
+        elif mt == "mixtral":
             E = cfg["num_local_experts"]
             s[p + "block_sparse_moe.gate.weight"] = (E, C)
             for e in range(E):
@@ -116,6 +163,19 @@ def param_shapes(cfg):
                 s[q + "w1.weight"] = (I, C)
                 s[q + "w2.weight"] = (C, I)
                 s[q + "w3.weight"] = (I, C)
+        else:   # qwen2_moe sparse block: routed experts + sigmoid-gated shared expert
+            E, Im = cfg["num_experts"], cfg["moe_intermediate_size"]
+            Is = cfg["shared_expert_intermediate_size"]
+            s[p + "mlp.gate.weight"] = (E, C)
+            for e in range(E):
+                q = p + f"mlp.experts.{e}."
+                s[q + "gate_proj.weight"] = (Im, C)
+                s[q + "up_proj.weight"] = (Im, C)
+                s[q + "down_proj.weight"] = (C, Im)
+            s[p + "mlp.shared_expert.gate_proj.weight"] = (Is, C)
+            s[p + "mlp.shared_expert.up_proj.weight"] = (Is, C)
+            s[p + "mlp.shared_expert.down_proj.weight"] = (C, Is)
+            s[p + "mlp.shared_expert_gate.weight"] = (1, C)
     s["model.norm.weight"] = (C,)
     if not tied(cfg):
         s["lm_head.weight"] = (V, C)
@@ -140,8 +200,9 @@ def init_params(cfg, seed=1234, dtype=torch.float32):
     """Seeded init chosen to make the oracle sensitive: activations of unit scale reach the
     non-linear part of GELU/SiLU and attention is far from uniform (with GPT-2's 0.02 init,
     erf-GELU vs tanh-GELU or a wrong attention scale would hide under 1e-4).
-    Matrices N(0, 1/fan_in); embeddings N(0, 0.3); router N(0, 4/C) so top-k routing is
-    decisive; norm weights N(1, 0.1) and biases N(0, 0.1) so their gradients are tested."""
+    Matrices N(0, 1/fan_in); embeddings N(0, 0.3); Mixtral's router N(0, 4/C) so top-k routing
+    is decisive (Qwen2-MoE's router and shared-expert gate are plain N(0, 1/C) matrices);
+    norm weights N(1, 0.1) and biases N(0, 0.1) so their gradients are tested."""
     g = torch.Generator().manual_seed(seed)
     out = OrderedDict()
     gpt2 = model_type(cfg) == "gpt2"
@@ -274,12 +335,19 @@ def _gpt2_forward(cfg, P, tok_BT):
     return x @ head.t(), []
 
 
+def _linear(P, name, x):
+    """x @ W^T (+ b when the table holds `<name>.bias`)."""
+    y = x @ P[name + ".weight"].t()
+    b = P.get(name + ".bias")
+    return y if b is None else y + b
+
+
 def _llama_attention(cfg, P, p, h, cos, sin):
     B, T, _ = h.shape
     C, H, KV, D, _ = _dims(cfg)
-    q = (h @ P[p + "self_attn.q_proj.weight"].t()).reshape(B, T, H, D).transpose(1, 2)
-    k = (h @ P[p + "self_attn.k_proj.weight"].t()).reshape(B, T, KV, D).transpose(1, 2)
-    v = (h @ P[p + "self_attn.v_proj.weight"].t()).reshape(B, T, KV, D).transpose(1, 2)
+    q = _linear(P, p + "self_attn.q_proj", h).reshape(B, T, H, D).transpose(1, 2)
+    k = _linear(P, p + "self_attn.k_proj", h).reshape(B, T, KV, D).transpose(1, 2)
+    v = _linear(P, p + "self_attn.v_proj", h).reshape(B, T, KV, D).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # GQA: query head h reads kv head h // (H / KV)
     rep = H // KV
@@ -289,108 +357,294 @@ def _llama_attention(cfg, P, p, h, cos, sin):
     return y @ P[p + "self_attn.o_proj.weight"].t()
 
 
-def _moe(cfg, P, p, h_BTC):
-    """Sparse MoE. Returns (output, router logits [N, E])."""
+def swiglu(x, w_gate, w_up, w_down):
+    """down(silu(x gate^T) * (x up^T)), nn.Linear weights."""
+    return (silu(x @ w_gate.t()) * (x @ w_up.t())) @ w_down.t()
+
+
+# --------------------------------------------------------------------------------------
+# MoE routing
+# --------------------------------------------------------------------------------------
+
+# Options of the MoE layers (origami's --moe-* flags). The defaults are the plain
+# dropless top-K softmax routing with the per-micro-batch aux loss.
+ROUTING_DEFAULTS = {
+    "capacity_factor": 0.0,     # F > 0: cap = ceil(F*N*K/E) assignments per expert; 0 dropless
+    "drop_policy": "probs",     # probs: keep the highest p[n,e] (ties: lower n); position: lowest n
+    "pad_to_capacity": False,   # no effect on the math
+    "aux": "micro",             # none | micro | seq | global
+    "aux_coef": None,           # None: the config's router_aux_loss_coef
+    "score": "softmax",         # softmax | sigmoid
+    "bias_update_rate": 0.0,    # R > 0: aux-free balancing biases (selection only), train only
+}
+
+
+def routing_options(cfg, routing=None):
+    """The routing dict completed with the defaults (and checked). Idempotent."""
+    o = dict(ROUTING_DEFAULTS)
+    if routing:
+        bad = [k for k in routing if k not in ROUTING_DEFAULTS]
+        if bad:
+            raise ValueError(f"unknown routing options {bad}")
+        o.update(routing)
+    if o["aux_coef"] is None:
+        o["aux_coef"] = cfg.get("router_aux_loss_coef", 0.0)
+    if o["drop_policy"] not in ("probs", "position"):
+        raise ValueError(f"drop_policy {o['drop_policy']!r}")
+    if o["aux"] not in ("none", "micro", "seq", "global"):
+        raise ValueError(f"aux {o['aux']!r}")
+    if o["score"] not in ("softmax", "sigmoid"):
+        raise ValueError(f"score {o['score']!r}")
+    if o["capacity_factor"] < 0 or o["bias_update_rate"] < 0:
+        raise ValueError("capacity_factor and bias_update_rate must be >= 0")
+    return o
+
+
+def expert_capacity(opts, N, K, E):
+    """ceil(F*N*K/E) in exact arithmetic on the binary value of F, or None (dropless)."""
+    from fractions import Fraction
+    F = opts["capacity_factor"]
+    if not F or F <= 0:
+        return None
+    return math.ceil(Fraction(F) * N * K / E)
+
+
+def router_scores(logits_NE, score):
+    return torch.softmax(logits_NE, dim=-1) if score == "softmax" else torch.sigmoid(logits_NE)
+
+
+def route(cfg, opts, logits_NE, bias_E=None):
+    """Routing decisions of one MoE layer on one routing group of N tokens.
+    Returns a dict:
+      logits [N,E], p [N,E] (score, differentiable), top_i [N,K] (selection of p + bias,
+      ties to the lower expert), w [N,K] (routing weights, differentiable; renormalised
+      per renormalise_topk), kept [N,K] bool (capacity), counts [E] (assignments before
+      dropping), dropped (int), cap (int or None)."""
+    N, E = logits_NE.shape
+    K = cfg["num_experts_per_tok"]
+    p = router_scores(logits_NE, opts["score"])
+    sel = p.detach().clone()
+    if bias_E is not None:
+        sel = sel + torch.as_tensor(bias_E, dtype=sel.dtype)
+    top_i = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :K]
+    w = p.gather(1, top_i)
+    if renormalise_topk(cfg, opts["score"]):
+        w = w / w.sum(-1, keepdim=True)
+    counts = torch.bincount(top_i.reshape(-1), minlength=E)
+    kept = torch.ones(N, K, dtype=torch.bool)
+    cap = expert_capacity(opts, N, K, E)
+    if cap is not None:
+        pd = p.detach()
+        for e in range(E):
+            n_idx, k_idx = torch.nonzero(top_i == e, as_tuple=True)   # n ascending
+            if n_idx.numel() <= cap:
+                continue
+            if opts["drop_policy"] == "probs":
+                order = torch.sort(pd[n_idx, e], descending=True, stable=True).indices
+            else:
+                order = torch.arange(n_idx.numel())
+            drop = order[cap:]
+            kept[n_idx[drop], k_idx[drop]] = False
+    return {"logits": logits_NE, "p": p, "top_i": top_i, "w": w, "kept": kept,
+            "counts": counts, "dropped": int((~kept).sum()), "cap": cap}
+
+
+def _moe(cfg, P, p, h_BTC, opts=None, bias_E=None):
+    """Sparse MoE block (Mixtral, or Qwen2-MoE with its shared expert).
+    Returns (output [B,T,C], route dict of `route` plus B and T)."""
+    opts = routing_options(cfg, opts)
     B, T, C = h_BTC.shape
-    E, K = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    E = num_experts(cfg)
+    mix = model_type(cfg) == "mixtral"
+    q0 = p + moe_prefix(cfg)
     x = h_BTC.reshape(B * T, C)
-    logits_NE = x @ P[p + "block_sparse_moe.gate.weight"].t()
-    prob_NE = torch.softmax(logits_NE, dim=-1)
-    top_p, top_i = torch.topk(prob_NE, K, dim=-1)              # [N, K]
-    w_NK = top_p / top_p.sum(-1, keepdim=True)
+    r = route(cfg, opts, x @ P[q0 + "gate.weight"].t(), bias_E)
+    top_i, w = r["top_i"], r["w"]
     out = torch.zeros_like(x)
     for e in range(E):
-        rows, slot = torch.nonzero(top_i == e, as_tuple=True)
+        rows, slot = torch.nonzero((top_i == e) & r["kept"], as_tuple=True)
         if rows.numel() == 0:
             continue
-        q = p + f"block_sparse_moe.experts.{e}."
-        xe = x[rows]
-        ye = (silu(xe @ P[q + "w1.weight"].t()) * (xe @ P[q + "w3.weight"].t())) @ P[q + "w2.weight"].t()
-        out = out.index_add(0, rows, ye * w_NK[rows, slot][:, None])
-    return out.reshape(B, T, C), logits_NE
+        q = q0 + f"experts.{e}."
+        if mix:
+            ye = swiglu(x[rows], P[q + "w1.weight"], P[q + "w3.weight"], P[q + "w2.weight"])
+        else:
+            ye = swiglu(x[rows], P[q + "gate_proj.weight"], P[q + "up_proj.weight"], P[q + "down_proj.weight"])
+        out = out.index_add(0, rows, ye * w[rows, slot][:, None])
+    if not mix:
+        q = q0 + "shared_expert."
+        shared = swiglu(x, P[q + "gate_proj.weight"], P[q + "up_proj.weight"], P[q + "down_proj.weight"])
+        out = out + torch.sigmoid(x @ P[q0 + "shared_expert_gate.weight"].t()) * shared
+    r["B"], r["T"] = B, T
+    return out.reshape(B, T, C), r
 
 
-def _llama_forward(cfg, P, tok_BT):
+def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None):
     B, T = tok_BT.shape
     C, H, KV, D, L = _dims(cfg)
     eps = cfg.get("rms_norm_eps", 1e-6)
     x = P["model.embed_tokens.weight"][tok_BT]
     cos, sin = rope_cos_sin(T, D, cfg.get("rope_theta", 10000.0), x.dtype)
-    router = []
+    moe = set(moe_layers(cfg))
+    routes = []
     for l in range(L):
         p = f"model.layers.{l}."
         x = x + _llama_attention(cfg, P, p, rms_norm(x, P[p + "input_layernorm.weight"], eps), cos, sin)
         h = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
-        if model_type(cfg) == "llama":
-            m = silu(h @ P[p + "mlp.gate_proj.weight"].t()) * (h @ P[p + "mlp.up_proj.weight"].t())
-            x = x + m @ P[p + "mlp.down_proj.weight"].t()
+        if l not in moe:
+            x = x + swiglu(h, P[p + "mlp.gate_proj.weight"], P[p + "mlp.up_proj.weight"],
+                           P[p + "mlp.down_proj.weight"])
         else:
-            y, rl = _moe(cfg, P, p, h)
-            router.append(rl)
+            y, r = _moe(cfg, P, p, h, opts, None if router_bias is None else router_bias[l])
+            r["layer"] = l
+            routes.append(r)
             x = x + y
     x = rms_norm(x, P["model.norm.weight"], eps)
     head = P["model.embed_tokens.weight"] if tied(cfg) else P["lm_head.weight"]
-    return x @ head.t(), router
+    return x @ head.t(), routes
 
 
-def forward(cfg, params, tok_BT):
-    """Returns (logits [B,T,V], list of router logits [N,E] per MoE layer)."""
+def forward_routes(cfg, params, tok_BT, routing=None, router_bias=None):
+    """(logits [B,T,V], list of route dicts, one per MoE layer). router_bias: indexable by
+    layer index ([L][E]; rows of dense layers unused) or None (zeros)."""
     if model_type(cfg) == "gpt2":
         return _gpt2_forward(cfg, params, tok_BT)
-    return _llama_forward(cfg, params, tok_BT)
+    return _llama_forward(cfg, params, tok_BT, routing_options(cfg, routing), router_bias)
 
 
-def router_losses(cfg, router_logits):
+def forward(cfg, params, tok_BT, routing=None, router_bias=None):
+    """Returns (logits [B,T,V], list of router logits [N,E] per MoE layer)."""
+    logits, routes = forward_routes(cfg, params, tok_BT, routing, router_bias)
+    return logits, [r["logits"] for r in routes]
+
+
+def _aux_probs(p_NE, score):
+    """Probabilities entering the aux loss: softmax as is, sigmoid scores normalised per token."""
+    return p_NE if score == "softmax" else p_NE / p_NE.sum(-1, keepdim=True)
+
+
+def router_losses(cfg, routes, routing=None, prev_counts=None, micro_index=0):
     """(aux_loss, z_loss) summed over MoE layers and scaled by their coefficients.
-    aux_l = E * sum_e f_e * P_e, f_e = count_e / (N*K) (no gradient), P_e = mean_n p_ne;
-    z_l = mean_n logsumexp_e(logits_ne)^2."""
-    if not router_logits:
+    micro:  aux_l = E * sum_e f_e * P_e, f_e = c_e / (N*K) (no gradient), P_e = mean_n pa_ne;
+    seq:    E * (1/B) sum_b sum_e f_be P_be over each row's T tokens;
+    global: f_e replaced by the running average over the step's micro-batches 0..m
+            ((prev_counts[l] + c_e) / ((m+1) N K), prev_counts [L][E] summed over 0..m-1);
+    z_l = mean_n logsumexp_e(logits_ne)^2.
+    `routes` may also be a plain list of router logits (default routing)."""
+    if not routes:
         return None, None
-    E, K = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    opts = routing_options(cfg, routing)
+    if not isinstance(routes[0], dict):
+        routes = [route(cfg, opts, rl) for rl in routes]
+        for r in routes:
+            r["B"], r["T"] = 1, r["logits"].shape[0]
+    E, K = num_experts(cfg), cfg["num_experts_per_tok"]
     aux = 0.0
     z = 0.0
-    for logits_NE in router_logits:
-        N = logits_NE.shape[0]
-        prob = torch.softmax(logits_NE, dim=-1)
-        top_i = torch.topk(prob, K, dim=-1).indices
-        count = torch.bincount(top_i.reshape(-1), minlength=E).to(prob.dtype)
-        f = count / (N * K)
-        Pm = prob.mean(0)
-        aux = aux + E * (f * Pm).sum()
-        z = z + (torch.logsumexp(logits_NE, dim=-1) ** 2).mean()
-    return cfg.get("router_aux_loss_coef", 0.0) * aux, cfg.get("router_z_loss_coef", 0.0) * z
+    for i, r in enumerate(routes):
+        p = r["p"]
+        N = p.shape[0]
+        pa = _aux_probs(p, opts["score"])
+        c = r["counts"].to(p.dtype)
+        if opts["aux"] == "micro":
+            aux = aux + E * (c / (N * K) * pa.mean(0)).sum()
+        elif opts["aux"] == "seq":
+            B, T = r["B"], r["T"]
+            onehot = torch.nn.functional.one_hot(r["top_i"], E).sum(1).to(p.dtype)   # [N,E]
+            c_BE = onehot.reshape(B, T, E).sum(1)
+            P_BE = pa.reshape(B, T, E).mean(1)
+            aux = aux + E * (c_BE / (T * K) * P_BE).sum() / B
+        elif opts["aux"] == "global":
+            prev = 0.0
+            if prev_counts is not None:
+                prev = torch.as_tensor(prev_counts[r.get("layer", i)], dtype=p.dtype)
+            fbar = (prev + c) / ((micro_index + 1) * N * K)
+            aux = aux + E * (fbar * pa.mean(0)).sum()
+        z = z + (torch.logsumexp(r["logits"], dim=-1) ** 2).mean()
+    if opts["aux"] == "none":
+        aux = torch.zeros((), dtype=routes[0]["p"].dtype)
+    return opts["aux_coef"] * aux, cfg.get("router_z_loss_coef", 0.0) * z
 
 
-def losses(cfg, params, inp_BT, tgt_BT):
-    """dict: logits, lm_loss, aux_loss, z_loss, loss (tensors, differentiable)."""
-    logits, router = forward(cfg, params, inp_BT)
+def losses(cfg, params, inp_BT, tgt_BT, routing=None, router_bias=None, prev_counts=None,
+           micro_index=0):
+    """dict: logits, lm_loss, aux_loss, z_loss, loss (tensors, differentiable), router_logits,
+    routes, expert_tokens [L,E] (assignments before dropping), expert_dropped [L]."""
+    logits, routes = forward_routes(cfg, params, inp_BT, routing, router_bias)
     V = logits.shape[-1]
     lm = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tgt_BT.reshape(-1))
-    aux, z = router_losses(cfg, router)
+    aux, z = router_losses(cfg, routes, routing, prev_counts, micro_index)
     if aux is None:
         aux = torch.zeros((), dtype=lm.dtype)
         z = torch.zeros((), dtype=lm.dtype)
+    L, E = _dims(cfg)[4], num_experts(cfg)
+    tokens = torch.zeros(L, E, dtype=torch.long)
+    dropped = [0] * L
+    for r in routes:
+        tokens[r["layer"]] = r["counts"]
+        dropped[r["layer"]] = r["dropped"]
     return {"logits": logits, "lm_loss": lm, "aux_loss": aux, "z_loss": z,
-            "loss": lm + aux + z, "router_logits": router}
+            "loss": lm + aux + z, "router_logits": [r["logits"] for r in routes], "routes": routes,
+            "expert_tokens": tokens, "expert_dropped": dropped}
 
 
-def min_topk_gap(cfg, router_logits):
-    """Smallest gap between the K-th and (K+1)-th router probability over all tokens
-    and layers: if tiny, fp32 and fp64 may legitimately route differently."""
+def _bias_rows(cfg, router_logits, router_bias):
+    layers = moe_layers(cfg)
+    return [None if router_bias is None else router_bias[l] for l in layers[:len(router_logits)]]
+
+
+def min_topk_gap(cfg, router_logits, routing=None, router_bias=None):
+    """Smallest gap between the K-th and (K+1)-th selection score (score p, plus the
+    balancing bias) over all tokens and MoE layers: if tiny, fp32 and fp64 may legitimately
+    route differently. router_logits: one [N,E] per MoE layer (as `forward` returns)."""
     if not router_logits:
         return float("inf")
+    opts = routing_options(cfg, routing)
     K = cfg["num_experts_per_tok"]
     gaps = []
-    for rl in router_logits:
-        p = torch.softmax(rl.detach(), -1).sort(-1, descending=True).values
-        gaps.append((p[:, K - 1] - p[:, K]).min().item())
-    return min(gaps)
+    for rl, b in zip(router_logits, _bias_rows(cfg, router_logits, router_bias)):
+        sel = router_scores(rl.detach(), opts["score"])
+        if b is not None:
+            sel = sel + torch.as_tensor(b, dtype=sel.dtype)
+        sel = sel.sort(-1, descending=True).values
+        if sel.shape[1] > K:
+            gaps.append((sel[:, K - 1] - sel[:, K]).min().item())
+    return min(gaps) if gaps else float("inf")
 
 
-def loss_and_grads(cfg, params, inp_BT, tgt_BT):
+def min_capacity_gap(cfg, router_logits, routing=None, router_bias=None):
+    """Capacity decisions far from ties: with the `probs` drop policy, the smallest gap
+    between the cap-th and (cap+1)-th p[n,e] among an over-full expert's candidates, over
+    all experts and MoE layers (inf when nothing is dropped or policy `position`, which
+    cannot tie)."""
+    opts = routing_options(cfg, routing)
+    if not router_logits or opts["drop_policy"] != "probs":
+        return float("inf")
+    gap = float("inf")
+    for rl, b in zip(router_logits, _bias_rows(cfg, router_logits, router_bias)):
+        r = route(cfg, opts, rl.detach(), b)
+        if r["cap"] is None:
+            continue
+        cap = r["cap"]
+        for e in range(rl.shape[1]):
+            n_idx = torch.nonzero(r["top_i"] == e, as_tuple=True)[0]
+            if n_idx.numel() > cap:
+                v = r["p"][n_idx, e].sort(descending=True).values
+                gap = min(gap, float(v[cap - 1] - v[cap]))
+    return gap
+
+
+def routing_gap(cfg, router_logits, routing=None, router_bias=None):
+    """min(top-k gap, capacity gap): the distance of every discrete routing decision from a tie."""
+    return min(min_topk_gap(cfg, router_logits, routing, router_bias),
+               min_capacity_gap(cfg, router_logits, routing, router_bias))
+
+
+def loss_and_grads(cfg, params, inp_BT, tgt_BT, routing=None, router_bias=None, prev_counts=None,
+                   micro_index=0):
     """Evaluates losses and the gradient of `loss` with respect to every parameter."""
     leaves = OrderedDict((k, v.detach().clone().requires_grad_(True)) for k, v in params.items())
-    out = losses(cfg, leaves, inp_BT, tgt_BT)
+    out = losses(cfg, leaves, inp_BT, tgt_BT, routing, router_bias, prev_counts, micro_index)
     grads = torch.autograd.grad(out["loss"], list(leaves.values()), allow_unused=True)
     out["grads"] = OrderedDict(
         (k, (g if g is not None else torch.zeros_like(leaves[k])).detach())
@@ -398,6 +652,8 @@ def loss_and_grads(cfg, params, inp_BT, tgt_BT):
     for k in ("logits", "lm_loss", "aux_loss", "z_loss", "loss"):
         out[k] = out[k].detach()
     out["router_logits"] = [r.detach() for r in out["router_logits"]]
+    out["routes"] = [{k: (v.detach() if torch.is_tensor(v) else v) for k, v in r.items()}
+                     for r in out["routes"]]
     return out
 
 
@@ -457,6 +713,37 @@ def write_indexed_dataset(prefix, sequences, dtype_code=8):
         f.write(np.asarray(lengths, "<i4").tobytes())
         f.write(np.asarray(pointers, "<i8").tobytes())
         f.write(np.arange(len(sequences) + 1, dtype="<i8").tobytes())
+
+
+def byte_documents(data):
+    """Documents of one file as `origami data prepare --split auto` cuts them: a file with a
+    line holding only '%' is a fortune(6) file whose records (their lines, line breaks kept)
+    are the documents; any other file is one document. Empty / whitespace-only documents
+    are skipped."""
+    lines = data.split(b"\n")
+    lines = [l + b"\n" for l in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+    if not any(l.rstrip(b"\r\n") == b"%" for l in lines):
+        docs = [data]
+    else:
+        docs, cur = [], []
+        for l in lines:
+            if l.rstrip(b"\r\n") == b"%":
+                docs.append(b"".join(cur))
+                cur = []
+            else:
+                cur.append(l)
+        docs.append(b"".join(cur))
+    return [d for d in docs if d.strip()]
+
+
+def prepare_byte_dataset(text_path, prefix, eod=256):
+    """What `origami data prepare --tokenizer byte` writes for one text file (the token
+    stream: each document's bytes, then end-of-document 256), without the binary."""
+    with open(text_path, "rb") as f:
+        docs = byte_documents(f.read())
+    write_indexed_dataset(prefix, [np.append(np.frombuffer(d, dtype=np.uint8).astype(np.int64), eod)
+                                   for d in docs], dtype_code=8)
+    return prefix
 
 
 class WindowSampler:
@@ -532,24 +819,45 @@ class AdamW:
             p.addcdiv_(self.m[k] / bc1, denom, value=-lr)
 
 
+def router_bias_update(load_E, rate):
+    """Aux-loss-free balancing: R * sign(mean load - load_e) (sign(0) = 0), from one optimizer
+    step's expert loads (assignments before dropping, summed over the micro-batches)."""
+    ld = torch.as_tensor(load_E).to(torch.float64)
+    return rate * torch.sign(ld.sum() / ld.numel() - ld)
+
+
 def train(cfg, params, sampler, steps, micro_batch, global_batch, lr, min_lr, warmup,
-          schedule, weight_decay, grad_clip):
+          schedule, weight_decay, grad_clip, routing=None):
     """Reference training loop. `params` is updated in place; returns per-step metrics
-    (loss etc. are means over the micro-batches, evaluated before the update)."""
+    (loss etc. are means over the micro-batches, evaluated before the update).
+    MoE routing options (see ROUTING_DEFAULTS): aux `global` uses the running average of the
+    step's expert counts up to each micro-batch; with bias_update_rate R > 0 every MoE layer's
+    selection bias moves after each optimizer step by R * sign(mean load - load_e), loads
+    summed over the step's micro-batches. Per step also: expert_tokens [L][E] (summed over
+    the micro-batches, before dropping), expert_dropped [L], router_bias [L][E] (after the
+    step's update; zero rows for dense layers), min_topk_gap (top-k and capacity decisions)."""
     if global_batch % micro_batch:
         raise ValueError("global batch must be a multiple of the micro-batch")
+    opts = routing_options(cfg, routing)
     num_micro = global_batch // micro_batch
     opt = AdamW(params, weight_decay=weight_decay)
+    L, E = _dims(cfg)[4], num_experts(cfg)
+    moe = moe_layers(cfg)
+    bias = torch.zeros(L, E, dtype=torch.float64)
     metrics = []
     for s in range(steps):
         inp, tgt = sampler.batch(s, global_batch)
         acc = {k: torch.zeros_like(v) for k, v in params.items()}
         sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
         gap = float("inf")
+        load = torch.zeros(L, E, dtype=torch.long)
+        dropped = [0] * L
         for m in range(num_micro):
             rows = slice(m * micro_batch, (m + 1) * micro_batch)
-            out = loss_and_grads(cfg, params, inp[rows], tgt[rows])
-            gap = min(gap, min_topk_gap(cfg, out["router_logits"]))
+            out = loss_and_grads(cfg, params, inp[rows], tgt[rows], opts, bias, load.clone(), m)
+            gap = min(gap, routing_gap(cfg, out["router_logits"], opts, bias))
+            load += out["expert_tokens"]
+            dropped = [d + x for d, x in zip(dropped, out["expert_dropped"])]
             for k in sums:
                 sums[k] += float(out[k]) / num_micro
             for k, g in out["grads"].items():
@@ -558,7 +866,12 @@ def train(cfg, params, sampler, steps, micro_batch, global_batch, lr, min_lr, wa
         lr_s = lr_at(s, lr, min_lr, warmup, steps, schedule)
         with torch.no_grad():
             opt.step(params, acc, lr_s)
-        metrics.append(dict(step=s, grad_norm=norm, lr=lr_s, min_topk_gap=gap, **sums))
+        if opts["bias_update_rate"] > 0:
+            for l in moe:
+                bias[l] += router_bias_update(load[l], opts["bias_update_rate"])
+        metrics.append(dict(step=s, grad_norm=norm, lr=lr_s, min_topk_gap=gap, **sums,
+                            expert_tokens=load.tolist(), expert_dropped=dropped,
+                            router_bias=bias.tolist()))
     return metrics
 
 
@@ -593,14 +906,44 @@ def origami_prepare_data(text_path, prefix):
     return prefix
 
 
-def origami_dump(config, init, data, micro_batch, seq_len, out, step=0):
+def routing_cli_args(routing, train=False):
+    """origami's --moe-* flags for the keys present in `routing` (absent keys: the binary's
+    defaults are exercised). bias_update_rate is a train-only flag."""
+    if not routing:
+        return []
+    bad = [k for k in routing if k not in ROUTING_DEFAULTS]
+    if bad:
+        raise ValueError(f"unknown routing options {bad}")
+    args = []
+    if "capacity_factor" in routing:
+        args += ["--moe-capacity-factor", repr(float(routing["capacity_factor"]))]
+    if "drop_policy" in routing:
+        args += ["--moe-drop-policy", routing["drop_policy"]]
+    if routing.get("pad_to_capacity"):
+        args += ["--moe-pad-to-capacity"]
+    if "aux" in routing:
+        args += ["--moe-aux-loss", routing["aux"]]
+    if routing.get("aux_coef") is not None:
+        args += ["--moe-aux-loss-coef", repr(float(routing["aux_coef"]))]
+    if "score" in routing:
+        args += ["--moe-router-score", routing["score"]]
+    if "bias_update_rate" in routing:
+        if not train:
+            raise ValueError("bias_update_rate is a train option")
+        args += ["--moe-router-bias-update-rate", repr(float(routing["bias_update_rate"]))]
+    return args
+
+
+def origami_dump(config, init, data, micro_batch, seq_len, out, step=0, routing=None):
     run_origami(["dump", "--config", config, "--init-from", init, "--data", data,
-                 "--micro-batch", micro_batch, "--seq-len", seq_len, "--step", step, "--out", out])
+                 "--micro-batch", micro_batch, "--seq-len", seq_len, "--step", step, "--out", out]
+                + routing_cli_args(routing))
     return load_safetensors(out)
 
 
 def origami_train(config, init, data, metrics, steps, micro_batch, global_batch, seq_len, lr,
-                  min_lr, warmup, schedule, weight_decay, grad_clip, save=None, threads=2):
+                  min_lr, warmup, schedule, weight_decay, grad_clip, save=None, threads=2,
+                  routing=None):
     args = ["train", "--config", config, "--init-from", init, "--data", data, "--steps", steps,
             "--micro-batch", micro_batch, "--global-batch", global_batch, "--seq-len", seq_len,
             "--lr", repr(float(lr)), "--min-lr", repr(float(min_lr)), "--warmup", warmup,
@@ -609,7 +952,7 @@ def origami_train(config, init, data, metrics, steps, micro_batch, global_batch,
             "--metrics", metrics, "--threads", threads]
     if save:
         args += ["--save", save]
-    run_origami(args)
+    run_origami(args + routing_cli_args(routing, train=True))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -619,7 +962,7 @@ def origami_train(config, init, data, metrics, steps, micro_batch, global_batch,
 # --------------------------------------------------------------------------------------
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-MODELS = ("gpt2", "llama", "mixtral")
+MODELS = ("gpt2", "llama", "mixtral", "qwen2_moe")
 
 
 def config_path(name):
@@ -684,7 +1027,7 @@ class Report:
         return 1 if bad else 0
 
 
-def run_model_checks(title, check, variants=(None,)):
+def run_model_checks(title, check, variants=(None,), models=MODELS):
     """The main() of an engine test: prepares a small byte dataset with origami, then runs
     check(name, report, tmp, data) — or check(name, variant, report, tmp, data) for each variant —
     for every model type, turning an exception into a failed check. Returns the exit status."""
@@ -696,7 +1039,7 @@ def run_model_checks(title, check, variants=(None,)):
         except Exception as e:
             report.fail("origami data prepare", f"{type(e).__name__}: {e}")
             return report.finish()
-        for name in MODELS:
+        for name in models:
             for variant in variants:
                 label = name if variant is None else f"{name}/{variant}"
                 try:

@@ -1,6 +1,6 @@
 """Hugging Face compatibility of origami's checkpoints.
 
-For gpt2, llama and mixtral: `origami train --steps 2 --save DIR`, then
+For gpt2, llama, mixtral and qwen2_moe: `origami train --steps 2 --save DIR`, then
   - transformers' AutoModelForCausalLM.from_pretrained(DIR) must build the right class
     with no missing / unexpected / mismatched weights, and its logits (float64) must equal
     the reference's logits for DIR/model.safetensors (1e-4);
@@ -22,12 +22,16 @@ TOL = 1e-4
 B, T = 2, 16
 ARGS = dict(steps=2, micro_batch=2, global_batch=4, lr=3e-3, min_lr=3e-4, warmup=1,
             schedule="cosine", weight_decay=0.1, grad_clip=1.0)
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+           "qwen2_moe": "Qwen2MoeForCausalLM"}
 SHAPE_FIELDS = ("model_type", "vocab_size", "n_embd", "n_layer", "n_head", "n_positions",
                 "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "num_local_experts", "num_experts_per_tok",
                 "tie_word_embeddings", "rms_norm_eps", "rope_theta", "layer_norm_epsilon",
                 "router_aux_loss_coef", "router_z_loss_coef")
+# checked only where the test config has them (Qwen2-MoE's shape fields)
+OPTIONAL_SHAPE_FIELDS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                         "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
 
 
 def check_model(name, report, tmp, data):
@@ -47,7 +51,8 @@ def check_model(name, report, tmp, data):
             report.fail(f"{name}: --save", f"{p} not written")
             return
     saved_cfg = ref.load_config(cj)
-    diff = [f for f in SHAPE_FIELDS if cfg.get(f) != saved_cfg.get(f)
+    fields = SHAPE_FIELDS + tuple(f for f in OPTIONAL_SHAPE_FIELDS if f in cfg)
+    diff = [f for f in fields if cfg.get(f) != saved_cfg.get(f)
             and not (f == "tie_word_embeddings" and f not in cfg and saved_cfg.get(f) is True)]
     if diff:
         report.fail(f"{name}: saved config.json", "differs in " + ", ".join(

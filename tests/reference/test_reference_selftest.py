@@ -5,7 +5,8 @@
   - Megatron .bin/.idx reader round trip (uint16 and int32) and the window sampler
   - gradient accumulation: mean of 2 micro-batch gradients of loss == gradient of the mean
   - tolerance headroom: the reference trained 10 steps in float32 vs float64 agrees to
-    well under the 1e-4 that origami (float32) is held to.
+    well under the 1e-4 that origami (float32) is held to, also for the MoE routing runs of
+    test_moe_routing.py (there with the same expert_dropped / router_bias in both precisions).
 """
 import math
 import os
@@ -117,9 +118,8 @@ def check_fp32_headroom(report, tmp):
     """The reference in float32 vs float64 over the training test's setting: the
     differences are what an exact float32 engine may legitimately show."""
     text = ref.sample_text(os.path.join(tmp, "t.txt"), 4000)
-    seqs = [np.frombuffer(open(text, "rb").read(), dtype=np.uint8).astype(np.int64)]
-    ref.write_indexed_dataset(os.path.join(tmp, "t"), seqs)
-    sampler = ref.WindowSampler(os.path.join(tmp, "t"), 16)
+    # the same tokens as `origami data prepare` gives the engine tests
+    sampler = ref.WindowSampler(ref.prepare_byte_dataset(text, os.path.join(tmp, "t")), 16)
     import test_training as tt
     for name in ref.MODELS:
         cfg = ref.load_config(ref.config_path(name))
@@ -140,6 +140,22 @@ def check_fp32_headroom(report, tmp):
             unclipped += sum(m["grad_norm"] <= args["grad_clip"] for m in m64)
         report.check(f"{name}: training runs clip in {clipped} steps, not in {unclipped}",
                      0.0 if clipped and unclipped else 1.0, 0.0)
+    import test_moe_routing as tm
+    for name in tm.MODELS:
+        cfg = ref.load_config(ref.config_path(name))
+        for case, routing in tm.TRAIN_CASES:
+            p32 = ref.init_params(cfg, seed=tm.train_seed(name, case))
+            p64 = {k: v.double() for k, v in p32.items()}
+            m32 = ref.train(cfg, p32, sampler, **tt.RUNS["cosine"], routing=routing)
+            m64 = ref.train(cfg, p64, sampler, **tt.RUNS["cosine"], routing=routing)
+            e = max(ref.rel_err(a[f], b[f]) for a, b in zip(m32, m64)
+                    for f in ("loss", "aux_loss", "grad_norm"))
+            same = all(a["expert_dropped"] == b["expert_dropped"] and a["router_bias"] == b["router_bias"]
+                       for a, b in zip(m32, m64))
+            gap = min(m["min_topk_gap"] for m in m64)
+            report.check(f"{name}/routing {case}: fp32 vs fp64 reference, 10-step loss/aux/grad_norm "
+                         f"(routing gap {gap:.1e}, same drops and biases: {same})",
+                         e if same and gap > 1e-5 else 1.0, 1e-5)
 
 
 def main():

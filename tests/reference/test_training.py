@@ -1,4 +1,4 @@
-"""origami train vs the reference over 10 AdamW steps, for gpt2, llama and mixtral.
+"""origami train vs the reference over 10 AdamW steps, for gpt2, llama, mixtral and qwen2_moe.
 
 Two runs per model, both micro-batch 2, global batch 4 (2 accumulation micro-batches),
 seq 16, weight decay 0.1, sequential data order:
@@ -26,8 +26,9 @@ TRAIN_ARGS = dict(steps=10, micro_batch=2, global_batch=4, lr=3e-3, min_lr=3e-4,
 RUNS = {"cosine": TRAIN_ARGS,
         "constant": dict(TRAIN_ARGS, min_lr=3e-3, warmup=0, schedule="constant", grad_clip=3.0)}
 # init seeds; mixtral's keeps every top-k decision of both runs >= 4e-5 away from a tie
-# (seed 11 came within 6e-7, where fp32 and fp64 could legitimately route differently)
-SEEDS = {"gpt2": 11, "llama": 11, "mixtral": 12}
+# (seed 11 came within 6e-7, where fp32 and fp64 could legitimately route differently);
+# qwen2_moe's (plain 1/C router init: less decisive) >= 9e-5, the best of seeds 1..50
+SEEDS = {"gpt2": 11, "llama": 11, "mixtral": 12, "qwen2_moe": 22}
 FIELDS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr")
 
 

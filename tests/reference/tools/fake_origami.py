@@ -4,8 +4,10 @@
 Only for testing the reference tests themselves (the harness, the CLI contract, and that
 an exact float32 engine passes the tolerances):
     ORIGAMI_BIN=tests/reference/tools/fake_origami.py /usr/bin/python3 tests/reference/test_training.py
-Implements `data prepare --tokenizer byte`, `dump` and `train` as the spec describes.
-Byte tokenizer: each input file is one document, its bytes followed by end-of-document 256.
+Implements `data prepare --tokenizer byte`, `dump` and `train` as the spec describes,
+with the --moe-* routing flags.
+Byte tokenizer, --split auto (ref.byte_documents): a fortune file's records, else the whole
+file, are the documents, each followed by end-of-document 256.
 """
 import argparse
 import json
@@ -26,8 +28,10 @@ def inject_bug(kind):
     import math
     if kind == "aux_no_k":            # f_e = count_e / N instead of / (N*K)
         orig = ref.router_losses
-        ref.router_losses = lambda cfg, rl: (lambda a, z: (a * cfg["num_experts_per_tok"], z))(*orig(cfg, rl)) \
-            if rl else orig(cfg, rl)
+        def router_losses(cfg, routes, *a):
+            aux, z = orig(cfg, routes, *a)
+            return (aux if aux is None else aux * cfg["num_experts_per_tok"]), z
+        ref.router_losses = router_losses
     elif kind == "gelu_erf":          # exact erf GELU instead of the tanh approximation
         ref.gelu_tanh = lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
     elif kind == "wd_all":            # weight decay on 1-D parameters too
@@ -50,12 +54,71 @@ def inject_bug(kind):
             return torch.stack([-x2, x1], -1).flatten(-2)
         ref.rotate_half = rot
     elif kind == "no_renorm":         # top-k weights not renormalised
-        orig_moe = ref._moe
-        def moe(cfg, P, p, h):
-            y, logits = orig_moe(cfg, P, p, h)
-            top = torch.topk(torch.softmax(logits, -1), cfg["num_experts_per_tok"], dim=-1).values
-            return y * top.sum(-1).reshape(h.shape[0], h.shape[1], 1), logits
-        ref._moe = moe
+        ref.renormalise_topk = lambda cfg, score="softmax": False
+    elif kind == "cap_floor":         # capacity floor(F*N*K/E) instead of ceil
+        ref.expert_capacity = lambda opts, N, K, E: \
+            int(opts["capacity_factor"] * N * K // E) if opts["capacity_factor"] > 0 else None
+    elif kind == "drop_renorm":       # weights renormalised again over the kept experts
+        orig_route = ref.route
+        def route(cfg, opts, logits, bias=None):
+            r = orig_route(cfg, opts, logits, bias)
+            wk = r["w"] * r["kept"]
+            s = wk.sum(-1, keepdim=True)
+            r["w"] = torch.where(s > 0, r["w"] / torch.where(s > 0, s, torch.ones_like(s))
+                                 * r["w"].sum(-1, keepdim=True), r["w"])
+            return r
+        ref.route = route
+    elif kind == "drop_by_weight":    # probs policy ranks candidates by routing weight, not p
+        orig_route = ref.route
+        def route(cfg, opts, logits, bias=None):
+            r = orig_route(cfg, dict(opts, capacity_factor=0.0), logits, bias)
+            cap = ref.expert_capacity(opts, *logits.shape[:1], cfg["num_experts_per_tok"], logits.shape[1])
+            if cap is not None:
+                for e in range(logits.shape[1]):
+                    n, k = torch.nonzero(r["top_i"] == e, as_tuple=True)
+                    if len(n) > cap:
+                        order = (torch.sort(r["w"].detach()[n, k], descending=True, stable=True).indices
+                                 if opts["drop_policy"] == "probs" else torch.arange(len(n)))
+                        r["kept"][n[order[cap:]], k[order[cap:]]] = False
+                r["dropped"] = int((~r["kept"]).sum())
+            r["cap"] = cap
+            return r
+        ref.route = route
+    elif kind == "drop_keep_high_n":  # position policy keeps the last tokens
+        orig_route = ref.route
+        def route(cfg, opts, logits, bias=None):
+            if opts["drop_policy"] != "position":
+                return orig_route(cfg, opts, logits, bias)
+            r = orig_route(cfg, opts, logits.flip(0), bias)
+            for k in ("logits", "p", "top_i", "w", "kept"):
+                r[k] = r[k].flip(0)
+            return r
+        ref.route = route
+    elif kind == "aux_seq_as_micro":  # seq aux computed over the whole micro-batch
+        orig = ref.router_losses
+        def router_losses(cfg, routes, routing=None, *a):
+            o = ref.routing_options(cfg, routing)
+            if o["aux"] == "seq":
+                o = dict(o, aux="micro")
+            return orig(cfg, routes, o, *a)
+        ref.router_losses = router_losses
+    elif kind == "global_no_accum":   # global aux from the current micro-batch's counts only
+        orig = ref.router_losses
+        ref.router_losses = lambda cfg, routes, routing=None, prev=None, m=0: orig(cfg, routes, routing, None, 0)
+    elif kind == "bias_sign":         # balancing bias moves the wrong way
+        orig_update = ref.router_bias_update
+        ref.router_bias_update = lambda load, rate: -orig_update(load, rate)
+    elif kind == "sigmoid_aux_raw":   # sigmoid scores enter the aux loss unnormalised
+        ref._aux_probs = lambda p, score: p
+    elif kind == "bias_in_weights":   # selection bias added to the routing weights too
+        orig_route = ref.route
+        def route(cfg, opts, logits, bias=None):
+            r = orig_route(cfg, opts, logits, bias)
+            if bias is not None:
+                b = torch.as_tensor(bias, dtype=r["w"].dtype)
+                r["w"] = r["w"] + b[r["top_i"]]
+            return r
+        ref.route = route
     elif kind:
         sys.exit(f"fake origami: unknown FAKE_ORIGAMI_BUG {kind!r}")
 
@@ -68,16 +131,36 @@ def data_prepare(argv):
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--tokenizer", default="byte")
+    p.add_argument("--split", default="auto")
     a = p.parse_args(argv)
-    if a.tokenizer != "byte":
-        sys.exit(f"fake origami: tokenizer {a.tokenizer!r} not supported")
-    with open(a.input, "rb") as f:
-        toks = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)
-    ref.write_indexed_dataset(a.output, [np.append(toks, 256)], dtype_code=8)
+    if a.tokenizer != "byte" or a.split != "auto" or os.path.isdir(a.input):
+        sys.exit("fake origami: only one file, --tokenizer byte, --split auto")
+    ref.prepare_byte_dataset(a.input, a.output)
+
+
+def add_moe_flags(p, train=False):
+    p.add_argument("--moe-capacity-factor", type=float, default=0.0)
+    p.add_argument("--moe-drop-policy", choices=("probs", "position"), default="probs")
+    p.add_argument("--moe-pad-to-capacity", action="store_true")
+    p.add_argument("--moe-aux-loss", choices=("none", "micro", "seq", "global"), default="micro")
+    p.add_argument("--moe-aux-loss-coef", type=float, default=None)
+    p.add_argument("--moe-router-score", choices=("softmax", "sigmoid"), default="softmax")
+    if train:
+        p.add_argument("--moe-router-bias-update-rate", type=float, default=0.0)
+
+
+def moe_routing(a):
+    r = {"capacity_factor": a.moe_capacity_factor, "drop_policy": a.moe_drop_policy,
+         "pad_to_capacity": a.moe_pad_to_capacity, "aux": a.moe_aux_loss,
+         "aux_coef": a.moe_aux_loss_coef, "score": a.moe_router_score}
+    if hasattr(a, "moe_router_bias_update_rate"):
+        r["bias_update_rate"] = a.moe_router_bias_update_rate
+    return r
 
 
 def dump(argv):
     p = argparse.ArgumentParser(prog="origami dump")
+    add_moe_flags(p)
     for k in ("--config", "--init-from", "--data", "--out"):
         p.add_argument(k, required=True)
     p.add_argument("--micro-batch", type=int, required=True)
@@ -87,7 +170,7 @@ def dump(argv):
     cfg = ref.load_config(a.config)
     params = ref.load_params(cfg, a.init_from, torch.float32)
     inp, tgt = ref.WindowSampler(a.data, a.seq_len).batch(a.step, a.micro_batch)
-    out = ref.loss_and_grads(cfg, params, inp, tgt)
+    out = ref.loss_and_grads(cfg, params, inp, tgt, routing=moe_routing(a))
     tensors = {"logits": out["logits"].float().contiguous()}
     for k in ("loss", "lm_loss", "aux_loss", "z_loss"):
         tensors[k] = out[k].float().reshape(1)
@@ -99,6 +182,7 @@ def dump(argv):
 
 def train(argv):
     p = argparse.ArgumentParser(prog="origami train")
+    add_moe_flags(p, train=True)
     for k in ("--config", "--init-from", "--data", "--metrics"):
         p.add_argument(k, required=True)
     for k in ("--steps", "--micro-batch", "--global-batch", "--seq-len", "--warmup", "--threads"):
@@ -115,10 +199,14 @@ def train(argv):
     params = ref.load_params(cfg, a.init_from, torch.float32)
     metrics = ref.train(cfg, params, ref.WindowSampler(a.data, a.seq_len), a.steps, a.micro_batch,
                         a.global_batch, a.lr, a.min_lr, a.warmup or 0, a.lr_schedule,
-                        a.weight_decay, a.grad_clip)
+                        a.weight_decay, a.grad_clip, routing=moe_routing(a))
     with open(a.metrics, "w") as f:
         for m in metrics:
             m = {k: v for k, v in m.items() if k != "min_topk_gap"}
+            if not ref.moe_layers(cfg):
+                m = {k: v for k, v in m.items() if not k.startswith(("expert_", "router_"))}
+            elif not a.moe_router_bias_update_rate:
+                m.pop("router_bias")
             f.write(json.dumps(m) + "\n")
     if a.save:
         ref.write_hf_dir(cfg, params, a.save)
