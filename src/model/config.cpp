@@ -68,7 +68,9 @@ int64_t ModelConfig::num_moe_layers(int64_t begin, int64_t end) const {
   return n;
 }
 
-bool ModelConfig::has_dense_layers() const { return num_moe_layers(0, num_layers) < num_layers; }
+// Without walking the layers (Model sizes its buffers with it per layer): layer 0 is dense whenever
+// sparse_step > 1, and mlp_only_layers holds only valid layer indices.
+bool ModelConfig::has_dense_layers() const { return !is_moe() || sparse_step > 1 || !dense_layers.empty(); }
 
 namespace {
 

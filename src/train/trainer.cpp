@@ -72,8 +72,6 @@ void TrainOptions::validate_routing(const ModelConfig& cfg) const {
   ORIGAMI_CHECK(moe_capacity_factor > 0 || (!moe_pad_to_capacity && drop == DropPolicy::probs),
                 moe_pad_to_capacity ? "--moe-pad-to-capacity" : "--moe-drop-policy position",
                 " needs --moe-capacity-factor F (without it routing is dropless)");
-  ORIGAMI_CHECK(moe_aux_loss_coef >= 0 || moe_aux_loss_coef == -1, "--moe-aux-loss-coef must not be negative, got ",
-                moe_aux_loss_coef);
   ORIGAMI_CHECK(moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must not be negative (0: off), got ",
                 moe_router_bias_update_rate);
   const bool any = aux != AuxLoss::micro || moe_aux_loss_coef >= 0 || moe_capacity_factor > 0 ||
