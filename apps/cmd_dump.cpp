@@ -19,7 +19,7 @@ int cmd_dump(int argc, char** argv) {
          "aux_loss, z_loss and grad.<name> for every parameter (F32 safetensors). Rows are the\n"
          "training windows s*B .. s*B+B-1 for --step s, as 'origami train' reads them.");
   a.option("config", "FILE", "model config.json")
-      .option("init-from", "PATH", "weights: .safetensors file or checkpoint directory (default: init from --seed)")
+      .option("init-from", "PATH", "weights: a checkpoint, Hugging Face directory or .safetensors file (default: init from --seed)")
       .option("data", "PREFIX", "dataset prefix")
       .option("micro-batch", "B", "rows", "2")
       .option("seq-len", "T", "tokens per row", "16")
@@ -33,7 +33,7 @@ int cmd_dump(int argc, char** argv) {
   ORIGAMI_CHECK(a.has("out"), "give --out FILE.safetensors");
   ORIGAMI_CHECK(a.has("data"), "give --data PREFIX");
   std::string init = a.str("init-from"), config = a.str("config");
-  if (config.empty()) config = checkpoint_config(init);
+  if (config.empty() && !init.empty()) config = Checkpoint::config_of(init);
   ORIGAMI_CHECK(!config.empty(), "give --config config.json");
   if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
 
@@ -51,7 +51,11 @@ int cmd_dump(int argc, char** argv) {
 
   Params params(make_param_table(cfg));
   if (init.empty()) params.init(uint64_t(a.integer("seed")), cfg.num_layers);
-  else load_weights(weights_file(init), cfg, params);
+  else {
+    Checkpoint ck = Checkpoint::open(init);
+    ck.bind(cfg);
+    ck.read_weights(params);
+  }
   Model model(cfg, params);
   std::vector<float> logits(size_t(B * T * cfg.vocab_size));
   params.zero_grad();

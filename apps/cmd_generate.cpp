@@ -1,7 +1,6 @@
 // origami generate: sample text from a checkpoint directory.
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 #include "ckpt/checkpoint.h"
 #include "commands.h"
@@ -20,7 +19,7 @@ int cmd_generate(int argc, char** argv) {
   Args a("generate",
          "Sample a continuation of --prompt from a checkpoint written by 'origami train --save'\n"
          "(its tokenizer.json decodes the text).");
-  a.option("checkpoint", "DIR", "checkpoint directory")
+  a.option("checkpoint", "DIR", "checkpoint: a --save directory (its newest step), a step-N in it, or an exported one")
       .option("prompt", "TEXT", "text to continue", "")
       .option("max-new-tokens", "N", "tokens to sample", "200")
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
@@ -30,7 +29,7 @@ int cmd_generate(int argc, char** argv) {
       .flag("stop-at-eod", "stop at the end-of-document token");
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
-  const std::string dir = a.str("checkpoint");
+  Checkpoint ck = Checkpoint::open(a.str("checkpoint"));
   const int64_t max_new = a.integer("max-new-tokens"), top_k = a.integer("top-k");
   const double temperature = a.number("temperature");
   ORIGAMI_CHECK(max_new >= 0, "--max-new-tokens must not be negative, got ", max_new);
@@ -38,15 +37,17 @@ int cmd_generate(int argc, char** argv) {
   ORIGAMI_CHECK(top_k >= 0, "--top-k must not be negative, got ", top_k);
   if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
 
-  const ModelConfig cfg = load_model_config(dir + "/config.json");
-  auto tok = load_tokenizer_file(dir + "/tokenizer.json");
+  ORIGAMI_CHECK(!ck.config_path().empty() && !ck.tokenizer_path().empty(), "checkpoint '", ck.path(),
+                "' needs config.json and tokenizer.json (train on data with a tokenizer)");
+  const ModelConfig cfg = load_model_config(ck.config_path());
+  auto tok = load_tokenizer_file(ck.tokenizer_path());
   Params params(make_param_table(cfg));
-  load_weights(dir + "/model.safetensors", cfg, params);
+  ck.bind(cfg);
+  ck.read_weights(params);
   Model model(cfg, params);
   // Positions beyond the training sequence length were never trained: slide a window of that size.
   int64_t context = cfg.max_positions;
-  if (std::filesystem::exists(dir + "/trainer_state.json")) {
-    const nlohmann::json st = read_json_file(dir + "/trainer_state.json", "trainer state");
+  if (const nlohmann::json& st = ck.trainer_state(); !st.is_null()) {
     if (st.contains("options") && st["options"].contains("seq_len") && st["options"]["seq_len"].is_number_integer())
       context = std::min<int64_t>(context, st["options"]["seq_len"].get<int64_t>());
   }

@@ -47,10 +47,13 @@ int train(int argc, char** argv, Comm& world) {
          "Train a gpt2, llama, mixtral or qwen2_moe model (Hugging Face config.json) on a dataset made by\n"
          "'origami data prepare'. Keys of a --run-config JSON file are these options without '--';\n"
          "options given on the command line win.");
-  a.option("config", "FILE", "model config.json (default: config.json of an --init-from checkpoint)")
+  a.option("config", "FILE", "model config.json (default: config.json of the --resume or --init-from checkpoint)")
       .option("run-config", "FILE", "JSON file with any of these options")
       .option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx)")
-      .option("init-from", "PATH", "start from a .safetensors file, or resume a checkpoint directory")
+      .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
+                                "position (PATH: a --save directory, its newest committed step, or one step-N in it; "
+                                "the same directory as --save before it holds a checkpoint: start at step 0)")
+      .option("init-from", "PATH", "weights only: a checkpoint, a Hugging Face model directory or a .safetensors file")
       .option("steps", "N", "total optimizer steps", "100")
       .option("micro-batch", "B", "rows per forward/backward pass", "4")
       .option("global-batch", "G", "rows per optimizer step, a multiple of B x DP (default: B x DP)", "")
@@ -67,8 +70,11 @@ int train(int argc, char** argv, Comm& world) {
       .option("seed", "S", "seed for initialisation and data order", "1234")
       .option("data-order", "sequential|shuffled", "order of training windows", "sequential")
       .option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
-      .option("save", "DIR", "write a checkpoint (HF safetensors + optimizer state) to DIR")
+      .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest)")
       .option("save-every", "N", "also save every N steps", "0")
+      .option("keep-last", "K", "keep the K newest checkpoints in DIR, older ones removed after a newer one commits (0: all)",
+              "0")
+      .flag("async-save", "write checkpoints from a background thread while training goes on")
       .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
       .flag("quiet", "print every 50th step only")
       .flag("verbose", "print every rank's memory breakdown at startup")
@@ -112,6 +118,7 @@ int train(int argc, char** argv, Comm& world) {
 
     o.data = a.str("data");
     o.init_from = a.str("init-from");
+    o.resume = a.str("resume");
     o.steps = a.integer("steps");
     o.micro_batch = a.integer("micro-batch");
     o.global_batch = a.has("global-batch") ? a.integer("global-batch") : 0;  // 0: micro-batch x DP
@@ -132,6 +139,8 @@ int train(int argc, char** argv, Comm& world) {
     o.metrics = a.str("metrics");
     o.save = a.str("save");
     o.save_every = a.integer("save-every");
+    o.keep_last = int(a.integer("keep-last"));
+    o.async_save = a.on("async-save");
     o.threads = int(a.integer("threads"));
     o.quiet = a.on("quiet");
     o.verbose = a.on("verbose");
@@ -159,7 +168,8 @@ int train(int argc, char** argv, Comm& world) {
     read_routing_options(a, o, true);
 
     std::string config = a.str("config");
-    if (config.empty()) config = checkpoint_config(o.init_from);
+    if (config.empty() && !(o.resume.empty() && o.init_from.empty()) && !o.fresh_start())
+      config = Checkpoint::config_of(o.resume.empty() ? o.init_from : o.resume);
     ORIGAMI_CHECK(!config.empty(), "no model config: give --config config.json (see --help)");
     cfg = load_model_config(config);
   });

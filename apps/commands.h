@@ -13,4 +13,5 @@ int cmd_train(int argc, char** argv);     // apps/cmd_train.cpp
 int cmd_generate(int argc, char** argv);  // apps/cmd_generate.cpp
 int cmd_dump(int argc, char** argv);      // apps/cmd_dump.cpp
 int cmd_data(int argc, char** argv);      // apps/cmd_data.cpp
+int cmd_ckpt(int argc, char** argv);      // apps/cmd_ckpt.cpp
 }  // namespace origami

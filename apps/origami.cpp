@@ -17,9 +17,10 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"train", origami::cmd_train, "train a gpt2 / llama / mixtral model from a Hugging Face config.json"},
+    {"train", origami::cmd_train, "train a gpt2 / llama / mixtral / qwen2_moe model from a Hugging Face config.json"},
     {"generate", origami::cmd_generate, "sample text from a saved checkpoint"},
     {"data", origami::cmd_data, "prepare tokenized datasets (origami data prepare --help)"},
+    {"ckpt", origami::cmd_ckpt, "inspect a checkpoint, or export it as a Hugging Face directory (origami ckpt --help)"},
     {"dump", origami::cmd_dump, "write logits, losses and gradients of one batch (for checking against other implementations)"},
 };
 

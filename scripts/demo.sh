@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The demo: set up, build, prepare the fortunes corpus (Debian's `fortunes` package, public-domain
 # %-separated quotations) with the byte tokenizer, train a small GPT-2 for a few minutes on
-# 2 threads, then sample from the checkpoint. Everything lands under runs/demo/.
+# 2 threads, then sample from the checkpoint. Everything lands under runs/demo/; the checkpoints
+# are runs/demo/checkpoint/step-N (every 200 steps and at the end; `latest` names the newest, which
+# generate reads). `build/origami ckpt export runs/demo/checkpoint --hf DIR` makes a Hugging Face
+# model directory of it.
 set -euo pipefail
 # Threads that wait sleep instead of spinning: on a shared or busy machine spinning costs up to 2x.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}

@@ -1,77 +1,121 @@
-// Checkpoints in Hugging Face form. A checkpoint directory holds
-//   model.safetensors      parameters under their Hugging Face names (F32)
-//   config.json            the model config as read
-//   optimizer.safetensors  AdamW exp_avg.<name> / exp_avg_sq.<name>
-//   trainer_state.json     steps done, optimizer step count, the run's options, the MoE router's
-//                          selection biases (aux-loss-free balancing)
-//   tokenizer.json         origami's self-contained tokenizer (when the data had one)
-// Every file is written to a temporary name and renamed, so an interrupted save never leaves a
-// half-written checkpoint under the final names.
+// Universal checkpoints: every rank writes what it owns, and any layout reads any checkpoint
+// (docs/DESIGN.md, "Checkpoints").
 //
-// A checkpoint is always in the global (one-rank) form, whatever the layout that wrote it: a
-// parallel run gathers its tensor-parallel shards (and ZeRO optimizer shards) on rank 0 to save,
-// and every rank of any layout loads by cutting its own shard out of the global tensors.
+// `--save DIR` writes DIR/step-N/ (N: optimizer steps done):
+//   rank-RRRRR.safetensors  what world rank R owns, as 1-D F32 tensors named "<kind>/<name>" (kind:
+//                           weight, exp_avg, exp_avg_sq; name: the Hugging Face tensor name), each
+//                           one piece of a global tensor
+//   metadata.json           the step and the layout that saved it; per tensor its global shape, dtype
+//                           and TP split rule; per piece its file, key and place in the global tensor;
+//                           per file its size and checksum (core/checksum.h)
+//   config.json, trainer_state.json (step, AdamW's step count, options, router biases),
+//   tokenizer.json (when the data has one)
+// and DIR/latest then names the newest committed step-N (ckpt/checkpoint_writer.h commits).
+//
+// A piece is elements [begin, end) of TP rank r's shard of a tensor split over t ranks by the tensor's
+// split rule: ParamSpec::for_each_run maps those elements onto the global tensor's row-major offsets,
+// so a reader under any other layout finds, for every element it needs, the piece and byte that hold it.
 #pragma once
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "comm/comm.h"
+#include "ckpt/safetensors.h"
 #include "model/config.h"
 #include "model/params.h"
-#include "train/optimizer.h"
 
 namespace origami {
 
-// Loads every parameter from a safetensors file, by Hugging Face name, into this rank's shard
-// (params.layout()); tensors of the model that other pipeline stages hold are skipped. A missing
-// tensor, a shape mismatch or an unexpected tensor is an Error naming the file and the tensor. gpt2 names may carry the "transformer." prefix; GPT-2's attention-mask
-// buffers and a tied lm_head.weight are skipped.
-void load_weights(const std::string& path, const ModelConfig& cfg, Params& params);
+enum class StateKind { weight, exp_avg, exp_avg_sq };
+constexpr int kStateKinds = 3;
+const char* state_kind_name(StateKind k);  // "weight", "exp_avg", "exp_avg_sq"
 
-// --init-from names either a .safetensors file or a checkpoint directory.
-bool is_checkpoint_dir(const std::string& init_from);
-std::string weights_file(const std::string& init_from);  // DIR/model.safetensors, or the file itself
-// DIR/config.json for a checkpoint directory, else "" (a bare weights file carries no config).
-std::string checkpoint_config(const std::string& init_from);
-void save_weights(const std::string& path, const Params& params);
+// Where a piece's elements lie: runs of `n` elements at `local` (counted from the piece's first
+// element) and `global` (row-major offset in the global tensor), in increasing order of both.
+struct ShardRun {
+  int64_t local, global, n;
+};
+// The runs of elements [begin, end) of TP rank `tp_rank`'s shard of `spec` split over `tp` ranks
+// (padding elements, e.g. of a padded vocabulary, are in no run).
+std::vector<ShardRun> shard_runs(const ParamSpec& spec, int tp, int tp_rank, int64_t begin, int64_t end);
 
-struct TrainerState {
-  int64_t step = 0;        // optimizer steps completed
-  int64_t adam_steps = 0;  // AdamW's step count (bias correction)
-  nlohmann::json options;
-  std::vector<std::vector<float>> router_bias;  // aux-loss-free balancing's [L][E] biases (empty: off)
+// A checkpoint opened for reading, in any of the forms origami reads:
+//   - a --save directory (its newest committed step: DIR/latest, else the highest step-N), or one
+//     step-N directory of it;
+//   - an origami checkpoint directory of the single-file form (model.safetensors,
+//     optimizer.safetensors, trainer_state.json, config.json), as `ckpt export --optimizer` writes;
+//   - a Hugging Face model directory: model.safetensors, or shards named by model.safetensors.index.json;
+//   - one .safetensors file (weights only).
+// Every rank reads only the byte ranges it needs (the files are memory-mapped).
+class Checkpoint {
+ public:
+  // Resolves `path` and reads the metadata; Error naming the path and what is missing or wrong.
+  static Checkpoint open(const std::string& path);
+  // Whether the --save directory `dir` holds a committed checkpoint (latest, or a step-N).
+  static bool committed_in(const std::string& dir);
+  // The config.json that belongs to the checkpoint at `path` ("" for a bare weights file).
+  static std::string config_of(const std::string& path);
+
+  const std::string& path() const { return path_; }  // the resolved step directory, directory or file
+  bool sharded() const { return !metadata_.is_null(); }  // the universal (per-rank files) form
+  bool has_optimizer() const { return has_optimizer_; }
+  std::string config_path() const;     // "" when none
+  std::string tokenizer_path() const;  // "" when none
+  // trainer_state.json (null when the checkpoint has none: weights only).
+  const nlohmann::json& trainer_state() const { return trainer_state_; }
+  const nlohmann::json& metadata() const { return metadata_; }  // null unless sharded()
+
+  // Checks the checkpoint against the model: every tensor present with the config's shape, none
+  // unknown (gpt2's "transformer." prefix, attention-mask buffers and a tied lm_head are accepted).
+  void bind(const ModelConfig& cfg);
+  // Copies elements [begin, end) of TP rank tp_rank's shard of `spec` split over `tp` ranks from the
+  // pieces of `kind` into dst[0 .. end − begin). Error when a piece is missing or damaged.
+  void read(StateKind kind, const ParamSpec& spec, int tp, int tp_rank, int64_t begin, int64_t end, float* dst);
+  // Every tensor of `params` (its layout's shards) from the weights.
+  void read_weights(Params& params);
+  // Checks the checksums of the shard files i with i % world == rank (every file once over the world).
+  void verify_checksums(int rank, int world);
+
+ private:
+  struct Piece {
+    size_t file;
+    std::string key;  // the tensor's name in that file
+    int tp = 1, tp_rank = 0;
+    int64_t begin = 0, end = 0;
+  };
+  struct Entry {
+    std::vector<int64_t> shape;
+    TpSplit split;
+    std::vector<Piece> pieces[kStateKinds];
+  };
+  struct File {
+    std::string path;
+    int64_t bytes = -1;     // expected size (-1: unknown)
+    std::string checksum;   // expected checksum ("": unknown)
+    std::unique_ptr<SafetensorsFile> mapped;
+  };
+  const SafetensorsFile& file(size_t i);
+  void add_file_tensors(const std::string& file_path, const std::string& prefix, StateKind kind);
+
+  std::string path_;
+  nlohmann::json metadata_, trainer_state_;
+  bool has_optimizer_ = false;
+  std::vector<File> files_;
+  std::map<std::string, Entry> tensors_;  // by name as stored (canonical after bind)
 };
 
-// Writes a checkpoint from global (one-rank layout) buffers: `global` holds the parameters,
-// exp_avg / exp_avg_sq the AdamW moments in the same layout.
-void save_checkpoint(const std::string& dir, const ModelConfig& cfg, const Params& global, const float* exp_avg,
-                     const float* exp_avg_sq, const TrainerState& state, const std::string& tokenizer_path);
-// Reads the AdamW moments of this rank's shard (params' layout) into m_flat / v_flat, and the
-// trainer state, from a checkpoint directory.
-TrainerState load_optimizer_state(const std::string& dir, const Params& params, float* m_flat, float* v_flat);
-
-// Peak bytes of the buffers a save allocates on one rank (the trainer's save: moments flattened on
-// every rank, then gather_tp_shards and gather_pp_stages for the weights and both moments):
-// P floats in this rank's buffer, S in its stage's tensors, G in the whole model's, `other_stage`
-// the largest other stage (what rank 0 receives at once). stage_root: TP rank 0 of DP replica 0
-// of its stage (it gathers the stage); rank0: world rank 0 (it gathers the stages and writes).
-int64_t save_buffer_bytes(int64_t P, int64_t S, int64_t G, int64_t other_stage, int tp, int pp, bool stage_root,
-                          bool rank0);
-
-// Tensor-parallel gather: every rank of `tp` passes its buffer `flat` (params' layout); TP rank 0
-// returns the global buffer in `global`'s layout (one-rank layout; needed on TP rank 0 only), the
-// others an empty vector.
-std::vector<float> gather_tp_shards(Comm& tp, const Params& params, const float* flat, const Params* global);
-
-// Gather by name: every rank of `pp` passes its part's buffer in the one-rank layout of its table
-// (tables[rank], as gather_tp_shards returns it); pp rank 0 returns the buffer in `global`'s layout
-// (needed on pp rank 0 only; a tensor held by two ranks is taken from the first; every tensor of
-// `global` must come from some rank), the others an empty vector. Used for the pipeline stages, and
-// for the EP ranks' experts of a stage.
-std::vector<float> gather_pp_stages(Comm& pp, const std::vector<float>& stage_buf,
-                                    const std::vector<std::vector<ParamSpec>>& tables, const Params* global);
+// Writes a Hugging Face model directory from any checkpoint: config.json, the weights as
+// model.safetensors or, above `max_shard_bytes`, model-0000i-of-0000n.safetensors shards with
+// model.safetensors.index.json (the Hub's layout), tokenizer.json when the checkpoint has one, and
+// with `optimizer` also optimizer.safetensors (exp_avg.<name>, exp_avg_sq.<name>) and
+// trainer_state.json, which makes OUT an origami single-file checkpoint that --resume reads.
+// Holds at most one shard's tensors in memory (with `optimizer`, all the moments). Returns the
+// number of weight files written.
+int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string& out, int64_t max_shard_bytes,
+                      bool optimizer);
 
 }  // namespace origami

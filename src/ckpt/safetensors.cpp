@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
+#include "core/checksum.h"
 #include "core/error.h"
 
 // The format is little-endian; we read and write it with plain memcpy.
@@ -337,14 +338,18 @@ struct TmpFile {
   std::string path;
   int fd = -1;
   bool committed = false;
+  Checksum sum;         // of every byte written
+  uint64_t written = 0;
   ~TmpFile() {
     if (fd >= 0) ::close(fd);
     if (!committed) ::unlink(path.c_str());
   }
 };
 
-void write_all(const TmpFile& tmp, const void* data, size_t len) {
+void write_all(TmpFile& tmp, const void* data, size_t len) {
   const char* p = static_cast<const char*>(data);
+  tmp.sum.update(data, len);
+  tmp.written += len;
   while (len > 0) {
     const ssize_t w = ::write(tmp.fd, p, std::min<size_t>(len, size_t(1) << 30));
     if (w < 0 && errno == EINTR) continue;
@@ -357,8 +362,8 @@ void write_all(const TmpFile& tmp, const void* data, size_t len) {
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const std::vector<TensorWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+WrittenFile write_safetensors(const std::string& path, const std::vector<TensorWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
   const std::string where = cat("writing safetensors file ", quote_path(path), ": ");
   ORIGAMI_CHECK(!path.empty(), "writing safetensors file: empty path");
 
@@ -444,6 +449,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorWrite>& 
     ::fsync(dfd);
     ::close(dfd);
   }
+  return {tmp.written, tmp.sum.hex()};
 }
 
 }  // namespace origami

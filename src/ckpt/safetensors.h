@@ -99,7 +99,12 @@ struct TensorWrite {
 // bytes (as the reference writer does), which keeps the data buffer 8-byte aligned.
 // Throws origami::Error naming the path on bad input (duplicate or empty name, negative dim,
 // unsupported dtype, null data) and on any I/O failure (missing directory, disk full, ...).
-void write_safetensors(const std::string& path, const std::vector<TensorWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+// Returns the file's size and the checksum (core/checksum.h) of its bytes, computed as they are written.
+struct WrittenFile {
+  uint64_t bytes = 0;
+  std::string checksum;
+};
+WrittenFile write_safetensors(const std::string& path, const std::vector<TensorWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace origami

@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "core/error.h"
 
 namespace origami {
@@ -32,18 +35,34 @@ void rename_file(const std::string& from, const std::string& to) {
 }
 
 void write_file_atomically(const std::string& path, std::string_view bytes) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    ORIGAMI_CHECK(out, tmp, ": cannot open for writing (", std::strerror(errno), ")");
-    out.write(bytes.data(), std::streamsize(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      fail(tmp, ": write failed (disk full?)");
-    }
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ORIGAMI_CHECK(fd >= 0, tmp, ": cannot open for writing (", std::strerror(errno), ")");
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  std::string err;
+  while (left > 0 && err.empty()) {
+    const ssize_t w = ::write(fd, p, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) err = w < 0 ? std::strerror(errno) : "no progress";
+    else p += w, left -= size_t(w);
+  }
+  // On disk before the rename, so that after a crash `path` is the old file or the whole new one.
+  if (err.empty() && ::fsync(fd) != 0 && errno != EINVAL) err = std::strerror(errno);
+  if (::close(fd) != 0 && err.empty()) err = std::strerror(errno);
+  if (!err.empty()) {
+    ::unlink(tmp.c_str());
+    fail(tmp, ": write failed (", err, ")");
   }
   rename_file(tmp, path);
+  sync_dir(std::filesystem::path(path).parent_path().string());
+}
+
+void sync_dir(const std::string& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);  // best effort: not every file system can sync a directory
+  ::close(fd);
 }
 
 }  // namespace origami

@@ -9,8 +9,12 @@ namespace origami {
 // The bytes of `path`. Error naming the file when it is missing, not a regular file or unreadable.
 std::string read_file_bytes(const std::string& path);
 
-// Writes `bytes` to `path` atomically. Error naming the file on any I/O failure.
+// Writes `bytes` to `path` atomically and durably (temp file, fsync, rename, directory fsync).
+// Error naming the file on any I/O failure (the temp file is removed; `path` is unchanged).
 void write_file_atomically(const std::string& path, std::string_view bytes);
+
+// Makes renames and new entries in `dir` durable (fsync of the directory; best effort).
+void sync_dir(const std::string& dir);
 
 // Renames `from` to `to` (replacing `to`); Error naming both on failure.
 void rename_file(const std::string& from, const std::string& to);

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "ckpt/checkpoint.h"
 #include "core/memory.h"
 #include "model/model.h"
 #include "model/params.h"
@@ -24,14 +23,8 @@ constexpr const char* kAdvice[MemoryParts::kCount] = {
     "TP or PP over more ranks, or ZeRO (--zero 1 shards the optimizer state), need less per rank",
     "a smaller --micro-batch, --recompute selective|full, TP with --sequence-parallel or PP need less",
     "a smaller --micro-batch or --seq-len needs less (the LM head works in chunks of the vocabulary)",
-    "a save gathers the whole model on rank 0 today; save less often or not at all (--save)",
+    "an asynchronous save copies this rank's shards first: drop --async-save",
     "the process itself is that large before the run allocates"};
-
-int64_t floats_of(const std::vector<ParamSpec>& table) {
-  int64_t n = 0;
-  for (const ParamSpec& p : table) n += p.numel();
-  return n;
-}
 
 }  // namespace
 
@@ -77,9 +70,6 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
   std::vector<ParamSpec> table = make_param_table(cfg, part);
-  int64_t stage_floats = 0, stage_expert_floats = 0;  // the stage's whole tensors (a save gathers them)
-  for (const ParamSpec& p : table) (p.expert < 0 ? stage_floats : stage_expert_floats) += p.numel();
-  stage_floats += stage_expert_floats;
   const int ep = mesh.degree("ep"), etp = mesh.degree("etp"), edp = mesh.degree("edp");
   const int ep_rank = mesh.coord(rank, "ep"), etp_rank = mesh.coord(rank, "etp"), edp_rank = mesh.coord(rank, "edp");
   // The table is large for deep models (the memory check must answer within a second): moved, not copied.
@@ -91,7 +81,7 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   // and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size; the
   // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding.
-  int64_t floats = 0, shard_floats = 0;  // both sets: buffer floats, and this rank's bucket shards
+  int64_t shard_floats = 0;  // both sets: this rank's bucket shards
   auto add_set = [&](const std::vector<ParamSpec>& t, int tp_size, int tp_r, int dp_size, int dp_r) {
     const BufferPlan plan = plan_buffer(t, o.param_layout(tp_size, tp_r, dp_size));
     const std::vector<Range> shards = bucket_shards(plan.buckets, dp_size, dp_r);
@@ -105,7 +95,7 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
     m.weights += 4 * plan.size;
     m.grads += 4 * plan.size + (o.zero >= 1 ? 4 * shard : 0) + (o.zero == 2 ? 4 * shard : 0);
     m.optimizer += 2 * 4 * (o.zero == 0 ? all_data : shard_data);
-    floats += plan.size, shard_floats += shard;
+    shard_floats += shard;
   };
   add_set(sets.dense, tp, tp_rank, dp, dp_rank);
   add_set(sets.experts, etp, etp_rank, edp, edp_rank);
@@ -124,30 +114,9 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   m.workspace = workspace_bytes(cfg, shape, part) + Pipeline::buffer_bytes(pp, Nl * cfg.hidden) +
                 4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1) + sampler;
 
-  if (!o.save.empty()) {
-    // Only the ranks that gather need the stage's and the whole model's sizes (rank 0: every stage's).
-    const bool stage_root = dp_rank == 0 && tp_rank == 0, rank0 = rank == 0;
-    int64_t global = 0, other_stage = 0;
-    if (rank0) {
-      global = floats_of(make_param_table(cfg));
-      for (int s = 1; s < pp; ++s)
-        other_stage = std::max(other_stage, floats_of(make_param_table(cfg, ModelPart::of_stage(virtual_stages, pp, s))));
-    }
-    // The experts' gathers: ETP shards on the first EDP replica's ETP rank 0 (a Params of its experts
-    // and the gathered buffer), then the stage's experts on EP rank 0 (the stage root: the same again
-    // for all experts, and the stage buffer they are appended to).
-    const bool expert_root = edp_rank == 0 && etp_rank == 0 && cfg.is_moe();
-    const int64_t local_experts = expert_root ? floats_of(sets.experts) : 0;
-    const int64_t stage_experts = stage_root && cfg.is_moe() ? stage_expert_floats : 0;
-    const int64_t experts_floats = 2 * local_experts + (expert_root && etp > 1 ? floats_of(sets.experts) : 0) +
-                                   3 * stage_experts + (stage_root && cfg.is_moe() ? stage_floats : 0);
-    const int64_t save = save_buffer_bytes(floats, stage_root ? stage_floats : 0, global, other_stage, tp, pp,
-                                           stage_root, rank0) + 4 * experts_floats;
-    // ZeRO-2 returns the full gradient buffer's pages after each backward: a save (after the step)
-    // reuses them, so only what it needs beyond them adds to the step's peak.
-    const int64_t released = o.zero == 2 ? 4 * (floats - shard_floats) : 0;
-    m.checkpoint = std::max<int64_t>(0, save - released);
-  }
+  // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
+  // copies them (weights and both moments of its bucket shards) to a host buffer.
+  if (!o.save.empty() && o.async_save) m.checkpoint = 3 * 4 * shard_floats;
   return m;
 }
 

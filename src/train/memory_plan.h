@@ -2,7 +2,7 @@
 // from (model config, options, layout) by the functions that size the real buffers: plan_buffer
 // (parameters and gradients, as Params allocates them), bucket_shards (ZeRO), slot_bytes /
 // recompute_bytes / schedule_activation_peak (activations, as the pipeline keeps them),
-// workspace_bytes (the model's work buffers), Pipeline::buffer_bytes and save_buffer_bytes. The
+// workspace_bytes (the model's work buffers) and Pipeline::buffer_bytes. The
 // trainer checks it against the machine before building the model; the planner will call it too.
 #pragma once
 #include <array>
@@ -22,7 +22,7 @@ struct MemoryParts {
   int64_t optimizer = 0;    // AdamW moments of the elements this rank updates (its ZeRO shard)
   int64_t activations = 0;  // the schedule's activation peak (the act_bytes_computed metric)
   int64_t workspace = 0;    // model work buffers, pipeline message buffers, the step's tokens, the sampler
-  int64_t checkpoint = 0;   // what a save (--save) adds at its peak: today it gathers the whole model on rank 0
+  int64_t checkpoint = 0;   // what a save (--save) adds: an asynchronous save's host copy of this rank's pieces
   int64_t runtime = 0;      // the process before the run allocates (code, libraries, MPI, thread pool), measured
   static constexpr int kCount = 7;
   static const char* name(int i);    // "weights", "gradients", ...

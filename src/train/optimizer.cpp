@@ -47,20 +47,9 @@ void AdamW::step(Params& params, double lr, float grad_scale) {
   }
 }
 
-void AdamW::state_to_flat(float* m_flat, float* v_flat) const {
-  for (size_t i = 0; i < segs_.size(); ++i) {
-    const size_t n = size_t(segs_[i].end - segs_[i].begin);
-    std::copy_n(m_.data() + state_at_[i], n, m_flat + segs_[i].begin);
-    std::copy_n(v_.data() + state_at_[i], n, v_flat + segs_[i].begin);
-  }
-}
-
-void AdamW::state_from_flat(const float* m_flat, const float* v_flat) {
-  for (size_t i = 0; i < segs_.size(); ++i) {
-    const size_t n = size_t(segs_[i].end - segs_[i].begin);
-    std::copy_n(m_flat + segs_[i].begin, n, m_.data() + state_at_[i]);
-    std::copy_n(v_flat + segs_[i].begin, n, v_.data() + state_at_[i]);
-  }
+int64_t AdamW::segment_of(int64_t offset) const {
+  auto it = std::upper_bound(segs_.begin(), segs_.end(), offset, [](int64_t o, const Segment& s) { return o < s.end; });
+  return it != segs_.end() && it->begin <= offset ? int64_t(it - segs_.begin()) : -1;
 }
 
 float clip_coefficient(double norm, double max_norm) {

@@ -26,10 +26,15 @@ class AdamW {
   int64_t steps_taken() const { return t_; }
   void set_steps_taken(int64_t t) { t_ = t; }
 
-  // State for checkpoints, in the parameter buffer's layout: writes exp_avg / exp_avg_sq of the
-  // elements this optimizer owns into m_flat / v_flat (other elements untouched), or reads them back.
-  void state_to_flat(float* m_flat, float* v_flat) const;
-  void state_from_flat(const float* m_flat, const float* v_flat);
+  // State for checkpoints: the buffer segments this optimizer updates (in buffer order, one tensor
+  // each) and their exp_avg / exp_avg_sq, segment i's elements back to back.
+  const std::vector<Segment>& segments() const { return segs_; }
+  float* exp_avg(size_t i) { return m_.data() + state_at_[i]; }
+  float* exp_avg_sq(size_t i) { return v_.data() + state_at_[i]; }
+  const float* exp_avg(size_t i) const { return m_.data() + state_at_[i]; }
+  const float* exp_avg_sq(size_t i) const { return v_.data() + state_at_[i]; }
+  // The segment holding buffer element `offset`, or -1.
+  int64_t segment_of(int64_t offset) const;
 
  private:
   AdamWConfig cfg_;

@@ -15,6 +15,8 @@
 #include <sys/resource.h>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_writer.h"
+#include "core/files.h"
 #include "ckpt/safetensors.h"
 #include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
@@ -48,6 +50,10 @@ std::string format_duration(double seconds) {
 }
 
 }  // namespace
+
+bool TrainOptions::fresh_start() const {
+  return !resume.empty() && resume == save && !Checkpoint::committed_in(resume);
+}
 
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
@@ -118,6 +124,11 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(grad_clip >= 0, "--grad-clip must not be negative (0 disables clipping), got ", grad_clip);
   ORIGAMI_CHECK(save_every >= 0, "--save-every must not be negative, got ", save_every);
   ORIGAMI_CHECK(save_every == 0 || !save.empty(), "--save-every needs --save DIR");
+  ORIGAMI_CHECK(keep_last >= 0, "--keep-last must not be negative (0 keeps all), got ", keep_last);
+  ORIGAMI_CHECK((keep_last == 0 && !async_save) || !save.empty(), keep_last ? "--keep-last" : "--async-save",
+                " needs --save DIR");
+  ORIGAMI_CHECK(init_from.empty() || resume.empty(), "--init-from (weights only) and --resume (weights, optimizer "
+                "and step) exclude each other; give one");
   ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
   ORIGAMI_CHECK(max_skipped_steps >= 0, "--max-skipped-steps must not be negative, got ", max_skipped_steps);
   ORIGAMI_CHECK(loss_spike_factor == 0 || loss_spike_factor > 1,
@@ -322,6 +333,12 @@ struct ParamSet {
         opt(params, o.adam, dp.owned()) {}
 };
 
+int64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return int64_t(u.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
 double cpu_seconds() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -342,6 +359,9 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   long long nan_step = -1;
   int nan_rank = -1;
   ModelConfig cfg;  // with the run's routing options
+  std::optional<Checkpoint> ck;  // --resume or --init-from
+  bool fresh_start = false;      // --resume DIR --save DIR before DIR holds a checkpoint
+  const std::string& from = opts.resume.empty() ? opts.init_from : opts.resume;
   check_on_every_rank(world, "train", [&] {
     o = opts.resolved(world.size());
     o.validate(model_cfg, world.size());
@@ -353,7 +373,13 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                     tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
     }
-    if (!o.init_from.empty()) SafetensorsFile::open(weights_file(o.init_from));  // exists and parses
+    fresh_start = o.fresh_start();
+    if (!from.empty() && !fresh_start) {  // the checkpoint to start from, checked against the model
+      ck = Checkpoint::open(from);
+      ck->bind(cfg);
+      ORIGAMI_CHECK(o.resume.empty() || ck->has_optimizer(), "--resume '", o.resume, "' (", ck->path(),
+                    ") holds weights only, no optimizer state or step: start from it with --init-from");
+    }
     if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD"))
       ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &nan_step, &nan_rank) == 2 && nan_step >= 1 && nan_rank >= 0,
                     "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK (a step from 1, a world rank), got '", e, "'");
@@ -391,27 +417,37 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   Params& params = dense.params;
   int64_t start_step = 0;
   std::vector<std::vector<float>> saved_bias;  // the router's selection biases of a resumed checkpoint
-  if (o.init_from.empty()) {
+  double load_s = 0;                           // reading (and checking) the checkpoint
+  if (!ck) {
     for (ParamSet* set : sets) set->params.init(o.seed, cfg.num_layers);
   } else {
-    for (ParamSet* set : sets) load_weights(weights_file(o.init_from), cfg, set->params);
-    if (is_checkpoint_dir(o.init_from) && std::filesystem::exists(o.init_from + "/optimizer.safetensors")) {
+    // Every rank reads only its own shards (any layout wrote them) and checks the checksums of its
+    // share of the files; a damaged or missing file is one message and every rank exits 1.
+    Timer load_timer;
+    check_on_every_rank(world, "train", [&] {
+      ck->verify_checksums(world.rank(), world.size());
+      for (ParamSet* set : sets) ck->read_weights(set->params);
+      if (o.resume.empty()) return;
+      const nlohmann::json& st = ck->trainer_state();
+      ORIGAMI_CHECK(st.contains("step") && st["step"].is_number_integer() && st.contains("adam_steps"), "'",
+                    ck->path(), "/trainer_state.json' needs integer 'step' and 'adam_steps'");
       for (ParamSet* set : sets) {
-        std::vector<float> m, v;
-        const int64_t n = set->params.size();
-        allocating("the AdamW moments read from the checkpoint", 8 * n, [&] {
-          m.assign(size_t(n), 0.f);
-          v.assign(size_t(n), 0.f);
-        });
-        const TrainerState st = load_optimizer_state(o.init_from, set->params, m.data(), v.data());
-        set->opt.state_from_flat(m.data(), v.data());
-        set->opt.set_steps_taken(st.adam_steps);
-        start_step = st.step;
-        saved_bias = st.router_bias;
+        const ParamLayout& lay = set->params.layout();
+        for (size_t i = 0; i < set->opt.segments().size(); ++i) {
+          const Segment& seg = set->opt.segments()[i];
+          const int64_t at = set->params.offset(seg.param);
+          const ParamSpec& spec = set->params.table()[seg.param];
+          ck->read(StateKind::exp_avg, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg(i));
+          ck->read(StateKind::exp_avg_sq, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg_sq(i));
+        }
+        set->opt.set_steps_taken(st["adam_steps"].get<int64_t>());
       }
-      ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", o.init_from, "' is already at step ", start_step,
+      start_step = st["step"].get<int64_t>();
+      if (st.contains("router_bias")) saved_bias = st["router_bias"].get<std::vector<std::vector<float>>>();
+      ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start_step,
                     "; ask for more --steps to continue");
-    }
+    });
+    load_s = world.all_reduce_value(load_timer.ms() / 1000.0, ReduceOp::max);  // the slowest rank's
   }
   const Recompute recompute = parse_recompute(o.recompute);
   // MoE layers route every token of TP x CP once: the counts behind the router's load-balancing loss
@@ -422,7 +458,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   ContextParallel& cp = model.context_parallel();
   if (!saved_bias.empty()) {  // a resumed run routes with the biases it saved (and updates them with a rate)
     ORIGAMI_CHECK(saved_bias.size() == size_t(cfg.num_layers) && saved_bias[0].size() == size_t(cfg.num_experts),
-                  "'", o.init_from, "/trainer_state.json': router_bias is not [layers][experts] of this model");
+                  "'", ck->path(), "/trainer_state.json': router_bias is not [layers][experts] of this model");
     model.router_bias() = saved_bias;
   }
   int64_t current_step = 0;
@@ -473,99 +509,73 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       }
       std::printf("\n");
     }
-    if (start_step > 0) std::printf("resuming from '%s' at step %lld\n", o.init_from.c_str(), (long long)start_step);
+    if (fresh_start) std::printf("no checkpoint in '%s' yet: starting at step 0\n", o.resume.c_str());
+    if (ck && !o.resume.empty())
+      std::printf("resuming from '%s' at step %lld (read in %.2f s)\n", ck->path().c_str(), (long long)start_step, load_s);
+    else if (ck)
+      std::printf("weights from '%s' (read in %.2f s)\n", ck->path().c_str(), load_s);
     if (nan_step >= 1)
       std::printf("test fault injection: a NaN in rank %d's gradient at step %lld (ORIGAMI_TEST_NAN_GRAD)\n", nan_rank,
                   nan_step);
     std::fflush(stdout);
   }
 
-  // A checkpoint is written in the one-rank form: ZeRO optimizer shards are summed over DP (each rank
-  // contributes only the elements it owns), then the first DP replica's TP shards are gathered on each
-  // stage's TP rank 0, and the stages' tensors on rank 0.
+  // Checkpoints: every rank writes the pieces it owns (ckpt/checkpoint_writer.h), in place or, with
+  // --async-save, from a host copy while the next steps run.
+  std::optional<CheckpointWriter> writer;
+  if (!o.save.empty()) writer.emplace(world, "train", o.save, o.keep_last, o.async_save);
+  // What this rank writes: the owner rule over its dense tensors (replicated over DP x CP) and its
+  // experts (over EDP); only the first stage writes the tied embedding.
+  auto owned_pieces = [&] {
+    std::vector<SavePiece> pieces;
+    add_owned_pieces(dense.params, dense.opt, grad_comm.size(), grad_comm.rank(), part.embedding, pieces);
+    add_owned_pieces(experts.params, experts.opt, edp_comm.size(), edp_comm.rank(), true, pieces);
+    return pieces;
+  };
+  if (o.async_save) {  // the host copy, allocated once (the memory check counted it)
+    int64_t floats = 0;
+    for (const SavePiece& p : owned_pieces()) floats += p.end - p.begin;
+    writer->reserve(floats);
+  }
   int64_t last_saved = -1;
-  // Returns false, on every rank, when the state is not finite (an update from finite gradients can
-  // still overflow): nothing is written then.
-  auto save = [&](int64_t steps_done) {
-    if (o.save.empty()) return true;
-    // Per set: the weights and the AdamW moments, flattened in its buffer's layout.
-    std::vector<float> moments[2][2];
-    for (size_t k = 0; k < 2; ++k) {
-      const int64_t n = sets[k]->params.size();
-      allocating("the AdamW moments of the checkpoint", 8 * n, [&] {
-        moments[k][0].assign(size_t(n), 0.f);
-        moments[k][1].assign(size_t(n), 0.f);
-      });
-      sets[k]->opt.state_to_flat(moments[k][0].data(), moments[k][1].data());
-    }
-    auto flat = [&](size_t k, int which) -> const float* {
-      return which == 0 ? sets[k]->params.data() : moments[k][size_t(which - 1)].data();
-    };
+  // Returns the seconds the step loop was blocked, or -1, on every rank, when the state is not finite
+  // (an update from finite gradients can still overflow): nothing is written then.
+  auto save = [&](int64_t steps_done) -> double {
     double bad = 0;
-    for (size_t k = 0; k < 2; ++k)
-      for (int which = 0; which < 3; ++which) {
-        const float* x = flat(k, which);
-        double sum = 0;  // x·0 is 0 for a finite element and NaN for a non-finite one
+    for (ParamSet* set : sets) {
+      double sum = 0;  // x·0 is 0 for a finite element and NaN for a non-finite one
+      const float* w = set->params.data();
 #pragma omp parallel for simd reduction(+ : sum)
-        for (int64_t i = 0; i < sets[k]->params.size(); ++i) sum += double(x[i]) * 0.0;
-        bad += std::isfinite(sum) ? 0 : 1;
+      for (int64_t i = 0; i < set->params.size(); ++i) sum += double(w[i]) * 0.0;
+      for (size_t i = 0; i < set->opt.segments().size(); ++i) {
+        const int64_t n = set->opt.segments()[i].end - set->opt.segments()[i].begin;
+        const float *m = set->opt.exp_avg(i), *v = set->opt.exp_avg_sq(i);
+#pragma omp parallel for simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += double(m[j]) * 0.0 + double(v[j]) * 0.0;
       }
+      bad += std::isfinite(sum) ? 0 : 1;
+    }
     if (world.all_reduce_value(bad) > 0) {
       if (rank0)
         std::fprintf(stderr, "origami train: error: step %lld: the weights or AdamW moments are not finite after the "
                      "update; not saving%s\n", (long long)steps_done,
                      last_saved >= 0 ? cat(" (", o.save, " holds step ", last_saved, ")").c_str() : "");
-      return false;
+      return -1;
     }
     last_saved = steps_done;
-    if (o.zero > 0)
-      for (size_t k = 0; k < 2; ++k)
-        for (std::vector<float>& x : moments[k]) sets[k]->dp_comm.all_reduce(x.data(), int64_t(x.size()));
-    // Gathers, for the weights and each moment: the dense tensors' TP shards on the first DP replica's
-    // TP rank 0; the experts' ETP shards on the first EDP replica's ETP rank 0, then the EP ranks'
-    // experts on EP rank 0 — the same rank, each stage's first —, which appends them to the stage's
-    // tensors (global names: a tensor is placed by name, whatever rank held it); then the stages on rank 0.
-    const bool stage_root = grad_comm.rank() == 0 && tp_comm.rank() == 0;
-    allocating("the checkpoint's gathered tensors", memory.parts[size_t(world.rank())].checkpoint, [&] {
-      std::unique_ptr<Params> dense_stage, local_experts, stage_experts, global;
-      std::vector<std::vector<ParamSpec>> ep_tables, stage_tables;
-      const std::vector<ParamSpec> stage_table = make_param_table(cfg, part);
-      SplitTable stage_split = split_experts(stage_table, cfg.num_experts, 1, 0);
-      if (stage_root) dense_stage = std::make_unique<Params>(stage_split.dense);
-      if (edp_comm.rank() == 0 && etp_comm.rank() == 0) {
-        local_experts = std::make_unique<Params>(experts.params.table());
-        for (int e = 0; e < ep_comm.size(); ++e)
-          ep_tables.push_back(split_experts(stage_table, cfg.num_experts, ep_comm.size(), e).experts);
-        if (ep_comm.rank() == 0) stage_experts = std::make_unique<Params>(stage_split.experts);
-      }
-      if (rank0) global = std::make_unique<Params>(make_param_table(cfg));
-      for (int s = 0; s < pp; ++s) {
-        SplitTable t = split_experts(make_param_table(cfg, part_of(s)), cfg.num_experts, 1, 0);
-        t.dense.insert(t.dense.end(), t.experts.begin(), t.experts.end());
-        stage_tables.push_back(std::move(t.dense));
-      }
-      std::vector<std::vector<float>> gathered;  // weights, exp_avg, exp_avg_sq
-      for (int which = 0; which < 3; ++which) {
-        std::vector<float> stage_buf, experts_buf;
-        if (grad_comm.rank() == 0) stage_buf = gather_tp_shards(tp_comm, dense.params, flat(0, which), dense_stage.get());
-        if (edp_comm.rank() == 0) {
-          experts_buf = gather_tp_shards(etp_comm, experts.params, flat(1, which), local_experts.get());
-          if (etp_comm.rank() == 0) experts_buf = gather_pp_stages(ep_comm, experts_buf, ep_tables, stage_experts.get());
-        }
-        stage_buf.insert(stage_buf.end(), experts_buf.begin(), experts_buf.end());
-        if (stage_root) gathered.push_back(gather_pp_stages(pp_comm, stage_buf, stage_tables, global.get()));
-      }
-      if (rank0) {
-        std::copy(gathered[0].begin(), gathered[0].end(), global->data());
-        save_checkpoint(o.save, cfg, *global, gathered[1].data(), gathered[2].data(),
-                        {steps_done, dense.opt.steps_taken(), o.as_json(), model.router_bias()},
-                        has_tokenizer ? tokenizer_path : "");
-        std::printf("saved checkpoint to %s (step %lld)\n", o.save.c_str(), (long long)steps_done);
-        std::fflush(stdout);
-      }
-    });
-    world.barrier();
-    return true;
+    std::map<std::string, std::string> files;
+    if (rank0) {
+      nlohmann::json st = {{"step", steps_done}, {"adam_steps", dense.opt.steps_taken()}, {"options", o.as_json()}};
+      if (!model.router_bias().empty()) st["router_bias"] = model.router_bias();
+      files["trainer_state.json"] = st.dump(2) + "\n";
+      files["config.json"] = cfg.raw.dump(2) + "\n";
+      if (has_tokenizer) files["tokenizer.json"] = read_file_bytes(tokenizer_path);
+    }
+    const nlohmann::json layout = {{"world", world.size()}, {"tp", tp_comm.size()}, {"cp", cp.size()}, {"dp", dp},
+                                   {"pp", pp}, {"vpp", o.vpp}, {"ep", ep_comm.size()}, {"etp", etp_comm.size()},
+                                   {"edp", edp_comm.size()}, {"zero", o.zero}, {"sequence_parallel", o.sequence_parallel},
+                                   {"description", layout_name}};
+    return writer->save(steps_done, owned_pieces(), files, layout);
   };
 
   StopSignals stop_signals;  // SIGINT/SIGTERM are taken here, at step boundaries (core/stop_signals.h)
@@ -583,6 +593,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   if (const char* dir = std::getenv("ORIGAMI_TEST_ROUTING"); dir && cfg.is_moe())
     routing_log = std::make_unique<std::ofstream>(cat(dir, "/routing.", world.rank(), ".jsonl"), std::ios::app);
   for (int64_t step = start_step; step < o.steps; ++step) {
+    if (writer) writer->poll();  // commits an asynchronous save every rank has finished writing
     Timer step_timer;
     const double cpu0 = cpu_seconds();
     mesh.reset_bytes();
@@ -690,6 +701,12 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
                      "most %lld skipped steps, --max-skipped-steps)\n", (long long)done, non_finite.c_str(),
                      (long long)skipped, (long long)o.max_skipped_steps);
     }
+    // Saves come before the step's metrics row, which records how long the loop was blocked.
+    const bool stop = red[4] > 0, too_many_skips = skipped > o.max_skipped_steps;
+    if (stop && rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
+    double save_blocked = 0;
+    if (writer && !too_many_skips && (stop || done == o.steps || (o.save_every > 0 && done % o.save_every == 0)))
+      save_blocked = save(done);
     if (metrics) {
       nlohmann::json bytes = nlohmann::json::object(), j_cp;
       for (const auto& [axis, b] : mesh.bytes_sent()) bytes[axis] = std::llround(b);
@@ -719,6 +736,8 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       if (!j_cp.is_null()) j["cp"] = j_cp;
       if (skip) j["skipped"] = non_finite;
       if (spike) j["loss_spike"] = true;
+      if (save_blocked > 0) j["save_blocked_s"] = save_blocked;
+      j["rss_peak_bytes"] = peak_rss_bytes();  // rank 0's, so far
       if (done == start_step + 1) {  // the memory check's figures: the neediest rank's parts, every rank's total
         std::vector<int64_t> totals;
         for (const MemoryParts& m : memory.parts) totals.push_back(m.total());
@@ -748,7 +767,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       *metrics << j.dump() << "\n";
       metrics->flush();
     }
-    if (skipped > o.max_skipped_steps) {  // every rank takes this branch: `skipped` comes from the norm's all-reduce
+    if (too_many_skips) {  // every rank takes this branch: `skipped` comes from the norm's all-reduce
       if (rank0) {
         std::fprintf(stderr, "origami train: error: step %lld: %s; %lld skipped step%s exceed%s --max-skipped-steps %lld: "
                      "stopping without saving (%s%s)\n", (long long)done,
@@ -761,9 +780,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       exit_code = kExitNonFinite;
       break;
     }
-    const bool stop = red[4] > 0;
-    if (stop && rank0) std::printf("stopping on signal after step %lld\n", (long long)done);
-    if ((stop || done == o.steps || (o.save_every > 0 && done % o.save_every == 0)) && !save(done)) {
+    if (save_blocked < 0) {
       exit_code = kExitNonFinite;
       break;
     }
@@ -772,6 +789,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       break;
     }
   }
+  if (writer) writer->finish();  // an asynchronous save still being written is committed before exit
   if (rank0 && skipped > 0 && exit_code != kExitNonFinite)
     std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm\n",
                  (long long)skipped, skipped == 1 ? " was" : "s were");

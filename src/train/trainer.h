@@ -29,7 +29,8 @@ namespace origami {
 
 struct TrainOptions {
   std::string data;            // dataset prefix (PREFIX.bin / PREFIX.idx)
-  std::string init_from;       // safetensors file, or checkpoint directory (resumes optimizer and step)
+  std::string init_from;       // weights only: any checkpoint, Hugging Face directory or .safetensors file
+  std::string resume;          // a checkpoint to continue: weights, optimizer state, step (any layout wrote it)
   int64_t steps = 100;         // total optimizer steps
   int64_t micro_batch = 4;     // B: rows per forward/backward
   int64_t global_batch = 0;    // G: rows per optimizer step (G / (B·DP) micro-batches); 0: B·DP
@@ -40,8 +41,10 @@ struct TrainOptions {
   uint64_t seed = 1234;
   std::string data_order = "sequential";
   std::string metrics;         // JSONL path, optional
-  std::string save;            // checkpoint directory, optional
+  std::string save;            // checkpoint directory (DIR/step-N, DIR/latest), optional
   int64_t save_every = 0;      // 0: only at the end
+  int keep_last = 0;           // committed checkpoints kept in --save (0: all)
+  bool async_save = false;     // write checkpoints from a background thread while training goes on
   int threads = 0;             // 0: all cores
   bool quiet = false;          // no per-step lines (progress only)
   bool verbose = false;        // also print the memory breakdown per rank at startup
@@ -71,6 +74,9 @@ struct TrainOptions {
   bool moe_pad_to_capacity = false;
   std::string moe_router_score = "softmax";  // softmax | sigmoid
   double moe_router_bias_update_rate = 0;    // aux-loss-free balancing; 0: off
+  // A job restarted with the same --resume and --save directory starts at step 0 the first time,
+  // while that directory holds no checkpoint yet.
+  bool fresh_start() const;
   nlohmann::json as_json() const;
   // Error naming the value and the rule, for the routing options alone (also used by 'origami dump').
   void validate_routing(const ModelConfig& cfg) const;

@@ -1,5 +1,7 @@
-"""origami train / dump / generate as a user runs them: bad input gives one clear message and a
-non-zero exit; a checkpoint saves, resumes exactly, loads into generate; --help works."""
+"""origami train / dump / generate / ckpt as a user runs them: bad input gives one clear message and
+a non-zero exit; a checkpoint saves (DIR/step-N, DIR/latest), resumes exactly (--resume from DIR,
+DIR/step-N or its single-file export), gives its weights only with --init-from, exports to a
+Hugging Face directory, loads into generate; --help works."""
 import json
 import os
 import shutil
@@ -25,6 +27,33 @@ def run(*args, ok=True, contains=None):
     return out
 
 
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        FAILS.append(what)
+    return ok
+
+
+def same_losses(ref, path, what):
+    """The losses of the metrics file `path` equal `ref` (8 steps, 1e-6 relative)."""
+    got = [json.loads(l)["loss"] for l in open(path)] if os.path.exists(path) else []
+    return check(len(ref) == len(got) == 8 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(ref, got)),
+                 f"{what}: {ref} vs {got}")
+
+
+def read_safetensors(path):
+    """{name: list of floats} of an F32 safetensors file."""
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for k, v in header.items():
+        if k != "__metadata__":
+            a, b = v["data_offsets"]
+            out[k] = list(struct.unpack("<%df" % ((b - a) // 4), raw[8 + n + a:8 + n + b]))
+    return out
+
+
 def main():
     tmp = tempfile.mkdtemp()
     try:
@@ -46,7 +75,7 @@ def main():
 
         common = ["--data", data, "--micro-batch", "2", "--seq-len", "16", "--threads", "1"]
         # --help everywhere.
-        for cmd in (["train"], ["generate"], ["dump"], ["data", "prepare"]):
+        for cmd in (["train"], ["generate"], ["dump"], ["data", "prepare"], ["ckpt"]):
             run(*cmd, "--help", contains="usage: origami")
         # Bad input: one message naming the value or the file.
         run("train", "--config", cfg_path, "--seq-len", "16", "--data", os.path.join(tmp, "missing"), ok=False, contains="missing")
@@ -74,20 +103,79 @@ def main():
         opts = [*common, "--lr", "1e-2", "--warmup", "2", "--lr-schedule", "constant", "--global-batch", "4", "--seed", "5"]
         run("train", "--config", cfg_path, *opts, "--steps", "8", "--metrics", full)
         run("train", "--config", cfg_path, *opts, "--steps", "4", "--save", ck, "--metrics", part)
-        run("train", "--init-from", ck, *opts, "--steps", "8", "--metrics", part, contains="resuming")
+        # --save DIR: DIR/step-4 holds every rank's shards and the run's files, DIR/latest names it.
+        step4 = os.path.join(ck, "step-4")
+        latest = open(os.path.join(ck, "latest")).read() if os.path.exists(os.path.join(ck, "latest")) else None
+        check(latest == "step-4\n", f"{ck}/latest names the step saved: {latest!r}")
+        for f in ("rank-00000.safetensors", "metadata.json", "config.json", "trainer_state.json", "tokenizer.json"):
+            check(os.path.exists(os.path.join(step4, f)), f"checkpoint step-4 has {f}")
+        state = json.load(open(os.path.join(step4, "trainer_state.json")))
+        check(state.get("step") == 4, f"step-4/trainer_state.json says step {state.get('step')}")
+        run("ckpt", "info", ck, contains="step: 4")
+        # The resumed run (no --config: the checkpoint's config.json) saves into the same DIR: step-8
+        # is added and becomes the latest, step-4 stays.
+        run("train", "--resume", ck, *opts, "--steps", "8", "--metrics", part, "--save", ck, contains="resuming")
         a = [json.loads(l)["loss"] for l in open(full)]
-        b = [json.loads(l)["loss"] for l in open(part)]
-        same = len(a) == len(b) == 8 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b))
-        print(("ok   " if same else "FAIL ") + f"resumed run equals the uninterrupted one: {a} vs {b}")
-        if not same:
-            FAILS.append("resume")
+        same_losses(a, part, "resumed run (--resume DIR) equals the uninterrupted one")
+        latest = open(os.path.join(ck, "latest")).read()
+        check(latest == "step-8\n" and os.path.isdir(step4), f"the resumed run adds step-8 as latest ({latest!r}), "
+              f"step-4 stays: {sorted(os.listdir(ck))}")
+        # --resume DIR/step-N: that step, not the latest.
+        part2 = os.path.join(tmp, "part2.jsonl")
+        with open(part2, "w") as f:
+            f.writelines(open(part).readlines()[:4])
+        run("train", "--resume", step4, *opts, "--steps", "8", "--metrics", part2, contains="resuming")
+        same_losses(a, part2, "resumed from DIR/step-4 equals the uninterrupted one")
+
+        # ckpt export: a Hugging Face directory; with --optimizer the single-file checkpoint, which
+        # --resume continues like the sharded one.
+        exp = os.path.join(tmp, "exp")
+        run("ckpt", "export", step4, "--hf", exp, "--optimizer", contains="exported")
         for f in ("model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json", "tokenizer.json"):
-            if not os.path.exists(os.path.join(ck, f)):
-                FAILS.append("checkpoint lacks " + f)
+            check(os.path.exists(os.path.join(exp, f)), f"export --optimizer has {f}")
+        run("ckpt", "info", exp, contains="step: 4")
+        part3 = os.path.join(tmp, "part3.jsonl")
+        with open(part3, "w") as f:
+            f.writelines(open(part).readlines()[:4])
+        run("train", "--resume", exp, *opts, "--steps", "8", "--metrics", part3, contains="resuming")
+        same_losses(a, part3, "resumed from the single-file export equals the uninterrupted one")
+        hf = os.path.join(tmp, "hf")
+        run("ckpt", "export", ck, "--hf", hf, contains="exported")
+        check(sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json"],
+              f"export without --optimizer: weights, config and tokenizer only: {sorted(os.listdir(hf))}")
+
+        # --init-from CKPT: the checkpoint's weights only, a new run from step 1 (the schedule's
+        # step-1 learning rate, fresh AdamW). One step on one micro-batch: its loss is that of the
+        # checkpoint's weights on batch 0, as dump computes it, and the same from the export's
+        # model.safetensors; a run from the seed starts elsewhere.
+        one = [*common, "--lr", "1e-2", "--warmup", "2", "--lr-schedule", "constant", "--steps", "1"]
+        init_m = os.path.join(tmp, "init.jsonl")
+        out = run("train", "--init-from", step4, *one, "--metrics", init_m)
+        rows = [json.loads(l) for l in open(init_m)] if os.path.exists(init_m) else []
+        check("resuming" not in out and [r["step"] for r in rows] == [1] and rows[0]["lr"] == json.loads(
+            open(full).readline())["lr"], f"--init-from CKPT starts a new run at step 1 without resuming: "
+            f"{[(r['step'], r['lr']) for r in rows]}")
+        dump = os.path.join(tmp, "dump.safetensors")
+        run("dump", "--init-from", step4, "--data", data, "--micro-batch", "2", "--seq-len", "16", "--threads", "1",
+            "--out", dump)
+        init_st = os.path.join(tmp, "init_st.jsonl")
+        run("train", "--config", cfg_path, "--init-from", os.path.join(exp, "model.safetensors"), *one,
+            "--metrics", init_st)
+        seed_m = os.path.join(tmp, "seed.jsonl")
+        run("train", "--config", cfg_path, *one, "--seed", "5", "--metrics", seed_m)
+        l_ck, l_st, l_seed = (json.loads(open(p).readline())["loss"] for p in (init_m, init_st, seed_m))
+        l_dump = float(read_safetensors(dump)["loss"][0])
+        check(abs(l_ck - l_dump) <= 1e-6 * abs(l_dump) and abs(l_ck - l_st) <= 1e-6 * abs(l_st)
+              and abs(l_ck - l_seed) > 1e-3, f"--init-from CKPT step-1 loss {l_ck} = dump of the checkpoint's weights "
+              f"{l_dump} = --init-from its model.safetensors {l_st}, not the seeded start's {l_seed}")
+        # --init-from and --resume together: one message.
+        out = run("train", "--init-from", step4, "--resume", ck, *opts, "--steps", "8", ok=False, contains="--resume")
+        check("--init-from" in out, "the message names both --init-from and --resume")
         run("generate", "--checkpoint", ck, "--prompt", "fortune", "--max-new-tokens", "20", contains="fortune")
+        run("generate", "--checkpoint", exp, "--prompt", "fortune", "--max-new-tokens", "20", contains="fortune")
 
         # A safetensors file with a wrong shape, or a foreign tensor name, is rejected by name.
-        st = open(os.path.join(ck, "model.safetensors"), "rb").read()
+        st = open(os.path.join(exp, "model.safetensors"), "rb").read()
         n = struct.unpack("<Q", st[:8])[0]
         header = json.loads(st[8:8 + n])
         def rewrite(name, mutate):

@@ -1,6 +1,7 @@
 """Shared helpers of the tests in tests/parallel/ (and bench/parallel_bench.py): the environment
 for oversubscribed mpirun runs, a small byte-level dataset, the test model configs, running
-`origami train` under a layout, reading metrics and safetensors files (numpy only).
+`origami train` under a layout, reading metrics and safetensors files (numpy only), and finding
+and exporting the checkpoints that `--save` writes.
 
 Every run gets OMP_WAIT_POLICY=passive and --threads 1 per rank: on a 2-core machine shared by
 up to 8 ranks, spin-waiting OpenMP threads collapse throughput.
@@ -164,6 +165,48 @@ def compare_tensors(ref, got):
         if d > ab[0] or ab[1] == "-":
             ab = (d, k, tuple(int(x) for x in i), float(a64[i]), float(b64[i]))
     return {"rel": rel, "abs": ab, "problems": problems}
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints: `--save DIR` commits DIR/step-N (one rank-RRRRR.safetensors per rank, metadata.json,
+# config.json, trainer_state.json, tokenizer.json), then DIR/latest names the newest step-N.
+# ----------------------------------------------------------------------------------------------
+
+def latest_step_dir(save):
+    """The step-N directory that SAVE/latest names, or None when nothing was committed."""
+    p = os.path.join(save, "latest")
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        return os.path.join(save, f.read().strip())
+
+
+def step_entries(save):
+    """The names in SAVE that a reader takes for steps (step-*), sorted; a save in progress or
+    refused is hidden (.step-N.tmp) until its commit renames it to step-N."""
+    return sorted(n for n in os.listdir(save) if n.startswith("step-")) if os.path.isdir(save) else []
+
+
+def export_checkpoint(ck, out=None, optimizer=True, timeout=300):
+    """`origami ckpt export CK --hf OUT [--optimizer]`: the single-file form of any checkpoint
+    (a --save directory, one step-N in it, ...): OUT/model.safetensors (global tensors, Hugging Face
+    names), config.json, tokenizer.json when there is one, and with optimizer also
+    optimizer.safetensors (exp_avg.<name>, exp_avg_sq.<name>) and trainer_state.json. OUT defaults
+    to CK + "_export" (for CK = DIR/step-N: DIR_step-N_export, outside DIR). Returns OUT; raises
+    RuntimeError with the command's output when it fails."""
+    if out is None:
+        ck_n = os.path.normpath(ck)
+        base = os.path.basename(ck_n)
+        if base.startswith("step-") and base[5:].isdigit():
+            ck_n = os.path.dirname(ck_n) + "_" + base
+        out = ck_n + "_export"
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    rc, text, _ = run(0, ["ckpt", "export", ck, "--hf", out] + (["--optimizer"] if optimizer else []), timeout=timeout)
+    if rc != 0:
+        raise RuntimeError("origami ckpt export %s --hf %s%s exited %s: %s"
+                           % (ck, out, " --optimizer" if optimizer else "", rc, text.strip()[-600:]))
+    return out
 
 
 def tmpdir(prefix="origami_par_"):

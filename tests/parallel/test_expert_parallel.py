@@ -17,9 +17,10 @@ test_layouts.py (20 AdamW steps, lr 1e-2 with warmup and cosine decay, clipping,
      reduce-scatter the peers' rows (pairwise accounting, comm.h); plus the count exchanges
      (El int64 to each other EP rank, EP·El int64 gathered over ETP) once per forward (full
      recomputation runs each forward, exchanges included, twice).
-  3. A checkpoint saved under EP4xPP2 (8 ranks, step 10) loads under EP1 (one rank) and EP2xETP2
-     and continues on the one-rank curve (steps 11-20 within 1e-5); transformers loads it (no
-     missing or unexpected weights) and gives the same logits as from the one-rank checkpoint.
+  3. A checkpoint saved under EP4xPP2 (8 ranks, step 10; each rank writes its own shards) resumes
+     (--resume) under EP1 (one rank) and EP2xETP2 and continues on the one-rank curve (steps 11-20
+     within 1e-5); its `origami ckpt export` loads in transformers (no missing or unexpected
+     weights) and gives the same logits as the one-rank checkpoint's export.
   4. Errors (one message, every rank exits 1): experts not divisible by EP; EP x ETP not dividing
      the ranks of a stage; ETP not dividing the expert FFN; --ep on a dense model.
 
@@ -170,7 +171,7 @@ def run_layouts(tmp, data, only):
 
 
 def run_reshard(tmp, data):
-    """EP4xPP2 checkpoint at step 10 → EP1 and EP2xETP2 to step 20; transformers loads it. A constant
+    """EP4xPP2 checkpoint at step 10 → EP1 and EP2xETP2 to step 20; transformers loads its export. A constant
     learning rate, so a 10-step run is the first half of the 20-step one."""
     failures = []
     base = lambda m, steps: ["train", "--config", CFG8, "--data", data, "--steps", str(steps), "--micro-batch", "2",
@@ -185,7 +186,7 @@ def run_reshard(tmp, data):
     ref = [r["loss"] for r in h.read_metrics(full)]
     for ranks, layout in ((1, []), (4, ["--ep", "2", "--etp", "2"])):
         m = os.path.join(tmp, "resumed%d.jsonl" % ranks)
-        rc, out, _ = h.run(ranks, base(m, 20) + layout + ["--init-from", ck10])
+        rc, out, _ = h.run(ranks, base(m, 20) + layout + ["--resume", ck10])
         got = [r["loss"] for r in h.read_metrics(m)] if rc == 0 else []
         worst = max((abs(a - b) / abs(a) for a, b in zip(ref[10:], got)), default=float("inf"))
         ok = rc == 0 and "resuming from" in out and len(got) == 10 and worst <= tl.RTOL
@@ -193,13 +194,18 @@ def run_reshard(tmp, data):
               "difference %.2e" % ("ok" if ok else "FAIL", ranks, " ".join(layout) or "(one rank)", worst), flush=True)
         if not ok:
             failures.append("EP4xPP2 checkpoint resumed as %s: %s" % (layout or "one rank", out[-300:] if rc else worst))
-    # transformers: the EP-written checkpoint loads completely and gives the one-rank checkpoint's logits
+    # transformers: the EP-written checkpoint's export loads completely and gives the one-rank
+    # checkpoint's logits
+    try:
+        exports = [h.export_checkpoint(d, optimizer=False) for d in (ck10, ck1)]
+    except RuntimeError as e:
+        return failures + ["export for transformers: %s" % e]
     try:
         import torch
         from transformers import AutoModelForCausalLM
         tokens = torch.tensor([[(i * 37 + 11) % 256 for i in range(16)]])
         logits = []
-        for d in (ck10, ck1):
+        for d in exports:
             model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True, torch_dtype=torch.float64)
             bad = info["missing_keys"] + info["unexpected_keys"] + info["mismatched_keys"]
             if bad:
@@ -208,8 +214,8 @@ def run_reshard(tmp, data):
                 logits.append(model(tokens).logits)
         rel = float((logits[0] - logits[1]).abs().max() / logits[1].abs().max())
         ok = rel <= 1e-4
-        print("%-4s transformers loads the EP4xPP2 checkpoint: logits vs the one-rank checkpoint's, max rel %.2e"
-              % ("ok" if ok else "FAIL", rel), flush=True)
+        print("%-4s transformers loads the EP4xPP2 checkpoint's export: logits vs the one-rank checkpoint's, "
+              "max rel %.2e" % ("ok" if ok else "FAIL", rel), flush=True)
         if not ok:
             failures.append("transformers logits of the EP4xPP2 checkpoint differ: %.2e" % rel)
     except ImportError as e:

@@ -11,15 +11,19 @@ naming the value and the rule, every rank exits non-zero — never a hang).
     /proc/PID/environ) gets SIGKILL. mpirun must exit non-zero within 60 s. The same with rank 0
     killed.
 (c) SIGTERM to mpirun (what a scheduler or a Ctrl-C-like stop does): the job must stop within
-    60 s, mpirun exit non-zero, no rank outlive mpirun, and a checkpoint (--save) must exist and be
-    complete and consistent: trainer_state.json's step has model.safetensors (readable),
-    optimizer.safetensors and config.json next to it and is a step that the metrics file reports.
+    60 s, mpirun exit non-zero, no rank outlive mpirun, and a checkpoint (--save DIR) must exist and
+    be complete and consistent: DIR/latest names a step-N directory that has metadata.json (written
+    last, it marks a whole step), its trainer_state.json says step N, a step that the metrics file
+    reports, `origami ckpt export --optimizer` of it succeeds (every rank's pieces present and
+    intact) and the exported model.safetensors is readable; every entry of DIR named step-N is such
+    a complete step (unfinished saves are hidden as .step-N.tmp).
     What happens: Open MPI 4's mpirun forwards SIGTERM to the ranks; origami's handler sets a stop
     flag that the ranks combine in the step's metrics all-reduce, so all of them stop after the
-    same step, save (rank 0 writes) and exit 130; mpirun then exits 1 (observed: ~2 s after the
-    signal, checkpoint at the last reported step, 6 of 6 runs). mpirun sends SIGKILL
-    odls_base_sigkill_timeout (1 s) after the SIGTERM, so a model whose checkpoint takes longer
-    than that to write would be cut short; this one (0.4M parameters) takes milliseconds.
+    same step, save (each rank writes its own shards, rank 0 then commits the step) and exit 130;
+    mpirun then exits 1 (observed: ~2 s after the signal, the checkpoint at the last reported step).
+    mpirun sends SIGKILL odls_base_sigkill_timeout (1 s) after the SIGTERM, so
+    a model whose checkpoint takes longer than that to write would be cut short (leaving the
+    previous committed step, or none); this one (0.4M parameters) takes milliseconds.
 
 Usage: python3 tests/parallel/test_failures.py [a,b,c]
 """
@@ -272,23 +276,47 @@ def part_c(tmp, data):
         left = [pid for pid in pids.values() if is_alive(pid)]
         check(not left, "term: no rank outlives mpirun (left: %s)" % left)
         recs = h.read_metrics(mpath, tolerant=True)
-        saved = os.path.exists(os.path.join(ck, "trainer_state.json"))
-        detail = "no checkpoint"
+        step_dir = h.latest_step_dir(ck)
+        saved = step_dir is not None
+        detail = "no checkpoint (%s/latest absent)" % ck
         consistent = True
         if saved:
             import json
-            st = json.load(open(os.path.join(ck, "trainer_state.json")))
-            files = all(os.path.exists(os.path.join(ck, f)) for f in ("model.safetensors", "optimizer.safetensors",
-                                                                      "config.json"))
+            name = os.path.basename(step_dir)
             steps = {r["step"] for r in recs}
-            consistent = files and st.get("step") in steps
-            if consistent:
+            problems = []
+            if not (name.startswith("step-") and name[5:].isdigit()):
+                problems.append("latest names %r, not a step-N" % name)
+            elif not os.path.isfile(os.path.join(step_dir, "metadata.json")):
+                problems.append("%s has no metadata.json" % name)
+            st = {}
+            if not problems:
                 try:
-                    h.read_safetensors(os.path.join(ck, "model.safetensors"))
-                except Exception as e:  # a truncated file
-                    consistent, detail = False, "model.safetensors unreadable: %s" % e
-            detail = "checkpoint at step %s (metrics up to %s)%s" % (st.get("step"), max(steps) if steps else None,
-                                                                     "" if consistent else " INCONSISTENT")
+                    st = json.load(open(os.path.join(step_dir, "trainer_state.json")))
+                except (OSError, ValueError) as e:
+                    problems.append("trainer_state.json unreadable: %s" % e)
+            if not problems and (st.get("step") != int(name[5:]) or st.get("step") not in steps):
+                problems.append("trainer_state step %s in %s, metrics report steps %s..%s" % (
+                    st.get("step"), name, min(steps) if steps else None, max(steps) if steps else None))
+            # every visible step-* entry is a committed step: step-N with metadata.json, never a
+            # half-written one (those stay hidden as .step-N.tmp until the commit renames them)
+            incomplete = [n for n in h.step_entries(ck) if not (
+                n[5:].isdigit() and os.path.isfile(os.path.join(ck, n, "metadata.json")))]
+            if incomplete:
+                problems.append("visible step entries that are not complete step-N dirs: %s" % incomplete)
+            if not problems:
+                try:
+                    x = h.export_checkpoint(step_dir, out=os.path.join(tmp, tag + "_export"), optimizer=True)
+                    h.read_safetensors(os.path.join(x, "model.safetensors"))
+                    h.read_safetensors(os.path.join(x, "optimizer.safetensors"))
+                except Exception as e:  # a missing or truncated piece
+                    problems.append("export: %s" % e)
+            consistent = not problems
+            leftovers = [n for n in os.listdir(ck) if n.startswith(".step-")]
+            detail = "checkpoint %s, trainer_state step %s (metrics up to %s)%s%s" % (
+                name, st.get("step"), max(steps) if steps else None,
+                ", hidden leftovers %s" % leftovers if leftovers else "",
+                "" if consistent else " INCONSISTENT: " + "; ".join(problems))
         text = open(log).read()
         ROWS.append(("SIGTERM mpirun", 2, "after %d steps" % len(recs), rc, "%.1f" % dt, "-", detail,
                      "ok" if rc not in (None, 0) and consistent else "FAIL",

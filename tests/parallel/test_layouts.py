@@ -22,8 +22,10 @@ Asserted for every (model, layout), against the one-rank run with the same --glo
     and the optimizer moments below — is what catches a gradient reduced over too few or too many
     ranks). Later steps' grad_norm is reported, not asserted (see "float noise" below);
   - tokens == global batch · seq-len; the metrics' "layout" string names the degrees (TP2, DP2);
-  - the --save checkpoint: the same tensor names and global shapes as the one-rank checkpoint in
-    model.safetensors and optimizer.safetensors, config.json equal, and
+  - the --save checkpoint (every rank writes its own shards under DIR/step-20; read through
+    `origami ckpt export --optimizer`, which assembles the global tensors): the same tensor names
+    and global shapes as the one-rank checkpoint's export in model.safetensors and
+    optimizer.safetensors, config.json equal, and
       parameters: elementwise |x − x_ref| ≤ 1e-5 (absolute; the parameters are O(0.01–1));
       optimizer moments (exp_avg, exp_avg_sq): per tensor max|x − x_ref| ≤ 1e-3·max|x_ref|.
 The table also shows, per tensor, max|x − x_ref| / max|x_ref| for the parameters.
@@ -141,27 +143,57 @@ def compare_run(ref, got, moe, G):
     return w, fails
 
 
+_REF_EXPORTS = {}  # (reference checkpoint, its `latest` mtime) -> its export, made once
+
+
+def exported(ck, cache=False):
+    """h.export_checkpoint(ck) with the optimizer state; cache: reuse an earlier export of the same
+    committed checkpoint (the one-rank references are compared with many layouts)."""
+    key = None
+    if cache:
+        latest = os.path.join(ck, "latest")
+        key = (os.path.abspath(ck), os.stat(latest).st_mtime_ns if os.path.exists(latest) else None)
+        if key in _REF_EXPORTS and os.path.isdir(_REF_EXPORTS[key]):
+            return _REF_EXPORTS[key]
+    out = h.export_checkpoint(ck, optimizer=True)
+    if key is not None:
+        _REF_EXPORTS[key] = out
+    return out
+
+
 def compare_checkpoint(ref_dir, got_dir):
-    """({'params': compare_tensors dict, 'moments': ...}, failures)."""
+    """({'params': compare_tensors dict, 'moments': ...}, failures). Both --save directories are
+    read through `origami ckpt export --optimizer` (global tensors, Hugging Face names)."""
     fails, out = [], {}
-    for key, f in (("params", "model.safetensors"), ("moments", "optimizer.safetensors")):
-        p = os.path.join(got_dir, f)
-        if not os.path.exists(p):
-            fails.append("checkpoint lacks " + f)
-            continue
-        c = h.compare_tensors(h.read_safetensors(os.path.join(ref_dir, f)), h.read_safetensors(p))
-        out[key] = c
-        fails += ["%s: %s" % (f, x) for x in c["problems"]]
-        if key == "params" and c["abs"][0] > PARAM_ATOL:
-            d, name, idx, a, b = c["abs"]
-            fails.append("parameter %s%s = %.9g, one rank %.9g: |diff| %.2e > %.0e" % (name, list(idx), b, a, d,
-                                                                                       PARAM_ATOL))
-        if key == "moments" and c["rel"][0] > MOMENT_RTOL:
-            fails.append("optimizer %s: max|diff|/max|ref| %.2e > %.0e" % (c["rel"][1], c["rel"][0], MOMENT_RTOL))
-    cfg_a = json.load(open(os.path.join(ref_dir, "config.json")))
-    p = os.path.join(got_dir, "config.json")
-    if not os.path.exists(p) or json.load(open(p)) != cfg_a:
-        fails.append("config.json differs from the one-rank checkpoint's")
+    try:
+        ref_x = exported(ref_dir, cache=True)
+    except RuntimeError as e:
+        return out, ["one-rank checkpoint: %s" % e]
+    try:
+        got_x = exported(got_dir)
+    except RuntimeError as e:
+        return out, [str(e)]
+    try:
+        for key, f in (("params", "model.safetensors"), ("moments", "optimizer.safetensors")):
+            p = os.path.join(got_x, f)
+            if not os.path.exists(p):
+                fails.append("checkpoint export lacks " + f)
+                continue
+            c = h.compare_tensors(h.read_safetensors(os.path.join(ref_x, f)), h.read_safetensors(p))
+            out[key] = c
+            fails += ["%s: %s" % (f, x) for x in c["problems"]]
+            if key == "params" and c["abs"][0] > PARAM_ATOL:
+                d, name, idx, a, b = c["abs"]
+                fails.append("parameter %s%s = %.9g, one rank %.9g: |diff| %.2e > %.0e" % (name, list(idx), b, a, d,
+                                                                                           PARAM_ATOL))
+            if key == "moments" and c["rel"][0] > MOMENT_RTOL:
+                fails.append("optimizer %s: max|diff|/max|ref| %.2e > %.0e" % (c["rel"][1], c["rel"][0], MOMENT_RTOL))
+        cfg_a = json.load(open(os.path.join(ref_x, "config.json")))
+        p = os.path.join(got_x, "config.json")
+        if not os.path.exists(p) or json.load(open(p)) != cfg_a:
+            fails.append("config.json differs from the one-rank checkpoint's")
+    finally:
+        shutil.rmtree(got_x, ignore_errors=True)
     return out, fails
 
 

@@ -1,8 +1,11 @@
 """A checkpoint saved by one layout resumes under another, exactly: 3 steps of mixtral as TP2 x DP2
-with sequence parallelism and ZeRO-1 (4 ranks), saved, then resumed to step 6 as DP2 with ZeRO-2
-(2 ranks), as one rank, as PP2 and as PP2 x DP2 with ZeRO-1 and full recomputation, equal the uninterrupted one-rank run's losses within 1e-6 relative.
-Checkpoints are always in the one-rank form (TP shards gathered, ZeRO moments summed over DP) and
-every layout cuts its own shard (and pipeline stage) out of them."""
+with sequence parallelism and ZeRO-1 (4 ranks), saved, then resumed (--resume) to step 6 as DP2 with
+ZeRO-2 (2 ranks), as one rank, as PP2 and as PP2 x DP2 with ZeRO-1 and full recomputation, equal the
+uninterrupted one-rank run's losses within 1e-6 relative.
+Nothing is gathered to one rank when saving: each rank writes its own pieces (its TP shards, its
+ZeRO shard of the moments) to DIR/step-3/rank-RRRRR.safetensors, metadata.json records every
+tensor's global shape and how it was split, and every layout reads the pieces that overlap its
+own shard (and pipeline stage)."""
 import json
 import os
 import subprocess
@@ -51,7 +54,7 @@ def main():
     for i, (ranks, layout) in enumerate(((2, ["--dp", "2", "--zero", "2"]), (1, []), (2, ["--pp", "2"]),
                           (4, ["--pp", "2", "--dp", "2", "--zero", "1", "--recompute", "full"]))):
         resumed = os.path.join(tmp, f"resumed{i}.jsonl")
-        out = train(ranks, *common, "--steps", "6", *layout, "--init-from", ck, "--metrics", resumed)
+        out = train(ranks, *common, "--steps", "6", *layout, "--resume", ck, "--metrics", resumed)
         a, b = losses(full), losses(part)[:3] + losses(resumed)
         worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
         ok = "resuming from" in out and len(a) == len(b) == 6 and worst <= 1e-6

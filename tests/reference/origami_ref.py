@@ -951,10 +951,18 @@ def origami_train(config, init, data, metrics, steps, micro_batch, global_batch,
             "--grad-clip", repr(float(grad_clip)), "--data-order", "sequential",
             "--metrics", metrics, "--threads", threads]
     if save:
-        args += ["--save", save]
+        args += ["--save", save]  # writes save/step-<steps>/ (one shard file per rank), save/latest
     run_origami(args + routing_cli_args(routing, train=True))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def origami_export(checkpoint, out, optimizer=False):
+    """`origami ckpt export CHECKPOINT --hf OUT`: a --save directory (its newest step) as a Hugging
+    Face directory, OUT/config.json + OUT/model.safetensors (+ tokenizer.json; with optimizer also
+    optimizer.safetensors and trainer_state.json). Returns OUT."""
+    run_origami(["ckpt", "export", checkpoint, "--hf", out] + (["--optimizer"] if optimizer else []))
+    return out
 
 
 # --------------------------------------------------------------------------------------

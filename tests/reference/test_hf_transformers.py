@@ -1,13 +1,14 @@
 """Hugging Face compatibility of origami's checkpoints.
 
-For gpt2, llama, mixtral and qwen2_moe: `origami train --steps 2 --save DIR`, then
-  - transformers' AutoModelForCausalLM.from_pretrained(DIR) must build the right class
+For gpt2, llama, mixtral and qwen2_moe: `origami train --steps 2 --save DIR` (DIR/step-2, one
+shard file per rank), then `origami ckpt export DIR --hf HF`, then
+  - transformers' AutoModelForCausalLM.from_pretrained(HF) must build the right class
     with no missing / unexpected / mismatched weights, and its logits (float64) must equal
-    the reference's logits for DIR/model.safetensors (1e-4);
-  - `origami dump --init-from DIR/model.safetensors --config DIR/config.json` logits agree;
+    the reference's logits for HF/model.safetensors (1e-4);
+  - `origami dump --init-from HF/model.safetensors --config HF/config.json` logits agree;
   - the saved weights equal the reference's weights after the same 2 steps, measured
     against the size of the update (1e-3 overall, 5e-3 per tensor; see below why not
-    per element), and DIR/config.json keeps the model's shape fields.
+    per element), and HF/config.json keeps the model's shape fields.
 """
 import os
 import sys
@@ -45,10 +46,11 @@ def check_model(name, report, tmp, data):
                       ARGS["micro_batch"], ARGS["global_batch"], T, ARGS["lr"], ARGS["min_lr"],
                       ARGS["warmup"], ARGS["schedule"], ARGS["weight_decay"], ARGS["grad_clip"],
                       save=save)
-    st, cj = os.path.join(save, "model.safetensors"), os.path.join(save, "config.json")
+    hf = ref.origami_export(save, os.path.join(tmp, f"{name}_hf"))
+    st, cj = os.path.join(hf, "model.safetensors"), os.path.join(hf, "config.json")
     for p in (st, cj):
         if not os.path.isfile(p):
-            report.fail(f"{name}: --save", f"{p} not written")
+            report.fail(f"{name}: --save + ckpt export", f"{p} not written")
             return
     saved_cfg = ref.load_config(cj)
     fields = SHAPE_FIELDS + tuple(f for f in OPTIONAL_SHAPE_FIELDS if f in cfg)
@@ -58,7 +60,7 @@ def check_model(name, report, tmp, data):
         report.fail(f"{name}: saved config.json", "differs in " + ", ".join(
             f"{f}: {cfg.get(f)!r} -> {saved_cfg.get(f)!r}" for f in diff))
 
-    model, info = AutoModelForCausalLM.from_pretrained(save, output_loading_info=True,
+    model, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True,
                                                        attn_implementation="eager")
     if type(model).__name__ != CLASSES[name]:
         report.fail(f"{name}: HF class", f"{type(model).__name__}, expected {CLASSES[name]}")

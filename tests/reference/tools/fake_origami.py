@@ -4,14 +4,17 @@
 Only for testing the reference tests themselves (the harness, the CLI contract, and that
 an exact float32 engine passes the tolerances):
     ORIGAMI_BIN=tests/reference/tools/fake_origami.py /usr/bin/python3 tests/reference/test_training.py
-Implements `data prepare --tokenizer byte`, `dump` and `train` as the spec describes,
-with the --moe-* routing flags.
+Implements `data prepare --tokenizer byte`, `dump`, `train` and `ckpt export` as the spec
+describes, with the --moe-* routing flags. `train --save DIR` commits DIR/step-N and DIR/latest as
+origami does, but the step directory holds the weights as config.json + model.safetensors (no
+per-rank shards, no optimizer state); `ckpt export` (without --optimizer) copies them out.
 Byte tokenizer, --split auto (ref.byte_documents): a fortune file's records, else the whole
 file, are the documents, each followed by end-of-document 256.
 """
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -209,7 +212,30 @@ def train(argv):
                 m.pop("router_bias")
             f.write(json.dumps(m) + "\n")
     if a.save:
-        ref.write_hf_dir(cfg, params, a.save)
+        step = f"step-{a.steps}"
+        ref.write_hf_dir(cfg, params, os.path.join(a.save, step))
+        with open(os.path.join(a.save, "latest"), "w") as f:
+            f.write(step + "\n")
+
+
+def ckpt(argv):
+    if argv[:1] != ["export"]:
+        sys.exit(f"fake origami: unsupported ckpt subcommand {argv[:1]}")
+    p = argparse.ArgumentParser(prog="origami ckpt export")
+    p.add_argument("checkpoint")
+    p.add_argument("--hf", required=True)
+    p.add_argument("--optimizer", action="store_true")
+    a = p.parse_args(argv[1:])
+    if a.optimizer:
+        sys.exit("fake origami: checkpoints hold no optimizer state")
+    src = a.checkpoint
+    latest = os.path.join(src, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            src = os.path.join(src, f.read().strip())
+    os.makedirs(a.hf, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(os.path.join(src, name), os.path.join(a.hf, name))
 
 
 def main():
@@ -220,6 +246,8 @@ def main():
         return dump(argv[1:])
     if argv[:1] == ["train"]:
         return train(argv[1:])
+    if argv[:1] == ["ckpt"]:
+        return ckpt(argv[1:])
     sys.exit(f"fake origami: unsupported command {argv[:2]}")
 
 

@@ -1,0 +1,139 @@
+// origami ckpt: look into checkpoints and convert them to Hugging Face directories.
+#include <cstdio>
+#include <cstring>
+
+#include "ckpt/checkpoint.h"
+#include "commands.h"
+#include "core/args.h"
+#include "core/error.h"
+#include "core/io.h"
+
+namespace origami {
+
+namespace {
+
+const char* kCkptUsage =
+    "usage: origami ckpt <subcommand> CHECKPOINT [options]\n\n"
+    "subcommands:\n"
+    "  info     the step, the layout that saved it, every tensor's global shape and the bytes per rank\n"
+    "  export   write a Hugging Face model directory (transformers loads it)\n\n"
+    "CHECKPOINT: a --save directory (its newest committed step), one step-N in it, an exported directory,\n"
+    "a Hugging Face model directory or a .safetensors file.\n";
+
+// `ckpt SUB CHECKPOINT --opts`: the checkpoint is the first word after the subcommand (or --checkpoint).
+std::string take_checkpoint(int& argc, char**& argv, Args& a) {
+  a.option("checkpoint", "PATH", "the checkpoint (or give it as the first argument)");
+  std::string path;
+  if (argc >= 2 && argv[1][0] != '-') {
+    path = argv[1];
+    argv[1] = argv[0];
+    --argc, ++argv;
+  }
+  return path;
+}
+
+std::string format_mb(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MB", double(bytes) / 1e6);
+  return buf;
+}
+
+int ckpt_info(int argc, char** argv) {
+  Args a("ckpt info", "Print a checkpoint's step, the layout that saved it, every tensor's global shape and the\n"
+                      "bytes each rank wrote.");
+  std::string path = take_checkpoint(argc, argv, a);
+  if (!a.parse(argc, argv)) return 0;
+  if (path.empty()) path = a.str("checkpoint");
+  ORIGAMI_CHECK(!path.empty(), "give the checkpoint: origami ckpt info DIR");
+  Checkpoint ck = Checkpoint::open(path);
+  const nlohmann::json& st = ck.trainer_state();
+  std::printf("checkpoint %s\n", ck.path().c_str());
+  std::printf("form: %s\n", ck.sharded() ? "origami sharded (one file per rank)"
+                            : ck.has_optimizer() ? "origami single-file (weights, optimizer state)"
+                                                 : "weights only (Hugging Face)");
+  if (!st.is_null() && st.contains("step")) std::printf("step: %lld\n", (long long)st["step"].get<int64_t>());
+  if (ck.sharded()) {
+    const nlohmann::json& m = ck.metadata();
+    const nlohmann::json& l = m["layout"];
+    std::printf("saved by: %d ranks, %s\n", l.value("world", 0), l.value("description", std::string("?")).c_str());
+    int64_t total = 0;
+    std::printf("bytes per rank:");
+    for (const auto& f : m["files"]) {
+      std::printf(" %s", format_mb(f["bytes"].get<int64_t>()).c_str());
+      total += f["bytes"].get<int64_t>();
+    }
+    std::printf(" (%s in %zu files)\n", format_mb(total).c_str(), m["files"].size());
+    int64_t params = 0;
+    std::printf("tensors (%zu):\n", m["tensors"].size());
+    for (const auto& [name, t] : m["tensors"].items()) {
+      const auto shape = t["shape"].get<std::vector<int64_t>>();
+      int64_t n = 1;
+      std::string s = "[";
+      for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? ", " : "", shape[i]), n *= shape[i];
+      params += n;
+      int pieces = 0;
+      for (const auto& p : m["pieces"])
+        if (p[0] == "weight" && p[1] == name) ++pieces;
+      std::printf("  %-48s %-16s %s, %d weight piece%s\n", name.c_str(), (s + "]").c_str(),
+                  t["dtype"].get<std::string>().c_str(), pieces, pieces == 1 ? "" : "s");
+    }
+    std::printf("parameters: %lld\n", (long long)params);
+    return 0;
+  }
+  // The other forms: what the file headers say.
+  std::string cfg_path = ck.config_path();
+  ORIGAMI_CHECK(!cfg_path.empty(), "'", ck.path(), "' has no config.json beside it: nothing more to show");
+  const ModelConfig cfg = load_model_config(cfg_path);
+  ck.bind(cfg);
+  for (const ParamSpec& p : make_param_table(cfg)) {
+    std::string s = "[";
+    for (size_t i = 0; i < p.shape.size(); ++i) s += cat(i ? ", " : "", p.shape[i]);
+    std::printf("  %-48s %s\n", p.name.c_str(), (s + "]").c_str());
+  }
+  std::printf("parameters: %lld\n", (long long)num_parameters(cfg));
+  return 0;
+}
+
+int ckpt_export(int argc, char** argv) {
+  Args a("ckpt export", "Write a Hugging Face model directory from any checkpoint: config.json, model.safetensors\n"
+                        "(or shards with model.safetensors.index.json above --max-shard-gb, the Hub's layout) and\n"
+                        "tokenizer.json when the checkpoint has one. With --optimizer also optimizer.safetensors and\n"
+                        "trainer_state.json: the result is an origami checkpoint that --resume continues.");
+  std::string path = take_checkpoint(argc, argv, a);
+  a.option("hf", "OUT", "output directory")
+      .option("max-shard-gb", "X", "largest weights file in GB (10^9 bytes)", "5")
+      .flag("optimizer", "also write the AdamW moments and the trainer state");
+  if (!a.parse(argc, argv)) return 0;
+  if (path.empty()) path = a.str("checkpoint");
+  ORIGAMI_CHECK(!path.empty(), "give the checkpoint: origami ckpt export DIR --hf OUT");
+  ORIGAMI_CHECK(a.has("hf"), "give the output directory: --hf OUT");
+  const double gb = a.number("max-shard-gb");
+  ORIGAMI_CHECK(gb > 0, "--max-shard-gb must be positive, got ", gb);
+  Checkpoint ck = Checkpoint::open(path);
+  ORIGAMI_CHECK(!ck.config_path().empty(), "'", ck.path(), "' has no config.json beside it");
+  const ModelConfig cfg = load_model_config(ck.config_path());
+  ck.bind(cfg);
+  const int files = export_checkpoint(ck, cfg, a.str("hf"), int64_t(gb * 1e9), a.on("optimizer"));
+  std::printf("exported %s to %s (%d weights file%s%s)\n", ck.path().c_str(), a.str("hf").c_str(), files,
+              files == 1 ? "" : "s", a.on("optimizer") ? ", optimizer state" : "");
+  return 0;
+}
+
+}  // namespace
+
+int cmd_ckpt(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kCkptUsage, stderr);
+    fail("a subcommand is required (info or export)");
+  }
+  const std::string sub = argv[1];
+  if (sub == "--help" || sub == "-h") {
+    std::fputs(kCkptUsage, stdout);
+    return 0;
+  }
+  if (sub == "info") return ckpt_info(argc - 1, argv + 1);
+  if (sub == "export") return ckpt_export(argc - 1, argv + 1);
+  fail("unknown subcommand '", sub, "' (known: info, export; see 'origami ckpt --help')");
+}
+
+}  // namespace origami

@@ -1,0 +1,98 @@
+// Universal checkpoints' building blocks: the checksum, and shard_runs (where a piece's elements lie
+// in the global tensor), on which every reshard depends.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/checkpoint.h"
+#include "core/checksum.h"
+
+using origami::Checksum;
+using origami::ParamSpec;
+using origami::shard_runs;
+using origami::ShardRun;
+
+namespace {
+
+std::string bytes(size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = char((i * 131 + 7) & 0xff);
+  return s;
+}
+
+std::string sum(const std::string& s, const std::vector<size_t>& cuts) {
+  Checksum c;
+  size_t at = 0;
+  for (size_t cut : cuts) {
+    c.update(s.data() + at, cut - at);
+    at = cut;
+  }
+  c.update(s.data() + at, s.size() - at);
+  return c.hex();
+}
+
+}  // namespace
+
+TEST(Checksum, SameForAnySplitOfTheStream) {
+  const std::string s = bytes(1000);
+  const std::string whole = sum(s, {});
+  EXPECT_EQ(whole.size(), 16u);
+  EXPECT_EQ(sum(s, {1}), whole);
+  EXPECT_EQ(sum(s, {31, 32, 33, 500, 999}), whole);
+  EXPECT_EQ(sum(s, {64, 96}), whole);
+}
+
+TEST(Checksum, AFlippedBitOrAShorterStreamChangesIt) {
+  const std::string s = bytes(4096);
+  const std::string whole = sum(s, {});
+  for (size_t at : {size_t(0), size_t(31), size_t(2048), size_t(4095)}) {
+    std::string t = s;
+    t[at] = char(t[at] ^ 0x10);
+    EXPECT_NE(sum(t, {}), whole) << "bit flipped at " << at;
+  }
+  EXPECT_NE(sum(s.substr(0, 4095), {}), whole);
+  EXPECT_NE(sum(s + std::string(1, '\0'), {}), whole);  // a zero byte appended
+}
+
+// A tensor [R, K] split over TP on `dim` (optionally in `parts` blocks, padded): the TP ranks' shard
+// runs cover each global element exactly once, and a piece [begin, end) of a shard maps to the
+// same global elements as the whole shard's runs restricted to it.
+void check_split(int dim, int parts, bool pad, int tp, int64_t R, int64_t K) {
+  ParamSpec p;
+  p.name = "w";
+  p.shape = {R, K};
+  p.split.dim = dim;
+  p.split.parts = parts;
+  p.split.pad = pad;
+  std::vector<int> hits(size_t(R * K), 0);
+  for (int r = 0; r < (dim < 0 ? 1 : tp); ++r) {  // a replicated tensor: every rank holds it all
+    const int64_t n = p.local_numel(tp);
+    std::vector<int64_t> global_of(size_t(n), -1);  // the shard's element → its global offset
+    for (const ShardRun& run : shard_runs(p, tp, r, 0, n))
+      for (int64_t i = 0; i < run.n; ++i) {
+        global_of[size_t(run.local + i)] = run.global + i;
+        ++hits[size_t(run.global + i)];
+      }
+    for (int64_t b : {int64_t(0), n / 3, n / 2})
+      for (int64_t e : {n / 2 + 1, n - 1, n}) {
+        if (e <= b) continue;
+        int64_t last = -1;
+        for (const ShardRun& run : shard_runs(p, tp, r, b, e)) {
+          EXPECT_GE(run.local, 0);
+          EXPECT_LE(run.local + run.n, e - b);
+          EXPECT_GT(run.global, last);  // ascending in the global offset
+          last = run.global + run.n - 1;
+          for (int64_t i = 0; i < run.n; ++i) EXPECT_EQ(global_of[size_t(b + run.local + i)], run.global + i);
+        }
+      }
+  }
+  for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "global element " << i;
+}
+
+TEST(ShardRuns, RowSplit) { check_split(0, 1, false, 2, 8, 5); }
+TEST(ShardRuns, ColumnSplit) { check_split(1, 1, false, 4, 6, 8); }
+TEST(ShardRuns, FusedBlocksSplitEach) { check_split(1, 3, false, 2, 4, 12); }
+TEST(ShardRuns, PaddedVocabulary) { check_split(0, 1, true, 4, 257, 3); }
+TEST(ShardRuns, Replicated) { check_split(-1, 1, false, 2, 3, 4); }
