@@ -26,9 +26,11 @@ OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1, OMP_WAIT_POLICY=passive, --threads 1, mp
 at the size this machine allows) on the Mixtral case (c) and (c16) (16 experts, top-2): EP2 (DP2
 attention), EP2 with TP2 attention (folded, ETP1), EP4 (DP4 attention, 4 ranks on the 2 cores) and
 EP2xETP2 (4 ranks), against DP2 and TP2; it also reports the receive imbalance (`expert_imbalance`:
-the most expert-side rows a rank computed over the mean) and the dispatcher's bytes per axis (ep,
-etp; their exactness against the routed counts is tests/parallel/test_expert_parallel.py's).
-Targets: CPU ratio EP2 <= 1.15, EP4 <= 1.25.
+the most expert-side rows a rank computed over the mean), the dispatcher's bytes per axis (ep,
+etp; their exactness against the routed counts is tests/parallel/test_expert_parallel.py's) and the
+dispatcher overhead: rank 0's time in regrouping rows, permute and weighted combine (forward and
+backward, the exchanges excluded) over its MoE layers' time (the `moe_times` metric).
+Targets: CPU ratio EP2 <= 1.15, EP4 <= 1.25; dispatcher overhead <= 5%.
 
 Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--layouts dense|moe] [--rounds 3] [--steps 4] [--warmup 1]
 """
@@ -90,8 +92,13 @@ def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
     for r in recs:
         for k, v in (r.get("comm_bytes") or {}).items():
             comm.setdefault(k, []).append(v)
+    # MoE: the dispatcher's own work (regrouping rows, permute and combine, excluding the exchanges)
+    # as a share of rank 0's MoE layer time.
+    overhead = [(r["moe_times"]["regroup_s"] + r["moe_times"]["permute_s"]) / r["moe_times"]["layer_s"]
+                for r in recs if r.get("moe_times", {}).get("layer_s")]
     return {"ms": med("ms"), "tokens_per_s": med("tokens_per_s"), "cpu_s": med("cpu_s"), "wall_s": wall,
             "imbalance": med("expert_imbalance"),
+            "dispatch_overhead": statistics.median(overhead) if overhead else float("nan"),
             "comm": {k: statistics.median(v) for k, v in comm.items()}, "layout": recs[0].get("layout", "")}
 
 
@@ -164,13 +171,14 @@ def main():
                          ", ".join("%s %s" % (k, fmt_bytes(v)) for k, v in sorted(m["comm"].items())) or "-",
                          "%.3f / %.3f" % (m["cpu_s"], ref["cpu_s"]), "%.3f" % ratio, "%.3f" % (m["cpu_s"] / refB["cpu_s"]),
                          "%.2f" % statistics.median(x["imbalance"] for x in m["rounds"]),
+                         "%.1f%%" % (100 * statistics.median(x["dispatch_overhead"] for x in m["rounds"])),
                          "<= %.2f %s" % (target, "met" if ratio <= target else "NOT met")))
     print()
     print("Medians over %d rounds of %d measured steps; ranks x 1 thread vs 1 rank x 1 thread, cores %s." % (
         a.rounds, a.steps, a.cores))
     print(h.fmt_table(("case", "layout", "tok/s", "best round tok/s", "1-rank tok/s (same micro-batch)", "speed-up",
                        "bytes sent per step, rank 0", "CPU s/step all ranks / 1 rank", "CPU ratio", "vs 1 rank B",
-                       "expert imbalance", "target"), rows))
+                       "expert imbalance", "dispatcher overhead (of the MoE layers' time)", "target"), rows))
     load1 = os.getloadavg()
     print("load average: start %.2f %.2f %.2f, end %.2f %.2f %.2f; total %.0f s" % (*load0, *load1, time.time() - t_start))
     print("(CPU time includes MPI's polling while a rank waits for its peer: on a machine shared with other work,\n"

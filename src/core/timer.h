@@ -16,4 +16,19 @@ class Timer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// Adds the seconds from its construction to its destruction to `total` (a scope's share of a sum).
+class Stopwatch {
+ public:
+  explicit Stopwatch(double& total) : total_(total) {}
+  ~Stopwatch() {
+    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  Stopwatch(const Stopwatch&) = delete;
+  Stopwatch& operator=(const Stopwatch&) = delete;
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 }  // namespace origami

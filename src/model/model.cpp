@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "core/timer.h"
 #include "kernels/cpu/gemm.h"
 #include "model/layers/activation.h"
 #include "model/layers/attention.h"
@@ -309,6 +310,8 @@ void Model::reset_expert_counts() {
   expert_counts_.assign(L, std::vector<int64_t>(E, 0));
   expert_dropped_.assign(L, 0);
   expert_rows_ = 0;
+  moe_layer_s_ = 0;
+  dispatcher_.times() = {};
   global_counts_.assign(L, {});
   global_frac_.clear();
 }
@@ -635,6 +638,7 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
 // the tokens (TensorParallel::share); the outputs are gathered back to every TP rank's local buffer.
 // `losses` (null when recomputing) receives the router losses of the share and the routed counts.
 void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses* losses) {
+  const Stopwatch watch(moe_layer_s_);
   const ModelConfig& c = cfg_;
   const LayerOffsets& o = layers_[size_t(l)];
   Scratch& s = *scratch_;
@@ -664,6 +668,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
 // d_ln ← ∂/∂norm2(mid) [Nl, C] from d_res = ∂/∂out [Nl, C]: the share's part, gathered. The router's
 // gradient is the share's part too (a token-partial tensor, reduced over TP with the gradients).
 void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const float* d_res, float loss_scale) {
+  const Stopwatch watch(moe_layer_s_);
   const ModelConfig& c = cfg_;
   const LayerOffsets& o = layers_[size_t(l)];
   Scratch& s = *scratch_;

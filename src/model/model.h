@@ -156,7 +156,11 @@ class Model {
   const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
   const std::vector<int64_t>& expert_dropped() const { return expert_dropped_; }
   int64_t expert_rows() const { return expert_rows_; }
-  void reset_expert_counts();
+  // Seconds this rank spent in its MoE layers (forward and backward, exchanges included) since the
+  // last reset, and the dispatcher's share of them (DispatchTimes).
+  double moe_layer_s() const { return moe_layer_s_; }
+  const DispatchTimes& dispatch_times() { return dispatcher_.times(); }
+  void reset_expert_counts();  // also the MoE times
   // Aux-loss-free balancing (routing.bias_rate > 0): the per-expert selection bias of every layer
   // ([L][E]; empty when off), and its update after a step from the step's load, [L][E] tokens per
   // expert summed over every rank: b_e += rate·sign(mean load − load_e).
@@ -238,6 +242,7 @@ class Model {
   std::vector<std::vector<int64_t>> expert_counts_;
   std::vector<int64_t> expert_dropped_;
   int64_t expert_rows_ = 0;
+  double moe_layer_s_ = 0;
   std::vector<std::vector<float>> router_bias_;            // [L][E] (aux-loss-free balancing)
   std::vector<GlobalCounts> global_counts_;                // [L] AuxLoss::global: the step's counts so far
   std::map<std::pair<int64_t, int>, std::vector<double>> global_frac_;  // (layer, micro-batch) → φ used

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/timer.h"
 
 namespace origami {
 
@@ -40,6 +41,7 @@ void TokenDispatcher::global_counts(int64_t* counts, int64_t n) { tokens_->all_r
 void TokenDispatcher::replica_counts(int64_t* counts, int64_t n) { replicas_->all_reduce(counts, n); }
 
 void TokenDispatcher::plan(DispatchPlan& p, const int64_t* count_E, int64_t E) {
+  const Stopwatch watch(times_.exchange_s);
   const int64_t EP = ep(), ETP = etp(), El = local_experts(E);
   p.send.assign(size_t(EP), 0);
   for (int64_t a = 0; a < EP; ++a)
@@ -96,8 +98,12 @@ void TokenDispatcher::to_experts(T* out, const T* in, const DispatchPlan& p, int
   // The all-to-all lands this peer's rows at its place in the gathered buffer; the all-gather fills
   // in the other peers' rows around them (in place).
   T* gathered = at_least(buf.gathered, p.rows * C);
-  ep_->all_to_allv(gathered + n.mine, n.recv.data(), in, n.send.data(), dtype_of<T>());
-  etp_->all_gather_v(gathered, gathered + n.mine, n.peer.data(), dtype_of<T>());
+  {
+    const Stopwatch watch(times_.exchange_s);
+    ep_->all_to_allv(gathered + n.mine, n.recv.data(), in, n.send.data(), dtype_of<T>());
+    etp_->all_gather_v(gathered, gathered + n.mine, n.peer.data(), dtype_of<T>());
+  }
+  const Stopwatch watch(times_.regroup_s);
   regroup(out, gathered, p, C, true);
 }
 
@@ -105,7 +111,11 @@ template <typename T>
 void TokenDispatcher::from_experts(T* out, const T* in, const DispatchPlan& p, int64_t C, DispatchBuffers<T>& buf) {
   const Counts n = counts(p, C);
   T* gathered = at_least(buf.gathered, p.rows * C);
-  regroup(gathered, in, p, C, false);
+  {
+    const Stopwatch watch(times_.regroup_s);
+    regroup(gathered, in, p, C, false);
+  }
+  const Stopwatch watch(times_.exchange_s);
   const T* mine = gathered;  // one ETP rank: its rows are the whole buffer, already complete
   if (etp() > 1) {
     T* sum = at_least(buf.mine, n.peer[size_t(etp_rank())]);

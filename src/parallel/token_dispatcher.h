@@ -38,6 +38,14 @@ struct DispatchPlan {
   int64_t rows = 0;                  // expert-side rows in all (Σ counts)
 };
 
+// Where an MoE layer's time goes, summed over calls until reset (the dispatcher-overhead figure of the
+// metrics): the exchanges themselves (counts, all-to-all-v, ETP gather / reduce-scatter), the
+// dispatcher's regrouping of rows between source and expert order, and the layer's permute and
+// weighted combine (with their backward), which moe.cpp adds.
+struct DispatchTimes {
+  double exchange_s = 0, regroup_s = 0, permute_s = 0;
+};
+
 // Work buffers of the exchanges (kept by the caller across calls, sized for the worst case up front).
 template <typename T>
 struct DispatchBuffers {
@@ -57,6 +65,7 @@ class TokenDispatcher {
   int64_t first_expert(int64_t E) const { return ep_->rank() * local_experts(E); }
   int64_t token_ranks() const { return tokens_->size(); }
   int64_t replicas() const { return replicas_->size(); }
+  DispatchTimes& times() { return times_; }
   // Most expert-side rows one call can bring to a rank (any imbalance), when every rank routes n
   // tokens to K experts each: dropless, a token sends at most min(K, El) rows to one EP rank, and
   // the rank serves the tokens of EP sources times ETP peers; with a capacity `cap` (0: none) each
@@ -89,6 +98,7 @@ class TokenDispatcher {
   template <typename T>
   void regroup(T* out, const T* in, const DispatchPlan& p, int64_t C, bool to_expert_order) const;
   Comm *tokens_, *replicas_, *ep_, *etp_;
+  DispatchTimes times_;
 };
 
 }  // namespace origami

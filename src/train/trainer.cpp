@@ -763,6 +763,11 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
         }
         j["expert_rows"] = rows;
         j["expert_imbalance"] = imbalance;
+        // Rank 0's MoE layers: their time, the exchanges', and the dispatcher's own work (regrouping,
+        // permute and combine), the overhead the exchanges do not explain.
+        const DispatchTimes& dt = model.dispatch_times();
+        j["moe_times"] = {{"layer_s", model.moe_layer_s()}, {"exchange_s", dt.exchange_s}, {"regroup_s", dt.regroup_s},
+                          {"permute_s", dt.permute_s}};
       }
       *metrics << j.dump() << "\n";
       metrics->flush();

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/gemm.h"
 #include "core/error.h"
+#include "core/timer.h"
 #include "model/layers/activation.h"
 
 namespace origami {
@@ -89,24 +90,27 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
   }
   // Permute: counting sort of the kept assignments by expert (stable: token order within an expert);
   // padding rows after each expert's own.
-  std::fill(c.count_E.begin(), c.count_E.end(), 0);
-  for (int64_t i = 0; i < R; ++i)
-    if (c.row_NK[size_t(i)] >= 0) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
-  std::vector<int64_t> kept(c.count_E);
-  if (s.pad) std::fill(c.count_E.begin(), c.count_E.end(), s.cap);
-  c.expert_begin[0] = 0;
-  for (int64_t e = 0; e < E; ++e) c.expert_begin[size_t(e + 1)] = c.expert_begin[size_t(e)] + c.count_E[size_t(e)];
-  {
-    std::vector<int64_t> next(c.expert_begin.begin(), c.expert_begin.end() - 1);
-    for (int64_t i = 0; i < R; ++i)
-      if (c.row_NK[size_t(i)] >= 0) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
-  }
   T* xs = scratch.xs_RC.data();
+  {
+    const Stopwatch permute(d.times().permute_s);
+    std::fill(c.count_E.begin(), c.count_E.end(), 0);
+    for (int64_t i = 0; i < R; ++i)
+      if (c.row_NK[size_t(i)] >= 0) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
+    std::vector<int64_t> kept(c.count_E);
+    if (s.pad) std::fill(c.count_E.begin(), c.count_E.end(), s.cap);
+    c.expert_begin[0] = 0;
+    for (int64_t e = 0; e < E; ++e) c.expert_begin[size_t(e + 1)] = c.expert_begin[size_t(e)] + c.count_E[size_t(e)];
+    {
+      std::vector<int64_t> next(c.expert_begin.begin(), c.expert_begin.end() - 1);
+      for (int64_t i = 0; i < R; ++i)
+        if (c.row_NK[size_t(i)] >= 0) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
+    }
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < R; ++i)
-    if (c.row_NK[size_t(i)] >= 0) std::memcpy(xs + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));
-  for (int64_t e = 0; e < E; ++e)  // padding rows: zeros in, zeros out of the expert
-    std::fill(xs + (c.expert_begin[size_t(e)] + kept[size_t(e)]) * C, xs + c.expert_begin[size_t(e + 1)] * C, T(0));
+    for (int64_t i = 0; i < R; ++i)
+      if (c.row_NK[size_t(i)] >= 0) std::memcpy(xs + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));
+    for (int64_t e = 0; e < E; ++e)  // padding rows: zeros in, zeros out of the expert
+      std::fill(xs + (c.expert_begin[size_t(e)] + kept[size_t(e)]) * C, xs + c.expert_begin[size_t(e + 1)] * C, T(0));
+  }
   // The exchange.
   c.tokens_total = N * d.token_ranks();
   d.plan(c.plan, c.count_E.data(), E);
@@ -125,16 +129,19 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
   }
   d.from_experts(c.y_RC.data(), ye, c.plan, C, scratch.dispatch);
   // Combine.
+  {
+    const Stopwatch combine(d.times().permute_s);
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    T* o = out + n * C;
-    std::fill(o, o + C, T(0));
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t row = c.row_NK[size_t(n * K + k)];
-      if (row < 0) continue;
-      const T w = c.weight_NK[size_t(n * K + k)];
-      const T* y = c.y_RC.data() + row * C;
-      for (int64_t ch = 0; ch < C; ++ch) o[ch] += w * y[ch];
+    for (int64_t n = 0; n < N; ++n) {
+      T* o = out + n * C;
+      std::fill(o, o + C, T(0));
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t row = c.row_NK[size_t(n * K + k)];
+        if (row < 0) continue;
+        const T w = c.weight_NK[size_t(n * K + k)];
+        const T* y = c.y_RC.data() + row * C;
+        for (int64_t ch = 0; ch < C; ++ch) o[ch] += w * y[ch];
+      }
     }
   }
   // The aux loss's fractions φ (counted over the token group, and for `global` over the step so far).
@@ -189,25 +196,28 @@ void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& 
   T *dye = scratch.e_RC.data(), *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
   // Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)] (0 when dropped);
   // padding rows get zeros.
-  for (int64_t e = 0; e < E; ++e)
-    std::fill(dy + c.expert_begin[size_t(e)] * C, dy + c.expert_begin[size_t(e + 1)] * C, T(0));
+  {
+    const Stopwatch combine(d.times().permute_s);
+    for (int64_t e = 0; e < E; ++e)
+      std::fill(dy + c.expert_begin[size_t(e)] * C, dy + c.expert_begin[size_t(e + 1)] * C, T(0));
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < R; ++i) {
-    const int64_t row = c.row_NK[size_t(i)];
-    if (row < 0) {
-      dweight[i] = 0;
-      continue;
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t row = c.row_NK[size_t(i)];
+      if (row < 0) {
+        dweight[i] = 0;
+        continue;
+      }
+      const T* dn = dout + (i / K) * C;
+      const T* y = c.y_RC.data() + row * C;
+      T* g = dy + row * C;
+      const T w = c.weight_NK[size_t(i)];
+      T dot = 0;
+      for (int64_t ch = 0; ch < C; ++ch) {
+        g[ch] = w * dn[ch];
+        dot += dn[ch] * y[ch];
+      }
+      dweight[i] = dot;
     }
-    const T* dn = dout + (i / K) * C;
-    const T* y = c.y_RC.data() + row * C;
-    T* g = dy + row * C;
-    const T w = c.weight_NK[size_t(i)];
-    T dot = 0;
-    for (int64_t ch = 0; ch < C; ++ch) {
-      g[ch] = w * dn[ch];
-      dot += dn[ch] * y[ch];
-    }
-    dweight[i] = dot;
   }
   // Return's backward is a dispatch; the experts' backward overwrites dye with ∂/∂xe, expert by
   // expert (its rows of dye are dead once its dact and dw2 are computed); dispatch's backward returns them.
@@ -228,6 +238,7 @@ void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& 
   T* dxs = dy;
   d.from_experts(dxs, dye, c.plan, C, scratch.dispatch);
   // Unpermute: dx[n] = Σ_{kept k} dxs[row(n,k)].
+  const Stopwatch unpermute(d.times().permute_s);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     T* dn = dx + n * C;
