@@ -113,6 +113,7 @@ int ckpt_export(int argc, char** argv) {
   ORIGAMI_CHECK(!ck.config_path().empty(), "'", ck.path(), "' has no config.json beside it");
   const ModelConfig cfg = load_model_config(ck.config_path());
   ck.bind(cfg);
+  ck.verify_checksums(0, 1);  // a damaged shard is refused, not exported
   const int files = export_checkpoint(ck, cfg, a.str("hf"), int64_t(gb * 1e9), a.on("optimizer"));
   std::printf("exported %s to %s (%d weights file%s%s)\n", ck.path().c_str(), a.str("hf").c_str(), files,
               files == 1 ? "" : "s", a.on("optimizer") ? ", optimizer state" : "");

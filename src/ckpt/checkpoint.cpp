@@ -58,17 +58,22 @@ std::string canonical_name(const ModelConfig& cfg, const std::string& name) {
 
 bool is_step_dir(const fs::path& p) { return fs::exists(p / "metadata.json"); }
 
-// The committed step-N directories of a --save directory, by step.
-std::map<int64_t, fs::path> committed_steps(const fs::path& dir) {
-  std::map<int64_t, fs::path> out;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
+}  // namespace
+
+std::map<int64_t, std::string> committed_steps(const std::string& dir) {
+  std::map<int64_t, std::string> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     long long n = 0;
     char tail = 0;
-    if (std::sscanf(name.c_str(), "step-%lld%c", &n, &tail) == 1 && is_step_dir(e.path())) out[n] = e.path();
+    if (std::sscanf(name.c_str(), "step-%lld%c", &n, &tail) == 1 && is_step_dir(it->path())) out[n] = it->path().string();
   }
+  ORIGAMI_CHECK(!ec, "cannot list checkpoint directory '", dir, "': ", ec.message());
   return out;
 }
+
+namespace {
 
 // What `path` names, resolved to a file or a directory holding the checkpoint's files.
 fs::path resolve(const std::string& path) {
@@ -80,11 +85,10 @@ fs::path resolve(const std::string& path) {
     std::string name = read_file_bytes((p / "latest").string());
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
     if (is_step_dir(p / name)) return p / name;
-    // A crash between replacing a step and updating `latest` can leave it naming nothing: fall
-    // back to the newest committed step.
+    // `latest` names a step removed by hand: fall back to the newest committed step.
   }
-  const auto steps = committed_steps(p);
-  if (!steps.empty()) return steps.rbegin()->second;
+  const auto steps = committed_steps(p.string());
+  if (!steps.empty()) return fs::path(steps.rbegin()->second);
   if (fs::exists(p / "model.safetensors") || fs::exists(p / "model.safetensors.index.json")) return p;
   fail("'", path, "' holds no checkpoint: no latest, no step-N/metadata.json, no model.safetensors and no "
        "model.safetensors.index.json");
@@ -116,7 +120,7 @@ void copy_elements(const SafetensorsFile& f, const TensorInfo& t, int64_t at, in
 }  // namespace
 
 bool Checkpoint::committed_in(const std::string& dir) {
-  return fs::is_directory(dir) && !committed_steps(dir).empty();
+  return fs::is_directory(dir) && (fs::exists(fs::path(dir) / "latest") || !committed_steps(dir).empty());
 }
 
 std::string Checkpoint::config_of(const std::string& path) {
@@ -168,14 +172,19 @@ Checkpoint Checkpoint::open(const std::string& path) {
       e.split.dim = sp.at("dim").get<int>();
       e.split.parts = sp.at("parts").get<int>();
       e.split.pad = sp.at("pad").get<bool>();
+      ORIGAMI_CHECK(e.split.parts >= 1 && e.split.dim < int(e.shape.size()), "'", meta_path, "': tensor '", name,
+                    "' has a bad split rule ", sp.dump());
       ck.tensors_[name] = std::move(e);
     }
     for (const auto& pc : m.at("pieces")) {  // [kind, tensor, file, tp, tp_rank, begin, end]
       const std::string kind = pc.at(0).get<std::string>(), name = pc.at(1).get<std::string>();
       int k = 0;
       while (k < kStateKinds && kind != state_kind_name(StateKind(k))) ++k;
-      ORIGAMI_CHECK(k < kStateKinds && ck.tensors_.count(name) && pc.at(2).get<size_t>() < ck.files_.size(), "'",
-                    meta_path, "': bad piece ", pc.dump());
+      const int tp = pc.at(3).get<int>(), tp_rank = pc.at(4).get<int>();
+      const int64_t begin = pc.at(5).get<int64_t>(), end = pc.at(6).get<int64_t>();
+      ORIGAMI_CHECK(k < kStateKinds && ck.tensors_.count(name) && pc.at(2).get<size_t>() < ck.files_.size() && tp >= 1 &&
+                        tp_rank >= 0 && tp_rank < tp && begin >= 0 && begin <= end,
+                    "'", meta_path, "': bad piece ", pc.dump());
       ck.tensors_[name].pieces[k].push_back({pc.at(2).get<size_t>(), kind + "/" + name, pc.at(3).get<int>(),
                                              pc.at(4).get<int>(), pc.at(5).get<int64_t>(), pc.at(6).get<int64_t>()});
     }
@@ -219,7 +228,8 @@ const SafetensorsFile& Checkpoint::file(size_t i) {
   if (!f.mapped) {
     std::error_code ec;
     const auto size = fs::file_size(f.path, ec);
-    ORIGAMI_CHECK(!ec, "checkpoint '", path_, "': shard file '", f.path, "' is missing");
+    ORIGAMI_CHECK(!ec, "checkpoint '", path_, "': shard file '", f.path, "' ",
+                  ec == std::errc::no_such_file_or_directory ? std::string("is missing") : "cannot be read: " + ec.message());
     ORIGAMI_CHECK(f.bytes < 0 || int64_t(size) == f.bytes, "checkpoint '", path_, "': shard file '", f.path,
                   "' has ", size, " bytes but the metadata says ", f.bytes, " (truncated or replaced)");
     f.mapped = std::make_unique<SafetensorsFile>(SafetensorsFile::open(f.path));
@@ -263,22 +273,27 @@ void Checkpoint::read(StateKind kind, const ParamSpec& spec, int tp, int tp_rank
   saved.split = e.split;
   for (const Piece& pc : e.pieces[int(kind)]) {
     const std::vector<ShardRun> have = shard_runs(saved, pc.tp, pc.tp_rank, pc.begin, pc.end);
-    if (have.empty() || want.empty()) continue;
+    // Both run lists ascend in global offset: walk them together and note every overlap
+    // (position in the piece, in dst, length); a file none overlaps is never opened.
+    struct Copy {
+      int64_t from, to, n;  // elements of the piece, of dst
+    };
+    std::vector<Copy> overlaps;
+    for (size_t i = 0, j = 0; i < want.size() && j < have.size();) {
+      const ShardRun &w = want[i], &h = have[j];
+      const int64_t a = std::max(w.global, h.global), b = std::min(w.global + w.n, h.global + h.n);
+      if (a < b) overlaps.push_back({h.local + (a - h.global), w.local + (a - w.global), b - a});
+      if (w.global + w.n <= h.global + h.n) ++i;
+      else ++j;
+    }
+    if (overlaps.empty()) continue;
     const SafetensorsFile& f = file(pc.file);
     const TensorInfo* t = f.find(pc.key);
     ORIGAMI_CHECK(t != nullptr && t->numel() == pc.end - pc.begin, "checkpoint '", path_, "': shard file '", f.path(),
                   "' has no tensor '", pc.key, "' of ", pc.end - pc.begin, " elements");
-    // Both run lists ascend in global offset: walk them together and copy every overlap.
-    size_t i = 0, j = 0;
-    while (i < want.size() && j < have.size()) {
-      const ShardRun &w = want[i], &h = have[j];
-      const int64_t a = std::max(w.global, h.global), b = std::min(w.global + w.n, h.global + h.n);
-      if (a < b) {
-        copy_elements(f, *t, h.local + (a - h.global), b - a, dst + w.local + (a - w.global));
-        copied += b - a;
-      }
-      if (w.global + w.n <= h.global + h.n) ++i;
-      else ++j;
+    for (const Copy& o : overlaps) {
+      copy_elements(f, *t, o.from, o.n, dst + o.to);
+      copied += o.n;
     }
   }
   ORIGAMI_CHECK(copied == needed, "checkpoint '", path_, "': the pieces of ", state_kind_name(kind), " '", spec.name,
@@ -305,6 +320,10 @@ void Checkpoint::verify_checksums(int rank, int world) {
 int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string& out, int64_t max_shard_bytes,
                       bool optimizer) {
   ORIGAMI_CHECK(!optimizer || ck.has_optimizer(), "checkpoint '", ck.path(), "' has no optimizer state to export");
+  // Weights already there (an earlier export, sharded or not) would mix with these: refused.
+  for (const char* f : {"model.safetensors", "model.safetensors.index.json"})
+    ORIGAMI_CHECK(!fs::exists(fs::path(out) / f), "'", out, "' already holds model weights (", f,
+                  "): export into a new directory");
   fs::create_directories(out);
   const std::vector<ParamSpec> table = make_param_table(cfg);
   // Shards of whole tensors in table order, each at most max_shard_bytes (a larger tensor alone).

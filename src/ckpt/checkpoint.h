@@ -43,6 +43,10 @@ struct ShardRun {
 // (padding elements, e.g. of a padded vocabulary, are in no run).
 std::vector<ShardRun> shard_runs(const ParamSpec& spec, int tp, int tp_rank, int64_t begin, int64_t end);
 
+// The committed step-N directories (those with a metadata.json) of a --save directory, by step.
+// Error naming the directory if it cannot be listed.
+std::map<int64_t, std::string> committed_steps(const std::string& dir);
+
 // A checkpoint opened for reading, in any of the forms origami reads:
 //   - a --save directory (its newest committed step: DIR/latest, else the highest step-N), or one
 //     step-N directory of it;

@@ -1,5 +1,10 @@
 #include "ckpt/checkpoint_writer.h"
 
+#include <fcntl.h>
+#include <stdio.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -63,8 +68,10 @@ std::vector<std::string> gather_strings(Comm& world, const std::string& mine) {
 
 }  // namespace
 
-CheckpointWriter::CheckpointWriter(Comm& world, std::string command, std::string dir, int keep_last, bool async)
-    : world_(world), command_(std::move(command)), dir_(std::move(dir)), keep_last_(keep_last), async_(async) {
+CheckpointWriter::CheckpointWriter(Comm& world, std::string command, std::string dir, int keep_last, bool async,
+                                   std::vector<ParamSpec> model_table)
+    : world_(world), command_(std::move(command)), dir_(std::move(dir)), keep_last_(keep_last), async_(async),
+      model_table_(std::move(model_table)) {
   // What DIR/latest names already (an earlier run's), for the message of a failed save.
   std::ifstream latest(dir_ + "/latest");
   long long n = 0;
@@ -85,14 +92,19 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
                               const std::map<std::string, std::string>& files, const nlohmann::json& layout) {
   Timer blocked;
   finish();
-  // A fresh temporary directory (a crashed save's leftovers are removed), before any rank writes.
+  // A fresh temporary directory, before any rank writes; a crashed save's temporary directory and a
+  // half-removed old step (.step-N.tmp, .step-N.old: never committed or no longer named) go first.
   check_on_every_rank(world_, command_, [&] {
     if (world_.rank() != 0) return;
     std::error_code ec;
     fs::create_directories(dir_, ec);
     ORIGAMI_CHECK(!ec, "cannot create checkpoint directory '", dir_, "': ", ec.message());
-    for (const auto& e : fs::directory_iterator(dir_))
-      if (const std::string n = e.path().filename().string(); n.rfind(".step-", 0) == 0) fs::remove_all(e.path());
+    for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string n = it->path().filename().string();
+      const auto ends = [&](const std::string& t) { return n.size() > t.size() && n.compare(n.size() - t.size(), t.size(), t) == 0; };
+      std::error_code rm;
+      if (n.rfind(".step-", 0) == 0 && (ends(".tmp") || ends(".old"))) fs::remove_all(it->path(), rm);
+    }
     fs::create_directories(tmp_dir(step), ec);
     ORIGAMI_CHECK(!ec, "cannot create '", tmp_dir(step), "': ", ec.message());
   });
@@ -117,15 +129,14 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
     const SavePiece& p = pieces[i];
     const int64_t n = p.end - p.begin;
     writes.push_back({cat(state_kind_name(p.kind), "/", p.spec->name), {n}, async_ ? host_.data() + at[i] : p.data});
-    pieces_json_.push_back({state_kind_name(p.kind), p.spec->name, p.tp, p.tp_rank, p.begin, p.end,
-                            p.spec->shape, {p.spec->split.dim, p.spec->split.parts, p.spec->split.pad}});
+    pieces_json_.push_back({state_kind_name(p.kind), p.spec->name, p.tp, p.tp_rank, p.begin, p.end});
   }
   written_ = false;
   error_.clear();
   auto write = [this, writes = std::move(writes), path = tmp_dir(step) + "/" + file_name_] {
     try {
       result_ = write_safetensors(path, writes, {{"format", "origami"}});
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // Error, or anything else: reported by commit(), never std::terminate
       error_ = e.what();
     }
     written_ = true;
@@ -177,74 +188,83 @@ void CheckpointWriter::commit() {
                                      {"layout", layout_}};
       nlohmann::ordered_json tensors = nlohmann::ordered_json::object(), pieces = nlohmann::ordered_json::array(),
                              files = nlohmann::ordered_json::array();
-      // Elements of each (kind, tensor) the pieces cover, to check that together they are the whole.
-      std::map<std::pair<std::string, std::string>, int64_t> covered;
-      std::map<std::string, int64_t> numel;
+      // Every tensor of the model, for each kind, is covered by the pieces exactly: their global runs,
+      // sorted, neither overlap nor leave a gap (no expert or stage can go missing).
+      std::map<std::pair<std::string, std::string>, std::vector<std::pair<int64_t, int64_t>>> runs;
+      std::map<std::string, const ParamSpec*> specs;
+      for (const ParamSpec& p : model_table_) specs[p.name] = &p;
       for (size_t r = 0; r < all.size(); ++r) {
         const nlohmann::json j = nlohmann::json::parse(all[r]);
         files.push_back({{"name", j["file"]}, {"rank", r}, {"bytes", j["bytes"]}, {"checksum", j["checksum"]}});
-        for (const auto& p : j["pieces"]) {  // [kind, name, tp, tp_rank, begin, end, shape, split]
+        for (const auto& p : j["pieces"]) {  // [kind, name, tp, tp_rank, begin, end]
           const std::string kind = p[0], name = p[1];
-          ParamSpec spec;
-          spec.name = name;
-          spec.shape = p[6].get<std::vector<int64_t>>();
-          spec.split.dim = p[7][0], spec.split.parts = p[7][1], spec.split.pad = p[7][2];
-          if (!tensors.contains(name)) {
-            tensors[name] = {{"shape", spec.shape}, {"dtype", "F32"},
-                             {"split", {{"dim", spec.split.dim}, {"parts", spec.split.parts}, {"pad", spec.split.pad}}}};
-            numel[name] = spec.numel();
-          }
-          for (const ShardRun& run : shard_runs(spec, p[2], p[3], p[4], p[5])) covered[{kind, name}] += run.n;
+          ORIGAMI_CHECK(specs.count(name), "internal error: checkpoint step ", step, ": rank ", r, " wrote '", name,
+                        "', which is not a tensor of the model");
+          for (const ShardRun& run : shard_runs(*specs[name], p[2], p[3], p[4], p[5]))
+            runs[{kind, name}].push_back({run.global, run.n});
           pieces.push_back({kind, name, r, p[2], p[3], p[4], p[5]});
         }
       }
-      for (const auto& [name, n] : numel)
+      for (const ParamSpec& spec : model_table_) {
+        tensors[spec.name] = {{"shape", spec.shape}, {"dtype", "F32"},
+                              {"split", {{"dim", spec.split.dim}, {"parts", spec.split.parts}, {"pad", spec.split.pad}}}};
         for (int k = 0; k < kStateKinds; ++k) {
-          const int64_t c = covered[{state_kind_name(StateKind(k)), name}];
-          ORIGAMI_CHECK(c == n, "internal error: checkpoint step ", step, ": the pieces of ",
-                        state_kind_name(StateKind(k)), " '", name, "' cover ", c, " of its ", n, " elements");
+          auto& list = runs[{state_kind_name(StateKind(k)), spec.name}];
+          std::sort(list.begin(), list.end());
+          int64_t at = 0;
+          for (const auto& [g, n] : list) at = g == at ? at + n : -1;
+          ORIGAMI_CHECK(at == spec.numel(), "internal error: checkpoint step ", step, ": the pieces of ",
+                        state_kind_name(StateKind(k)), " '", spec.name, "' do not cover its ", spec.numel(),
+                        " elements exactly once");
         }
+      }
       meta["tensors"] = tensors;
       meta["files"] = files;
       meta["pieces"] = pieces;
       for (const auto& [name, bytes] : files_) write_file_atomically(tmp + "/" + name, bytes);
       write_file_atomically(tmp + "/metadata.json", meta.dump(1) + "\n");  // last: its presence marks a whole step
       sync_dir(tmp);
-      // Commit: one rename makes the step visible, then `latest` names it.
-      std::error_code ec;
-      const std::string replaced = cat(dir_, "/.step-", step, ".replaced");
-      if (fs::exists(final_dir)) fs::rename(final_dir, replaced);  // the same step saved again (a rerun)
-      fs::rename(tmp, final_dir, ec);
-      ORIGAMI_CHECK(!ec, "cannot rename '", tmp, "' to '", final_dir, "': ", ec.message());
+      // Commit: one rename makes the step visible (the same step saved again, by a rerun: the two
+      // directories are exchanged atomically, so step-N is always whole), then `latest` names it.
+      if (fs::exists(final_dir)) {
+        ORIGAMI_CHECK(::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0,
+                      "cannot replace '", final_dir, "' (saved again): ", std::strerror(errno));
+        std::error_code ec;
+        fs::remove_all(tmp, ec);  // now the old step
+      } else {
+        std::error_code ec;
+        fs::rename(tmp, final_dir, ec);
+        ORIGAMI_CHECK(!ec, "cannot rename '", tmp, "' to '", final_dir, "': ", ec.message());
+      }
       sync_dir(dir_);
       write_file_atomically(dir_ + "/latest", cat("step-", step, "\n"));
-      fs::remove_all(replaced, ec);
-    } catch (const Error&) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      throw;
     } catch (const std::exception& e) {
       std::error_code ec;
       fs::remove_all(tmp, ec);
-      fail("cannot save checkpoint step ", step, " in '", dir_, "': ", e.what());
-    }
-    // Older checkpoints go only now that a newer one is committed.
-    if (keep_last_ > 0) {
-      std::map<int64_t, fs::path> steps;
-      for (const auto& e : fs::directory_iterator(dir_)) {
-        long long n = 0;
-        char tail = 0;
-        if (std::sscanf(e.path().filename().string().c_str(), "step-%lld%c", &n, &tail) == 1 &&
-            fs::exists(e.path() / "metadata.json"))
-          steps[n] = e.path();
-      }
-      int kept = 0;  // the newest keep_last_, and always the one just committed
-      for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-        if (it->first == step || kept < keep_last_) ++kept;
-        else fs::remove_all(it->second);
-      }
+      fail("cannot save checkpoint step ", step, " in '", dir_, "': ", e.what(),
+           last_committed_ >= 0 ? cat("; ", dir_, "/step-", last_committed_, " is intact") : std::string());
     }
   });
+  // Older checkpoints go only now that a newer one is committed: the keep_last_ newest steps up to
+  // this one are kept (higher steps, left by another run, are not this run's to remove). A step is
+  // first renamed out of sight, so a crash never leaves a partial step-N; a failure is a warning.
+  if (keep_last_ > 0 && world_.rank() == 0) {
+    try {
+      int kept = 0;
+      const auto steps = committed_steps(dir_);
+      for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+        if (it->first > step || kept++ < keep_last_) continue;
+        const std::string old = cat(dir_, "/.step-", it->first, ".old");
+        std::error_code ec;
+        fs::rename(it->second, old, ec);
+        if (!ec) fs::remove_all(old, ec);
+        if (ec) std::fprintf(stderr, "origami %s: warning: cannot remove old checkpoint '%s': %s\n", command_.c_str(),
+                             it->second.c_str(), ec.message().c_str());
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "origami %s: warning: --keep-last: %s\n", command_.c_str(), e.what());
+    }
+  }
   last_committed_ = step;
   if (world_.rank() == 0) {
     int64_t bytes = 0;

@@ -48,8 +48,10 @@ void add_owned_pieces(const Params& params, const AdamW& opt, int replicas, int 
 
 class CheckpointWriter {
  public:
-  // dir: --save; keep_last: committed checkpoints kept (0: all); async: --async-save.
-  CheckpointWriter(Comm& world, std::string command, std::string dir, int keep_last, bool async);
+  // dir: --save; keep_last: committed checkpoints kept (0: all); async: --async-save; model_table:
+  // the whole model's tensors (make_param_table; rank 0 checks the pieces against it at each commit).
+  CheckpointWriter(Comm& world, std::string command, std::string dir, int keep_last, bool async,
+                   std::vector<ParamSpec> model_table);
   ~CheckpointWriter();
   // Asynchronous saves: allocates (and touches) the host copy of `floats` elements now, at startup,
   // so that a save's stall is the copy alone, not the page faults of fresh memory.
@@ -86,6 +88,7 @@ class CheckpointWriter {
   std::vector<float> host_;
   std::map<std::string, std::string> files_;
   nlohmann::json layout_;
+  std::vector<ParamSpec> model_table_;
   std::thread thread_;
   std::atomic<bool> written_{false};
   WrittenFile result_;

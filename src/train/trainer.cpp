@@ -323,13 +323,12 @@ MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t 
 // this EP rank's experts, reduced over EDP). A dense model's expert set is empty.
 struct ParamSet {
   Params params;
-  Comm& dp_comm;  // DP (EDP): the ZeRO moment shards are summed over it for a save
   DataParallel dp;
   AdamW opt;
   ParamSet(std::vector<ParamSpec> table, const TrainOptions& o, Comm& dp_group, Comm& tp_group, bool sequence_parallel,
            Comm* embedding)
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size())),
-        dp_comm(dp_group), dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding),
+        dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding),
         opt(params, o.adam, dp.owned()) {}
 };
 
@@ -449,6 +448,9 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     });
     load_s = world.all_reduce_value(load_timer.ms() / 1000.0, ReduceOp::max);  // the slowest rank's
   }
+  // Unmapped once read: a later --keep-last removal of that step then frees its disk space.
+  const std::string ck_path = ck ? ck->path() : "";
+  ck.reset();
   const Recompute recompute = parse_recompute(o.recompute);
   // MoE layers route every token of TP x CP once: the counts behind the router's load-balancing loss
   // are summed over that group (and for the global-batch loss also over DP: the whole stage).
@@ -458,7 +460,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   ContextParallel& cp = model.context_parallel();
   if (!saved_bias.empty()) {  // a resumed run routes with the biases it saved (and updates them with a rate)
     ORIGAMI_CHECK(saved_bias.size() == size_t(cfg.num_layers) && saved_bias[0].size() == size_t(cfg.num_experts),
-                  "'", ck->path(), "/trainer_state.json': router_bias is not [layers][experts] of this model");
+                  "'", ck_path, "/trainer_state.json': router_bias is not [layers][experts] of this model");
     model.router_bias() = saved_bias;
   }
   int64_t current_step = 0;
@@ -510,10 +512,10 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       std::printf("\n");
     }
     if (fresh_start) std::printf("no checkpoint in '%s' yet: starting at step 0\n", o.resume.c_str());
-    if (ck && !o.resume.empty())
-      std::printf("resuming from '%s' at step %lld (read in %.2f s)\n", ck->path().c_str(), (long long)start_step, load_s);
-    else if (ck)
-      std::printf("weights from '%s' (read in %.2f s)\n", ck->path().c_str(), load_s);
+    if (!ck_path.empty() && !o.resume.empty())
+      std::printf("resuming from '%s' at step %lld (read in %.2f s)\n", ck_path.c_str(), (long long)start_step, load_s);
+    else if (!ck_path.empty())
+      std::printf("weights from '%s' (read in %.2f s)\n", ck_path.c_str(), load_s);
     if (nan_step >= 1)
       std::printf("test fault injection: a NaN in rank %d's gradient at step %lld (ORIGAMI_TEST_NAN_GRAD)\n", nan_rank,
                   nan_step);
@@ -523,7 +525,9 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   // Checkpoints: every rank writes the pieces it owns (ckpt/checkpoint_writer.h), in place or, with
   // --async-save, from a host copy while the next steps run.
   std::optional<CheckpointWriter> writer;
-  if (!o.save.empty()) writer.emplace(world, "train", o.save, o.keep_last, o.async_save);
+  if (!o.save.empty())
+    writer.emplace(world, "train", o.save, o.keep_last, o.async_save,
+                   rank0 ? make_param_table(cfg) : std::vector<ParamSpec>{});
   // What this rank writes: the owner rule over its dense tensors (replicated over DP x CP) and its
   // experts (over EDP); only the first stage writes the tied embedding.
   auto owned_pieces = [&] {

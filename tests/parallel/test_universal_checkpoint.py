@@ -12,7 +12,8 @@
 - Damaged, truncated and missing shard files are refused with a message naming the file.
 - Memory: rank 0's peak RSS with a save is within a quarter of the model's full state of the run
   without one (gathering on rank 0 would add several full states).
-- --async-save gives the same curve and checkpoints; --keep-last K keeps the K newest.
+- --async-save gives the same curve and checkpoints; --keep-last K keeps the K newest; a rerun into
+  the same directory replaces a step whole and leaves the earlier run's higher steps alone.
 - transformers loads the export of a qwen2_moe saved under EP2 x PP2 (sharded index) with the logits
   origami computes from the sharded checkpoint.
 """
@@ -308,6 +309,31 @@ def async_and_keep(tmp, cfg, data, ref):
           "an asynchronously written checkpoint resumes on one rank", out[-300:])
 
 
+def rerun_same_dir(tmp, cfg, data):
+    """A second run saving into a directory an earlier run filled: the same step is replaced whole
+    (the directories are exchanged atomically), --keep-last removes only older steps up to the new
+    one (a higher step of the earlier run stays), and ckpt export refuses a directory with weights."""
+    ck = os.path.join(tmp, "rerun_ck")
+    first = base(cfg, data, 8, os.path.join(tmp, "rerun1.jsonl")) + ["--save", ck, "--save-every", "2"]
+    second = base(cfg, data, 5, os.path.join(tmp, "rerun2.jsonl"))
+    second[second.index("--seed") + 1] = "6"
+    r1 = h.run(0, first)
+    r2 = h.run(0, second + ["--save", ck, "--save-every", "1", "--keep-last", "2"])
+    steps = sorted(d for d in os.listdir(ck) if d.startswith("step-")) if r1[0] == 0 and r2[0] == 0 else []
+    leftovers = [d for d in os.listdir(ck) if d.startswith(".")] if os.path.isdir(ck) else []
+    seed = json.load(open(os.path.join(ck, "step-4", "trainer_state.json")))["options"]["seed"] if steps else None
+    check(steps == ["step-4", "step-5", "step-6", "step-8"] and seed == 6 and not leftovers and
+          open(os.path.join(ck, "latest")).read().strip() == "step-5",
+          "a rerun into the same --save directory: step-4 replaced by the rerun's (seed %s), --keep-last 2 keeps "
+          "step-4 and step-5 (its step-2 and step-3 removed) and the earlier run's step-6 and step-8, latest step-5, nothing left over (%s)" % (seed, steps),
+          (r1[1] + r2[1])[-400:])
+    out = os.path.join(tmp, "rerun_hf")
+    rc1, _, _ = h.run(0, ["ckpt", "export", ck, "--hf", out])
+    rc2, msg, _ = h.run(0, ["ckpt", "export", ck, "--hf", out])
+    check(rc1 == 0 and rc2 == 1 and "already holds model weights" in msg,
+          "ckpt export refuses an output directory that already holds weights", msg[-300:])
+
+
 def qwen_export(tmp, data):
     cfg = os.path.join(h.CONFIGS, "qwen2_moe_8e.json")
     ck, out_dir = os.path.join(tmp, "qwen_ck"), os.path.join(tmp, "qwen_hf")
@@ -356,6 +382,7 @@ def main():
     memory(tmp, data)
     if ref:
         async_and_keep(tmp, mixtral, data, ref)
+    rerun_same_dir(tmp, gpt2, data)
     qwen_export(tmp, data)
     shutil.rmtree(tmp, ignore_errors=True)
     if failures:
