@@ -120,12 +120,16 @@ def main():
         latest = open(os.path.join(ck, "latest")).read()
         check(latest == "step-8\n" and os.path.isdir(step4), f"the resumed run adds step-8 as latest ({latest!r}), "
               f"step-4 stays: {sorted(os.listdir(ck))}")
+        def resumes_equal(source, name, what):
+            """--resume SOURCE from step 4 to 8 continues the first 4 steps' metrics like the uninterrupted run."""
+            m = os.path.join(tmp, name)
+            with open(m, "w") as f:
+                f.writelines(open(part).readlines()[:4])
+            run("train", "--resume", source, *opts, "--steps", "8", "--metrics", m, contains="resuming")
+            same_losses(a, m, what)
+
         # --resume DIR/step-N: that step, not the latest.
-        part2 = os.path.join(tmp, "part2.jsonl")
-        with open(part2, "w") as f:
-            f.writelines(open(part).readlines()[:4])
-        run("train", "--resume", step4, *opts, "--steps", "8", "--metrics", part2, contains="resuming")
-        same_losses(a, part2, "resumed from DIR/step-4 equals the uninterrupted one")
+        resumes_equal(step4, "part2.jsonl", "resumed from DIR/step-4 equals the uninterrupted one")
 
         # ckpt export: a Hugging Face directory; with --optimizer the single-file checkpoint, which
         # --resume continues like the sharded one.
@@ -134,11 +138,7 @@ def main():
         for f in ("model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json", "tokenizer.json"):
             check(os.path.exists(os.path.join(exp, f)), f"export --optimizer has {f}")
         run("ckpt", "info", exp, contains="step: 4")
-        part3 = os.path.join(tmp, "part3.jsonl")
-        with open(part3, "w") as f:
-            f.writelines(open(part).readlines()[:4])
-        run("train", "--resume", exp, *opts, "--steps", "8", "--metrics", part3, contains="resuming")
-        same_losses(a, part3, "resumed from the single-file export equals the uninterrupted one")
+        resumes_equal(exp, "part3.jsonl", "resumed from the single-file export equals the uninterrupted one")
         hf = os.path.join(tmp, "hf")
         run("ckpt", "export", ck, "--hf", hf, contains="exported")
         check(sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json"],
