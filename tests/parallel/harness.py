@@ -58,6 +58,20 @@ def run(np_, args, timeout=300, binary=None):
         return None, out + err + "\n[timed out after %ds]" % timeout, time.time() - t0
 
 
+def check_error(name, np_, args, names_rule, timeout=60):
+    """One user mistake on np_ ranks: the job exits 1 with exactly one "error:" line (every rank
+    exits, one speaks), and names_rule(line) holds (it names the value and the rule). Prints an
+    ok/FAIL row; returns (ok, the line, a failure description or None)."""
+    rc, out, _ = run(np_, args, timeout=timeout)
+    lines = [l.strip() for l in out.splitlines() if "error:" in l]
+    line = lines[0] if lines else ""
+    ok = rc == 1 and len(lines) == 1 and names_rule(line)
+    print("%-4s error: %-36s %d ranks, exit %s, %d 'error:' line(s): %s" % (
+        "ok" if ok else "FAIL", name, np_, rc, len(lines), line[:200] or out[-200:]), flush=True)
+    return ok, line, None if ok else "error case %s (%s): exit %s, %d 'error:' lines: %s" % (
+        name, " ".join(args[-6:]), rc, len(lines), line[:200] or out[-300:])
+
+
 def load_config(name, **changes):
     with open(os.path.join(CONFIGS, name + ".json")) as f:
         cfg = json.load(f)

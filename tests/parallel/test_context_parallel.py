@@ -353,19 +353,13 @@ def run_errors(tmp, data):
     for label, cfg, ranks, seq, flags, keywords, values in cases:
         args = ["train", "--config", cfg, "--data", data, "--steps", "1", "--seq-len", str(seq), "--micro-batch",
                 str(MICRO), "--threads", "1"] + flags
-        rc, out, wall = h.run(ranks, args, timeout=60)
-        lines = [l for l in out.splitlines() if "error:" in l]
-        line = lines[0] if lines else ""
-        named = any(k.lower() in line.lower() for k in keywords) and all(
-            re.search(r"(?<![\d.])%d(?![\d])" % v, line) if isinstance(v, int) else v in line for v in values)
-        ok = rc == 1 and len(lines) == 1 and named
+        def named(line, keywords=keywords, values=values):
+            return any(k.lower() in line.lower() for k in keywords) and all(
+                re.search(r"(?<![\d.])%d(?![\d])" % v, line) if isinstance(v, int) else v in line for v in values)
+        ok, line, failure = h.check_error(label, ranks, args, named)
         rows.append(("errors", label, ranks, " ".join(flags + ["--seq-len", str(seq)]), "ok" if ok else "FAIL",
-                     line.strip()[:120]))
-        print("%-4s error: %-32s %d ranks, exit %s, %d 'error:' line(s): %s" % (
-            "ok" if ok else "FAIL", label, ranks, rc, len(lines), line.strip()[:200] or out[-200:]), flush=True)
-        if not ok:
-            failures.append("error case %s (%s): exit %s, %d 'error:' lines, wants %s and %s: %s" % (
-                label, " ".join(flags), rc, len(lines), keywords, values, line.strip()[:200] or out[-300:]))
+                     line[:120]))
+        failures += [failure] if failure else []
     return rows, failures
 
 

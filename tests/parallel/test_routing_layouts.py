@@ -143,14 +143,10 @@ def run_errors(tmp, data):
         ("routing option on a dense model", dense, ["--moe-capacity-factor", "1"], "this llama model has no experts"),
     ]
     for name, cfg, flags, want in cases:
-        rc, out, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--steps", "1", "--seq-len", "16",
-                               "--micro-batch", "2"] + flags, timeout=60)
-        n = out.count("error:")
-        ok = rc == 1 and want in out and n == 1
-        print("%-4s error: %-36s exit %s, %d message(s): %s" % ("ok" if ok else "FAIL", name, rc, n,
-              next((l for l in out.splitlines() if "error:" in l), out[-200:])), flush=True)
-        if not ok:
-            failures.append("error case %s: exit %s, output %s" % (name, rc, out[-300:]))
+        _, _, failure = h.check_error(name, 2, ["train", "--config", cfg, "--data", data, "--steps", "1",
+                                                "--seq-len", "16", "--micro-batch", "2"] + flags,
+                                      lambda line, want=want: want in line)
+        failures += [failure] if failure else []
     return failures
 
 
