@@ -42,11 +42,7 @@ std::string shape_str(const std::vector<int64_t>& s) {
 
 // Tensors Hugging Face GPT-2 files may hold that are not parameters.
 bool ignorable(const ModelConfig& cfg, const std::string& name) {
-  auto ends_with = [&](const char* suffix) {
-    std::string s(suffix);
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  if (cfg.is_gpt2()) return ends_with("attn.bias") || ends_with("attn.masked_bias") || name == "lm_head.weight";
+  if (cfg.is_gpt2()) return name.ends_with("attn.bias") || name.ends_with("attn.masked_bias") || name == "lm_head.weight";
   return cfg.tied_embeddings && name == "lm_head.weight";
 }
 

@@ -72,6 +72,9 @@ CheckpointWriter::CheckpointWriter(Comm& world, std::string command, std::string
                                    std::vector<ParamSpec> model_table)
     : world_(world), command_(std::move(command)), dir_(std::move(dir)), keep_last_(keep_last), async_(async),
       model_table_(std::move(model_table)) {
+  char name[32];
+  std::snprintf(name, sizeof name, "rank-%05d.safetensors", world_.rank());
+  file_name_ = name;
   // What DIR/latest names already (an earlier run's), for the message of a failed save.
   std::ifstream latest(dir_ + "/latest");
   long long n = 0;
@@ -101,9 +104,8 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
     ORIGAMI_CHECK(!ec, "cannot create checkpoint directory '", dir_, "': ", ec.message());
     for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string n = it->path().filename().string();
-      const auto ends = [&](const std::string& t) { return n.size() > t.size() && n.compare(n.size() - t.size(), t.size(), t) == 0; };
       std::error_code rm;
-      if (n.rfind(".step-", 0) == 0 && (ends(".tmp") || ends(".old"))) fs::remove_all(it->path(), rm);
+      if (n.starts_with(".step-") && (n.ends_with(".tmp") || n.ends_with(".old"))) fs::remove_all(it->path(), rm);
     }
     fs::create_directories(tmp_dir(step), ec);
     ORIGAMI_CHECK(!ec, "cannot create '", tmp_dir(step), "': ", ec.message());
@@ -112,9 +114,6 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
   started_at_ = now_s();
   files_ = files;
   layout_ = layout;
-  char name[32];
-  std::snprintf(name, sizeof name, "rank-%05d.safetensors", world_.rank());
-  file_name_ = name;
   pieces_json_ = nlohmann::json::array();
   // Asynchronous: each piece's place in the host copy, filled by all threads.
   std::vector<int64_t> at(pieces.size() + 1, 0);
@@ -157,9 +156,7 @@ void CheckpointWriter::poll() {
 }
 
 void CheckpointWriter::finish() {
-  if (!pending()) return;
-  if (thread_.joinable()) thread_.join();
-  commit();
+  if (pending()) commit();  // joins the writing thread first
 }
 
 void CheckpointWriter::commit() {
@@ -170,6 +167,7 @@ void CheckpointWriter::commit() {
                                {"pieces", pieces_json_}};
   const std::vector<std::string> all = gather_strings(world_, mine.dump());
   const std::string tmp = tmp_dir(step), final_dir = cat(dir_, "/step-", step);
+  int64_t saved_bytes = 0;  // every rank's file (rank 0)
   // A rank that could not write (a full disk): the temporary directory goes, and every rank stops
   // with that rank's message.
   if (world_.all_reduce_value<int32_t>(error_.empty() ? 0 : 1) > 0 && world_.rank() == 0) {
@@ -192,10 +190,12 @@ void CheckpointWriter::commit() {
       // sorted, neither overlap nor leave a gap (no expert or stage can go missing).
       std::map<std::pair<std::string, std::string>, std::vector<std::pair<int64_t, int64_t>>> runs;
       std::map<std::string, const ParamSpec*> specs;
+      saved_bytes = 0;
       for (const ParamSpec& p : model_table_) specs[p.name] = &p;
       for (size_t r = 0; r < all.size(); ++r) {
         const nlohmann::json j = nlohmann::json::parse(all[r]);
         files.push_back({{"name", j["file"]}, {"rank", r}, {"bytes", j["bytes"]}, {"checksum", j["checksum"]}});
+        saved_bytes += j["bytes"].get<int64_t>();
         for (const auto& p : j["pieces"]) {  // [kind, name, tp, tp_rank, begin, end]
           const std::string kind = p[0], name = p[1];
           ORIGAMI_CHECK(specs.count(name), "internal error: checkpoint step ", step, ": rank ", r, " wrote '", name,
@@ -267,9 +267,7 @@ void CheckpointWriter::commit() {
   }
   last_committed_ = step;
   if (world_.rank() == 0) {
-    int64_t bytes = 0;
-    for (const std::string& s : all) bytes += nlohmann::json::parse(s)["bytes"].get<int64_t>();
-    std::printf("saved checkpoint %s (%.1f MB in %d file%s, %.2f s)\n", final_dir.c_str(), double(bytes) / 1e6,
+    std::printf("saved checkpoint %s (%.1f MB in %d file%s, %.2f s)\n", final_dir.c_str(), double(saved_bytes) / 1e6,
                 world_.size(), world_.size() == 1 ? "" : "s", now_s() - started_at_);
     std::fflush(stdout);
   }

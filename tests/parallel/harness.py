@@ -72,6 +72,27 @@ def check_error(name, np_, args, names_rule, timeout=60):
         name, " ".join(args[-6:]), rc, len(lines), line[:200] or out[-300:])
 
 
+def check_error_cases(data, cases):
+    """check_error for each (name, config, ranks, flags, wanted text) on a 1-step run of `data`:
+    the one error line must contain the wanted text. Returns the failures."""
+    failures = []
+    for name, cfg, ranks, flags, want in cases:
+        args = ["train", "--config", cfg, "--data", data, "--steps", "1", "--seq-len", "16", "--micro-batch", "2"]
+        _, _, failure = check_error(name, ranks, args + flags, lambda line, want=want: want in line)
+        failures += [failure] if failure else []
+    return failures
+
+
+def report(failures, success):
+    """A test's end: the failures and exit 1, or the success line."""
+    if failures:
+        print("\nFAILED:")
+        for x in failures:
+            print("  " + x)
+        sys.exit(1)
+    print("\n" + success)
+
+
 def load_config(name, **changes):
     with open(os.path.join(CONFIGS, name + ".json")) as f:
         cfg = json.load(f)

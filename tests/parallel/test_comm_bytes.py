@@ -324,12 +324,7 @@ def main():
     print("comm_bytes of one step on rank 0 vs the analytic formula (N = B*T = %d tokens per micro-batch):"
           % (MICRO * SEQ))
     print(h.fmt_table(("model", "layout", "comm", "expected", "metrics", "status", "terms"), rows))
-    if failures:
-        print("\nFAILED:")
-        for x in failures:
-            print("  " + x)
-        sys.exit(1)
-    print("\nall tp, dp and world byte counts equal the formulas exactly")
+    h.report(failures, "all tp, dp and world byte counts equal the formulas exactly")
 
 
 if __name__ == "__main__":

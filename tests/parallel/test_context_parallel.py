@@ -410,13 +410,8 @@ def main():
     if err_rows:
         print()
         print(h.fmt_table(("", "error case", "ranks", "flags", "status", "message"), err_rows))
-    if failures:
-        print("\nFAILED:")
-        for x in failures:
-            print("  " + x)
-        sys.exit(1)
-    print("\ncontext parallelism: every layout on the one-rank curve, cp bytes equal the analytic count, activation "
-          "peaks measured = computed = one rank's at T/C (+ the all-to-all's buffers), every error named")
+    h.report(failures, "context parallelism: every layout on the one-rank curve, cp bytes equal the analytic count, "
+             "activation peaks measured = computed = one rank's at T/C (+ the all-to-all's buffers), every error named")
 
 
 if __name__ == "__main__":

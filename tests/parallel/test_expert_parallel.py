@@ -224,20 +224,13 @@ def run_reshard(tmp, data):
 
 
 def run_errors(tmp, data):
-    failures = []
     dense = os.path.join(h.CONFIGS, "llama_tiny.json")
-    cases = [
+    return h.check_error_cases(data, [
         ("experts not divisible by EP", CFG6, 4, ["--ep", "4"], "--ep 4 must divide the number of experts (6)"),
         ("EP x ETP not dividing a stage", CFG8, 4, ["--ep", "4", "--pp", "2"], "must divide the ranks of a pipeline stage"),
         ("ETP not dividing the expert FFN", CFG8, 3, ["--etp", "3"], "--etp 3 must divide the expert FFN features (56)"),
         ("--ep on a dense model", dense, 2, ["--ep", "2"], "this llama model has no experts"),
-    ]
-    for name, cfg, ranks, flags, want in cases:
-        _, _, failure = h.check_error(name, ranks, ["train", "--config", cfg, "--data", data, "--steps", "1",
-                                                    "--seq-len", "16", "--micro-batch", "2"] + flags,
-                                      lambda line, want=want: want in line)
-        failures += [failure] if failure else []
-    return failures
+    ])
 
 
 def main():
@@ -251,12 +244,7 @@ def main():
             failures += run_reshard(tmp, data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if failures:
-        print("\nFAILED:")
-        for x in failures:
-            print("  " + x)
-        sys.exit(1)
-    print("\nexpert parallelism: every layout on the one-rank curve, dispatcher bytes exact, checkpoints reshard")
+    h.report(failures, "expert parallelism: every layout on the one-rank curve, dispatcher bytes exact, checkpoints reshard")
 
 
 if __name__ == "__main__":

@@ -345,12 +345,7 @@ def main():
     print()
     print(h.fmt_table(("case", "ranks", "flags", "mpirun exit", "s", "error: lines", "ranks' own exit / outcome",
                        "status", "message"), ROWS))
-    if FAILS:
-        print("\nFAILED:")
-        for x in FAILS:
-            print("  " + x)
-        sys.exit(1)
-    print("\nall failure checks passed")
+    h.report(FAILS, "all failure checks passed")
 
 
 if __name__ == "__main__":

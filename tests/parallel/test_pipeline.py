@@ -156,13 +156,8 @@ def main():
     print()
     print(h.fmt_table(("model", "layout", "recompute", "ranks", "layers", "loss rel (worst)", "grad norm 1 rel",
                        "params abs", "act peak per stage", "pp bytes per stage", "wall s", "status"), rows))
-    if failures:
-        print("\nFAILED:")
-        for x in failures:
-            print("  " + x)
-        sys.exit(1)
-    print("\nall pipeline layouts agree with one rank (loss 1e-5 relative, parameters 1e-5 absolute); measured "
-          "activation peaks equal the computed ones; pipeline bytes equal the analytic count")
+    h.report(failures, "all pipeline layouts agree with one rank (loss 1e-5 relative, parameters 1e-5 absolute); "
+             "measured activation peaks equal the computed ones; pipeline bytes equal the analytic count")
 
 
 if __name__ == "__main__":

@@ -131,23 +131,16 @@ def run_cases(tmp, data, only):
 
 
 def run_errors(tmp, data):
-    failures = []
     dense = os.path.join(h.CONFIGS, "llama_tiny.json")
-    cases = [
-        ("padding without a capacity", CFG8, ["--moe-pad-to-capacity"], "--moe-pad-to-capacity needs --moe-capacity-factor"),
-        ("position policy without a capacity", CFG8, ["--moe-drop-policy", "position"],
+    return h.check_error_cases(data, [
+        ("padding without a capacity", CFG8, 2, ["--moe-pad-to-capacity"], "--moe-pad-to-capacity needs --moe-capacity-factor"),
+        ("position policy without a capacity", CFG8, 2, ["--moe-drop-policy", "position"],
          "--moe-drop-policy position needs --moe-capacity-factor"),
-        ("unknown aux loss", CFG8, ["--moe-aux-loss", "batch"], "--moe-aux-loss must be none, micro, seq or global, got 'batch'"),
-        ("unknown router score", CFG8, ["--moe-router-score", "relu"], "--moe-router-score must be softmax or sigmoid"),
-        ("negative bias rate", CFG8, ["--moe-router-bias-update-rate", "-1"], "--moe-router-bias-update-rate must not be negative"),
-        ("routing option on a dense model", dense, ["--moe-capacity-factor", "1"], "this llama model has no experts"),
-    ]
-    for name, cfg, flags, want in cases:
-        _, _, failure = h.check_error(name, 2, ["train", "--config", cfg, "--data", data, "--steps", "1",
-                                                "--seq-len", "16", "--micro-batch", "2"] + flags,
-                                      lambda line, want=want: want in line)
-        failures += [failure] if failure else []
-    return failures
+        ("unknown aux loss", CFG8, 2, ["--moe-aux-loss", "batch"], "--moe-aux-loss must be none, micro, seq or global, got 'batch'"),
+        ("unknown router score", CFG8, 2, ["--moe-router-score", "relu"], "--moe-router-score must be softmax or sigmoid"),
+        ("negative bias rate", CFG8, 2, ["--moe-router-bias-update-rate", "-1"], "--moe-router-bias-update-rate must not be negative"),
+        ("routing option on a dense model", dense, 2, ["--moe-capacity-factor", "1"], "this llama model has no experts"),
+    ])
 
 
 def main():
@@ -159,12 +152,7 @@ def main():
         failures += run_cases(tmp, data, only)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if failures:
-        print("\nFAILED:")
-        for x in failures:
-            print("  " + x)
-        sys.exit(1)
-    print("\nMoE routing: every variant on its reference curve under every layout")
+    h.report(failures, "MoE routing: every variant on its reference curve under every layout")
 
 
 if __name__ == "__main__":

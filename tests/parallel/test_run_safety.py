@@ -292,12 +292,7 @@ def main():
                 fn(tmp, data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if FAILS:
-        print("\nFAILED:")
-        for x in FAILS:
-            print("  " + x)
-        sys.exit(1)
-    print("\nall run-safety checks passed")
+    h.report(FAILS, "all run-safety checks passed")
 
 
 if __name__ == "__main__":

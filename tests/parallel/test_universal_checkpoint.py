@@ -385,10 +385,7 @@ def main():
     rerun_same_dir(tmp, gpt2, data)
     qwen_export(tmp, data)
     shutil.rmtree(tmp, ignore_errors=True)
-    if failures:
-        print("\n%d failure(s):\n  " % len(failures) + "\n  ".join(failures))
-        sys.exit(1)
-    print("all universal-checkpoint checks passed")
+    h.report(failures, "all universal-checkpoint checks passed")
 
 
 if __name__ == "__main__":
