@@ -1,5 +1,7 @@
 // origami dump: logits, losses and every parameter gradient of one micro-batch, written as
 // safetensors — what independent implementations (tests/reference/) compare against.
+#include <filesystem>
+
 #include "ckpt/checkpoint.h"
 #include "ckpt/safetensors.h"
 #include "commands.h"
@@ -26,6 +28,8 @@ int cmd_dump(int argc, char** argv) {
       .option("step", "S", "which batch of B windows", "0")
       .option("data-order", "sequential|shuffled", "window order", "sequential")
       .option("seed", "S", "seed for initialisation and shuffling", "1234")
+      .option("attention-mask", "causal|document", "document: attention within documents, positions restarting "
+                                                   "(as 'origami train --attention-mask')", "causal")
       .option("threads", "N", "threads (default: all cores)", "0")
       .option("out", "FILE", "output .safetensors file");
   add_routing_options(a, false);
@@ -41,7 +45,11 @@ int cmd_dump(int argc, char** argv) {
   read_routing_options(a, routing, false);
   const ModelConfig model_cfg = load_model_config(config);
   routing.validate_routing(model_cfg);
-  const ModelConfig cfg = routing.with_routing(model_cfg);
+  ModelConfig cfg = routing.with_routing(model_cfg);
+  if (parse_attention_mask(a.str("attention-mask"))) {
+    const std::string tok = a.str("data") + ".tokenizer.json";
+    cfg.document_eod = document_eod(cfg, std::filesystem::exists(tok) ? tok : "", a.str("data"));
+  }
   const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len"), step = a.integer("step");
   ORIGAMI_CHECK(B > 0 && T > 0 && step >= 0, "--micro-batch and --seq-len must be positive and --step >= 0");
   IndexedDataset ds = IndexedDataset::open(a.str("data"));

@@ -49,7 +49,15 @@ int train(int argc, char** argv, Comm& world) {
          "options given on the command line win.");
   a.option("config", "FILE", "model config.json (default: config.json of the --resume or --init-from checkpoint)")
       .option("run-config", "FILE", "JSON file with any of these options")
-      .option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx)")
+      .option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx), or a weighted blend in one argument: "
+                                "\"W1 PREFIX1 W2 PREFIX2 ...\" (weights normalised; Megatron's --data-path rule)")
+      .option("eval-data", "PREFIX", "validation data (a prefix or a blend): its first --eval-iters x global-batch "
+                                     "windows, in order, give the validation loss")
+      .option("eval-every", "N", "evaluate every N steps, and after the last (0: after the last step only)", "0")
+      .option("eval-iters", "K", "global batches of validation windows per evaluation", "10")
+      .option("attention-mask", "causal|document",
+              "document: a token attends only to earlier tokens of its own document (the token after each "
+              "end-of-document token starts one) and positions restart at 0 per document", "causal")
       .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
                                 "position (PATH: a --save directory, its newest committed step, or one step-N in it; "
                                 "the same directory as --save before it holds a checkpoint: start at step 0)")
@@ -117,6 +125,10 @@ int train(int argc, char** argv, Comm& world) {
     if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
 
     o.data = a.str("data");
+    o.eval_data = a.str("eval-data");
+    o.eval_every = a.integer("eval-every");
+    o.eval_iters = a.integer("eval-iters");
+    o.attention_mask = a.str("attention-mask");
     o.init_from = a.str("init-from");
     o.resume = a.str("resume");
     o.steps = a.integer("steps");

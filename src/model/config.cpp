@@ -42,6 +42,11 @@ DropPolicy parse_drop_policy(const std::string& s) {
   fail("--moe-drop-policy must be probs or position, got '", s, "'");
 }
 
+bool parse_attention_mask(const std::string& s) {
+  if (s == "causal" || s == "document") return s == "document";
+  fail("--attention-mask '", s, "' is not one of causal, document");
+}
+
 const char* aux_loss_name(AuxLoss a) {
   switch (a) {
     case AuxLoss::none: return "none";

@@ -19,6 +19,8 @@ RouterScore parse_router_score(const std::string& s);
 AuxLoss parse_aux_loss(const std::string& s);
 DropPolicy parse_drop_policy(const std::string& s);
 const char* aux_loss_name(AuxLoss a);
+// --attention-mask: "causal" (false) or "document" (true); else an Error naming the value.
+bool parse_attention_mask(const std::string& s);
 
 // How MoE layers route (model/layers/moe.h): the model config's fields (score, norm_topk, the
 // coefficients) and the run's choices (flags).
@@ -62,6 +64,11 @@ struct ModelConfig {
   std::vector<int64_t> dense_layers;  // ... and l is not in mlp_only_layers
   MoeRouting routing;         // norm_topk (qwen2_moe norm_topk_prob), aux_coef (router_aux_loss_coef),
                               // z_coef (router_z_loss_coef, an origami extension HF ignores)
+  // Document masking (the run's --attention-mask document): the end-of-document token id. Inside a
+  // window the token after each one starts a new document; a token attends only to earlier tokens of
+  // its own document and position ids restart at 0 for each (Megatron's reset_attention_mask +
+  // reset_position_ids). −1: causal attention over the whole window.
+  int32_t document_eod = -1;
   nlohmann::json raw;         // the file as read
 
   bool is_moe() const { return num_experts > 0; }

@@ -382,6 +382,9 @@ void Model::set_batch(int64_t B, int64_t T) {
   B_ = B, T_ = T / c;
   positions_.resize(size_t(T_));
   for (int64_t t = 0; t < T_; ++t) positions_[size_t(t)] = c == 1 ? t : cp_.position(t, T_);
+  pos_ids_.resize(size_t(B_ * T_));
+  for (int64_t b = 0; b < B_; ++b) std::copy(positions_.begin(), positions_.end(), pos_ids_.begin() + b * T_);
+  docs_.assign(cfg_.document_eod >= 0 ? size_t(B_ * T) : 0, 0);
   for (auto& f : free_) f.clear();
   recomputed_ = std::make_unique<Slot>();
   const int64_t rebuilt = recompute_bytes(cfg_, activation_shape());
@@ -482,6 +485,22 @@ void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) co
     }
 }
 
+void Model::set_documents(const int32_t* tokens) {
+  if (cfg_.document_eod < 0) return;
+  const int64_t T = T_ * cp_.size(), window = T + 1;
+  std::vector<int64_t> pos(static_cast<size_t>(T));  // position ids of the whole window's positions
+  for (int64_t b = 0; b < B_; ++b) {
+    const int32_t* row = tokens + b * window;
+    int32_t* doc = docs_.data() + b * T;
+    for (int64_t t = 0, start = 0; t < T; ++t) {
+      if (t > 0 && row[t - 1] == cfg_.document_eod) start = t;  // the token after an end-of-document
+      doc[t] = t == 0 ? 0 : doc[t - 1] + (start == t ? 1 : 0);
+      pos[size_t(t)] = t - start;
+    }
+    for (int64_t t = 0; t < T_; ++t) pos_ids_[size_t(b * T_ + t)] = pos[size_t(positions_[size_t(t)])];
+  }
+}
+
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
 // added on TP rank 0 only), and the region exit sums the partial embeddings.
 void Model::embed(float* x0, const int32_t* tokens) {
@@ -489,7 +508,7 @@ void Model::embed(float* x0, const int32_t* tokens) {
   gather_tokens(scratch_->inputs.data(), tokens, 0);
   float* part = tp_.full(x0, scratch_->full.data());
   embedding_forward(part, scratch_->inputs.data(), T, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C,
-                    vocab_begin_, Vl_, positions_.data());
+                    vocab_begin_, Vl_, pos_ids_.data());
   tp_.exit(x0, part, B, T, C);
 }
 
@@ -510,8 +529,8 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   norm_forward(a.ln1, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
   tp.enter(ln1, a.ln1, B, T, C);
   linear_forward(a.qkv, ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
-  if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, positions_.data());
-  cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape());
+  if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
+  cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, w(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
@@ -622,11 +641,11 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   }
   norm_backward(d_res, d_ln_loc, a.mid, a.mean2, a.rstd2, o.ln2_w, o.ln2_b);
   // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
-  if (recompute_ == Recompute::selective) cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape());
+  if (recompute_ == Recompute::selective) cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, w(o.o_w), N, HD, C, lay);
-  cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape());
-  if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, positions_.data());
+  cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
+  if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
   float* ln1 = tp.full(a.ln1, s.gathered.data());
   tp.enter(ln1, a.ln1, B, T, C);
   linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, w(o.qkv_w), N, C, S, lay);
@@ -713,6 +732,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
 Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* input) {
   ORIGAMI_ASSERT(B_ > 0 && chunk >= 0 && chunk < int(part_.chunks.size()) && !live_.count({mb, chunk}));
   mb_ = mb;
+  set_documents(tokens);
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
   std::unique_ptr<Slot> slot;
@@ -758,6 +778,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   auto it = live_.find({mb, chunk});
   ORIGAMI_ASSERT(it != live_.end());
   mb_ = mb;
+  set_documents(tokens);
   Slot& slot = *it->second;
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
@@ -784,9 +805,20 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
     const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);
     gather_tokens(scratch_->inputs.data(), tokens, 0);
     embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
-                       positions_.data());
+                       pos_ids_.data());
     grads_ready(0, 0);
   }
+  release(mb, chunk);
+  return out;
+}
+
+Losses Model::forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy) {
+  forward(mb, chunk, tokens, input);  // the router losses are not part of the evaluation
+  Losses out;
+  if (part_.head && chunk == int(part_.chunks.size()) - 1)
+    out = head(output(mb, chunk), tokens, 1.f, false, nullptr);
+  else
+    std::memcpy(output_copy, output(mb, chunk), size_t(tp_.local_tokens(B_ * T_) * cfg_.hidden) * sizeof(float));
   release(mb, chunk);
   return out;
 }

@@ -133,6 +133,10 @@ class Model {
   // ∂/∂(input) [Nl, C] of the last backward (to send to the previous virtual stage); valid until the
   // next backward.
   const float* input_grad() const;
+  // Evaluation: forward of (mb, chunk) as forward() does, keeping nothing — its slot is released at
+  // once; the head chunk also computes the LM loss (no gradient), any other chunk copies its output
+  // [Nl, C] to output_copy (to send to the next virtual stage). Returns the LM loss on the head chunk.
+  Losses forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy);
 
   // Bytes of activations kept now (live slots + the recomputation buffer), and the most since reset.
   int64_t act_bytes() const { return live_bytes_ + recompute_bytes_; }
@@ -211,6 +215,10 @@ class Model {
   void embed(float* x0, const int32_t* tokens);
   // The inputs (or with `shift` 1 the targets) of this rank's positions from whole windows [B, T+1].
   void gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const;
+  // Document masking: docs_ and pos_ids_ of the micro-batch's windows (every forward and backward
+  // sets them again: micro-batches interleave under pipeline schedules).
+  void set_documents(const int32_t* tokens);
+  const int32_t* docs() const { return docs_.empty() ? nullptr : docs_.data(); }
   CpShape cp_shape() const { return cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
   void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   void norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
@@ -227,6 +235,8 @@ class Model {
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
   int64_t B_ = 0, T_ = 0;          // batch rows and this rank's positions per row
   std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence
+  std::vector<int64_t> pos_ids_;    // [B_, T_]: each token's position id (RoPE, learned positions)
+  std::vector<int32_t> docs_;       // document masking: [B_, T_·CP] the document of each position of a window
   std::vector<LayerOffsets> layers_;  // by global layer index (entries of other stages unused)
   std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
   std::vector<int64_t> expert_begin_;  // the same in the experts' buffer (carried over dense layers)

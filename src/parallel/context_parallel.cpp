@@ -94,6 +94,7 @@ struct ContextParallel::Views {
   float* lse = nullptr;  // [A][B][Ha][Tl]
   KvRows<const float*> kv{};  // the k|v attended now (this rank's own, or a ring buffer)
   KvRows<float*> dkv{};       // where their gradients accumulate
+  const int32_t* doc = nullptr;  // [B, T] document of each position of the whole sequence (null: causal)
 };
 
 ContextParallel::ContextParallel() : a2a_(make_local_comm("cp-a2a")), ring_(make_local_comm("cp-ring")) {}
@@ -137,14 +138,14 @@ void ContextParallel::reserve(const CpShape& s) {
 
 // ---- The blocks ----
 
-// Calls fn(q0, k0, lse0, diag) for each (query chunk, key chunk) block of this rank's queries against
+// Calls fn(q0, k0, lse0, mask) for each (query chunk, key chunk) block of this rank's queries against
 // ring group kv_group's keys, skipping those whose keys all follow their queries (empty under the
 // causal mask), then progress(). q0 and k0 are the chunks' first rows in the [A][B][Tl] row space of
 // the head-sharded buffers (times a buffer's row width for an offset), lse0 the query chunk's first
-// log-sum-exp entry, diag the block's mask (attention.h).
+// log-sum-exp entry, mask the block's dimensions and mask (attention.h; documents from `doc`).
 template <typename F>
-void ContextParallel::for_each_block(const CpShape& s, int kv_group, const std::function<void()>& progress,
-                                     F&& fn) {
+void ContextParallel::for_each_block(const CpShape& s, const int32_t* doc, int kv_group,
+                                     const std::function<void()>& progress, F&& fn) {
   const int A = s.a2a, group = rank_ / A;
   const int64_t B = s.B, Tl = s.Tl, m = Tl / 2;
   for (int sq = 0; sq < A; ++sq)
@@ -153,7 +154,9 @@ void ContextParallel::for_each_block(const CpShape& s, int kv_group, const std::
         for (int ek = 0; ek < 2; ++ek) {
           const int64_t cq = chunk(group * A + sq, eq), ck = chunk(kv_group * A + sk, ek);
           if (cq < ck) continue;
-          fn(sq * B * Tl + eq * m, sk * B * Tl + ek * m, sq * B * s.Ha() * Tl + eq * m, cq == ck ? 0 : kAllKeys);
+          BlockDims mask{B, m, m, s.Ha(), s.KVa(), s.D, cq == ck ? 0 : kAllKeys};
+          if (doc) mask.qdoc = doc + cq * m, mask.kdoc = doc + ck * m, mask.doc_row = 2 * size_ * m;
+          fn(sq * B * Tl + eq * m, sk * B * Tl + ek * m, sq * B * s.Ha() * Tl + eq * m, mask);
           progress();
         }
 }
@@ -161,11 +164,11 @@ void ContextParallel::for_each_block(const CpShape& s, int kv_group, const std::
 void ContextParallel::forward_blocks(const Views& v, int kv_group, const std::function<void()>& progress) {
   const CpShape& s = v.s;
   const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), D = s.D, Sa = s.Sa(), HaD = Ha * D, kt = v.kv.tok;
-  for_each_block(s, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, int64_t diag) {
-    attention_block_forward<float>({v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + lse0, Ha * Tl, Tl},
-                                   {v.qkv + q0 * Sa, Tl * Sa, Sa}, {v.kv.p + k0 * kt + v.kv.k, Tl * kt, kt},
-                                   {v.kv.p + k0 * kt + v.kv.v, Tl * kt, kt}, {B, m, m, Ha, s.KVa(), D, diag});
-    counters_.pairs += B * Ha * (diag == 0 ? m * (m + 1) / 2 : m * m);
+  for_each_block(s, v.doc, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, const BlockDims& mask) {
+    counters_.tiles += attention_block_forward<float>(
+        {v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + lse0, Ha * Tl, Tl}, {v.qkv + q0 * Sa, Tl * Sa, Sa},
+        {v.kv.p + k0 * kt + v.kv.k, Tl * kt, kt}, {v.kv.p + k0 * kt + v.kv.v, Tl * kt, kt}, mask);
+    counters_.pairs += B * Ha * (mask.diag == 0 ? m * (m + 1) / 2 : m * m);
   });
 }
 
@@ -173,12 +176,12 @@ void ContextParallel::backward_blocks(const Views& v, int kv_group, const std::f
   const CpShape& s = v.s;
   const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), D = s.D, Sa = s.Sa(), HaD = Ha * D, kt = v.kv.tok,
                 dt = v.dkv.tok;
-  for_each_block(s, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, int64_t diag) {
+  for_each_block(s, v.doc, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, const BlockDims& mask) {
     attention_block_backward<float>(
         {v.dqkv + q0 * Sa, Tl * Sa, Sa}, {v.dkv.p + k0 * dt + v.dkv.k, Tl * dt, dt},
         {v.dkv.p + k0 * dt + v.dkv.v, Tl * dt, dt}, {v.dout + q0 * HaD, Tl * HaD, HaD}, {v.qkv + q0 * Sa, Tl * Sa, Sa},
         {v.kv.p + k0 * kt + v.kv.k, Tl * kt, kt}, {v.kv.p + k0 * kt + v.kv.v, Tl * kt, kt},
-        {v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + lse0, Ha * Tl, Tl}, {B, m, m, Ha, s.KVa(), D, diag});
+        {v.out + q0 * HaD, Tl * HaD, HaD}, {v.lse + lse0, Ha * Tl, Tl}, mask);
   });
 }
 
@@ -196,11 +199,16 @@ void pack_kv(float* kv, const float* qkv, const CpShape& s) {
 }
 }  // namespace
 
-void ContextParallel::forward(float* out, float* lse, float* qkv_h, float* out_h, const float* qkv, const CpShape& s) {
-  if (size_ == 1) return attention_forward(out, lse, qkv, s.B, s.Tl, s.H, s.KV, s.D);  // the whole sequence
+void ContextParallel::forward(float* out, float* lse, float* qkv_h, float* out_h, const float* qkv, const CpShape& s,
+                              const int32_t* doc) {
+  if (size_ == 1) {  // the whole sequence
+    counters_.tiles += attention_forward(out, lse, qkv, s.B, s.Tl, s.H, s.KV, s.D, doc);
+    return;
+  }
   const int A = s.a2a, R = s.rings(), group = rank_ / A;
   const int64_t N = s.N(), S = (s.H + 2 * s.KV) * s.D, HD = s.H * s.D, Ha = s.Ha(), D = s.D, Sa = s.Sa();
   Views v{s};
+  v.doc = doc;
   if (A > 1) {
     // Sequence → heads: to a2a rank r, every token's q heads of r and the kv heads they read.
     for (int r = 0; r < A; ++r) {
@@ -252,12 +260,16 @@ void ContextParallel::forward(float* out, float* lse, float* qkv_h, float* out_h
 }
 
 void ContextParallel::backward(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* qkv_h,
-                               const float* out, const float* out_h, const CpShape& s) {
-  if (size_ == 1) return attention_backward(dqkv, dout, qkv, out, lse, s.B, s.Tl, s.H, s.KV, s.D);
+                               const float* out, const float* out_h, const CpShape& s, const int32_t* doc) {
+  if (size_ == 1) {
+    attention_backward(dqkv, dout, qkv, out, lse, s.B, s.Tl, s.H, s.KV, s.D, doc);
+    return;
+  }
   const int A = s.a2a, R = s.rings(), group = rank_ / A;
   const int64_t N = s.N(), S = (s.H + 2 * s.KV) * s.D, HD = s.H * s.D, Ha = s.Ha(), KVa = s.KVa(), D = s.D,
                 Sa = s.Sa(), W = s.W();
   Views v{s};
+  v.doc = doc;
   if (A > 1) {  // d_out sequence → heads, as forward's q|k|v
     for (int r = 0; r < A; ++r)
 #pragma omp parallel for schedule(static)

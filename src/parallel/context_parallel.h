@@ -68,12 +68,13 @@ struct CpShape {
 };
 
 // Since the last reset: the time the ring's transfers took (posted to done, as the executor saw it
-// between blocks) and the part of it spent waiting (not hidden behind compute); and the causal
-// (query, key) pairs this rank's forward blocks computed, summed over heads and batch rows (the load
-// balance: equal on every CP rank).
+// between blocks) and the part of it spent waiting (not hidden behind compute); the causal (query,
+// key) pairs of this rank's forward blocks, summed over heads and batch rows (the load balance: equal
+// on every CP rank); and the score tiles its forward attention computed (attention.h: fewer than
+// the causal ones under document masking). Also kept without CP.
 struct CpCounters {
   double transfer_s = 0, wait_s = 0;
-  int64_t pairs = 0;
+  int64_t pairs = 0, tiles = 0;
 };
 
 class ContextParallel {
@@ -104,17 +105,20 @@ class ContextParallel {
   void reserve(const CpShape& s);
   // out [N, H·D] and lse ← attention of this rank's queries over the whole sequence's keys, from
   // qkv [N, S] (sequence-sharded, positions rotated). qkv_h and out_h ([A][N][Sa], [A][N][Ha·D];
-  // null when A = 1) receive the head-sharded copies backward uses.
-  void forward(float* out, float* lse, float* qkv_h, float* out_h, const float* qkv, const CpShape& s);
+  // null when A = 1) receive the head-sharded copies backward uses. doc [B, T] (null: causal only)
+  // is the document of every position of the whole sequence, T = 2C chunks (document masking).
+  void forward(float* out, float* lse, float* qkv_h, float* out_h, const float* qkv, const CpShape& s,
+               const int32_t* doc = nullptr);
   // dqkv [N, S] (overwritten) ← from dout [N, H·D] and forward's results.
   void backward(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* qkv_h,
-                const float* out, const float* out_h, const CpShape& s);
+                const float* out, const float* out_h, const CpShape& s, const int32_t* doc = nullptr);
 
  private:
   struct Views;
   // The (query chunk, key chunk) blocks of this rank's queries against the k|v of ring group `kv_group`.
   template <typename F>
-  void for_each_block(const CpShape& s, int kv_group, const std::function<void()>& progress, F&& fn);
+  void for_each_block(const CpShape& s, const int32_t* doc, int kv_group, const std::function<void()>& progress,
+                      F&& fn);
   void forward_blocks(const Views& v, int kv_group, const std::function<void()>& progress);
   void backward_blocks(const Views& v, int kv_group, const std::function<void()>& progress);
   int64_t chunk(int cp_rank, int half) const { return half == 0 ? cp_rank : 2 * size_ - 1 - cp_rank; }

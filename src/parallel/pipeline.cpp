@@ -176,4 +176,29 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
   return out;
 }
 
+Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
+  model_.set_batch(B, T);
+  const int64_t n = model_.activation_shape().local_tokens() * model_.config().hidden;  // floats per message
+  const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p, last = p * chunks_ - 1;
+  std::vector<float> input(static_cast<size_t>(n));
+  std::vector<Transfer> sends(2);  // two in flight at most: a buffer is reused once its earlier send is done
+  for (Transfer& t : sends) t.buf.resize(size_t(n));
+  size_t turn = 0;
+  Losses out;
+  for (int m = 0; m < int(tokens.size()); ++m)
+    for (int c = 0; c < chunks_; ++c) {
+      const int u = c * p + s;  // the virtual stage
+      if (u > 0) pp_.irecv(input.data(), n, DType::f32, prev, tag(m, u - 1, false)).wait();
+      Transfer& send = sends[turn];
+      if (u < last) send.req.wait();
+      out += model_.forward_only(m, c, tokens[size_t(m)], u > 0 ? input.data() : nullptr, send.buf.data());
+      if (u < last) {
+        send.req = pp_.isend(send.buf.data(), n, DType::f32, next, tag(m, u, false));
+        turn ^= 1;
+      }
+    }
+  for (Transfer& t : sends) t.req.wait();
+  return out;
+}
+
 }  // namespace origami

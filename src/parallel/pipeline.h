@@ -40,6 +40,12 @@ class Pipeline {
   // loss on the last stage, router losses of this stage's MoE layers; `loss` is their sum.
   Losses run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale);
 
+  // Evaluation, forward only: micro-batch m reads tokens[m]; every stage runs its (micro-batch,
+  // chunk) forwards in order — micro-batch by micro-batch, chunk by chunk, the order in which data
+  // flows through the virtual stages, so no stage waits on one that waits on it — and keeps nothing.
+  // Returns the LM loss summed over the micro-batches on the last stage (0 elsewhere).
+  Losses evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T);
+
   // Bytes of the message buffers a stage of `stages` holds at most for messages of `floats` floats:
   // a received input, the next receive posted ahead and a backward send in flight (forward sends
   // go out of the model's slot). None without pipeline parallelism.

@@ -25,7 +25,7 @@
 #include "core/memory.h"
 #include "core/stop_signals.h"
 #include "core/timer.h"
-#include "data/indexed_dataset.h"
+#include "data/blend.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/gemm.h"
@@ -51,6 +51,23 @@ std::string format_duration(double seconds) {
 
 }  // namespace
 
+int32_t document_eod(const ModelConfig& cfg, const std::string& tokenizer_path, const std::string& data) {
+  int32_t eod = -1;
+  if (!tokenizer_path.empty()) {
+    eod = load_tokenizer_file(tokenizer_path)->eod();
+  } else {
+    const nlohmann::json* eos = cfg.raw.contains("eos_token_id") ? &cfg.raw["eos_token_id"] : nullptr;
+    if (eos && eos->is_array() && !eos->empty()) eos = &(*eos)[0];  // several: the first
+    ORIGAMI_CHECK(eos && eos->is_number_integer(), "--attention-mask document needs the end-of-document token: the "
+                  "data has no tokenizer file (", data, ".tokenizer.json) and the model config has no integer "
+                  "eos_token_id");
+    eod = eos->get<int32_t>();
+  }
+  ORIGAMI_CHECK(eod >= 0 && eod < cfg.vocab_size, "--attention-mask document: the end-of-document id ", eod,
+                " is outside the model's vocabulary of ", cfg.vocab_size);
+  return eod;
+}
+
 bool TrainOptions::fresh_start() const {
   return !resume.empty() && resume == save && !Checkpoint::committed_in(resume);
 }
@@ -66,7 +83,8 @@ nlohmann::json TrainOptions::as_json() const {
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
-          {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}};
+          {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
+          {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask}};
 }
 
 void TrainOptions::validate_routing(const ModelConfig& cfg) const {
@@ -102,6 +120,12 @@ ModelConfig TrainOptions::with_routing(const ModelConfig& cfg) const {
 void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   validate_routing(cfg);
   ORIGAMI_CHECK(!data.empty(), "no training data: give --data PREFIX (made by 'origami data prepare')");
+  parse_blend(data, "--data");
+  if (!eval_data.empty()) parse_blend(eval_data, "--eval-data");
+  ORIGAMI_CHECK(eval_every >= 0, "--eval-every must not be negative (0: after the last step only), got ", eval_every);
+  ORIGAMI_CHECK(eval_iters >= 1, "--eval-iters must be at least 1, got ", eval_iters);
+  ORIGAMI_CHECK(eval_every == 0 || !eval_data.empty(), "--eval-every needs --eval-data PREFIX");
+  parse_attention_mask(attention_mask);
   // Layout degrees first: the global batch's default derives from them.
   ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
   ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
@@ -348,9 +372,7 @@ double cpu_seconds() {
 
 int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& world) {
   // Everything a user can get wrong is checked first, on every rank, before any communication.
-  std::optional<IndexedDataset> dataset;
-  const std::string tokenizer_path = opts.data + ".tokenizer.json";
-  bool has_tokenizer = false;
+  std::optional<DataBlend> data, eval_data;  // the training data and the validation data (if any)
   TrainOptions o;  // with the derived values (the global batch) filled in
   // Test-only fault injection: ORIGAMI_TEST_NAN_GRAD=STEP:RANK makes world rank RANK's gradient at
   // the first parameter backward reaches in step STEP NaN, before any reduction — as a fault in one
@@ -365,13 +387,32 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     o = opts.resolved(world.size());
     o.validate(model_cfg, world.size());
     cfg = o.with_routing(model_cfg);
-    dataset = IndexedDataset::open(o.data);
-    has_tokenizer = std::filesystem::exists(tokenizer_path);
-    if (has_tokenizer) {
-      auto tok = load_tokenizer_file(tokenizer_path);
+    data.emplace(parse_blend(o.data, "--data"), o.seq_len, parse_sample_order(o.data_order), o.seed, "--data");
+    const std::string& tokenizer_path = data->tokenizer_path();
+    std::unique_ptr<Tokenizer> tok;
+    if (!tokenizer_path.empty()) {
+      tok = load_tokenizer_file(tokenizer_path);
       ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                     tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
     }
+    if (!o.eval_data.empty()) {
+      // The validation windows, in order: the first eval_iters × G samples, none read twice.
+      eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
+                        "--eval-data");
+      ORIGAMI_CHECK(eval_data->same_tokenizer(*data),
+                    "--eval-data '", o.eval_data, "' was made with a different tokenizer than --data '", o.data, "' (",
+                    eval_data->tokenizer_path().empty() ? "none" : eval_data->tokenizer_path(), " vs ",
+                    tokenizer_path.empty() ? "none" : tokenizer_path, ")");
+      const int64_t wanted = o.eval_iters * o.global_batch;
+      const std::vector<int64_t> per = eval_data->samples_per_dataset(0, wanted);
+      for (size_t d = 0; d < per.size(); ++d)
+        ORIGAMI_CHECK(per[d] <= eval_data->windows(d), "--eval-data: an evaluation reads --eval-iters x global batch = ",
+                      o.eval_iters, " x ", o.global_batch, " = ", wanted, " windows, ", per[d], " of them from '",
+                      eval_data->parts()[d].prefix, "', which has only ", eval_data->windows(d), " of length ",
+                      o.seq_len, "; lower --eval-iters or give more validation data");
+    }
+    if (parse_attention_mask(o.attention_mask))
+      cfg.document_eod = document_eod(cfg, tokenizer_path, parse_blend(o.data)[0].prefix);
     fresh_start = o.fresh_start();
     if (!from.empty() && !fresh_start) {  // the checkpoint to start from, checked against the model
       ck = Checkpoint::open(from);
@@ -387,8 +428,8 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   // pools and buffers are set up first: the check measures them as the runtime part).
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
-  WindowSampler sampler(*dataset, o.seq_len, parse_sample_order(o.data_order), o.seed);
-  const MemoryCheck memory = check_memory(cfg, o, sampler.bytes(), world);
+  const int64_t data_bytes = data->bytes(o.steps * o.global_batch) + (eval_data ? eval_data->bytes(0) : 0);
+  const MemoryCheck memory = check_memory(cfg, o, data_bytes, world);
   const bool rank0 = world.rank() == 0;
 
   // Layout: the attention and MoE meshes over the same ranks; this rank's pipeline stage (its chunks
@@ -490,10 +531,10 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   if (pp > 1) layout_name += cat(" ", schedule_kind_name(o.schedule_kind()), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(recompute));
   if (rank0) {
-    std::printf("origami train: %s, %lld parameters, %lld layers | data %s: %llu tokens, %lld windows of %lld | "
+    std::printf("origami train: %s, %lld parameters, %lld layers | data %s | "
                 "global batch %lld%s = %lld accumulation step%s x micro-batch %lld x DP %d | %s, %d threads per rank\n",
-                cfg.model_type().c_str(), (long long)num_parameters(cfg), (long long)cfg.num_layers, o.data.c_str(),
-                (unsigned long long)dataset->num_tokens(), (long long)sampler.num_windows(), (long long)T, (long long)G,
+                cfg.model_type().c_str(), (long long)num_parameters(cfg), (long long)cfg.num_layers,
+                data->describe().c_str(), (long long)G,
                 opts.global_batch == 0 ? " (default: micro-batch x DP)" : "", (long long)micro, micro == 1 ? "" : "s",
                 (long long)B, dp, layout_name.c_str(), num_threads());
     std::printf("memory: %s per rank at most (rank %zu; %s)\n",
@@ -511,6 +552,13 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       }
       std::printf("\n");
     }
+    if (eval_data)
+      std::printf("validation: %s | %lld windows (%lld x global batch) every %s\n", eval_data->describe().c_str(),
+                  (long long)(o.eval_iters * G), (long long)o.eval_iters,
+                  o.eval_every > 0 ? cat(o.eval_every, " steps and after the last").c_str() : "run, after the last step");
+    if (cfg.document_eod >= 0)
+      std::printf("attention within documents: token %d ends a document (positions restart after it)\n",
+                  cfg.document_eod);
     if (fresh_start) std::printf("no checkpoint in '%s' yet: starting at step 0\n", o.resume.c_str());
     if (!ck_path.empty() && !o.resume.empty())
       std::printf("resuming from '%s' at step %lld (read in %.2f s)\n", ck_path.c_str(), (long long)start_step, load_s);
@@ -573,7 +621,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       if (!model.router_bias().empty()) st["router_bias"] = model.router_bias();
       files["trainer_state.json"] = st.dump(2) + "\n";
       files["config.json"] = cfg.raw.dump(2) + "\n";
-      if (has_tokenizer) files["tokenizer.json"] = read_file_bytes(tokenizer_path);
+      if (!data->tokenizer_path().empty()) files["tokenizer.json"] = read_file_bytes(data->tokenizer_path());
     }
     const nlohmann::json layout = {{"world", world.size()}, {"tp", tp_comm.size()}, {"cp", cp.size()}, {"dp", dp},
                                    {"pp", pp}, {"vpp", o.vpp}, {"ep", ep_comm.size()}, {"etp", etp_comm.size()},
@@ -586,6 +634,18 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   std::vector<int32_t> tokens(size_t(micro * B * (T + 1)));
   std::vector<const int32_t*> micro_tokens;
   for (int64_t m = 0; m < micro; ++m) micro_tokens.push_back(tokens.data() + m * B * (T + 1));
+  // Validation: the mean per-token LM loss over the first eval_iters global batches of the validation
+  // data, rows split over DP as a training step's, forward only; the same reduction as the step's LM
+  // loss (one rank per TP group; the last stage's; each CP rank its part).
+  auto evaluate = [&]() -> double {
+    double sum = 0;
+    for (int64_t k = 0; k < o.eval_iters; ++k) {
+      const int64_t row0 = k * G + dp_rank * (G / dp);
+      for (int64_t r = 0; r < micro * B; ++r) eval_data->window(row0 + r, tokens.data() + r * (T + 1));
+      sum += pipeline.evaluate(micro_tokens, B, T).lm_loss;
+    }
+    return world.all_reduce_value(tp_comm.rank() == 0 ? sum / double(micro * dp * o.eval_iters) : 0.0);
+  };
   Timer run_timer;
   int exit_code = 0;
   int64_t skipped = 0, last_update = start_step;  // steps skipped for a non-finite loss or gradient; last step updated
@@ -602,12 +662,13 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     const double cpu0 = cpu_seconds();
     mesh.reset_bytes();
     cp.reset_counters();
+    const std::vector<int64_t> step_samples = data->samples_per_dataset(step * G, G);
     if (embedding_comm) embedding_comm->reset_bytes();
     const double lr = lr_at(o.lr, step);
     // This DP rank's rows of the step, read by every pipeline stage (the first embeds them, the last
     // takes its targets from them).
     const int64_t row0 = step * G + dp_rank * (G / dp);
-    for (int64_t r = 0; r < micro * B; ++r) sampler.window(row0 + r, tokens.data() + r * (T + 1));
+    for (int64_t r = 0; r < micro * B; ++r) data->window(row0 + r, tokens.data() + r * (T + 1));
     for (ParamSet* set : sets) set->dp.begin_step();
     model.reset_expert_counts();
     model.reset_act_peak();
@@ -711,13 +772,27 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     double save_blocked = 0;
     if (writer && !too_many_skips && (stop || done == o.steps || (o.save_every > 0 && done % o.save_every == 0)))
       save_blocked = save(done);
+    // Validation after the step's own figures are taken (its forwards would add to them).
+    const CpCounters step_cp = cp.counters();
+    const std::map<std::string, double> step_bytes = mesh.bytes_sent();
+    const double step_cp_bytes = cp.bytes_sent();
+    double val_loss = std::numeric_limits<double>::quiet_NaN();
+    if (eval_data && !too_many_skips && (done == o.steps || (o.eval_every > 0 && done % o.eval_every == 0))) {
+      Timer eval_timer;
+      val_loss = evaluate();
+      if (rank0) {
+        std::printf("step %lld/%lld | val loss %.4f | val ppl %.3f | %.1f ms\n", (long long)done, (long long)o.steps,
+                    val_loss, std::exp(val_loss), eval_timer.ms());
+        std::fflush(stdout);
+      }
+    }
     if (metrics) {
       nlohmann::json bytes = nlohmann::json::object(), j_cp;
-      for (const auto& [axis, b] : mesh.bytes_sent()) bytes[axis] = std::llround(b);
+      for (const auto& [axis, b] : step_bytes) bytes[axis] = std::llround(b);
       if (cp.size() > 1) {
-        bytes["cp"] = std::llround(cp.bytes_sent());
+        bytes["cp"] = std::llround(step_cp_bytes);
         // Rank 0's ring: transfer time and the part waited for; every rank's causal pairs.
-        j_cp = {{"ring_s", cp.counters().transfer_s}, {"ring_wait_s", cp.counters().wait_s},
+        j_cp = {{"ring_s", step_cp.transfer_s}, {"ring_wait_s", step_cp.wait_s},
                 {"pairs", std::vector<int64_t>(red.begin() + long(pairs_at), red.begin() + long(pairs_at) + world.size())}};
       }
       if (embedding_comm && embedding_comm->bytes_sent() > 0) bytes["embedding"] = std::llround(embedding_comm->bytes_sent());
@@ -738,6 +813,9 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
                           {"pp_busy_ms", as_ms(per_stage(2))}, {"pp_ms", as_ms(per_stage(3))},
                           {"pp_bytes", as_int(per_stage(4))}};
       if (!j_cp.is_null()) j["cp"] = j_cp;
+      j["attention_tiles"] = step_cp.tiles;  // rank 0's forward score tiles (fewer under document masking)
+      if (data->parts().size() > 1) j["data_samples"] = step_samples;  // the step's rows from each dataset
+      if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
       if (skip) j["skipped"] = non_finite;
       if (spike) j["loss_spike"] = true;
       if (save_blocked > 0) j["save_blocked_s"] = save_blocked;

@@ -28,7 +28,11 @@
 namespace origami {
 
 struct TrainOptions {
-  std::string data;            // dataset prefix (PREFIX.bin / PREFIX.idx)
+  std::string data;            // dataset prefix (PREFIX.bin / PREFIX.idx), or a blend "W1 PREFIX1 W2 PREFIX2 ..."
+  std::string eval_data;       // validation data (a prefix or a blend), optional
+  int64_t eval_every = 0;      // evaluate every N steps (and after the last); 0: after the last only
+  int64_t eval_iters = 10;     // global batches of validation windows per evaluation
+  std::string attention_mask = "causal";  // causal | document (attention within documents, positions restart)
   std::string init_from;       // weights only: any checkpoint, Hugging Face directory or .safetensors file
   std::string resume;          // a checkpoint to continue: weights, optimizer state, step (any layout wrote it)
   int64_t steps = 100;         // total optimizer steps
@@ -96,6 +100,11 @@ struct TrainOptions {
   ScheduleKind schedule_kind() const;
   int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
 };
+
+// The end-of-document id of --attention-mask document: the data's tokenizer's (tokenizer_path, "" when
+// the data has none), else the model config's eos_token_id (the first of a list); neither is an Error
+// naming `data`'s tokenizer file.
+int32_t document_eod(const ModelConfig& cfg, const std::string& tokenizer_path, const std::string& data);
 
 // Exit codes of a run that ends without an error: stopped by SIGINT/SIGTERM after saving, and stopped
 // because more steps had a non-finite loss or gradient norm than --max-skipped-steps allows (nothing is

@@ -110,14 +110,15 @@ WORDS = ("the quick brown fox jumps over lazy dog and cat while a bird sings of 
          "stars code tensor rank gradient loss step parallel data model layer head expert token").split()
 
 
-def prepare_data(tmp, name="corpus", n_docs=120, seed=3):
+def prepare_data(tmp, name="corpus", n_docs=120, seed=3, words=(20, 80)):
     """A byte-level dataset (256 bytes + end-of-document = 257 tokens) of ~40 KB of seeded
-    pseudo-text, made with `origami data prepare`. Returns the prefix."""
+    pseudo-text (documents of `words` words, about 6 bytes each), made with `origami data
+    prepare`. Returns the prefix."""
     rng = random.Random(seed)
     text = os.path.join(tmp, name + ".txt")
     with open(text, "w") as f:
         for i in range(n_docs):
-            n = rng.randrange(20, 80)
+            n = rng.randrange(*words)
             f.write("doc %d: " % i + " ".join(rng.choice(WORDS) for _ in range(n)) + ".\n%\n")
     prefix = os.path.join(tmp, name)
     p = subprocess.run([BIN, "data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte"],

@@ -289,10 +289,32 @@ def silu(x):
     return x * torch.sigmoid(x)
 
 
-def causal_attention(q_BHTD, k_BHTD, v_BHTD):
+def document_layout(tok_BT, eod):
+    """Document masking (Megatron's reset_attention_mask + reset_position_ids): the token after each
+    `eod` starts a new document. Returns (doc [B,T] document index of each position, pos [B,T]
+    position id counted from its document's first token); eod None: one document, pos = t."""
+    B, T = tok_BT.shape
+    if eod is None:
+        return torch.zeros(B, T, dtype=torch.long), torch.arange(T).expand(B, T)
+    starts = torch.zeros(B, T, dtype=torch.long)
+    starts[:, 1:] = (tok_BT[:, :-1] == eod).long()
+    doc = starts.cumsum(1)
+    t = torch.arange(T).expand(B, T)
+    first = torch.zeros(B, T, dtype=torch.long)  # each position's document start
+    for b in range(B):
+        for i in range(1, T):
+            first[b, i] = i if starts[b, i] else first[b, i - 1]
+    return doc, t - first
+
+
+def causal_attention(q_BHTD, k_BHTD, v_BHTD, doc_BT=None):
+    """Softmax attention of each query over the keys at or before it (and, with doc_BT, in the
+    same document: a block-diagonal causal mask)."""
     T, D = q_BHTD.shape[-2], q_BHTD.shape[-1]
     att = q_BHTD @ k_BHTD.transpose(-1, -2) / math.sqrt(D)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
+    if doc_BT is not None:
+        mask = mask & (doc_BT[:, None, :, None] == doc_BT[:, None, None, :])
     att = att.masked_fill(~mask, float("-inf"))
     att = torch.softmax(att, dim=-1)
     return att @ v_BHTD
@@ -314,18 +336,19 @@ def apply_rope(x_BHTD, cos, sin):
     return x_BHTD * cos + rotate_half(x_BHTD) * sin
 
 
-def _gpt2_forward(cfg, P, tok_BT):
+def _gpt2_forward(cfg, P, tok_BT, eod=None):
     B, T = tok_BT.shape
     C, H, _, D, L = _dims(cfg)
     eps = cfg.get("layer_norm_epsilon", 1e-5)
-    x = P["wte.weight"][tok_BT] + P["wpe.weight"][:T][None]
+    doc, pos = document_layout(tok_BT, eod)
+    x = P["wte.weight"][tok_BT] + P["wpe.weight"][pos]
     for l in range(L):
         p = f"h.{l}."
         h = layer_norm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
         qkv = h @ P[p + "attn.c_attn.weight"] + P[p + "attn.c_attn.bias"]    # [B,T,3C]
         q, k, v = qkv.split(C, dim=-1)
         q, k, v = (t.reshape(B, T, H, D).transpose(1, 2) for t in (q, k, v))
-        y = causal_attention(q, k, v).transpose(1, 2).reshape(B, T, C)
+        y = causal_attention(q, k, v, doc if eod is not None else None).transpose(1, 2).reshape(B, T, C)
         x = x + y @ P[p + "attn.c_proj.weight"] + P[p + "attn.c_proj.bias"]
         h = layer_norm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
         h = gelu_tanh(h @ P[p + "mlp.c_fc.weight"] + P[p + "mlp.c_fc.bias"])
@@ -342,7 +365,7 @@ def _linear(P, name, x):
     return y if b is None else y + b
 
 
-def _llama_attention(cfg, P, p, h, cos, sin):
+def _llama_attention(cfg, P, p, h, cos, sin, doc=None):
     B, T, _ = h.shape
     C, H, KV, D, _ = _dims(cfg)
     q = _linear(P, p + "self_attn.q_proj", h).reshape(B, T, H, D).transpose(1, 2)
@@ -353,7 +376,7 @@ def _llama_attention(cfg, P, p, h, cos, sin):
     rep = H // KV
     kv_of_head = torch.arange(H) // rep
     k, v = k[:, kv_of_head], v[:, kv_of_head]
-    y = causal_attention(q, k, v).transpose(1, 2).reshape(B, T, H * D)
+    y = causal_attention(q, k, v, doc).transpose(1, 2).reshape(B, T, H * D)
     return y @ P[p + "self_attn.o_proj.weight"].t()
 
 
@@ -479,17 +502,21 @@ def _moe(cfg, P, p, h_BTC, opts=None, bias_E=None):
     return out.reshape(B, T, C), r
 
 
-def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None):
+def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None, eod=None):
     B, T = tok_BT.shape
     C, H, KV, D, L = _dims(cfg)
     eps = cfg.get("rms_norm_eps", 1e-6)
     x = P["model.embed_tokens.weight"][tok_BT]
     cos, sin = rope_cos_sin(T, D, cfg.get("rope_theta", 10000.0), x.dtype)
+    doc = None
+    if eod is not None:  # per-token positions: tables [B, 1, T, D] broadcast over heads
+        doc, pos = document_layout(tok_BT, eod)
+        cos, sin = cos[pos][:, None], sin[pos][:, None]
     moe = set(moe_layers(cfg))
     routes = []
     for l in range(L):
         p = f"model.layers.{l}."
-        x = x + _llama_attention(cfg, P, p, rms_norm(x, P[p + "input_layernorm.weight"], eps), cos, sin)
+        x = x + _llama_attention(cfg, P, p, rms_norm(x, P[p + "input_layernorm.weight"], eps), cos, sin, doc)
         h = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
         if l not in moe:
             x = x + swiglu(h, P[p + "mlp.gate_proj.weight"], P[p + "mlp.up_proj.weight"],
@@ -504,17 +531,18 @@ def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None):
     return x @ head.t(), routes
 
 
-def forward_routes(cfg, params, tok_BT, routing=None, router_bias=None):
+def forward_routes(cfg, params, tok_BT, routing=None, router_bias=None, eod=None):
     """(logits [B,T,V], list of route dicts, one per MoE layer). router_bias: indexable by
-    layer index ([L][E]; rows of dense layers unused) or None (zeros)."""
+    layer index ([L][E]; rows of dense layers unused) or None (zeros). eod: document masking's
+    end-of-document id (document_layout), None: causal over the whole row."""
     if model_type(cfg) == "gpt2":
-        return _gpt2_forward(cfg, params, tok_BT)
-    return _llama_forward(cfg, params, tok_BT, routing_options(cfg, routing), router_bias)
+        return _gpt2_forward(cfg, params, tok_BT, eod)
+    return _llama_forward(cfg, params, tok_BT, routing_options(cfg, routing), router_bias, eod)
 
 
-def forward(cfg, params, tok_BT, routing=None, router_bias=None):
+def forward(cfg, params, tok_BT, routing=None, router_bias=None, eod=None):
     """Returns (logits [B,T,V], list of router logits [N,E] per MoE layer)."""
-    logits, routes = forward_routes(cfg, params, tok_BT, routing, router_bias)
+    logits, routes = forward_routes(cfg, params, tok_BT, routing, router_bias, eod)
     return logits, [r["logits"] for r in routes]
 
 
@@ -567,10 +595,10 @@ def router_losses(cfg, routes, routing=None, prev_counts=None, micro_index=0):
 
 
 def losses(cfg, params, inp_BT, tgt_BT, routing=None, router_bias=None, prev_counts=None,
-           micro_index=0):
+           micro_index=0, eod=None):
     """dict: logits, lm_loss, aux_loss, z_loss, loss (tensors, differentiable), router_logits,
     routes, expert_tokens [L,E] (assignments before dropping), expert_dropped [L]."""
-    logits, routes = forward_routes(cfg, params, inp_BT, routing, router_bias)
+    logits, routes = forward_routes(cfg, params, inp_BT, routing, router_bias, eod)
     V = logits.shape[-1]
     lm = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tgt_BT.reshape(-1))
     aux, z = router_losses(cfg, routes, routing, prev_counts, micro_index)
@@ -641,10 +669,10 @@ def routing_gap(cfg, router_logits, routing=None, router_bias=None):
 
 
 def loss_and_grads(cfg, params, inp_BT, tgt_BT, routing=None, router_bias=None, prev_counts=None,
-                   micro_index=0):
+                   micro_index=0, eod=None):
     """Evaluates losses and the gradient of `loss` with respect to every parameter."""
     leaves = OrderedDict((k, v.detach().clone().requires_grad_(True)) for k, v in params.items())
-    out = losses(cfg, leaves, inp_BT, tgt_BT, routing, router_bias, prev_counts, micro_index)
+    out = losses(cfg, leaves, inp_BT, tgt_BT, routing, router_bias, prev_counts, micro_index, eod)
     grads = torch.autograd.grad(out["loss"], list(leaves.values()), allow_unused=True)
     out["grads"] = OrderedDict(
         (k, (g if g is not None else torch.zeros_like(leaves[k])).detach())
@@ -769,6 +797,32 @@ class WindowSampler:
         return torch.from_numpy(np.stack(ins)), torch.from_numpy(np.stack(tgts))
 
 
+class BlendSampler(WindowSampler):
+    """Megatron's blend of datasets: sample i goes to the dataset d with the largest
+    w_d*(i+1) - n_d (the first on ties; n_d = samples d gave so far) and reads that dataset's
+    sequential window n_d. parts: [(weight, prefix)], weights normalised here."""
+
+    def __init__(self, parts, seq_len):
+        total = sum(w for w, _ in parts)
+        self.weights = [w / total for w, _ in parts]
+        self.samplers = [WindowSampler(prefix, seq_len) for _, prefix in parts]
+        self.choices = []  # (dataset, its sample index) of samples 0, 1, ...
+        self.given = [0] * len(parts)
+
+    def dataset_of(self, i):
+        while len(self.choices) <= i:
+            n = len(self.choices) + 1
+            errors = [w * n - g for w, g in zip(self.weights, self.given)]
+            d = errors.index(max(errors))
+            self.choices.append((d, self.given[d]))
+            self.given[d] += 1
+        return self.choices[i]
+
+    def window(self, i):
+        d, j = self.dataset_of(i)
+        return self.samplers[d].window(j)
+
+
 # --------------------------------------------------------------------------------------
 # optimizer, clipping, schedule
 # --------------------------------------------------------------------------------------
@@ -826,8 +880,22 @@ def router_bias_update(load_E, rate):
     return rate * torch.sign(ld.sum() / ld.numel() - ld)
 
 
+def evaluate(cfg, params, sampler, iters, global_batch, micro_batch, eod=None):
+    """Validation loss: the mean per-token LM loss (no router losses) over windows
+    0 .. iters*global_batch-1 of `sampler`, forward only."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for k in range(iters):
+            inp, tgt = sampler.batch(k, global_batch)
+            for m in range(0, global_batch, micro_batch):
+                total += float(losses(cfg, params, inp[m:m + micro_batch], tgt[m:m + micro_batch], eod=eod)["lm_loss"])
+                n += 1
+    return total / n
+
+
 def train(cfg, params, sampler, steps, micro_batch, global_batch, lr, min_lr, warmup,
-          schedule, weight_decay, grad_clip, routing=None):
+          schedule, weight_decay, grad_clip, routing=None, eod=None, eval_every=0, eval_sampler=None,
+          eval_iters=1):
     """Reference training loop. `params` is updated in place; returns per-step metrics
     (loss etc. are means over the micro-batches, evaluated before the update).
     MoE routing options (see ROUTING_DEFAULTS): aux `global` uses the running average of the
@@ -854,7 +922,7 @@ def train(cfg, params, sampler, steps, micro_batch, global_batch, lr, min_lr, wa
         dropped = [0] * L
         for m in range(num_micro):
             rows = slice(m * micro_batch, (m + 1) * micro_batch)
-            out = loss_and_grads(cfg, params, inp[rows], tgt[rows], opts, bias, load.clone(), m)
+            out = loss_and_grads(cfg, params, inp[rows], tgt[rows], opts, bias, load.clone(), m, eod)
             gap = min(gap, routing_gap(cfg, out["router_logits"], opts, bias))
             load += out["expert_tokens"]
             dropped = [d + x for d, x in zip(dropped, out["expert_dropped"])]
@@ -872,6 +940,9 @@ def train(cfg, params, sampler, steps, micro_batch, global_batch, lr, min_lr, wa
         metrics.append(dict(step=s, grad_norm=norm, lr=lr_s, min_topk_gap=gap, **sums,
                             expert_tokens=load.tolist(), expert_dropped=dropped,
                             router_bias=bias.tolist()))
+        if eval_sampler is not None and (s + 1 == steps or (eval_every and (s + 1) % eval_every == 0)):
+            metrics[-1]["val_loss"] = evaluate(cfg, params, eval_sampler, eval_iters, global_batch,
+                                               micro_batch, eod)
     return metrics
 
 
@@ -934,16 +1005,16 @@ def routing_cli_args(routing, train=False):
     return args
 
 
-def origami_dump(config, init, data, micro_batch, seq_len, out, step=0, routing=None):
+def origami_dump(config, init, data, micro_batch, seq_len, out, step=0, routing=None, extra=()):
     run_origami(["dump", "--config", config, "--init-from", init, "--data", data,
                  "--micro-batch", micro_batch, "--seq-len", seq_len, "--step", step, "--out", out]
-                + routing_cli_args(routing))
+                + routing_cli_args(routing) + list(extra))
     return load_safetensors(out)
 
 
 def origami_train(config, init, data, metrics, steps, micro_batch, global_batch, seq_len, lr,
                   min_lr, warmup, schedule, weight_decay, grad_clip, save=None, threads=2,
-                  routing=None):
+                  routing=None, extra=()):
     args = ["train", "--config", config, "--init-from", init, "--data", data, "--steps", steps,
             "--micro-batch", micro_batch, "--global-batch", global_batch, "--seq-len", seq_len,
             "--lr", repr(float(lr)), "--min-lr", repr(float(min_lr)), "--warmup", warmup,
@@ -952,7 +1023,7 @@ def origami_train(config, init, data, metrics, steps, micro_batch, global_batch,
             "--metrics", metrics, "--threads", threads]
     if save:
         args += ["--save", save]  # writes save/step-<steps>/ (one shard file per rank), save/latest
-    run_origami(args + routing_cli_args(routing, train=True))
+    run_origami(args + routing_cli_args(routing, train=True) + list(extra))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -20,10 +20,11 @@ B, T = 2, 16
 SCALARS = ("loss", "lm_loss", "aux_loss", "z_loss")
 
 
-def compare_dump(tag, cfg, params, sampler, step, dump, report, grads=True, rows=B, routing=None):
-    """Checks one `origami dump` against the reference; returns the reference's outputs."""
+def compare_dump(tag, cfg, params, sampler, step, dump, report, grads=True, rows=B, routing=None, eod=None):
+    """Checks one `origami dump` against the reference (eod: with document masking); returns the
+    reference's outputs."""
     inp, tgt = sampler.batch(step, rows)
-    want = ref.loss_and_grads(cfg, params, inp, tgt, routing=routing)
+    want = ref.loss_and_grads(cfg, params, inp, tgt, routing=routing, eod=eod)
     gap = ref.routing_gap(cfg, want["router_logits"], routing)
     want["routing_gap"] = gap
     if gap < 1e-5:

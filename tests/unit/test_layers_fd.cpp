@@ -567,18 +567,30 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionFd,
                                            AttnCase{1, 70, 2, 1, 8, 400, 12.0, 2e-4}),
                          [](const ::testing::TestParamInfo<AttnCase>& info) { return attention_case_name(info.param); });
 
+// Documents of a batch of rows: doc[b·T + t] is the document of position t of row b, starting a new
+// one at each position in `starts[b]` (ascending).
+std::vector<int32_t> document_ids(int64_t T, const std::vector<std::vector<int64_t>>& starts) {
+  std::vector<int32_t> doc;
+  for (const auto& row : starts)
+    for (int64_t t = 0, d = 0, k = 0; t < T; ++t) {
+      if (k < int64_t(row.size()) && row[size_t(k)] == t) ++d, ++k;
+      doc.push_back(int32_t(d));
+    }
+  return doc;
+}
+
 // Context parallelism's premise (parallel/context_parallel.h): attention over a sequence computed as
 // any set of (query chunk, key chunk) blocks, merged by log-sum-exp in any order, equals the whole
-// computation, forward and backward. Chunks of uneven lengths crossing the 64-row tiles; the keys
-// read from a separate k|v buffer (as a ring buffer holds them); key chunks visited in a shuffled
-// order per query chunk; blocks whose keys all follow the queries skipped.
-TEST(AttentionBlocks, AnyChunkingMergesToTheWhole) {
+// computation, forward and backward — with or without documents. Chunks of uneven lengths crossing
+// the 64-row tiles; the keys read from a separate k|v buffer (as a ring buffer holds them); key
+// chunks visited in a shuffled order per query chunk; blocks whose keys all follow the queries skipped.
+void check_any_chunking(const int32_t* doc) {
   const int64_t B = 2, Tn = 130, H = 6, KV = 2, D = 8, S = (H + 2 * KV) * D, HD = H * D, W = 2 * KV * D;
   Rng rng(97);
   const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
   Vec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
-  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D);
-  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc);
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc);
   Vec kv(B * Tn * W);  // [B, T, k | v]
   for (int64_t n = 0; n < B * Tn; ++n)
     for (int64_t j = 0; j < W; ++j) kv[n * W + j] = qkv[n * S + H * D + j];
@@ -593,7 +605,8 @@ TEST(AttentionBlocks, AnyChunkingMergesToTheWhole) {
       std::shuffle(order.begin(), order.end(), g);
       for (size_t kc : order) {
         const int64_t q0 = edges[qc], k0 = edges[kc];
-        const BlockDims d{B, edges[qc + 1] - q0, edges[kc + 1] - k0, H, KV, D, kc == qc ? 0 : kAllKeys};
+        BlockDims d{B, edges[qc + 1] - q0, edges[kc + 1] - k0, H, KV, D, kc == qc ? 0 : kAllKeys};
+        if (doc) d.qdoc = doc + q0, d.kdoc = doc + k0, d.doc_row = Tn;
         const Heads<const double> q{qkv.data() + q0 * S, Tn * S, S}, k{kv.data() + k0 * W, Tn * W, W},
             v{kv.data() + k0 * W + KV * D, Tn * W, W};
         if (!backward) {
@@ -619,6 +632,69 @@ TEST(AttentionBlocks, AnyChunkingMergesToTheWhole) {
   }
   expect_close("merged blocks: dq", bdq, whole_q, 1e-12);
   expect_close("merged blocks: dk|dv", bdkv, whole_kv, 1e-12);
+}
+
+TEST(AttentionBlocks, AnyChunkingMergesToTheWhole) { check_any_chunking(nullptr); }
+
+TEST(AttentionBlocks, AnyChunkingMergesToTheWholeWithDocuments) {
+  // Documents that end inside chunks, at chunk edges (17, 71) and tile edges (64, 128), one of one token.
+  const std::vector<int32_t> doc = document_ids(130, {{5, 17, 64, 65, 100, 128}, {30, 71, 129}});
+  check_any_chunking(doc.data());
+}
+
+// Document masking: attention over a window of several documents equals each document's own causal
+// attention, forward (out, lse) and backward (dq, dk, dv) — documents of 1 to 70 tokens, ends on and
+// off the 64-row tiles, different per batch row.
+TEST(AttentionDocuments, EqualsEachDocumentAlone) {
+  const int64_t B = 2, Tn = 200, H = 4, KV = 2, D = 8, S = (H + 2 * KV) * D, HD = H * D;
+  const std::vector<std::vector<int64_t>> starts = {{1, 64, 128, 129, 190}, {70, 75, 139}};
+  const std::vector<int32_t> doc = document_ids(Tn, starts);
+  Rng rng(43);
+  const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
+  Vec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc.data());
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc.data());
+  Vec ref_out(out.size()), ref_lse(lse.size()), ref_dqkv(dqkv.size());
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> edges = {0};
+    for (int64_t t : starts[size_t(b)]) edges.push_back(t);
+    edges.push_back(Tn);
+    for (size_t k = 0; k + 1 < edges.size(); ++k) {  // document [t0, t1) of row b, alone
+      const int64_t t0 = edges[k], n = edges[k + 1] - t0;
+      const Vec q(qkv.begin() + (b * Tn + t0) * S, qkv.begin() + (b * Tn + t0 + n) * S);
+      const Vec dq_out(dout.begin() + (b * Tn + t0) * HD, dout.begin() + (b * Tn + t0 + n) * HD);
+      Vec o(n * HD), l(H * n), dq(n * S);
+      attention_forward(o.data(), l.data(), q.data(), 1, n, H, KV, D);
+      attention_backward(dq.data(), dq_out.data(), q.data(), o.data(), l.data(), 1, n, H, KV, D);
+      std::copy(o.begin(), o.end(), ref_out.begin() + (b * Tn + t0) * HD);
+      std::copy(dq.begin(), dq.end(), ref_dqkv.begin() + (b * Tn + t0) * S);
+      for (int64_t h = 0; h < H; ++h)
+        std::copy(l.begin() + h * n, l.begin() + (h + 1) * n, ref_lse.begin() + (b * H + h) * Tn + t0);
+    }
+  }
+  expect_close("documents: out", out, ref_out, 1e-13);
+  expect_close("documents: lse", lse, ref_lse, 1e-13);
+  expect_close("documents: dqkv", dqkv, ref_dqkv, 1e-12);
+}
+
+// The tiles the mask empties are skipped: a window of 8 equal documents of T/8 = 512 positions costs
+// 8 · (8·9/2) = 288 score tiles per head against the causal window's 64·65/2 = 2080 (the score pairs'
+// ratio is 1/8; whole diagonal tiles make it 288/2080 = 0.138), forward and backward alike.
+TEST(AttentionDocuments, EmptyTilesAreSkipped) {
+  const int64_t Tn = 4096, H = 2, KV = 1, D = 8, S = (H + 2 * KV) * D;
+  std::vector<int64_t> starts;
+  for (int64_t t = 512; t < Tn; t += 512) starts.push_back(t);
+  const std::vector<int32_t> doc = document_ids(Tn, {starts});
+  Rng rng(5);
+  std::vector<float> qkv(Tn * S), out(Tn * H * D), lse(H * Tn), dqkv(Tn * S);
+  for (float& x : qkv) x = float(rng.uni());
+  const int64_t causal = attention_forward(out.data(), lse.data(), qkv.data(), 1, Tn, H, KV, D);
+  const int64_t documents = attention_forward(out.data(), lse.data(), qkv.data(), 1, Tn, H, KV, D, doc.data());
+  const int64_t documents_back =
+      attention_backward(dqkv.data(), out.data(), qkv.data(), out.data(), lse.data(), 1, Tn, H, KV, D, doc.data());
+  EXPECT_EQ(causal, H * 2080);
+  EXPECT_EQ(documents, H * 288);
+  EXPECT_EQ(documents_back, H * 288);
 }
 
 // ───────────────────────────── LM head ─────────────────────────────

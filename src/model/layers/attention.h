@@ -8,19 +8,23 @@
 //   qkv_BTS  per token [q heads (H·D) | k heads (KV·D) | v heads (KV·D)]
 //   out_BTHD per token [H·D], the heads side by side (input of the output projection)
 //   lse_BHT  log Σ_j exp(score_ij) per query row, scores scaled by 1/√D
-// Backward overwrites dqkv_BTS.
+//   doc_BT   optional (null: causal only): each position's document, nondecreasing along a row;
+//            a query then sees only the keys of its own document (document masking)
+// Backward overwrites dqkv_BTS. Both return the score tiles (kBlock × kBlock blocks of one head)
+// they computed: under document masking the tiles the mask empties are skipped.
 #pragma once
 #include <cstdint>
 
 namespace origami {
 
 template <typename T>
-void attention_forward(T* out_BTHD, T* lse_BHT, const T* qkv_BTS, int64_t B, int64_t Tn, int64_t H,
-                       int64_t KV, int64_t D);
+int64_t attention_forward(T* out_BTHD, T* lse_BHT, const T* qkv_BTS, int64_t B, int64_t Tn, int64_t H,
+                          int64_t KV, int64_t D, const int32_t* doc_BT = nullptr);
 
 template <typename T>
-void attention_backward(T* dqkv_BTS, const T* dout_BTHD, const T* qkv_BTS, const T* out_BTHD,
-                        const T* lse_BHT, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D);
+int64_t attention_backward(T* dqkv_BTS, const T* dout_BTHD, const T* qkv_BTS, const T* out_BTHD,
+                           const T* lse_BHT, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
+                           const int32_t* doc_BT = nullptr);
 
 // ---- Blocks: attention of Tq query rows against Tk key rows, merged into a running result ----
 // The whole-sequence functions above are one block each; context parallelism (parallel/
@@ -40,22 +44,29 @@ struct Lse {
   int64_t row, head;
 };
 // Key j is visible to query i iff j ≤ i + diag: diag 0 is the causal diagonal block (the same
-// positions), kAllKeys a block of keys that all precede the queries.
+// positions), kAllKeys a block of keys that all precede the queries. With document ids (qdoc of the
+// query rows, kdoc of the key rows, element t of batch row b at [b·doc_row + t], nondecreasing along
+// the sequence) it must also be in the query's document: kdoc[j] == qdoc[i]. A visible key precedes
+// its query, so that is kdoc[j] ≥ qdoc[i], a lower bound on j per query row.
 constexpr int64_t kAllKeys = int64_t(1) << 60;
 struct BlockDims {
   int64_t B, Tq, Tk, H, KV, D, diag;
+  const int32_t* qdoc = nullptr;  // null: no document mask
+  const int32_t* kdoc = nullptr;
+  int64_t doc_row = 0;
 };
 
 // Merges the block into (out, lse): on entry they hold the attention over the keys seen so far
 // (normalised output; lse −∞ and out 0 for none), on return over those and this block's keys.
+// Returns the score tiles computed.
 template <typename T>
-void attention_block_forward(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T> k, Heads<const T> v,
+int64_t attention_block_forward(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T> k, Heads<const T> v,
                              const BlockDims& d);
 
 // The block's part of the gradients, accumulated (+=) into dq, dk, dv. out and lse are the final
-// (fully merged) forward results of the query rows, dout their gradient.
+// (fully merged) forward results of the query rows, dout their gradient. Returns the score tiles computed.
 template <typename T>
-void attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dout, Heads<const T> q,
+int64_t attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dout, Heads<const T> q,
                               Heads<const T> k, Heads<const T> v, Heads<const T> out, Lse<const T> lse,
                               const BlockDims& d);
 

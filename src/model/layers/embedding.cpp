@@ -11,7 +11,7 @@ void embedding_forward(T* x, const int32_t* tokens, int64_t tok_stride, const T*
       const int64_t row = int64_t(tokens[b * tok_stride + t]) - vocab_begin;
       const bool here = row >= 0 && row < vocab_rows;
       const T* e = wte + (here ? row : 0) * C;
-      const T* p = wpe ? wpe + (pos ? pos[t] : t) * C : nullptr;
+      const T* p = wpe ? wpe + (pos ? pos[b * Tn + t] : t) * C : nullptr;
       T* xr = x + (b * Tn + t) * C;
       for (int64_t c = 0; c < C; ++c) xr[c] = (here ? e[c] : T(0)) + (p ? p[c] : T(0));
     }
@@ -33,7 +33,7 @@ void embedding_backward(T* dwte, T* dwpe, const T* dx, const int32_t* tokens, in
           if (row >= 0 && row < vocab_rows)
             for (int64_t c = c0; c < c1; ++c) dwte[row * C + c] += d[c];
           if (dwpe)
-            for (int64_t c = c0; c < c1; ++c) dwpe[(pos ? pos[t] : t) * C + c] += d[c];
+            for (int64_t c = c0; c < c1; ++c) dwpe[(pos ? pos[b * Tn + t] : t) * C + c] += d[c];
         }
     }
   }

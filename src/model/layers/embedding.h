@@ -1,4 +1,6 @@
-// Token (+ learned position) embedding: x[b,t,:] = wte[tokens[b,t]] (+ wpe[pos[t]]; pos null: t).
+// Token (+ learned position) embedding: x[b,t,:] = wte[tokens[b,t]] (+ wpe[pos[b,t]]; pos null: t).
+// pos [B, T] is each token's position id (context parallelism holds non-contiguous chunks; document
+// masking restarts positions at every document).
 // Legend: B batch rows, T positions, C channels, tokens_BT row stride `tok_stride` (the training
 // window holds T+1 tokens per row). Backward accumulates (+=) into dwte / dwpe.
 // Vocabulary-parallel form: wte holds only token ids [vocab_begin, vocab_begin + vocab_rows); other

@@ -24,7 +24,7 @@ static void rotate(T* qkv, const RopeTable& rt, int64_t B, int64_t Tn, int64_t H
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tn; ++t) {
       T* row = qkv + (b * Tn + t) * S;
-      const int64_t p = pos ? pos[t] : t;
+      const int64_t p = pos ? pos[b * Tn + t] : t;
       const double* c = rt.cos.data() + p * half;
       const double* s = rt.sin.data() + p * half;
       for (int64_t h = 0; h < H + KV; ++h) {  // q heads then k heads; v is untouched

@@ -2,8 +2,9 @@
 // D values, element i pairs with i + D/2 and is rotated by angle pos·θ^(−2i/D).
 // Applied in place to the q and k heads of a packed qkv row [q(H·D) | k(KV·D) | v(KV·D)];
 // backward rotates the gradient by the opposite angle, in place.
-// Legend: B batch, T positions, H query heads, KV key/value heads, D head dim. pos[T], when given,
-// is each row's position in the sequence (context parallelism holds non-contiguous chunks); else t.
+// Legend: B batch, T positions, H query heads, KV key/value heads, D head dim. pos[B, T], when given,
+// is each token's position id (context parallelism holds non-contiguous chunks; document masking
+// restarts positions at every document); else t.
 #pragma once
 #include <cstdint>
 #include <vector>

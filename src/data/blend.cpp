@@ -1,0 +1,149 @@
+#include "data/blend.h"
+
+#include <cmath>
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/files.h"
+
+namespace origami {
+
+std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view option) {
+  std::vector<std::string> fields;
+  std::istringstream in{std::string(spec)};
+  for (std::string f; in >> f;) fields.push_back(f);
+  ORIGAMI_CHECK(!fields.empty(), option, " is empty: give PREFIX or \"W1 PREFIX1 W2 PREFIX2 ...\"");
+  if (fields.size() == 1) return {{1.0, fields[0]}};
+  ORIGAMI_CHECK(fields.size() % 2 == 0, option, " \"", spec, "\" has ", fields.size(),
+                " fields: a blend is weights and prefixes in turn (\"W1 PREFIX1 W2 PREFIX2 ...\")");
+  std::vector<BlendPart> parts;
+  std::set<std::string> seen;
+  double total = 0;
+  for (size_t k = 0; k < fields.size(); k += 2) {
+    double w = 0;
+    size_t used = 0;
+    try {
+      w = std::stod(fields[k], &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    ORIGAMI_CHECK(used == fields[k].size() && std::isfinite(w) && w > 0, option, ": weight '", fields[k],
+                  "' (before '", fields[k + 1], "') must be a positive number; a blend is \"W1 PREFIX1 W2 PREFIX2 ...\"");
+    ORIGAMI_CHECK(seen.insert(fields[k + 1]).second, option, ": dataset '", fields[k + 1],
+                  "' is given twice; give it once with the sum of its weights");
+    parts.push_back({w, fields[k + 1]});
+    total += w;
+  }
+  for (BlendPart& p : parts) p.weight /= total;
+  return parts;
+}
+
+BlendRule::BlendRule(std::vector<double> weights) : weights_(std::move(weights)), given_(weights_.size(), 0) {
+  double total = 0;
+  for (double w : weights_) total += w;
+  for (double& w : weights_) w /= total;
+}
+
+BlendChoice BlendRule::next() {
+  const double due = double(samples_ + 1);
+  int best = 0;
+  double best_error = weights_[0] * due - double(given_[0]);
+  for (size_t d = 1; d < weights_.size(); ++d) {
+    const double error = weights_[d] * due - double(given_[d]);
+    if (error > best_error) best = int(d), best_error = error;  // strict: the first on ties
+  }
+  ++samples_;
+  return {best, given_[size_t(best)]++};
+}
+
+namespace {
+std::vector<double> weights_of(const std::vector<BlendPart>& parts) {
+  std::vector<double> w;
+  for (const BlendPart& p : parts) w.push_back(p.weight);
+  return w;
+}
+}  // namespace
+
+DataBlend::DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, SampleOrder order, uint64_t seed,
+                     std::string_view option)
+    : parts_(parts), seq_len_(seq_len), rule_(weights_of(parts)) {
+  ORIGAMI_ASSERT(!parts.empty());
+  for (size_t d = 0; d < parts.size(); ++d) {
+    const std::string& prefix = parts[d].prefix;
+    datasets_.push_back(std::make_unique<IndexedDataset>(IndexedDataset::open(prefix)));
+    samplers_.push_back(std::make_unique<WindowSampler>(*datasets_.back(), seq_len, order, seed));
+    const std::string tok = prefix + ".tokenizer.json";
+    const bool has = std::filesystem::exists(tok);
+    nlohmann::json j;
+    if (has) {
+      try {
+        j = nlohmann::json::parse(read_file_bytes(tok));
+      } catch (const nlohmann::json::exception& e) {
+        fail(tok, ": not valid JSON (", e.what(), ")");
+      }
+    }
+    if (d == 0) {
+      tokenizer_path_ = has ? tok : "", tokenizer_ = std::move(j);
+      continue;
+    }
+    ORIGAMI_CHECK(has == !tokenizer_path_.empty() && j == tokenizer_, option, ": datasets '", parts[0].prefix, "' and '",
+                  prefix, "' were made with different tokenizers (", tokenizer_path_.empty() ? "none" : tokenizer_path_,
+                  " vs ", has ? tok : "none", "); all datasets of a blend must share one");
+  }
+}
+
+uint64_t DataBlend::num_tokens() const {
+  uint64_t n = 0;
+  for (const auto& d : datasets_) n += d->num_tokens();
+  return n;
+}
+
+int64_t DataBlend::num_windows() const {
+  int64_t n = 0;
+  for (const auto& s : samplers_) n += s->num_windows();
+  return n;
+}
+
+std::string DataBlend::describe() const {
+  std::string out;
+  for (size_t d = 0; d < parts_.size(); ++d) {
+    if (d > 0) out += " + ";
+    if (parts_.size() > 1) out += cat(parts_[d].weight, " ");
+    out += cat(parts_[d].prefix, ": ", datasets_[d]->num_tokens(), " tokens, ", samplers_[d]->num_windows(),
+               " windows of ", seq_len_);
+  }
+  return out;
+}
+
+int64_t DataBlend::bytes(int64_t num_samples) const {
+  int64_t n = parts_.size() > 1 ? num_samples * int64_t(sizeof(BlendChoice)) : 0;
+  for (const auto& s : samplers_) n += s->bytes();
+  return n;
+}
+
+void DataBlend::extend(int64_t n) {
+  if (parts_.size() == 1) return;
+  while (rule_.samples() < n) choices_.push_back(rule_.next());
+}
+
+void DataBlend::window(int64_t i, int32_t* out) {
+  ORIGAMI_CHECK(i >= 0, "sample index must be >= 0, got ", i);
+  if (parts_.size() == 1) return samplers_[0]->window(i, out);
+  extend(i + 1);
+  const BlendChoice c = choices_[size_t(i)];
+  samplers_[size_t(c.dataset)]->window(c.index, out);
+}
+
+std::vector<int64_t> DataBlend::samples_per_dataset(int64_t first, int64_t n) {
+  if (parts_.size() == 1) return {n};
+  extend(first + n);
+  std::vector<int64_t> count(parts_.size(), 0);
+  for (int64_t i = first; i < first + n; ++i) ++count[size_t(choices_[size_t(i)].dataset)];
+  return count;
+}
+
+}  // namespace origami

@@ -1,0 +1,90 @@
+// The run's samples from one dataset or a weighted blend of several (Megatron's --data-path
+// "W1 PREFIX1 W2 PREFIX2 ..."; a bare "PREFIX" is "1 PREFIX").
+//
+// Rule: with weights w_d normalised to sum 1 and n_d the samples dataset d has given so far, sample i
+// of the run (0, 1, ...) goes to the dataset d maximising w_d·(i+1) − n_d (the first on ties) and
+// reads that dataset's sample n_d under its own WindowSampler (sequential or shuffled). This is
+// Megatron's blending rule (megatron/core/datasets/helpers.cpp): every prefix of the run holds
+// within one sample of w_d·(its length) from each dataset, and the sequence depends on the weights
+// alone — every layout, and every resume, reads the same rows. Row r of step s is sample s·G + r.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/indexed_dataset.h"
+#include "data/sampler.h"
+
+namespace origami {
+
+struct BlendPart {
+  double weight;  // normalised: the parts' weights sum to 1
+  std::string prefix;
+};
+
+// "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (whitespace-separated). Errors name the value: an odd
+// number of fields, a weight that is not a finite positive number, a prefix given twice. `option`
+// names the flag in messages.
+std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view option = "--data");
+
+// The rule above, one sample after the other.
+struct BlendChoice {
+  int dataset;
+  int64_t index;  // n_d before this sample: the sample of dataset `dataset` it reads
+};
+class BlendRule {
+ public:
+  explicit BlendRule(std::vector<double> weights);  // normalised to sum 1
+  BlendChoice next();                               // the choice for sample samples() of the run
+  int64_t samples() const { return samples_; }
+  const std::vector<int64_t>& given() const { return given_; }  // n_d
+
+ private:
+  std::vector<double> weights_;
+  std::vector<int64_t> given_;
+  int64_t samples_ = 0;
+};
+
+class DataBlend {
+ public:
+  // Opens every dataset (IndexedDataset::open validates it) and checks that all share one tokenizer
+  // (PREFIX.tokenizer.json, or none): otherwise an Error naming the two that differ.
+  DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, SampleOrder order, uint64_t seed,
+            std::string_view option = "--data");
+
+  const std::vector<BlendPart>& parts() const { return parts_; }
+  int64_t seq_len() const { return seq_len_; }
+  uint64_t num_tokens() const;   // over every dataset
+  int64_t num_windows() const;   // over every dataset
+  int64_t windows(size_t d) const { return samplers_[d]->num_windows(); }  // of dataset d
+  // PREFIX.tokenizer.json of the datasets ("" when they have none).
+  const std::string& tokenizer_path() const { return tokenizer_path_; }
+  bool same_tokenizer(const DataBlend& other) const { return tokenizer_ == other.tokenizer_; }
+  // e.g. "fortunes: 1234 tokens, 40 windows of 128" or "0.7 a (…) + 0.3 b (…)".
+  std::string describe() const;
+  // Memory the samplers take (the shuffled orders' permutations, the blend's choices as they grow).
+  int64_t bytes(int64_t num_samples) const;
+
+  // Writes the T + 1 tokens of sample i of the run. Not thread-safe.
+  void window(int64_t i, int32_t* out_T_plus_1);
+  // Samples each dataset gives among samples [first, first + n) of the run.
+  std::vector<int64_t> samples_per_dataset(int64_t first, int64_t n);
+
+ private:
+  void extend(int64_t n);  // choices_ covers samples 0..n−1
+
+  std::vector<BlendPart> parts_;
+  int64_t seq_len_;
+  std::vector<std::unique_ptr<IndexedDataset>> datasets_;  // (the samplers hold references)
+  std::vector<std::unique_ptr<WindowSampler>> samplers_;
+  std::string tokenizer_path_;
+  nlohmann::json tokenizer_;  // its contents (null when none)
+  BlendRule rule_;
+  std::vector<BlendChoice> choices_;  // of samples 0..rule_.samples()−1 (several datasets only)
+};
+
+}  // namespace origami

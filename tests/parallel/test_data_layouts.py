@@ -1,0 +1,161 @@
+"""Document masking, validation and blends under every parallel layout (DESIGN.md, "Data").
+
+Data: byte-level documents of 2..10 words (about 10..60 tokens), so a window of T = 32 holds
+several documents and many windows cut one; validation data of the same kind (another seed).
+
+  1. Document masking + validation: `--attention-mask document --eval-data VAL --eval-every 4
+     --eval-iters 1` for 8 AdamW steps (micro-batch 2, global batch 8, T 32) under TP2+SP, DP2
+     ZeRO-1, PP2 (1F1B), PP2 interleaved (4 layers), --recompute full (DP2) and selective (CP2),
+     CP2 (p2p and a2a: the chunks cut documents), CP4 a2a+p2p (A 2), TP2×PP2, and for mixtral EP2
+     and EP2 folded over CP2: every step's loss (MoE: lm/aux/z, expert_tokens identical) and the
+     validation loss at steps 4 and 8 within 1e-5 relative of the one-rank run of the same
+     arguments (gpt2: learned positions restart; llama with 2 KV heads: RoPE positions restart, a2a
+     replicates the KV heads; mixtral).
+  2. Blends: --data "0.6 A 0.4 B" under DP2 ZeRO-1 gives the one-rank losses and per-step rows per
+     dataset ("data_samples"); the one-rank run's checkpoint of step 4 resumed under DP2 continues
+     the same rows and losses (steps 5..8).
+  3. Mistakes: --eval-every without --eval-data, an unknown --attention-mask, a blend with an odd
+     number of fields, a blend of datasets made with different tokenizers, and more validation
+     windows than the data has: one error line each, exit 1, on every rank.
+"""
+import os
+import sys
+
+import harness as h
+
+RTOL = 1e-5
+COMMON = ["--steps", "8", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "32", "--lr", "3e-3",
+          "--warmup", "2", "--min-lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7",
+          "--threads", "1", "--quiet"]
+DOCS = ["--attention-mask", "document", "--eval-every", "4", "--eval-iters", "1"]
+
+# (name, ranks, flags, models it applies to, 4-layer model)
+LAYOUTS = [
+    ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], None, False),
+    ("DP2 z1", 2, ["--zero", "1"], None, False),
+    ("PP2 1f1b", 2, ["--pp", "2"], None, False),
+    ("PP2 interleaved v2", 2, ["--pp", "2", "--vpp", "2"], None, True),
+    ("DP2 recompute full", 2, ["--recompute", "full"], None, False),
+    ("CP2 p2p recompute selective", 2, ["--cp", "2", "--recompute", "selective"], None, False),
+    ("CP2 a2a", 2, ["--cp", "2", "--cp-comm", "a2a"], None, False),
+    ("CP4 a2a+p2p", 4, ["--cp", "4", "--cp-comm", "a2a+p2p", "--cp-a2a-size", "2"], None, False),
+    ("TP2xPP2", 4, ["--tp", "2", "--pp", "2"], None, False),
+    ("EP2", 2, ["--ep", "2"], {"mixtral_8e"}, False),
+    ("CP2xEP2", 2, ["--cp", "2", "--ep", "2"], {"mixtral_8e"}, False),
+]
+MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
+
+
+def train(tmp, tag, ranks, cfg, data, flags):
+    metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
+    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *flags, "--metrics", metrics])
+    if rc != 0:
+        return None, "exit %s: %s" % (rc, out[-600:])
+    return h.read_metrics(metrics), None
+
+
+def compare(ref, got, moe):
+    """Worst relative deviation of loss (and val_loss, MoE losses) and the failures."""
+    worst, fails = 0.0, []
+    if len(got) != len(ref):
+        return worst, ["%d metric lines, expected %d" % (len(got), len(ref))]
+    for r, g in zip(ref, got):
+        keys = ["loss"] + (["lm_loss", "aux_loss", "z_loss"] if moe else []) + (["val_loss"] if "val_loss" in r else [])
+        for k in keys:
+            if k not in g:
+                fails.append("step %d: no %s" % (r["step"], k))
+                continue
+            d = abs(g[k] - r[k]) / max(abs(r[k]), 1e-30)
+            worst = max(worst, d)
+            if d > RTOL:
+                fails.append("step %d: %s %.9g vs one-rank %.9g (rel %.2e)" % (r["step"], k, g[k], r[k], d))
+        if moe and g.get("expert_tokens") != r.get("expert_tokens"):
+            fails.append("step %d: expert_tokens differ" % r["step"])
+        if g.get("data_samples") != r.get("data_samples"):
+            fails.append("step %d: data_samples %s vs %s" % (r["step"], g.get("data_samples"), r.get("data_samples")))
+    return worst, fails
+
+
+def main():
+    failures = []
+    tmp = h.tmpdir("origami_data_layouts_")
+    data = h.prepare_data(tmp, "docs", n_docs=1500, seed=5, words=(2, 10))
+    other = h.prepare_data(tmp, "docs_b", n_docs=800, seed=6, words=(2, 10))
+    val = h.prepare_data(tmp, "val", n_docs=300, seed=9, words=(2, 10))
+    eval_args = ["--eval-data", val]
+
+    print("1. document masking and validation: layouts against one rank")
+    rows = []
+    for model in MODELS:
+        moe = model.startswith("mixtral")
+        cfgs = {}
+        for deep in (False, True):
+            base = h.load_config(model)
+            if deep:
+                base["n_layer" if "n_layer" in base else "num_hidden_layers"] = 4
+            cfgs[deep] = h.write_json(os.path.join(tmp, "%s%s.json" % (model, "_4l" if deep else "")), base)
+        refs = {}
+        for deep, cfg in cfgs.items():
+            refs[deep], err = train(tmp, "%s%s one rank" % (model, "_4l" if deep else ""), 0, cfg, data,
+                                    DOCS + eval_args)
+            if err:
+                failures.append("%s one-rank run: %s" % (model, err))
+        if None in refs.values():
+            continue
+        if not any("val_loss" in m for m in refs[False]) or [m["step"] for m in refs[False] if "val_loss" in m] != [4, 8]:
+            failures.append("%s: val_loss not at steps 4 and 8" % model)
+        for name, ranks, flags, only, deep in LAYOUTS:
+            if only and model not in only:
+                continue
+            got, err = train(tmp, "%s %s" % (model, name), ranks, cfgs[deep], data, DOCS + eval_args + flags)
+            if err:
+                failures.append("%s %s: %s" % (model, name, err))
+                continue
+            worst, fails = compare(refs[deep], got, moe)
+            failures += ["%s %s: %s" % (model, name, f) for f in fails[:3]]
+            rows.append((model, name, "%.1e" % worst, "ok" if not fails else "FAIL"))
+            print("  %-4s %-11s %-28s worst %.1e" % ("ok" if not fails else "FAIL", model, name, worst), flush=True)
+
+    print("2. blends under DP2 and across a resume")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    blend = ["--data", "0.6 %s 0.4 %s" % (data, other)]
+    one, err1 = train(tmp, "blend one rank", 0, cfg, data, blend + eval_args)
+    dp2, err2 = train(tmp, "blend DP2", 2, cfg, data, blend + eval_args + ["--zero", "1"])
+    save = os.path.join(tmp, "blend_ck")
+    _, err3 = train(tmp, "blend saved", 0, cfg, data, blend + eval_args + ["--save", save, "--save-every", "4"])
+    resumed, err4 = train(tmp, "blend resumed DP2", 2, cfg, data,
+                          blend + eval_args + ["--resume", os.path.join(save, "step-4")])
+    for err in (err1, err2, err3, err4):
+        if err:
+            failures.append("blend: " + err)
+    if not (err1 or err2 or err3 or err4):
+        counts = [m.get("data_samples") for m in one]
+        first = sum(c[0] for c in counts)  # of the run's 64 rows: within one of 0.6 x 64
+        if abs(first - 0.6 * 64) > 1 or sum(c[1] for c in counts) != 64 - first:
+            failures.append("blend: rows per dataset %s over 64, expected about 0.6 / 0.4 of them" % counts)
+        for tag, got, ref in (("DP2", dp2, one), ("resumed under DP2", resumed, one[4:])):
+            worst, fails = compare(ref, got, False)
+            failures += ["blend %s: %s" % (tag, f) for f in fails[:3]]
+            print("  %-4s blend %-20s worst %.1e, rows per dataset %s" % (
+                "ok" if not fails else "FAIL", tag, worst, [m.get("data_samples") for m in got][:4]), flush=True)
+
+    print("3. mistakes")
+    failures += h.check_error_cases(data, [
+        ("eval-every without eval-data", cfg, 2, ["--eval-every", "2"], "--eval-every needs --eval-data"),
+        ("unknown attention mask", cfg, 2, ["--attention-mask", "sliding"], "--attention-mask 'sliding'"),
+        ("odd blend", cfg, 2, ["--data", "0.5 %s 0.5" % data], "3 fields"),
+        ("eval windows", cfg, 2, ["--eval-data", val, "--eval-iters", "100000"], "lower --eval-iters"),
+    ])
+    renamed = os.path.join(tmp, "other_tokenizer")  # the same tokens with another tokenizer file
+    for ext in (".bin", ".idx"):
+        os.link(other + ext, renamed + ext)
+    h.write_json(renamed + ".tokenizer.json", {"type": "byte", "note": "another tokenizer"})
+    failures += h.check_error_cases(data, [
+        ("blend of two tokenizers", cfg, 2, ["--data", "0.5 %s 0.5 %s" % (data, renamed)], "different tokenizers"),
+    ])
+    print("\n" + h.fmt_table(["model", "layout", "worst relative deviation", ""], rows))
+    h.report(failures, "document masking, validation and blends: every layout gives the one-rank run")
+
+
+if __name__ == "__main__":
+    main()
