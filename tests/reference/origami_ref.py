@@ -1048,6 +1048,16 @@ def config_path(name):
     return os.path.join(CONFIG_DIR, f"{name}_tiny.json")
 
 
+def seeded_model(name, tmp, seed, tag=""):
+    """configs/<name>_tiny.json with weights from init_params(seed) saved to tmp for origami:
+    (config path, config, weights file, the weights as float64 tensors for the reference)."""
+    cfg_path = config_path(name)
+    cfg = load_config(cfg_path)
+    init = os.path.join(tmp, f"{name}{tag}.safetensors")
+    save_params(init_params(cfg, seed=seed), init)
+    return cfg_path, cfg, init, load_params(cfg, init, torch.float64)
+
+
 def rel_err(a, b):
     """max|a-b| / max(max|b|, tiny); b is the reference."""
     def as64(x):  # python floats must not pass through float32

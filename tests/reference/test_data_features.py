@@ -39,11 +39,7 @@ def line_data(tmp, name, offset, num_bytes=6000):
 
 
 def check_dump(name, report, tmp, data):
-    cfg_path = ref.config_path(name)
-    cfg = ref.load_config(cfg_path)
-    init = os.path.join(tmp, f"{name}.safetensors")
-    ref.save_params(ref.init_params(cfg, seed=5), init)
-    params = ref.load_params(cfg, init, torch.float64)
+    cfg_path, cfg, init, params = ref.seeded_model(name, tmp, seed=5)
     sampler = ref.WindowSampler(data, T)
     for step in (0, 3):
         dump = ref.origami_dump(cfg_path, init, data, B, T, os.path.join(tmp, f"{name}_doc{step}.safetensors"),
@@ -69,10 +65,7 @@ def check_dump(name, report, tmp, data):
 
 
 def check_train(name, variant, report, tmp, data, data_b, val):
-    cfg_path = ref.config_path(name)
-    cfg = ref.load_config(cfg_path)
-    init = os.path.join(tmp, f"{name}_init.safetensors")
-    ref.save_params(ref.init_params(cfg, seed=SEEDS[name]), init)
+    cfg_path, cfg, init, params = ref.seeded_model(name, tmp, seed=SEEDS[name], tag="_init")
     a = TRAIN
     if variant == "document":
         spec, sampler, eod, every = data, ref.WindowSampler(data, T), EOD, 5
@@ -84,7 +77,6 @@ def check_train(name, variant, report, tmp, data, data_b, val):
                             a["micro_batch"], a["global_batch"], T, a["lr"], a["min_lr"], a["warmup"], a["schedule"],
                             a["weight_decay"], a["grad_clip"],
                             extra=extra + ["--eval-data", val, "--eval-iters", "2"])
-    params = ref.load_params(cfg, init, torch.float64)
     want = ref.train(cfg, params, sampler, **a, eod=eod, eval_every=every, eval_sampler=ref.WindowSampler(val, T),
                      eval_iters=2)
     tag = f"{name}/{variant}"

@@ -78,11 +78,7 @@ def compare_dump(tag, cfg, params, sampler, step, dump, report, grads=True, rows
 
 
 def check_model(name, report, tmp, data):
-    cfg_path = ref.config_path(name)
-    cfg = ref.load_config(cfg_path)
-    init = os.path.join(tmp, f"{name}.safetensors")
-    ref.save_params(ref.init_params(cfg, seed=5), init)
-    params = ref.load_params(cfg, init, torch.float64)
+    cfg_path, cfg, init, params = ref.seeded_model(name, tmp, seed=5)
     sampler = ref.WindowSampler(data, T)
 
     out = os.path.join(tmp, f"{name}_dump0.safetensors")
