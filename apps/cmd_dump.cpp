@@ -47,8 +47,9 @@ int cmd_dump(int argc, char** argv) {
   routing.validate_routing(model_cfg);
   ModelConfig cfg = routing.with_routing(model_cfg);
   if (parse_attention_mask(a.str("attention-mask"))) {
-    const std::string tok = a.str("data") + ".tokenizer.json";
-    cfg.document_eod = document_eod(cfg, std::filesystem::exists(tok) ? tok : "", a.str("data"));
+    const std::string path = a.str("data") + ".tokenizer.json";
+    const std::unique_ptr<Tokenizer> tok = std::filesystem::exists(path) ? load_tokenizer_file(path) : nullptr;
+    cfg.document_eod = document_eod(cfg, tok.get(), a.str("data"));
   }
   const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len"), step = a.integer("step");
   ORIGAMI_CHECK(B > 0 && T > 0 && step >= 0, "--micro-batch and --seq-len must be positive and --step >= 0");

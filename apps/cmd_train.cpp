@@ -50,11 +50,12 @@ int train(int argc, char** argv, Comm& world) {
   a.option("config", "FILE", "model config.json (default: config.json of the --resume or --init-from checkpoint)")
       .option("run-config", "FILE", "JSON file with any of these options")
       .option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx), or a weighted blend in one argument: "
-                                "\"W1 PREFIX1 W2 PREFIX2 ...\" (weights normalised; Megatron's --data-path rule)")
+                                "\"W1 PREFIX1 W2 PREFIX2 ...\" (weights normalised; sample i from the dataset furthest "
+                                "below its share)")
       .option("eval-data", "PREFIX", "validation data (a prefix or a blend): its first --eval-iters x global-batch "
                                      "windows, in order, give the validation loss")
       .option("eval-every", "N", "evaluate every N steps, and after the last (0: after the last step only)", "0")
-      .option("eval-iters", "K", "global batches of validation windows per evaluation", "10")
+      .option("eval-iters", "K", "global batches of validation windows per evaluation (default 10)")
       .option("attention-mask", "causal|document",
               "document: a token attends only to earlier tokens of its own document (the token after each "
               "end-of-document token starts one) and positions restart at 0 per document", "causal")
@@ -127,7 +128,8 @@ int train(int argc, char** argv, Comm& world) {
     o.data = a.str("data");
     o.eval_data = a.str("eval-data");
     o.eval_every = a.integer("eval-every");
-    o.eval_iters = a.integer("eval-iters");
+    if (a.has("eval-iters")) o.eval_iters = a.integer("eval-iters");
+    ORIGAMI_CHECK(!a.has("eval-iters") || a.has("eval-data"), "--eval-iters needs --eval-data PREFIX");
     o.attention_mask = a.str("attention-mask");
     o.init_from = a.str("init-from");
     o.resume = a.str("resume");

@@ -1,5 +1,6 @@
 #include "data/blend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -18,6 +19,7 @@ std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view optio
   for (std::string f; in >> f;) fields.push_back(f);
   ORIGAMI_CHECK(!fields.empty(), option, " is empty: give PREFIX or \"W1 PREFIX1 W2 PREFIX2 ...\"");
   if (fields.size() == 1) return {{1.0, fields[0]}};
+  if (std::filesystem::exists(std::string(spec) + ".idx")) return {{1.0, std::string(spec)}};
   ORIGAMI_CHECK(fields.size() % 2 == 0, option, " \"", spec, "\" has ", fields.size(),
                 " fields: a blend is weights and prefixes in turn (\"W1 PREFIX1 W2 PREFIX2 ...\")");
   std::vector<BlendPart> parts;
@@ -90,9 +92,9 @@ DataBlend::DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, Sampl
       tokenizer_path_ = has ? tok : "", tokenizer_ = std::move(j);
       continue;
     }
-    ORIGAMI_CHECK(has == !tokenizer_path_.empty() && j == tokenizer_, option, ": datasets '", parts[0].prefix, "' and '",
-                  prefix, "' were made with different tokenizers (", tokenizer_path_.empty() ? "none" : tokenizer_path_,
-                  " vs ", has ? tok : "none", "); all datasets of a blend must share one");
+    ORIGAMI_CHECK(j == tokenizer_, option, ": datasets '", parts[0].prefix, "' and '", prefix,
+                  "' were made with different tokenizers (", tokenizer_path_.empty() ? "none" : tokenizer_path_, " vs ",
+                  has ? tok : "none", "); all datasets of a blend must share one");
   }
 }
 
@@ -119,30 +121,54 @@ std::string DataBlend::describe() const {
   return out;
 }
 
-int64_t DataBlend::bytes(int64_t num_samples) const {
-  int64_t n = parts_.size() > 1 ? num_samples * int64_t(sizeof(BlendChoice)) : 0;
+void DataBlend::require_same_tokenizer(const DataBlend& other, const std::string& what) const {
+  ORIGAMI_CHECK(tokenizer_ == other.tokenizer_, what, " were made with different tokenizers (",
+                tokenizer_path_.empty() ? "none" : tokenizer_path_, " vs ",
+                other.tokenizer_path_.empty() ? "none" : other.tokenizer_path_, ")");
+}
+
+int64_t DataBlend::bytes(int64_t span) const {
+  int64_t n = parts_.size() > 1 ? span * int64_t(sizeof(BlendChoice)) : 0;
   for (const auto& s : samplers_) n += s->bytes();
   return n;
 }
 
-void DataBlend::extend(int64_t n) {
-  if (parts_.size() == 1) return;
-  while (rule_.samples() < n) choices_.push_back(rule_.next());
+void DataBlend::require_no_repeat(int64_t n, const std::string& what) const {
+  ORIGAMI_CHECK(n <= num_windows(), what, " reads ", n, " windows of length ", seq_len_, " but the data has ",
+                num_windows(), "; ", describe());
+  BlendRule rule(weights_of(parts_));
+  while (rule.samples() < n) rule.next();
+  for (size_t d = 0; d < parts_.size(); ++d)
+    ORIGAMI_CHECK(rule.given()[d] <= windows(d), what, " reads ", n, " windows, ", rule.given()[d], " of them from '",
+                  parts_[d].prefix, "', which has only ", windows(d), " of length ", seq_len_);
+}
+
+void DataBlend::cover(int64_t first, int64_t n) {
+  if (first < first_) {  // back before the kept choices: replay the rule from the start
+    rule_ = BlendRule(weights_of(parts_));
+    first_ = 0;
+    choices_.clear();
+  }
+  const int64_t drop = std::min<int64_t>(first - first_, int64_t(choices_.size()));
+  choices_.erase(choices_.begin(), choices_.begin() + drop);
+  first_ += drop;
+  for (; rule_.samples() < first; ++first_) rule_.next();  // samples no one reads here (other DP ranks')
+  while (first_ + int64_t(choices_.size()) < first + n) choices_.push_back(rule_.next());
 }
 
 void DataBlend::window(int64_t i, int32_t* out) {
   ORIGAMI_CHECK(i >= 0, "sample index must be >= 0, got ", i);
   if (parts_.size() == 1) return samplers_[0]->window(i, out);
-  extend(i + 1);
-  const BlendChoice c = choices_[size_t(i)];
+  cover(i, 1);
+  const BlendChoice c = choices_.front();
   samplers_[size_t(c.dataset)]->window(c.index, out);
 }
 
 std::vector<int64_t> DataBlend::samples_per_dataset(int64_t first, int64_t n) {
   if (parts_.size() == 1) return {n};
-  extend(first + n);
+  cover(first, n);
   std::vector<int64_t> count(parts_.size(), 0);
-  for (int64_t i = first; i < first + n; ++i) ++count[size_t(choices_[size_t(i)].dataset)];
+  for (int64_t k = 0; k < n; ++k) ++count[size_t(choices_[size_t(k)].dataset)];
   return count;
 }
 

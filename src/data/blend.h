@@ -1,12 +1,14 @@
-// The run's samples from one dataset or a weighted blend of several (Megatron's --data-path
+// The run's samples from one dataset or a weighted blend of several (as Megatron's --data-path
 // "W1 PREFIX1 W2 PREFIX2 ..."; a bare "PREFIX" is "1 PREFIX").
 //
 // Rule: with weights w_d normalised to sum 1 and n_d the samples dataset d has given so far, sample i
 // of the run (0, 1, ...) goes to the dataset d maximising w_d·(i+1) − n_d (the first on ties) and
-// reads that dataset's sample n_d under its own WindowSampler (sequential or shuffled). This is
-// Megatron's blending rule (megatron/core/datasets/helpers.cpp): every prefix of the run holds
-// within one sample of w_d·(its length) from each dataset, and the sequence depends on the weights
-// alone — every layout, and every resume, reads the same rows. Row r of step s is sample s·G + r.
+// reads that dataset's sample n_d under its own WindowSampler (sequential or shuffled). This is the
+// greedy rule of Megatron's blending (megatron/core/datasets/helpers.cpp, build_blending_indices)
+// with i+1 where Megatron has max(i, 1), so the sequences differ from Megatron's after a few
+// samples; with i+1 every prefix of the run holds within one sample of w_d·(its length) from each
+// dataset (Megatron's can drift past one for very uneven weights). The sequence depends on the
+// weights alone: every layout, and every resume, reads the same rows. Row r of step s is sample s·G + r.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -26,9 +28,10 @@ struct BlendPart {
   std::string prefix;
 };
 
-// "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (whitespace-separated). Errors name the value: an odd
-// number of fields, a weight that is not a finite positive number, a prefix given twice. `option`
-// names the flag in messages.
+// "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (whitespace-separated; a spec that is itself an existing
+// dataset's prefix, whitespace and all, is that one dataset). Errors name the value: an odd number of
+// fields, a weight that is not a finite positive number, a prefix given twice. `option` names the
+// flag in messages.
 std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view option = "--data");
 
 // The rule above, one sample after the other.
@@ -63,19 +66,27 @@ class DataBlend {
   int64_t windows(size_t d) const { return samplers_[d]->num_windows(); }  // of dataset d
   // PREFIX.tokenizer.json of the datasets ("" when they have none).
   const std::string& tokenizer_path() const { return tokenizer_path_; }
-  bool same_tokenizer(const DataBlend& other) const { return tokenizer_ == other.tokenizer_; }
+  // An Error unless `other` was made with the same tokenizer (`what` names the two in the message).
+  void require_same_tokenizer(const DataBlend& other, const std::string& what) const;
   // e.g. "fortunes: 1234 tokens, 40 windows of 128" or "0.7 a (…) + 0.3 b (…)".
   std::string describe() const;
-  // Memory the samplers take (the shuffled orders' permutations, the blend's choices as they grow).
-  int64_t bytes(int64_t num_samples) const;
+  // Memory the samplers take (the shuffled orders' permutations) and the blend's choices for `span`
+  // samples at a time (a global batch).
+  int64_t bytes(int64_t span) const;
 
-  // Writes the T + 1 tokens of sample i of the run. Not thread-safe.
+  // Writes the T + 1 tokens of sample i of the run. Not thread-safe. Reading samples in increasing
+  // order costs O(1) each; going back replays the rule from sample 0.
   void window(int64_t i, int32_t* out_T_plus_1);
   // Samples each dataset gives among samples [first, first + n) of the run.
   std::vector<int64_t> samples_per_dataset(int64_t first, int64_t n);
+  // An Error unless samples 0..n−1 read every dataset's windows at most once (`what` names the
+  // reader in the message). O(n) time, O(1) memory.
+  void require_no_repeat(int64_t n, const std::string& what) const;
 
  private:
-  void extend(int64_t n);  // choices_ covers samples 0..n−1
+  // choices_ holds the choices of samples [first_, first_ + choices_.size()) ⊇ [first, first + n),
+  // none before `first` (several datasets only).
+  void cover(int64_t first, int64_t n);
 
   std::vector<BlendPart> parts_;
   int64_t seq_len_;
@@ -83,8 +94,9 @@ class DataBlend {
   std::vector<std::unique_ptr<WindowSampler>> samplers_;
   std::string tokenizer_path_;
   nlohmann::json tokenizer_;  // its contents (null when none)
-  BlendRule rule_;
-  std::vector<BlendChoice> choices_;  // of samples 0..rule_.samples()−1 (several datasets only)
+  BlendRule rule_;                    // stands after the last sample of choices_
+  int64_t first_ = 0;
+  std::vector<BlendChoice> choices_;  // of samples first_, first_ + 1, ...
 };
 
 }  // namespace origami

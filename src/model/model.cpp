@@ -812,11 +812,11 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   return out;
 }
 
-Losses Model::forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy) {
-  forward(mb, chunk, tokens, input);  // the router losses are not part of the evaluation
-  Losses out;
+Losses Model::forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy,
+                           float* logits_BTV) {
+  Losses out = forward(mb, chunk, tokens, input);
   if (part_.head && chunk == int(part_.chunks.size()) - 1)
-    out = head(output(mb, chunk), tokens, 1.f, false, nullptr);
+    out += head(output(mb, chunk), tokens, 1.f, false, logits_BTV);
   else
     std::memcpy(output_copy, output(mb, chunk), size_t(tp_.local_tokens(B_ * T_) * cfg_.hidden) * sizeof(float));
   release(mb, chunk);
@@ -827,13 +827,8 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
                                float* logits_out) {
   ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head);
   set_batch(B, T);
-  Losses out = forward(0, 0, tokens, nullptr);
-  if (backward) {
-    out += this->backward(0, 0, tokens, nullptr, loss_scale, logits_out);
-  } else {
-    out += head(output(0, 0), tokens, loss_scale, false, logits_out);
-    release(0, 0);
-  }
+  Losses out = backward ? forward(0, 0, tokens, nullptr) : forward_only(0, 0, tokens, nullptr, nullptr, logits_out);
+  if (backward) out += this->backward(0, 0, tokens, nullptr, loss_scale, logits_out);
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;
 }

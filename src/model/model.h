@@ -134,9 +134,11 @@ class Model {
   // next backward.
   const float* input_grad() const;
   // Evaluation: forward of (mb, chunk) as forward() does, keeping nothing — its slot is released at
-  // once; the head chunk also computes the LM loss (no gradient), any other chunk copies its output
-  // [Nl, C] to output_copy (to send to the next virtual stage). Returns the LM loss on the head chunk.
-  Losses forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy);
+  // once; the head chunk also computes the LM loss (no gradient; logits_BTV, if given, receives its
+  // logits), any other chunk copies its output [Nl, C] to output_copy (to send to the next virtual
+  // stage). Returns the LM loss on the head chunk and the chunk's router losses.
+  Losses forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy,
+                      float* logits_BTV = nullptr);
 
   // Bytes of activations kept now (live slots + the recomputation buffer), and the most since reset.
   int64_t act_bytes() const { return live_bytes_ + recompute_bytes_; }

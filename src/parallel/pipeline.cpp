@@ -177,12 +177,15 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
 }
 
 Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
+  ORIGAMI_ASSERT(int(tokens.size()) == microbatches_);  // the tags check_tags validated
   model_.set_batch(B, T);
   const int64_t n = model_.activation_shape().local_tokens() * model_.config().hidden;  // floats per message
   const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p, last = p * chunks_ - 1;
-  std::vector<float> input(static_cast<size_t>(n));
-  std::vector<Transfer> sends(2);  // two in flight at most: a buffer is reused once its earlier send is done
-  for (Transfer& t : sends) t.buf.resize(size_t(n));
+  // A received input and two sends in flight at most (a buffer is reused once its earlier send is
+  // done): no more than a training step's message buffers (buffer_bytes), and none on one stage.
+  std::vector<float> input(p > 1 ? static_cast<size_t>(n) : 0);
+  std::vector<Transfer> sends(2);
+  for (Transfer& t : sends) t.buf.resize(p > 1 ? size_t(n) : 0);
   size_t turn = 0;
   Losses out;
   for (int m = 0; m < int(tokens.size()); ++m)

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <sys/resource.h>
 
 #include "ckpt/checkpoint.h"
@@ -51,10 +52,10 @@ std::string format_duration(double seconds) {
 
 }  // namespace
 
-int32_t document_eod(const ModelConfig& cfg, const std::string& tokenizer_path, const std::string& data) {
+int32_t document_eod(const ModelConfig& cfg, const Tokenizer* tokenizer, const std::string& data) {
   int32_t eod = -1;
-  if (!tokenizer_path.empty()) {
-    eod = load_tokenizer_file(tokenizer_path)->eod();
+  if (tokenizer) {
+    eod = tokenizer->eod();
   } else {
     const nlohmann::json* eos = cfg.raw.contains("eos_token_id") ? &cfg.raw["eos_token_id"] : nullptr;
     if (eos && eos->is_array() && !eos->empty()) eos = &(*eos)[0];  // several: the first
@@ -387,7 +388,8 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     o = opts.resolved(world.size());
     o.validate(model_cfg, world.size());
     cfg = o.with_routing(model_cfg);
-    data.emplace(parse_blend(o.data, "--data"), o.seq_len, parse_sample_order(o.data_order), o.seed, "--data");
+    const std::vector<BlendPart> parts = parse_blend(o.data, "--data");
+    data.emplace(parts, o.seq_len, parse_sample_order(o.data_order), o.seed, "--data");
     const std::string& tokenizer_path = data->tokenizer_path();
     std::unique_ptr<Tokenizer> tok;
     if (!tokenizer_path.empty()) {
@@ -399,20 +401,12 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       // The validation windows, in order: the first eval_iters × G samples, none read twice.
       eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
                         "--eval-data");
-      ORIGAMI_CHECK(eval_data->same_tokenizer(*data),
-                    "--eval-data '", o.eval_data, "' was made with a different tokenizer than --data '", o.data, "' (",
-                    eval_data->tokenizer_path().empty() ? "none" : eval_data->tokenizer_path(), " vs ",
-                    tokenizer_path.empty() ? "none" : tokenizer_path, ")");
-      const int64_t wanted = o.eval_iters * o.global_batch;
-      const std::vector<int64_t> per = eval_data->samples_per_dataset(0, wanted);
-      for (size_t d = 0; d < per.size(); ++d)
-        ORIGAMI_CHECK(per[d] <= eval_data->windows(d), "--eval-data: an evaluation reads --eval-iters x global batch = ",
-                      o.eval_iters, " x ", o.global_batch, " = ", wanted, " windows, ", per[d], " of them from '",
-                      eval_data->parts()[d].prefix, "', which has only ", eval_data->windows(d), " of length ",
-                      o.seq_len, "; lower --eval-iters or give more validation data");
+      data->require_same_tokenizer(*eval_data, cat("--data '", o.data, "' and --eval-data '", o.eval_data, "'"));
+      eval_data->require_no_repeat(o.eval_iters * o.global_batch,
+                                   cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters, " x ",
+                                       o.global_batch, "; lower --eval-iters or give more validation data)"));
     }
-    if (parse_attention_mask(o.attention_mask))
-      cfg.document_eod = document_eod(cfg, tokenizer_path, parse_blend(o.data)[0].prefix);
+    if (parse_attention_mask(o.attention_mask)) cfg.document_eod = document_eod(cfg, tok.get(), parts[0].prefix);
     fresh_start = o.fresh_start();
     if (!from.empty() && !fresh_start) {  // the checkpoint to start from, checked against the model
       ck = Checkpoint::open(from);
@@ -428,7 +422,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   // pools and buffers are set up first: the check measures them as the runtime part).
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
-  const int64_t data_bytes = data->bytes(o.steps * o.global_batch) + (eval_data ? eval_data->bytes(0) : 0);
+  const int64_t data_bytes = data->bytes(o.global_batch) + (eval_data ? eval_data->bytes(o.eval_iters * o.global_batch) : 0);
   const MemoryCheck memory = check_memory(cfg, o, data_bytes, world);
   const bool rank0 = world.rank() == 0;
 
@@ -483,6 +477,18 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
         set->opt.set_steps_taken(st["adam_steps"].get<int64_t>());
       }
       start_step = st["step"].get<int64_t>();
+      // A resume continues the run: options that change what it learns from are worth a word when changed.
+      if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
+        const nlohmann::json& was = st["options"];
+        for (const auto& [key, flag, now] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask},
+                                             std::tuple{"data", "--data", o.data}}) {
+          const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>()
+                                     : std::string(key) == "attention_mask" ? "causal" : "";
+          if (before != now)
+            std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
+                         now.c_str(), ck->path().c_str(), before.c_str());
+        }
+      }
       if (st.contains("router_bias")) saved_bias = st["router_bias"].get<std::vector<std::vector<float>>>();
       ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start_step,
                     "; ask for more --steps to continue");
@@ -553,9 +559,9 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       std::printf("\n");
     }
     if (eval_data)
-      std::printf("validation: %s | %lld windows (%lld x global batch) every %s\n", eval_data->describe().c_str(),
+      std::printf("validation: %s | %lld windows (%lld x global batch) %s\n", eval_data->describe().c_str(),
                   (long long)(o.eval_iters * G), (long long)o.eval_iters,
-                  o.eval_every > 0 ? cat(o.eval_every, " steps and after the last").c_str() : "run, after the last step");
+                  o.eval_every > 0 ? cat("every ", o.eval_every, " steps and after the last").c_str() : "after the last step");
     if (cfg.document_eod >= 0)
       std::printf("attention within documents: token %d ends a document (positions restart after it)\n",
                   cfg.document_eod);
@@ -776,6 +782,8 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     const CpCounters step_cp = cp.counters();
     const std::map<std::string, double> step_bytes = mesh.bytes_sent();
     const double step_cp_bytes = cp.bytes_sent();
+    const DispatchTimes step_dispatch = model.dispatch_times();
+    const double step_moe_s = model.moe_layer_s();
     double val_loss = std::numeric_limits<double>::quiet_NaN();
     if (eval_data && !too_many_skips && (done == o.steps || (o.eval_every > 0 && done % o.eval_every == 0))) {
       Timer eval_timer;
@@ -847,8 +855,8 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
         j["expert_imbalance"] = imbalance;
         // Rank 0's MoE layers: their time, the exchanges', and the dispatcher's own work (regrouping,
         // permute and combine), the overhead the exchanges do not explain.
-        const DispatchTimes& dt = model.dispatch_times();
-        j["moe_times"] = {{"layer_s", model.moe_layer_s()}, {"exchange_s", dt.exchange_s}, {"regroup_s", dt.regroup_s},
+        const DispatchTimes& dt = step_dispatch;
+        j["moe_times"] = {{"layer_s", step_moe_s}, {"exchange_s", dt.exchange_s}, {"regroup_s", dt.regroup_s},
                           {"permute_s", dt.permute_s}};
       }
       *metrics << j.dump() << "\n";

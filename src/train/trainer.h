@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
+#include "data/tokenizer.h"
 #include "model/config.h"
 #include "model/model.h"
 #include "model/params.h"
@@ -101,10 +102,10 @@ struct TrainOptions {
   int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
 };
 
-// The end-of-document id of --attention-mask document: the data's tokenizer's (tokenizer_path, "" when
-// the data has none), else the model config's eos_token_id (the first of a list); neither is an Error
-// naming `data`'s tokenizer file.
-int32_t document_eod(const ModelConfig& cfg, const std::string& tokenizer_path, const std::string& data);
+// The end-of-document id of --attention-mask document: the data's tokenizer's (null when the data has
+// none), else the model config's eos_token_id (the first of a list); neither is an Error naming
+// `data`'s tokenizer file.
+int32_t document_eod(const ModelConfig& cfg, const Tokenizer* tokenizer, const std::string& data);
 
 // Exit codes of a run that ends without an error: stopped by SIGINT/SIGTERM after saving, and stopped
 // because more steps had a non-finite loss or gradient norm than --max-skipped-steps allows (nothing is

@@ -6,60 +6,70 @@ several documents and many windows cut one; validation data of the same kind (an
   1. Document masking + validation: `--attention-mask document --eval-data VAL --eval-every 4
      --eval-iters 1` for 8 AdamW steps (micro-batch 2, global batch 8, T 32) under TP2+SP, DP2
      ZeRO-1, PP2 (1F1B), PP2 interleaved (4 layers), --recompute full (DP2) and selective (CP2),
-     CP2 (p2p and a2a: the chunks cut documents), CP4 a2a+p2p (A 2), TP2×PP2, and for mixtral EP2
-     and EP2 folded over CP2: every step's loss (MoE: lm/aux/z, expert_tokens identical) and the
-     validation loss at steps 4 and 8 within 1e-5 relative of the one-rank run of the same
-     arguments (gpt2: learned positions restart; llama with 2 KV heads: RoPE positions restart, a2a
-     replicates the KV heads; mixtral).
+     CP2 (p2p and a2a: the chunks cut documents; for llama also T 256, whose 64-position chunks
+     are whole tiles, so masked tiles are skipped inside blocks), CP4 a2a+p2p (A 2), TP2×PP2, and
+     for mixtral EP2 and EP2 folded over CP2: every step's loss (MoE: lm/aux/z, expert_tokens
+     identical) and the validation loss at steps 4 and 8 within 1e-5 relative of the one-rank run
+     of the same arguments (gpt2: learned positions restart; llama with 2 KV heads: RoPE positions
+     restart, a2a replicates the KV heads; mixtral); for the dense models an evaluating step's
+     comm_bytes equal the step before's (the evaluation is not counted as the step's).
   2. Blends: --data "0.6 A 0.4 B" under DP2 ZeRO-1 gives the one-rank losses and per-step rows per
      dataset ("data_samples"); the one-rank run's checkpoint of step 4 resumed under DP2 continues
-     the same rows and losses (steps 5..8).
-  3. Mistakes: --eval-every without --eval-data, an unknown --attention-mask, a blend with an odd
-     number of fields, a blend of datasets made with different tokenizers, and more validation
-     windows than the data has: one error line each, exit 1, on every rank.
+     the same rows and losses (steps 5..8); resuming it with other --data or --attention-mask warns.
+  3. Mistakes: --eval-every or --eval-iters without --eval-data, an unknown --attention-mask, a blend
+     with an odd number of fields, a blend of datasets made with different tokenizers, and more
+     validation windows than the data has: one error line each, exit 1, on every rank.
 """
 import os
-import sys
 
 import harness as h
 
 RTOL = 1e-5
-COMMON = ["--steps", "8", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "32", "--lr", "3e-3",
-          "--warmup", "2", "--min-lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7",
-          "--threads", "1", "--quiet"]
+COMMON = ["--steps", "8", "--micro-batch", "2", "--global-batch", "8", "--lr", "3e-3", "--warmup", "2",
+          "--min-lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7", "--threads", "1", "--quiet"]
 DOCS = ["--attention-mask", "document", "--eval-every", "4", "--eval-iters", "1"]
 
-# (name, ranks, flags, models it applies to, 4-layer model)
+# The model variants a layout runs on, each with its own one-rank run: (layers, sequence length). T 256
+# under CP2 gives chunks of 64 positions, whole 64-row tiles, so masked tiles are skipped inside blocks.
+VARIANTS = {"base": (None, 32), "4 layers": (4, 32), "T 256": (None, 256)}
+# (name, ranks, flags, models it applies to (None: all), variant)
 LAYOUTS = [
-    ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], None, False),
-    ("DP2 z1", 2, ["--zero", "1"], None, False),
-    ("PP2 1f1b", 2, ["--pp", "2"], None, False),
-    ("PP2 interleaved v2", 2, ["--pp", "2", "--vpp", "2"], None, True),
-    ("DP2 recompute full", 2, ["--recompute", "full"], None, False),
-    ("CP2 p2p recompute selective", 2, ["--cp", "2", "--recompute", "selective"], None, False),
-    ("CP2 a2a", 2, ["--cp", "2", "--cp-comm", "a2a"], None, False),
-    ("CP4 a2a+p2p", 4, ["--cp", "4", "--cp-comm", "a2a+p2p", "--cp-a2a-size", "2"], None, False),
-    ("TP2xPP2", 4, ["--tp", "2", "--pp", "2"], None, False),
-    ("EP2", 2, ["--ep", "2"], {"mixtral_8e"}, False),
-    ("CP2xEP2", 2, ["--cp", "2", "--ep", "2"], {"mixtral_8e"}, False),
+    ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], None, "base"),
+    ("DP2 z1", 2, ["--zero", "1"], None, "base"),
+    ("PP2 1f1b", 2, ["--pp", "2"], None, "base"),
+    ("PP2 interleaved v2", 2, ["--pp", "2", "--vpp", "2"], None, "4 layers"),
+    ("DP2 recompute full", 2, ["--recompute", "full"], None, "base"),
+    ("CP2 p2p recompute selective", 2, ["--cp", "2", "--recompute", "selective"], None, "base"),
+    ("CP2 a2a", 2, ["--cp", "2", "--cp-comm", "a2a"], None, "base"),
+    ("CP2 p2p T256", 2, ["--cp", "2"], {"llama_gqa2"}, "T 256"),
+    ("CP4 a2a+p2p", 4, ["--cp", "4", "--cp-comm", "a2a+p2p", "--cp-a2a-size", "2"], None, "base"),
+    ("TP2xPP2", 4, ["--tp", "2", "--pp", "2"], None, "base"),
+    ("EP2", 2, ["--ep", "2"], {"mixtral_8e"}, "base"),
+    ("CP2xEP2", 2, ["--cp", "2", "--ep", "2"], {"mixtral_8e"}, "base"),
 ]
 MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
 
 
-def train(tmp, tag, ranks, cfg, data, flags):
+def train(tmp, tag, ranks, cfg, data, flags, seq=32):
     metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
-    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *flags, "--metrics", metrics])
+    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(seq), *COMMON, *flags,
+                                  "--metrics", metrics])
     if rc != 0:
         return None, "exit %s: %s" % (rc, out[-600:])
     return h.read_metrics(metrics), None
 
 
 def compare(ref, got, moe):
-    """Worst relative deviation of loss (and val_loss, MoE losses) and the failures."""
+    """Worst relative deviation of loss (and val_loss, MoE losses) and the failures. A dense model's
+    steps send the same bytes, so an evaluating step's comm_bytes must equal the step before's: the
+    evaluation's forwards are not counted as the step's."""
     worst, fails = 0.0, []
     if len(got) != len(ref):
         return worst, ["%d metric lines, expected %d" % (len(got), len(ref))]
-    for r, g in zip(ref, got):
+    for prev, r, g in zip([None] + got[:-1], ref, got):
+        if not moe and prev is not None and "val_loss" in g and g.get("comm_bytes") != prev.get("comm_bytes"):
+            fails.append("step %d (evaluated): comm_bytes %s, step before %s" % (r["step"], g.get("comm_bytes"),
+                                                                                 prev.get("comm_bytes")))
         keys = ["loss"] + (["lm_loss", "aux_loss", "z_loss"] if moe else []) + (["val_loss"] if "val_loss" in r else [])
         for k in keys:
             if k not in g:
@@ -88,30 +98,31 @@ def main():
     rows = []
     for model in MODELS:
         moe = model.startswith("mixtral")
-        cfgs = {}
-        for deep in (False, True):
+        cfgs, refs = {}, {}
+        for variant in sorted({v for _, _, _, only, v in LAYOUTS if not only or model in only}):
+            layers, seq = VARIANTS[variant]
             base = h.load_config(model)
-            if deep:
-                base["n_layer" if "n_layer" in base else "num_hidden_layers"] = 4
-            cfgs[deep] = h.write_json(os.path.join(tmp, "%s%s.json" % (model, "_4l" if deep else "")), base)
-        refs = {}
-        for deep, cfg in cfgs.items():
-            refs[deep], err = train(tmp, "%s%s one rank" % (model, "_4l" if deep else ""), 0, cfg, data,
-                                    DOCS + eval_args)
+            if layers:
+                base["n_layer" if "n_layer" in base else "num_hidden_layers"] = layers
+            base["n_positions" if "n_positions" in base else "max_position_embeddings"] = max(seq, 64)
+            cfgs[variant] = h.write_json(os.path.join(tmp, "%s %s.json" % (model, variant)), base)
+            refs[variant], err = train(tmp, "%s %s one rank" % (model, variant), 0, cfgs[variant], data,
+                                       DOCS + eval_args, seq)
             if err:
-                failures.append("%s one-rank run: %s" % (model, err))
+                failures.append("%s %s one-rank run: %s" % (model, variant, err))
         if None in refs.values():
             continue
-        if not any("val_loss" in m for m in refs[False]) or [m["step"] for m in refs[False] if "val_loss" in m] != [4, 8]:
+        if [m["step"] for m in refs["base"] if "val_loss" in m] != [4, 8]:
             failures.append("%s: val_loss not at steps 4 and 8" % model)
-        for name, ranks, flags, only, deep in LAYOUTS:
+        for name, ranks, flags, only, variant in LAYOUTS:
             if only and model not in only:
                 continue
-            got, err = train(tmp, "%s %s" % (model, name), ranks, cfgs[deep], data, DOCS + eval_args + flags)
+            got, err = train(tmp, "%s %s" % (model, name), ranks, cfgs[variant], data, DOCS + eval_args + flags,
+                             VARIANTS[variant][1])
             if err:
                 failures.append("%s %s: %s" % (model, name, err))
                 continue
-            worst, fails = compare(refs[deep], got, moe)
+            worst, fails = compare(refs[variant], got, moe)
             failures += ["%s %s: %s" % (model, name, f) for f in fails[:3]]
             rows.append((model, name, "%.1e" % worst, "ok" if not fails else "FAIL"))
             print("  %-4s %-11s %-28s worst %.1e" % ("ok" if not fails else "FAIL", model, name, worst), flush=True)
@@ -139,12 +150,24 @@ def main():
             print("  %-4s blend %-20s worst %.1e, rows per dataset %s" % (
                 "ok" if not fails else "FAIL", tag, worst, [m.get("data_samples") for m in got][:4]), flush=True)
 
+    # Resuming with other data or another mask is allowed, with a warning naming both.
+    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--resume", os.path.join(save, "step-4"),
+                           "--steps", "5", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "32",
+                           "--attention-mask", "document", "--threads", "1"])
+    for flag in ("--data", "--attention-mask"):
+        if rc != 0 or ("warning: resuming with %s" % flag) not in out:
+            failures.append("resume with another %s: exit %s, no warning naming it:\n%s" % (flag, rc, out[-500:]))
+    print("  %-4s resume with another --data and --attention-mask warns" % ("ok" if rc == 0 else "FAIL"))
+
     print("3. mistakes")
     failures += h.check_error_cases(data, [
         ("eval-every without eval-data", cfg, 2, ["--eval-every", "2"], "--eval-every needs --eval-data"),
+        ("eval-iters without eval-data", cfg, 2, ["--eval-iters", "2"], "--eval-iters needs --eval-data"),
         ("unknown attention mask", cfg, 2, ["--attention-mask", "sliding"], "--attention-mask 'sliding'"),
         ("odd blend", cfg, 2, ["--data", "0.5 %s 0.5" % data], "3 fields"),
-        ("eval windows", cfg, 2, ["--eval-data", val, "--eval-iters", "100000"], "lower --eval-iters"),
+        ("eval windows", cfg, 2, ["--eval-data", val, "--eval-iters", "100000000000"], "lower --eval-iters"),
+        ("eval windows of a blend", cfg, 2, ["--eval-data", "0.9 %s 0.1 %s" % (val, data), "--eval-iters", "250"],
+         "which has only"),
     ])
     renamed = os.path.join(tmp, "other_tokenizer")  # the same tokens with another tokenizer file
     for ext in (".bin", ".idx"):

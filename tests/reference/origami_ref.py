@@ -798,9 +798,10 @@ class WindowSampler:
 
 
 class BlendSampler(WindowSampler):
-    """Megatron's blend of datasets: sample i goes to the dataset d with the largest
-    w_d*(i+1) - n_d (the first on ties; n_d = samples d gave so far) and reads that dataset's
-    sequential window n_d. parts: [(weight, prefix)], weights normalised here."""
+    """A blend of datasets by the greedy rule of Megatron's blending with (i+1) for its max(i, 1):
+    sample i goes to the dataset d with the largest w_d*(i+1) - n_d (the first on ties; n_d =
+    samples d gave so far) and reads that dataset's sequential window n_d. parts: [(weight,
+    prefix)], weights normalised here."""
 
     def __init__(self, parts, seq_len):
         total = sum(w for w, _ in parts)

@@ -6,11 +6,11 @@ Data: byte-tokenized text with one document per line (`data prepare --split line
           equal the reference with a block-diagonal causal mask and restarted positions (1e-4), and
           every document wholly inside a window gets the logits of its own forward pass alone.
   train:  10 AdamW steps (micro-batch 2, global batch 4, T=32) for gpt2, llama, mixtral, qwen2_moe:
-          "document": --attention-mask document with --eval-data (every 5 steps, 2 global batches);
-          "blend":    --data "0.7 A 0.3 B" (Megatron's rule) with --eval-data at the end;
+          "document": --attention-mask document with --eval-data (every 4 steps and after the 10th, 2 global
+                      batches);
+          "blend":    --data "0.7 A 0.3 B" (the greedy blending rule) with a blend as --eval-data at the end;
           per step loss, grad_norm, val_loss and (blend) the step's rows per dataset equal the reference.
 """
-import json
 import os
 import sys
 import tempfile
@@ -68,17 +68,18 @@ def check_train(name, variant, report, tmp, data, data_b, val):
     cfg_path, cfg, init, params = ref.seeded_model(name, tmp, seed=SEEDS[name], tag="_init")
     a = TRAIN
     if variant == "document":
-        spec, sampler, eod, every = data, ref.WindowSampler(data, T), EOD, 5
-        extra = ["--attention-mask", "document", "--eval-every", "5"]
+        spec, sampler, eod, every = data, ref.WindowSampler(data, T), EOD, 4
+        extra = ["--attention-mask", "document", "--eval-every", "4", "--eval-data", val]
+        val_sampler = ref.WindowSampler(val, T)
     else:
         spec, sampler, eod, every = f"0.7 {data} 0.3 {data_b}", ref.BlendSampler([(0.7, data), (0.3, data_b)], T), None, 0
-        extra = []
+        extra = ["--eval-data", f"0.5 {val} 0.5 {data_b}"]
+        val_sampler = ref.BlendSampler([(0.5, val), (0.5, data_b)], T)
     got = ref.origami_train(cfg_path, init, spec, os.path.join(tmp, f"{name}_{variant}.jsonl"), a["steps"],
                             a["micro_batch"], a["global_batch"], T, a["lr"], a["min_lr"], a["warmup"], a["schedule"],
                             a["weight_decay"], a["grad_clip"],
-                            extra=extra + ["--eval-data", val, "--eval-iters", "2"])
-    want = ref.train(cfg, params, sampler, **a, eod=eod, eval_every=every, eval_sampler=ref.WindowSampler(val, T),
-                     eval_iters=2)
+                            extra=extra + ["--eval-iters", "2"])
+    want = ref.train(cfg, params, sampler, **a, eod=eod, eval_every=every, eval_sampler=val_sampler, eval_iters=2)
     tag = f"{name}/{variant}"
     if len(got) != len(want):
         report.fail(f"{tag}: metrics lines", f"{len(got)}, expected {len(want)}")

@@ -1,7 +1,9 @@
-// Dataset blends (data/blend.h): Megatron's rule, its guarantees, the spec parser's errors.
+// Dataset blends (data/blend.h): the greedy rule, its guarantees, the spec parser's errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "core/error.h"
@@ -74,6 +76,15 @@ TEST(DataBlend, ParsesSpecsAndNamesMistakes) {
   EXPECT_NE(error_of("0 a 2 b").find("must be a positive number"), std::string::npos);
   EXPECT_NE(error_of("1 a 2 a").find("'a' is given twice"), std::string::npos);
   EXPECT_NE(error_of("  ").find("is empty"), std::string::npos);
+  // An existing dataset whose prefix holds whitespace is that dataset, not a blend.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "origami_blend_spaces";
+  std::filesystem::create_directories(dir);
+  const std::string spaced = (dir / "my data").string();
+  std::ofstream(spaced + ".idx") << "x";
+  const std::vector<BlendPart> whole = parse_blend(spaced);
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(whole.size(), 1u);
+  EXPECT_EQ(whole[0].prefix, spaced);
 }
 
 }  // namespace
