@@ -1,12 +1,18 @@
 // `origami data`: make and inspect tokenized datasets (Megatron .bin/.idx + tokenizer JSON).
 //
 //   origami data prepare --input FILE|DIR --output PREFIX [--tokenizer byte|gpt2|FILE.json]
-//                        [--vocab vocab.json --merges merges.txt] [--split auto|fortune|file|line]
+//                        [--vocab vocab.json --merges merges.txt] [--eod-token TEXT]
+//                        [--split auto|fortune|file|line] [--threads N]
 //   origami data info --data PREFIX
+//   origami data decode --data PREFIX [--skip-special] [--json] [--first N]
+#include <omp.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -20,6 +26,7 @@
 #include "core/files.h"
 #include "data/indexed_dataset.h"
 #include "data/tokenizer.h"
+#include "kernels/cpu/gemm.h"
 
 namespace origami {
 namespace {
@@ -47,7 +54,14 @@ const char* kPrepareSummary =
     "  file     the whole file is one document\n"
     "  line     each line (without its line break) is one document\n"
     "  auto     fortune for a file that has a '%' line, else file\n"
-    "Documents that are empty or only whitespace are skipped.";
+    "Documents that are empty or only whitespace are skipped.\n"
+    "\n"
+    "--tokenizer FILE.json takes origami's own tokenizer JSON (what prepare writes as PREFIX.tokenizer.json)\n"
+    "or a Hugging Face `tokenizers` file (the Hub's tokenizer.json) with a BPE model: GPT-2, Llama-3, Qwen2\n"
+    "and Llama-2/Mixtral style files give the library's `encode(text)` ids, its template's BOS included.\n"
+    "Its end-of-document token is --eod-token, else the eos_token of a tokenizer_config.json beside the\n"
+    "file, else whichever of <|endoftext|>, <|end_of_text|>, </s> the file has.\n"
+    "Documents are encoded on all threads (--threads); inputs over 32 MB show progress on stderr.";
 
 bool is_blank(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); });
@@ -124,6 +138,38 @@ std::vector<std::string> collect_input_files(const std::string& input) {
   return files;
 }
 
+// Progress of a large prepare on stderr: MB done, documents, MB/s, about once a second (a line
+// rewritten in place on a terminal). Silent for inputs under kMinBytes.
+class Progress {
+ public:
+  static constexpr uint64_t kMinBytes = 32'000'000;
+  explicit Progress(uint64_t total_bytes) : total_(total_bytes), tty_(isatty(2)) {}
+  void update(uint64_t bytes, uint64_t docs) {
+    if (total_ < kMinBytes || timer_.ms() - last_ms_ < 1000) return;
+    last_ms_ = timer_.ms();
+    print(bytes, docs);
+  }
+  void finish(uint64_t bytes, uint64_t docs) {
+    if (total_ < kMinBytes) return;
+    if (bytes != last_bytes_) print(bytes, docs);
+    if (tty_) std::fputc('\n', stderr);
+  }
+
+ private:
+  void print(uint64_t bytes, uint64_t docs) {
+    last_bytes_ = bytes;
+    std::fprintf(stderr, "%sprepare: %.1f / %.1f MB (%.0f%%), %llu documents, %.1f MB/s%s", tty_ ? "\r" : "",
+                 bytes / 1e6, total_ / 1e6, 100.0 * double(bytes) / double(std::max<uint64_t>(total_, 1)),
+                 (unsigned long long)docs, bytes / 1e3 / std::max(timer_.ms(), 1e-3), tty_ ? "" : "\n");
+    std::fflush(stderr);
+  }
+  uint64_t total_;
+  bool tty_;
+  Timer timer_;
+  double last_ms_ = 0;
+  uint64_t last_bytes_ = 0;
+};
+
 std::unique_ptr<Tokenizer> make_tokenizer(const Args& args) {
   std::string kind = args.str("tokenizer");
   if (kind == "byte") return std::make_unique<ByteTokenizer>();
@@ -134,7 +180,7 @@ std::unique_ptr<Tokenizer> make_tokenizer(const Args& args) {
   }
   ORIGAMI_CHECK(kind.ends_with(".json"), "--tokenizer '", kind,
                 "' is not known (use byte, gpt2 with --vocab/--merges, or a tokenizer .json file)");
-  return load_tokenizer_file(kind);
+  return load_tokenizer_file(kind, args.has("eod-token") ? args.str("eod-token") : "");
 }
 
 int data_prepare(int argc, char** argv) {
@@ -144,7 +190,9 @@ int data_prepare(int argc, char** argv) {
       .option("tokenizer", "NAME", "byte, gpt2 (needs --vocab and --merges) or a tokenizer .json file", "byte")
       .option("vocab", "FILE", "Hugging Face vocab.json of a GPT-2 byte-level BPE")
       .option("merges", "FILE", "Hugging Face merges.txt of a GPT-2 byte-level BPE")
-      .option("split", "MODE", "auto, fortune, file or line (see above)", "auto");
+      .option("eod-token", "TEXT", "end-of-document token of a Hugging Face tokenizer file (see above)")
+      .option("split", "MODE", "auto, fortune, file or line (see above)", "auto")
+      .option("threads", "N", "encoding threads (default: all cores)", "0");
   if (!args.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(args.has("input"), "--input is required (see 'origami data prepare --help')");
   ORIGAMI_CHECK(args.has("output"), "--output is required (see 'origami data prepare --help')");
@@ -153,6 +201,10 @@ int data_prepare(int argc, char** argv) {
                 "' is not known (use auto, fortune, file or line)");
   if (args.str("tokenizer") != "gpt2")
     ORIGAMI_CHECK(!args.has("vocab") && !args.has("merges"), "--vocab/--merges only apply to --tokenizer gpt2");
+  ORIGAMI_CHECK(!args.has("eod-token") || args.str("tokenizer").ends_with(".json"),
+                "--eod-token only applies to a Hugging Face tokenizer file (--tokenizer FILE.json)");
+  ORIGAMI_CHECK(args.integer("threads") >= 0, "--threads must not be negative, got ", args.integer("threads"));
+  if (args.integer("threads") > 0) set_num_threads(int(args.integer("threads")));
   const std::string prefix = args.str("output");
   fs::path out_dir = fs::path(prefix).parent_path();
   ORIGAMI_CHECK(out_dir.empty() || fs::is_directory(out_dir), "--output ", prefix, ": directory ",
@@ -162,22 +214,58 @@ int data_prepare(int argc, char** argv) {
   std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(args);
   const TokenDtype dtype = token_dtype_for_vocab(tokenizer->vocab_size());
 
+  uint64_t total_bytes = 0;
+  for (const auto& file : files) total_bytes += fs::file_size(file);
+
   Timer timer;
   double encode_ms = 0;
   uint64_t num_bytes = 0;
   IndexedDatasetWriter writer(prefix, dtype);
-  std::vector<int32_t> ids;
+  Progress progress(total_bytes);
+  // Documents are encoded in batches of about kBatchBytes, on all threads, and written in order.
+  constexpr size_t kBatchBytes = 8 << 20;
+  std::deque<std::string> texts;       // the files the batch's documents point into (stable addresses)
+  std::vector<std::string_view> docs;  // the batch
+  size_t batch_bytes = 0;
+  std::vector<std::vector<int32_t>> ids;
+  // progress_bytes: input bytes up to the batch's end; keep_current: the last text is still being split.
+  auto flush = [&](uint64_t progress_bytes, bool keep_current) {
+    ids.resize(docs.size());
+    Timer t;
+    std::string error;
+    const int32_t eod = tokenizer->eod();
+#pragma omp parallel for schedule(dynamic, 16)
+    for (size_t i = 0; i < docs.size(); ++i) {
+      try {
+        ids[i] = tokenizer->encode(docs[i]);
+        ids[i].push_back(eod);
+      } catch (const std::exception& e) {
+#pragma omp critical
+        if (error.empty()) error = e.what();
+      }
+    }
+    encode_ms += t.ms();
+    if (!error.empty()) throw Error(error);
+    for (size_t i = 0; i < docs.size(); ++i) writer.add_document(ids[i]);
+    progress.update(progress_bytes, writer.num_documents());
+    while (texts.size() > (keep_current ? 1u : 0u)) texts.pop_front();
+    docs.clear();
+    ids.clear();
+    batch_bytes = 0;
+  };
   for (const auto& file : files) {
-    std::string text = read_file_bytes(file);
-    num_bytes += text.size();
+    texts.push_back(read_file_bytes(file));
+    const std::string& text = texts.back();
     split_documents(text, split, [&](std::string_view doc) {
-      Timer t;
-      ids = tokenizer->encode(doc);
-      encode_ms += t.ms();
-      ids.push_back(tokenizer->eod());
-      writer.add_document(ids);
+      docs.push_back(doc);
+      batch_bytes += doc.size();
+      if (batch_bytes >= kBatchBytes) flush(num_bytes + uint64_t(doc.data() + doc.size() - text.data()), true);
     });
+    num_bytes += text.size();
+    if (batch_bytes >= kBatchBytes || texts.size() >= 4096) flush(num_bytes, false);
   }
+  flush(num_bytes, false);
+  progress.finish(num_bytes, writer.num_documents());
   ORIGAMI_CHECK(writer.num_documents() > 0, "--input ", args.str("input"),
                 ": no documents found (every document was empty or whitespace)");
   writer.finish();
@@ -242,12 +330,43 @@ int data_info(int argc, char** argv) {
   return 0;
 }
 
+int data_decode(int argc, char** argv) {
+  Args args("data decode",
+            "Prints a dataset's documents as text, decoded with PREFIX.tokenizer.json as its tokenizer library\n"
+            "would decode them (Hugging Face: `decode(ids, skip_special_tokens=False)`), each followed by a newline.");
+  args.option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json)")
+      .option("tokenizer", "FILE", "tokenizer JSON (default: PREFIX.tokenizer.json)")
+      .flag("skip-special", "leave out special tokens (BOS, end-of-document, ...)")
+      .flag("json", "print each document as a JSON string on its own line")
+      .option("first", "N", "print only the first N documents (default: all)", "0");
+  if (!args.parse(argc, argv)) return 0;
+  ORIGAMI_CHECK(args.has("data"), "--data is required (see 'origami data decode --help')");
+  const std::string prefix = args.str("data");
+  IndexedDataset ds = IndexedDataset::open(prefix);
+  auto tok = load_tokenizer_file(args.has("tokenizer") ? args.str("tokenizer") : prefix + ".tokenizer.json");
+  ORIGAMI_CHECK(args.integer("first") >= 0, "--first must not be negative, got ", args.integer("first"));
+  uint64_t n = ds.num_sequences();
+  if (args.integer("first") > 0) n = std::min<uint64_t>(n, uint64_t(args.integer("first")));
+  std::vector<int32_t> ids;
+  uint64_t first = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    ids.resize(size_t(ds.sequence_length(i)));
+    ds.read_tokens(first, ids.size(), ids.data());
+    first += ids.size();
+    std::string text = tok->decode_text(ids, args.on("skip-special"));
+    if (args.on("json")) text = nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fputc('\n', stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int cmd_data(int argc, char** argv) {
   if (argc < 2) {
     std::fputs(kDataUsage, stderr);
-    fail("a subcommand is required (prepare or info)");
+    fail("a subcommand is required (prepare, info or decode)");
   }
   std::string sub = argv[1];
   if (sub == "--help" || sub == "-h") {
@@ -256,7 +375,8 @@ int cmd_data(int argc, char** argv) {
   }
   if (sub == "prepare") return data_prepare(argc - 1, argv + 1);
   if (sub == "info") return data_info(argc - 1, argv + 1);
-  fail("unknown subcommand '", sub, "' (known: prepare, info; see 'origami data --help')");
+  if (sub == "decode") return data_decode(argc - 1, argv + 1);
+  fail("unknown subcommand '", sub, "' (known: prepare, info, decode; see 'origami data --help')");
 }
 
 }  // namespace origami

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/io.h"
+#include "data/tokenizer.h"
 
 namespace origami {
 
@@ -354,7 +355,7 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
                           nlohmann::ordered_json({{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
   save_model_config(cfg, out + "/config.json");
   if (const std::string tok = ck.tokenizer_path(); !tok.empty())
-    write_file_atomically(out + "/tokenizer.json", read_file_bytes(tok));
+    write_file_atomically(out + "/tokenizer.json", tokenizer_file_for_hf_export(tok));
   if (optimizer) {
     std::vector<std::vector<float>> bufs;
     std::vector<TensorWrite> writes;

@@ -1,151 +1,17 @@
 #include "data/tokenizer.h"
 
 #include <algorithm>
-#include <limits>
-#include <queue>
-#include <unordered_set>
+#include <filesystem>
 
 #include "core/error.h"
 #include "core/files.h"
-#include "data/unicode_classes.h"
+#include "data/hf_tokenizer.h"
 
 namespace origami {
 
 namespace {
 
 constexpr std::string_view kEndOfText = "<|endoftext|>";
-
-// Decodes the code point at text[pos]; returns its length in bytes. An invalid or truncated
-// sequence yields (0xFFFD, 1): the byte stands alone, in class [^\s\p{L}\p{N}].
-inline int next_code_point(std::string_view text, size_t pos, char32_t& cp) {
-  const auto* s = reinterpret_cast<const unsigned char*>(text.data()) + pos;
-  size_t left = text.size() - pos;
-  unsigned char c = s[0];
-  if (c < 0x80) {
-    cp = c;
-    return 1;
-  }
-  int len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 0;
-  if (len == 0 || c > 0xF4 || size_t(len) > left) {
-    cp = 0xFFFD;
-    return 1;
-  }
-  char32_t v = c & (0x7F >> len);
-  for (int k = 1; k < len; ++k) {
-    if ((s[k] & 0xC0) != 0x80) {
-      cp = 0xFFFD;
-      return 1;
-    }
-    v = (v << 6) | (s[k] & 0x3F);
-  }
-  // Overlong forms and surrogates are invalid.
-  static constexpr char32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
-  if (v < kMin[len] || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) {
-    cp = 0xFFFD;
-    return 1;
-  }
-  cp = v;
-  return len;
-}
-
-enum class CharClass : uint8_t { letter, number, space, other };
-
-inline CharClass classify(char32_t cp) {
-  if (is_unicode_letter(cp)) return CharClass::letter;
-  if (is_unicode_number(cp)) return CharClass::number;
-  if (is_unicode_space(cp)) return CharClass::space;
-  return CharClass::other;
-}
-
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += char(cp);
-  } else if (cp < 0x800) {
-    out += char(0xC0 | (cp >> 6));
-    out += char(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += char(0xE0 | (cp >> 12));
-    out += char(0x80 | ((cp >> 6) & 0x3F));
-    out += char(0x80 | (cp & 0x3F));
-  } else {
-    out += char(0xF0 | (cp >> 18));
-    out += char(0x80 | ((cp >> 12) & 0x3F));
-    out += char(0x80 | ((cp >> 6) & 0x3F));
-    out += char(0x80 | (cp & 0x3F));
-  }
-}
-
-// The length of a contraction ('s 't 're 've 'm 'll 'd, case-sensitive) at text[pos], or 0.
-inline size_t contraction_at(std::string_view text, size_t pos) {
-  if (text[pos] != '\'' || pos + 1 >= text.size()) return 0;
-  char a = text[pos + 1];
-  if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
-  if (pos + 2 >= text.size()) return 0;
-  char b = text[pos + 2];
-  if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return 3;
-  return 0;
-}
-
-template <typename Emit>
-void for_each_gpt2_piece(std::string_view text, Emit&& emit) {
-  size_t pos = 0, n = text.size();
-  while (pos < n) {
-    if (size_t len = contraction_at(text, pos)) {
-      emit(text.substr(pos, len));
-      pos += len;
-      continue;
-    }
-    char32_t cp;
-    int len0 = next_code_point(text, pos, cp);
-    CharClass cls = classify(cp);
-    size_t run = pos + len0;  // end of the piece so far
-    if (cp == ' ' && run < n) {
-      // " ?X+" alternatives: a single leading space joins a following letter/number/other run.
-      char32_t cp1;
-      int len1 = next_code_point(text, run, cp1);
-      CharClass cls1 = classify(cp1);
-      if (cls1 != CharClass::space) {
-        cls = cls1;
-        run += len1;
-      }
-    }
-    if (cls != CharClass::space) {
-      while (run < n) {
-        char32_t c;
-        int l = next_code_point(text, run, c);
-        if (classify(c) != cls) break;
-        run += l;
-      }
-      emit(text.substr(pos, run - pos));
-      pos = run;
-      continue;
-    }
-    // Whitespace: \s+(?!\S) takes the run but leaves its last character when a non-space follows
-    // (that character then starts the next piece, e.g. " word"); a lone space before a non-space
-    // falls through to \s+ and stands alone.
-    size_t last_start = pos;
-    int num_chars = 1;
-    while (run < n) {
-      char32_t c;
-      int l = next_code_point(text, run, c);
-      if (!is_unicode_space(c)) break;
-      last_start = run;
-      run += l;
-      ++num_chars;
-    }
-    if (run < n && num_chars >= 2) run = last_start;
-    emit(text.substr(pos, run - pos));
-    pos = run;
-  }
-}
-
-// Byte-level symbols: each byte as a UTF-8 string of its GPT-2 code point.
-std::array<std::string, 256> byte_symbols() {
-  std::array<std::string, 256> sym;
-  const auto& map = gpt2_byte_to_unicode();
-  for (int b = 0; b < 256; ++b) append_utf8(sym[b], map[b]);
-  return sym;
-}
 
 }  // namespace
 
@@ -229,7 +95,7 @@ Gpt2BpeTokenizer::Gpt2BpeTokenizer(const std::vector<std::pair<std::string, int3
     id_bytes_[id] = std::move(bytes);
   }
 
-  auto symbols = byte_symbols();
+  const auto& symbols = byte_level_symbols();
   for (int b = 0; b < 256; ++b) {
     auto it = token_to_id.find(symbols[b]);
     ORIGAMI_CHECK(it != token_to_id.end(), source, ": byte-level symbol '", symbols[b], "' (byte ", b,
@@ -246,9 +112,7 @@ Gpt2BpeTokenizer::Gpt2BpeTokenizer(const std::vector<std::pair<std::string, int3
     ORIGAMI_CHECK(ia != token_to_id.end() && ib != token_to_id.end() && iab != token_to_id.end(), source,
                   ": merge ", rank + 1, " '", a, " ", b, "' uses a token missing from the vocabulary ('",
                   ia == token_to_id.end() ? a : ib == token_to_id.end() ? b : ab, "')");
-    uint64_t key = (uint64_t(uint32_t(ia->second)) << 32) | uint32_t(ib->second);
-    // A repeated pair keeps its first (lowest) rank.
-    merges_.emplace(key, Merge{int32_t(rank), iab->second});
+    merges_.add(ia->second, ib->second, iab->second);
   }
 
   auto eod = token_to_id.find(kEndOfText);
@@ -295,76 +159,23 @@ std::unique_ptr<Gpt2BpeTokenizer> Gpt2BpeTokenizer::from_files(const std::string
   return std::make_unique<Gpt2BpeTokenizer>(vocab, merges, vocab_json_path + " + " + merges_txt_path);
 }
 
-// BPE of one pre-tokenized piece: start from its bytes' symbols and repeatedly apply the merge of
-// lowest rank, leftmost first on ties (Hugging Face's order), via a heap with lazy deletion.
+// BPE of one pre-tokenized piece: its bytes' symbols, merged by rank.
 void Gpt2BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
-  const int n = int(piece.size());
-  if (n == 1) {
-    out.push_back(byte_id_[(unsigned char)piece[0]]);
-    return;
-  }
-  struct Sym {
-    int32_t id, prev, next;
-    bool alive;
-  };
-  std::vector<Sym> sym(n);
-  for (int i = 0; i < n; ++i) sym[i] = {byte_id_[(unsigned char)piece[i]], i - 1, i + 1 < n ? i + 1 : -1, true};
-  struct Cand {
-    int32_t rank, pos;
-    bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
-  };
-  std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
-  auto find = [&](int32_t a, int32_t b) -> const Merge* {
-    auto it = merges_.find((uint64_t(uint32_t(a)) << 32) | uint32_t(b));
-    return it == merges_.end() ? nullptr : &it->second;
-  };
-  for (int i = 0; i + 1 < n; ++i)
-    if (const Merge* m = find(sym[i].id, sym[i + 1].id)) heap.push({m->rank, i});
-  while (!heap.empty()) {
-    Cand c = heap.top();
-    heap.pop();
-    Sym& s = sym[c.pos];
-    if (!s.alive || s.next < 0) continue;
-    const Merge* m = find(s.id, sym[s.next].id);
-    if (!m || m->rank != c.rank) continue;  // stale: a neighbour was merged since
-    Sym& right = sym[s.next];
-    right.alive = false;
-    s.id = m->id;
-    s.next = right.next;
-    if (s.next >= 0) sym[s.next].prev = c.pos;
-    if (s.prev >= 0)
-      if (const Merge* mp = find(sym[s.prev].id, s.id)) heap.push({mp->rank, s.prev});
-    if (s.next >= 0)
-      if (const Merge* mn = find(s.id, sym[s.next].id)) heap.push({mn->rank, c.pos});
-  }
-  for (int i = 0; i >= 0; i = sym[i].next) out.push_back(sym[i].id);
+  size_t begin = out.size();
+  for (char c : piece) out.push_back(byte_id_[(unsigned char)c]);
+  merges_.apply(out, begin);
 }
 
 void Gpt2BpeTokenizer::encode_text(std::string_view text, std::vector<int32_t>& out) const {
   for_each_gpt2_piece(text, [&](std::string_view piece) {
-    if (piece.size() == 1) {
-      out.push_back(byte_id_[(unsigned char)piece[0]]);
-      return;
-    }
-    if (piece.size() > 256) {  // long runs (ASCII art, whitespace) are rare: don't cache them
-      encode_piece(piece, out);
-      return;
-    }
-    auto it = cache_.find(piece);
-    if (it == cache_.end()) {
-      if (cache_.size() >= kMaxCache) cache_.clear();
-      std::vector<int32_t> ids;
-      encode_piece(piece, ids);
-      it = cache_.emplace(std::string(piece), std::move(ids)).first;
-    }
-    out.insert(out.end(), it->second.begin(), it->second.end());
+    if (piece.size() == 1) out.push_back(byte_id_[(unsigned char)piece[0]]);
+    else cache_.encode(piece, out, [&](std::string_view p, std::vector<int32_t>& o) { encode_piece(p, o); });
   });
 }
 
 std::vector<int32_t> Gpt2BpeTokenizer::encode(std::string_view text) const {
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 1);
-  std::lock_guard<std::mutex> lock(cache_mutex_);
   // Special token first: the text between literal "<|endoftext|>"s is encoded separately.
   for (size_t pos = 0;;) {
     size_t hit = text.find(kEndOfText, pos);
@@ -397,12 +208,46 @@ nlohmann::json Gpt2BpeTokenizer::to_json() const {
 // ---------------------------------------------------------------------------------------------
 // JSON form and files
 
-std::unique_ptr<Tokenizer> tokenizer_from_json(const nlohmann::json& j, const std::string& source) {
+std::string Tokenizer::decode_text(std::span<const int32_t> ids, bool skip_special) const {
+  if (!skip_special) return decode(ids);
+  std::vector<int32_t> kept;
+  for (int32_t id : ids)
+    if (id != eod()) kept.push_back(id);
+  return decode(kept);
+}
+
+namespace {
+
+// A plain Hugging Face tokenizer.json: no origami "type", a "model" object.
+bool is_plain_hf_file(const nlohmann::json& j) {
+  return j.is_object() && !j.contains("type") && j.contains("model") && j["model"].is_object();
+}
+
+std::unique_ptr<Tokenizer> from_json(const nlohmann::json& j, const std::string& source, const std::string& eod_token,
+                                     const std::string& config_dir) {
+  if (is_plain_hf_file(j)) {
+    std::string eod = eod_token.empty() ? HfTokenizer::default_eod_token(j, config_dir, source) : eod_token;
+    return std::make_unique<HfTokenizer>(j, eod, source);
+  }
   ORIGAMI_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), source,
-                ": a tokenizer must be a JSON object with a string \"type\" (\"byte\" or \"gpt2\")");
+                ": a tokenizer must be a JSON object with a string \"type\" (\"byte\", \"gpt2\" or "
+                "\"huggingface\") or a Hugging Face tokenizer.json (with a \"model\" object)");
   std::string type = j["type"].get<std::string>();
+  if (type == "huggingface") {
+    ORIGAMI_CHECK(j.contains("tokenizer") && j["tokenizer"].is_object(), source,
+                  ": a huggingface tokenizer needs \"tokenizer\": {the Hugging Face tokenizer.json}");
+    std::string eod = eod_token;
+    if (eod.empty()) {
+      ORIGAMI_CHECK(j.contains("eod_token") && j["eod_token"].is_string(), source,
+                    ": a huggingface tokenizer needs \"eod_token\": the text of its end-of-document token");
+      eod = j["eod_token"].get<std::string>();
+    }
+    return std::make_unique<HfTokenizer>(j["tokenizer"], eod, source);
+  }
+  ORIGAMI_CHECK(eod_token.empty(), source, ": --eod-token applies to Hugging Face tokenizer files only, not to a '",
+                type, "' tokenizer (its end-of-document token is fixed)");
   if (type == "byte") return std::make_unique<ByteTokenizer>();
-  ORIGAMI_CHECK(type == "gpt2", source, ": unknown tokenizer type '", type, "' (known: byte, gpt2)");
+  ORIGAMI_CHECK(type == "gpt2", source, ": unknown tokenizer type '", type, "' (known: byte, gpt2, huggingface)");
   ORIGAMI_CHECK(j.contains("vocab") && j["vocab"].is_object(), source,
                 ": a gpt2 tokenizer needs \"vocab\": {token: id, ...}");
   ORIGAMI_CHECK(j.contains("merges") && j["merges"].is_array(), source,
@@ -412,31 +257,55 @@ std::unique_ptr<Tokenizer> tokenizer_from_json(const nlohmann::json& j, const st
     ORIGAMI_CHECK(id.is_number_integer(), source, ": the id of token '", token, "' is not an integer");
     vocab.emplace_back(token, id.get<int32_t>());
   }
+  return std::make_unique<Gpt2BpeTokenizer>(vocab, parse_merges(j["merges"], source), source);
+}
+
+nlohmann::json parse_json_file(const std::string& path) {
+  try {
+    return nlohmann::json::parse(read_file_bytes(path));
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": not valid JSON (", e.what(), ")");
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> parse_merges(const nlohmann::json& merges_json,
+                                                              const std::string& source) {
   std::vector<std::pair<std::string, std::string>> merges;
-  for (const auto& m : j["merges"]) {
+  merges.reserve(merges_json.size());
+  for (const auto& m : merges_json) {
     // "a b" (merges.txt style) or ["a", "b"] (newer Hugging Face tokenizer.json style).
     if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
       merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
       continue;
     }
     ORIGAMI_CHECK(m.is_string(), source, ": merge ", merges.size() + 1, " must be \"a b\" or [\"a\", \"b\"]");
-    std::string s = m.get<std::string>();
+    const std::string& s = m.get_ref<const std::string&>();
     size_t sp = s.find(' ');
     ORIGAMI_CHECK(sp != std::string::npos && sp > 0 && sp + 1 < s.size() && s.find(' ', sp + 1) == std::string::npos,
                   source, ": merge ", merges.size() + 1, " '", s, "' must be two tokens separated by one space");
     merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
   }
-  return std::make_unique<Gpt2BpeTokenizer>(vocab, merges, source);
+  return merges;
 }
 
-std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file_bytes(path));
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON (", e.what(), ")");
-  }
-  return tokenizer_from_json(j, path);
+std::unique_ptr<Tokenizer> tokenizer_from_json(const nlohmann::json& j, const std::string& source,
+                                               const std::string& eod_token) {
+  return from_json(j, source, eod_token, "");
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const std::string& eod_token) {
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  return from_json(parse_json_file(path), path, eod_token, dir.empty() ? "." : dir);
+}
+
+std::string tokenizer_file_for_hf_export(const std::string& path) {
+  std::string bytes = read_file_bytes(path);
+  nlohmann::json j = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object() && j.contains("type") && j["type"] == "huggingface" && j.contains("tokenizer"))
+    return j["tokenizer"].dump(2) + "\n";
+  return bytes;
 }
 
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path) {

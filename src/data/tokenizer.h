@@ -5,16 +5,18 @@
 //                     `tokenizers` ByteLevel BPE `model.save()` writes, and what GPT-2 ships). Gives
 //                     the same ids as Hugging Face `tokenizers` (ByteLevel pre-tokenizer with
 //                     add_prefix_space=false, no normalizer) with `<|endoftext|>` as special token.
+//   HfTokenizer       a Hugging Face `tokenizers` file (the Hub's tokenizer.json) with a BPE model:
+//                     GPT-2, Llama-3/Qwen2 and Llama-2/Mixtral families (data/hf_tokenizer.h).
 //
-// A tokenizer has a self-contained JSON form, {"type":"byte"} or
-// {"type":"gpt2","vocab":{token:id,...},"merges":["a b",...]}. `origami data prepare` writes it as
+// A tokenizer has a self-contained JSON form, {"type":"byte"},
+// {"type":"gpt2","vocab":{token:id,...},"merges":["a b",...]} or
+// {"type":"huggingface","eod_token":"</s>","tokenizer":{the Hugging Face file}}. `origami data prepare` writes it as
 // PREFIX.tokenizer.json next to the dataset; training copies it into checkpoints so that
 // `origami generate` decodes with the tokenizer the data was made with.
 #pragma once
 #include <array>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23,6 +25,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "data/bpe.h"
 
 namespace origami {
 
@@ -33,9 +37,14 @@ class Tokenizer {
   // Bytes of the tokens, concatenated (may be invalid UTF-8 when a multi-byte character is cut).
   // An id outside [0, vocab_size()) or with no token is an Error naming it.
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
+  // The text of a whole sequence, as the tokenizer's own library decodes it: for a Hugging Face file
+  // its decoder (which may strip a leading space, or turn invalid UTF-8 into U+FFFD); skip_special
+  // drops special tokens (the library's skip_special_tokens). Default: decode(), eod dropped when
+  // skip_special.
+  virtual std::string decode_text(std::span<const int32_t> ids, bool skip_special = false) const;
   virtual int32_t vocab_size() const = 0;  // one past the largest id
   virtual int32_t eod() const = 0;         // end-of-document id, appended after each document
-  virtual std::string name() const = 0;    // "byte" or "gpt2", for messages
+  virtual std::string name() const = 0;    // "byte", "gpt2" or "huggingface-bpe", for messages
   virtual nlohmann::json to_json() const = 0;
 };
 
@@ -73,7 +82,7 @@ class Gpt2BpeTokenizer final : public Tokenizer {
                                                       const std::string& merges_txt_path);
 
   // Literal "<|endoftext|>" in the text becomes eod (as Hugging Face does for a special token);
-  // everything else is pre-tokenized and BPE-merged by rank. Thread-safe (the word cache is locked).
+  // everything else is pre-tokenized and BPE-merged by rank. Thread-safe (the word cache is per thread).
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(std::span<const int32_t> ids) const override;
   int32_t vocab_size() const override { return int32_t(id_bytes_.size()); }
@@ -83,13 +92,6 @@ class Gpt2BpeTokenizer final : public Tokenizer {
   int64_t num_merges() const { return int64_t(merge_list_.size()); }
 
  private:
-  struct Merge {
-    int32_t rank, id;
-  };
-  struct StringHash {
-    using is_transparent = void;
-    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
   void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;  // no cache
   void encode_text(std::string_view text, std::vector<int32_t>& out) const;    // pre-tokenize + cache
 
@@ -98,18 +100,27 @@ class Gpt2BpeTokenizer final : public Tokenizer {
   std::vector<std::string> id_bytes_;                               // id -> decoded bytes
   std::vector<bool> id_valid_;                                      // ids that have a token
   std::array<int32_t, 256> byte_id_{};                              // byte -> id of its symbol
-  std::unordered_map<uint64_t, Merge> merges_;                      // (left id << 32 | right id)
+  BpeMerges merges_;
   int32_t eod_ = -1;
-  // Encoded pieces, keyed by their bytes. Cleared when it grows past kMaxCache entries.
-  static constexpr size_t kMaxCache = 1 << 20;
-  mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> cache_;
+  PieceCache cache_;  // encoded pieces, per thread
 };
 
-// Builds a tokenizer from its JSON form; `source` names it in error messages.
+// BPE merges given as "a b" strings or ["a", "b"] pairs; `source` names them in error messages.
+std::vector<std::pair<std::string, std::string>> parse_merges(const nlohmann::json& merges_json,
+                                                              const std::string& source);
+
+// Builds a tokenizer from its JSON form (or from a plain Hugging Face tokenizer.json: no "type",
+// a "model" object); `source` names it in error messages. A non-empty eod_token chooses the
+// end-of-document token of a Hugging Face tokenizer (an Error for the other types).
 std::unique_ptr<Tokenizer> tokenizer_from_json(const nlohmann::json& j,
-                                               const std::string& source = "tokenizer JSON");
-std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path);
+                                               const std::string& source = "tokenizer JSON",
+                                               const std::string& eod_token = "");
+// As tokenizer_from_json; for a plain Hugging Face file the default end-of-document token may
+// come from a tokenizer_config.json beside it (see HfTokenizer::default_eod_token).
+std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const std::string& eod_token = "");
+// The tokenizer.json to put into a Hugging Face model export: a huggingface tokenizer file's inner
+// Hugging Face file (what `transformers` loads), any other tokenizer file as it is.
+std::string tokenizer_file_for_hf_export(const std::string& path);
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic
 
 }  // namespace origami

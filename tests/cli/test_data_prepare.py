@@ -14,14 +14,15 @@ Run by ctest with ORIGAMI_BIN (build/origami); exits non-zero on the first faile
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import time
 
 from tokenizers import ByteLevelBPETokenizer
 
-ORIGAMI = os.environ.get("ORIGAMI_BIN", os.path.join(os.path.dirname(__file__), "../../build/origami"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_util import check, fail, run  # noqa: E402
+
 FORTUNES = "/usr/share/games/fortunes"
 EOT = "<|endoftext|>"
 
@@ -41,23 +42,6 @@ TRICKY_DOCS = [
     "has a literal " + EOT + " inside and " + EOT + EOT + " twice\n",
     "   leading spaces\n        deep indent\n\tand tab",
 ]
-
-
-def fail(msg):
-    print("FAIL:", msg)
-    sys.exit(1)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
-
-
-def run(*args, expect_ok=True):
-    p = subprocess.run([ORIGAMI, *args], capture_output=True, text=True)
-    if expect_ok and p.returncode != 0:
-        fail(f"origami {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 def split_fortune(text):

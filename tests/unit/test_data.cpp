@@ -14,6 +14,7 @@
 #include "core/files.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
+#include "data/hf_tokenizer.h"
 #include "data/tokenizer.h"
 
 using namespace origami;
@@ -187,6 +188,126 @@ TEST(DataTokenizerFile, SaveLoadAndErrors) {
   write_bytes(dir / "vocab.json", tok.to_json()["vocab"].dump());
   expect_error([&] { Gpt2BpeTokenizer::from_files(dir / "vocab.json", dir / "merges.txt"); },
                {dir / "merges.txt" + ":3", "two tokens"});
+}
+
+namespace {
+// A tiny Llama-2 style Hugging Face file: <unk> <s> </s>, the 256 <0xNN> tokens, then ▁ h i ▁h ▁hi.
+nlohmann::json tiny_llama2_json() {
+  nlohmann::json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    vocab[name] = 3 + b;
+  }
+  vocab["\u2581"] = 259;
+  vocab["h"] = 260;
+  vocab["i"] = 261;
+  vocab["\u2581h"] = 262;
+  vocab["\u2581hi"] = 263;
+  nlohmann::json added = nlohmann::json::array();
+  for (auto [t, id] : {std::pair{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}})
+    added.push_back({{"id", id}, {"content", t}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
+                     {"normalized", false}, {"special", true}});
+  return {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", added},
+      {"normalizer",
+       {{"type", "Sequence"},
+        {"normalizers",
+         {{{"type", "Prepend"}, {"prepend", "\u2581"}},
+          {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}}}}}},
+      {"pre_tokenizer", nullptr},
+      {"post_processor",
+       {{"type", "TemplateProcessing"},
+        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
+      {"decoder",
+       {{"type", "Sequence"},
+        {"decoders",
+         {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+          {{"type", "ByteFallback"}},
+          {{"type", "Fuse"}},
+          {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", "<unk>"},
+        {"fuse_unk", true},
+        {"byte_fallback", true},
+        {"vocab", vocab},
+        {"merges", {"\u2581 h", nlohmann::json::array({"\u2581h", "i"})}}}}};
+}
+}  // namespace
+
+TEST(DataHfTokenizer, SentencePieceStyleEncodesAndDecodes) {
+  auto tok = tokenizer_from_json(tiny_llama2_json(), "tiny.json");
+  EXPECT_EQ(tok->name(), "huggingface-bpe");
+  EXPECT_EQ(tok->vocab_size(), 264);
+  EXPECT_EQ(tok->eod(), 2);  // </s>: the default when no tokenizer_config.json says otherwise
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(tok->encode("hi hi"), (V{1, 263, 263}));                    // <s> ▁hi ▁hi
+  EXPECT_EQ(tok->encode("h\xc3\xa9"), (V{1, 262, 3 + 0xC3, 3 + 0xA9}));  // é by byte fallback
+  // A special token splits the text; each side is normalized on its own (so gets its own ▁).
+  EXPECT_EQ(tok->encode("hi</s>hi"), (V{1, 263, 2, 263}));
+  // decode_text is the library's decode: the fused text, its first space stripped.
+  EXPECT_EQ(tok->decode_text(tok->encode("hi h\xc3\xa9")), "<s> hi h\xc3\xa9");
+  EXPECT_EQ(tok->decode_text(tok->encode("hi h\xc3\xa9"), /*skip_special=*/true), "hi h\xc3\xa9");
+  EXPECT_EQ(tok->decode_text(V{262, 3 + 0xC3}), "h\xef\xbf\xbd");  // a cut character: U+FFFD
+  // decode is per token and concatenates (what generate prints token by token).
+  V ids = tok->encode("hi hi h\xc3\xa9");
+  std::string streamed;
+  for (int32_t id : ids) streamed += tok->decode(V{id});
+  EXPECT_EQ(streamed, tok->decode(ids));
+  EXPECT_EQ(streamed, "<s> hi hi h\xc3\xa9");
+  // The JSON form holds the file and the eod choice.
+  auto again = tokenizer_from_json(tok->to_json());
+  EXPECT_EQ(again->encode("hi hih"), tok->encode("hi hih"));
+  EXPECT_EQ(tok->to_json()["eod_token"], "</s>");
+  EXPECT_EQ(tokenizer_from_json(tiny_llama2_json(), "tiny.json", "<s>")->eod(), 1);
+  expect_error([&] { tok->decode(V{999}); }, {"999", "not in the vocabulary"});
+}
+
+TEST(DataHfTokenizer, FilesAndErrors) {
+  TempDir dir;
+  auto j = tiny_llama2_json();
+  write_file_atomically(dir / "tokenizer.json", j.dump());
+  // A tokenizer_config.json beside a plain file names the eod token.
+  write_file_atomically(dir / "tokenizer_config.json", R"({"eos_token": "<s>"})");
+  EXPECT_EQ(load_tokenizer_file(dir / "tokenizer.json")->eod(), 1);
+  EXPECT_EQ(load_tokenizer_file(dir / "tokenizer.json", "<unk>")->eod(), 0);
+  // The export of a huggingface tokenizer file is the inner Hugging Face file.
+  save_tokenizer_file(*load_tokenizer_file(dir / "tokenizer.json"), dir / "saved.json");
+  EXPECT_EQ(nlohmann::json::parse(tokenizer_file_for_hf_export(dir / "saved.json")), j);
+  EXPECT_EQ(load_tokenizer_file(dir / "saved.json")->eod(), 1);
+  auto bad = j;
+  bad["model"]["type"] = "WordPiece";
+  expect_error([&] { tokenizer_from_json(bad, "t.json"); }, {"t.json", "model type 'WordPiece'"});
+  bad = j;
+  bad["normalizer"] = {{"type", "Lowercase"}};
+  expect_error([&] { tokenizer_from_json(bad, "t.json"); }, {"t.json", "normalizer 'Lowercase'"});
+  bad = j;
+  bad["model"]["end_of_word_suffix"] = "</w>";
+  expect_error([&] { tokenizer_from_json(bad, "t.json"); }, {"t.json", "end_of_word_suffix"});
+  bad = j;
+  bad["added_tokens"].erase(2);
+  bad["model"]["vocab"].erase("</s>");
+  expect_error([&] { tokenizer_from_json(bad, "t.json"); }, {"t.json", "--eod-token"});
+  expect_error([&] { tokenizer_from_json(j, "t.json", "<none>"); }, {"t.json", "'<none>'"});
+  expect_error([&] { tokenizer_from_json(ByteTokenizer().to_json(), "b.json", "</s>"); }, {"b.json", "--eod-token"});
+}
+
+TEST(DataGpt2Bpe, EncodesOnManyThreads) {
+  // Each thread has its own piece cache: results equal the single-threaded ones.
+  auto tok = tiny_bpe({{"l", "l"}, {"h", "e"}, {"he", "ll"}, {"hell", "o"}, {"\xc4\xa0", "w"}});
+  std::vector<std::string> texts;
+  for (int i = 0; i < 200; ++i) texts.push_back("hello world " + std::to_string(i * 7919) + " hellhole wow");
+  std::vector<std::vector<int32_t>> serial, parallel(texts.size());
+  for (const auto& t : texts) serial.push_back(tok.encode(t));
+#pragma omp parallel for num_threads(4)
+  for (size_t i = 0; i < texts.size(); ++i) parallel[i] = tok.encode(texts[i]);
+  EXPECT_EQ(parallel, serial);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,1005 @@
+#include "data/hf_tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <unicode/bytestream.h>
+#include <unicode/normalizer2.h>
+#include <unicode/uchar.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/files.h"
+
+namespace origami {
+
+using nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// PCRE2 patterns. The library uses Oniguruma, whose \s is Unicode White_Space; PCRE2's (with UCP)
+// also takes U+180E, so \s is spelled out.
+
+namespace {
+constexpr const char* kWhiteSpace =
+    "\\t\\n\\x{0B}\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
+
+std::string onig_to_pcre2(const std::string& p) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      char e = p[i + 1];
+      ++i;
+      if (e == 's') out += in_class ? std::string(kWhiteSpace) : "[" + std::string(kWhiteSpace) + "]";
+      else if (e == 'S' && !in_class) out += "[^" + std::string(kWhiteSpace) + "]";
+      else out += {c, e};
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      if (i + 1 < p.size() && p[i + 1] == '^') out += p[++i];
+      if (i + 1 < p.size() && p[i + 1] == ']') out += p[++i];  // a literal ']' first in the class
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
+// Per-thread PCRE2 match data and JIT stack.
+struct MatchState {
+  pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
+  pcre2_match_context* context = pcre2_match_context_create(nullptr);
+  pcre2_jit_stack* stack = pcre2_jit_stack_create(32 * 1024, 4 * 1024 * 1024, nullptr);
+  MatchState() { pcre2_jit_stack_assign(context, nullptr, stack); }
+  ~MatchState() {
+    pcre2_jit_stack_free(stack);
+    pcre2_match_context_free(context);
+    pcre2_match_data_free(data);
+  }
+};
+}  // namespace
+
+class HfRegex {
+ public:
+  HfRegex(const std::string& pattern, bool literal, const std::string& what) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    std::string p = literal ? pattern : onig_to_pcre2(pattern);
+    uint32_t opts = PCRE2_UTF | PCRE2_MATCH_INVALID_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(p.data()), p.size(), opts, &err, &off, nullptr);
+    if (!code_) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof msg);
+      fail(what, ": the regex '", pattern, "' does not compile (PCRE2: ", reinterpret_cast<char*>(msg), " at offset ",
+           off, ")");
+    }
+    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // without JIT (unsupported CPU) it still matches
+  }
+  ~HfRegex() { pcre2_code_free(code_); }
+  HfRegex(const HfRegex&) = delete;
+  HfRegex& operator=(const HfRegex&) = delete;
+
+  // Calls f(start, end) for each match, left to right, not overlapping (an empty match advances
+  // one character).
+  template <typename F>
+  void for_each_match(std::string_view text, F&& f) const {
+    thread_local MatchState st;
+    PCRE2_SIZE pos = 0;
+    const auto* s = reinterpret_cast<PCRE2_SPTR>(text.data());
+    while (pos <= text.size()) {
+      int rc = pcre2_match(code_, s, text.size(), pos, 0, st.data, st.context);
+      if (rc == PCRE2_ERROR_NOMATCH) return;
+      ORIGAMI_CHECK(rc >= 0, "regex match failed (PCRE2 error ", rc, ")");
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.data);
+      f(size_t(ov[0]), size_t(ov[1]));
+      if (ov[1] > ov[0]) {
+        pos = ov[1];
+      } else {
+        if (ov[1] >= text.size()) return;
+        char32_t cp;
+        pos = ov[1] + size_t(next_code_point(text, ov[1], cp));
+      }
+    }
+  }
+
+ private:
+  pcre2_code* code_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Components
+
+struct HfTokenizer::NormStep {
+  enum Kind { unicode, prepend, replace } kind;
+  const icu::Normalizer2* form = nullptr;  // unicode
+  std::string a, b;                        // prepend: a; replace: a -> b
+};
+
+enum class SplitBehavior { removed, isolated, merged_with_previous, merged_with_next, contiguous };
+
+struct HfTokenizer::PreStep {
+  enum Kind { split, byte_level, metaspace } kind;
+  std::shared_ptr<HfRegex> regex;  // split
+  SplitBehavior behavior = SplitBehavior::isolated;
+  bool invert = false;
+  bool add_prefix_space = false, use_regex = true;  // byte_level
+  std::string replacement;                          // metaspace
+  enum Prepend { always, first, never } prepend = always;
+  bool split_on_replacement = true;
+};
+
+struct HfTokenizer::DecStep {
+  enum Kind { byte_level, replace, byte_fallback, fuse, strip, metaspace } kind;
+  std::string a, b;  // replace: a -> b; strip: a = the character; metaspace: a = replacement
+  int start = 0, stop = 0;
+  bool prepend = true;  // metaspace: the first token's replacement characters are dropped
+};
+
+namespace {
+
+std::string type_of(const json& j, const std::string& what, const std::string& source) {
+  ORIGAMI_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), source, ": ", what,
+                " must be an object with a string \"type\"");
+  return j["type"].get<std::string>();
+}
+
+bool flag(const json& j, const char* key, bool dflt) {
+  if (!j.contains(key) || j[key].is_null()) return dflt;
+  return j[key].get<bool>();
+}
+
+std::string str_or_empty(const json& j, const char* key) {
+  if (!j.contains(key) || j[key].is_null()) return "";
+  return j[key].get<std::string>();
+}
+
+// A Split/Replace "pattern": {"String": s} or {"Regex": r}.
+std::pair<std::string, bool> pattern_of(const json& j, const std::string& what, const std::string& source) {
+  ORIGAMI_CHECK(j.contains("pattern") && j["pattern"].is_object() && j["pattern"].size() == 1, source, ": ", what,
+                " needs \"pattern\": {\"String\": ...} or {\"Regex\": ...}");
+  const auto& p = j["pattern"];
+  if (p.contains("String")) return {p["String"].get<std::string>(), true};
+  ORIGAMI_CHECK(p.contains("Regex"), source, ": ", what, " pattern kind '", p.begin().key(),
+                "' is not supported (String or Regex)");
+  return {p["Regex"].get<std::string>(), false};
+}
+
+// The first code point of s as a UTF-8 string (Strip's and Metaspace's "character" fields).
+std::string one_char(const json& j, const char* key, const std::string& what, const std::string& source) {
+  ORIGAMI_CHECK(j.contains(key) && j[key].is_string(), source, ": ", what, " needs a string \"", key, "\"");
+  std::string s = j[key].get<std::string>();
+  char32_t cp;
+  ORIGAMI_CHECK(!s.empty() && size_t(next_code_point(s, 0, cp)) == s.size(), source, ": ", what, " \"", key,
+                "\" must be one character, got '", s, "'");
+  return s;
+}
+
+void replace_all(std::string& s, std::string_view from, std::string_view to) {
+  if (from.empty() || s.find(from) == std::string::npos) return;
+  std::string out;
+  out.reserve(s.size() + s.size() / 4);
+  size_t pos = 0;
+  for (size_t hit; (hit = s.find(from, pos)) != std::string::npos; pos = hit + from.size()) {
+    out.append(s, pos, hit - pos);
+    out += to;
+  }
+  out.append(s, pos, std::string::npos);
+  s = std::move(out);
+}
+
+bool is_ascii(std::string_view s) {
+  for (char c : s)
+    if ((unsigned char)c >= 0x80) return false;
+  return true;
+}
+
+// The library's word and space characters for added tokens' flags: Rust regex's Unicode \w
+// ([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}]) and \s (White_Space).
+bool is_word_char(char32_t c) {
+  if (u_isUAlphabetic(UChar32(c)) || c == 0x200C || c == 0x200D) return true;
+  auto t = u_charType(UChar32(c));
+  return t == U_NON_SPACING_MARK || t == U_COMBINING_SPACING_MARK || t == U_ENCLOSING_MARK ||
+         t == U_DECIMAL_DIGIT_NUMBER || t == U_CONNECTOR_PUNCTUATION;
+}
+bool is_whitespace(char32_t c) { return u_isUWhiteSpace(UChar32(c)); }
+
+char32_t last_char(std::string_view s) {
+  size_t i = s.size() - 1;
+  while (i > 0 && ((unsigned char)s[i] & 0xC0) == 0x80) --i;
+  char32_t cp;
+  next_code_point(s, i, cp);
+  return cp;
+}
+
+const std::vector<std::string> kDefaultEodTokens = {"<|endoftext|>", "<|end_of_text|>", "</s>"};
+
+bool is_added_token(const json& hf, const std::string& token) {
+  if (hf.contains("added_tokens") && hf["added_tokens"].is_array())
+    for (const auto& t : hf["added_tokens"])
+      if (t.is_object() && t.contains("content") && t["content"] == token) return true;
+  return false;
+}
+
+bool file_has_token(const json& hf, const std::string& token) {
+  return is_added_token(hf, token) || (hf.contains("model") && hf["model"].contains("vocab") &&
+                                       hf["model"]["vocab"].is_object() && hf["model"]["vocab"].contains(token));
+}
+
+}  // namespace
+
+std::string HfTokenizer::default_eod_token(const json& hf, const std::string& config_dir, const std::string& source) {
+  if (!config_dir.empty()) {
+    std::filesystem::path cfg = std::filesystem::path(config_dir) / "tokenizer_config.json";
+    if (std::filesystem::is_regular_file(cfg)) {
+      json c;
+      try {
+        c = json::parse(read_file_bytes(cfg.string()));
+      } catch (const json::exception& e) {
+        fail(cfg.string(), ": not valid JSON (", e.what(), ")");
+      }
+      std::string eos;
+      if (c.contains("eos_token") && c["eos_token"].is_string()) eos = c["eos_token"].get<std::string>();
+      else if (c.contains("eos_token") && c["eos_token"].is_object() && c["eos_token"].contains("content"))
+        eos = c["eos_token"]["content"].get<std::string>();
+      if (!eos.empty()) {
+        ORIGAMI_CHECK(file_has_token(hf, eos), cfg.string(), ": eos_token '", eos, "' is not a token of ", source,
+                      "; pass --eod-token TEXT");
+        return eos;
+      }
+    }
+  }
+  // An added (special) token first: a learned token that happens to spell one is ordinary text.
+  for (const auto& t : kDefaultEodTokens)
+    if (is_added_token(hf, t)) return t;
+  for (const auto& t : kDefaultEodTokens)
+    if (file_has_token(hf, t)) return t;
+  fail(source, ": cannot choose the end-of-document token: no eos_token in a tokenizer_config.json beside it, and "
+       "none of <|endoftext|>, <|end_of_text|>, </s> is a token of it; pass --eod-token TEXT");
+}
+
+HfTokenizer::~HfTokenizer() = default;
+
+HfTokenizer::HfTokenizer(const json& hf, const std::string& eod_token, const std::string& source)
+    : hf_(hf), eod_token_(eod_token) {
+  try {
+    ORIGAMI_CHECK(hf.is_object() && hf.contains("model") && hf["model"].is_object(), source,
+                  ": not a Hugging Face tokenizer file (no \"model\" object)");
+    for (const char* key : {"truncation", "padding"})
+      ORIGAMI_CHECK(!hf.contains(key) || hf[key].is_null(), source, ": \"", key,
+                    "\" is set; origami encodes whole documents (set it to null)");
+
+    // ---- model: BPE
+    const json& m = hf["model"];
+    std::string mtype = m.contains("type") ? m["type"].get<std::string>() : "BPE";
+    ORIGAMI_CHECK(mtype == "BPE", source, ": model type '", mtype,
+                  "' is not supported (origami reads BPE models, not WordPiece, Unigram or WordLevel)");
+    ORIGAMI_CHECK(!m.contains("dropout") || m["dropout"].is_null() || m["dropout"].get<double>() == 0.0, source,
+                  ": BPE dropout ", m.contains("dropout") ? m["dropout"].dump() : "", " is not supported (null or 0)");
+    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+      ORIGAMI_CHECK(str_or_empty(m, key).empty(), source, ": BPE option ", key, " '", str_or_empty(m, key),
+                    "' is not supported (null)");
+    ORIGAMI_CHECK(m.contains("vocab") && m["vocab"].is_object(), source, ": the BPE model needs \"vocab\": {token: id}");
+    ORIGAMI_CHECK(m.contains("merges") && m["merges"].is_array(), source, ": the BPE model needs \"merges\"");
+    byte_fallback_ = flag(m, "byte_fallback", false);
+    fuse_unk_ = flag(m, "fuse_unk", false);
+    ignore_merges_ = flag(m, "ignore_merges", false);
+    int32_t max_id = -1;
+    vocab_.reserve(m["vocab"].size());
+    for (auto& [token, id] : m["vocab"].items()) {
+      ORIGAMI_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < (1 << 28), source,
+                    ": the id of token '", token, "' must be an integer in [0, 2^28)");
+      vocab_.emplace(token, id.get<int32_t>());
+      max_id = std::max(max_id, id.get<int32_t>());
+    }
+    auto merges = parse_merges(m["merges"], source);
+    merges_.reserve(merges.size() * 2);
+    for (size_t rank = 0; rank < merges.size(); ++rank) {
+      const auto& [a, b] = merges[rank];
+      auto ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(a + b);
+      ORIGAMI_CHECK(ia != vocab_.end() && ib != vocab_.end() && iab != vocab_.end(), source, ": merge ", rank + 1,
+                    " '", a, " ", b, "' uses a token missing from the vocabulary ('",
+                    ia == vocab_.end() ? a : ib == vocab_.end() ? b : a + b, "')");
+      merges_.add(ia->second, ib->second, iab->second);
+    }
+    if (std::string unk = str_or_empty(m, "unk_token"); !unk.empty()) {
+      auto it = vocab_.find(unk);
+      ORIGAMI_CHECK(it != vocab_.end(), source, ": BPE unk_token '", unk, "' is not in the vocabulary");
+      unk_id_ = it->second;
+    }
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof name, "<0x%02X>", b);
+      auto it = vocab_.find(std::string_view(name));
+      byte_fallback_id_[b] = it == vocab_.end() ? -1 : it->second;
+    }
+
+    // ---- added tokens
+    if (hf.contains("added_tokens") && !hf["added_tokens"].is_null()) {
+      ORIGAMI_CHECK(hf["added_tokens"].is_array(), source, ": \"added_tokens\" must be an array");
+      for (const auto& t : hf["added_tokens"]) {
+        ORIGAMI_CHECK(t.is_object() && t.contains("id") && t["id"].is_number_integer() && t.contains("content") &&
+                          t["content"].is_string() && t["id"].get<int64_t>() >= 0 && t["id"].get<int64_t>() < (1 << 28),
+                      source, ": an added token needs an integer \"id\" in [0, 2^28) and a string \"content\"");
+        added_.push_back({t["content"].get<std::string>(), t["id"].get<int32_t>(), flag(t, "single_word", false),
+                          flag(t, "lstrip", false), flag(t, "rstrip", false), flag(t, "normalized", true),
+                          flag(t, "special", false)});
+        max_id = std::max(max_id, added_.back().id);
+      }
+    }
+    ORIGAMI_CHECK(max_id >= 0, source, ": the vocabulary is empty");
+
+    // ---- normalizer
+    std::vector<const json*> stack;
+    auto flatten = [&](const json& j, const char* what, auto&& self) -> void {
+      if (j.is_null()) return;
+      if (type_of(j, what, source) == "Sequence") {
+        const char* key = j.contains("normalizers") ? "normalizers"
+                          : j.contains("pretokenizers") ? "pretokenizers"
+                          : j.contains("decoders") ? "decoders" : "processors";
+        ORIGAMI_CHECK(j.contains(key) && j[key].is_array(), source, ": a ", what, " Sequence needs \"", key, "\"");
+        for (const auto& x : j[key]) self(x, what, self);
+        return;
+      }
+      stack.push_back(&j);
+    };
+    if (hf.contains("normalizer")) flatten(hf["normalizer"], "normalizer", flatten);
+    for (const json* jp : stack) {
+      const json& j = *jp;
+      std::string type = j["type"].get<std::string>();
+      UErrorCode status = U_ZERO_ERROR;
+      if (type == "NFC") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFCInstance(status), "", ""});
+      else if (type == "NFD") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFDInstance(status), "", ""});
+      else if (type == "NFKC") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFKCInstance(status), "", ""});
+      else if (type == "NFKD") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFKDInstance(status), "", ""});
+      else if (type == "Prepend") {
+        ORIGAMI_CHECK(j.contains("prepend") && j["prepend"].is_string(), source, ": normalizer Prepend needs \"prepend\"");
+        norm_.push_back({NormStep::prepend, nullptr, j["prepend"].get<std::string>(), ""});
+      } else if (type == "Replace") {
+        auto [pat, literal] = pattern_of(j, "normalizer Replace", source);
+        ORIGAMI_CHECK(literal, source, ": normalizer Replace with a Regex pattern is not supported (String only)");
+        norm_.push_back({NormStep::replace, nullptr, pat, j.value("content", std::string())});
+      } else {
+        fail(source, ": normalizer '", type,
+             "' is not supported (origami implements NFC, NFD, NFKC, NFKD, Prepend, Replace, Sequence)");
+      }
+      ORIGAMI_CHECK(U_SUCCESS(status), source, ": ICU has no ", type, " normalizer (", u_errorName(status), ")");
+    }
+
+    // ---- pre-tokenizer
+    stack.clear();
+    if (hf.contains("pre_tokenizer")) flatten(hf["pre_tokenizer"], "pre_tokenizer", flatten);
+    for (size_t k = 0; k < stack.size(); ++k) {
+      const json& j = *stack[k];
+      std::string type = j["type"].get<std::string>();
+      PreStep p{};
+      if (type == "Split") {
+        p.kind = PreStep::split;
+        auto [pat, literal] = pattern_of(j, "pre_tokenizer Split", source);
+        p.regex = std::make_shared<HfRegex>(pat, literal, source + ": pre_tokenizer Split");
+        std::string b = j.value("behavior", std::string("Isolated"));
+        if (b == "Removed") p.behavior = SplitBehavior::removed;
+        else if (b == "Isolated") p.behavior = SplitBehavior::isolated;
+        else if (b == "MergedWithPrevious") p.behavior = SplitBehavior::merged_with_previous;
+        else if (b == "MergedWithNext") p.behavior = SplitBehavior::merged_with_next;
+        else if (b == "Contiguous") p.behavior = SplitBehavior::contiguous;
+        else fail(source, ": pre_tokenizer Split behavior '", b, "' is not known");
+        p.invert = flag(j, "invert", false);
+      } else if (type == "ByteLevel") {
+        ORIGAMI_CHECK(k + 1 == stack.size(), source,
+                      ": a ByteLevel pre_tokenizer followed by other pre-tokenizers is not supported (it must be last)");
+        p.kind = PreStep::byte_level;
+        p.add_prefix_space = flag(j, "add_prefix_space", false);
+        p.use_regex = flag(j, "use_regex", true);
+        byte_level_ = true;
+      } else if (type == "Metaspace") {
+        p.kind = PreStep::metaspace;
+        p.replacement = one_char(j, "replacement", "pre_tokenizer Metaspace", source);
+        std::string scheme = str_or_empty(j, "prepend_scheme");
+        if (scheme.empty()) scheme = flag(j, "add_prefix_space", true) ? "always" : "never";
+        if (scheme == "always") p.prepend = PreStep::always;
+        else if (scheme == "first") p.prepend = PreStep::first;
+        else if (scheme == "never") p.prepend = PreStep::never;
+        else fail(source, ": pre_tokenizer Metaspace prepend_scheme '", scheme, "' is not known");
+        p.split_on_replacement = flag(j, "split", true);
+        p.regex = std::make_shared<HfRegex>(p.replacement, true, source + ": pre_tokenizer Metaspace");
+      } else {
+        fail(source, ": pre_tokenizer '", type,
+             "' is not supported (origami implements Split, ByteLevel, Metaspace, Sequence)");
+      }
+      pre_.push_back(std::move(p));
+    }
+
+    // ---- model symbols: byte-level (each byte's symbol) or characters (ASCII table)
+    for (int b = 0; b < 256; ++b) {
+      std::string key = byte_level_ ? byte_level_symbols()[b] : b < 128 ? std::string(1, char(b)) : std::string();
+      auto it = key.empty() ? vocab_.end() : vocab_.find(key);
+      unit_id_[b] = it == vocab_.end() ? -1 : it->second;
+    }
+    // Words may be cut before a "▁" that follows another character when no token holds such a pair:
+    // then no merge can cross the cut and BPE of the parts equals BPE of the word (SentencePiece-
+    // style files, whose normalizer makes a whole text one word).
+    if (!byte_level_ && !ignore_merges_ && vocab_.count("\u2581")) {
+      bool safe = true;
+      for (const auto& [token, id] : vocab_) {
+        for (size_t p = token.find("\u2581", 1); p != std::string::npos && safe; p = token.find("\u2581", p + 1))
+          if (last_char(std::string_view(token).substr(0, p)) != U'\u2581') safe = false;
+        if (!safe) break;
+      }
+      if (safe) safe_split_ = "\u2581";
+    }
+
+    // ---- id tables (model vocabulary, then added tokens, which take precedence)
+    id_token_.assign(size_t(max_id) + 1, {});
+    id_valid_.assign(size_t(max_id) + 1, false);
+    id_special_.assign(size_t(max_id) + 1, false);
+    for (const auto& [token, id] : vocab_) {
+      ORIGAMI_CHECK(!id_valid_[id], source, ": id ", id, " is given to two tokens ('", id_token_[id], "' and '", token,
+                    "')");
+      id_token_[id] = token;
+      id_valid_[id] = true;
+    }
+    for (const auto& t : added_) {
+      id_token_[t.id] = t.content;
+      id_valid_[t.id] = true;
+      id_special_[t.id] = t.special;
+    }
+    build_matcher(raw_matcher_, false);
+    build_matcher(normalized_matcher_, true);
+
+    // ---- post-processor: the ids around a single sequence
+    stack.clear();
+    if (hf.contains("post_processor")) flatten(hf["post_processor"], "post_processor", flatten);
+    auto special_id = [&](const json& pair, const char* what) {
+      ORIGAMI_CHECK(pair.is_array() && pair.size() == 2 && pair[1].is_number_integer(), source, ": post_processor ",
+                    what, " must be [token, id]");
+      return pair[1].get<int32_t>();
+    };
+    for (const json* jp : stack) {
+      const json& j = *jp;
+      std::string type = j["type"].get<std::string>();
+      std::vector<int32_t> pre, post;
+      if (type == "ByteLevel") {
+        continue;  // offsets only
+      } else if (type == "RobertaProcessing" || type == "BertProcessing") {
+        ORIGAMI_CHECK(j.contains("cls") && j.contains("sep"), source, ": post_processor ", type, " needs cls and sep");
+        pre = {special_id(j["cls"], "cls")};
+        post = {special_id(j["sep"], "sep")};
+      } else if (type == "TemplateProcessing") {
+        ORIGAMI_CHECK(j.contains("single") && j["single"].is_array(), source,
+                      ": post_processor TemplateProcessing needs a \"single\" template");
+        bool seen_a = false;
+        for (const auto& piece : j["single"]) {
+          if (piece.contains("Sequence")) {
+            ORIGAMI_CHECK(!seen_a && piece["Sequence"].value("id", std::string()) == "A", source,
+                          ": post_processor TemplateProcessing: the single template must hold $A once, got ",
+                          j["single"].dump());
+            seen_a = true;
+            continue;
+          }
+          ORIGAMI_CHECK(piece.contains("SpecialToken"), source,
+                        ": post_processor TemplateProcessing: unknown template piece ", piece.dump());
+          std::string name = piece["SpecialToken"].value("id", std::string());
+          ORIGAMI_CHECK(j.contains("special_tokens") && j["special_tokens"].contains(name), source,
+                        ": post_processor TemplateProcessing: special token '", name, "' is not in special_tokens");
+          for (const auto& id : j["special_tokens"][name]["ids"]) (seen_a ? post : pre).push_back(id.get<int32_t>());
+        }
+        ORIGAMI_CHECK(seen_a, source, ": post_processor TemplateProcessing: the single template has no $A");
+      } else {
+        fail(source, ": post_processor '", type,
+             "' is not supported (origami implements TemplateProcessing, RobertaProcessing, BertProcessing, "
+             "ByteLevel, Sequence)");
+      }
+      // A later processor wraps the result of the earlier ones.
+      prefix_ids_.insert(prefix_ids_.begin(), pre.begin(), pre.end());
+      suffix_ids_.insert(suffix_ids_.end(), post.begin(), post.end());
+    }
+    for (int32_t id : prefix_ids_)
+      ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], source, ": post_processor token id ", id,
+                    " is not in the vocabulary");
+    for (int32_t id : suffix_ids_)
+      ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], source, ": post_processor token id ", id,
+                    " is not in the vocabulary");
+
+    // ---- decoder
+    stack.clear();
+    if (hf.contains("decoder")) flatten(hf["decoder"], "decoder", flatten);
+    has_decoder_ = hf.contains("decoder") && !hf["decoder"].is_null();
+    for (const json* jp : stack) {
+      const json& j = *jp;
+      std::string type = j["type"].get<std::string>();
+      DecStep d{};
+      if (type == "ByteLevel") d.kind = DecStep::byte_level;
+      else if (type == "ByteFallback") d.kind = DecStep::byte_fallback;
+      else if (type == "Fuse") d.kind = DecStep::fuse;
+      else if (type == "Replace") {
+        d.kind = DecStep::replace;
+        auto [pat, literal] = pattern_of(j, "decoder Replace", source);
+        ORIGAMI_CHECK(literal, source, ": decoder Replace with a Regex pattern is not supported (String only)");
+        d.a = pat;
+        d.b = j.value("content", std::string());
+      } else if (type == "Strip") {
+        d.kind = DecStep::strip;
+        d.a = one_char(j, "content", "decoder Strip", source);
+        d.start = j.value("start", 0);
+        d.stop = j.value("stop", 0);
+      } else if (type == "Metaspace") {
+        d.kind = DecStep::metaspace;
+        d.a = one_char(j, "replacement", "decoder Metaspace", source);
+        std::string scheme = str_or_empty(j, "prepend_scheme");
+        d.prepend = scheme.empty() ? flag(j, "add_prefix_space", true) : scheme != "never";
+      } else {
+        fail(source, ": decoder '", type,
+             "' is not supported (origami implements ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, "
+             "Sequence)");
+      }
+      dec_.push_back(std::move(d));
+    }
+    id_bytes_.assign(id_token_.size(), {});
+    for (size_t id = 0; id < id_token_.size(); ++id)
+      if (id_valid_[id]) {
+        auto parts = run_decoder({id_token_[id]}, /*streaming=*/true);
+        for (const auto& p : parts) id_bytes_[id] += p;
+      }
+
+    // ---- end of document
+    ORIGAMI_CHECK(!eod_token.empty(), source, ": the end-of-document token is empty");
+    eod_ = token_to_id(eod_token);
+    ORIGAMI_CHECK(eod_ >= 0, source, ": end-of-document token '", eod_token, "' is not a token of the file");
+  } catch (const json::exception& e) {
+    fail(source, ": malformed Hugging Face tokenizer file (", e.what(), ")");
+  }
+}
+
+int32_t HfTokenizer::token_to_id(std::string_view token) const {
+  for (const auto& t : added_)
+    if (t.content == token) return t.id;
+  auto it = vocab_.find(token);
+  return it == vocab_.end() ? -1 : it->second;
+}
+
+json HfTokenizer::to_json() const { return {{"type", "huggingface"}, {"eod_token", eod_token_}, {"tokenizer", hf_}}; }
+
+// ---------------------------------------------------------------------------------------------
+// Encoding
+
+void HfTokenizer::build_matcher(Matcher& m, bool normalized) {
+  for (size_t k = 0; k < added_.size(); ++k) {
+    if (added_[k].normalized != normalized) continue;
+    std::string pat = added_[k].content;
+    if (normalized) normalize(pat);  // the library matches normalized tokens by their normalized text
+    if (pat.empty()) continue;
+    m.patterns.emplace_back(std::move(pat), int(k));
+  }
+  for (size_t p = 0; p < m.patterns.size(); ++p) m.by_first_byte[(unsigned char)m.patterns[p].first[0]].push_back(int(p));
+  for (auto& v : m.by_first_byte)
+    std::stable_sort(v.begin(), v.end(),
+                     [&](int a, int b) { return m.patterns[a].first.size() > m.patterns[b].first.size(); });
+}
+
+// The library's AddedVocabulary::find_matches: leftmost-longest matches; a single_word token only
+// where no word character touches it; lstrip/rstrip take the whitespace beside the token.
+template <typename OnText, typename OnToken>
+void HfTokenizer::split_added(const Matcher& m, std::string_view text, OnText&& on_text, OnToken&& on_token) const {
+  if (m.empty()) {
+    on_text(size_t(0), text.size());
+    return;
+  }
+  size_t start_offset = 0;
+  const size_t n = text.size();
+  for (size_t pos = 0; pos < n;) {
+    const auto& cands = m.by_first_byte[(unsigned char)text[pos]];
+    int found = -1;
+    for (int c : cands) {
+      const std::string& p = m.patterns[c].first;
+      if (text.compare(pos, p.size(), p) == 0) {
+        found = c;
+        break;
+      }
+    }
+    if (found < 0) {
+      ++pos;
+      continue;
+    }
+    const AddedToken& tok = added_[m.patterns[found].second];
+    size_t start = pos, stop = pos + m.patterns[found].first.size();
+    pos = stop;
+    if (tok.single_word) {
+      bool start_space = start == 0 || !is_word_char(last_char(text.substr(0, start)));
+      char32_t next = 0;
+      bool stop_space = stop == n || (next_code_point(text, stop, next), !is_word_char(next));
+      if (!start_space || !stop_space) continue;
+    }
+    if (tok.lstrip) {
+      size_t s = start;
+      while (s > start_offset) {
+        size_t b = s - 1;
+        while (b > 0 && ((unsigned char)text[b] & 0xC0) == 0x80) --b;
+        char32_t cp;
+        next_code_point(text, b, cp);
+        if (!is_whitespace(cp)) break;
+        s = b;
+      }
+      start = s;
+    }
+    if (tok.rstrip) {
+      while (stop < n) {
+        char32_t cp;
+        int l = next_code_point(text, stop, cp);
+        if (!is_whitespace(cp)) break;
+        stop += size_t(l);
+      }
+      pos = std::max(pos, stop);
+    }
+    if (start > start_offset) on_text(start_offset, start);
+    on_token(tok.id);
+    start_offset = stop;
+  }
+  if (start_offset < n) on_text(start_offset, n);
+}
+
+void HfTokenizer::normalize(std::string& s) const {
+  for (const auto& st : norm_) {
+    switch (st.kind) {
+      case NormStep::unicode: {
+        if (is_ascii(s)) break;
+        std::string out;
+        icu::StringByteSink<std::string> sink(&out);
+        UErrorCode status = U_ZERO_ERROR;
+        st.form->normalizeUTF8(0, icu::StringPiece(s.data(), int32_t(s.size())), sink, nullptr, status);
+        ORIGAMI_CHECK(U_SUCCESS(status), "Unicode normalization failed (", u_errorName(status), ")");
+        s = std::move(out);
+        break;
+      }
+      case NormStep::prepend:
+        if (!s.empty()) s.insert(0, st.a);
+        break;
+      case NormStep::replace:
+        replace_all(s, st.a, st.b);
+        break;
+    }
+  }
+}
+
+namespace {
+// The library's SplitDelimiterBehavior over (start, end, is_match) spans covering a text; calls
+// emit(start, end) for the resulting non-empty pieces.
+template <typename Emit>
+void split_spans(const std::vector<std::array<size_t, 3>>& spans, SplitBehavior b, Emit&& emit) {
+  std::vector<std::array<size_t, 2>> out;
+  switch (b) {
+    case SplitBehavior::isolated:
+      for (const auto& s : spans) out.push_back({s[0], s[1]});
+      break;
+    case SplitBehavior::removed:
+      for (const auto& s : spans)
+        if (!s[2]) out.push_back({s[0], s[1]});
+      break;
+    case SplitBehavior::contiguous: {
+      bool prev = false;
+      for (const auto& s : spans) {
+        if (bool(s[2]) == prev && !out.empty()) out.back()[1] = s[1];
+        else out.push_back({s[0], s[1]});
+        prev = s[2];
+      }
+      break;
+    }
+    case SplitBehavior::merged_with_previous: {
+      bool prev = false;
+      for (const auto& s : spans) {
+        if (s[2] && !prev && !out.empty()) out.back()[1] = s[1];
+        else out.push_back({s[0], s[1]});
+        prev = s[2];
+      }
+      break;
+    }
+    case SplitBehavior::merged_with_next: {
+      bool prev = false;
+      for (size_t k = spans.size(); k-- > 0;) {
+        const auto& s = spans[k];
+        if (s[2] && !prev && !out.empty()) out.back()[0] = s[0];
+        else out.push_back({s[0], s[1]});
+        prev = s[2];
+      }
+      std::reverse(out.begin(), out.end());
+      break;
+    }
+  }
+  for (const auto& o : out)
+    if (o[1] > o[0]) emit(o[0], o[1]);
+}
+}  // namespace
+
+template <typename Emit>
+void HfTokenizer::pretokenize(size_t step, std::string_view piece, bool at_start, Emit& emit) const {
+  if (piece.empty()) return;
+  if (step == pre_.size()) {
+    emit(piece);
+    return;
+  }
+  const PreStep& p = pre_[step];
+  switch (p.kind) {
+    case PreStep::split: {
+      if (p.behavior == SplitBehavior::isolated && !p.invert) {  // the common case, without a span list
+        size_t prev = 0;
+        p.regex->for_each_match(piece, [&](size_t s, size_t e) {
+          if (s > prev) pretokenize(step + 1, piece.substr(prev, s - prev), at_start && prev == 0, emit);
+          if (e > s) pretokenize(step + 1, piece.substr(s, e - s), at_start && s == 0, emit);
+          prev = e;
+        });
+        if (prev < piece.size()) pretokenize(step + 1, piece.substr(prev), at_start && prev == 0, emit);
+        return;
+      }
+      std::vector<std::array<size_t, 3>> spans;
+      size_t prev = 0;
+      p.regex->for_each_match(piece, [&](size_t s, size_t e) {
+        if (s > prev) spans.push_back({prev, s, size_t(p.invert)});
+        spans.push_back({s, e, size_t(!p.invert)});
+        prev = e;
+      });
+      if (prev < piece.size()) spans.push_back({prev, piece.size(), size_t(p.invert)});
+      split_spans(spans, p.behavior, [&](size_t s, size_t e) {
+        pretokenize(step + 1, piece.substr(s, e - s), at_start && s == 0, emit);
+      });
+      return;
+    }
+    case PreStep::byte_level: {  // the last step: pieces stay raw bytes (the model maps them)
+      std::string prefixed;
+      if (p.add_prefix_space && piece[0] != ' ') {
+        prefixed = " ";
+        prefixed += piece;
+        piece = prefixed;
+      }
+      if (p.use_regex) for_each_gpt2_piece(piece, emit);
+      else emit(piece);
+      return;
+    }
+    case PreStep::metaspace: {
+      std::string s(piece);
+      replace_all(s, " ", p.replacement);
+      if ((p.prepend == PreStep::always || (p.prepend == PreStep::first && at_start)) && !s.starts_with(p.replacement))
+        s.insert(0, p.replacement);
+      if (!p.split_on_replacement) {
+        pretokenize(step + 1, s, at_start, emit);
+        return;
+      }
+      std::vector<std::array<size_t, 3>> spans;
+      size_t prev = 0;
+      p.regex->for_each_match(s, [&](size_t a, size_t b) {
+        if (a > prev) spans.push_back({prev, a, 0});
+        spans.push_back({a, b, 1});
+        prev = b;
+      });
+      if (prev < s.size()) spans.push_back({prev, s.size(), 0});
+      std::string_view sv(s);
+      split_spans(spans, SplitBehavior::merged_with_next,
+                  [&](size_t a, size_t b) { pretokenize(step + 1, sv.substr(a, b - a), at_start && a == 0, emit); });
+      return;
+    }
+  }
+}
+
+// The library's BPE::merge_word: a symbol per character (per byte after ByteLevel), unknown ones as
+// <0xNN> tokens (byte_fallback) or unk_token (fused when fuse_unk), else dropped; then the merges.
+void HfTokenizer::bpe_word(std::string_view word, std::vector<int32_t>& out) const {
+  if (ignore_merges_) {
+    std::string mapped;
+    if (byte_level_)
+      for (char c : word) mapped += byte_level_symbols()[(unsigned char)c];
+    auto it = vocab_.find(byte_level_ ? std::string_view(mapped) : word);
+    if (it != vocab_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  const size_t begin = out.size();
+  bool pending_unk = false;
+  for (size_t pos = 0; pos < word.size();) {
+    std::string_view unit;
+    int32_t id = -1;
+    if (byte_level_) {
+      unsigned char b = (unsigned char)word[pos++];
+      id = unit_id_[b];
+      unit = byte_level_symbols()[b];
+    } else {
+      char32_t cp;
+      size_t len = size_t(next_code_point(word, pos, cp));
+      unit = word.substr(pos, len);
+      pos += len;
+      if (len == 1 && (unsigned char)unit[0] < 128) {
+        id = unit_id_[(unsigned char)unit[0]];
+      } else {
+        auto it = vocab_.find(unit);
+        if (it != vocab_.end()) id = it->second;
+      }
+    }
+    if (id >= 0) {
+      if (pending_unk) out.push_back(unk_id_);
+      pending_unk = false;
+      out.push_back(id);
+      continue;
+    }
+    if (byte_fallback_ && std::all_of(unit.begin(), unit.end(),
+                                      [&](char c) { return byte_fallback_id_[(unsigned char)c] >= 0; })) {
+      for (char c : unit) out.push_back(byte_fallback_id_[(unsigned char)c]);
+      continue;  // as the library: a pending unk is not flushed here
+    }
+    if (unk_id_ >= 0) {
+      if (pending_unk && !fuse_unk_) out.push_back(unk_id_);
+      pending_unk = true;
+    }
+  }
+  if (pending_unk) out.push_back(unk_id_);
+  merges_.apply(out, begin);
+}
+
+void HfTokenizer::encode_word(std::string_view word, std::vector<int32_t>& out) const {
+  auto compute = [&](std::string_view w, std::vector<int32_t>& o) { bpe_word(w, o); };
+  auto one = [&](std::string_view w) {
+    if (w.size() == 1 && unit_id_[(unsigned char)w[0]] >= 0) out.push_back(unit_id_[(unsigned char)w[0]]);
+    else cache_.encode(w, out, compute);
+  };
+  if (safe_split_.empty()) {
+    one(word);
+    return;
+  }
+  // Cut before each "▁" that follows another character (see the constructor).
+  const std::string& c = safe_split_;
+  size_t start = 0;
+  for (size_t p = word.find(c, 1); p != std::string_view::npos; p = word.find(c, p + c.size())) {
+    if (word.compare(p - std::min(p, c.size()), c.size(), c) == 0) continue;
+    one(word.substr(start, p - start));
+    start = p;
+  }
+  one(word.substr(start));
+}
+
+std::vector<int32_t> HfTokenizer::encode(std::string_view text) const {
+  std::vector<int32_t> out(prefix_ids_);
+  out.reserve(text.size() / 3 + prefix_ids_.size() + suffix_ids_.size() + 1);
+  auto emit = [&](std::string_view word) { encode_word(word, out); };
+  auto push_id = [&](int32_t id) { out.push_back(id); };
+  std::string normalized;
+  split_added(raw_matcher_, text, [&](size_t s, size_t e) {
+    std::string_view seg = text.substr(s, e - s);
+    std::string_view norm = seg;
+    if (!norm_.empty()) {
+      normalized.assign(seg);
+      normalize(normalized);
+      norm = normalized;
+    }
+    split_added(normalized_matcher_, norm, [&](size_t a, size_t b) {
+      pretokenize(0, norm.substr(a, b - a), s == 0 && a == 0, emit);
+    }, push_id);
+  }, push_id);
+  out.insert(out.end(), suffix_ids_.begin(), suffix_ids_.end());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding
+
+// The library's decoders over token strings. streaming: one token at a time, as bytes (invalid
+// UTF-8 kept, no leading-space strip, Metaspace never treats the token as the first).
+std::vector<std::string> HfTokenizer::run_decoder(std::vector<std::string> tokens, bool streaming) const {
+  if (!has_decoder_) {
+    if (streaming) return tokens;
+    std::string joined;
+    for (size_t i = 0; i < tokens.size(); ++i) joined += (i ? " " : "") + tokens[i];
+    return {joined};
+  }
+  static const std::unordered_map<char32_t, unsigned char> char_byte = [] {
+    std::unordered_map<char32_t, unsigned char> m;
+    for (int b = 0; b < 256; ++b) m[gpt2_byte_to_unicode()[b]] = (unsigned char)b;
+    return m;
+  }();
+  for (const auto& d : dec_) {
+    switch (d.kind) {
+      case DecStep::byte_level: {
+        std::string bytes;
+        for (const auto& t : tokens) {
+          std::string tb;
+          bool all = true;
+          for (size_t p = 0; p < t.size() && all;) {
+            char32_t cp;
+            p += size_t(next_code_point(t, p, cp));
+            auto it = char_byte.find(cp);
+            if (it == char_byte.end()) all = false;
+            else tb += char(it->second);
+          }
+          bytes += all ? tb : t;
+        }
+        tokens = {streaming ? bytes : utf8_lossy(bytes)};
+        break;
+      }
+      case DecStep::replace:
+        for (auto& t : tokens) replace_all(t, d.a, d.b);
+        break;
+      case DecStep::byte_fallback: {
+        std::vector<std::string> out;
+        std::string pending;  // bytes of consecutive <0xNN> tokens
+        auto flush = [&] {
+          if (pending.empty()) return;
+          if (streaming || utf8_lossy(pending) == pending) out.push_back(pending);
+          else
+            for (size_t k = 0; k < pending.size(); ++k) out.push_back("\xEF\xBF\xBD");
+          pending.clear();
+        };
+        for (auto& t : tokens) {
+          auto hex = [](char c) { return std::isxdigit((unsigned char)c) != 0; };
+          if (t.size() == 6 && t.starts_with("<0x") && t[5] == '>' && hex(t[3]) && hex(t[4])) {
+            pending += char(std::stoi(t.substr(3, 2), nullptr, 16));
+          } else {
+            flush();
+            out.push_back(std::move(t));
+          }
+        }
+        flush();
+        tokens = std::move(out);
+        break;
+      }
+      case DecStep::fuse: {
+        std::string all;
+        for (const auto& t : tokens) all += t;
+        tokens = {all};
+        break;
+      }
+      case DecStep::strip: {
+        if (streaming) break;
+        for (auto& t : tokens) {
+          std::vector<size_t> starts;  // char boundaries
+          for (size_t p = 0; p < t.size();) {
+            starts.push_back(p);
+            char32_t cp;
+            p += size_t(next_code_point(t, p, cp));
+          }
+          size_t nchars = starts.size(), lo = 0, hi = nchars;
+          auto is_c = [&](size_t i) {
+            size_t end = i + 1 < nchars ? starts[i + 1] : t.size();
+            return t.compare(starts[i], end - starts[i], d.a) == 0;
+          };
+          for (size_t i = 0; i < size_t(d.start) && i < nchars && is_c(i); ++i) lo = i + 1;
+          for (size_t i = 0; i < size_t(d.stop) && i < nchars && is_c(nchars - 1 - i); ++i) hi = nchars - 1 - i;
+          if (lo >= hi) t.clear();
+          else t = t.substr(starts[lo], (hi < nchars ? starts[hi] : t.size()) - starts[lo]);
+        }
+        break;
+      }
+      case DecStep::metaspace:
+        for (size_t i = 0; i < tokens.size(); ++i)
+          replace_all(tokens[i], d.a, (!streaming && i == 0 && d.prepend) ? "" : " ");
+        break;
+    }
+  }
+  return tokens;
+}
+
+std::string HfTokenizer::decode(std::span<const int32_t> ids) const {
+  std::string out;
+  for (int32_t id : ids) {
+    ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], name(), " tokenizer: token id ", id,
+                  " is not in the vocabulary (size ", vocab_size(), ")");
+    out += id_bytes_[id];
+  }
+  return out;
+}
+
+std::string HfTokenizer::decode_text(std::span<const int32_t> ids, bool skip_special) const {
+  std::vector<std::string> tokens;
+  for (int32_t id : ids) {
+    ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], name(), " tokenizer: token id ", id,
+                  " is not in the vocabulary (size ", vocab_size(), ")");
+    if (!(skip_special && id_special_[id])) tokens.push_back(id_token_[id]);
+  }
+  std::string out;
+  for (const auto& t : run_decoder(std::move(tokens), false)) out += t;
+  return out;
+}
+
+}  // namespace origami
