@@ -14,4 +14,5 @@ int cmd_generate(int argc, char** argv);  // apps/cmd_generate.cpp
 int cmd_dump(int argc, char** argv);      // apps/cmd_dump.cpp
 int cmd_data(int argc, char** argv);      // apps/cmd_data.cpp
 int cmd_ckpt(int argc, char** argv);      // apps/cmd_ckpt.cpp
+int cmd_profile(int argc, char** argv);   // apps/cmd_profile.cpp
 }  // namespace origami

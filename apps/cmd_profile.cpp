@@ -1,0 +1,234 @@
+// origami profile: measures this machine for the planner and writes a cluster.json (plan/cluster.h).
+//
+// Under mpirun every rank takes part, as in a training run on the same ranks:
+//   GEMMs       each shape is timed on every rank at once (each with its share of the cores), the
+//               rate per rank the mean over ranks; shapes are the model's layer GEMMs (--config) or
+//               squares and slabs from 128 to 2048
+//   attention   the attention core's forward + backward on one window (--seq-len, the model's heads),
+//               its rate by the causal FLOP convention (6·T²·H·D per window)
+//   collectives all-reduce, all-gather, reduce-scatter and all-to-all over all ranks, and a
+//               send/receive between ranks 0 and 1, from 4 KiB to --max-mb; bandwidth and per-step
+//               latency by a least-squares fit of seconds = steps·latency + bytes/bandwidth (bytes as
+//               Comm counts them); the all-reduce's fit is the file's intra-node link
+// The device's peak is the best GEMM rate measured; its memory what the node has available, shared
+// by its ranks. One node of `world` devices.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "comm/mpi_comm.h"
+#include "commands.h"
+#include "core/args.h"
+#include "core/error.h"
+#include "core/files.h"
+#include "core/memory.h"
+#include "kernels/cpu/gemm.h"
+#include "model/config.h"
+#include "model/layers/attention.h"
+#include "plan/cluster.h"
+
+namespace origami {
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Seconds per call of fn, every rank at once and the same number of times (fn may communicate):
+// a warm-up call sizes the count to about `seconds` (at least `min_calls`); the slowest rank's mean.
+template <typename Fn>
+double timed(Comm& world, double seconds, int min_calls, Fn&& fn) {
+  world.barrier();
+  double t0 = now();
+  fn();
+  const double once = world.all_reduce_value(now() - t0, ReduceOp::max);
+  const int calls = std::max(min_calls, int(std::min(1e4, seconds / std::max(once, 1e-9))));
+  world.barrier();
+  t0 = now();
+  for (int i = 0; i < calls; ++i) fn();
+  return world.all_reduce_value((now() - t0) / calls, ReduceOp::max);
+}
+
+struct Shape {
+  int64_t M, N, K;
+  bool ta, tb;
+};
+
+// The layer GEMMs of a training step of `cfg` on micro-batches of B×T tokens (one rank, no TP):
+// forward y = x·Wᵀ, and backward dx = dy·W, dW = dyᵀ·x, for QKV, the attention output, the MLP
+// (or one expert's, with its share of the tokens) and the LM head.
+std::vector<Shape> model_shapes(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t N = B * T, C = c.hidden, S = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+  const int64_t HD = c.num_heads * c.head_dim;
+  const int64_t F = c.is_moe() ? c.expert_ffn : c.ffn, rows = c.is_moe() ? N * c.top_k / c.num_experts : N;
+  std::vector<Shape> out;
+  auto linear = [&](int64_t n, int64_t in, int64_t o) {
+    out.push_back({n, o, in, false, true});   // y = x·Wᵀ
+    out.push_back({n, in, o, false, false});  // dx = dy·W
+    out.push_back({o, in, n, true, false});   // dW = dyᵀ·x
+  };
+  linear(N, C, S);
+  linear(N, HD, C);
+  linear(rows, C, 2 * F);
+  linear(rows, F, C);
+  linear(N, C, c.vocab_size);
+  return out;
+}
+
+std::vector<Shape> default_shapes() {
+  std::vector<Shape> out;
+  for (int64_t n : {128, 256, 512, 1024, 2048}) out.push_back({n, n, n, false, true});
+  for (int64_t n : {256, 1024, 4096}) out.push_back({n, 1024, 4096, false, true}), out.push_back({n, 4096, 1024, false, true});
+  return out;
+}
+
+// seconds = steps·latency + bytes/bandwidth from the points (bytes, seconds), smallest first: the
+// latency from the smallest message (its transfer time removed at the bandwidth of the largest),
+// the bandwidth from the largest with its latency removed.
+struct Fit {
+  double latency = 0, bandwidth = 0;  // per step, bytes/s
+};
+Fit fit(const std::vector<std::pair<double, double>>& pts, int steps) {
+  const auto [b0, t0] = pts.front();
+  const auto [b1, t1] = pts.back();
+  double bandwidth = b1 / t1, latency = 0;
+  for (int i = 0; i < 3; ++i) {  // a few rounds of the two coupled estimates
+    latency = std::max(t0 - b0 / bandwidth, 0.0) / steps;
+    bandwidth = b1 / std::max(t1 - steps * latency, t1 * 0.05);
+  }
+  return {std::max(latency, 1e-9), bandwidth};
+}
+
+}  // namespace
+
+int cmd_profile(int argc, char** argv) {
+  CommRuntime runtime(&argc, &argv);
+  Comm& world = runtime.world();
+  if (world.rank() != 0 && !std::freopen("/dev/null", "w", stdout))
+    std::fprintf(stderr, "rank %d: cannot silence stdout\n", world.rank());
+  Args a("profile",
+         "Measure this machine for the planner (GEMM rates over the model's shapes, the attention core,\n"
+         "collectives over the job's ranks) and write a cluster.json. Run it under mpirun with the ranks\n"
+         "and threads a training run would use.");
+  a.option("out", "FILE", "cluster.json to write")
+      .option("config", "FILE", "model config.json whose layer GEMMs are measured (default: squares and slabs)")
+      .option("micro-batch", "B", "rows per micro-batch of the measured shapes", "4")
+      .option("seq-len", "T", "tokens per row (GEMM rows B x T; the attention window)", "1024")
+      .option("threads", "N", "threads per rank (default: all cores)", "0")
+      .option("seconds", "S", "time per measurement and rank", "0.5")
+      .option("max-mb", "M", "largest collective message (MiB)", "64")
+      .option("name", "TEXT", "the cluster's name in the file", "this machine (origami profile)");
+  bool parsed = false;
+  ModelConfig cfg;
+  check_on_every_rank(world, "profile", [&] {
+    if (!(parsed = a.parse(argc, argv))) return;
+    ORIGAMI_CHECK(a.has("out"), "--out FILE is required (see 'origami profile --help')");
+    ORIGAMI_CHECK(a.integer("micro-batch") > 0 && a.integer("seq-len") > 0, "--micro-batch and --seq-len must be "
+                  "positive, got ", a.integer("micro-batch"), " and ", a.integer("seq-len"));
+    ORIGAMI_CHECK(a.number("seconds") > 0 && a.number("max-mb") >= 0.004, "--seconds must be positive and --max-mb at "
+                  "least 0.004 (4 KiB), got ", a.number("seconds"), " and ", a.number("max-mb"));
+    ORIGAMI_CHECK(a.integer("threads") >= 0, "--threads must not be negative, got ", a.integer("threads"));
+    if (a.has("config")) cfg = load_model_config(a.str("config"));
+  });
+  if (!parsed) return 0;
+  if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
+  warm_up_gemm();
+  const double seconds = a.number("seconds");
+  const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len");
+  const bool rank0 = world.rank() == 0;
+  Cluster c;
+  c.name = a.str("name");
+  c.nodes = 1;
+  c.devices_per_node = world.size();
+
+  // GEMMs: (FLOPs, rate) per shape, equal FLOPs merged.
+  const std::vector<Shape> shapes = a.has("config") ? model_shapes(cfg, B, T) : default_shapes();
+  std::map<double, std::vector<double>> rates;
+  if (rank0) std::printf("GEMMs, %d rank%s x %d threads at once (per rank):\n", world.size(), world.size() > 1 ? "s" : "", num_threads());
+  for (const Shape& s : shapes) {
+    std::vector<float> A(size_t(s.M * s.K), 0.5f), Bm(size_t(s.K * s.N), 0.25f), C(size_t(s.M * s.N));
+    const double t = timed(world, seconds, 2, [&] {
+      gemm<float>(s.ta, s.tb, s.M, s.N, s.K, 1.f, A.data(), s.ta ? s.M : s.K, Bm.data(), s.tb ? s.K : s.N, 0.f,
+                  C.data(), s.N);
+    });
+    const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
+    rates[flops].push_back(flops / t);
+    if (rank0) std::printf("  %6lld x %6lld x %6lld%s  %8.2f GFLOP/s\n", (long long)s.M, (long long)s.N, (long long)s.K,
+                           s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", flops / t / 1e9);
+  }
+  for (const auto& [flops, rs] : rates) {
+    double sum = 0;
+    for (double r : rs) sum += r;
+    c.gemm.emplace_back(flops, sum / double(rs.size()));
+    c.peak_flops = std::max(c.peak_flops, *std::max_element(rs.begin(), rs.end()));
+  }
+
+  // Attention: one window of T, the model's heads (or 8 of 64).
+  {
+    const int64_t H = a.has("config") ? cfg.num_heads : 8, KV = a.has("config") ? cfg.num_kv_heads : 8,
+                  D = a.has("config") ? cfg.head_dim : 64, S = (H + 2 * KV) * D;
+    std::vector<float> qkv(size_t(T * S), 0.01f), out(size_t(T * H * D)), lse(size_t(H * T)), dqkv(size_t(T * S)),
+        dout(size_t(T * H * D), 0.01f);
+    const double t = timed(world, seconds, 1, [&] {
+      attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D);
+      attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D);
+    });
+    c.attention_flops = 6.0 * double(T) * double(T) * double(H * D) / t;
+    if (rank0) std::printf("attention T %lld, %lld heads of %lld: %.2f GFLOP/s per rank\n", (long long)T, (long long)H,
+                           (long long)D, c.attention_flops / 1e9);
+  }
+
+  // Collectives over all ranks (and a send/receive between ranks 0 and 1).
+  c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
+  if (world.size() > 1) {
+    const int n = world.size();
+    const int64_t max_floats = int64_t(a.number("max-mb") * 1024 * 1024 / 4);
+    std::vector<float> in(static_cast<size_t>(max_floats), 1.f), out(static_cast<size_t>(max_floats));
+    struct Kind {
+      const char* name;
+      int steps;  // latency-bound message steps of the ring algorithm
+    };
+    const Kind kinds[] = {{"all_reduce", 2 * (n - 1)}, {"all_gather", n - 1}, {"reduce_scatter", n - 1},
+                          {"all_to_all", n - 1}, {"send_recv", 1}};
+    if (rank0) std::printf("collectives over %d ranks (bandwidth as Comm counts bytes; latency per message step):\n", n);
+    for (const Kind& k : kinds) {
+      std::vector<std::pair<double, double>> pts;
+      for (int64_t floats = 1024; floats <= max_floats; floats *= 4) {
+        const int64_t per = floats / n * n;  // divisible by the ranks (all-gather, reduce-scatter, all-to-all)
+        world.reset_bytes();
+        int calls = 0;
+        const std::string name = k.name;
+        const double t = timed(world, seconds / 8, 3, [&] {
+          ++calls;
+          if (name == "all_reduce") world.all_reduce(in.data(), per, DType::f32);
+          else if (name == "all_gather") world.all_gather(out.data(), in.data(), per / n, DType::f32);
+          else if (name == "reduce_scatter") world.reduce_scatter(out.data(), in.data(), per / n, DType::f32);
+          else if (name == "all_to_all") world.all_to_all(out.data(), in.data(), per / n, DType::f32);
+          else if (world.rank() == 0) world.send(in.data(), per, DType::f32, 1, 5);
+          else if (world.rank() == 1) world.recv(out.data(), per, DType::f32, 0, 5);
+        });
+        const double bytes = world.all_reduce_value(world.bytes_sent() / calls, ReduceOp::max);
+        pts.emplace_back(bytes, t);
+      }
+      const Fit f = fit(pts, k.steps);
+      if (rank0) std::printf("  %-15s %8.2f GB/s  %7.2f us per step\n", k.name, f.bandwidth / 1e9, f.latency * 1e6);
+      if (std::string(k.name) == "all_reduce") c.intra = {f.bandwidth, f.latency};
+    }
+  }
+  c.inter = c.intra;
+  const AvailableMemory avail = available_memory();
+  c.memory_bytes = double(avail.bytes) / world.size();
+  c.source = cat("measured by 'origami profile' on ", world.size(), " rank", world.size() > 1 ? "s" : "", " x ",
+                 num_threads(), " threads: GEMM rates per rank with every rank running (peak: the best of them), the "
+                 "attention core, the all-reduce's bandwidth and latency; memory: what the node had available (",
+                 avail.source, ") shared by the ranks");
+  if (rank0) {
+    write_file_atomically(a.str("out"), c.to_json().dump(2) + "\n");
+    std::printf("peak %.2f GFLOP/s per rank (best GEMM); wrote %s\n", c.peak_flops / 1e9, a.str("out").c_str());
+  }
+  return 0;
+}
+
+}  // namespace origami

@@ -1,0 +1,66 @@
+"""`origami profile` (DESIGN.md, "Planner"): measures this machine and writes a cluster.json.
+
+  1. Under mpirun on 2 ranks with a model config: exit 0; the file is one node of 2 devices; one
+     GEMM rate per distinct size of the model's layer GEMMs (forward, input and weight gradients of
+     QKV, attention output, MLP and LM head), ascending in size, each positive and at most the
+     peak; the attention rate, the memory and the link's bandwidth and latency positive; the table
+     printed names every collective.
+  2. On one rank (no mpirun): one device, no collectives to measure.
+  3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
+"""
+import json
+import os
+
+import harness as h
+
+QUICK = ["--seconds", "0.05", "--max-mb", "1", "--seq-len", "64", "--micro-batch", "2", "--threads", "1"]
+
+
+def main():
+    failures = []
+    tmp = h.tmpdir("origami_profile_")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+
+    out = os.path.join(tmp, "two.json")
+    rc, text, secs = h.run(2, ["profile", "--out", out, "--config", cfg, *QUICK], timeout=300)
+    if rc != 0:
+        failures.append("profile on 2 ranks: exit %s: %s" % (rc, text[-800:]))
+    else:
+        c = json.load(open(out))
+        d = c["device"]
+        gemm = d.get("gemm", [])
+        sizes = [g[0] for g in gemm]
+        checks = [
+            (c["nodes"] == 1 and c["devices_per_node"] == 2, "one node of 2 devices: %s x %s" % (c["nodes"], c["devices_per_node"])),
+            (len(gemm) >= 5 and sizes == sorted(sizes) and len(set(sizes)) == len(sizes),
+             "GEMM rates ascending by distinct size: %s" % sizes),
+            (all(0 < g[1] <= d["peak_tflops"] * (1 + 1e-9) for g in gemm), "rates in (0, peak]: %s" % gemm),
+            (d["attention_tflops"] > 0 and d["memory_gb"] > 0, "attention and memory positive: %s" % d),
+            (c["intra_node"]["bandwidth_gb_s"] > 0 and c["intra_node"]["latency_us"] > 0, "link: %s" % c["intra_node"]),
+            (all(k in text for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")),
+             "the printed table names every collective"),
+        ]
+        for ok, what in checks:
+            print("%-4s 2 ranks: %s" % ("ok" if ok else "FAIL", what[:160]))
+            if not ok:
+                failures.append("profile on 2 ranks: " + what)
+        print("     (%.1f s; peak %.1f GFLOP/s per rank, all-reduce %.2f GB/s)" % (
+            secs, d["peak_tflops"] * 1e3, c["intra_node"]["bandwidth_gb_s"]))
+
+    one = os.path.join(tmp, "one.json")
+    rc, text, _ = h.run(0, ["profile", "--out", one, *QUICK], timeout=300)
+    ok = rc == 0 and json.load(open(one))["devices_per_node"] == 1
+    print("%-4s 1 rank: one device" % ("ok" if ok else "FAIL"))
+    if not ok:
+        failures.append("profile on 1 rank: exit %s: %s" % (rc, text[-500:]))
+
+    for name, args, want in [("no --out", [], "--out FILE is required"),
+                             ("--seconds 0", ["--out", one, "--seconds", "0"], "--seconds must be positive"),
+                             ("missing config", ["--out", one, "--config", os.path.join(tmp, "none.json")], "none.json")]:
+        _, _, failure = h.check_error(name, 2, ["profile", *args], lambda line, want=want: want in line)
+        failures += [failure] if failure else []
+    h.report(failures, "origami profile writes a cluster.json the planner reads")
+
+
+if __name__ == "__main__":
+    main()
