@@ -32,6 +32,7 @@
 #include "kernels/cpu/gemm.h"
 #include "model/model.h"
 #include "model/params.h"
+#include "train/comm_volume.h"
 #include "train/memory_plan.h"
 
 namespace origami {
@@ -834,6 +835,11 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
         j["memory_bytes"] = memory.parts[memory.neediest].as_json();
         j["memory_bytes"]["rank"] = memory.neediest;
         j["memory_bytes_per_rank"] = totals;
+        // The planner's prediction of this row's comm_bytes (train/comm_volume.h; the dispatcher's
+        // payloads for evenly spread tokens).
+        nlohmann::json predicted = nlohmann::json::object();
+        for (const auto& [axis, b] : step_comm_bytes(cfg, o, world.size(), 0)) predicted[axis] = std::llround(b);
+        j["comm_bytes_predicted"] = predicted;
       }
       if (cfg.is_moe()) {
         j["expert_tokens"] = load;

@@ -1,0 +1,160 @@
+#include "train/comm_volume.h"
+
+#include <algorithm>
+
+#include "model/model.h"
+#include "model/params.h"
+#include "parallel/context_parallel.h"
+#include "parallel/data_parallel.h"
+#include "parallel/mesh.h"
+#include "parallel/schedule.h"
+
+namespace origami {
+
+namespace {
+
+// comm.h's accounting, in bytes, for `x` elements of `bytes` each over n ranks (x: the full buffer).
+double all_reduce(int n, double x, double bytes = 4) { return n > 1 ? 2.0 * (n - 1) / n * bytes * x : 0; }
+double all_gather(int n, double x, double bytes = 4) { return n > 1 ? double(n - 1) / n * bytes * x : 0; }
+
+// Elements of the buffer's tensors inside `ranges`, of the tensors for which keep(spec) holds.
+template <typename Keep>
+int64_t elements_in(const std::vector<ParamSpec>& table, const BufferPlan& plan, int tp,
+                    const std::vector<Range>& ranges, Keep&& keep) {
+  int64_t n = 0;
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (!keep(table[i])) continue;
+    const int64_t b = plan.offsets[i], e = b + table[i].local_numel(tp);
+    for (const Range& r : ranges) n += std::max<int64_t>(0, std::min(e, r.end) - std::max(b, r.begin));
+  }
+  return n;
+}
+
+// One parameter set's data-parallel traffic over a group of `group` ranks (data_parallel.h): ZeRO 0
+// all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
+// parameters, ZeRO 2 reduce-scatters after each of the step's `passes` backward passes.
+double gradient_bytes(const BufferPlan& plan, int group, int zero, int64_t passes) {
+  double padded = 0;
+  for (const Range& b : plan.buckets) padded += double(b.end - b.begin);
+  if (zero == 0) return all_reduce(group, padded);
+  return double(zero == 2 ? passes : 1) * all_gather(group, padded) + all_gather(group, padded);
+}
+
+}  // namespace
+
+std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world, int rank,
+                                              double imbalance) {
+  o.validate(cfg, world);
+  const MeshShape shape(world, o.layout_dims(world), o.mesh_order);
+  const MeshDims& m = shape.dims();
+  const int t = m.tp, c = m.cp, p = m.pp, v = o.vpp, stage = shape.coord(rank, "pp");
+  const bool sp = o.sequence_parallel && t > 1;
+  const int64_t B = o.micro_batch, micro = o.micro_batches(world), C = cfg.hidden, E = cfg.num_experts;
+  const double N = double(B * o.seq_len / c);  // this rank's tokens of a micro-batch
+  const Recompute rc = parse_recompute(o.recompute);
+  const int forwards = rc == Recompute::full ? 2 : 1;  // a layer's forward runs again before its backward
+  const ModelPart part = ModelPart::of_stage(partition_layers(int(cfg.num_layers), p, v, o.pp_layers), p, stage);
+  std::map<std::string, double> out;
+  auto add = [&](const std::string& key, double bytes) {
+    if (bytes > 0) out[key] += bytes;
+  };
+
+  // Tensor parallelism, per micro-batch: each region exit (an all-reduce of [N, C], or under SP a
+  // reduce-scatter and its all-gather: the same bytes) forward and its adjoint backward; under SP
+  // backward gathers the kept norm outputs again. MoE layers split tokens, not features: their
+  // shares are gathered (not under SP, where a share is the rank's own shard).
+  const double region = all_reduce(t, N * C), gather = all_gather(t, N * C);
+  double tp = 0;
+  for (const LayerRange& r : part.chunks)
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      if (!cfg.is_moe_layer(l)) {
+        tp += forwards * 2 * region + 2 * region + (sp ? 2 * gather : 0);
+        continue;
+      }
+      const double shares = sp ? 0 : gather;  // forward outputs, backward input gradients
+      tp += forwards * (region + shares) + region + shares + (sp ? gather : 0);
+      if (cfg.shared_ffn > 0) tp += forwards * region + region + (sp ? gather : 0);  // the shared expert's MLP
+    }
+  if (part.embedding) tp += region;  // vocab-parallel lookup: partial embeddings summed
+  if (part.head) tp += region + double(t - 1) * 3 * N * 4;  // LM head input gradient; cross-entropy statistics
+  double total_tp = double(micro) * tp;
+
+  // Gradients: the dense buffer over DP × CP, the experts' over EDP; TP-partial gradients over TP.
+  SplitTable tables = split_experts(make_param_table(cfg, part), E, m.ep, shape.coord(rank, "ep"));
+  const int grad_group = m.dp * c;
+  const BufferPlan dense = plan_buffer(tables.dense, o.param_layout(t, shape.coord(rank, "tp"), grad_group));
+  const int64_t passes = micro * int64_t(part.chunks.size());
+  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(dense, grad_group, o.zero, passes));
+  const std::vector<int> grad_ranks = shape.group(rank, "dp-cp");
+  const int grad_rank = int(std::find(grad_ranks.begin(), grad_ranks.end(), rank) - grad_ranks.begin());
+  const std::vector<Range> owned = o.zero > 0 ? bucket_shards(dense.buckets, grad_group, grad_rank)
+                                              : std::vector<Range>{{0, dense.size}};
+  const int64_t partial = elements_in(tables.dense, dense, t, owned, [&](const ParamSpec& s) {
+    return (sp && s.split.seq_partial) || (t > 1 && s.split.token_partial);
+  });
+  total_tp += all_reduce(t, double(partial));
+  add("tp", total_tp);
+  if (!tables.experts.empty()) {
+    const BufferPlan experts = plan_buffer(tables.experts, o.param_layout(m.etp, shape.coord(rank, "etp"), m.edp));
+    add("edp", gradient_bytes(experts, m.edp, o.zero, passes));
+  }
+  // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.
+  if (p > 1 && (stage == 0 || stage == p - 1))
+    for (size_t b = 0; b < dense.buckets.size(); ++b) {
+      const std::vector<Range> bucket = {dense.buckets[b]};
+      if (elements_in(tables.dense, dense, t, bucket, [](const ParamSpec& s) { return s.pp_shared; }) == 0) continue;
+      add("embedding", all_reduce(2, double(dense.buckets[b].end - dense.buckets[b].begin) / (o.zero > 0 ? grad_group : 1)));
+    }
+
+  // Context parallelism: each attention core's exchanges, forward (again before backward under any
+  // recomputation) and backward.
+  if (c > 1) {
+    const CpShape s{B, o.seq_len / c, cfg.num_heads / t, cfg.num_kv_heads / t, cfg.head_dim, c, o.cp_a2a()};
+    add("cp", double(micro) * double(part.num_layers()) *
+                  double((rc == Recompute::none ? 1 : 2) * s.forward_bytes() + s.backward_bytes()));
+  }
+
+  // Pipeline: a [Nl, C] message to the next virtual stage after each forward (none from the last)
+  // and to the previous one after each backward (none from the first).
+  if (p > 1) {
+    const double message = 4 * (sp ? N / t : N) * double(C);
+    const int64_t sends = 2 * int64_t(v) - (stage == p - 1 ? 1 : 0) - (stage == 0 ? 1 : 0);
+    add("pp", double(micro * sends) * message);
+  }
+
+  // The router's counts, per MoE layer and forward (micro-batch aux loss: E counts over the tokens'
+  // group TP × CP; per-sequence: B·E; global: E over that group and E over DP, except in the
+  // recomputed forward, which reuses them), and the dispatcher: each forward's row-count exchange
+  // (all-to-all of E/EP counts over EP, all-gather over ETP), then the rows to the experts and back,
+  // forward and backward.
+  if (cfg.is_moe()) {
+    const int64_t moe_layers = [&] {
+      int64_t n = 0;
+      for (const LayerRange& r : part.chunks) n += cfg.num_moe_layers(r.begin, r.end);
+      return n;
+    }();
+    const int tokens = t * c;
+    const AuxLoss aux = cfg.routing.aux;
+    const double counts = aux == AuxLoss::none ? 0 : aux == AuxLoss::seq ? double(B * E) : double(E);
+    const int counted = aux == AuxLoss::global ? 1 : forwards;
+    add(c > 1 ? "tp-cp" : "tp", double(micro * moe_layers) * counted * all_reduce(tokens, counts, 8));
+    if (aux == AuxLoss::global) add("dp", double(micro * moe_layers) * all_reduce(m.dp, double(E), 8));
+    const int64_t El = E / m.ep;
+    // Rows this rank routes (its share of the TP group's tokens, K each) and, evenly spread, the part
+    // of them that leaves for other EP ranks; an ETP peer's rows go to its ETP − 1 peers.
+    const double rows = N / double(t) * double(cfg.top_k) * imbalance;
+    const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = rows * double(m.etp - 1) * double(C) * 4;
+    const double exchanges = double(micro * moe_layers) * (forwards + 1) * 2;  // to the experts and back, per pass
+    add("ep", double(micro * moe_layers) * forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep);
+    add("etp", double(micro * moe_layers) * forwards * all_gather(m.etp, double(m.ep * El), 8) + exchanges * to_etp);
+  }
+
+  // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
+  // expert counts and dropped assignments, every rank's expert rows, every rank's CP pairs, 5 per stage).
+  const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + cfg.num_layers + world : 0) +
+                         (c > 1 ? world : 0) + 5.0 * p;
+  add("world", all_reduce(world, 2, 8) + all_reduce(world, figures, 8));
+  return out;
+}
+
+}  // namespace origami
