@@ -21,6 +21,7 @@ const Command kCommands[] = {
     {"generate", origami::cmd_generate, "sample text from a saved checkpoint"},
     {"data", origami::cmd_data, "prepare tokenized datasets (origami data prepare --help)"},
     {"ckpt", origami::cmd_ckpt, "inspect a checkpoint, or export it as a Hugging Face directory (origami ckpt --help)"},
+    {"plan", origami::cmd_plan, "predict step time, memory and MFU of layouts on a cluster and list the best"},
     {"profile", origami::cmd_profile, "measure this machine (GEMMs, attention, collectives) for the planner: a cluster.json"},
     {"dump", origami::cmd_dump, "write logits, losses and gradients of one batch (for checking against other implementations)"},
 };

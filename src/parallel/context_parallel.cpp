@@ -174,8 +174,7 @@ void ContextParallel::forward_blocks(const Views& v, int kv_group, const std::fu
 
 void ContextParallel::backward_blocks(const Views& v, int kv_group, const std::function<void()>& progress) {
   const CpShape& s = v.s;
-  const int64_t B = s.B, Tl = s.Tl, m = Tl / 2, Ha = s.Ha(), D = s.D, Sa = s.Sa(), HaD = Ha * D, kt = v.kv.tok,
-                dt = v.dkv.tok;
+  const int64_t Tl = s.Tl, Ha = s.Ha(), D = s.D, Sa = s.Sa(), HaD = Ha * D, kt = v.kv.tok, dt = v.dkv.tok;
   for_each_block(s, v.doc, kv_group, progress, [&](int64_t q0, int64_t k0, int64_t lse0, const BlockDims& mask) {
     attention_block_backward<float>(
         {v.dqkv + q0 * Sa, Tl * Sa, Sa}, {v.dkv.p + k0 * dt + v.dkv.k, Tl * dt, dt},

@@ -1,0 +1,101 @@
+"""`origami plan` (DESIGN.md, "Planner"): the layouts it lists run, and what it predicts from the
+runtime's own functions is what the runtime computes.
+
+For llama (llama_tiny) and mixtral (mixtral_8e) on this machine's cluster file (2 devices),
+global batch 8, T 32:
+  1. --json lists layouts best first, each with layout, step_time_s, tokens_per_s, mfu,
+     memory_bytes_per_rank (by part) and comm_bytes.
+  2. Every listed layout runs under `origami train` on 2 ranks (the runtime accepts it), and its
+     first metrics row agrees with the prediction: the memory check's parts of its neediest rank
+     (all but the measured process memory) equal the plan's for that rank's stage, and rank 0's
+     bytes on every communicator equal the plan's (the MoE dispatcher's payloads excepted: they
+     depend on the routing).
+  3. --layout fixes the axes it names; --out writes the best layout and its prediction.
+  4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has)
+     exit 1 with one error line.
+"""
+import json
+import os
+
+import harness as h
+
+CLUSTER = os.path.join(h.ROOT, "configs", "clusters", "cpu-2core.json")
+FIELDS = ("layout", "step_time_s", "tokens_per_s", "mfu", "memory_bytes_per_rank", "comm_bytes")
+PARTS = ("weights", "gradients", "optimizer state", "activations", "workspace", "checkpoint")
+
+
+def train_flags(layout):
+    """`origami train` flags of a layout string ("tp2 cp1 dp1 pp1 zero0 mb2 sp cp-comm=a2a ...")."""
+    flags = []
+    for w in layout.split():
+        if w.startswith("recompute="):
+            flags += ["--recompute", w.split("=")[1]]
+        elif w.startswith("cp-comm="):
+            flags += ["--cp-comm", w.split("=")[1]]
+        elif w == "sp":
+            flags += ["--sequence-parallel"]
+        else:
+            key = w.rstrip("0123456789")
+            value = w[len(key):]
+            if key != "dp":  # derived from the others
+                flags += [{"mb": "--micro-batch"}.get(key, "--" + key), value]
+    return flags
+
+
+def main():
+    failures = []
+    tmp = h.tmpdir("origami_plan_")
+    data = h.prepare_data(tmp)
+    for model in ("llama_tiny", "mixtral_8e"):
+        cfg = os.path.join(h.CONFIGS, model + ".json")
+        base = ["plan", "--config", cfg, "--cluster", CLUSTER, "--global-batch", "8", "--seq-len", "32"]
+        rc, out, _ = h.run(0, base + ["--top", "6", "--json"])
+        if rc != 0:
+            failures.append("%s: plan exit %s: %s" % (model, rc, out[-400:]))
+            continue
+        plans = json.loads(out)
+        steps = [p["step_time_s"] for p in plans]
+        if not plans or any(f not in p for p in plans for f in FIELDS) or steps != sorted(steps):
+            failures.append("%s: --json must list layouts best first with %s: %s" % (model, FIELDS, out[:300]))
+        for p in plans:
+            metrics = os.path.join(tmp, "m.jsonl")
+            rc, text, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--steps", "1", "--global-batch", "8",
+                                    "--seq-len", "32", "--threads", "1", "--quiet", "--metrics", metrics,
+                                    *train_flags(p["layout"])])
+            if rc != 0:
+                failures.append("%s %s: the runtime refused the planned layout: %s" % (model, p["layout"], text[-300:]))
+                continue
+            row = h.read_metrics(metrics)[0]
+            bad = []
+            # The memory check names its neediest rank (the measured process memory included); the
+            # plan gives every stage's first rank: pp is the slowest axis of the default mesh order.
+            got = row["memory_bytes"]
+            want = p["memory_bytes_per_stage"][got["rank"] * len(p["memory_bytes_per_stage"]) // 2]
+            if [want[k] for k in PARTS] != [got[k] for k in PARTS]:
+                bad.append("memory %s vs the memory check's %s" % ({k: want[k] for k in PARTS}, {k: got[k] for k in PARTS}))
+            exact = lambda d: {k: round(v) for k, v in d.items() if k not in ("ep", "etp")}
+            if exact(p["comm_bytes"]) != exact(row["comm_bytes"]):
+                bad.append("comm bytes %s vs measured %s" % (p["comm_bytes"], row["comm_bytes"]))
+            print("%-4s %-10s %-45s runs; memory and bytes as predicted%s" % (
+                "FAIL" if bad else "ok", model, p["layout"], ": " + "; ".join(bad) if bad else ""), flush=True)
+            failures += ["%s %s: %s" % (model, p["layout"], b) for b in bad]
+        rc, out, _ = h.run(0, base + ["--layout", "tp2 mb1", "--json", "--out", os.path.join(tmp, "plan.json")])
+        fixed = json.loads(out) if rc == 0 else []
+        plan = json.load(open(os.path.join(tmp, "plan.json"))) if rc == 0 else {}
+        ok = rc == 0 and fixed and all(" tp2 " in " %s " % p["layout"] and " mb1 " in " %s " % p["layout"] for p in fixed) \
+            and plan.get("layout", {}).get("tp") == 2 and "step_time_s" in plan.get("prediction", {})
+        print("%-4s %-10s --layout \"tp2 mb1\" fixes them; --out writes the plan" % ("ok" if ok else "FAIL", model))
+        if not ok:
+            failures.append("%s: --layout/--out: exit %s: %s" % (model, rc, out[-300:]))
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    base = ["plan", "--config", cfg, "--global-batch", "8", "--seq-len", "32"]
+    for name, args, want in [("no --cluster", base, "--cluster is required"),
+                             ("bad --layout", base + ["--cluster", CLUSTER, "--layout", "tp2 fast"], "'fast' is not one of"),
+                             ("too many devices", base + ["--cluster", CLUSTER, "--devices", "3"], "--devices must be in [1, 2]")]:
+        _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line)
+        failures += [failure] if failure else []
+    h.report(failures, "origami plan lists layouts the runtime runs, with its memory and bytes")
+
+
+if __name__ == "__main__":
+    main()
