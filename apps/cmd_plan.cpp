@@ -195,14 +195,14 @@ int cmd_plan(int argc, char** argv) {
                   c.p.dominant.c_str());
     }
   }
-  if (a.has("out")) {
-    const Candidate& best = found.front();
-    nlohmann::json layout = best.o.as_json();
-    for (const char* k : {"data", "steps", "lr", "min_lr", "warmup", "lr_schedule", "weight_decay", "beta1", "beta2", "eps",
-                          "grad_clip", "seed", "data_order", "eval_data", "eval_every", "eval_iters", "attention_mask"})
-      layout.erase(k);
-    nlohmann::json plan = {{"layout", layout}, {"description", layout_name(best.o, devices)}, {"devices", devices},
-                           {"cluster", cluster.name}, {"prediction", best.p.as_json()}};
+  if (a.has("out")) {  // the best layout as `origami train` options (train --plan reads them)
+    const TrainOptions& b = found.front().o;
+    const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
+                                   {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
+                                   {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
+                                   {"sequence-parallel", b.sequence_parallel}};
+    const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, devices)}, {"devices", devices},
+                                 {"cluster", cluster.name}, {"prediction", found.front().p.as_json()}};
     write_file_atomically(a.str("out"), plan.dump(2) + "\n");
   }
   return 0;

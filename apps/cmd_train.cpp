@@ -49,6 +49,8 @@ int train(int argc, char** argv, Comm& world) {
          "options given on the command line win.");
   a.option("config", "FILE", "model config.json (default: config.json of the --resume or --init-from checkpoint)")
       .option("run-config", "FILE", "JSON file with any of these options")
+      .option("plan", "FILE", "a layout written by 'origami plan --out': its parallel axes, micro-batch, global batch and "
+                              "sequence length (flags win; the plan wins over --run-config)")
       .option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx), or a weighted blend in one argument: "
                                 "\"W1 PREFIX1 W2 PREFIX2 ...\" (weights normalised; sample i from the dataset furthest "
                                 "below its share)")
@@ -123,6 +125,16 @@ int train(int argc, char** argv, Comm& world) {
   ModelConfig cfg;
   check_on_every_rank(world, "train", [&] {
     if (!(parsed = a.parse(argc, argv))) return;
+    if (a.has("plan")) {
+      const nlohmann::json plan = read_json_file(a.str("plan"), "plan");
+      ORIGAMI_CHECK(plan.is_object() && plan.contains("layout") && plan.contains("devices") &&
+                        plan["devices"].is_number_integer(),
+                    "--plan ", a.str("plan"), ": not a plan file of 'origami plan --out' (it needs 'layout' and 'devices')");
+      ORIGAMI_CHECK(plan["devices"].get<int>() == world.size(), "--plan ", a.str("plan"), " lays out ",
+                    plan["devices"].get<int>(), " devices, and this job has ", world.size(), " rank",
+                    world.size() == 1 ? "" : "s");
+      a.fill_from_json(plan["layout"], a.str("plan"));
+    }
     if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
 
     o.data = a.str("data");

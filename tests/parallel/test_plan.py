@@ -10,7 +10,8 @@ global batch 8, T 32:
      (all but the measured process memory) equal the plan's for that rank's stage, and rank 0's
      bytes on every communicator equal the plan's (the MoE dispatcher's payloads excepted: they
      depend on the routing).
-  3. --layout fixes the axes it names; --out writes the best layout and its prediction.
+  3. --layout fixes the axes it names; --out writes the best layout and its prediction, and
+     `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
   4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has)
      exit 1 with one error line.
 """
@@ -87,6 +88,16 @@ def main():
         print("%-4s %-10s --layout \"tp2 mb1\" fixes them; --out writes the plan" % ("ok" if ok else "FAIL", model))
         if not ok:
             failures.append("%s: --layout/--out: exit %s: %s" % (model, rc, out[-300:]))
+            continue
+        # train --plan runs that layout (its axes, micro-batch, global batch and sequence length).
+        metrics = os.path.join(tmp, "planned.jsonl")
+        rc, text, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--plan", os.path.join(tmp, "plan.json"),
+                                "--steps", "1", "--threads", "1", "--quiet", "--metrics", metrics])
+        row = h.read_metrics(metrics)[0] if rc == 0 else {}
+        ok = rc == 0 and row.get("layout", "").startswith("TP2") and row.get("tokens") == 8 * 32
+        print("%-4s %-10s train --plan runs %s" % ("ok" if ok else "FAIL", model, row.get("layout", text[-200:])))
+        if not ok:
+            failures.append("%s: train --plan: exit %s, layout %s: %s" % (model, rc, row.get("layout"), text[-300:]))
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
     base = ["plan", "--config", cfg, "--global-batch", "8", "--seq-len", "32"]
     for name, args, want in [("no --cluster", base, "--cluster is required"),
@@ -94,6 +105,10 @@ def main():
                              ("too many devices", base + ["--cluster", CLUSTER, "--devices", "3"], "--devices must be in [1, 2]")]:
         _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line)
         failures += [failure] if failure else []
+    _, _, failure = h.check_error("plan for 2 devices on 1 rank", 0, ["train", "--config", cfg, "--data", data, "--plan",
+                                  os.path.join(tmp, "plan.json"), "--steps", "1"],
+                                  lambda line: "lays out 2 devices, and this job has 1 rank" in line)
+    failures += [failure] if failure else []
     h.report(failures, "origami plan lists layouts the runtime runs, with its memory and bytes")
 
 
