@@ -55,6 +55,12 @@ class Request {
   std::unique_ptr<Impl> impl_;
 };
 
+// The accounting of the table above as functions of the sizes (Comm counts with them, and the planner
+// predicts with them, train/comm_volume.h): the bytes one of n ranks sends in an all-reduce of a buffer
+// of `bytes`, and in an all-gather or reduce-scatter whose per-rank block is `block_bytes`.
+inline double all_reduce_bytes(int n, double bytes) { return 2.0 * (n - 1) / n * bytes; }
+inline double scatter_gather_bytes(int n, double block_bytes) { return double(n - 1) * block_bytes; }
+
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -110,8 +116,10 @@ class Comm {
  protected:
   Comm(int rank, int size, std::string name) : rank_(rank), size_(size), name_(std::move(name)) {}
   // Byte accounting shared by all implementations (see the table at the top of this file).
-  void count_all_reduce(int64_t count, DType t) { bytes_sent_ += 2.0 * (size_ - 1) / size_ * double(count * dtype_bytes(t)); }
-  void count_scatter_gather(int64_t count, DType t) { bytes_sent_ += double(size_ - 1) * double(count * dtype_bytes(t)); }
+  void count_all_reduce(int64_t count, DType t) { bytes_sent_ += all_reduce_bytes(size_, double(count * dtype_bytes(t))); }
+  void count_scatter_gather(int64_t count, DType t) {
+    bytes_sent_ += scatter_gather_bytes(size_, double(count * dtype_bytes(t)));
+  }
   void count_bytes(double b) { bytes_sent_ += b; }
   void count_gather_v(const int64_t* counts, DType t) {
     bytes_sent_ += double(size_ - 1) * double(counts[rank_] * dtype_bytes(t));

@@ -69,17 +69,13 @@ Prediction predict(const ModelConfig& cfg, const TrainOptions& options, int devi
   auto tier = [&](int rank, const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
 
   Prediction out;
+  // Each stage's representative, its first rank: every other coordinate 0 (rank 0's pipeline group).
+  const std::vector<int> stage_ranks = mesh.group(0, "pp");
   // Per stage: compute and blocking communication of one micro-batch (all its chunks).
   double worst_f = 0, worst_b = 0, worst_compute = 0;
   std::map<std::string, double> worst_exposed;
   for (int s = 0; s < p; ++s) {
-    // The stage's representative: every other coordinate 0 (its groups are the first of their kind).
-    int rank = 0;
-    for (int r = 0; r < devices; ++r)
-      if (mesh.coord(r, "pp") == s && mesh.coord(r, "tp") == 0 && mesh.coord(r, "cp") == 0 && mesh.coord(r, "dp") == 0) {
-        rank = r;
-        break;
-      }
+    const int rank = stage_ranks[size_t(s)];
     const ModelPart part = ModelPart::of_stage(stages, p, s);
     Pass compute;
     double attention = 0;  // forward + backward of the stage's attention cores
@@ -154,7 +150,7 @@ Prediction predict(const ModelConfig& cfg, const TrainOptions& options, int devi
     const int group = axes == "edp" ? m.edp : axes == "dp" ? m.dp : m.dp * c;
     const bool inter = tier(0, axes == "edp" ? "edp" : "dp-cp");
     const double total = it->second, gather = o.zero > 0 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
-    const double tail = std::min(total - gather, 2.0 * (group - 1) / group * bucket);
+    const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
     out.exposed_s[axes] = cluster.transfer_seconds(tail + gather, 2 * (group - 1), inter);
     after += out.exposed_s[axes];
   }
@@ -168,12 +164,9 @@ Prediction predict(const ModelConfig& cfg, const TrainOptions& options, int devi
     after += out.exposed_s[key];
   }
   // Memory: every stage's first rank (the others differ only by ZeRO padding and shards).
-  out.stage_memory.resize(size_t(p));
-  for (int r = 0; r < devices; ++r) {
-    if (mesh.coord(r, "tp") != 0 || mesh.coord(r, "cp") != 0 || mesh.coord(r, "dp") != 0) continue;
-    const MemoryParts parts = rank_memory(cfg, o, devices, r, runtime);
-    out.stage_memory[size_t(mesh.coord(r, "pp"))] = parts;
-    if (parts.total() > out.memory.total()) out.memory = parts, out.memory_rank = r;
+  for (int r : stage_ranks) {
+    out.stage_memory.push_back(rank_memory(cfg, o, devices, r, runtime));
+    if (out.stage_memory.back().total() > out.memory.total()) out.memory = out.stage_memory.back(), out.memory_rank = r;
   }
   if (cluster.memory_bandwidth > 0)  // AdamW: weights, gradients and two moments read, three written
     out.exposed_s["optimizer"] = double(out.memory.weights) * 7 / cluster.memory_bandwidth, after += out.exposed_s["optimizer"];

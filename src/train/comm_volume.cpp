@@ -13,10 +13,6 @@ namespace origami {
 
 namespace {
 
-// comm.h's accounting, in bytes, for `x` elements of `bytes` each over n ranks (x: the full buffer).
-double all_reduce(int n, double x, double bytes = 4) { return n > 1 ? 2.0 * (n - 1) / n * bytes * x : 0; }
-double all_gather(int n, double x, double bytes = 4) { return n > 1 ? double(n - 1) / n * bytes * x : 0; }
-
 // Elements of the buffer's tensors inside `ranges`, of the tensors for which keep(spec) holds.
 template <typename Keep>
 int64_t elements_in(const std::vector<ParamSpec>& table, const BufferPlan& plan, int tp,
@@ -36,8 +32,9 @@ int64_t elements_in(const std::vector<ParamSpec>& table, const BufferPlan& plan,
 double gradient_bytes(const BufferPlan& plan, int group, int zero, int64_t passes) {
   double padded = 0;
   for (const Range& b : plan.buckets) padded += double(b.end - b.begin);
-  if (zero == 0) return all_reduce(group, padded);
-  return double(zero == 2 ? passes : 1) * all_gather(group, padded) + all_gather(group, padded);
+  if (zero == 0) return all_reduce_bytes(group, 4 * padded);
+  const double shards = scatter_gather_bytes(group, 4 * padded / group);  // every bucket, each rank its shard
+  return double(zero == 2 ? passes : 1) * shards + shards;
 }
 
 }  // namespace
@@ -63,7 +60,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   // reduce-scatter and its all-gather: the same bytes) forward and its adjoint backward; under SP
   // backward gathers the kept norm outputs again. MoE layers split tokens, not features: their
   // shares are gathered (not under SP, where a share is the rank's own shard).
-  const double region = all_reduce(t, N * C), gather = all_gather(t, N * C);
+  const double region = all_reduce_bytes(t, 4 * N * C), gather = scatter_gather_bytes(t, 4 * N * C / t);
   double tp = 0;
   for (const LayerRange& r : part.chunks)
     for (int64_t l = r.begin; l < r.end; ++l) {
@@ -92,7 +89,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   const int64_t partial = elements_in(tables.dense, dense, t, owned, [&](const ParamSpec& s) {
     return (sp && s.split.seq_partial) || (t > 1 && s.split.token_partial);
   });
-  total_tp += all_reduce(t, double(partial));
+  total_tp += all_reduce_bytes(t, 4 * double(partial));
   add("tp", total_tp);
   if (!tables.experts.empty()) {
     const BufferPlan experts = plan_buffer(tables.experts, o.param_layout(m.etp, shape.coord(rank, "etp"), m.edp));
@@ -103,7 +100,8 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
     for (size_t b = 0; b < dense.buckets.size(); ++b) {
       const std::vector<Range> bucket = {dense.buckets[b]};
       if (elements_in(tables.dense, dense, t, bucket, [](const ParamSpec& s) { return s.pp_shared; }) == 0) continue;
-      add("embedding", all_reduce(2, double(dense.buckets[b].end - dense.buckets[b].begin) / (o.zero > 0 ? grad_group : 1)));
+      add("embedding", all_reduce_bytes(2, 4 * double(dense.buckets[b].end - dense.buckets[b].begin) /
+                                               (o.zero > 0 ? grad_group : 1)));
     }
 
   // Context parallelism: each attention core's exchanges, forward (again before backward under any
@@ -137,23 +135,25 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
     const AuxLoss aux = cfg.routing.aux;
     const double counts = aux == AuxLoss::none ? 0 : aux == AuxLoss::seq ? double(B * E) : double(E);
     const int counted = aux == AuxLoss::global ? 1 : forwards;
-    add(c > 1 ? "tp-cp" : "tp", double(micro * moe_layers) * counted * all_reduce(tokens, counts, 8));
-    if (aux == AuxLoss::global) add("dp", double(micro * moe_layers) * all_reduce(m.dp, double(E), 8));
+    add(c > 1 ? "tp-cp" : "tp", double(micro * moe_layers) * counted * all_reduce_bytes(tokens, 8 * counts));
+    if (aux == AuxLoss::global) add("dp", double(micro * moe_layers) * all_reduce_bytes(m.dp, 8 * double(E)));
     const int64_t El = E / m.ep;
     // Rows this rank routes (its share of the TP group's tokens, K each) and, evenly spread, the part
     // of them that leaves for other EP ranks; an ETP peer's rows go to its ETP − 1 peers.
     const double rows = N / double(t) * double(cfg.top_k) * imbalance;
-    const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = rows * double(m.etp - 1) * double(C) * 4;
+    const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = scatter_gather_bytes(m.etp, rows * double(C) * 4);
     const double exchanges = double(micro * moe_layers) * (forwards + 1) * 2;  // to the experts and back, per pass
     add("ep", double(micro * moe_layers) * forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep);
-    add("etp", double(micro * moe_layers) * forwards * all_gather(m.etp, double(m.ep * El), 8) + exchanges * to_etp);
+    // Each ETP peer gathers the others' [EP][El] received counts.
+    add("etp", double(micro * moe_layers) * forwards * scatter_gather_bytes(m.etp, 8 * double(m.ep * El)) +
+                   exchanges * to_etp);
   }
 
   // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
   // expert counts and dropped assignments, every rank's expert rows, every rank's CP pairs, 5 per stage).
   const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + cfg.num_layers + world : 0) +
                          (c > 1 ? world : 0) + 5.0 * p;
-  add("world", all_reduce(world, 2, 8) + all_reduce(world, figures, 8));
+  add("world", all_reduce_bytes(world, 16) + all_reduce_bytes(world, 8 * figures));
   return out;
 }
 
