@@ -121,43 +121,88 @@ int cmd_plan(int argc, char** argv) {
   base.global_batch = G;
   base.seq_len = T;
   base.data = "plan";  // not read: validate() only asks that there is one
-  int64_t evaluated = 0, accepted = 0, fitting = 0;
+  CostModel model(cfg, cluster, devices, 0, imbalance);
+  const std::vector<std::string> recompute_modes = fixed.recompute.empty()
+      ? std::vector<std::string>{"none", "selective", "full"} : std::vector<std::string>{fixed.recompute};
+  // Every layout of the devices: first what decides compute (the mesh, micro-batch, recomputation),
+  // each with its lower bound; ZeRO stage and CP mechanism are expanded when it is evaluated.
+  struct Shape {
+    int tp, cp, pp, vpp, ep, etp, mb, recompute;  // recompute: index into recompute_modes
+    double bound;
+    TrainOptions options(const TrainOptions& base, const std::vector<std::string>& modes, int sp) const {
+      TrainOptions o = base;
+      o.tp = tp, o.cp = cp, o.pp = pp, o.vpp = vpp, o.ep = ep, o.etp = etp, o.micro_batch = mb;
+      o.recompute = modes[size_t(recompute)];
+      o.sequence_parallel = sp >= 0 ? sp == 1 && tp > 1 : tp > 1;
+      return o;
+    }
+  };
+  auto zero_choices = [&](int dp, int cp) { return choices(fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2} : std::vector<int>{0}); };
+  // The all-to-all splits a rank's heads over CP (Ulysses): offered when they divide.
+  auto comm_choices = [&](int tp, int cp) {
+    return !fixed.cp_comm.empty() ? std::vector<std::string>{fixed.cp_comm}
+           : cp > 1 && cfg.num_heads / tp % cp == 0 ? std::vector<std::string>{"p2p", "a2a"}
+                                                    : std::vector<std::string>{"p2p"};
+  };
+  std::vector<Shape> shapes;
+  int64_t layouts = 0, evaluated = 0, accepted = 0, fitting = 0;
   std::string first_refusal;  // why the runtime refused the first layout it refused
-  std::vector<Candidate> found;
+  // TP splits the heads (validate() refuses any other degree, and would be asked a million times).
   const std::vector<int> dev_div = divisors(devices);
-  for (int tp : choices(fixed.tp, dev_div))
+  std::vector<int> tp_div;
+  for (int tp : dev_div)
+    if (cfg.num_heads % tp == 0 && cfg.num_kv_heads % tp == 0) tp_div.push_back(tp);
+  for (int tp : choices(fixed.tp, tp_div))
     for (int cp : choices(fixed.cp, dev_div))
       for (int pp : choices(fixed.pp, dev_div)) {
         if (devices % (int64_t(tp) * cp * pp) != 0 || pp > cfg.num_layers) continue;
         const int dp = devices / (tp * cp * pp), stage = devices / pp;
+        const int64_t expansions = int64_t(zero_choices(dp, cp).size() * comm_choices(tp, cp).size());
         for (int vpp : choices(fixed.vpp, pp > 1 ? std::vector<int>{1, 2} : std::vector<int>{1}))
           for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
-            for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1}))
-              for (int zero : choices(fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2} : std::vector<int>{0}))
-                for (int mb : choices(int(fixed.mb), divisors(std::max<int64_t>(G / dp, 1))))
-                  for (const std::string& rc : fixed.recompute.empty() ? std::vector<std::string>{"none", "selective", "full"}
-                                                                       : std::vector<std::string>{fixed.recompute})
-                    for (const std::string& comm : !fixed.cp_comm.empty() ? std::vector<std::string>{fixed.cp_comm}
-                                                   : cp > 1 ? std::vector<std::string>{"p2p", "a2a"}
-                                                            : std::vector<std::string>{"p2p"}) {
-                      TrainOptions o = base;
-                      o.tp = tp, o.cp = cp, o.pp = pp, o.vpp = vpp, o.ep = ep, o.etp = etp, o.zero = zero;
-                      o.micro_batch = mb, o.recompute = rc, o.cp_comm = comm;
-                      o.sequence_parallel = fixed.sp >= 0 ? fixed.sp == 1 && tp > 1 : tp > 1;
-                      ++evaluated;
-                      try {
-                        o.validate(cfg, devices);
-                      } catch (const Error& e) {
-                        if (first_refusal.empty()) first_refusal = e.what();
-                        continue;  // a layout the runtime refuses
-                      }
-                      ++accepted;
-                      Prediction p = predict(cfg, o, devices, cluster, 0, imbalance);
-                      if (double(p.memory.total()) > cluster.memory_bytes) continue;
-                      ++fitting;
-                      found.push_back({o, std::move(p)});
-                    }
+            for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
+              if (stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
+              for (int mb : choices(int(fixed.mb), divisors(std::max<int64_t>(G / dp, 1))))
+                for (int rc = 0; rc < int(recompute_modes.size()); ++rc) {
+                  Shape shape{tp, cp, pp, vpp, ep, etp, mb, rc, 0};
+                  layouts += expansions;
+                  try {
+                    shape.bound = model.step_bound(shape.options(base, recompute_modes, fixed.sp));
+                    shapes.push_back(shape);
+                  } catch (const Error& e) {  // its layers do not split over the stages: refused
+                    evaluated += expansions;
+                    if (first_refusal.empty()) first_refusal = e.what();
+                  }
+                }
+            }
       }
+  // Best bound first; a layout whose bound is above the K-th best prediction cannot enter the list,
+  // nor can any after it.
+  std::sort(shapes.begin(), shapes.end(), [](const Shape& x, const Shape& y) { return x.bound < y.bound; });
+  auto better = [](const Candidate& x, const Candidate& y) {  // faster; when as fast, less memory
+    return x.p.step_s != y.p.step_s ? x.p.step_s < y.p.step_s : x.p.memory.total() < y.p.memory.total();
+  };
+  std::vector<Candidate> found;  // the best `top`, best first
+  for (const Shape& shape : shapes) {
+    if (int64_t(found.size()) >= top && shape.bound > found.back().p.step_s) break;
+    for (int zero : zero_choices(devices / (shape.tp * shape.cp * shape.pp), shape.cp))
+      for (const std::string& comm : comm_choices(shape.tp, shape.cp)) {
+        Candidate c{shape.options(base, recompute_modes, fixed.sp), {}};
+        c.o.zero = zero, c.o.cp_comm = comm;
+        ++evaluated;
+        try {
+          c.p = model.predict(c.o, cluster.memory_bytes);
+        } catch (const Error& e) {
+          if (first_refusal.empty()) first_refusal = e.what();
+          continue;  // a layout the runtime refuses
+        }
+        ++accepted;
+        if (!c.p.fits) continue;
+        ++fitting;
+        found.insert(std::upper_bound(found.begin(), found.end(), c, better), std::move(c));
+        if (int64_t(found.size()) > top) found.pop_back();
+      }
+  }
   const double search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ORIGAMI_CHECK(accepted > 0, "the runtime accepts none of the ", evaluated, " layouts",
                 a.has("layout") ? " of --layout '" + a.str("layout") + "'" : "", "; the first refused: ", first_refusal);
@@ -165,12 +210,6 @@ int cmd_plan(int argc, char** argv) {
                 a.has("layout") ? " with --layout '" + a.str("layout") + "'" : "", " fits in ",
                 format_bytes(cluster.memory_bytes), " per device; more devices, a smaller --global-batch or --seq-len, "
                 "or a cluster with more memory");
-  // Fastest first; among equally fast layouts the one needing less memory.
-  std::sort(found.begin(), found.end(), [](const Candidate& x, const Candidate& y) {
-    return x.p.step_s != y.p.step_s ? x.p.step_s < y.p.step_s : x.p.memory.total() < y.p.memory.total();
-  });
-  if (int64_t(found.size()) > top) found.resize(size_t(top));
-
   if (a.on("json")) {
     nlohmann::json list = nlohmann::json::array();
     for (const Candidate& c : found) {
@@ -180,9 +219,11 @@ int cmd_plan(int argc, char** argv) {
     }
     std::printf("%s\n", list.dump(2).c_str());
   } else {
-    std::printf("%s on %d devices of %s: global batch %lld x %lld tokens; %lld layouts tried, %lld the runtime "
-                "accepts, %lld fit (%.2f s)\n\n", cfg.model_type().c_str(), devices, cluster.name.c_str(), (long long)G,
-                (long long)T, (long long)evaluated, (long long)accepted, (long long)fitting, search_s);
+    std::printf("%s on %d devices of %s: global batch %lld x %lld tokens; %lld layouts, %lld evaluated (the rest "
+                "cannot enter the top %lld: their compute and pipeline fill alone take longer), %lld of them the runtime accepts, "
+                "%lld fit (%.2f s)\n\n", cfg.model_type().c_str(), devices, cluster.name.c_str(), (long long)G,
+                (long long)T, (long long)layouts, (long long)evaluated, (long long)top, (long long)accepted,
+                (long long)fitting, search_s);
     std::printf("| layout | step s | tokens/s | MFU | memory per rank (largest) | compute s | bubble s | exposed comm s | dominant |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|\n");
     for (const Candidate& c : found) {

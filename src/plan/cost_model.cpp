@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <set>
 
+#include "core/error.h"
 #include "model/model.h"
 #include "model/params.h"
 #include "parallel/mesh.h"
@@ -32,97 +32,166 @@ double gemm_s(const Cluster& c, double M, double N, double K) {
   return M > 0 && N > 0 && K > 0 ? 2 * M * N * K / c.gemm_rate(M, N, K) : 0;
 }
 // A linear layer of `rows` rows, in → out features: forward, and backward (input and weight gradients).
-struct Pass {
-  double fwd = 0, bwd = 0;
-  Pass& operator+=(const Pass& o) {
-    fwd += o.fwd, bwd += o.bwd;
-    return *this;
-  }
-};
+using Pass = CostModel::Pass;
 Pass linear(const Cluster& c, double rows, double in, double out) {
   return {gemm_s(c, rows, out, in), gemm_s(c, rows, in, out) + gemm_s(c, out, in, rows)};
 }
 
 // Whether the ranks of `rank`'s group along `axes` sit on more than one node.
 bool spans_nodes(const MeshShape& mesh, int rank, const std::string& axes, int per_node) {
-  std::set<int> nodes;
-  for (int r : mesh.group(rank, axes)) nodes.insert(r / per_node);
-  return nodes.size() > 1;
+  const std::vector<int> group = mesh.group(rank, axes);
+  return std::any_of(group.begin(), group.end(), [&](int r) { return r / per_node != group.front() / per_node; });
 }
 
 }  // namespace
 
-Prediction predict(const ModelConfig& cfg, const TrainOptions& options, int devices, const Cluster& cluster,
-                   int64_t runtime, double imbalance) {
-  const TrainOptions o = options.resolved(devices);
-  o.validate(cfg, devices);
+CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime, double imbalance)
+    : cfg_(cfg), cluster_(cluster), devices_(devices), runtime_(runtime), imbalance_(imbalance) {}
+
+const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const MeshDims& m) {
+  const auto key = std::make_tuple(m.tp, m.cp, m.ep, m.etp, o.micro_batch, o.seq_len);
+  const auto found = layers_.find(key);
+  if (found != layers_.end()) return found->second;
+  const Cluster& k = cluster_;
+  const int t = m.tp;
+  const double N = double(o.micro_batch * o.seq_len / m.cp), C = double(cfg_.hidden), D = double(cfg_.head_dim);
+  const double H = double(cfg_.num_heads / t), KV = double(cfg_.num_kv_heads / t);
+  LayerCosts l;
+  l.attention_linears = linear(k, N, C, (H + 2 * KV) * D);  // q|k|v
+  l.attention_linears += linear(k, N, H * D, C);            // attention output
+  l.attention_core = 6 * double(o.seq_len) * H * D * N / k.attention_flops;
+  if (cfg_.has_dense_layers()) {
+    const double F = double(cfg_.ffn / t);
+    l.dense_mlp = linear(k, N, C, cfg_.is_gpt2() ? F : 2 * F);
+    l.dense_mlp += linear(k, N, F, C);
+  }
+  if (cfg_.is_moe()) {
+    // The router on this rank's share of the tokens; each local expert on the rows routed to it.
+    const double share = N / t, E = double(cfg_.num_experts), El = E / m.ep, Fe = double(cfg_.expert_ffn / m.etp);
+    l.moe_mlp = linear(k, share, C, E);
+    const double rows = share * double(cfg_.top_k) * m.etp * imbalance_ / El;
+    Pass expert = linear(k, rows, C, 2 * Fe);
+    expert += linear(k, rows, Fe, C);
+    l.moe_mlp += {El * expert.fwd, El * expert.bwd};
+    if (cfg_.shared_ffn > 0) {
+      const double Fs = double(cfg_.shared_ffn / t);
+      l.moe_mlp += linear(k, N, C, 2 * Fs);
+      l.moe_mlp += linear(k, N, Fs, C);
+    }
+  }
+  l.head = linear(k, N, C, double((cfg_.vocab_size + t - 1) / t));
+  return layers_.emplace(key, l).first->second;
+}
+
+const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
+  const auto key = std::make_tuple(pp, o.vpp, o.pp_layers);
+  const auto found = parts_.find(key);
+  if (found != parts_.end()) return found->second;
+  const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
+  std::vector<ModelPart> parts;
+  for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s));
+  return parts_.emplace(key, std::move(parts)).first->second;
+}
+
+std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions& o, const MeshDims& m) {
+  const LayerCosts& l = layer_costs(o, m);
+  const Recompute rc = parse_recompute(o.recompute);
+  std::vector<StageCompute> out;
+  for (const ModelPart& part : stage_parts(o, m.pp)) {
+    Pass compute;
+    double attention = 0;
+    for (const LayerRange& r : part.chunks) {
+      const double layers = double(r.end - r.begin), moe = double(cfg_.num_moe_layers(r.begin, r.end));
+      compute += {layers * l.attention_linears.fwd, layers * l.attention_linears.bwd};
+      compute += {moe * l.moe_mlp.fwd + (layers - moe) * l.dense_mlp.fwd,
+                  moe * l.moe_mlp.bwd + (layers - moe) * l.dense_mlp.bwd};
+      attention += layers * l.attention_core;
+    }
+    if (part.head) compute += l.head;
+    // Recomputation: the layer's forward (full) or the attention core's (selective) again in backward.
+    StageCompute s{compute.fwd + attention / 3, compute.bwd + 2 * attention / 3, attention};
+    if (rc == Recompute::full) s.bwd += compute.fwd + attention / 3;
+    if (rc == Recompute::selective) s.bwd += attention / 3;
+    out.push_back(s);
+  }
+  return out;
+}
+
+const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& mesh, int rank) {
+  const MeshDims& m = mesh.dims();
+  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.zero, o.sequence_parallel, o.bucket_mb, rank,
+                      o.mesh_order, o.pp_layers};
+  const auto found = buffers_.find(key);
+  if (found != buffers_.end()) return found->second;
+  // The stage's tables, cut for this rank's EP rank (their sizes are the same for every EP rank).
+  const int stage = mesh.coord(rank, "pp"), ep_rank = mesh.coord(rank, "ep");
+  const auto table_key = std::make_tuple(m.pp, o.vpp, o.pp_layers, stage, m.ep);
+  auto table = tables_.find(table_key);
+  if (table == tables_.end() || ep_rank != 0) {
+    SplitTable split = split_experts(make_param_table(cfg_, stage_parts(o, m.pp)[size_t(stage)]), cfg_.num_experts, m.ep, ep_rank);
+    if (ep_rank != 0) return buffers_.emplace(key, rank_buffers(o, devices_, rank, split)).first->second;
+    table = tables_.emplace(table_key, std::move(split)).first;
+  }
+  return buffers_.emplace(key, rank_buffers(o, devices_, rank, table->second)).first->second;
+}
+
+double CostModel::step_bound(const TrainOptions& o) {
+  const MeshDims m = o.layout_dims(devices_);
+  double busy = 0;
+  for (const StageCompute& s : stage_compute(o, m)) busy = std::max(busy, s.fwd + s.bwd);
+  return (double(o.micro_batches(devices_)) + double(m.pp - 1) / o.vpp) * busy;
+}
+
+Prediction CostModel::predict(const TrainOptions& options, double memory_limit) {
+  const TrainOptions o = options.resolved(devices_);
+  o.validate(cfg_, devices_);
+  const ModelConfig& cfg = cfg_;
+  const Cluster& cluster = cluster_;
+  const int devices = devices_;
   const MeshShape mesh(devices, o.layout_dims(devices), o.mesh_order);
   const MeshDims& m = mesh.dims();
   const int t = m.tp, c = m.cp, p = m.pp, v = o.vpp;
   const bool sp = o.sequence_parallel && t > 1;
-  const int64_t B = o.micro_batch, T = o.seq_len, G = o.global_batch, micro = o.micro_batches(devices);
-  const double N = double(B * T / c), C = double(cfg.hidden), D = double(cfg.head_dim);
-  const double H = double(cfg.num_heads / t), KV = double(cfg.num_kv_heads / t);
-  const Recompute rc = parse_recompute(o.recompute);
-  const std::vector<LayerRange> stages = partition_layers(int(cfg.num_layers), p, v, o.pp_layers);
+  const int64_t T = o.seq_len, G = o.global_batch, micro = o.micro_batches(devices);
+  const double N = double(o.micro_batch * T / c), C = double(cfg.hidden);
   const int per_node = cluster.devices_per_node;
   auto tier = [&](int rank, const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
-
-  Prediction out;
   // Each stage's representative, its first rank: every other coordinate 0 (rank 0's pipeline group).
   const std::vector<int> stage_ranks = mesh.group(0, "pp");
+
+  // Memory first: every stage's first rank (the others differ only by ZeRO padding and shards); the
+  // first stage over the limit ends the prediction.
+  Prediction out;
+  for (int r : stage_ranks) {
+    out.stage_memory.push_back(rank_memory(cfg, o, devices, r, buffers(o, mesh, r), runtime_));
+    if (out.stage_memory.back().total() > out.memory.total()) out.memory = out.stage_memory.back(), out.memory_rank = r;
+    if (double(out.memory.total()) > memory_limit) {
+      out.fits = false;
+      return out;
+    }
+  }
+
   // Per stage: compute and blocking communication of one micro-batch (all its chunks).
+  const std::vector<StageCompute> compute = stage_compute(o, m);
+  const std::vector<ModelPart>& parts = stage_parts(o, p);
   double worst_f = 0, worst_b = 0, worst_compute = 0;
   std::map<std::string, double> worst_exposed;
   for (int s = 0; s < p; ++s) {
     const int rank = stage_ranks[size_t(s)];
-    const ModelPart part = ModelPart::of_stage(stages, p, s);
-    Pass compute;
-    double attention = 0;  // forward + backward of the stage's attention cores
-    for (const LayerRange& r : part.chunks)
-      for (int64_t l = r.begin; l < r.end; ++l) {
-        compute += linear(cluster, N, C, (H + 2 * KV) * D);  // q|k|v
-        compute += linear(cluster, N, H * D, C);             // attention output
-        attention += 6 * double(T) * H * D * N / cluster.attention_flops;
-        if (!cfg.is_moe_layer(l)) {
-          const double F = double(cfg.ffn / t);
-          compute += linear(cluster, N, C, cfg.is_gpt2() ? F : 2 * F);
-          compute += linear(cluster, N, F, C);
-          continue;
-        }
-        // The router on this rank's share of the tokens; the local experts on the rows routed to them.
-        const double share = N / t, E = double(cfg.num_experts), El = E / m.ep, Fe = double(cfg.expert_ffn / m.etp);
-        compute += linear(cluster, share, C, E);
-        const double rows = share * double(cfg.top_k) * m.etp * imbalance / El;  // per local expert
-        for (int e = 0; e < int(El); ++e) {
-          compute += linear(cluster, rows, C, 2 * Fe);
-          compute += linear(cluster, rows, Fe, C);
-        }
-        if (cfg.shared_ffn > 0) {
-          const double Fs = double(cfg.shared_ffn / t);
-          compute += linear(cluster, N, C, 2 * Fs);
-          compute += linear(cluster, N, Fs, C);
-        }
-      }
-    if (part.head) compute += linear(cluster, N, C, double((cfg.vocab_size + t - 1) / t));
-    // Recomputation: the layer's forward (full) or the attention core's (selective) again in backward.
-    double fwd = compute.fwd + attention / 3, bwd = compute.bwd + 2 * attention / 3;
-    if (rc == Recompute::full) bwd += compute.fwd + attention / 3;
-    if (rc == Recompute::selective) bwd += attention / 3;
-    const double busy = fwd + bwd;
+    const double fwd = compute[size_t(s)].fwd, bwd = compute[size_t(s)].bwd, busy = fwd + bwd;
     // Blocking communication per micro-batch, from the stage rank's bytes per step.
-    const std::map<std::string, double> bytes = step_comm_bytes(cfg, o, devices, rank, imbalance);
+    const std::map<std::string, double> bytes = step_comm_bytes(cfg, o, devices, rank, buffers(o, mesh, rank), imbalance_);
     if (s == 0) out.comm_bytes = bytes;
     auto per_micro = [&](const std::string& key, const std::string& axes, int steps) {
       const auto it = bytes.find(key);
       return it == bytes.end() ? 0.0 : cluster.transfer_seconds(it->second / double(micro), steps, tier(rank, axes));
     };
     std::map<std::string, double> exposed;
-    const double layers = double(part.num_layers());
+    const double layers = double(parts[size_t(s)].num_layers());
     exposed["tp"] = per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
     exposed["tp-cp"] = per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
     exposed["ep"] = per_micro("ep", "ep", int(layers) * 6 * (m.ep - 1)) + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1));
-    exposed["cp"] = std::max(0.0, per_micro("cp", "cp", int(layers) * 2 * c) - attention);
+    exposed["cp"] = std::max(0.0, per_micro("cp", "cp", int(layers) * 2 * c) - compute[size_t(s)].attention);
     if (p > 1)  // one message after each forward and backward of a chunk
       exposed["pp"] = 2 * v * cluster.transfer_seconds(4 * (sp ? N / t : N) * C, 1, tier(rank, "pp"));
     double blocking = 0;
@@ -130,14 +199,21 @@ Prediction predict(const ModelConfig& cfg, const TrainOptions& options, int devi
     const double f = fwd + blocking * fwd / busy, b = bwd + blocking * bwd / busy;
     if (f + b > worst_f + worst_b) worst_f = f, worst_b = b, worst_compute = busy, worst_exposed = exposed;
   }
-  // The schedule with the busiest stage's times on every stage.
-  std::vector<std::vector<Action>> lists;
-  for (int s = 0; s < p; ++s) lists.push_back(make_schedule(o.schedule_kind(), p, s, int(micro), v));
-  const Replay replay = replay_schedules(lists, p, int(micro), v, worst_f / v, worst_b / v);
+  // The schedule with the busiest stage's times on every stage. Its makespan scales with them: kept
+  // per schedule and backward/forward ratio, in units of the forward.
+  const auto replay_key = std::make_tuple(int(o.schedule_kind()), p, micro, v, worst_b / worst_f);
+  auto replayed = makespans_.find(replay_key);
+  if (replayed == makespans_.end()) {
+    std::vector<std::vector<Action>> lists;
+    for (int s = 0; s < p; ++s) lists.push_back(make_schedule(o.schedule_kind(), p, s, int(micro), v));
+    const double makespan = replay_schedules(lists, p, int(micro), v, 1.0 / v, worst_b / worst_f / v).makespan;
+    replayed = makespans_.emplace(replay_key, makespan).first;
+  }
+  const double makespan = replayed->second * worst_f;
   out.compute_s = double(micro) * worst_compute;
   for (const auto& [k, x] : worst_exposed)
     if (x > 0) out.exposed_s[k] = double(micro) * x;
-  out.bubble_s = replay.makespan - double(micro) * (worst_f + worst_b);
+  out.bubble_s = makespan - double(micro) * (worst_f + worst_b);
 
   // After backward: the gradient buckets' tail (the last bucket of each set; ZeRO's parameter gather
   // whole), the tied embedding and the world's reductions; then AdamW's pass over the owned state.
@@ -163,14 +239,9 @@ Prediction predict(const ModelConfig& cfg, const TrainOptions& options, int devi
                                                   std::string(key) == "world" ? devices > per_node : tier(0, "pp"));
     after += out.exposed_s[key];
   }
-  // Memory: every stage's first rank (the others differ only by ZeRO padding and shards).
-  for (int r : stage_ranks) {
-    out.stage_memory.push_back(rank_memory(cfg, o, devices, r, runtime));
-    if (out.stage_memory.back().total() > out.memory.total()) out.memory = out.stage_memory.back(), out.memory_rank = r;
-  }
   if (cluster.memory_bandwidth > 0)  // AdamW: weights, gradients and two moments read, three written
     out.exposed_s["optimizer"] = double(out.memory.weights) * 7 / cluster.memory_bandwidth, after += out.exposed_s["optimizer"];
-  out.step_s = replay.makespan + after;
+  out.step_s = makespan + after;
   out.tokens_per_s = double(G * T) / out.step_s;
   out.mfu = train_flops_per_token(cfg, T) * double(G * T) / (out.step_s * devices * cluster.peak_flops);
   double largest = out.compute_s;

@@ -18,10 +18,14 @@
 //             stage's forward and backward times for every stage
 // The MoE dispatcher's payload and expert rows assume evenly routed tokens times `imbalance`.
 #pragma once
+#include <limits>
 #include <map>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "model/config.h"
+#include "model/params.h"
 #include "plan/cluster.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
@@ -29,6 +33,7 @@
 namespace origami {
 
 struct Prediction {
+  bool fits = true;                          // false: the neediest rank's memory is over the limit (nothing else filled in)
   double step_s = 0;
   double compute_s = 0;                      // the busiest stage's compute in the step
   double bubble_s = 0;                       // that stage's idle time in the schedule
@@ -43,10 +48,60 @@ struct Prediction {
   nlohmann::json as_json() const;
 };
 
-// o: the options of the run (layout, batch, routing) on `devices` ranks of the cluster (ranks fill
-// nodes in order); cfg with the run's routing options. Throws Error for a layout validate() refuses.
-// runtime: the per-rank process memory to count (bytes).
-Prediction predict(const ModelConfig& cfg, const TrainOptions& o, int devices, const Cluster& cluster,
-                   int64_t runtime = 0, double imbalance = 1.0);
+// One model on `devices` ranks of a cluster (ranks fill nodes in order). It keeps what layouts share —
+// each stage's parameter tables and buffer figures, per-layer GEMM times — so a search over many
+// layouts pays for each once. cfg: with the run's routing options; runtime: the per-rank process
+// memory to count (bytes); imbalance: the busiest EP rank's routed rows over the mean.
+class CostModel {
+ public:
+  struct Pass {  // seconds of a forward and of its backward
+    double fwd = 0, bwd = 0;
+    Pass& operator+=(const Pass& o) {
+      fwd += o.fwd, bwd += o.bwd;
+      return *this;
+    }
+  };
+
+  CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime = 0, double imbalance = 1.0);
+
+  // Validates o (an Error as validate() words it) and predicts. When the neediest rank needs more
+  // than memory_limit bytes only the memory is filled in, and fits is false.
+  Prediction predict(const TrainOptions& o, double memory_limit = std::numeric_limits<double>::infinity());
+
+  // A lower bound of predict(o).step_s, at a fraction of its cost: the busiest stage's compute for
+  // every micro-batch plus the pipeline's fill and drain, (m + (p − 1)/v)·(f + b), no communication.
+  // The search evaluates layouts in the order of this bound and stops when it exceeds the K-th best.
+  // o: resolved, with degrees that divide the devices (not otherwise validated).
+  double step_bound(const TrainOptions& o);
+
+ private:
+  struct StageCompute {
+    double fwd = 0, bwd = 0;  // one micro-batch through all the stage's chunks, recomputation included
+    double attention = 0;     // forward + backward of its attention cores (what the CP ring hides behind)
+  };
+  // Per layer type, one micro-batch on this rank: the GEMMs' forward and backward, and the attention
+  // core's forward + backward.
+  struct LayerCosts {
+    Pass attention_linears, dense_mlp, moe_mlp, head;
+    double attention_core = 0;
+  };
+  const LayerCosts& layer_costs(const TrainOptions& o, const MeshDims& m);
+  const std::vector<ModelPart>& stage_parts(const TrainOptions& o, int pp);
+  std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m);
+  const RankBuffers& buffers(const TrainOptions& o, const MeshShape& mesh, int rank);
+
+  ModelConfig cfg_;
+  Cluster cluster_;
+  int devices_;
+  int64_t runtime_;
+  double imbalance_;
+  std::map<std::tuple<int, int, std::vector<int>>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers)
+  std::map<std::tuple<int, int, int, int, int64_t, int64_t>, LayerCosts> layers_;   // (tp, cp, ep, etp, B, T)
+  std::map<std::tuple<int, int, std::vector<int>, int, int>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep)
+  // (tp, cp, dp, pp, ep, etp, vpp, zero, sp, bucket MiB, rank, mesh order, pp_layers)
+  using BufferKey = std::tuple<int, int, int, int, int, int, int, int, bool, double, int, std::string, std::vector<int>>;
+  std::map<BufferKey, RankBuffers> buffers_;
+  std::map<std::tuple<int, int, int64_t, int, double>, double> makespans_;  // (schedule, p, m, v, b/f): makespan / f
+};
 
 }  // namespace origami

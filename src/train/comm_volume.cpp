@@ -5,7 +5,6 @@
 #include "model/model.h"
 #include "model/params.h"
 #include "parallel/context_parallel.h"
-#include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/schedule.h"
 
@@ -13,25 +12,11 @@ namespace origami {
 
 namespace {
 
-// Elements of the buffer's tensors inside `ranges`, of the tensors for which keep(spec) holds.
-template <typename Keep>
-int64_t elements_in(const std::vector<ParamSpec>& table, const BufferPlan& plan, int tp,
-                    const std::vector<Range>& ranges, Keep&& keep) {
-  int64_t n = 0;
-  for (size_t i = 0; i < table.size(); ++i) {
-    if (!keep(table[i])) continue;
-    const int64_t b = plan.offsets[i], e = b + table[i].local_numel(tp);
-    for (const Range& r : ranges) n += std::max<int64_t>(0, std::min(e, r.end) - std::max(b, r.begin));
-  }
-  return n;
-}
-
 // One parameter set's data-parallel traffic over a group of `group` ranks (data_parallel.h): ZeRO 0
 // all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
 // parameters, ZeRO 2 reduce-scatters after each of the step's `passes` backward passes.
-double gradient_bytes(const BufferPlan& plan, int group, int zero, int64_t passes) {
-  double padded = 0;
-  for (const Range& b : plan.buckets) padded += double(b.end - b.begin);
+double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes) {
+  const double padded = double(buffer.buckets);
   if (zero == 0) return all_reduce_bytes(group, 4 * padded);
   const double shards = scatter_gather_bytes(group, 4 * padded / group);  // every bucket, each rank its shard
   return double(zero == 2 ? passes : 1) * shards + shards;
@@ -42,6 +27,11 @@ double gradient_bytes(const BufferPlan& plan, int group, int zero, int64_t passe
 std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world, int rank,
                                               double imbalance) {
   o.validate(cfg, world);
+  return step_comm_bytes(cfg, o, world, rank, rank_buffers(cfg, o, world, rank), imbalance);
+}
+
+std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world, int rank,
+                                              const RankBuffers& buffers, double imbalance) {
   const MeshShape shape(world, o.layout_dims(world), o.mesh_order);
   const MeshDims& m = shape.dims();
   const int t = m.tp, c = m.cp, p = m.pp, v = o.vpp, stage = shape.coord(rank, "pp");
@@ -77,32 +67,16 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   double total_tp = double(micro) * tp;
 
   // Gradients: the dense buffer over DP × CP, the experts' over EDP; TP-partial gradients over TP.
-  SplitTable tables = split_experts(make_param_table(cfg, part), E, m.ep, shape.coord(rank, "ep"));
   const int grad_group = m.dp * c;
-  const BufferPlan dense = plan_buffer(tables.dense, o.param_layout(t, shape.coord(rank, "tp"), grad_group));
   const int64_t passes = micro * int64_t(part.chunks.size());
-  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(dense, grad_group, o.zero, passes));
-  const std::vector<int> grad_ranks = shape.group(rank, "dp-cp");
-  const int grad_rank = int(std::find(grad_ranks.begin(), grad_ranks.end(), rank) - grad_ranks.begin());
-  const std::vector<Range> owned = o.zero > 0 ? bucket_shards(dense.buckets, grad_group, grad_rank)
-                                              : std::vector<Range>{{0, dense.size}};
-  const int64_t partial = elements_in(tables.dense, dense, t, owned, [&](const ParamSpec& s) {
-    return (sp && s.split.seq_partial) || (t > 1 && s.split.token_partial);
-  });
-  total_tp += all_reduce_bytes(t, 4 * double(partial));
+  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes));
+  total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial));
   add("tp", total_tp);
-  if (!tables.experts.empty()) {
-    const BufferPlan experts = plan_buffer(tables.experts, o.param_layout(m.etp, shape.coord(rank, "etp"), m.edp));
-    add("edp", gradient_bytes(experts, m.edp, o.zero, passes));
-  }
+  if (buffers.experts.size > 0) add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes));
   // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.
   if (p > 1 && (stage == 0 || stage == p - 1))
-    for (size_t b = 0; b < dense.buckets.size(); ++b) {
-      const std::vector<Range> bucket = {dense.buckets[b]};
-      if (elements_in(tables.dense, dense, t, bucket, [](const ParamSpec& s) { return s.pp_shared; }) == 0) continue;
-      add("embedding", all_reduce_bytes(2, 4 * double(dense.buckets[b].end - dense.buckets[b].begin) /
-                                               (o.zero > 0 ? grad_group : 1)));
-    }
+    for (int64_t bucket : buffers.shared_buckets)
+      add("embedding", all_reduce_bytes(2, 4 * double(bucket) / (o.zero > 0 ? grad_group : 1)));
 
   // Context parallelism: each attention core's exchanges, forward (again before backward under any
   // recomputation) and backward.

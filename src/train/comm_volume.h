@@ -18,6 +18,7 @@
 #include <string>
 
 #include "model/config.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -26,5 +27,8 @@ namespace origami {
 // (TrainOptions::with_routing). Throws Error for a layout validate() refuses.
 std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,
                                               double imbalance = 1.0);
+// The same from the rank's buffer figures (rank_buffers, which the planner keeps per stage); o validated.
+std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,
+                                              const RankBuffers& buffers, double imbalance = 1.0);
 
 }  // namespace origami

@@ -58,22 +58,74 @@ nlohmann::json MemoryParts::as_json() const {
   return j;
 }
 
-MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank, int64_t runtime,
-                        int64_t sampler) {
+RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank) {
+  const TrainOptions o = options.resolved(world_size);
+  const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
+  const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), mesh.degree("pp"), o.vpp, o.pp_layers);
+  const ModelPart part = ModelPart::of_stage(virtual_stages, mesh.degree("pp"), mesh.coord(rank, "pp"));
+  // The table is large for deep models (the memory check must answer within a second): moved, not copied.
+  return rank_buffers(o, world_size, rank,
+                      split_experts(make_param_table(cfg, part), cfg.num_experts, mesh.degree("ep"), mesh.coord(rank, "ep")));
+}
+
+RankBuffers rank_buffers(const TrainOptions& options, int world_size, int rank, const SplitTable& tables) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   // Dense gradients and ZeRO shards span DP x CP (the trainer's dp-cp group).
   const std::vector<int> grad_group = mesh.group(rank, "dp-cp");
-  const int tp = mesh.degree("tp"), dp = int(grad_group.size()), pp = mesh.degree("pp");
-  const int tp_rank = mesh.coord(rank, "tp"), stage = mesh.coord(rank, "pp");
+  const int tp = mesh.degree("tp"), dp = int(grad_group.size());
   const int dp_rank = int(std::find(grad_group.begin(), grad_group.end(), rank) - grad_group.begin());
+  const bool sp = o.sequence_parallel && tp > 1;
+  RankBuffers out;
+  // Per parameter set: the buffer (plan_buffer), this rank's shard of each bucket (bucket_shards).
+  auto figures = [&](const std::vector<ParamSpec>& table, int tp_size, int tp_rank, int dp_size, int dp_r,
+                     std::vector<Range>* owned) {
+    const BufferPlan plan = plan_buffer(table, o.param_layout(tp_size, tp_rank, dp_size));
+    const std::vector<Range> shards = bucket_shards(plan.buckets, dp_size, dp_r);
+    BufferFigures f;
+    f.size = plan.size;
+    for (size_t b = 0; b < shards.size(); ++b) {
+      const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
+      f.buckets += plan.buckets[b].end - plan.buckets[b].begin;
+      f.data += plan.bucket_data[b];
+      f.shard += shards[b].end - shards[b].begin;
+      f.shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
+    }
+    if (!owned) return f;
+    // The dense set: what TP sums of the elements this rank updates (DataParallel's owned ranges),
+    // and the buckets of the tied embedding.
+    *owned = o.zero > 0 ? shards : std::vector<Range>{{0, plan.size}};
+    for (size_t i = 0; i < table.size(); ++i) {
+      const ParamSpec& s = table[i];
+      if (s.pp_shared)
+        for (const Range& b : plan.buckets)
+          if (plan.offsets[i] >= b.begin && plan.offsets[i] < b.end) out.shared_buckets.push_back(b.end - b.begin);
+      if (!((sp && s.split.seq_partial) || (tp > 1 && s.split.token_partial))) continue;
+      const int64_t begin = plan.offsets[i], end = begin + s.local_numel(tp_size);
+      for (const Range& r : *owned) out.tp_partial += std::max<int64_t>(0, std::min(end, r.end) - std::max(begin, r.begin));
+    }
+    return f;
+  };
+  std::vector<Range> owned;
+  out.dense = figures(tables.dense, tp, mesh.coord(rank, "tp"), dp, dp_rank, &owned);
+  if (!tables.experts.empty())
+    out.experts = figures(tables.experts, mesh.degree("etp"), mesh.coord(rank, "etp"), mesh.degree("edp"),
+                          mesh.coord(rank, "edp"), nullptr);
+  return out;
+}
+
+MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime,
+                        int64_t sampler) {
+  return rank_memory(cfg, o, world_size, rank, rank_buffers(cfg, o, world_size, rank), runtime, sampler);
+}
+
+MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank,
+                        const RankBuffers& buffers, int64_t runtime, int64_t sampler) {
+  const TrainOptions o = options.resolved(world_size);
+  const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
+  const int tp = mesh.degree("tp"), pp = mesh.degree("pp"), stage = mesh.coord(rank, "pp");
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
-  std::vector<ParamSpec> table = make_param_table(cfg, part);
-  const int ep = mesh.degree("ep"), etp = mesh.degree("etp"), edp = mesh.degree("edp");
-  const int ep_rank = mesh.coord(rank, "ep"), etp_rank = mesh.coord(rank, "etp"), edp_rank = mesh.coord(rank, "edp");
-  // The table is large for deep models (the memory check must answer within a second): moved, not copied.
-  const SplitTable sets = split_experts(std::move(table), cfg.num_experts, ep, ep_rank);
   MemoryParts m;
   m.runtime = runtime;
 
@@ -81,24 +133,11 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   // and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size; the
   // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding.
-  int64_t shard_floats = 0;  // both sets: this rank's bucket shards
-  auto add_set = [&](const std::vector<ParamSpec>& t, int tp_size, int tp_r, int dp_size, int dp_r) {
-    const BufferPlan plan = plan_buffer(t, o.param_layout(tp_size, tp_r, dp_size));
-    const std::vector<Range> shards = bucket_shards(plan.buckets, dp_size, dp_r);
-    int64_t shard = 0, all_data = 0, shard_data = 0;
-    for (size_t b = 0; b < shards.size(); ++b) {
-      const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
-      shard += shards[b].end - shards[b].begin;
-      all_data += plan.bucket_data[b];
-      shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
-    }
-    m.weights += 4 * plan.size;
-    m.grads += 4 * plan.size + (o.zero >= 1 ? 4 * shard : 0) + (o.zero == 2 ? 4 * shard : 0);
-    m.optimizer += 2 * 4 * (o.zero == 0 ? all_data : shard_data);
-    shard_floats += shard;
-  };
-  add_set(sets.dense, tp, tp_rank, dp, dp_rank);
-  add_set(sets.experts, etp, etp_rank, edp, edp_rank);
+  for (const BufferFigures& f : {buffers.dense, buffers.experts}) {
+    m.weights += 4 * f.size;
+    m.grads += 4 * f.size + (o.zero >= 1 ? 4 * f.shard : 0) + (o.zero == 2 ? 4 * f.shard : 0);
+    m.optimizer += 2 * 4 * (o.zero == 0 ? f.data : f.shard_data);
+  }
 
   // Activations: the stage's schedule keeps slots of its chunks' layers (the pipeline's computed peak).
   const ActivationShape shape = o.activation_shape(tp);
@@ -116,7 +155,7 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.
-  if (!o.save.empty() && o.async_save) m.checkpoint = 3 * 4 * shard_floats;
+  if (!o.save.empty() && o.async_save) m.checkpoint = 3 * 4 * (buffers.dense.shard + buffers.experts.shard);
   return m;
 }
 

@@ -3,15 +3,18 @@
 // (parameters and gradients, as Params allocates them), bucket_shards (ZeRO), slot_bytes /
 // recompute_bytes / schedule_activation_peak (activations, as the pipeline keeps them),
 // workspace_bytes (the model's work buffers) and Pipeline::buffer_bytes. The
-// trainer checks it against the machine before building the model; the planner will call it too.
+// trainer checks it against the machine before building the model; the planner calls it for every
+// layout it predicts, keeping rank_buffers' figures per stage and layout (they are the costly part).
 #pragma once
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/params.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -40,10 +43,34 @@ struct MemoryParts {
       &MemoryParts::workspace, &MemoryParts::checkpoint, &MemoryParts::runtime};
 };
 
+// One parameter set's buffer on one rank, as plan_buffer lays it out and bucket_shards shares it.
+struct BufferFigures {
+  int64_t size = 0;        // floats of the buffer, padding included
+  int64_t buckets = 0;     // floats of its buckets (what the data-parallel collectives move)
+  int64_t data = 0;        // tensor elements (no padding)
+  int64_t shard = 0;       // floats of this rank's shards of the buckets (ZeRO)
+  int64_t shard_data = 0;  // tensor elements inside those shards
+};
+
+// What a rank's memory and gradient traffic depend on in its parameter buffers: the dense tensors
+// (TP shard, buckets over DP × CP) and its experts (ETP shard, buckets over EDP).
+struct RankBuffers {
+  BufferFigures dense, experts;
+  int64_t tp_partial = 0;               // dense elements this rank updates whose gradients TP sums
+  std::vector<int64_t> shared_buckets;  // floats of each dense bucket holding the tied embedding (pp_shared)
+};
+
+// The tables come from the stage's make_param_table cut by split_experts for this rank's EP rank (the
+// planner keeps them per stage); the first form builds them. Throws Error for an invalid layout.
+RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank);
+RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables);
+
 // Rank `rank` of a `world_size`-rank run with options `o`; `runtime` is that rank's measured resident
 // memory before the run (resident_bytes()), `sampler` what its WindowSampler will take
-// (WindowSampler::bytes()). Throws Error for an invalid layout.
+// (WindowSampler::bytes()). Throws Error for an invalid layout. `buffers`: rank_buffers' figures.
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime,
                         int64_t sampler = 0);
+MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,
+                        const RankBuffers& buffers, int64_t runtime, int64_t sampler = 0);
 
 }  // namespace origami
