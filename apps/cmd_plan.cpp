@@ -3,7 +3,7 @@
 //
 //   origami plan --config HF_CONFIG --cluster cluster.json --devices N --global-batch G --seq-len T
 //                [--layout "tp2 cp1 ep8 etp1 pp4 vpp1 zero1 mb1 recompute=selective sp cp-comm=a2a"]
-//                [--top K] [--json] [--out plan.json]
+//                [--top K] [--json] [--out plan.json] [--plot FILE.png]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +18,7 @@
 #include "core/memory.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "plan/plot.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -100,7 +101,8 @@ int cmd_plan(int argc, char** argv) {
       .option("top", "K", "layouts to print", "10")
       .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean", "1.0")
       .flag("json", "print a JSON list, best first")
-      .option("out", "FILE", "write the best layout as a plan file (its options and prediction)");
+      .option("out", "FILE", "write the best layout as a plan file (its options and prediction)")
+      .option("plot", "FILE.png", "draw the predicted step time breakdown of the listed layouts (gnuplot)");
   if (!a.parse(argc, argv)) return 0;
   for (const char* required : {"config", "cluster", "global-batch", "seq-len"})
     ORIGAMI_CHECK(a.has(required), "--", required, " is required (see 'origami plan --help')");
@@ -245,6 +247,13 @@ int cmd_plan(int argc, char** argv) {
     const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, devices)}, {"devices", devices},
                                  {"cluster", cluster.name}, {"prediction", found.front().p.as_json()}};
     write_file_atomically(a.str("out"), plan.dump(2) + "\n");
+  }
+  if (a.has("plot")) {
+    std::vector<PlotRow> rows;
+    for (const Candidate& c : found)
+      rows.push_back({layout_name(c.o, devices), c.p.compute_s, c.p.bubble_s, c.p.exposed_s});
+    plot_step_breakdown(rows, cat(cfg.model_type(), " on ", devices, " devices of ", cluster.name, ": global batch ", G,
+                                  " x ", T, " tokens, predicted step time"), a.str("plot"));
   }
   return 0;
 }

@@ -13,6 +13,7 @@ debian_packages=(
   nlohmann-json3-dev                      # config.json / safetensors header / run-config parsing
   libpcre2-dev                            # regex of Hugging Face tokenizer.json pre-tokenizers
   libicu-dev                              # Unicode normalizers (NFC...) of Hugging Face tokenizer.json
+  gnuplot-nox                             # origami plan --plot (its pngcairo terminal)
   libgtest-dev                            # unit tests
   python3 python3-torch python3-numpy python3-pip   # PyTorch oracle for tests/reference (Debian's 1.13)
   fortunes fortunes-min                   # the demo corpus: public-domain text, %-separated documents

@@ -45,11 +45,13 @@ def command(np_, args, binary=None):
     return [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np_), *b]
 
 
-def run(np_, args, timeout=300, binary=None):
-    """Runs and returns (returncode, combined output, wall seconds). Never raises on failure."""
+def run(np_, args, timeout=300, binary=None, extra_env=None):
+    """Runs and returns (returncode, combined output, wall seconds). Never raises on failure.
+    extra_env: variables set on top of env()."""
     t0 = time.time()
     try:
-        p = subprocess.run(command(np_, args, binary), capture_output=True, text=True, timeout=timeout, env=env(),
+        p = subprocess.run(command(np_, args, binary), capture_output=True, text=True, timeout=timeout,
+                           env={**env(), **(extra_env or {})},
                            stdin=subprocess.DEVNULL)
         return p.returncode, p.stdout + p.stderr, time.time() - t0
     except subprocess.TimeoutExpired as e:
@@ -58,11 +60,11 @@ def run(np_, args, timeout=300, binary=None):
         return None, out + err + "\n[timed out after %ds]" % timeout, time.time() - t0
 
 
-def check_error(name, np_, args, names_rule, timeout=60):
+def check_error(name, np_, args, names_rule, timeout=60, extra_env=None):
     """One user mistake on np_ ranks: the job exits 1 with exactly one "error:" line (every rank
     exits, one speaks), and names_rule(line) holds (it names the value and the rule). Prints an
     ok/FAIL row; returns (ok, the line, a failure description or None)."""
-    rc, out, _ = run(np_, args, timeout=timeout)
+    rc, out, _ = run(np_, args, timeout=timeout, extra_env=extra_env)
     lines = [l.strip() for l in out.splitlines() if "error:" in l]
     line = lines[0] if lines else ""
     ok = rc == 1 and len(lines) == 1 and names_rule(line)

@@ -14,9 +14,14 @@ global batch 8, T 32:
      `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
   4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has)
      exit 1 with one error line.
+  5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot, with a gnuplot
+     that fails, or with FILE in a missing directory it exits 1 with one error line, and leaves an
+     existing FILE as it was and no FILE.tmp.
 """
 import json
 import os
+import stat
+import struct
 
 import harness as h
 
@@ -109,6 +114,32 @@ def main():
                                   os.path.join(tmp, "plan.json"), "--steps", "1"],
                                   lambda line: "lays out 2 devices, and this job has 1 rank" in line)
     failures += [failure] if failure else []
+
+    png = os.path.join(tmp, "p.png")
+    rc, out, _ = h.run(0, base + ["--cluster", CLUSTER, "--top", "4", "--plot", png])
+    head = open(png, "rb").read(24) if os.path.exists(png) else b""
+    # The signature, then the IHDR chunk: length, type, width and height (big-endian).
+    width, height = struct.unpack(">II", head[16:24]) if len(head) == 24 else (0, 0)
+    ok = rc == 0 and head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR" and 600 <= width <= 4000 \
+        and 200 <= height <= 4000 and not os.path.exists(png + ".tmp")
+    print("%-4s --plot writes a %dx%d PNG" % ("ok" if ok else "FAIL", width, height))
+    if not ok:
+        failures.append("--plot: exit %s, PNG header %r: %s" % (rc, head, out[-300:]))
+    fake = os.path.join(tmp, "fakebin")  # a gnuplot that fails as gnuplot does, its message last
+    os.makedirs(fake)
+    with open(os.path.join(fake, "gnuplot"), "w") as f:
+        f.write("#!/bin/sh\necho 'set terminal pngcairo' >&2\necho '\"plot.gp\" line 3: unknown terminal' >&2\nexit 1\n")
+    os.chmod(os.path.join(fake, "gnuplot"), stat.S_IRWXU)
+    plot = base + ["--cluster", CLUSTER, "--top", "4", "--plot"]
+    for name, args, env, want in [
+            ("--plot without gnuplot", plot + [png], {"PATH": "/nonexistent"}, "--plot needs gnuplot (Debian: apt-get install gnuplot-nox"),
+            ("--plot, gnuplot fails", plot + [png], {"PATH": fake}, "gnuplot failed: \"plot.gp\" line 3: unknown terminal"),
+            ("--plot to a missing directory", plot + [os.path.join(tmp, "missing", "p.png")], None,
+             "cannot write %s.tmp (No such file or directory)" % os.path.join(tmp, "missing", "p.png"))]:
+        _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line, extra_env=env)
+        failures += [failure] if failure else []
+    if os.path.exists(png + ".tmp") or open(png, "rb").read(24) != head:
+        failures.append("--plot: a failed gnuplot must leave %s as it was and no .tmp beside it" % png)
     h.report(failures, "origami plan lists layouts the runtime runs, with its memory and bytes")
 
 
