@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +35,7 @@
 #include "model/params.h"
 #include "train/comm_volume.h"
 #include "train/memory_plan.h"
+#include "train/plan.h"
 
 namespace origami {
 
@@ -284,11 +286,12 @@ struct MemoryCheck {
   std::string budget;              // what rank 0's node (or the per-rank limit) allows, in words
 };
 
-MemoryCheck check_memory(const ModelConfig& cfg, const TrainOptions& o, int64_t sampler, Comm& world) {
+MemoryCheck check_memory(const Plan& plan, int64_t sampler, Comm& world) {
+  const TrainOptions& o = plan.options;
   const int64_t runtime = resident_bytes();
   MemoryParts mine;
   check_on_every_rank(world, "train",
-                      [&] { mine = rank_memory(cfg, o, world.size(), world.rank(), runtime, sampler); });
+                      [&] { mine = rank_memory(plan.model, o, world.size(), world.rank(), runtime, sampler); });
   world.barrier();  // every rank on a node holds its runtime memory before any measures what is left
   const AvailableMemory avail = available_memory();
   char host[256] = {};
@@ -358,6 +361,116 @@ struct ParamSet {
         opt(params, o.adam, dp.owned()) {}
 };
 
+// The run's inputs, opened on every rank and checked before any communication: the training data
+// (its tokenizer against the model's vocabulary), the validation data and the checkpoint to start
+// from (against the model). Completes the plan's model config with the end-of-document id of
+// --attention-mask document (the data's tokenizer names it).
+struct Inputs {
+  std::optional<DataBlend> data, eval_data;  // the training data and the validation data (if any)
+  std::optional<Checkpoint> checkpoint;      // --resume or --init-from
+  bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
+  // Test-only fault injection: ORIGAMI_TEST_NAN_GRAD=STEP:RANK makes world rank RANK's gradient at
+  // the first parameter backward reaches in step STEP NaN, before any reduction — as a fault in one
+  // rank's backward would. The non-finite guard must stop every rank.
+  long long nan_step = -1;
+  int nan_rank = -1;
+};
+
+Inputs open_inputs(Plan& plan) {
+  const TrainOptions& o = plan.options;
+  ModelConfig& cfg = plan.model;
+  Inputs in;
+  const std::vector<BlendPart> parts = parse_blend(o.data, "--data");
+  in.data.emplace(parts, o.seq_len, parse_sample_order(o.data_order), o.seed, "--data");
+  const std::string& tokenizer_path = in.data->tokenizer_path();
+  std::unique_ptr<Tokenizer> tok;
+  if (!tokenizer_path.empty()) {
+    tok = load_tokenizer_file(tokenizer_path);
+    ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
+                  tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
+  }
+  if (!o.eval_data.empty()) {
+    // The validation windows, in order: the first eval_iters × G samples, none read twice.
+    in.eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
+                         "--eval-data");
+    in.data->require_same_tokenizer(*in.eval_data, cat("--data '", o.data, "' and --eval-data '", o.eval_data, "'"));
+    in.eval_data->require_no_repeat(o.eval_iters * o.global_batch,
+                                    cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters,
+                                        " x ", o.global_batch, "; lower --eval-iters or give more validation data)"));
+  }
+  if (parse_attention_mask(o.attention_mask)) cfg.document_eod = document_eod(cfg, tok.get(), parts[0].prefix);
+  in.fresh_start = o.fresh_start();
+  const std::string& from = o.resume.empty() ? o.init_from : o.resume;
+  if (!from.empty() && !in.fresh_start) {  // the checkpoint to start from, checked against the model
+    in.checkpoint = Checkpoint::open(from);
+    in.checkpoint->bind(cfg);
+    ORIGAMI_CHECK(o.resume.empty() || in.checkpoint->has_optimizer(), "--resume '", o.resume, "' (",
+                  in.checkpoint->path(), ") holds weights only, no optimizer state or step: start from it with "
+                  "--init-from");
+  }
+  if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD"))
+    ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &in.nan_step, &in.nan_rank) == 2 && in.nan_step >= 1 && in.nan_rank >= 0,
+                  "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK (a step from 1, a world rank), got '", e, "'");
+  return in;
+}
+
+// Where the run starts: step 0 with the parameters initialised from the seed, or the checkpoint's
+// weights (--init-from) and, with --resume, its AdamW moments, step and router biases.
+struct StartState {
+  int64_t step = 0;
+  std::vector<std::vector<float>> router_bias;  // the router's selection biases of a resumed checkpoint
+  double load_s = 0;                            // reading (and checking) the checkpoint: the slowest rank's
+};
+
+StartState start_state(Checkpoint* ck, const std::array<ParamSet*, 2>& sets, const Plan& plan, Comm& world) {
+  const TrainOptions& o = plan.options;
+  StartState start;
+  if (!ck) {
+    for (ParamSet* set : sets) set->params.init(o.seed, plan.model.num_layers);
+    return start;
+  }
+  // Every rank reads only its own shards (any layout wrote them) and checks the checksums of its
+  // share of the files; a damaged or missing file is one message and every rank exits 1.
+  Timer load_timer;
+  check_on_every_rank(world, "train", [&] {
+    ck->verify_checksums(world.rank(), world.size());
+    for (ParamSet* set : sets) ck->read_weights(set->params);
+    if (o.resume.empty()) return;
+    const nlohmann::json& st = ck->trainer_state();
+    ORIGAMI_CHECK(st.contains("step") && st["step"].is_number_integer() && st.contains("adam_steps"), "'",
+                  ck->path(), "/trainer_state.json' needs integer 'step' and 'adam_steps'");
+    for (ParamSet* set : sets) {
+      const ParamLayout& lay = set->params.layout();
+      for (size_t i = 0; i < set->opt.segments().size(); ++i) {
+        const Segment& seg = set->opt.segments()[i];
+        const int64_t at = set->params.offset(seg.param);
+        const ParamSpec& spec = set->params.table()[seg.param];
+        ck->read(StateKind::exp_avg, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg(i));
+        ck->read(StateKind::exp_avg_sq, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg_sq(i));
+      }
+      set->opt.set_steps_taken(st["adam_steps"].get<int64_t>());
+    }
+    start.step = st["step"].get<int64_t>();
+    // A resume continues the run: options that change what it learns from are worth a word when changed.
+    if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
+      const nlohmann::json& was = st["options"];
+      for (const auto& [key, flag, now] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask},
+                                           std::tuple{"data", "--data", o.data}}) {
+        const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>()
+                                   : std::string(key) == "attention_mask" ? "causal" : "";
+        if (before != now)
+          std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
+                       now.c_str(), ck->path().c_str(), before.c_str());
+      }
+    }
+    if (st.contains("router_bias")) start.router_bias = st["router_bias"].get<std::vector<std::vector<float>>>();
+    ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,
+                  "; ask for more --steps to continue");
+  });
+  start.load_s = world.all_reduce_value(load_timer.ms() / 1000.0, ReduceOp::max);
+  return start;
+}
+
 int64_t peak_rss_bytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -372,177 +485,122 @@ double cpu_seconds() {
 
 }  // namespace
 
+// A run is built in this order, each part from the Plan and the parts before it:
+//   1. plan and inputs: make_plan validates the options against the model and the world size and
+//      derives the layout, open_inputs opens and checks the data and the checkpoint — on every
+//      rank, before any communication, so a mistake is one message;
+//   2. memory check: every rank's needs against its node, before anything large is allocated;
+//   3. mesh: the communicators of every axis group, and the tied embedding's;
+//   4. parameters: this stage's part of the model, its dense tensors (TP shard, DP buckets) and its
+//      experts (EP, ETP shard, EDP buckets), each set with its gradient reduction and its AdamW over
+//      the elements this rank updates;
+//   5. start state: the parameters initialised, or read from the checkpoint (with --resume also
+//      the AdamW moments, the step and the router biases);
+//   6. model and pipeline: the model over this stage's parameters and communicators, and the
+//      stage's schedule;
+//   7. report: the startup lines and the metrics file;
+//   8. checkpoints: the writer and the pieces this rank saves;
+//   9. the step loop.
 int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& world) {
-  // Everything a user can get wrong is checked first, on every rank, before any communication.
-  std::optional<DataBlend> data, eval_data;  // the training data and the validation data (if any)
-  TrainOptions o;  // with the derived values (the global batch) filled in
-  // Test-only fault injection: ORIGAMI_TEST_NAN_GRAD=STEP:RANK makes world rank RANK's gradient at
-  // the first parameter backward reaches in step STEP NaN, before any reduction — as a fault in one
-  // rank's backward would. The non-finite guard must stop every rank.
-  long long nan_step = -1;
-  int nan_rank = -1;
-  ModelConfig cfg;  // with the run's routing options
-  std::optional<Checkpoint> ck;  // --resume or --init-from
-  bool fresh_start = false;      // --resume DIR --save DIR before DIR holds a checkpoint
-  const std::string& from = opts.resume.empty() ? opts.init_from : opts.resume;
+  // 1. Plan and inputs: everything a user can get wrong is checked first, on every rank, before any
+  // communication.
+  std::optional<Plan> planned;
+  Inputs in;
   check_on_every_rank(world, "train", [&] {
-    o = opts.resolved(world.size());
-    o.validate(model_cfg, world.size());
-    cfg = o.with_routing(model_cfg);
-    const std::vector<BlendPart> parts = parse_blend(o.data, "--data");
-    data.emplace(parts, o.seq_len, parse_sample_order(o.data_order), o.seed, "--data");
-    const std::string& tokenizer_path = data->tokenizer_path();
-    std::unique_ptr<Tokenizer> tok;
-    if (!tokenizer_path.empty()) {
-      tok = load_tokenizer_file(tokenizer_path);
-      ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
-                    tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
-    }
-    if (!o.eval_data.empty()) {
-      // The validation windows, in order: the first eval_iters × G samples, none read twice.
-      eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
-                        "--eval-data");
-      data->require_same_tokenizer(*eval_data, cat("--data '", o.data, "' and --eval-data '", o.eval_data, "'"));
-      eval_data->require_no_repeat(o.eval_iters * o.global_batch,
-                                   cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters, " x ",
-                                       o.global_batch, "; lower --eval-iters or give more validation data)"));
-    }
-    if (parse_attention_mask(o.attention_mask)) cfg.document_eod = document_eod(cfg, tok.get(), parts[0].prefix);
-    fresh_start = o.fresh_start();
-    if (!from.empty() && !fresh_start) {  // the checkpoint to start from, checked against the model
-      ck = Checkpoint::open(from);
-      ck->bind(cfg);
-      ORIGAMI_CHECK(o.resume.empty() || ck->has_optimizer(), "--resume '", o.resume, "' (", ck->path(),
-                    ") holds weights only, no optimizer state or step: start from it with --init-from");
-    }
-    if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD"))
-      ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &nan_step, &nan_rank) == 2 && nan_step >= 1 && nan_rank >= 0,
-                    "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK (a step from 1, a world rank), got '", e, "'");
+    planned.emplace(make_plan(model_cfg, opts, world.size()));
+    in = open_inputs(*planned);
   });
-  // Then the memory every rank will need, before anything large is allocated (the libraries' thread
-  // pools and buffers are set up first: the check measures them as the runtime part).
+  const Plan& plan = *planned;
+  const TrainOptions& o = plan.options;
+  const ModelConfig& cfg = plan.model;
+  std::optional<DataBlend> &data = in.data, &eval_data = in.eval_data;
+
+  // 2. Memory check (the libraries' thread pools and buffers are set up first: the check measures
+  // them as the runtime part).
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
   const int64_t data_bytes = data->bytes(o.global_batch) + (eval_data ? eval_data->bytes(o.eval_iters * o.global_batch) : 0);
-  const MemoryCheck memory = check_memory(cfg, o, data_bytes, world);
+  const MemoryCheck memory = check_memory(plan, data_bytes, world);
   const bool rank0 = world.rank() == 0;
 
-  // Layout: the attention and MoE meshes over the same ranks; this rank's pipeline stage (its chunks
-  // of layers), the TP shard and DP buckets of its dense tensors, and its experts (EP) with their ETP
-  // shard and EDP buckets.
-  Mesh mesh(world, MeshShape(world.size(), o.layout_dims(world.size()), o.mesh_order));
+  // 3. Mesh: the attention and MoE meshes over the same ranks.
+  Mesh mesh(world, plan.mesh);
   Comm& tp_comm = mesh.comm("tp");
   Comm& dp_comm = mesh.comm("dp");        // data rows: CP ranks read the same windows
   Comm& grad_comm = mesh.comm("dp-cp");   // dense gradients: summed over DP and CP (each CP rank its tokens')
   Comm& pp_comm = mesh.comm("pp");
   Comm &ep_comm = mesh.comm("ep"), &etp_comm = mesh.comm("etp"), &edp_comm = mesh.comm("edp");
   const int dp = dp_comm.size(), dp_rank = dp_comm.rank(), pp = pp_comm.size(), stage = pp_comm.rank();
-  const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
-  auto part_of = [&](int s) { return ModelPart::of_stage(virtual_stages, pp, s); };
-  const ModelPart part = part_of(stage);
   // The tied embedding's gradient is summed over the first and last stage (a group of 2; the middle
   // stages form groups of their own, unused).
   std::unique_ptr<Comm> embedding_comm;
   if (pp > 1) embedding_comm = pp_comm.split(stage == 0 || stage == pp - 1 ? 0 : 1, stage, "embedding");
+
+  // 4. Parameters: this rank's pipeline stage (its chunks of layers), the TP shard and DP buckets of
+  // its dense tensors, and its experts (EP) with their ETP shard and EDP buckets.
+  const ModelPart part = plan.part(stage);
   SplitTable tables = split_experts(make_param_table(cfg, part), cfg.num_experts, ep_comm.size(), ep_comm.rank());
   ParamSet dense(std::move(tables.dense), o, grad_comm, tp_comm, o.sequence_parallel,
                  part.embedding != part.head ? embedding_comm.get() : nullptr);
   ParamSet experts(std::move(tables.experts), o, edp_comm, etp_comm, false, nullptr);
-  ParamSet* const sets[2] = {&dense, &experts};
+  const std::array<ParamSet*, 2> sets = {&dense, &experts};
   Params& params = dense.params;
-  int64_t start_step = 0;
-  std::vector<std::vector<float>> saved_bias;  // the router's selection biases of a resumed checkpoint
-  double load_s = 0;                           // reading (and checking) the checkpoint
-  if (!ck) {
-    for (ParamSet* set : sets) set->params.init(o.seed, cfg.num_layers);
-  } else {
-    // Every rank reads only its own shards (any layout wrote them) and checks the checksums of its
-    // share of the files; a damaged or missing file is one message and every rank exits 1.
-    Timer load_timer;
-    check_on_every_rank(world, "train", [&] {
-      ck->verify_checksums(world.rank(), world.size());
-      for (ParamSet* set : sets) ck->read_weights(set->params);
-      if (o.resume.empty()) return;
-      const nlohmann::json& st = ck->trainer_state();
-      ORIGAMI_CHECK(st.contains("step") && st["step"].is_number_integer() && st.contains("adam_steps"), "'",
-                    ck->path(), "/trainer_state.json' needs integer 'step' and 'adam_steps'");
-      for (ParamSet* set : sets) {
-        const ParamLayout& lay = set->params.layout();
-        for (size_t i = 0; i < set->opt.segments().size(); ++i) {
-          const Segment& seg = set->opt.segments()[i];
-          const int64_t at = set->params.offset(seg.param);
-          const ParamSpec& spec = set->params.table()[seg.param];
-          ck->read(StateKind::exp_avg, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg(i));
-          ck->read(StateKind::exp_avg_sq, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg_sq(i));
-        }
-        set->opt.set_steps_taken(st["adam_steps"].get<int64_t>());
-      }
-      start_step = st["step"].get<int64_t>();
-      // A resume continues the run: options that change what it learns from are worth a word when changed.
-      if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
-        const nlohmann::json& was = st["options"];
-        for (const auto& [key, flag, now] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask},
-                                             std::tuple{"data", "--data", o.data}}) {
-          const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>()
-                                     : std::string(key) == "attention_mask" ? "causal" : "";
-          if (before != now)
-            std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
-                         now.c_str(), ck->path().c_str(), before.c_str());
-        }
-      }
-      if (st.contains("router_bias")) saved_bias = st["router_bias"].get<std::vector<std::vector<float>>>();
-      ORIGAMI_CHECK(start_step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start_step,
-                    "; ask for more --steps to continue");
-    });
-    load_s = world.all_reduce_value(load_timer.ms() / 1000.0, ReduceOp::max);  // the slowest rank's
-  }
+
+  // 5. Start state.
+  const StartState start = start_state(in.checkpoint ? &*in.checkpoint : nullptr, sets, plan, world);
+  const int64_t start_step = start.step;
   // Unmapped once read: a later --keep-last removal of that step then frees its disk space.
-  const std::string ck_path = ck ? ck->path() : "";
-  ck.reset();
-  const Recompute recompute = parse_recompute(o.recompute);
-  // MoE layers route every token of TP x CP once: the counts behind the router's load-balancing loss
-  // are summed over that group (and for the global-batch loss also over DP: the whole stage).
-  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, recompute,
+  const std::string ck_path = in.checkpoint ? in.checkpoint->path() : "";
+  in.checkpoint.reset();
+
+  // 6. Model and pipeline. MoE layers route every token of TP x CP once: the counts behind the
+  // router's load-balancing loss are summed over that group (and for the global-batch loss also
+  // over DP: the whole stage).
+  Model model(cfg, params, TensorParallel(tp_comm, o.sequence_parallel), part, plan.recompute,
               {&experts.params, TokenDispatcher(mesh.comm("tp-cp"), dp_comm, ep_comm, etp_comm)},
-              ContextParallel(mesh.comm("cp"), parse_cp_comm(o.cp_comm), o.cp_a2a()));
+              ContextParallel(mesh.comm("cp"), plan.cp_comm, plan.cp_a2a));
   ContextParallel& cp = model.context_parallel();
-  if (!saved_bias.empty()) {  // a resumed run routes with the biases it saved (and updates them with a rate)
-    ORIGAMI_CHECK(saved_bias.size() == size_t(cfg.num_layers) && saved_bias[0].size() == size_t(cfg.num_experts),
+  if (!start.router_bias.empty()) {  // a resumed run routes with the biases it saved (and updates them with a rate)
+    ORIGAMI_CHECK(start.router_bias.size() == size_t(cfg.num_layers) &&
+                      start.router_bias[0].size() == size_t(cfg.num_experts),
                   "'", ck_path, "/trainer_state.json': router_bias is not [layers][experts] of this model");
-    model.router_bias() = saved_bias;
+    model.router_bias() = start.router_bias;
   }
   int64_t current_step = 0;
   bool injected = false;
   model.on_grads_ready([&](int64_t offset, int64_t expert_offset) {
-    if (current_step == nan_step && nan_rank == world.rank() && !injected) {
+    if (current_step == in.nan_step && in.nan_rank == world.rank() && !injected) {
       params.grad()[offset] = std::numeric_limits<float>::quiet_NaN();
       injected = true;
     }
     dense.dp.grads_ready(offset);
     experts.dp.grads_ready(expert_offset);
   });
-  const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = G / (B * dp);
-  Pipeline pipeline(model, pp_comm, {&dense.dp, &experts.dp}, o.schedule_kind(), int(micro), o.vpp);
+  const int64_t B = o.micro_batch, G = o.global_batch, T = o.seq_len, micro = plan.micro_batches;
+  Pipeline pipeline(model, pp_comm, {&dense.dp, &experts.dp}, plan.schedule, int(micro), o.vpp);
   // Activation memory this stage should peak at (the memory check's figure, compared with the measured peak).
   const int64_t act_computed = memory.parts[size_t(world.rank())].activations;
 
+  // 7. Report: the metrics file, the layout in words (also in every metrics row and checkpoint) and
+  // the startup lines.
   std::unique_ptr<std::ofstream> metrics;
   if (rank0 && !o.metrics.empty()) {
     metrics = std::make_unique<std::ofstream>(o.metrics, start_step > 0 ? std::ios::app : std::ios::trunc);
     ORIGAMI_CHECK(*metrics, "cannot write metrics file '", o.metrics, "'");
   }
   const double flops_per_step = train_flops_per_token(cfg, T) * double(G * T);
-  std::string layout_name = mesh.shape().describe(cfg.is_moe()) + (o.sequence_parallel && tp_comm.size() > 1 ? " +SP" : "") +
-                            (o.zero > 0 && dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
-  if (cp.size() > 1) layout_name += cat(" cp ", cp.describe(cfg.num_kv_heads / tp_comm.size()));
-  if (pp > 1) layout_name += cat(" ", schedule_kind_name(o.schedule_kind()), o.vpp > 1 ? cat(" v", o.vpp) : "");
-  if (recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(recompute));
+  const MeshDims& dims = plan.mesh.dims();
+  std::string layout_name = plan.mesh.describe(cfg.is_moe()) + (o.sequence_parallel && dims.tp > 1 ? " +SP" : "") +
+                            (o.zero > 0 && dims.dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+  if (dims.cp > 1) layout_name += cat(" cp ", cp.describe(cfg.num_kv_heads / dims.tp));
+  if (dims.pp > 1) layout_name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
+  if (plan.recompute != Recompute::none) layout_name += cat(" recompute ", recompute_name(plan.recompute));
   if (rank0) {
     std::printf("origami train: %s, %lld parameters, %lld layers | data %s | "
                 "global batch %lld%s = %lld accumulation step%s x micro-batch %lld x DP %d | %s, %d threads per rank\n",
                 cfg.model_type().c_str(), (long long)num_parameters(cfg), (long long)cfg.num_layers,
                 data->describe().c_str(), (long long)G,
-                opts.global_batch == 0 ? " (default: micro-batch x DP)" : "", (long long)micro, micro == 1 ? "" : "s",
+                plan.default_global_batch ? " (default: micro-batch x DP)" : "", (long long)micro, micro == 1 ? "" : "s",
                 (long long)B, dp, layout_name.c_str(), num_threads());
     std::printf("memory: %s per rank at most (rank %zu; %s)\n",
                 format_bytes(double(memory.parts[memory.neediest].total())).c_str(), memory.neediest,
@@ -555,7 +613,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       std::printf("pipeline stages (layers per chunk):");
       for (int s = 0; s < pp; ++s) {
         std::printf(" %d:", s);
-        for (const LayerRange& r : part_of(s).chunks) std::printf(" [%d,%d)", r.begin, r.end);
+        for (const LayerRange& r : plan.part(s).chunks) std::printf(" [%d,%d)", r.begin, r.end);
       }
       std::printf("\n");
     }
@@ -566,18 +624,18 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     if (cfg.document_eod >= 0)
       std::printf("attention within documents: token %d ends a document (positions restart after it)\n",
                   cfg.document_eod);
-    if (fresh_start) std::printf("no checkpoint in '%s' yet: starting at step 0\n", o.resume.c_str());
+    if (in.fresh_start) std::printf("no checkpoint in '%s' yet: starting at step 0\n", o.resume.c_str());
     if (!ck_path.empty() && !o.resume.empty())
-      std::printf("resuming from '%s' at step %lld (read in %.2f s)\n", ck_path.c_str(), (long long)start_step, load_s);
+      std::printf("resuming from '%s' at step %lld (read in %.2f s)\n", ck_path.c_str(), (long long)start_step, start.load_s);
     else if (!ck_path.empty())
-      std::printf("weights from '%s' (read in %.2f s)\n", ck_path.c_str(), load_s);
-    if (nan_step >= 1)
-      std::printf("test fault injection: a NaN in rank %d's gradient at step %lld (ORIGAMI_TEST_NAN_GRAD)\n", nan_rank,
-                  nan_step);
+      std::printf("weights from '%s' (read in %.2f s)\n", ck_path.c_str(), start.load_s);
+    if (in.nan_step >= 1)
+      std::printf("test fault injection: a NaN in rank %d's gradient at step %lld (ORIGAMI_TEST_NAN_GRAD)\n",
+                  in.nan_rank, in.nan_step);
     std::fflush(stdout);
   }
 
-  // Checkpoints: every rank writes the pieces it owns (ckpt/checkpoint_writer.h), in place or, with
+  // 8. Checkpoints: every rank writes the pieces it owns (ckpt/checkpoint_writer.h), in place or, with
   // --async-save, from a host copy while the next steps run.
   std::optional<CheckpointWriter> writer;
   if (!o.save.empty())
@@ -630,13 +688,14 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
       files["config.json"] = cfg.raw.dump(2) + "\n";
       if (!data->tokenizer_path().empty()) files["tokenizer.json"] = read_file_bytes(data->tokenizer_path());
     }
-    const nlohmann::json layout = {{"world", world.size()}, {"tp", tp_comm.size()}, {"cp", cp.size()}, {"dp", dp},
-                                   {"pp", pp}, {"vpp", o.vpp}, {"ep", ep_comm.size()}, {"etp", etp_comm.size()},
-                                   {"edp", edp_comm.size()}, {"zero", o.zero}, {"sequence_parallel", o.sequence_parallel},
+    const nlohmann::json layout = {{"world", world.size()}, {"tp", dims.tp}, {"cp", dims.cp}, {"dp", dims.dp},
+                                   {"pp", dims.pp}, {"vpp", o.vpp}, {"ep", dims.ep}, {"etp", dims.etp},
+                                   {"edp", dims.edp}, {"zero", o.zero}, {"sequence_parallel", o.sequence_parallel},
                                    {"description", layout_name}};
     return writer->save(steps_done, owned_pieces(), files, layout);
   };
 
+  // 9. The step loop, on this DP rank's token windows.
   StopSignals stop_signals;  // SIGINT/SIGTERM are taken here, at step boundaries (core/stop_signals.h)
   std::vector<int32_t> tokens(size_t(micro * B * (T + 1)));
   std::vector<const int32_t*> micro_tokens;
@@ -854,7 +913,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
         for (int s = 0; s < pp; ++s) {
           double most = 0, total = 0, n = 0;
           for (int r = 0; r < world.size(); ++r)
-            if (mesh.shape().coord(r, "pp") == s) most = std::max(most, double(rows[size_t(r)])), total += double(rows[size_t(r)]), ++n;
+            if (plan.mesh.coord(r, "pp") == s) most = std::max(most, double(rows[size_t(r)])), total += double(rows[size_t(r)]), ++n;
           if (total > 0) imbalance = std::max(imbalance, most / (total / n));
         }
         j["expert_rows"] = rows;

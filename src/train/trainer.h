@@ -114,7 +114,8 @@ constexpr int kExitSignal = 130;
 constexpr int kExitNonFinite = 3;
 
 // Returns the process exit code (0, kExitSignal or kExitNonFinite). Collective over `world`: every
-// rank calls it with the same arguments.
+// rank calls it with the same arguments. The run is built from make_plan(cfg, opts, world size)
+// (train/plan.h), in the order trainer.cpp lists above run_training.
 int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world);
 
 }  // namespace origami

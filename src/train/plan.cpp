@@ -1,0 +1,22 @@
+#include "train/plan.h"
+
+namespace origami {
+
+Plan make_plan(const ModelConfig& cfg, const TrainOptions& opts, int world_size) {
+  const TrainOptions o = opts.resolved(world_size);
+  o.validate(cfg, world_size);
+  return {.options = o,
+          .default_global_batch = opts.global_batch == 0,
+          .model = o.with_routing(cfg),
+          .mesh = MeshShape(world_size, o.layout_dims(world_size), o.mesh_order),
+          .virtual_stages = partition_layers(int(cfg.num_layers), o.pp, o.vpp, o.pp_layers),
+          .schedule = o.schedule_kind(),
+          .micro_batches = o.micro_batches(world_size),
+          .recompute = parse_recompute(o.recompute),
+          .cp_comm = parse_cp_comm(o.cp_comm),
+          .cp_a2a = o.cp_a2a()};
+}
+
+ModelPart Plan::part(int stage) const { return ModelPart::of_stage(virtual_stages, mesh.degree("pp"), stage); }
+
+}  // namespace origami
