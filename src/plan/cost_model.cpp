@@ -86,10 +86,19 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
 const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
   const auto key = std::make_tuple(pp, o.vpp, o.pp_layers);
   const auto found = parts_.find(key);
-  if (found != parts_.end()) return found->second;
-  const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
+  if (found != parts_.end()) {
+    if (found->second.empty()) fail(unsplittable_.at(key));  // refused before: the same error, without the work
+    return found->second;
+  }
   std::vector<ModelPart> parts;
-  for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s));
+  try {
+    const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
+    for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s));
+  } catch (const Error& e) {
+    parts_.emplace(key, parts);
+    unsplittable_.emplace(key, e.what());
+    throw;
+  }
   return parts_.emplace(key, std::move(parts)).first->second;
 }
 
@@ -119,8 +128,7 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
 
 const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& mesh, int rank) {
   const MeshDims& m = mesh.dims();
-  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.zero, o.sequence_parallel, o.bucket_mb, rank,
-                      o.mesh_order, o.pp_layers};
+  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb, rank, o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);
   if (found != buffers_.end()) return found->second;
   // The stage's tables, cut for this rank's EP rank (their sizes are the same for every EP rank).

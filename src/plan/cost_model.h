@@ -95,11 +95,12 @@ class CostModel {
   int devices_;
   int64_t runtime_;
   double imbalance_;
-  std::map<std::tuple<int, int, std::vector<int>>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers)
+  std::map<std::tuple<int, int, std::vector<int>>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers); empty: refused
+  std::map<std::tuple<int, int, std::vector<int>>, std::string> unsplittable_;     // why partition_layers refused
   std::map<std::tuple<int, int, int, int, int64_t, int64_t>, LayerCosts> layers_;   // (tp, cp, ep, etp, B, T)
   std::map<std::tuple<int, int, std::vector<int>, int, int>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep)
-  // (tp, cp, dp, pp, ep, etp, vpp, zero, sp, bucket MiB, rank, mesh order, pp_layers)
-  using BufferKey = std::tuple<int, int, int, int, int, int, int, int, bool, double, int, std::string, std::vector<int>>;
+  // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
+  using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, std::string, std::vector<int>>;
   std::map<BufferKey, RankBuffers> buffers_;
   std::map<std::tuple<int, int, int64_t, int, double>, double> makespans_;  // (schedule, p, m, v, b/f): makespan / f
 };

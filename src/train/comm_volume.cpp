@@ -70,7 +70,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   const int grad_group = m.dp * c;
   const int64_t passes = micro * int64_t(part.chunks.size());
   add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes));
-  total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial));
+  total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial(o.zero, t, o.sequence_parallel)));
   add("tp", total_tp);
   if (buffers.experts.size > 0) add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes));
   // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.

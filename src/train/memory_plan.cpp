@@ -75,11 +75,9 @@ RankBuffers rank_buffers(const TrainOptions& options, int world_size, int rank, 
   const std::vector<int> grad_group = mesh.group(rank, "dp-cp");
   const int tp = mesh.degree("tp"), dp = int(grad_group.size());
   const int dp_rank = int(std::find(grad_group.begin(), grad_group.end(), rank) - grad_group.begin());
-  const bool sp = o.sequence_parallel && tp > 1;
   RankBuffers out;
   // Per parameter set: the buffer (plan_buffer), this rank's shard of each bucket (bucket_shards).
-  auto figures = [&](const std::vector<ParamSpec>& table, int tp_size, int tp_rank, int dp_size, int dp_r,
-                     std::vector<Range>* owned) {
+  auto figures = [&](const std::vector<ParamSpec>& table, int tp_size, int tp_rank, int dp_size, int dp_r, bool dense) {
     const BufferPlan plan = plan_buffer(table, o.param_layout(tp_size, tp_rank, dp_size));
     const std::vector<Range> shards = bucket_shards(plan.buckets, dp_size, dp_r);
     BufferFigures f;
@@ -91,26 +89,33 @@ RankBuffers rank_buffers(const TrainOptions& options, int world_size, int rank, 
       f.shard += shards[b].end - shards[b].begin;
       f.shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
     }
-    if (!owned) return f;
-    // The dense set: what TP sums of the elements this rank updates (DataParallel's owned ranges),
-    // and the buckets of the tied embedding.
-    *owned = o.zero > 0 ? shards : std::vector<Range>{{0, plan.size}};
+    if (!dense) return f;
+    // The dense set: the TP-partial elements of the whole buffer and of this rank's shards (what
+    // DataParallel updates under ZeRO 0 and 1-2), and the buckets of the tied embedding.
+    // A tensor lies in one bucket (plan_buffer never splits one): found by its offset, buckets
+    // being listed from the end of the buffer.
+    auto bucket_of = [&](int64_t offset) {
+      const auto it = std::lower_bound(plan.buckets.begin(), plan.buckets.end(), offset,
+                                       [](const Range& b, int64_t x) { return b.begin > x; });
+      return size_t(it - plan.buckets.begin());
+    };
     for (size_t i = 0; i < table.size(); ++i) {
       const ParamSpec& s = table[i];
-      if (s.pp_shared)
-        for (const Range& b : plan.buckets)
-          if (plan.offsets[i] >= b.begin && plan.offsets[i] < b.end) out.shared_buckets.push_back(b.end - b.begin);
-      if (!((sp && s.split.seq_partial) || (tp > 1 && s.split.token_partial))) continue;
+      if (!s.pp_shared && !s.split.token_partial && !s.split.seq_partial) continue;
+      const size_t b = bucket_of(plan.offsets[i]);
+      if (s.pp_shared) out.shared_buckets.push_back(plan.buckets[b].end - plan.buckets[b].begin);
+      if (!s.split.token_partial && !s.split.seq_partial) continue;
+      int64_t* count = s.split.token_partial ? out.token_partial : out.seq_only_partial;
       const int64_t begin = plan.offsets[i], end = begin + s.local_numel(tp_size);
-      for (const Range& r : *owned) out.tp_partial += std::max<int64_t>(0, std::min(end, r.end) - std::max(begin, r.begin));
+      count[0] += end - begin;
+      count[1] += std::max<int64_t>(0, std::min(end, shards[b].end) - std::max(begin, shards[b].begin));
     }
     return f;
   };
-  std::vector<Range> owned;
-  out.dense = figures(tables.dense, tp, mesh.coord(rank, "tp"), dp, dp_rank, &owned);
+  out.dense = figures(tables.dense, tp, mesh.coord(rank, "tp"), dp, dp_rank, true);
   if (!tables.experts.empty())
     out.experts = figures(tables.experts, mesh.degree("etp"), mesh.coord(rank, "etp"), mesh.degree("edp"),
-                          mesh.coord(rank, "edp"), nullptr);
+                          mesh.coord(rank, "edp"), false);
   return out;
 }
 

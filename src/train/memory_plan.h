@@ -56,12 +56,21 @@ struct BufferFigures {
 // (TP shard, buckets over DP × CP) and its experts (ETP shard, buckets over EDP).
 struct RankBuffers {
   BufferFigures dense, experts;
-  int64_t tp_partial = 0;               // dense elements this rank updates whose gradients TP sums
+  // Dense elements whose gradients TP sums (DataParallel): token-partial ones whenever TP has more
+  // than one rank, sequence-partial ones under SP; [0] in the whole buffer (what ZeRO 0 updates),
+  // [1] in this rank's shards (ZeRO 1 and 2).
+  int64_t token_partial[2] = {0, 0}, seq_only_partial[2] = {0, 0};
   std::vector<int64_t> shared_buckets;  // floats of each dense bucket holding the tied embedding (pp_shared)
+  // Those this rank updates and TP sums in a layout with ZeRO stage `zero`, TP degree `tp`, SP `sp`.
+  int64_t tp_partial(int zero, int tp, bool sp) const {
+    const int owned = zero > 0 ? 1 : 0;
+    return (tp > 1 ? token_partial[owned] : 0) + (sp && tp > 1 ? seq_only_partial[owned] : 0);
+  }
 };
 
 // The tables come from the stage's make_param_table cut by split_experts for this rank's EP rank (the
-// planner keeps them per stage); the first form builds them. Throws Error for an invalid layout.
+// planner keeps them per stage); the first form builds them. The figures do not depend on the ZeRO
+// stage or SP. Throws Error for an invalid layout.
 RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank);
 RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables);
 
