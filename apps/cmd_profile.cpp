@@ -10,6 +10,8 @@
 //               send/receive between ranks 0 and 1, from 4 KiB to --max-mb; bandwidth and per-step
 //               latency by a least-squares fit of seconds = steps·latency + bytes/bandwidth (bytes as
 //               Comm counts them); the all-reduce's fit is the file's intra-node link
+//   bandwidth   a triad over arrays beyond the caches, every rank at once (element-wise work, AdamW)
+//   overlap     how much of a posted all-reduce completes while the rank runs GEMMs
 // The device's peak is the best GEMM rate measured; its memory what the node has available, shared
 // by its ranks. One node of `world` devices.
 #include <algorithm>
@@ -180,6 +182,22 @@ int cmd_profile(int argc, char** argv) {
                            (long long)D, c.attention_flops / 1e9);
   }
 
+  // Memory bandwidth: a triad a = b + s·c over arrays far larger than the caches, on every rank at
+  // once with its threads (element-wise layers and AdamW stream memory this way).
+  {
+    const size_t n = size_t(16) << 20;  // 64 MiB per array
+    std::vector<float> x(n, 0.f), y(n, 1.f), z(n, 2.f);
+    const double t = timed(world, seconds, 2, [&] {
+      float* __restrict xs = x.data();
+      const float* __restrict ys = y.data();
+      const float* __restrict zs = z.data();
+#pragma omp parallel for simd schedule(static)
+      for (size_t i = 0; i < n; ++i) xs[i] = ys[i] + 0.5f * zs[i];
+    });
+    c.memory_bandwidth = 3.0 * 4.0 * double(n) / t;
+    if (rank0) std::printf("memory bandwidth (triad, every rank at once): %.2f GB/s per rank\n", c.memory_bandwidth / 1e9);
+  }
+
   // Collectives over all ranks (and a send/receive between ranks 0 and 1).
   c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
   if (world.size() > 1) {
@@ -217,12 +235,38 @@ int cmd_profile(int argc, char** argv) {
       if (std::string(k.name) == "all_reduce") c.intra = {f.bandwidth, f.latency};
     }
   }
+  // Overlap: GEMMs alone (tg), an all-reduce alone (tc), and the GEMMs with that all-reduce posted
+  // before them, tested between them as DataParallel does, and completed after (tb). The part of the
+  // transfer that hid: (tg + tc − tb) / tc.
+  if (world.size() > 1) {
+    const int64_t n = 512, floats = int64_t(8) << 20;  // 32 MiB: a few of --bucket-mb's buckets
+    std::vector<float> A(size_t(n * n), 0.5f), Bm(size_t(n * n), 0.25f), C(size_t(n * n)), buf(size_t(floats), 1.f);
+    const int gemms = 64;
+    auto compute = [&](Request* pending) {
+      for (int i = 0; i < gemms; ++i) {
+        gemm<float>(false, true, n, n, n, 1.f, A.data(), n, Bm.data(), n, 0.f, C.data(), n);
+        if (pending) pending->test();
+      }
+    };
+    const double tg = timed(world, seconds, 2, [&] { compute(nullptr); });
+    const double tc = timed(world, seconds, 2, [&] { world.all_reduce(buf.data(), floats, DType::f32); });
+    const double tb = timed(world, seconds, 2, [&] {
+      Request r = world.iall_reduce(buf.data(), floats, DType::f32, ReduceOp::sum);
+      compute(&r);
+      r.wait();
+    });
+    c.comm_overlap = std::clamp((tg + tc - tb) / tc, 0.0, 1.0);
+    world.reset_bytes();
+    if (rank0) std::printf("overlap: GEMMs %.1f ms, all-reduce of 32 MiB %.1f ms, both %.1f ms: %.0f%% of the transfer "
+                           "hides\n", tg * 1e3, tc * 1e3, tb * 1e3, 100 * c.comm_overlap);
+  }
   c.inter = c.intra;
   const AvailableMemory avail = available_memory();
   c.memory_bytes = double(avail.bytes) / world.size();
   c.source = cat("measured by 'origami profile' on ", world.size(), " rank", world.size() > 1 ? "s" : "", " x ",
                  num_threads(), " threads: GEMM rates per rank with every rank running (peak: the best of them), the "
-                 "attention core, the all-reduce's bandwidth and latency; memory: what the node had available (",
+                 "attention core, memory bandwidth (triad), the all-reduce's bandwidth and latency, and how much of an "
+                 "all-reduce hides behind GEMMs; memory: what the node had available (",
                  avail.source, ") shared by the ranks");
   if (rank0) {
     write_file_atomically(a.str("out"), c.to_json().dump(2) + "\n");

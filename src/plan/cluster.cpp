@@ -70,11 +70,18 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
     for (size_t i = 1; i < c.gemm.size(); ++i)
       ORIGAMI_CHECK(c.gemm[i].first > c.gemm[i - 1].first, dev, ": 'gemm' gives ", c.gemm[i].first / 1e9,
                     " GFLOP twice");
+    if (d.contains("memory_bandwidth_gb_s")) c.memory_bandwidth = positive(d, "memory_bandwidth_gb_s", dev) * 1e9;
   } else {
     c.memory_bandwidth = positive(d, "memory_bandwidth_gb_s", dev + " (without measured 'gemm' rates)") * 1e9;
     c.gemm_efficiency = positive(d, "gemm_efficiency", dev + " (without measured 'gemm' rates)");
     ORIGAMI_CHECK(c.gemm_efficiency <= 1, dev, ": 'gemm_efficiency' is a fraction of the roofline, at most 1, got ",
                   c.gemm_efficiency);
+  }
+  if (j.contains("comm_overlap")) {
+    const nlohmann::json& x = j["comm_overlap"];
+    ORIGAMI_CHECK(x.is_number() && x.get<double>() >= 0 && x.get<double>() <= 1, source,
+                  ": 'comm_overlap' must be a fraction in [0, 1], got ", x.dump());
+    c.comm_overlap = x.get<double>();
   }
   c.intra = link_of(j, "intra_node", source);
   c.inter = c.nodes > 1 || j.contains("inter_node") ? link_of(j, "inter_node", source) : c.intra;
@@ -94,8 +101,8 @@ Cluster Cluster::load(const std::string& path) {
 nlohmann::json Cluster::to_json() const {
   nlohmann::json d = {{"memory_gb", memory_bytes / 1e9}, {"peak_tflops", peak_flops / 1e12},
                       {"attention_tflops", attention_flops / 1e12}};
+  if (memory_bandwidth > 0) d["memory_bandwidth_gb_s"] = memory_bandwidth / 1e9;
   if (gemm.empty()) {
-    d["memory_bandwidth_gb_s"] = memory_bandwidth / 1e9;
     d["gemm_efficiency"] = gemm_efficiency;
   } else {
     d["gemm"] = nlohmann::json::array();
@@ -105,7 +112,7 @@ nlohmann::json Cluster::to_json() const {
     return nlohmann::json{{"bandwidth_gb_s", t.bandwidth / 1e9}, {"latency_us", t.latency * 1e6}};
   };
   return {{"name", name},  {"source", source},      {"nodes", nodes},           {"devices_per_node", devices_per_node},
-          {"device", d},   {"intra_node", link(intra)}, {"inter_node", link(inter)}};
+          {"device", d},   {"intra_node", link(intra)}, {"inter_node", link(inter)}, {"comm_overlap", comm_overlap}};
 }
 
 }  // namespace origami

@@ -8,8 +8,11 @@
 //               "memory_bandwidth_gb_s": .., "gemm_efficiency": ..,   a GEMM's rate: the roofline of peak and
 //                                                            memory bandwidth times the efficiency ...
 //               "gemm": [[gflop, tflops], ...],               ... or measured rates by GEMM size (FLOPs of one
-//                                                            call), which take precedence
+//                                                            call), which take precedence (the bandwidth is
+//                                                            then optional: element-wise work and AdamW use it)
 //               "attention_tflops": ..},                     the attention core's achieved rate (causal FLOPs)
+//    "comm_overlap": ..,                                      the part of a transfer that proceeds while the device
+//                                                            computes (1: a copy engine or NCCL's own SMs; default 1)
 //    "intra_node": {"bandwidth_gb_s": .., "latency_us": ..},  per device, as Comm counts bytes (comm.h: a ring
 //    "inter_node": {"bandwidth_gb_s": .., "latency_us": ..}}  all-reduce of S bytes over n sends 2(n−1)/n·S)
 //
@@ -34,11 +37,12 @@ struct Cluster {
   int nodes = 1, devices_per_node = 1;
   double memory_bytes = 0;            // per device
   double peak_flops = 0;              // per device
-  double memory_bandwidth = 0;        // bytes/s (roofline; 0 when measured rates are given)
+  double memory_bandwidth = 0;        // bytes/s (roofline, element-wise work, AdamW; 0: not known)
   double gemm_efficiency = 1;         // of the roofline
   std::vector<std::pair<double, double>> gemm;  // (FLOPs of one GEMM, achieved FLOP/s), ascending
   double attention_flops = 0;         // achieved FLOP/s of the attention core
   LinkTier intra, inter;
+  double comm_overlap = 1;            // of a transfer that can hide behind compute, [0, 1]
 
   int devices() const { return nodes * devices_per_node; }
   // Achieved FLOP/s of one GEMM of M×N×K (2·M·N·K FLOPs; 2-byte elements for the roofline's traffic

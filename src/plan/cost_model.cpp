@@ -49,37 +49,52 @@ CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices
     : cfg_(cfg), cluster_(cluster), devices_(devices), runtime_(runtime), imbalance_(imbalance) {}
 
 const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const MeshDims& m) {
-  const auto key = std::make_tuple(m.tp, m.cp, m.ep, m.etp, o.micro_batch, o.seq_len);
+  const bool sp = o.sequence_parallel && m.tp > 1;
+  const auto key = std::make_tuple(m.tp, m.cp, m.ep, m.etp, o.micro_batch, o.seq_len, sp);
   const auto found = layers_.find(key);
   if (found != layers_.end()) return found->second;
   const Cluster& k = cluster_;
   const int t = m.tp;
   const double N = double(o.micro_batch * o.seq_len / m.cp), C = double(cfg_.hidden), D = double(cfg_.head_dim);
   const double H = double(cfg_.num_heads / t), KV = double(cfg_.num_kv_heads / t);
+  // Element-wise work streams memory: `floats` read and written in forward and backward together, a
+  // third of it forward. Per token, stated counts: norms and residual adds 22·C (on N/TP tokens under
+  // SP), RoPE on q and k 4·(H + KV)·D, the gated activation 8·F (GELU 6·F), the dispatcher's permute
+  // and combine 8·C per routed row, the cross-entropy 6·V.
+  auto streamed = [&](double floats) {
+    const double s = k.memory_bandwidth > 0 ? 4 * floats / k.memory_bandwidth : 0;
+    return Pass{s / 3, 2 * s / 3};
+  };
   LayerCosts l;
   l.attention_linears = linear(k, N, C, (H + 2 * KV) * D);  // q|k|v
   l.attention_linears += linear(k, N, H * D, C);            // attention output
+  l.attention_linears += streamed((sp ? N / t : N) * 22 * C + N * 4 * (H + KV) * D);
   l.attention_core = 6 * double(o.seq_len) * H * D * N / k.attention_flops;
   if (cfg_.has_dense_layers()) {
     const double F = double(cfg_.ffn / t);
     l.dense_mlp = linear(k, N, C, cfg_.is_gpt2() ? F : 2 * F);
     l.dense_mlp += linear(k, N, F, C);
+    l.dense_mlp += streamed(N * (cfg_.is_gpt2() ? 6 : 8) * F);
   }
   if (cfg_.is_moe()) {
     // The router on this rank's share of the tokens; each local expert on the rows routed to it.
     const double share = N / t, E = double(cfg_.num_experts), El = E / m.ep, Fe = double(cfg_.expert_ffn / m.etp);
     l.moe_mlp = linear(k, share, C, E);
-    const double rows = share * double(cfg_.top_k) * m.etp * imbalance_ / El;
+    const double rows = share * double(cfg_.top_k) * m.etp * (m.ep > 1 ? imbalance_ : 1.0) / El;  // one EP rank: no skew
     Pass expert = linear(k, rows, C, 2 * Fe);
     expert += linear(k, rows, Fe, C);
+    expert += streamed(rows * 8 * (Fe + C));
     l.moe_mlp += {El * expert.fwd, El * expert.bwd};
     if (cfg_.shared_ffn > 0) {
       const double Fs = double(cfg_.shared_ffn / t);
       l.moe_mlp += linear(k, N, C, 2 * Fs);
       l.moe_mlp += linear(k, N, Fs, C);
+      l.moe_mlp += streamed(N * 8 * Fs);
     }
   }
-  l.head = linear(k, N, C, double((cfg_.vocab_size + t - 1) / t));
+  const double V = double((cfg_.vocab_size + t - 1) / t);
+  l.head = linear(k, N, C, V);
+  l.head += streamed(N * 6 * V);
   return layers_.emplace(key, l).first->second;
 }
 
@@ -199,7 +214,10 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     exposed["tp"] = per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
     exposed["tp-cp"] = per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
     exposed["ep"] = per_micro("ep", "ep", int(layers) * 6 * (m.ep - 1)) + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1));
-    exposed["cp"] = std::max(0.0, per_micro("cp", "cp", int(layers) * 2 * c) - compute[size_t(s)].attention);
+    // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
+    // all-to-all (a2a) sits before and after it.
+    const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c);
+    exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.comm_overlap * compute[size_t(s)].attention);
     if (p > 1)  // one message after each forward and backward of a chunk
       exposed["pp"] = 2 * v * cluster.transfer_seconds(4 * (sp ? N / t : N) * C, 1, tier(rank, "pp"));
     double blocking = 0;
@@ -224,7 +242,8 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
   out.bubble_s = makespan - double(micro) * (worst_f + worst_b);
 
   // After backward: the gradient buckets' tail (the last bucket of each set; ZeRO's parameter gather
-  // whole), the tied embedding and the world's reductions; then AdamW's pass over the owned state.
+  // whole; of the other buckets what the cluster does not overlap with backward), the tied embedding
+  // and the world's reductions; then AdamW's pass over the owned state.
   double after = 0;
   const double bucket = o.bucket_mb * 1024 * 1024;  // bytes of fp32 gradients per bucket
   for (const char* key : {"dp", "dp-cp", "edp"}) {
@@ -235,7 +254,8 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const bool inter = tier(0, axes == "edp" ? "edp" : "dp-cp");
     const double total = it->second, gather = o.zero > 0 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
-    out.exposed_s[axes] = cluster.transfer_seconds(tail + gather, 2 * (group - 1), inter);
+    const double hidden = cluster.comm_overlap * (total - gather - tail);
+    out.exposed_s[axes] = cluster.transfer_seconds(total - hidden, 2 * (group - 1), inter);
     after += out.exposed_s[axes];
   }
   for (const char* key : {"embedding", "world"}) {

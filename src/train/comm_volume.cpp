@@ -114,7 +114,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
     const int64_t El = E / m.ep;
     // Rows this rank routes (its share of the TP group's tokens, K each) and, evenly spread, the part
     // of them that leaves for other EP ranks; an ETP peer's rows go to its ETP − 1 peers.
-    const double rows = N / double(t) * double(cfg.top_k) * imbalance;
+    const double rows = N / double(t) * double(cfg.top_k) * (m.ep > 1 ? imbalance : 1.0);  // one EP rank: no skew
     const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = scatter_gather_bytes(m.etp, rows * double(C) * 4);
     const double exchanges = double(micro * moe_layers) * (forwards + 1) * 2;  // to the experts and back, per pass
     add("ep", double(micro * moe_layers) * forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep);

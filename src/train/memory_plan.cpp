@@ -22,7 +22,8 @@ constexpr const char* kAdvice[MemoryParts::kCount] = {
     "TP or PP over more ranks, or --zero 2 (sharded gradients), need less per rank",
     "TP or PP over more ranks, or ZeRO (--zero 1 shards the optimizer state), need less per rank",
     "a smaller --micro-batch, --recompute selective|full, TP with --sequence-parallel or PP need less",
-    "a smaller --micro-batch or --seq-len needs less (the LM head works in chunks of the vocabulary)",
+    "a smaller --micro-batch or --seq-len needs less (the LM head works in chunks of the vocabulary); under DP, "
+    "MPI keeps a copy of the gradient buckets in flight",
     "an asynchronous save copies this rank's shards first: drop --async-save",
     "the process itself is that large before the run allocates"};
 
@@ -153,10 +154,17 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
                   recompute_bytes(cfg, shape);
 
   // Workspace: the model's work buffers, pipeline messages of [Nl, C], the step's token windows
-  // (int32) and the sampler's order.
+  // (int32) and the sampler's order; and the MPI library's scratch for the gradient reductions in
+  // flight: a non-blocking all-reduce or reduce-scatter keeps a copy of its bucket until it completes,
+  // and DataParallel posts every bucket in backward and completes them after it (Open MPI's libnbc;
+  // measured: the peak of rank 0 of a DP pair grows by the gradient buffer). Its algorithms put the
+  // copies on some ranks only (on 4 ranks: ranks 0 and 2, rank 0 twice under ZeRO), so this counts
+  // one copy on every rank: the neediest within a few percent on 2 ranks, others high.
   const int64_t Nl = shape.local_tokens();
+  const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
+  const int64_t scratch = 4 * ((dp > 1 ? buffers.dense.buckets : 0) + (edp > 1 ? buffers.experts.buckets : 0));
   m.workspace = workspace_bytes(cfg, shape, part) + Pipeline::buffer_bytes(pp, Nl * cfg.hidden) +
-                4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1) + sampler;
+                4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1) + sampler + scratch;
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.

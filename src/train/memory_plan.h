@@ -24,7 +24,8 @@ struct MemoryParts {
   int64_t grads = 0;        // gradient buffer of the same layout, plus ZeRO's reduced shard (and ZeRO-2's accumulator)
   int64_t optimizer = 0;    // AdamW moments of the elements this rank updates (its ZeRO shard)
   int64_t activations = 0;  // the schedule's activation peak (the act_bytes_computed metric)
-  int64_t workspace = 0;    // model work buffers, pipeline message buffers, the step's tokens, the sampler
+  int64_t workspace = 0;    // model work buffers, pipeline message buffers, the step's tokens, the sampler, MPI's
+                            // scratch for the gradient reductions in flight
   int64_t checkpoint = 0;   // what a save (--save) adds: an asynchronous save's host copy of this rank's pieces
   int64_t runtime = 0;      // the process before the run allocates (code, libraries, MPI, thread pool), measured
   static constexpr int kCount = 7;

@@ -112,6 +112,24 @@ WORDS = ("the quick brown fox jumps over lazy dog and cat while a bird sings of 
          "stars code tensor rank gradient loss step parallel data model layer head expert token").split()
 
 
+def train_flags(layout):
+    """`origami train` flags of a layout in `origami plan`'s words ("tp2 cp1 dp1 pp2 vpp2 ep2 etp1 zero1 mb2 sp
+    cp-comm=a2a recompute=full"; nosp: no sequence parallelism; dp is derived, so dropped)."""
+    flags = []
+    for w in layout.split():
+        if w.startswith("recompute="):
+            flags += ["--recompute", w.split("=")[1]]
+        elif w.startswith("cp-comm="):
+            flags += ["--cp-comm", w.split("=")[1]]
+        elif w == "sp":
+            flags += ["--sequence-parallel"]
+        elif w != "nosp":
+            key = w.rstrip("0123456789")
+            if key != "dp":
+                flags += [{"mb": "--micro-batch"}.get(key, "--" + key), w[len(key):]]
+    return flags
+
+
 def prepare_data(tmp, name="corpus", n_docs=120, seed=3, words=(20, 80)):
     """A byte-level dataset (256 bytes + end-of-document = 257 tokens) of ~40 KB of seeded
     pseudo-text (documents of `words` words, about 6 bytes each), made with `origami data

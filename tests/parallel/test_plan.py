@@ -30,24 +30,6 @@ FIELDS = ("layout", "step_time_s", "tokens_per_s", "mfu", "memory_bytes_per_rank
 PARTS = ("weights", "gradients", "optimizer state", "activations", "workspace", "checkpoint")
 
 
-def train_flags(layout):
-    """`origami train` flags of a layout string ("tp2 cp1 dp1 pp1 zero0 mb2 sp cp-comm=a2a ...")."""
-    flags = []
-    for w in layout.split():
-        if w.startswith("recompute="):
-            flags += ["--recompute", w.split("=")[1]]
-        elif w.startswith("cp-comm="):
-            flags += ["--cp-comm", w.split("=")[1]]
-        elif w == "sp":
-            flags += ["--sequence-parallel"]
-        else:
-            key = w.rstrip("0123456789")
-            value = w[len(key):]
-            if key != "dp":  # derived from the others
-                flags += [{"mb": "--micro-batch"}.get(key, "--" + key), value]
-    return flags
-
-
 def main():
     failures = []
     tmp = h.tmpdir("origami_plan_")
@@ -67,7 +49,7 @@ def main():
             metrics = os.path.join(tmp, "m.jsonl")
             rc, text, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--steps", "1", "--global-batch", "8",
                                     "--seq-len", "32", "--threads", "1", "--quiet", "--metrics", metrics,
-                                    *train_flags(p["layout"])])
+                                    *h.train_flags(p["layout"])])
             if rc != 0:
                 failures.append("%s %s: the runtime refused the planned layout: %s" % (model, p["layout"], text[-300:]))
                 continue

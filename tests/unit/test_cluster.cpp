@@ -55,6 +55,14 @@ TEST(Cluster, RooflineAndMeasuredRates) {
   EXPECT_NEAR(m.gemm_rate(1000, 1000, 5000), 2e12, 1e3);  // 10 GFLOP: halfway in log FLOPs
   EXPECT_NEAR(m.gemm_rate(10, 10, 10), 1e12, 1);          // flat beyond the ends
   EXPECT_NEAR(m.gemm_rate(1e5, 1e5, 1e5), 3e12, 1);
+  EXPECT_EQ(m.memory_bandwidth, 1e12);  // kept beside measured rates: element-wise work and AdamW use it
+  EXPECT_EQ(m.comm_overlap, 1);         // not given: transfers overlap compute
+  j["comm_overlap"] = 0.25;
+  j["device"].erase("memory_bandwidth_gb_s");
+  const Cluster q = Cluster::from_json(j, "c.json");
+  EXPECT_EQ(q.comm_overlap, 0.25);
+  EXPECT_EQ(q.memory_bandwidth, 0);  // optional with measured rates
+  EXPECT_EQ(Cluster::from_json(q.to_json(), "again").comm_overlap, 0.25);
   // The file form round-trips.
   const Cluster r = Cluster::from_json(m.to_json(), "again");
   EXPECT_EQ(r.gemm, m.gemm);
@@ -75,6 +83,9 @@ TEST(Cluster, MistakesNameTheField) {
   j = base();
   j["device"]["gemm"] = {{1.0, -2.0}};
   EXPECT_NE(error_of(j).find("'gemm' entry [1.0,-2.0]"), std::string::npos) << error_of(j);
+  j = base();
+  j["comm_overlap"] = 1.5;
+  EXPECT_NE(error_of(j).find("'comm_overlap' must be a fraction in [0, 1], got 1.5"), std::string::npos) << error_of(j);
   j = base();
   j.erase("inter_node");
   EXPECT_NE(error_of(j).find("'inter_node' must be an object"), std::string::npos) << error_of(j);
