@@ -116,6 +116,7 @@ int cmd_plan(int argc, char** argv) {
   const double imbalance = a.number("imbalance");
   ORIGAMI_CHECK(imbalance >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ", imbalance);
   const Fixed fixed = parse_layout(a.str("layout"));
+  if (a.has("plot")) require_gnuplot();
   auto choices = [](int fixed_value, std::vector<int> all) { return fixed_value >= 0 ? std::vector<int>{fixed_value} : all; };
 
   const auto t0 = std::chrono::steady_clock::now();

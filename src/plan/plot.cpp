@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
@@ -121,6 +122,8 @@ std::string last_line(const std::string& path) {
   return last;
 }
 
+constexpr const char* kNoGnuplot = "--plot needs gnuplot (Debian: apt-get install gnuplot-nox; scripts/setup.sh installs it)";
+
 // Runs `gnuplot SCRIPT` with its standard output (the PNG) to out_fd and its standard error to
 // err_path; Error unless it exits 0. posix_spawnp: no shell, the arguments as they are.
 void run_gnuplot(const std::string& script_path, int out_fd, const std::string& err_path) {
@@ -134,8 +137,7 @@ void run_gnuplot(const std::string& script_path, int out_fd, const std::string& 
   pid_t pid = 0;
   const int rc = posix_spawnp(&pid, "gnuplot", &files, nullptr, argv, environ);
   posix_spawn_file_actions_destroy(&files);
-  ORIGAMI_CHECK(rc != ENOENT,
-                "--plot needs gnuplot (Debian: apt-get install gnuplot-nox; scripts/setup.sh installs it)");
+  ORIGAMI_CHECK(rc != ENOENT, kNoGnuplot);
   ORIGAMI_CHECK(rc == 0, "--plot: cannot run gnuplot (", std::strerror(rc), ")");
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0)
@@ -163,6 +165,14 @@ struct TempDir {
 };
 
 }  // namespace
+
+void require_gnuplot() {
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "");
+  for (std::string dir; std::getline(dirs, dir, ':');)
+    if (!dir.empty() && ::access((dir + "/gnuplot").c_str(), X_OK) == 0) return;
+  fail(kNoGnuplot);
+}
 
 void plot_step_breakdown(const std::vector<PlotRow>& rows, const std::string& title, const std::string& png_path) {
   ORIGAMI_ASSERT(!rows.empty());

@@ -21,4 +21,8 @@ struct PlotRow {
 // fails (its last error line), or when png_path cannot be written.
 void plot_step_breakdown(const std::vector<PlotRow>& rows, const std::string& title, const std::string& png_path);
 
+// Error (the same as plot_step_breakdown's) unless an executable gnuplot is on the PATH: `origami plan
+// --plot` asks before its search, not after.
+void require_gnuplot();
+
 }  // namespace origami

@@ -14,9 +14,9 @@ global batch 8, T 32:
      `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
   4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has)
      exit 1 with one error line.
-  5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot, with a gnuplot
-     that fails, or with FILE in a missing directory it exits 1 with one error line, and leaves an
-     existing FILE as it was and no FILE.tmp.
+  5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot (said before
+     the search), with a gnuplot that fails, or with FILE in a missing directory it exits 1 with one
+     error line, and leaves an existing FILE as it was and no FILE.tmp.
 """
 import json
 import os
@@ -120,6 +120,10 @@ def main():
              "cannot write %s.tmp (No such file or directory)" % os.path.join(tmp, "missing", "p.png"))]:
         _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line, extra_env=env)
         failures += [failure] if failure else []
+    # Without gnuplot the command says so before it searches: nothing of a result is printed.
+    rc, out, _ = h.run(0, plot + [png], extra_env={"PATH": "/nonexistent"})
+    if rc != 1 or "| layout" in out or "layouts" in out:
+        failures.append("--plot without gnuplot must fail before the search, got exit %s: %s" % (rc, out[-300:]))
     if os.path.exists(png + ".tmp") or open(png, "rb").read(24) != head:
         failures.append("--plot: a failed gnuplot must leave %s as it was and no .tmp beside it" % png)
     h.report(failures, "origami plan lists layouts the runtime runs, with its memory and bytes")
