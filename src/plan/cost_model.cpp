@@ -146,15 +146,13 @@ const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& me
   const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb, rank, o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);
   if (found != buffers_.end()) return found->second;
-  // The stage's tables, cut for this rank's EP rank (their sizes are the same for every EP rank).
+  // The stage's tables, cut for this rank's EP rank.
   const int stage = mesh.coord(rank, "pp"), ep_rank = mesh.coord(rank, "ep");
-  const auto table_key = std::make_tuple(m.pp, o.vpp, o.pp_layers, stage, m.ep);
+  const auto table_key = std::make_tuple(m.pp, o.vpp, o.pp_layers, stage, m.ep, ep_rank);
   auto table = tables_.find(table_key);
-  if (table == tables_.end() || ep_rank != 0) {
-    SplitTable split = split_experts(make_param_table(cfg_, stage_parts(o, m.pp)[size_t(stage)]), cfg_.num_experts, m.ep, ep_rank);
-    if (ep_rank != 0) return buffers_.emplace(key, rank_buffers(o, devices_, rank, split)).first->second;
-    table = tables_.emplace(table_key, std::move(split)).first;
-  }
+  if (table == tables_.end())
+    table = tables_.emplace(table_key, split_experts(make_param_table(cfg_, stage_parts(o, m.pp)[size_t(stage)]),
+                                                     cfg_.num_experts, m.ep, ep_rank)).first;
   return buffers_.emplace(key, rank_buffers(o, devices_, rank, table->second)).first->second;
 }
 

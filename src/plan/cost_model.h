@@ -98,7 +98,7 @@ class CostModel {
   std::map<std::tuple<int, int, std::vector<int>>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers); empty: refused
   std::map<std::tuple<int, int, std::vector<int>>, std::string> unsplittable_;     // why partition_layers refused
   std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp)
-  std::map<std::tuple<int, int, std::vector<int>, int, int>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep)
+  std::map<std::tuple<int, int, std::vector<int>, int, int, int>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank)
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
   using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, std::string, std::vector<int>>;
   std::map<BufferKey, RankBuffers> buffers_;

@@ -102,10 +102,11 @@ RankBuffers rank_buffers(const TrainOptions& options, int world_size, int rank, 
     };
     for (size_t i = 0; i < table.size(); ++i) {
       const ParamSpec& s = table[i];
-      if (!s.pp_shared && !s.split.token_partial && !s.split.seq_partial) continue;
+      const bool partial = s.split.token_partial || s.split.seq_partial;
+      if (!s.pp_shared && !partial) continue;
       const size_t b = bucket_of(plan.offsets[i]);
       if (s.pp_shared) out.shared_buckets.push_back(plan.buckets[b].end - plan.buckets[b].begin);
-      if (!s.split.token_partial && !s.split.seq_partial) continue;
+      if (!partial) continue;
       int64_t* count = s.split.token_partial ? out.token_partial : out.seq_only_partial;
       const int64_t begin = plan.offsets[i], end = begin + s.local_numel(tp_size);
       count[0] += end - begin;
