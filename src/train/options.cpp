@@ -1,0 +1,234 @@
+// TrainOptions: the options' rules (validate), what they derive (the layout's degrees, the buffer
+// and activation shapes, the schedule) and the end-of-document id of --attention-mask document.
+#include <cstdio>
+
+#include "ckpt/checkpoint.h"
+#include "core/error.h"
+#include "data/blend.h"
+#include "data/sampler.h"
+#include "parallel/context_parallel.h"
+#include "parallel/pipeline.h"
+#include "train/trainer.h"
+
+namespace origami {
+
+int32_t document_eod(const ModelConfig& cfg, const Tokenizer* tokenizer, const std::string& data) {
+  int32_t eod = -1;
+  if (tokenizer) {
+    eod = tokenizer->eod();
+  } else {
+    const nlohmann::json* eos = cfg.raw.contains("eos_token_id") ? &cfg.raw["eos_token_id"] : nullptr;
+    if (eos && eos->is_array() && !eos->empty()) eos = &(*eos)[0];  // several: the first
+    ORIGAMI_CHECK(eos && eos->is_number_integer(), "--attention-mask document needs the end-of-document token: the "
+                  "data has no tokenizer file (", data, ".tokenizer.json) and the model config has no integer "
+                  "eos_token_id");
+    eod = eos->get<int32_t>();
+  }
+  ORIGAMI_CHECK(eod >= 0 && eod < cfg.vocab_size, "--attention-mask document: the end-of-document id ", eod,
+                " is outside the model's vocabulary of ", cfg.vocab_size);
+  return eod;
+}
+
+bool TrainOptions::fresh_start() const {
+  return !resume.empty() && resume == save && !Checkpoint::committed_in(resume);
+}
+
+nlohmann::json TrainOptions::as_json() const {
+  return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
+          {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"moe_aux_loss", moe_aux_loss}, {"moe_aux_loss_coef", moe_aux_loss_coef},
+          {"moe_capacity_factor", moe_capacity_factor}, {"moe_drop_policy", moe_drop_policy},
+          {"moe_pad_to_capacity", moe_pad_to_capacity}, {"moe_router_score", moe_router_score},
+          {"moe_router_bias_update_rate", moe_router_bias_update_rate},
+          {"pp_layers", pp_layers}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
+          {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
+          {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
+          {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
+          {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
+          {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask}};
+}
+
+void TrainOptions::validate_routing(const ModelConfig& cfg) const {
+  const AuxLoss aux = parse_aux_loss(moe_aux_loss);
+  const DropPolicy drop = parse_drop_policy(moe_drop_policy);
+  const RouterScore score = parse_router_score(moe_router_score);
+  ORIGAMI_CHECK(moe_capacity_factor >= 0, "--moe-capacity-factor must not be negative (0: dropless), got ",
+                moe_capacity_factor);
+  ORIGAMI_CHECK(moe_capacity_factor > 0 || (!moe_pad_to_capacity && drop == DropPolicy::probs),
+                moe_pad_to_capacity ? "--moe-pad-to-capacity" : "--moe-drop-policy position",
+                " needs --moe-capacity-factor F (without it routing is dropless)");
+  ORIGAMI_CHECK(moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must not be negative (0: off), got ",
+                moe_router_bias_update_rate);
+  const bool any = aux != AuxLoss::micro || moe_aux_loss_coef >= 0 || moe_capacity_factor > 0 ||
+                   score != RouterScore::softmax || moe_router_bias_update_rate > 0;
+  ORIGAMI_CHECK(cfg.is_moe() || !any, "the --moe-* routing options need a mixture-of-experts model, and this ",
+                cfg.model_type(), " model has no experts");
+}
+
+ModelConfig TrainOptions::with_routing(const ModelConfig& cfg) const {
+  ModelConfig c = cfg;
+  MoeRouting& r = c.routing;
+  r.aux = parse_aux_loss(moe_aux_loss);
+  if (moe_aux_loss_coef >= 0) r.aux_coef = moe_aux_loss_coef;
+  r.capacity_factor = moe_capacity_factor;
+  r.drop = parse_drop_policy(moe_drop_policy);
+  r.pad = moe_pad_to_capacity;
+  r.score = parse_router_score(moe_router_score);
+  r.bias_rate = moe_router_bias_update_rate;
+  return c;
+}
+
+void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
+  validate_routing(cfg);
+  ORIGAMI_CHECK(!data.empty(), "no training data: give --data PREFIX (made by 'origami data prepare')");
+  parse_blend(data, "--data");
+  if (!eval_data.empty()) parse_blend(eval_data, "--eval-data");
+  ORIGAMI_CHECK(eval_every >= 0, "--eval-every must not be negative (0: after the last step only), got ", eval_every);
+  ORIGAMI_CHECK(eval_iters >= 1, "--eval-iters must be at least 1, got ", eval_iters);
+  ORIGAMI_CHECK(eval_every == 0 || !eval_data.empty(), "--eval-every needs --eval-data PREFIX");
+  parse_attention_mask(attention_mask);
+  // Layout degrees first: the global batch's default derives from them.
+  ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
+  ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
+  ORIGAMI_CHECK(vpp >= 1, "--vpp must be at least 1, got ", vpp);
+  ORIGAMI_CHECK(cp >= 1, "--cp must be at least 1, got ", cp);
+  ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
+  ORIGAMI_CHECK(steps > 0, "--steps must be positive, got ", steps);
+  ORIGAMI_CHECK(micro_batch > 0, "--micro-batch must be positive, got ", micro_batch);
+  ORIGAMI_CHECK(global_batch > 0 && global_batch % micro_batch == 0, "--global-batch (", global_batch,
+                ") must be a positive multiple of --micro-batch (", micro_batch, ")");
+  ORIGAMI_CHECK(seq_len > 0 && seq_len <= cfg.max_positions, "--seq-len must be in [1, ", cfg.max_positions,
+                "] (the model's maximum positions), got ", seq_len);
+  ORIGAMI_CHECK(lr.lr >= 0, "--lr must not be negative, got ", lr.lr);
+  ORIGAMI_CHECK(lr.min_lr >= 0 && lr.min_lr <= lr.lr, "--min-lr must be in [0, --lr], got ", lr.min_lr);
+  ORIGAMI_CHECK(lr.warmup >= 0, "--warmup must not be negative, got ", lr.warmup);
+  ORIGAMI_CHECK(adam.weight_decay >= 0, "--weight-decay must not be negative, got ", adam.weight_decay);
+  ORIGAMI_CHECK(adam.beta1 >= 0 && adam.beta1 < 1 && adam.beta2 >= 0 && adam.beta2 < 1,
+                "--beta1 and --beta2 must be in [0, 1), got ", adam.beta1, " and ", adam.beta2);
+  ORIGAMI_CHECK(adam.eps > 0, "--eps must be positive, got ", adam.eps);
+  ORIGAMI_CHECK(grad_clip >= 0, "--grad-clip must not be negative (0 disables clipping), got ", grad_clip);
+  ORIGAMI_CHECK(save_every >= 0, "--save-every must not be negative, got ", save_every);
+  ORIGAMI_CHECK(save_every == 0 || !save.empty(), "--save-every needs --save DIR");
+  ORIGAMI_CHECK(keep_last >= 0, "--keep-last must not be negative (0 keeps all), got ", keep_last);
+  ORIGAMI_CHECK((keep_last == 0 && !async_save) || !save.empty(), keep_last ? "--keep-last" : "--async-save",
+                " needs --save DIR");
+  ORIGAMI_CHECK(init_from.empty() || resume.empty(), "--init-from (weights only) and --resume (weights, optimizer "
+                "and step) exclude each other; give one");
+  ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
+  ORIGAMI_CHECK(max_skipped_steps >= 0, "--max-skipped-steps must not be negative, got ", max_skipped_steps);
+  ORIGAMI_CHECK(loss_spike_factor == 0 || loss_spike_factor > 1,
+                "--loss-spike-factor must be 0 (off) or above 1, got ", loss_spike_factor);
+  ORIGAMI_CHECK(memory_limit_gb >= 0, "--memory-limit-gb must not be negative (0: the machine's memory), got ",
+                memory_limit_gb);
+  parse_sample_order(data_order);
+  // Layout.
+  parse_recompute(recompute);
+  ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);
+  ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
+  // The MoE mesh: experts over EP, each expert's FFN over ETP, EDP the rest of a pipeline stage's ranks.
+  ORIGAMI_CHECK(ep >= 1 && etp >= 1, "--ep and --etp must be at least 1, got --ep ", ep, " --etp ", etp);
+  ORIGAMI_CHECK(cfg.is_moe() || (ep == 1 && etp == 1), "--ep ", ep, " --etp ", etp, ": expert parallelism needs a "
+                "mixture-of-experts model, and this ", cfg.model_type(), " model has no experts");
+  if (cfg.is_moe()) {
+    ORIGAMI_CHECK(cfg.num_experts % ep == 0, "--ep ", ep, " must divide the number of experts (", cfg.num_experts, ")");
+    ORIGAMI_CHECK(cfg.expert_ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.expert_ffn, ")");
+    const int stage_ranks = world_size % pp == 0 ? world_size / pp : 0;
+    ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
+                  ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
+                  world_size / pp, "): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP");
+    ORIGAMI_CHECK(tp == 1 || cp > 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (",
+                  seq_len, ") must be a multiple of --tp (", tp, ")");
+  }
+  // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP
+  // (and by TP for MoE layers' shares); heads over the all-to-all group.
+  const CpComm comm = parse_cp_comm(cp_comm);
+  ORIGAMI_CHECK(cp_a2a_size == 0 || comm == CpComm::a2a_p2p, "--cp-a2a-size is for --cp-comm a2a+p2p (got --cp-comm ",
+                cp_comm, ")");
+  ORIGAMI_CHECK(comm != CpComm::a2a_p2p || cp_a2a_size >= 1, "--cp-comm a2a+p2p needs --cp-a2a-size A (the ranks "
+                "of each all-to-all group)");
+  ORIGAMI_CHECK(cp_a2a_size == 0 || cp % cp_a2a_size == 0, "--cp-a2a-size ", cp_a2a_size, " must divide --cp ", cp);
+  if (cp > 1) {
+    const int64_t cut = int64_t(2) * cp * (sequence_parallel || cfg.is_moe() ? tp : 1);
+    ORIGAMI_CHECK(seq_len % cut == 0, "--cp ", cp, " cuts each sequence into 2 x ", cp, " chunks",
+                  sequence_parallel ? cat(", each rank's split again over --tp ", tp, " (sequence parallel)")
+                  : cfg.is_moe() && tp > 1 ? cat(", each rank's split again over --tp ", tp, " (MoE shares)") : "",
+                  ": --seq-len (", seq_len, ") must be a multiple of ", cut);
+    const int A = cp_a2a();
+    const int64_t heads = cfg.num_heads / tp, kv = cfg.num_kv_heads / tp;
+    ORIGAMI_CHECK(heads % A == 0, "--cp-comm ", cp_comm, " splits each rank's attention heads (", heads,
+                  tp > 1 ? cat(" = ", cfg.num_heads, " / --tp ", tp) : "", ") over ", A,
+                  " ranks: the heads must be a multiple of ", A);
+    ORIGAMI_CHECK(kv % A == 0 || A % kv == 0, "--cp-comm ", cp_comm, " over ", A, " ranks: each rank's key/value heads (",
+                  kv, ") must be a multiple of ", A, " or divide it (then they are replicated)");
+  }
+  const MeshDims dims = layout_dims(world_size);
+  MeshShape(world_size, dims, mesh_order);  // validates the world size and the order
+  auto divides = [&](int64_t n, const char* what) {
+    ORIGAMI_CHECK(n % tp == 0, "--tp ", tp, " must divide the number of ", what, " (", n, ")");
+  };
+  divides(cfg.num_heads, "attention heads");
+  divides(cfg.num_kv_heads, "key/value heads");
+  divides(cfg.hidden, "hidden features");
+  if (cfg.has_dense_layers()) divides(cfg.ffn, "FFN features");  // routed experts are split by --etp instead
+  if (cfg.shared_ffn > 0) divides(cfg.shared_ffn, "shared expert's FFN features");
+  ORIGAMI_CHECK(global_batch % (int64_t(dims.dp) * micro_batch) == 0, "--global-batch (", global_batch,
+                ") must be a multiple of --micro-batch x DP (", micro_batch, " x ", dims.dp, " = ",
+                micro_batch * dims.dp, ")");
+  // Pipeline: the layer split, then the schedule against the micro-batches each step has.
+  partition_layers(int(cfg.num_layers), pp, vpp, pp_layers);
+  const ScheduleKind kind = schedule_kind();
+  const int64_t m = micro_batches(world_size);
+  ORIGAMI_CHECK(kind != ScheduleKind::interleaved || pp >= 2, "--pp-schedule interleaved needs --pp >= 2, got --pp ", pp);
+  ORIGAMI_CHECK(kind != ScheduleKind::interleaved || m % pp == 0, "--pp-schedule interleaved needs the micro-batches "
+                "per step (--global-batch / (--micro-batch x DP) = ", global_batch, " / (", micro_batch, " x ", dims.dp,
+                ") = ", m, ") to be a multiple of --pp (", pp, ")");
+  ORIGAMI_CHECK(vpp == 1 || kind == ScheduleKind::interleaved, "--vpp ", vpp, " needs --pp-schedule interleaved, got ",
+                schedule_kind_name(kind));
+  check_schedule(kind, pp, int(m), vpp);
+  Pipeline::check_tags(pp, int(m), vpp);
+  ORIGAMI_CHECK(!sequence_parallel || cp > 1 || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
+                seq_len, ") must be a multiple of --tp (", tp, ")");
+}
+
+ScheduleKind TrainOptions::schedule_kind() const {
+  if (pp_schedule.empty()) return vpp > 1 ? ScheduleKind::interleaved : ScheduleKind::one_f_one_b;
+  return parse_schedule_kind(pp_schedule);
+}
+
+int64_t TrainOptions::micro_batches(int world_size) const {
+  return global_batch / (micro_batch * layout_dims(world_size).dp);
+}
+
+TrainOptions TrainOptions::resolved(int world_size) const {
+  TrainOptions r = *this;
+  if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0)  // DP only: validate() names MoE mistakes
+    r.global_batch = r.micro_batch * MeshShape::derive(world_size, {tp, cp, dp, pp, 1, 1, 0}).dp;
+  return r;
+}
+
+ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) const {
+  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float))};
+}
+
+ActivationShape TrainOptions::activation_shape(int tp_size) const {
+  return {micro_batch, seq_len / cp,        tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
+          cp,          cp_a2a()};
+}
+
+int TrainOptions::cp_a2a() const {
+  switch (parse_cp_comm(cp_comm)) {
+    case CpComm::p2p: return 1;
+    case CpComm::a2a: return cp;
+    case CpComm::a2a_p2p: return cp_a2a_size;
+  }
+  return 1;
+}
+
+MeshDims TrainOptions::layout_dims(int world_size) const {
+  MeshDims d;
+  d.tp = tp, d.cp = cp, d.pp = pp, d.dp = dp;
+  d.etp = etp, d.ep = ep, d.edp = 0;
+  return MeshShape::derive(world_size, d);
+}
+
+}  // namespace origami

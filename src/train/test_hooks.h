@@ -1,0 +1,38 @@
+// Test-only switches of a training run, in one place: read once from the environment when the run
+// starts (an unset variable leaves its hook inert) and each called from one place in the trainer.
+//   ORIGAMI_TEST_NAN_GRAD=STEP:RANK  world rank RANK's gradient at the first parameter backward
+//       reaches in step STEP (from 1) becomes NaN, before any reduction — as a fault in one rank's
+//       backward would. The non-finite guard must stop every rank (tests/parallel/test_run_safety.py).
+//   ORIGAMI_TEST_ROUTING=DIR  every rank of a MoE run appends its own routed counts per step to
+//       DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently
+//       (tests/parallel/test_expert_parallel.py).
+#pragma once
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace origami {
+
+class TestHooks {
+ public:
+  // Error naming the variable for a malformed value.
+  static TestHooks from_env(int world_rank, bool moe);
+
+  // The startup line of an armed fault injection ("" when none is).
+  std::string describe() const;
+  // The gradient hook: makes *grad NaN once, in step `step` on the chosen rank.
+  void poison_gradient(int64_t step, float* grad);
+  // After the step's routing: this rank's counts per layer and expert.
+  void log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts);
+
+ private:
+  int rank_ = 0;
+  long long nan_step_ = -1;
+  int nan_rank_ = -1;
+  bool injected_ = false;
+  std::shared_ptr<std::ofstream> routing_log_;
+};
+
+}  // namespace origami
