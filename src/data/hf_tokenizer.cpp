@@ -266,287 +266,122 @@ std::string HfTokenizer::default_eod_token(const json& hf, const std::string& co
 
 HfTokenizer::~HfTokenizer() = default;
 
+// ---------------------------------------------------------------------------------------------
+// Construction: one reader per component of the file, called in the order of the checks
+
+namespace {
+
+// The steps of a component in order, a Sequence (its "normalizers", "pretokenizers", "decoders" or
+// "processors") flattened; a null component has none.
+void flatten_sequence(const json& j, const char* what, const std::string& source, std::vector<const json*>& steps) {
+  if (j.is_null()) return;
+  if (type_of(j, what, source) == "Sequence") {
+    const char* key = j.contains("normalizers") ? "normalizers"
+                      : j.contains("pretokenizers") ? "pretokenizers"
+                      : j.contains("decoders") ? "decoders" : "processors";
+    ORIGAMI_CHECK(j.contains(key) && j[key].is_array(), source, ": a ", what, " Sequence needs \"", key, "\"");
+    for (const auto& x : j[key]) flatten_sequence(x, what, source, steps);
+    return;
+  }
+  steps.push_back(&j);
+}
+
+// The steps of the component hf[key] (none if the file has no such key), every one of them
+// checked for a "type" before any is read.
+std::vector<const json*> component_steps(const json& hf, const char* key, const std::string& source) {
+  std::vector<const json*> steps;
+  if (hf.contains(key)) flatten_sequence(hf[key], key, source, steps);
+  return steps;
+}
+
+// The file as a whole: a model, and no truncation or padding.
+void check_file(const json& hf, const std::string& source) {
+  ORIGAMI_CHECK(hf.is_object() && hf.contains("model") && hf["model"].is_object(), source,
+                ": not a Hugging Face tokenizer file (no \"model\" object)");
+  for (const char* key : {"truncation", "padding"})
+    ORIGAMI_CHECK(!hf.contains(key) || hf[key].is_null(), source, ": \"", key,
+                  "\" is set; origami encodes whole documents (set it to null)");
+}
+
+// The ids a post-processor puts around a single sequence.
+struct SequenceWrap {
+  std::vector<int32_t> prefix, suffix;
+};
+
+// A post-processor's special token given as [token, id]: its id.
+int32_t special_id(const json& pair, const char* what, const std::string& source) {
+  ORIGAMI_CHECK(pair.is_array() && pair.size() == 2 && pair[1].is_number_integer(), source, ": post_processor ", what,
+                " must be [token, id]");
+  return pair[1].get<int32_t>();
+}
+
+// TemplateProcessing's "single" template: the ids of its special tokens before and after $A.
+SequenceWrap template_wrap(const json& j, const std::string& source) {
+  ORIGAMI_CHECK(j.contains("single") && j["single"].is_array(), source,
+                ": post_processor TemplateProcessing needs a \"single\" template");
+  SequenceWrap w;
+  bool seen_a = false;
+  for (const auto& piece : j["single"]) {
+    if (piece.contains("Sequence")) {
+      ORIGAMI_CHECK(!seen_a && piece["Sequence"].value("id", std::string()) == "A", source,
+                    ": post_processor TemplateProcessing: the single template must hold $A once, got ",
+                    j["single"].dump());
+      seen_a = true;
+      continue;
+    }
+    ORIGAMI_CHECK(piece.contains("SpecialToken"), source,
+                  ": post_processor TemplateProcessing: unknown template piece ", piece.dump());
+    std::string name = piece["SpecialToken"].value("id", std::string());
+    ORIGAMI_CHECK(j.contains("special_tokens") && j["special_tokens"].contains(name), source,
+                  ": post_processor TemplateProcessing: special token '", name, "' is not in special_tokens");
+    for (const auto& id : j["special_tokens"][name]["ids"])
+      (seen_a ? w.suffix : w.prefix).push_back(id.get<int32_t>());
+  }
+  ORIGAMI_CHECK(seen_a, source, ": post_processor TemplateProcessing: the single template has no $A");
+  return w;
+}
+
+// One post-processor step (not a Sequence): the ids it puts around a single sequence.
+SequenceWrap make_post_processor(const json& j, const std::string& source) {
+  std::string type = j["type"].get<std::string>();
+  if (type == "ByteLevel") return {};  // offsets only
+  if (type == "RobertaProcessing" || type == "BertProcessing") {
+    ORIGAMI_CHECK(j.contains("cls") && j.contains("sep"), source, ": post_processor ", type, " needs cls and sep");
+    int32_t cls = special_id(j["cls"], "cls", source);
+    return {{cls}, {special_id(j["sep"], "sep", source)}};
+  }
+  if (type == "TemplateProcessing") return template_wrap(j, source);
+  fail(source, ": post_processor '", type,
+       "' is not supported (origami implements TemplateProcessing, RobertaProcessing, BertProcessing, "
+       "ByteLevel, Sequence)");
+}
+
+}  // namespace
+
 HfTokenizer::HfTokenizer(const json& hf, const std::string& eod_token, const std::string& source)
     : hf_(hf), eod_token_(eod_token) {
   try {
-    ORIGAMI_CHECK(hf.is_object() && hf.contains("model") && hf["model"].is_object(), source,
-                  ": not a Hugging Face tokenizer file (no \"model\" object)");
-    for (const char* key : {"truncation", "padding"})
-      ORIGAMI_CHECK(!hf.contains(key) || hf[key].is_null(), source, ": \"", key,
-                    "\" is set; origami encodes whole documents (set it to null)");
-
-    // ---- model: BPE
-    const json& m = hf["model"];
-    std::string mtype = m.contains("type") ? m["type"].get<std::string>() : "BPE";
-    ORIGAMI_CHECK(mtype == "BPE", source, ": model type '", mtype,
-                  "' is not supported (origami reads BPE models, not WordPiece, Unigram or WordLevel)");
-    ORIGAMI_CHECK(!m.contains("dropout") || m["dropout"].is_null() || m["dropout"].get<double>() == 0.0, source,
-                  ": BPE dropout ", m.contains("dropout") ? m["dropout"].dump() : "", " is not supported (null or 0)");
-    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-      ORIGAMI_CHECK(str_or_empty(m, key).empty(), source, ": BPE option ", key, " '", str_or_empty(m, key),
-                    "' is not supported (null)");
-    ORIGAMI_CHECK(m.contains("vocab") && m["vocab"].is_object(), source, ": the BPE model needs \"vocab\": {token: id}");
-    ORIGAMI_CHECK(m.contains("merges") && m["merges"].is_array(), source, ": the BPE model needs \"merges\"");
-    byte_fallback_ = flag(m, "byte_fallback", false);
-    fuse_unk_ = flag(m, "fuse_unk", false);
-    ignore_merges_ = flag(m, "ignore_merges", false);
-    int32_t max_id = -1;
-    vocab_.reserve(m["vocab"].size());
-    for (auto& [token, id] : m["vocab"].items()) {
-      ORIGAMI_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < (1 << 28), source,
-                    ": the id of token '", token, "' must be an integer in [0, 2^28)");
-      vocab_.emplace(token, id.get<int32_t>());
-      max_id = std::max(max_id, id.get<int32_t>());
-    }
-    auto merges = parse_merges(m["merges"], source);
-    merges_.reserve(merges.size() * 2);
-    for (size_t rank = 0; rank < merges.size(); ++rank) {
-      const auto& [a, b] = merges[rank];
-      auto ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(a + b);
-      ORIGAMI_CHECK(ia != vocab_.end() && ib != vocab_.end() && iab != vocab_.end(), source, ": merge ", rank + 1,
-                    " '", a, " ", b, "' uses a token missing from the vocabulary ('",
-                    ia == vocab_.end() ? a : ib == vocab_.end() ? b : a + b, "')");
-      merges_.add(ia->second, ib->second, iab->second);
-    }
-    if (std::string unk = str_or_empty(m, "unk_token"); !unk.empty()) {
-      auto it = vocab_.find(unk);
-      ORIGAMI_CHECK(it != vocab_.end(), source, ": BPE unk_token '", unk, "' is not in the vocabulary");
-      unk_id_ = it->second;
-    }
-    for (int b = 0; b < 256; ++b) {
-      char name[8];
-      std::snprintf(name, sizeof name, "<0x%02X>", b);
-      auto it = vocab_.find(std::string_view(name));
-      byte_fallback_id_[b] = it == vocab_.end() ? -1 : it->second;
-    }
-
-    // ---- added tokens
-    if (hf.contains("added_tokens") && !hf["added_tokens"].is_null()) {
-      ORIGAMI_CHECK(hf["added_tokens"].is_array(), source, ": \"added_tokens\" must be an array");
-      for (const auto& t : hf["added_tokens"]) {
-        ORIGAMI_CHECK(t.is_object() && t.contains("id") && t["id"].is_number_integer() && t.contains("content") &&
-                          t["content"].is_string() && t["id"].get<int64_t>() >= 0 && t["id"].get<int64_t>() < (1 << 28),
-                      source, ": an added token needs an integer \"id\" in [0, 2^28) and a string \"content\"");
-        added_.push_back({t["content"].get<std::string>(), t["id"].get<int32_t>(), flag(t, "single_word", false),
-                          flag(t, "lstrip", false), flag(t, "rstrip", false), flag(t, "normalized", true),
-                          flag(t, "special", false)});
-        max_id = std::max(max_id, added_.back().id);
-      }
-    }
+    check_file(hf, source);
+    int32_t max_id = read_bpe_model(hf["model"], source);
+    read_added_tokens(hf, source);
+    for (const auto& t : added_) max_id = std::max(max_id, t.id);
     ORIGAMI_CHECK(max_id >= 0, source, ": the vocabulary is empty");
 
-    // ---- normalizer
-    std::vector<const json*> stack;
-    auto flatten = [&](const json& j, const char* what, auto&& self) -> void {
-      if (j.is_null()) return;
-      if (type_of(j, what, source) == "Sequence") {
-        const char* key = j.contains("normalizers") ? "normalizers"
-                          : j.contains("pretokenizers") ? "pretokenizers"
-                          : j.contains("decoders") ? "decoders" : "processors";
-        ORIGAMI_CHECK(j.contains(key) && j[key].is_array(), source, ": a ", what, " Sequence needs \"", key, "\"");
-        for (const auto& x : j[key]) self(x, what, self);
-        return;
-      }
-      stack.push_back(&j);
-    };
-    if (hf.contains("normalizer")) flatten(hf["normalizer"], "normalizer", flatten);
-    for (const json* jp : stack) {
-      const json& j = *jp;
-      std::string type = j["type"].get<std::string>();
-      UErrorCode status = U_ZERO_ERROR;
-      if (type == "NFC") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFCInstance(status), "", ""});
-      else if (type == "NFD") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFDInstance(status), "", ""});
-      else if (type == "NFKC") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFKCInstance(status), "", ""});
-      else if (type == "NFKD") norm_.push_back({NormStep::unicode, icu::Normalizer2::getNFKDInstance(status), "", ""});
-      else if (type == "Prepend") {
-        ORIGAMI_CHECK(j.contains("prepend") && j["prepend"].is_string(), source, ": normalizer Prepend needs \"prepend\"");
-        norm_.push_back({NormStep::prepend, nullptr, j["prepend"].get<std::string>(), ""});
-      } else if (type == "Replace") {
-        auto [pat, literal] = pattern_of(j, "normalizer Replace", source);
-        ORIGAMI_CHECK(literal, source, ": normalizer Replace with a Regex pattern is not supported (String only)");
-        norm_.push_back({NormStep::replace, nullptr, pat, j.value("content", std::string())});
-      } else {
-        fail(source, ": normalizer '", type,
-             "' is not supported (origami implements NFC, NFD, NFKC, NFKD, Prepend, Replace, Sequence)");
-      }
-      ORIGAMI_CHECK(U_SUCCESS(status), source, ": ICU has no ", type, " normalizer (", u_errorName(status), ")");
-    }
+    for (const json* j : component_steps(hf, "normalizer", source)) norm_.push_back(make_normalizer(*j, source));
+    auto pre_steps = component_steps(hf, "pre_tokenizer", source);
+    for (size_t k = 0; k < pre_steps.size(); ++k)
+      pre_.push_back(make_pre_tokenizer(*pre_steps[k], k + 1 == pre_steps.size(), source));
+    byte_level_ = !pre_.empty() && pre_.back().kind == PreStep::byte_level;  // ByteLevel is last if anywhere
+    find_model_symbols();
 
-    // ---- pre-tokenizer
-    stack.clear();
-    if (hf.contains("pre_tokenizer")) flatten(hf["pre_tokenizer"], "pre_tokenizer", flatten);
-    for (size_t k = 0; k < stack.size(); ++k) {
-      const json& j = *stack[k];
-      std::string type = j["type"].get<std::string>();
-      PreStep p{};
-      if (type == "Split") {
-        p.kind = PreStep::split;
-        auto [pat, literal] = pattern_of(j, "pre_tokenizer Split", source);
-        p.regex = std::make_shared<HfRegex>(pat, literal, source + ": pre_tokenizer Split");
-        std::string b = j.value("behavior", std::string("Isolated"));
-        if (b == "Removed") p.behavior = SplitBehavior::removed;
-        else if (b == "Isolated") p.behavior = SplitBehavior::isolated;
-        else if (b == "MergedWithPrevious") p.behavior = SplitBehavior::merged_with_previous;
-        else if (b == "MergedWithNext") p.behavior = SplitBehavior::merged_with_next;
-        else if (b == "Contiguous") p.behavior = SplitBehavior::contiguous;
-        else fail(source, ": pre_tokenizer Split behavior '", b, "' is not known");
-        p.invert = flag(j, "invert", false);
-      } else if (type == "ByteLevel") {
-        ORIGAMI_CHECK(k + 1 == stack.size(), source,
-                      ": a ByteLevel pre_tokenizer followed by other pre-tokenizers is not supported (it must be last)");
-        p.kind = PreStep::byte_level;
-        p.add_prefix_space = flag(j, "add_prefix_space", false);
-        p.use_regex = flag(j, "use_regex", true);
-        byte_level_ = true;
-      } else if (type == "Metaspace") {
-        p.kind = PreStep::metaspace;
-        p.replacement = one_char(j, "replacement", "pre_tokenizer Metaspace", source);
-        std::string scheme = str_or_empty(j, "prepend_scheme");
-        if (scheme.empty()) scheme = flag(j, "add_prefix_space", true) ? "always" : "never";
-        if (scheme == "always") p.prepend = PreStep::always;
-        else if (scheme == "first") p.prepend = PreStep::first;
-        else if (scheme == "never") p.prepend = PreStep::never;
-        else fail(source, ": pre_tokenizer Metaspace prepend_scheme '", scheme, "' is not known");
-        p.split_on_replacement = flag(j, "split", true);
-        p.regex = std::make_shared<HfRegex>(p.replacement, true, source + ": pre_tokenizer Metaspace");
-      } else {
-        fail(source, ": pre_tokenizer '", type,
-             "' is not supported (origami implements Split, ByteLevel, Metaspace, Sequence)");
-      }
-      pre_.push_back(std::move(p));
-    }
-
-    // ---- model symbols: byte-level (each byte's symbol) or characters (ASCII table)
-    for (int b = 0; b < 256; ++b) {
-      std::string key = byte_level_ ? byte_level_symbols()[b] : b < 128 ? std::string(1, char(b)) : std::string();
-      auto it = key.empty() ? vocab_.end() : vocab_.find(key);
-      unit_id_[b] = it == vocab_.end() ? -1 : it->second;
-    }
-    // Words may be cut before a "▁" that follows another character when no token holds such a pair:
-    // then no merge can cross the cut and BPE of the parts equals BPE of the word (SentencePiece-
-    // style files, whose normalizer makes a whole text one word).
-    if (!byte_level_ && !ignore_merges_ && vocab_.count("\u2581")) {
-      bool safe = true;
-      for (const auto& [token, id] : vocab_) {
-        for (size_t p = token.find("\u2581", 1); p != std::string::npos && safe; p = token.find("\u2581", p + 1))
-          if (last_char(std::string_view(token).substr(0, p)) != U'\u2581') safe = false;
-        if (!safe) break;
-      }
-      if (safe) safe_split_ = "\u2581";
-    }
-
-    // ---- id tables (model vocabulary, then added tokens, which take precedence)
-    id_token_.assign(size_t(max_id) + 1, {});
-    id_valid_.assign(size_t(max_id) + 1, false);
-    id_special_.assign(size_t(max_id) + 1, false);
-    for (const auto& [token, id] : vocab_) {
-      ORIGAMI_CHECK(!id_valid_[id], source, ": id ", id, " is given to two tokens ('", id_token_[id], "' and '", token,
-                    "')");
-      id_token_[id] = token;
-      id_valid_[id] = true;
-    }
-    for (const auto& t : added_) {
-      id_token_[t.id] = t.content;
-      id_valid_[t.id] = true;
-      id_special_[t.id] = t.special;
-    }
+    build_id_tables(max_id, source);
     build_matcher(raw_matcher_, false);
     build_matcher(normalized_matcher_, true);
+    read_post_processor(hf, source);
 
-    // ---- post-processor: the ids around a single sequence
-    stack.clear();
-    if (hf.contains("post_processor")) flatten(hf["post_processor"], "post_processor", flatten);
-    auto special_id = [&](const json& pair, const char* what) {
-      ORIGAMI_CHECK(pair.is_array() && pair.size() == 2 && pair[1].is_number_integer(), source, ": post_processor ",
-                    what, " must be [token, id]");
-      return pair[1].get<int32_t>();
-    };
-    for (const json* jp : stack) {
-      const json& j = *jp;
-      std::string type = j["type"].get<std::string>();
-      std::vector<int32_t> pre, post;
-      if (type == "ByteLevel") {
-        continue;  // offsets only
-      } else if (type == "RobertaProcessing" || type == "BertProcessing") {
-        ORIGAMI_CHECK(j.contains("cls") && j.contains("sep"), source, ": post_processor ", type, " needs cls and sep");
-        pre = {special_id(j["cls"], "cls")};
-        post = {special_id(j["sep"], "sep")};
-      } else if (type == "TemplateProcessing") {
-        ORIGAMI_CHECK(j.contains("single") && j["single"].is_array(), source,
-                      ": post_processor TemplateProcessing needs a \"single\" template");
-        bool seen_a = false;
-        for (const auto& piece : j["single"]) {
-          if (piece.contains("Sequence")) {
-            ORIGAMI_CHECK(!seen_a && piece["Sequence"].value("id", std::string()) == "A", source,
-                          ": post_processor TemplateProcessing: the single template must hold $A once, got ",
-                          j["single"].dump());
-            seen_a = true;
-            continue;
-          }
-          ORIGAMI_CHECK(piece.contains("SpecialToken"), source,
-                        ": post_processor TemplateProcessing: unknown template piece ", piece.dump());
-          std::string name = piece["SpecialToken"].value("id", std::string());
-          ORIGAMI_CHECK(j.contains("special_tokens") && j["special_tokens"].contains(name), source,
-                        ": post_processor TemplateProcessing: special token '", name, "' is not in special_tokens");
-          for (const auto& id : j["special_tokens"][name]["ids"]) (seen_a ? post : pre).push_back(id.get<int32_t>());
-        }
-        ORIGAMI_CHECK(seen_a, source, ": post_processor TemplateProcessing: the single template has no $A");
-      } else {
-        fail(source, ": post_processor '", type,
-             "' is not supported (origami implements TemplateProcessing, RobertaProcessing, BertProcessing, "
-             "ByteLevel, Sequence)");
-      }
-      // A later processor wraps the result of the earlier ones.
-      prefix_ids_.insert(prefix_ids_.begin(), pre.begin(), pre.end());
-      suffix_ids_.insert(suffix_ids_.end(), post.begin(), post.end());
-    }
-    for (int32_t id : prefix_ids_)
-      ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], source, ": post_processor token id ", id,
-                    " is not in the vocabulary");
-    for (int32_t id : suffix_ids_)
-      ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], source, ": post_processor token id ", id,
-                    " is not in the vocabulary");
-
-    // ---- decoder
-    stack.clear();
-    if (hf.contains("decoder")) flatten(hf["decoder"], "decoder", flatten);
+    for (const json* j : component_steps(hf, "decoder", source)) dec_.push_back(make_decoder(*j, source));
     has_decoder_ = hf.contains("decoder") && !hf["decoder"].is_null();
-    for (const json* jp : stack) {
-      const json& j = *jp;
-      std::string type = j["type"].get<std::string>();
-      DecStep d{};
-      if (type == "ByteLevel") d.kind = DecStep::byte_level;
-      else if (type == "ByteFallback") d.kind = DecStep::byte_fallback;
-      else if (type == "Fuse") d.kind = DecStep::fuse;
-      else if (type == "Replace") {
-        d.kind = DecStep::replace;
-        auto [pat, literal] = pattern_of(j, "decoder Replace", source);
-        ORIGAMI_CHECK(literal, source, ": decoder Replace with a Regex pattern is not supported (String only)");
-        d.a = pat;
-        d.b = j.value("content", std::string());
-      } else if (type == "Strip") {
-        d.kind = DecStep::strip;
-        d.a = one_char(j, "content", "decoder Strip", source);
-        d.start = j.value("start", 0);
-        d.stop = j.value("stop", 0);
-      } else if (type == "Metaspace") {
-        d.kind = DecStep::metaspace;
-        d.a = one_char(j, "replacement", "decoder Metaspace", source);
-        std::string scheme = str_or_empty(j, "prepend_scheme");
-        d.prepend = scheme.empty() ? flag(j, "add_prefix_space", true) : scheme != "never";
-      } else {
-        fail(source, ": decoder '", type,
-             "' is not supported (origami implements ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, "
-             "Sequence)");
-      }
-      dec_.push_back(std::move(d));
-    }
-    id_bytes_.assign(id_token_.size(), {});
-    for (size_t id = 0; id < id_token_.size(); ++id)
-      if (id_valid_[id]) {
-        auto parts = run_decoder({id_token_[id]}, /*streaming=*/true);
-        for (const auto& p : parts) id_bytes_[id] += p;
-      }
+    build_id_bytes();
 
     // ---- end of document
     ORIGAMI_CHECK(!eod_token.empty(), source, ": the end-of-document token is empty");
@@ -555,6 +390,245 @@ HfTokenizer::HfTokenizer(const json& hf, const std::string& eod_token, const std
   } catch (const json::exception& e) {
     fail(source, ": malformed Hugging Face tokenizer file (", e.what(), ")");
   }
+}
+
+// ---- model: BPE
+
+int32_t HfTokenizer::read_bpe_model(const json& m, const std::string& source) {
+  std::string mtype = m.contains("type") ? m["type"].get<std::string>() : "BPE";
+  ORIGAMI_CHECK(mtype == "BPE", source, ": model type '", mtype,
+                "' is not supported (origami reads BPE models, not WordPiece, Unigram or WordLevel)");
+  ORIGAMI_CHECK(!m.contains("dropout") || m["dropout"].is_null() || m["dropout"].get<double>() == 0.0, source,
+                ": BPE dropout ", m.contains("dropout") ? m["dropout"].dump() : "", " is not supported (null or 0)");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    ORIGAMI_CHECK(str_or_empty(m, key).empty(), source, ": BPE option ", key, " '", str_or_empty(m, key),
+                  "' is not supported (null)");
+  ORIGAMI_CHECK(m.contains("vocab") && m["vocab"].is_object(), source, ": the BPE model needs \"vocab\": {token: id}");
+  ORIGAMI_CHECK(m.contains("merges") && m["merges"].is_array(), source, ": the BPE model needs \"merges\"");
+  byte_fallback_ = flag(m, "byte_fallback", false);
+  fuse_unk_ = flag(m, "fuse_unk", false);
+  ignore_merges_ = flag(m, "ignore_merges", false);
+  int32_t max_id = -1;
+  vocab_.reserve(m["vocab"].size());
+  for (auto& [token, id] : m["vocab"].items()) {
+    ORIGAMI_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < (1 << 28), source,
+                  ": the id of token '", token, "' must be an integer in [0, 2^28)");
+    vocab_.emplace(token, id.get<int32_t>());
+    max_id = std::max(max_id, id.get<int32_t>());
+  }
+  read_bpe_merges(m["merges"], source);
+  if (std::string unk = str_or_empty(m, "unk_token"); !unk.empty()) {
+    auto it = vocab_.find(unk);
+    ORIGAMI_CHECK(it != vocab_.end(), source, ": BPE unk_token '", unk, "' is not in the vocabulary");
+    unk_id_ = it->second;
+  }
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    auto it = vocab_.find(std::string_view(name));
+    byte_fallback_id_[b] = it == vocab_.end() ? -1 : it->second;
+  }
+  return max_id;
+}
+
+void HfTokenizer::read_bpe_merges(const json& merges_json, const std::string& source) {
+  auto merges = parse_merges(merges_json, source);
+  merges_.reserve(merges.size() * 2);
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& [a, b] = merges[rank];
+    auto ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(a + b);
+    ORIGAMI_CHECK(ia != vocab_.end() && ib != vocab_.end() && iab != vocab_.end(), source, ": merge ", rank + 1, " '",
+                  a, " ", b, "' uses a token missing from the vocabulary ('",
+                  ia == vocab_.end() ? a : ib == vocab_.end() ? b : a + b, "')");
+    merges_.add(ia->second, ib->second, iab->second);
+  }
+}
+
+// ---- model symbols: byte-level (each byte's symbol) or characters (ASCII table)
+
+void HfTokenizer::find_model_symbols() {
+  for (int b = 0; b < 256; ++b) {
+    std::string key = byte_level_ ? byte_level_symbols()[b] : b < 128 ? std::string(1, char(b)) : std::string();
+    auto it = key.empty() ? vocab_.end() : vocab_.find(key);
+    unit_id_[b] = it == vocab_.end() ? -1 : it->second;
+  }
+  // Words may be cut before a "▁" that follows another character when no token holds such a pair:
+  // then no merge can cross the cut and BPE of the parts equals BPE of the word (SentencePiece-
+  // style files, whose normalizer makes a whole text one word).
+  if (!byte_level_ && !ignore_merges_ && vocab_.count("\u2581")) {
+    bool safe = true;
+    for (const auto& [token, id] : vocab_) {
+      for (size_t p = token.find("\u2581", 1); p != std::string::npos && safe; p = token.find("\u2581", p + 1))
+        if (last_char(std::string_view(token).substr(0, p)) != U'\u2581') safe = false;
+      if (!safe) break;
+    }
+    if (safe) safe_split_ = "\u2581";
+  }
+}
+
+// ---- added tokens
+
+void HfTokenizer::read_added_tokens(const json& hf, const std::string& source) {
+  if (!hf.contains("added_tokens") || hf["added_tokens"].is_null()) return;
+  ORIGAMI_CHECK(hf["added_tokens"].is_array(), source, ": \"added_tokens\" must be an array");
+  for (const auto& t : hf["added_tokens"]) {
+    ORIGAMI_CHECK(t.is_object() && t.contains("id") && t["id"].is_number_integer() && t.contains("content") &&
+                      t["content"].is_string() && t["id"].get<int64_t>() >= 0 && t["id"].get<int64_t>() < (1 << 28),
+                  source, ": an added token needs an integer \"id\" in [0, 2^28) and a string \"content\"");
+    added_.push_back({t["content"].get<std::string>(), t["id"].get<int32_t>(), flag(t, "single_word", false),
+                      flag(t, "lstrip", false), flag(t, "rstrip", false), flag(t, "normalized", true),
+                      flag(t, "special", false)});
+  }
+}
+
+// ---- id tables (model vocabulary, then added tokens, which take precedence)
+
+void HfTokenizer::build_id_tables(int32_t max_id, const std::string& source) {
+  id_token_.assign(size_t(max_id) + 1, {});
+  id_valid_.assign(size_t(max_id) + 1, false);
+  id_special_.assign(size_t(max_id) + 1, false);
+  for (const auto& [token, id] : vocab_) {
+    ORIGAMI_CHECK(!id_valid_[id], source, ": id ", id, " is given to two tokens ('", id_token_[id], "' and '", token,
+                  "')");
+    id_token_[id] = token;
+    id_valid_[id] = true;
+  }
+  for (const auto& t : added_) {
+    id_token_[t.id] = t.content;
+    id_valid_[t.id] = true;
+    id_special_[t.id] = t.special;
+  }
+}
+
+// ---- normalizer
+
+HfTokenizer::NormStep HfTokenizer::make_normalizer(const json& j, const std::string& source) {
+  std::string type = j["type"].get<std::string>();
+  UErrorCode status = U_ZERO_ERROR;
+  NormStep n{};
+  if (type == "NFC") n = {NormStep::unicode, icu::Normalizer2::getNFCInstance(status), "", ""};
+  else if (type == "NFD") n = {NormStep::unicode, icu::Normalizer2::getNFDInstance(status), "", ""};
+  else if (type == "NFKC") n = {NormStep::unicode, icu::Normalizer2::getNFKCInstance(status), "", ""};
+  else if (type == "NFKD") n = {NormStep::unicode, icu::Normalizer2::getNFKDInstance(status), "", ""};
+  else if (type == "Prepend") {
+    ORIGAMI_CHECK(j.contains("prepend") && j["prepend"].is_string(), source, ": normalizer Prepend needs \"prepend\"");
+    n = {NormStep::prepend, nullptr, j["prepend"].get<std::string>(), ""};
+  } else if (type == "Replace") {
+    auto [pat, literal] = pattern_of(j, "normalizer Replace", source);
+    ORIGAMI_CHECK(literal, source, ": normalizer Replace with a Regex pattern is not supported (String only)");
+    n = {NormStep::replace, nullptr, pat, j.value("content", std::string())};
+  } else {
+    fail(source, ": normalizer '", type,
+         "' is not supported (origami implements NFC, NFD, NFKC, NFKD, Prepend, Replace, Sequence)");
+  }
+  ORIGAMI_CHECK(U_SUCCESS(status), source, ": ICU has no ", type, " normalizer (", u_errorName(status), ")");
+  return n;
+}
+
+// ---- pre-tokenizer
+
+namespace {
+SplitBehavior split_behavior(const std::string& b, const std::string& source) {
+  if (b == "Removed") return SplitBehavior::removed;
+  if (b == "Isolated") return SplitBehavior::isolated;
+  if (b == "MergedWithPrevious") return SplitBehavior::merged_with_previous;
+  if (b == "MergedWithNext") return SplitBehavior::merged_with_next;
+  if (b == "Contiguous") return SplitBehavior::contiguous;
+  fail(source, ": pre_tokenizer Split behavior '", b, "' is not known");
+}
+}  // namespace
+
+// last: the step is the last of the pre-tokenizer (where ByteLevel must be).
+HfTokenizer::PreStep HfTokenizer::make_pre_tokenizer(const json& j, bool last, const std::string& source) {
+  std::string type = j["type"].get<std::string>();
+  PreStep p{};
+  if (type == "Split") {
+    p.kind = PreStep::split;
+    auto [pat, literal] = pattern_of(j, "pre_tokenizer Split", source);
+    p.regex = std::make_shared<HfRegex>(pat, literal, source + ": pre_tokenizer Split");
+    p.behavior = split_behavior(j.value("behavior", std::string("Isolated")), source);
+    p.invert = flag(j, "invert", false);
+  } else if (type == "ByteLevel") {
+    ORIGAMI_CHECK(last, source,
+                  ": a ByteLevel pre_tokenizer followed by other pre-tokenizers is not supported (it must be last)");
+    p.kind = PreStep::byte_level;
+    p.add_prefix_space = flag(j, "add_prefix_space", false);
+    p.use_regex = flag(j, "use_regex", true);
+  } else if (type == "Metaspace") {
+    p.kind = PreStep::metaspace;
+    p.replacement = one_char(j, "replacement", "pre_tokenizer Metaspace", source);
+    std::string scheme = str_or_empty(j, "prepend_scheme");
+    if (scheme.empty()) scheme = flag(j, "add_prefix_space", true) ? "always" : "never";
+    if (scheme == "always") p.prepend = PreStep::always;
+    else if (scheme == "first") p.prepend = PreStep::first;
+    else if (scheme == "never") p.prepend = PreStep::never;
+    else fail(source, ": pre_tokenizer Metaspace prepend_scheme '", scheme, "' is not known");
+    p.split_on_replacement = flag(j, "split", true);
+    p.regex = std::make_shared<HfRegex>(p.replacement, true, source + ": pre_tokenizer Metaspace");
+  } else {
+    fail(source, ": pre_tokenizer '", type,
+         "' is not supported (origami implements Split, ByteLevel, Metaspace, Sequence)");
+  }
+  return p;
+}
+
+// ---- post-processor: the ids around a single sequence
+
+void HfTokenizer::read_post_processor(const json& hf, const std::string& source) {
+  for (const json* j : component_steps(hf, "post_processor", source)) {
+    SequenceWrap w = make_post_processor(*j, source);
+    // A later processor wraps the result of the earlier ones.
+    prefix_ids_.insert(prefix_ids_.begin(), w.prefix.begin(), w.prefix.end());
+    suffix_ids_.insert(suffix_ids_.end(), w.suffix.begin(), w.suffix.end());
+  }
+  for (int32_t id : prefix_ids_)
+    ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], source, ": post_processor token id ", id,
+                  " is not in the vocabulary");
+  for (int32_t id : suffix_ids_)
+    ORIGAMI_CHECK(id >= 0 && id < vocab_size() && id_valid_[id], source, ": post_processor token id ", id,
+                  " is not in the vocabulary");
+}
+
+// ---- decoder
+
+HfTokenizer::DecStep HfTokenizer::make_decoder(const json& j, const std::string& source) {
+  std::string type = j["type"].get<std::string>();
+  DecStep d{};
+  if (type == "ByteLevel") d.kind = DecStep::byte_level;
+  else if (type == "ByteFallback") d.kind = DecStep::byte_fallback;
+  else if (type == "Fuse") d.kind = DecStep::fuse;
+  else if (type == "Replace") {
+    d.kind = DecStep::replace;
+    auto [pat, literal] = pattern_of(j, "decoder Replace", source);
+    ORIGAMI_CHECK(literal, source, ": decoder Replace with a Regex pattern is not supported (String only)");
+    d.a = pat;
+    d.b = j.value("content", std::string());
+  } else if (type == "Strip") {
+    d.kind = DecStep::strip;
+    d.a = one_char(j, "content", "decoder Strip", source);
+    d.start = j.value("start", 0);
+    d.stop = j.value("stop", 0);
+  } else if (type == "Metaspace") {
+    d.kind = DecStep::metaspace;
+    d.a = one_char(j, "replacement", "decoder Metaspace", source);
+    std::string scheme = str_or_empty(j, "prepend_scheme");
+    d.prepend = scheme.empty() ? flag(j, "add_prefix_space", true) : scheme != "never";
+  } else {
+    fail(source, ": decoder '", type,
+         "' is not supported (origami implements ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, "
+         "Sequence)");
+  }
+  return d;
+}
+
+// Each token's decode() bytes: its text through the decoder's per-token steps.
+void HfTokenizer::build_id_bytes() {
+  id_bytes_.assign(id_token_.size(), {});
+  for (size_t id = 0; id < id_token_.size(); ++id)
+    if (id_valid_[id]) {
+      auto parts = run_decoder({id_token_[id]}, /*streaming=*/true);
+      for (const auto& p : parts) id_bytes_[id] += p;
+    }
 }
 
 int32_t HfTokenizer::token_to_id(std::string_view token) const {

@@ -75,6 +75,18 @@ class HfTokenizer final : public Tokenizer {
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
 
+  // Construction, one part of the file each (source names the file in error messages). The
+  // factories build one step of a component (a Sequence is flattened by the caller).
+  int32_t read_bpe_model(const nlohmann::json& model, const std::string& source);  // the largest id, or -1
+  void read_bpe_merges(const nlohmann::json& merges, const std::string& source);
+  void read_added_tokens(const nlohmann::json& hf, const std::string& source);
+  static NormStep make_normalizer(const nlohmann::json& step, const std::string& source);
+  static PreStep make_pre_tokenizer(const nlohmann::json& step, bool last, const std::string& source);
+  void find_model_symbols();  // unit_id_ and safe_split_, once vocab_ and byte_level_ are known
+  void build_id_tables(int32_t max_id, const std::string& source);
+  void read_post_processor(const nlohmann::json& hf, const std::string& source);
+  static DecStep make_decoder(const nlohmann::json& step, const std::string& source);
+  void build_id_bytes();
   void build_matcher(Matcher& m, bool normalized);
   // Splits `text` at the matches of `m`: calls on_text(start, end) and on_token(id) in order.
   template <typename OnText, typename OnToken>
