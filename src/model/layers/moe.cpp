@@ -344,21 +344,21 @@ void combine_backward(T* dy, T* dweight, const T* dout, const MoeCache<T>& c, co
 }  // namespace
 
 template <typename T>
-void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* experts, const MoeSizes& s,
-                 const MoeRouting& r, const MoeBalance& bal, TokenDispatcher& d, MoeScratch<T>& scratch) {
+void moe_forward(T* out, MoeCache<T>& c, const MoeInputs<T>& in, const MoeSizes& s, const MoeRouting& r,
+                 const MoeBalance& bal, TokenDispatcher& d, MoeScratch<T>& scratch) {
   const int64_t N = s.N, C = s.C, E = s.E, B = s.B;
   ORIGAMI_ASSERT(int64_t(c.y_RC.size()) == s.sent_rows() * C && int64_t(scratch.xs_RC.size()) >= s.sent_rows() * C);
   ORIGAMI_ASSERT(N % B == 0);
   T *xs = scratch.xs_RC.data(), *ye = scratch.e_RC.data();
-  route_forward(c, x, gate, s, r, bal.bias);
+  route_forward(c, in.x_NC, in.gate_EC, s, r, bal.bias);
   drop_over_capacity(c, s, r.drop);
-  permute_forward(xs, c, x, s, d.times());
+  permute_forward(xs, c, in.x_NC, s, d.times());
   // The exchange, the local experts and the return.
   c.tokens_total = N * d.token_ranks();
   d.plan(c.plan, c.count_E.data(), E);
   ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(c.xe_RC.size()) && int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
   d.to_experts(c.xe_RC.data(), xs, c.plan, C, scratch.dispatch);
-  experts_forward(ye, c, experts, s);
+  experts_forward(ye, c, in.experts, s);
   d.from_experts(c.y_RC.data(), ye, c.plan, C, scratch.dispatch);
   combine_forward(out, c, s, d.times());
   aux_fractions(c, s, r, bal, d);
@@ -388,7 +388,7 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
   const int64_t rows = TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1, s.cap, s.pad);
   c.resize(s, rows);
   scratch.resize(s, rows, 1);
-  moe_forward(out, c, x, gate, experts, s, r, balance, local, scratch);
+  moe_forward(out, c, {x, gate, experts}, s, r, balance, local, scratch);
 }
 
 template <typename T>
@@ -402,7 +402,7 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
 }
 
 #define INSTANTIATE(T)                                                                                          \
-  template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, const MoeRouting&, \
+  template void moe_forward<T>(T*, MoeCache<T>&, const MoeInputs<T>&, const MoeSizes&, const MoeRouting&,      \
                                const MoeBalance&, TokenDispatcher&, MoeScratch<T>&);                             \
   template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, const MoeRouting&, \
                                const MoeBalance&);                                                               \
