@@ -671,7 +671,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   const bool global = c.routing.aux == AuxLoss::global;
   if (global && losses) balance.global = &global_counts_[size_t(l)];
   if (global && !losses) balance.reuse = &global_frac_.at({l, mb_});
-  origami::moe_forward(y, *a.moe, x, w(o.router), experts_.data() + o.experts, moe_sizes(), c.routing, balance,
+  origami::moe_forward(y, *a.moe, {x, w(o.router), experts_.data() + o.experts}, moe_sizes(), c.routing, balance,
                        dispatcher_, s.moe);
   tp_.gather_shares(out, y, B, T, C);
   if (losses) {

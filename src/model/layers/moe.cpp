@@ -10,6 +10,10 @@
 #include "core/timer.h"
 #include "model/layers/activation.h"
 
+// The layer's phases (moe.h), each forward next to its backward: the router's (route and the
+// router losses, whose backward is moe_backward_router), then the capacity rule, permute, the local
+// experts and combine; last the entry points moe_forward and moe_backward_experts, which run them in order.
+
 namespace origami {
 
 namespace {
@@ -23,6 +27,18 @@ void scores(T* p, const T* logits, T lse, int64_t E, RouterScore score) {
     for (int64_t e = 0; e < E; ++e) p[e] = T(1) / (T(1) + std::exp(-logits[e]));
 }
 
+// The score function's backward, in place: dp [E] ∂/∂p → ∂/∂logits, from the token's scores p.
+template <typename T>
+void scores_backward(T* dp, const T* p, int64_t E, RouterScore score) {
+  if (score == RouterScore::softmax) {
+    T pdp = 0;
+    for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[e];
+    for (int64_t e = 0; e < E; ++e) dp[e] = p[e] * (dp[e] - pdp);
+  } else {
+    for (int64_t e = 0; e < E; ++e) dp[e] *= p[e] * (T(1) - p[e]);
+  }
+}
+
 // Σ_e p (the sigmoid scores' normaliser of pa; 1 for softmax).
 template <typename T>
 T score_sum(const T* p, int64_t E, RouterScore score) {
@@ -32,15 +48,12 @@ T score_sum(const T* p, int64_t E, RouterScore score) {
   return s;
 }
 
-}  // namespace
-
+// Route: logits = x·gateᵀ, each token's log-sum-exp, its top K experts by score + bias and their
+// routing weights. Its backward, moe_backward_router, follows the router losses below.
 template <typename T>
-void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* experts, const MoeSizes& s,
-                 const MoeRouting& r, const MoeBalance& bal, TokenDispatcher& d, MoeScratch<T>& scratch) {
-  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K, B = s.B, Tn = N / B;
-  ORIGAMI_ASSERT(int64_t(c.y_RC.size()) == s.sent_rows() * C && int64_t(scratch.xs_RC.size()) >= s.sent_rows() * C);
-  ORIGAMI_ASSERT(N % B == 0);
-  // Route.
+void route_forward(MoeCache<T>& c, const T* x, const T* gate, const MoeSizes& s, const MoeRouting& r,
+                   const float* bias) {
+  const int64_t N = s.N, C = s.C, E = s.E, K = s.K;
   gemm<T>(false, true, N, E, C, T(1), x, C, gate, C, T(0), c.logits_NE.data(), E);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -56,7 +69,7 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
     int32_t* idx = c.expert_NK.data() + n * K;
     T* sc = c.score_NK.data() + n * K;
     T* w = c.weight_NK.data() + n * K;
-    auto key = [&](int64_t e) { return bal.bias ? p[size_t(e)] + T(bal.bias[e]) : p[size_t(e)]; };
+    auto key = [&](int64_t e) { return bias ? p[size_t(e)] + T(bias[e]) : p[size_t(e)]; };
     T psum = 0;
     for (int64_t k = 0; k < K; ++k) {
       int32_t best = -1;
@@ -70,81 +83,13 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
     if (r.renormalise())
       for (int64_t k = 0; k < K; ++k) w[k] /= psum;
   }
-  // The router's choices per expert, and the capacity rule: each expert keeps at most cap assignments
-  // (row_NK −1 marks a dropped one).
-  std::fill(c.routed_E.begin(), c.routed_E.end(), 0);
-  for (int64_t i = 0; i < R; ++i) c.routed_E[size_t(c.expert_NK[size_t(i)])]++;
-  std::fill(c.row_NK.begin(), c.row_NK.end(), 0);
-  c.dropped = 0;
-  if (s.cap > 0) {
-    std::vector<std::vector<int64_t>> cand(static_cast<size_t>(E));  // each expert's assignments, in token order
-    for (int64_t i = 0; i < R; ++i) cand[size_t(c.expert_NK[size_t(i)])].push_back(i);
-    for (auto& list : cand) {
-      if (int64_t(list.size()) <= s.cap) continue;
-      if (r.drop == DropPolicy::probs)  // highest score first; stable: the earlier token on ties
-        std::stable_sort(list.begin(), list.end(),
-                         [&](int64_t a, int64_t b) { return c.score_NK[size_t(a)] > c.score_NK[size_t(b)]; });
-      for (size_t j = size_t(s.cap); j < list.size(); ++j) c.row_NK[size_t(list[j])] = -1;
-      c.dropped += int64_t(list.size()) - s.cap;
-    }
-  }
-  // Permute: counting sort of the kept assignments by expert (stable: token order within an expert);
-  // padding rows after each expert's own.
-  T* xs = scratch.xs_RC.data();
-  {
-    const Stopwatch permute(d.times().permute_s);
-    std::fill(c.count_E.begin(), c.count_E.end(), 0);
-    for (int64_t i = 0; i < R; ++i)
-      if (c.row_NK[size_t(i)] >= 0) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
-    std::vector<int64_t> kept(c.count_E);
-    if (s.pad) std::fill(c.count_E.begin(), c.count_E.end(), s.cap);
-    c.expert_begin[0] = 0;
-    for (int64_t e = 0; e < E; ++e) c.expert_begin[size_t(e + 1)] = c.expert_begin[size_t(e)] + c.count_E[size_t(e)];
-    {
-      std::vector<int64_t> next(c.expert_begin.begin(), c.expert_begin.end() - 1);
-      for (int64_t i = 0; i < R; ++i)
-        if (c.row_NK[size_t(i)] >= 0) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < R; ++i)
-      if (c.row_NK[size_t(i)] >= 0) std::memcpy(xs + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));
-    for (int64_t e = 0; e < E; ++e)  // padding rows: zeros in, zeros out of the expert
-      std::fill(xs + (c.expert_begin[size_t(e)] + kept[size_t(e)]) * C, xs + c.expert_begin[size_t(e + 1)] * C, T(0));
-  }
-  // The exchange.
-  c.tokens_total = N * d.token_ranks();
-  d.plan(c.plan, c.count_E.data(), E);
-  ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(c.xe_RC.size()) && int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
-  d.to_experts(c.xe_RC.data(), xs, c.plan, C, scratch.dispatch);
-  // Local experts: one GEMM pair per expert over its contiguous rows (partial outputs over ETP).
-  T* ye = scratch.e_RC.data();
-  for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
-    const int64_t rn = c.plan.expert_rows[size_t(j)];
-    if (rn == 0) continue;
-    const T* w13 = experts + j * 3 * F * C;
-    const T* w2 = w13 + 2 * F * C;
-    gemm<T>(false, true, rn, 2 * F, C, T(1), c.xe_RC.data() + r0 * C, C, w13, C, T(0), c.gu_R2F.data() + r0 * 2 * F, 2 * F);
-    swiglu_forward(c.act_RF.data() + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    gemm<T>(false, true, rn, C, F, T(1), c.act_RF.data() + r0 * F, F, w2, F, T(0), ye + r0 * C, C);
-  }
-  d.from_experts(c.y_RC.data(), ye, c.plan, C, scratch.dispatch);
-  // Combine.
-  {
-    const Stopwatch combine(d.times().permute_s);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      T* o = out + n * C;
-      std::fill(o, o + C, T(0));
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t row = c.row_NK[size_t(n * K + k)];
-        if (row < 0) continue;
-        const T w = c.weight_NK[size_t(n * K + k)];
-        const T* y = c.y_RC.data() + row * C;
-        for (int64_t ch = 0; ch < C; ++ch) o[ch] += w * y[ch];
-      }
-    }
-  }
-  // The aux loss's fractions φ (counted over the token group, and for `global` over the step so far).
+}
+
+// The aux loss's fractions φ (counted over the token group, and for `global` over the step so far).
+template <typename T>
+void aux_fractions(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r, const MoeBalance& bal,
+                   TokenDispatcher& d) {
+  const int64_t E = s.E, K = s.K, R = s.N * K, B = s.B, Tn = s.N / B;
   const double Nt = double(c.tokens_total);
   std::fill(c.frac.begin(), c.frac.end(), 0.0);
   if (r.aux == AuxLoss::seq) {
@@ -172,7 +117,13 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
       for (int64_t e = 0; e < E; ++e) c.frac[size_t(e)] = double(total[size_t(e)]) / denom;
     }
   }
-  // Router losses: this share's terms of the micro-batch's.
+}
+
+// Router losses: this share's terms of the micro-batch's.
+template <typename T>
+void router_losses(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r) {
+  const int64_t N = s.N, E = s.E, Tn = N / s.B;
+  const double Nt = double(c.tokens_total);
   double aux = 0, z = 0;
   if (r.aux != AuxLoss::none) {
     std::vector<T> p(static_cast<size_t>(E));
@@ -188,70 +139,9 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
   c.z = r.z_coef * z / Nt;
 }
 
-template <typename T>
-void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& c, MoeScratch<T>& scratch,
-                          const T* experts, const MoeSizes& s, TokenDispatcher& d) {
-  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
-  T *dy = scratch.xs_RC.data(), *dweight = scratch.d_weight.data();
-  T *dye = scratch.e_RC.data(), *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
-  // Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)] (0 when dropped);
-  // padding rows get zeros.
-  {
-    const Stopwatch combine(d.times().permute_s);
-    for (int64_t e = 0; e < E; ++e)
-      std::fill(dy + c.expert_begin[size_t(e)] * C, dy + c.expert_begin[size_t(e + 1)] * C, T(0));
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t row = c.row_NK[size_t(i)];
-      if (row < 0) {
-        dweight[i] = 0;
-        continue;
-      }
-      const T* dn = dout + (i / K) * C;
-      const T* y = c.y_RC.data() + row * C;
-      T* g = dy + row * C;
-      const T w = c.weight_NK[size_t(i)];
-      T dot = 0;
-      for (int64_t ch = 0; ch < C; ++ch) {
-        g[ch] = w * dn[ch];
-        dot += dn[ch] * y[ch];
-      }
-      dweight[i] = dot;
-    }
-  }
-  // Return's backward is a dispatch; the experts' backward overwrites dye with ∂/∂xe, expert by
-  // expert (its rows of dye are dead once its dact and dw2 are computed); dispatch's backward returns them.
-  d.to_experts(dye, dy, c.plan, C, scratch.dispatch);
-  for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
-    const int64_t rn = c.plan.expert_rows[size_t(j)];
-    if (rn == 0) continue;
-    const T* w13 = experts + j * 3 * F * C;
-    const T* w2 = w13 + 2 * F * C;
-    T* dw13 = dexperts + j * 3 * F * C;
-    T* dw2 = dw13 + 2 * F * C;
-    gemm<T>(false, false, rn, F, C, T(1), dye + r0 * C, C, w2, F, T(0), dact + r0 * F, F);
-    gemm<T>(true, false, C, F, rn, T(1), dye + r0 * C, C, c.act_RF.data() + r0 * F, F, T(1), dw2, F);
-    swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    gemm<T>(false, false, rn, C, 2 * F, T(1), dgu + r0 * 2 * F, 2 * F, w13, C, T(0), dye + r0 * C, C);
-    gemm<T>(true, false, 2 * F, C, rn, T(1), dgu + r0 * 2 * F, 2 * F, c.xe_RC.data() + r0 * C, C, T(1), dw13, C);
-  }
-  T* dxs = dy;
-  d.from_experts(dxs, dye, c.plan, C, scratch.dispatch);
-  // Unpermute: dx[n] = Σ_{kept k} dxs[row(n,k)].
-  const Stopwatch unpermute(d.times().permute_s);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    T* dn = dx + n * C;
-    for (int64_t ch = 0; ch < C; ++ch) dn[ch] = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t row = c.row_NK[size_t(n * K + k)];
-      if (row < 0) continue;
-      const T* g = dxs + row * C;
-      for (int64_t ch = 0; ch < C; ++ch) dn[ch] += g[ch];
-    }
-  }
-}
+}  // namespace
 
+// The backward of route and of the router losses.
 template <typename T>
 void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const MoeCache<T>& c, const T* x,
                          const T* gate, const MoeSizes& s, const MoeRouting& r, T loss_scale) {
@@ -288,19 +178,206 @@ void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const Mo
       for (int64_t k = 0; k < K; ++k) dp[idx[k]] += dw[k];
     }
     // The score function's backward, then the z-loss term 2·lse·softmax(logits).
-    if (r.score == RouterScore::softmax) {
-      T pdp = 0;
-      for (int64_t e = 0; e < E; ++e) pdp += p[size_t(e)] * dp[e];
-      for (int64_t e = 0; e < E; ++e) dp[e] = p[size_t(e)] * (dp[e] - pdp);
-    } else {
-      for (int64_t e = 0; e < E; ++e) dp[e] *= p[size_t(e)] * (T(1) - p[size_t(e)]);
-    }
+    scores_backward(dp, p.data(), E, r.score);
     const T zl = z_g * lse;
     if (zl != T(0))
       for (int64_t e = 0; e < E; ++e) dp[e] += zl * std::exp(l[e] - lse);
   }
   gemm<T>(true, false, E, C, N, T(1), dlogits.data(), E, x, C, T(1), dgate, C);  // dgate += dlogitsᵀ·x
   gemm<T>(false, false, N, C, E, T(1), dlogits.data(), E, gate, C, T(1), dx, C);  // dx += dlogits·gate
+}
+
+namespace {
+
+// The router's choices per expert, and the capacity rule: each expert keeps at most cap assignments
+// (row_NK −1 marks a dropped one).
+template <typename T>
+void drop_over_capacity(MoeCache<T>& c, const MoeSizes& s, DropPolicy drop) {
+  const int64_t E = s.E, R = s.N * s.K;
+  std::fill(c.routed_E.begin(), c.routed_E.end(), 0);
+  for (int64_t i = 0; i < R; ++i) c.routed_E[size_t(c.expert_NK[size_t(i)])]++;
+  std::fill(c.row_NK.begin(), c.row_NK.end(), 0);
+  c.dropped = 0;
+  if (s.cap > 0) {
+    std::vector<std::vector<int64_t>> cand(static_cast<size_t>(E));  // each expert's assignments, in token order
+    for (int64_t i = 0; i < R; ++i) cand[size_t(c.expert_NK[size_t(i)])].push_back(i);
+    for (auto& list : cand) {
+      if (int64_t(list.size()) <= s.cap) continue;
+      if (drop == DropPolicy::probs)  // highest score first; stable: the earlier token on ties
+        std::stable_sort(list.begin(), list.end(),
+                         [&](int64_t a, int64_t b) { return c.score_NK[size_t(a)] > c.score_NK[size_t(b)]; });
+      for (size_t j = size_t(s.cap); j < list.size(); ++j) c.row_NK[size_t(list[j])] = -1;
+      c.dropped += int64_t(list.size()) - s.cap;
+    }
+  }
+}
+
+// Permute: counting sort of the kept assignments by expert (stable: token order within an expert);
+// padding rows after each expert's own. xs [sent_rows, C] receives the rows.
+template <typename T>
+void permute_forward(T* xs, MoeCache<T>& c, const T* x, const MoeSizes& s, DispatchTimes& times) {
+  const int64_t C = s.C, E = s.E, K = s.K, R = s.N * K;
+  const Stopwatch permute(times.permute_s);
+  std::fill(c.count_E.begin(), c.count_E.end(), 0);
+  for (int64_t i = 0; i < R; ++i)
+    if (c.row_NK[size_t(i)] >= 0) c.count_E[size_t(c.expert_NK[size_t(i)])]++;
+  std::vector<int64_t> kept(c.count_E);
+  if (s.pad) std::fill(c.count_E.begin(), c.count_E.end(), s.cap);
+  c.expert_begin[0] = 0;
+  for (int64_t e = 0; e < E; ++e) c.expert_begin[size_t(e + 1)] = c.expert_begin[size_t(e)] + c.count_E[size_t(e)];
+  {
+    std::vector<int64_t> next(c.expert_begin.begin(), c.expert_begin.end() - 1);
+    for (int64_t i = 0; i < R; ++i)
+      if (c.row_NK[size_t(i)] >= 0) c.row_NK[size_t(i)] = next[size_t(c.expert_NK[size_t(i)])]++;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i)
+    if (c.row_NK[size_t(i)] >= 0) std::memcpy(xs + c.row_NK[size_t(i)] * C, x + (i / K) * C, size_t(C) * sizeof(T));
+  for (int64_t e = 0; e < E; ++e)  // padding rows: zeros in, zeros out of the expert
+    std::fill(xs + (c.expert_begin[size_t(e)] + kept[size_t(e)]) * C, xs + c.expert_begin[size_t(e + 1)] * C, T(0));
+}
+
+// Unpermute (the permute's backward): dx[n] = Σ_{kept k} dxs[row(n,k)].
+template <typename T>
+void permute_backward(T* dx, const T* dxs, const MoeCache<T>& c, const MoeSizes& s, DispatchTimes& times) {
+  const int64_t N = s.N, C = s.C, K = s.K;
+  const Stopwatch unpermute(times.permute_s);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    T* dn = dx + n * C;
+    for (int64_t ch = 0; ch < C; ++ch) dn[ch] = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t row = c.row_NK[size_t(n * K + k)];
+      if (row < 0) continue;
+      const T* g = dxs + row * C;
+      for (int64_t ch = 0; ch < C; ++ch) dn[ch] += g[ch];
+    }
+  }
+}
+
+// Local experts: one GEMM pair per expert over its contiguous rows of c.xe_RC (partial outputs
+// over ETP) into ye [rows, C]; gate|up and the activations stay in the cache.
+template <typename T>
+void experts_forward(T* ye, MoeCache<T>& c, const T* experts, const MoeSizes& s) {
+  const int64_t C = s.C, F = s.F;
+  for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
+    const int64_t rn = c.plan.expert_rows[size_t(j)];
+    if (rn == 0) continue;
+    const T* w13 = experts + j * 3 * F * C;
+    const T* w2 = w13 + 2 * F * C;
+    gemm<T>(false, true, rn, 2 * F, C, T(1), c.xe_RC.data() + r0 * C, C, w13, C, T(0), c.gu_R2F.data() + r0 * 2 * F, 2 * F);
+    swiglu_forward(c.act_RF.data() + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
+    gemm<T>(false, true, rn, C, F, T(1), c.act_RF.data() + r0 * F, F, w2, F, T(0), ye + r0 * C, C);
+  }
+}
+
+// The experts' backward overwrites dye with ∂/∂xe, expert by expert (its rows of dye are dead once
+// its dact and dw2 are computed); dexperts accumulates. scratch's dgu and dact are work buffers.
+template <typename T>
+void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCache<T>& c, const T* experts,
+                      const MoeSizes& s) {
+  const int64_t C = s.C, F = s.F;
+  T *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
+  for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
+    const int64_t rn = c.plan.expert_rows[size_t(j)];
+    if (rn == 0) continue;
+    const T* w13 = experts + j * 3 * F * C;
+    const T* w2 = w13 + 2 * F * C;
+    T* dw13 = dexperts + j * 3 * F * C;
+    T* dw2 = dw13 + 2 * F * C;
+    gemm<T>(false, false, rn, F, C, T(1), dye + r0 * C, C, w2, F, T(0), dact + r0 * F, F);
+    gemm<T>(true, false, C, F, rn, T(1), dye + r0 * C, C, c.act_RF.data() + r0 * F, F, T(1), dw2, F);
+    swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
+    gemm<T>(false, false, rn, C, 2 * F, T(1), dgu + r0 * 2 * F, 2 * F, w13, C, T(0), dye + r0 * C, C);
+    gemm<T>(true, false, 2 * F, C, rn, T(1), dgu + r0 * 2 * F, 2 * F, c.xe_RC.data() + r0 * C, C, T(1), dw13, C);
+  }
+}
+
+// Combine: out[n] = Σ_{kept k} w_k·y[row(n,k)].
+template <typename T>
+void combine_forward(T* out, const MoeCache<T>& c, const MoeSizes& s, DispatchTimes& times) {
+  const int64_t N = s.N, C = s.C, K = s.K;
+  const Stopwatch combine(times.permute_s);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    T* o = out + n * C;
+    std::fill(o, o + C, T(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t row = c.row_NK[size_t(n * K + k)];
+      if (row < 0) continue;
+      const T w = c.weight_NK[size_t(n * K + k)];
+      const T* y = c.y_RC.data() + row * C;
+      for (int64_t ch = 0; ch < C; ++ch) o[ch] += w * y[ch];
+    }
+  }
+}
+
+// Combine backward: dy[row(n,k)] = weight·dout[n]; dweight[n,k] = dout[n]·y[row(n,k)] (0 when dropped);
+// padding rows get zeros.
+template <typename T>
+void combine_backward(T* dy, T* dweight, const T* dout, const MoeCache<T>& c, const MoeSizes& s,
+                      DispatchTimes& times) {
+  const int64_t C = s.C, E = s.E, K = s.K, R = s.N * K;
+  const Stopwatch combine(times.permute_s);
+  for (int64_t e = 0; e < E; ++e)
+    std::fill(dy + c.expert_begin[size_t(e)] * C, dy + c.expert_begin[size_t(e + 1)] * C, T(0));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t row = c.row_NK[size_t(i)];
+    if (row < 0) {
+      dweight[i] = 0;
+      continue;
+    }
+    const T* dn = dout + (i / K) * C;
+    const T* y = c.y_RC.data() + row * C;
+    T* g = dy + row * C;
+    const T w = c.weight_NK[size_t(i)];
+    T dot = 0;
+    for (int64_t ch = 0; ch < C; ++ch) {
+      g[ch] = w * dn[ch];
+      dot += dn[ch] * y[ch];
+    }
+    dweight[i] = dot;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void moe_forward(T* out, MoeCache<T>& c, const MoeInputs<T>& in, const MoeSizes& s, const MoeRouting& r,
+                 const MoeBalance& bal, TokenDispatcher& d, MoeScratch<T>& scratch) {
+  const int64_t N = s.N, C = s.C, E = s.E, B = s.B;
+  ORIGAMI_ASSERT(int64_t(c.y_RC.size()) == s.sent_rows() * C && int64_t(scratch.xs_RC.size()) >= s.sent_rows() * C);
+  ORIGAMI_ASSERT(N % B == 0);
+  T *xs = scratch.xs_RC.data(), *ye = scratch.e_RC.data();
+  route_forward(c, in.x_NC, in.gate_EC, s, r, bal.bias);
+  drop_over_capacity(c, s, r.drop);
+  permute_forward(xs, c, in.x_NC, s, d.times());
+  // The exchange, the local experts and the return.
+  c.tokens_total = N * d.token_ranks();
+  d.plan(c.plan, c.count_E.data(), E);
+  ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(c.xe_RC.size()) && int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
+  d.to_experts(c.xe_RC.data(), xs, c.plan, C, scratch.dispatch);
+  experts_forward(ye, c, in.experts, s);
+  d.from_experts(c.y_RC.data(), ye, c.plan, C, scratch.dispatch);
+  combine_forward(out, c, s, d.times());
+  aux_fractions(c, s, r, bal, d);
+  router_losses(c, s, r);
+}
+
+template <typename T>
+void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& c, MoeScratch<T>& scratch,
+                          const T* experts, const MoeSizes& s, TokenDispatcher& d) {
+  const int64_t C = s.C;
+  T *dy = scratch.xs_RC.data(), *dye = scratch.e_RC.data();
+  combine_backward(dy, scratch.d_weight.data(), dout, c, s, d.times());
+  // Return's backward is a dispatch; the experts' backward overwrites dye with ∂/∂xe; dispatch's
+  // backward returns them.
+  d.to_experts(dye, dy, c.plan, C, scratch.dispatch);
+  experts_backward(dye, dexperts, scratch, c, experts, s);
+  T* dxs = dy;
+  d.from_experts(dxs, dye, c.plan, C, scratch.dispatch);
+  permute_backward(dx, dxs, c, s, d.times());
 }
 
 template <typename T>
@@ -311,7 +388,7 @@ void moe_forward(T* out, MoeCache<T>& c, const T* x, const T* gate, const T* exp
   const int64_t rows = TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1, s.cap, s.pad);
   c.resize(s, rows);
   scratch.resize(s, rows, 1);
-  moe_forward(out, c, x, gate, experts, s, r, balance, local, scratch);
+  moe_forward(out, c, {x, gate, experts}, s, r, balance, local, scratch);
 }
 
 template <typename T>
@@ -325,7 +402,7 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
 }
 
 #define INSTANTIATE(T)                                                                                          \
-  template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, const MoeRouting&, \
+  template void moe_forward<T>(T*, MoeCache<T>&, const MoeInputs<T>&, const MoeSizes&, const MoeRouting&,      \
                                const MoeBalance&, TokenDispatcher&, MoeScratch<T>&);                             \
   template void moe_forward<T>(T*, MoeCache<T>&, const T*, const T*, const T*, const MoeSizes&, const MoeRouting&, \
                                const MoeBalance&);                                                               \

@@ -55,6 +55,14 @@ struct GlobalCounts {
   int64_t micro = 0;
 };
 
+// What a forward reads: this rank's tokens and the layer's weights.
+template <typename T>
+struct MoeInputs {
+  const T* x_NC;     // [N, C]
+  const T* gate_EC;  // the router [E, C]
+  const T* experts;  // local expert 0's block (the legend above)
+};
+
 // What a call's router uses beyond the weights.
 struct MoeBalance {
   const float* bias = nullptr;                 // [E] added to the scores for selection; null: none
@@ -128,8 +136,8 @@ struct MoeScratch {
 
 // Forward over this rank's N tokens; `rows` for cache.resize is the dispatcher's max_rows.
 template <typename T>
-void moe_forward(T* out_NC, MoeCache<T>& cache, const T* x_NC, const T* gate_EC, const T* experts, const MoeSizes& s,
-                 const MoeRouting& r, const MoeBalance& balance, TokenDispatcher& dispatcher, MoeScratch<T>& scratch);
+void moe_forward(T* out_NC, MoeCache<T>& cache, const MoeInputs<T>& in, const MoeSizes& s, const MoeRouting& r,
+                 const MoeBalance& balance, TokenDispatcher& dispatcher, MoeScratch<T>& scratch);
 
 // Backward in two phases (the model runs them back to back; the router's phase needs the complete
 // routing-weight gradients, which the experts' phase leaves in scratch.d_weight).
