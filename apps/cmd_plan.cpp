@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -84,9 +85,21 @@ struct Candidate {
   Prediction p;
 };
 
-}  // namespace
+// The options of `origami plan`, read and checked; the model and the cluster loaded.
+struct PlanCommand {
+  ModelConfig cfg;
+  Cluster cluster;
+  int devices = 0;
+  int64_t global_batch = 0, seq_len = 0, top = 0;
+  double imbalance = 1;
+  std::string layout;  // --layout as given (empty: none)
+  Fixed fixed;         // its axes
+  bool json = false;
+  std::string out, plot;  // empty: not asked for
+};
 
-int cmd_plan(int argc, char** argv) {
+// nullopt when --help was asked for (the help text is then already printed).
+std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   Args a("plan",
          "Predict step time, memory per rank and MFU of training layouts (TP, CP, EP, ETP, DP with ZeRO, PP\n"
          "and VPP, micro-batch, sequence parallelism, recomputation) on a cluster, and list the best that fit.\n"
@@ -103,160 +116,262 @@ int cmd_plan(int argc, char** argv) {
       .flag("json", "print a JSON list, best first")
       .option("out", "FILE", "write the best layout as a plan file (its options and prediction)")
       .option("plot", "FILE.png", "draw the predicted step time breakdown of the listed layouts (gnuplot)");
-  if (!a.parse(argc, argv)) return 0;
+  if (!a.parse(argc, argv)) return std::nullopt;
   for (const char* required : {"config", "cluster", "global-batch", "seq-len"})
     ORIGAMI_CHECK(a.has(required), "--", required, " is required (see 'origami plan --help')");
-  const ModelConfig cfg = load_model_config(a.str("config"));
-  const Cluster cluster = Cluster::load(a.str("cluster"));
-  const int devices = a.has("devices") ? int(a.integer("devices")) : cluster.devices();
-  ORIGAMI_CHECK(devices >= 1 && devices <= cluster.devices(), "--devices must be in [1, ", cluster.devices(),
-                "] (the cluster's devices), got ", devices);
-  const int64_t G = a.integer("global-batch"), T = a.integer("seq-len"), top = a.integer("top");
-  ORIGAMI_CHECK(G >= 1 && T >= 1 && top >= 1, "--global-batch, --seq-len and --top must be positive");
-  const double imbalance = a.number("imbalance");
-  ORIGAMI_CHECK(imbalance >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ", imbalance);
-  const Fixed fixed = parse_layout(a.str("layout"));
-  if (a.has("plot")) require_gnuplot();
-  auto choices = [](int fixed_value, std::vector<int> all) { return fixed_value >= 0 ? std::vector<int>{fixed_value} : all; };
+  PlanCommand cmd;
+  cmd.cfg = load_model_config(a.str("config"));
+  cmd.cluster = Cluster::load(a.str("cluster"));
+  cmd.devices = a.has("devices") ? int(a.integer("devices")) : cmd.cluster.devices();
+  ORIGAMI_CHECK(cmd.devices >= 1 && cmd.devices <= cmd.cluster.devices(), "--devices must be in [1, ",
+                cmd.cluster.devices(), "] (the cluster's devices), got ", cmd.devices);
+  cmd.global_batch = a.integer("global-batch"), cmd.seq_len = a.integer("seq-len"), cmd.top = a.integer("top");
+  ORIGAMI_CHECK(cmd.global_batch >= 1 && cmd.seq_len >= 1 && cmd.top >= 1,
+                "--global-batch, --seq-len and --top must be positive");
+  cmd.imbalance = a.number("imbalance");
+  ORIGAMI_CHECK(cmd.imbalance >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ",
+                cmd.imbalance);
+  cmd.layout = a.str("layout");
+  cmd.fixed = parse_layout(cmd.layout);
+  cmd.json = a.on("json");
+  cmd.out = a.str("out");
+  cmd.plot = a.str("plot");
+  if (!cmd.plot.empty()) require_gnuplot();  // before the search, not after it
+  return cmd;
+}
 
-  const auto t0 = std::chrono::steady_clock::now();
-  TrainOptions base;
-  base.global_batch = G;
-  base.seq_len = T;
-  base.data = "plan";  // not read: validate() only asks that there is one
-  CostModel model(cfg, cluster, devices, 0, imbalance);
-  const std::vector<std::string> recompute_modes = fixed.recompute.empty()
-      ? std::vector<std::string>{"none", "selective", "full"} : std::vector<std::string>{fixed.recompute};
-  // Every layout of the devices: first what decides compute (the mesh, micro-batch, recomputation),
-  // each with its lower bound; ZeRO stage and CP mechanism are expanded when it is evaluated.
-  struct Shape {
-    int tp, cp, pp, vpp, ep, etp, mb, recompute;  // recompute: index into recompute_modes
-    double bound;
-    TrainOptions options(const TrainOptions& base, const std::vector<std::string>& modes, int sp) const {
-      TrainOptions o = base;
-      o.tp = tp, o.cp = cp, o.pp = pp, o.vpp = vpp, o.ep = ep, o.etp = etp, o.micro_batch = mb;
-      o.recompute = modes[size_t(recompute)];
-      o.sequence_parallel = sp >= 0 ? sp == 1 && tp > 1 : tp > 1;
-      return o;
-    }
-  };
-  auto zero_choices = [&](int dp, int cp) { return choices(fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2} : std::vector<int>{0}); };
-  // The all-to-all splits a rank's heads over CP (Ulysses): offered when they divide.
-  auto comm_choices = [&](int tp, int cp) {
-    return !fixed.cp_comm.empty() ? std::vector<std::string>{fixed.cp_comm}
-           : cp > 1 && cfg.num_heads / tp % cp == 0 ? std::vector<std::string>{"p2p", "a2a"}
-                                                    : std::vector<std::string>{"p2p"};
-  };
-  std::vector<Shape> shapes;
+std::vector<int> choices(int fixed_value, std::vector<int> all) {
+  return fixed_value >= 0 ? std::vector<int>{fixed_value} : all;
+}
+
+// A layout without its ZeRO stage and CP mechanism: what decides compute (the mesh, micro-batch,
+// recomputation), with the lower bound of its step time.
+struct Shape {
+  int tp, cp, pp, vpp, ep, etp, mb, recompute;  // recompute: index into LayoutSearch's recompute_modes
+  double bound;
+};
+
+// What a search found: the best layouts that fit, best first, and how many it counted.
+struct SearchResult {
+  std::vector<Candidate> found;  // the best `top`
   int64_t layouts = 0, evaluated = 0, accepted = 0, fitting = 0;
   std::string first_refusal;  // why the runtime refused the first layout it refused
+  double search_s = 0;
+};
+
+// The layout search of one plan command. Every layout of the devices: first its shape, with its
+// lower bound (add_shapes); ZeRO stage and CP mechanism are expanded when it is evaluated
+// (evaluate_shapes).
+class LayoutSearch {
+ public:
+  explicit LayoutSearch(const PlanCommand& cmd)
+      : cmd_(cmd), model_(cmd.cfg, cmd.cluster, cmd.devices, 0, cmd.imbalance),
+        recompute_modes_(cmd.fixed.recompute.empty() ? std::vector<std::string>{"none", "selective", "full"}
+                                                     : std::vector<std::string>{cmd.fixed.recompute}) {
+    base_.global_batch = cmd.global_batch;
+    base_.seq_len = cmd.seq_len;
+    base_.data = "plan";  // not read: validate() only asks that there is one
+  }
+
+  void add_shapes();
+  void evaluate_shapes();
+  SearchResult& result() { return result_; }
+
+ private:
+  void add_shapes_of_mesh(int tp, int cp, int pp);
+  void evaluate(const Shape& shape);
+  TrainOptions options(const Shape& shape) const;
+  std::vector<int> zero_choices(int dp, int cp) const;
+  std::vector<std::string> comm_choices(int tp, int cp) const;
+
+  const PlanCommand& cmd_;
+  CostModel model_;
+  const std::vector<std::string> recompute_modes_;
+  TrainOptions base_;
+  std::vector<Shape> shapes_;
+  SearchResult result_;
+};
+
+TrainOptions LayoutSearch::options(const Shape& shape) const {
+  TrainOptions o = base_;
+  o.tp = shape.tp, o.cp = shape.cp, o.pp = shape.pp, o.vpp = shape.vpp, o.ep = shape.ep, o.etp = shape.etp;
+  o.micro_batch = shape.mb;
+  o.recompute = recompute_modes_[size_t(shape.recompute)];
+  const int sp = cmd_.fixed.sp;
+  o.sequence_parallel = sp >= 0 ? sp == 1 && shape.tp > 1 : shape.tp > 1;
+  return o;
+}
+
+std::vector<int> LayoutSearch::zero_choices(int dp, int cp) const {
+  return choices(cmd_.fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2} : std::vector<int>{0});
+}
+
+// The all-to-all splits a rank's heads over CP (Ulysses): offered when they divide.
+std::vector<std::string> LayoutSearch::comm_choices(int tp, int cp) const {
+  return !cmd_.fixed.cp_comm.empty() ? std::vector<std::string>{cmd_.fixed.cp_comm}
+         : cp > 1 && cmd_.cfg.num_heads / tp % cp == 0 ? std::vector<std::string>{"p2p", "a2a"}
+                                                       : std::vector<std::string>{"p2p"};
+}
+
+void LayoutSearch::add_shapes() {
+  const ModelConfig& cfg = cmd_.cfg;
+  const Fixed& fixed = cmd_.fixed;
   // TP splits the heads (validate() refuses any other degree, and would be asked a million times).
-  const std::vector<int> dev_div = divisors(devices);
+  const std::vector<int> dev_div = divisors(cmd_.devices);
   std::vector<int> tp_div;
   for (int tp : dev_div)
     if (cfg.num_heads % tp == 0 && cfg.num_kv_heads % tp == 0) tp_div.push_back(tp);
   for (int tp : choices(fixed.tp, tp_div))
     for (int cp : choices(fixed.cp, dev_div))
       for (int pp : choices(fixed.pp, dev_div)) {
-        if (devices % (int64_t(tp) * cp * pp) != 0 || pp > cfg.num_layers) continue;
-        const int dp = devices / (tp * cp * pp), stage = devices / pp;
-        const int64_t expansions = int64_t(zero_choices(dp, cp).size() * comm_choices(tp, cp).size());
-        for (int vpp : choices(fixed.vpp, pp > 1 ? std::vector<int>{1, 2} : std::vector<int>{1}))
-          for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
-            for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
-              if (stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
-              for (int mb : choices(int(fixed.mb), divisors(std::max<int64_t>(G / dp, 1))))
-                for (int rc = 0; rc < int(recompute_modes.size()); ++rc) {
-                  Shape shape{tp, cp, pp, vpp, ep, etp, mb, rc, 0};
-                  layouts += expansions;
-                  try {
-                    shape.bound = model.step_bound(shape.options(base, recompute_modes, fixed.sp));
-                    shapes.push_back(shape);
-                  } catch (const Error& e) {  // its layers do not split over the stages: refused
-                    evaluated += expansions;
-                    if (first_refusal.empty()) first_refusal = e.what();
-                  }
-                }
-            }
+        if (cmd_.devices % (int64_t(tp) * cp * pp) != 0 || pp > cfg.num_layers) continue;
+        add_shapes_of_mesh(tp, cp, pp);
       }
-  // Best bound first; a layout whose bound is above the K-th best prediction cannot enter the list,
-  // nor can any after it.
-  std::sort(shapes.begin(), shapes.end(), [](const Shape& x, const Shape& y) { return x.bound < y.bound; });
+}
+
+// The shapes of TP x CP x PP (DP the rest of the devices); one the cost model refuses is counted as
+// evaluated, with all its expansions.
+void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
+  const ModelConfig& cfg = cmd_.cfg;
+  const Fixed& fixed = cmd_.fixed;
+  const int dp = cmd_.devices / (tp * cp * pp), stage = cmd_.devices / pp;
+  const int64_t expansions = int64_t(zero_choices(dp, cp).size() * comm_choices(tp, cp).size());
+  for (int vpp : choices(fixed.vpp, pp > 1 ? std::vector<int>{1, 2} : std::vector<int>{1}))
+    for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
+      for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
+        if (stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
+        for (int mb : choices(int(fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1))))
+          for (int rc = 0; rc < int(recompute_modes_.size()); ++rc) {
+            Shape shape{tp, cp, pp, vpp, ep, etp, mb, rc, 0};
+            result_.layouts += expansions;
+            try {
+              shape.bound = model_.step_bound(options(shape));
+              shapes_.push_back(shape);
+            } catch (const Error& e) {  // its layers do not split over the stages: refused
+              result_.evaluated += expansions;
+              if (result_.first_refusal.empty()) result_.first_refusal = e.what();
+            }
+          }
+      }
+}
+
+// Best bound first; a layout whose bound is above the K-th best prediction cannot enter the list,
+// nor can any after it.
+void LayoutSearch::evaluate_shapes() {
+  std::sort(shapes_.begin(), shapes_.end(), [](const Shape& x, const Shape& y) { return x.bound < y.bound; });
+  const std::vector<Candidate>& found = result_.found;
+  for (const Shape& shape : shapes_) {
+    if (int64_t(found.size()) >= cmd_.top && shape.bound > found.back().p.step_s) break;
+    evaluate(shape);
+  }
+}
+
+// Predicts the shape with each ZeRO stage and CP mechanism, and keeps those among the best that fit.
+void LayoutSearch::evaluate(const Shape& shape) {
   auto better = [](const Candidate& x, const Candidate& y) {  // faster; when as fast, less memory
     return x.p.step_s != y.p.step_s ? x.p.step_s < y.p.step_s : x.p.memory.total() < y.p.memory.total();
   };
-  std::vector<Candidate> found;  // the best `top`, best first
-  for (const Shape& shape : shapes) {
-    if (int64_t(found.size()) >= top && shape.bound > found.back().p.step_s) break;
-    for (int zero : zero_choices(devices / (shape.tp * shape.cp * shape.pp), shape.cp))
-      for (const std::string& comm : comm_choices(shape.tp, shape.cp)) {
-        Candidate c{shape.options(base, recompute_modes, fixed.sp), {}};
-        c.o.zero = zero, c.o.cp_comm = comm;
-        ++evaluated;
-        try {
-          c.p = model.predict(c.o, cluster.memory_bytes);
-        } catch (const Error& e) {
-          if (first_refusal.empty()) first_refusal = e.what();
-          continue;  // a layout the runtime refuses
-        }
-        ++accepted;
-        if (!c.p.fits) continue;
-        ++fitting;
-        found.insert(std::upper_bound(found.begin(), found.end(), c, better), std::move(c));
-        if (int64_t(found.size()) > top) found.pop_back();
+  SearchResult& r = result_;
+  for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp))
+    for (const std::string& comm : comm_choices(shape.tp, shape.cp)) {
+      Candidate c{options(shape), {}};
+      c.o.zero = zero, c.o.cp_comm = comm;
+      ++r.evaluated;
+      try {
+        c.p = model_.predict(c.o, cmd_.cluster.memory_bytes);
+      } catch (const Error& e) {
+        if (r.first_refusal.empty()) r.first_refusal = e.what();
+        continue;  // a layout the runtime refuses
       }
-  }
-  const double search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ORIGAMI_CHECK(accepted > 0, "the runtime accepts none of the ", evaluated, " layouts",
-                a.has("layout") ? " of --layout '" + a.str("layout") + "'" : "", "; the first refused: ", first_refusal);
-  ORIGAMI_CHECK(!found.empty(), "none of the ", accepted, " layouts the runtime accepts",
-                a.has("layout") ? " with --layout '" + a.str("layout") + "'" : "", " fits in ",
-                format_bytes(cluster.memory_bytes), " per device; more devices, a smaller --global-batch or --seq-len, "
-                "or a cluster with more memory");
-  if (a.on("json")) {
-    nlohmann::json list = nlohmann::json::array();
-    for (const Candidate& c : found) {
-      nlohmann::json j = c.p.as_json();
-      j["layout"] = layout_name(c.o, devices);
-      list.push_back(j);
+      ++r.accepted;
+      if (!c.p.fits) continue;
+      ++r.fitting;
+      r.found.insert(std::upper_bound(r.found.begin(), r.found.end(), c, better), std::move(c));
+      if (int64_t(r.found.size()) > cmd_.top) r.found.pop_back();
     }
-    std::printf("%s\n", list.dump(2).c_str());
-  } else {
-    std::printf("%s on %d devices of %s: global batch %lld x %lld tokens; %lld layouts, %lld evaluated (the rest "
-                "cannot enter the top %lld: their compute and pipeline fill alone take longer), %lld of them the runtime accepts, "
-                "%lld fit (%.2f s)\n\n", cfg.model_type().c_str(), devices, cluster.name.c_str(), (long long)G,
-                (long long)T, (long long)layouts, (long long)evaluated, (long long)top, (long long)accepted,
-                (long long)fitting, search_s);
-    std::printf("| layout | step s | tokens/s | MFU | memory per rank (largest) | compute s | bubble s | exposed comm s | dominant |\n");
-    std::printf("|---|---|---|---|---|---|---|---|---|\n");
-    for (const Candidate& c : found) {
-      std::string exposed;
-      for (const auto& [axis, s] : c.p.exposed_s)
-        if (s > 0) exposed += cat(exposed.empty() ? "" : ", ", axis, " ", s);
-      std::printf("| %s | %.4g | %.4g | %.1f%% | %s (%s) | %.4g | %.4g | %s | %s |\n", layout_name(c.o, devices).c_str(),
-                  c.p.step_s, c.p.tokens_per_s, 100 * c.p.mfu, format_bytes(double(c.p.memory.total())).c_str(),
-                  c.p.memory.describe().c_str(), c.p.compute_s, c.p.bubble_s, exposed.empty() ? "-" : exposed.c_str(),
-                  c.p.dominant.c_str());
-    }
+}
+
+// The search, timed; an Error when no layout is accepted or none fits.
+SearchResult search_layouts(const PlanCommand& cmd) {
+  const auto t0 = std::chrono::steady_clock::now();
+  LayoutSearch search(cmd);
+  search.add_shapes();
+  search.evaluate_shapes();
+  SearchResult r = std::move(search.result());
+  r.search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const bool with_layout = !cmd.layout.empty();
+  ORIGAMI_CHECK(r.accepted > 0, "the runtime accepts none of the ", r.evaluated, " layouts",
+                with_layout ? " of --layout '" + cmd.layout + "'" : "", "; the first refused: ", r.first_refusal);
+  ORIGAMI_CHECK(!r.found.empty(), "none of the ", r.accepted, " layouts the runtime accepts",
+                with_layout ? " with --layout '" + cmd.layout + "'" : "", " fits in ", format_bytes(cmd.cluster.memory_bytes),
+                " per device; more devices, a smaller --global-batch or --seq-len, or a cluster with more memory");
+  return r;
+}
+
+void print_json(const PlanCommand& cmd, const std::vector<Candidate>& found) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const Candidate& c : found) {
+    nlohmann::json j = c.p.as_json();
+    j["layout"] = layout_name(c.o, cmd.devices);
+    list.push_back(j);
   }
-  if (a.has("out")) {  // the best layout as `origami train` options (train --plan reads them)
-    const TrainOptions& b = found.front().o;
-    const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
-                                   {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
-                                   {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
-                                   {"sequence-parallel", b.sequence_parallel}};
-    const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, devices)}, {"devices", devices},
-                                 {"cluster", cluster.name}, {"prediction", found.front().p.as_json()}};
-    write_file_atomically(a.str("out"), plan.dump(2) + "\n");
+  std::printf("%s\n", list.dump(2).c_str());
+}
+
+void print_table(const PlanCommand& cmd, const SearchResult& r) {
+  std::printf("%s on %d devices of %s: global batch %lld x %lld tokens; %lld layouts, %lld evaluated (the rest "
+              "cannot enter the top %lld: their compute and pipeline fill alone take longer), %lld of them the runtime accepts, "
+              "%lld fit (%.2f s)\n\n", cmd.cfg.model_type().c_str(), cmd.devices, cmd.cluster.name.c_str(),
+              (long long)cmd.global_batch, (long long)cmd.seq_len, (long long)r.layouts, (long long)r.evaluated,
+              (long long)cmd.top, (long long)r.accepted, (long long)r.fitting, r.search_s);
+  std::printf("| layout | step s | tokens/s | MFU | memory per rank (largest) | compute s | bubble s | exposed comm s | dominant |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const Candidate& c : r.found) {
+    std::string exposed;
+    for (const auto& [axis, s] : c.p.exposed_s)
+      if (s > 0) exposed += cat(exposed.empty() ? "" : ", ", axis, " ", s);
+    std::printf("| %s | %.4g | %.4g | %.1f%% | %s (%s) | %.4g | %.4g | %s | %s |\n", layout_name(c.o, cmd.devices).c_str(),
+                c.p.step_s, c.p.tokens_per_s, 100 * c.p.mfu, format_bytes(double(c.p.memory.total())).c_str(),
+                c.p.memory.describe().c_str(), c.p.compute_s, c.p.bubble_s, exposed.empty() ? "-" : exposed.c_str(),
+                c.p.dominant.c_str());
   }
-  if (a.has("plot")) {
-    std::vector<PlotRow> rows;
-    for (const Candidate& c : found)
-      rows.push_back({layout_name(c.o, devices), c.p.compute_s, c.p.bubble_s, c.p.exposed_s});
-    plot_step_breakdown(rows, cat(cfg.model_type(), " on ", devices, " devices of ", cluster.name, ": global batch ", G,
-                                  " x ", T, " tokens, predicted step time"), a.str("plot"));
-  }
+}
+
+// The best layout as `origami train` options (train --plan reads them).
+void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
+  const TrainOptions& b = best.o;
+  const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
+                                 {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
+                                 {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
+                                 {"sequence-parallel", b.sequence_parallel}};
+  const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
+                               {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
+  write_file_atomically(cmd.out, plan.dump(2) + "\n");
+}
+
+void plot_layouts(const PlanCommand& cmd, const std::vector<Candidate>& found) {
+  std::vector<PlotRow> rows;
+  for (const Candidate& c : found)
+    rows.push_back({layout_name(c.o, cmd.devices), c.p.compute_s, c.p.bubble_s, c.p.exposed_s});
+  plot_step_breakdown(rows, cat(cmd.cfg.model_type(), " on ", cmd.devices, " devices of ", cmd.cluster.name,
+                                ": global batch ", cmd.global_batch, " x ", cmd.seq_len, " tokens, predicted step time"),
+                      cmd.plot);
+}
+
+int run_plan(const PlanCommand& cmd) {
+  const SearchResult r = search_layouts(cmd);
+  if (cmd.json) print_json(cmd, r.found);
+  else print_table(cmd, r);
+  if (!cmd.out.empty()) write_plan_file(cmd, r.found.front());
+  if (!cmd.plot.empty()) plot_layouts(cmd, r.found);
   return 0;
+}
+
+}  // namespace
+
+int cmd_plan(int argc, char** argv) {
+  const std::optional<PlanCommand> cmd = parse_plan_options(argc, argv);
+  return cmd ? run_plan(*cmd) : 0;
 }
 
 }  // namespace origami

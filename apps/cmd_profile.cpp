@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,13 +104,17 @@ Fit fit(const std::vector<std::pair<double, double>>& pts, int steps) {
   return {std::max(latency, 1e-9), bandwidth};
 }
 
-}  // namespace
+// The options of `origami profile`, read and checked on every rank.
+struct ProfileCommand {
+  std::string out, name;
+  std::optional<ModelConfig> cfg;  // --config: its layer GEMMs and heads are measured
+  int64_t micro_batch = 0, seq_len = 0;
+  double seconds = 0, max_mb = 0;
+  int threads = 0;
+};
 
-int cmd_profile(int argc, char** argv) {
-  CommRuntime runtime(&argc, &argv);
-  Comm& world = runtime.world();
-  if (world.rank() != 0 && !std::freopen("/dev/null", "w", stdout))
-    std::fprintf(stderr, "rank %d: cannot silence stdout\n", world.rank());
+// nullopt when --help was asked for (the help text is then already printed).
+std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm& world) {
   Args a("profile",
          "Measure this machine for the planner (GEMM rates over the model's shapes, the attention core,\n"
          "collectives over the job's ranks) and write a cluster.json. Run it under mpirun with the ranks\n"
@@ -123,35 +128,36 @@ int cmd_profile(int argc, char** argv) {
       .option("max-mb", "M", "largest collective message (MiB)", "64")
       .option("name", "TEXT", "the cluster's name in the file", "this machine (origami profile)");
   bool parsed = false;
-  ModelConfig cfg;
+  ProfileCommand cmd;
   check_on_every_rank(world, "profile", [&] {
     if (!(parsed = a.parse(argc, argv))) return;
     ORIGAMI_CHECK(a.has("out"), "--out FILE is required (see 'origami profile --help')");
-    ORIGAMI_CHECK(a.integer("micro-batch") > 0 && a.integer("seq-len") > 0, "--micro-batch and --seq-len must be "
-                  "positive, got ", a.integer("micro-batch"), " and ", a.integer("seq-len"));
-    ORIGAMI_CHECK(a.number("seconds") > 0 && a.number("max-mb") >= 0.004, "--seconds must be positive and --max-mb at "
-                  "least 0.004 (4 KiB), got ", a.number("seconds"), " and ", a.number("max-mb"));
-    ORIGAMI_CHECK(a.integer("threads") >= 0, "--threads must not be negative, got ", a.integer("threads"));
-    if (a.has("config")) cfg = load_model_config(a.str("config"));
+    cmd.micro_batch = a.integer("micro-batch"), cmd.seq_len = a.integer("seq-len");
+    ORIGAMI_CHECK(cmd.micro_batch > 0 && cmd.seq_len > 0, "--micro-batch and --seq-len must be "
+                  "positive, got ", cmd.micro_batch, " and ", cmd.seq_len);
+    cmd.seconds = a.number("seconds"), cmd.max_mb = a.number("max-mb");
+    ORIGAMI_CHECK(cmd.seconds > 0 && cmd.max_mb >= 0.004, "--seconds must be positive and --max-mb at "
+                  "least 0.004 (4 KiB), got ", cmd.seconds, " and ", cmd.max_mb);
+    const int64_t threads = a.integer("threads");
+    ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
+    cmd.threads = int(threads);
+    if (a.has("config")) cmd.cfg = load_model_config(a.str("config"));
+    cmd.out = a.str("out");
+    cmd.name = a.str("name");
   });
-  if (!parsed) return 0;
-  if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
-  warm_up_gemm();
-  const double seconds = a.number("seconds");
-  const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len");
-  const bool rank0 = world.rank() == 0;
-  Cluster c;
-  c.name = a.str("name");
-  c.nodes = 1;
-  c.devices_per_node = world.size();
+  if (!parsed) return std::nullopt;
+  return cmd;
+}
 
-  // GEMMs: (FLOPs, rate) per shape, equal FLOPs merged.
-  const std::vector<Shape> shapes = a.has("config") ? model_shapes(cfg, B, T) : default_shapes();
+// GEMMs: (FLOPs, rate) per shape, equal FLOPs merged.
+void measure_gemms(Comm& world, const ProfileCommand& cmd, Cluster& c) {
+  const bool rank0 = world.rank() == 0;
+  const std::vector<Shape> shapes = cmd.cfg ? model_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_shapes();
   std::map<double, std::vector<double>> rates;
   if (rank0) std::printf("GEMMs, %d rank%s x %d threads at once (per rank):\n", world.size(), world.size() > 1 ? "s" : "", num_threads());
   for (const Shape& s : shapes) {
     std::vector<float> A(size_t(s.M * s.K), 0.5f), Bm(size_t(s.K * s.N), 0.25f), C(size_t(s.M * s.N));
-    const double t = timed(world, seconds, 2, [&] {
+    const double t = timed(world, cmd.seconds, 2, [&] {
       gemm<float>(s.ta, s.tb, s.M, s.N, s.K, 1.f, A.data(), s.ta ? s.M : s.K, Bm.data(), s.tb ? s.K : s.N, 0.f,
                   C.data(), s.N);
     });
@@ -166,101 +172,119 @@ int cmd_profile(int argc, char** argv) {
     c.gemm.emplace_back(flops, sum / double(rs.size()));
     c.peak_flops = std::max(c.peak_flops, *std::max_element(rs.begin(), rs.end()));
   }
+}
 
-  // Attention: one window of T, the model's heads (or 8 of 64).
-  {
-    const int64_t H = a.has("config") ? cfg.num_heads : 8, KV = a.has("config") ? cfg.num_kv_heads : 8,
-                  D = a.has("config") ? cfg.head_dim : 64, S = (H + 2 * KV) * D;
-    std::vector<float> qkv(size_t(T * S), 0.01f), out(size_t(T * H * D)), lse(size_t(H * T)), dqkv(size_t(T * S)),
-        dout(size_t(T * H * D), 0.01f);
-    const double t = timed(world, seconds, 1, [&] {
-      attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D);
-      attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D);
-    });
-    c.attention_flops = 6.0 * double(T) * double(T) * double(H * D) / t;
-    if (rank0) std::printf("attention T %lld, %lld heads of %lld: %.2f GFLOP/s per rank\n", (long long)T, (long long)H,
-                           (long long)D, c.attention_flops / 1e9);
-  }
+// Attention: one window of T, the model's heads (or 8 of 64).
+void measure_attention(Comm& world, const ProfileCommand& cmd, Cluster& c) {
+  const int64_t T = cmd.seq_len;
+  const int64_t H = cmd.cfg ? cmd.cfg->num_heads : 8, KV = cmd.cfg ? cmd.cfg->num_kv_heads : 8,
+                D = cmd.cfg ? cmd.cfg->head_dim : 64, S = (H + 2 * KV) * D;
+  std::vector<float> qkv(size_t(T * S), 0.01f), out(size_t(T * H * D)), lse(size_t(H * T)), dqkv(size_t(T * S)),
+      dout(size_t(T * H * D), 0.01f);
+  const double t = timed(world, cmd.seconds, 1, [&] {
+    attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D);
+    attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D);
+  });
+  c.attention_flops = 6.0 * double(T) * double(T) * double(H * D) / t;
+  if (world.rank() == 0)
+    std::printf("attention T %lld, %lld heads of %lld: %.2f GFLOP/s per rank\n", (long long)T, (long long)H,
+                (long long)D, c.attention_flops / 1e9);
+}
 
-  // Memory bandwidth: a triad a = b + s·c over arrays far larger than the caches, on every rank at
-  // once with its threads (element-wise layers and AdamW stream memory this way).
-  {
-    const size_t n = size_t(16) << 20;  // 64 MiB per array
-    std::vector<float> x(n, 0.f), y(n, 1.f), z(n, 2.f);
-    const double t = timed(world, seconds, 2, [&] {
-      float* __restrict xs = x.data();
-      const float* __restrict ys = y.data();
-      const float* __restrict zs = z.data();
+// Memory bandwidth: a triad a = b + s·c over arrays far larger than the caches, on every rank at
+// once with its threads (element-wise layers and AdamW stream memory this way).
+void measure_memory_bandwidth(Comm& world, double seconds, Cluster& c) {
+  const size_t n = size_t(16) << 20;  // 64 MiB per array
+  std::vector<float> x(n, 0.f), y(n, 1.f), z(n, 2.f);
+  const double t = timed(world, seconds, 2, [&] {
+    float* __restrict xs = x.data();
+    const float* __restrict ys = y.data();
+    const float* __restrict zs = z.data();
 #pragma omp parallel for simd schedule(static)
-      for (size_t i = 0; i < n; ++i) xs[i] = ys[i] + 0.5f * zs[i];
-    });
-    c.memory_bandwidth = 3.0 * 4.0 * double(n) / t;
-    if (rank0) std::printf("memory bandwidth (triad, every rank at once): %.2f GB/s per rank\n", c.memory_bandwidth / 1e9);
-  }
+    for (size_t i = 0; i < n; ++i) xs[i] = ys[i] + 0.5f * zs[i];
+  });
+  c.memory_bandwidth = 3.0 * 4.0 * double(n) / t;
+  if (world.rank() == 0)
+    std::printf("memory bandwidth (triad, every rank at once): %.2f GB/s per rank\n", c.memory_bandwidth / 1e9);
+}
 
-  // Collectives over all ranks (and a send/receive between ranks 0 and 1).
-  c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
-  if (world.size() > 1) {
-    const int n = world.size();
-    const int64_t max_floats = int64_t(a.number("max-mb") * 1024 * 1024 / 4);
-    std::vector<float> in(static_cast<size_t>(max_floats), 1.f), out(static_cast<size_t>(max_floats));
-    struct Kind {
-      const char* name;
-      int steps;  // latency-bound message steps of the ring algorithm
-    };
-    const Kind kinds[] = {{"all_reduce", 2 * (n - 1)}, {"all_gather", n - 1}, {"reduce_scatter", n - 1},
-                          {"all_to_all", n - 1}, {"send_recv", 1}};
-    if (rank0) std::printf("collectives over %d ranks (bandwidth as Comm counts bytes; latency per message step):\n", n);
-    for (const Kind& k : kinds) {
-      std::vector<std::pair<double, double>> pts;
-      for (int64_t floats = 1024; floats <= max_floats; floats *= 4) {
-        const int64_t per = floats / n * n;  // divisible by the ranks (all-gather, reduce-scatter, all-to-all)
-        world.reset_bytes();
-        int calls = 0;
-        const std::string name = k.name;
-        const double t = timed(world, seconds / 8, 3, [&] {
-          ++calls;
-          if (name == "all_reduce") world.all_reduce(in.data(), per, DType::f32);
-          else if (name == "all_gather") world.all_gather(out.data(), in.data(), per / n, DType::f32);
-          else if (name == "reduce_scatter") world.reduce_scatter(out.data(), in.data(), per / n, DType::f32);
-          else if (name == "all_to_all") world.all_to_all(out.data(), in.data(), per / n, DType::f32);
-          else if (world.rank() == 0) world.send(in.data(), per, DType::f32, 1, 5);
-          else if (world.rank() == 1) world.recv(out.data(), per, DType::f32, 0, 5);
-        });
-        const double bytes = world.all_reduce_value(world.bytes_sent() / calls, ReduceOp::max);
-        pts.emplace_back(bytes, t);
-      }
-      const Fit f = fit(pts, k.steps);
-      if (rank0) std::printf("  %-15s %8.2f GB/s  %7.2f us per step\n", k.name, f.bandwidth / 1e9, f.latency * 1e6);
-      if (std::string(k.name) == "all_reduce") c.intra = {f.bandwidth, f.latency};
-    }
-  }
-  // Overlap: GEMMs alone (tg), an all-reduce alone (tc), and the GEMMs with that all-reduce posted
-  // before them, tested between them as DataParallel does, and completed after (tb). The part of the
-  // transfer that hid: (tg + tc − tb) / tc.
-  if (world.size() > 1) {
-    const int64_t n = 512, floats = int64_t(8) << 20;  // 32 MiB: a few of --bucket-mb's buckets
-    std::vector<float> A(size_t(n * n), 0.5f), Bm(size_t(n * n), 0.25f), C(size_t(n * n)), buf(size_t(floats), 1.f);
-    const int gemms = 64;
-    auto compute = [&](Request* pending) {
-      for (int i = 0; i < gemms; ++i) {
-        gemm<float>(false, true, n, n, n, 1.f, A.data(), n, Bm.data(), n, 0.f, C.data(), n);
-        if (pending) pending->test();
-      }
-    };
-    const double tg = timed(world, seconds, 2, [&] { compute(nullptr); });
-    const double tc = timed(world, seconds, 2, [&] { world.all_reduce(buf.data(), floats, DType::f32); });
-    const double tb = timed(world, seconds, 2, [&] {
-      Request r = world.iall_reduce(buf.data(), floats, DType::f32, ReduceOp::sum);
-      compute(&r);
-      r.wait();
-    });
-    c.comm_overlap = std::clamp((tg + tc - tb) / tc, 0.0, 1.0);
+struct Collective {
+  const char* name;
+  int steps;  // latency-bound message steps of the ring algorithm
+};
+
+// One collective over all ranks (send_recv: between ranks 0 and 1), timed on messages from 4 KiB
+// (1024 floats) up to all of `in`, and its fit.
+Fit measure_collective(Comm& world, const Collective& k, double seconds, std::vector<float>& in,
+                       std::vector<float>& out) {
+  const int n = world.size();
+  const int64_t max_floats = int64_t(in.size());
+  std::vector<std::pair<double, double>> pts;
+  for (int64_t floats = 1024; floats <= max_floats; floats *= 4) {
+    const int64_t per = floats / n * n;  // divisible by the ranks (all-gather, reduce-scatter, all-to-all)
     world.reset_bytes();
-    if (rank0) std::printf("overlap: GEMMs %.1f ms, all-reduce of 32 MiB %.1f ms, both %.1f ms: %.0f%% of the transfer "
-                           "hides\n", tg * 1e3, tc * 1e3, tb * 1e3, 100 * c.comm_overlap);
+    int calls = 0;
+    const std::string name = k.name;
+    const double t = timed(world, seconds / 8, 3, [&] {
+      ++calls;
+      if (name == "all_reduce") world.all_reduce(in.data(), per, DType::f32);
+      else if (name == "all_gather") world.all_gather(out.data(), in.data(), per / n, DType::f32);
+      else if (name == "reduce_scatter") world.reduce_scatter(out.data(), in.data(), per / n, DType::f32);
+      else if (name == "all_to_all") world.all_to_all(out.data(), in.data(), per / n, DType::f32);
+      else if (world.rank() == 0) world.send(in.data(), per, DType::f32, 1, 5);
+      else if (world.rank() == 1) world.recv(out.data(), per, DType::f32, 0, 5);
+    });
+    const double bytes = world.all_reduce_value(world.bytes_sent() / calls, ReduceOp::max);
+    pts.emplace_back(bytes, t);
   }
-  c.inter = c.intra;
+  return fit(pts, k.steps);
+}
+
+// Collectives over all ranks (and a send/receive between ranks 0 and 1); more than one rank.
+void measure_collectives(Comm& world, const ProfileCommand& cmd, Cluster& c) {
+  const int n = world.size();
+  const int64_t max_floats = int64_t(cmd.max_mb * 1024 * 1024 / 4);
+  std::vector<float> in(static_cast<size_t>(max_floats), 1.f), out(static_cast<size_t>(max_floats));
+  const Collective kinds[] = {{"all_reduce", 2 * (n - 1)}, {"all_gather", n - 1}, {"reduce_scatter", n - 1},
+                              {"all_to_all", n - 1}, {"send_recv", 1}};
+  const bool rank0 = world.rank() == 0;
+  if (rank0) std::printf("collectives over %d ranks (bandwidth as Comm counts bytes; latency per message step):\n", n);
+  for (const Collective& k : kinds) {
+    const Fit f = measure_collective(world, k, cmd.seconds, in, out);
+    if (rank0) std::printf("  %-15s %8.2f GB/s  %7.2f us per step\n", k.name, f.bandwidth / 1e9, f.latency * 1e6);
+    if (std::string(k.name) == "all_reduce") c.intra = {f.bandwidth, f.latency};
+  }
+}
+
+// Overlap: GEMMs alone (tg), an all-reduce alone (tc), and the GEMMs with that all-reduce posted
+// before them, tested between them as DataParallel does, and completed after (tb). The part of the
+// transfer that hid: (tg + tc − tb) / tc. More than one rank.
+void measure_overlap(Comm& world, double seconds, Cluster& c) {
+  const int64_t n = 512, floats = int64_t(8) << 20;  // 32 MiB: a few of --bucket-mb's buckets
+  std::vector<float> A(size_t(n * n), 0.5f), Bm(size_t(n * n), 0.25f), C(size_t(n * n)), buf(size_t(floats), 1.f);
+  const int gemms = 64;
+  auto compute = [&](Request* pending) {
+    for (int i = 0; i < gemms; ++i) {
+      gemm<float>(false, true, n, n, n, 1.f, A.data(), n, Bm.data(), n, 0.f, C.data(), n);
+      if (pending) pending->test();
+    }
+  };
+  const double tg = timed(world, seconds, 2, [&] { compute(nullptr); });
+  const double tc = timed(world, seconds, 2, [&] { world.all_reduce(buf.data(), floats, DType::f32); });
+  const double tb = timed(world, seconds, 2, [&] {
+    Request r = world.iall_reduce(buf.data(), floats, DType::f32, ReduceOp::sum);
+    compute(&r);
+    r.wait();
+  });
+  c.comm_overlap = std::clamp((tg + tc - tb) / tc, 0.0, 1.0);
+  world.reset_bytes();
+  if (world.rank() == 0)
+    std::printf("overlap: GEMMs %.1f ms, all-reduce of 32 MiB %.1f ms, both %.1f ms: %.0f%% of the transfer hides\n",
+                tg * 1e3, tc * 1e3, tb * 1e3, 100 * c.comm_overlap);
+}
+
+// The node's memory, shared by its ranks, and where every figure of the file comes from.
+void describe_node(const Comm& world, Cluster& c) {
   const AvailableMemory avail = available_memory();
   c.memory_bytes = double(avail.bytes) / world.size();
   c.source = cat("measured by 'origami profile' on ", world.size(), " rank", world.size() > 1 ? "s" : "", " x ",
@@ -268,11 +292,41 @@ int cmd_profile(int argc, char** argv) {
                  "attention core, memory bandwidth (triad), the all-reduce's bandwidth and latency, and how much of an "
                  "all-reduce hides behind GEMMs; memory: what the node had available (",
                  avail.source, ") shared by the ranks");
-  if (rank0) {
-    write_file_atomically(a.str("out"), c.to_json().dump(2) + "\n");
-    std::printf("peak %.2f GFLOP/s per rank (best GEMM); wrote %s\n", c.peak_flops / 1e9, a.str("out").c_str());
+}
+
+int run_profile(Comm& world, const ProfileCommand& cmd) {
+  if (cmd.threads > 0) set_num_threads(cmd.threads);
+  warm_up_gemm();
+  Cluster c;
+  c.name = cmd.name;
+  c.nodes = 1;
+  c.devices_per_node = world.size();
+  measure_gemms(world, cmd, c);
+  measure_attention(world, cmd, c);
+  measure_memory_bandwidth(world, cmd.seconds, c);
+  c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
+  if (world.size() > 1) {
+    measure_collectives(world, cmd, c);
+    measure_overlap(world, cmd.seconds, c);
+  }
+  c.inter = c.intra;
+  describe_node(world, c);
+  if (world.rank() == 0) {
+    write_file_atomically(cmd.out, c.to_json().dump(2) + "\n");
+    std::printf("peak %.2f GFLOP/s per rank (best GEMM); wrote %s\n", c.peak_flops / 1e9, cmd.out.c_str());
   }
   return 0;
+}
+
+}  // namespace
+
+int cmd_profile(int argc, char** argv) {
+  CommRuntime runtime(&argc, &argv);
+  Comm& world = runtime.world();
+  if (world.rank() != 0 && !std::freopen("/dev/null", "w", stdout))
+    std::fprintf(stderr, "rank %d: cannot silence stdout\n", world.rank());
+  const std::optional<ProfileCommand> cmd = parse_profile_options(argc, argv, world);
+  return cmd ? run_profile(world, *cmd) : 0;
 }
 
 }  // namespace origami

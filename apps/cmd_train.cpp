@@ -2,6 +2,7 @@
 #include "ckpt/checkpoint.h"
 #include <cstdio>
 #include <new>
+#include <optional>
 
 #include "comm/mpi_comm.h"
 #include "commands.h"
@@ -42,11 +43,8 @@ void read_routing_options(const Args& a, TrainOptions& o, bool train) {
 
 namespace {
 
-int train(int argc, char** argv, Comm& world) {
-  Args a("train",
-         "Train a gpt2, llama, mixtral or qwen2_moe model (Hugging Face config.json) on a dataset made by\n"
-         "'origami data prepare'. Keys of a --run-config JSON file are these options without '--';\n"
-         "options given on the command line win.");
+// What the run reads: the model, the data, the checkpoint it starts from.
+void add_input_options(Args& a) {
   a.option("config", "FILE", "model config.json (default: config.json of the --resume or --init-from checkpoint)")
       .option("run-config", "FILE", "JSON file with any of these options")
       .option("plan", "FILE", "a layout written by 'origami plan --out': its parallel axes, micro-batch, global batch and "
@@ -64,8 +62,24 @@ int train(int argc, char** argv, Comm& world) {
       .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
                                 "position (PATH: a --save directory, its newest committed step, or one step-N in it; "
                                 "the same directory as --save before it holds a checkpoint: start at step 0)")
-      .option("init-from", "PATH", "weights only: a checkpoint, a Hugging Face model directory or a .safetensors file")
-      .option("steps", "N", "total optimizer steps", "100")
+      .option("init-from", "PATH", "weights only: a checkpoint, a Hugging Face model directory or a .safetensors file");
+}
+
+// The data and checkpoint options (--config, --run-config and --plan are read by parse_train_options).
+void read_input_options(const Args& a, TrainOptions& o) {
+  o.data = a.str("data");
+  o.eval_data = a.str("eval-data");
+  o.eval_every = a.integer("eval-every");
+  if (a.has("eval-iters")) o.eval_iters = a.integer("eval-iters");
+  ORIGAMI_CHECK(!a.has("eval-iters") || a.has("eval-data"), "--eval-iters needs --eval-data PREFIX");
+  o.attention_mask = a.str("attention-mask");
+  o.init_from = a.str("init-from");
+  o.resume = a.str("resume");
+}
+
+// Steps, batch and AdamW.
+void add_optimizer_options(Args& a) {
+  a.option("steps", "N", "total optimizer steps", "100")
       .option("micro-batch", "B", "rows per forward/backward pass", "4")
       .option("global-batch", "G", "rows per optimizer step, a multiple of B x DP (default: B x DP)", "")
       .option("seq-len", "T", "tokens per row", "128")
@@ -79,8 +93,32 @@ int train(int argc, char** argv, Comm& world) {
       .option("eps", "X", "AdamW epsilon", "1e-8")
       .option("grad-clip", "X", "clip the global gradient norm to X (0: off)", "1.0")
       .option("seed", "S", "seed for initialisation and data order", "1234")
-      .option("data-order", "sequential|shuffled", "order of training windows", "sequential")
-      .option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
+      .option("data-order", "sequential|shuffled", "order of training windows", "sequential");
+}
+
+void read_optimizer_options(const Args& a, TrainOptions& o) {
+  o.steps = a.integer("steps");
+  o.micro_batch = a.integer("micro-batch");
+  o.global_batch = a.has("global-batch") ? a.integer("global-batch") : 0;  // 0: micro-batch x DP
+  ORIGAMI_CHECK(!a.has("global-batch") || o.global_batch >= 1, "--global-batch must be positive, got ", o.global_batch);
+  o.seq_len = a.integer("seq-len");
+  o.lr.lr = a.number("lr");
+  o.lr.min_lr = a.number("min-lr");
+  o.lr.warmup = a.integer("warmup");
+  o.lr.total_steps = o.steps;
+  o.lr.schedule = parse_lr_schedule(a.str("lr-schedule"));
+  o.adam.weight_decay = a.number("weight-decay");
+  o.adam.beta1 = a.number("beta1");
+  o.adam.beta2 = a.number("beta2");
+  o.adam.eps = a.number("eps");
+  o.grad_clip = a.number("grad-clip");
+  o.seed = uint64_t(a.integer("seed"));
+  o.data_order = a.str("data-order");
+}
+
+// What the run writes, how it reports, and its limits.
+void add_run_options(Args& a) {
+  a.option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
       .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest)")
       .option("save-every", "N", "also save every N steps", "0")
       .option("keep-last", "K", "keep the K newest checkpoints in DIR, older ones removed after a newer one commits (0: all)",
@@ -96,8 +134,26 @@ int train(int argc, char** argv, Comm& world) {
               "warn when a step's loss is above K times the median of the last 100 steps (0: off)", "0")
       .option("memory-limit-gb", "X",
               "memory each rank may use (GiB): a run that needs more is refused at startup; 0: what each node has "
-              "available, shared by its ranks", "0")
-      .option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
+              "available, shared by its ranks", "0");
+}
+
+void read_run_options(const Args& a, TrainOptions& o) {
+  o.metrics = a.str("metrics");
+  o.save = a.str("save");
+  o.save_every = a.integer("save-every");
+  o.keep_last = int(a.integer("keep-last"));
+  o.async_save = a.on("async-save");
+  o.threads = int(a.integer("threads"));
+  o.quiet = a.on("quiet");
+  o.verbose = a.on("verbose");
+  o.max_skipped_steps = a.integer("max-skipped-steps");
+  o.loss_spike_factor = a.number("loss-spike-factor");
+  o.memory_limit_gb = a.number("memory-limit-gb");
+}
+
+// The parallel layout: TP, DP, EP, ETP, PP (schedule, split), recomputation, CP, SP, ZeRO, the mesh.
+void add_parallel_options(Args& a) {
+  a.option("tp", "T", "tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel head)", "1")
       .option("dp", "D", "data-parallel degree (default: ranks / (TP x CP x PP))", "")
       .option("ep", "E", "expert-parallel degree (MoE): each rank group of E holds E-th of the experts; EP x ETP "
                          "may span what attention uses for TP, CP and DP (MoE parallel folding)", "1")
@@ -119,88 +175,90 @@ int train(int argc, char** argv, Comm& world) {
       .option("zero", "0|1|2", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients", "0")
       .option("bucket-mb", "X", "data-parallel gradient bucket size in MiB", "16")
       .option("mesh-order", "ORDER", "rank order of the mesh axes, first varies fastest", "tp-cp-ep-dp-pp");
+}
+
+void read_parallel_options(const Args& a, TrainOptions& o) {
+  o.tp = int(a.integer("tp"));
+  o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
+  ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
+  o.ep = int(a.integer("ep"));
+  o.etp = int(a.integer("etp"));
+  o.pp = int(a.integer("pp"));
+  o.vpp = int(a.integer("vpp"));
+  o.pp_schedule = a.str("pp-schedule");
+  if (a.has("pp-layers"))
+    for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
+  o.recompute = a.str("recompute");
+  o.cp = int(a.integer("cp"));
+  o.cp_comm = a.str("cp-comm");
+  o.cp_a2a_size = a.has("cp-a2a-size") ? int(a.integer("cp-a2a-size")) : 0;
+  o.sequence_parallel = a.on("sequence-parallel");
+  o.zero = int(a.integer("zero"));
+  o.bucket_mb = a.number("bucket-mb");
+  o.mesh_order = a.str("mesh-order");
+}
+
+// Options not given on the command line from --plan (a layout for this job's ranks), then from --run-config.
+void fill_from_files(Args& a, const Comm& world) {
+  if (a.has("plan")) {
+    const nlohmann::json plan = read_json_file(a.str("plan"), "plan");
+    ORIGAMI_CHECK(plan.is_object() && plan.contains("layout") && plan.contains("devices") &&
+                      plan["devices"].is_number_integer(),
+                  "--plan ", a.str("plan"), ": not a plan file of 'origami plan --out' (it needs 'layout' and 'devices')");
+    ORIGAMI_CHECK(plan["devices"].get<int>() == world.size(), "--plan ", a.str("plan"), " lays out ",
+                  plan["devices"].get<int>(), " devices, and this job has ", world.size(), " rank",
+                  world.size() == 1 ? "" : "s");
+    a.fill_from_json(plan["layout"], a.str("plan"));
+  }
+  if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
+}
+
+// --config, else the config.json of the checkpoint the run resumes or starts from.
+std::string model_config_path(const Args& a, const TrainOptions& o) {
+  std::string config = a.str("config");
+  if (config.empty() && !(o.resume.empty() && o.init_from.empty()) && !o.fresh_start())
+    config = Checkpoint::config_of(o.resume.empty() ? o.init_from : o.resume);
+  ORIGAMI_CHECK(!config.empty(), "no model config: give --config config.json (see --help)");
+  return config;
+}
+
+// The options of `origami train`, read and checked on every rank; the model config loaded.
+struct TrainCommand {
+  ModelConfig cfg;
+  TrainOptions options;
+};
+
+// nullopt when --help was asked for (the help text is then already printed).
+std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world) {
+  Args a("train",
+         "Train a gpt2, llama, mixtral or qwen2_moe model (Hugging Face config.json) on a dataset made by\n"
+         "'origami data prepare'. Keys of a --run-config JSON file are these options without '--';\n"
+         "options given on the command line win.");
+  add_input_options(a);
+  add_optimizer_options(a);
+  add_run_options(a);
+  add_parallel_options(a);
   add_routing_options(a, true);
   bool parsed = false;
-  TrainOptions o;
-  ModelConfig cfg;
+  TrainCommand cmd;
   check_on_every_rank(world, "train", [&] {
     if (!(parsed = a.parse(argc, argv))) return;
-    if (a.has("plan")) {
-      const nlohmann::json plan = read_json_file(a.str("plan"), "plan");
-      ORIGAMI_CHECK(plan.is_object() && plan.contains("layout") && plan.contains("devices") &&
-                        plan["devices"].is_number_integer(),
-                    "--plan ", a.str("plan"), ": not a plan file of 'origami plan --out' (it needs 'layout' and 'devices')");
-      ORIGAMI_CHECK(plan["devices"].get<int>() == world.size(), "--plan ", a.str("plan"), " lays out ",
-                    plan["devices"].get<int>(), " devices, and this job has ", world.size(), " rank",
-                    world.size() == 1 ? "" : "s");
-      a.fill_from_json(plan["layout"], a.str("plan"));
-    }
-    if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
-
-    o.data = a.str("data");
-    o.eval_data = a.str("eval-data");
-    o.eval_every = a.integer("eval-every");
-    if (a.has("eval-iters")) o.eval_iters = a.integer("eval-iters");
-    ORIGAMI_CHECK(!a.has("eval-iters") || a.has("eval-data"), "--eval-iters needs --eval-data PREFIX");
-    o.attention_mask = a.str("attention-mask");
-    o.init_from = a.str("init-from");
-    o.resume = a.str("resume");
-    o.steps = a.integer("steps");
-    o.micro_batch = a.integer("micro-batch");
-    o.global_batch = a.has("global-batch") ? a.integer("global-batch") : 0;  // 0: micro-batch x DP
-    ORIGAMI_CHECK(!a.has("global-batch") || o.global_batch >= 1, "--global-batch must be positive, got ", o.global_batch);
-    o.seq_len = a.integer("seq-len");
-    o.lr.lr = a.number("lr");
-    o.lr.min_lr = a.number("min-lr");
-    o.lr.warmup = a.integer("warmup");
-    o.lr.total_steps = o.steps;
-    o.lr.schedule = parse_lr_schedule(a.str("lr-schedule"));
-    o.adam.weight_decay = a.number("weight-decay");
-    o.adam.beta1 = a.number("beta1");
-    o.adam.beta2 = a.number("beta2");
-    o.adam.eps = a.number("eps");
-    o.grad_clip = a.number("grad-clip");
-    o.seed = uint64_t(a.integer("seed"));
-    o.data_order = a.str("data-order");
-    o.metrics = a.str("metrics");
-    o.save = a.str("save");
-    o.save_every = a.integer("save-every");
-    o.keep_last = int(a.integer("keep-last"));
-    o.async_save = a.on("async-save");
-    o.threads = int(a.integer("threads"));
-    o.quiet = a.on("quiet");
-    o.verbose = a.on("verbose");
-    o.max_skipped_steps = a.integer("max-skipped-steps");
-    o.loss_spike_factor = a.number("loss-spike-factor");
-    o.memory_limit_gb = a.number("memory-limit-gb");
-    o.tp = int(a.integer("tp"));
-    o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
-    ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
-    o.ep = int(a.integer("ep"));
-    o.etp = int(a.integer("etp"));
-    o.pp = int(a.integer("pp"));
-    o.vpp = int(a.integer("vpp"));
-    o.pp_schedule = a.str("pp-schedule");
-    if (a.has("pp-layers"))
-      for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
-    o.recompute = a.str("recompute");
-    o.cp = int(a.integer("cp"));
-    o.cp_comm = a.str("cp-comm");
-    o.cp_a2a_size = a.has("cp-a2a-size") ? int(a.integer("cp-a2a-size")) : 0;
-    o.sequence_parallel = a.on("sequence-parallel");
-    o.zero = int(a.integer("zero"));
-    o.bucket_mb = a.number("bucket-mb");
-    o.mesh_order = a.str("mesh-order");
+    fill_from_files(a, world);
+    TrainOptions& o = cmd.options;
+    read_input_options(a, o);
+    read_optimizer_options(a, o);
+    read_run_options(a, o);
+    read_parallel_options(a, o);
     read_routing_options(a, o, true);
-
-    std::string config = a.str("config");
-    if (config.empty() && !(o.resume.empty() && o.init_from.empty()) && !o.fresh_start())
-      config = Checkpoint::config_of(o.resume.empty() ? o.init_from : o.resume);
-    ORIGAMI_CHECK(!config.empty(), "no model config: give --config config.json (see --help)");
-    cfg = load_model_config(config);
+    cmd.cfg = load_model_config(model_config_path(a, o));
   });
-  if (!parsed) return 0;
-  return run_training(cfg, o, world);
+  if (!parsed) return std::nullopt;
+  return cmd;
+}
+
+int train(int argc, char** argv, Comm& world) {
+  const std::optional<TrainCommand> cmd = parse_train_options(argc, argv, world);
+  return cmd ? run_training(cmd->cfg, cmd->options, world) : 0;
 }
 
 }  // namespace

@@ -53,125 +53,172 @@ int Pipeline::tag(int microbatch, int boundary, bool backward) const {
   return (microbatch * boundaries + boundary) * 2 + (backward ? 1 : 0);
 }
 
+// One run(): its transfers in flight and its actions, in the schedule's order.
+class Pipeline::Step {
+ public:
+  Step(Pipeline& pipe, const std::vector<const int32_t*>& tokens, float loss_scale, int64_t n)
+      : pipe_(pipe), tokens_(tokens), loss_scale_(loss_scale), n_(n), p_(pipe.pp_.size()), s_(pipe.pp_.rank()),
+        prev_((s_ + p_ - 1) % p_), next_((s_ + 1) % p_) {}
+
+  // Runs action i.
+  void run(size_t i) {
+    const Action& a = pipe_.actions_[i];
+    switch (a.type) {
+      case ActionType::recv_forward:
+      case ActionType::recv_backward: receive(i); break;
+      case ActionType::forward: forward(i); break;
+      case ActionType::send_forward: send_forward(a); break;
+      case ActionType::backward: backward(i); break;
+      case ActionType::send_backward: send_backward(a); break;
+    }
+    // Completed backward sends give their buffers back.
+    for (size_t k = 0; k < bwd_sends_.size();)
+      if (bwd_sends_[k]->req.test())
+        spare_.push_back(std::move(bwd_sends_[k])), bwd_sends_.erase(bwd_sends_.begin() + long(k));
+      else ++k;
+  }
+
+  // Every transfer in flight tested, so that it moves.
+  void drive() {
+    for (auto& [i, t] : recvs_) t->req.test();
+    for (auto& [k, t] : fwd_sends_) t->req.test();
+    for (auto& t : bwd_sends_) t->req.test();
+  }
+
+  // After the last action: the backward sends still in flight completed.
+  void finish() {
+    ORIGAMI_ASSERT(recvs_.empty() && fwd_sends_.empty());
+    for (auto& t : bwd_sends_) timed_wait(t->req);
+  }
+
+  const Losses& losses() const { return out_; }
+
+ private:
+  void receive(size_t i) {
+    if (!recvs_.count(i)) post_recv(i);
+    timed_wait(recvs_[i]->req);
+    pending_input_ = i;
+  }
+
+  void forward(size_t i) {
+    const Action& a = pipe_.actions_[i];
+    const int32_t* tok = tokens_[size_t(a.microbatch)];
+    post_next_recv(i);
+    std::unique_ptr<Transfer> in = take_input();
+    const double c0 = now();
+    out_ += pipe_.model_.forward(a.microbatch, a.chunk, tok, in ? in->buf.data() : nullptr);
+    pipe_.times_.busy += now() - c0;
+    if (in) spare_.push_back(std::move(in));
+  }
+
+  void send_forward(const Action& a) {
+    std::unique_ptr<Transfer> t = std::make_unique<Transfer>();  // sends straight from the model's slot
+    t->req = pipe_.pp_.isend(pipe_.model_.output(a.microbatch, a.chunk), n_, DType::f32, next_,
+                             pipe_.tag(a.microbatch, virtual_stage(a), false));
+    fwd_sends_[{a.microbatch, a.chunk}] = std::move(t);
+  }
+
+  void backward(size_t i) {
+    const Action& a = pipe_.actions_[i];
+    const int32_t* tok = tokens_[size_t(a.microbatch)];
+    post_next_recv(i);
+    std::unique_ptr<Transfer> d_out = take_input();
+    // The slot's output is freed by backward: its forward send must be complete.
+    auto f = fwd_sends_.find({a.microbatch, a.chunk});
+    if (f != fwd_sends_.end()) {
+      timed_wait(f->second->req);
+      fwd_sends_.erase(f);
+    }
+    for (DataParallel* d : pipe_.dp_) d->begin_backward(pipe_.final_[i]);
+    const double c0 = now();
+    out_ += pipe_.model_.backward(a.microbatch, a.chunk, tok, d_out ? d_out->buf.data() : nullptr, loss_scale_);
+    pipe_.times_.busy += now() - c0;
+    for (DataParallel* d : pipe_.dp_) d->end_backward();
+    if (d_out) spare_.push_back(std::move(d_out));
+  }
+
+  void send_backward(const Action& a) {
+    std::unique_ptr<Transfer> t = transfer();
+    std::memcpy(t->buf.data(), pipe_.model_.input_grad(), size_t(n_) * sizeof(float));
+    t->req = pipe_.pp_.isend(t->buf.data(), n_, DType::f32, prev_, pipe_.tag(a.microbatch, virtual_stage(a) - 1, true));
+    bwd_sends_.push_back(std::move(t));
+  }
+
+  int virtual_stage(const Action& a) const { return a.chunk * p_ + s_; }
+
+  void timed_wait(Request& r) {
+    const double w0 = now();
+    r.wait();
+    pipe_.times_.wait += now() - w0;
+  }
+
+  std::unique_ptr<Transfer> transfer() {
+    std::unique_ptr<Transfer> t;
+    if (spare_.empty()) t = std::make_unique<Transfer>(), t->buf.resize(size_t(n_));
+    else t = std::move(spare_.back()), spare_.pop_back();
+    return t;
+  }
+
+  void post_recv(size_t i) {
+    const Action& a = pipe_.actions_[i];
+    std::unique_ptr<Transfer> t = transfer();
+    const int u = virtual_stage(a);
+    Comm& pp = pipe_.pp_;
+    if (a.type == ActionType::recv_forward)
+      t->req = pp.irecv(t->buf.data(), n_, DType::f32, prev_, pipe_.tag(a.microbatch, u - 1, false));
+    else t->req = pp.irecv(t->buf.data(), n_, DType::f32, next_, pipe_.tag(a.microbatch, u, true));
+    recvs_[i] = std::move(t);
+  }
+
+  // Before compute action i: post the next receive not yet posted, so it arrives during the compute.
+  void post_next_recv(size_t i) {
+    const std::vector<Action>& actions = pipe_.actions_;
+    for (size_t j = i + 1; j < actions.size(); ++j) {
+      const ActionType ty = actions[j].type;
+      if (ty != ActionType::recv_forward && ty != ActionType::recv_backward) continue;
+      if (!recvs_.count(j)) post_recv(j);
+      return;
+    }
+  }
+
+  // The completed receive for the input of compute action i (the receive just before it), or null.
+  std::unique_ptr<Transfer> take_input() {
+    if (pending_input_ == SIZE_MAX) return nullptr;
+    std::unique_ptr<Transfer> t = std::move(recvs_.at(pending_input_));
+    recvs_.erase(pending_input_);
+    pending_input_ = SIZE_MAX;
+    return t;
+  }
+
+  Pipeline& pipe_;
+  const std::vector<const int32_t*>& tokens_;
+  const float loss_scale_;
+  const int64_t n_;  // floats per message
+  const int p_, s_, prev_, next_;
+  std::vector<std::unique_ptr<Transfer>> spare_;  // finished transfers, buffers reused
+  std::map<size_t, std::unique_ptr<Transfer>> recvs_;                // by index of the receive action
+  std::map<std::pair<int, int>, std::unique_ptr<Transfer>> fwd_sends_;  // by (micro-batch, chunk)
+  std::vector<std::unique_ptr<Transfer>> bwd_sends_;
+  size_t pending_input_ = SIZE_MAX;  // the receive take_input() gives next
+  Losses out_;
+};
+
 Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale) {
   ORIGAMI_ASSERT(int(tokens.size()) == microbatches_);
   model_.set_batch(B, T);
   const ActivationShape shape = model_.activation_shape();
   const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message
-  const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p;
-  auto virtual_stage = [&](const Action& a) { return a.chunk * p + s; };
 
   times_ = {};
   const double t0 = now();
-  auto timed_wait = [&](Request& r) {
-    const double w0 = now();
-    r.wait();
-    times_.wait += now() - w0;
-  };
-  std::vector<std::unique_ptr<Transfer>> spare;  // finished transfers, buffers reused
-  auto transfer = [&]() {
-    std::unique_ptr<Transfer> t;
-    if (spare.empty()) t = std::make_unique<Transfer>(), t->buf.resize(size_t(n));
-    else t = std::move(spare.back()), spare.pop_back();
-    return t;
-  };
-  std::map<size_t, std::unique_ptr<Transfer>> recvs;                // by index of the receive action
-  std::map<std::pair<int, int>, std::unique_ptr<Transfer>> fwd_sends;  // by (micro-batch, chunk)
-  std::vector<std::unique_ptr<Transfer>> bwd_sends;
-  auto post_recv = [&](size_t i) {
-    const Action& a = actions_[i];
-    std::unique_ptr<Transfer> t = transfer();
-    const int u = virtual_stage(a);
-    if (a.type == ActionType::recv_forward) t->req = pp_.irecv(t->buf.data(), n, DType::f32, prev, tag(a.microbatch, u - 1, false));
-    else t->req = pp_.irecv(t->buf.data(), n, DType::f32, next, tag(a.microbatch, u, true));
-    recvs[i] = std::move(t);
-  };
-  // Before compute action i: post the next receive not yet posted, so it arrives during the compute.
-  auto post_next_recv = [&](size_t i) {
-    for (size_t j = i + 1; j < actions_.size(); ++j) {
-      const ActionType ty = actions_[j].type;
-      if (ty != ActionType::recv_forward && ty != ActionType::recv_backward) continue;
-      if (!recvs.count(j)) post_recv(j);
-      return;
-    }
-  };
-  // The completed receive for the input of compute action i (the receive just before it), or null.
-  size_t pending_input = SIZE_MAX;
-  auto take_input = [&]() -> std::unique_ptr<Transfer> {
-    if (pending_input == SIZE_MAX) return nullptr;
-    std::unique_ptr<Transfer> t = std::move(recvs.at(pending_input));
-    recvs.erase(pending_input);
-    pending_input = SIZE_MAX;
-    return t;
-  };
-
+  Step step(*this, tokens, loss_scale, n);
   // Between layers, every transfer in flight is driven (tested) so it moves while this stage computes.
-  model_.on_progress([&] {
-    for (auto& [i, t] : recvs) t->req.test();
-    for (auto& [k, t] : fwd_sends) t->req.test();
-    for (auto& t : bwd_sends) t->req.test();
-  });
-  Losses out;
-  for (size_t i = 0; i < actions_.size(); ++i) {
-    const Action& a = actions_[i];
-    const int32_t* tok = tokens[size_t(a.microbatch)];
-    switch (a.type) {
-      case ActionType::recv_forward:
-      case ActionType::recv_backward:
-        if (!recvs.count(i)) post_recv(i);
-        timed_wait(recvs[i]->req);
-        pending_input = i;
-        break;
-      case ActionType::forward: {
-        post_next_recv(i);
-        std::unique_ptr<Transfer> in = take_input();
-        const double c0 = now();
-        out += model_.forward(a.microbatch, a.chunk, tok, in ? in->buf.data() : nullptr);
-        times_.busy += now() - c0;
-        if (in) spare.push_back(std::move(in));
-        break;
-      }
-      case ActionType::send_forward: {
-        std::unique_ptr<Transfer> t = std::make_unique<Transfer>();  // sends straight from the model's slot
-        t->req = pp_.isend(model_.output(a.microbatch, a.chunk), n, DType::f32, next,
-                           tag(a.microbatch, virtual_stage(a), false));
-        fwd_sends[{a.microbatch, a.chunk}] = std::move(t);
-        break;
-      }
-      case ActionType::backward: {
-        post_next_recv(i);
-        std::unique_ptr<Transfer> d_out = take_input();
-        // The slot's output is freed by backward: its forward send must be complete.
-        auto f = fwd_sends.find({a.microbatch, a.chunk});
-        if (f != fwd_sends.end()) {
-          timed_wait(f->second->req);
-          fwd_sends.erase(f);
-        }
-        for (DataParallel* d : dp_) d->begin_backward(final_[i]);
-        const double c0 = now();
-        out += model_.backward(a.microbatch, a.chunk, tok, d_out ? d_out->buf.data() : nullptr, loss_scale);
-        times_.busy += now() - c0;
-        for (DataParallel* d : dp_) d->end_backward();
-        if (d_out) spare.push_back(std::move(d_out));
-        break;
-      }
-      case ActionType::send_backward: {
-        std::unique_ptr<Transfer> t = transfer();
-        std::memcpy(t->buf.data(), model_.input_grad(), size_t(n) * sizeof(float));
-        t->req = pp_.isend(t->buf.data(), n, DType::f32, prev, tag(a.microbatch, virtual_stage(a) - 1, true));
-        bwd_sends.push_back(std::move(t));
-        break;
-      }
-    }
-    // Completed backward sends give their buffers back.
-    for (size_t k = 0; k < bwd_sends.size();)
-      if (bwd_sends[k]->req.test()) spare.push_back(std::move(bwd_sends[k])), bwd_sends.erase(bwd_sends.begin() + long(k));
-      else ++k;
-  }
+  model_.on_progress([&] { step.drive(); });
+  for (size_t i = 0; i < actions_.size(); ++i) step.run(i);
   model_.on_progress(nullptr);
-  ORIGAMI_ASSERT(recvs.empty() && fwd_sends.empty());
-  for (auto& t : bwd_sends) timed_wait(t->req);
+  step.finish();
   times_.total = now() - t0;
+  Losses out = step.losses();
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;
 }

@@ -60,6 +60,7 @@ class Pipeline {
 
  private:
   struct Transfer;
+  class Step;  // one run(): its transfers in flight and its actions
   int tag(int microbatch, int boundary, bool backward) const;
 
   Model& model_;

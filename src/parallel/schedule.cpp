@@ -166,6 +166,173 @@ struct StageState {
   std::vector<uint8_t> done;  // [microbatch * chunks + chunk]
 };
 
+enum Direction { fwd = 0, bwd = 1 };
+
+// All stages' action lists run together: each stage's state, and the channels between stages.
+class Replayer {
+ public:
+  Replayer(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
+           double t_forward, double t_backward)
+      : per_stage_(per_stage), p_(stages), m_(microbatches), v_(chunks), t_forward_(t_forward),
+        t_backward_(t_backward), channels_(size_t(p_) * p_ * 2), st_(p_) {
+    r_.stages.resize(p_);
+    for (auto& s : st_) s.done.assign(size_t(m_) * v_, 0);
+  }
+
+  // Sweep: run every stage as far as it can go, until all are done or none moves. The result does
+  // not depend on the sweep order: a stage's times depend only on its own list and the send times.
+  void sweep() {
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int s = 0; s < p_; ++s)
+        while (st_[s].next < per_stage_[s].size() && step(s)) moved = true;
+    }
+  }
+
+  // After the sweep: an Error if a stage is stuck, a message is never received, or a forward or a
+  // backward never runs; otherwise the stages' timings.
+  Replay result();
+
+ private:
+  bool step(int s);
+  bool receive(int s, int from, Direction dir);
+  void once(int s, uint8_t& done, uint8_t bit) {
+    ORIGAMI_CHECK(!(done & bit), where(s), "runs twice");
+    done |= bit;
+  }
+  std::string where(int s) const {
+    return cat("stage ", s, " action ", st_[s].next, " ", to_string(per_stage_[s][st_[s].next]), ": ");
+  }
+  // Channel (from-stage, to-stage, direction): FIFO of messages sent and not yet received.
+  std::deque<Message>& channel(int from, int to, int dir) { return channels_[(size_t(from) * p_ + to) * 2 + dir]; }
+  void check_no_deadlock() const;
+  void check_all_received();
+  void check_all_computed() const;
+
+  const std::vector<std::vector<Action>>& per_stage_;
+  const int p_, m_, v_;
+  const double t_forward_, t_backward_;
+  std::vector<std::deque<Message>> channels_;
+  std::vector<StageState> st_;
+  Replay r_;
+};
+
+// Runs stage s's next action; returns false if it is a receive whose message has not been sent yet.
+bool Replayer::step(int s) {
+  StageState& S = st_[s];
+  StageTiming& T = r_.stages[s];
+  const Action& a = per_stage_[s][S.next];
+  const int last_virtual = p_ * v_ - 1;
+  ORIGAMI_CHECK(a.microbatch >= 0 && a.microbatch < m_ && a.chunk >= 0 && a.chunk < v_, where(s),
+                "micro-batch must be in 0..", m_ - 1, " and chunk in 0..", v_ - 1);
+  const int u = a.chunk * p_ + s;
+  uint8_t& done = S.done[size_t(a.microbatch) * v_ + a.chunk];
+  switch (a.type) {
+    case ActionType::recv_forward:
+      ORIGAMI_CHECK(u != 0, where(s), "the first virtual stage has no input to receive");
+      ORIGAMI_CHECK(!(done & got_input), where(s), "runs twice");
+      if (!receive(s, (u - 1) % p_, fwd)) return false;
+      done |= got_input;
+      break;
+    case ActionType::forward:
+      ORIGAMI_CHECK(u == 0 || (done & got_input), where(s), "runs before its recv_forward");
+      once(s, done, forwarded);
+      S.clock += t_forward_;
+      T.busy += t_forward_;
+      T.max_in_flight = std::max(T.max_in_flight, ++S.in_flight);
+      break;
+    case ActionType::send_forward:
+      ORIGAMI_CHECK(u != last_virtual, where(s), "the last virtual stage has no output to send");
+      ORIGAMI_CHECK(done & forwarded, where(s), "runs before its forward");
+      once(s, done, sent_output);
+      channel(s, (u + 1) % p_, fwd).push_back({a.microbatch, u + 1, S.clock});
+      break;
+    case ActionType::recv_backward:
+      ORIGAMI_CHECK(u != last_virtual, where(s), "the last virtual stage has no output gradient to receive");
+      ORIGAMI_CHECK(!(done & got_grad), where(s), "runs twice");
+      if (!receive(s, (u + 1) % p_, bwd)) return false;
+      done |= got_grad;
+      break;
+    case ActionType::backward:
+      ORIGAMI_CHECK(done & forwarded, where(s), "runs before this stage's forward of the same micro-batch and chunk");
+      ORIGAMI_CHECK(u == last_virtual || (done & got_grad), where(s), "runs before its recv_backward");
+      once(s, done, backwarded);
+      S.clock += t_backward_;
+      T.busy += t_backward_;
+      --S.in_flight;
+      break;
+    case ActionType::send_backward:
+      ORIGAMI_CHECK(u != 0, where(s), "the first virtual stage has no input gradient to send");
+      ORIGAMI_CHECK(done & backwarded, where(s), "runs before its backward");
+      once(s, done, sent_grad);
+      channel(s, (u - 1 + p_) % p_, bwd).push_back({a.microbatch, u - 1, S.clock});
+      break;
+  }
+  ++S.next;
+  return true;
+}
+
+// A receive of stage s's next action: match the earliest unmatched send on the channel, wait for it
+// if needed.
+bool Replayer::receive(int s, int from, Direction dir) {
+  StageState& S = st_[s];
+  const Action& a = per_stage_[s][S.next];
+  const int u = a.chunk * p_ + s;
+  auto& q = channel(from, s, dir);
+  if (q.empty()) return false;
+  const Message msg = q.front();
+  ORIGAMI_CHECK(msg.microbatch == a.microbatch && msg.to_virtual == u, where(s),
+                "the earliest unmatched message from stage ", from, " is for mb ", msg.microbatch,
+                ", virtual stage ", msg.to_virtual, ", not mb ", a.microbatch, ", virtual stage ", u);
+  q.pop_front();
+  if (msg.time > S.clock) {
+    r_.stages[s].idle += msg.time - S.clock;
+    S.clock = msg.time;
+  }
+  return true;
+}
+
+void Replayer::check_no_deadlock() const {
+  std::string stuck;
+  for (int s = 0; s < p_; ++s)
+    if (st_[s].next < per_stage_[s].size())
+      stuck += cat(stuck.empty() ? "" : "; ", "stage ", s, " waits at action ", st_[s].next, " ",
+                   to_string(per_stage_[s][st_[s].next]));
+  ORIGAMI_CHECK(stuck.empty(), "deadlock: no stage can progress: ", stuck);
+}
+
+void Replayer::check_all_received() {
+  for (int from = 0; from < p_; ++from)
+    for (int to = 0; to < p_; ++to)
+      for (int dir : {fwd, bwd}) {
+        const auto& q = channel(from, to, dir);
+        ORIGAMI_CHECK(q.empty(), "stage ", from, " sent ", dir == fwd ? "an activation" : "a gradient", " (mb ",
+                      q.front().microbatch, ", to virtual stage ", q.front().to_virtual, ") that stage ", to,
+                      " never receives");  // (arguments are evaluated only when the check fails)
+      }
+}
+
+void Replayer::check_all_computed() const {
+  for (int s = 0; s < p_; ++s)
+    for (int mb = 0; mb < m_; ++mb)
+      for (int c = 0; c < v_; ++c) {
+        const uint8_t done = st_[s].done[size_t(mb) * v_ + c];
+        ORIGAMI_CHECK(done & forwarded, "stage ", s, " never runs forward(mb ", mb, ", chunk ", c, ")");
+        ORIGAMI_CHECK(done & backwarded, "stage ", s, " never runs backward(mb ", mb, ", chunk ", c, ")");
+      }
+}
+
+Replay Replayer::result() {
+  check_no_deadlock();
+  check_all_received();
+  check_all_computed();
+  for (int s = 0; s < p_; ++s) {
+    r_.stages[s].finish = st_[s].clock;
+    r_.makespan = std::max(r_.makespan, st_[s].clock);
+  }
+  return r_;
+}
+
 }  // namespace
 
 Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
@@ -173,129 +340,9 @@ Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int s
   ORIGAMI_CHECK(stages >= 1 && microbatches >= 1 && chunks >= 1, "replay needs stages, microbatches, chunks >= 1, got ",
                 stages, ", ", microbatches, ", ", chunks);
   ORIGAMI_CHECK(int(per_stage.size()) == stages, "replay got ", per_stage.size(), " action lists for stages=", stages);
-  const int p = stages, m = microbatches, v = chunks, last_virtual = p * v - 1;
-  enum Direction { fwd = 0, bwd = 1 };
-  // Channel (from-stage, to-stage, direction): FIFO of messages sent and not yet received.
-  std::vector<std::deque<Message>> channels(size_t(p) * p * 2);
-  auto channel = [&](int from, int to, int dir) -> std::deque<Message>& {
-    return channels[(size_t(from) * p + to) * 2 + dir];
-  };
-
-  Replay r;
-  r.stages.resize(p);
-  std::vector<StageState> st(p);
-  for (auto& s : st) s.done.assign(size_t(m) * v, 0);
-
-  // Runs stage s's next action; returns false if it is a receive whose message has not been sent yet.
-  auto step = [&](int s) -> bool {
-    StageState& S = st[s];
-    StageTiming& T = r.stages[s];
-    const Action& a = per_stage[s][S.next];
-    auto where = [&] { return cat("stage ", s, " action ", S.next, " ", to_string(a), ": "); };
-    ORIGAMI_CHECK(a.microbatch >= 0 && a.microbatch < m && a.chunk >= 0 && a.chunk < v, where(),
-                  "micro-batch must be in 0..", m - 1, " and chunk in 0..", v - 1);
-    const int u = a.chunk * p + s;
-    uint8_t& done = S.done[size_t(a.microbatch) * v + a.chunk];
-    auto once = [&](uint8_t bit) {
-      ORIGAMI_CHECK(!(done & bit), where(), "runs twice");
-      done |= bit;
-    };
-    // A receive: match the earliest unmatched send on the channel, wait for it if needed.
-    auto receive = [&](int from, int dir) -> bool {
-      auto& q = channel(from, s, dir);
-      if (q.empty()) return false;
-      const Message msg = q.front();
-      ORIGAMI_CHECK(msg.microbatch == a.microbatch && msg.to_virtual == u, where(),
-                    "the earliest unmatched message from stage ", from, " is for mb ", msg.microbatch,
-                    ", virtual stage ", msg.to_virtual, ", not mb ", a.microbatch, ", virtual stage ", u);
-      q.pop_front();
-      if (msg.time > S.clock) {
-        T.idle += msg.time - S.clock;
-        S.clock = msg.time;
-      }
-      return true;
-    };
-    switch (a.type) {
-      case ActionType::recv_forward:
-        ORIGAMI_CHECK(u != 0, where(), "the first virtual stage has no input to receive");
-        ORIGAMI_CHECK(!(done & got_input), where(), "runs twice");
-        if (!receive((u - 1) % p, fwd)) return false;
-        done |= got_input;
-        break;
-      case ActionType::forward:
-        ORIGAMI_CHECK(u == 0 || (done & got_input), where(), "runs before its recv_forward");
-        once(forwarded);
-        S.clock += t_forward;
-        T.busy += t_forward;
-        T.max_in_flight = std::max(T.max_in_flight, ++S.in_flight);
-        break;
-      case ActionType::send_forward:
-        ORIGAMI_CHECK(u != last_virtual, where(), "the last virtual stage has no output to send");
-        ORIGAMI_CHECK(done & forwarded, where(), "runs before its forward");
-        once(sent_output);
-        channel(s, (u + 1) % p, fwd).push_back({a.microbatch, u + 1, S.clock});
-        break;
-      case ActionType::recv_backward:
-        ORIGAMI_CHECK(u != last_virtual, where(), "the last virtual stage has no output gradient to receive");
-        ORIGAMI_CHECK(!(done & got_grad), where(), "runs twice");
-        if (!receive((u + 1) % p, bwd)) return false;
-        done |= got_grad;
-        break;
-      case ActionType::backward:
-        ORIGAMI_CHECK(done & forwarded, where(), "runs before this stage's forward of the same micro-batch and chunk");
-        ORIGAMI_CHECK(u == last_virtual || (done & got_grad), where(), "runs before its recv_backward");
-        once(backwarded);
-        S.clock += t_backward;
-        T.busy += t_backward;
-        --S.in_flight;
-        break;
-      case ActionType::send_backward:
-        ORIGAMI_CHECK(u != 0, where(), "the first virtual stage has no input gradient to send");
-        ORIGAMI_CHECK(done & backwarded, where(), "runs before its backward");
-        once(sent_grad);
-        channel(s, (u - 1 + p) % p, bwd).push_back({a.microbatch, u - 1, S.clock});
-        break;
-    }
-    ++S.next;
-    return true;
-  };
-
-  // Sweep: run every stage as far as it can go, until all are done or none moves. The result does
-  // not depend on the sweep order: a stage's times depend only on its own list and the send times.
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (int s = 0; s < p; ++s)
-      while (st[s].next < per_stage[s].size() && step(s)) moved = true;
-  }
-
-  std::string stuck;
-  for (int s = 0; s < p; ++s)
-    if (st[s].next < per_stage[s].size())
-      stuck += cat(stuck.empty() ? "" : "; ", "stage ", s, " waits at action ", st[s].next, " ",
-                   to_string(per_stage[s][st[s].next]));
-  ORIGAMI_CHECK(stuck.empty(), "deadlock: no stage can progress: ", stuck);
-
-  for (int from = 0; from < p; ++from)
-    for (int to = 0; to < p; ++to)
-      for (int dir : {fwd, bwd}) {
-        const auto& q = channel(from, to, dir);
-        ORIGAMI_CHECK(q.empty(), "stage ", from, " sent ", dir == fwd ? "an activation" : "a gradient", " (mb ",
-                      q.front().microbatch, ", to virtual stage ", q.front().to_virtual, ") that stage ", to,
-                      " never receives");  // (arguments are evaluated only when the check fails)
-      }
-  for (int s = 0; s < p; ++s)
-    for (int mb = 0; mb < m; ++mb)
-      for (int c = 0; c < v; ++c) {
-        const uint8_t done = st[s].done[size_t(mb) * v + c];
-        ORIGAMI_CHECK(done & forwarded, "stage ", s, " never runs forward(mb ", mb, ", chunk ", c, ")");
-        ORIGAMI_CHECK(done & backwarded, "stage ", s, " never runs backward(mb ", mb, ", chunk ", c, ")");
-      }
-
-  for (int s = 0; s < p; ++s) {
-    r.stages[s].finish = st[s].clock;
-    r.makespan = std::max(r.makespan, st[s].clock);
-  }
-  return r;
+  Replayer replay(per_stage, stages, microbatches, chunks, t_forward, t_backward);
+  replay.sweep();
+  return replay.result();
 }
 
 }  // namespace origami
