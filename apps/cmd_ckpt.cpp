@@ -5,6 +5,7 @@
 #include "ckpt/checkpoint.h"
 #include "commands.h"
 #include "core/args.h"
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/io.h"
 
@@ -63,21 +64,24 @@ int ckpt_info(int argc, char** argv) {
       total += f["bytes"].get<int64_t>();
     }
     std::printf(" (%s in %zu files)\n", format_mb(total).c_str(), m["files"].size());
-    int64_t params = 0;
+    Size params = 0;  // checked (core/checked.h): the shapes are the file's
     std::printf("tensors (%zu):\n", m["tensors"].size());
     for (const auto& [name, t] : m["tensors"].items()) {
       const auto shape = t["shape"].get<std::vector<int64_t>>();
-      int64_t n = 1;
       std::string s = "[";
-      for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? ", " : "", shape[i]), n *= shape[i];
-      params += n;
+      for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? ", " : "", shape[i]);
+      params = size_error(cat("'", ck.path(), "': the parameter count"), cat("tensor ", name, " of shape ", s, "]"), [&] {
+        Size n = 1;
+        for (int64_t d : shape) n *= d;
+        return params + n;
+      });
       int pieces = 0;
       for (const auto& p : m["pieces"])
         if (p[0] == "weight" && p[1] == name) ++pieces;
       std::printf("  %-48s %-16s %s, %d weight piece%s\n", name.c_str(), (s + "]").c_str(),
                   t["dtype"].get<std::string>().c_str(), pieces, pieces == 1 ? "" : "s");
     }
-    std::printf("parameters: %lld\n", (long long)params);
+    std::printf("parameters: %lld\n", (long long)params.get());
     return 0;
   }
   // The other forms: what the file headers say.

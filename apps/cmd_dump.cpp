@@ -39,7 +39,7 @@ int cmd_dump(int argc, char** argv) {
   std::string init = a.str("init-from"), config = a.str("config");
   if (config.empty() && !init.empty()) config = Checkpoint::config_of(init);
   ORIGAMI_CHECK(!config.empty(), "give --config config.json");
-  if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
+  if (a.integer("threads") > 0) set_num_threads(a.small_integer("threads"));
 
   TrainOptions routing;
   read_routing_options(a, routing, false);

@@ -35,7 +35,7 @@ int cmd_generate(int argc, char** argv) {
   ORIGAMI_CHECK(max_new >= 0, "--max-new-tokens must not be negative, got ", max_new);
   ORIGAMI_CHECK(temperature >= 0, "--temperature must not be negative, got ", temperature);
   ORIGAMI_CHECK(top_k >= 0, "--top-k must not be negative, got ", top_k);
-  if (a.integer("threads") > 0) set_num_threads(int(a.integer("threads")));
+  if (a.integer("threads") > 0) set_num_threads(a.small_integer("threads"));
 
   ORIGAMI_CHECK(!ck.config_path().empty() && !ck.tokenizer_path().empty(), "checkpoint '", ck.path(),
                 "' needs config.json and tokenizer.json (train on data with a tokenizer)");

@@ -20,6 +20,7 @@
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "plan/plot.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -61,11 +62,17 @@ Fixed parse_layout(const std::string& spec) {
   return f;
 }
 
+// Ascending; in O(sqrt(n)) steps (n: a device count, an expert count or rows per DP rank, each below 2^31).
 std::vector<int> divisors(int64_t n) {
-  std::vector<int> d;
-  for (int64_t k = 1; k <= n; ++k)
-    if (n % k == 0) d.push_back(int(k));
-  return d;
+  ORIGAMI_ASSERT(n >= 1 && n <= INT32_MAX);
+  std::vector<int> low, high;
+  for (int64_t k = 1; k * k <= n; ++k)
+    if (n % k == 0) {
+      low.push_back(int(k));
+      if (k * k != n) high.push_back(int(n / k));
+    }
+  low.insert(low.end(), high.rbegin(), high.rend());
+  return low;
 }
 
 std::string layout_name(const TrainOptions& o, int devices) {
@@ -122,12 +129,17 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   PlanCommand cmd;
   cmd.cfg = load_model_config(a.str("config"));
   cmd.cluster = Cluster::load(a.str("cluster"));
-  cmd.devices = a.has("devices") ? int(a.integer("devices")) : cmd.cluster.devices();
+  cmd.devices = a.has("devices") ? a.small_integer("devices") : cmd.cluster.devices();
   ORIGAMI_CHECK(cmd.devices >= 1 && cmd.devices <= cmd.cluster.devices(), "--devices must be in [1, ",
                 cmd.cluster.devices(), "] (the cluster's devices), got ", cmd.devices);
   cmd.global_batch = a.integer("global-batch"), cmd.seq_len = a.integer("seq-len"), cmd.top = a.integer("top");
   ORIGAMI_CHECK(cmd.global_batch >= 1 && cmd.seq_len >= 1 && cmd.top >= 1,
                 "--global-batch, --seq-len and --top must be positive");
+  ORIGAMI_CHECK(cmd.global_batch <= kMaxBatch, "--global-batch must be at most ", kMaxBatch, " (as in 'origami train'), got ",
+                cmd.global_batch);
+  ORIGAMI_CHECK(cmd.seq_len <= cmd.cfg.max_positions, "--seq-len must be in [1, ", cmd.cfg.max_positions,
+                "] (the model's maximum positions), got ", cmd.seq_len);
+  checked_num_parameters(cmd.cfg);
   cmd.imbalance = a.number("imbalance");
   ORIGAMI_CHECK(cmd.imbalance >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ",
                 cmd.imbalance);

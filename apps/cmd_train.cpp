@@ -141,9 +141,9 @@ void read_run_options(const Args& a, TrainOptions& o) {
   o.metrics = a.str("metrics");
   o.save = a.str("save");
   o.save_every = a.integer("save-every");
-  o.keep_last = int(a.integer("keep-last"));
+  o.keep_last = a.small_integer("keep-last");
   o.async_save = a.on("async-save");
-  o.threads = int(a.integer("threads"));
+  o.threads = a.small_integer("threads");
   o.quiet = a.on("quiet");
   o.verbose = a.on("verbose");
   o.max_skipped_steps = a.integer("max-skipped-steps");
@@ -178,22 +178,22 @@ void add_parallel_options(Args& a) {
 }
 
 void read_parallel_options(const Args& a, TrainOptions& o) {
-  o.tp = int(a.integer("tp"));
-  o.dp = a.has("dp") ? int(a.integer("dp")) : 0;
+  o.tp = a.small_integer("tp");
+  o.dp = a.has("dp") ? a.small_integer("dp") : 0;
   ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
-  o.ep = int(a.integer("ep"));
-  o.etp = int(a.integer("etp"));
-  o.pp = int(a.integer("pp"));
-  o.vpp = int(a.integer("vpp"));
+  o.ep = a.small_integer("ep");
+  o.etp = a.small_integer("etp");
+  o.pp = a.small_integer("pp");
+  o.vpp = a.small_integer("vpp");
   o.pp_schedule = a.str("pp-schedule");
   if (a.has("pp-layers"))
     for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
   o.recompute = a.str("recompute");
-  o.cp = int(a.integer("cp"));
+  o.cp = a.small_integer("cp");
   o.cp_comm = a.str("cp-comm");
-  o.cp_a2a_size = a.has("cp-a2a-size") ? int(a.integer("cp-a2a-size")) : 0;
+  o.cp_a2a_size = a.has("cp-a2a-size") ? a.small_integer("cp-a2a-size") : 0;
   o.sequence_parallel = a.on("sequence-parallel");
-  o.zero = int(a.integer("zero"));
+  o.zero = a.small_integer("zero");
   o.bucket_mb = a.number("bucket-mb");
   o.mesh_order = a.str("mesh-order");
 }

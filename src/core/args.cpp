@@ -1,5 +1,9 @@
 #include "core/args.h"
 
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
@@ -84,9 +88,19 @@ bool Args::on(const std::string& name) const { return has(name) && get(name).val
 int64_t Args::integer(const std::string& name) const {
   const std::string& v = get(name).value;
   char* end = nullptr;
+  errno = 0;
   long long x = std::strtoll(v.c_str(), &end, 10);
   ORIGAMI_CHECK(!v.empty() && *end == 0, command_, ": --", name, " must be an integer, got '", v, "'");
+  ORIGAMI_CHECK(errno != ERANGE, command_, ": --", name, " must be an integer in [", INT64_MIN, ", ", INT64_MAX,
+                "], got '", v, "'");
   return x;
+}
+
+int Args::small_integer(const std::string& name) const {
+  const int64_t x = integer(name);
+  ORIGAMI_CHECK(x >= INT32_MIN && x <= INT32_MAX, command_, ": --", name, " must be an integer in [", INT32_MIN, ", ",
+                INT32_MAX, "], got '", get(name).value, "'");
+  return int(x);
 }
 
 std::vector<int64_t> Args::integers(const std::string& name) const {
@@ -110,7 +124,8 @@ double Args::number(const std::string& name) const {
   const std::string& v = get(name).value;
   char* end = nullptr;
   double x = std::strtod(v.c_str(), &end);
-  ORIGAMI_CHECK(!v.empty() && *end == 0, command_, ": --", name, " must be a number, got '", v, "'");
+  ORIGAMI_CHECK(!v.empty() && *end == 0 && std::isfinite(x), command_, ": --", name, " must be a finite number, got '",
+                v, "'");
   return x;
 }
 

@@ -29,7 +29,8 @@ class Args {
 
   bool has(const std::string& name) const;  // given, from a file, or with a non-empty default
   std::string str(const std::string& name) const;
-  int64_t integer(const std::string& name) const;
+  int64_t integer(const std::string& name) const;  // Error outside 64-bit integers
+  int small_integer(const std::string& name) const;  // Error outside [-2^31, 2^31): degrees, counts of threads
   double number(const std::string& name) const;
   std::vector<int64_t> integers(const std::string& name) const;  // "5,6,6,5"
   bool on(const std::string& name) const;

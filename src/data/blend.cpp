@@ -24,7 +24,7 @@ std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view optio
                 " fields: a blend is weights and prefixes in turn (\"W1 PREFIX1 W2 PREFIX2 ...\")");
   std::vector<BlendPart> parts;
   std::set<std::string> seen;
-  double total = 0;
+  double total = 0, most = 0;
   for (size_t k = 0; k < fields.size(); k += 2) {
     double w = 0;
     size_t used = 0;
@@ -38,9 +38,15 @@ std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view optio
     ORIGAMI_CHECK(seen.insert(fields[k + 1]).second, option, ": dataset '", fields[k + 1],
                   "' is given twice; give it once with the sum of its weights");
     parts.push_back({w, fields[k + 1]});
-    total += w;
+    total += w, most = std::max(most, w);
   }
-  for (BlendPart& p : parts) p.weight /= total;
+  // Weights near the largest double ("1e308 A 1e308 B") sum to infinity: then scaled by the largest first.
+  const double scale = std::isfinite(total) ? 1.0 : most;
+  if (scale != 1.0) {
+    total = 0;
+    for (const BlendPart& p : parts) total += p.weight / scale;
+  }
+  for (BlendPart& p : parts) p.weight = p.weight / scale / total;
   return parts;
 }
 

@@ -67,9 +67,14 @@ bool ModelConfig::is_moe_layer(int64_t l) const {
   return is_moe() && (l + 1) % sparse_step == 0 && std::find(dense_layers.begin(), dense_layers.end(), l) == dense_layers.end();
 }
 
+// In O(mlp_only_layers), not O(layers): the planner asks for every stage of every layout.
 int64_t ModelConfig::num_moe_layers(int64_t begin, int64_t end) const {
-  int64_t n = 0;
-  for (int64_t l = begin; l < end; ++l) n += is_moe_layer(l);
+  if (!is_moe() || end <= begin) return 0;
+  int64_t n = end / sparse_step - begin / sparse_step;  // l in [begin, end) with (l + 1) % step == 0
+  std::vector<int64_t> dense(dense_layers);
+  std::sort(dense.begin(), dense.end());
+  dense.erase(std::unique(dense.begin(), dense.end()), dense.end());
+  for (int64_t l : dense) n -= l >= begin && l < end && (l + 1) % sparse_step == 0;
   return n;
 }
 

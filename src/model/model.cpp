@@ -5,6 +5,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/timer.h"
@@ -39,49 +40,50 @@ namespace {
 int64_t qkv_width(const ModelConfig& c) { return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim; }
 
 // The activation sizes of one TP rank (see ActivationShape): N tokens inside TP regions, Nl outside.
+// Checked (core/checked.h): every size computed from them is, and an overflow throws SizeOverflow.
 struct LocalSizes {
-  int64_t B, T, N, Nl, C, Hl, Sl, HDl, Fl;
-  int64_t fa, fb;  // MLP buffers per token, each layer's sized for the model's widest MLP: dense layers'
+  Size B, T, N, Nl, C, Hl, Sl, HDl, Fl;
+  Size fa, fb;  // MLP buffers per token, each layer's sized for the model's widest MLP: dense layers'
                    // gpt2 pre-activation and GELU output (F, F), llama gate|up and SwiGLU output (2F, F);
                    // qwen2_moe's shared expert (2Fs, Fs); the routed experts keep their cache instead
-  int64_t sh;      // shared expert: its output [C] and gate [1] per token outside TP regions (0: none)
+  Size sh;         // shared expert: its output [C] and gate [1] per token outside TP regions (0: none)
   MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
-  int64_t moe_rows;  // the dispatcher's most expert-side rows
+  Size moe_rows;     // the dispatcher's most expert-side rows
   CpShape core;      // the attention core (context parallelism)
   LocalSizes(const ModelConfig& c, const ActivationShape& a)
-      : B(a.B), T(a.T), N(a.B * a.T), Nl(a.local_tokens()), C(c.hidden), Hl(c.num_heads / a.tp),
+      : B(a.B), T(a.T), N(Size(a.B) * a.T), Nl(a.local_tokens()), C(c.hidden), Hl(c.num_heads / a.tp),
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
         fa(std::max(c.has_dense_layers() ? (c.is_gpt2() ? 1 : 2) * c.ffn : 0, 2 * c.shared_ffn) / a.tp),
         fb(std::max(c.has_dense_layers() ? c.ffn : 0, c.shared_ffn) / a.tp), sh(c.shared_ffn > 0 ? C + 1 : 0),
-        moe{N / a.tp, C, c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
-            c.routing.capacity(N / a.tp, c.top_k, c.num_experts), c.routing.pad},
-        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(N / a.tp, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
+        moe{(N / a.tp).get(), C.get(), c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
+            c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad},
+        moe_rows(c.is_moe() ? TokenDispatcher::max_rows(moe.N, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
         core{a.B, a.T, c.num_heads / a.tp, c.num_kv_heads / a.tp, c.head_dim, a.cp, a.cp_a2a} {}
   // MoE shares cut from (and gathered into) full [N, C] buffers: TP without SP.
   bool moe_shares(const ModelConfig& c, const ActivationShape& a) const { return c.is_moe() && a.tp > 1 && !a.sp; }
 };
 
 // Bytes per layer kept outside the attention core (a MoE layer's with its cache), and inside it.
-int64_t layer_bytes(const ModelConfig& c, const LocalSizes& s, bool moe_layer) {
-  const int64_t stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
-  const int64_t cache = moe_layer ? MoeCache<float>::bytes(s.moe, s.moe_rows) : 0;
+Size layer_bytes(const ModelConfig& c, const LocalSizes& s, bool moe_layer) {
+  const Size stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
+  const Size cache = moe_layer ? MoeCache<float>::bytes(s.moe, s.moe_rows.get()) : 0;
   return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.N * (s.fa + s.fb) + s.Nl * s.sh) + cache;
 }
-int64_t core_bytes(const LocalSizes& s) { return 4 * s.core.core_floats(); }
+Size core_bytes(const LocalSizes& s) { return 4 * Size(s.core.core_floats()); }
 
 // Elements of the model's work buffers (Model::Scratch) for a batch: set_batch sizes each buffer to
 // exactly this, and workspace_bytes() counts it.
 struct ScratchSizes {
-  int64_t loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
-  int64_t targets;              // int32 [N] each: the inputs and the targets of this rank's positions
-  int64_t lnf, statsf;          // head stage: final norm output [N, C], mean and rstd [Nl] each
-  int64_t d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
-  int64_t head;   // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
-  int64_t share;  // MoE under TP without SP: a share's input, output and input gradient, [N/TP, C] each
-  int64_t sh_d, sh_full, sh_loc, sh_dz;  // shared expert backward: ∂/∂(its output) [Nl, C], its input
-                                         // gradient [N, C] (and SP shard [Nl, C]), ∂/∂(gate logit) [Nl]
-  int64_t moe;    // MoE work buffers, bytes (MoeScratch)
-  int64_t cp;     // context parallelism's work buffers (ContextParallel::reserve)
+  Size loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
+  Size targets;              // int32 [N] each: the inputs and the targets of this rank's positions
+  Size lnf, statsf;          // head stage: final norm output [N, C], mean and rstd [Nl] each
+  Size d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
+  Size head;   // head stage: one chunk of logits and statistics, chunk·(Vl + 4)
+  Size share;  // MoE under TP without SP: a share's input, output and input gradient, [N/TP, C] each
+  Size sh_d, sh_full, sh_loc, sh_dz;  // shared expert backward: ∂/∂(its output) [Nl, C], its input
+                                      // gradient [N, C] (and SP shard [Nl, C]), ∂/∂(gate logit) [Nl]
+  Size moe;    // MoE work buffers, bytes (MoeScratch)
+  Size cp;     // context parallelism's work buffers (ContextParallel::reserve)
   ScratchSizes(const ModelConfig& c, const ActivationShape& a, bool head_stage) {
     const LocalSizes s(c, a);
     const bool sp = a.sp;
@@ -91,15 +93,15 @@ struct ScratchSizes {
     lnf = head_stage ? s.N * s.C : 0, statsf = head_stage ? s.Nl : 0;
     d_res = s.Nl * s.C, d_ln = s.N * s.C, d_att = s.N * s.HDl, d_qkv = s.N * s.Sl;
     d_mlp_a = s.N * s.fa, d_mlp_b = s.N * s.fb;
-    head = head_stage ? lm_head_chunk_rows(s.N, Vl) * (Vl + 4) : 0;
+    head = head_stage ? lm_head_chunk_rows(s.N.get(), Vl) * (Size(Vl) + 4) : 0;
     share = s.moe_shares(c, a) ? s.moe.N * s.C : 0;
     const bool shared = c.shared_ffn > 0;
     sh_d = shared ? s.Nl * s.C : 0, sh_full = shared ? s.N * s.C : 0, sh_loc = shared && sp ? s.Nl * s.C : 0;
     sh_dz = shared ? s.Nl : 0;
-    moe = c.is_moe() ? MoeScratch<float>::bytes(s.moe, s.moe_rows, a.etp) : 0;
+    moe = c.is_moe() ? MoeScratch<float>::bytes(s.moe, s.moe_rows.get(), a.etp) : 0;
     cp = s.core.workspace_floats();
   }
-  int64_t bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
+  Size bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
     return 4 * (loc + full + gathered + 2 * targets + cp + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
                 head + 3 * share + sh_d + sh_full + sh_loc + sh_dz) + moe;
   }
@@ -110,19 +112,19 @@ struct ScratchSizes {
 int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const ModelPart& part) {
   const LocalSizes s(c, a);
   // TensorParallel's region buffer: under SP (or gathering MoE shares) with B > 1, the gathered or reordered [N, C].
-  const int64_t tp_region = (a.sp || s.moe_shares(c, a)) && a.B > 1 ? 4 * s.N * s.C : 0;
-  return ScratchSizes(c, a, part.head).bytes() + tp_region;
+  const Size tp_region = (a.sp || s.moe_shares(c, a)) && a.B > 1 ? 4 * s.N * s.C : 0;
+  return (ScratchSizes(c, a, part.head).bytes() + tp_region).get();
 }
 
 int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, LayerRange r) {
   const LocalSizes s(c, a);
-  const int64_t layers = r.end - r.begin, moe_layers = c.num_moe_layers(r.begin, r.end);
-  const int64_t resid = 4 * (layers + 1) * s.Nl * s.C;
-  const int64_t kept = (layers - moe_layers) * layer_bytes(c, s, false) + moe_layers * layer_bytes(c, s, true);
+  const Size layers = r.end - r.begin, moe_layers = c.num_moe_layers(r.begin, r.end);
+  const Size resid = 4 * (layers + 1) * s.Nl * s.C;
+  const Size kept = (layers - moe_layers) * layer_bytes(c, s, false) + moe_layers * layer_bytes(c, s, true);
   switch (a.recompute) {
-    case Recompute::none: return resid + kept + layers * core_bytes(s);
-    case Recompute::selective: return resid + kept;
-    case Recompute::full: return resid;
+    case Recompute::none: return (resid + kept + layers * core_bytes(s)).get();
+    case Recompute::selective: return (resid + kept).get();
+    case Recompute::full: return resid.get();
   }
   return 0;
 }
@@ -131,8 +133,8 @@ int64_t recompute_bytes(const ModelConfig& c, const ActivationShape& a) {
   const LocalSizes s(c, a);
   switch (a.recompute) {
     case Recompute::none: return 0;
-    case Recompute::selective: return core_bytes(s);
-    case Recompute::full: return layer_bytes(c, s, c.is_moe()) + core_bytes(s);  // sized for any layer
+    case Recompute::selective: return core_bytes(s).get();
+    case Recompute::full: return (layer_bytes(c, s, c.is_moe()) + core_bytes(s)).get();  // sized for any layer
   }
   return 0;
 }
@@ -340,13 +342,13 @@ ActivationShape Model::activation_shape() const {
 
 MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }
 
-int64_t Model::moe_rows() const { return LocalSizes(cfg_, activation_shape()).moe_rows; }
+int64_t Model::moe_rows() const { return LocalSizes(cfg_, activation_shape()).moe_rows.get(); }
 
 void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t layers, int64_t core_layers,
                       int64_t bytes) const {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   const LocalSizes ls(cfg_, activation_shape());
-  auto size = [](std::vector<float>& v, int64_t n) { v.assign(size_t(n), 0.f); };
+  auto size = [](std::vector<float>& v, Size n) { v.assign(size_t(n), 0.f); };
   allocating("the activations kept for backward", bytes, [&] {
     size(s.resid, resid_rows * Nl * C);
     size(s.mid, layers * Nl * C);
@@ -363,7 +365,7 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t 
     size(s.sh_gate, ls.sh > 0 ? layers * Nl : 0);
     s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
     for (int64_t i = 0; i < int64_t(s.moe.size()); ++i)  // the recomputation buffer (first_layer −1) serves any layer
-      if (first_layer < 0 || cfg_.is_moe_layer(first_layer + i)) s.moe[size_t(i)].resize(ls.moe, ls.moe_rows);
+      if (first_layer < 0 || cfg_.is_moe_layer(first_layer + i)) s.moe[size_t(i)].resize(ls.moe, ls.moe_rows.get());
     size(s.att, core_layers * N * HD);
     size(s.lse, core_layers * B * H * T);
     const bool heads = cp_.a2a_size() > 1;
@@ -395,7 +397,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   peak_bytes_ = act_bytes();
   Scratch& s = *scratch_;
   const ScratchSizes n(cfg_, activation_shape(), part_.head);
-  allocating("the model's work buffers", n.bytes(), [&] {
+  allocating("the model's work buffers", n.bytes().get(), [&] {
     s.loc.resize(size_t(n.loc));
     s.full.resize(size_t(n.full));
     s.gathered.resize(size_t(n.gathered));
@@ -424,7 +426,7 @@ void Model::set_batch(int64_t B, int64_t T) {
 Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
   const auto [B, T, N, Nl, C, D, H, KV, F, S, HD] = dims();
   const LocalSizes ls(cfg_, activation_shape());
-  const int64_t fa = ls.fa, fb = ls.fb;
+  const int64_t fa = ls.fa.get(), fb = ls.fb.get();
   Slot& m = s.layers > 0 ? s : *recomputed_;  // per-layer buffers: kept, or rebuilt by recomputation
   const int64_t j = s.layers > 0 ? i : 0;
   Slot& k = s.core_layers > 0 ? s : *recomputed_;  // attention core

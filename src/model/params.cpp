@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <algorithm>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/rng.h"
@@ -12,25 +13,30 @@
 namespace origami {
 
 int64_t ParamSpec::numel() const {
-  int64_t n = 1;
+  Size n = 1;
   for (int64_t d : shape) n *= d;
-  return n;
+  return n.get();
+}
+
+// The split dimension on one TP rank (padded first where the split pads).
+static int64_t local_dim(const ParamSpec& p, int tp) {
+  int64_t n = p.shape[size_t(p.split.dim)];
+  if (p.split.pad) n = ((Size(n) + tp - 1) / tp * tp).get();
+  ORIGAMI_ASSERT(n % (int64_t(tp) * p.split.parts) == 0);
+  return n / tp;
 }
 
 std::vector<int64_t> ParamSpec::local_shape(int tp) const {
   std::vector<int64_t> s = shape;
-  if (split.dim < 0) return s;
-  int64_t& n = s[size_t(split.dim)];
-  if (split.pad) n = (n + tp - 1) / tp * tp;
-  ORIGAMI_ASSERT(n % (int64_t(tp) * split.parts) == 0);
-  n /= tp;
+  if (split.dim >= 0) s[size_t(split.dim)] = local_dim(*this, tp);
   return s;
 }
 
+// Without building local_shape: the planner sums it over every tensor of every layout.
 int64_t ParamSpec::local_numel(int tp) const {
-  int64_t n = 1;
-  for (int64_t d : local_shape(tp)) n *= d;
-  return n;
+  Size n = 1;
+  for (size_t d = 0; d < shape.size(); ++d) n *= int(d) == split.dim ? local_dim(*this, tp) : shape[d];
+  return n.get();
 }
 
 // Tensor-parallel splits (Megatron): column-parallel weights (QKV, MLP up / gate|up, expert w1 and w3) are
@@ -168,9 +174,9 @@ std::vector<ParamSpec> make_param_table(const ModelConfig& c, const ModelPart& p
 }
 
 int64_t num_parameters(const ModelConfig& cfg) {
-  int64_t n = 0;
+  Size n = 0;
   for (const ParamSpec& p : make_param_table(cfg)) n += p.numel();
-  return n;
+  return n.get();
 }
 
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout) {
@@ -178,7 +184,7 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a
   // tensor); a pp_shared tensor is a bucket of its own.
   std::vector<size_t> first_of_bucket;  // table index where each bucket starts, last bucket first
-  int64_t filled = 0;
+  Size filled = 0;
   for (size_t i = table.size(); i-- > 0;) {
     if (table[i].pp_shared && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
     filled += table[i].local_numel(layout.tp);
@@ -190,19 +196,19 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   // Offsets from the start, with each bucket padded at its end to a multiple of dp.
   BufferPlan plan;
   plan.offsets.assign(table.size(), 0);
-  int64_t off = 0;
+  Size off = 0;  // checked: the sum over a model's tensors
   for (size_t b = first_of_bucket.size(); b-- > 0;) {
     const size_t end = b == 0 ? table.size() : first_of_bucket[b - 1];
-    const int64_t begin = off;
-    for (size_t i = first_of_bucket[b]; i < end; ++i) plan.offsets[i] = off, off += table[i].local_numel(layout.tp);
-    plan.bucket_data.push_back(off - begin);
+    const Size begin = off;
+    for (size_t i = first_of_bucket[b]; i < end; ++i) plan.offsets[i] = off.get(), off += table[i].local_numel(layout.tp);
+    plan.bucket_data.push_back((off - begin).get());
     off = begin + (off - begin + layout.dp - 1) / layout.dp * layout.dp;
-    plan.buckets.push_back(Range{begin, off});
+    plan.buckets.push_back(Range{begin.get(), off.get()});
   }
   // Built first bucket first; listed in the order gradients become final (last bucket first).
   std::reverse(plan.buckets.begin(), plan.buckets.end());
   std::reverse(plan.bucket_data.begin(), plan.bucket_data.end());
-  plan.size = off;
+  plan.size = off.get();
   return plan;
 }
 

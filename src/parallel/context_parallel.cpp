@@ -5,6 +5,7 @@
 #include <functional>
 #include <limits>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/layers/attention.h"
@@ -28,15 +29,17 @@ const char* cp_comm_name(CpComm c) {
   return "?";
 }
 
+// Checked (core/checked.h): N() itself is B·Tl, the model's checked token count.
 int64_t CpShape::core_floats() const {
-  const int64_t kept = N() * H * D + B * H * Tl;
-  return a2a > 1 ? kept + a2a * N() * Sa() + N() * H * D : kept;
+  const Size N = this->N(), kept = N * H * D + Size(B) * H * Tl;
+  return (a2a > 1 ? kept + a2a * N * Sa() + N * H * D : kept).get();
 }
 
 int64_t CpShape::workspace_floats() const {
-  const int64_t heads = a2a > 1 ? 2 * a2a * N() * Sa() + N() * H * D : 0;  // staging, d_q|k|v and d_out heads
-  const int64_t ring = rings() > 1 ? 5 * a2a * N() * W() : 0;              // k|v ×2, gradients ×3
-  return heads + ring;
+  const Size N = this->N();
+  const Size heads = a2a > 1 ? 2 * a2a * N * Sa() + N * H * D : 0;  // staging, d_q|k|v and d_out heads
+  const Size ring = rings() > 1 ? 5 * a2a * N * W() : 0;              // k|v ×2, gradients ×3
+  return (heads + ring).get();
 }
 
 int64_t CpShape::forward_bytes() const {

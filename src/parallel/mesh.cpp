@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "core/checked.h"
 #include "core/error.h"
 
 namespace origami {
@@ -24,14 +25,15 @@ std::vector<std::string> split_axes(std::string_view s) {
 }  // namespace
 
 MeshDims MeshShape::derive(int world, MeshDims d) {
-  auto derive_one = [&](int& free, int fixed, const char* what, const char* fixed_what) {
+  // The products in 64 bits: degrees up to 2^31 each (a product the world cannot hold is refused).
+  auto derive_one = [&](int& free, int64_t fixed, const char* what, const char* fixed_what) {
     if (free != 0) return;
     ORIGAMI_CHECK(fixed > 0 && world % fixed == 0, "the world size (", world, " ranks) is not divisible by ", fixed_what,
                   " = ", fixed, ", so ", what, " cannot be derived");
-    free = world / fixed;
+    free = int(world / fixed);
   };
-  derive_one(d.dp, d.tp * d.cp * d.pp, "the data-parallel degree", "TP·CP·PP");
-  derive_one(d.edp, d.etp * d.ep * d.pp, "the expert data-parallel degree", "ETP·EP·PP");
+  derive_one(d.dp, int64_t(d.tp) * d.cp * d.pp, "the data-parallel degree", "TP·CP·PP");
+  derive_one(d.edp, int64_t(d.etp) * d.ep * d.pp, "the expert data-parallel degree", "ETP·EP·PP");
   return d;
 }
 
@@ -39,11 +41,13 @@ MeshShape::MeshShape(int world, MeshDims d, std::string order) : world_(world), 
   for (auto [name, v] : {std::pair{"tp", d.tp}, {"cp", d.cp}, {"dp", d.dp}, {"pp", d.pp}, {"etp", d.etp}, {"ep", d.ep},
                          {"edp", d.edp}})
     ORIGAMI_CHECK(v >= 1, "parallel degree ", name, " must be at least 1, got ", v);
-  ORIGAMI_CHECK(d.tp * d.cp * d.dp * d.pp == world, "the world size (", world, " ranks) must equal TP·CP·DP·PP = ",
-                d.tp, "·", d.cp, "·", d.dp, "·", d.pp, " = ", d.tp * d.cp * d.dp * d.pp);
-  ORIGAMI_CHECK(d.etp * d.ep * d.edp * d.pp == world, "the world size (", world,
-                " ranks) must equal ETP·EP·EDP·PP for the MoE mesh = ", d.etp, "·", d.ep, "·", d.edp, "·", d.pp, " = ",
-                d.etp * d.ep * d.edp * d.pp);
+  // Products of up to four degrees of up to 2^31 each: in checked arithmetic (core/checked.h).
+  const Size attn = size_error("TP·CP·DP·PP", "the parallel degrees", [&] { return Size(d.tp) * d.cp * d.dp * d.pp; });
+  const Size moe = size_error("ETP·EP·EDP·PP", "the parallel degrees", [&] { return Size(d.etp) * d.ep * d.edp * d.pp; });
+  ORIGAMI_CHECK(attn == world, "the world size (", world, " ranks) must equal TP·CP·DP·PP = ", d.tp, "·", d.cp, "·",
+                d.dp, "·", d.pp, " = ", attn.get());
+  ORIGAMI_CHECK(moe == world, "the world size (", world, " ranks) must equal ETP·EP·EDP·PP for the MoE mesh = ", d.etp,
+                "·", d.ep, "·", d.edp, "·", d.pp, " = ", moe.get());
   std::vector<std::string> names = split_axes(order_), sorted = names;
   std::sort(sorted.begin(), sorted.end());
   ORIGAMI_CHECK(sorted == std::vector<std::string>({"cp", "dp", "ep", "pp", "tp"}), "mesh order '", order_,

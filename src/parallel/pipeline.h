@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/checked.h"
 #include "model/model.h"
 #include "parallel/data_parallel.h"
 #include "parallel/schedule.h"
@@ -49,7 +50,7 @@ class Pipeline {
   // Bytes of the message buffers a stage of `stages` holds at most for messages of `floats` floats:
   // a received input, the next receive posted ahead and a backward send in flight (forward sends
   // go out of the model's slot). None without pipeline parallelism.
-  static int64_t buffer_bytes(int stages, int64_t floats) { return stages > 1 ? 3 * 4 * floats : 0; }
+  static int64_t buffer_bytes(int stages, int64_t floats) { return stages > 1 ? (12 * Size(floats)).get() : 0; }
 
   // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
   // (one per micro-batch, stage boundary and direction).

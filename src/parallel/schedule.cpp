@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <deque>
 
+#include "core/checked.h"
 #include "core/error.h"
 
 namespace origami {
@@ -350,12 +351,12 @@ Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int s
 namespace origami {
 
 int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes) {
-  int64_t live = 0, peak = 0;
+  Size live = 0, peak = 0;  // checked (core/checked.h)
   for (const Action& a : actions) {
     if (a.type == ActionType::forward) peak = std::max(peak, live += slot_bytes.at(size_t(a.chunk)));
     if (a.type == ActionType::backward) live -= slot_bytes.at(size_t(a.chunk));
   }
-  return peak;
+  return peak.get();
 }
 
 std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes) {

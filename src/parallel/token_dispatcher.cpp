@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/timer.h"
 
@@ -30,10 +31,10 @@ TokenDispatcher::TokenDispatcher(Comm& tokens, Comm& replicas, Comm& ep, Comm& e
     : tokens_(&tokens), replicas_(&replicas), ep_(&ep), etp_(&etp) {}
 
 int64_t TokenDispatcher::max_rows(int64_t n, int64_t K, int64_t E, int ep, int etp, int64_t cap, bool pad) {
-  const int64_t dropless = std::min(K, E / ep) * n * ep * etp;
-  if (cap == 0) return dropless;
-  const int64_t capped = E / ep * cap * ep * etp;
-  return pad ? capped : std::min(dropless, capped);
+  const Size dropless = Size(std::min(K, E / ep)) * n * ep * etp;  // checked (core/checked.h)
+  if (cap == 0) return dropless.get();
+  const Size capped = Size(E / ep) * cap * ep * etp;
+  return (pad ? capped : std::min(dropless, capped)).get();
 }
 
 void TokenDispatcher::global_counts(int64_t* counts, int64_t n) { tokens_->all_reduce(counts, n); }

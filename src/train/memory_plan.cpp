@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/checked.h"
 #include "core/memory.h"
 #include "model/model.h"
 #include "model/params.h"
@@ -33,9 +34,9 @@ const char* MemoryParts::name(int i) { return kNames[i]; }
 const char* MemoryParts::advice(int i) { return kAdvice[i]; }
 
 int64_t MemoryParts::total() const {
-  int64_t t = 0;
+  Size t = 0;
   for (int i = 0; i < kCount; ++i) t += (*this)[i];
-  return t;
+  return t.get();
 }
 
 int MemoryParts::largest() const {
@@ -59,17 +60,39 @@ nlohmann::json MemoryParts::as_json() const {
   return j;
 }
 
+namespace {
+RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables);
+}  // namespace
+
+std::string size_inputs(const ModelConfig& c, const TrainOptions* o) {
+  std::string s = cat("hidden_size ", c.hidden, ", intermediate_size ", c.ffn, ", num_hidden_layers ", c.num_layers,
+                      ", num_attention_heads ", c.num_heads, ", vocab_size ", c.vocab_size);
+  if (c.is_moe())
+    s += cat(", experts ", c.num_experts, " of FFN size ", c.expert_ffn, ", top-k ", c.top_k,
+             c.shared_ffn > 0 ? cat(", shared expert FFN size ", c.shared_ffn) : "");
+  if (o) s += cat(", --micro-batch ", o->micro_batch, ", --seq-len ", o->seq_len);
+  return s;
+}
+
+int64_t checked_num_parameters(const ModelConfig& cfg) {
+  return size_error("the model's parameter count", size_inputs(cfg), [&] { return num_parameters(cfg); });
+}
+
 RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), mesh.degree("pp"), o.vpp, o.pp_layers);
   const ModelPart part = ModelPart::of_stage(virtual_stages, mesh.degree("pp"), mesh.coord(rank, "pp"));
   // The table is large for deep models (the memory check must answer within a second): moved, not copied.
-  return rank_buffers(o, world_size, rank,
+  return size_error("the parameter buffer", size_inputs(cfg), [&] {
+    return buffers_of(o, world_size, rank,
                       split_experts(make_param_table(cfg, part), cfg.num_experts, mesh.degree("ep"), mesh.coord(rank, "ep")));
+  });
 }
 
-RankBuffers rank_buffers(const TrainOptions& options, int world_size, int rank, const SplitTable& tables) {
+namespace {
+
+RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   // Dense gradients and ZeRO shards span DP x CP (the trainer's dp-cp group).
@@ -121,13 +144,22 @@ RankBuffers rank_buffers(const TrainOptions& options, int world_size, int rank, 
   return out;
 }
 
+}  // namespace
+
+RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables) {
+  return size_error("the parameter buffer of this layout", "the sum of its tensors' elements",
+                    [&] { return buffers_of(o, world_size, rank, tables); });
+}
+
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime,
                         int64_t sampler) {
   return rank_memory(cfg, o, world_size, rank, rank_buffers(cfg, o, world_size, rank), runtime, sampler);
 }
 
-MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank,
-                        const RankBuffers& buffers, int64_t runtime, int64_t sampler) {
+namespace {
+
+MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int world_size, int rank,
+                      const RankBuffers& buffers, int64_t runtime, int64_t sampler) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   const int tp = mesh.degree("tp"), pp = mesh.degree("pp"), stage = mesh.coord(rank, "pp");
@@ -140,19 +172,21 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   // and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size; the
   // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding.
+  Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
   for (const BufferFigures& f : {buffers.dense, buffers.experts}) {
-    m.weights += 4 * f.size;
-    m.grads += 4 * f.size + (o.zero >= 1 ? 4 * f.shard : 0) + (o.zero == 2 ? 4 * f.shard : 0);
-    m.optimizer += 2 * 4 * (o.zero == 0 ? f.data : f.shard_data);
+    weights += 4 * Size(f.size);
+    grads += 4 * Size(f.size) + (o.zero >= 1 ? 4 * Size(f.shard) : 0) + (o.zero == 2 ? 4 * Size(f.shard) : 0);
+    optimizer += 2 * 4 * Size(o.zero == 0 ? f.data : f.shard_data);
   }
+  m.weights = weights.get(), m.grads = grads.get(), m.optimizer = optimizer.get();
 
   // Activations: the stage's schedule keeps slots of its chunks' layers (the pipeline's computed peak).
   const ActivationShape shape = o.activation_shape(tp);
   std::vector<int64_t> chunk_bytes;
   for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, shape, r));
   const int micro = int(o.micro_batches(world_size));
-  m.activations = schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes) +
-                  recompute_bytes(cfg, shape);
+  m.activations = (schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes) +
+                   Size(recompute_bytes(cfg, shape))).get();
 
   // Workspace: the model's work buffers, pipeline messages of [Nl, C], the step's token windows
   // (int32) and the sampler's order; and the MPI library's scratch for the gradient reductions in
@@ -163,14 +197,22 @@ MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& options, int
   // one copy on every rank: the neediest within a few percent on 2 ranks, others high.
   const int64_t Nl = shape.local_tokens();
   const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
-  const int64_t scratch = 4 * ((dp > 1 ? buffers.dense.buckets : 0) + (edp > 1 ? buffers.experts.buckets : 0));
-  m.workspace = workspace_bytes(cfg, shape, part) + Pipeline::buffer_bytes(pp, Nl * cfg.hidden) +
-                4 * int64_t(micro) * o.micro_batch * (o.seq_len + 1) + sampler + scratch;
+  const Size scratch = 4 * (Size(dp > 1 ? buffers.dense.buckets : 0) + (edp > 1 ? buffers.experts.buckets : 0));
+  m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
+                 4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.
-  if (!o.save.empty() && o.async_save) m.checkpoint = 3 * 4 * (buffers.dense.shard + buffers.experts.shard);
+  if (!o.save.empty() && o.async_save) m.checkpoint = (3 * 4 * (Size(buffers.dense.shard) + buffers.experts.shard)).get();
   return m;
+}
+
+}  // namespace
+
+MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,
+                        const RankBuffers& buffers, int64_t runtime, int64_t sampler) {
+  return size_error("the memory of this run", size_inputs(cfg, &o),
+                    [&] { return memory_of(cfg, o, world_size, rank, buffers, runtime, sampler); });
 }
 
 }  // namespace origami

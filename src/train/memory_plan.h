@@ -71,13 +71,20 @@ struct RankBuffers {
 
 // The tables come from the stage's make_param_table cut by split_experts for this rank's EP rank (the
 // planner keeps them per stage); the first form builds them. The figures do not depend on the ZeRO
-// stage or SP. Throws Error for an invalid layout.
+// stage or SP. Throws Error for an invalid layout, and naming size_inputs for a size that overflows.
 RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank);
 RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables);
 
+// The inputs that size a run, in words, for the error when a size overflows 64-bit arithmetic
+// (core/checked.h): the model's dimensions and, given options, --micro-batch and --seq-len.
+std::string size_inputs(const ModelConfig& cfg, const TrainOptions* o = nullptr);
+// The model's parameter count; an Error naming size_inputs when it overflows.
+int64_t checked_num_parameters(const ModelConfig& cfg);
+
 // Rank `rank` of a `world_size`-rank run with options `o`; `runtime` is that rank's measured resident
 // memory before the run (resident_bytes()), `sampler` what its WindowSampler will take
-// (WindowSampler::bytes()). Throws Error for an invalid layout. `buffers`: rank_buffers' figures.
+// (WindowSampler::bytes()). Throws Error for an invalid layout, and naming size_inputs for a size that
+// overflows. `buffers`: rank_buffers' figures.
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime,
                         int64_t sampler = 0);
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,

@@ -1,6 +1,7 @@
 // TrainOptions: the options' rules (validate), what they derive (the layout's degrees, the buffer
 // and activation shapes, the schedule) and the end-of-document id of --attention-mask document.
 #include <cstdio>
+#include <tuple>
 
 #include "ckpt/checkpoint.h"
 #include "core/error.h"
@@ -97,6 +98,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(micro_batch > 0, "--micro-batch must be positive, got ", micro_batch);
   ORIGAMI_CHECK(global_batch > 0 && global_batch % micro_batch == 0, "--global-batch (", global_batch,
                 ") must be a positive multiple of --micro-batch (", micro_batch, ")");
+  check_limits();
   ORIGAMI_CHECK(seq_len > 0 && seq_len <= cfg.max_positions, "--seq-len must be in [1, ", cfg.max_positions,
                 "] (the model's maximum positions), got ", seq_len);
   ORIGAMI_CHECK(lr.lr >= 0, "--lr must not be negative, got ", lr.lr);
@@ -188,6 +190,22 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   Pipeline::check_tags(pp, int(m), vpp);
   ORIGAMI_CHECK(!sequence_parallel || cp > 1 || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
                 seq_len, ") must be a multiple of --tp (", tp, ")");
+}
+
+// Upper bounds (kMax* in trainer.h), after the lower ones validate() checks with their own words.
+void TrainOptions::check_limits() const {
+  for (const auto& [flag, v, most] : {std::tuple{"--steps", steps, kMaxSteps}, {"--eval-every", eval_every, kMaxSteps},
+                                      {"--save-every", save_every, kMaxSteps}, {"--micro-batch", micro_batch, kMaxBatch},
+                                      {"--global-batch", global_batch, kMaxBatch}})
+    ORIGAMI_CHECK(v <= most, flag, " must be at most ", most, ", got ", v);
+  ORIGAMI_CHECK(eval_iters <= kMaxBatch / global_batch, "--eval-iters x global batch (", eval_iters, " x ", global_batch,
+                ") must be at most ", kMaxBatch, " windows");
+  for (const auto& [flag, v] : {std::pair{"--tp", tp}, {"--cp", cp}, {"--pp", pp}, {"--vpp", vpp}, {"--dp", dp},
+                                {"--ep", ep}, {"--etp", etp}, {"--cp-a2a-size", cp_a2a_size}, {"--threads", threads}})
+    ORIGAMI_CHECK(v <= kMaxDegree, flag, " must be at most ", kMaxDegree, ", got ", v);
+  ORIGAMI_CHECK(bucket_mb <= kMaxBucketMb, "--bucket-mb must be at most ", kMaxBucketMb, ", got ", bucket_mb);
+  ORIGAMI_CHECK(memory_limit_gb <= kMaxMemoryGb, "--memory-limit-gb must be at most ", kMaxMemoryGb, ", got ",
+                memory_limit_gb);
 }
 
 ScheduleKind TrainOptions::schedule_kind() const {

@@ -1,10 +1,13 @@
 #include "train/plan.h"
 
+#include "train/memory_plan.h"
+
 namespace origami {
 
 Plan make_plan(const ModelConfig& cfg, const TrainOptions& opts, int world_size) {
   const TrainOptions o = opts.resolved(world_size);
   o.validate(cfg, world_size);
+  checked_num_parameters(cfg);  // every later size is computed in checked arithmetic too
   return {.options = o,
           .default_global_batch = opts.global_batch == 0,
           .model = o.with_routing(cfg),

@@ -28,6 +28,15 @@
 
 namespace origami {
 
+// Upper bounds of the options that size a run (TrainOptions::validate; origami plan takes the same):
+// far beyond any real run, and small enough that what is derived from them — tokens per step, a
+// row's index over the run, bucket sizes — stays inside 64-bit arithmetic.
+constexpr int64_t kMaxSteps = int64_t(1) << 32;        // --steps, --eval-every, --save-every
+constexpr int64_t kMaxBatch = int64_t(1) << 30;        // --micro-batch, --global-batch, --eval-iters x global batch
+constexpr int kMaxDegree = 1 << 20;                    // every parallel degree, --threads
+constexpr double kMaxBucketMb = double(1 << 20);       // --bucket-mb
+constexpr double kMaxMemoryGb = double(1 << 30);       // --memory-limit-gb
+
 struct TrainOptions {
   std::string data;            // dataset prefix (PREFIX.bin / PREFIX.idx), or a blend "W1 PREFIX1 W2 PREFIX2 ..."
   std::string eval_data;       // validation data (a prefix or a blend), optional
@@ -89,6 +98,7 @@ struct TrainOptions {
   ModelConfig with_routing(const ModelConfig& cfg) const;
   // Error naming the value and the rule (options, and the layout against the model and world size).
   void validate(const ModelConfig& cfg, int world_size) const;
+  void check_limits() const;  // the kMax* bounds above (validate() calls it)
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
   int cp_a2a() const;  // the all-to-all group size A: 1 for p2p, cp for a2a
   // A copy with the derived values filled in: global_batch = micro_batch × DP when 0 (and the layout

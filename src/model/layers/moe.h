@@ -35,6 +35,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/checked.h"
+
 #include "model/config.h"
 #include "parallel/token_dispatcher.h"
 
@@ -99,10 +101,10 @@ struct MoeCache {
     y_RC.resize(size_t(s.sent_rows()) * C);
   }
   // Bytes resize(s, rows) allocates, without allocating.
-  static int64_t bytes(const MoeSizes& s, int64_t rows) {
-    const int64_t N = s.N, R = N * s.K, t = int64_t(sizeof(T));
-    return t * (N * s.E + N + 2 * R + s.sent_rows() * s.C + rows * (s.C + 3 * s.F)) + 4 * R +
-           8 * (R + 3 * s.E + 1 + s.B * s.E);
+  static int64_t bytes(const MoeSizes& s, int64_t rows) {  // checked (core/checked.h)
+    const Size N = s.N, R = N * s.K, t = int64_t(sizeof(T)), sent = s.pad ? Size(s.E) * s.cap : R;
+    return (t * (N * s.E + N + 2 * R + sent * s.C + rows * (s.C + 3 * Size(s.F))) + 4 * R +
+            8 * (R + 3 * Size(s.E) + 1 + Size(s.B) * s.E)).get();
   }
   int64_t bytes() const {  // what resize() allocated
     auto b = [](const auto& v) { return int64_t(v.size() * sizeof(v[0])); };
@@ -128,9 +130,9 @@ struct MoeScratch {
     dispatch.gathered.resize(X * C);
     dispatch.mine.resize(etp > 1 ? X * C : 0);
   }
-  static int64_t bytes(const MoeSizes& s, int64_t rows, int etp) {
-    const int64_t R = s.N * s.K;
-    return int64_t(sizeof(T)) * (s.sent_rows() * s.C + R + rows * (2 * s.C + 3 * s.F) + (etp > 1 ? rows * s.C : 0));
+  static int64_t bytes(const MoeSizes& s, int64_t rows, int etp) {  // checked (core/checked.h)
+    const Size R = Size(s.N) * s.K, sent = s.pad ? Size(s.E) * s.cap : R, X = rows;
+    return (int64_t(sizeof(T)) * (sent * s.C + R + X * (2 * Size(s.C) + 3 * Size(s.F)) + (etp > 1 ? X * s.C : 0))).get();
   }
 };
 
