@@ -6,6 +6,9 @@
 //                [--top K] [--json] [--out plan.json] [--plot FILE.png]
 #include <algorithm>
 #include <chrono>
+#include <iomanip>
+#include <set>
+#include <tuple>
 #include <cstdio>
 #include <optional>
 #include <sstream>
@@ -152,6 +155,11 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   return cmd;
 }
 
+// The most tensor sizings a search may need (LayoutSearch::work): 2.5x that of the largest search the
+// benchmark makes (Mixtral 8x22B over 8192 H100s: 2e7, about 7 s here); a 10^4-layer Mixtral on 64
+// devices would need 6e8 and is refused in a third of a second instead of running for minutes.
+constexpr double kMaxSearchWork = 5e7;
+
 std::vector<int> choices(int fixed_value, std::vector<int> all) {
   return fixed_value >= 0 ? std::vector<int>{fixed_value} : all;
 }
@@ -186,8 +194,10 @@ class LayoutSearch {
   }
 
   void add_shapes();
+  double work() const;
   void evaluate_shapes();
   SearchResult& result() { return result_; }
+  int64_t num_tensors() const { return model_.num_tensors(); }
 
  private:
   void add_shapes_of_mesh(int tp, int cp, int pp);
@@ -267,6 +277,19 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
       }
 }
 
+// The search's work, known before it starts: predicting a layout's memory sizes every tensor of its
+// stages (rank_buffers, kept per mesh: about the model's tensors per mesh), and building the tables
+// of a (pipeline, EP) split visits the model's tensors once per stage. Deep or wide models multiply
+// it (10^4 layers: 10^5 tensors per mesh), so the search is bounded in this work, not in the values.
+double LayoutSearch::work() const {
+  std::set<std::tuple<int, int, int, int, int, int>> meshes;  // tp, cp, pp, vpp, ep, etp (DP follows)
+  std::set<std::tuple<int, int, int>> splits;                 // pp, vpp, ep
+  for (const Shape& s : shapes_) meshes.insert({s.tp, s.cp, s.pp, s.vpp, s.ep, s.etp}), splits.insert({s.pp, s.vpp, s.ep});
+  double stages = 0;
+  for (const auto& [pp, vpp, ep] : splits) stages += pp;
+  return double(model_.num_tensors()) * (double(meshes.size()) + stages);
+}
+
 // Best bound first; a layout whose bound is above the K-th best prediction cannot enter the list,
 // nor can any after it.
 void LayoutSearch::evaluate_shapes() {
@@ -308,6 +331,11 @@ SearchResult search_layouts(const PlanCommand& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
   LayoutSearch search(cmd);
   search.add_shapes();
+  const double work = search.work();
+  ORIGAMI_CHECK(work <= kMaxSearchWork, "this search would size about ", std::setprecision(2), work, " tensors (",
+                cmd.cfg.model_type(), " with ", search.num_tensors(), " tensors, over every layout of ", cmd.devices,
+                " devices); the limit is ", kMaxSearchWork, ": fix axes with --layout (for example \"pp8 ep8\") or plan "
+                "fewer --devices");
   search.evaluate_shapes();
   SearchResult r = std::move(search.result());
   r.search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -46,7 +46,8 @@ bool spans_nodes(const MeshShape& mesh, int rank, const std::string& axes, int p
 }  // namespace
 
 CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime, double imbalance)
-    : cfg_(cfg), cluster_(cluster), devices_(devices), runtime_(runtime), imbalance_(imbalance) {}
+    : cfg_(cfg), num_tensors_(int64_t(make_param_table(cfg).size())), cluster_(cluster), devices_(devices),
+      runtime_(runtime), imbalance_(imbalance) {}
 
 const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const MeshDims& m) {
   const bool sp = o.sequence_parallel && m.tp > 1;

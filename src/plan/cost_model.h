@@ -73,6 +73,7 @@ class CostModel {
   // The search evaluates layouts in the order of this bound and stops when it exceeds the K-th best.
   // o: resolved, with degrees that divide the devices (not otherwise validated).
   double step_bound(const TrainOptions& o);
+  int64_t num_tensors() const { return num_tensors_; }  // of the whole model
 
  private:
   struct StageCompute {
@@ -91,6 +92,7 @@ class CostModel {
   const RankBuffers& buffers(const TrainOptions& o, const MeshShape& mesh, int rank);
 
   ModelConfig cfg_;
+  int64_t num_tensors_;  // of the whole model (make_param_table)
   Cluster cluster_;
   int devices_;
   int64_t runtime_;
