@@ -156,18 +156,19 @@ Checkpoint Checkpoint::open(const std::string& path) {
 }
 
 // A checkpoint with optimizer state is origami's own: a run resumes from its step, AdamW's step count
-// and the routers' biases. A Hugging Face directory may hold the Trainer's file of that name, of which
-// only a "step" is read (`ckpt info` shows it).
+// and the routers' biases, and compares its options; `generate` takes the trained sequence length from
+// them. A Hugging Face directory may hold the Trainer's file of that name, of which only a "step" (that
+// `ckpt info` shows) and origami's options are read.
 void Checkpoint::read_trainer_state(const std::string& state_path) {
   trainer_state_ = read_json_file(state_path, "trainer state");
   const JsonField st(trainer_state_, state_path);
+  st["options"]["seq_len"].integer_or(0, 1, JsonField::kNoLimit);  // the run's options: generate's context
   if (!has_optimizer_) {
     state_.step = st["step"].integer_or(0, 0, JsonField::kNoLimit);
     return;
   }
   state_.step = st["step"].integer(0, JsonField::kNoLimit);
   state_.adam_steps = st["adam_steps"].integer(0, JsonField::kNoLimit);
-  if (st["options"].present()) st["options"].object();  // the run's options, compared on resume
   // One row per layer, each of the same length (the experts).
   const NumberRange a_float = NumberRange::between(-FLT_MAX, FLT_MAX);
   if (st["router_bias"].present())

@@ -6,7 +6,7 @@ or out of its range, in any file origami reads, ends the command with exit 1 and
 
 (VALUE as the file gives it), within a second, and never with "unexpected error: [json.exception...]".
 One case per reader: the model config (train and plan), the run config, the plan file, the cluster
-file, trainer_state.json (--resume), metadata.json (ckpt info), model.safetensors.index.json, a
+file, trainer_state.json (--resume, generate), metadata.json (ckpt info), model.safetensors.index.json, a
 safetensors header (--init-from), the dataset tokenizer file, a Hub tokenizer.json; and a regex that
 fails at match time (PCRE2's match limit) names the file and the pattern.
 
@@ -162,6 +162,10 @@ def main():
         state = damaged("trainer_state.json", lambda s: s.update(router_bias=[[0.5, "b"]]))
         expect_error("trainer_state.json: router_bias[0][1] \"b\"", ["train", "--resume", ck, *common, "--steps", "4"],
                      f"{state}: field 'router_bias[0][1]': expected a number in [-3.40282e+38, 3.40282e+38], got \"b\"")
+        state = damaged("trainer_state.json", lambda s: s["options"].update(seq_len=0))
+        expect_error("trainer_state.json: options.seq_len 0 under generate",
+                     ["generate", "--checkpoint", ck, "--prompt", "fortune", "--max-new-tokens", "2"],
+                     f"{state}: field 'options.seq_len': expected a positive integer, got 0")
         damaged("trainer_state.json", lambda s: None)
         meta = damaged("metadata.json", lambda m: m["layout"].update(description=5))
         expect_error("metadata.json: layout.description 5 under ckpt info", ["ckpt", "info", ck],
