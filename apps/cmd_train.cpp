@@ -9,6 +9,7 @@
 #include "core/args.h"
 #include "core/error.h"
 #include "core/io.h"
+#include "core/json_fields.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -202,15 +203,16 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
 void fill_from_files(Args& a, const Comm& world) {
   if (a.has("plan")) {
     const nlohmann::json plan = read_json_file(a.str("plan"), "plan");
-    ORIGAMI_CHECK(plan.is_object() && plan.contains("layout") && plan.contains("devices") &&
-                      plan["devices"].is_number_integer(),
-                  "--plan ", a.str("plan"), ": not a plan file of 'origami plan --out' (it needs 'layout' and 'devices')");
-    ORIGAMI_CHECK(plan["devices"].get<int>() == world.size(), "--plan ", a.str("plan"), " lays out ",
-                  plan["devices"].get<int>(), " devices, and this job has ", world.size(), " rank",
-                  world.size() == 1 ? "" : "s");
-    a.fill_from_json(plan["layout"], a.str("plan"));
+    const JsonField fields(plan, a.str("plan"));  // a plan file of 'origami plan --out'
+    const int64_t devices = fields["devices"].integer(1, JsonField::kNoLimit);
+    ORIGAMI_CHECK(devices == world.size(), "--plan ", a.str("plan"), " lays out ", devices,
+                  " devices, and this job has ", world.size(), " rank", world.size() == 1 ? "" : "s");
+    a.fill_from_json(fields["layout"]);
   }
-  if (a.has("run-config")) a.fill_from_json(read_json_file(a.str("run-config"), "run config"), a.str("run-config"));
+  if (a.has("run-config")) {
+    const nlohmann::json run_config = read_json_file(a.str("run-config"), "run config");
+    a.fill_from_json(JsonField(run_config, a.str("run-config")));
+  }
 }
 
 // --config, else the config.json of the checkpoint the run resumes or starts from.

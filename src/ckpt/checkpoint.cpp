@@ -1,6 +1,8 @@
 #include "ckpt/checkpoint.h"
 
 #include <algorithm>
+#include <cfloat>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -133,64 +135,107 @@ Checkpoint Checkpoint::open(const std::string& path) {
     ck.add_file_tensors(ck.path_, "", StateKind::weight);
     return ck;
   }
-  if (fs::exists(p / "trainer_state.json"))
-    ck.trainer_state_ = read_json_file((p / "trainer_state.json").string(), "trainer state");
+  const std::string state_path = (p / "trainer_state.json").string();
+  const bool has_state = fs::exists(state_path);
   if (!is_step_dir(p)) {  // single-file origami checkpoint or Hugging Face directory
-    if (fs::exists(p / "model.safetensors.index.json")) {
-      const nlohmann::json idx = read_json_file((p / "model.safetensors.index.json").string(), "safetensors index");
-      ORIGAMI_CHECK(idx.contains("weight_map") && idx["weight_map"].is_object(), "'", (p / "model.safetensors.index.json").string(),
-                    "': no weight_map object");
-      std::set<std::string> shards;
-      for (const auto& [name, file] : idx["weight_map"].items()) shards.insert(file.get<std::string>());
-      for (const std::string& s : shards) ck.add_file_tensors((p / s).string(), "", StateKind::weight);
-    } else {
-      ck.add_file_tensors((p / "model.safetensors").string(), "", StateKind::weight);
-    }
+    if (fs::exists(p / "model.safetensors.index.json")) ck.read_index((p / "model.safetensors.index.json").string());
+    else ck.add_file_tensors((p / "model.safetensors").string(), "", StateKind::weight);
     if (fs::exists(p / "optimizer.safetensors")) {
       ck.add_file_tensors((p / "optimizer.safetensors").string(), "exp_avg.", StateKind::exp_avg);
       ck.add_file_tensors((p / "optimizer.safetensors").string(), "exp_avg_sq.", StateKind::exp_avg_sq);
-      ck.has_optimizer_ = !ck.trainer_state_.is_null();
+      ck.has_optimizer_ = has_state;
     }
+    if (has_state) ck.read_trainer_state(state_path);
     return ck;
   }
-  const std::string meta_path = (p / "metadata.json").string();
-  ck.metadata_ = read_json_file(meta_path, "checkpoint metadata");
-  try {
-    const nlohmann::json& m = ck.metadata_;
-    ORIGAMI_CHECK(m.value("format", "") == "origami-checkpoint", "'", meta_path, "' is not an origami checkpoint's metadata");
-    for (const auto& f : m.at("files"))
-      ck.files_.push_back({(p / f.at("name").get<std::string>()).string(), f.at("bytes").get<int64_t>(),
-                           f.at("checksum").get<std::string>(), nullptr});
-    for (const auto& [name, t] : m.at("tensors").items()) {
-      Entry e;
-      e.shape = t.at("shape").get<std::vector<int64_t>>();
-      ORIGAMI_CHECK(t.at("dtype") == "F32", "'", meta_path, "': tensor '", name, "' has dtype ", t.at("dtype").dump(), " (F32 expected)");
-      const auto& sp = t.at("split");
-      e.split.dim = sp.at("dim").get<int>();
-      e.split.parts = sp.at("parts").get<int>();
-      e.split.pad = sp.at("pad").get<bool>();
-      ORIGAMI_CHECK(e.split.parts >= 1 && e.split.dim < int(e.shape.size()), "'", meta_path, "': tensor '", name,
-                    "' has a bad split rule ", sp.dump());
-      ck.tensors_[name] = std::move(e);
-    }
-    for (const auto& pc : m.at("pieces")) {  // [kind, tensor, file, tp, tp_rank, begin, end]
-      const std::string kind = pc.at(0).get<std::string>(), name = pc.at(1).get<std::string>();
-      int k = 0;
-      while (k < kStateKinds && kind != state_kind_name(StateKind(k))) ++k;
-      const int tp = pc.at(3).get<int>(), tp_rank = pc.at(4).get<int>();
-      const int64_t begin = pc.at(5).get<int64_t>(), end = pc.at(6).get<int64_t>();
-      ORIGAMI_CHECK(k < kStateKinds && ck.tensors_.count(name) && pc.at(2).get<size_t>() < ck.files_.size() && tp >= 1 &&
-                        tp_rank >= 0 && tp_rank < tp && begin >= 0 && begin <= end,
-                    "'", meta_path, "': bad piece ", pc.dump());
-      ck.tensors_[name].pieces[k].push_back({pc.at(2).get<size_t>(), kind + "/" + name, pc.at(3).get<int>(),
-                                             pc.at(4).get<int>(), pc.at(5).get<int64_t>(), pc.at(6).get<int64_t>()});
-    }
-  } catch (const nlohmann::json::exception& e) {
-    fail("'", meta_path, "' is malformed: ", e.what());
-  }
+  ck.read_metadata((p / "metadata.json").string());
   ck.has_optimizer_ = true;
-  ORIGAMI_CHECK(!ck.trainer_state_.is_null(), "checkpoint '", ck.path_, "' has no trainer_state.json");
+  ORIGAMI_CHECK(has_state, "checkpoint '", ck.path_, "' has no trainer_state.json");
+  ck.read_trainer_state(state_path);
   return ck;
+}
+
+// A checkpoint with optimizer state is origami's own: a run resumes from its step, AdamW's step count
+// and the routers' biases, and compares its options; `generate` takes the trained sequence length from
+// them. A Hugging Face directory may hold the Trainer's file of that name, of which only a "step" (that
+// `ckpt info` shows) and origami's options are read.
+void Checkpoint::read_trainer_state(const std::string& state_path) {
+  trainer_state_ = read_json_file(state_path, "trainer state");
+  const JsonField st(trainer_state_, state_path);
+  st["options"]["seq_len"].integer_or(0, 1, JsonField::kNoLimit);  // the run's options: generate's context
+  if (!has_optimizer_) {
+    state_.step = st["step"].integer_or(0, 0, JsonField::kNoLimit);
+    return;
+  }
+  state_.step = st["step"].integer(0, JsonField::kNoLimit);
+  state_.adam_steps = st["adam_steps"].integer(0, JsonField::kNoLimit);
+  // One row per layer, each of the same length (the experts).
+  const NumberRange a_float = NumberRange::between(-FLT_MAX, FLT_MAX);
+  if (st["router_bias"].present())
+    st["router_bias"].for_each_element([&](const JsonField& row) {
+      const size_t n = state_.router_bias.empty() ? row.array() : row.array(state_.router_bias[0].size(),
+                                                                            state_.router_bias[0].size());
+      std::vector<float>& biases = state_.router_bias.emplace_back();
+      biases.reserve(n);
+      row.for_each_element([&](const JsonField& b) { biases.push_back(float(b.number(a_float))); });
+    });
+}
+
+void Checkpoint::read_index(const std::string& index_path) {
+  const nlohmann::json idx = read_json_file(index_path, "safetensors index");
+  std::set<std::string> shards;
+  JsonField(idx, index_path)["weight_map"].for_each_member(
+      [&](const std::string&, const JsonField& file) { shards.insert(file.string()); });
+  const fs::path dir = fs::path(index_path).parent_path();
+  for (const std::string& s : shards) add_file_tensors((dir / s).string(), "", StateKind::weight);
+}
+
+// metadata.json, as checkpoint_writer.cpp writes it; `ckpt info` prints its layout, files and tensors.
+void Checkpoint::read_metadata(const std::string& meta_path) {
+  metadata_ = read_json_file(meta_path, "checkpoint metadata");
+  const JsonField m(metadata_, meta_path);
+  ORIGAMI_CHECK(m["format"].string_or("") == "origami-checkpoint", "'", meta_path,
+                "' is not an origami checkpoint's metadata");
+  const JsonField layout = m["layout"];
+  layout.object();
+  layout["world"].integer_or(0, 1, INT_MAX);
+  layout["description"].string_or("");
+  const fs::path dir = fs::path(meta_path).parent_path();
+  m["files"].for_each_element([&](const JsonField& f) {
+    files_.push_back({(dir / f["name"].string()).string(), f["bytes"].integer(0, JsonField::kNoLimit),
+                      f["checksum"].string(), nullptr});
+  });
+  m["tensors"].for_each_member([&](const std::string& name, const JsonField& t) {
+    Entry e;
+    e.shape = t["shape"].integers(0, JsonField::kNoLimit);
+    ORIGAMI_CHECK(t["dtype"].string() == "F32", "'", meta_path, "': tensor '", name, "' has dtype ", t["dtype"].got(),
+                  " (F32 expected)");
+    const JsonField split = t["split"];
+    e.split.dim = int(split["dim"].integer(-1, int64_t(e.shape.size()) - 1));  // -1: replicated
+    e.split.parts = int(split["parts"].integer(1, INT_MAX));
+    e.split.pad = split["pad"].boolean();
+    tensors_[name] = std::move(e);
+  });
+  m["pieces"].for_each_element([&](const JsonField& piece) { read_piece(piece); });
+}
+
+// A piece: [kind, tensor, file, tp, tp_rank, begin, end], elements [begin, end) of TP rank tp_rank's
+// shard of the tensor split over tp ranks, stored in the file as "kind/tensor".
+void Checkpoint::read_piece(const JsonField& pc) {
+  pc.array(7, 7);
+  const size_t kind = pc[0].one_of({state_kind_name(StateKind::weight), state_kind_name(StateKind::exp_avg),
+                                    state_kind_name(StateKind::exp_avg_sq)});
+  const std::string& name = pc[1].string();
+  auto tensor = tensors_.find(name);
+  if (tensor == tensors_.end()) pc[1].fail_expected("the name of one of the metadata's tensors");
+  Piece piece;
+  piece.file = size_t(pc[2].integer(0, int64_t(files_.size()) - 1));
+  piece.key = cat(pc[0].string(), "/", name);
+  piece.tp = int(pc[3].integer(1, INT_MAX));
+  piece.tp_rank = int(pc[4].integer(0, piece.tp - 1));
+  piece.begin = pc[5].integer(0, JsonField::kNoLimit);
+  piece.end = pc[6].integer(piece.begin, JsonField::kNoLimit);
+  tensor->second.pieces[kind].push_back(std::move(piece));
 }
 
 void Checkpoint::add_file_tensors(const std::string& file_path, const std::string& prefix, StateKind kind) {

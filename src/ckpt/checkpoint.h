@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/safetensors.h"
+#include "core/json_fields.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -71,6 +72,12 @@ class Checkpoint {
   std::string tokenizer_path() const;  // "" when none
   // trainer_state.json (null when the checkpoint has none: weights only).
   const nlohmann::json& trainer_state() const { return trainer_state_; }
+  // Its fields a resumed run takes, checked when the checkpoint is opened (zero and empty without one).
+  struct TrainerState {
+    int64_t step = 0, adam_steps = 0;
+    std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
+  };
+  const TrainerState& state() const { return state_; }
   const nlohmann::json& metadata() const { return metadata_; }  // null unless sharded()
 
   // Checks the checkpoint against the model: every tensor present with the config's shape, none
@@ -104,9 +111,15 @@ class Checkpoint {
   };
   const SafetensorsFile& file(size_t i);
   void add_file_tensors(const std::string& file_path, const std::string& prefix, StateKind kind);
+  // Read and check one file of the checkpoint, every field by its type and range (core/json_fields.h).
+  void read_trainer_state(const std::string& state_path);
+  void read_index(const std::string& index_path);  // model.safetensors.index.json: the weights' shard files
+  void read_metadata(const std::string& meta_path);
+  void read_piece(const JsonField& piece);  // one of the metadata's pieces
 
   std::string path_;
   nlohmann::json metadata_, trainer_state_;
+  TrainerState state_;
   bool has_optimizer_ = false;
   std::vector<File> files_;
   std::map<std::string, Entry> tensors_;  // by name as stored (canonical after bind)

@@ -16,6 +16,7 @@
 
 #include "core/checksum.h"
 #include "core/error.h"
+#include "core/json_fields.h"
 
 // The format is little-endian; we read and write it with plain memcpy.
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
@@ -203,48 +204,35 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   ORIGAMI_CHECK(header.is_object(), where, "header is not a JSON object");
   ORIGAMI_CHECK(duplicate.empty(), where, "header names '", duplicate, "' twice");
 
-  for (auto& [key, value] : header.items()) {
+  const JsonField fields(header, path);
+  fields.for_each_member([&](const std::string& key, const JsonField& value) {
     if (key == "__metadata__") {
-      ORIGAMI_CHECK(value.is_object(), where, "__metadata__ is not an object of strings");
-      for (auto& [mk, mv] : value.items()) {
-        ORIGAMI_CHECK(mv.is_string(), where, "__metadata__ entry '", mk, "' is not a string");
-        f.metadata_[mk] = mv.get<std::string>();
-      }
-      continue;
+      value.for_each_member([&](const std::string& mk, const JsonField& mv) { f.metadata_[mk] = mv.string(); });
+      return;
     }
     const std::string tw = cat(where, "tensor '", key, "': ");
-    ORIGAMI_CHECK(value.is_object(), tw, "entry is not an object");
-    ORIGAMI_CHECK(value.contains("dtype") && value["dtype"].is_string(), tw, "missing string 'dtype'");
-    ORIGAMI_CHECK(value.contains("shape") && value["shape"].is_array(), tw, "missing array 'shape'");
-    ORIGAMI_CHECK(value.contains("data_offsets") && value["data_offsets"].is_array() &&
-                      value["data_offsets"].size() == 2,
-                  tw, "missing 'data_offsets' [begin, end]");
+    value.object();
     TensorInfo t;
     t.name = key;
-    t.dtype = value["dtype"].get<std::string>();
+    t.dtype = value["dtype"].string();
     const size_t elem = dtype_size_or_zero(t.dtype);
     ORIGAMI_CHECK(elem != 0, tw, "unknown dtype '", t.dtype, "'");
-    for (const auto& d : value["shape"]) {
-      ORIGAMI_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t(INT64_MAX), tw,
-                    "shape entry ", d.dump(), " is not a non-negative integer");
-      t.shape.push_back(int64_t(d.get<uint64_t>()));
-    }
-    const auto& off = value["data_offsets"];
-    ORIGAMI_CHECK(off[0].is_number_unsigned() && off[1].is_number_unsigned(), tw,
-                  "data_offsets ", off.dump(), " are not non-negative integers");
-    t.begin = off[0].get<uint64_t>();
-    t.end = off[1].get<uint64_t>();
-    ORIGAMI_CHECK(t.begin <= t.end, tw, "data_offsets ", off.dump(), " end before they begin");
-    ORIGAMI_CHECK(t.end <= data_size, tw, "data_offsets ", off.dump(),
+    t.shape = value["shape"].integers(0, JsonField::kNoLimit);
+    const JsonField off = value["data_offsets"];
+    off.array(2, 2);
+    t.begin = uint64_t(off[0].integer(0, JsonField::kNoLimit));
+    t.end = uint64_t(off[1].integer(0, JsonField::kNoLimit));
+    ORIGAMI_CHECK(t.begin <= t.end, tw, "data_offsets ", off.got(), " end before they begin");
+    ORIGAMI_CHECK(t.end <= data_size, tw, "data_offsets ", off.got(),
                   " run past the end of the data buffer (", data_size, " bytes)");
     uint64_t numel = 0, nbytes = 0;
     ORIGAMI_CHECK(checked_numel(t.shape, &numel) && !__builtin_mul_overflow(numel, elem, &nbytes) &&
                       numel <= uint64_t(INT64_MAX),
-                  tw, "shape ", value["shape"].dump(), " overflows");
-    ORIGAMI_CHECK(t.end - t.begin == nbytes, tw, "data_offsets ", off.dump(), " span ", t.end - t.begin,
-                  " bytes but shape ", value["shape"].dump(), " of ", t.dtype, " needs ", nbytes);
+                  tw, "shape ", value["shape"].got(), " overflows");
+    ORIGAMI_CHECK(t.end - t.begin == nbytes, tw, "data_offsets ", off.got(), " span ", t.end - t.begin,
+                  " bytes but shape ", value["shape"].got(), " of ", t.dtype, " needs ", nbytes);
     f.tensors_.push_back(std::move(t));
-  }
+  });
 
   // Like the reference: the byte ranges, in order, tile the data buffer exactly.
   std::sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {

@@ -3,12 +3,12 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
-
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_fields.h"
 
 namespace origami {
 
@@ -18,13 +18,13 @@ Args::Args(std::string command, std::string summary)
 Args& Args::option(const std::string& name, const std::string& metavar, const std::string& help,
                    const std::string& default_value) {
   order_.push_back(name);
-  opts_[name] = Opt{metavar, help, default_value, false, false};
+  opts_[name] = Opt{metavar, help, default_value, false, false, "", ""};
   return *this;
 }
 
 Args& Args::flag(const std::string& name, const std::string& help) {
   order_.push_back(name);
-  opts_[name] = Opt{"", help, "", true, false};
+  opts_[name] = Opt{"", help, "", true, false, "", ""};
   return *this;
 }
 
@@ -60,19 +60,21 @@ bool Args::parse(int argc, char** argv) {
   return true;
 }
 
-void Args::fill_from_json(const nlohmann::json& obj, const std::string& source) {
-  ORIGAMI_CHECK(obj.is_object(), source, ": a run-config file must hold a JSON object");
-  for (auto& [key, val] : obj.items()) {
+void Args::fill_from_json(const JsonField& obj) {
+  obj.for_each_member([&](const std::string& key, const JsonField& val) {
     auto it = opts_.find(key);
-    ORIGAMI_CHECK(it != opts_.end(), source, ": unknown key '", key, "' (the keys are the options of '",
+    ORIGAMI_CHECK(it != opts_.end(), obj.file(), ": unknown key '", key, "' (the keys are the options of '",
                   command_, " --help' without the leading --)");
     Opt& o = it->second;
-    if (o.set) continue;  // flags win
-    if (val.is_string()) o.value = val.get<std::string>();
-    else if (val.is_boolean()) o.value = val.get<bool>() ? "1" : "";
-    else o.value = val.dump();
+    if (o.set) return;  // flags win
+    if (o.is_flag) o.value = val.boolean() ? "1" : "";
+    else if (val.present() && val.json().is_string()) o.value = val.string();
+    else if (val.present() && val.json().is_number()) o.value = val.json().dump();
+    else val.fail_expected("a string or a number");
+    o.origin = val.where();
+    o.given = val.got();
     o.set = true;
-  }
+  });
 }
 
 const Args::Opt& Args::get(const std::string& name) const {
@@ -89,17 +91,14 @@ int64_t Args::integer(const std::string& name) const {
   const std::string& v = get(name).value;
   char* end = nullptr;
   errno = 0;
-  long long x = std::strtoll(v.c_str(), &end, 10);
-  ORIGAMI_CHECK(!v.empty() && *end == 0, command_, ": --", name, " must be an integer, got '", v, "'");
-  ORIGAMI_CHECK(errno != ERANGE, command_, ": --", name, " must be an integer in [", INT64_MIN, ", ", INT64_MAX,
-                "], got '", v, "'");
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != 0 || errno == ERANGE) bad_value(name, "an integer");
   return x;
 }
 
 int Args::small_integer(const std::string& name) const {
   const int64_t x = integer(name);
-  ORIGAMI_CHECK(x >= INT32_MIN && x <= INT32_MAX, command_, ": --", name, " must be an integer in [", INT32_MIN, ", ",
-                INT32_MAX, "], got '", get(name).value, "'");
+  if (x < INT32_MIN || x > INT32_MAX) bad_value(name, "an integer in [-2147483648, 2147483647]");
   return int(x);
 }
 
@@ -111,9 +110,9 @@ std::vector<int64_t> Args::integers(const std::string& name) const {
     const size_t comma = v.find(',', at);
     const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
     char* end = nullptr;
+    errno = 0;
     const long long x = std::strtoll(item.c_str(), &end, 10);
-    ORIGAMI_CHECK(!item.empty() && *end == 0, command_, ": --", name,
-                  " must be comma-separated integers (like 5,6,6,5), got '", v, "'");
+    if (item.empty() || *end != 0 || errno == ERANGE) bad_value(name, "comma-separated integers (like 5,6,6,5)");
     out.push_back(x);
     if (comma == std::string::npos) return out;
     at = comma + 1;
@@ -123,10 +122,15 @@ std::vector<int64_t> Args::integers(const std::string& name) const {
 double Args::number(const std::string& name) const {
   const std::string& v = get(name).value;
   char* end = nullptr;
-  double x = std::strtod(v.c_str(), &end);
-  ORIGAMI_CHECK(!v.empty() && *end == 0 && std::isfinite(x), command_, ": --", name, " must be a finite number, got '",
-                v, "'");
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != 0 || !std::isfinite(x)) bad_value(name, "a number");
   return x;
+}
+
+void Args::bad_value(const std::string& name, const char* what) const {
+  const Opt& o = get(name);
+  if (!o.origin.empty()) fail(o.origin, ": expected ", what, ", got ", o.given);  // from a run-config or plan file
+  fail(command_, ": --", name, " must be ", what, ", got '", o.value, "'");
 }
 
 std::string Args::help() const {

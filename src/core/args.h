@@ -1,15 +1,17 @@
 // Command-line options for the `origami` subcommands: declared once with their help text,
 // parsed strictly (unknown flag, missing value or malformed number is an Error naming it).
-// A run-config JSON file may supply the same keys (without the leading "--"); flags win.
+// A run-config JSON file may supply the same keys (without the leading "--"); flags win. A value
+// from a file that is not of its option's type is an Error naming the file and the field
+// (core/json_fields.h).
 #pragma once
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
-
 namespace origami {
+
+class JsonField;
 
 class Args {
  public:
@@ -24,8 +26,9 @@ class Args {
   // Parses argv (argv[0] is the subcommand's name). Returns false when --help was asked for
   // (the help text is then already printed).
   bool parse(int argc, char** argv);
-  // Fills options not given on the command line from a JSON object (run-config file).
-  void fill_from_json(const nlohmann::json& obj, const std::string& source);
+  // Fills options not given on the command line from a JSON object (a run-config file, a plan's
+  // layout): a switch from true or false, an option from a string or a number.
+  void fill_from_json(const JsonField& obj);
 
   bool has(const std::string& name) const;  // given, from a file, or with a non-empty default
   std::string str(const std::string& name) const;
@@ -40,8 +43,11 @@ class Args {
   struct Opt {
     std::string metavar, help, value;
     bool is_flag = false, set = false;
+    std::string origin, given;  // a value from a file: "FILE: field 'NAME'" and the value as the file gives it
   };
   const Opt& get(const std::string& name) const;
+  // The value of `name` is not `what` ("an integer", ...): an Error naming the flag or the file's field.
+  [[noreturn]] void bad_value(const std::string& name, const char* what) const;
   std::string command_, summary_;
   std::vector<std::string> order_;
   std::map<std::string, Opt> opts_;

@@ -15,7 +15,7 @@ nlohmann::json read_json_file(const std::string& path, const std::string& what) 
   std::string text = read_file_bytes(path);
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double's range
     fail(what, " '", path, "' is not valid JSON: ", e.what());
   }
 }

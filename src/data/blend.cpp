@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "core/files.h"
+#include "core/json_fields.h"
 
 namespace origami {
 
@@ -86,14 +86,7 @@ DataBlend::DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, Sampl
     samplers_.push_back(std::make_unique<WindowSampler>(*datasets_.back(), seq_len, order, seed));
     const std::string tok = prefix + ".tokenizer.json";
     const bool has = std::filesystem::exists(tok);
-    nlohmann::json j;
-    if (has) {
-      try {
-        j = nlohmann::json::parse(read_file_bytes(tok));
-      } catch (const nlohmann::json::exception& e) {
-        fail(tok, ": not valid JSON (", e.what(), ")");
-      }
-    }
+    nlohmann::json j = has ? parse_json_file(tok) : nlohmann::json();
     if (d == 0) {
       tokenizer_path_ = has ? tok : "", tokenizer_ = std::move(j);
       continue;

@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <cctype>
+#include <climits>
 #include <cstdio>
 #include <filesystem>
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/json_fields.h"
 
 namespace origami {
 
@@ -68,7 +70,7 @@ struct MatchState {
 
 class HfRegex {
  public:
-  HfRegex(const std::string& pattern, bool literal, const std::string& what) {
+  HfRegex(const std::string& pattern, bool literal, const std::string& what) : pattern_(pattern), what_(what) {
     int err = 0;
     PCRE2_SIZE off = 0;
     std::string p = literal ? pattern : onig_to_pcre2(pattern);
@@ -96,7 +98,7 @@ class HfRegex {
     while (pos <= text.size()) {
       int rc = pcre2_match(code_, s, text.size(), pos, 0, st.data, st.context);
       if (rc == PCRE2_ERROR_NOMATCH) return;
-      ORIGAMI_CHECK(rc >= 0, "regex match failed (PCRE2 error ", rc, ")");
+      if (rc < 0) fail_match(rc);
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.data);
       f(size_t(ov[0]), size_t(ov[1]));
       if (ov[1] > ov[0]) {
@@ -110,7 +112,16 @@ class HfRegex {
   }
 
  private:
+  // A match that fails (a pattern that backtracks past PCRE2's match limit on this input, ...).
+  [[noreturn]] void fail_match(int rc) const {
+    PCRE2_UCHAR msg[256];
+    pcre2_get_error_message(rc, msg, sizeof msg);
+    fail(what_, ": the regex '", pattern_, "' failed on the input (PCRE2 error ", rc, ": ",
+         reinterpret_cast<char*>(msg), ")");
+  }
+
   pcre2_code* code_ = nullptr;
+  std::string pattern_, what_;  // for errors
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -144,40 +155,21 @@ struct HfTokenizer::DecStep {
 
 namespace {
 
-std::string type_of(const json& j, const std::string& what, const std::string& source) {
-  ORIGAMI_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), source, ": ", what,
-                " must be an object with a string \"type\"");
-  return j["type"].get<std::string>();
-}
-
-bool flag(const json& j, const char* key, bool dflt) {
-  if (!j.contains(key) || j[key].is_null()) return dflt;
-  return j[key].get<bool>();
-}
-
-std::string str_or_empty(const json& j, const char* key) {
-  if (!j.contains(key) || j[key].is_null()) return "";
-  return j[key].get<std::string>();
-}
-
-// A Split/Replace "pattern": {"String": s} or {"Regex": r}.
-std::pair<std::string, bool> pattern_of(const json& j, const std::string& what, const std::string& source) {
-  ORIGAMI_CHECK(j.contains("pattern") && j["pattern"].is_object() && j["pattern"].size() == 1, source, ": ", what,
-                " needs \"pattern\": {\"String\": ...} or {\"Regex\": ...}");
-  const auto& p = j["pattern"];
-  if (p.contains("String")) return {p["String"].get<std::string>(), true};
-  ORIGAMI_CHECK(p.contains("Regex"), source, ": ", what, " pattern kind '", p.begin().key(),
+// A Split/Replace "pattern": {"String": s} or {"Regex": r}; the text and whether it is literal.
+std::pair<std::string, bool> pattern_of(const JsonField& j, const std::string& what) {
+  const JsonField p = j["pattern"];
+  if (p.object().json().size() != 1) p.fail_expected("{\"String\": ...} or {\"Regex\": ...}");
+  if (p["String"].present()) return {p["String"].string(), true};
+  ORIGAMI_CHECK(p["Regex"].present(), j.file(), ": ", what, " pattern kind '", p.json().begin().key(),
                 "' is not supported (String or Regex)");
-  return {p["Regex"].get<std::string>(), false};
+  return {p["Regex"].string(), false};
 }
 
-// The first code point of s as a UTF-8 string (Strip's and Metaspace's "character" fields).
-std::string one_char(const json& j, const char* key, const std::string& what, const std::string& source) {
-  ORIGAMI_CHECK(j.contains(key) && j[key].is_string(), source, ": ", what, " needs a string \"", key, "\"");
-  std::string s = j[key].get<std::string>();
+// One character as a UTF-8 string (Strip's and Metaspace's "character" fields).
+std::string one_char(const JsonField& f) {
+  const std::string& s = f.string();
   char32_t cp;
-  ORIGAMI_CHECK(!s.empty() && size_t(next_code_point(s, 0, cp)) == s.size(), source, ": ", what, " \"", key,
-                "\" must be one character, got '", s, "'");
+  if (s.empty() || size_t(next_code_point(s, 0, cp)) != s.size()) f.fail_expected("one character");
   return s;
 }
 
@@ -218,6 +210,8 @@ char32_t last_char(std::string_view s) {
   return cp;
 }
 
+constexpr int64_t kMaxTokenId = (1 << 28) - 1;  // ids in [0, 2^28)
+
 const std::vector<std::string> kDefaultEodTokens = {"<|endoftext|>", "<|end_of_text|>", "</s>"};
 
 bool is_added_token(const json& hf, const std::string& token) {
@@ -238,16 +232,11 @@ std::string HfTokenizer::default_eod_token(const json& hf, const std::string& co
   if (!config_dir.empty()) {
     std::filesystem::path cfg = std::filesystem::path(config_dir) / "tokenizer_config.json";
     if (std::filesystem::is_regular_file(cfg)) {
-      json c;
-      try {
-        c = json::parse(read_file_bytes(cfg.string()));
-      } catch (const json::exception& e) {
-        fail(cfg.string(), ": not valid JSON (", e.what(), ")");
-      }
-      std::string eos;
-      if (c.contains("eos_token") && c["eos_token"].is_string()) eos = c["eos_token"].get<std::string>();
-      else if (c.contains("eos_token") && c["eos_token"].is_object() && c["eos_token"].contains("content"))
-        eos = c["eos_token"]["content"].get<std::string>();
+      const json c = parse_json_file(cfg.string());
+      // "eos_token": its text, or an added-token object {"content": its text, ...}.
+      const JsonField eos_field = JsonField(c, cfg.string())["eos_token"];
+      const std::string eos = eos_field.present() && eos_field.json().is_object() ? eos_field["content"].string()
+                                                                                 : eos_field.string_or("");
       if (!eos.empty()) {
         ORIGAMI_CHECK(file_has_token(hf, eos), cfg.string(), ": eos_token '", eos, "' is not a token of ", source,
                       "; pass --eod-token TEXT");
@@ -272,35 +261,34 @@ HfTokenizer::~HfTokenizer() = default;
 namespace {
 
 // The steps of a component in order, a Sequence (its "normalizers", "pretokenizers", "decoders" or
-// "processors") flattened; a null component has none.
-void flatten_sequence(const json& j, const char* what, const std::string& source, std::vector<const json*>& steps) {
-  if (j.is_null()) return;
-  if (type_of(j, what, source) == "Sequence") {
-    const char* key = j.contains("normalizers") ? "normalizers"
-                      : j.contains("pretokenizers") ? "pretokenizers"
-                      : j.contains("decoders") ? "decoders" : "processors";
-    ORIGAMI_CHECK(j.contains(key) && j[key].is_array(), source, ": a ", what, " Sequence needs \"", key, "\"");
-    for (const auto& x : j[key]) flatten_sequence(x, what, source, steps);
+// "processors") flattened; a null component has none. Every step has a string "type".
+void flatten_sequence(const JsonField& j, std::vector<JsonField>& steps) {
+  if (!j.present()) return;
+  if (j["type"].string() == "Sequence") {
+    const char* key = j["normalizers"].present()     ? "normalizers"
+                      : j["pretokenizers"].present() ? "pretokenizers"
+                      : j["decoders"].present()      ? "decoders" : "processors";
+    j[key].for_each_element([&](const JsonField& x) { flatten_sequence(x, steps); });
     return;
   }
-  steps.push_back(&j);
+  steps.push_back(j);
 }
 
 // The steps of the component hf[key] (none if the file has no such key), every one of them
 // checked for a "type" before any is read.
-std::vector<const json*> component_steps(const json& hf, const char* key, const std::string& source) {
-  std::vector<const json*> steps;
-  if (hf.contains(key)) flatten_sequence(hf[key], key, source, steps);
+std::vector<JsonField> component_steps(const JsonField& hf, const char* key) {
+  std::vector<JsonField> steps;
+  flatten_sequence(hf[key], steps);
   return steps;
 }
 
 // The file as a whole: a model, and no truncation or padding.
-void check_file(const json& hf, const std::string& source) {
-  ORIGAMI_CHECK(hf.is_object() && hf.contains("model") && hf["model"].is_object(), source,
+void check_file(const JsonField& hf) {
+  const json& j = hf.json();
+  ORIGAMI_CHECK(j.is_object() && j.contains("model") && j["model"].is_object(), hf.file(),
                 ": not a Hugging Face tokenizer file (no \"model\" object)");
   for (const char* key : {"truncation", "padding"})
-    ORIGAMI_CHECK(!hf.contains(key) || hf[key].is_null(), source, ": \"", key,
-                  "\" is set; origami encodes whole documents (set it to null)");
+    ORIGAMI_CHECK(!hf[key].present(), hf.file(), ": \"", key, "\" is set; origami encodes whole documents (set it to null)");
 }
 
 // The ids a post-processor puts around a single sequence.
@@ -309,115 +297,106 @@ struct SequenceWrap {
 };
 
 // A post-processor's special token given as [token, id]: its id.
-int32_t special_id(const json& pair, const char* what, const std::string& source) {
-  ORIGAMI_CHECK(pair.is_array() && pair.size() == 2 && pair[1].is_number_integer(), source, ": post_processor ", what,
-                " must be [token, id]");
-  return pair[1].get<int32_t>();
+int32_t special_id(const JsonField& pair) {
+  pair.array(2, 2);
+  pair[0].string();
+  return int32_t(pair[1].integer(0, kMaxTokenId));
 }
 
 // TemplateProcessing's "single" template: the ids of its special tokens before and after $A.
-SequenceWrap template_wrap(const json& j, const std::string& source) {
-  ORIGAMI_CHECK(j.contains("single") && j["single"].is_array(), source,
-                ": post_processor TemplateProcessing needs a \"single\" template");
+SequenceWrap template_wrap(const JsonField& j) {
+  const std::string& source = j.file();
   SequenceWrap w;
   bool seen_a = false;
-  for (const auto& piece : j["single"]) {
-    if (piece.contains("Sequence")) {
-      ORIGAMI_CHECK(!seen_a && piece["Sequence"].value("id", std::string()) == "A", source,
+  j["single"].for_each_element([&](const JsonField& piece) {
+    if (piece["Sequence"].present()) {
+      ORIGAMI_CHECK(!seen_a && piece["Sequence"]["id"].string_or("") == "A", source,
                     ": post_processor TemplateProcessing: the single template must hold $A once, got ",
-                    j["single"].dump());
+                    j["single"].got());
       seen_a = true;
-      continue;
+      return;
     }
-    ORIGAMI_CHECK(piece.contains("SpecialToken"), source,
-                  ": post_processor TemplateProcessing: unknown template piece ", piece.dump());
-    std::string name = piece["SpecialToken"].value("id", std::string());
-    ORIGAMI_CHECK(j.contains("special_tokens") && j["special_tokens"].contains(name), source,
-                  ": post_processor TemplateProcessing: special token '", name, "' is not in special_tokens");
-    for (const auto& id : j["special_tokens"][name]["ids"])
-      (seen_a ? w.suffix : w.prefix).push_back(id.get<int32_t>());
-  }
+    ORIGAMI_CHECK(piece["SpecialToken"].present(), source,
+                  ": post_processor TemplateProcessing: unknown template piece ", piece.got());
+    const std::string name = piece["SpecialToken"]["id"].string_or("");
+    ORIGAMI_CHECK(j["special_tokens"][name].present(), source, ": post_processor TemplateProcessing: special token '",
+                  name, "' is not in special_tokens");
+    j["special_tokens"][name]["ids"].for_each_element(
+        [&](const JsonField& id) { (seen_a ? w.suffix : w.prefix).push_back(int32_t(id.integer(0, kMaxTokenId))); });
+  });
   ORIGAMI_CHECK(seen_a, source, ": post_processor TemplateProcessing: the single template has no $A");
   return w;
 }
 
 // One post-processor step (not a Sequence): the ids it puts around a single sequence.
-SequenceWrap make_post_processor(const json& j, const std::string& source) {
-  std::string type = j["type"].get<std::string>();
+SequenceWrap make_post_processor(const JsonField& j) {
+  const std::string& type = j["type"].string();
   if (type == "ByteLevel") return {};  // offsets only
   if (type == "RobertaProcessing" || type == "BertProcessing") {
-    ORIGAMI_CHECK(j.contains("cls") && j.contains("sep"), source, ": post_processor ", type, " needs cls and sep");
-    int32_t cls = special_id(j["cls"], "cls", source);
-    return {{cls}, {special_id(j["sep"], "sep", source)}};
+    const int32_t cls = special_id(j["cls"]);
+    return {{cls}, {special_id(j["sep"])}};
   }
-  if (type == "TemplateProcessing") return template_wrap(j, source);
-  fail(source, ": post_processor '", type,
+  if (type == "TemplateProcessing") return template_wrap(j);
+  fail(j.file(), ": post_processor '", type,
        "' is not supported (origami implements TemplateProcessing, RobertaProcessing, BertProcessing, "
        "ByteLevel, Sequence)");
 }
 
 }  // namespace
 
-HfTokenizer::HfTokenizer(const json& hf, const std::string& eod_token, const std::string& source)
-    : hf_(hf), eod_token_(eod_token) {
-  try {
-    check_file(hf, source);
-    int32_t max_id = read_bpe_model(hf["model"], source);
-    read_added_tokens(hf, source);
-    for (const auto& t : added_) max_id = std::max(max_id, t.id);
-    ORIGAMI_CHECK(max_id >= 0, source, ": the vocabulary is empty");
+HfTokenizer::HfTokenizer(const JsonField& hf, const std::string& eod_token) : hf_(hf.json()), eod_token_(eod_token) {
+  const std::string& source = hf.file();
+  check_file(hf);
+  int32_t max_id = read_bpe_model(hf["model"]);
+  read_added_tokens(hf);
+  for (const auto& t : added_) max_id = std::max(max_id, t.id);
+  ORIGAMI_CHECK(max_id >= 0, source, ": the vocabulary is empty");
 
-    for (const json* j : component_steps(hf, "normalizer", source)) norm_.push_back(make_normalizer(*j, source));
-    auto pre_steps = component_steps(hf, "pre_tokenizer", source);
-    for (size_t k = 0; k < pre_steps.size(); ++k)
-      pre_.push_back(make_pre_tokenizer(*pre_steps[k], k + 1 == pre_steps.size(), source));
-    byte_level_ = !pre_.empty() && pre_.back().kind == PreStep::byte_level;  // ByteLevel is last if anywhere
-    find_model_symbols();
+  for (const JsonField& j : component_steps(hf, "normalizer")) norm_.push_back(make_normalizer(j));
+  const std::vector<JsonField> pre_steps = component_steps(hf, "pre_tokenizer");
+  for (size_t k = 0; k < pre_steps.size(); ++k) pre_.push_back(make_pre_tokenizer(pre_steps[k], k + 1 == pre_steps.size()));
+  byte_level_ = !pre_.empty() && pre_.back().kind == PreStep::byte_level;  // ByteLevel is last if anywhere
+  find_model_symbols();
 
-    build_id_tables(max_id, source);
-    build_matcher(raw_matcher_, false);
-    build_matcher(normalized_matcher_, true);
-    read_post_processor(hf, source);
+  build_id_tables(max_id, source);
+  build_matcher(raw_matcher_, false);
+  build_matcher(normalized_matcher_, true);
+  read_post_processor(hf);
 
-    for (const json* j : component_steps(hf, "decoder", source)) dec_.push_back(make_decoder(*j, source));
-    has_decoder_ = hf.contains("decoder") && !hf["decoder"].is_null();
-    build_id_bytes();
+  for (const JsonField& j : component_steps(hf, "decoder")) dec_.push_back(make_decoder(j));
+  has_decoder_ = hf["decoder"].present();
+  build_id_bytes();
 
-    // ---- end of document
-    ORIGAMI_CHECK(!eod_token.empty(), source, ": the end-of-document token is empty");
-    eod_ = token_to_id(eod_token);
-    ORIGAMI_CHECK(eod_ >= 0, source, ": end-of-document token '", eod_token, "' is not a token of the file");
-  } catch (const json::exception& e) {
-    fail(source, ": malformed Hugging Face tokenizer file (", e.what(), ")");
-  }
+  // ---- end of document
+  ORIGAMI_CHECK(!eod_token.empty(), source, ": the end-of-document token is empty");
+  eod_ = token_to_id(eod_token);
+  ORIGAMI_CHECK(eod_ >= 0, source, ": end-of-document token '", eod_token, "' is not a token of the file");
 }
 
 // ---- model: BPE
 
-int32_t HfTokenizer::read_bpe_model(const json& m, const std::string& source) {
-  std::string mtype = m.contains("type") ? m["type"].get<std::string>() : "BPE";
+int32_t HfTokenizer::read_bpe_model(const JsonField& m) {
+  const std::string& source = m.file();
+  const std::string mtype = m["type"].string_or("BPE");
   ORIGAMI_CHECK(mtype == "BPE", source, ": model type '", mtype,
                 "' is not supported (origami reads BPE models, not WordPiece, Unigram or WordLevel)");
-  ORIGAMI_CHECK(!m.contains("dropout") || m["dropout"].is_null() || m["dropout"].get<double>() == 0.0, source,
-                ": BPE dropout ", m.contains("dropout") ? m["dropout"].dump() : "", " is not supported (null or 0)");
+  ORIGAMI_CHECK(m["dropout"].number_or(0.0) == 0.0, source, ": BPE dropout ", m["dropout"].got(),
+                " is not supported (null or 0)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-    ORIGAMI_CHECK(str_or_empty(m, key).empty(), source, ": BPE option ", key, " '", str_or_empty(m, key),
+    ORIGAMI_CHECK(m[key].string_or("").empty(), source, ": BPE option ", key, " '", m[key].string(),
                   "' is not supported (null)");
-  ORIGAMI_CHECK(m.contains("vocab") && m["vocab"].is_object(), source, ": the BPE model needs \"vocab\": {token: id}");
-  ORIGAMI_CHECK(m.contains("merges") && m["merges"].is_array(), source, ": the BPE model needs \"merges\"");
-  byte_fallback_ = flag(m, "byte_fallback", false);
-  fuse_unk_ = flag(m, "fuse_unk", false);
-  ignore_merges_ = flag(m, "ignore_merges", false);
+  byte_fallback_ = m["byte_fallback"].boolean_or(false);
+  fuse_unk_ = m["fuse_unk"].boolean_or(false);
+  ignore_merges_ = m["ignore_merges"].boolean_or(false);
   int32_t max_id = -1;
-  vocab_.reserve(m["vocab"].size());
-  for (auto& [token, id] : m["vocab"].items()) {
-    ORIGAMI_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < (1 << 28), source,
-                  ": the id of token '", token, "' must be an integer in [0, 2^28)");
-    vocab_.emplace(token, id.get<int32_t>());
-    max_id = std::max(max_id, id.get<int32_t>());
-  }
-  read_bpe_merges(m["merges"], source);
-  if (std::string unk = str_or_empty(m, "unk_token"); !unk.empty()) {
+  vocab_.reserve(m["vocab"].object().json().size());
+  m["vocab"].for_each_member([&](const std::string& token, const JsonField& id_field) {
+    const int32_t id = int32_t(id_field.integer(0, kMaxTokenId));
+    vocab_.emplace(token, id);
+    max_id = std::max(max_id, id);
+  });
+  read_bpe_merges(m["merges"]);
+  if (const std::string unk = m["unk_token"].string_or(""); !unk.empty()) {
     auto it = vocab_.find(unk);
     ORIGAMI_CHECK(it != vocab_.end(), source, ": BPE unk_token '", unk, "' is not in the vocabulary");
     unk_id_ = it->second;
@@ -431,8 +410,9 @@ int32_t HfTokenizer::read_bpe_model(const json& m, const std::string& source) {
   return max_id;
 }
 
-void HfTokenizer::read_bpe_merges(const json& merges_json, const std::string& source) {
-  auto merges = parse_merges(merges_json, source);
+void HfTokenizer::read_bpe_merges(const JsonField& merges_field) {
+  const std::string& source = merges_field.file();
+  auto merges = parse_merges(merges_field);
   merges_.reserve(merges.size() * 2);
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const auto& [a, b] = merges[rank];
@@ -468,17 +448,13 @@ void HfTokenizer::find_model_symbols() {
 
 // ---- added tokens
 
-void HfTokenizer::read_added_tokens(const json& hf, const std::string& source) {
-  if (!hf.contains("added_tokens") || hf["added_tokens"].is_null()) return;
-  ORIGAMI_CHECK(hf["added_tokens"].is_array(), source, ": \"added_tokens\" must be an array");
-  for (const auto& t : hf["added_tokens"]) {
-    ORIGAMI_CHECK(t.is_object() && t.contains("id") && t["id"].is_number_integer() && t.contains("content") &&
-                      t["content"].is_string() && t["id"].get<int64_t>() >= 0 && t["id"].get<int64_t>() < (1 << 28),
-                  source, ": an added token needs an integer \"id\" in [0, 2^28) and a string \"content\"");
-    added_.push_back({t["content"].get<std::string>(), t["id"].get<int32_t>(), flag(t, "single_word", false),
-                      flag(t, "lstrip", false), flag(t, "rstrip", false), flag(t, "normalized", true),
-                      flag(t, "special", false)});
-  }
+void HfTokenizer::read_added_tokens(const JsonField& hf) {
+  if (!hf["added_tokens"].present()) return;
+  hf["added_tokens"].for_each_element([&](const JsonField& t) {
+    added_.push_back({t["content"].string(), int32_t(t["id"].integer(0, kMaxTokenId)), t["single_word"].boolean_or(false),
+                      t["lstrip"].boolean_or(false), t["rstrip"].boolean_or(false), t["normalized"].boolean_or(true),
+                      t["special"].boolean_or(false)});
+  });
 }
 
 // ---- id tables (model vocabulary, then added tokens, which take precedence)
@@ -502,8 +478,9 @@ void HfTokenizer::build_id_tables(int32_t max_id, const std::string& source) {
 
 // ---- normalizer
 
-HfTokenizer::NormStep HfTokenizer::make_normalizer(const json& j, const std::string& source) {
-  std::string type = j["type"].get<std::string>();
+HfTokenizer::NormStep HfTokenizer::make_normalizer(const JsonField& j) {
+  const std::string& source = j.file();
+  const std::string& type = j["type"].string();
   UErrorCode status = U_ZERO_ERROR;
   NormStep n{};
   if (type == "NFC") n = {NormStep::unicode, icu::Normalizer2::getNFCInstance(status), "", ""};
@@ -511,12 +488,11 @@ HfTokenizer::NormStep HfTokenizer::make_normalizer(const json& j, const std::str
   else if (type == "NFKC") n = {NormStep::unicode, icu::Normalizer2::getNFKCInstance(status), "", ""};
   else if (type == "NFKD") n = {NormStep::unicode, icu::Normalizer2::getNFKDInstance(status), "", ""};
   else if (type == "Prepend") {
-    ORIGAMI_CHECK(j.contains("prepend") && j["prepend"].is_string(), source, ": normalizer Prepend needs \"prepend\"");
-    n = {NormStep::prepend, nullptr, j["prepend"].get<std::string>(), ""};
+    n = {NormStep::prepend, nullptr, j["prepend"].string(), ""};
   } else if (type == "Replace") {
-    auto [pat, literal] = pattern_of(j, "normalizer Replace", source);
+    auto [pat, literal] = pattern_of(j, "normalizer Replace");
     ORIGAMI_CHECK(literal, source, ": normalizer Replace with a Regex pattern is not supported (String only)");
-    n = {NormStep::replace, nullptr, pat, j.value("content", std::string())};
+    n = {NormStep::replace, nullptr, pat, j["content"].string_or("")};
   } else {
     fail(source, ": normalizer '", type,
          "' is not supported (origami implements NFC, NFD, NFKC, NFKD, Prepend, Replace, Sequence)");
@@ -539,31 +515,32 @@ SplitBehavior split_behavior(const std::string& b, const std::string& source) {
 }  // namespace
 
 // last: the step is the last of the pre-tokenizer (where ByteLevel must be).
-HfTokenizer::PreStep HfTokenizer::make_pre_tokenizer(const json& j, bool last, const std::string& source) {
-  std::string type = j["type"].get<std::string>();
+HfTokenizer::PreStep HfTokenizer::make_pre_tokenizer(const JsonField& j, bool last) {
+  const std::string& source = j.file();
+  const std::string& type = j["type"].string();
   PreStep p{};
   if (type == "Split") {
     p.kind = PreStep::split;
-    auto [pat, literal] = pattern_of(j, "pre_tokenizer Split", source);
+    auto [pat, literal] = pattern_of(j, "pre_tokenizer Split");
     p.regex = std::make_shared<HfRegex>(pat, literal, source + ": pre_tokenizer Split");
-    p.behavior = split_behavior(j.value("behavior", std::string("Isolated")), source);
-    p.invert = flag(j, "invert", false);
+    p.behavior = split_behavior(j["behavior"].string_or("Isolated"), source);
+    p.invert = j["invert"].boolean_or(false);
   } else if (type == "ByteLevel") {
     ORIGAMI_CHECK(last, source,
                   ": a ByteLevel pre_tokenizer followed by other pre-tokenizers is not supported (it must be last)");
     p.kind = PreStep::byte_level;
-    p.add_prefix_space = flag(j, "add_prefix_space", false);
-    p.use_regex = flag(j, "use_regex", true);
+    p.add_prefix_space = j["add_prefix_space"].boolean_or(false);
+    p.use_regex = j["use_regex"].boolean_or(true);
   } else if (type == "Metaspace") {
     p.kind = PreStep::metaspace;
-    p.replacement = one_char(j, "replacement", "pre_tokenizer Metaspace", source);
-    std::string scheme = str_or_empty(j, "prepend_scheme");
-    if (scheme.empty()) scheme = flag(j, "add_prefix_space", true) ? "always" : "never";
+    p.replacement = one_char(j["replacement"]);
+    std::string scheme = j["prepend_scheme"].string_or("");
+    if (scheme.empty()) scheme = j["add_prefix_space"].boolean_or(true) ? "always" : "never";
     if (scheme == "always") p.prepend = PreStep::always;
     else if (scheme == "first") p.prepend = PreStep::first;
     else if (scheme == "never") p.prepend = PreStep::never;
     else fail(source, ": pre_tokenizer Metaspace prepend_scheme '", scheme, "' is not known");
-    p.split_on_replacement = flag(j, "split", true);
+    p.split_on_replacement = j["split"].boolean_or(true);
     p.regex = std::make_shared<HfRegex>(p.replacement, true, source + ": pre_tokenizer Metaspace");
   } else {
     fail(source, ": pre_tokenizer '", type,
@@ -574,9 +551,10 @@ HfTokenizer::PreStep HfTokenizer::make_pre_tokenizer(const json& j, bool last, c
 
 // ---- post-processor: the ids around a single sequence
 
-void HfTokenizer::read_post_processor(const json& hf, const std::string& source) {
-  for (const json* j : component_steps(hf, "post_processor", source)) {
-    SequenceWrap w = make_post_processor(*j, source);
+void HfTokenizer::read_post_processor(const JsonField& hf) {
+  const std::string& source = hf.file();
+  for (const JsonField& j : component_steps(hf, "post_processor")) {
+    SequenceWrap w = make_post_processor(j);
     // A later processor wraps the result of the earlier ones.
     prefix_ids_.insert(prefix_ids_.begin(), w.prefix.begin(), w.prefix.end());
     suffix_ids_.insert(suffix_ids_.end(), w.suffix.begin(), w.suffix.end());
@@ -591,28 +569,29 @@ void HfTokenizer::read_post_processor(const json& hf, const std::string& source)
 
 // ---- decoder
 
-HfTokenizer::DecStep HfTokenizer::make_decoder(const json& j, const std::string& source) {
-  std::string type = j["type"].get<std::string>();
+HfTokenizer::DecStep HfTokenizer::make_decoder(const JsonField& j) {
+  const std::string& source = j.file();
+  const std::string& type = j["type"].string();
   DecStep d{};
   if (type == "ByteLevel") d.kind = DecStep::byte_level;
   else if (type == "ByteFallback") d.kind = DecStep::byte_fallback;
   else if (type == "Fuse") d.kind = DecStep::fuse;
   else if (type == "Replace") {
     d.kind = DecStep::replace;
-    auto [pat, literal] = pattern_of(j, "decoder Replace", source);
+    auto [pat, literal] = pattern_of(j, "decoder Replace");
     ORIGAMI_CHECK(literal, source, ": decoder Replace with a Regex pattern is not supported (String only)");
     d.a = pat;
-    d.b = j.value("content", std::string());
+    d.b = j["content"].string_or("");
   } else if (type == "Strip") {
     d.kind = DecStep::strip;
-    d.a = one_char(j, "content", "decoder Strip", source);
-    d.start = j.value("start", 0);
-    d.stop = j.value("stop", 0);
+    d.a = one_char(j["content"]);
+    d.start = int(j["start"].integer_or(0, 0, INT_MAX));
+    d.stop = int(j["stop"].integer_or(0, 0, INT_MAX));
   } else if (type == "Metaspace") {
     d.kind = DecStep::metaspace;
-    d.a = one_char(j, "replacement", "decoder Metaspace", source);
-    std::string scheme = str_or_empty(j, "prepend_scheme");
-    d.prepend = scheme.empty() ? flag(j, "add_prefix_space", true) : scheme != "never";
+    d.a = one_char(j["replacement"]);
+    const std::string scheme = j["prepend_scheme"].string_or("");
+    d.prepend = scheme.empty() ? j["add_prefix_space"].boolean_or(true) : scheme != "never";
   } else {
     fail(source, ": decoder '", type,
          "' is not supported (origami implements ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, "

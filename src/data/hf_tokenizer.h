@@ -29,9 +29,9 @@ class HfRegex;  // a compiled PCRE2 pattern (hf_tokenizer.cpp)
 
 class HfTokenizer final : public Tokenizer {
  public:
-  // hf: the parsed Hugging Face file; eod_token: the text of a token of it; source names the file
-  // in error messages.
-  HfTokenizer(const nlohmann::json& hf, const std::string& eod_token, const std::string& source);
+  // hf: the parsed Hugging Face file (its file and path name it in error messages); eod_token: the
+  // text of a token of it.
+  HfTokenizer(const JsonField& hf, const std::string& eod_token);
   ~HfTokenizer() override;
 
   // The end-of-document token when none is given: the eos_token of a tokenizer_config.json in
@@ -75,17 +75,17 @@ class HfTokenizer final : public Tokenizer {
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
 
-  // Construction, one part of the file each (source names the file in error messages). The
+  // Construction, one part of the file each, every field read by its type (core/json_fields.h). The
   // factories build one step of a component (a Sequence is flattened by the caller).
-  int32_t read_bpe_model(const nlohmann::json& model, const std::string& source);  // the largest id, or -1
-  void read_bpe_merges(const nlohmann::json& merges, const std::string& source);
-  void read_added_tokens(const nlohmann::json& hf, const std::string& source);
-  static NormStep make_normalizer(const nlohmann::json& step, const std::string& source);
-  static PreStep make_pre_tokenizer(const nlohmann::json& step, bool last, const std::string& source);
+  int32_t read_bpe_model(const JsonField& model);  // the largest id, or -1
+  void read_bpe_merges(const JsonField& merges);
+  void read_added_tokens(const JsonField& hf);
+  static NormStep make_normalizer(const JsonField& step);
+  static PreStep make_pre_tokenizer(const JsonField& step, bool last);
   void find_model_symbols();  // unit_id_ and safe_split_, once vocab_ and byte_level_ are known
   void build_id_tables(int32_t max_id, const std::string& source);
-  void read_post_processor(const nlohmann::json& hf, const std::string& source);
-  static DecStep make_decoder(const nlohmann::json& step, const std::string& source);
+  void read_post_processor(const JsonField& hf);
+  static DecStep make_decoder(const JsonField& step);
   void build_id_bytes();
   void build_matcher(Matcher& m, bool normalized);
   // Splits `text` at the matches of `m`: calls on_text(start, end) and on_token(id) in order.

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/json_fields.h"
 #include "data/hf_tokenizer.h"
 
 namespace origami {
@@ -121,22 +122,24 @@ Gpt2BpeTokenizer::Gpt2BpeTokenizer(const std::vector<std::pair<std::string, int3
   eod_ = eod->second;
 }
 
+namespace {
+
+// A BPE vocabulary {token: id, ...}: ids in [0, 2^28).
+std::vector<std::pair<std::string, int32_t>> read_vocab(const JsonField& vocab_field) {
+  std::vector<std::pair<std::string, int32_t>> vocab;
+  vocab.reserve(vocab_field.object().json().size());
+  vocab_field.for_each_member([&](const std::string& token, const JsonField& id) {
+    vocab.emplace_back(token, int32_t(id.integer(0, (1 << 28) - 1)));
+  });
+  return vocab;
+}
+
+}  // namespace
+
 std::unique_ptr<Gpt2BpeTokenizer> Gpt2BpeTokenizer::from_files(const std::string& vocab_json_path,
                                                                const std::string& merges_txt_path) {
-  nlohmann::json vj;
-  try {
-    vj = nlohmann::json::parse(read_file_bytes(vocab_json_path));
-  } catch (const nlohmann::json::exception& e) {
-    fail(vocab_json_path, ": not valid JSON (", e.what(), ")");
-  }
-  ORIGAMI_CHECK(vj.is_object(), vocab_json_path, ": must hold a JSON object {token: id, ...}");
-  std::vector<std::pair<std::string, int32_t>> vocab;
-  vocab.reserve(vj.size());
-  for (auto& [token, id] : vj.items()) {
-    ORIGAMI_CHECK(id.is_number_integer(), vocab_json_path, ": the id of token '", token,
-                  "' is not an integer");
-    vocab.emplace_back(token, id.get<int32_t>());
-  }
+  const nlohmann::json vj = parse_json_file(vocab_json_path);
+  const std::vector<std::pair<std::string, int32_t>> vocab = read_vocab(JsonField(vj, vocab_json_path));
 
   std::string text = read_file_bytes(merges_txt_path);
   std::vector<std::pair<std::string, std::string>> merges;
@@ -227,66 +230,44 @@ std::unique_ptr<Tokenizer> from_json(const nlohmann::json& j, const std::string&
                                      const std::string& config_dir) {
   if (is_plain_hf_file(j)) {
     std::string eod = eod_token.empty() ? HfTokenizer::default_eod_token(j, config_dir, source) : eod_token;
-    return std::make_unique<HfTokenizer>(j, eod, source);
+    return std::make_unique<HfTokenizer>(JsonField(j, source), eod);
   }
-  ORIGAMI_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), source,
+  ORIGAMI_CHECK(j.is_object() && j.contains("type"), source,
                 ": a tokenizer must be a JSON object with a string \"type\" (\"byte\", \"gpt2\" or "
                 "\"huggingface\") or a Hugging Face tokenizer.json (with a \"model\" object)");
-  std::string type = j["type"].get<std::string>();
+  const JsonField f(j, source);
+  const std::string& type = f["type"].string();
   if (type == "huggingface") {
-    ORIGAMI_CHECK(j.contains("tokenizer") && j["tokenizer"].is_object(), source,
-                  ": a huggingface tokenizer needs \"tokenizer\": {the Hugging Face tokenizer.json}");
-    std::string eod = eod_token;
-    if (eod.empty()) {
-      ORIGAMI_CHECK(j.contains("eod_token") && j["eod_token"].is_string(), source,
-                    ": a huggingface tokenizer needs \"eod_token\": the text of its end-of-document token");
-      eod = j["eod_token"].get<std::string>();
-    }
-    return std::make_unique<HfTokenizer>(j["tokenizer"], eod, source);
+    f["tokenizer"].object();  // the Hugging Face tokenizer.json
+    const std::string eod = eod_token.empty() ? f["eod_token"].string() : eod_token;
+    return std::make_unique<HfTokenizer>(f["tokenizer"], eod);
   }
   ORIGAMI_CHECK(eod_token.empty(), source, ": --eod-token applies to Hugging Face tokenizer files only, not to a '",
                 type, "' tokenizer (its end-of-document token is fixed)");
   if (type == "byte") return std::make_unique<ByteTokenizer>();
   ORIGAMI_CHECK(type == "gpt2", source, ": unknown tokenizer type '", type, "' (known: byte, gpt2, huggingface)");
-  ORIGAMI_CHECK(j.contains("vocab") && j["vocab"].is_object(), source,
-                ": a gpt2 tokenizer needs \"vocab\": {token: id, ...}");
-  ORIGAMI_CHECK(j.contains("merges") && j["merges"].is_array(), source,
-                ": a gpt2 tokenizer needs \"merges\": [\"a b\", ...]");
-  std::vector<std::pair<std::string, int32_t>> vocab;
-  for (auto& [token, id] : j["vocab"].items()) {
-    ORIGAMI_CHECK(id.is_number_integer(), source, ": the id of token '", token, "' is not an integer");
-    vocab.emplace_back(token, id.get<int32_t>());
-  }
-  return std::make_unique<Gpt2BpeTokenizer>(vocab, parse_merges(j["merges"], source), source);
-}
-
-nlohmann::json parse_json_file(const std::string& path) {
-  try {
-    return nlohmann::json::parse(read_file_bytes(path));
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON (", e.what(), ")");
-  }
+  return std::make_unique<Gpt2BpeTokenizer>(read_vocab(f["vocab"]), parse_merges(f["merges"]), source);
 }
 
 }  // namespace
 
-std::vector<std::pair<std::string, std::string>> parse_merges(const nlohmann::json& merges_json,
-                                                              const std::string& source) {
+std::vector<std::pair<std::string, std::string>> parse_merges(const JsonField& merges_field) {
   std::vector<std::pair<std::string, std::string>> merges;
-  merges.reserve(merges_json.size());
-  for (const auto& m : merges_json) {
+  merges.reserve(merges_field.array());
+  merges_field.for_each_element([&](const JsonField& m) {
     // "a b" (merges.txt style) or ["a", "b"] (newer Hugging Face tokenizer.json style).
-    if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-      merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
-      continue;
+    const nlohmann::json* v = m.present() ? &m.json() : nullptr;
+    if (v && v->is_array() && v->size() == 2 && (*v)[0].is_string() && (*v)[1].is_string()) {
+      merges.emplace_back((*v)[0].get<std::string>(), (*v)[1].get<std::string>());
+      return;
     }
-    ORIGAMI_CHECK(m.is_string(), source, ": merge ", merges.size() + 1, " must be \"a b\" or [\"a\", \"b\"]");
-    const std::string& s = m.get_ref<const std::string&>();
+    if (!v || !v->is_string()) m.fail_expected("\"a b\" or [\"a\", \"b\"]");
+    const std::string& s = v->get_ref<const std::string&>();
     size_t sp = s.find(' ');
-    ORIGAMI_CHECK(sp != std::string::npos && sp > 0 && sp + 1 < s.size() && s.find(' ', sp + 1) == std::string::npos,
-                  source, ": merge ", merges.size() + 1, " '", s, "' must be two tokens separated by one space");
+    if (!(sp != std::string::npos && sp > 0 && sp + 1 < s.size() && s.find(' ', sp + 1) == std::string::npos))
+      m.fail_expected("two tokens separated by one space");
     merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
-  }
+  });
   return merges;
 }
 

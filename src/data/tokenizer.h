@@ -26,6 +26,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_fields.h"
 #include "data/bpe.h"
 
 namespace origami {
@@ -105,9 +106,8 @@ class Gpt2BpeTokenizer final : public Tokenizer {
   PieceCache cache_;  // encoded pieces, per thread
 };
 
-// BPE merges given as "a b" strings or ["a", "b"] pairs; `source` names them in error messages.
-std::vector<std::pair<std::string, std::string>> parse_merges(const nlohmann::json& merges_json,
-                                                              const std::string& source);
+// BPE merges: an array of "a b" strings or ["a", "b"] pairs.
+std::vector<std::pair<std::string, std::string>> parse_merges(const JsonField& merges);
 
 // Builds a tokenizer from its JSON form (or from a plain Hugging Face tokenizer.json: no "type",
 // a "model" object); `source` names it in error messages. A non-empty eod_token chooses the

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/io.h"
+#include "core/json_fields.h"
 
 namespace origami {
 
@@ -103,157 +104,132 @@ const std::set<std::string> kBookkeeping = {
     "begin_suppress_tokens", "tf_legacy_loss", "mlp_bias_init", "use_return_dict", "attn_implementation",
 };
 
+// The config's fields, read as JsonFields (core/json_fields.h). It remembers which were read, so
+// that fields neither read nor known as bookkeeping are reported.
 class Reader {
  public:
-  Reader(const nlohmann::json& j, std::string source) : j_(j), source_(std::move(source)) {}
+  Reader(const nlohmann::json& j, const std::string& source) : root_(j, source) {}
 
-  const nlohmann::json* find(const std::string& key) {
+  JsonField operator[](const std::string& key) {
     used_.insert(key);
-    auto it = j_.find(key);
-    return (it == j_.end() || it->is_null()) ? nullptr : &*it;
+    return root_[key];
   }
-  int64_t integer(const std::string& key, int64_t dflt, bool required = false) {
-    const nlohmann::json* v = find(key);
-    if (!v) {
-      ORIGAMI_CHECK(!required, source_, ": missing required field '", key, "'");
-      return dflt;
-    }
-    ORIGAMI_CHECK(v->is_number_integer(), source_, ": field '", key, "' must be an integer, got ", v->dump());
-    int64_t x = v->get<int64_t>();
-    ORIGAMI_CHECK(x > 0, source_, ": field '", key, "' must be positive, got ", x);
-    return x;
-  }
-  double number(const std::string& key, double dflt) {
-    const nlohmann::json* v = find(key);
-    if (!v) return dflt;
-    ORIGAMI_CHECK(v->is_number(), source_, ": field '", key, "' must be a number, got ", v->dump());
-    return v->get<double>();
-  }
-  bool boolean(const std::string& key, bool dflt) {
-    const nlohmann::json* v = find(key);
-    if (!v) return dflt;
-    ORIGAMI_CHECK(v->is_boolean(), source_, ": field '", key, "' must be true or false, got ", v->dump());
-    return v->get<bool>();
-  }
-  std::string string(const std::string& key, const std::string& dflt) {
-    const nlohmann::json* v = find(key);
-    if (!v) return dflt;
-    ORIGAMI_CHECK(v->is_string(), source_, ": field '", key, "' must be a string, got ", v->dump());
-    return v->get<std::string>();
-  }
+  const std::string& source() const { return root_.file(); }
+
   // A math field origami does not implement: allowed only at its neutral value.
   void require_zero(const std::string& key, const char* why) {
-    const nlohmann::json* v = find(key);
-    if (v && !(v->is_number() && v->get<double>() == 0.0))
-      fail(source_, ": field '", key, "' = ", v->dump(), " is not supported (", why, "); set it to 0");
+    const JsonField f = (*this)[key];
+    if (f.present() && !(f.json().is_number() && f.json().get<double>() == 0.0))
+      fail(source(), ": field '", key, "' = ", f.got(), " is not supported (", why, "); set it to 0");
   }
   void require_value(const std::string& key, const std::string& want, const char* why) {
-    const nlohmann::json* v = find(key);
-    if (v && !(v->is_string() && v->get<std::string>() == want))
-      fail(source_, ": field '", key, "' = ", v->dump(), " is not supported (", why, "); only \"", want, "\" is");
+    const JsonField f = (*this)[key];
+    if (f.present() && !(f.json().is_string() && f.json().get<std::string>() == want))
+      fail(source(), ": field '", key, "' = ", f.got(), " is not supported (", why, "); only \"", want, "\" is");
   }
   void require_false(const std::string& key, const char* why) {
-    const nlohmann::json* v = find(key);
-    if (v && !(v->is_boolean() && !v->get<bool>()))
-      fail(source_, ": field '", key, "' = ", v->dump(), " is not supported (", why, ")");
+    const JsonField f = (*this)[key];
+    if (f.present() && !(f.json().is_boolean() && !f.json().get<bool>()))
+      fail(source(), ": field '", key, "' = ", f.got(), " is not supported (", why, ")");
   }
   // Fields neither read nor known as bookkeeping: reported, not silently dropped.
   void warn_unknown() {
-    for (auto& [key, val] : j_.items())
+    root_.for_each_member([&](const std::string& key, const JsonField&) {
       if (!used_.count(key) && !kBookkeeping.count(key))
-        std::fprintf(stderr, "warning: %s: field '%s' is not used by origami\n", source_.c_str(), key.c_str());
+        std::fprintf(stderr, "warning: %s: field '%s' is not used by origami\n", source().c_str(), key.c_str());
+    });
   }
 
  private:
-  const nlohmann::json& j_;
-  std::string source_;
+  JsonField root_;
   std::set<std::string> used_;
 };
 
+// A model dimension with its default: a positive integer up to its limit (ModelLimits).
+int64_t dimension(Reader& r, const std::string& key, int64_t dflt, int64_t limit) {
+  return r[key].integer_or(dflt, 1, limit);
+}
+
 void parse_gpt2(Reader& r, ModelConfig& c, const std::string& src) {
-  c.vocab_size = r.integer("vocab_size", 50257);
-  c.hidden = r.integer("n_embd", 768);
-  c.num_layers = r.integer("n_layer", 12);
-  c.num_heads = r.integer("n_head", 12);
+  c.vocab_size = dimension(r, "vocab_size", 50257, ModelLimits::vocab);
+  c.hidden = dimension(r, "n_embd", 768, ModelLimits::hidden);
+  c.num_layers = dimension(r, "n_layer", 12, ModelLimits::layers);
+  c.num_heads = dimension(r, "n_head", 12, ModelLimits::heads);
   c.num_kv_heads = c.num_heads;
-  c.max_positions = r.integer("n_positions", 1024);
-  c.ffn = r.integer("n_inner", 4 * c.hidden);
-  c.norm_eps = r.number("layer_norm_epsilon", 1e-5);
-  c.tied_embeddings = r.boolean("tie_word_embeddings", true);
+  c.max_positions = dimension(r, "n_positions", 1024, ModelLimits::positions);
+  c.ffn = dimension(r, "n_inner", 4 * c.hidden, ModelLimits::ffn);
+  c.norm_eps = r["layer_norm_epsilon"].number_or(1e-5, NumberRange::positive());
+  c.tied_embeddings = r["tie_word_embeddings"].boolean_or(true);
   ORIGAMI_CHECK(c.tied_embeddings, src, ": gpt2 with tie_word_embeddings=false is not supported");
   r.require_value("activation_function", "gelu_new", "the MLP is GELU with the tanh approximation");
   for (const char* k : {"resid_pdrop", "embd_pdrop", "attn_pdrop"})
     r.require_zero(k, "dropout is not implemented");
-  if (!r.boolean("scale_attn_weights", true))
+  if (!r["scale_attn_weights"].boolean_or(true))
     fail(src, ": field 'scale_attn_weights' = false is not supported");
   r.require_false("scale_attn_by_inverse_layer_idx", "per-layer attention scaling");
   r.require_false("reorder_and_upcast_attn", "mixed-precision attention reordering");
 }
 
 void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
-  c.vocab_size = r.integer("vocab_size", 32000);
-  c.hidden = r.integer("hidden_size", 4096);
-  c.num_layers = r.integer("num_hidden_layers", 32);
-  c.num_heads = r.integer("num_attention_heads", 32);
-  c.num_kv_heads = r.integer("num_key_value_heads", c.num_heads);
-  c.ffn = r.integer("intermediate_size", c.type == ModelType::mixtral ? 14336 : c.type == ModelType::qwen2_moe ? 5632 : 11008);
-  c.max_positions = r.integer("max_position_embeddings", 2048);
-  c.norm_eps = r.number("rms_norm_eps", 1e-6);
-  c.rope_theta = r.number("rope_theta", 10000.0);
-  c.tied_embeddings = r.boolean("tie_word_embeddings", false);
-  if (const nlohmann::json* hd = r.find("head_dim")) {
-    ORIGAMI_CHECK(hd->is_number_integer() && hd->get<int64_t>() > 0, src, ": field 'head_dim' must be a positive integer");
-    c.head_dim = hd->get<int64_t>();
-  }
+  c.vocab_size = dimension(r, "vocab_size", 32000, ModelLimits::vocab);
+  c.hidden = dimension(r, "hidden_size", 4096, ModelLimits::hidden);
+  c.num_layers = dimension(r, "num_hidden_layers", 32, ModelLimits::layers);
+  c.num_heads = dimension(r, "num_attention_heads", 32, ModelLimits::heads);
+  c.num_kv_heads = dimension(r, "num_key_value_heads", c.num_heads, c.num_heads);
+  c.ffn = dimension(r, "intermediate_size",
+                    c.type == ModelType::mixtral ? 14336 : c.type == ModelType::qwen2_moe ? 5632 : 11008, ModelLimits::ffn);
+  c.max_positions = dimension(r, "max_position_embeddings", 2048, ModelLimits::positions);
+  c.norm_eps = r["rms_norm_eps"].number_or(1e-6, NumberRange::positive());
+  c.rope_theta = r["rope_theta"].number_or(10000.0, NumberRange::positive());
+  c.tied_embeddings = r["tie_word_embeddings"].boolean_or(false);
+  c.head_dim = r["head_dim"].integer_or(0, 1, ModelLimits::hidden);
   r.require_value("hidden_act", "silu", "the MLP is SwiGLU");
   r.require_zero("attention_dropout", "dropout is not implemented");
   if (c.type != ModelType::qwen2_moe) {  // qwen2_moe always has q/k/v biases (and no such fields)
     r.require_false("attention_bias", "projection biases are not implemented for llama/mixtral");
     r.require_false("mlp_bias", "projection biases are not implemented for llama/mixtral");
   }
-  if (const nlohmann::json* v = r.find("rope_scaling"))
-    fail(src, ": field 'rope_scaling' = ", v->dump(), " is not supported (only plain RoPE is); remove it or set it to null");
+  if (const JsonField v = r["rope_scaling"]; v.present())
+    fail(src, ": field 'rope_scaling' = ", v.got(), " is not supported (only plain RoPE is); remove it or set it to null");
   if (c.type == ModelType::mixtral) {
-    c.num_experts = r.integer("num_local_experts", 8);
+    c.num_experts = dimension(r, "num_local_experts", 8, ModelLimits::experts);
     c.expert_ffn = c.ffn;
   }
   if (c.type == ModelType::qwen2_moe) {
     c.qkv_bias = true;
-    c.num_experts = r.integer("num_experts", 60);
-    c.expert_ffn = r.integer("moe_intermediate_size", 1408);
-    c.shared_ffn = r.integer("shared_expert_intermediate_size", 5632);
-    c.routing.norm_topk = r.boolean("norm_topk_prob", false);
-    c.sparse_step = r.integer("decoder_sparse_step", 1);
-    if (const nlohmann::json* v = r.find("mlp_only_layers")) {
-      ORIGAMI_CHECK(v->is_array(), src, ": field 'mlp_only_layers' must be a list of layer indices, got ", v->dump());
-      for (const nlohmann::json& l : *v) {
-        ORIGAMI_CHECK(l.is_number_integer() && l.get<int64_t>() >= 0 && l.get<int64_t>() < c.num_layers, src,
-                      ": field 'mlp_only_layers' holds ", l.dump(), ", not a layer index in [0, ", c.num_layers, ")");
-        c.dense_layers.push_back(l.get<int64_t>());
-      }
-    }
+    c.num_experts = dimension(r, "num_experts", 60, ModelLimits::experts);
+    c.expert_ffn = dimension(r, "moe_intermediate_size", 1408, ModelLimits::ffn);
+    c.shared_ffn = dimension(r, "shared_expert_intermediate_size", 5632, ModelLimits::ffn);
+    c.routing.norm_topk = r["norm_topk_prob"].boolean_or(false);
+    c.sparse_step = dimension(r, "decoder_sparse_step", 1, ModelLimits::layers);
+    if (const JsonField v = r["mlp_only_layers"]; v.present()) c.dense_layers = v.integers(0, c.num_layers - 1);
     r.require_false("use_sliding_window", "sliding-window attention is not implemented");
-    r.find("sliding_window"), r.find("max_window_layers");  // used only with use_sliding_window
+    r["sliding_window"], r["max_window_layers"];  // used only with use_sliding_window
   }
   if (c.is_moe()) {
-    c.top_k = r.integer("num_experts_per_tok", 2);
-    c.routing.aux_coef = r.number("router_aux_loss_coef", 0.001);
-    c.routing.z_coef = r.number("router_z_loss_coef", 0.0);
-    ORIGAMI_CHECK(c.top_k <= c.num_experts, src, ": num_experts_per_tok (", c.top_k,
-                  ") must not exceed the number of experts (", c.num_experts, ")");
-    ORIGAMI_CHECK(c.routing.aux_coef >= 0 && c.routing.z_coef >= 0, src, ": router loss coefficients must be >= 0");
+    c.top_k = dimension(r, "num_experts_per_tok", 2, c.num_experts);
+    c.routing.aux_coef = r["router_aux_loss_coef"].number_or(0.001, NumberRange::at_least(0));
+    c.routing.z_coef = r["router_z_loss_coef"].number_or(0.0, NumberRange::at_least(0));
     r.require_zero("router_jitter_noise", "router jitter is not implemented");
   }
   if (c.type == ModelType::mixtral) {
     // A sliding window at least as long as any sequence changes nothing.
-    if (const nlohmann::json* v = r.find("sliding_window"))
-      ORIGAMI_CHECK(v->is_number_integer() && v->get<int64_t>() >= c.max_positions, src,
-                    ": field 'sliding_window' = ", v->dump(),
+    if (const JsonField v = r["sliding_window"]; v.present())
+      ORIGAMI_CHECK(v.json().is_number_integer() && v.json().get<int64_t>() >= c.max_positions, src,
+                    ": field 'sliding_window' = ", v.got(),
                     " is not supported (sliding-window attention is not implemented); set it to null");
   } else if (c.type == ModelType::llama) {
-    if (const nlohmann::json* v = r.find("sliding_window"))
-      fail(src, ": field 'sliding_window' = ", v->dump(), " is not supported for llama");
+    if (const JsonField v = r["sliding_window"]; v.present())
+      fail(src, ": field 'sliding_window' = ", v.got(), " is not supported for llama");
   }
+}
+
+// eos_token_id is bookkeeping, but --attention-mask document may take the end-of-document token
+// from it (TrainOptions): absent, null, an integer or a list of integers, each a 32-bit id.
+void check_eos_token_id(Reader& r) {
+  const JsonField f = r["eos_token_id"];
+  if (f.present() && f.json().is_array()) f.integers(INT32_MIN, INT32_MAX);
+  else if (f.present()) f.integer(INT32_MIN, INT32_MAX);
 }
 
 }  // namespace
@@ -263,15 +239,10 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   Reader r(j, src);
   ModelConfig c;
   c.raw = j;
-  std::string mt = r.string("model_type", "");
-  ORIGAMI_CHECK(!mt.empty(), src, ": missing 'model_type' (gpt2, llama, mixtral or qwen2_moe)");
-  if (mt == "gpt2") c.type = ModelType::gpt2;
-  else if (mt == "llama") c.type = ModelType::llama;
-  else if (mt == "mixtral") c.type = ModelType::mixtral;
-  else if (mt == "qwen2_moe") c.type = ModelType::qwen2_moe;
-  else fail(src, ": model_type '", mt, "' is not supported (gpt2, llama, mixtral, qwen2_moe)");
+  c.type = ModelType(r["model_type"].one_of({"gpt2", "llama", "mixtral", "qwen2_moe"}));  // ModelType's order
   if (c.is_gpt2()) parse_gpt2(r, c, src);
   else parse_llama_like(r, c, src);
+  check_eos_token_id(r);
   if (c.head_dim == 0) {
     ORIGAMI_CHECK(c.hidden % c.num_heads == 0, src, ": the number of attention heads (", c.num_heads,
                   ") must divide the hidden size (", c.hidden, ")");
@@ -279,8 +250,6 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   }
   ORIGAMI_CHECK(c.num_heads % c.num_kv_heads == 0, src, ": num_key_value_heads (", c.num_kv_heads,
                 ") must divide num_attention_heads (", c.num_heads, ")");
-  ORIGAMI_CHECK(c.rope_theta > 0, src, ": rope_theta must be positive");
-  ORIGAMI_CHECK(c.norm_eps > 0, src, ": the norm epsilon must be positive");
   if (!c.is_gpt2()) ORIGAMI_CHECK(c.head_dim % 2 == 0, src, ": RoPE needs an even head_dim, got ", c.head_dim);
   r.warn_unknown();
   return c;

@@ -41,6 +41,22 @@ struct MoeRouting {
 
 enum class ModelType { gpt2, llama, mixtral, qwen2_moe };
 
+// The largest model dimensions a config may give, checked as it is read, before anything is sized
+// from them (a larger value is "FILE: field 'NAME': expected an integer in [1, LIMIT], got VALUE").
+// Each is far beyond any published model (Llama-3.1 405B: hidden 16384, 126 layers, 128 heads, FFN
+// 53248, vocabulary 128256, 131072 positions; DeepSeek-V3: 256 experts of which 8 are chosen).
+// They keep every dimension and every product of a few of them well inside 64 bits; the sizes,
+// byte counts and FLOP counts computed from them are still computed in checked arithmetic.
+struct ModelLimits {
+  static constexpr int64_t layers = 10'000;            // also bounds qwen2_moe's decoder_sparse_step
+  static constexpr int64_t hidden = int64_t(1) << 20;  // the hidden size, and an explicit head_dim
+  static constexpr int64_t heads = int64_t(1) << 16;   // attention heads; key/value heads at most these
+  static constexpr int64_t ffn = int64_t(1) << 24;     // every MLP's inner size: dense, expert, shared expert
+  static constexpr int64_t vocab = int64_t(1) << 24;
+  static constexpr int64_t experts = int64_t(1) << 16;  // experts per MoE layer; top-k at most these
+  static constexpr int64_t positions = int64_t(1) << 24;
+};
+
 struct ModelConfig {
   ModelType type = ModelType::gpt2;
   int64_t vocab_size = 0;

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "core/files.h"
+#include "core/json_fields.h"
 
 namespace origami {
 
@@ -29,74 +29,61 @@ double Cluster::transfer_seconds(double bytes, int steps, bool inter_node) const
 
 namespace {
 
-// A positive number at j[key] ("what" names it in messages).
-double positive(const nlohmann::json& j, const char* key, const std::string& what) {
-  ORIGAMI_CHECK(j.is_object() && j.contains(key) && j[key].is_number() && j[key].get<double>() > 0, what, ": '", key,
-                "' must be a positive number", j.is_object() && j.contains(key) ? cat(", got ", j[key].dump()) : "");
-  return j[key].get<double>();
+// Devices a cluster may have: far beyond any machine, and nodes × devices_per_node fits an int.
+constexpr int64_t kMaxNodes = int64_t(1) << 20, kMaxDevicesPerNode = 1024;
+
+// A positive figure of the file, in its human unit, times `unit` (to SI).
+double positive(const JsonField& f, double unit) { return f.number(NumberRange::positive()) * unit; }
+
+LinkTier link_of(const JsonField& f) {
+  f.object();
+  return {positive(f["bandwidth_gb_s"], 1e9), positive(f["latency_us"], 1e-6)};
 }
 
-LinkTier link_of(const nlohmann::json& j, const char* key, const std::string& source) {
-  ORIGAMI_CHECK(j.contains(key) && j[key].is_object(), source, ": '", key,
-                "' must be an object {\"bandwidth_gb_s\": .., \"latency_us\": ..}");
-  const std::string what = cat(source, ": ", key);
-  return {positive(j[key], "bandwidth_gb_s", what) * 1e9, positive(j[key], "latency_us", what) * 1e-6};
+// Measured GEMM rates: [gflop, tflops] pairs, both positive, each size once; ascending in size.
+std::vector<std::pair<double, double>> gemm_curve(const JsonField& f) {
+  std::vector<std::pair<double, double>> gemm;
+  f.array(1);
+  f.for_each_element([&](const JsonField& p) {
+    p.array(2, 2);
+    gemm.emplace_back(positive(p[0], 1e9), positive(p[1], 1e12));
+  });
+  std::sort(gemm.begin(), gemm.end());
+  for (size_t i = 1; i < gemm.size(); ++i)
+    ORIGAMI_CHECK(gemm[i].first > gemm[i - 1].first, f.where(), ": gives ", gemm[i].first / 1e9, " GFLOP twice");
+  return gemm;
 }
 
 }  // namespace
 
 Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
-  ORIGAMI_CHECK(j.is_object(), source, ": a cluster file is a JSON object");
+  const JsonField f(j, source);
   Cluster c;
-  c.name = j.value("name", source);
-  c.source = j.value("source", "");
-  c.nodes = int(positive(j, "nodes", source));
-  c.devices_per_node = int(positive(j, "devices_per_node", source));
-  ORIGAMI_CHECK(j.contains("device") && j["device"].is_object(), source, ": 'device' must be an object");
-  const nlohmann::json& d = j["device"];
-  const std::string dev = source + ": device";
-  c.memory_bytes = positive(d, "memory_gb", dev) * 1e9;
-  c.peak_flops = positive(d, "peak_tflops", dev) * 1e12;
-  c.attention_flops = positive(d, "attention_tflops", dev) * 1e12;
-  if (d.contains("gemm")) {
-    ORIGAMI_CHECK(d["gemm"].is_array() && !d["gemm"].empty(), dev, ": 'gemm' must be a list of [gflop, tflops] pairs");
-    for (const nlohmann::json& p : d["gemm"]) {
-      ORIGAMI_CHECK(p.is_array() && p.size() == 2 && p[0].is_number() && p[1].is_number() && p[0].get<double>() > 0 &&
-                        p[1].get<double>() > 0,
-                    dev, ": 'gemm' entry ", p.dump(), " is not [gflop, tflops] with both positive");
-      c.gemm.emplace_back(p[0].get<double>() * 1e9, p[1].get<double>() * 1e12);
-    }
-    std::sort(c.gemm.begin(), c.gemm.end());
-    for (size_t i = 1; i < c.gemm.size(); ++i)
-      ORIGAMI_CHECK(c.gemm[i].first > c.gemm[i - 1].first, dev, ": 'gemm' gives ", c.gemm[i].first / 1e9,
-                    " GFLOP twice");
-    if (d.contains("memory_bandwidth_gb_s")) c.memory_bandwidth = positive(d, "memory_bandwidth_gb_s", dev) * 1e9;
+  c.name = f["name"].string_or(source);
+  c.source = f["source"].string_or("");
+  c.nodes = int(f["nodes"].integer(1, kMaxNodes));
+  c.devices_per_node = int(f["devices_per_node"].integer(1, kMaxDevicesPerNode));
+  const JsonField d = f["device"];
+  d.object();
+  c.memory_bytes = positive(d["memory_gb"], 1e9);
+  c.peak_flops = positive(d["peak_tflops"], 1e12);
+  c.attention_flops = positive(d["attention_tflops"], 1e12);
+  if (d["gemm"].present()) {
+    c.gemm = gemm_curve(d["gemm"]);
+    c.memory_bandwidth = d["memory_bandwidth_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
   } else {
-    c.memory_bandwidth = positive(d, "memory_bandwidth_gb_s", dev + " (without measured 'gemm' rates)") * 1e9;
-    c.gemm_efficiency = positive(d, "gemm_efficiency", dev + " (without measured 'gemm' rates)");
-    ORIGAMI_CHECK(c.gemm_efficiency <= 1, dev, ": 'gemm_efficiency' is a fraction of the roofline, at most 1, got ",
-                  c.gemm_efficiency);
+    for (const char* key : {"memory_bandwidth_gb_s", "gemm_efficiency"})
+      ORIGAMI_CHECK(d[key].present(), d[key].where(), ": missing (it is needed without measured 'gemm' rates)");
+    c.memory_bandwidth = positive(d["memory_bandwidth_gb_s"], 1e9);
+    c.gemm_efficiency = d["gemm_efficiency"].number({0, 1, true});  // a fraction of the roofline
   }
-  if (j.contains("comm_overlap")) {
-    const nlohmann::json& x = j["comm_overlap"];
-    ORIGAMI_CHECK(x.is_number() && x.get<double>() >= 0 && x.get<double>() <= 1, source,
-                  ": 'comm_overlap' must be a fraction in [0, 1], got ", x.dump());
-    c.comm_overlap = x.get<double>();
-  }
-  c.intra = link_of(j, "intra_node", source);
-  c.inter = c.nodes > 1 || j.contains("inter_node") ? link_of(j, "inter_node", source) : c.intra;
+  c.comm_overlap = f["comm_overlap"].number_or(c.comm_overlap, NumberRange::between(0, 1));
+  c.intra = link_of(f["intra_node"]);
+  c.inter = c.nodes > 1 || f["inter_node"].present() ? link_of(f["inter_node"]) : c.intra;
   return c;
 }
 
-Cluster Cluster::load(const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file_bytes(path));
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON (", e.what(), ")");
-  }
-  return from_json(j, path);
-}
+Cluster Cluster::load(const std::string& path) { return from_json(parse_json_file(path), path); }
 
 nlohmann::json Cluster::to_json() const {
   nlohmann::json d = {{"memory_gb", memory_bytes / 1e9}, {"peak_tflops", peak_flops / 1e12},

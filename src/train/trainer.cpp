@@ -138,9 +138,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     ck->verify_checksums(world.rank(), world.size());
     for (ParamSet* set : sets) ck->read_weights(set->params);
     if (o.resume.empty()) return;
-    const nlohmann::json& st = ck->trainer_state();
-    ORIGAMI_CHECK(st.contains("step") && st["step"].is_number_integer() && st.contains("adam_steps"), "'",
-                  ck->path(), "/trainer_state.json' needs integer 'step' and 'adam_steps'");
+    const nlohmann::json& st = ck->trainer_state();  // its fields checked when the checkpoint was opened
     for (ParamSet* set : sets) {
       const ParamLayout& lay = set->params.layout();
       for (size_t i = 0; i < set->opt.segments().size(); ++i) {
@@ -150,9 +148,9 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
         ck->read(StateKind::exp_avg, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg(i));
         ck->read(StateKind::exp_avg_sq, spec, lay.tp, lay.tp_rank, seg.begin - at, seg.end - at, set->opt.exp_avg_sq(i));
       }
-      set->opt.set_steps_taken(st["adam_steps"].get<int64_t>());
+      set->opt.set_steps_taken(ck->state().adam_steps);
     }
-    start.step = st["step"].get<int64_t>();
+    start.step = ck->state().step;
     // A resume continues the run: options that change what it learns from are worth a word when changed.
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
       const nlohmann::json& was = st["options"];
@@ -165,7 +163,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
                        now.c_str(), ck->path().c_str(), before.c_str());
       }
     }
-    if (st.contains("router_bias")) start.router_bias = st["router_bias"].get<std::vector<std::vector<float>>>();
+    start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,
                   "; ask for more --steps to continue");
   });

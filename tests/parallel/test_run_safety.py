@@ -17,7 +17,8 @@
       On rank 1 (TP rank 1) the element is the final norm's weight, a TP-replicated tensor that the
       norm counts on TP rank 0 only: the guard must still see it (it checks the copies it does not
       count). On rank 2 it is a DP-reduced element. Either way every rank stops at that very step.
-(b) Memory check: a config with vocab_size 1e12, and a llama with 100000 layers of hidden 8192, are
+(b) Memory check: a gpt2 of vocab_size 2^24 and hidden 2^16, and a llama with 10000 layers of
+    hidden 8192 (each at a limit of model/config.h, which refuses larger ones as it reads them), are
     refused within 1 s (exit 1, one message with the breakdown and the largest part); so is the demo
     under --memory-limit-gb 0.05. The demo is accepted, and the predicted total (first metrics row,
     "memory_bytes") is within 10% of the peak RSS measured by /usr/bin/time: for the demo on one
@@ -183,12 +184,13 @@ def predicted(mpath):
 
 
 def part_b(tmp, data):
-    huge_vocab = h.write_json(os.path.join(tmp, "vocab1e12.json"), h.load_config("gpt2_tiny", vocab_size=10 ** 12))
+    huge_vocab = h.write_json(os.path.join(tmp, "vocab2e24.json"),
+                              h.load_config("gpt2_tiny", vocab_size=2 ** 24, n_embd=2 ** 16))
     deep = h.write_json(os.path.join(tmp, "deep_llama.json"),
-                        h.load_config("llama_tiny", num_hidden_layers=100000, hidden_size=8192, intermediate_size=28672,
+                        h.load_config("llama_tiny", num_hidden_layers=10000, hidden_size=8192, intermediate_size=28672,
                                       num_attention_heads=64, num_key_value_heads=8, head_dim=128))
-    for label, cfg, largest in (("vocab_size 1e12", huge_vocab, "weights|gradients|optimizer state"),
-                                ("llama, 100000 layers of hidden 8192", deep, "optimizer state")):
+    for label, cfg, largest in (("vocab_size 2^24, hidden 2^16", huge_vocab, "weights|gradients|optimizer state"),
+                                ("llama, 10000 layers of hidden 8192", deep, "optimizer state")):
         t0 = time.time()
         rc, out, codes, _ = run_wrapped(tmp, label, 0, train_args(cfg, data, 3))
         wall = time.time() - t0
@@ -201,7 +203,7 @@ def part_b(tmp, data):
     rc, out, codes, _ = run_wrapped(tmp, "vocab 2 ranks", 2, train_args(huge_vocab, data, 3))
     errors = [l for l in out.splitlines() if "error:" in l]
     check(rc == 1 and all(c == 1 for c in codes.values()) and len(errors) == 1,
-          "vocab_size 1e12 on 2 ranks: exit %s, ranks %s, %d error line(s)" % (rc, codes, len(errors)))
+          "vocab_size 2^24 on 2 ranks: exit %s, ranks %s, %d error line(s)" % (rc, codes, len(errors)))
     # A per-rank limit.
     rc, out, _, _ = run_wrapped(tmp, "limit", 0, ["train", "--config", DEMO_CONFIG, "--data", data, "--steps", "2",
                                                   "--micro-batch", "16", "--seq-len", "128", "--memory-limit-gb", "0.05"])

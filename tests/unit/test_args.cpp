@@ -4,6 +4,7 @@
 
 #include "core/args.h"
 #include "core/error.h"
+#include "core/json_fields.h"
 
 using origami::Args;
 
@@ -46,8 +47,8 @@ TEST(Args, RejectsUnknownMissingAndMalformed) {
 TEST(Args, RunConfigFileFillsButFlagsWin) {
   Args a = make();
   ASSERT_TRUE(parse(a, {"--lr", "0.1"}));
-  a.fill_from_json(nlohmann::json{{"lr", 0.9}, {"steps", 7}}, "run.json");
+  a.fill_from_json(origami::JsonField(nlohmann::json{{"lr", 0.9}, {"steps", 7}}, "run.json"));
   EXPECT_DOUBLE_EQ(a.number("lr"), 0.1);
   EXPECT_EQ(a.integer("steps"), 7);
-  EXPECT_THROW(a.fill_from_json(nlohmann::json{{"bogus", 1}}, "run.json"), origami::Error);
+  EXPECT_THROW(a.fill_from_json(origami::JsonField(nlohmann::json{{"bogus", 1}}, "run.json")), origami::Error);
 }

@@ -295,20 +295,20 @@ TEST_F(Safetensors, RejectsBrokenFiles) {
   expect_open_error(write_raw("dup", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                                      R"("w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
                     "names 'w' twice");
-  expect_open_error(write_raw("entry", R"({"w":[1]})", 0), "tensor 'w': entry is not an object");
+  expect_open_error(write_raw("entry", R"({"w":[1]})", 0), "field 'w': expected an object, got [1]");
   expect_open_error(write_raw("unknown_dtype", R"({"w":{"dtype":"F24","shape":[2],"data_offsets":[0,6]}})", 6),
                     "tensor 'w': unknown dtype 'F24'");
-  expect_open_error(write_raw("no_dtype", R"({"w":{"shape":[2],"data_offsets":[0,8]}})", 8), "missing string 'dtype'");
-  expect_open_error(write_raw("no_shape", R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", 8), "missing array 'shape'");
-  expect_open_error(write_raw("no_offsets", R"({"w":{"dtype":"F32","shape":[2]}})", 8), "missing 'data_offsets'");
+  expect_open_error(write_raw("no_dtype", R"({"w":{"shape":[2],"data_offsets":[0,8]}})", 8), "field 'w.dtype': missing");
+  expect_open_error(write_raw("no_shape", R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", 8), "field 'w.shape': missing");
+  expect_open_error(write_raw("no_offsets", R"({"w":{"dtype":"F32","shape":[2]}})", 8), "field 'w.data_offsets': missing");
   expect_open_error(write_raw("three_offsets", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})", 8),
-                    "missing 'data_offsets'");
+                    "field 'w.data_offsets': expected an array of 2 elements, got [0,4,8]");
   expect_open_error(write_raw("neg_dim", R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8),
-                    "shape entry -2 is not a non-negative integer");
+                    "field 'w.shape[0]': expected a non-negative integer, got -2");
   expect_open_error(write_raw("float_dim", R"({"w":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", 8),
-                    "is not a non-negative integer");
+                    "field 'w.shape[0]': expected a non-negative integer, got 2.0");
   expect_open_error(write_raw("neg_offset", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[-1,8]}})", 8),
-                    "are not non-negative integers");
+                    "field 'w.data_offsets[0]': expected a non-negative integer, got -1");
   expect_open_error(write_raw("reversed", R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", 8),
                     "end before they begin");
   expect_open_error(write_raw("past_buffer", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
@@ -325,8 +325,8 @@ TEST_F(Safetensors, RejectsBrokenFiles) {
                     "gap of 4 bytes before tensor 'b'");
   expect_open_error(write_raw("trailing", ok, 12), "4 bytes after the last tensor");
   expect_open_error(write_raw("meta_type", R"({"__metadata__":{"format":1}})", 0),
-                    "__metadata__ entry 'format' is not a string");
-  expect_open_error(write_raw("meta_obj", R"({"__metadata__":[1]})", 0), "__metadata__ is not an object");
+                    "field '__metadata__.format': expected a string, got 1");
+  expect_open_error(write_raw("meta_obj", R"({"__metadata__":[1]})", 0), "field '__metadata__': expected an object, got [1]");
 }
 
 TEST_F(Safetensors, ReadersRejectWrongDtypes) {
