@@ -43,8 +43,9 @@ Fixed parse_layout(const std::string& spec) {
     auto number = [&](size_t skip, int64_t least = 1) {
       const std::string digits = w.substr(skip);
       ORIGAMI_CHECK(!digits.empty() && digits.size() < 10 && std::all_of(digits.begin(), digits.end(), ::isdigit) &&
-                        std::stoll(digits) >= least,
-                    "--layout: '", w, "' needs an integer of at least ", least, " after '", w.substr(0, skip), "'");
+                        std::stoll(digits) >= least && std::stoll(digits) <= kMaxDegree,
+                    "--layout: '", w, "' needs an integer in [", least, ", ", kMaxDegree, "] after '", w.substr(0, skip),
+                    "'");
       return std::stoll(digits);
     };
     if (w.rfind("recompute=", 0) == 0) f.recompute = w.substr(10), parse_recompute(f.recompute);

@@ -1,12 +1,14 @@
 // origami: the command. `origami <command> [options]`; `origami <command> --help` for each.
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <exception>
 #include <new>
 #include <string>
 
 #include "commands.h"
 #include "core/error.h"
+#include "core/files.h"
 
 namespace {
 
@@ -47,6 +49,9 @@ int main(int argc, char** argv) {
       return 1;
     } catch (const origami::Error& e) {
       std::fprintf(stderr, "origami %s: error: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::filesystem::filesystem_error& e) {  // a path a user gave (core/error.h)
+      std::fprintf(stderr, "origami %s: error: %s\n", c.name, origami::filesystem_words(e).c_str());
       return 1;
     } catch (const std::bad_alloc&) {  // large buffers are checked before allocation and name their purpose
       std::fprintf(stderr, "origami %s: error: out of memory (in an allocation outside the checked buffers)\n", c.name);

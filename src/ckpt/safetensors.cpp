@@ -16,6 +16,7 @@
 
 #include "core/checksum.h"
 #include "core/error.h"
+#include "core/io.h"
 #include "core/json_fields.h"
 
 // The format is little-endian; we read and write it with plain memcpy.
@@ -196,6 +197,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     return true;
   };
   json header;
+  const int depth = json_depth(std::string_view(hdr, header_len));
+  ORIGAMI_CHECK(depth <= kMaxJsonDepth, where, "header nests arrays and objects ", depth, " levels deep; origami reads at most ",
+                kMaxJsonDepth);
   try {
     header = json::parse(hdr, hdr + header_len, on_event);
   } catch (const json::exception& e) {

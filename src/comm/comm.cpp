@@ -1,9 +1,12 @@
 #include "comm/comm.h"
 
+#include <filesystem>
+
 #include <cstdio>
 #include <cstring>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace origami {
 
@@ -53,6 +56,9 @@ void check_on_every_rank(Comm& world, const std::string& command, const std::fun
   } catch (const Error& e) {
     failed = true;
     message = e.what();
+  } catch (const std::filesystem::filesystem_error& e) {  // a path a user gave
+    failed = true;
+    message = filesystem_words(e);
   }
   // first failing rank = size − max(size − rank over failing ranks)
   const int32_t first = world.size() - world.all_reduce_value(int32_t(failed ? world.size() - world.rank() : 0), ReduceOp::max);

@@ -65,4 +65,10 @@ void sync_dir(const std::string& dir) {
   ::close(fd);
 }
 
+std::string filesystem_words(const std::exception& e) {
+  const auto* fs = dynamic_cast<const std::filesystem::filesystem_error*>(&e);
+  if (!fs) return e.what();
+  return cat("'", fs->path1().string(), "': ", fs->code().message());
+}
+
 }  // namespace origami

@@ -1,6 +1,7 @@
 // File helpers: whole-file reads and atomic writes (temp file in the
 // same directory, then rename, so a reader never sees a half-written file).
 #pragma once
+#include <exception>
 #include <string>
 #include <string_view>
 
@@ -18,5 +19,10 @@ void sync_dir(const std::string& dir);
 
 // Renames `from` to `to` (replacing `to`); Error naming both on failure.
 void rename_file(const std::string& from, const std::string& to);
+
+// The words of a std::filesystem error: the path it concerns and the system's reason ("'P': File name
+// too long"). Such an error is always about a path a user gave (a blend prefix, a checkpoint's
+// `latest`), so it is reported as a user mistake, not as an unexpected library exception.
+std::string filesystem_words(const std::exception& e);
 
 }  // namespace origami

@@ -1,5 +1,6 @@
 #include "core/io.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -11,8 +12,30 @@
 
 namespace origami {
 
+int json_depth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 nlohmann::json read_json_file(const std::string& path, const std::string& what) {
   std::string text = read_file_bytes(path);
+  const int depth = json_depth(text);
+  ORIGAMI_CHECK(depth <= kMaxJsonDepth, what, " '", path, "' nests arrays and objects ", depth,
+                " levels deep; origami reads at most ", kMaxJsonDepth);
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double's range

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/io.h"
 #include "core/files.h"
 #include "core/json_fields.h"
 #include "data/hf_tokenizer.h"
@@ -283,6 +284,8 @@ std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const st
 
 std::string tokenizer_file_for_hf_export(const std::string& path) {
   std::string bytes = read_file_bytes(path);
+  ORIGAMI_CHECK(json_depth(bytes) <= kMaxJsonDepth, "tokenizer file '", path, "' nests arrays and objects more than ",
+                kMaxJsonDepth, " levels deep");
   nlohmann::json j = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
   if (j.is_object() && j.contains("type") && j["type"] == "huggingface" && j.contains("tokenizer"))
     return j["tokenizer"].dump(2) + "\n";
