@@ -35,7 +35,7 @@ bool Args::parse(int argc, char** argv) {
       std::fputs(help().c_str(), stdout);
       return false;
     }
-    ORIGAMI_CHECK(a.rfind("--", 0) == 0, command_, ": unexpected argument '", a,
+    ORIGAMI_CHECK(a.rfind("--", 0) == 0, "unexpected argument '", a,
                   "' (options start with --; see --help)");
     std::string name = a.substr(2), value;
     auto eq = name.find('=');
@@ -45,13 +45,13 @@ bool Args::parse(int argc, char** argv) {
       name = name.substr(0, eq);
     }
     auto it = opts_.find(name);
-    ORIGAMI_CHECK(it != opts_.end(), command_, ": unknown option --", name, " (see --help)");
+    ORIGAMI_CHECK(it != opts_.end(), "unknown option --", name, " (see --help)");
     Opt& o = it->second;
     if (o.is_flag) {
-      ORIGAMI_CHECK(!inline_value, command_, ": --", name, " takes no value");
+      ORIGAMI_CHECK(!inline_value, "--", name, " takes no value");
       value = "1";
     } else if (!inline_value) {
-      ORIGAMI_CHECK(i + 1 < argc, command_, ": --", name, " needs a value (", o.metavar, ")");
+      ORIGAMI_CHECK(i + 1 < argc, "--", name, " needs a value (", o.metavar, ")");
       value = argv[++i];
     }
     o.value = value;
@@ -130,7 +130,7 @@ double Args::number(const std::string& name) const {
 void Args::bad_value(const std::string& name, const char* what) const {
   const Opt& o = get(name);
   if (!o.origin.empty()) fail(o.origin, ": expected ", what, ", got ", o.given);  // from a run-config or plan file
-  fail(command_, ": --", name, " must be ", what, ", got '", o.value, "'");
+  fail("--", name, " must be ", what, ", got '", o.value, "'");
 }
 
 std::string Args::help() const {

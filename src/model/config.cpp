@@ -251,6 +251,12 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   ORIGAMI_CHECK(c.num_heads % c.num_kv_heads == 0, src, ": num_key_value_heads (", c.num_kv_heads,
                 ") must divide num_attention_heads (", c.num_heads, ")");
   if (!c.is_gpt2()) ORIGAMI_CHECK(c.head_dim % 2 == 0, src, ": RoPE needs an even head_dim, got ", c.head_dim);
+  // Every tensor is an entry of the parameter table (model/params.h), built whole before a run: at
+  // most 16 per layer besides the experts' 3 each (an upper bound for every model type).
+  const int64_t tensors = c.num_layers * (16 + 3 * c.num_experts);  // within 10^4 x 2^18: no overflow
+  ORIGAMI_CHECK(tensors <= ModelLimits::tensors, src, ": num_hidden_layers ", c.num_layers,
+                c.is_moe() ? cat(" x (16 + 3 x ", c.num_experts, " experts)") : std::string(" x 16"), " = ", tensors,
+                " tensors is more than origami's parameter table holds (", ModelLimits::tensors, ")");
   r.warn_unknown();
   return c;
 }

@@ -55,6 +55,9 @@ struct ModelLimits {
   static constexpr int64_t vocab = int64_t(1) << 24;
   static constexpr int64_t experts = int64_t(1) << 16;  // experts per MoE layer; top-k at most these
   static constexpr int64_t positions = int64_t(1) << 24;
+  // Tensors of the whole model, bounded as layers x (16 + 3 x experts): 10^4 dense layers or 32
+  // layers of 2^14 experts; the largest published MoE (61 layers of 256 experts) has 4.8e4.
+  static constexpr int64_t tensors = int64_t(1) << 21;
 };
 
 struct ModelConfig {

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 ORIGAMI = os.environ.get("ORIGAMI_BIN", os.path.join(os.path.dirname(__file__), "../../build/origami"))
 
@@ -23,3 +24,17 @@ def run(*args, expect_ok=True):
     if expect_ok and p.returncode != 0:
         fail(f"origami {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def expect_error(what, args, message):
+    """`origami ARGS` exits 1 within a second with one error line, `origami CMD: error: MESSAGE`."""
+    t0 = time.time()
+    p = run(*args, expect_ok=False)
+    wall = time.time() - t0
+    out = p.stdout + p.stderr
+    lines = [l for l in out.splitlines() if "error" in l.lower()]
+    want = f"origami {args[0]}: error: {message}"
+    check(p.returncode == 1 and len(lines) == 1 and lines[0] == want and wall < 1.0,
+          f"{what}: exit {p.returncode} in {wall:.2f} s, expected 1 within a second and the one line\n  {want}\n"
+          f"got:\n{out}")
+    print(f"ok   {what} ({wall:.2f} s): {lines[0]}")

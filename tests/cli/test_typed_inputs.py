@@ -18,27 +18,12 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import check, run  # noqa: E402
+from cli_util import check, expect_error, run  # noqa: E402
 
 LLAMA = {"model_type": "llama", "hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 40, "num_hidden_layers": 2, "vocab_size": 257, "max_position_embeddings": 64}
-
-
-def expect_error(what, args, message):
-    """`origami ARGS` exits 1 within a second with one error line, `origami CMD: error: MESSAGE`."""
-    t0 = time.time()
-    p = run(*args, expect_ok=False)
-    wall = time.time() - t0
-    out = p.stdout + p.stderr
-    lines = [l for l in out.splitlines() if "error" in l.lower()]
-    want = f"origami {args[0]}: error: {message}"
-    check(p.returncode == 1 and len(lines) == 1 and lines[0] == want and wall < 1.0,
-          f"{what}: exit {p.returncode} in {wall:.2f} s, expected 1 within a second and the one line\n  {want}\n"
-          f"got:\n{out}")
-    print(f"ok   {what} ({wall:.2f} s): {lines[0]}")
 
 
 def member(parent, key):
