@@ -1,0 +1,285 @@
+#include "kernels/cpu/gemm_bf16.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <unordered_map>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/gemm.h"
+
+namespace origami {
+
+namespace {
+
+// One call's arguments but the pointers: the key of the path choice and of the oneDNN primitive.
+struct Shape {
+  bool ta, tb;
+  int64_t M, N, K, lda, ldb, ldc;
+  float alpha, beta;
+  bool operator==(const Shape&) const = default;
+};
+
+struct ShapeHash {
+  size_t operator()(const Shape& s) const {
+    size_t h = size_t(s.ta) * 2 + size_t(s.tb);
+    for (int64_t v : {s.M, s.N, s.K, s.lda, s.ldb, s.ldc}) h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h * 1000003u ^ std::hash<float>{}(s.alpha) * 31u ^ std::hash<float>{}(s.beta);
+  }
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- portable path: widen to fp32 block by block, then gemm<float> --------------------------------
+
+// Both widened blocks of one sub-GEMM fit in this many floats (4 MiB), the scratch's largest size.
+// Measured on GPT-2's shapes (one core, CPU time, bench/README.md): 4 MiB cost 3–11% over gemm<float>;
+// 8 MiB up to 36% (the widened blocks no longer stay in cache until gemm<float> packs them), and
+// smaller budgets make the sub-GEMMs too narrow (up to 3x slower with K = 3072).
+constexpr int64_t kScratchFloats = int64_t(1) << 20;
+
+float* scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;  // grows to the largest need, kept for the next calls
+  if (buffer.size() < size_t(floats)) buffer.resize(size_t(floats));
+  return buffer.data();
+}
+
+// Widens rows i0 .. i0+ni and columns k0 .. k0+nk of a matrix seen as [I, K] into dst, compactly and
+// in the layout the matrix is stored in: X is [I, K] with row stride ld when k_contiguous, else [K, I].
+// (A is op(A) = [M, K] stored untransposed when !ta; B is op(B)ᵀ = [N, K] stored that way when tb.)
+// Returns dst's row stride. Large blocks spread their rows over the threads.
+int64_t widen_panel(float* dst, const bf16* X, int64_t ld, bool k_contiguous, int64_t i0, int64_t ni,
+                    int64_t k0, int64_t nk) {
+  const bf16* src = k_contiguous ? X + i0 * ld + k0 : X + k0 * ld + i0;
+  const int64_t rows = k_contiguous ? ni : nk, cols = k_contiguous ? nk : ni;
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16) && !omp_in_parallel())
+  for (int64_t r = 0; r < rows; ++r) to_float(dst + r * cols, src + r * ld, cols);
+  return cols;
+}
+
+// K is cut into slices of kc (all of K unless the smaller operand's slice would pass half the
+// scratch). In a slice, the smaller operand (M×kc of A or kc×N of B) is widened whole and the larger
+// one in pieces that fill the rest of the scratch, each piece one gemm<float> call: every element is
+// widened exactly once, and the sub-GEMMs stay large (whole K, whole smaller side) on layer shapes.
+void portable_gemm(const Shape& s, const bf16* A, const bf16* B, float* C) {
+  const bool a_whole = s.M <= s.N;
+  const int64_t small = a_whole ? s.M : s.N, large = a_whole ? s.N : s.M;
+  const int64_t kc = std::min(s.K, std::max<int64_t>(1, kScratchFloats / 2 / small));
+  const int64_t num_pieces = ceil_div(large, std::max<int64_t>(1, (kScratchFloats - small * kc) / kc));
+  const int64_t piece = ceil_div(large, num_pieces);
+  float* small_buf = scratch(small * kc + piece * kc);
+  float* piece_buf = small_buf + small * kc;
+  for (int64_t k0 = 0; k0 < s.K; k0 += kc) {
+    const int64_t kb = std::min(kc, s.K - k0);
+    const float beta = k0 == 0 ? s.beta : 1.f;  // later slices add to the first one's result
+    const int64_t ld_small = a_whole ? widen_panel(small_buf, A, s.lda, !s.ta, 0, s.M, k0, kb)
+                                     : widen_panel(small_buf, B, s.ldb, s.tb, 0, s.N, k0, kb);
+    for (int64_t p0 = 0; p0 < large; p0 += piece) {
+      const int64_t pb = std::min(piece, large - p0);
+      if (a_whole) {
+        const int64_t ldb = widen_panel(piece_buf, B, s.ldb, s.tb, p0, pb, k0, kb);
+        gemm<float>(s.ta, s.tb, s.M, pb, kb, s.alpha, small_buf, ld_small, piece_buf, ldb, beta, C + p0, s.ldc);
+      } else {
+        const int64_t lda = widen_panel(piece_buf, A, s.lda, !s.ta, p0, pb, k0, kb);
+        gemm<float>(s.ta, s.tb, pb, s.N, kb, s.alpha, piece_buf, lda, small_buf, ld_small, beta, C + p0 * s.ldc, s.ldc);
+      }
+    }
+  }
+}
+
+// ---- oneDNN path ---------------------------------------------------------------------------------
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+struct OnednnMatmul {
+  dnnl::matmul primitive;
+  dnnl::memory::desc a, b, c, scratchpad;
+};
+
+// The matmul primitive of one shape and its implementation's name ("brg:avx512_core_amx_bf16",
+// "gemm:jit", ...), or nothing where oneDNN has no bf16 matmul (below AVX-512) or only its reference
+// loops, which are far slower than the portable path.
+std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
+  using dims = dnnl::memory::dims;
+  using dt = dnnl::memory::data_type;
+  const dnnl::memory::desc a({s.M, s.K}, dt::bf16, s.ta ? dims{1, s.lda} : dims{s.lda, 1});
+  const dnnl::memory::desc b({s.K, s.N}, dt::bf16, s.tb ? dims{1, s.ldb} : dims{s.ldb, 1});
+  const dnnl::memory::desc c({s.M, s.N}, dt::f32, dims{s.ldc, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // a per-thread buffer, see run_onednn
+  if (s.alpha != 1.f) attr.set_output_scales(0, {s.alpha});
+  if (s.beta != 0.f) {  // C = alpha·AB + beta·C; without the post-op C is only written
+    dnnl::post_ops ops;
+    ops.append_sum(s.beta);
+    attr.set_post_ops(ops);
+  }
+  try {
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+    *impl = pd.impl_info_str();
+    if (impl->starts_with("ref")) return std::nullopt;
+    return OnednnMatmul{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()};
+  } catch (const dnnl::error&) {
+    return std::nullopt;
+  }
+}
+
+void run_onednn(const OnednnMatmul& m, const bf16* A, const bf16* B, float* C) {
+  thread_local dnnl::stream stream(cpu_engine());
+  thread_local std::vector<uint8_t> scratchpad;  // grows to the largest need, kept
+  if (scratchpad.size() < m.scratchpad.get_size()) scratchpad.resize(m.scratchpad.get_size());
+  const dnnl::engine& e = cpu_engine();
+  m.primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(m.a, e, const_cast<bf16*>(A))},
+                               {DNNL_ARG_WEIGHTS, dnnl::memory(m.b, e, const_cast<bf16*>(B))},
+                               {DNNL_ARG_DST, dnnl::memory(m.c, e, C)},
+                               {DNNL_ARG_SCRATCHPAD, dnnl::memory(m.scratchpad, e, scratchpad.data())}});
+  stream.wait();
+}
+
+// ---- the choice ----------------------------------------------------------------------------------
+
+Bf16GemmMode mode_from_env() {
+  const char* v = std::getenv("ORIGAMI_BF16_GEMM");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto") return Bf16GemmMode::automatic;
+  if (s == "portable") return Bf16GemmMode::portable;
+  if (s == "onednn") return Bf16GemmMode::onednn;
+  fail("ORIGAMI_BF16_GEMM='", s, "': expected auto, portable or onednn");
+}
+
+std::atomic<Bf16GemmMode>& mode() {
+  static std::atomic<Bf16GemmMode> m{mode_from_env()};
+  return m;
+}
+
+struct Choice {
+  Bf16GemmPath path;
+  std::optional<OnednnMatmul> onednn;  // when path is onednn
+  std::string onednn_impl;             // what oneDNN offered; empty when nothing
+};
+
+double seconds(const std::function<void()>& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Times both paths alternately on a slab of the shape — its first rows, at most 4M elements of C,
+// beta 0, written to a scratch buffer — best of 2 to 5 runs (more while the runs are short).
+bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
+  Shape slab = s;
+  slab.M = std::min(s.M, std::max<int64_t>(1, (int64_t(1) << 22) / s.N));
+  slab.beta = 0.f;
+  slab.ldc = s.N;
+  std::string impl;
+  const auto matmul = create_onednn(slab, &impl);
+  if (!matmul) return false;
+  std::vector<float> C(size_t(slab.M * slab.N));
+  double onednn = std::numeric_limits<double>::infinity(), portable = onednn, spent = 0;
+  for (int run = 0; run < 5 && (run < 2 || spent < 0.05); ++run) {
+    const double t_onednn = seconds([&] { run_onednn(*matmul, A, B, C.data()); });
+    const double t_portable = seconds([&] { portable_gemm(slab, A, B, C.data()); });
+    onednn = std::min(onednn, t_onednn), portable = std::min(portable, t_portable);
+    spent += t_onednn + t_portable;
+  }
+  return onednn < portable;
+}
+
+Choice decide(const Shape& s, const bf16* A, const bf16* B) {
+  std::string impl;
+  Choice c{Bf16GemmPath::portable, create_onednn(s, &impl), impl};
+  if (!c.onednn) return c;
+  if (mode() == Bf16GemmMode::onednn || onednn_is_faster(s, A, B)) c.path = Bf16GemmPath::onednn;
+  else c.onednn.reset();
+  return c;
+}
+
+struct Choices {
+  std::mutex mutex;
+  std::unordered_map<Shape, Choice, ShapeHash> by_shape;
+};
+
+Choices& choices() {
+  static Choices c;
+  return c;
+}
+
+// The shape's choice, made at its first call. Entries are never erased while GEMMs run (only
+// set_bf16_gemm_mode clears them), so the reference stays valid after the lock is released.
+const Choice& choice_for(const Shape& s, const bf16* A, const bf16* B) {
+  Choices& c = choices();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  auto it = c.by_shape.find(s);
+  if (it == c.by_shape.end()) it = c.by_shape.emplace(s, decide(s, A, B)).first;
+  return it->second;
+}
+
+thread_local Bf16GemmPath last_path = Bf16GemmPath::portable;
+
+// K = 0: no products, C = beta·C (beta 0 writes zeros whatever C held).
+void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
+}
+
+// "AMX", "AVX512-BF16" or "AVX-512", from the implementation's name where it says, else from the
+// ISA oneDNN runs at (gemm:jit's bf16 kernels use AVX512-BF16 instructions where the CPU has them).
+std::string isa_of(const std::string& impl) {
+  if (impl.find("amx") != std::string::npos) return "AMX";
+  if (impl.find("avx512_core_bf16") != std::string::npos) return "AVX512-BF16";
+  const unsigned isa = dnnl_get_effective_cpu_isa(), bf16_isa = dnnl_cpu_isa_avx512_core_bf16;
+  return (isa & bf16_isa) == bf16_isa ? "AVX512-BF16" : "AVX-512";
+}
+
+}  // namespace
+
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+               const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  ORIGAMI_ASSERT(lda >= std::max<int64_t>(1, ta ? M : K) && ldb >= std::max<int64_t>(1, tb ? K : N) &&
+                 ldc >= std::max<int64_t>(1, N));
+  const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
+  last_path = Bf16GemmPath::portable;
+  if (K == 0) return scale_c(M, N, beta, C, ldc);
+  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
+  const Choice& c = choice_for(s, A, B);
+  last_path = c.path;
+  if (c.path == Bf16GemmPath::onednn) run_onednn(*c.onednn, A, B, C);
+  else portable_gemm(s, A, B, C);
+}
+
+void set_bf16_gemm_mode(Bf16GemmMode m) {
+  Choices& c = choices();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  mode() = m;
+  c.by_shape.clear();
+}
+
+Bf16GemmMode bf16_gemm_mode() { return mode(); }
+
+Bf16GemmPath last_bf16_gemm_path() { return last_path; }
+
+std::string describe_bf16_gemm() {
+  if (mode() == Bf16GemmMode::portable) return "bf16 GEMM: portable (forced by ORIGAMI_BF16_GEMM=portable)";
+  constexpr int64_t M = 512, N = 768, K = 768;
+  const std::vector<bf16> a(size_t(M * K), to_bf16(0.01f)), b(size_t(K * N), to_bf16(0.02f));
+  std::vector<float> c(size_t(M * N));
+  gemm_bf16(false, false, M, N, K, 1.f, a.data(), K, b.data(), N, 0.f, c.data(), N);
+  const Choice& choice = choice_for({false, false, M, N, K, K, N, N, 1.f, 0.f}, a.data(), b.data());
+  if (choice.path == Bf16GemmPath::onednn) return cat("bf16 GEMM: ", isa_of(choice.onednn_impl), " (oneDNN)");
+  if (choice.onednn_impl.empty()) return "bf16 GEMM: portable (no faster bf16 path on this CPU: oneDNN has no bf16 matmul here)";
+  return cat("bf16 GEMM: portable (no faster bf16 path on this CPU: oneDNN's ", choice.onednn_impl, " is slower)");
+}
+
+}  // namespace origami

@@ -1,0 +1,52 @@
+// Mixed-precision GEMM on the CPU: C = alpha·op(A)·op(B) + beta·C with A and B in bf16 and C in fp32,
+// accumulated in fp32 (the product of two bf16 values is exact in fp32). Row-major with the argument
+// order and meaning of gemm<float> (gemm.h): op(A) is [M, K], op(B) is [K, N], C is [M, N];
+// lda/ldb/ldc are row strides; beta = 0 ignores C (NaN there does not leak into the result).
+//
+// Two paths:
+//   oneDNN: its matmul primitive, bf16 × bf16 -> f32, on whatever it has — AMX tiles
+//     (brg:avx512_core_amx_bf16), AVX512-BF16 dot products (brg:avx512_core_bf16, or gemm:jit for
+//     strides with padding), emulation on plain AVX-512; ONEDNN_MAX_CPU_ISA caps the choice, and below
+//     AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, or an AVX2-only CPU) oneDNN 2.6 creates no bf16 matmul.
+//     One primitive per (transposes, sizes, strides, alpha, beta), created at its first call and
+//     kept; it runs on the OpenMP pool of our loops (oneDNN's OpenMP build).
+//   portable: op(A) and op(B) widened to fp32 block by block into a per-thread scratch buffer reused
+//     across calls (4 MiB at most), each block pair multiplied by gemm<float>. Always available; it
+//     costs a few percent over gemm<float> on fp32 copies of the inputs (bench/README.md).
+// Choice, per shape (the key above), at its first call: where oneDNN creates a primitive, both paths
+// are timed alternately (a few runs each, on a slab of at most 4M elements of C written to a scratch
+// buffer) and the faster is kept. Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
+// half fp32 speed on an AMX host capped at that ISA, yet ~2× fp32 on Zen 4. The first call of a shape
+// therefore costs a few extra GEMMs; every shape costs one cache entry, so a caller with
+// data-dependent sizes (an MoE's rows per expert) must bucket them first.
+// Inside an OpenMP parallel region (one tile per thread) the portable path runs, single-threaded.
+// Calls from outside parallel regions may come from several threads at once (a mutex guards the cache).
+//
+// ORIGAMI_BF16_GEMM (read at the first call): auto (the default) times as above; portable forces the
+// portable path; onednn takes oneDNN wherever it creates a primitive, untimed (tests, benchmarks).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "kernels/cpu/bf16.h"
+
+namespace origami {
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+enum class Bf16GemmMode { automatic, portable, onednn };
+// Overrides ORIGAMI_BF16_GEMM and forgets every choice made so far (tests, benchmarks).
+void set_bf16_gemm_mode(Bf16GemmMode mode);
+Bf16GemmMode bf16_gemm_mode();
+
+enum class Bf16GemmPath { portable, onednn };
+// The path this thread's last gemm_bf16 call took (tests).
+Bf16GemmPath last_bf16_gemm_path();
+
+// The startup line: the path a GPT-2 projection at 512 tokens (512×768×768, the first call of that
+// shape decides it as above) takes, e.g. "bf16 GEMM: AMX (oneDNN)", "bf16 GEMM: AVX512-BF16 (oneDNN)",
+// "bf16 GEMM: portable (no faster bf16 path on this CPU)". Call it outside a parallel region.
+std::string describe_bf16_gemm();
+
+}  // namespace origami

@@ -1,0 +1,406 @@
+// bf16 conversions (kernels/cpu/bf16.h) and gemm_bf16 (kernels/cpu/gemm_bf16.h).
+//
+// Conversions: the scalar fp32 -> bf16 against the definition (the nearest bf16, ties to the even
+// one, overflow to inf at the midpoint above the largest finite value, NaN kept NaN) on every
+// exponent, sign and class of dropped bits; every vector path this CPU has gives the same bits as the
+// scalar one, on array lengths that exercise the tails and on unaligned starts; widening is exact.
+//
+// gemm_bf16, on every path this CPU offers (the one timing picks, oneDNN whenever it has a bf16
+// matmul here, the forced portable path): every transpose pair, beta 0 (C holding NaN is
+// overwritten) and 1, sizes 1, 7, 33 and 257 in every combination with leading dimensions wider than
+// the matrices and unaligned starts (padding holding NaN must not be read; C's must not be written),
+// and GPT-2's layer and LM-head GEMMs (forward, input gradient, weight gradient) at 64 tokens.
+// Two bounds, with u = 2^-24 (fp32) and u_bf16 = 2^-8:
+//  1. Against a double GEMM of the bf16 inputs themselves. A product of two bf16 values (8
+//     significant bits each) is exact in fp32, so only the sum rounds: C = α·Σ_k a_k·b_k + β·c is a
+//     sum of K + 1 terms; whatever the order (blocked, split over threads, sliced through C with
+//     beta 1 as the portable path does), each term meets at most K additions and one multiplication
+//     by α, each rounding by at most u: |C − C_exact| ≤ γ(K+2)·(|α|·Σ|a||b| + |β||c|),
+//     γ(n) = n·u/(1 − n·u) (Higham, Accuracy and Stability, §3.1), plus (K+2)·2^-126 for the
+//     subnormal sums that AMX and AVX512-BF16 flush to zero.
+//  2. Against gemm<float> of the unrounded fp32 inputs. Rounding each input to bf16 changes a product
+//     by at most (2·u_bf16 + u_bf16²)·|a·b|; each GEMM then adds its own bound 1:
+//     |C − C_fp32| ≤ |α|·(2·u_bf16 + u_bf16²)·Σ|a||b| + γ(K+2)·(S_bf16 + S_fp32), S the magnitudes of 1.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_bf16.h"
+
+using namespace origami;
+
+namespace {
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// Every fp32 high half (sign, exponent, top mantissa bits) with dropped halves that decide rounding:
+// 0, the smallest, just below, at and just above one half, the largest, and a pseudo-random one.
+std::vector<float> rounding_patterns() {
+  std::vector<float> out;
+  uint32_t s = 12345;
+  for (uint32_t hi = 0; hi < 65536; ++hi)
+    for (uint32_t lo : {0u, 1u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu, (s = s * 1664525u + 1013904223u) >> 16})
+      out.push_back(float_of(hi << 16 | lo));
+  return out;
+}
+
+// The definition: the nearest bf16 to x, ties to the one with an even last bit; above the largest
+// finite bf16 the next candidate is 2^128 (inf), so overflow happens at the midpoint, as IEEE says.
+uint16_t nearest_bf16(float x) {
+  const uint32_t u = bits_of(x);
+  if (std::isnan(x)) return uint16_t((u >> 16) | 0x40);
+  if (std::isinf(x)) return uint16_t(u >> 16);
+  const uint16_t down = uint16_t(u >> 16), up = uint16_t(down + 1);  // toward zero / away from zero
+  const double lo = std::fabs(double(float_of(uint32_t(down) << 16)));
+  const double hi = (up & 0x7fff) == 0x7f80 ? std::ldexp(1.0, 128) : std::fabs(double(float_of(uint32_t(up) << 16)));
+  const double ax = std::fabs(double(x));
+  if (ax - lo < hi - ax) return down;
+  if (ax - lo > hi - ax) return up;
+  return (down & 1) ? up : down;
+}
+
+std::vector<Bf16Isa> paths_here() {
+  std::vector<Bf16Isa> out;
+  for (Bf16Isa isa : {Bf16Isa::scalar, Bf16Isa::avx2, Bf16Isa::avx512f, Bf16Isa::avx512bf16})
+    if (cpu_has(isa)) out.push_back(isa);
+  return out;
+}
+
+}  // namespace
+
+TEST(Bf16Convert, SpecialValues) {
+  struct Expect {
+    uint32_t in;
+    uint16_t out;
+    const char* what;
+  };
+  const Expect cases[] = {
+      {0x3f800000, 0x3f80, "1"},
+      {0x3f808000, 0x3f80, "1 + 2^-8: a tie, to the even 1"},
+      {0x3f818000, 0x3f82, "1 + 3·2^-8: a tie, up to the even 1 + 2^-6"},
+      {0x3f808001, 0x3f81, "just above a tie: up"},
+      {0x3f80ffff, 0x3f81, "just below the next bf16: up"},
+      {0xbf808000, 0xbf80, "-(1 + 2^-8): ties to even on the magnitude"},
+      {0x00000000, 0x0000, "+0"},
+      {0x80000000, 0x8000, "-0"},
+      {0x00000001, 0x0000, "smallest subnormal: to +0"},
+      {0x80000001, 0x8000, "its negative: to -0"},
+      {0x00008000, 0x0000, "2^-134: a tie, to the even 0"},
+      {0x00018000, 0x0002, "3·2^-134: a tie, up to the even 2^-132"},
+      {0x00008001, 0x0001, "just above half the smallest bf16 subnormal: up"},
+      {0x007fffff, 0x0080, "largest subnormal: up to the smallest normal"},
+      {0x00400000, 0x0040, "a subnormal that is a bf16"},
+      {0x7f7f0000, 0x7f7f, "largest finite bf16"},
+      {0x7f7f7fff, 0x7f7f, "just below the overflow midpoint"},
+      {0x7f7f8000, 0x7f80, "the overflow midpoint, odd last bit: to inf"},
+      {0x7f7fffff, 0x7f80, "largest finite fp32: to inf"},
+      {0xff7fffff, 0xff80, "its negative: to -inf"},
+      {0x7f800000, 0x7f80, "inf"},
+      {0xff800000, 0xff80, "-inf"},
+      {0x7fc00000, 0x7fc0, "quiet NaN"},
+      {0xffc00000, 0xffc0, "negative quiet NaN"},
+      {0x7f800001, 0x7fc0, "NaN with payload only in the dropped bits: quiet NaN, not inf"},
+      {0x7fa00000, 0x7fe0, "signalling NaN: quiet, top payload kept"},
+  };
+  for (const auto& c : cases) {
+    EXPECT_EQ(to_bf16(float_of(c.in)).bits, c.out) << c.what;
+    for (Bf16Isa isa : paths_here()) {
+      std::vector<float> in(37, float_of(c.in));  // one vector block and a tail
+      std::vector<bf16> out(37);
+      to_bf16(isa, out.data(), in.data(), 37);
+      for (const bf16& o : out) ASSERT_EQ(o.bits, c.out) << c.what << " on " << name(isa);
+    }
+  }
+}
+
+TEST(Bf16Convert, ScalarIsTheNearestTiesToEven) {
+  for (float x : rounding_patterns()) ASSERT_EQ(to_bf16(x).bits, nearest_bf16(x)) << std::hex << bits_of(x);
+}
+
+TEST(Bf16Convert, EveryPathGivesTheScalarBits) {
+  const std::vector<float> x = rounding_patterns();
+  std::vector<uint16_t> want(x.size());
+  for (size_t i = 0; i < x.size(); ++i) want[i] = to_bf16(x[i]).bits;
+  std::cout << "conversion paths on this CPU:";
+  for (Bf16Isa isa : paths_here()) std::cout << " " << name(isa);
+  std::cout << " (arrays use " << name(best_bf16_isa()) << ")\n";
+  for (Bf16Isa isa : paths_here()) {
+    std::vector<bf16> out(x.size());
+    to_bf16(isa, out.data(), x.data(), int64_t(x.size()));
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(out[i].bits, want[i]) << name(isa) << std::hex << " " << bits_of(x[i]);
+    // Short arrays at unaligned starts: tails of every length, nothing written past n.
+    for (int64_t start = 1; start < 4; ++start)
+      for (int64_t n = 0; n <= 70; ++n) {
+        std::vector<bf16> o(size_t(n + 1), bf16{0xabcd});
+        to_bf16(isa, o.data(), x.data() + 8191 * start, n);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(o[size_t(i)].bits, want[size_t(8191 * start + i)]) << name(isa);
+        ASSERT_EQ(o[size_t(n)].bits, 0xabcd) << name(isa) << " wrote past n = " << n;
+      }
+  }
+}
+
+TEST(Bf16Convert, WideningIsExactOnEveryPath) {
+  std::vector<bf16> all(65536 + 5);
+  for (size_t i = 0; i < all.size(); ++i) all[i].bits = uint16_t(i);
+  for (Bf16Isa isa : paths_here())
+    for (int64_t start : {0, 1, 3}) {
+      std::vector<float> out(all.size() + 1, -7.f);
+      to_float(isa, out.data(), all.data() + start, int64_t(all.size()) - start);
+      for (size_t i = 0; i + size_t(start) < all.size(); ++i)
+        ASSERT_EQ(bits_of(out[i]), uint32_t(all[i + size_t(start)].bits) << 16) << name(isa);
+      ASSERT_EQ(out[all.size() - size_t(start)], -7.f) << name(isa) << " wrote past n";
+    }
+  std::vector<float> round_trip(65536);
+  to_float(round_trip.data(), all.data(), 65536);
+  for (size_t i = 0; i < 65536; ++i)
+    if (!std::isnan(round_trip[i])) ASSERT_EQ(to_bf16(round_trip[i]).bits, i);  // bf16 -> fp32 -> bf16
+}
+
+// ---- gemm_bf16 ---------------------------------------------------------------------------------
+
+namespace {
+
+struct Case {
+  bool ta, tb;
+  int64_t M, N, K;
+  float beta;
+  bool padded;  // leading dimensions wider than the matrices, unaligned starts
+};
+
+std::string name(const Case& c) {
+  return cat(c.ta ? "T" : "N", c.tb ? "T" : "N", " ", c.M, "x", c.N, "x", c.K, " beta ", c.beta,
+             c.padded ? " padded" : "");
+}
+
+// A rows × cols matrix with row stride ld, entries uniform in [-1, 1), padding NaN.
+std::vector<float> random_matrix(int64_t rows, int64_t cols, int64_t ld, uint32_t seed) {
+  std::vector<float> m(size_t(rows * ld), std::numeric_limits<float>::quiet_NaN());
+  uint32_t s = seed;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      s = s * 1664525u + 1013904223u;
+      m[size_t(r * ld + c)] = float(double(s >> 8) / double(1 << 23) - 1.0);
+    }
+  return m;
+}
+
+// x rounded to bf16 behind `offset` leading elements (an unaligned start when odd).
+std::vector<bf16> rounded(const std::vector<float>& x, size_t offset) {
+  std::vector<bf16> out(x.size() + offset);
+  to_bf16(out.data() + offset, x.data(), int64_t(x.size()));
+  return out;
+}
+
+// As doubles, NaN padding as 0 (|x| with `absolute`), for the double-precision references.
+std::vector<double> as_double(const std::vector<float>& x, bool absolute) {
+  std::vector<double> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = std::isnan(x[i]) ? 0.0 : absolute ? std::fabs(x[i]) : x[i];
+  return out;
+}
+
+std::vector<float> widened(const std::vector<bf16>& x, size_t offset) {
+  std::vector<float> out(x.size() - offset);
+  to_float(out.data(), x.data() + offset, int64_t(out.size()));
+  return out;
+}
+
+double gamma(int64_t n) { return double(n) * 0x1p-24 / (1 - double(n) * 0x1p-24); }
+
+// One case's operands and references; run() calls gemm_bf16 on a fresh C and returns the largest
+// error over its bound (1 means at the bound) for each of the two bounds of this file's header.
+struct GemmCheck {
+  Case c;
+  int64_t lda, ldb, ldc;
+  size_t offset;
+  float alpha = 0.75f;
+  std::vector<float> a32, b32, c0;  // unrounded inputs, C before the call
+  std::vector<bf16> a16, b16;
+  std::vector<double> exact, mag16, mag32;  // α·op(Ã)op(B̃) + β·C0; the magnitudes S_bf16, S_fp32
+  std::vector<float> fp32;                  // gemm<float> on the unrounded inputs
+
+  explicit GemmCheck(const Case& cs, uint32_t seed) : c(cs) {
+    const int64_t ar = c.ta ? c.K : c.M, ac = c.ta ? c.M : c.K, br = c.tb ? c.N : c.K, bc = c.tb ? c.K : c.N;
+    lda = ac + (c.padded ? 3 : 0), ldb = bc + (c.padded ? 5 : 0), ldc = c.N + (c.padded ? 7 : 0);
+    offset = c.padded ? 1 : 0;
+    a32 = random_matrix(ar, ac, lda, seed), b32 = random_matrix(br, bc, ldb, seed + 1);
+    c0 = random_matrix(c.M, c.N, ldc, seed + 2);
+    for (float& v : c0) v = std::isnan(v) ? -7.f : v;  // C's padding: a value to find unchanged
+    a16 = rounded(a32, offset), b16 = rounded(b32, offset);
+    references();
+  }
+
+  void dgemm(double a, const std::vector<double>& A, const std::vector<double>& B, double beta,
+             const std::vector<double>& C0, std::vector<double>& out) const {
+    out = C0;
+    gemm<double>(c.ta, c.tb, c.M, c.N, c.K, a, A.data(), lda, B.data(), ldb, beta, out.data(), ldc);
+  }
+
+  void references() {
+    const auto a16d = as_double(widened(a16, offset), false), b16d = as_double(widened(b16, offset), false);
+    const auto a16m = as_double(widened(a16, offset), true), b16m = as_double(widened(b16, offset), true);
+    const auto c0d = as_double(c0, false), c0m = as_double(c0, true);
+    const double abs_alpha = std::fabs(alpha), abs_beta = std::fabs(c.beta);
+    dgemm(alpha, a16d, b16d, c.beta, c0d, exact);
+    dgemm(abs_alpha, a16m, b16m, abs_beta, c0m, mag16);
+    dgemm(abs_alpha, as_double(a32, true), as_double(b32, true), abs_beta, c0m, mag32);
+    fp32 = c0;
+    if (c.beta == 0) fp32.assign(fp32.size(), std::numeric_limits<float>::quiet_NaN());
+    gemm<float>(c.ta, c.tb, c.M, c.N, c.K, alpha, a32.data(), lda, b32.data(), ldb, c.beta, fp32.data(), ldc);
+  }
+
+  // {bound 1 ratio, bound 2 ratio}; infinity when C's padding changed, NaN when a result is NaN.
+  std::pair<double, double> run() const {
+    std::vector<float> C = c0;
+    if (c.beta == 0)  // beta 0 ignores C: NaN there must not reach the result
+      for (int64_t i = 0; i < c.M; ++i)
+        for (int64_t j = 0; j < c.N; ++j) C[size_t(i * ldc + j)] = std::numeric_limits<float>::quiet_NaN();
+    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, alpha, a16.data() + offset, lda, b16.data() + offset, ldb, c.beta, C.data(), ldc);
+    const double g = gamma(c.K + 2), flushed = double(c.K + 2) * 0x1p-126, u16 = 2 * 0x1p-8 + 0x1p-16;
+    double r1 = 0, r2 = 0;
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t j = 0; j < c.N; ++j) {
+        const size_t k = size_t(i * ldc + j);
+        const double beta_c = std::fabs(c.beta) * std::fabs(c0[k]);
+        const double e1 = std::fabs(C[k] - exact[k]) / (g * mag16[k] + flushed);
+        const double e2 = std::fabs(C[k] - double(fp32[k])) / (u16 * (mag32[k] - beta_c) + g * (mag16[k] + mag32[k]) + flushed);
+        if (!(e1 <= r1)) r1 = e1;  // NaN sticks
+        if (!(e2 <= r2)) r2 = e2;
+      }
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t j = c.N; j < ldc; ++j)
+        if (C[size_t(i * ldc + j)] != -7.f) return {std::numeric_limits<double>::infinity(), 0};
+    return {r1, r2};
+  }
+};
+
+const char* path_name(Bf16GemmPath p) { return p == Bf16GemmPath::onednn ? "oneDNN" : "portable"; }
+
+// Runs every case on every path to check here — the timed choice, oneDNN wherever it has a bf16
+// matmul, the forced portable path — against both bounds, and prints each mode's worst ratios.
+void check_every_path(const std::vector<Case>& cases) {
+  set_num_threads(2);
+  const std::pair<Bf16GemmMode, const char*> modes[] = {
+      {Bf16GemmMode::automatic, "automatic"}, {Bf16GemmMode::onednn, "onednn"}, {Bf16GemmMode::portable, "portable"}};
+  int onednn[3] = {0, 0, 0};
+  double worst1[3] = {0, 0, 0}, worst2[3] = {0, 0, 0};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const GemmCheck check(cases[i], 100 + uint32_t(i));
+    for (int m = 0; m < 3; ++m) {
+      set_bf16_gemm_mode(modes[m].first);  // also forgets the choices: the shape is timed afresh
+      const auto [r1, r2] = check.run();
+      const Bf16GemmPath path = last_bf16_gemm_path();
+      const std::string where = cat(name(cases[i]), " (", modes[m].second, ", ", path_name(path), ")");
+      EXPECT_LE(r1, 1.0) << where << ": against the bf16 inputs";
+      EXPECT_LE(r2, 1.0) << where << ": against fp32";
+      onednn[m] += path == Bf16GemmPath::onednn;
+      worst1[m] = std::max(worst1[m], r1), worst2[m] = std::max(worst2[m], r2);
+    }
+  }
+  for (int m = 0; m < 3; ++m)
+    std::cout << modes[m].second << ": " << onednn[m] << " of " << cases.size() << " cases on oneDNN; largest error / bound "
+              << worst1[m] << " (bf16 inputs), " << worst2[m] << " (fp32)\n";
+  EXPECT_EQ(onednn[2], 0);
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+}
+
+std::vector<Case> odd_size_cases() {
+  std::vector<Case> out;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (float beta : {0.f, 1.f})
+        for (int64_t M : {1, 7, 33, 257})
+          for (int64_t N : {1, 7, 33, 257})
+            for (int64_t K : {1, 7, 33, 257}) out.push_back({ta, tb, M, N, K, beta, true});
+  return out;
+}
+
+// GPT-2 124M at T tokens, as the layers call gemm (model/layers/linear.cpp, lm_head.cpp): forward
+// y = x·W, input gradient dx = dy·Wᵀ, weight gradient dW += xᵀ·dy; the LM head with W [V, C].
+std::vector<Case> model_cases(int64_t T) {
+  std::vector<Case> out;
+  for (auto [in, o] : {std::pair<int64_t, int64_t>{768, 2304}, {768, 768}, {768, 3072}, {3072, 768}}) {
+    out.push_back({false, false, T, o, in, 0.f, false});
+    out.push_back({false, true, T, in, o, 0.f, false});
+    out.push_back({true, false, in, o, T, 1.f, false});
+  }
+  constexpr int64_t V = 50304, C = 768;
+  out.push_back({false, true, T, V, C, 0.f, false});   // logits = x·Wᵀ
+  out.push_back({false, false, T, C, V, 0.f, false});  // dx = dlogits·W
+  out.push_back({true, false, V, C, T, 1.f, false});   // dW += dlogitsᵀ·x
+  return out;
+}
+
+}  // namespace
+
+TEST(GemmBf16, OddSizesEveryTransposeStridedBeta0And1) { check_every_path(odd_size_cases()); }
+
+TEST(GemmBf16, Gpt2LayerAndLmHeadShapes) { check_every_path(model_cases(64)); }
+
+TEST(GemmBf16, InsideParallelRegionPortableTilePerThread) {
+  set_num_threads(2);
+  const Case c{true, false, 64, 64, 64, 1.f, true};  // attention's dK-like tile
+  std::vector<double> r1(2, -1), r2(2, -1);
+  std::vector<int> path(2, -1);
+#pragma omp parallel num_threads(2)
+  {
+    const int t = omp_get_thread_num();
+    const GemmCheck check(c, 7 + uint32_t(t));
+    std::tie(r1[size_t(t)], r2[size_t(t)]) = check.run();
+    path[size_t(t)] = int(last_bf16_gemm_path());
+  }
+  for (int t = 0; t < 2; ++t) {
+    EXPECT_TRUE(r1[size_t(t)] >= 0 && r1[size_t(t)] <= 1 && r2[size_t(t)] >= 0 && r2[size_t(t)] <= 1) << r1[size_t(t)];
+    EXPECT_EQ(path[size_t(t)], int(Bf16GemmPath::portable));
+  }
+}
+
+TEST(GemmBf16, EmptyAndZeroK) {
+  set_num_threads(2);
+  std::vector<float> C = {std::numeric_limits<float>::quiet_NaN(), 2.f, -7.f, 4.f};
+  gemm_bf16(false, false, 2, 1, 0, 1.f, nullptr, 1, nullptr, 1, 0.f, C.data(), 2);  // K = 0, beta 0: zeros
+  EXPECT_EQ(C[0], 0.f);
+  EXPECT_EQ(C[2], 0.f);
+  EXPECT_EQ(C[1], 2.f);  // padding
+  C[0] = 3.f;
+  gemm_bf16(false, false, 2, 1, 0, 1.f, nullptr, 1, nullptr, 1, 0.5f, C.data(), 2);  // beta 0.5 scales
+  EXPECT_EQ(C[0], 1.5f);
+  gemm_bf16(false, false, 0, 1, 4, 1.f, nullptr, 4, nullptr, 1, 0.f, C.data(), 1);  // M = 0: nothing
+  EXPECT_EQ(C[0], 1.5f);
+}
+
+TEST(GemmBf16, RejectsALeadingDimensionTooSmall) {
+  std::vector<bf16> A(16), B(16);
+  std::vector<float> C(16);
+  EXPECT_THROW(gemm_bf16(false, false, 4, 4, 4, 1.f, A.data(), 2, B.data(), 4, 0.f, C.data(), 4), Error);
+}
+
+TEST(GemmBf16, DescribesThePath) {
+  set_num_threads(2);
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+  const std::string line = describe_bf16_gemm();
+  std::cout << line << "\n";
+  EXPECT_EQ(line.rfind("bf16 GEMM: ", 0), 0u) << line;
+  set_bf16_gemm_mode(Bf16GemmMode::portable);
+  EXPECT_EQ(describe_bf16_gemm(), "bf16 GEMM: portable (forced by ORIGAMI_BF16_GEMM=portable)");
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+}
