@@ -102,10 +102,13 @@ int ckpt_export(int argc, char** argv) {
   Args a("ckpt export", "Write a Hugging Face model directory from any checkpoint: config.json, model.safetensors\n"
                         "(or shards with model.safetensors.index.json above --max-shard-gb, the Hub's layout) and\n"
                         "tokenizer.json when the checkpoint has one. With --optimizer also optimizer.safetensors and\n"
-                        "trainer_state.json: the result is an origami checkpoint that --resume continues.");
+                        "trainer_state.json: the result is an origami checkpoint that --resume continues. With\n"
+                        "--dtype bf16 the weights are BF16 and config.json's torch_dtype \"bfloat16\".");
   std::string path = take_checkpoint(argc, argv, a);
   a.option("hf", "OUT", "output directory")
       .option("max-shard-gb", "X", "largest weights file in GB (10^9 bytes)", "5")
+      .option("dtype", "fp32|bf16", "the weights' element type in the export (bf16: half the bytes, rounded to "
+              "nearest even; the checkpoint itself stays fp32)", "fp32")
       .flag("optimizer", "also write the AdamW moments and the trainer state");
   if (!a.parse(argc, argv)) return 0;
   if (path.empty()) path = a.str("checkpoint");
@@ -113,14 +116,15 @@ int ckpt_export(int argc, char** argv) {
   ORIGAMI_CHECK(a.has("hf"), "give the output directory: --hf OUT");
   const double gb = a.number("max-shard-gb");
   ORIGAMI_CHECK(gb > 0, "--max-shard-gb must be positive, got ", gb);
+  const ExportDtype dtype = parse_export_dtype(a.str("dtype"));
   Checkpoint ck = Checkpoint::open(path);
   ORIGAMI_CHECK(!ck.config_path().empty(), "'", ck.path(), "' has no config.json beside it");
   const ModelConfig cfg = load_model_config(ck.config_path());
   ck.bind(cfg);
   ck.verify_checksums(0, 1);  // a damaged shard is refused, not exported
-  const int files = export_checkpoint(ck, cfg, a.str("hf"), int64_t(gb * 1e9), a.on("optimizer"));
-  std::printf("exported %s to %s (%d weights file%s%s)\n", ck.path().c_str(), a.str("hf").c_str(), files,
-              files == 1 ? "" : "s", a.on("optimizer") ? ", optimizer state" : "");
+  const int files = export_checkpoint(ck, cfg, a.str("hf"), int64_t(gb * 1e9), a.on("optimizer"), dtype);
+  std::printf("exported %s to %s (%d weights file%s%s%s)\n", ck.path().c_str(), a.str("hf").c_str(), files,
+              files == 1 ? "" : "s", dtype == ExportDtype::bf16 ? ", bf16" : "", a.on("optimizer") ? ", optimizer state" : "");
   return 0;
 }
 

@@ -359,9 +359,19 @@ void Checkpoint::verify_checksums(int rank, int world) {
   }
 }
 
+ExportDtype parse_export_dtype(const std::string& s) {
+  if (s == "fp32") return ExportDtype::fp32;
+  if (s == "bf16") return ExportDtype::bf16;
+  fail("--dtype must be 'fp32' or 'bf16', got '", s, "'");
+}
+
 int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string& out, int64_t max_shard_bytes,
-                      bool optimizer) {
+                      bool optimizer, ExportDtype dtype) {
   ORIGAMI_CHECK(!optimizer || ck.has_optimizer(), "checkpoint '", ck.path(), "' has no optimizer state to export");
+  const bool bf16 = dtype == ExportDtype::bf16;
+  ORIGAMI_CHECK(!(optimizer && bf16), "--optimizer writes a checkpoint to resume, whose weights stay fp32: "
+                "export it without --dtype bf16");
+  const int64_t elem_bytes = bf16 ? 2 : 4;
   // Weights already there (an earlier export, sharded or not) would mix with these: refused.
   for (const char* f : {"model.safetensors", "model.safetensors.index.json"})
     ORIGAMI_CHECK(!fs::exists(fs::path(out) / f), "'", out, "' already holds model weights (", f,
@@ -372,7 +382,7 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
   std::vector<std::vector<size_t>> shards(1);
   int64_t in_shard = 0;
   for (size_t i = 0; i < table.size(); ++i) {
-    const int64_t b = 4 * table[i].numel();
+    const int64_t b = elem_bytes * table[i].numel();
     if (!shards.back().empty() && in_shard + b > max_shard_bytes) shards.emplace_back(), in_shard = 0;
     shards.back().push_back(i);
     in_shard += b;
@@ -389,16 +399,18 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
     for (size_t i : shards[s]) {
       bufs.emplace_back(size_t(table[i].numel()));
       ck.read(StateKind::weight, table[i], 1, 0, 0, table[i].numel(), bufs.back().data());
-      writes.push_back({table[i].name, table[i].shape, bufs.back().data()});
+      writes.push_back({table[i].name, table[i].shape, bufs.back().data(), bf16 ? "BF16" : "F32"});
       weight_map[table[i].name] = file;
-      total += 4 * table[i].numel();
+      total += elem_bytes * table[i].numel();
     }
     write_safetensors(out + "/" + file, writes, {{"format", "pt"}});
   }
   if (n > 1)
     write_file_atomically(out + "/model.safetensors.index.json",
                           nlohmann::ordered_json({{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
-  save_model_config(cfg, out + "/config.json");
+  nlohmann::json hf_config = cfg.raw;
+  hf_config["torch_dtype"] = bf16 ? "bfloat16" : "float32";  // what from_pretrained(torch_dtype="auto") builds
+  write_file_atomically(out + "/config.json", hf_config.dump(2) + "\n");
   if (const std::string tok = ck.tokenizer_path(); !tok.empty())
     write_file_atomically(out + "/tokenizer.json", tokenizer_file_for_hf_export(tok));
   if (optimizer) {

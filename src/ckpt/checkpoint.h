@@ -125,14 +125,20 @@ class Checkpoint {
   std::map<std::string, Entry> tensors_;  // by name as stored (canonical after bind)
 };
 
-// Writes a Hugging Face model directory from any checkpoint: config.json, the weights as
-// model.safetensors or, above `max_shard_bytes`, model-0000i-of-0000n.safetensors shards with
-// model.safetensors.index.json (the Hub's layout), tokenizer.json when the checkpoint has one, and
-// with `optimizer` also optimizer.safetensors (exp_avg.<name>, exp_avg_sq.<name>) and
-// trainer_state.json, which makes OUT an origami single-file checkpoint that --resume reads.
-// Holds at most one shard's tensors in memory (with `optimizer`, all the moments). Returns the
-// number of weight files written.
+// The element type of an export's weights: fp32, the checkpoint's own, or bf16 (half the bytes,
+// each weight rounded to nearest even by kernels/cpu/bf16.h, as torch's .to(torch.bfloat16) rounds).
+enum class ExportDtype { fp32, bf16 };
+ExportDtype parse_export_dtype(const std::string& s);  // "fp32" or "bf16"; Error naming --dtype otherwise
+
+// Writes a Hugging Face model directory from any checkpoint: config.json (its torch_dtype
+// "float32" or "bfloat16"), the weights as `dtype` (F32 or BF16) in model.safetensors or, above
+// `max_shard_bytes` (counted in `dtype`'s bytes), model-0000i-of-0000n.safetensors shards with
+// model.safetensors.index.json (the Hub's layout; its total_size in `dtype`'s bytes), tokenizer.json
+// when the checkpoint has one, and with `optimizer` also optimizer.safetensors (exp_avg.<name>,
+// exp_avg_sq.<name>) and trainer_state.json, which makes OUT an origami single-file checkpoint that
+// --resume reads (fp32 only: checkpoints keep fp32 weights). Holds at most one shard's tensors in
+// memory (with `optimizer`, all the moments). Returns the number of weight files written.
 int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string& out, int64_t max_shard_bytes,
-                      bool optimizer);
+                      bool optimizer, ExportDtype dtype);
 
 }  // namespace origami

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/io.h"
 #include "core/json_fields.h"
+#include "kernels/cpu/bf16.h"
 
 // The format is little-endian; we read and write it with plain memcpy.
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
@@ -82,7 +83,7 @@ float f16_to_f32(uint16_t h) {
   return std::bit_cast<float>(sign | ((exp + 112) << 23) | (mant << 13));  // rebias 15 -> 127
 }
 
-float bf16_to_f32(uint16_t b) { return std::bit_cast<float>(uint32_t(b) << 16); }
+float bf16_to_f32(uint16_t b) { return to_float(bf16{b}); }
 
 uint16_t f32_to_f16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
@@ -108,12 +109,7 @@ uint16_t f32_to_f16(float f) {
   return sign | uint16_t((rounded - (112u << 23)) >> 13);
 }
 
-uint16_t f32_to_bf16(float f) {
-  uint32_t x = std::bit_cast<uint32_t>(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40);  // quiet NaN
-  x += 0x7fffu + ((x >> 16) & 1);  // round to nearest even; overflow correctly gives inf
-  return uint16_t(x >> 16);
-}
+uint16_t f32_to_bf16(float f) { return to_bf16(f).bits; }
 
 int64_t TensorInfo::numel() const {
   int64_t n = 1;
@@ -352,6 +348,20 @@ void write_all(TmpFile& tmp, const void* data, size_t len) {
   }
 }
 
+// Writes n floats as 16-bit elements through a 64 KiB buffer, converted chunk by chunk by
+// convert(out, in, m). BF16 takes the vectorised conversion of kernels/cpu/bf16.h.
+template <typename Elem, typename Convert>
+void write_converted(TmpFile& tmp, const float* data, size_t n, Convert convert) {
+  static_assert(sizeof(Elem) == 2);
+  constexpr size_t chunk = size_t(1) << 15;
+  std::vector<Elem> buf(std::min(n, chunk));
+  for (size_t s = 0; s < n; s += chunk) {
+    const size_t m = std::min(chunk, n - s);
+    convert(buf.data(), data + s, m);
+    write_all(tmp, buf.data(), m * 2);
+  }
+}
+
 }  // namespace
 
 WrittenFile write_safetensors(const std::string& path, const std::vector<TensorWrite>& tensors,
@@ -405,8 +415,6 @@ WrittenFile write_safetensors(const std::string& path, const std::vector<TensorW
   write_all(tmp, &header_len, 8);
   write_all(tmp, text.data(), text.size());
 
-  constexpr size_t chunk = size_t(1) << 16;
-  std::vector<uint16_t> buf;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     const size_t n = size_t(numels[i]);
@@ -415,14 +423,12 @@ WrittenFile write_safetensors(const std::string& path, const std::vector<TensorW
       write_all(tmp, t.data, n * 4);
     } else if (t.dtype == "I32") {
       write_all(tmp, t.data_i32, n * 4);
+    } else if (t.dtype == "BF16") {
+      write_converted<bf16>(tmp, t.data, n, [](bf16* out, const float* in, size_t m) { to_bf16(out, in, int64_t(m)); });
     } else {
-      const bool half = t.dtype == "F16";
-      buf.resize(std::min(n, chunk));
-      for (size_t s = 0; s < n; s += chunk) {
-        const size_t m = std::min(chunk, n - s);
-        for (size_t j = 0; j < m; ++j) buf[j] = half ? f32_to_f16(t.data[s + j]) : f32_to_bf16(t.data[s + j]);
-        write_all(tmp, buf.data(), m * 2);
-      }
+      write_converted<uint16_t>(tmp, t.data, n, [](uint16_t* out, const float* in, size_t m) {
+        for (size_t j = 0; j < m; ++j) out[j] = f32_to_f16(in[j]);
+      });
     }
   }
   // Flush to disk before the rename, so that after a crash `path` is never a partial file.

@@ -27,7 +27,8 @@ namespace origami {
 size_t safetensors_dtype_size(std::string_view dtype);
 
 // Exact conversions between float and the 16-bit float formats. float -> 16 bits rounds to
-// nearest even (as PyTorch does); overflow gives infinity; NaN stays NaN.
+// nearest even (as PyTorch does); overflow gives infinity; NaN stays NaN. The BF16 ones are
+// kernels/cpu/bf16.h's to_bf16 / to_float.
 float f16_to_f32(uint16_t h);
 float bf16_to_f32(uint16_t b);
 uint16_t f32_to_f16(float f);
@@ -83,7 +84,8 @@ class SafetensorsFile {
 };
 
 // One tensor to write. Values come from `data` (floats) and are stored as `dtype`: "F32", or
-// "F16"/"BF16" (rounded to nearest even on the way out); or, with dtype "I32", from `data_i32`.
+// "F16"/"BF16" (rounded to nearest even on the way out; BF16 by kernels/cpu/bf16.h's vectorised
+// conversion); or, with dtype "I32", from `data_i32`.
 // The pointer may be null only when the tensor has no elements.
 struct TensorWrite {
   std::string name;
