@@ -7,6 +7,11 @@ import time
 ORIGAMI = os.environ.get("ORIGAMI_BIN", os.path.join(os.path.dirname(__file__), "../../build/origami"))
 
 
+# The tests' small llama: byte-level vocabulary (256 bytes + end-of-document), 2 layers.
+LLAMA_TINY = {"model_type": "llama", "hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 40, "num_hidden_layers": 2, "vocab_size": 257, "max_position_embeddings": 64}
+
+
 def fail(msg):
     print("FAIL:", msg)
     sys.exit(1)
@@ -38,3 +43,15 @@ def expect_error(what, args, message):
           f"{what}: exit {p.returncode} in {wall:.2f} s, expected 1 within a second and the one line\n  {want}\n"
           f"got:\n{out}")
     print(f"ok   {what} ({wall:.2f} s): {lines[0]}")
+
+
+def byte_dataset(tmp, docs, name="d"):
+    """A byte-tokenized dataset of `docs` short documents in `tmp` (origami data prepare) made from the text
+    file PREFIX.txt; returns PREFIX."""
+    text = os.path.join(tmp, name + ".txt")
+    with open(text, "w") as f:
+        for i in range(docs):
+            f.write(f"fortune number {i}: the quick brown fox jumps over the lazy dog.\n%\n")
+    prefix = os.path.join(tmp, name)
+    run("data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte")
+    return prefix

@@ -28,13 +28,12 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import check, expect_error, run  # noqa: E402
+from cli_util import LLAMA_TINY, byte_dataset, check, expect_error, run  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 MIXTRAL = os.path.join(ROOT, "configs", "models", "mixtral-8x7b.json")
 H100 = os.path.join(ROOT, "configs", "clusters", "dgx-h100.json")
-LLAMA = {"model_type": "llama", "hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 40, "num_hidden_layers": 2, "vocab_size": 257, "max_position_embeddings": 64}
+LLAMA = LLAMA_TINY
 
 
 def config(tmp, name, base, **changes):
@@ -44,15 +43,6 @@ def config(tmp, name, base, **changes):
     with open(path, "w") as f:
         json.dump(cfg, f)
     return path
-
-
-def dataset(tmp, name, docs):
-    text = os.path.join(tmp, name + ".txt")
-    with open(text, "w") as f:
-        f.write("\n%\n".join("document %d of the corpus, a few words long." % i for i in range(docs)))
-    prefix = os.path.join(tmp, name)
-    run("data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte")
-    return prefix
 
 
 def plan(cfg, *extra, devices="64", batch="64", seq="4096"):
@@ -139,7 +129,7 @@ def reader_shapes(tmp, data):
                  f"model config '{deep}' nests arrays and objects 200001 levels deep; origami reads at most 1000")
     long_path = os.path.join(tmp, "x" * 300)
     expect_error("a path component of 300 bytes", ["ckpt", "info", long_path], f"'{long_path}': File name too long")
-    other = dataset(tmp, "other", 40)
+    other = byte_dataset(tmp, 40, "other")
     p = run("train", "--config", config(tmp, "blend", LLAMA), "--data", f"1e308 {data} 1e308 {other}", "--steps", "1",
             "--seq-len", "32", "--micro-batch", "2", "--threads", "1")
     check(f"data 0.5 {data}" in p.stdout and f"+ 0.5 {other}" in p.stdout,
@@ -150,7 +140,7 @@ def reader_shapes(tmp, data):
 def main():
     tmp = tempfile.mkdtemp(prefix="origami_sizes_")
     try:
-        data = dataset(tmp, "corpus", 200)
+        data = byte_dataset(tmp, 200, "corpus")
         model_limits(tmp, data)
         checked_sizes(tmp, data)
         planner_and_options(tmp, data)

@@ -10,6 +10,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_util import LLAMA_TINY, byte_dataset  # noqa: E402
+
 BIN = os.environ["ORIGAMI_BIN"]
 FAILS = []
 
@@ -57,14 +60,8 @@ def read_safetensors(path):
 def main():
     tmp = tempfile.mkdtemp()
     try:
-        text = os.path.join(tmp, "corpus.txt")
-        with open(text, "w") as f:
-            for i in range(60):
-                f.write(f"fortune number {i}: the quick brown fox jumps over the lazy dog.\n%\n")
-        data = os.path.join(tmp, "d")
-        run("data", "prepare", "--input", text, "--output", data, "--tokenizer", "byte")
-        cfg = {"model_type": "llama", "hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "intermediate_size": 40, "num_hidden_layers": 2, "vocab_size": 257, "max_position_embeddings": 64}
+        data = byte_dataset(tmp, 60)
+        cfg = LLAMA_TINY
         cfg_path = os.path.join(tmp, "config.json")
         json.dump(cfg, open(cfg_path, "w"))
 

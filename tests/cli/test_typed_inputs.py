@@ -20,10 +20,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import check, expect_error, run  # noqa: E402
+from cli_util import LLAMA_TINY, byte_dataset, check, expect_error, run  # noqa: E402
 
-LLAMA = {"model_type": "llama", "hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 40, "num_hidden_layers": 2, "vocab_size": 257, "max_position_embeddings": 64}
+LLAMA = LLAMA_TINY
 
 
 def member(parent, key):
@@ -76,12 +75,8 @@ def byte_level_hf_tokenizer(split_regex):
 def main():
     tmp = tempfile.mkdtemp()
     try:
-        corpus = os.path.join(tmp, "corpus.txt")
-        with open(corpus, "w") as f:
-            for i in range(40):
-                f.write(f"fortune number {i}: the quick brown fox jumps over the lazy dog.\n%\n")
-        data = os.path.join(tmp, "d")
-        run("data", "prepare", "--input", corpus, "--output", data, "--tokenizer", "byte")
+        data = byte_dataset(tmp, 40)
+        corpus = data + ".txt"  # the documents it was made from
         cfg = write_json(os.path.join(tmp, "config.json"), LLAMA)
         common = ["--data", data, "--micro-batch", "2", "--seq-len", "16", "--threads", "1"]
         cluster_src = os.path.join(os.environ.get("ORIGAMI_ROOT", os.path.join(os.path.dirname(__file__), "../..")),
