@@ -8,4 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 ninja -C build
+# The ASan+UBSan build that the bounded fuzz test (fuzz.mutate_bounded, tests/fuzz/) runs against.
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Release -DORIGAMI_SANITIZE=ON -DORIGAMI_TESTS=OFF
+ninja -C build-asan origami
 ctest --test-dir build --output-on-failure -j 1 "$@"
