@@ -14,7 +14,8 @@ FAIL: a signal (SIGSEGV, SIGFPE, SIGABRT, ...), a sanitizer report, a hang (the 
       error ("[json.exception.type_error.302] ...": it names neither the field nor what was expected;
       a JSON syntax error's parse_error message is fine).
 WARN: the time limit after the run was accepted and started (a mutated count of work, not a hang;
-      listed, not counted as a failure).
+      listed, not counted as a failure); a time limit passed once and not on a second try (mutate.py
+      runs a timed-out case again: a loaded machine can stall a process, a hang hangs twice).
 """
 import json
 import math
@@ -67,6 +68,11 @@ def wrapped_number(text, numbers):
             if re.search(r"(?<![\d.e+-])%s(?![\d.])" % re.escape(str(w)), text) and \
                     not re.search(r"(?<![\d.e+-])%s(?![\d.])" % re.escape(str(v)), text):
                 return "%d came back as %d (int%d)" % (v, w, bits)
+    for v in numbers:  # strtoll saturates: a value beyond int64 taken as the largest one
+        if v > 2**63 - 1 or v < -2**63:
+            edge = str(2**63 - 1 if v > 0 else -2**63)
+            if re.search(r"(?<![\d.e+-])%s(?![\d.])" % edge, text) and str(v) not in text:
+                return "%d came back as %s (saturated to int64)" % (v, edge)
     m = re.search(r"in \[1, (0|-\d+)\]", text)
     if m:
         return "a range ends at %s" % m.group(1)
@@ -156,7 +162,7 @@ def judge(case, rc, stdout, stderr, timed_out, seconds):
     m = SAN_ASAN.search(text)
     if m:
         loc = source_location(text[m.start():])
-        kind = m.group(2).split(" ")[0]
+        kind = "out-of-memory" if m.group(2) == "allocator is" else m.group(2).split(" ")[0]
         return Outcome("fail", "asan", "%s %s" % (m.group(0), loc), "asan %s at %s" % (kind, loc or cmd))
     m = SAN_UBSAN.search(text)
     if m:
@@ -166,6 +172,11 @@ def judge(case, rc, stdout, stderr, timed_out, seconds):
     if "AddressSanitizer:DEADLYSIGNAL" in text or "UndefinedBehaviorSanitizer:DEADLYSIGNAL" in text:
         loc = source_location(text)
         return Outcome("fail", "signal", "deadly signal " + loc, "signal at %s" % (loc or cmd))
+    errors = [l for l in stderr.splitlines() if ERROR_LINE.match(l)]
+    w = wrapped_number(stderr + stdout, case.m.numbers)
+    if w:
+        return Outcome("fail", "wrapped-number", "%s: %s" % (w, (errors or stdout.splitlines() or [""])[0][:300]),
+                       "wrapped number: %s: %s" % (cmd, normalise((errors or [w])[0])[:120]))
     if timed_out:
         started = re.search(r"^memory: |^step \d+/|^validation: ", stdout, re.M) and cmd == "origami train"
         started = started or (cmd == "origami generate" and stdout.strip() != "")
@@ -189,11 +200,6 @@ def judge(case, rc, stdout, stderr, timed_out, seconds):
             line = text[text.rfind("\n", 0, i) + 1:text.find("\n", i) if text.find("\n", i) >= 0 else len(text)]
             msg = line[i - text.rfind("\n", 0, i) - 1 + len(needle):].strip()
             return Outcome("fail", category, line.strip()[:300], "%s: %s: %s" % (category, cmd, normalise(msg)))
-    errors = [l for l in stderr.splitlines() if ERROR_LINE.match(l)]
-    w = wrapped_number(stderr + stdout, case.m.numbers)
-    if w:
-        return Outcome("fail", "wrapped-number", "%s: %s" % (w, (errors or [""])[0][:300]),
-                       "wrapped number: %s: %s" % (cmd, normalise((errors or [""])[0])[:120]))
     if rc == 0:
         if case.plan_json or cmd == "origami plan":
             p = plan_figures_problem(stdout, case.plan_json)
