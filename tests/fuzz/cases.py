@@ -75,10 +75,10 @@ def mutated_json(rng, c, name, src, family, family_paths, indent=1):
     return c.write(name, mu.mutate_json_text(rng, read(src).decode("utf-8"), c.m, keys, strings, indent))
 
 
-def pick_config(rng, s, big=True):
+def pick_config(rng, s):
+    """A model config of the seeds: the tiny ones three times as often as the Mixtral 8x7B/8x22B ones."""
     names = sorted(s.configs)
-    weights = [1 if n.startswith("mixtral-8x") and big else 0.0 if n.startswith("mixtral-8x") else 3 for n in names]
-    return s.configs[rng.choices(names, weights)[0]]
+    return s.configs[rng.choices(names, [1 if n.startswith("mixtral-8x") else 3 for n in names])[0]]
 
 
 def train_argv(c, *extra):
@@ -456,10 +456,9 @@ KINDS = {
 
 # ---- probes: the inputs issue 35 reports, run before the random cases of every run (not counted in --cases)
 
-def json_with(path, changes, drop=()):
+def json_with(path, changes):
+    """The JSON file at `path` with `changes` applied to its top level."""
     j = json.loads(read(path))
-    for k in drop:
-        j.pop(k, None)
     j.update(changes)
     return json.dumps(j, indent=1)
 
@@ -474,6 +473,7 @@ def probe_config(c, seed, changes, command):
     else:
         c.argv = [c.bin, "plan", "--config", p, "--cluster", s.clusters["dgx-h100"], "--global-batch", "64",
                   "--seq-len", "4096", "--top", "1"] + command
+
 
 def probe_checkpoint(c, name, file, edit, argv_of):
     s = c.seeds

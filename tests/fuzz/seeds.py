@@ -8,7 +8,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "tests", "parallel", "configs")
