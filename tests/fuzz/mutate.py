@@ -46,8 +46,8 @@ def base_env(asan):
               "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,vader",
               "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "OMPI_MCA_mpi_yield_when_idle": "1",
               # Open MPI's own leaks are not ours; a sanitizer report exits 77 (never 1, the user-error code);
-              # memory that grows past 6 GB is a finding (rss_limit), not a reason to bring the machine down.
-              "ASAN_OPTIONS": "detect_leaks=0:exitcode=77:rss_limit_mb=6144:allocator_may_return_null=1:"
+              # memory that grows past 3 GB is a finding (rss_limit), not a reason to bring the machine down.
+              "ASAN_OPTIONS": "detect_leaks=0:exitcode=77:rss_limit_mb=3072:allocator_may_return_null=1:"
                               "abort_on_error=0:detect_odr_violation=0",
               "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1:exitcode=77"})
     sym = shutil.which("llvm-symbolizer")
@@ -72,7 +72,7 @@ class Runner:
         # The release build gets an address-space limit instead of ASan's RSS limit: a runaway allocation
         # fails (and is reported as one) rather than taking the machine's memory.
         if not self.asan:
-            resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))
+            resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     def __call__(self, argv, cwd, mpi=False, timeout=None):
