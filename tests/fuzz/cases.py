@@ -431,6 +431,8 @@ def train_options(rng, c):
         flag = rng.choice(["--steps", "--global-batch", "--eval-iters", "--eval-every"])
         v = rng.choice(["0", "-1", "-9223372036854775808", "18446744073709551617", "3", "1e2", "nan"])
         c.m.note("%s %r" % (flag, v), flag.lstrip("-"))
+        if v.lstrip("-").isdigit():
+            c.m.numbers.append(int(v))
         argv = put_flag(argv, flag, v) + (["--eval-data", s.datasets["byte2"]] if flag.startswith("--eval") else [])
     if rng.random() < 0.15:
         argv += ["--pp-layers", rng.choice(["1,1", "2,0", "-1,3", "2147483648,1", "1,,1", "", "1,1,1,1", "4294967298"])]

@@ -63,7 +63,7 @@ def wrapped_number(text, numbers):
     for v in numbers:
         for bits in (32, 64):
             w = wrapped(v, bits)
-            if w == v or (abs(w) < 1000 and not (w < 0 < v)):
+            if w == v or w in numbers or (abs(w) < 1000 and not (w < 0 < v)):  # (w itself given: an echo)
                 continue
             if re.search(r"(?<![\d.e+-])%s(?![\d.])" % re.escape(str(w)), text) and \
                     not re.search(r"(?<![\d.e+-])%s(?![\d.])" % re.escape(str(v)), text):
@@ -71,6 +71,8 @@ def wrapped_number(text, numbers):
     for v in numbers:  # strtoll saturates: a value beyond int64 taken as the largest one
         if v > 2**63 - 1 or v < -2**63:
             edge = str(2**63 - 1 if v > 0 else -2**63)
+            if int(edge) in numbers:
+                continue
             if re.search(r"(?<![\d.e+-])%s(?![\d.])" % edge, text) and str(v) not in text:
                 return "%d came back as %s (saturated to int64)" % (v, edge)
     m = re.search(r"in \[1, (0|-\d+)\]", text)
