@@ -38,6 +38,7 @@ if command -v llvm-symbolizer >/dev/null; then export ASAN_SYMBOLIZER_PATH=$(com
 summary=()
 status=0
 for t in "${targets[@]}"; do
+  rm -rf "build-fuzz/findings/$t"  # this run's findings only (the corpus it grew is kept)
   mkdir -p "build-fuzz/findings/$t" "build-fuzz/corpus-run/$t"
   log="build-fuzz/findings/$t.log"
   echo "== fuzz_$t for ${secs} s (log: $log)"

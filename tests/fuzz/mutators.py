@@ -240,15 +240,26 @@ def mutate_text(rng, data, m):
     return junk
 
 
+# A mutated file larger than this (stacked repetitions) only measures parsing speed: the mutation is drawn again.
+MAX_BYTES = 4 << 20
+
+
 def mutate_json_text(rng, text, m, keys=(), strings=(), indent=None):
     """1-3 value mutations, then (sometimes) a text mutation. Returns bytes."""
-    try:
-        root = load_json(text)
-    except ValueError:
+    for _ in range(5):
+        try:
+            root = load_json(text)
+        except ValueError:
+            return mutate_text(rng, text.encode(), m)
+        notes = len(m.notes)
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            root = mutate_value(rng, root, m, keys, strings)
+        data = dump_json(root, indent).encode("utf-8", "surrogatepass")
+        if len(data) <= MAX_BYTES:
+            break
+        del m.notes[notes:]
+    else:
         return mutate_text(rng, text.encode(), m)
-    for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        root = mutate_value(rng, root, m, keys, strings)
-    data = dump_json(root, indent).encode("utf-8", "surrogatepass")
     if rng.random() < 0.12:
         data = mutate_text(rng, data, m)
     return data
