@@ -20,6 +20,13 @@ debian_packages=(
   time                                    # /usr/bin/time: peak RSS per rank in tests/parallel/test_run_safety.py
 )
 
+# `setup.sh --fuzz` (scripts/fuzz_libfuzzer.sh): also clang 16 with its libFuzzer/sanitizer runtimes, for
+# the libFuzzer targets of tests/fuzz (nothing else needs them; Debian 12's default clang 14 cannot compile
+# origami's C++20).
+if [ "${1:-}" = "--fuzz" ]; then
+  debian_packages+=(clang-16 libclang-rt-16-dev)
+fi
+
 missing=()
 for p in "${debian_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
