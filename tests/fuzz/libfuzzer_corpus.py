@@ -46,6 +46,25 @@ def idx_file(lengths, dtype=8):
     return b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, dtype, S, S + 1) + body, at
 
 
+EDGES = [2**31, 2**61, 2**63 - 1, -1, 0, 1e300]
+
+
+def boundary_variants(j):
+    """(name, copy of j) with one number of its first two levels replaced by each edge value."""
+    for k, v in j.items():
+        places = [((k,), v)] + ([((k, k2), v2) for k2, v2 in v.items()] if isinstance(v, dict) else [])
+        for keys, x in places:
+            if not isinstance(x, (int, float)) or isinstance(x, bool):
+                continue
+            for i, e in enumerate(EDGES):
+                c = json.loads(json.dumps(j))
+                target = c
+                for key in keys[:-1]:
+                    target = target[key]
+                target[keys[-1]] = e
+                yield "%s-%d" % (".".join(keys), i), c
+
+
 def dictionary(texts, extra=()):
     keys, strings = mutators.json_vocabulary(texts)
     words = ["{", "}", "[", "]", ":", ",", "\"", "true", "false", "null", "-", "e+", "1e999", "NaN", "0x",
@@ -70,7 +89,7 @@ def main():
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, name), "wb") as f:
             f.write(data if isinstance(data, bytes) else data.encode())
-        corpora.setdefault(target, []).append(data if isinstance(data, bytes) else data.encode())
+        corpora.setdefault(target, []).append((name, data if isinstance(data, bytes) else data.encode()))
 
     def read(p):
         with open(p, "rb") as f:
@@ -100,6 +119,12 @@ def main():
         add("model_config", os.path.basename(p), read(p))
     for p in sorted(glob.glob(os.path.join(ROOT, "configs", "clusters", "*.json"))):
         add("cluster", os.path.basename(p), read(p))
+    # Boundary variants of the model configs and clusters: each number of the top two levels set to an
+    # edge value (libFuzzer's byte mutations rarely turn "80" into a valid 2305843009213693952).
+    for target in ("model_config", "cluster"):
+        for name, data in list(corpora[target]):
+            for path, edge in boundary_variants(json.loads(data)):
+                add(target, "%s-%s" % (name, path), json.dumps(edge))
     for p in sorted(glob.glob(os.path.join(seeds, "ck", "*", "step-*", "metadata.json"))):
         add("ckpt_metadata", p.split(os.sep)[-3], read(p))
     # strings
@@ -114,7 +139,7 @@ def main():
                   "blend": ["1e308", "nan", "inf", "0x1p3", "1e-320", " "]}
     for target, files in corpora.items():
         texts = []
-        for b in files:
+        for _, b in files:
             t = b.split(b"\0")[0]
             if target == "safetensors" and len(b) >= 8:
                 t = b[8:8 + struct.unpack_from("<Q", b)[0]]

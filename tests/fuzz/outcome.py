@@ -14,8 +14,9 @@ FAIL: a signal (SIGSEGV, SIGFPE, SIGABRT, ...), a sanitizer report, a hang (the 
       error ("[json.exception.type_error.302] ...": it names neither the field nor what was expected;
       a JSON syntax error's parse_error message is fine).
 WARN: the time limit after the run was accepted and started (a mutated count of work, not a hang;
-      listed, not counted as a failure); a time limit passed once and not on a second try (mutate.py
-      runs a timed-out case again: a loaded machine can stall a process, a hang hangs twice).
+      listed, not counted as a failure); a time limit passed once and not on a second try that passes
+      (mutate.py runs a timed-out case again and judges the second run: a loaded machine can stall a
+      process, a hang hangs twice).
 """
 import json
 import math
@@ -157,10 +158,28 @@ class Outcome:
 
 
 def judge(case, rc, stdout, stderr, timed_out, seconds):
+    """The outcome of one run of `case` (see the rule at the top); rc is None when it timed out."""
     text = stdout + stderr
     cmd = case.command()
-    field = case.m.fields[-1] if case.m.fields else ""
+    errors = [l for l in stderr.splitlines() if ERROR_LINE.match(l)]
+    for check in (sanitizer_report, wrapped_output):
+        o = check(case, text, stdout, errors, cmd)
+        if o:
+            return o
+    if timed_out:
+        return time_limit(case, stdout, seconds, cmd)
+    o = crash(case, rc, text, cmd)
+    if o:
+        return o
+    if rc == 0:
+        return figures(case, stdout, cmd)
+    if rc in (1, 3) or (rc == 130 and cmd == "origami train"):
+        return error_exit(case, rc, stderr, errors, cmd)
+    return Outcome("fail", "exit-code", "exit %s: %s" % (rc, text[-300:]), "exit %s from %s" % (rc, cmd))
 
+
+def sanitizer_report(case, text, stdout, errors, cmd):
+    """An ASan or UBSan report, or a deadly signal they caught."""
     m = SAN_ASAN.search(text)
     if m:
         loc = source_location(text[m.start():])
@@ -174,18 +193,31 @@ def judge(case, rc, stdout, stderr, timed_out, seconds):
     if "AddressSanitizer:DEADLYSIGNAL" in text or "UndefinedBehaviorSanitizer:DEADLYSIGNAL" in text:
         loc = source_location(text)
         return Outcome("fail", "signal", "deadly signal " + loc, "signal at %s" % (loc or cmd))
-    errors = [l for l in stderr.splitlines() if ERROR_LINE.match(l)]
-    w = wrapped_number(stderr + stdout, case.m.numbers)
+    return None
+
+
+def wrapped_output(case, text, stdout, errors, cmd):
+    """A number the case wrote that the output shows wrapped or saturated (also in a run stopped by the time limit)."""
+    w = wrapped_number(text, case.m.numbers)
     if w:
         return Outcome("fail", "wrapped-number", "%s: %s" % (w, (errors or stdout.splitlines() or [""])[0][:300]),
                        "wrapped number: %s: %s" % (cmd, normalise((errors or [w])[0])[:120]))
-    if timed_out:
-        started = re.search(r"^memory: |^step \d+/|^validation: ", stdout, re.M) and cmd == "origami train"
-        started = started or (cmd == "origami generate" and stdout.strip() != "")
-        if started:
-            return Outcome("warn", "slow-run", "the time limit (%.0f s) after the run started" % seconds,
-                           "slow run: %s, %s" % (cmd, field))
-        return Outcome("fail", "hang", "no exit within %.0f s" % seconds, "hang: %s, %s %s" % (cmd, case.kind, field))
+    return None
+
+
+def time_limit(case, stdout, seconds, cmd):
+    """A hang, or a slow run: train or generate that had started its work when the time limit stopped it."""
+    field = case.m.fields[-1] if case.m.fields else ""
+    started = re.search(r"^memory: |^step \d+/|^validation: ", stdout, re.M) and cmd == "origami train"
+    started = started or (cmd == "origami generate" and stdout.strip() != "")
+    if started:
+        return Outcome("warn", "slow-run", "the time limit (%.0f s) after the run started" % seconds,
+                       "slow run: %s, %s" % (cmd, field))
+    return Outcome("fail", "hang", "no exit within %.0f s" % seconds, "hang: %s, %s %s" % (cmd, case.kind, field))
+
+
+def crash(case, rc, text, cmd):
+    """A signal (of the process or of a rank under mpirun), or a message origami prints only for its own bugs."""
     if rc is not None and rc < 0:
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
         return Outcome("fail", "signal", name, "%s in %s (%s)" % (name, cmd, case.kind))
@@ -202,35 +234,41 @@ def judge(case, rc, stdout, stderr, timed_out, seconds):
             line = text[text.rfind("\n", 0, i) + 1:text.find("\n", i) if text.find("\n", i) >= 0 else len(text)]
             msg = line[i - text.rfind("\n", 0, i) - 1 + len(needle):].strip()
             return Outcome("fail", category, line.strip()[:300], "%s: %s: %s" % (category, cmd, normalise(msg)))
-    if rc == 0:
-        if case.plan_json or cmd == "origami plan":
-            p = plan_figures_problem(stdout, case.plan_json)
-            if p:
-                return Outcome("fail", "wrong-result", p, "plan figures: %s (%s)" % (normalise(p)[:60], case.kind))
-        if case.blend:
-            p = blend_problem(stdout)
-            if p:
-                return Outcome("fail", "wrong-result", p, "blend share 0 or not finite")
-        if cmd == "origami ckpt info":
-            p = ckpt_info_problem(stdout)
-            if p:
-                return Outcome("fail", "wrong-result", p, "ckpt info: %s" % normalise(p)[:60])
-        return Outcome("ok", "exit 0")
-    if rc in (1, 3) or (rc == 130 and cmd == "origami train"):
-        if rc != 1 and cmd != "origami train":
-            return Outcome("fail", "exit-code", "exit %d" % rc, "exit %d from %s" % (rc, cmd))
-        if not errors:
-            return Outcome("fail", "no-message", "exit %d without an error line: %s" % (rc, stderr[-300:]),
-                           "exit %d without a message: %s (%s)" % (rc, cmd, case.kind))
-        if len(errors) > 1 and not case.mpi:
-            return Outcome("fail", "several-messages", " / ".join(errors)[:300], "several error lines: %s" % cmd)
-        m = LIBRARY_MESSAGE.search(errors[0])
-        if m:  # a field of the wrong type or range, told in the JSON library's words instead of naming the field
-            f = re.search(r"([\w.-]+\.json)\b", errors[0])
-            return Outcome("fail", "library-message", errors[0][:300], "library message about %s: json %s (%s)" % (
-                f.group(1) if f else "an input", m.group(1) or m.group(0), cmd))
-        if case.expect and not case.expect[1](errors[0]):
-            return Outcome("fail", "vague-message", "%s: not so: %s" % (case.expect[0], errors[0][:300]),
-                           "vague message: %s: %s" % (cmd, normalise(errors[0])[:100]))
-        return Outcome("ok", "error exit %d" % rc, errors[0][:300])
-    return Outcome("fail", "exit-code", "exit %s: %s" % (rc, text[-300:]), "exit %s from %s" % (rc, cmd))
+    return None
+
+
+def figures(case, stdout, cmd):
+    """Exit 0: the output's figures must be possible ones."""
+    if case.plan_json or cmd == "origami plan":
+        p = plan_figures_problem(stdout, case.plan_json)
+        if p:
+            return Outcome("fail", "wrong-result", p, "plan figures: %s (%s)" % (normalise(p)[:60], case.kind))
+    if case.blend:
+        p = blend_problem(stdout)
+        if p:
+            return Outcome("fail", "wrong-result", p, "blend share 0 or not finite")
+    if cmd == "origami ckpt info":
+        p = ckpt_info_problem(stdout)
+        if p:
+            return Outcome("fail", "wrong-result", p, "ckpt info: %s" % normalise(p)[:60])
+    return Outcome("ok", "exit 0")
+
+
+def error_exit(case, rc, stderr, errors, cmd):
+    """Exit 1 (train also 3 and 130): one error line, in origami's words."""
+    if rc != 1 and cmd != "origami train":
+        return Outcome("fail", "exit-code", "exit %d" % rc, "exit %d from %s" % (rc, cmd))
+    if not errors:
+        return Outcome("fail", "no-message", "exit %d without an error line: %s" % (rc, stderr[-300:]),
+                       "exit %d without a message: %s (%s)" % (rc, cmd, case.kind))
+    if len(errors) > 1 and not case.mpi:
+        return Outcome("fail", "several-messages", " / ".join(errors)[:300], "several error lines: %s" % cmd)
+    m = LIBRARY_MESSAGE.search(errors[0])
+    if m:  # a field of the wrong type or range, told in the JSON library's words instead of naming the field
+        f = re.search(r"([\w.-]+\.json)\b", errors[0])
+        return Outcome("fail", "library-message", errors[0][:300], "library message about %s: json %s (%s)" % (
+            f.group(1) if f else "an input", m.group(1) or m.group(0), cmd))
+    if case.expect and not case.expect[1](errors[0]):
+        return Outcome("fail", "vague-message", "%s: not so: %s" % (case.expect[0], errors[0][:300]),
+                       "vague message: %s: %s" % (cmd, normalise(errors[0])[:100]))
+    return Outcome("ok", "error exit %d" % rc, errors[0][:300])
