@@ -30,6 +30,8 @@ namespace origami {
 namespace {
 
 // The axes --layout fixes; -1 (or empty): searched.
+constexpr int64_t kMaxTop = 1000;  // --top: the search keeps the best K, and a larger K stops it from skipping any
+
 struct Fixed {
   int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1;
   int64_t mb = -1;
@@ -139,6 +141,7 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.global_batch = a.integer("global-batch"), cmd.seq_len = a.integer("seq-len"), cmd.top = a.integer("top");
   ORIGAMI_CHECK(cmd.global_batch >= 1 && cmd.seq_len >= 1 && cmd.top >= 1,
                 "--global-batch, --seq-len and --top must be positive");
+  ORIGAMI_CHECK(cmd.top <= kMaxTop, "--top must be at most ", kMaxTop, ", got ", cmd.top);
   ORIGAMI_CHECK(cmd.global_batch <= kMaxBatch, "--global-batch must be at most ", kMaxBatch, " (as in 'origami train'), got ",
                 cmd.global_batch);
   ORIGAMI_CHECK(cmd.seq_len <= cmd.cfg.max_positions, "--seq-len must be in [1, ", cmd.cfg.max_positions,

@@ -233,6 +233,16 @@ void Checkpoint::read_piece(const JsonField& pc) {
   piece.key = cat(pc[0].string(), "/", name);
   piece.tp = int(pc[3].integer(1, INT_MAX));
   piece.tp_rank = int(pc[4].integer(0, piece.tp - 1));
+  // The split rule must cut the tensor's (padded) dimension into tp x parts equal blocks, as its
+  // writer's layout did (ParamSpec::local_shape relies on it).
+  const TpSplit& split = tensor->second.split;
+  if (split.dim >= 0 && size_t(split.dim) < tensor->second.shape.size()) {
+    const int64_t tp = piece.tp, n = tensor->second.shape[size_t(split.dim)];
+    const int64_t blocks = split.pad ? n / tp + (n % tp != 0) : n % tp == 0 ? n / tp : 1;  // per rank (no overflow)
+    if ((!split.pad && n % tp != 0) || blocks % split.parts != 0)
+      pc[3].fail_expected(cat("a TP degree whose ", split.parts, " part(s) divide dimension ", split.dim, " (", n,
+                              ") of tensor '", name, "'"));
+  }
   piece.begin = pc[5].integer(0, JsonField::kNoLimit);
   piece.end = pc[6].integer(piece.begin, JsonField::kNoLimit);
   tensor->second.pieces[kind].push_back(std::move(piece));

@@ -1,6 +1,5 @@
 #include "core/io.h"
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -9,27 +8,9 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/json_fields.h"
 
 namespace origami {
-
-int json_depth(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
 
 nlohmann::json read_json_file(const std::string& path, const std::string& what) {
   std::string text = read_file_bytes(path);

@@ -1,5 +1,6 @@
 #include "core/json_fields.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <utility>
@@ -9,7 +10,29 @@
 
 namespace origami {
 
+int json_depth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 nlohmann::json parse_json(std::string_view text, const std::string& file) {
+  const int depth = json_depth(text);
+  ORIGAMI_CHECK(depth <= kMaxJsonDepth, file, ": nests arrays and objects ", depth, " levels deep; origami reads at most ",
+                kMaxJsonDepth);
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double's range

@@ -31,8 +31,14 @@
 
 namespace origami {
 
-// Parses JSON text; an Error names the file: "FILE: not valid JSON (the parser's message)".
+// Parses JSON text; an Error names the file: "FILE: not valid JSON (the parser's message)". Text nested
+// deeper than kMaxJsonDepth is refused before parsing ("FILE: nests arrays and objects N levels deep"):
+// the library parses any depth, but copying, printing or destroying the value recurses, and 100000
+// levels overflowed the stack.
 nlohmann::json parse_json(std::string_view text, const std::string& file);
+constexpr int kMaxJsonDepth = 1000;
+// The deepest nesting of arrays and objects in JSON text (brackets inside strings do not count).
+int json_depth(std::string_view text);
 // Reads and parses a file (an unreadable file is an Error naming it, as read_file_bytes says).
 nlohmann::json parse_json_file(const std::string& path);
 

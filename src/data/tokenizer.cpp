@@ -4,7 +4,6 @@
 #include <filesystem>
 
 #include "core/error.h"
-#include "core/io.h"
 #include "core/files.h"
 #include "core/json_fields.h"
 #include "data/hf_tokenizer.h"

@@ -109,6 +109,8 @@ def planner_and_options(tmp, data):
     expect_error("a cluster of 2^29 nodes x 8 (was '--devices must be in [1, 0]')", plan(MIXTRAL, devices="8")[:1] +
                  ["--config", MIXTRAL, "--cluster", nodes, "--global-batch", "64", "--seq-len", "4096"],
                  f"{nodes}: field 'nodes': expected an integer in [1, 1048576], got 536870912")
+    expect_error("--top 10^12 (was a search that could skip nothing)", plan(MIXTRAL, "--top", "1000000000000"),
+                 "--top must be at most 1000, got 1000000000000")
     expect_error("--layout vpp999999999", plan(MIXTRAL, "--layout", "vpp999999999"),
                  "--layout: 'vpp999999999' needs an integer in [1, 1048576] after 'vpp'")
     train = ["train", "--config", config(tmp, "opts", LLAMA), "--data", data, "--seq-len", "32"]
@@ -127,6 +129,12 @@ def reader_shapes(tmp, data):
         f.write('{"model_type": "llama", "x": ' + "[" * 200000 + "]" * 200000 + "}")
     expect_error("JSON nested 200000 deep (was a stack overflow)", plan(deep),
                  f"model config '{deep}' nests arrays and objects 200001 levels deep; origami reads at most 1000")
+    deep_cluster = os.path.join(tmp, "deep_cluster.json")
+    with open(deep_cluster, "w") as f:
+        f.write('{"name": ' + "[" * 100000 + "]" * 100000 + "}")
+    expect_error("a cluster file nested 100000 deep", ["plan", "--config", MIXTRAL, "--cluster", deep_cluster,
+                                                       "--global-batch", "64", "--seq-len", "4096"],
+                 f"{deep_cluster}: nests arrays and objects 100001 levels deep; origami reads at most 1000")
     long_path = os.path.join(tmp, "x" * 300)
     expect_error("a path component of 300 bytes", ["ckpt", "info", long_path], f"'{long_path}': File name too long")
     other = byte_dataset(tmp, 40, "other")
