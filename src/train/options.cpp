@@ -199,7 +199,7 @@ void TrainOptions::check_limits() const {
                                       {"--global-batch", global_batch, kMaxBatch}})
     ORIGAMI_CHECK(v <= most, flag, " must be at most ", most, ", got ", v);
   ORIGAMI_CHECK(eval_data.empty() || eval_iters <= kMaxBatch / global_batch, "--eval-iters x global batch (", eval_iters,
-                " x ", global_batch, ") must be at most ", kMaxBatch, " windows");
+                " x ", global_batch, ") must be at most ", kMaxBatch, " windows; lower --eval-iters");
   for (const auto& [flag, v] : {std::pair{"--tp", tp}, {"--cp", cp}, {"--pp", pp}, {"--vpp", vpp}, {"--dp", dp},
                                 {"--ep", ep}, {"--etp", etp}, {"--cp-a2a-size", cp_a2a_size}, {"--threads", threads}})
     ORIGAMI_CHECK(v <= kMaxDegree, flag, " must be at most ", kMaxDegree, ", got ", v);
