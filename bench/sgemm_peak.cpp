@@ -4,7 +4,7 @@
 //
 //   g++ -O2 -march=native -std=c++17 -pthread bench/sgemm_peak.cpp -ldl -o bench/runs/sgemm_peak
 //   OMP_NUM_THREADS=2 taskset -c 0,1 bench/runs/sgemm_peak [--threads 2] [--blas openblas,onednn,blis]
-//       [--sizes 512,1024,2048x768x256,...] [--seconds 1.0]
+//       [--sizes 512,1024,2048x768x256,...] [--seconds 1.0] [--bf16]
 // (bench/side_by_side.py builds it there and runs it with --sizes 512,768,1024,1536,2048.)
 //
 // Libraries, each loaded with dlopen (so one binary measures all, and a missing one is reported,
@@ -23,6 +23,14 @@
 // it at once, each on its own C (how attention calls its 64x64 tiles from inside a parallel
 // region); the rate is all threads' FLOPs over the wall time.
 //
+// With --bf16 it also measures the bf16 matmul rate on the same sizes: oneDNN's matmul primitive,
+// bf16 A and B, fp32 C (what origami's gemm_bf16 calls, src/kernels/cpu/gemm_bf16.h), one primitive
+// per size created before its warm-up call, through the C API from the same dlopen'ed libdnnl.so.2
+// (its header, libdnnl-dev, is needed at build time for the types; without it --bf16 reports why).
+// oneDNN picks AMX, AVX512-BF16 or emulation by the CPU; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 caps it
+// (on an AMX host: the AVX512-BF16 rate), and below AVX-512 oneDNN 2.6 has no bf16 matmul. The bf16
+// peak (best size) is reported apart from the SGEMM peak, with the implementation oneDNN chose.
+//
 // It also measures the core's FP32 FMA ceiling, the most any kernel could reach: each of --threads
 // threads runs 12 independent chains of fused multiply-adds on registers only (no loads, no
 // stores; 512-bit where the CPU has AVX-512F, else 256-bit), best of 5 runs of ~0.2 s. On
@@ -30,6 +38,10 @@
 // Prints one JSON object on stdout.
 #include <dlfcn.h>
 #include <immintrin.h>
+#if __has_include(<oneapi/dnnl/dnnl.h>)
+#include <oneapi/dnnl/dnnl.h>  // types only: the functions come from dlsym
+#define SGEMM_PEAK_DNNL_HEADER 1
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -38,6 +50,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -139,6 +152,117 @@ bool load_blas(const std::string& name, int threads, Blas& out, std::string& why
   return true;
 }
 
+// oneDNN's bf16 matmul, C = A·B with A and B bf16 (as raw uint16_t) and C fp32, row-major, beta 0.
+struct Bf16Matmul {
+  std::function<void(int m, int n, int k, const uint16_t* A, const uint16_t* B, float* C)> run;
+  // Creates the size's primitive (untimed); returns the implementation oneDNN chose for it.
+  std::function<std::string(int m, int n, int k)> prepare;
+};
+
+#ifdef SGEMM_PEAK_DNNL_HEADER
+// The C API functions, looked up in the dlopen'ed library (decltype gives their types).
+struct DnnlApi {
+#define SGEMM_PEAK_DNNL_FUNCTIONS(X)                                                                      \
+  X(dnnl_engine_create) X(dnnl_stream_create) X(dnnl_stream_wait) X(dnnl_memory_desc_init_by_strides) \
+  X(dnnl_matmul_desc_init) X(dnnl_primitive_desc_create) X(dnnl_primitive_desc_query)                  \
+  X(dnnl_primitive_desc_destroy) X(dnnl_primitive_create) X(dnnl_primitive_execute) X(dnnl_memory_create) \
+  X(dnnl_memory_destroy)
+#define SGEMM_PEAK_DNNL_MEMBER(f) decltype(&::f) f = nullptr;
+  SGEMM_PEAK_DNNL_FUNCTIONS(SGEMM_PEAK_DNNL_MEMBER)
+};
+
+// Everything one size needs: the primitive and the descriptors its memory objects are made from.
+struct DnnlMatmul {
+  dnnl_primitive_t primitive = nullptr;
+  dnnl_memory_desc_t a, b, c;
+};
+
+// Creates the m x n x k matmul (row-major, dense); returns false where oneDNN has none for bf16.
+bool create_matmul(const DnnlApi& api, dnnl_engine_t engine, int m, int n, int k, DnnlMatmul& out, std::string& impl) {
+  const dnnl_dims_t a_dims = {m, k}, a_strides = {k, 1}, b_dims = {k, n}, b_strides = {n, 1}, c_dims = {m, n};
+  api.dnnl_memory_desc_init_by_strides(&out.a, 2, a_dims, dnnl_bf16, a_strides);
+  api.dnnl_memory_desc_init_by_strides(&out.b, 2, b_dims, dnnl_bf16, b_strides);
+  api.dnnl_memory_desc_init_by_strides(&out.c, 2, c_dims, dnnl_f32, b_strides);
+  dnnl_matmul_desc_t desc;
+  dnnl_primitive_desc_t pd = nullptr;
+  if (api.dnnl_matmul_desc_init(&desc, &out.a, &out.b, nullptr, &out.c) != dnnl_success ||
+      api.dnnl_primitive_desc_create(&pd, &desc, nullptr, engine, nullptr) != dnnl_success)
+    return false;
+  const char* name = nullptr;
+  api.dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name);
+  impl = name ? name : "?";
+  const bool ok = api.dnnl_primitive_create(&out.primitive, pd) == dnnl_success;
+  api.dnnl_primitive_desc_destroy(pd);
+  return ok;
+}
+#endif
+
+// Loads oneDNN's bf16 matmul; false (with the reason in `why`) when the library, its header at build
+// time, or a bf16 matmul on this CPU is missing. Primitives live until the program ends.
+bool load_bf16_matmul(Bf16Matmul& out, std::string& why) {
+#ifndef SGEMM_PEAK_DNNL_HEADER
+  (void)out;
+  return why = "built without oneDNN's header (apt-get install libdnnl-dev)", false;
+#else
+  void* h = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
+  if (!h) return why = dlerror(), false;
+  auto api = std::make_shared<DnnlApi>();
+#define SGEMM_PEAK_DNNL_LOOKUP(f)                                \
+  api->f = reinterpret_cast<decltype(&::f)>(dlsym(h, #f));       \
+  if (!api->f) return why = "no " #f, false;
+  SGEMM_PEAK_DNNL_FUNCTIONS(SGEMM_PEAK_DNNL_LOOKUP)
+  dnnl_engine_t engine = nullptr;
+  dnnl_stream_t stream = nullptr;
+  if (api->dnnl_engine_create(&engine, dnnl_cpu, 0) != dnnl_success ||
+      api->dnnl_stream_create(&stream, engine, dnnl_stream_default_flags) != dnnl_success)
+    return why = "no oneDNN CPU engine", false;
+  DnnlMatmul probe;
+  std::string impl;
+  if (!create_matmul(*api, engine, 64, 64, 64, probe, impl))
+    return why = "oneDNN creates no bf16 matmul on this CPU (below AVX-512, or ONEDNN_MAX_CPU_ISA)", false;
+  auto matmuls = std::make_shared<std::map<std::string, DnnlMatmul>>();
+  auto key = [](int m, int n, int k) { return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k); };
+  out.prepare = [=](int m, int n, int k) {
+    DnnlMatmul mm;
+    std::string name;
+    if (!create_matmul(*api, engine, m, n, k, mm, name)) {
+      std::fprintf(stderr, "sgemm_peak: oneDNN creates no bf16 matmul for %s\n", key(m, n, k).c_str());
+      std::exit(1);
+    }
+    (*matmuls)[key(m, n, k)] = mm;
+    return name;
+  };
+  out.run = [=](int m, int n, int k, const uint16_t* A, const uint16_t* B, float* C) {
+    const DnnlMatmul& mm = matmuls->at(key(m, n, k));
+    dnnl_memory_t a = nullptr, b = nullptr, c = nullptr;
+    api->dnnl_memory_create(&a, &mm.a, engine, const_cast<uint16_t*>(A));
+    api->dnnl_memory_create(&b, &mm.b, engine, const_cast<uint16_t*>(B));
+    api->dnnl_memory_create(&c, &mm.c, engine, C);
+    const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}};
+    api->dnnl_primitive_execute(mm.primitive, stream, 3, args);
+    api->dnnl_stream_wait(stream);
+    for (dnnl_memory_t mem : {a, b, c}) api->dnnl_memory_destroy(mem);
+  };
+  return true;
+#endif
+}
+
+// The best single-call rate of `call` (one warm-up call first), repeated for about `seconds` and at
+// least 3 times.
+double best_call_rate(const std::function<void()>& call, double flop, double seconds) {
+  using clock = std::chrono::steady_clock;
+  call();  // warm-up: page faults, thread start, JIT
+  double best = 0, total = 0;
+  for (int calls = 0; total < seconds || calls < 3; ++calls) {
+    auto t0 = clock::now();
+    call();
+    double s = std::chrono::duration<double>(clock::now() - t0).count();
+    total += s;
+    best = std::max(best, flop / s / 1e9);
+  }
+  return best;
+}
+
 struct Shape {
   int m, n, k;
   std::string name;  // "n" for a square, "MxNxK" otherwise
@@ -166,6 +290,24 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// Prints "bf16": {"lib": "onednn", "sizes": {...}, "impl": {...}, "peak_gflops": x, "peak_n": "..."},
+// (with the trailing comma and space) for the bf16 rates and implementations by size.
+void print_bf16_json(const std::vector<Shape>& shapes, std::map<std::string, double>& rate,
+                     std::map<std::string, std::string>& impl) {
+  double peak = 0;
+  std::string peak_n;
+  std::printf("\"bf16\": {\"lib\": \"onednn\", \"sizes\": {");
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const double r = rate[shapes[si].name];
+    std::printf("%s\"%s\": %.1f", si ? ", " : "", shapes[si].name.c_str(), r);
+    if (r > peak) peak = r, peak_n = shapes[si].name;
+  }
+  std::printf("}, \"impl\": {");
+  for (size_t si = 0; si < shapes.size(); ++si)
+    std::printf("%s\"%s\": \"%s\"", si ? ", " : "", shapes[si].name.c_str(), impl[shapes[si].name].c_str());
+  std::printf("}, \"peak_gflops\": %.1f, \"peak_n\": \"%s\"}, ", peak, peak_n.c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -173,7 +315,7 @@ int main(int argc, char** argv) {
   bool per_thread = false;
   double seconds = 1.0;
   std::vector<std::string> sizes = {"1024", "2048", "3072"}, libs = {"openblas", "onednn", "blis"};
-  bool libs_given = false;
+  bool libs_given = false, with_bf16 = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--threads" && i + 1 < argc) threads = std::atoi(argv[++i]);
@@ -181,10 +323,15 @@ int main(int argc, char** argv) {
     else if (a == "--sizes" && i + 1 < argc) sizes = split(argv[++i]);
     else if (a == "--blas" && i + 1 < argc) libs = split(argv[++i]), libs_given = true;
     else if (a == "--per-thread") per_thread = true;
+    else if (a == "--bf16") with_bf16 = true;
     else {
-      std::fprintf(stderr, "usage: sgemm_peak [--threads N] [--blas openblas,onednn,blis] [--sizes n|MxNxK,...] [--seconds S] [--per-thread]\n");
+      std::fprintf(stderr, "usage: sgemm_peak [--threads N] [--blas openblas,onednn,blis] [--sizes n|MxNxK,...] [--seconds S] [--per-thread] [--bf16]\n");
       return 2;
     }
+  }
+  if (with_bf16 && per_thread) {
+    std::fprintf(stderr, "sgemm_peak: --bf16 measures whole-machine calls, not --per-thread\n");
+    return 2;
   }
   std::vector<Shape> shapes;
   for (const auto& s : sizes) shapes.push_back(parse_shape(s));
@@ -203,6 +350,11 @@ int main(int argc, char** argv) {
       return 1;
     } else missing += (missing.empty() ? "\"" : ", \"") + name + "\"";
   }
+  Bf16Matmul bf16;
+  std::string bf16_missing;  // why --bf16 measured nothing
+  if (with_bf16 && !load_bf16_matmul(bf16, bf16_missing)) with_bf16 = false;
+  std::map<std::string, double> bf16_rate;       // size -> GFLOP/s
+  std::map<std::string, std::string> bf16_impl;  // size -> oneDNN's implementation
   using clock = std::chrono::steady_clock;
   std::map<std::string, std::map<std::string, double>> rate;  // library -> size -> GFLOP/s
   for (const auto& [m, n, k, name] : shapes) {
@@ -211,9 +363,9 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < B.size(); ++i) B[i] = float((i * 104729) % 1000) * 1e-3f - 0.5f;
     const double flop = 2.0 * m * double(n) * k;
     for (const auto& lib : blas) {
-      lib.sgemm(m, n, k, A.data(), B.data(), C.data());  // warm-up: page faults, thread start, JIT
       double best = 0;
       if (per_thread) {  // `threads` threads, each calling on its own C for ~seconds: total rate
+        lib.sgemm(m, n, k, A.data(), B.data(), C.data());  // warm-up: page faults, thread start, JIT
         std::vector<long> calls(size_t(threads), 0);
         std::vector<std::thread> pool;
         auto t0 = clock::now();
@@ -229,21 +381,22 @@ int main(int argc, char** argv) {
         for (long c : calls) total_calls += c;
         best = flop * double(total_calls) / std::chrono::duration<double>(clock::now() - t0).count() / 1e9;
       } else {
-        double total = 0;
-        int calls = 0;
-        while (total < seconds || calls < 3) {
-          auto t0 = clock::now();
-          lib.sgemm(m, n, k, A.data(), B.data(), C.data());
-          double s = std::chrono::duration<double>(clock::now() - t0).count();
-          total += s, ++calls;
-          best = std::max(best, flop / s / 1e9);
-        }
+        best = best_call_rate([&] { lib.sgemm(m, n, k, A.data(), B.data(), C.data()); }, flop, seconds);
       }
       rate[lib.name][name] = best;
     }
+    if (with_bf16) {  // the same inputs' top halves as bf16 (the values do not matter for speed)
+      std::vector<uint16_t> A16(A.size()), B16(B.size());
+      for (size_t i = 0; i < A.size(); ++i) std::memcpy(&A16[i], reinterpret_cast<const char*>(&A[i]) + 2, 2);
+      for (size_t i = 0; i < B.size(); ++i) std::memcpy(&B16[i], reinterpret_cast<const char*>(&B[i]) + 2, 2);
+      bf16_impl[name] = bf16.prepare(m, n, k);
+      bf16_rate[name] = best_call_rate([&] { bf16.run(m, n, k, A16.data(), B16.data(), C.data()); }, flop, seconds);
+    }
   }
   // {"threads": 2, "blas": {"openblas": {"sizes": {...}, "peak_gflops": x}, ...}, "peak_gflops": x,
-  //  "peak_blas": "...", "peak_n": "...", "missing": [...], "fma_gflops": x}
+  //  "peak_blas": "...", "peak_n": "...", "missing": [...], "fma_gflops": x}; with --bf16 also
+  //  "bf16": {"lib": "onednn", "sizes": {...}, "impl": {...}, "peak_gflops": x, "peak_n": "..."}, or
+  //  "bf16": null and "bf16_missing": "why".
   double peak = 0;
   std::string peak_blas, peak_n;
   std::printf("{\"threads\": %d, \"per_thread\": %s, \"blas\": {", threads, per_thread ? "true" : "false");
@@ -258,8 +411,10 @@ int main(int argc, char** argv) {
     }
     std::printf("}, \"peak_gflops\": %.1f}", lib_peak);
   }
-  std::printf("}, \"peak_gflops\": %.1f, \"peak_blas\": \"%s\", \"peak_n\": \"%s\", \"missing\": [%s], "
-              "\"fma_gflops\": %.1f}\n",
-              peak, peak_blas.c_str(), peak_n.c_str(), missing.c_str(), fma_ceiling(threads));
+  std::printf("}, \"peak_gflops\": %.1f, \"peak_blas\": \"%s\", \"peak_n\": \"%s\", \"missing\": [%s], ",
+              peak, peak_blas.c_str(), peak_n.c_str(), missing.c_str());
+  if (with_bf16) print_bf16_json(shapes, bf16_rate, bf16_impl);
+  else if (!bf16_missing.empty()) std::printf("\"bf16\": null, \"bf16_missing\": \"%s\", ", bf16_missing.c_str());
+  std::printf("\"fma_gflops\": %.1f}\n", fma_ceiling(threads));
   return 0;
 }

@@ -9,6 +9,7 @@
 // matmul here, the forced portable path): every transpose pair, beta 0 (C holding NaN is
 // overwritten) and 1, sizes 1, 7, 33 and 257 in every combination with leading dimensions wider than
 // the matrices and unaligned starts (padding holding NaN must not be read; C's must not be written),
+// plus a side of 20000 (the portable path then widens in pieces),
 // and GPT-2's layer and LM-head GEMMs (forward, input gradient, weight gradient) at 64 tokens.
 // Two bounds, with u = 2^-24 (fp32) and u_bf16 = 2^-8:
 //  1. Against a double GEMM of the bf16 inputs themselves. A product of two bf16 values (8
@@ -331,6 +332,12 @@ std::vector<Case> odd_size_cases() {
         for (int64_t M : {1, 7, 33, 257})
           for (int64_t N : {1, 7, 33, 257})
             for (int64_t K : {1, 7, 33, 257}) out.push_back({ta, tb, M, N, K, beta, true});
+  // One side long enough (with K >= 256) that the portable path widens the other operand whole and
+  // this one in pieces.
+  for (bool t : {false, true}) {
+    out.push_back({t, t, 20000, 7, 300, 1.f, true});
+    out.push_back({t, !t, 7, 20000, 300, 0.f, true});
+  }
   return out;
 }
 

@@ -41,11 +41,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- portable path: widen to fp32 block by block, then gemm<float> --------------------------------
 
-// Both widened blocks of one sub-GEMM fit in this many floats (4 MiB), the scratch's largest size.
-// Measured on GPT-2's shapes (one core, CPU time, bench/README.md): 4 MiB cost 3–11% over gemm<float>;
-// 8 MiB up to 36% (the widened blocks no longer stay in cache until gemm<float> packs them), and
-// smaller budgets make the sub-GEMMs too narrow (up to 3x slower with K = 3072).
-constexpr int64_t kScratchFloats = int64_t(1) << 20;
+// Both widened blocks of one sub-GEMM fit in this many floats (16 MiB), the scratch's largest size.
+// Measured on GPT-2's shapes against 4 MiB (more, narrower sub-GEMMs, each packing its operands
+// again) and against pieces that each thread widens and multiplies alone (cache-local, but more
+// sub-GEMMs): both cost more on one core, neither less on two.
+constexpr int64_t kScratchFloats = int64_t(1) << 22;
 
 float* scratch(int64_t floats) {
   thread_local std::vector<float> buffer;  // grows to the largest need, kept for the next calls
@@ -66,15 +66,22 @@ int64_t widen_panel(float* dst, const bf16* X, int64_t ld, bool k_contiguous, in
   return cols;
 }
 
-// K is cut into slices of kc (all of K unless the smaller operand's slice would pass half the
-// scratch). In a slice, the smaller operand (M×kc of A or kc×N of B) is widened whole and the larger
-// one in pieces that fill the rest of the scratch, each piece one gemm<float> call: every element is
-// widened exactly once, and the sub-GEMMs stay large (whole K, whole smaller side) on layer shapes.
+// Every element is widened exactly once, and each widened block is multiplied by one gemm<float>
+// call — which packs both its operands again, so fewer, larger calls are better:
+//  - where slices of K with both operands whole are deep enough (kc >= 256, or all of K), K is cut
+//    into such slices and each is one call (one call in all when both fit);
+//  - else (a side of tens of thousands: the LM head's vocabulary) the smaller operand's K-slice is
+//    widened whole (all of K when it takes at most half the scratch) and the larger one in pieces
+//    that fill the rest, one call each.
+// Later slices accumulate into C with beta 1.
 void portable_gemm(const Shape& s, const bf16* A, const bf16* B, float* C) {
   const bool a_whole = s.M <= s.N;
   const int64_t small = a_whole ? s.M : s.N, large = a_whole ? s.N : s.M;
-  const int64_t kc = std::min(s.K, std::max<int64_t>(1, kScratchFloats / 2 / small));
-  const int64_t num_pieces = ceil_div(large, std::max<int64_t>(1, (kScratchFloats - small * kc) / kc));
+  const int64_t kc_both = kScratchFloats / (s.M + s.N);
+  const bool both_whole = kc_both >= std::min<int64_t>(s.K, 256);
+  const int64_t kc_max = std::min(s.K, both_whole ? kc_both : std::max<int64_t>(1, kScratchFloats / 2 / small));
+  const int64_t kc = ceil_div(s.K, ceil_div(s.K, kc_max));  // slices of equal depth
+  const int64_t num_pieces = both_whole ? 1 : ceil_div(large, std::max<int64_t>(1, (kScratchFloats - small * kc) / kc));
   const int64_t piece = ceil_div(large, num_pieces);
   float* small_buf = scratch(small * kc + piece * kc);
   float* piece_buf = small_buf + small * kc;
@@ -176,7 +183,8 @@ double seconds(const std::function<void()>& f) {
 }
 
 // Times both paths alternately on a slab of the shape — its first rows, at most 4M elements of C,
-// beta 0, written to a scratch buffer — best of 2 to 5 runs (more while the runs are short).
+// beta 0, written to a scratch buffer — best of 3 to 7 runs (more while the runs are short), so a
+// burst of load from elsewhere rarely decides.
 bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
   Shape slab = s;
   slab.M = std::min(s.M, std::max<int64_t>(1, (int64_t(1) << 22) / s.N));
@@ -187,7 +195,7 @@ bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
   if (!matmul) return false;
   std::vector<float> C(size_t(slab.M * slab.N));
   double onednn = std::numeric_limits<double>::infinity(), portable = onednn, spent = 0;
-  for (int run = 0; run < 5 && (run < 2 || spent < 0.05); ++run) {
+  for (int run = 0; run < 7 && (run < 3 || spent < 0.05); ++run) {
     const double t_onednn = seconds([&] { run_onednn(*matmul, A, B, C.data()); });
     const double t_portable = seconds([&] { portable_gemm(slab, A, B, C.data()); });
     onednn = std::min(onednn, t_onednn), portable = std::min(portable, t_portable);

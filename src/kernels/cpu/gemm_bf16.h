@@ -11,8 +11,11 @@
 //     One primitive per (transposes, sizes, strides, alpha, beta), created at its first call and
 //     kept; it runs on the OpenMP pool of our loops (oneDNN's OpenMP build).
 //   portable: op(A) and op(B) widened to fp32 block by block into a per-thread scratch buffer reused
-//     across calls (4 MiB at most), each block pair multiplied by gemm<float>. Always available; it
-//     costs a few percent over gemm<float> on fp32 copies of the inputs (bench/README.md).
+//     across calls (16 MiB at most), each block pair multiplied by gemm<float>. Always available. Its
+//     cost over gemm<float> on fp32 inputs is the widening pass, about F/(2W)·(1/M + 1/N) for a GEMM
+//     rate F and a widening rate W (elements/s): on this project's AVX-512 host 3–12% on GPT-2's
+//     layer shapes at 256–2048 tokens, the most at 256 (bench/README.md); half that where the fp32
+//     FMA rate is half (AVX2).
 // Choice, per shape (the key above), at its first call: where oneDNN creates a primitive, both paths
 // are timed alternately (a few runs each, on a slab of at most 4M elements of C written to a scratch
 // buffer) and the faster is kept. Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
