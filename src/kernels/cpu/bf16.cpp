@@ -3,8 +3,8 @@
 // checks that the OS saves the vector registers); tails shorter than a vector use the scalar code.
 #include "kernels/cpu/bf16.h"
 
-// GCC 12 warns that the intrinsics' _mm512_undefined_* placeholders "may be used uninitialized" once
-// they are inlined into a target-attribute function (GCC bug 105593, fixed in GCC 13).
+// GCC 12 warns that the intrinsics' _mm512_undefined_* placeholders (self-initialised, `__Y = __Y`)
+// "may be used uninitialized" once inlined into a target-attribute function: a false positive.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>

@@ -13,9 +13,10 @@
 //   portable: op(A) and op(B) widened to fp32 block by block into a per-thread scratch buffer reused
 //     across calls (16 MiB at most), each block pair multiplied by gemm<float>. Always available. Its
 //     cost over gemm<float> on fp32 inputs is the widening pass, about F/(2W)·(1/M + 1/N) for a GEMM
-//     rate F and a widening rate W (elements/s): on this project's AVX-512 host 3–12% on GPT-2's
-//     layer shapes at 256–2048 tokens, the most at 256 (bench/README.md); half that where the fp32
-//     FMA rate is half (AVX2).
+//     rate F and a widening rate W (elements/s). On an AMX host's cores (bench/README.md, "bf16
+//     GEMMs"), GPT-2's forward GEMMs at 256–2048 tokens: 0–17% on one core (median 5%); on two, the
+//     same from 1024 tokens on, but up to 33% for the 768-wide weights at 256–512. Where the fp32
+//     FMA rate is half (AVX2), about half that.
 // Choice, per shape (the key above), at its first call: where oneDNN creates a primitive, both paths
 // are timed alternately (a few runs each, on a slab of at most 4M elements of C written to a scratch
 // buffer) and the faster is kept. Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
