@@ -126,6 +126,9 @@ void add_run_options(Args& a) {
               "0")
       .flag("async-save", "write checkpoints from a background thread while training goes on")
       .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
+      .option("precision", "fp32|bf16",
+              "the layer GEMMs' precision: bf16 multiplies bf16 copies of the weights and activations with fp32 "
+              "accumulation (master weights, gradients and optimizer state stay fp32)", "fp32")
       .flag("quiet", "print every 50th step only")
       .flag("verbose", "print every rank's memory breakdown at startup")
       .option("max-skipped-steps", "N",
@@ -145,6 +148,7 @@ void read_run_options(const Args& a, TrainOptions& o) {
   o.keep_last = a.small_integer("keep-last");
   o.async_save = a.on("async-save");
   o.threads = a.small_integer("threads");
+  o.precision = a.str("precision");
   o.quiet = a.on("quiet");
   o.verbose = a.on("verbose");
   o.max_skipped_steps = a.integer("max-skipped-steps");

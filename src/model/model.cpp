@@ -307,6 +307,13 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
 
 Model::~Model() = default;
 
+void Model::set_precision(Precision p) {
+  precision_ = p;
+  if (p != Precision::bf16) return;
+  params_.keep_bf16_copy();
+  if (&experts_ != &params_) experts_.keep_bf16_copy();
+}
+
 void Model::reset_expert_counts() {
   const size_t L = cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, E = size_t(cfg_.num_experts);
   expert_counts_.assign(L, std::vector<int64_t>(E, 0));
@@ -530,11 +537,11 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   float* ln1 = tp.full(a.ln1, s.gathered.data());
   norm_forward(a.ln1, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
   tp.enter(ln1, a.ln1, B, T, C);
-  linear_forward(a.qkv, ln1, w(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  linear_forward(a.qkv, ln1, mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
   cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   float* part = tp.full(a.mid, s.full.data());
-  linear_forward(part, a.att, w(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
+  linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
   residual_add(a.mid, in, w(o.o_b), Nl, C);
   norm_forward(a.ln2, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
@@ -572,13 +579,13 @@ void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int
   tp.enter(ln2, a.ln2, B, T, C);
   float* part = tp.full(y, s.full.data());
   if (cfg_.is_gpt2()) {
-    linear_forward(a.mlp_a, ln2, w(o.fc_w), w(o.fc_b), N, C, F, lay);
+    linear_forward(a.mlp_a, ln2, mw(o.fc_w), w(o.fc_b), N, C, F, lay);
     gelu_forward(a.mlp_b, a.mlp_a, N * F);
   } else {
-    linear_forward(a.mlp_a, ln2, w(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
+    linear_forward(a.mlp_a, ln2, mw(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
     swiglu_forward(a.mlp_b, a.mlp_a, N, F);
   }
-  linear_forward(part, a.mlp_b, w(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
+  linear_forward(part, a.mlp_b, mw(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   tp.exit(y, part, B, T, C);
 }
 
@@ -593,13 +600,13 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
-  linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, w(o.proj_w), N, F, C, lay);
+  linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, mw(o.proj_w), N, F, C, lay);
   if (cfg_.is_gpt2()) {
     gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
-    linear_backward(d_full, g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, w(o.fc_w), N, C, F, lay);
+    linear_backward(d_full, g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, F, lay);
   } else {
     swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N, F);
-    linear_backward(d_full, g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, w(o.fc_w), N, C, 2 * F,
+    linear_backward(d_full, g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, 2 * F,
                     lay);
   }
   tp.enter_backward(d_local, d_full, B, T, C);
@@ -645,12 +652,12 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
   if (recompute_ == Recompute::selective) cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
-  linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, w(o.o_w), N, HD, C, lay);
+  linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, mw(o.o_w), N, HD, C, lay);
   cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
   float* ln1 = tp.full(a.ln1, s.gathered.data());
   tp.enter(ln1, a.ln1, B, T, C);
-  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, w(o.qkv_w), N, C, S, lay);
+  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, mw(o.qkv_w), N, C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
 }
@@ -673,7 +680,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   const bool global = c.routing.aux == AuxLoss::global;
   if (global && losses) balance.global = &global_counts_[size_t(l)];
   if (global && !losses) balance.reuse = &global_frac_.at({l, mb_});
-  origami::moe_forward(y, *a.moe, {x, w(o.router), experts_.data() + o.experts}, moe_sizes(), c.routing, balance,
+  origami::moe_forward(y, *a.moe, {x, w(o.router), expert_weights(o.experts)}, moe_sizes(), c.routing, balance,
                        dispatcher_, s.moe);
   tp_.gather_shares(out, y, B, T, C);
   if (losses) {
@@ -698,7 +705,7 @@ void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const
   const float* x = tp_.share(a.ln2, s.share_x.data(), B, T, C);
   const float* d_out = tp_.share(d_res, s.share_y.data(), B, T, C);
   float* dx = tp_.share_buffer(d_ln, s.share_dx.data());
-  moe_backward_experts(dx, experts_.grad() + o.experts, d_out, *a.moe, s.moe, experts_.data() + o.experts, ms,
+  moe_backward_experts(dx, experts_.grad() + o.experts, d_out, *a.moe, s.moe, expert_weights(o.experts), ms,
                        dispatcher_);
   moe_backward_router(dx, g(o.router), s.moe, *a.moe, x, w(o.router), ms, c.routing, loss_scale);
   tp_.gather_shares(d_ln, dx, B, T, C);
@@ -720,7 +727,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
   Losses out;
   // The mean over the micro-batch's B·T tokens: under CP this rank's part of it (summed over CP).
   const int64_t tokens_total = N * cp_.size();
-  out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), w(head_),
+  out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), mw(head_),
                              s.targets.data(), N, C, Vl_, loss_scale / float(tokens_total), s.head, shard) /
                 double(tokens_total);
   if (!backward) return out;

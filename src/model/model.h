@@ -173,6 +173,10 @@ class Model {
   std::vector<std::vector<float>>& router_bias() { return router_bias_; }
   void update_router_bias(const std::vector<std::vector<int64_t>>& load);
   const ModelConfig& config() const { return cfg_; }
+  // The precision of the layer GEMMs (kernels/cpu/matmul.h). bf16 makes the parameter buffers keep
+  // their bf16 copies (made now from the values; Params::refresh_bf16_copy after every change).
+  void set_precision(Precision p);
+  Precision precision() const { return precision_; }
   ContextParallel& context_parallel() { return cp_; }
   const ModelPart& part() const { return part_; }
 
@@ -192,6 +196,12 @@ class Model {
   struct Scratch;
 
   float* w(int64_t off) { return off < 0 ? nullptr : params_.data() + off; }
+  // A matrix weight as the GEMMs read it: in the run's precision, with its bf16 copy in bf16.
+  Weights<float> mw(int64_t off) const { return at(params_, off); }
+  Weights<float> expert_weights(int64_t off) const { return at(experts_, off); }
+  Weights<float> at(const Params& p, int64_t off) const {
+    return {p.data() + off, p.bf16_copy() ? p.bf16_copy() + off : nullptr, precision_};
+  }
   float* g(int64_t off) { return off < 0 ? nullptr : params_.grad() + off; }
   void grads_ready(int64_t offset, int64_t expert_offset) {
     if (grads_ready_) grads_ready_(offset, expert_offset);
@@ -234,6 +244,7 @@ class Model {
   ContextParallel cp_;
   ModelPart part_;
   Recompute recompute_;
+  Precision precision_ = Precision::fp32;
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
   int64_t B_ = 0, T_ = 0;          // batch rows and this rank's positions per row
   std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence

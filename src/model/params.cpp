@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/rng.h"
+#include "kernels/cpu/matmul.h"
 
 namespace origami {
 
@@ -210,6 +211,15 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   std::reverse(plan.bucket_data.begin(), plan.bucket_data.end());
   plan.size = off.get();
   return plan;
+}
+
+void Params::keep_bf16_copy() {
+  low_.resize(data_.size());
+  refresh_bf16_copy();
+}
+
+void Params::refresh_bf16_copy() {
+  if (!low_.empty()) round_to_bf16(low_.data(), data_.data(), size());
 }
 
 Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::move(table)), layout_(layout) {

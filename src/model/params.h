@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/cpu/bf16.h"
 #include "model/config.h"
 
 namespace origami {
@@ -142,6 +143,13 @@ class Params {
   // normal: N(0, 0.02²); scaled_normal: N(0, (0.02/√(2L))²) (GPT-2 residual projections).
   void init(uint64_t seed, int64_t num_layers);
   void zero_grad();
+  // Mixed precision: a bf16 copy of the values (the GEMMs' weights), kept from keep_bf16_copy() on and
+  // made again from the values by refresh_bf16_copy(), which whoever changes the values calls (the
+  // optimizer step with ZeRO's gather, a load). bf16_copy() is null while none is kept.
+  void keep_bf16_copy();
+  void refresh_bf16_copy();
+  const bf16* bf16_copy() const { return low_.empty() ? nullptr : low_.data(); }
+
   // Zeroes the gradient buffer by returning its pages to the operating system: memory is used again
   // only where gradients are next written (ZeRO-2 keeps only its shard resident between steps).
   void release_grad();
@@ -153,6 +161,7 @@ class Params {
   std::vector<Range> buckets_;
   std::unordered_map<std::string, size_t> by_name_;
   std::vector<float> data_;
+  std::vector<bf16> low_;  // the bf16 copy (mixed precision), else empty
   struct Unmap {
     size_t bytes;
     void operator()(float* p) const;

@@ -46,7 +46,8 @@ nlohmann::json TrainOptions::as_json() const {
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
-          {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask}};
+          {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask},
+          {"precision", precision}};
 }
 
 void TrainOptions::validate_routing(const ModelConfig& cfg) const {
@@ -123,6 +124,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(memory_limit_gb >= 0, "--memory-limit-gb must not be negative (0: the machine's memory), got ",
                 memory_limit_gb);
   parse_sample_order(data_order);
+  parse_precision(precision);
   // Layout.
   parse_recompute(recompute);
   ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);

@@ -17,7 +17,8 @@ Plan make_plan(const ModelConfig& cfg, const TrainOptions& opts, int world_size)
           .micro_batches = o.micro_batches(world_size),
           .recompute = parse_recompute(o.recompute),
           .cp_comm = parse_cp_comm(o.cp_comm),
-          .cp_a2a = o.cp_a2a()};
+          .cp_a2a = o.cp_a2a(),
+          .precision = parse_precision(o.precision)};
 }
 
 ModelPart Plan::part(int stage) const { return ModelPart::of_stage(virtual_stages, mesh.degree("pp"), stage); }

@@ -31,6 +31,7 @@ struct Plan {
   Recompute recompute;
   CpComm cp_comm;
   int cp_a2a;  // ranks per all-to-all group of context parallelism (1: p2p)
+  Precision precision;  // of the layer GEMMs (master weights, gradients and optimizer state stay fp32)
 
   // Pipeline stage `stage`'s chunks of layers, and whether it holds the embedding and the LM head.
   ModelPart part(int stage) const;

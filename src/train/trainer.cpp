@@ -21,6 +21,7 @@
 #include "data/sampler.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "model/model.h"
 #include "model/params.h"
 #include "parallel/data_parallel.h"
@@ -154,10 +155,11 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     // A resume continues the run: options that change what it learns from are worth a word when changed.
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
       const nlohmann::json& was = st["options"];
-      for (const auto& [key, flag, now] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask},
-                                           std::tuple{"data", "--data", o.data}}) {
-        const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>()
-                                   : std::string(key) == "attention_mask" ? "causal" : "";
+      // (key, flag, value now, value of a checkpoint written before the key existed)
+      for (const auto& [key, flag, now, old] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask, "causal"},
+                                                std::tuple{"data", "--data", o.data, ""},
+                                                std::tuple{"precision", "--precision", o.precision, "fp32"}}) {
+        const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>() : old;
         if (before != now)
           std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
                        now.c_str(), ck->path().c_str(), before.c_str());
@@ -233,6 +235,7 @@ std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   if (dims.cp > 1) name += cat(" cp ", cp.describe(plan.model.num_kv_heads / dims.tp));
   if (dims.pp > 1) name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (plan.recompute != Recompute::none) name += cat(" recompute ", recompute_name(plan.recompute));
+  if (plan.precision != Precision::fp32) name += cat(" ", precision_name(plan.precision));
   return name;
 }
 
@@ -328,6 +331,7 @@ Run::Run(Opened opened, Comm& world)
       pipeline_(model_, pp_, {&params_.dense.dp, &params_.experts.dp}, plan_.schedule, int(plan_.micro_batches),
                 o_.vpp) {
   restore_router_bias();
+  model_.set_precision(plan_.precision);
   model_.on_grads_ready([this](int64_t offset, int64_t expert_offset) {
     hooks_.poison_gradient(current_step_, params_.dense.params.grad() + offset);
     params_.dense.dp.grads_ready(offset);
@@ -381,6 +385,9 @@ void Run::print_startup() const {
     std::printf("validation: %s | %lld windows (%lld x global batch) %s\n", in_.eval_data->describe().c_str(),
                 (long long)(o_.eval_iters * G), (long long)o_.eval_iters,
                 o_.eval_every > 0 ? cat("every ", o_.eval_every, " steps and after the last").c_str() : "after the last step");
+  if (plan_.precision == Precision::bf16)
+    std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
+                "| %s\n", describe_bf16_gemm().c_str());
   if (cfg_.document_eod >= 0)
     std::printf("attention within documents: token %d ends a document (positions restart after it)\n", cfg_.document_eod);
   const std::string& ck = start_.checkpoint;
@@ -451,6 +458,7 @@ Run::Update Run::train(int64_t step) {
   for (ParamSet* set : params_.sets()) {
     set->opt.step(set->params, up.lr, clip_coefficient(up.grads.norm, o_.grad_clip));
     set->dp.gather_params();
+    set->params.refresh_bf16_copy();  // bf16: the GEMMs' copy of the updated weights
   }
   last_update_ = step + 1;
   return up;

@@ -62,6 +62,7 @@ struct TrainOptions {
   int threads = 0;             // 0: all cores
   bool quiet = false;          // no per-step lines (progress only)
   bool verbose = false;        // also print the memory breakdown per rank at startup
+  std::string precision = "fp32";  // fp32 | bf16: the layer GEMMs' precision (master weights stay fp32)
   // Run safety.
   int64_t max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
   double loss_spike_factor = 0;   // warn when a step's loss exceeds this times the running median; 0: off

@@ -267,6 +267,14 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   else portable_gemm(s, A, B, C);
 }
 
+void gemm_bf16_unkept(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+                      const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  last_path = Bf16GemmPath::portable;
+  if (K == 0) return scale_c(M, N, beta, C, ldc);
+  portable_gemm({ta, tb, M, N, K, lda, ldb, ldc, alpha, beta}, A, B, C);
+}
+
 void set_bf16_gemm_mode(Bf16GemmMode m) {
   Choices& c = choices();
   std::lock_guard<std::mutex> lock(c.mutex);

@@ -2,19 +2,23 @@
 // Legend: N rows (tokens), in/out features. W in Hugging Face layout: Linear is [out, in]
 // (y = x·Wᵀ), GPT-2's Conv1D is [in, out] (y = x·W).
 // Backward: dx is overwritten (or accumulated with accumulate_dx), dW and db accumulate (+=).
+// The GEMMs run in W's precision (kernels/cpu/matmul.h): in bf16, x, dy and W rounded (W through its
+// bf16 copy), accumulation and dW in fp32; the bias and db use fp32 values.
 #pragma once
 #include <cstdint>
+
+#include "kernels/cpu/matmul.h"
 
 namespace origami {
 
 enum class WeightLayout { out_in, in_out };
 
 template <typename T>
-void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t N, int64_t in, int64_t out,
+void linear_forward(T* y, const T* x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
                     WeightLayout layout);
 
 template <typename T>
-void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int64_t N, int64_t in,
+void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, Id<Weights<T>> w, int64_t N, int64_t in,
                      int64_t out, WeightLayout layout, bool accumulate_dx = false);
 
 }  // namespace origami

@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "kernels/cpu/fast_math.h"
-#include "kernels/cpu/gemm.h"
 
 namespace origami {
 
@@ -34,8 +33,9 @@ int64_t lm_head_chunk_rows(int64_t N, int64_t V) {
 }
 
 template <typename T>
-double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, const T* w, const int32_t* targets, int64_t N,
+double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, Id<Weights<T>> w, const int32_t* targets, int64_t N,
                     int64_t C, int64_t V, T grad_scale, std::vector<T>& scratch, const VocabShard<T>& shard) {
+  const Precision p = w.p;
   const int64_t valid = shard.valid < 0 ? V : shard.valid, v0 = shard.vocab_begin;
   const int64_t chunk = lm_head_chunk_rows(N, V);
   if (int64_t(scratch.size()) < chunk * (V + 4)) scratch.resize(size_t(chunk * (V + 4)));
@@ -45,7 +45,7 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, const T* w, const i
     T* logits = scratch.data();
     T* stats = logits + chunk * V;  // [n][3]: max, Σ exp(logit − max), target logit
     T* local_max = stats + chunk * 3;  // [n]: this shard's max (stats are replaced by the whole vocabulary's)
-    gemm<T>(false, true, n, V, C, T(1), x + n0 * C, C, w, C, T(0), logits, V);
+    matmul<T>(p, false, true, n, V, C, T(1), {x + n0 * C, C}, w.mat(C), T(0), logits, V);
     if (logits_out) std::memcpy(logits_out + n0 * V, logits, size_t(n * V) * sizeof(T));
     // With dx, exp(logit − max) replaces the logit in place, so that dlogits need no second exp.
 #pragma omp parallel for schedule(static)
@@ -77,8 +77,10 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, const T* w, const i
       }
     }
     if (dx) {
-      gemm<T>(false, false, n, C, V, T(1), logits, V, w, C, T(0), dx + n0 * C, C);  // dx = dlogits·W
-      gemm<T>(true, false, V, C, n, T(1), logits, V, x + n0 * C, C, T(1), dw, C);   // dW += dlogitsᵀ·x
+      thread_local std::vector<bf16> dlogits_low;  // dlogits rounded once for both GEMMs (bf16)
+      const Mat<T> g = operand(p, static_cast<const T*>(logits), n, V, dlogits_low);
+      matmul<T>(p, false, false, n, C, V, T(1), g, w.mat(C), T(0), dx + n0 * C, C);  // dx = dlogits·W
+      matmul<T>(p, true, false, V, C, n, T(1), g, {x + n0 * C, C}, T(1), dw, C);           // dW += dlogitsᵀ·x
     }
   }
   return total;
@@ -86,7 +88,7 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, const T* w, const i
 
 #define INSTANTIATE(T)                                                                                            \
   template void merge_vocab_stats<T>(T*, const T*, int64_t, int64_t);                                            \
-  template double lm_head_loss<T>(T*, T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, T, \
+  template double lm_head_loss<T>(T*, T*, T*, const T*, Weights<T>, const int32_t*, int64_t, int64_t, int64_t, T, \
                                   std::vector<T>&, const VocabShard<T>&);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -258,38 +258,45 @@ void permute_backward(T* dx, const T* dxs, const MoeCache<T>& c, const MoeSizes&
 // Local experts: one GEMM pair per expert over its contiguous rows of c.xe_RC (partial outputs
 // over ETP) into ye [rows, C]; gate|up and the activations stay in the cache.
 template <typename T>
-void experts_forward(T* ye, MoeCache<T>& c, const T* experts, const MoeSizes& s) {
+void experts_forward(T* ye, MoeCache<T>& c, Weights<T> experts, const MoeSizes& s) {
   const int64_t C = s.C, F = s.F;
+  const Precision p = experts.p;
   for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
     const int64_t rn = c.plan.expert_rows[size_t(j)];
     if (rn == 0) continue;
-    const T* w13 = experts + j * 3 * F * C;
-    const T* w2 = w13 + 2 * F * C;
-    gemm<T>(false, true, rn, 2 * F, C, T(1), c.xe_RC.data() + r0 * C, C, w13, C, T(0), c.gu_R2F.data() + r0 * 2 * F, 2 * F);
+    const Weights<T> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
+    matmul<T>(p, false, true, rn, 2 * F, C, T(1), {c.xe_RC.data() + r0 * C, C}, w13.mat(C), T(0),
+              c.gu_R2F.data() + r0 * 2 * F, 2 * F, Sizes::varying);
     swiglu_forward(c.act_RF.data() + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    gemm<T>(false, true, rn, C, F, T(1), c.act_RF.data() + r0 * F, F, w2, F, T(0), ye + r0 * C, C);
+    matmul<T>(p, false, true, rn, C, F, T(1), {c.act_RF.data() + r0 * F, F}, w2.mat(F), T(0), ye + r0 * C, C,
+              Sizes::varying);
   }
 }
 
 // The experts' backward overwrites dye with ∂/∂xe, expert by expert (its rows of dye are dead once
 // its dact and dw2 are computed); dexperts accumulates. scratch's dgu and dact are work buffers.
+// In bf16 each expert's dye and dgu rows are rounded once for their two GEMMs.
 template <typename T>
-void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCache<T>& c, const T* experts,
+void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCache<T>& c, Weights<T> experts,
                       const MoeSizes& s) {
   const int64_t C = s.C, F = s.F;
+  const Precision p = experts.p;
+  const Sizes vary = Sizes::varying;
   T *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
+  thread_local std::vector<bf16> low;
   for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
     const int64_t rn = c.plan.expert_rows[size_t(j)];
     if (rn == 0) continue;
-    const T* w13 = experts + j * 3 * F * C;
-    const T* w2 = w13 + 2 * F * C;
+    const Weights<T> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
     T* dw13 = dexperts + j * 3 * F * C;
     T* dw2 = dw13 + 2 * F * C;
-    gemm<T>(false, false, rn, F, C, T(1), dye + r0 * C, C, w2, F, T(0), dact + r0 * F, F);
-    gemm<T>(true, false, C, F, rn, T(1), dye + r0 * C, C, c.act_RF.data() + r0 * F, F, T(1), dw2, F);
+    const Mat<T> g = operand(p, static_cast<const T*>(dye + r0 * C), rn, C, low);
+    matmul<T>(p, false, false, rn, F, C, T(1), g, w2.mat(F), T(0), dact + r0 * F, F, vary);
+    matmul<T>(p, true, false, C, F, rn, T(1), g, {c.act_RF.data() + r0 * F, F}, T(1), dw2, F, vary);
     swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    gemm<T>(false, false, rn, C, 2 * F, T(1), dgu + r0 * 2 * F, 2 * F, w13, C, T(0), dye + r0 * C, C);
-    gemm<T>(true, false, 2 * F, C, rn, T(1), dgu + r0 * 2 * F, 2 * F, c.xe_RC.data() + r0 * C, C, T(1), dw13, C);
+    const Mat<T> ggu = operand(p, static_cast<const T*>(dgu + r0 * 2 * F), rn, 2 * F, low);
+    matmul<T>(p, false, false, rn, C, 2 * F, T(1), ggu, w13.mat(C), T(0), dye + r0 * C, C, vary);
+    matmul<T>(p, true, false, 2 * F, C, rn, T(1), ggu, {c.xe_RC.data() + r0 * C, C}, T(1), dw13, C, vary);
   }
 }
 
@@ -367,7 +374,7 @@ void moe_forward(T* out, MoeCache<T>& c, const MoeInputs<T>& in, const MoeSizes&
 
 template <typename T>
 void moe_backward_experts(T* dx, T* dexperts, const T* dout, const MoeCache<T>& c, MoeScratch<T>& scratch,
-                          const T* experts, const MoeSizes& s, TokenDispatcher& d) {
+                          Id<Weights<T>> experts, const MoeSizes& s, TokenDispatcher& d) {
   const int64_t C = s.C;
   T *dy = scratch.xs_RC.data(), *dye = scratch.e_RC.data();
   combine_backward(dy, scratch.d_weight.data(), dout, c, s, d.times());
@@ -397,7 +404,7 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
   TokenDispatcher local;
   MoeScratch<T> scratch;
   scratch.resize(s, TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1, s.cap, s.pad), 1);
-  moe_backward_experts(dx, dexperts, dout, c, scratch, experts, s, local);
+  moe_backward_experts<T>(dx, dexperts, dout, c, scratch, experts, s, local);
   moe_backward_router(dx, dgate, scratch, c, x, gate, s, r, loss_scale);
 }
 
@@ -408,7 +415,7 @@ void moe_backward(T* dx, T* dgate, T* dexperts, const T* dout, const MoeCache<T>
                                const MoeBalance&);                                                               \
   template void moe_backward<T>(T*, T*, T*, const T*, const MoeCache<T>&, const T*, const T*, const T*,         \
                                 const MoeSizes&, const MoeRouting&, T);                                        \
-  template void moe_backward_experts<T>(T*, T*, const T*, const MoeCache<T>&, MoeScratch<T>&, const T*,           \
+  template void moe_backward_experts<T>(T*, T*, const T*, const MoeCache<T>&, MoeScratch<T>&, Weights<T>,         \
                                         const MoeSizes&, TokenDispatcher&);                                    \
   template void moe_backward_router<T>(T*, T*, const MoeScratch<T>&, const MoeCache<T>&, const T*, const T*,      \
                                        const MoeSizes&, const MoeRouting&, T);

@@ -38,6 +38,7 @@
 #include "core/checked.h"
 
 #include "model/config.h"
+#include "kernels/cpu/matmul.h"
 #include "parallel/token_dispatcher.h"
 
 namespace origami {
@@ -62,7 +63,7 @@ template <typename T>
 struct MoeInputs {
   const T* x_NC;     // [N, C]
   const T* gate_EC;  // the router [E, C]
-  const T* experts;  // local expert 0's block (the legend above)
+  Weights<T> experts;  // local expert 0's block (the legend above), in the run's precision
 };
 
 // What a call's router uses beyond the weights.
@@ -146,7 +147,7 @@ void moe_forward(T* out_NC, MoeCache<T>& cache, const MoeInputs<T>& in, const Mo
 // Phase 1, experts and combine: dx_NC = gradient through the experts (overwritten), dexperts accumulates (+=).
 template <typename T>
 void moe_backward_experts(T* dx_NC, T* dexperts, const T* dout_NC, const MoeCache<T>& cache, MoeScratch<T>& scratch,
-                          const T* experts, const MoeSizes& s, TokenDispatcher& dispatcher);
+                          Id<Weights<T>> experts, const MoeSizes& s, TokenDispatcher& dispatcher);
 // Phase 2, router (from scratch.d_weight, plus the aux and z losses): dgate_EC accumulates; dx_NC
 // accumulates the router's part of the input gradient. loss_scale multiplies the router losses' gradient.
 template <typename T>

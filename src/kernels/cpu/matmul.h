@@ -1,0 +1,74 @@
+// The kernel seam's GEMM: every layer GEMM (linear layers, the LM head, the MoE experts) multiplies
+// through `matmul` in the run's precision, so model assembly chooses an element type and nothing else.
+//
+// Precision::fp32: gemm<T> (fp64 for double: the finite-difference tests).
+// Precision::bf16 (mixed precision, float only): both operands rounded to bf16 — a weight through its
+//   bf16 copy (refreshed after each optimizer update, ParamSet's job), an activation or a gradient
+//   rounded at the call into a per-thread scratch — then gemm_bf16: products exact in fp32,
+//   accumulation in fp32, C in fp32. The rounding points are the operands of the GEMM, nothing else:
+//   a bias is added in fp32 outside, and a backward rounds dy once for both of its GEMMs (the PyTorch
+//   oracle's bf16 mode rounds at the same points, tests/reference/origami_ref.py).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/bf16.h"
+
+namespace origami {
+
+enum class Precision { fp32, bf16 };
+Precision parse_precision(const std::string& s);  // "fp32" | "bf16"; else an Error naming the value
+const char* precision_name(Precision p);
+
+// A GEMM operand as gemm.h passes it (values, row stride), and where it has one its bf16 copy in the
+// same layout (a weight's; null: the values are rounded at the call).
+template <typename T>
+struct Mat {
+  const T* v;
+  int64_t ld;
+  const bf16* low = nullptr;
+};
+
+// A weight (or a block of them) as a layer reads it: its values, the precision its GEMMs run in and,
+// in bf16, its bf16 copy in the same layout. A bare pointer is an fp32 (fp64) weight.
+template <typename T>
+struct Weights {
+  const T* v = nullptr;
+  const bf16* low = nullptr;
+  Precision p = Precision::fp32;
+  Weights() = default;
+  Weights(const T* values) : v(values) {}  // NOLINT: implicit, a bare pointer is an fp32 weight
+  Weights(const T* values, const bf16* copy, Precision precision) : v(values), low(copy), p(precision) {}
+  Weights at(int64_t offset) const { return {v + offset, low ? low + offset : nullptr, p}; }
+  Mat<T> mat(int64_t ld) const { return {v, ld, low}; }
+};
+
+// A parameter type that template deduction skips, so a bare pointer converts to Weights<T>.
+template <typename X>
+using Id = std::type_identity_t<X>;
+
+// How the sizes of a call arise: `fixed` by the batch and the model (one gemm_bf16 path choice and
+// oneDNN primitive per shape, kept); `varying` with the data (an MoE expert's rows): the bf16 GEMM
+// takes a path that keeps nothing per shape.
+enum class Sizes { fixed, varying };
+
+// C = alpha·op(A)·op(B) + beta·C (gemm.h's meaning of the arguments) in precision p.
+template <typename T>
+void matmul(Precision p, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, Mat<T> A, Mat<T> B,
+            T beta, T* C, int64_t ldc, Sizes sizes = Sizes::fixed);
+
+// An operand [rows, cols] (compact) used by several GEMMs of one backward: in bf16, rounded once into
+// `buffer` (resized as needed) and carried as its copy; in fp32 (or for double), the values alone.
+template <typename T>
+Mat<T> operand(Precision p, const T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
+
+// dst[i] = to_bf16(src[i]) for n elements, spread over the threads (outside a parallel region).
+void round_to_bf16(bf16* dst, const float* src, int64_t n);
+
+// Bytes of the per-thread rounding scratch a bf16 matmul with operands of a and b elements holds
+// (the memory check adds the largest such call of a step).
+int64_t matmul_scratch_bytes(int64_t a_elements, int64_t b_elements);
+
+}  // namespace origami
