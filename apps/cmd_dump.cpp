@@ -31,6 +31,8 @@ int cmd_dump(int argc, char** argv) {
       .option("attention-mask", "causal|document", "document: attention within documents, positions restarting "
                                                    "(as 'origami train --attention-mask')", "causal")
       .option("threads", "N", "threads (default: all cores)", "0")
+      .option("precision", "fp32|bf16", "the layer GEMMs' precision (bf16: bf16 copies of weights and activations, fp32 "
+                                        "accumulation), as 'origami train --precision'", "fp32")
       .option("out", "FILE", "output .safetensors file");
   add_routing_options(a, false);
   if (!a.parse(argc, argv)) return 0;
@@ -66,6 +68,7 @@ int cmd_dump(int argc, char** argv) {
     ck.read_weights(params);
   }
   Model model(cfg, params);
+  model.set_precision(parse_precision(a.str("precision")));
   std::vector<float> logits(size_t(B * T * cfg.vocab_size));
   params.zero_grad();
   const Losses l = model.forward_backward(tokens.data(), B, T, 1.f, true, logits.data());

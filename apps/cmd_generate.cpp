@@ -26,6 +26,8 @@ int cmd_generate(int argc, char** argv) {
       .option("top-k", "K", "sample among the K most likely tokens (0: all)", "40")
       .option("seed", "S", "sampling seed", "1")
       .option("threads", "N", "threads (default: all cores)", "0")
+      .option("precision", "fp32|bf16", "the layer GEMMs' precision (bf16: bf16 copies of weights and activations, fp32 "
+                                        "accumulation), as 'origami train --precision'", "fp32")
       .flag("stop-at-eod", "stop at the end-of-document token");
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
@@ -45,6 +47,8 @@ int cmd_generate(int argc, char** argv) {
   ck.bind(cfg);
   ck.read_weights(params);
   Model model(cfg, params);
+  const Precision precision = parse_precision(a.str("precision"));
+  model.set_precision(precision);
   // Positions beyond the training sequence length were never trained: slide a window of that size.
   int64_t context = cfg.max_positions;
   if (const nlohmann::json& st = ck.trainer_state(); !st.is_null()) {
@@ -62,12 +66,15 @@ int cmd_generate(int argc, char** argv) {
   std::vector<int32_t> window;
   size_t printed = prompt_len;
   for (int64_t i = 0; i < max_new; ++i) {
-    // The last `context` tokens, plus one unused target slot.
+    // The last `context` tokens, plus one unused target slot. In bf16 the window is padded with
+    // token 0 to a multiple of 32 positions: the bf16 GEMMs keep a path and a primitive per shape, and
+    // causal attention keeps the padding out of the real positions' logits.
     const size_t T = std::min<size_t>(ids.size(), size_t(context));
+    const size_t padded = precision == Precision::bf16 ? std::min<size_t>((T + 31) / 32 * 32, size_t(cfg.max_positions)) : T;
     window.assign(ids.end() - std::ptrdiff_t(T), ids.end());
-    window.push_back(0);
-    logits.resize(T * size_t(cfg.vocab_size));
-    model.forward_backward(window.data(), 1, int64_t(T), 1.f, false, logits.data());
+    window.resize(padded + 1, 0);
+    logits.resize(padded * size_t(cfg.vocab_size));
+    model.forward_backward(window.data(), 1, int64_t(padded), 1.f, false, logits.data());
     const float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
     const int32_t next = sample_token(last, int32_t(std::min<int64_t>(cfg.vocab_size, tok->vocab_size())), temperature,
                                       int32_t(top_k), uniform01(seed, 0x9e3779b9, uint64_t(i)));

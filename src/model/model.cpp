@@ -109,11 +109,22 @@ struct ScratchSizes {
 
 }  // namespace
 
+// bf16: the rounding scratch of the calling thread — two operand slots and a backward's rounded dy,
+// each at most the most rows of a GEMM (tokens, or the experts' rows) times its widest operand; the
+// LM head's rounded dlogits and input chunk — and gemm_bf16's portable widening scratch (16 MiB at most).
+Size bf16_scratch_bytes(const ModelConfig& c, const LocalSizes& s, const ActivationShape& a, bool head_stage) {
+  if (a.precision != Precision::bf16) return 0;
+  const int64_t Vl = (c.vocab_size + a.tp - 1) / a.tp;
+  const Size rows = std::max(s.N, s.moe_rows), widest = std::max({s.C, s.Sl, s.HDl, s.fa, 2 * Size(s.moe.F)});
+  const Size chunk = head_stage ? lm_head_chunk_rows(s.N.get(), Vl) : 0;
+  return 2 * (3 * rows * widest + chunk * (Size(Vl) + s.C)) + (int64_t(16) << 20);
+}
+
 int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const ModelPart& part) {
   const LocalSizes s(c, a);
   // TensorParallel's region buffer: under SP (or gathering MoE shares) with B > 1, the gathered or reordered [N, C].
   const Size tp_region = (a.sp || s.moe_shares(c, a)) && a.B > 1 ? 4 * s.N * s.C : 0;
-  return (ScratchSizes(c, a, part.head).bytes() + tp_region).get();
+  return (ScratchSizes(c, a, part.head).bytes() + tp_region + bf16_scratch_bytes(c, s, a, part.head)).get();
 }
 
 int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, LayerRange r) {
@@ -344,7 +355,8 @@ Model::Dims Model::dims() const {
 }
 
 ActivationShape Model::activation_shape() const {
-  return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(), cp_.a2a_size()};
+  return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(), cp_.a2a_size(),
+          precision_};
 }
 
 MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }

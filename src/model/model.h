@@ -78,13 +78,15 @@ struct ActivationShape {
   Recompute recompute = Recompute::none;
   int etp = 1, ep = 1;  // MoE mesh: the expert-side buffers are sized for the dispatcher's worst case
   int cp = 1, cp_a2a = 1;  // context parallelism: CP size and all-to-all group size
+  Precision precision = Precision::fp32;  // of the layer GEMMs: bf16 adds the rounding scratch to the workspace
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);
 int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
 // Work buffers of a stage's model for a batch (not kept across calls: backward gradients of the
 // activations, the LM head's logits chunk, MoE backward buffers, SP region buffers), allocated once
-// by Model::set_batch (and TensorParallel's region buffer).
+// by Model::set_batch (and TensorParallel's region buffer); in bf16 also the matmul seam's rounding
+// scratch and gemm_bf16's (kernels/cpu/matmul.h), which grow to the largest call and stay.
 int64_t workspace_bytes(const ModelConfig& cfg, const ActivationShape& a, const ModelPart& part);
 
 // Model FLOPs per token of a training step (forward + backward), convention:

@@ -173,8 +173,9 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding.
   Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
+  const bool bf16 = parse_precision(o.precision) == Precision::bf16;
   for (const BufferFigures& f : {buffers.dense, buffers.experts}) {
-    weights += 4 * Size(f.size);
+    weights += (bf16 ? 4 + 2 : 4) * Size(f.size);  // bf16: the GEMMs' copy beside the fp32 master
     grads += 4 * Size(f.size) + (o.zero >= 1 ? 4 * Size(f.shard) : 0) + (o.zero == 2 ? 4 * Size(f.shard) : 0);
     optimizer += 2 * 4 * Size(o.zero == 0 ? f.data : f.shard_data);
   }

@@ -20,7 +20,8 @@
 namespace origami {
 
 struct MemoryParts {
-  int64_t weights = 0;      // this rank's parameter buffer (its TP shard of its stage, bucket padding)
+  int64_t weights = 0;      // this rank's parameter buffer (its TP shard of its stage, bucket padding), and
+                            // in bf16 its bf16 copy
   int64_t grads = 0;        // gradient buffer of the same layout, plus ZeRO's reduced shard (and ZeRO-2's accumulator)
   int64_t optimizer = 0;    // AdamW moments of the elements this rank updates (its ZeRO shard)
   int64_t activations = 0;  // the schedule's activation peak (the act_bytes_computed metric)

@@ -232,7 +232,7 @@ ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) co
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
   return {micro_batch, seq_len / cp,        tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
-          cp,          cp_a2a()};
+          cp,          cp_a2a(),                  parse_precision(precision)};
 }
 
 int TrainOptions::cp_a2a() const {
