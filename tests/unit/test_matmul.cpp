@@ -1,0 +1,166 @@
+// The kernel seam's GEMM in bf16 (kernels/cpu/matmul.h) and the layers that call it: the rounding
+// happens exactly at the stated points — both GEMM operands, a weight through its bf16 copy, a
+// backward's dy once for its two GEMMs, never the bias or its gradient — on the host's own bf16 path
+// and on the forced portable one.
+//
+// Bound (test_bf16.cpp's bound 1): against a double GEMM of the rounded operands, only the fp32 sum
+// rounds: |C − C_exact| ≤ γ(K+2)·Σ|ã||b̃| + (K+2)·2^-126, γ(n) = n·2^-24/(1 − n·2^-24). A result that
+// used an unrounded operand, or rounded one twice, or read the weights instead of their copy, misses
+// it by orders of magnitude (a bf16 step is 2^-8 relative, the bound ~K·2^-24).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_bf16.h"
+#include "kernels/cpu/matmul.h"
+#include "model/layers/linear.h"
+
+using namespace origami;
+
+namespace {
+
+std::vector<float> random_values(int64_t n, uint32_t seed) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) seed = seed * 1664525u + 1013904223u, x = float(double(seed >> 8) / double(1 << 23) - 1.0);
+  return v;
+}
+
+// The values rounded to bf16 and back, as doubles (|x| with `absolute`).
+std::vector<double> rounded(const std::vector<float>& x, bool absolute = false) {
+  std::vector<double> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double r = to_float(to_bf16(x[i]));
+    out[i] = absolute ? std::fabs(r) : r;
+  }
+  return out;
+}
+
+std::vector<double> as_double(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+
+// max over elements of |got − want| / (γ(K+2)·magnitude + flushed): at most 1 within the bound.
+double worst_ratio(const std::vector<float>& got, const std::vector<double>& want, const std::vector<double>& mag,
+                   int64_t K) {
+  const double g = double(K + 2) * 0x1p-24 / (1 - double(K + 2) * 0x1p-24), flushed = double(K + 2) * 0x1p-126;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]) / (g * mag[i] + flushed));
+  return worst;
+}
+
+// Runs fn under the timed choice and under the forced portable path.
+template <typename Fn>
+void on_every_path(Fn fn) {
+  const Bf16GemmMode was = bf16_gemm_mode();
+  for (Bf16GemmMode m : {Bf16GemmMode::automatic, Bf16GemmMode::portable}) {
+    set_bf16_gemm_mode(m);
+    SCOPED_TRACE(m == Bf16GemmMode::portable ? "portable path" : "timed choice");
+    fn();
+  }
+  set_bf16_gemm_mode(was);
+}
+
+}  // namespace
+
+// Every transpose pair, strided operands: both rounded at the call; a weight's copy used instead of
+// its values when given (the copy here is the rounding of 2·B, so reading B would be off by 2x).
+TEST(Matmul, Bf16RoundsBothOperandsAndReadsTheWeightCopy) {
+  on_every_path([] {
+    const int64_t M = 37, N = 29, K = 75, pad = 3;
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const int64_t ar = ta ? K : M, ac = (ta ? M : K) + pad, br = tb ? N : K, bc = (tb ? K : N) + pad;
+        const std::vector<float> A = random_values(ar * ac, 1), B = random_values(br * bc, 2);
+        std::vector<float> B2(B.size());
+        for (size_t i = 0; i < B.size(); ++i) B2[i] = 2 * B[i];
+        std::vector<bf16> B2_low(B.size());
+        to_bf16(B2_low.data(), B2.data(), int64_t(B2.size()));
+        for (bool copy : {false, true}) {
+          std::vector<float> C(size_t(M * N));
+          matmul<float>(Precision::bf16, ta, tb, M, N, K, 1.f, {A.data(), ac}, {B.data(), bc, copy ? B2_low.data() : nullptr},
+                        0.f, C.data(), N);
+          std::vector<double> want(C.size()), mag(C.size());
+          const std::vector<double> a = rounded(A), b = rounded(copy ? B2 : B), am = rounded(A, true),
+                                    bm = rounded(copy ? B2 : B, true);
+          gemm<double>(ta, tb, M, N, K, 1.0, a.data(), ac, b.data(), bc, 0.0, want.data(), N);
+          gemm<double>(ta, tb, M, N, K, 1.0, am.data(), ac, bm.data(), bc, 0.0, mag.data(), N);
+          EXPECT_LE(worst_ratio(C, want, mag, K), 1.0) << (ta ? "T" : "N") << (tb ? "T" : "N") << " copy " << copy;
+        }
+      }
+  });
+}
+
+// fp32 is gemm<float> itself, bit for bit.
+TEST(Matmul, Fp32IsTheFloatGemm) {
+  const int64_t M = 16, N = 24, K = 40;
+  const std::vector<float> A = random_values(M * K, 3), B = random_values(K * N, 4);
+  std::vector<float> C(size_t(M * N)), want(C.size());
+  matmul<float>(Precision::fp32, false, false, M, N, K, 1.f, {A.data(), K}, {B.data(), N}, 0.f, C.data(), N);
+  gemm<float>(false, false, M, N, K, 1.f, A.data(), K, B.data(), N, 0.f, want.data(), N);
+  EXPECT_EQ(C, want);
+}
+
+// A linear layer in bf16, both weight layouts: y from round(x)·round(W) plus the fp32 bias; backward
+// dx = round(dy)·round(W), dW += round(x)ᵀ·round(dy) (fp32 accumulation onto what dW held), and db the
+// fp32 sum of the unrounded dy (a db from rounded dy would be off by up to 2^-9 of each term).
+TEST(Matmul, LinearLayerRoundsAtTheStatedPoints) {
+  on_every_path([] {
+    const int64_t N = 21, in = 48, out = 40;
+    for (WeightLayout layout : {WeightLayout::out_in, WeightLayout::in_out}) {
+      const bool oi = layout == WeightLayout::out_in;
+      const std::vector<float> x = random_values(N * in, 5), w = random_values(in * out, 6),
+                               b = random_values(out, 7), dy = random_values(N * out, 8);
+      std::vector<bf16> w_low(w.size());
+      to_bf16(w_low.data(), w.data(), int64_t(w.size()));
+      const Weights<float> W(w.data(), w_low.data(), Precision::bf16);
+      std::vector<float> y(size_t(N * out)), dx(size_t(N * in)), dw(w.size(), 0.5f), db(size_t(out), 0.25f);
+      linear_forward<float>(y.data(), x.data(), W, b.data(), N, in, out, layout);
+      linear_backward<float>(dx.data(), dw.data(), db.data(), dy.data(), x.data(), W, N, in, out, layout);
+
+      const auto xr = rounded(x), wr = rounded(w), dyr = rounded(dy), xm = rounded(x, true), wm = rounded(w, true),
+                 dym = rounded(dy, true);
+      std::vector<double> want(y.size()), mag(y.size());
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t o = 0; o < out; ++o) want[size_t(n * out + o)] = b[size_t(o)], mag[size_t(n * out + o)] = std::fabs(b[size_t(o)]);
+      gemm<double>(false, oi, N, out, in, 1.0, xr.data(), in, wr.data(), oi ? in : out, 1.0, want.data(), out);
+      gemm<double>(false, oi, N, out, in, 1.0, xm.data(), in, wm.data(), oi ? in : out, 1.0, mag.data(), out);
+      EXPECT_LE(worst_ratio(y, want, mag, in), 1.0) << "y";
+
+      std::vector<double> dx_want(dx.size()), dx_mag(dx.size());
+      gemm<double>(false, !oi, N, in, out, 1.0, dyr.data(), out, wr.data(), oi ? in : out, 0.0, dx_want.data(), in);
+      gemm<double>(false, !oi, N, in, out, 1.0, dym.data(), out, wm.data(), oi ? in : out, 0.0, dx_mag.data(), in);
+      EXPECT_LE(worst_ratio(dx, dx_want, dx_mag, out), 1.0) << "dx";
+
+      std::vector<double> dw_want(w.size(), 0.5), dw_mag(w.size(), 0.5);
+      if (oi) {
+        gemm<double>(true, false, out, in, N, 1.0, dyr.data(), out, xr.data(), in, 1.0, dw_want.data(), in);
+        gemm<double>(true, false, out, in, N, 1.0, dym.data(), out, xm.data(), in, 1.0, dw_mag.data(), in);
+      } else {
+        gemm<double>(true, false, in, out, N, 1.0, xr.data(), in, dyr.data(), out, 1.0, dw_want.data(), out);
+        gemm<double>(true, false, in, out, N, 1.0, xm.data(), in, dym.data(), out, 1.0, dw_mag.data(), out);
+      }
+      EXPECT_LE(worst_ratio(dw, dw_want, dw_mag, N), 1.0) << "dW";
+
+      std::vector<double> db_want(size_t(out), 0.25), db_mag(size_t(out), 0.25);
+      const std::vector<double> dyd = as_double(dy);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t o = 0; o < out; ++o)
+          db_want[size_t(o)] += dyd[size_t(n * out + o)], db_mag[size_t(o)] += std::fabs(dyd[size_t(n * out + o)]);
+      EXPECT_LE(worst_ratio(db, db_want, db_mag, N), 1.0) << "db";
+    }
+  });
+}
+
+TEST(Matmul, ParsesPrecisionNames) {
+  EXPECT_EQ(parse_precision("fp32"), Precision::fp32);
+  EXPECT_EQ(parse_precision("bf16"), Precision::bf16);
+  EXPECT_STREQ(precision_name(Precision::bf16), "bf16");
+  try {
+    parse_precision("fp16");
+    FAIL() << "fp16 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'fp16' is not one of fp32, bf16"), std::string::npos) << e.what();
+  }
+}
