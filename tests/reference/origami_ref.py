@@ -367,8 +367,8 @@ class gemm_precision:
 
 def bf16_round(t):
     """bf16(t): round to nearest even bfloat16, back in t's dtype. torch takes float64 to bf16
-    through float32; that double rounding differs from a direct one only within 2^-29 of a bf16
-    tie, far below the engine's own float32 difference from the float64 value."""
+    through float32; that double rounding differs from a direct one only within half a float32
+    ulp of a bf16 tie, well inside the engine's own float32 difference from the float64 value."""
     return t.to(torch.bfloat16).to(t.dtype)
 
 
