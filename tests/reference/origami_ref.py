@@ -12,6 +12,7 @@ indexed datasets (.bin/.idx), the byte tokenizer's document split, the sequentia
 clipping + LR schedule, and thin wrappers that run the `origami` binary.
 
 Everything is written to run in float64 (the strong oracle) or float32.
+`gemm_precision("bf16")` rounds the linear-layer GEMMs as origami's --precision bf16 does.
 
 Size legend: B batch rows, T sequence, N = B*T tokens, C hidden, H query heads,
 KV key/value heads, D head dim, V vocab, E experts, K experts per token, I MLP width.
@@ -336,6 +337,70 @@ def apply_rope(x_BHTD, cos, sin):
     return x_BHTD * cos + rotate_half(x_BHTD) * sin
 
 
+# --------------------------------------------------------------------------------------
+# linear-layer GEMMs and their precision (origami's --precision)
+# --------------------------------------------------------------------------------------
+
+# "fp32": every GEMM exact in the working dtype (float64 or float32). "bf16": the linear-layer
+# GEMMs (those that go through `gemm`) round as origami's --precision bf16 does, see Bf16Matmul.
+# Everything else (embedding lookup, norms, RoPE, attention core, activations, router and
+# shared-expert gate, losses, optimizer) stays in the working dtype. Set with `gemm_precision`.
+_GEMM_PRECISION = "fp32"
+
+
+class gemm_precision:
+    """Context manager: `with gemm_precision("bf16"): ...` (restores the previous mode)."""
+
+    def __init__(self, precision):
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision {precision!r}")
+        self.precision = precision
+
+    def __enter__(self):
+        global _GEMM_PRECISION
+        self.saved, _GEMM_PRECISION = _GEMM_PRECISION, self.precision
+
+    def __exit__(self, *exc):
+        global _GEMM_PRECISION
+        _GEMM_PRECISION = self.saved
+
+
+def bf16_round(t):
+    """bf16(t): round to nearest even bfloat16, back in t's dtype. torch takes float64 to bf16
+    through float32; that double rounding differs from a direct one only within half a float32
+    ulp of a bf16 tie, well inside the engine's own float32 difference from the float64 value."""
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+class Bf16Matmul(torch.autograd.Function):
+    """y = bf16(x) @ bf16(w), products exact, accumulated in the working dtype.
+    Backward rounds the whole output gradient once, g = bf16(dy) (a bias added after the GEMM
+    gets the unrounded dy through autograd), then dx = g @ bf16(w)^T and dw = bf16(x)^T g.
+    x [..., K], w [K, M] (may be a transposed view; autograd transposes dw back)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        xb, wb = bf16_round(x), bf16_round(w)
+        ctx.save_for_backward(xb, wb)
+        return xb @ wb
+
+    @staticmethod
+    def backward(ctx, dy):
+        xb, wb = ctx.saved_tensors
+        g = bf16_round(dy)
+        dx = g @ wb.t() if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:   # sum over every leading (batch) dimension of x
+            dw = xb.reshape(-1, xb.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
+        return dx, dw
+
+
+def gemm(x, w):
+    """x @ w for every linear layer (qkv, attention out, MLP / expert up, gate and down, LM head):
+    w is [in, out] (pass W.t() for nn.Linear weights); rounds per the current gemm_precision."""
+    return Bf16Matmul.apply(x, w) if _GEMM_PRECISION == "bf16" else x @ w
+
+
 def _gpt2_forward(cfg, P, tok_BT, eod=None):
     B, T = tok_BT.shape
     C, H, _, D, L = _dims(cfg)
@@ -345,22 +410,22 @@ def _gpt2_forward(cfg, P, tok_BT, eod=None):
     for l in range(L):
         p = f"h.{l}."
         h = layer_norm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
-        qkv = h @ P[p + "attn.c_attn.weight"] + P[p + "attn.c_attn.bias"]    # [B,T,3C]
+        qkv = gemm(h, P[p + "attn.c_attn.weight"]) + P[p + "attn.c_attn.bias"]    # [B,T,3C]
         q, k, v = qkv.split(C, dim=-1)
         q, k, v = (t.reshape(B, T, H, D).transpose(1, 2) for t in (q, k, v))
         y = causal_attention(q, k, v, doc if eod is not None else None).transpose(1, 2).reshape(B, T, C)
-        x = x + y @ P[p + "attn.c_proj.weight"] + P[p + "attn.c_proj.bias"]
+        x = x + gemm(y, P[p + "attn.c_proj.weight"]) + P[p + "attn.c_proj.bias"]
         h = layer_norm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
-        h = gelu_tanh(h @ P[p + "mlp.c_fc.weight"] + P[p + "mlp.c_fc.bias"])
-        x = x + h @ P[p + "mlp.c_proj.weight"] + P[p + "mlp.c_proj.bias"]
+        h = gelu_tanh(gemm(h, P[p + "mlp.c_fc.weight"]) + P[p + "mlp.c_fc.bias"])
+        x = x + gemm(h, P[p + "mlp.c_proj.weight"]) + P[p + "mlp.c_proj.bias"]
     x = layer_norm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
     head = P["wte.weight"] if tied(cfg) else P["lm_head.weight"]
-    return x @ head.t(), []
+    return gemm(x, head.t()), []
 
 
 def _linear(P, name, x):
     """x @ W^T (+ b when the table holds `<name>.bias`)."""
-    y = x @ P[name + ".weight"].t()
+    y = gemm(x, P[name + ".weight"].t())
     b = P.get(name + ".bias")
     return y if b is None else y + b
 
@@ -377,12 +442,12 @@ def _llama_attention(cfg, P, p, h, cos, sin, doc=None):
     kv_of_head = torch.arange(H) // rep
     k, v = k[:, kv_of_head], v[:, kv_of_head]
     y = causal_attention(q, k, v, doc).transpose(1, 2).reshape(B, T, H * D)
-    return y @ P[p + "self_attn.o_proj.weight"].t()
+    return gemm(y, P[p + "self_attn.o_proj.weight"].t())
 
 
 def swiglu(x, w_gate, w_up, w_down):
     """down(silu(x gate^T) * (x up^T)), nn.Linear weights."""
-    return (silu(x @ w_gate.t()) * (x @ w_up.t())) @ w_down.t()
+    return gemm(silu(gemm(x, w_gate.t())) * gemm(x, w_up.t()), w_down.t())
 
 
 # --------------------------------------------------------------------------------------
@@ -481,6 +546,7 @@ def _moe(cfg, P, p, h_BTC, opts=None, bias_E=None):
     mix = model_type(cfg) == "mixtral"
     q0 = p + moe_prefix(cfg)
     x = h_BTC.reshape(B * T, C)
+    # the router (here) and the shared-expert gate (below) are plain @: origami keeps them fp32
     r = route(cfg, opts, x @ P[q0 + "gate.weight"].t(), bias_E)
     top_i, w = r["top_i"], r["w"]
     out = torch.zeros_like(x)
@@ -528,7 +594,7 @@ def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None, eod=None):
             x = x + y
     x = rms_norm(x, P["model.norm.weight"], eps)
     head = P["model.embed_tokens.weight"] if tied(cfg) else P["lm_head.weight"]
-    return x @ head.t(), routes
+    return gemm(x, head.t()), routes
 
 
 def forward_routes(cfg, params, tok_BT, routing=None, router_bias=None, eod=None):
@@ -1015,7 +1081,8 @@ def origami_dump(config, init, data, micro_batch, seq_len, out, step=0, routing=
 
 def origami_train(config, init, data, metrics, steps, micro_batch, global_batch, seq_len, lr,
                   min_lr, warmup, schedule, weight_decay, grad_clip, save=None, threads=2,
-                  routing=None, extra=()):
+                  routing=None, precision=None, extra=()):
+    """precision: "fp32" | "bf16" as --precision (None: the flag left out, the binary's default)."""
     args = ["train", "--config", config, "--init-from", init, "--data", data, "--steps", steps,
             "--micro-batch", micro_batch, "--global-batch", global_batch, "--seq-len", seq_len,
             "--lr", repr(float(lr)), "--min-lr", repr(float(min_lr)), "--warmup", warmup,
@@ -1024,6 +1091,8 @@ def origami_train(config, init, data, metrics, steps, micro_batch, global_batch,
             "--metrics", metrics, "--threads", threads]
     if save:
         args += ["--save", save]  # writes save/step-<steps>/ (one shard file per rank), save/latest
+    if precision:
+        args += ["--precision", precision]
     run_origami(args + routing_cli_args(routing, train=True) + list(extra))
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -7,6 +7,9 @@
   - tolerance headroom: the reference trained 10 steps in float32 vs float64 agrees to
     well under the 1e-4 that origami (float32) is held to, also for the MoE routing runs of
     test_moe_routing.py (there with the same expert_dropped / router_bias in both precisions).
+  - bf16 mode: round to nearest even; its GEMM and gradients vs their definition; with the
+    rounding made the identity it equals the unrounded reference bit for bit; its float32 run
+    stays within half of test_bf16_training.py's tolerances of its float64 run.
 """
 import math
 import os
@@ -158,11 +161,75 @@ def check_fp32_headroom(report, tmp):
                          e if same and gap > 1e-5 else 1.0, 1e-5)
 
 
+def check_bf16_gemm(report):
+    """bf16 mode's GEMM against its definition, on a GEMM with a bias and upstream gradient r:
+    y = bf16(x) bf16(W)^T + b, dx = bf16(r) bf16(W), dW = bf16(r)^T bf16(x), db = sum r."""
+    R = ref.bf16_round
+    # (1 + 2^-8 + 2^-30 would round to 1: torch goes through float32, which drops the 2^-30)
+    ties = R(torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20], dtype=torch.float64))
+    want = torch.tensor([1.0, 1 + 2 ** -6, 1 + 2 ** -7], dtype=torch.float64)
+    report.check("bf16 rounding: nearest, ties to even", 0.0 if torch.equal(ties, want) else 1.0, 0.0)
+    g = torch.Generator().manual_seed(3)
+    x, W, b, r = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 5, 7), (4, 7), (4,), (2, 5, 4)))
+    x.requires_grad_(True), W.requires_grad_(True), b.requires_grad_(True)
+    with ref.gemm_precision("bf16"):
+        y = ref.gemm(x, W.t()) + b
+    dx, dW, db = torch.autograd.grad(y, (x, W, b), r)
+    x, W = x.detach(), W.detach()
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    err = max(ref.rel_err(y, R(x) @ R(W).t() + b), ref.rel_err(dx, R(r) @ R(W)),
+              ref.rel_err(dW, flat(R(r)).t() @ flat(R(x))), ref.rel_err(db, r.sum((0, 1))))
+    report.check("bf16 GEMM: y, dx, dW, unrounded bias gradient vs definition", err, 1e-14)
+    report.check("bf16 GEMM rounds (differs from the exact product by > 1e-4)",
+                 0.0 if ref.rel_err(y, x @ W.t() + b) > 1e-4 else 1.0, 0.0)
+
+
+def check_bf16_off_is_exact(report):
+    """bf16 mode with its rounding replaced by the identity gives the unrounded loss and every
+    gradient bit for bit: the mode changes nothing but the rounding."""
+    g = torch.Generator().manual_seed(4)
+    tok = torch.randint(0, 257, (2, 17), generator=g)
+    rounding = ref.bf16_round
+    for name in ref.MODELS:
+        cfg = ref.load_config(ref.config_path(name))
+        P = ref.init_params(cfg, seed=11, dtype=torch.float64)
+        a = ref.loss_and_grads(cfg, P, tok[:, :-1], tok[:, 1:])
+        ref.bf16_round = lambda t: t
+        try:
+            with ref.gemm_precision("bf16"):
+                b = ref.loss_and_grads(cfg, P, tok[:, :-1], tok[:, 1:])
+        finally:
+            ref.bf16_round = rounding
+        same = torch.equal(a["loss"], b["loss"]) and all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
+        report.check(f"{name}: bf16 mode without rounding = unrounded (loss, every gradient)",
+                     0.0 if same else 1.0, 0.0)
+
+
+def check_bf16_headroom(report, tmp):
+    """test_bf16_training.py's runs with the reference in float32 vs float64, both in bf16 mode:
+    what an exact float32 engine with origami's rounding points may show. Within half of that
+    test's tolerances, per step and field."""
+    text = ref.sample_text(os.path.join(tmp, "t.txt"), 4000)
+    sampler = ref.WindowSampler(ref.prepare_byte_dataset(text, os.path.join(tmp, "t")), 16)
+    import test_bf16_training as tb
+    for name in ref.MODELS:
+        cfg = ref.load_config(ref.config_path(name))
+        p32 = ref.init_params(cfg, seed=tb.SEEDS[name])
+        for run, args in tb.RUNS.items():
+            with ref.gemm_precision("bf16"):
+                m32 = ref.train(cfg, {k: v.clone() for k, v in p32.items()}, sampler, **args)
+                m64 = ref.train(cfg, {k: v.double() for k, v in p32.items()}, sampler, **args)
+            s, f, e, t = max(tb.errors(cfg, m32, m64), key=lambda r: r[2] / r[3])
+            report.check(f"{name}/{run}: bf16 fp32 vs fp64 reference, worst step {s} {f} "
+                         f"{e:.1e} of tolerance {t:.0e}", e / t, 0.5)
+
+
 def main():
     report = ref.Report("reference self-test")
     with tempfile.TemporaryDirectory() as tmp:
         for fn in (check_adamw, check_clip, check_lr, lambda r: check_data(r, tmp),
-                   check_accumulation, lambda r: check_fp32_headroom(r, tmp)):
+                   check_accumulation, lambda r: check_fp32_headroom(r, tmp), check_bf16_gemm,
+                   check_bf16_off_is_exact, lambda r: check_bf16_headroom(r, tmp)):
             try:
                 fn(report)
             except Exception as e:

@@ -5,7 +5,7 @@ Only for testing the reference tests themselves (the harness, the CLI contract, 
 an exact float32 engine passes the tolerances):
     ORIGAMI_BIN=tests/reference/tools/fake_origami.py /usr/bin/python3 tests/reference/test_training.py
 Implements `data prepare --tokenizer byte`, `dump`, `train` and `ckpt export` as the spec
-describes, with the --moe-* routing flags. `train --save DIR` commits DIR/step-N and DIR/latest as
+describes, with the --moe-* routing flags and train's --precision (bf16: the reference's bf16 mode). `train --save DIR` commits DIR/step-N and DIR/latest as
 origami does, but the step directory holds the weights as config.json + model.safetensors (no
 per-rank shards, no optimizer state); `ckpt export` (without --optimizer) copies them out.
 Byte tokenizer, --split auto (ref.byte_documents): a fortune file's records, else the whole
@@ -122,6 +122,14 @@ def inject_bug(kind):
                 r["w"] = r["w"] + b[r["top_i"]]
             return r
         ref.route = route
+    elif kind == "bf16_ignored":      # --precision bf16 accepted, GEMMs left in fp32
+        ref.gemm_precision.__init__ = lambda self, p: setattr(self, "precision", "fp32")
+    elif kind == "bf16_w_unrounded":  # bf16 GEMMs round activations and gradients, not weights
+        def forward(ctx, x, w):
+            xb = ref.bf16_round(x)
+            ctx.save_for_backward(xb, w)
+            return xb @ w
+        ref.Bf16Matmul.forward = staticmethod(forward)
     elif kind:
         sys.exit(f"fake origami: unknown FAKE_ORIGAMI_BUG {kind!r}")
 
@@ -195,14 +203,16 @@ def train(argv):
     p.add_argument("--lr-schedule", default="constant")
     p.add_argument("--data-order", default="sequential")
     p.add_argument("--save", default=None)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     a = p.parse_args(argv)
     if a.data_order != "sequential":
         sys.exit("fake origami: only --data-order sequential")
     cfg = ref.load_config(a.config)
     params = ref.load_params(cfg, a.init_from, torch.float32)
-    metrics = ref.train(cfg, params, ref.WindowSampler(a.data, a.seq_len), a.steps, a.micro_batch,
-                        a.global_batch, a.lr, a.min_lr, a.warmup or 0, a.lr_schedule,
-                        a.weight_decay, a.grad_clip, routing=moe_routing(a))
+    with ref.gemm_precision(a.precision):
+        metrics = ref.train(cfg, params, ref.WindowSampler(a.data, a.seq_len), a.steps, a.micro_batch,
+                            a.global_batch, a.lr, a.min_lr, a.warmup or 0, a.lr_schedule,
+                            a.weight_decay, a.grad_clip, routing=moe_routing(a))
     with open(a.metrics, "w") as f:
         for m in metrics:
             m = {k: v for k, v in m.items() if k != "min_topk_gap"}
