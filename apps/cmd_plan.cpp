@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/memory.h"
+#include "kernels/cpu/matmul.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "plan/plot.h"
@@ -109,6 +110,7 @@ struct PlanCommand {
   Fixed fixed;         // its axes
   bool json = false;
   std::string out, plot;  // empty: not asked for
+  std::string precision;  // of the layer GEMMs: fp32 | bf16 (memory counts the bf16 weight copy and scratch)
 };
 
 // nullopt when --help was asked for (the help text is then already printed).
@@ -125,6 +127,9 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
       .option("seq-len", "T", "tokens per row")
       .option("layout", "AXES", "fix these axes and search the rest, e.g. \"tp2 pp4 zero1 mb1 recompute=selective\"")
       .option("top", "K", "layouts to print", "10")
+      .option("precision", "fp32|bf16", "the run's --precision: bf16 adds the weights' bf16 copy and the rounding "
+                                        "scratch to each rank's memory (step times use the cluster's fp32 GEMM rates)",
+              "fp32")
       .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean", "1.0")
       .flag("json", "print a JSON list, best first")
       .option("out", "FILE", "write the best layout as a plan file (its options and prediction)")
@@ -155,6 +160,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.json = a.on("json");
   cmd.out = a.str("out");
   cmd.plot = a.str("plot");
+  cmd.precision = a.str("precision");
+  parse_precision(cmd.precision);
   if (!cmd.plot.empty()) require_gnuplot();  // before the search, not after it
   return cmd;
 }
@@ -194,6 +201,7 @@ class LayoutSearch {
                                                      : std::vector<std::string>{cmd.fixed.recompute}) {
     base_.global_batch = cmd.global_batch;
     base_.seq_len = cmd.seq_len;
+    base_.precision = cmd.precision;
     base_.data = "plan";  // not read: validate() only asks that there is one
   }
 
@@ -363,9 +371,9 @@ void print_json(const PlanCommand& cmd, const std::vector<Candidate>& found) {
 }
 
 void print_table(const PlanCommand& cmd, const SearchResult& r) {
-  std::printf("%s on %d devices of %s: global batch %lld x %lld tokens; %lld layouts, %lld evaluated (the rest "
+  std::printf("%s %s on %d devices of %s: global batch %lld x %lld tokens; %lld layouts, %lld evaluated (the rest "
               "cannot enter the top %lld: their compute and pipeline fill alone take longer), %lld of them the runtime accepts, "
-              "%lld fit (%.2f s)\n\n", cmd.cfg.model_type().c_str(), cmd.devices, cmd.cluster.name.c_str(),
+              "%lld fit (%.2f s)\n\n", cmd.cfg.model_type().c_str(), cmd.precision.c_str(), cmd.devices, cmd.cluster.name.c_str(),
               (long long)cmd.global_batch, (long long)cmd.seq_len, (long long)r.layouts, (long long)r.evaluated,
               (long long)cmd.top, (long long)r.accepted, (long long)r.fitting, r.search_s);
   std::printf("| layout | step s | tokens/s | MFU | memory per rank (largest) | compute s | bubble s | exposed comm s | dominant |\n");
@@ -387,7 +395,7 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
                                  {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
                                  {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
-                                 {"sequence-parallel", b.sequence_parallel}};
+                                 {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision}};
   const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
                                {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
   write_file_atomically(cmd.out, plan.dump(2) + "\n");

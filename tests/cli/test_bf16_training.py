@@ -1,0 +1,77 @@
+"""Mixed precision trains as well as fp32: the loss curves of `--precision bf16` and fp32 (issue 28).
+
+Two runs each, the same seed, data order and settings, on the demo corpus (Debian's fortunes, byte
+tokenizer, 2 threads):
+  - the demo model (configs/demo_gpt2.json, the README's demo settings): 600 steps;
+  - a Mixtral test model (tests/parallel/configs/mixtral_8e.json: 8 experts, top-2, with the aux and
+    z losses): 300 steps of micro-batch 16 x 128 tokens, lr 2e-3 cosine.
+Asserted: at every 50th step s, the mean bf16 loss of the 10 steps s-4 .. s+5 (the last 10 at the end)
+within 1% of fp32's, and the final step's losses within 0.5% (each step trains on the same windows in
+both runs). The startup line names the precision and the bf16 GEMM path; the metrics' layout says bf16.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cli_util import ORIGAMI, check, fail  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CORPUS = "/usr/share/games/fortunes"
+RUNS = [("demo gpt2", os.path.join(ROOT, "configs", "demo_gpt2.json"), 600,
+         ["--lr", "2e-3", "--min-lr", "2e-4", "--warmup", "100"]),
+        ("mixtral_8e", os.path.join(ROOT, "tests", "parallel", "configs", "mixtral_8e.json"), 300,
+         ["--lr", "2e-3", "--min-lr", "2e-4", "--warmup", "30"])]
+CURVE_RTOL, FINAL_RTOL = 0.01, 0.005
+
+
+def train(tmp, tag, config, steps, flags, precision):
+    metrics = os.path.join(tmp, "%s_%s.jsonl" % (tag, precision))
+    p = subprocess.run([ORIGAMI, "train", "--config", config, "--data", os.path.join(tmp, "fortunes"), "--steps",
+                        str(steps), "--micro-batch", "16", "--seq-len", "128", "--lr-schedule", "cosine",
+                        "--weight-decay", "0.1", "--grad-clip", "1.0", "--data-order", "shuffled", "--threads", "2",
+                        "--quiet", "--precision", precision, "--metrics", metrics] + flags,
+                       capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"})
+    if p.returncode != 0:
+        fail("%s %s: exit %d\n%s" % (tag, precision, p.returncode, p.stdout[-2000:] + p.stderr[-2000:]))
+    rows = [json.loads(l) for l in open(metrics)]
+    check(len(rows) == steps, "%s %s: %d metrics rows, expected %d" % (tag, precision, len(rows), steps))
+    return [r["loss"] for r in rows], rows[0]["layout"], p.stdout
+
+
+def window_mean(losses, s):
+    lo = min(max(s - 5, 0), len(losses) - 10)
+    return sum(losses[lo:lo + 10]) / 10
+
+
+def main():
+    check(os.path.isdir(CORPUS) or os.path.exists(CORPUS), "no %s: scripts/setup.sh installs Debian's fortunes" % CORPUS)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([ORIGAMI, "data", "prepare", "--input", CORPUS, "--output", os.path.join(tmp, "fortunes"),
+                        "--tokenizer", "byte"], check=True, capture_output=True)
+        for tag, config, steps, flags in RUNS:
+            fp32, _, _ = train(tmp, tag, config, steps, flags, "fp32")
+            bf16, layout, out = train(tmp, tag, config, steps, flags, "bf16")
+            check("bf16" in layout, "%s: metrics layout %r does not name bf16" % (tag, layout))
+            check("precision: bf16 GEMMs" in out and "bf16 GEMM: " in out,
+                  "%s: the startup line does not name the precision and the GEMM path:\n%s" % (tag, out[:1500]))
+            worst = 0.0
+            for s in list(range(50, steps + 1, 50)):
+                a, b = window_mean(fp32, s), window_mean(bf16, s)
+                d = abs(b - a) / a
+                worst = max(worst, d)
+                print("%-10s step %3d: loss fp32 %.4f bf16 %.4f (10-step means), %.2e" % (tag, s, a, b, d))
+                check(d <= CURVE_RTOL, "%s step %d: bf16 mean loss %.5f vs fp32 %.5f: %.2e > %.0e"
+                      % (tag, s, b, a, d, CURVE_RTOL))
+            final = abs(bf16[-1] - fp32[-1]) / fp32[-1]
+            print("%-10s final: fp32 %.5f bf16 %.5f (%.2e); curves within %.2e" % (tag, fp32[-1], bf16[-1], final, worst))
+            check(final <= FINAL_RTOL, "%s: final loss bf16 %.5f vs fp32 %.5f: %.2e > %.0e"
+                  % (tag, bf16[-1], fp32[-1], final, FINAL_RTOL))
+    print("bf16 trains within %.0e of fp32's curve, final losses within %.0e" % (CURVE_RTOL, FINAL_RTOL))
+
+
+if __name__ == "__main__":
+    main()
