@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Side-by-side training benchmark: origami vs. a compact PyTorch implementation.
 
-Identical work (same model shapes, batch, sequence length, optimizer: AdamW + global-norm clip,
-fp32) on the same pinned cores with the same thread count. Runs alternate (origami, PyTorch,
+Identical work (same model shapes, batch, sequence length, optimizer: AdamW + global-norm clip)
+on the same pinned cores with the same thread count, in fp32 and in mixed precision: origami
+`--precision bf16` (bf16 GEMMs, fp32 master weights) beside PyTorch under
+`torch.autocast("cpu", torch.bfloat16)` (--autocast; the PyTorch column takes the faster setting). Runs alternate (origami, PyTorch,
 PyTorch with OMP_WAIT_POLICY=PASSIVE, rotated each round) for --rounds rounds; each run does
 --warmup + --steps-per-round optimizer steps in a fresh process and the warm-up steps are
 dropped. A run's step time is the median of its measured steps; a case's step time is the
@@ -347,6 +349,8 @@ def worker_torch(a):
     case = CASES[a.case]
     cfg, B, T = case["config"], case["B"], case["T"]
     GPT2, Mixtral, has_sdpa, has_rms = torch_models()
+    import contextlib
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.autocast else contextlib.nullcontext
     model = (GPT2 if cfg["model_type"] == "gpt2" else Mixtral)(cfg)
     opt, opt_mode = make_adamw(torch, model, 3e-4, 0.1)
     params = [p for p in model.parameters()]
@@ -366,7 +370,8 @@ def worker_torch(a):
             rows.append(data[w * T: w * T + T + 1])
         batch = torch.stack(rows)
         opt.zero_grad(set_to_none=True)
-        loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+        with autocast():
+            loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, **clip_kw)
         opt.step()
@@ -375,7 +380,8 @@ def worker_torch(a):
     print(json.dumps({"ms": times[a.warmup:], "warmup_ms": times[:a.warmup], "loss": float(loss),
                       "torch": torch.__version__, "threads": torch.get_num_threads(), "optimizer": opt_mode,
                       "sdpa": has_sdpa, "rms_norm": has_rms, "params": n_params,
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}))
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                      "autocast": bool(a.autocast)}))
 
 
 def worker_mm(a):
@@ -432,6 +438,16 @@ def run_child_rss(cmd, env, cores, timeout):
     return out, err, ru.ru_maxrss / 1024.0, wall
 
 
+def host_isa():
+    """The CPU's bf16 instruction sets, as /proc/cpuinfo names them (the table's host)."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return "unknown CPU"
+    have = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return "CPU flags " + (", ".join(have) or "none of amx_bf16, avx512_bf16, avx512f, avx2")
+
+
 def base_env(threads):
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
@@ -472,6 +488,9 @@ def main():
     ap.add_argument("--origami-wait-policy", default="default", choices=["auto", "default", "passive", "active"],
                     help="origami's OMP_WAIT_POLICY (same meaning as --omp-wait-policy; default: unset)")
     ap.add_argument("--origami", default=os.path.join(ROOT, "build", "origami"))
+    ap.add_argument("--precisions", default="fp32,bf16", help="origami --precision values to run (each a column)")
+    ap.add_argument("--autocast", default="auto", choices=["auto", "on", "off"],
+                    help="PyTorch under torch.autocast(cpu, bfloat16): auto runs with and without it each round")
     ap.add_argument("--cores", default="0,1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default=os.path.join(HERE, "runs"))
@@ -483,6 +502,7 @@ def main():
     ap.add_argument("--steps", type=int)
     a = ap.parse_args()
     if a.worker == "torch":
+        a.autocast = a.autocast == "on"
         return worker_torch(a)
     if a.worker == "mm":
         return worker_mm(a)
@@ -530,6 +550,7 @@ def main():
                                                                   mm[tp]["sizes"]), flush=True)
 
     results = {}
+    bf16_path = "bf16 GEMM path: not run"
     for c in cases:
         measure_sgemm()
         case = CASES[c]
@@ -549,24 +570,27 @@ def main():
         fpt = flops_per_token(cfg, T)
         tokens_per_step = B * T
 
-        runners = [("origami", None, pol) for pol in origami_policies] + [("torch", tp, pol) for tp in torches for pol in policies]
+        precisions = [x.strip() for x in a.precisions.split(",") if x.strip()]
+        autocasts = {"auto": [False, True], "on": [True], "off": [False]}[a.autocast]
+        runners = ([("origami", prec, pol) for prec in precisions for pol in origami_policies] +
+                   [("torch", (tp, ac), pol) for tp in torches for ac in autocasts for pol in policies])
         per = {}  # label -> list of (median ms, rss MiB)
         meta = {}
         for rnd in range(a.rounds):
             order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
-            for kind, tp, pol in order:
+            for kind, what, pol in order:
                 env = dict(env0)
                 if pol != "default":
                     env["OMP_WAIT_POLICY"] = pol
                 if kind == "origami":
-                    label = "origami" + ("" if pol == "default" else " " + pol)
-                    mpath = os.path.join(cdir, "metrics_r%d_%s.jsonl" % (rnd, pol))
+                    label = "origami" + ("" if what == "fp32" else " " + what) + ("" if pol == "default" else " " + pol)
+                    mpath = os.path.join(cdir, "metrics_r%d_%s_%s.jsonl" % (rnd, what, pol))
                     if os.path.exists(mpath):
                         os.remove(mpath)
                     cmd = [a.origami, "train", "--config", cfg_path, "--data", prefix, "--steps", str(steps_total),
                            "--micro-batch", str(B), "--global-batch", str(B), "--seq-len", str(T), "--lr", "3e-4",
                            "--weight-decay", "0.1", "--grad-clip", "1.0", "--threads", str(a.threads),
-                           "--metrics", mpath, "--quiet"]
+                           "--metrics", mpath, "--quiet", "--precision", what]
                     out, err, rss, wall = run_child_rss(cmd, env, a.cores, a.timeout)
                     with open(mpath) as f:
                         recs = [json.loads(l) for l in f if l.strip()]
@@ -578,14 +602,19 @@ def main():
                     if abs(theirs - ours) > 2e-3 * ours:
                         print("  WARNING: origami counts %.4g FLOP/step, this script %.4g" % (theirs, ours))
                     meta[label] = {"loss_last": g["loss"]}
+                    for l in out.splitlines():
+                        if "bf16 GEMM: " in l:
+                            bf16_path = l[l.index("bf16 GEMM: "):]
                 else:
-                    label = "torch[%s]%s" % (tp, "" if pol == "default" else " " + pol)
+                    tp, ac = what
+                    label = "torch[%s]%s%s" % (tp, " autocast" if ac else "", "" if pol == "default" else " " + pol)
                     cmd = [tp, me, "--worker", "torch", "--case", c, "--data", prefix, "--steps",
-                           str(a.steps_per_round), "--warmup", str(a.warmup), "--threads", str(a.threads)]
+                           str(a.steps_per_round), "--warmup", str(a.warmup), "--threads", str(a.threads),
+                           "--autocast", "on" if ac else "off"]
                     out, err, rss, wall = run_child_rss(cmd, env, a.cores, a.timeout)
                     j = last_json_line(out)
                     ms = j["ms"]
-                    meta[label] = {k: j[k] for k in ("torch", "optimizer", "sdpa", "rms_norm", "params", "loss")}
+                    meta[label] = {k: j[k] for k in ("torch", "optimizer", "sdpa", "rms_norm", "params", "loss", "autocast")}
                 med = statistics.median(ms)
                 per.setdefault(label, []).append({"ms": med, "rss_mib": rss, "wall_s": wall, "steps_ms": ms,
                                                   "load1": os.getloadavg()[0]})
@@ -616,24 +645,28 @@ def main():
                                                                              mm[tp]["peak_gflops"]))
     print("FLOPs/token = 6*N_matmul_active + 6*L*T*d (causal attention); medians over %d rounds of %d measured steps"
           % (a.rounds, a.steps_per_round))
-    hdr = ("case", "origami tok/s", "PyTorch tok/s", "ratio", "origami GFLOP/s", "% peak", "PyTorch GFLOP/s",
-           "RSS origami", "RSS PyTorch", "PyTorch", "origami wait")
+    print("host: %s; %s" % (host_isa(), bf16_path))
+    hdr = ("case", "origami fp32 tok/s", "origami bf16 tok/s", "bf16 / fp32", "fastest PyTorch tok/s",
+           "bf16 / PyTorch", "bf16 GFLOP/s", "RSS fp32", "RSS bf16", "RSS PyTorch", "fastest PyTorch setting")
     pol_of = lambda lab: "PASSIVE" if lab.endswith("PASSIVE") else ("ACTIVE" if lab.endswith("ACTIVE") else "default")
+    torch_name = lambda tp: os.path.basename(os.path.dirname(os.path.dirname(tp))) if ".venv" in tp else tp
     rows = []
     for c in cases:
         r = results[c]["runs"]
-        olab, o = min(((lab, v) for lab, v in r.items() if lab.startswith("origami")), key=lambda kv: kv[1]["ms"])
-        for tp in torches:
-            cands = [(lab, v) for lab, v in r.items() if lab.startswith("torch[%s]" % tp)]
-            lab, t = min(cands, key=lambda kv: kv[1]["ms"])
-            pol = pol_of(lab)
-            results[c]["best_torch_" + tp] = lab
-            rows.append(("(%s) %s" % (c, results[c]["name"]), "%.0f" % o["tokens_per_s"], "%.0f" % t["tokens_per_s"],
-                         "%.2fx" % (o["tokens_per_s"] / t["tokens_per_s"]), "%.1f" % o["gflops"],
-                         "%.0f%%" % (100.0 * o["gflops"] / peak), "%.1f" % t["gflops"],
-                         "%.0f MiB" % o["rss_mib"], "%.0f MiB" % t["rss_mib"],
-                         "%s %s, %s, wait=%s" % (t.get("torch", "?"), os.path.basename(os.path.dirname(os.path.dirname(tp))) if ".venv" in tp else tp,
-                                                 t.get("optimizer", "?"), pol), pol_of(olab)))
+        best = lambda keep: min(((lab, v) for lab, v in r.items() if keep(lab)), key=lambda kv: kv[1]["ms"],
+                                default=(None, None))
+        _, o32 = best(lambda lab: lab.startswith("origami") and " bf16" not in lab)
+        _, o16 = best(lambda lab: lab.startswith("origami bf16"))
+        tlab, t = best(lambda lab: lab.startswith("torch["))
+        results[c]["fastest_torch"] = tlab
+        tps = lambda v: v["tokens_per_s"] if v else float("nan")
+        tp = tlab[len("torch["):tlab.index("]")]
+        rows.append(("(%s) %s" % (c, results[c]["name"]), "%.0f" % tps(o32), "%.0f" % tps(o16),
+                     "%.2fx" % (tps(o16) / tps(o32)), "%.0f" % tps(t), "%.2fx" % (tps(o16) / tps(t)),
+                     "%.1f" % (o16["gflops"] if o16 else float("nan")),
+                     *("%.0f MiB" % (v["rss_mib"] if v else float("nan")) for v in (o32, o16, t)),
+                     "%s %s%s, wait=%s" % (t.get("torch", "?"), torch_name(tp), " autocast bf16" if t.get("autocast") else " fp32",
+                                           pol_of(tlab))))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(hdr)]
     line = lambda cells: "| " + " | ".join(s.ljust(w) for s, w in zip(cells, widths)) + " |"
     print(line(hdr))

@@ -4,10 +4,17 @@ Two runs each, the same seed, data order and settings, on the demo corpus (Debia
 tokenizer, 2 threads):
   - the demo model (configs/demo_gpt2.json, the README's demo settings): 600 steps;
   - a Mixtral test model (tests/parallel/configs/mixtral_8e.json: 8 experts, top-2, with the aux and
-    z losses): 300 steps of micro-batch 16 x 128 tokens, lr 2e-3 cosine.
+    z losses): 300 steps of micro-batch 32 x 64 tokens (its 64 positions), lr 2e-3 cosine.
 Asserted: at every 50th step s, the mean bf16 loss of the 10 steps s-4 .. s+5 (the last 10 at the end)
-within 1% of fp32's, and the final step's losses within 0.5% (each step trains on the same windows in
-both runs). The startup line names the precision and the bf16 GEMM path; the metrics' layout says bf16.
+within 1% of fp32's, and the final step's losses within 0.5% for the demo model (each step trains on
+the same windows in both runs). The startup line names the precision and the bf16 GEMM path; the
+metrics' layout says bf16.
+
+The MoE's final step is held to 1%, not 0.5%: its top-2 routing makes each run's trajectory depend on
+last bits, and a single step's loss is one batch's. Measured on this model (300 steps, 10-step means at
+the end / final step): fp32 with 1 thread against 2 threads 0.02% / 0.15%; bf16 with 1 thread against 2
+threads 0.6% / 0.6%; bf16 against fp32 -0.04% / +0.05% with 1 thread and +0.5% / +0.8% with 2. (A
+wider test Mixtral, d = 128, ends with bf16 0.8% *below* fp32 at both thread counts; not explained yet.)
 """
 import json
 import os
@@ -21,17 +28,18 @@ from cli_util import ORIGAMI, check, fail  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CORPUS = "/usr/share/games/fortunes"
+# (name, config, steps, flags, final-step bound)
 RUNS = [("demo gpt2", os.path.join(ROOT, "configs", "demo_gpt2.json"), 600,
-         ["--lr", "2e-3", "--min-lr", "2e-4", "--warmup", "100"]),
+         ["--micro-batch", "16", "--seq-len", "128", "--lr", "2e-3", "--min-lr", "2e-4", "--warmup", "100"], 0.005),
         ("mixtral_8e", os.path.join(ROOT, "tests", "parallel", "configs", "mixtral_8e.json"), 300,
-         ["--lr", "2e-3", "--min-lr", "2e-4", "--warmup", "30"])]
-CURVE_RTOL, FINAL_RTOL = 0.01, 0.005
+         ["--micro-batch", "32", "--seq-len", "64", "--lr", "2e-3", "--min-lr", "2e-4", "--warmup", "30"], 0.01)]
+CURVE_RTOL = 0.01
 
 
 def train(tmp, tag, config, steps, flags, precision):
     metrics = os.path.join(tmp, "%s_%s.jsonl" % (tag, precision))
     p = subprocess.run([ORIGAMI, "train", "--config", config, "--data", os.path.join(tmp, "fortunes"), "--steps",
-                        str(steps), "--micro-batch", "16", "--seq-len", "128", "--lr-schedule", "cosine",
+                        str(steps), "--lr-schedule", "cosine",
                         "--weight-decay", "0.1", "--grad-clip", "1.0", "--data-order", "shuffled", "--threads", "2",
                         "--quiet", "--precision", precision, "--metrics", metrics] + flags,
                        capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"})
@@ -52,7 +60,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([ORIGAMI, "data", "prepare", "--input", CORPUS, "--output", os.path.join(tmp, "fortunes"),
                         "--tokenizer", "byte"], check=True, capture_output=True)
-        for tag, config, steps, flags in RUNS:
+        for tag, config, steps, flags, final_rtol in RUNS:
             fp32, _, _ = train(tmp, tag, config, steps, flags, "fp32")
             bf16, layout, out = train(tmp, tag, config, steps, flags, "bf16")
             check("bf16" in layout, "%s: metrics layout %r does not name bf16" % (tag, layout))
@@ -68,9 +76,9 @@ def main():
                       % (tag, s, b, a, d, CURVE_RTOL))
             final = abs(bf16[-1] - fp32[-1]) / fp32[-1]
             print("%-10s final: fp32 %.5f bf16 %.5f (%.2e); curves within %.2e" % (tag, fp32[-1], bf16[-1], final, worst))
-            check(final <= FINAL_RTOL, "%s: final loss bf16 %.5f vs fp32 %.5f: %.2e > %.0e"
-                  % (tag, bf16[-1], fp32[-1], final, FINAL_RTOL))
-    print("bf16 trains within %.0e of fp32's curve, final losses within %.0e" % (CURVE_RTOL, FINAL_RTOL))
+            check(final <= final_rtol, "%s: final loss bf16 %.5f vs fp32 %.5f: %.2e > %.0e"
+                  % (tag, bf16[-1], fp32[-1], final, final_rtol))
+    print("bf16 trains within %.0e of fp32's curve" % CURVE_RTOL)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@
 // Choice, per shape (the key above), at its first call: where oneDNN creates a primitive, both paths
 // are timed alternately (a few runs each, on a slab of at most 4M elements of C written to a scratch
 // buffer) and oneDNN is kept unless the portable path is 20% faster (near ties, a fixed preference
-// keeps processes from choosing differently, which would change the last bits of their sums). Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
+// keeps processes from choosing differently, which would change the last bits of their sums).
+// Shapes under 2^24 multiply-adds (microseconds: timing them measures noise) take the choice timed
+// once for a GPT-2 projection at 512 tokens instead. Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
 // half fp32 speed on an AMX host capped at that ISA, yet ~2× fp32 on Zen 4. The first call of a shape
 // therefore costs a few extra GEMMs; every shape costs one cache entry, so a caller with
 // data-dependent sizes (an MoE's rows per expert) must bucket them first.
