@@ -92,6 +92,35 @@ TEST(Matmul, Bf16RoundsBothOperandsAndReadsTheWeightCopy) {
   });
 }
 
+// Sizes that vary with the data (an MoE expert's rows as M, or as K of its weight gradient): one
+// primitive with M and K left to the call serves every size, each within the bound.
+TEST(Matmul, VaryingSizesShareOnePrimitiveWithinTheBound) {
+  on_every_path([] {
+    const int64_t N = 56, ld = 48;
+    const std::vector<float> B = random_values(N * ld, 11);
+    std::vector<bf16> B_low(B.size());
+    to_bf16(B_low.data(), B.data(), int64_t(B.size()));
+    for (int64_t rows : {1, 17, 64, 203}) {
+      const std::vector<float> A = random_values(rows * ld, 12 + uint32_t(rows));
+      // Forward-like, M = rows: C[rows, N] = A[rows, ld]·Bᵀ; gradient-like, K = rows: D[ld, N] = Aᵀ·G.
+      std::vector<float> C(size_t(rows * N)), G = random_values(rows * N, 13), D(size_t(ld * N), 1.f);
+      matmul<float>(Precision::bf16, false, true, rows, N, ld, 1.f, {A.data(), ld}, {B.data(), ld, B_low.data()}, 0.f,
+                    C.data(), N, Sizes::varying);
+      matmul<float>(Precision::bf16, true, false, ld, N, rows, 1.f, {A.data(), ld}, {G.data(), N}, 1.f, D.data(), N,
+                    Sizes::varying);
+      const auto a = rounded(A), b = rounded(B), g = rounded(G), am = rounded(A, true), bm = rounded(B, true),
+                 gm = rounded(G, true);
+      std::vector<double> want(C.size()), mag(C.size()), dwant(D.size(), 1.0), dmag(D.size(), 1.0);
+      gemm<double>(false, true, rows, N, ld, 1.0, a.data(), ld, b.data(), ld, 0.0, want.data(), N);
+      gemm<double>(false, true, rows, N, ld, 1.0, am.data(), ld, bm.data(), ld, 0.0, mag.data(), N);
+      gemm<double>(true, false, ld, N, rows, 1.0, a.data(), ld, g.data(), N, 1.0, dwant.data(), N);
+      gemm<double>(true, false, ld, N, rows, 1.0, am.data(), ld, gm.data(), N, 1.0, dmag.data(), N);
+      EXPECT_LE(worst_ratio(C, want, mag, ld), 1.0) << rows << " rows (M)";
+      EXPECT_LE(worst_ratio(D, dwant, dmag, rows), 1.0) << rows << " rows (K)";
+    }
+  });
+}
+
 // fp32 is gemm<float> itself, bit for bit.
 TEST(Matmul, Fp32IsTheFloatGemm) {
   const int64_t M = 16, N = 24, K = 40;

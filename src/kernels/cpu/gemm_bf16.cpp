@@ -113,19 +113,31 @@ dnnl::engine& cpu_engine() {
 struct OnednnMatmul {
   dnnl::matmul primitive;
   dnnl::memory::desc a, b, c, scratchpad;
+  bool runtime_mk = false;  // M and K given at each call (the descriptors are made there)
+};
+
+// The operands' descriptors of a shape (M or K may be DNNL_RUNTIME_DIM_VAL).
+struct Descs {
+  dnnl::memory::desc a, b, c;
+  Descs(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+    using dims = dnnl::memory::dims;
+    using dt = dnnl::memory::data_type;
+    a = dnnl::memory::desc({M, K}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1});
+    b = dnnl::memory::desc({K, N}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1});
+    c = dnnl::memory::desc({M, N}, dt::f32, dims{ldc, 1});
+  }
 };
 
 // The matmul primitive of one shape and its implementation's name ("brg:avx512_core_amx_bf16",
 // "gemm:jit", ...), or nothing where oneDNN has no bf16 matmul (below AVX-512) or only its reference
-// loops, which are far slower than the portable path.
-std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
-  using dims = dnnl::memory::dims;
-  using dt = dnnl::memory::data_type;
-  const dnnl::memory::desc a({s.M, s.K}, dt::bf16, s.ta ? dims{1, s.lda} : dims{s.lda, 1});
-  const dnnl::memory::desc b({s.K, s.N}, dt::bf16, s.tb ? dims{1, s.ldb} : dims{s.ldb, 1});
-  const dnnl::memory::desc c({s.M, s.N}, dt::f32, dims{s.ldc, 1});
+// loops, which are far slower than the portable path. With runtime_mk, M and K are left to each call
+// (oneDNN's runtime dimensions: its gemm:jit kernels rather than the brgemm ones, which need them
+// fixed) and the library keeps the scratchpad.
+std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl, bool runtime_mk = false) {
+  const int64_t M = runtime_mk ? DNNL_RUNTIME_DIM_VAL : s.M, K = runtime_mk ? DNNL_RUNTIME_DIM_VAL : s.K;
+  const auto [a, b, c] = Descs(s.ta, s.tb, M, s.N, K, s.lda, s.ldb, s.ldc);
   dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // a per-thread buffer, see run_onednn
+  if (!runtime_mk) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // a per-thread buffer, see run_onednn
   if (s.alpha != 1.f) attr.set_output_scales(0, {s.alpha});
   if (s.beta != 0.f) {  // C = alpha·AB + beta·C; without the post-op C is only written
     dnnl::post_ops ops;
@@ -136,17 +148,25 @@ std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
     *impl = pd.impl_info_str();
     if (impl->starts_with("ref")) return std::nullopt;
-    return OnednnMatmul{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()};
+    return OnednnMatmul{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), runtime_mk};
   } catch (const dnnl::error&) {
     return std::nullopt;
   }
 }
 
-void run_onednn(const OnednnMatmul& m, const bf16* A, const bf16* B, float* C) {
+void run_onednn(const OnednnMatmul& m, const bf16* A, const bf16* B, float* C, const Shape* sized = nullptr) {
   thread_local dnnl::stream stream(cpu_engine());
+  const dnnl::engine& e = cpu_engine();
+  if (m.runtime_mk) {  // the call's M and K
+    const auto [a, b, c] = Descs(sized->ta, sized->tb, sized->M, sized->N, sized->K, sized->lda, sized->ldb, sized->ldc);
+    m.primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(a, e, const_cast<bf16*>(A))},
+                                 {DNNL_ARG_WEIGHTS, dnnl::memory(b, e, const_cast<bf16*>(B))},
+                                 {DNNL_ARG_DST, dnnl::memory(c, e, C)}});
+    stream.wait();
+    return;
+  }
   thread_local std::vector<uint8_t> scratchpad;  // grows to the largest need, kept
   if (scratchpad.size() < m.scratchpad.get_size()) scratchpad.resize(m.scratchpad.get_size());
-  const dnnl::engine& e = cpu_engine();
   m.primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(m.a, e, const_cast<bf16*>(A))},
                                {DNNL_ARG_WEIGHTS, dnnl::memory(m.b, e, const_cast<bf16*>(B))},
                                {DNNL_ARG_DST, dnnl::memory(m.c, e, C)},
@@ -252,6 +272,24 @@ const Choice& choice_for(const Shape& s, const bf16* A, const bf16* B) {
   return it->second;
 }
 
+// The choice for sizes that vary (M and K are -1 in the key): oneDNN's runtime-dimension primitive
+// where it has one and oneDNN won on a layer-sized GEMM, made at the key's first call and kept.
+const Choice& varying_choice_for(const Shape& key) {
+  Choices& c = choices();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  auto it = c.by_shape.find(key);
+  if (it == c.by_shape.end()) {
+    std::string impl;
+    Choice choice{Bf16GemmPath::portable, create_onednn(key, &impl, true), impl};
+    if (choice.onednn && (mode() == Bf16GemmMode::onednn || onednn_is_faster_on_a_layer_gemm()))
+      choice.path = Bf16GemmPath::onednn;
+    else
+      choice.onednn.reset();
+    it = c.by_shape.emplace(key, std::move(choice)).first;
+  }
+  return it->second;
+}
+
 thread_local Bf16GemmPath last_path = Bf16GemmPath::portable;
 
 // K = 0: no products, C = beta·C (beta 0 writes zeros whatever C held).
@@ -286,12 +324,19 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   else portable_gemm(s, A, B, C);
 }
 
-void gemm_bf16_unkept(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
-                      const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+                       const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  ORIGAMI_ASSERT(lda >= std::max<int64_t>(1, ta ? M : K) && ldb >= std::max<int64_t>(1, tb ? K : N) &&
+                 ldc >= std::max<int64_t>(1, N));
+  const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
   last_path = Bf16GemmPath::portable;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
-  portable_gemm({ta, tb, M, N, K, lda, ldb, ldc, alpha, beta}, A, B, C);
+  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
+  const Choice& c = varying_choice_for({ta, tb, -1, N, -1, lda, ldb, ldc, alpha, beta});
+  last_path = c.path;
+  if (c.path == Bf16GemmPath::onednn) run_onednn(*c.onednn, A, B, C, &s);
+  else portable_gemm(s, A, B, C);
 }
 
 void set_bf16_gemm_mode(Bf16GemmMode m) {

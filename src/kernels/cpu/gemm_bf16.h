@@ -42,10 +42,12 @@ namespace origami {
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
                int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// gemm_bf16 for sizes that vary with the data (an MoE expert's rows), which must not each cost a
-// cache entry and a timing: the portable path, which keeps nothing per shape.
-void gemm_bf16_unkept(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
-                      int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// gemm_bf16 for M and K that vary with the data (an MoE expert's rows), which must not each cost a
+// cache entry and a timing: one oneDNN primitive per (transposes, N, strides, alpha, beta) with M
+// and K given at each call (runtime dimensions), taken where oneDNN won the layer-sized GEMM timed
+// for small shapes (below); else the portable path.
+void gemm_bf16_varying(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+                       int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 enum class Bf16GemmMode { automatic, portable, onednn };
 // Overrides ORIGAMI_BF16_GEMM and forgets every choice made so far (tests, benchmarks).

@@ -62,7 +62,7 @@ void matmul<float>(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t 
   // Stored shapes: A is [M, K] (or [K, M] transposed), B is [K, N] (or [N, K]).
   const bf16* a = low_values(A, ta ? K : M, ta ? M : K, 0, &lda);
   const bf16* b = low_values(B, tb ? N : K, tb ? K : N, 1, &ldb);
-  if (sizes == Sizes::varying) gemm_bf16_unkept(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, C, ldc);
+  if (sizes == Sizes::varying) gemm_bf16_varying(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, C, ldc);
   else gemm_bf16(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, C, ldc);
 }
 

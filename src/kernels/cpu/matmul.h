@@ -50,8 +50,8 @@ template <typename X>
 using Id = std::type_identity_t<X>;
 
 // How the sizes of a call arise: `fixed` by the batch and the model (one gemm_bf16 path choice and
-// oneDNN primitive per shape, kept); `varying` with the data (an MoE expert's rows): the bf16 GEMM
-// takes a path that keeps nothing per shape.
+// oneDNN primitive per shape, kept); `varying` with the data (an MoE expert's rows, as M or K):
+// gemm_bf16_varying, whose primitives leave M and K to the call.
 enum class Sizes { fixed, varying };
 
 // C = alpha·op(A)·op(B) + beta·C (gemm.h's meaning of the arguments) in precision p.
