@@ -253,7 +253,7 @@ def torch_models():
                 ys.append(torch.matmul(F.silu(g) * u, self.w2[e].t()))
                 start += cnt
             y = torch.cat(ys) * w.reshape(-1).index_select(0, order).unsqueeze(1)
-            out = torch.zeros_like(x).index_add_(0, tok, y)
+            out = torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
             f = counts.to(x.dtype) / float(N * self.K)
             aux = self.aux_coef * self.E * (f * probs.mean(0)).sum()
             return out, aux
