@@ -5,7 +5,7 @@ Only for testing the reference tests themselves (the harness, the CLI contract, 
 an exact float32 engine passes the tolerances):
     ORIGAMI_BIN=tests/reference/tools/fake_origami.py /usr/bin/python3 tests/reference/test_training.py
 Implements `data prepare --tokenizer byte`, `dump`, `train` and `ckpt export` as the spec
-describes, with the --moe-* routing flags and train's --precision (bf16: the reference's bf16 mode). `train --save DIR` commits DIR/step-N and DIR/latest as
+describes, with the --moe-* routing flags and train's and dump's --precision (bf16: the reference's bf16 mode). `train --save DIR` commits DIR/step-N and DIR/latest as
 origami does, but the step directory holds the weights as config.json + model.safetensors (no
 per-rank shards, no optimizer state); `ckpt export` (without --optimizer) copies them out.
 Byte tokenizer, --split auto (ref.byte_documents): a fortune file's records, else the whole
@@ -130,6 +130,12 @@ def inject_bug(kind):
             ctx.save_for_backward(xb, w)
             return xb @ w
         ref.Bf16Matmul.forward = staticmethod(forward)
+    elif kind == "bf16_dy_unrounded":  # bf16 GEMMs' backward uses the unrounded output gradient
+        def backward(ctx, dy):
+            xb, wb = ctx.saved_tensors
+            dw = xb.reshape(-1, xb.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
+            return dy @ wb.t(), dw
+        ref.Bf16Matmul.backward = staticmethod(backward)
     elif kind:
         sys.exit(f"fake origami: unknown FAKE_ORIGAMI_BUG {kind!r}")
 
@@ -177,11 +183,13 @@ def dump(argv):
     p.add_argument("--micro-batch", type=int, required=True)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--step", type=int, default=0)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     a = p.parse_args(argv)
     cfg = ref.load_config(a.config)
     params = ref.load_params(cfg, a.init_from, torch.float32)
     inp, tgt = ref.WindowSampler(a.data, a.seq_len).batch(a.step, a.micro_batch)
-    out = ref.loss_and_grads(cfg, params, inp, tgt, routing=moe_routing(a))
+    with ref.gemm_precision(a.precision):
+        out = ref.loss_and_grads(cfg, params, inp, tgt, routing=moe_routing(a))
     tensors = {"logits": out["logits"].float().contiguous()}
     for k in ("loss", "lm_loss", "aux_loss", "z_loss"):
         tensors[k] = out[k].float().reshape(1)
