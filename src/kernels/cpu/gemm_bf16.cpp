@@ -110,32 +110,34 @@ dnnl::engine& cpu_engine() {
   return engine;
 }
 
-struct OnednnMatmul {
-  dnnl::matmul primitive;
-  dnnl::memory::desc a, b, c, scratchpad;
-  bool runtime_mk = false;  // M and K given at each call (the descriptors are made there)
-};
-
 // The operands' descriptors of a shape (M or K may be DNNL_RUNTIME_DIM_VAL).
 struct Descs {
   dnnl::memory::desc a, b, c;
-  Descs(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
-    using dims = dnnl::memory::dims;
-    using dt = dnnl::memory::data_type;
-    a = dnnl::memory::desc({M, K}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1});
-    b = dnnl::memory::desc({K, N}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1});
-    c = dnnl::memory::desc({M, N}, dt::f32, dims{ldc, 1});
-  }
+};
+Descs describe(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+  using dims = dnnl::memory::dims;
+  using dt = dnnl::memory::data_type;
+  return {dnnl::memory::desc({M, K}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1}),
+          dnnl::memory::desc({K, N}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1}),
+          dnnl::memory::desc({M, N}, dt::f32, dims{ldc, 1})};
+}
+
+struct OnednnMatmul {
+  dnnl::matmul primitive;
+  Descs operands;
+  dnnl::memory::desc scratchpad;
+  bool runtime_mk = false;  // M and K given at each call (the descriptors are made there)
 };
 
 // The matmul primitive of one shape and its implementation's name ("brg:avx512_core_amx_bf16",
 // "gemm:jit", ...), or nothing where oneDNN has no bf16 matmul (below AVX-512) or only its reference
-// loops, which are far slower than the portable path. With runtime_mk, M and K are left to each call
-// (oneDNN's runtime dimensions: its gemm:jit kernels rather than the brgemm ones, which need them
-// fixed) and the library keeps the scratchpad.
-std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl, bool runtime_mk = false) {
+// loops, which are far slower than the portable path. A key of varying sizes (M and K of -1,
+// varying_key) leaves M and K to each call (oneDNN's runtime dimensions: its gemm:jit kernels rather
+// than the brgemm ones, which need them fixed), and the library keeps the scratchpad.
+std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
+  const bool runtime_mk = s.M < 0;
   const int64_t M = runtime_mk ? DNNL_RUNTIME_DIM_VAL : s.M, K = runtime_mk ? DNNL_RUNTIME_DIM_VAL : s.K;
-  const auto [a, b, c] = Descs(s.ta, s.tb, M, s.N, K, s.lda, s.ldb, s.ldc);
+  const Descs d = describe(s.ta, s.tb, M, s.N, K, s.lda, s.ldb, s.ldc);
   dnnl::primitive_attr attr;
   if (!runtime_mk) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // a per-thread buffer, see run_onednn
   if (s.alpha != 1.f) attr.set_output_scales(0, {s.alpha});
@@ -145,32 +147,29 @@ std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl, boo
     attr.set_post_ops(ops);
   }
   try {
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(d.a, d.b, d.c), attr, cpu_engine());
     *impl = pd.impl_info_str();
     if (impl->starts_with("ref")) return std::nullopt;
-    return OnednnMatmul{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), runtime_mk};
+    return OnednnMatmul{dnnl::matmul(pd), d, pd.scratchpad_desc(), runtime_mk};
   } catch (const dnnl::error&) {
     return std::nullopt;
   }
 }
 
-void run_onednn(const OnednnMatmul& m, const bf16* A, const bf16* B, float* C, const Shape* sized = nullptr) {
+// Runs m on the call of shape s (whose M and K a runtime-dimension primitive takes from it).
+void run_onednn(const OnednnMatmul& m, const Shape& s, const bf16* A, const bf16* B, float* C) {
   thread_local dnnl::stream stream(cpu_engine());
-  const dnnl::engine& e = cpu_engine();
-  if (m.runtime_mk) {  // the call's M and K
-    const auto [a, b, c] = Descs(sized->ta, sized->tb, sized->M, sized->N, sized->K, sized->lda, sized->ldb, sized->ldc);
-    m.primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(a, e, const_cast<bf16*>(A))},
-                                 {DNNL_ARG_WEIGHTS, dnnl::memory(b, e, const_cast<bf16*>(B))},
-                                 {DNNL_ARG_DST, dnnl::memory(c, e, C)}});
-    stream.wait();
-    return;
-  }
   thread_local std::vector<uint8_t> scratchpad;  // grows to the largest need, kept
-  if (scratchpad.size() < m.scratchpad.get_size()) scratchpad.resize(m.scratchpad.get_size());
-  m.primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(m.a, e, const_cast<bf16*>(A))},
-                               {DNNL_ARG_WEIGHTS, dnnl::memory(m.b, e, const_cast<bf16*>(B))},
-                               {DNNL_ARG_DST, dnnl::memory(m.c, e, C)},
-                               {DNNL_ARG_SCRATCHPAD, dnnl::memory(m.scratchpad, e, scratchpad.data())}});
+  const dnnl::engine& e = cpu_engine();
+  const Descs d = m.runtime_mk ? describe(s.ta, s.tb, s.M, s.N, s.K, s.lda, s.ldb, s.ldc) : m.operands;
+  std::unordered_map<int, dnnl::memory> args = {{DNNL_ARG_SRC, dnnl::memory(d.a, e, const_cast<bf16*>(A))},
+                                                {DNNL_ARG_WEIGHTS, dnnl::memory(d.b, e, const_cast<bf16*>(B))},
+                                                {DNNL_ARG_DST, dnnl::memory(d.c, e, C)}};
+  if (!m.runtime_mk) {  // a user scratchpad (create_onednn)
+    if (scratchpad.size() < m.scratchpad.get_size()) scratchpad.resize(m.scratchpad.get_size());
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(m.scratchpad, e, scratchpad.data()));
+  }
+  m.primitive.execute(stream, args);
   stream.wait();
 }
 
@@ -219,7 +218,7 @@ bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
   std::vector<float> C(size_t(slab.M * slab.N));
   double onednn = std::numeric_limits<double>::infinity(), portable = onednn, spent = 0;
   for (int run = 0; run < 7 && (run < 3 || spent < 0.05); ++run) {
-    const double t_onednn = seconds([&] { run_onednn(*matmul, A, B, C.data()); });
+    const double t_onednn = seconds([&] { run_onednn(*matmul, slab, A, B, C.data()); });
     const double t_portable = seconds([&] { portable_gemm(slab, A, B, C.data()); });
     onednn = std::min(onednn, t_onednn), portable = std::min(portable, t_portable);
     spent += t_onednn + t_portable;
@@ -240,12 +239,17 @@ bool onednn_is_faster_on_a_layer_gemm() {
   return faster;
 }
 
+// The key of a call whose M and K vary with the data: one choice and primitive for all of them.
+Shape varying_key(const Shape& s) { return {s.ta, s.tb, -1, s.N, -1, s.lda, s.ldb, s.ldc, s.alpha, s.beta}; }
+
+// The choice for key s (a call's shape, or a varying_key), made at its first call: sizes that vary,
+// and shapes too small to time, follow the layer-sized GEMM's timing; others are timed themselves.
 Choice decide(const Shape& s, const bf16* A, const bf16* B) {
   std::string impl;
   Choice c{Bf16GemmPath::portable, create_onednn(s, &impl), impl};
   if (!c.onednn) return c;
-  const bool small = s.M * s.N * s.K < kTimedWork;
-  if (mode() == Bf16GemmMode::onednn || (small ? onednn_is_faster_on_a_layer_gemm() : onednn_is_faster(s, A, B)))
+  const bool timed = s.M >= 0 && s.M * s.N * s.K >= kTimedWork;
+  if (mode() == Bf16GemmMode::onednn || (timed ? onednn_is_faster(s, A, B) : onednn_is_faster_on_a_layer_gemm()))
     c.path = Bf16GemmPath::onednn;
   else
     c.onednn.reset();
@@ -272,24 +276,6 @@ const Choice& choice_for(const Shape& s, const bf16* A, const bf16* B) {
   return it->second;
 }
 
-// The choice for sizes that vary (M and K are -1 in the key): oneDNN's runtime-dimension primitive
-// where it has one and oneDNN won on a layer-sized GEMM, made at the key's first call and kept.
-const Choice& varying_choice_for(const Shape& key) {
-  Choices& c = choices();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  auto it = c.by_shape.find(key);
-  if (it == c.by_shape.end()) {
-    std::string impl;
-    Choice choice{Bf16GemmPath::portable, create_onednn(key, &impl, true), impl};
-    if (choice.onednn && (mode() == Bf16GemmMode::onednn || onednn_is_faster_on_a_layer_gemm()))
-      choice.path = Bf16GemmPath::onednn;
-    else
-      choice.onednn.reset();
-    it = c.by_shape.emplace(key, std::move(choice)).first;
-  }
-  return it->second;
-}
-
 thread_local Bf16GemmPath last_path = Bf16GemmPath::portable;
 
 // K = 0: no products, C = beta·C (beta 0 writes zeros whatever C held).
@@ -307,36 +293,30 @@ std::string isa_of(const std::string& impl) {
   return (isa & bf16_isa) == bf16_isa ? "AVX512-BF16" : "AVX-512";
 }
 
+// gemm_bf16 and gemm_bf16_varying: the path kept for the call's shape, or for its varying_key.
+void multiply(const Shape& s, bool varying, const bf16* A, const bf16* B, float* C) {
+  if (s.M == 0 || s.N == 0) return;
+  ORIGAMI_ASSERT(s.lda >= std::max<int64_t>(1, s.ta ? s.M : s.K) && s.ldb >= std::max<int64_t>(1, s.tb ? s.K : s.N) &&
+                 s.ldc >= std::max<int64_t>(1, s.N));
+  last_path = Bf16GemmPath::portable;
+  if (s.K == 0) return scale_c(s.M, s.N, s.beta, C, s.ldc);
+  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
+  const Choice& c = choice_for(varying ? varying_key(s) : s, A, B);
+  last_path = c.path;
+  if (c.path == Bf16GemmPath::onednn) run_onednn(*c.onednn, s, A, B, C);
+  else portable_gemm(s, A, B, C);
+}
+
 }  // namespace
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  ORIGAMI_ASSERT(lda >= std::max<int64_t>(1, ta ? M : K) && ldb >= std::max<int64_t>(1, tb ? K : N) &&
-                 ldc >= std::max<int64_t>(1, N));
-  const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
-  last_path = Bf16GemmPath::portable;
-  if (K == 0) return scale_c(M, N, beta, C, ldc);
-  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
-  const Choice& c = choice_for(s, A, B);
-  last_path = c.path;
-  if (c.path == Bf16GemmPath::onednn) run_onednn(*c.onednn, A, B, C);
-  else portable_gemm(s, A, B, C);
+  multiply({ta, tb, M, N, K, lda, ldb, ldc, alpha, beta}, false, A, B, C);
 }
 
 void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                        const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  ORIGAMI_ASSERT(lda >= std::max<int64_t>(1, ta ? M : K) && ldb >= std::max<int64_t>(1, tb ? K : N) &&
-                 ldc >= std::max<int64_t>(1, N));
-  const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
-  last_path = Bf16GemmPath::portable;
-  if (K == 0) return scale_c(M, N, beta, C, ldc);
-  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
-  const Choice& c = varying_choice_for({ta, tb, -1, N, -1, lda, ldb, ldc, alpha, beta});
-  last_path = c.path;
-  if (c.path == Bf16GemmPath::onednn) run_onednn(*c.onednn, A, B, C, &s);
-  else portable_gemm(s, A, B, C);
+  multiply({ta, tb, M, N, K, lda, ldb, ldc, alpha, beta}, true, A, B, C);
 }
 
 void set_bf16_gemm_mode(Bf16GemmMode m) {
