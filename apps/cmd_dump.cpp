@@ -31,10 +31,9 @@ int cmd_dump(int argc, char** argv) {
       .option("attention-mask", "causal|document", "document: attention within documents, positions restarting "
                                                    "(as 'origami train --attention-mask')", "causal")
       .option("threads", "N", "threads (default: all cores)", "0")
-      .option("precision", "fp32|bf16", "the layer GEMMs' precision (bf16: bf16 copies of weights and activations, fp32 "
-                                        "accumulation), as 'origami train --precision'", "fp32")
       .option("out", "FILE", "output .safetensors file");
   add_routing_options(a, false);
+  add_precision_option(a);
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("out"), "give --out FILE.safetensors");
   ORIGAMI_CHECK(a.has("data"), "give --data PREFIX");

@@ -26,9 +26,8 @@ int cmd_generate(int argc, char** argv) {
       .option("top-k", "K", "sample among the K most likely tokens (0: all)", "40")
       .option("seed", "S", "sampling seed", "1")
       .option("threads", "N", "threads (default: all cores)", "0")
-      .option("precision", "fp32|bf16", "the layer GEMMs' precision (bf16: bf16 copies of weights and activations, fp32 "
-                                        "accumulation), as 'origami train --precision'", "fp32")
       .flag("stop-at-eod", "stop at the end-of-document token");
+  add_precision_option(a);
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
   Checkpoint ck = Checkpoint::open(a.str("checkpoint"));

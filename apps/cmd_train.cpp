@@ -14,6 +14,12 @@
 
 namespace origami {
 
+void add_precision_option(Args& a) {
+  a.option("precision", "fp32|bf16",
+           "the layer GEMMs' precision: bf16 multiplies bf16 copies of the weights and activations with fp32 "
+           "accumulation (master weights, gradients and optimizer state stay fp32)", "fp32");
+}
+
 void add_routing_options(Args& a, bool train) {
   a.option("moe-aux-loss", "none|micro|seq|global",
            "MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so far", "micro")
@@ -126,9 +132,6 @@ void add_run_options(Args& a) {
               "0")
       .flag("async-save", "write checkpoints from a background thread while training goes on")
       .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
-      .option("precision", "fp32|bf16",
-              "the layer GEMMs' precision: bf16 multiplies bf16 copies of the weights and activations with fp32 "
-              "accumulation (master weights, gradients and optimizer state stay fp32)", "fp32")
       .flag("quiet", "print every 50th step only")
       .flag("verbose", "print every rank's memory breakdown at startup")
       .option("max-skipped-steps", "N",
@@ -139,6 +142,7 @@ void add_run_options(Args& a) {
       .option("memory-limit-gb", "X",
               "memory each rank may use (GiB): a run that needs more is refused at startup; 0: what each node has "
               "available, shared by its ranks", "0");
+  add_precision_option(a);
 }
 
 void read_run_options(const Args& a, TrainOptions& o) {

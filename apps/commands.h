@@ -8,6 +8,8 @@ struct TrainOptions;
 // The MoE routing options (--moe-*), shared by train and dump (`train` adds the bias update rate).
 void add_routing_options(Args& a, bool train);
 void read_routing_options(const Args& a, TrainOptions& o, bool train);
+// --precision fp32|bf16, shared by train, dump and generate.
+void add_precision_option(Args& a);
 
 int cmd_train(int argc, char** argv);     // apps/cmd_train.cpp
 int cmd_generate(int argc, char** argv);  // apps/cmd_generate.cpp
