@@ -111,6 +111,7 @@ struct PlanCommand {
   bool json = false;
   std::string out, plot;  // empty: not asked for
   std::string precision;  // of the layer GEMMs: fp32 | bf16 (memory counts the bf16 weight copy and scratch)
+  std::string grad_reduce_dtype;  // of the DP/EDP gradient reductions: fp32 | bf16 (their bytes and buffers)
 };
 
 // nullopt when --help was asked for (the help text is then already printed).
@@ -130,6 +131,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
       .option("precision", "fp32|bf16", "the run's --precision: bf16 adds the weights' bf16 copy and the rounding "
                                         "scratch to each rank's memory (step times use the cluster's fp32 GEMM rates)",
               "fp32")
+      .option("grad-reduce-dtype", "fp32|bf16", "the run's --grad-reduce-dtype: bf16 halves the gradient "
+                                                "reductions' bytes and adds their bf16 buffers to memory", "fp32")
       .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean", "1.0")
       .flag("json", "print a JSON list, best first")
       .option("out", "FILE", "write the best layout as a plan file (its options and prediction)")
@@ -162,6 +165,10 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.plot = a.str("plot");
   cmd.precision = a.str("precision");
   parse_precision(cmd.precision);
+  cmd.grad_reduce_dtype = a.str("grad-reduce-dtype");
+  TrainOptions check;
+  check.grad_reduce_dtype = cmd.grad_reduce_dtype;
+  check.grad_reduce_wire();  // its error names the value
   if (!cmd.plot.empty()) require_gnuplot();  // before the search, not after it
   return cmd;
 }
@@ -202,6 +209,7 @@ class LayoutSearch {
     base_.global_batch = cmd.global_batch;
     base_.seq_len = cmd.seq_len;
     base_.precision = cmd.precision;
+    base_.grad_reduce_dtype = cmd.grad_reduce_dtype;
     base_.data = "plan";  // not read: validate() only asks that there is one
   }
 
@@ -395,7 +403,8 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
                                  {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
                                  {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
-                                 {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision}};
+                                 {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision},
+                                 {"grad-reduce-dtype", b.grad_reduce_dtype}};
   const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
                                {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
   write_file_atomically(cmd.out, plan.dump(2) + "\n");

@@ -183,6 +183,9 @@ void add_parallel_options(Args& a) {
                                  "reduce-scatter + all-gather)")
       .option("zero", "0|1|2", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients", "0")
       .option("bucket-mb", "X", "data-parallel gradient bucket size in MiB", "16")
+      .option("grad-reduce-dtype", "fp32|bf16",
+              "element type of the DP and EDP gradient reductions: bf16 sends half the bytes and sums in bf16 "
+              "(gradients are still accumulated over micro-batches in fp32)", "fp32")
       .option("mesh-order", "ORDER", "rank order of the mesh axes, first varies fastest", "tp-cp-ep-dp-pp");
 }
 
@@ -203,6 +206,7 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   o.cp_a2a_size = a.has("cp-a2a-size") ? a.small_integer("cp-a2a-size") : 0;
   o.sequence_parallel = a.on("sequence-parallel");
   o.zero = a.small_integer("zero");
+  o.grad_reduce_dtype = a.str("grad-reduce-dtype");
   o.bucket_mb = a.number("bucket-mb");
   o.mesh_order = a.str("mesh-order");
 }

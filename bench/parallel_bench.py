@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Parallel-efficiency benchmark of the distributed core: DP2, TP2 and TP2+SP on 2 ranks (1
-thread per rank) against one rank with 1 thread, on the (b) and (c) models of side_by_side.py.
+"""Parallel-efficiency benchmark of the distributed core: DP2 (ZeRO 0 and 1, gradients reduced in
+fp32 and in bf16), TP2 and TP2+SP on 2 ranks (1 thread per rank) against one rank with 1 thread, on the (b) and (c) models of side_by_side.py.
 
 For each case and layout it reports
   - tokens/s (rank 0's step time, `tokens_per_s` of the metrics) and the speed-up over one rank
@@ -54,6 +54,8 @@ import harness as h  # noqa: E402
 LAYOUTS = [
     ("DP2", 2, [], 2, 1.15),
     ("DP2 ZeRO-1", 2, ["--zero", "1"], 2, 1.15),
+    ("DP2 bf16 grads", 2, ["--grad-reduce-dtype", "bf16"], 2, 1.15),
+    ("DP2 ZeRO-1 bf16 grads", 2, ["--zero", "1", "--grad-reduce-dtype", "bf16"], 2, 1.15),
     ("TP2", 2, ["--tp", "2"], 1, 1.3),
     ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], 1, 1.3),
 ]

@@ -14,6 +14,7 @@ int64_t dtype_bytes(DType t) {
   switch (t) {
     case DType::f32: case DType::i32: return 4;
     case DType::f64: case DType::i64: return 8;
+    case DType::bf16: return 2;
   }
   return 0;
 }

@@ -23,7 +23,9 @@
 
 namespace origami {
 
-enum class DType { f32, f64, i32, i64 };
+// bf16: 16-bit values (kernels/cpu/bf16.h), sums only: each partial sum is widened, added in fp32 and
+// rounded back to bf16 (as NCCL sums bf16), so an n-rank sum rounds up to n−1 times.
+enum class DType { f32, f64, i32, i64, bf16 };
 enum class ReduceOp { sum, max };
 int64_t dtype_bytes(DType t);
 

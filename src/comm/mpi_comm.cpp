@@ -5,11 +5,13 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16.h"
 
 #define CHECK_MPI(call)                                                                           \
   do {                                                                                            \
@@ -35,11 +37,34 @@ MPI_Datatype mpi_type(DType t) {
     case DType::f64: return MPI_DOUBLE;
     case DType::i32: return MPI_INT32_T;
     case DType::i64: return MPI_INT64_T;
+    case DType::bf16: return MPI_UINT16_T;  // the bits; reductions use bf16_sum
   }
   return MPI_DATATYPE_NULL;
 }
 
-MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::sum ? MPI_SUM : MPI_MAX; }
+// MPI has no bf16 type: its sum is a user operation, inout[i] = bf16(float(in[i]) + float(inout[i]))
+// (commutative, so MPI may reorder the ranks), created after MPI_Init and freed before MPI_Finalize.
+MPI_Op bf16_sum = MPI_OP_NULL;
+
+void bf16_sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  constexpr int kChunk = 512;
+  float a[kChunk], b[kChunk];
+  const bf16* x = static_cast<const bf16*>(in);
+  bf16* y = static_cast<bf16*>(inout);
+  for (int at = 0; at < *len; at += kChunk) {
+    const int n = std::min(kChunk, *len - at);
+    to_float(a, x + at, n);
+    to_float(b, y + at, n);
+    for (int i = 0; i < n; ++i) a[i] += b[i];
+    to_bf16(y + at, a, n);
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op, DType t) {
+  if (t != DType::bf16) return op == ReduceOp::sum ? MPI_SUM : MPI_MAX;
+  ORIGAMI_ASSERT(op == ReduceOp::sum && bf16_sum != MPI_OP_NULL);
+  return bf16_sum;
+}
 
 int mpi_count(int64_t count) {
   ORIGAMI_CHECK(count >= 0 && count <= INT_MAX, "a single MPI transfer of ", count,
@@ -78,13 +103,13 @@ class MpiComm final : public Comm {
     count_all_reduce(count, t);
     if (size() == 1) return {};
     return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, mpi_count(count), mpi_type(t), mpi_op(op), comm_, r));
+      CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, mpi_count(count), mpi_type(t), mpi_op(op, t), comm_, r));
     });
   }
   Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) override {
     count_scatter_gather(count, t);
     return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Ireduce_scatter_block(in, out, mpi_count(count), mpi_type(t), mpi_op(op), comm_, r));
+      CHECK_MPI(MPI_Ireduce_scatter_block(in, out, mpi_count(count), mpi_type(t), mpi_op(op, t), comm_, r));
     });
   }
   Request iall_gather(void* out, const void* in, int64_t count, DType t) override {
@@ -130,7 +155,7 @@ class MpiComm final : public Comm {
     int64_t total = 0;
     for (size_t r = 0; r < c.size(); ++r) c[r] = mpi_count(counts[r]), total += counts[r];
     mpi_count(total);  // displacements are ints too
-    CHECK_MPI(MPI_Reduce_scatter(in, out, c.data(), mpi_type(t), mpi_op(op), comm_));
+    CHECK_MPI(MPI_Reduce_scatter(in, out, c.data(), mpi_type(t), mpi_op(op, t), comm_));
   }
   void broadcast(void* buf, int64_t count, DType t, int root) override {
     if (rank() == root) count_bytes(double(count * dtype_bytes(t)));
@@ -175,12 +200,15 @@ CommRuntime::CommRuntime(int* argc, char*** argv) {
   CHECK_MPI(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
   ORIGAMI_CHECK(provided >= MPI_THREAD_FUNNELED, "the MPI library does not support MPI_THREAD_FUNNELED");
   mpi_ = true;
+  CHECK_MPI(MPI_Op_create(&bf16_sum_fn, 1, &bf16_sum));
   world_ = std::make_unique<MpiComm>(MPI_COMM_WORLD, "world", false);
 }
 
 CommRuntime::~CommRuntime() {
   world_.reset();
-  if (mpi_) MPI_Finalize();
+  if (!mpi_) return;
+  MPI_Op_free(&bf16_sum);
+  MPI_Finalize();
 }
 
 void CommRuntime::abort(int code) {

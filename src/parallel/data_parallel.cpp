@@ -11,10 +11,12 @@
 
 namespace origami {
 
-DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding)
+DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding,
+                           DType wire)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
-      sp_(sequence_parallel && tp.size() > 1) {
+      sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 2, "--zero must be 0, 1 or 2, got ", zero_);
+  ORIGAMI_ASSERT(wire == DType::f32 || wire == DType::bf16);
   ORIGAMI_ASSERT(params.layout().dp == dp.size());
   shards_ = bucket_shards(params.buckets(), dp.size(), dp.rank());
   int64_t total = 0;
@@ -27,6 +29,11 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
     if (zero_ >= 1) recv_.assign(size_t(total), 0.f);
     if (zero_ == 2) acc_.assign(size_t(total), 0.f);
   });
+  if (wire_ == DType::bf16)
+    allocating("the bf16 gradient reduction buffers", 2 * (params.size() + (zero_ >= 1 ? total : 0)), [&] {
+      if (zero_ < 2) low_.reset(new bf16[size_t(params.size())]);  // ZeRO-2: per pass (begin_backward)
+      if (zero_ >= 1) low_recv_.reset(new bf16[size_t(total)]);
+    });
   pending_.resize(params.buckets().size());
   started_.assign(params.buckets().size(), 0);
   const std::vector<ParamSpec>& table = params.table();
@@ -70,15 +77,24 @@ void DataParallel::begin_backward(bool final) {
   if (zero_ == 2) {
     params_.release_grad();  // zero, and free, the full buffer: only this pass writes it
     std::fill(started_.begin(), started_.end(), 0);
+    if (wire_ == DType::bf16)
+      allocating("the bf16 gradient reduction buffer", 2 * params_.size(), [&] { low_.reset(new bf16[size_t(params_.size())]); });
   }
   armed_ = zero_ == 2 || final;
 }
 
 void DataParallel::start_bucket(size_t b) {
   const Range& r = params_.buckets()[b];
-  float* g = params_.grad() + r.begin;
-  if (zero_ == 0) pending_[b] = dp_.iall_reduce(g, r.end - r.begin, DType::f32, ReduceOp::sum);
-  else pending_[b] = dp_.ireduce_scatter(recv_.data() + shard_at_[b], g, shards_[b].end - shards_[b].begin, DType::f32, ReduceOp::sum);
+  const int64_t n = r.end - r.begin, shard = shards_[b].end - shards_[b].begin;
+  void* send = params_.grad() + r.begin;
+  void* recv = recv_.data() + shard_at_[b];
+  if (wire_ == DType::bf16) {
+    round_to_bf16(low_.get() + r.begin, params_.grad() + r.begin, n);
+    send = low_.get() + r.begin;
+    recv = low_recv_.get() + shard_at_[b];
+  }
+  if (zero_ == 0) pending_[b] = dp_.iall_reduce(send, n, wire_, ReduceOp::sum);
+  else pending_[b] = dp_.ireduce_scatter(recv, send, shard, wire_, ReduceOp::sum);
   started_[b] = 1;
 }
 
@@ -92,8 +108,13 @@ void DataParallel::grads_ready(int64_t offset) {
 
 void DataParallel::complete_bucket(size_t b) {
   pending_[b].wait();
-  if (zero_ == 0) return;
   const Range& s = shards_[b];
+  if (wire_ == DType::bf16) {  // widen the reduced values: the whole bucket (ZeRO 0), else this rank's shard
+    const Range& r = params_.buckets()[b];
+    if (zero_ == 0) widen_to_float(params_.grad() + r.begin, low_.get() + r.begin, r.end - r.begin);
+    else widen_to_float(recv_.data() + shard_at_[b], low_recv_.get() + shard_at_[b], s.end - s.begin);
+  }
+  if (zero_ == 0) return;
   const float* in = recv_.data() + shard_at_[b];
   if (zero_ == 1) {
     std::memcpy(params_.grad() + s.begin, in, size_t(s.end - s.begin) * sizeof(float));
@@ -109,6 +130,7 @@ void DataParallel::end_backward() {
     grads_ready(0);  // every bucket, in case backward did not announce them all
     for (size_t b = 0; b < pending_.size(); ++b) complete_bucket(b);
     params_.release_grad();
+    low_.reset();
   }
   armed_ = false;
 }

@@ -10,6 +10,12 @@
 //             accumulator: the full gradient buffer is released (its pages returned) after each
 //             reduction, so only this rank's shard stays resident between micro-batches and steps
 //
+// --grad-reduce-dtype bf16 (`wire` DType::bf16): each bucket is rounded to bf16 before its reduction,
+// which then sends half the bytes and sums in bf16 (comm.h); the result is widened back to fp32. The
+// gradients are still accumulated over micro-batches in fp32 (ZeRO 0/1 reduce after the last one;
+// ZeRO-2 accumulates each pass's reduced shard in fp32). A group of one rank reduces nothing and
+// rounds nothing.
+//
 // Under pipeline parallelism a tied embedding lives on the first and the last stage, in a bucket of
 // its own on both: after the DP reduction its gradient (or this rank's DP shard of it — the shards
 // line up) is summed over the two stages, which then apply identical updates.
@@ -25,9 +31,11 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "comm/comm.h"
+#include "kernels/cpu/bf16.h"
 #include "model/params.h"
 
 namespace origami {
@@ -42,7 +50,9 @@ class DataParallel {
   // sequence-partial ones under SP, token-partial ones whenever it has more than one rank);
   // embedding: the first and last pipeline stage of this rank's pipeline when it holds a pp_shared
   // tensor (the tied embedding), else null.
-  DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr);
+  // wire: the element type of the DP reduction, DType::f32 or DType::bf16 (--grad-reduce-dtype).
+  DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr,
+               DType wire = DType::f32);
 
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
@@ -87,6 +97,10 @@ class DataParallel {
   std::vector<Segment> copy_segs_;   // TP replicas it applies but does not count (checked for finiteness)
   std::vector<float> recv_;          // ZeRO ≥ 1: reduce-scatter output, one shard per bucket
   std::vector<float> acc_;           // ZeRO-2: gradient shard accumulated over micro-batches
+  DType wire_;                       // the reduction's element type
+  std::unique_ptr<bf16[]> low_;      // wire bf16: the gradient buffer rounded (ZeRO 0: reduced in place);
+                                     // ZeRO-2 releases it with the gradient buffer after each pass
+  std::unique_ptr<bf16[]> low_recv_;  // wire bf16, ZeRO ≥ 1: the reduce-scatter's output, widened into recv_
   std::vector<Request> pending_;     // per bucket
   std::vector<uint8_t> started_;
   bool armed_ = false;

@@ -14,12 +14,14 @@ namespace {
 
 // One parameter set's data-parallel traffic over a group of `group` ranks (data_parallel.h): ZeRO 0
 // all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
-// parameters, ZeRO 2 reduce-scatters after each of the step's `passes` backward passes.
-double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes) {
-  const double padded = double(buffer.buckets);
-  if (zero == 0) return all_reduce_bytes(group, 4 * padded);
-  const double shards = scatter_gather_bytes(group, 4 * padded / group);  // every bucket, each rank its shard
-  return double(zero == 2 ? passes : 1) * shards + shards;
+// parameters, ZeRO 2 reduce-scatters after each of the step's `passes` backward passes. Gradients
+// travel as `wire` (--grad-reduce-dtype), the gathered parameters as fp32.
+double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes, DType wire) {
+  const double padded = double(buffer.buckets), g = double(group > 1 ? dtype_bytes(wire) : 4);
+  if (zero == 0) return all_reduce_bytes(group, g * padded);
+  // every bucket, each rank its shard
+  const double reduced = scatter_gather_bytes(group, g * padded / group), gathered = scatter_gather_bytes(group, 4 * padded / group);
+  return double(zero == 2 ? passes : 1) * reduced + gathered;
 }
 
 }  // namespace
@@ -69,10 +71,11 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   // Gradients: the dense buffer over DP × CP, the experts' over EDP; TP-partial gradients over TP.
   const int grad_group = m.dp * c;
   const int64_t passes = micro * int64_t(part.chunks.size());
-  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes));
+  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes, o.grad_reduce_wire()));
   total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial(o.zero, t, o.sequence_parallel)));
   add("tp", total_tp);
-  if (buffers.experts.size > 0) add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes));
+  if (buffers.experts.size > 0)
+    add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes, o.grad_reduce_wire()));
   // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.
   if (p > 1 && (stage == 0 || stage == p - 1))
     for (int64_t bucket : buffers.shared_buckets)

@@ -171,12 +171,16 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // Per parameter set (dense tensors over TP and DP, this rank's experts over ETP and EDP): parameters
   // and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size; the
   // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
-  // bucket without the padding.
+  // bucket without the padding. --grad-reduce-dtype bf16 adds, where the group has several ranks, the
+  // buffer rounded for the reduction and (ZeRO ≥ 1) its bf16 reduce-scatter output.
   Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
   const bool bf16 = parse_precision(o.precision) == Precision::bf16;
-  for (const BufferFigures& f : {buffers.dense, buffers.experts}) {
+  const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
+  for (const auto& [f, group] : {std::pair{buffers.dense, int(mesh.group(rank, "dp-cp").size())},
+                                 std::pair{buffers.experts, mesh.degree("edp")}}) {
     weights += (bf16 ? 4 + 2 : 4) * Size(f.size);  // bf16: the GEMMs' copy beside the fp32 master
     grads += 4 * Size(f.size) + (o.zero >= 1 ? 4 * Size(f.shard) : 0) + (o.zero == 2 ? 4 * Size(f.shard) : 0);
+    if (bf16_wire && group > 1) grads += 2 * Size(f.size) + (o.zero >= 1 ? 2 * Size(f.shard) : 0);
     optimizer += 2 * 4 * Size(o.zero == 0 ? f.data : f.shard_data);
   }
   m.weights = weights.get(), m.grads = grads.get(), m.optimizer = optimizer.get();
@@ -195,10 +199,12 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // and DataParallel posts every bucket in backward and completes them after it (Open MPI's libnbc;
   // measured: the peak of rank 0 of a DP pair grows by the gradient buffer). Its algorithms put the
   // copies on some ranks only (on 4 ranks: ranks 0 and 2, rank 0 twice under ZeRO), so this counts
-  // one copy on every rank: the neediest within a few percent on 2 ranks, others high.
+  // one copy on every rank: the neediest within a few percent on 2 ranks, others high. The copy is in
+  // the reduction's element type.
   const int64_t Nl = shape.local_tokens();
   const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
-  const Size scratch = 4 * (Size(dp > 1 ? buffers.dense.buckets : 0) + (edp > 1 ? buffers.experts.buckets : 0));
+  const Size scratch = dtype_bytes(o.grad_reduce_wire()) *
+                       (Size(dp > 1 ? buffers.dense.buckets : 0) + (edp > 1 ? buffers.experts.buckets : 0));
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
                  4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 

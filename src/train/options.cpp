@@ -47,7 +47,7 @@ nlohmann::json TrainOptions::as_json() const {
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
           {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask},
-          {"precision", precision}};
+          {"precision", precision}, {"grad_reduce_dtype", grad_reduce_dtype}};
 }
 
 void TrainOptions::validate_routing(const ModelConfig& cfg) const {
@@ -125,6 +125,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 memory_limit_gb);
   parse_sample_order(data_order);
   parse_precision(precision);
+  grad_reduce_wire();
   // Layout.
   parse_recompute(recompute);
   ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);
@@ -233,6 +234,12 @@ ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) co
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
   return {micro_batch, seq_len / cp,        tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
           cp,          cp_a2a(),                  parse_precision(precision)};
+}
+
+DType TrainOptions::grad_reduce_wire() const {
+  if (grad_reduce_dtype == "fp32") return DType::f32;
+  if (grad_reduce_dtype == "bf16") return DType::bf16;
+  throw Error(cat("--grad-reduce-dtype '", grad_reduce_dtype, "' is not one of fp32, bf16"));
 }
 
 int TrainOptions::cp_a2a() const {

@@ -48,7 +48,7 @@ struct ParamSet {
   ParamSet(std::vector<ParamSpec> table, const TrainOptions& o, Comm& dp_group, Comm& tp_group, bool sequence_parallel,
            Comm* embedding)
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size())),
-        dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding),
+        dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding, o.grad_reduce_wire()),
         opt(params, o.adam, dp.owned()) {}
 };
 
@@ -226,6 +226,12 @@ std::unique_ptr<Comm> embedding_group(Comm& pp) {
   return pp.split(stage == 0 || stage == pp.size() - 1 ? 0 : 1, stage, "embedding");
 }
 
+// --grad-reduce-dtype bf16 with a gradient reduction to apply it to (a DP x CP or EDP group of several ranks).
+bool reduces_in_bf16(const Plan& plan) {
+  const MeshDims& d = plan.mesh.dims();
+  return plan.options.grad_reduce_wire() == DType::bf16 && (d.dp * d.cp > 1 || d.edp > 1);
+}
+
 // The layout in words: in the startup line, every metrics row and every checkpoint's metadata.
 std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   const TrainOptions& o = plan.options;
@@ -236,6 +242,7 @@ std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   if (dims.pp > 1) name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (plan.recompute != Recompute::none) name += cat(" recompute ", recompute_name(plan.recompute));
   if (plan.precision != Precision::fp32) name += cat(" ", precision_name(plan.precision));
+  if (reduces_in_bf16(plan)) name += " grad-reduce bf16";
   return name;
 }
 
@@ -388,6 +395,9 @@ void Run::print_startup() const {
   if (plan_.precision == Precision::bf16)
     std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
                 "| %s\n", describe_bf16_gemm().c_str());
+  if (plan_.options.grad_reduce_wire() == DType::bf16 && !reduces_in_bf16(plan_))
+    std::fprintf(stderr, "origami train: warning: --grad-reduce-dtype bf16 changes nothing here: no DP, CP or EDP "
+                 "group has more than one rank, so no gradient is reduced\n");
   if (cfg_.document_eod >= 0)
     std::printf("attention within documents: token %d ends a document (positions restart after it)\n", cfg_.document_eod);
   const std::string& ck = start_.checkpoint;

@@ -63,6 +63,7 @@ struct TrainOptions {
   bool quiet = false;          // no per-step lines (progress only)
   bool verbose = false;        // also print the memory breakdown per rank at startup
   std::string precision = "fp32";  // fp32 | bf16: the layer GEMMs' precision (master weights stay fp32)
+  std::string grad_reduce_dtype = "fp32";  // fp32 | bf16: the element type of the DP/EDP gradient reductions
   // Run safety.
   int64_t max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
   double loss_spike_factor = 0;   // warn when a step's loss exceeds this times the running median; 0: off
@@ -102,6 +103,7 @@ struct TrainOptions {
   void check_limits() const;  // the kMax* bounds above (validate() calls it)
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
   int cp_a2a() const;  // the all-to-all group size A: 1 for p2p, cp for a2a
+  DType grad_reduce_wire() const;  // --grad-reduce-dtype as the reductions' element type
   // A copy with the derived values filled in: global_batch = micro_batch × DP when 0 (and the layout
   // degrees valid; validate() names them otherwise).
   TrainOptions resolved(int world_size) const;

@@ -90,6 +90,11 @@ def main():
         run("train", "--config", cfg_path, *common, "--global-batch", "3", ok=False, contains="multiple of --micro-batch")
         run("train", "--config", cfg_path, *common, "--seq-len", "100", ok=False, contains="maximum positions")
         run("train", "--config", cfg_path, *common, "--bogus", "1", ok=False, contains="--bogus")
+        run("train", "--config", cfg_path, *common, "--grad-reduce-dtype", "fp16", ok=False,
+            contains="--grad-reduce-dtype 'fp16' is not one of fp32, bf16")
+        # One rank reduces no gradient: the option is accepted and says it changes nothing.
+        run("train", "--config", cfg_path, *common, "--grad-reduce-dtype", "bf16", "--steps", "1",
+            contains="--grad-reduce-dtype bf16 changes nothing here")
         run("train", "--config", write_cfg("small_vocab.json", vocab_size=100), *common, ok=False, contains="vocab_size")
 
         # Save, then resume from the checkpoint: steps 1-4 + 5-8 equal steps 1-8 in one run

@@ -12,7 +12,9 @@ even; the planner states the imbalance factor it assumes).
 Layouts (T 32, micro-batch 2, global batch 8): TP2, TP2+SP, DP2 with ZeRO 0/1/2, PP2 (1F1B; gpt2's
 tied embedding between the stages), PP2 interleaved, CP2 (p2p, a2a, a2a+p2p over 4), recompute
 full and selective, TP2×PP2+SP, TP2×CP2 ZeRO-1; MoE (mixtral, qwen2_moe with a shared expert and
-dense layers): TP2, EP2, EP2×ETP2 over 4, TP2×CP2, aux loss per sequence, global and none.
+dense layers): TP2, EP2, EP2×ETP2 over 4, TP2×CP2, aux loss per sequence, global and none; gradients
+reduced in bf16 (--grad-reduce-dtype bf16): DP2 with ZeRO 0 and 2, and mixtral EP2 over 4 ranks with
+ZeRO-1 (dense gradients over DP4, experts' over EDP2).
 """
 import os
 
@@ -43,6 +45,10 @@ CASES = [
     ("mixtral_8e", 2, ["--ep", "2", "--moe-aux-loss", "global", "--recompute", "full"]),
     ("mixtral_8e", 2, ["--tp", "2", "--moe-aux-loss", "none"]),
     ("qwen2_moe_8e", 2, ["--tp", "2", "--sequence-parallel"]),
+    # --grad-reduce-dtype bf16: the gradient reductions send half the bytes (ZeRO's parameter gathers stay fp32).
+    ("llama_tiny", 2, ["--grad-reduce-dtype", "bf16"]),
+    ("llama_tiny", 2, ["--zero", "2", "--grad-reduce-dtype", "bf16"]),
+    ("mixtral_8e", 4, ["--ep", "2", "--zero", "1", "--grad-reduce-dtype", "bf16"]),
 ]
 ESTIMATED = ("ep", "etp")
 
@@ -54,6 +60,7 @@ def main():
     gpt2_4l = h.load_config("gpt2_tiny")
     gpt2_4l["n_layer"] = 4
     h.write_json(os.path.join(tmp, "gpt2_4l.json"), gpt2_4l)
+    sent = {}  # layout name -> comm_bytes
     for model, ranks, flags in CASES:
         cfg = os.path.join(tmp if model == "gpt2_4l" else h.CONFIGS, model + ".json")
         metrics = os.path.join(tmp, "m.jsonl")
@@ -66,6 +73,7 @@ def main():
             continue
         row = h.read_metrics(metrics)[0]
         got, want = row["comm_bytes"], row.get("comm_bytes_predicted", {})
+        sent[name] = got
         bad = []
         for axis in sorted(set(got) | set(want)):
             g, w = got.get(axis, 0), want.get(axis, 0)
@@ -81,6 +89,10 @@ def main():
         failures += ["%s: %s" % (name, b) for b in bad]
         print("%-4s %-75s %s" % ("FAIL" if bad else "ok", name, "; ".join(bad) or
                                  " ".join("%s %d" % (k, v) for k, v in sorted(got.items()))), flush=True)
+    # bf16 gradients are half the bytes of fp32 ones: llama DP2's all-reduce, measured.
+    half, full = sent.get("llama_tiny --grad-reduce-dtype bf16", {}), sent.get("llama_tiny DP2", {})
+    if not full.get("dp") or 2 * half.get("dp", 0) != full["dp"]:
+        failures.append("llama DP2: bf16 gradient all-reduce sent %s bytes, fp32 %s: not half" % (half.get("dp"), full.get("dp")))
     print("\n" + h.fmt_table(["layout", "communicator", "sent", "predicted", ""], rows))
     h.report(failures, "every communicator's bytes equal the prediction (the dispatcher's payloads within 25%)")
 

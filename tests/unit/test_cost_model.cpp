@@ -83,6 +83,29 @@ TEST(CostModel, KeptFiguresAndBoundHoldForEveryLayout) {
   }
 }
 
+TEST(CostModel, Bf16GradientReductionHalvesTheGradientBytes) {
+  // --grad-reduce-dtype bf16 over DP8: the all-reduce (ZeRO 0) sends exactly half the bytes; with
+  // ZeRO the reduce-scatter halves and the parameter all-gather stays fp32. The step is no slower.
+  const ModelConfig cfg = config("llama_tiny");
+  CostModel model(cfg, cluster(4, false), 8);
+  for (int zero : {0, 1, 2}) {
+    TrainOptions o;
+    o.data = "plan";
+    o.global_batch = 16, o.seq_len = 32, o.micro_batch = 1, o.zero = zero;
+    const Prediction fp32 = model.predict(o);
+    o.grad_reduce_dtype = "bf16";
+    const Prediction bf16 = model.predict(o);
+    const double full = fp32.comm_bytes.at("dp"), half = bf16.comm_bytes.at("dp");
+    if (zero == 0) EXPECT_EQ(2 * half, full);
+    else EXPECT_GT(half, full / 2) << "zero " << zero;  // the fp32 parameter gather
+    EXPECT_LT(half, full) << "zero " << zero;
+    EXPECT_LE(bf16.step_s, fp32.step_s) << "zero " << zero;
+    // The bf16 buffers add to the gradients' memory; MPI's copy of the buckets in flight (workspace) halves.
+    EXPECT_GT(bf16.memory.grads, fp32.memory.grads) << "zero " << zero;
+    EXPECT_LT(bf16.memory.workspace, fp32.memory.workspace) << "zero " << zero;
+  }
+}
+
 TEST(CostModel, BubbleIsTheSchedulesFillAndDrain) {
   // With communication free, every stage alike (8 layers over 4 stages) and m micro-batches, the
   // replayed schedules idle (p − 1)/v of a micro-batch's forward and backward: 1F1B and GPipe

@@ -10,6 +10,9 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <omp.h>
+
+#include <algorithm>
 #include <initializer_list>
 
 namespace origami {
@@ -149,5 +152,24 @@ void to_float(Bf16Isa isa, float* out, const bf16* in, int64_t n) {
 
 void to_bf16(bf16* out, const float* in, int64_t n) { to_bf16(best_bf16_isa(), out, in, n); }
 void to_float(float* out, const bf16* in, int64_t n) { to_float(best_bf16_isa(), out, in, n); }
+
+namespace {
+// fn(begin, count) over blocks of n elements, spread over the threads when there is more than one block.
+template <typename Fn>
+void over_blocks(int64_t n, Fn&& fn) {
+  constexpr int64_t kBlock = int64_t(1) << 14;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1 && !omp_in_parallel())
+  for (int64_t b = 0; b < blocks; ++b) fn(b * kBlock, std::min(kBlock, n - b * kBlock));
+}
+}  // namespace
+
+void round_to_bf16(bf16* dst, const float* src, int64_t n) {
+  over_blocks(n, [&](int64_t at, int64_t k) { to_bf16(dst + at, src + at, k); });
+}
+
+void widen_to_float(float* dst, const bf16* src, int64_t n) {
+  over_blocks(n, [&](int64_t at, int64_t k) { to_float(dst + at, src + at, k); });
+}
 
 }  // namespace origami

@@ -13,7 +13,7 @@
 // -march flag does not decide it): AVX512-BF16 (vcvtne2ps2bf16), AVX-512F or AVX2 bit arithmetic,
 // or scalar code. Every path gives the same bits. vcvtne2ps2bf16 itself flushes subnormal inputs to
 // ±0 (oneDNN's conversion does the same); its path redoes a block holding one with the scalar code.
-// The array conversions are single-threaded: callers split large arrays over their threads.
+// to_bf16 and to_float on arrays are single-threaded; round_to_bf16 and widen_to_float split over the threads.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -45,6 +45,10 @@ inline float to_float(bf16 x) {
 // out[i] = to_bf16(in[i]) / to_float(in[i]) for i < n, on the widest path this CPU has.
 void to_bf16(bf16* out, const float* in, int64_t n);
 void to_float(float* out, const bf16* in, int64_t n);
+
+// The same over the threads (outside a parallel region; inside one, on the calling thread).
+void round_to_bf16(bf16* dst, const float* src, int64_t n);
+void widen_to_float(float* dst, const bf16* src, int64_t n);
 
 // The conversion paths, for tests and benchmarks: each exists where the CPU has its instructions.
 // Widening has no AVX512-BF16 instruction; that path widens with AVX-512F.

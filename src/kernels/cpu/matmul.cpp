@@ -18,13 +18,6 @@ Precision parse_precision(const std::string& s) {
 
 const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
 
-void round_to_bf16(bf16* dst, const float* src, int64_t n) {
-  constexpr int64_t kBlock = int64_t(1) << 14;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (blocks > 1 && !omp_in_parallel())
-  for (int64_t b = 0; b < blocks; ++b) to_bf16(dst + b * kBlock, src + b * kBlock, std::min(kBlock, n - b * kBlock));
-}
-
 int64_t matmul_scratch_bytes(int64_t a_elements, int64_t b_elements) {
   return int64_t(sizeof(bf16)) * (a_elements + b_elements);
 }
