@@ -46,6 +46,8 @@ struct LocalSizes {
   Size fa, fb;  // MLP buffers per token, each layer's sized for the model's widest MLP: dense layers'
                    // gpt2 pre-activation and GELU output (F, F), llama gate|up and SwiGLU output (2F, F);
                    // qwen2_moe's shared expert (2Fs, Fs); the routed experts keep their cache instead
+  int64_t fb_bytes;  // bytes of a kept fb element: the MLP's down-projection input is kept as that GEMM
+                     // reads it, bf16 in a bf16 run (the same values: no rounding is added)
   Size sh;         // shared expert: its output [C] and gate [1] per token outside TP regions (0: none)
   MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
   Size moe_rows;     // the dispatcher's most expert-side rows
@@ -54,7 +56,8 @@ struct LocalSizes {
       : B(a.B), T(a.T), N(Size(a.B) * a.T), Nl(a.local_tokens()), C(c.hidden), Hl(c.num_heads / a.tp),
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
         fa(std::max(c.has_dense_layers() ? (c.is_gpt2() ? 1 : 2) * c.ffn : 0, 2 * c.shared_ffn) / a.tp),
-        fb(std::max(c.has_dense_layers() ? c.ffn : 0, c.shared_ffn) / a.tp), sh(c.shared_ffn > 0 ? C + 1 : 0),
+        fb(std::max(c.has_dense_layers() ? c.ffn : 0, c.shared_ffn) / a.tp),
+        fb_bytes(a.precision == Precision::bf16 ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
         moe{(N / a.tp).get(), C.get(), c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
             c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad},
         moe_rows(c.is_moe() ? TokenDispatcher::max_rows(moe.N, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
@@ -67,7 +70,7 @@ struct LocalSizes {
 Size layer_bytes(const ModelConfig& c, const LocalSizes& s, bool moe_layer) {
   const Size stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
   const Size cache = moe_layer ? MoeCache<float>::bytes(s.moe, s.moe_rows.get()) : 0;
-  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.N * (s.fa + s.fb) + s.Nl * s.sh) + cache;
+  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.N * s.fa + s.Nl * s.sh) + s.fb_bytes * s.N * s.fb + cache;
 }
 Size core_bytes(const LocalSizes& s) { return 4 * Size(s.core.core_floats()); }
 
@@ -170,7 +173,8 @@ struct Model::Slot {
   std::vector<float> mean1, rstd1, mean2, rstd2;  // [., Nl] (means: LayerNorm only)
   std::vector<float> qkv;    // [., N, Sl] after RoPE
   std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama and the shared expert:
-                                    // gate|up, SwiGLU out
+                                    // gate|up, SwiGLU out (fp32 runs)
+  std::vector<bf16> mlp_b_low;      // [., N, ·] bf16 runs: the GELU / SwiGLU output as the down GEMM reads it
   std::vector<float> sh_out, sh_gate;  // [., Nl, C], [., Nl] the shared expert's output and sigmoid gate
   std::vector<MoeCache<float>> moe;  // [.] MoE layers' (unsized for dense layers)
   std::vector<float> att;    // [core, N, Hl·D] attention output
@@ -183,7 +187,7 @@ struct Model::Slot {
                           &sh_gate, &att, &lse, &qkv_h, &att_h})
       b += int64_t(v->size() * sizeof(float));
     for (const MoeCache<float>& m : moe) b += m.bytes();
-    return b;
+    return b + int64_t(mlp_b_low.size() * sizeof(bf16));
   }
 };
 
@@ -192,6 +196,7 @@ struct Model::LayerActs {
   float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *sh_out, *sh_gate, *att, *lse, *qkv_h,
       *att_h;
   MoeCache<float>* moe;
+  bf16* mlp_b_low;  // bf16 runs (mlp_b is then null)
 };
 
 // Work buffers (not kept across calls): region scratch under SP, the head, backward.
@@ -319,7 +324,9 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
 Model::~Model() = default;
 
 void Model::set_precision(Precision p) {
+  ORIGAMI_ASSERT(live_.empty());
   precision_ = p;
+  B_ = 0;  // the slots' buffers depend on it: the next set_batch sizes them anew
   if (p != Precision::bf16) return;
   params_.keep_bf16_copy();
   if (&experts_ != &params_) experts_.keep_bf16_copy();
@@ -379,7 +386,9 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t 
     size(s.rstd2, layers * Nl);
     size(s.qkv, layers * N * S);
     size(s.mlp_a, layers * N * ls.fa);
-    size(s.mlp_b, layers * N * ls.fb);
+    const bool low = precision_ == Precision::bf16;
+    size(s.mlp_b, low ? 0 : layers * N * ls.fb);
+    s.mlp_b_low.assign(low ? size_t(layers * N * ls.fb) : 0, bf16{0});
     size(s.sh_out, ls.sh > 0 ? layers * Nl * C : 0);
     size(s.sh_gate, ls.sh > 0 ? layers * Nl : 0);
     s.moe.assign(cfg_.is_moe() ? size_t(layers) : 0, {});
@@ -450,13 +459,13 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
   const int64_t j = s.layers > 0 ? i : 0;
   Slot& k = s.core_layers > 0 ? s : *recomputed_;  // attention core
   const int64_t jc = s.core_layers > 0 ? i : 0;
-  auto at = [](std::vector<float>& v, int64_t idx, int64_t n) { return v.empty() ? nullptr : v.data() + idx * n; };
+  auto at = [](auto& v, int64_t idx, int64_t n) { return v.empty() ? nullptr : v.data() + idx * n; };
   return {at(m.mid, j, Nl * C),   at(m.ln1, j, Nl * C), at(m.ln2, j, Nl * C), at(m.mean1, j, Nl),
           at(m.rstd1, j, Nl),       at(m.mean2, j, Nl),   at(m.rstd2, j, Nl),   at(m.qkv, j, N * S),
           at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(m.sh_out, j, Nl * C), at(m.sh_gate, j, Nl),
           at(k.att, jc, N * HD),
           at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_shape().Sa()),
-          at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)]};
+          at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)], at(m.mlp_b_low, j, N * fb)};
 }
 
 namespace {
@@ -590,14 +599,16 @@ void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int
   float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);
   float* part = tp.full(y, s.full.data());
+  float* act = a.mlp_b ? a.mlp_b : s.d_mlp_b.data();  // bf16: computed in backward's scratch, kept rounded
   if (cfg_.is_gpt2()) {
     linear_forward(a.mlp_a, ln2, mw(o.fc_w), w(o.fc_b), N, C, F, lay);
-    gelu_forward(a.mlp_b, a.mlp_a, N * F);
+    gelu_forward(act, a.mlp_a, N * F);
   } else {
     linear_forward(a.mlp_a, ln2, mw(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
-    swiglu_forward(a.mlp_b, a.mlp_a, N, F);
+    swiglu_forward(act, a.mlp_a, N, F);
   }
-  linear_forward(part, a.mlp_b, mw(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
+  if (a.mlp_b_low) round_to_bf16(a.mlp_b_low, act, N * F);
+  linear_forward(part, {act, a.mlp_b_low}, mw(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   tp.exit(y, part, B, T, C);
 }
 
@@ -612,7 +623,8 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
-  linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, a.mlp_b, mw(o.proj_w), N, F, C, lay);
+  linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
+                  lay);
   if (cfg_.is_gpt2()) {
     gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
     linear_backward(d_full, g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, F, lay);

@@ -16,6 +16,10 @@ test_layouts.py's settings but the learning rate (lr 3e-3 cosine to 3e-4, weight
   - the one-rank bf16 run differs from the one-rank fp32 run by more than 1e-4 relative at some step,
     in the loss or the gradient norm (else --precision would have been ignored, and the comparisons
     above would prove nothing about bf16).
+Activations: a bf16 run keeps each dense MLP's down-projection input (the GELU / SwiGLU output) in
+bf16, as that GEMM reads it, so the one-rank bf16 run keeps exactly 2·L·N·F bytes fewer than fp32
+(act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP width, L the dense layers; mixtral has
+none) and, under every layout, act_bytes_peak equals act_bytes_computed (the planner's formula).
 Why lr 3e-3 and not test_layouts.py's 1e-2. A layout changes fp32 summation orders (TP's row-parallel
 partial sums, CP's merged attention blocks): ~1e-7 relative, which fp32 carries through 20 steps as
 ~1e-5 of the loss. Rounding to bf16 turns such a last-bit difference, now and then, into a whole bf16
@@ -27,6 +31,7 @@ equally valid bf16 training, not a wrong one: the one-rank bf16 run itself diffe
 every model's curve from fp32's by more than 1e-4 (checked below).
 Usage: BF16_TEST_LR=X python3 tests/parallel/test_bf16_layouts.py [gpt2,llama,mixtral] [LAYOUT,...]
 """
+import json
 import os
 import shutil
 import sys
@@ -67,6 +72,26 @@ def run(tmp, tag, cfg, data, ranks, flags):
     return h.read_metrics(mpath), None, wall
 
 
+def dense_mlp_bytes(cfg_path):
+    """2·L·N·F: the bytes bf16 saves by keeping the dense MLPs' down-projection inputs in bf16."""
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg["model_type"] == "gpt2":
+        layers, F = cfg["n_layer"], cfg.get("n_inner") or 4 * cfg["n_embd"]
+    elif cfg["model_type"] == "llama":
+        layers, F = cfg["num_hidden_layers"], cfg["intermediate_size"]
+    else:
+        layers, F = 0, 0
+    return 2 * layers * tl.MICRO * tl.SEQ * F
+
+
+def check_act_bytes(rows, what, failures):
+    bad = [r["step"] for r in rows if r.get("act_bytes_peak") != r.get("act_bytes_computed")]
+    if bad:
+        failures.append("%s: act_bytes_peak %s != act_bytes_computed %s" % (what, rows[0].get("act_bytes_peak"),
+                                                                           rows[0].get("act_bytes_computed")))
+
+
 def worst(ref, got, field="loss"):
     return max(((tl.rel(g[field], r[field]), r["step"]) for r, g in zip(ref, got)), default=(0.0, 0))
 
@@ -93,6 +118,13 @@ def main():
                 failures.append("%s: bf16 and fp32 one-rank losses agree within %.1e: is bf16 applied?" % (model, effect))
             if "bf16" not in ref[0].get("layout", ""):
                 failures.append("%s: layout string %r does not name bf16" % (model, ref[0].get("layout")))
+            saved = fp32[0]["act_bytes_peak"][0] - ref[0]["act_bytes_peak"][0]
+            print("%-8s activations kept: fp32 %d B, bf16 %d B (%d fewer, expected %d)" % (
+                model, fp32[0]["act_bytes_peak"][0], ref[0]["act_bytes_peak"][0], saved, dense_mlp_bytes(cfg)))
+            if saved != dense_mlp_bytes(cfg):
+                failures.append("%s: bf16 keeps %d activation bytes fewer than fp32, expected %d" % (
+                    model, saved, dense_mlp_bytes(cfg)))
+            check_act_bytes(ref, model + " one rank bf16", failures)
             for name, ranks, flags in LAYOUTS:
                 if (only and name not in only) or (flags[0] == "--ep" and model != "mixtral"):
                     continue
@@ -102,6 +134,7 @@ def main():
                     failures.append("%s %s: %s" % (model, name, err))
                     print("FAIL     %-8s %-11s %s" % (model, name, err[:300]), flush=True)
                     continue
+                check_act_bytes(got, "%s %s" % (model, name), failures)
                 d, step = worst(ref, got)
                 layout = got[0].get("layout", "")
                 ok = len(got) == len(ref) and d <= RTOL and "bf16" in layout

@@ -31,18 +31,28 @@ struct Mat {
   const bf16* low = nullptr;
 };
 
-// A weight (or a block of them) as a layer reads it: its values, the precision its GEMMs run in and,
-// in bf16, its bf16 copy in the same layout. A bare pointer is an fp32 (fp64) weight.
+// Values as a layer passes them to its GEMMs, with their bf16 copy where one is kept (a weight's, or
+// an activation kept for backward as the GEMM reads it; then the values may be null, as a bf16
+// matmul reads only the copy). A bare pointer is values without a copy.
 template <typename T>
-struct Weights {
+struct Operand {
   const T* v = nullptr;
   const bf16* low = nullptr;
+  Operand() = default;
+  Operand(const T* values) : v(values) {}  // NOLINT: implicit, a bare pointer is values alone
+  Operand(const T* values, const bf16* copy) : v(values), low(copy) {}
+  Mat<T> mat(int64_t ld) const { return {v, ld, low}; }
+};
+
+// A weight (or a block of them) as a layer reads it: an Operand with the precision its GEMMs run in
+// (in bf16, with its copy). A bare pointer is an fp32 (fp64) weight.
+template <typename T>
+struct Weights : Operand<T> {
   Precision p = Precision::fp32;
   Weights() = default;
-  Weights(const T* values) : v(values) {}  // NOLINT: implicit, a bare pointer is an fp32 weight
-  Weights(const T* values, const bf16* copy, Precision precision) : v(values), low(copy), p(precision) {}
-  Weights at(int64_t offset) const { return {v + offset, low ? low + offset : nullptr, p}; }
-  Mat<T> mat(int64_t ld) const { return {v, ld, low}; }
+  Weights(const T* values) : Operand<T>(values) {}  // NOLINT: implicit, a bare pointer is an fp32 weight
+  Weights(const T* values, const bf16* copy, Precision precision) : Operand<T>(values, copy), p(precision) {}
+  Weights at(int64_t offset) const { return {this->v + offset, this->low ? this->low + offset : nullptr, p}; }
 };
 
 // A parameter type that template deduction skips, so a bare pointer converts to Weights<T>.
@@ -63,9 +73,6 @@ void matmul(Precision p, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
 // `buffer` (resized as needed) and carried as its copy; in fp32 (or for double), the values alone.
 template <typename T>
 Mat<T> operand(Precision p, const T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
-
-// dst[i] = to_bf16(src[i]) for n elements, spread over the threads (outside a parallel region).
-void round_to_bf16(bf16* dst, const float* src, int64_t n);
 
 // Bytes of the per-thread rounding scratch a bf16 matmul with operands of a and b elements holds
 // (the memory check adds the largest such call of a step).

@@ -5,7 +5,7 @@
 namespace origami {
 
 template <typename T>
-void linear_forward(T* y, const T* x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
+void linear_forward(T* y, Id<Operand<T>> x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
                     WeightLayout layout) {
   if (b) {
 #pragma omp parallel for schedule(static)
@@ -13,19 +13,19 @@ void linear_forward(T* y, const T* x, Id<Weights<T>> w, const T* b, int64_t N, i
       for (int64_t o = 0; o < out; ++o) y[n * out + o] = b[o];
   }
   const bool wt = layout == WeightLayout::out_in;
-  matmul<T>(w.p, false, wt, N, out, in, T(1), {x, in}, w.mat(wt ? in : out), b ? T(1) : T(0), y, out);
+  matmul<T>(w.p, false, wt, N, out, in, T(1), x.mat(in), w.mat(wt ? in : out), b ? T(1) : T(0), y, out);
 }
 
 template <typename T>
-void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, Id<Weights<T>> w, int64_t N, int64_t in,
+void linear_backward(T* dx, T* dw, T* db, const T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                      int64_t out, WeightLayout layout, bool accumulate_dx) {
   const bool oi = layout == WeightLayout::out_in;
   thread_local std::vector<bf16> dy_low;  // dy rounded once for both GEMMs (bf16)
   const Mat<T> g = operand(w.p, dy, N, out, dy_low);
   if (dx) matmul<T>(w.p, false, !oi, N, in, out, T(1), g, w.mat(oi ? in : out), accumulate_dx ? T(1) : T(0), dx, in);
   if (dw) {
-    if (oi) matmul<T>(w.p, true, false, out, in, N, T(1), g, {x, in}, T(1), dw, in);  // dW[out,in] += dyᵀ·x
-    else matmul<T>(w.p, true, false, in, out, N, T(1), {x, in}, g, T(1), dw, out);    // dW[in,out] += xᵀ·dy
+    if (oi) matmul<T>(w.p, true, false, out, in, N, T(1), g, x.mat(in), T(1), dw, in);  // dW[out,in] += dyᵀ·x
+    else matmul<T>(w.p, true, false, in, out, N, T(1), x.mat(in), g, T(1), dw, out);    // dW[in,out] += xᵀ·dy
   }
   if (db) {
     // Column sums over rows; a thread owns a block of 64 columns and walks the rows in order
@@ -40,8 +40,8 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, Id<Weights<T>
 }
 
 #define INSTANTIATE(T)                                                                                          \
-  template void linear_forward<T>(T*, const T*, Weights<T>, const T*, int64_t, int64_t, int64_t, WeightLayout); \
-  template void linear_backward<T>(T*, T*, T*, const T*, const T*, Weights<T>, int64_t, int64_t, int64_t,      \
+  template void linear_forward<T>(T*, Operand<T>, Weights<T>, const T*, int64_t, int64_t, int64_t, WeightLayout); \
+  template void linear_backward<T>(T*, T*, T*, const T*, Operand<T>, Weights<T>, int64_t, int64_t, int64_t,      \
                                    WeightLayout, bool);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -13,12 +13,13 @@ namespace origami {
 
 enum class WeightLayout { out_in, in_out };
 
+// x: its values, or (bf16) its copy as kept for backward (Operand).
 template <typename T>
-void linear_forward(T* y, const T* x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
+void linear_forward(T* y, Id<Operand<T>> x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
                     WeightLayout layout);
 
 template <typename T>
-void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, Id<Weights<T>> w, int64_t N, int64_t in,
+void linear_backward(T* dx, T* dw, T* db, const T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                      int64_t out, WeightLayout layout, bool accumulate_dx = false);
 
 }  // namespace origami
