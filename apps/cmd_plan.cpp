@@ -23,6 +23,7 @@
 #include "kernels/cpu/matmul.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "core/gnuplot.h"
 #include "plan/plot.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
@@ -169,7 +170,7 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   TrainOptions check;
   check.grad_reduce_dtype = cmd.grad_reduce_dtype;
   check.grad_reduce_wire();  // its error names the value
-  if (!cmd.plot.empty()) require_gnuplot();  // before the search, not after it
+  if (!cmd.plot.empty()) require_gnuplot("--plot");  // before the search, not after it
   return cmd;
 }
 

@@ -1,5 +1,5 @@
 // The plot of `origami plan --plot FILE.png`: the predicted step time of layouts, by part, drawn by
-// gnuplot (Debian's gnuplot-nox, its pngcairo terminal), which origami runs as a child process.
+// gnuplot (core/gnuplot.h).
 #pragma once
 #include <map>
 #include <string>
@@ -20,9 +20,5 @@ struct PlotRow {
 // (written to png_path + ".tmp", then renamed). Error when gnuplot is not installed, when it
 // fails (its last error line), or when png_path cannot be written.
 void plot_step_breakdown(const std::vector<PlotRow>& rows, const std::string& title, const std::string& png_path);
-
-// Error (the same as plot_step_breakdown's) unless an executable gnuplot is on the PATH: `origami plan
-// --plot` asks before its search, not after.
-void require_gnuplot();
 
 }  // namespace origami
