@@ -126,6 +126,8 @@ void read_optimizer_options(const Args& a, TrainOptions& o) {
 // What the run writes, how it reports, and its limits.
 void add_run_options(Args& a) {
   a.option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
+      .option("tensorboard", "DIR", "write each step's scalars (loss, lr, grad norm, speed, memory) as TensorBoard "
+                                    "events to DIR (a resumed run appends to its newest event file)")
       .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest)")
       .option("save-every", "N", "also save every N steps", "0")
       .option("keep-last", "K", "keep the K newest checkpoints in DIR, older ones removed after a newer one commits (0: all)",
@@ -147,6 +149,7 @@ void add_run_options(Args& a) {
 
 void read_run_options(const Args& a, TrainOptions& o) {
   o.metrics = a.str("metrics");
+  o.tensorboard = a.str("tensorboard");
   o.save = a.str("save");
   o.save_every = a.integer("save-every");
   o.keep_last = a.small_integer("keep-last");

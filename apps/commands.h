@@ -18,4 +18,5 @@ int cmd_data(int argc, char** argv);      // apps/cmd_data.cpp
 int cmd_ckpt(int argc, char** argv);      // apps/cmd_ckpt.cpp
 int cmd_profile(int argc, char** argv);   // apps/cmd_profile.cpp
 int cmd_plan(int argc, char** argv);      // apps/cmd_plan.cpp
+int cmd_plot(int argc, char** argv);      // apps/cmd_plot.cpp
 }  // namespace origami

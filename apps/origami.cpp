@@ -25,6 +25,7 @@ const Command kCommands[] = {
     {"ckpt", origami::cmd_ckpt, "inspect a checkpoint, or export it as a Hugging Face directory (origami ckpt --help)"},
     {"plan", origami::cmd_plan, "predict step time, memory and MFU of layouts on a cluster and list the best"},
     {"profile", origami::cmd_profile, "measure this machine (GEMMs, attention, collectives) for the planner: a cluster.json"},
+    {"plot", origami::cmd_plot, "draw the loss, learning rate, speed and gradient norm curves of runs from --metrics files"},
     {"dump", origami::cmd_dump, "write logits, losses and gradients of one batch (for checking against other implementations)"},
 };
 

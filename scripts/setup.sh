@@ -42,9 +42,10 @@ fi
 # Hugging Face transformers/tokenizers/safetensors check our checkpoints and BPE encodings.
 PY=/usr/bin/python3
 # lizard: the test command's check that no function is over 120 lines or complexity 50.
-if ! $PY -c "import transformers, tokenizers, safetensors, lizard" 2>/dev/null; then
+# tensorboard: its own reader checks the event files of `origami train --tensorboard`.
+if ! $PY -c "import transformers, tokenizers, safetensors, lizard, tensorboard" 2>/dev/null; then
   echo "setup: installing test-only Python packages from PyPI"
   $PY -m pip install -q --break-system-packages --no-warn-script-location \
-    "transformers==4.46.3" "tokenizers==0.20.3" "safetensors==0.4.5" "lizard==1.17.31"
+    "transformers==4.46.3" "tokenizers==0.20.3" "safetensors==0.4.5" "lizard==1.17.31" "tensorboard==2.18.0"
 fi
 echo "setup: ok"

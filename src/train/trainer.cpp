@@ -31,6 +31,7 @@
 #include "train/memory_check.h"
 #include "train/memory_plan.h"
 #include "train/metrics.h"
+#include "train/tensorboard.h"
 #include "train/plan.h"
 #include "train/test_hooks.h"
 
@@ -309,6 +310,7 @@ class Run {
   RunInfo info_;
   double flops_per_step_ = 0;
   MetricsFile metrics_;
+  TensorBoardWriter tensorboard_;
   // 8. Checkpoints.
   std::optional<CheckpointWriter> writer_;
   int64_t last_saved_ = -1;
@@ -347,6 +349,7 @@ Run::Run(Opened opened, Comm& world)
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.global_batch * o_.seq_len, cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_step_ = train_flops_per_token(cfg_, o_.seq_len) * double(info_.tokens);
   if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
+  if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step > 0 ? start_.step : -1);
   if (rank0_) print_startup();
   open_writer();
   tokens_.resize(size_t(plan_.micro_batches * o_.micro_batch * (o_.seq_len + 1)));
@@ -544,7 +547,7 @@ int Run::step(int64_t step, StopSignals& signals) {
     r.val_loss = evaluate();
     if (rank0_) print_eval_line(info_, r.step, r.val_loss, eval_timer.ms());
   }
-  if (metrics_) write_metrics(r);
+  if (metrics_ || tensorboard_) write_metrics(r);
   return exit_code(r, too_many_skips);
 }
 
@@ -619,7 +622,7 @@ double Run::save(int64_t steps_done) {
   return writer_->save(steps_done, owned_pieces(), files, layout);
 }
 
-// Rank 0's row; the run's first row also carries the memory check's figures and the planner's
+// Rank 0's row (to --metrics and --tensorboard); the run's first row also carries the memory check's figures and the planner's
 // prediction of its comm_bytes.
 void Run::write_metrics(StepReport& r) {
   r.rss_peak_bytes = peak_rss_bytes();
@@ -627,7 +630,9 @@ void Run::write_metrics(StepReport& r) {
     r.memory = &memory_;
     r.comm_predicted = step_comm_bytes(cfg_, o_, world_.size(), 0);
   }
-  metrics_.write(metrics_row(info_, r));
+  const nlohmann::json row = metrics_row(info_, r);
+  if (metrics_) metrics_.write(row);
+  if (tensorboard_) tensorboard_.write(row);
 }
 
 // Every rank takes the same branch: `skipped_` comes from the norm's all-reduce, the stop flag and the

@@ -55,6 +55,7 @@ struct TrainOptions {
   uint64_t seed = 1234;
   std::string data_order = "sequential";
   std::string metrics;         // JSONL path, optional
+  std::string tensorboard;     // TensorBoard event file directory, optional
   std::string save;            // checkpoint directory (DIR/step-N, DIR/latest), optional
   int64_t save_every = 0;      // 0: only at the end
   int keep_last = 0;           // committed checkpoints kept in --save (0: all)

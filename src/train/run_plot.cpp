@@ -1,0 +1,120 @@
+#include "train/run_plot.h"
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/gnuplot.h"
+
+namespace origami {
+
+namespace {
+
+// A number of the row, NaN where it is null (a non-finite value, written as null); Error naming the
+// line when the row lacks it.
+double number(const nlohmann::json& row, const char* key, const std::string& where) {
+  ORIGAMI_CHECK(row.contains(key), where, " has no \"", key, "\": not a metrics row of origami train");
+  const nlohmann::json& v = row[key];
+  if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
+  ORIGAMI_CHECK(v.is_number(), where, ": \"", key, "\" is not a number");
+  return v.get<double>();
+}
+
+const char* x_label(PlotX x) {
+  switch (x) {
+    case PlotX::step: return "step";
+    case PlotX::tokens: return "tokens";
+    case PlotX::time: return "training time (s)";
+  }
+  return "";
+}
+
+// One datablock per run ($runI: x, loss, lr, tokens/s, grad norm) and per run with validation ($valI).
+void write_data(std::ostringstream& s, const std::vector<RunCurves>& runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunCurves& r = runs[i];
+    s << "$run" << i << " << EOD\n";
+    for (size_t k = 0; k < r.x.size(); ++k)
+      s << r.x[k] << ' ' << r.loss[k] << ' ' << r.lr[k] << ' ' << r.tokens_per_s[k] << ' ' << r.grad_norm[k] << '\n';
+    s << "EOD\n";
+    if (r.val_x.empty()) continue;
+    s << "$val" << i << " << EOD\n";
+    for (size_t k = 0; k < r.val_x.size(); ++k) s << r.val_x[k] << ' ' << r.val_loss[k] << '\n';
+    s << "EOD\n";
+  }
+}
+
+// One panel: column `col` of every run; the loss panel also the validation points and the legend.
+void write_panel(std::ostringstream& s, const std::vector<RunCurves>& runs, const char* title, int col, bool loss) {
+  s << "set title '" << title << "'\n" << (loss ? "set logscale y\n" : "unset logscale y\n") << "plot";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    s << (i ? ", \\\n    " : " ") << "$run" << i << " using 1:" << col << " with lines lw 2 lc rgb '"
+      << series_colour(i) << "' " << (loss ? "title " + gnuplot_quoted(runs[i].label) : std::string("notitle"));
+    if (loss && !runs[i].val_x.empty())
+      s << ", \\\n    $val" << i << " using 1:2 with points pt 7 ps 1.2 lc rgb '" << series_colour(i) << "' title "
+        << gnuplot_quoted(runs[i].label + " (validation)");
+  }
+  s << "\n";
+}
+
+}  // namespace
+
+PlotX parse_plot_x(const std::string& s) {
+  if (s == "step") return PlotX::step;
+  if (s == "tokens") return PlotX::tokens;
+  if (s == "time") return PlotX::time;
+  throw Error(cat("--x '", s, "' is not one of step, tokens, time"));
+}
+
+RunCurves read_run_curves(const std::string& path, PlotX x) {
+  std::istringstream in(read_file_bytes(path));
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
+  RunCurves c;
+  double seconds = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string where = cat(path, ":", i + 1);
+    const nlohmann::json row = nlohmann::json::parse(lines[i], nullptr, false);
+    if (row.is_discarded() && i + 1 == lines.size()) break;  // a killed run's last line, cut short
+    ORIGAMI_CHECK(row.is_object(), where, " is not a JSON object: not a metrics file of origami train");
+    const double step = number(row, "step", where);
+    seconds += number(row, "ms", where) / 1000;
+    c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? step * number(row, "tokens", where) : seconds);
+    c.loss.push_back(number(row, "loss", where));
+    c.lr.push_back(number(row, "lr", where));
+    c.tokens_per_s.push_back(number(row, "tokens_per_s", where));
+    c.grad_norm.push_back(number(row, "grad_norm", where));
+    if (row.contains("val_loss")) c.val_x.push_back(c.x.back()), c.val_loss.push_back(number(row, "val_loss", where));
+    if (c.label.empty() && row.contains("layout") && row["layout"].is_string())
+      c.label = cat(std::filesystem::path(path).filename().string(), ": ", row["layout"].get<std::string>());
+  }
+  ORIGAMI_CHECK(!c.x.empty(), "'", path, "' has no metrics rows");
+  if (c.label.empty()) c.label = std::filesystem::path(path).filename().string();
+  return c;
+}
+
+void plot_runs(const std::vector<RunCurves>& runs, PlotX x, const std::string& png_path) {
+  ORIGAMI_ASSERT(!runs.empty());
+  std::ostringstream s;
+  s.precision(9);
+  write_data(s, runs);
+  s << "set terminal pngcairo size 1400,900 font 'sans,11' noenhanced\n"  // text as typed
+    << "set multiplot layout 2,2\n"
+    << "set grid\n"
+    << "set key top right font ',9'\n"
+    << "set xlabel '" << x_label(x) << "'\n";
+  write_panel(s, runs, "loss", 2, true);
+  write_panel(s, runs, "learning rate", 3, false);
+  write_panel(s, runs, "tokens/s", 4, false);
+  write_panel(s, runs, "gradient norm", 5, false);
+  s << "unset multiplot\n";
+  render_png(s.str(), png_path, "plot");
+}
+
+}  // namespace origami
