@@ -129,7 +129,9 @@ void add_run_options(Args& a) {
       .option("tensorboard", "DIR", "write each step's scalars (loss, lr, grad norm, speed, memory) as TensorBoard "
                                     "events to DIR (a resumed run appends to its newest event file)")
       .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest)")
-      .option("save-every", "N", "also save every N steps", "0")
+      .option("save-every", "N|auto", "also save every N steps; auto: save after 10 steps, then every "
+                                      "sqrt(2 x save time x MTBF) / step time steps (Young's interval)", "0")
+      .option("mtbf-hours", "H", "the mean time between failures --save-every auto plans for", "24")
       .option("keep-last", "K", "keep the K newest checkpoints in DIR, older ones removed after a newer one commits (0: all)",
               "0")
       .flag("async-save", "write checkpoints from a background thread while training goes on")
@@ -151,7 +153,9 @@ void read_run_options(const Args& a, TrainOptions& o) {
   o.metrics = a.str("metrics");
   o.tensorboard = a.str("tensorboard");
   o.save = a.str("save");
-  o.save_every = a.integer("save-every");
+  o.save_every_auto = a.str("save-every") == "auto";
+  o.save_every = o.save_every_auto ? 0 : a.integer("save-every");
+  o.mtbf_hours = a.number("mtbf-hours");
   o.keep_last = a.small_integer("keep-last");
   o.async_save = a.on("async-save");
   o.threads = a.small_integer("threads");
@@ -239,13 +243,8 @@ std::string model_config_path(const Args& a, const TrainOptions& o) {
   return config;
 }
 
-// The options of `origami train`, read and checked on every rank; the model config loaded.
-struct TrainCommand {
-  ModelConfig cfg;
-  TrainOptions options;
-};
+}  // namespace
 
-// nullopt when --help was asked for (the help text is then already printed).
 std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world) {
   Args a("train",
          "Train a gpt2, llama, mixtral or qwen2_moe model (Hugging Face config.json) on a dataset made by\n"
@@ -272,6 +271,8 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
   if (!parsed) return std::nullopt;
   return cmd;
 }
+
+namespace {
 
 int train(int argc, char** argv, Comm& world) {
   const std::optional<TrainCommand> cmd = parse_train_options(argc, argv, world);

@@ -1,17 +1,30 @@
 // The `origami` subcommands. Each takes (argc, argv) with argv[0] = the subcommand's name,
 // returns the process exit code, and throws origami::Error for user mistakes.
 #pragma once
+#include <optional>
+
+#include "comm/comm.h"
+#include "model/config.h"
+#include "train/trainer.h"
 
 namespace origami {
 class Args;
-struct TrainOptions;
 // The MoE routing options (--moe-*), shared by train and dump (`train` adds the bias update rate).
 void add_routing_options(Args& a, bool train);
 void read_routing_options(const Args& a, TrainOptions& o, bool train);
 // --precision fp32|bf16, shared by train, dump and generate.
 void add_precision_option(Args& a);
 
+// The options of `origami train`, read and checked on every rank of `world`; the model config loaded.
+// nullopt when --help was asked for (the help text is then already printed).
+struct TrainCommand {
+  ModelConfig cfg;
+  TrainOptions options;
+};
+std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world);
+
 int cmd_train(int argc, char** argv);     // apps/cmd_train.cpp
+int cmd_launch(int argc, char** argv);    // apps/cmd_launch.cpp
 int cmd_generate(int argc, char** argv);  // apps/cmd_generate.cpp
 int cmd_dump(int argc, char** argv);      // apps/cmd_dump.cpp
 int cmd_data(int argc, char** argv);      // apps/cmd_data.cpp

@@ -20,6 +20,7 @@ struct Command {
 
 const Command kCommands[] = {
     {"train", origami::cmd_train, "train a gpt2 / llama / mixtral / qwen2_moe model from a Hugging Face config.json"},
+    {"launch", origami::cmd_launch, "run train under mpirun and restart it from its checkpoints when a rank fails or hangs"},
     {"generate", origami::cmd_generate, "sample text from a saved checkpoint"},
     {"data", origami::cmd_data, "prepare tokenized datasets (origami data prepare --help)"},
     {"ckpt", origami::cmd_ckpt, "inspect a checkpoint, or export it as a Hugging Face directory (origami ckpt --help)"},

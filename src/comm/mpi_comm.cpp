@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/progress.h"
 #include "kernels/cpu/bf16.h"
 
 #define CHECK_MPI(call)                                                                           \
@@ -100,6 +101,7 @@ class MpiComm final : public Comm {
   }
 
   Request iall_reduce(void* buf, int64_t count, DType t, ReduceOp op) override {
+    progress_entered("all_reduce", name());
     count_all_reduce(count, t);
     if (size() == 1) return {};
     return start([&](MPI_Request* r) {
@@ -107,12 +109,14 @@ class MpiComm final : public Comm {
     });
   }
   Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) override {
+    progress_entered("reduce_scatter", name());
     count_scatter_gather(count, t);
     return start([&](MPI_Request* r) {
       CHECK_MPI(MPI_Ireduce_scatter_block(in, out, mpi_count(count), mpi_type(t), mpi_op(op, t), comm_, r));
     });
   }
   Request iall_gather(void* out, const void* in, int64_t count, DType t) override {
+    progress_entered("all_gather", name());
     count_scatter_gather(count, t);
     // In place when this rank's block already sits at its position in `out`.
     const bool in_place = in == static_cast<const char*>(out) + int64_t(rank()) * count * dtype_bytes(t);
@@ -122,13 +126,16 @@ class MpiComm final : public Comm {
     });
   }
   Request isend(const void* buf, int64_t count, DType t, int dest, int tag) override {
+    progress_entered("send", name());
     count_bytes(double(count * dtype_bytes(t)));
     return start([&](MPI_Request* r) { CHECK_MPI(MPI_Isend(buf, mpi_count(count), mpi_type(t), dest, tag, comm_, r)); });
   }
   Request irecv(void* buf, int64_t count, DType t, int src, int tag) override {
+    progress_entered("recv", name());
     return start([&](MPI_Request* r) { CHECK_MPI(MPI_Irecv(buf, mpi_count(count), mpi_type(t), src, tag, comm_, r)); });
   }
   void all_to_allv(void* out, const int64_t* recv_counts, const void* in, const int64_t* send_counts, DType t) override {
+    progress_entered("all_to_all", name());
     const size_t n = size_t(size());
     std::vector<int> sc(n), sd(n), rc(n), rd(n);
     int64_t so = 0, ro = 0, others = 0;
@@ -141,6 +148,7 @@ class MpiComm final : public Comm {
     CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), mpi_type(t), out, rc.data(), rd.data(), mpi_type(t), comm_));
   }
   void all_gather_v(void* out, const void* in, const int64_t* counts, DType t) override {
+    progress_entered("all_gather_v", name());
     count_gather_v(counts, t);
     std::vector<int> c(static_cast<size_t>(size())), d(static_cast<size_t>(size()));
     int64_t at = 0;
@@ -150,6 +158,7 @@ class MpiComm final : public Comm {
                              mpi_type(t), comm_));
   }
   void reduce_scatter_v(void* out, const void* in, const int64_t* counts, DType t, ReduceOp op) override {
+    progress_entered("reduce_scatter_v", name());
     count_scatter_v(counts, t);
     std::vector<int> c(static_cast<size_t>(size()));
     int64_t total = 0;
@@ -158,10 +167,14 @@ class MpiComm final : public Comm {
     CHECK_MPI(MPI_Reduce_scatter(in, out, c.data(), mpi_type(t), mpi_op(op, t), comm_));
   }
   void broadcast(void* buf, int64_t count, DType t, int root) override {
+    progress_entered("broadcast", name());
     if (rank() == root) count_bytes(double(count * dtype_bytes(t)));
     CHECK_MPI(MPI_Bcast(buf, mpi_count(count), mpi_type(t), root, comm_));
   }
-  void barrier() override { CHECK_MPI(MPI_Barrier(comm_)); }
+  void barrier() override {
+    progress_entered("barrier", name());
+    CHECK_MPI(MPI_Barrier(comm_));
+  }
   std::unique_ptr<Comm> split(int color, int key, const std::string& name) override {
     MPI_Comm c;
     CHECK_MPI(MPI_Comm_split(comm_, color, key, &c));

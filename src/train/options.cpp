@@ -111,7 +111,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(adam.eps > 0, "--eps must be positive, got ", adam.eps);
   ORIGAMI_CHECK(grad_clip >= 0, "--grad-clip must not be negative (0 disables clipping), got ", grad_clip);
   ORIGAMI_CHECK(save_every >= 0, "--save-every must not be negative, got ", save_every);
-  ORIGAMI_CHECK(save_every == 0 || !save.empty(), "--save-every needs --save DIR");
+  ORIGAMI_CHECK((save_every == 0 && !save_every_auto) || !save.empty(), "--save-every needs --save DIR");
+  ORIGAMI_CHECK(mtbf_hours > 0 && std::isfinite(mtbf_hours), "--mtbf-hours must be positive, got ", mtbf_hours);
   ORIGAMI_CHECK(keep_last >= 0, "--keep-last must not be negative (0 keeps all), got ", keep_last);
   ORIGAMI_CHECK((keep_last == 0 && !async_save) || !save.empty(), keep_last ? "--keep-last" : "--async-save",
                 " needs --save DIR");

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/memory.h"
+#include "core/progress.h"
 #include "core/stop_signals.h"
 #include "core/timer.h"
 #include "data/blend.h"
@@ -277,6 +278,8 @@ class Run {
   void take_measurements(StepReport& r);
   double evaluate();
   double save(int64_t steps_done);
+  bool save_due(int64_t steps_done) const;
+  void plan_save_interval(double save_s);
   double non_finite_sets() const;
   std::vector<SavePiece> owned_pieces();
   void write_metrics(StepReport& r);
@@ -314,6 +317,9 @@ class Run {
   // 8. Checkpoints.
   std::optional<CheckpointWriter> writer_;
   int64_t last_saved_ = -1;
+  static constexpr int64_t kAutoSaveFirst = 10;  // --save-every auto: the first save, after this many steps
+  int64_t save_every_ = o_.save_every;  // --save-every auto: 0 until the first save has been timed
+  std::vector<double> step_ms_;         // --save-every auto: the steps' times before that save
   // 9. The step loop's state: this DP rank's token windows of a step, in micro-batches.
   std::vector<int32_t> tokens_;
   std::vector<const int32_t*> micro_tokens_;
@@ -538,8 +544,11 @@ int Run::step(int64_t step, StopSignals& signals) {
   // Saves come before the step's metrics row, which records how long the loop was blocked.
   const bool too_many_skips = skipped_ > o_.max_skipped_steps;
   if (fig.stop && rank0_) std::printf("stopping on signal after step %lld\n", (long long)r.step);
-  if (writer_ && !too_many_skips && (fig.stop || r.step == o_.steps || (o_.save_every > 0 && r.step % o_.save_every == 0)))
+  if (o_.save_every_auto && save_every_ == 0) step_ms_.push_back(r.ms);
+  if (writer_ && !too_many_skips && (fig.stop || r.step == o_.steps || save_due(r.step))) {
     r.save_blocked_s = save(r.step);
+    if (o_.save_every_auto && save_every_ == 0) plan_save_interval(r.save_blocked_s);
+  }
   take_measurements(r);
   // Validation after the step's own figures are taken (its forwards would add to them).
   if (in_.eval_data && !too_many_skips && (r.step == o_.steps || (o_.eval_every > 0 && r.step % o_.eval_every == 0))) {
@@ -622,6 +631,26 @@ double Run::save(int64_t steps_done) {
   return writer_->save(steps_done, owned_pieces(), files, layout);
 }
 
+bool Run::save_due(int64_t steps_done) const {
+  if (save_every_ > 0) return steps_done % save_every_ == 0;
+  return o_.save_every_auto && steps_done == start_.step + kAutoSaveFirst;
+}
+
+// --save-every auto after its first save: Young's interval sqrt(2·δ·M) for a save blocking δ seconds
+// and a mean time between failures M, in steps of the median step time so far (the largest over the
+// ranks of both figures, so every rank takes the same interval).
+void Run::plan_save_interval(double save_s) {
+  std::vector<double> ms = step_ms_;
+  std::nth_element(ms.begin(), ms.begin() + long(ms.size() / 2), ms.end());
+  const double step_s = world_.all_reduce_value(ms[ms.size() / 2] / 1000, ReduceOp::max);
+  const double delta = world_.all_reduce_value(save_s, ReduceOp::max), mtbf = o_.mtbf_hours * 3600;
+  const double young = std::sqrt(2 * delta * mtbf);
+  save_every_ = std::clamp<int64_t>(std::llround(young / step_s), 1, kMaxSteps);
+  if (rank0_)
+    std::printf("--save-every auto: every %lld steps (Young's interval sqrt(2 x %.4g s a save x %.4g h MTBF) = %.4g s, "
+                "at %.4g s a step)\n", (long long)save_every_, delta, o_.mtbf_hours, young, step_s);
+}
+
 // Rank 0's row (to --metrics and --tensorboard); the run's first row also carries the memory check's figures and the planner's
 // prediction of its comm_bytes.
 void Run::write_metrics(StepReport& r) {
@@ -680,11 +709,14 @@ void Run::finish(int exit_code) {
 //   8. checkpoints: the writer and the pieces this rank saves;
 //   9. the step loop (SIGINT/SIGTERM are taken at step boundaries: core/stop_signals.h).
 int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& world) {
+  progress_join(world.rank());  // under origami launch: the watchdog's record of this rank
   Run run(open_run(model_cfg, opts, world), world);
   StopSignals stop_signals;
   int exit_code = 0;
-  for (int64_t step = run.start_step(); step < opts.steps && exit_code == 0; ++step)
+  for (int64_t step = run.start_step(); step < opts.steps && exit_code == 0; ++step) {
     exit_code = run.step(step, stop_signals);
+    progress_step_done(step + 1);
+  }
   run.finish(exit_code);
   return exit_code;
 }

@@ -58,6 +58,8 @@ struct TrainOptions {
   std::string tensorboard;     // TensorBoard event file directory, optional
   std::string save;            // checkpoint directory (DIR/step-N, DIR/latest), optional
   int64_t save_every = 0;      // 0: only at the end
+  bool save_every_auto = false;  // --save-every auto: Young's interval from the first save (mtbf_hours)
+  double mtbf_hours = 24;      // the mean time between failures --save-every auto assumes
   int keep_last = 0;           // committed checkpoints kept in --save (0: all)
   bool async_save = false;     // write checkpoints from a background thread while training goes on
   int threads = 0;             // 0: all cores

@@ -1,0 +1,58 @@
+// origami launch: a training job that restarts itself from its checkpoints (train/launch.h).
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "core/args.h"
+#include "core/error.h"
+#include "train/launch.h"
+
+namespace origami {
+
+int cmd_launch(int argc, char** argv) {
+  Args a("launch [options] -- train ARGS...",
+         "Run `origami train ARGS` under mpirun and watch it: when a rank is killed or crashes, MPI fails or the\n"
+         "job hangs, start it again from the latest checkpoint of its --save directory, with the same global\n"
+         "batch (the same loss curve). A user error (exit 1), the non-finite stop (3) and a stop by signal (130)\n"
+         "end the launch with that code.");
+  a.option("np", "N", "ranks")
+      .option("min-np", "M", "with --shrink, the fewest ranks to go on with", "1")
+      .flag("shrink", "do not use a failed rank's slot (with --hostfile, its host) again: restart on the largest "
+                      "world left whose layout (DP re-derived) is valid and fits")
+      .option("max-restarts", "R", "restarts before giving up", "3")
+      .option("hostfile", "FILE", "mpirun's hostfile (lines 'host slots=N')")
+      .option("events", "FILE", "append one JSON object per event: start, failure, hang, restart, finish, stop")
+      .option("step-timeout", "S", "end a job whose ranks make no progress for S seconds (default: 10x the median "
+                                   "step once 3 steps ran, at least 60 s; 600 s before)", "0")
+      .option("backoff", "S", "seconds to wait before a restart", "5")
+      .option("mpirun", "COMMAND", "the MPI launcher with its options, split at spaces", "mpirun");
+  int split = 1;
+  while (split < argc && std::strcmp(argv[split], "--") != 0) ++split;
+  if (!a.parse(split, argv)) return 0;
+  ORIGAMI_CHECK(split + 1 < argc, "give the training after '--': origami launch --np N -- train ARGS...");
+  LaunchOptions o;
+  ORIGAMI_CHECK(a.has("np"), "give the number of ranks: --np N");
+  o.np = a.small_integer("np");
+  o.min_np = a.small_integer("min-np");
+  o.shrink = a.on("shrink");
+  o.max_restarts = a.small_integer("max-restarts");
+  o.hostfile = a.str("hostfile");
+  o.events = a.str("events");
+  o.step_timeout_s = a.number("step-timeout");
+  o.backoff_s = a.number("backoff");
+  ORIGAMI_CHECK(o.step_timeout_s >= 0 && o.backoff_s >= 0, "--step-timeout and --backoff must not be negative");
+  o.mpirun = a.str("mpirun");
+  o.train_args.assign(argv + split + 1, argv + argc);
+  ORIGAMI_CHECK(o.train_args[0] == "train", "origami launch runs train: '-- train ARGS...', not '-- ",
+                o.train_args[0], "'");
+  // The run's options as train reads them (its errors now, before any rank starts).
+  std::vector<char*> targs;
+  for (std::string& s : o.train_args) targs.push_back(s.data());
+  const auto local = make_local_comm();
+  const std::optional<TrainCommand> cmd = parse_train_options(int(targs.size()), targs.data(), *local);
+  if (!cmd) return 0;
+  return run_launch(o, cmd->cfg, cmd->options);
+}
+
+}  // namespace origami

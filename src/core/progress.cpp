@@ -1,0 +1,89 @@
+#include "core/progress.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace origami {
+
+namespace {
+
+// One rank's record, at the start of its file.
+struct Record {
+  uint64_t magic;
+  int64_t pid, step;
+  uint64_t beats;
+  char host[64];
+  char entered[96];
+};
+constexpr uint64_t kMagic = 0x6f72696761'6d6931ull;  // "origami1"
+
+Record* mine = nullptr;
+
+std::string record_path(const std::string& dir, int rank) { return dir + "/rank." + std::to_string(rank); }
+
+void copy_text(char* dst, size_t size, const std::string& s) {
+  const size_t n = std::min(size - 1, s.size());
+  std::memcpy(dst, s.data(), n);
+  dst[n] = '\0';
+}
+
+}  // namespace
+
+void progress_join(int world_rank) {
+  const char* dir = std::getenv("ORIGAMI_PROGRESS_DIR");
+  if (!dir || !*dir) return;
+  const std::string path = record_path(dir, world_rank);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ORIGAMI_CHECK(fd >= 0, "cannot write the progress record '", path, "' (", std::strerror(errno), ")");
+  const bool sized = ::ftruncate(fd, sizeof(Record)) == 0;
+  void* p = sized ? ::mmap(nullptr, sizeof(Record), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  ORIGAMI_CHECK(p != MAP_FAILED, "cannot map the progress record '", path, "' (", std::strerror(errno), ")");
+  mine = static_cast<Record*>(p);
+  mine->pid = ::getpid();
+  mine->step = 0;
+  char host[64] = {};
+  gethostname(host, sizeof host - 1);
+  copy_text(mine->host, sizeof mine->host, host);
+  copy_text(mine->entered, sizeof mine->entered, "start-up");
+  mine->beats = 1;
+  mine->magic = kMagic;
+}
+
+void progress_step_done(int64_t step) {
+  if (!mine) return;
+  mine->step = step;
+  ++mine->beats;
+}
+
+void progress_entered(const char* what, const std::string& group) {
+  if (!mine) return;
+  char text[sizeof mine->entered];
+  std::snprintf(text, sizeof text, "%s on %s", what, group.c_str());
+  std::memcpy(mine->entered, text, sizeof text);
+  ++mine->beats;
+}
+
+std::vector<RankProgress> read_progress(const std::string& dir, int world) {
+  std::vector<RankProgress> out(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const int fd = ::open(record_path(dir, r).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    Record rec{};
+    const bool whole = ::pread(fd, &rec, sizeof rec, 0) == ssize_t(sizeof rec);
+    ::close(fd);
+    if (!whole || rec.magic != kMagic) continue;
+    rec.host[sizeof rec.host - 1] = rec.entered[sizeof rec.entered - 1] = '\0';
+    out[size_t(r)] = {rec.pid, rec.step, rec.beats, rec.host, rec.entered};
+  }
+  return out;
+}
+
+}  // namespace origami

@@ -1,0 +1,32 @@
+// The progress board between the ranks of a training job and `origami launch` (train/launch.h): every
+// rank keeps a small record in DIR/rank.R — its pid and host, the steps it completed, and the
+// collective it last entered — as plain stores into a shared file mapping, so noting costs no system
+// call and the launcher reads every rank's record whenever it polls. The launcher's watchdog uses it
+// to see a job stop making progress, to name the ranks that did not arrive and what each last
+// entered, and to reach their processes.
+//
+// A rank joins when ORIGAMI_PROGRESS_DIR is set (the launcher sets it); otherwise every call here
+// does nothing. Reads can see a record half-updated: its text fields are for people, and `beats`
+// (bumped after every change) is what the watchdog compares.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace origami {
+
+// Rank side. progress_join maps this rank's record (Error naming the file when it cannot).
+void progress_join(int world_rank);
+void progress_step_done(int64_t step);
+// `what` in the group `group`, e.g. ("all_reduce", "dp"); kept until the next note.
+void progress_entered(const char* what, const std::string& group);
+
+// Launcher side: the records of ranks 0 .. world-1 in dir (a rank that has not joined: pid 0).
+struct RankProgress {
+  int64_t pid = 0, step = -1;
+  uint64_t beats = 0;
+  std::string host, entered;
+};
+std::vector<RankProgress> read_progress(const std::string& dir, int world);
+
+}  // namespace origami

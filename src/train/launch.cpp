@@ -1,0 +1,413 @@
+#include "train/launch.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/checkpoint.h"
+#include "core/error.h"
+#include "core/files.h"
+#include "core/memory.h"
+#include "core/progress.h"
+#include "train/memory_plan.h"
+#include "train/plan.h"
+
+extern char** environ;
+
+namespace origami {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// --events: one JSON object per line, flushed, each with its wall-clock time.
+class Events {
+ public:
+  explicit Events(const std::string& path) {
+    if (path.empty()) return;
+    out_ = std::make_unique<std::ofstream>(path, std::ios::app);
+    ORIGAMI_CHECK(*out_, "--events: cannot write '", path, "'");
+  }
+  void write(nlohmann::json e) {
+    if (!out_) return;
+    e["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    *out_ << e.dump() << "\n";
+    out_->flush();
+  }
+
+ private:
+  std::unique_ptr<std::ofstream> out_;
+};
+
+// The slots runs may use: the hostfile's hosts ("host slots=N", a bare host being one slot), or
+// anonymous slots on this node.
+struct Slots {
+  std::vector<std::pair<std::string, int>> hosts;  // empty: no hostfile
+  int anonymous = 0;
+  int total() const {
+    int n = anonymous;
+    for (const auto& [h, s] : hosts) n += s;
+    return n;
+  }
+};
+
+Slots read_hostfile(const std::string& path, int np) {
+  Slots s;
+  if (path.empty()) {
+    s.anonymous = np;
+    return s;
+  }
+  std::istringstream in(read_file_bytes(path));
+  for (std::string line; std::getline(in, line);) {
+    line = line.substr(0, line.find('#'));
+    std::istringstream words(line);
+    std::string host, word;
+    if (!(words >> host)) continue;
+    int slots = 1;
+    while (words >> word)
+      if (word.rfind("slots=", 0) == 0) slots = std::atoi(word.c_str() + 6);
+    ORIGAMI_CHECK(slots >= 1, "--hostfile ", path, ": host ", host, " has no slots");
+    s.hosts.emplace_back(host, slots);
+  }
+  ORIGAMI_CHECK(!s.hosts.empty(), "--hostfile ", path, " names no host");
+  return s;
+}
+
+// How one job ended.
+struct JobEnd {
+  int code = 0;           // mpirun's exit code (128 + signal when it was killed)
+  bool hung = false;      // the watchdog ended it
+  std::string why;        // in words
+  std::vector<int> failed_ranks;
+  std::vector<std::string> failed_hosts;
+  int signal = 0;         // the signal that ended a failed rank (0: it exited)
+  int64_t steps_done = 0; // the fewest steps any rank had completed
+};
+
+// The watchdog's clock: when the board last changed, and the steps' durations seen so far.
+class Watchdog {
+ public:
+  explicit Watchdog(double fixed) : fixed_(fixed), changed_(Clock::now()), step_at_(Clock::now()) {}
+  // Takes a look at the board; true when nothing changed for longer than the timeout.
+  bool stalled(const std::vector<RankProgress>& board) {
+    std::vector<uint64_t> beats;
+    int64_t fewest = -1;
+    for (const RankProgress& r : board) {
+      beats.push_back(r.beats);
+      if (r.pid > 0) fewest = fewest < 0 ? r.step : std::min(fewest, r.step);
+    }
+    if (beats != beats_) beats_ = beats, changed_ = Clock::now();
+    if (fewest > step_) {  // the job's step advanced: time it (the first one includes start-up)
+      if (step_ >= 1) step_s_.push_back(since(step_at_) / double(fewest - step_));
+      step_ = fewest, step_at_ = Clock::now();
+    }
+    return since(changed_) > timeout();
+  }
+  double timeout() const {
+    if (fixed_ > 0) return fixed_;
+    if (step_s_.size() < 3) return 600;
+    std::vector<double> s = step_s_;
+    std::nth_element(s.begin(), s.begin() + long(s.size() / 2), s.end());
+    return std::max(60.0, 10 * s[s.size() / 2]);
+  }
+
+ private:
+  double fixed_;
+  std::vector<uint64_t> beats_;
+  Clock::time_point changed_, step_at_;
+  int64_t step_ = -1;
+  std::vector<double> step_s_;
+};
+
+bool stopped(int64_t pid) {  // the process is stopped (SIGSTOP, a debugger): state T in /proc/PID/stat
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() && (text[close + 2] == 'T' || text[close + 2] == 't');
+}
+
+// The ranks of a hung job that did not arrive: those with the fewest completed steps; among them,
+// those whose last collective differs from the one a majority of ranks entered (the others wait in
+// it), or else the stopped ones.
+std::vector<int> did_not_arrive(const std::vector<RankProgress>& board) {
+  std::vector<int> behind;
+  int64_t fewest = INT64_MAX;
+  for (const RankProgress& r : board) fewest = std::min(fewest, r.step);
+  std::map<std::string, int> votes;
+  for (size_t i = 0; i < board.size(); ++i) {
+    if (board[i].step == fewest) behind.push_back(int(i));
+    ++votes[board[i].entered];
+  }
+  const auto top = std::max_element(votes.begin(), votes.end(), [](auto& a, auto& b) { return a.second < b.second; });
+  const std::string common = 2 * size_t(top->second) > board.size() ? top->first : std::string("\x01none");
+  for (auto pick : {+[](const RankProgress& r, const std::string& c) { return c != "\x01none" && r.entered != c; },
+                    +[](const RankProgress& r, const std::string&) { return r.pid > 0 && stopped(r.pid); }}) {
+    std::vector<int> some;
+    for (int r : behind)
+      if (pick(board[size_t(r)], common)) some.push_back(r);
+    if (!some.empty() && some.size() < board.size()) return some;
+  }
+  return behind;
+}
+
+// Forwards the job's output and finds Open MPI's report of a rank that died:
+// "mpirun noticed that process rank R with PID P on node H exited on signal S (...)".
+class OutputScanner {
+ public:
+  void feed(const char* data, size_t n, JobEnd& end) {
+    if (std::fwrite(data, 1, n, stdout) != n) return;
+    std::fflush(stdout);
+    pending_.append(data, n);
+    for (size_t nl; (nl = pending_.find('\n')) != std::string::npos; pending_.erase(0, nl + 1)) {
+      static const std::regex died(R"(process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+))");
+      std::smatch m;
+      const std::string line = pending_.substr(0, nl);
+      if (std::regex_search(line, m, died)) {
+        end.failed_ranks.push_back(std::stoi(m[1]));
+        end.failed_hosts.push_back(m[2]);
+        end.signal = std::stoi(m[3]);
+      }
+    }
+  }
+
+ private:
+  std::string pending_;
+};
+
+// Starts argv with its standard output and error into a pipe (returned through out_fd) and
+// ORIGAMI_PROGRESS_DIR set.
+pid_t spawn_job(const std::vector<std::string>& argv, const std::string& progress_dir, int* out_fd) {
+  int fds[2];
+  ORIGAMI_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "launch: pipe failed (", std::strerror(errno), ")");
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&files, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&files, fds[1], 2);
+  std::vector<std::string> env_text{"ORIGAMI_PROGRESS_DIR=" + progress_dir};
+  for (char** e = environ; *e; ++e)
+    if (std::strncmp(*e, "ORIGAMI_PROGRESS_DIR=", 21) != 0) env_text.emplace_back(*e);
+  std::vector<char*> args, env;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  for (const std::string& e : env_text) env.push_back(const_cast<char*>(e.c_str()));
+  args.push_back(nullptr), env.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, args[0], &files, nullptr, args.data(), env.data());
+  posix_spawn_file_actions_destroy(&files);
+  ::close(fds[1]);
+  if (rc != 0) ::close(fds[0]);
+  ORIGAMI_CHECK(rc == 0, "launch: cannot run '", argv[0], "' (", std::strerror(rc), "); give --mpirun");
+  *out_fd = fds[0];
+  return pid;
+}
+
+// Ends a hung job: every rank on the board, then mpirun.
+void kill_job(pid_t mpirun, const std::vector<RankProgress>& board) {
+  for (const RankProgress& r : board)
+    if (r.pid > 0) ::kill(pid_t(r.pid), SIGKILL);
+  ::kill(mpirun, SIGTERM);
+}
+
+std::string hang_words(const std::vector<RankProgress>& board, const std::vector<int>& ranks, double timeout) {
+  std::string s = cat("no progress for ", timeout, " s; did not arrive:");
+  for (int r : ranks)
+    s += cat(" rank ", r, " (", board[size_t(r)].host, ", pid ", board[size_t(r)].pid, ", after step ",
+             board[size_t(r)].step, ", last entered ", board[size_t(r)].entered, ")");
+  return s;
+}
+
+// Runs one job to its end, forwarding its output; the watchdog may end it.
+JobEnd run_job(const std::vector<std::string>& argv, int world, const std::string& progress_dir, double timeout_s) {
+  std::filesystem::remove_all(progress_dir);
+  std::filesystem::create_directories(progress_dir);
+  int fd = -1;
+  const pid_t pid = spawn_job(argv, progress_dir, &fd);
+  JobEnd end;
+  OutputScanner scanner;
+  Watchdog watchdog(timeout_s);
+  std::vector<RankProgress> board;
+  int status = 0;
+  for (bool open = true;;) {
+    pollfd p{fd, POLLIN, 0};
+    if (open && ::poll(&p, 1, 200) > 0) {
+      char buf[4096];
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n > 0) scanner.feed(buf, size_t(n), end);
+      else open = false;
+    } else if (!open) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    board = read_progress(progress_dir, world);
+    if (::waitpid(pid, &status, WNOHANG) == pid) break;
+    if (!end.hung && watchdog.stalled(board)) {
+      const std::vector<int> late = did_not_arrive(board);
+      end.hung = true, end.why = hang_words(board, late, watchdog.timeout()), end.failed_ranks = late;
+      for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
+      std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", end.why.c_str());
+      kill_job(pid, board);
+    }
+  }
+  for (char buf[4096]; fd >= 0;) {  // what is left in the pipe
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    scanner.feed(buf, size_t(n), end);
+  }
+  ::close(fd);
+  end.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  int64_t fewest = -1;
+  for (const RankProgress& r : board)
+    if (r.pid > 0) fewest = fewest < 0 ? r.step : std::min(fewest, r.step);
+  end.steps_done = std::max<int64_t>(0, fewest);
+  if (!end.hung && end.code != 0)
+    end.why = end.signal ? cat("rank ", end.failed_ranks.front(), " on ", end.failed_hosts.front(), " ended by signal ",
+                               end.signal, " (", strsignal(end.signal), ")")
+                         : cat("mpirun exited with ", end.code);
+  return end;
+}
+
+// mpirun with the world and, with a hostfile, the hosts left (written beside the progress board).
+std::vector<std::string> job_command(const std::vector<std::string>& mpirun, int world, const Slots& slots,
+                                     const std::string& progress) {
+  std::vector<std::string> args = mpirun;
+  args.insert(args.end(), {"-np", std::to_string(world)});
+  if (slots.hosts.empty()) return args;
+  std::string text;
+  for (const auto& [host, n] : slots.hosts) text += cat(host, " slots=", n, "\n");
+  const std::string path = progress + ".hosts";
+  write_file_atomically(path, text);
+  args.insert(args.end(), {"--hostfile", path});
+  return args;
+}
+
+// The arguments without each "--NAME VALUE" pair named.
+std::vector<std::string> without(std::vector<std::string> args, const std::vector<std::string>& names) {
+  for (const std::string& name : names)
+    for (auto it = args.begin(); it != args.end();) {
+      if (*it == name && it + 1 != args.end()) it = args.erase(it, it + 2);
+      else ++it;
+    }
+  return args;
+}
+
+std::string value_of(const std::vector<std::string>& args, const std::string& name) {
+  for (size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == name) return args[i + 1];
+  return "";
+}
+
+// The largest world in [min_np, slots] whose re-derived layout (DP from the world; the rest and the
+// global batch kept) is valid and fits this node's memory; its layout in words. Error when none.
+std::pair<int, std::string> choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots, int min_np) {
+  TrainOptions o = train;
+  o.dp = 0;
+  const int64_t available = available_memory().bytes;
+  std::string why = "no world from " + std::to_string(slots) + " down to --min-np " + std::to_string(min_np);
+  for (int w = slots; w >= min_np; --w) {
+    try {
+      const Plan plan = make_plan(cfg, o, w);
+      int64_t need = 0;
+      for (int r = 0; r < w; ++r) need += rank_memory(cfg, plan.options, w, r, 0, 0).total();
+      if (need > available) {
+        why += cat("; ", w, " ranks need ", format_bytes(double(need)), " of ", format_bytes(double(available)));
+        continue;
+      }
+      return {w, plan.mesh.describe(cfg.is_moe())};
+    } catch (const Error& e) {
+      why += cat("; ", w, " ranks: ", e.what());
+    }
+  }
+  fail("--shrink: ", why);
+}
+
+}  // namespace
+
+int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train) {
+  ORIGAMI_CHECK(!o.train_args.empty() && o.train_args[0] == "train",
+                "give the training after '--': origami launch --np N -- train ARGS...");
+  const std::string save = value_of(o.train_args, "--save");
+  ORIGAMI_CHECK(!save.empty(), "origami launch restarts from the run's checkpoints: give --save DIR to train");
+  ORIGAMI_CHECK(o.np >= 1 && o.min_np >= 1 && o.min_np <= o.np, "--np ", o.np, " and --min-np ", o.min_np,
+                ": need 1 <= --min-np <= --np");
+  ORIGAMI_CHECK(o.max_restarts >= 0, "--max-restarts must not be negative, got ", o.max_restarts);
+  // The global batch is pinned: a default one would follow DP when the world shrinks.
+  TrainOptions pinned = train;
+  pinned.global_batch = make_plan(cfg, train, o.np).options.global_batch;
+  Slots slots = read_hostfile(o.hostfile, o.np);
+  ORIGAMI_CHECK(slots.total() >= o.np, "--hostfile ", o.hostfile, " has ", slots.total(), " slots, fewer than --np ", o.np);
+  Events events(o.events);
+  std::vector<std::string> mpirun;
+  for (std::istringstream words(o.mpirun); !words.eof();)
+    if (std::string w; words >> w) mpirun.push_back(w);
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string progress = (std::filesystem::path(save) / ".launch").string();
+  int world = o.np;
+  std::string layout = make_plan(cfg, pinned, world).mesh.describe(cfg.is_moe());
+  for (int attempt = 0;; ++attempt) {
+    std::vector<std::string> args = job_command(mpirun, world, slots, progress);
+    args.push_back(self);
+    // The run's arguments; it resumes from its --save directory (the first attempt from its own
+    // --resume, if it gave one), with the pinned global batch and, once shrunk, DP re-derived.
+    const std::vector<std::string> t =
+        without(o.train_args, world != o.np ? std::vector<std::string>{"--resume", "--global-batch", "--dp"}
+                                            : std::vector<std::string>{"--resume", "--global-batch"});
+    args.insert(args.end(), t.begin(), t.end());
+    const std::string own = value_of(o.train_args, "--resume");
+    args.insert(args.end(), {"--resume", attempt == 0 && !own.empty() ? own : save, "--global-batch",
+                             std::to_string(pinned.global_batch)});
+    const auto steps = std::filesystem::exists(save) ? committed_steps(save) : std::map<int64_t, std::string>{};
+    const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
+    events.write({{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", world},
+                  {"layout", layout}, {"resumed_from", from}});
+    std::printf("origami launch: %s %d ranks (%s)%s\n", attempt == 0 ? "starting" : "restarting", world, layout.c_str(),
+                from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
+    std::fflush(stdout);
+    const JobEnd end = run_job(args, world, progress, o.step_timeout_s);
+    if (end.code == 0 && !end.hung) {
+      events.write({{"event", "finish"}, {"restarts", attempt}, {"world", world}});
+      return 0;
+    }
+    if (!end.hung && (end.code == 1 || end.code == 3 || end.code == 130)) {
+      events.write({{"event", "stop"}, {"exit_code", end.code}, {"steps_done", end.steps_done}});
+      return end.code;  // a user error, the non-finite stop, a signal: not restarted
+    }
+    nlohmann::json failure = {{"event", end.hung ? "hang" : "failure"}, {"why", end.why},
+                              {"ranks", end.failed_ranks}, {"hosts", end.failed_hosts}, {"steps_done", end.steps_done},
+                              {"exit_code", end.code}};
+    if (end.signal) failure["signal"] = end.signal;
+    events.write(failure);
+    ORIGAMI_CHECK(attempt < o.max_restarts, "the job failed ", attempt + 1, " time", attempt ? "s" : "", " (", end.why,
+                  "); --max-restarts ", o.max_restarts, " reached");
+    if (o.shrink) {
+      const int lost = std::max<int>(1, int(end.failed_ranks.size()));
+      if (slots.hosts.empty()) slots.anonymous -= lost;
+      for (const std::string& h : end.failed_hosts)
+        std::erase_if(slots.hosts, [&](const auto& e) { return e.first == h; });
+      std::tie(world, layout) = choose_world(cfg, pinned, std::min(world, slots.total()), o.min_np);
+    }
+    std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
+                 attempt + 1, o.max_restarts);
+    std::this_thread::sleep_for(std::chrono::duration<double>(o.backoff_s));
+  }
+}
+
+}  // namespace origami

@@ -1,0 +1,49 @@
+// `origami launch`: a training job that heals itself. The launcher starts `origami train` under
+// mpirun, watches it, and when the job ends abnormally — a rank killed or crashed, an MPI failure, or
+// the watchdog ending a hung job — starts it again from the latest committed checkpoint of its
+// --save directory (after a backoff, up to --max-restarts times). The global batch never changes, so
+// the resumed run continues the uninterrupted loss curve (checkpoints resume under any layout and
+// world size, and the numerics do not depend on the layout).
+//
+// Exit codes of the job that end the launch at once, with the same code: 1 (a user error: every rank
+// reported it), 3 (the non-finite stop), 130 (stopped by SIGINT/SIGTERM); 0 ends it as finished.
+//
+// --shrink: the failed ranks' slots (with a hostfile, the failed hosts) are not used again; the next
+// world is the largest one not above the slots left and not below --min-np for which the run's layout
+// with DP re-derived (TP, CP, PP, EP and the global batch kept; gradient accumulation takes up the
+// rest) is valid and fits this node's memory.
+//
+// Watchdog: the ranks keep their progress on a board the launcher reads (core/progress.h). When no
+// rank's record changes for --step-timeout seconds — by default 10× the median step once 3 steps
+// completed, at least 60 s, and 600 s before — the job is ended, naming the ranks that did not arrive
+// and the collective each last entered, and it restarts like a failed one.
+//
+// --events FILE (JSONL, appended): start, failure (rank, host, exit code or signal, steps done),
+// hang, restart (world, layout, the step resumed from), finish / stop.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "train/trainer.h"
+
+namespace origami {
+
+struct LaunchOptions {
+  int np = 0;             // ranks of the first attempt
+  int min_np = 1;         // --shrink never goes below
+  bool shrink = false;
+  int max_restarts = 3;
+  std::string hostfile;   // passed to mpirun (and shrunk by host)
+  std::string events;     // JSONL path, optional
+  double step_timeout_s = 0;  // 0: automatic (above)
+  double backoff_s = 5;   // before a restart
+  std::string mpirun = "mpirun";  // the launcher command, split at spaces (e.g. "mpirun --oversubscribe")
+  std::vector<std::string> train_args;  // "train" and its arguments
+};
+
+// Runs the job to its end; returns the launch's exit code. `cfg` and `train` are the run's model and
+// options as `origami train` reads them from train_args (for re-planning a smaller world).
+int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train);
+
+}  // namespace origami

@@ -1,0 +1,222 @@
+"""Self-healing runs (issue 32): `origami launch` restarts a failed or hung job from its checkpoints.
+
+The model: gpt2_tiny, 400 steps of global batch 8 (micro-batch 2), lr 1e-3 cosine to 1e-4 (the loss
+falls from 5.5 to 1.7), saving every 25 steps; the reference is the uninterrupted one-rank run. (At
+test_layouts.py's lr 1e-2 a tiny model's 400 steps amplify the layouts' fp32 summation orders into
+10% apart by step 135, whatever the launcher does; at 1e-3 DP4 and DP2 stay within 1.3e-7 of one
+rank over all 400 steps.) A launched run's
+metrics file holds the first attempt's steps and then, from the checkpoint it resumed, the restart's:
+the last row of each step is the step as the run's result has it.
+  - Ten 4-rank runs, each with one rank (chosen at random) killed with SIGKILL once the job passed a
+    random step: every run finishes (exit 0, one restart, a failure event naming the rank and the
+    signal); every step's loss equals the one-rank run's within 1e-5 (so no data row was skipped or
+    read twice: the windows of a step are its data).
+  - --shrink --min-np 2: 4 ranks, one killed: the restart runs on 2 (3 cannot split the global batch
+    of 8 into micro-batches of 2), the events name the new world and layout, the same curve.
+  - A rank stopped with SIGSTOP under --step-timeout 3: the watchdog ends the job within the timeout
+    (and its 0.2 s polls), the hang event names that rank and what it last entered, and the restart
+    finishes the run with the same curve.
+  - A user error (a missing dataset, found on the ranks) and the non-finite stop (a NaN gradient
+    injected at step 5) end the launch at once with exit 1 and 3: no restart, a "stop" event.
+  - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the
+    MTBF and the step time it prints, and the checkpoints are at exactly those steps.
+"""
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h  # noqa: E402
+
+STEPS, SAVE_EVERY, RTOL = 400, 25, 1e-5
+MPIRUN = "%s --oversubscribe --bind-to none" % h.MPIRUN
+FAILS = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        FAILS.append(what)
+    return ok
+
+
+def train_args(data, metrics, save):
+    return ["train", "--config", os.path.join(h.CONFIGS, "gpt2_tiny.json"), "--data", data, "--steps", str(STEPS),
+            "--seq-len", "32", "--micro-batch", "2", "--global-batch", "8", "--threads", "1", "--quiet",
+            "--lr", "1e-3", "--warmup", "3", "--min-lr", "1e-4", "--lr-schedule", "cosine", "--eps", "1e-6",
+            "--seed", "7", "--metrics", metrics, "--save", save, "--save-every", str(SAVE_EVERY)]
+
+
+def board(save, rank):
+    """(pid, steps done) of a rank's progress record, or None before it joined."""
+    try:
+        with open(os.path.join(save, ".launch", "rank.%d" % rank), "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return None
+    if len(head) < 24 or struct.unpack("<Q", head[:8])[0] != 0x6f726967616d6931:
+        return None
+    return struct.unpack("<qq", head[8:24])
+
+
+def launch(tmp, tag, data, np_, extra, hit=None, timeout=300):
+    """Starts origami launch; hit(save) is called while it runs (it injects the fault). Returns
+    (exit code, output, metrics rows by step, events)."""
+    save, metrics, events = (os.path.join(tmp, tag + s) for s in ("_ck", ".jsonl", "_events.jsonl"))
+    cmd = [h.BIN, "launch", "--np", str(np_), "--backoff", "0.2", "--events", events, "--mpirun", MPIRUN, *extra,
+           "--", *train_args(data, metrics, save)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=h.env(),
+                         stdin=subprocess.DEVNULL)
+    if hit:
+        hit(save)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        out += "\n[timed out]"
+    by_step = {r["step"]: r for r in h.read_metrics(metrics, tolerant=True)} if os.path.exists(metrics) else {}
+    evs = [json.loads(l) for l in open(events)] if os.path.exists(events) else []
+    return p.returncode, out, by_step, evs
+
+
+def wait_for_step(save, rank, step, limit=60):
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        b = board(save, rank)
+        if b and b[1] >= step:
+            return b[0]
+        time.sleep(0.0005)
+    return None
+
+
+def same_curve(ref, by_step, what):
+    bad = [s for s in range(1, STEPS + 1)
+           if s not in by_step or abs(by_step[s]["loss"] - ref[s]) > RTOL * abs(ref[s])]
+    return check(not bad, "%s: all %d steps' losses equal the uninterrupted one-rank run's within %g%s"
+                 % (what, STEPS, RTOL, " (differ at steps %s)" % bad[:5] if bad else ""))
+
+
+def kill_runs(tmp, data, ref, rng):
+    for i in range(10):
+        at, victim = rng.randrange(30, STEPS - 60), rng.randrange(4)
+
+        def hit(save):
+            pid = wait_for_step(save, 0, at)
+            if pid is not None:
+                os.kill(board(save, victim)[0], signal.SIGKILL)
+        rc, out, by_step, evs = launch(tmp, "kill%d" % i, data, 4, [], hit)
+        fails = [e for e in evs if e["event"] == "failure"]
+        ok = rc == 0 and len(fails) == 1 and fails[0]["ranks"] == [victim] and fails[0].get("signal") == 9
+        check(ok, "run %d: rank %d killed after step %d: exit %s, events %s" % (
+            i, victim, at, rc, [(e["event"], e.get("ranks"), e.get("resumed_from")) for e in evs]))
+        if not ok:
+            print(out[-1500:])
+        same_curve(ref, by_step, "run %d" % i)
+
+
+def shrink_run(tmp, data, ref):
+    def hit(save):
+        pid = wait_for_step(save, 0, 150)
+        if pid is not None:
+            os.kill(board(save, 3)[0], signal.SIGKILL)
+    rc, out, by_step, evs = launch(tmp, "shrink", data, 4, ["--shrink", "--min-np", "2"], hit)
+    restarts = [e for e in evs if e["event"] == "restart"]
+    ok = rc == 0 and len(restarts) == 1 and restarts[0]["world"] == 2 and restarts[0]["layout"] == "DP2"
+    check(ok, "--shrink: 4 ranks, one killed, restart on %s (exit %s)" % (
+        [(e["world"], e["layout"]) for e in restarts], rc))
+    if not ok:
+        print(out[-1500:])
+    same_curve(ref, by_step, "--shrink 4 -> 2")
+
+
+def hang_run(tmp, data, ref):
+    stopped_at = []
+
+    def hit(save):
+        pid = wait_for_step(save, 1, 200)
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+            stopped_at.append(time.time())
+    rc, out, by_step, evs = launch(tmp, "hang", data, 2, ["--step-timeout", "3"], hit)
+    hangs = [e for e in evs if e["event"] == "hang"]
+    waited = hangs[0]["time"] - stopped_at[0] if hangs and stopped_at else None
+    ok = rc == 0 and len(hangs) == 1 and hangs[0]["ranks"] == [1] and waited is not None and waited < 3 + 1.5
+    check(ok, "SIGSTOP of rank 1: the watchdog ended the job %s s after, naming %s: %s (exit %s)" % (
+        "%.1f" % waited if waited is not None else "?", hangs[0]["ranks"] if hangs else None,
+        hangs[0]["why"][:200] if hangs else "", rc))
+    if not ok:
+        print(out[-1500:])
+    same_curve(ref, by_step, "after the hang")
+
+
+def stop_runs(tmp, data):
+    save, metrics = os.path.join(tmp, "stop_ck"), os.path.join(tmp, "stop.jsonl")
+    args = train_args(data, metrics, save)
+    args[args.index("--data") + 1] = os.path.join(tmp, "missing")
+    events = os.path.join(tmp, "stop_events.jsonl")
+    rc, out, _ = h.run(0, ["launch", "--np", "2", "--backoff", "0.2", "--events", events, "--mpirun", MPIRUN, "--",
+                           *args])
+    evs = [json.loads(l) for l in open(events)] if os.path.exists(events) else []
+    check(rc == 1 and [e["event"] for e in evs] == ["start", "stop"] and "missing" in out,
+          "a user error on the ranks ends the launch with exit 1, no restart: %s" % [e["event"] for e in evs])
+    rc, out, _ = h.run(0, ["launch", "--np", "2", "--backoff", "0.2", "--mpirun", MPIRUN, "--",
+                           *train_args(data, os.path.join(tmp, "nan.jsonl"), os.path.join(tmp, "nan_ck"))],
+                       extra_env={"ORIGAMI_TEST_NAN_GRAD": "5:1"})
+    check(rc == 3 and "restarting" not in out, "the non-finite stop ends the launch with exit 3, no restart (exit %s)" % rc)
+    for args, words in ((["launch", "--np", "2", "--", *train_args(data, metrics, "")[:-4]], "--save DIR"),
+                        (["launch", "--", "train"], "--np N"),
+                        (["launch", "--np", "2", "--", "generate"], "runs train")):
+        ok, line, _ = h.check_error("launch: " + words, 0, args, lambda l, w=words: w in l)
+        check(ok, "launch refuses: %s" % line)
+
+
+def auto_interval(tmp, data):
+    """--save-every auto: the first save after 10 steps, then every round(sqrt(2·δ·M) / step) steps,
+    recomputed here from the figures the run prints; the checkpoints are at exactly those steps."""
+    save = os.path.join(tmp, "auto_ck")
+    args = train_args(data, os.path.join(tmp, "auto.jsonl"), save)
+    args[args.index("--save-every") + 1] = "auto"
+    rc, out, _ = h.run(0, args + ["--mtbf-hours", "0.0002"])
+    line = next((l for l in out.splitlines() if l.startswith("--save-every auto:")), "")
+    m = re.search(r"every (\d+) steps \(Young's interval sqrt\(2 x (\S+) s a save x (\S+) h MTBF\) = \S+ s, at (\S+) s", line)
+    if not check(rc == 0 and m is not None, "--save-every auto prints its interval: %r (exit %s)" % (line, rc)):
+        return
+    every, delta, mtbf, step = int(m[1]), float(m[2]), float(m[3]), float(m[4])
+    want = max(1, round(math.sqrt(2 * delta * mtbf * 3600) / step))
+    saved = sorted(int(d[5:]) for d in os.listdir(save) if d.startswith("step-"))
+    expect = sorted({10, STEPS} | set(range(every, STEPS + 1, every)))
+    check(abs(every - want) <= 1 and saved == expect, "--save-every auto: every %d steps (from the printed figures %d); "
+          "checkpoints %s" % (every, want, saved[:8]))
+
+
+def main():
+    tmp = h.tmpdir("origami_launch_")
+    try:
+        data = h.prepare_data(tmp)
+        rc, out, _ = h.run(0, train_args(data, os.path.join(tmp, "ref.jsonl"), os.path.join(tmp, "ref_ck")))
+        if not check(rc == 0, "the uninterrupted one-rank run (exit %s)" % rc):
+            print(out[-1000:])
+            return
+        ref = {r["step"]: r["loss"] for r in h.read_metrics(os.path.join(tmp, "ref.jsonl"))}
+        rng = random.Random(11)
+        kill_runs(tmp, data, ref, rng)
+        shrink_run(tmp, data, ref)
+        hang_run(tmp, data, ref)
+        stop_runs(tmp, data)
+        auto_interval(tmp, data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    h.report(FAILS, "launch restarts failed and hung jobs on the same loss curve")
+
+
+if __name__ == "__main__":
+    main()
