@@ -11,7 +11,8 @@
 namespace origami {
 
 int cmd_launch(int argc, char** argv) {
-  Args a("launch [options] -- train ARGS...",
+  Args a("launch",
+         "origami launch [options] -- train ARGS...\n\n"
          "Run `origami train ARGS` under mpirun and watch it: when a rank is killed or crashes, MPI fails or the\n"
          "job hangs, start it again from the latest checkpoint of its --save directory, with the same global\n"
          "batch (the same loss curve). A user error (exit 1), the non-finite stop (3) and a stop by signal (130)\n"

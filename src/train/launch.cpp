@@ -378,7 +378,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
     events.write({{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", world},
                   {"layout", layout}, {"resumed_from", from}});
-    std::printf("origami launch: %s %d ranks (%s)%s\n", attempt == 0 ? "starting" : "restarting", world, layout.c_str(),
+    std::printf("origami launch: %s %d ranks (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", world,
+                layout.c_str(), world != o.np ? cat(", shrunk from ", o.np).c_str() : "",
                 from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
     std::fflush(stdout);
     const JobEnd end = run_job(args, world, progress, o.step_timeout_s);
