@@ -40,6 +40,10 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 // --events: one JSON object per line, flushed, each with its wall-clock time.
 class Events {
  public:
@@ -50,7 +54,7 @@ class Events {
   }
   void write(nlohmann::json e) {
     if (!out_) return;
-    e["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    e["time"] = unix_now();
     *out_ << e.dump() << "\n";
     out_->flush();
   }
@@ -102,7 +106,9 @@ struct JobEnd {
   std::vector<std::string> failed_hosts;
   int signal = 0;         // the signal that ended a failed rank (0: it exited)
   int64_t steps_done = 0; // the fewest steps any rank had completed
+  double detected = 0;    // hung: when the watchdog saw it (Unix time)
 };
+
 
 // The watchdog's clock: when the board last changed, and the steps' durations seen so far.
 class Watchdog {
@@ -262,6 +268,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
     if (!end.hung && watchdog.stalled(board)) {
       const std::vector<int> late = did_not_arrive(board);
       end.hung = true, end.why = hang_words(board, late, watchdog.timeout()), end.failed_ranks = late;
+      end.detected = unix_now();
       for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
       std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", end.why.c_str());
       kill_job(pid, board);
@@ -315,27 +322,33 @@ std::string value_of(const std::vector<std::string>& args, const std::string& na
   return "";
 }
 
-// The largest world in [min_np, slots] whose re-derived layout (DP from the world; the rest and the
-// global batch kept) is valid and fits this node's memory; its layout in words. Error when none.
-std::pair<int, std::string> choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots, int min_np) {
-  TrainOptions o = train;
-  o.dp = 0;
+// A world a shrunk job restarts on: its size, pipeline stages and layout in words.
+struct World {
+  int size = 0, pp = 1;
+  std::string layout;
+};
+
+// The largest world in [min_np, slots] with a valid layout that fits this node's memory: DP re-derived
+// from the world, TP, CP and EP and the global batch kept (accumulation takes up the rest), and the
+// run's PP, or fewer stages (an even split, no interleaving) where the world does not divide.
+World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots, int min_np) {
   const int64_t available = available_memory().bytes;
   std::string why = "no world from " + std::to_string(slots) + " down to --min-np " + std::to_string(min_np);
-  for (int w = slots; w >= min_np; --w) {
-    try {
-      const Plan plan = make_plan(cfg, o, w);
-      int64_t need = 0;
-      for (int r = 0; r < w; ++r) need += rank_memory(cfg, plan.options, w, r, 0, 0).total();
-      if (need > available) {
-        why += cat("; ", w, " ranks need ", format_bytes(double(need)), " of ", format_bytes(double(available)));
-        continue;
+  for (int w = slots; w >= min_np; --w)
+    for (int pp = train.pp; pp >= 1; --pp) {
+      TrainOptions o = train;
+      o.dp = 0, o.pp = pp;
+      if (pp != train.pp) o.vpp = 1, o.pp_layers.clear(), o.pp_schedule.clear();
+      try {
+        const Plan plan = make_plan(cfg, o, w);
+        int64_t need = 0;
+        for (int r = 0; r < w; ++r) need += rank_memory(cfg, plan.options, w, r, 0, 0).total();
+        if (need <= available) return {w, pp, plan.mesh.describe(cfg.is_moe())};
+        why += cat("; ", w, " ranks (PP", pp, ") need ", format_bytes(double(need)), " of ", format_bytes(double(available)));
+      } catch (const Error& e) {
+        if (pp == train.pp) why += cat("; ", w, " ranks: ", e.what());
       }
-      return {w, plan.mesh.describe(cfg.is_moe())};
-    } catch (const Error& e) {
-      why += cat("; ", w, " ranks: ", e.what());
     }
-  }
   fail("--shrink: ", why);
 }
 
@@ -360,17 +373,19 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     if (std::string w; words >> w) mpirun.push_back(w);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string progress = (std::filesystem::path(save) / ".launch").string();
-  int world = o.np;
+  int world = o.np, pp = train.pp;
   std::string layout = make_plan(cfg, pinned, world).mesh.describe(cfg.is_moe());
   for (int attempt = 0;; ++attempt) {
     std::vector<std::string> args = job_command(mpirun, world, slots, progress);
     args.push_back(self);
     // The run's arguments; it resumes from its --save directory (the first attempt from its own
     // --resume, if it gave one), with the pinned global batch and, once shrunk, DP re-derived.
-    const std::vector<std::string> t =
-        without(o.train_args, world != o.np ? std::vector<std::string>{"--resume", "--global-batch", "--dp"}
-                                            : std::vector<std::string>{"--resume", "--global-batch"});
+    std::vector<std::string> drop{"--resume", "--global-batch"};
+    if (world != o.np) drop.push_back("--dp");
+    if (pp != train.pp) drop.insert(drop.end(), {"--pp", "--vpp", "--pp-layers", "--pp-schedule"});
+    const std::vector<std::string> t = without(o.train_args, drop);
     args.insert(args.end(), t.begin(), t.end());
+    if (pp != train.pp) args.insert(args.end(), {"--pp", std::to_string(pp)});
     const std::string own = value_of(o.train_args, "--resume");
     args.insert(args.end(), {"--resume", attempt == 0 && !own.empty() ? own : save, "--global-batch",
                              std::to_string(pinned.global_batch)});
@@ -395,6 +410,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                               {"ranks", end.failed_ranks}, {"hosts", end.failed_hosts}, {"steps_done", end.steps_done},
                               {"exit_code", end.code}};
     if (end.signal) failure["signal"] = end.signal;
+    if (end.hung) failure["detected"] = end.detected;  // the job's teardown comes after it
     events.write(failure);
     ORIGAMI_CHECK(attempt < o.max_restarts, "the job failed ", attempt + 1, " time", attempt ? "s" : "", " (", end.why,
                   "); --max-restarts ", o.max_restarts, " reached");
@@ -403,7 +419,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
       if (slots.hosts.empty()) slots.anonymous -= lost;
       for (const std::string& h : end.failed_hosts)
         std::erase_if(slots.hosts, [&](const auto& e) { return e.first == h; });
-      std::tie(world, layout) = choose_world(cfg, pinned, std::min(world, slots.total()), o.min_np);
+      const World next = choose_world(cfg, pinned, std::min(world, slots.total()), o.min_np);
+      world = next.size, pp = next.pp, layout = next.layout;
     }
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);

@@ -10,8 +10,9 @@
 //
 // --shrink: the failed ranks' slots (with a hostfile, the failed hosts) are not used again; the next
 // world is the largest one not above the slots left and not below --min-np for which the run's layout
-// with DP re-derived (TP, CP, PP, EP and the global batch kept; gradient accumulation takes up the
-// rest) is valid and fits this node's memory.
+// with DP re-derived — TP, CP, EP and the global batch kept, gradient accumulation taking up the rest,
+// and the run's pipeline stages or, where the world does not divide, fewer — is valid and fits this
+// node's memory.
 //
 // Watchdog: the ranks keep their progress on a board the launcher reads (core/progress.h). When no
 // rank's record changes for --step-timeout seconds — by default 10× the median step once 3 steps

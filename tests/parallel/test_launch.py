@@ -12,7 +12,8 @@ the last row of each step is the step as the run's result has it.
     signal); every step's loss equals the one-rank run's within 1e-5 (so no data row was skipped or
     read twice: the windows of a step are its data).
   - --shrink --min-np 2: 4 ranks, one killed: the restart runs on 2 (3 cannot split the global batch
-    of 8 into micro-batches of 2), the events name the new world and layout, the same curve.
+    of 8 into micro-batches of 2), the events name the new world and layout, the same curve; and from
+    PP4 (a 4-layer gpt2) on 4 ranks: no layout of 3, and 2 ranks only with PP2, which it takes.
   - A rank stopped with SIGSTOP under --step-timeout 3: the watchdog ends the job within the timeout
     (and its 0.2 s polls), the hang event names that rank and what it last entered, and the restart
     finishes the run with the same curve.
@@ -67,12 +68,15 @@ def board(save, rank):
     return struct.unpack("<qq", head[8:24])
 
 
-def launch(tmp, tag, data, np_, extra, hit=None, timeout=300):
+def launch(tmp, tag, data, np_, extra, hit=None, timeout=300, config=None, extra_train=()):
     """Starts origami launch; hit(save) is called while it runs (it injects the fault). Returns
     (exit code, output, metrics rows by step, events)."""
     save, metrics, events = (os.path.join(tmp, tag + s) for s in ("_ck", ".jsonl", "_events.jsonl"))
+    targs = train_args(data, metrics, save) + list(extra_train)
+    if config:
+        targs[targs.index("--config") + 1] = config
     cmd = [h.BIN, "launch", "--np", str(np_), "--backoff", "0.2", "--events", events, "--mpirun", MPIRUN, *extra,
-           "--", *train_args(data, metrics, save)]
+           "--", *targs]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=h.env(),
                          stdin=subprocess.DEVNULL)
     if hit:
@@ -138,6 +142,31 @@ def shrink_run(tmp, data, ref):
     same_curve(ref, by_step, "--shrink 4 -> 2")
 
 
+def shrink_pp_run(tmp, data):
+    """--shrink from PP4 (a 4-layer gpt2) on 4 ranks: 3 slots fit no layout of the global batch, so the
+    restart is PP2 on 2 ranks; the same curve as that model's one-rank run."""
+    cfg = h.load_config("gpt2_tiny")
+    cfg["n_layer"] = 4
+    path = os.path.join(tmp, "gpt2_4l.json")
+    h.write_json(path, cfg)
+    ref_args = train_args(data, os.path.join(tmp, "ref4l.jsonl"), os.path.join(tmp, "ref4l_ck"))
+    ref_args[ref_args.index("--config") + 1] = path
+    rc, _, _ = h.run(0, ref_args)
+    ref = {r["step"]: r["loss"] for r in h.read_metrics(os.path.join(tmp, "ref4l.jsonl"))} if rc == 0 else {}
+
+    def hit(save):
+        if wait_for_step(save, 0, 150) is not None:
+            os.kill(board(save, 2)[0], signal.SIGKILL)
+    rc, out, by_step, evs = launch(tmp, "shrinkpp", data, 4, ["--shrink", "--min-np", "2"], hit,
+                                   config=path, extra_train=["--pp", "4"])
+    restarts = [(e["world"], e["layout"]) for e in evs if e["event"] == "restart"]
+    ok = rc == 0 and restarts == [(2, "PP2")]
+    check(ok, "--shrink from PP4 on 4 ranks: restart on %s (exit %s)" % (restarts, rc))
+    if not ok:
+        print(out[-1500:])
+    same_curve(ref, by_step, "--shrink PP4 -> PP2")
+
+
 def hang_run(tmp, data, ref):
     stopped_at = []
 
@@ -148,7 +177,7 @@ def hang_run(tmp, data, ref):
             stopped_at.append(time.time())
     rc, out, by_step, evs = launch(tmp, "hang", data, 2, ["--step-timeout", "3"], hit)
     hangs = [e for e in evs if e["event"] == "hang"]
-    waited = hangs[0]["time"] - stopped_at[0] if hangs and stopped_at else None
+    waited = hangs[0]["detected"] - stopped_at[0] if hangs and stopped_at else None
     ok = rc == 0 and len(hangs) == 1 and hangs[0]["ranks"] == [1] and waited is not None and waited < 3 + 1.5
     check(ok, "SIGSTOP of rank 1: the watchdog ended the job %s s after, naming %s: %s (exit %s)" % (
         "%.1f" % waited if waited is not None else "?", hangs[0]["ranks"] if hangs else None,
@@ -210,6 +239,7 @@ def main():
         rng = random.Random(11)
         kill_runs(tmp, data, ref, rng)
         shrink_run(tmp, data, ref)
+        shrink_pp_run(tmp, data)
         hang_run(tmp, data, ref)
         stop_runs(tmp, data)
         auto_interval(tmp, data)
