@@ -21,6 +21,8 @@ int cmd_launch(int argc, char** argv) {
       .option("min-np", "M", "with --shrink, the fewest ranks to go on with", "1")
       .flag("shrink", "do not use a failed rank's slot (with --hostfile, its host) again: restart on the largest "
                       "world left whose layout (DP re-derived) is valid and fits")
+      .option("cluster", "FILE", "with --shrink: a cluster.json (see origami plan) whose cost model picks the fastest "
+                                 "layout of the smaller world")
       .option("max-restarts", "R", "restarts before giving up", "3")
       .option("hostfile", "FILE", "mpirun's hostfile (lines 'host slots=N')")
       .option("events", "FILE", "append one JSON object per event: start, failure, hang, restart, finish, stop")
@@ -44,6 +46,7 @@ int cmd_launch(int argc, char** argv) {
   o.backoff_s = a.number("backoff");
   ORIGAMI_CHECK(o.step_timeout_s >= 0 && o.backoff_s >= 0, "--step-timeout and --backoff must not be negative");
   o.mpirun = a.str("mpirun");
+  o.cluster = a.str("cluster");
   o.train_args.assign(argv + split + 1, argv + argc);
   ORIGAMI_CHECK(o.train_args[0] == "train", "origami launch runs train: '-- train ARGS...', not '-- ",
                 o.train_args[0], "'");

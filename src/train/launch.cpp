@@ -16,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -27,6 +28,8 @@
 #include "core/files.h"
 #include "core/memory.h"
 #include "core/progress.h"
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
 #include "train/memory_plan.h"
 #include "train/plan.h"
 
@@ -322,19 +325,23 @@ std::string value_of(const std::vector<std::string>& args, const std::string& na
   return "";
 }
 
-// A world a shrunk job restarts on: its size, pipeline stages and layout in words.
+// A world a shrunk job restarts on: its size, pipeline stages, layout in words and, with a cluster,
+// the planner's predicted step time.
 struct World {
   int size = 0, pp = 1;
   std::string layout;
+  double predicted_s = 0;
 };
 
 // The largest world in [min_np, slots] with a valid layout that fits this node's memory: DP re-derived
 // from the world, TP, CP and EP and the global batch kept (accumulation takes up the rest), and the
-// run's PP, or fewer stages (an even split, no interleaving) where the world does not divide.
-World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots, int min_np) {
+// run's PP or fewer stages (an even split, no interleaving). With a cluster description the planner's
+// cost model picks the fastest of those; without, the most stages.
+World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots, int min_np, const Cluster* cluster) {
   const int64_t available = available_memory().bytes;
   std::string why = "no world from " + std::to_string(slots) + " down to --min-np " + std::to_string(min_np);
-  for (int w = slots; w >= min_np; --w)
+  for (int w = slots; w >= min_np; --w) {
+    std::vector<World> fit;
     for (int pp = train.pp; pp >= 1; --pp) {
       TrainOptions o = train;
       o.dp = 0, o.pp = pp;
@@ -343,12 +350,19 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots,
         const Plan plan = make_plan(cfg, o, w);
         int64_t need = 0;
         for (int r = 0; r < w; ++r) need += rank_memory(cfg, plan.options, w, r, 0, 0).total();
-        if (need <= available) return {w, pp, plan.mesh.describe(cfg.is_moe())};
-        why += cat("; ", w, " ranks (PP", pp, ") need ", format_bytes(double(need)), " of ", format_bytes(double(available)));
+        if (need > available) {
+          why += cat("; ", w, " ranks (PP", pp, ") need ", format_bytes(double(need)), " of ", format_bytes(double(available)));
+          continue;
+        }
+        const double s = cluster ? CostModel(cfg, *cluster, w).predict(plan.options).step_s : 0;
+        fit.push_back({w, pp, plan.mesh.describe(cfg.is_moe()), s});
       } catch (const Error& e) {
         if (pp == train.pp) why += cat("; ", w, " ranks: ", e.what());
       }
     }
+    if (!fit.empty())
+      return *std::min_element(fit.begin(), fit.end(), [](const World& a, const World& b) { return a.predicted_s < b.predicted_s; });
+  }
   fail("--shrink: ", why);
 }
 
@@ -374,6 +388,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string progress = (std::filesystem::path(save) / ".launch").string();
   int world = o.np, pp = train.pp;
+  const std::optional<Cluster> cluster = o.cluster.empty() ? std::nullopt : std::optional<Cluster>(Cluster::load(o.cluster));
+  double predicted_s = 0;
   std::string layout = make_plan(cfg, pinned, world).mesh.describe(cfg.is_moe());
   for (int attempt = 0;; ++attempt) {
     std::vector<std::string> args = job_command(mpirun, world, slots, progress);
@@ -391,8 +407,10 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                              std::to_string(pinned.global_batch)});
     const auto steps = std::filesystem::exists(save) ? committed_steps(save) : std::map<int64_t, std::string>{};
     const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
-    events.write({{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", world},
-                  {"layout", layout}, {"resumed_from", from}});
+    nlohmann::json begin = {{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", world},
+                            {"layout", layout}, {"resumed_from", from}};
+    if (predicted_s > 0) begin["predicted_step_s"] = predicted_s;
+    events.write(begin);
     std::printf("origami launch: %s %d ranks (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", world,
                 layout.c_str(), world != o.np ? cat(", shrunk from ", o.np).c_str() : "",
                 from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
@@ -419,8 +437,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
       if (slots.hosts.empty()) slots.anonymous -= lost;
       for (const std::string& h : end.failed_hosts)
         std::erase_if(slots.hosts, [&](const auto& e) { return e.first == h; });
-      const World next = choose_world(cfg, pinned, std::min(world, slots.total()), o.min_np);
-      world = next.size, pp = next.pp, layout = next.layout;
+      const World next = choose_world(cfg, pinned, std::min(world, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
+      world = next.size, pp = next.pp, layout = next.layout, predicted_s = next.predicted_s;
     }
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);

@@ -11,8 +11,9 @@
 // --shrink: the failed ranks' slots (with a hostfile, the failed hosts) are not used again; the next
 // world is the largest one not above the slots left and not below --min-np for which the run's layout
 // with DP re-derived — TP, CP, EP and the global batch kept, gradient accumulation taking up the rest,
-// and the run's pipeline stages or, where the world does not divide, fewer — is valid and fits this
-// node's memory.
+// and the run's pipeline stages or fewer — is valid and fits this node's memory. With --cluster FILE
+// (a cluster.json, as `origami plan` reads) the planner's cost model picks the fastest of that world's
+// layouts; without, the one with the most stages.
 //
 // Watchdog: the ranks keep their progress on a board the launcher reads (core/progress.h). When no
 // rank's record changes for --step-timeout seconds — by default 10× the median step once 3 steps
@@ -40,6 +41,7 @@ struct LaunchOptions {
   double step_timeout_s = 0;  // 0: automatic (above)
   double backoff_s = 5;   // before a restart
   std::string mpirun = "mpirun";  // the launcher command, split at spaces (e.g. "mpirun --oversubscribe")
+  std::string cluster;    // --shrink: a cluster.json whose cost model picks the fastest layout of a world
   std::vector<std::string> train_args;  // "train" and its arguments
 };
 

@@ -13,7 +13,8 @@ the last row of each step is the step as the run's result has it.
     read twice: the windows of a step are its data).
   - --shrink --min-np 2: 4 ranks, one killed: the restart runs on 2 (3 cannot split the global batch
     of 8 into micro-batches of 2), the events name the new world and layout, the same curve; and from
-    PP4 (a 4-layer gpt2) on 4 ranks: no layout of 3, and 2 ranks only with PP2, which it takes.
+    PP4 (a 4-layer gpt2) on 4 ranks: no layout of 3, and of 2 ranks' layouts (PP2, DP2) the one with
+    the most stages, or with --cluster the one `origami plan` predicts faster for that cluster.
   - A rank stopped with SIGSTOP under --step-timeout 3: the watchdog ends the job within the timeout
     (and its 0.2 s polls), the hang event names that rank and what it last entered, and the restart
     finishes the run with the same curve.
@@ -165,6 +166,30 @@ def shrink_pp_run(tmp, data):
     if not ok:
         print(out[-1500:])
     same_curve(ref, by_step, "--shrink PP4 -> PP2")
+
+    # With --cluster the planner's cost model picks between 2 ranks' layouts, PP2 and DP2: the one
+    # `origami plan` predicts faster for this cluster, with its predicted step time in the event.
+    cluster = os.path.join(h.ROOT, "configs", "clusters", "cpu-2core.json")
+    rc, out, by_step, evs = launch(tmp, "shrinkplan", data, 4, ["--shrink", "--min-np", "2", "--cluster", cluster],
+                                   hit, config=path, extra_train=["--pp", "4"])
+    planned = {}
+    for name, pp in (("PP2", 2), ("DP2", 1)):
+        prc, pout, _ = h.run(0, ["plan", "--config", path, "--cluster", cluster, "--devices", "2", "--global-batch", "8",
+                                 "--seq-len", "32", "--layout", "tp1 cp1 ep1 etp1 pp%d vpp1 zero0 mb2 nosp recompute=none "
+                                 "cp-comm=p2p" % pp, "--json"])
+        try:
+            planned[name] = json.loads(pout[pout.index("["):])[0]["step_time_s"]
+        except (ValueError, KeyError, IndexError):
+            planned[name] = None
+    restart = next((e for e in evs if e["event"] == "restart"), {})
+    best = min((s, n) for n, s in planned.items() if s is not None)[1] if any(planned.values()) else None
+    got = restart.get("predicted_step_s")
+    ok = rc == 0 and restart.get("layout") == best and got is not None and abs(got - planned[best]) <= 1e-9 * planned[best]
+    check(ok, "--shrink --cluster: restart on %s, predicted %s s; origami plan predicts %s (exit %s)" % (
+        restart.get("layout"), got, planned, rc))
+    if not ok:
+        print(out[-1500:])
+    same_curve(ref, by_step, "--shrink --cluster")
 
 
 def hang_run(tmp, data, ref):
