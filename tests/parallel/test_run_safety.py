@@ -54,9 +54,11 @@ def check(ok, what):
     return ok
 
 
-def run_wrapped(tmp, label, np_, args, extra_env=None, timeout=120):
+def run_wrapped(tmp, label, np_, args, extra_env=None, timeout=120, keep_ranks=False):
     """Runs `origami ARGS` on np_ ranks (0: without mpirun), each rank under sh (and /usr/bin/time,
-    for its peak RSS). Returns (mpirun's exit code, output, {rank: exit code}, {rank: peak RSS bytes})."""
+    for its peak RSS). Returns (mpirun's exit code, output, {rank: exit code}, {rank: peak RSS bytes}).
+    keep_ranks: mpirun does not end the other ranks when one exits non-zero (each rank's own exit code
+    is then always recorded, and mpirun's own status is 0)."""
     d = os.path.join(tmp, re.sub(r"\W", "_", label))
     os.makedirs(d)
     rank = "${OMPI_COMM_WORLD_RANK:-0}"
@@ -64,7 +66,8 @@ def run_wrapped(tmp, label, np_, args, extra_env=None, timeout=120):
               % (d, rank, d, rank))
     cmd = ["sh", "-c", script, h.BIN, *args]
     if np_ > 0:
-        cmd = [h.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np_), *cmd]
+        keep = ["--mca", "orte_abort_on_non_zero_status", "0"] if keep_ranks else []
+        cmd = [h.MPIRUN, "--oversubscribe", "--bind-to", "none", *keep, "-np", str(np_), *cmd]
     e = h.env()
     e.update(extra_env or {})
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
@@ -199,11 +202,13 @@ def part_b(tmp, data):
               and re.search(r"the largest part is (%s)" % largest, errors[0]) and "TiB" in errors[0]
               and "available" in errors[0])
         check(ok, "%s refused in %.2f s (< 1 s), exit %s: %r" % (label, wall, rc, errors[:1]))
-    # The same under mpirun: one message, every rank exits 1.
-    rc, out, codes, _ = run_wrapped(tmp, "vocab 2 ranks", 2, train_args(huge_vocab, data, 3))
+    # The same under mpirun: one message, every rank exits 1 by itself. mpirun is kept from ending a rank
+    # (by default it kills the others once one exits, sometimes before their wrapper records the code),
+    # so its own status is 0 here; h.check_error's cases check it under the default.
+    rc, out, codes, _ = run_wrapped(tmp, "vocab 2 ranks", 2, train_args(huge_vocab, data, 3), keep_ranks=True)
     errors = [l for l in out.splitlines() if "error:" in l]
-    check(rc == 1 and all(c == 1 for c in codes.values()) and len(errors) == 1,
-          "vocab_size 2^24 on 2 ranks: exit %s, ranks %s, %d error line(s)" % (rc, codes, len(errors)))
+    check(len(codes) == 2 and all(c == 1 for c in codes.values()) and len(errors) == 1,
+          "vocab_size 2^24 on 2 ranks: ranks exit %s, %d error line(s)" % (codes, len(errors)))
     # A per-rank limit.
     rc, out, _, _ = run_wrapped(tmp, "limit", 0, ["train", "--config", DEMO_CONFIG, "--data", data, "--steps", "2",
                                                   "--micro-batch", "16", "--seq-len", "128", "--memory-limit-gb", "0.05"])
