@@ -19,6 +19,12 @@ std::string format_bytes(double bytes) {
   return buf;
 }
 
+std::string host_name() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  return host;
+}
+
 int64_t resident_bytes() {
   std::ifstream f("/proc/self/statm");
   int64_t size = 0, resident = 0;

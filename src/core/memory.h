@@ -26,6 +26,9 @@ void allocating(const char* purpose, int64_t bytes, Fn&& fn) {
   }
 }
 
+// This machine's host name (gethostname; "" when it has none).
+std::string host_name();
+
 // Resident set size of this process now (bytes).
 int64_t resident_bytes();
 

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace origami {
 
@@ -49,9 +50,7 @@ void progress_join(int world_rank) {
   mine = static_cast<Record*>(p);
   mine->pid = ::getpid();
   mine->step = 0;
-  char host[64] = {};
-  gethostname(host, sizeof host - 1);
-  copy_text(mine->host, sizeof mine->host, host);
+  copy_text(mine->host, sizeof mine->host, host_name());
   copy_text(mine->entered, sizeof mine->entered, "start-up");
   mine->beats = 1;
   mine->magic = kMagic;

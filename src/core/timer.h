@@ -3,6 +3,11 @@
 
 namespace origami {
 
+// Seconds since the Unix epoch (the system clock): timestamps in files other programs read.
+inline double unix_time_s() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 // Wall-clock stopwatch in milliseconds.
 class Timer {
  public:

@@ -28,9 +28,11 @@
 #include "core/files.h"
 #include "core/memory.h"
 #include "core/progress.h"
+#include "core/timer.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "train/memory_plan.h"
+#include "train/metrics.h"
 #include "train/plan.h"
 
 extern char** environ;
@@ -43,28 +45,29 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-// --events: one JSON object per line, flushed, each with its wall-clock time.
+// --events: one JSON object per line (appended, flushed), each with its wall-clock time.
 class Events {
  public:
   explicit Events(const std::string& path) {
-    if (path.empty()) return;
-    out_ = std::make_unique<std::ofstream>(path, std::ios::app);
-    ORIGAMI_CHECK(*out_, "--events: cannot write '", path, "'");
+    if (!path.empty()) file_ = MetricsFile(path, true, "--events file");
   }
   void write(nlohmann::json e) {
-    if (!out_) return;
-    e["time"] = unix_now();
-    *out_ << e.dump() << "\n";
-    out_->flush();
+    if (!file_) return;
+    e["time"] = unix_time_s();
+    file_.write(e);
   }
 
  private:
-  std::unique_ptr<std::ofstream> out_;
+  MetricsFile file_;
 };
+
+// The fewest steps any rank on the board has completed (-1: none has joined).
+int64_t fewest_steps(const std::vector<RankProgress>& board) {
+  int64_t fewest = -1;
+  for (const RankProgress& r : board)
+    if (r.pid > 0) fewest = fewest < 0 ? r.step : std::min(fewest, r.step);
+  return fewest;
+}
 
 // The slots runs may use: the hostfile's hosts ("host slots=N", a bare host being one slot), or
 // anonymous slots on this node.
@@ -120,11 +123,8 @@ class Watchdog {
   // Takes a look at the board; true when nothing changed for longer than the timeout.
   bool stalled(const std::vector<RankProgress>& board) {
     std::vector<uint64_t> beats;
-    int64_t fewest = -1;
-    for (const RankProgress& r : board) {
-      beats.push_back(r.beats);
-      if (r.pid > 0) fewest = fewest < 0 ? r.step : std::min(fewest, r.step);
-    }
+    for (const RankProgress& r : board) beats.push_back(r.beats);
+    const int64_t fewest = fewest_steps(board);
     if (beats != beats_) beats_ = beats, changed_ = Clock::now();
     if (fewest > step_) {  // the job's step advanced: time it (the first one includes start-up)
       if (step_ >= 1) step_s_.push_back(since(step_at_) / double(fewest - step_));
@@ -271,7 +271,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
     if (!end.hung && watchdog.stalled(board)) {
       const std::vector<int> late = did_not_arrive(board);
       end.hung = true, end.why = hang_words(board, late, watchdog.timeout()), end.failed_ranks = late;
-      end.detected = unix_now();
+      end.detected = unix_time_s();
       for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
       std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", end.why.c_str());
       kill_job(pid, board);
@@ -284,10 +284,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
   }
   ::close(fd);
   end.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  int64_t fewest = -1;
-  for (const RankProgress& r : board)
-    if (r.pid > 0) fewest = fewest < 0 ? r.step : std::min(fewest, r.step);
-  end.steps_done = std::max<int64_t>(0, fewest);
+  end.steps_done = std::max<int64_t>(0, fewest_steps(board));
   if (!end.hung && end.code != 0)
     end.why = end.signal ? cat("rank ", end.failed_ranks.front(), " on ", end.failed_hosts.front(), " ended by signal ",
                                end.signal, " (", strsignal(end.signal), ")")
@@ -383,8 +380,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   ORIGAMI_CHECK(slots.total() >= o.np, "--hostfile ", o.hostfile, " has ", slots.total(), " slots, fewer than --np ", o.np);
   Events events(o.events);
   std::vector<std::string> mpirun;
-  for (std::istringstream words(o.mpirun); !words.eof();)
-    if (std::string w; words >> w) mpirun.push_back(w);
+  std::istringstream words(o.mpirun);
+  for (std::string w; words >> w;) mpirun.push_back(w);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string progress = (std::filesystem::path(save) / ".launch").string();
   int world = o.np, pp = train.pp;

@@ -1,7 +1,6 @@
 #include "train/memory_check.h"
 
 #include <map>
-#include <unistd.h>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -16,8 +15,7 @@ MemoryCheck check_memory(const Plan& plan, int64_t sampler, Comm& world) {
                       [&] { mine = rank_memory(plan.model, o, world.size(), world.rank(), runtime, sampler); });
   world.barrier();  // every rank on a node holds its runtime memory before any measures what is left
   const AvailableMemory avail = available_memory();
-  char host[256] = {};
-  gethostname(host, sizeof host - 1);
+  const std::string host = host_name();
   // Per rank: the parts, a node id (a host-name hash exact in a double), available bytes, which bound.
   constexpr int K = MemoryParts::kCount + 3;
   std::vector<double> row(K), all(size_t(K) * size_t(world.size()));

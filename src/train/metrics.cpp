@@ -182,9 +182,9 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
                       {"permute_s", dt.permute_s}};
 }
 
-MetricsFile::MetricsFile(const std::string& path, bool append)
+MetricsFile::MetricsFile(const std::string& path, bool append, const char* what)
     : out_(std::make_unique<std::ofstream>(path, append ? std::ios::app : std::ios::trunc)) {
-  ORIGAMI_CHECK(*out_, "cannot write metrics file '", path, "'");
+  ORIGAMI_CHECK(*out_, "cannot write ", what, " '", path, "'");
 }
 
 void MetricsFile::write(const nlohmann::json& row) {

@@ -119,10 +119,12 @@ void add_memory_group(nlohmann::json& row, const StepReport& r);
 void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r);
 
 // The --metrics file (rank 0; appended to when a run resumes): one JSON object per line, flushed.
+// (Also origami launch's --events file; `what` names the file in the error.)
 class MetricsFile {
  public:
   MetricsFile() = default;
-  MetricsFile(const std::string& path, bool append);  // Error when it cannot be written
+  // Error when it cannot be written.
+  MetricsFile(const std::string& path, bool append, const char* what = "metrics file");
   explicit operator bool() const { return bool(out_); }
   void write(const nlohmann::json& row);
 

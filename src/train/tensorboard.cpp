@@ -1,14 +1,13 @@
 #include "train/tensorboard.h"
 
-#include <unistd.h>
-
 #include <array>
-#include <chrono>
 #include <cstring>
 #include <filesystem>
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/memory.h"
+#include "core/timer.h"
 
 namespace origami {
 
@@ -52,10 +51,6 @@ std::string event_head(double wall_time, int64_t step) {
   put_key(e, 2, 0);
   put_varint(e, uint64_t(step));
   return e;
-}
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 // DIR's newest event file (names carry the creation time, so the greatest name), "" when none.
@@ -154,13 +149,12 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t resumed_at)
   }
   const bool resumed = !path_.empty();
   if (!resumed) {
-    char host[256] = {};
-    gethostname(host, sizeof host - 1);
-    path_ = (std::filesystem::path(dir) / cat("events.out.tfevents.", int64_t(now_s()), ".", host)).string();
+    const std::string host = host_name();
+    path_ = (std::filesystem::path(dir) / cat("events.out.tfevents.", int64_t(unix_time_s()), ".", host)).string();
   }
   out_ = std::make_unique<std::ofstream>(path_, std::ios::binary | (resumed ? std::ios::app : std::ios::trunc));
   ORIGAMI_CHECK(*out_, "--tensorboard: cannot write '", path_, "'");
-  std::string first = event_head(now_s(), resumed ? resumed_at + 1 : 0);
+  std::string first = event_head(unix_time_s(), resumed ? resumed_at + 1 : 0);
   if (resumed) {
     std::string log;  // SessionLog{status: START}
     put_key(log, 1, 0);
@@ -173,7 +167,7 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t resumed_at)
 }
 
 void TensorBoardWriter::write(const nlohmann::json& row) {
-  append(scalar_event(now_s(), row.at("step").get<int64_t>(), tensorboard_scalars(row)));
+  append(scalar_event(unix_time_s(), row.at("step").get<int64_t>(), tensorboard_scalars(row)));
 }
 
 void TensorBoardWriter::append(const std::string& event) {
