@@ -46,8 +46,9 @@ struct LocalSizes {
   Size fa, fb;  // MLP buffers per token, each layer's sized for the model's widest MLP: dense layers'
                    // gpt2 pre-activation and GELU output (F, F), llama gate|up and SwiGLU output (2F, F);
                    // qwen2_moe's shared expert (2Fs, Fs); the routed experts keep their cache instead
-  int64_t fb_bytes;  // bytes of a kept fb element: the MLP's down-projection input is kept as that GEMM
-                     // reads it, bf16 in a bf16 run (the same values: no rounding is added)
+  int64_t mlp_bytes;  // bytes of a kept fa or fb element: 2 in a bf16 run, which keeps the up projection's
+                      // output rounded to bf16 (a rounding point) and the down projection's input as that
+                      // GEMM reads it (no rounding added)
   Size sh;         // shared expert: its output [C] and gate [1] per token outside TP regions (0: none)
   MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
   Size moe_rows;     // the dispatcher's most expert-side rows
@@ -57,7 +58,7 @@ struct LocalSizes {
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
         fa(std::max(c.has_dense_layers() ? (c.is_gpt2() ? 1 : 2) * c.ffn : 0, 2 * c.shared_ffn) / a.tp),
         fb(std::max(c.has_dense_layers() ? c.ffn : 0, c.shared_ffn) / a.tp),
-        fb_bytes(a.precision == Precision::bf16 ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
+        mlp_bytes(a.precision == Precision::bf16 ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
         moe{(N / a.tp).get(), C.get(), c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
             c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad},
         moe_rows(c.is_moe() ? TokenDispatcher::max_rows(moe.N, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
@@ -70,7 +71,7 @@ struct LocalSizes {
 Size layer_bytes(const ModelConfig& c, const LocalSizes& s, bool moe_layer) {
   const Size stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
   const Size cache = moe_layer ? MoeCache<float>::bytes(s.moe, s.moe_rows.get()) : 0;
-  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.N * s.fa + s.Nl * s.sh) + s.fb_bytes * s.N * s.fb + cache;
+  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.Nl * s.sh) + s.mlp_bytes * s.N * (s.fa + s.fb) + cache;
 }
 Size core_bytes(const LocalSizes& s) { return 4 * Size(s.core.core_floats()); }
 
@@ -174,7 +175,9 @@ struct Model::Slot {
   std::vector<float> qkv;    // [., N, Sl] after RoPE
   std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama and the shared expert:
                                     // gate|up, SwiGLU out (fp32 runs)
-  std::vector<bf16> mlp_b_low;      // [., N, ·] bf16 runs: the GELU / SwiGLU output as the down GEMM reads it
+  std::vector<bf16> mlp_a_low, mlp_b_low;  // [., N, ·] bf16 runs: the same, the up projection's output
+                                           // rounded (what the activation reads) and the activation's
+                                           // output as the down GEMM reads it
   std::vector<float> sh_out, sh_gate;  // [., Nl, C], [., Nl] the shared expert's output and sigmoid gate
   std::vector<MoeCache<float>> moe;  // [.] MoE layers' (unsized for dense layers)
   std::vector<float> att;    // [core, N, Hl·D] attention output
@@ -187,7 +190,7 @@ struct Model::Slot {
                           &sh_gate, &att, &lse, &qkv_h, &att_h})
       b += int64_t(v->size() * sizeof(float));
     for (const MoeCache<float>& m : moe) b += m.bytes();
-    return b + int64_t(mlp_b_low.size() * sizeof(bf16));
+    return b + int64_t((mlp_a_low.size() + mlp_b_low.size()) * sizeof(bf16));
   }
 };
 
@@ -196,7 +199,7 @@ struct Model::LayerActs {
   float *mid, *ln1, *ln2, *mean1, *rstd1, *mean2, *rstd2, *qkv, *mlp_a, *mlp_b, *sh_out, *sh_gate, *att, *lse, *qkv_h,
       *att_h;
   MoeCache<float>* moe;
-  bf16* mlp_b_low;  // bf16 runs (mlp_b is then null)
+  bf16 *mlp_a_low, *mlp_b_low;  // bf16 runs (mlp_a and mlp_b are then null)
 };
 
 // Work buffers (not kept across calls): region scratch under SP, the head, backward.
@@ -385,9 +388,10 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t 
     size(s.rstd1, layers * Nl);
     size(s.rstd2, layers * Nl);
     size(s.qkv, layers * N * S);
-    size(s.mlp_a, layers * N * ls.fa);
     const bool low = precision_ == Precision::bf16;
+    size(s.mlp_a, low ? 0 : layers * N * ls.fa);
     size(s.mlp_b, low ? 0 : layers * N * ls.fb);
+    s.mlp_a_low.assign(low ? size_t(layers * N * ls.fa) : 0, bf16{0});
     s.mlp_b_low.assign(low ? size_t(layers * N * ls.fb) : 0, bf16{0});
     size(s.sh_out, ls.sh > 0 ? layers * Nl * C : 0);
     size(s.sh_gate, ls.sh > 0 ? layers * Nl : 0);
@@ -465,7 +469,8 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
           at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(m.sh_out, j, Nl * C), at(m.sh_gate, j, Nl),
           at(k.att, jc, N * HD),
           at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_shape().Sa()),
-          at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)], at(m.mlp_b_low, j, N * fb)};
+          at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)], at(m.mlp_a_low, j, N * fa),
+          at(m.mlp_b_low, j, N * fb)};
 }
 
 namespace {
@@ -599,14 +604,18 @@ void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int
   float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);
   float* part = tp.full(y, s.full.data());
-  float* act = a.mlp_b ? a.mlp_b : s.d_mlp_b.data();  // bf16: computed in backward's scratch, kept rounded
-  if (cfg_.is_gpt2()) {
-    linear_forward(a.mlp_a, ln2, mw(o.fc_w), w(o.fc_b), N, C, F, lay);
-    gelu_forward(act, a.mlp_a, N * F);
-  } else {
-    linear_forward(a.mlp_a, ln2, mw(o.fc_w), static_cast<const float*>(nullptr), N, C, 2 * F, lay);
-    swiglu_forward(act, a.mlp_a, N, F);
+  // bf16: both computed in backward's scratch and kept rounded; the activation reads the rounded
+  // up-projection output, as its backward will.
+  float* pre = a.mlp_a ? a.mlp_a : s.d_mlp_a.data();
+  float* act = a.mlp_b ? a.mlp_b : s.d_mlp_b.data();
+  const int64_t Fa = cfg_.is_gpt2() ? F : 2 * F;
+  linear_forward(pre, ln2, mw(o.fc_w), cfg_.is_gpt2() ? w(o.fc_b) : nullptr, N, C, Fa, lay);
+  if (a.mlp_a_low) {
+    round_to_bf16(a.mlp_a_low, pre, N * Fa);
+    widen_to_float(pre, a.mlp_a_low, N * Fa);
   }
+  if (cfg_.is_gpt2()) gelu_forward(act, pre, N * F);
+  else swiglu_forward(act, pre, N, F);
   if (a.mlp_b_low) round_to_bf16(a.mlp_b_low, act, N * F);
   linear_forward(part, {act, a.mlp_b_low}, mw(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   tp.exit(y, part, B, T, C);
@@ -625,14 +634,16 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
-  if (cfg_.is_gpt2()) {
-    gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N * F);
-    linear_backward(d_full, g(o.fc_w), g(o.fc_b), s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, F, lay);
-  } else {
-    swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), a.mlp_a, N, F);
-    linear_backward(d_full, g(o.fc_w), static_cast<float*>(nullptr), s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, 2 * F,
-                    lay);
+  const int64_t Fa = cfg_.is_gpt2() ? F : 2 * F;
+  const float* pre = a.mlp_a;
+  if (a.mlp_a_low) {  // bf16: widened into the scratch its gradient then overwrites in place
+    widen_to_float(s.d_mlp_a.data(), a.mlp_a_low, N * Fa);
+    pre = s.d_mlp_a.data();
   }
+  if (cfg_.is_gpt2()) gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), pre, N * F);
+  else swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), pre, N, F);
+  linear_backward(d_full, g(o.fc_w), cfg_.is_gpt2() ? g(o.fc_b) : nullptr, s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, Fa,
+                  lay);
   tp.enter_backward(d_local, d_full, B, T, C);
 }
 

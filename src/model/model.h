@@ -65,7 +65,8 @@ const char* recompute_name(Recompute r);
 //                                                2·Nl·C (SP: sequence shards, gathered again in
 //                                                backward), norm statistics (2 or 4)·Nl,
 //                                                q|k|v N·Sl, MLP activations (dense; in bf16 the
-//                                                down projection's input as 2-byte values) or the MoE cache
+//                                                up projection's output and the down projection's
+//                                                input as 2-byte values) or the MoE cache
 //   per layer (none only)                        the attention core's: output N·Hl·D, log-sum-exp
 //                                                B·Hl·T, under CP all-to-all also the head-sharded
 //                                                q|k|v and output (CpShape::core_floats)
@@ -80,7 +81,7 @@ struct ActivationShape {
   int etp = 1, ep = 1;  // MoE mesh: the expert-side buffers are sized for the dispatcher's worst case
   int cp = 1, cp_a2a = 1;  // context parallelism: CP size and all-to-all group size
   Precision precision = Precision::fp32;  // of the layer GEMMs: bf16 adds the rounding scratch to the workspace
-                                          // and keeps the MLPs' down-projection inputs in bf16
+                                          // and keeps the dense MLPs' activations in bf16
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);
@@ -179,7 +180,8 @@ class Model {
   const ModelConfig& config() const { return cfg_; }
   // The precision of the layer GEMMs (kernels/cpu/matmul.h). bf16 makes the parameter buffers keep
   // their bf16 copies (made now from the values; Params::refresh_bf16_copy after every change) and
-  // the MLPs' down-projection inputs be kept in bf16. Between steps only (no activations kept).
+  // the dense MLPs' activations (up-projection output, down-projection input) be kept in bf16.
+  // Between steps only (no activations kept).
   void set_precision(Precision p);
   Precision precision() const { return precision_; }
   ContextParallel& context_parallel() { return cp_; }

@@ -16,10 +16,11 @@ test_layouts.py's settings but the learning rate (lr 3e-3 cosine to 3e-4, weight
   - the one-rank bf16 run differs from the one-rank fp32 run by more than 1e-4 relative at some step,
     in the loss or the gradient norm (else --precision would have been ignored, and the comparisons
     above would prove nothing about bf16).
-Activations: a bf16 run keeps each dense MLP's down-projection input (the GELU / SwiGLU output) in
-bf16, as that GEMM reads it, so the one-rank bf16 run keeps exactly 2·L·N·F bytes fewer than fp32
-(act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP width, L the dense layers; mixtral has
-none) and, under every layout, act_bytes_peak equals act_bytes_computed (the planner's formula).
+Activations: a bf16 run keeps each dense MLP's up-projection output (the GELU / SwiGLU input, F
+values a token in gpt2, gate|up 2F in llama) and its down-projection input (the GELU / SwiGLU output,
+F) in bf16, so the one-rank bf16 run keeps exactly 2·L·N·(F + F) bytes fewer than fp32 in gpt2 and
+2·L·N·(2F + F) in llama (act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP width, L the
+dense layers; mixtral has none) and, under every layout, act_bytes_peak equals act_bytes_computed (the planner's formula).
 Why lr 3e-3 and not test_layouts.py's 1e-2. A layout changes fp32 summation orders (TP's row-parallel
 partial sums, CP's merged attention blocks): ~1e-7 relative, which fp32 carries through 20 steps as
 ~1e-5 of the loss. Rounding to bf16 turns such a last-bit difference, now and then, into a whole bf16
@@ -73,16 +74,16 @@ def run(tmp, tag, cfg, data, ranks, flags):
 
 
 def dense_mlp_bytes(cfg_path):
-    """2·L·N·F: the bytes bf16 saves by keeping the dense MLPs' down-projection inputs in bf16."""
+    """The bytes bf16 saves by keeping the dense MLPs' up-projection outputs and down-projection inputs in bf16."""
     with open(cfg_path) as f:
         cfg = json.load(f)
     if cfg["model_type"] == "gpt2":
         layers, F = cfg["n_layer"], cfg.get("n_inner") or 4 * cfg["n_embd"]
-    elif cfg["model_type"] == "llama":
+        return 2 * layers * tl.MICRO * tl.SEQ * (F + F)
+    if cfg["model_type"] == "llama":
         layers, F = cfg["num_hidden_layers"], cfg["intermediate_size"]
-    else:
-        layers, F = 0, 0
-    return 2 * layers * tl.MICRO * tl.SEQ * F
+        return 2 * layers * tl.MICRO * tl.SEQ * (2 * F + F)
+    return 0
 
 
 def check_act_bytes(rows, what, failures):

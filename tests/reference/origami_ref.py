@@ -342,9 +342,11 @@ def apply_rope(x_BHTD, cos, sin):
 # --------------------------------------------------------------------------------------
 
 # "fp32": every GEMM exact in the working dtype (float64 or float32). "bf16": the linear-layer
-# GEMMs (those that go through `gemm`) round as origami's --precision bf16 does, see Bf16Matmul.
-# Everything else (embedding lookup, norms, RoPE, attention core, activations, router and
-# shared-expert gate, losses, optimizer) stays in the working dtype. Set with `gemm_precision`.
+# GEMMs (those that go through `gemm`) round as origami's --precision bf16 does, see Bf16Matmul,
+# and so does the output of a dense MLP's (and the shared expert's) up projection, which origami
+# keeps for backward in bf16 (`kept`). Everything else (embedding lookup, norms, RoPE, attention
+# core, activations, router and shared-expert gate, losses, optimizer) stays in the working dtype.
+# Set with `gemm_precision`.
 _GEMM_PRECISION = "fp32"
 
 
@@ -395,6 +397,24 @@ class Bf16Matmul(torch.autograd.Function):
         return dx, dw
 
 
+class Bf16Kept(torch.autograd.Function):
+    """bf16(x) forward, the gradient unchanged: an activation kept for backward in bf16, which the
+    math after it reads (forward and backward alike) as rounded."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return bf16_round(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+def kept(x):
+    """An MLP up projection's output as origami keeps it: rounded to bf16 in bf16 mode."""
+    return Bf16Kept.apply(x) if _GEMM_PRECISION == "bf16" else x
+
+
 def gemm(x, w):
     """x @ w for every linear layer (qkv, attention out, MLP / expert up, gate and down, LM head):
     w is [in, out] (pass W.t() for nn.Linear weights); rounds per the current gemm_precision."""
@@ -416,7 +436,7 @@ def _gpt2_forward(cfg, P, tok_BT, eod=None):
         y = causal_attention(q, k, v, doc if eod is not None else None).transpose(1, 2).reshape(B, T, C)
         x = x + gemm(y, P[p + "attn.c_proj.weight"]) + P[p + "attn.c_proj.bias"]
         h = layer_norm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
-        h = gelu_tanh(gemm(h, P[p + "mlp.c_fc.weight"]) + P[p + "mlp.c_fc.bias"])
+        h = gelu_tanh(kept(gemm(h, P[p + "mlp.c_fc.weight"]) + P[p + "mlp.c_fc.bias"]))
         x = x + gemm(h, P[p + "mlp.c_proj.weight"]) + P[p + "mlp.c_proj.bias"]
     x = layer_norm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
     head = P["wte.weight"] if tied(cfg) else P["lm_head.weight"]
@@ -445,9 +465,10 @@ def _llama_attention(cfg, P, p, h, cos, sin, doc=None):
     return gemm(y, P[p + "self_attn.o_proj.weight"].t())
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    """down(silu(x gate^T) * (x up^T)), nn.Linear weights."""
-    return gemm(silu(gemm(x, w_gate.t())) * gemm(x, w_up.t()), w_down.t())
+def swiglu(x, w_gate, w_up, w_down, keep=lambda t: t):
+    """down(silu(x gate^T) * (x up^T)), nn.Linear weights; keep: how the up projections' outputs
+    are kept (`kept` for the dense MLPs and the shared expert, not the routed experts)."""
+    return gemm(silu(keep(gemm(x, w_gate.t()))) * keep(gemm(x, w_up.t())), w_down.t())
 
 
 # --------------------------------------------------------------------------------------
@@ -562,7 +583,7 @@ def _moe(cfg, P, p, h_BTC, opts=None, bias_E=None):
         out = out.index_add(0, rows, ye * w[rows, slot][:, None])
     if not mix:
         q = q0 + "shared_expert."
-        shared = swiglu(x, P[q + "gate_proj.weight"], P[q + "up_proj.weight"], P[q + "down_proj.weight"])
+        shared = swiglu(x, P[q + "gate_proj.weight"], P[q + "up_proj.weight"], P[q + "down_proj.weight"], kept)
         out = out + torch.sigmoid(x @ P[q0 + "shared_expert_gate.weight"].t()) * shared
     r["B"], r["T"] = B, T
     return out.reshape(B, T, C), r
@@ -586,7 +607,7 @@ def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None, eod=None):
         h = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
         if l not in moe:
             x = x + swiglu(h, P[p + "mlp.gate_proj.weight"], P[p + "mlp.up_proj.weight"],
-                           P[p + "mlp.down_proj.weight"])
+                           P[p + "mlp.down_proj.weight"], kept)
         else:
             y, r = _moe(cfg, P, p, h, opts, None if router_bias is None else router_bias[l])
             r["layer"] = l

@@ -47,10 +47,11 @@ void swiglu_backward(T* dgu, const T* dh, const T* gu, int64_t N, int64_t F) {
   for (int64_t r = 0; r < N; ++r) {
     const T *g = gu + r * 2 * F, *u = g + F, *d = dh + r * F;
     T *dg = dgu + r * 2 * F, *du = dg + F;
-    for (int64_t i = 0; i < F; ++i) {
-      const T sig = T(1) / (T(1) + exp_fast(-g[i]));
-      du[i] = d[i] * g[i] * sig;
-      dg[i] = d[i] * u[i] * sig * (T(1) + g[i] * (T(1) - sig));
+    for (int64_t i = 0; i < F; ++i) {  // read before written: dgu may be gu (in place)
+      const T gi = g[i], ui = u[i], di = d[i];
+      const T sig = T(1) / (T(1) + exp_fast(-gi));
+      du[i] = di * gi * sig;
+      dg[i] = di * ui * sig * (T(1) + gi * (T(1) - sig));
     }
   }
 }
