@@ -118,7 +118,7 @@ void measure(const Shape& s, double seconds, Rates& r) {
   to_float(a32.data(), a16.data(), int64_t(a32.size()));  // fp32 GEMM on the same values
   to_float(b32.data(), b16.data(), int64_t(b32.size()));
   const double flop = 2.0 * double(s.M) * double(s.N) * double(s.K);
-  auto bf16_call = [&] { gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.f, a16.data(), ac, b16.data(), bc, s.beta, c.data(), s.N); };
+  auto bf16_call = [&] { gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.f, {a16.data(), ac}, {b16.data(), bc}, s.beta, c.data(), s.N); };
   r.fp32.push_back(best_rate(
       [&] { gemm<float>(s.ta, s.tb, s.M, s.N, s.K, 1.f, a32.data(), ac, b32.data(), bc, s.beta, c.data(), s.N); }, flop,
       seconds));

@@ -604,20 +604,12 @@ void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int
   float* ln2 = tp.full(a.ln2, s.gathered.data());
   tp.enter(ln2, a.ln2, B, T, C);
   float* part = tp.full(y, s.full.data());
-  // bf16: both computed in backward's scratch and kept rounded; the activation reads the rounded
-  // up-projection output, as its backward will.
-  float* pre = a.mlp_a ? a.mlp_a : s.d_mlp_a.data();
-  float* act = a.mlp_b ? a.mlp_b : s.d_mlp_b.data();
+  // bf16: the up projection's output comes into backward's scratch; both are kept in bf16.
+  const MlpActivations acts{a.mlp_a ? a.mlp_a : s.d_mlp_a.data(), a.mlp_b, a.mlp_a_low, a.mlp_b_low};
   const int64_t Fa = cfg_.is_gpt2() ? F : 2 * F;
-  linear_forward(pre, ln2, mw(o.fc_w), cfg_.is_gpt2() ? w(o.fc_b) : nullptr, N, C, Fa, lay);
-  if (a.mlp_a_low) {
-    round_to_bf16(a.mlp_a_low, pre, N * Fa);
-    widen_to_float(pre, a.mlp_a_low, N * Fa);
-  }
-  if (cfg_.is_gpt2()) gelu_forward(act, pre, N * F);
-  else swiglu_forward(act, pre, N, F);
-  if (a.mlp_b_low) round_to_bf16(a.mlp_b_low, act, N * F);
-  linear_forward(part, {act, a.mlp_b_low}, mw(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
+  linear_forward(acts.pre, ln2, mw(o.fc_w), cfg_.is_gpt2() ? w(o.fc_b) : nullptr, N, C, Fa, lay);
+  mlp_activation_forward(cfg_.is_gpt2(), acts, N, F);
+  linear_forward(part, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), static_cast<const float*>(nullptr), N, F, C, lay);
   tp.exit(y, part, B, T, C);
 }
 
@@ -635,13 +627,8 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
   const int64_t Fa = cfg_.is_gpt2() ? F : 2 * F;
-  const float* pre = a.mlp_a;
-  if (a.mlp_a_low) {  // bf16: widened into the scratch its gradient then overwrites in place
-    widen_to_float(s.d_mlp_a.data(), a.mlp_a_low, N * Fa);
-    pre = s.d_mlp_a.data();
-  }
-  if (cfg_.is_gpt2()) gelu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), pre, N * F);
-  else swiglu_backward(s.d_mlp_a.data(), s.d_mlp_b.data(), pre, N, F);
+  mlp_activation_backward(cfg_.is_gpt2(), s.d_mlp_a.data(), s.d_mlp_b.data(), {a.mlp_a, a.mlp_b, a.mlp_a_low, a.mlp_b_low},
+                          N, F);
   linear_backward(d_full, g(o.fc_w), cfg_.is_gpt2() ? g(o.fc_b) : nullptr, s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, Fa,
                   lay);
   tp.enter_backward(d_local, d_full, B, T, C);

@@ -157,6 +157,21 @@ TEST(Bf16Convert, EveryPathGivesTheScalarBits) {
         for (int64_t i = 0; i < n; ++i) ASSERT_EQ(o[size_t(i)].bits, want[size_t(8191 * start + i)]) << name(isa);
         ASSERT_EQ(o[size_t(n)].bits, 0xabcd) << name(isa) << " wrote past n = " << n;
       }
+    // Rounded in fp32 (the portable GEMM's operands): the same bits in the top half, zeros below,
+    // in place too, tails of every length at unaligned starts.
+    std::vector<float> f(x.size());
+    to_bf16_precision(isa, f.data(), x.data(), int64_t(x.size()));
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits_of(f[i]), uint32_t(want[i]) << 16) << name(isa) << " in fp32";
+    std::vector<float> in_place = x;
+    to_bf16_precision(isa, in_place.data(), in_place.data(), int64_t(x.size()));
+    ASSERT_EQ(0, std::memcmp(in_place.data(), f.data(), f.size() * sizeof(float))) << name(isa) << " in place";
+    for (int64_t start = 1; start < 4; ++start)
+      for (int64_t n = 0; n <= 40; ++n) {
+        std::vector<float> o(size_t(n + 1), -7.f);
+        to_bf16_precision(isa, o.data(), x.data() + 8191 * start, n);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bits_of(o[size_t(i)]), uint32_t(want[size_t(8191 * start + i)]) << 16);
+        ASSERT_EQ(o[size_t(n)], -7.f) << name(isa) << " wrote past n = " << n;
+      }
   }
 }
 
@@ -235,6 +250,7 @@ struct GemmCheck {
   size_t offset;
   float alpha = 0.75f;
   std::vector<float> a32, b32, c0;  // unrounded inputs, C before the call
+  std::vector<float> a32_at, b32_at;  // the unrounded inputs behind `offset` elements, as a16 and b16
   std::vector<bf16> a16, b16;
   std::vector<double> exact, mag16, mag32;  // α·op(Ã)op(B̃) + β·C0; the magnitudes S_bf16, S_fp32
   std::vector<float> fp32;                  // gemm<float> on the unrounded inputs
@@ -247,6 +263,9 @@ struct GemmCheck {
     c0 = random_matrix(c.M, c.N, ldc, seed + 2);
     for (float& v : c0) v = std::isnan(v) ? -7.f : v;  // C's padding: a value to find unchanged
     a16 = rounded(a32, offset), b16 = rounded(b32, offset);
+    a32_at.assign(offset, 0.f), b32_at.assign(offset, 0.f);
+    a32_at.insert(a32_at.end(), a32.begin(), a32.end());
+    b32_at.insert(b32_at.end(), b32.begin(), b32.end());
     references();
   }
 
@@ -269,13 +288,21 @@ struct GemmCheck {
     gemm<float>(c.ta, c.tb, c.M, c.N, c.K, alpha, a32.data(), lda, b32.data(), ldb, c.beta, fp32.data(), ldc);
   }
 
-  // {bound 1 ratio, bound 2 ratio}; infinity when C's padding changed, NaN when a result is NaN.
-  std::pair<double, double> run() const {
+  // gemm_bf16 on a fresh C, with the operands in bf16 or (fp32_operands) in fp32 for the call to round.
+  std::vector<float> call(bool fp32_operands) const {
     std::vector<float> C = c0;
     if (c.beta == 0)  // beta 0 ignores C: NaN there must not reach the result
       for (int64_t i = 0; i < c.M; ++i)
         for (int64_t j = 0; j < c.N; ++j) C[size_t(i * ldc + j)] = std::numeric_limits<float>::quiet_NaN();
-    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, alpha, a16.data() + offset, lda, b16.data() + offset, ldb, c.beta, C.data(), ldc);
+    const Bf16Operand A = fp32_operands ? Bf16Operand(a32_at.data() + offset, lda) : Bf16Operand(a16.data() + offset, lda);
+    const Bf16Operand B = fp32_operands ? Bf16Operand(b32_at.data() + offset, ldb) : Bf16Operand(b16.data() + offset, ldb);
+    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, alpha, A, B, c.beta, C.data(), ldc);
+    return C;
+  }
+
+  // {bound 1 ratio, bound 2 ratio} of a call's C; infinity when C's padding changed, NaN when a
+  // result is NaN.
+  std::pair<double, double> ratios(const std::vector<float>& C) const {
     const double g = gamma(c.K + 2), flushed = double(c.K + 2) * 0x1p-126, u16 = 2 * 0x1p-8 + 0x1p-16;
     double r1 = 0, r2 = 0;
     for (int64_t i = 0; i < c.M; ++i)
@@ -308,8 +335,14 @@ void check_every_path(const std::vector<Case>& cases) {
     const GemmCheck check(cases[i], 100 + uint32_t(i));
     for (int m = 0; m < 3; ++m) {
       set_bf16_gemm_mode(modes[m].first);  // also forgets the choices: the shape is timed afresh
-      const auto [r1, r2] = check.run();
+      const std::vector<float> C = check.call(false);
+      const auto [r1, r2] = check.ratios(C);
       const Bf16GemmPath path = last_bf16_gemm_path();
+      // fp32 operands, rounded by the call on the same path: the same bits (NaN where C is NaN)
+      const std::vector<float> C_fp32 = check.call(true);
+      EXPECT_EQ(last_bf16_gemm_path(), path) << name(cases[i]) << " (" << modes[m].second << ")";
+      EXPECT_EQ(0, std::memcmp(C.data(), C_fp32.data(), C.size() * sizeof(float)))
+          << name(cases[i]) << " (" << modes[m].second << "): fp32 operands rounded by the call differ from bf16 ones";
       const std::string where = cat(name(cases[i]), " (", modes[m].second, ", ", path_name(path), ")");
       EXPECT_LE(r1, 1.0) << where << ": against the bf16 inputs";
       EXPECT_LE(r2, 1.0) << where << ": against fp32";
@@ -372,7 +405,7 @@ TEST(GemmBf16, InsideParallelRegionPortableTilePerThread) {
   {
     const int t = omp_get_thread_num();
     const GemmCheck check(c, 7 + uint32_t(t));
-    std::tie(r1[size_t(t)], r2[size_t(t)]) = check.run();
+    std::tie(r1[size_t(t)], r2[size_t(t)]) = check.ratios(check.call(false));
     path[size_t(t)] = int(last_bf16_gemm_path());
   }
   for (int t = 0; t < 2; ++t) {
@@ -384,21 +417,22 @@ TEST(GemmBf16, InsideParallelRegionPortableTilePerThread) {
 TEST(GemmBf16, EmptyAndZeroK) {
   set_num_threads(2);
   std::vector<float> C = {std::numeric_limits<float>::quiet_NaN(), 2.f, -7.f, 4.f};
-  gemm_bf16(false, false, 2, 1, 0, 1.f, nullptr, 1, nullptr, 1, 0.f, C.data(), 2);  // K = 0, beta 0: zeros
+  const bf16* none = nullptr;
+  gemm_bf16(false, false, 2, 1, 0, 1.f, {none, 1}, {none, 1}, 0.f, C.data(), 2);  // K = 0, beta 0: zeros
   EXPECT_EQ(C[0], 0.f);
   EXPECT_EQ(C[2], 0.f);
   EXPECT_EQ(C[1], 2.f);  // padding
   C[0] = 3.f;
-  gemm_bf16(false, false, 2, 1, 0, 1.f, nullptr, 1, nullptr, 1, 0.5f, C.data(), 2);  // beta 0.5 scales
+  gemm_bf16(false, false, 2, 1, 0, 1.f, {none, 1}, {none, 1}, 0.5f, C.data(), 2);  // beta 0.5 scales
   EXPECT_EQ(C[0], 1.5f);
-  gemm_bf16(false, false, 0, 1, 4, 1.f, nullptr, 4, nullptr, 1, 0.f, C.data(), 1);  // M = 0: nothing
+  gemm_bf16(false, false, 0, 1, 4, 1.f, {none, 4}, {none, 1}, 0.f, C.data(), 1);  // M = 0: nothing
   EXPECT_EQ(C[0], 1.5f);
 }
 
 TEST(GemmBf16, RejectsALeadingDimensionTooSmall) {
   std::vector<bf16> A(16), B(16);
   std::vector<float> C(16);
-  EXPECT_THROW(gemm_bf16(false, false, 4, 4, 4, 1.f, A.data(), 2, B.data(), 4, 0.f, C.data(), 4), Error);
+  EXPECT_THROW(gemm_bf16(false, false, 4, 4, 4, 1.f, {A.data(), 2}, {B.data(), 4}, 0.f, C.data(), 4), Error);
 }
 
 TEST(GemmBf16, DescribesThePath) {

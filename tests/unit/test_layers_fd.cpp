@@ -367,6 +367,44 @@ TEST(ActivationFd, SwiGLU) {
   }
 }
 
+// The bf16 kernels (a bf16 run's dense MLP) give exactly the fp32 kernels' results on the rounded
+// input, keep that input rounded, and round their output: sizes across several of their blocks.
+TEST(ActivationBf16, EqualTheFp32KernelsOnTheRoundedInput) {
+  auto rounded = [](const std::vector<float>& x) {
+    std::vector<float> r(x.size());
+    for (size_t i = 0; i < x.size(); ++i) r[i] = to_float(to_bf16(x[i]));
+    return r;
+  };
+  auto low_of = [](const std::vector<float>& x) {
+    std::vector<bf16> r(x.size());
+    for (size_t i = 0; i < x.size(); ++i) r[i] = to_bf16(x[i]);
+    return r;
+  };
+  auto same = [](const char* what, const std::vector<bf16>& a, const std::vector<bf16>& b) {
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i].bits, b[i].bits) << what << "[" << i << "]";
+  };
+  Rng rng(33);
+  const int64_t n = 5000, N = 3, F = 1500;  // GELU: 3 blocks of 2048 and a part; SwiGLU: 3 rows
+  for (const bool gelu : {true, false}) {
+    const int64_t pre_n = gelu ? n : N * 2 * F, act_n = gelu ? n : N * F;
+    const std::vector<float> x = to_f(rng.vec(pre_n, -6, 6)), dy = to_f(rng.vec(act_n));
+    const std::vector<float> xr = rounded(x);
+    std::vector<float> y(act_n), dx(pre_n), dx_bf16(pre_n);
+    std::vector<bf16> x_low(pre_n), y_low(act_n);
+    if (gelu) gelu_forward(y.data(), xr.data(), n);
+    else swiglu_forward(y.data(), xr.data(), N, F);
+    std::vector<float> x_in = x;
+    mlp_activation_forward(gelu, {x_in.data(), nullptr, x_low.data(), y_low.data()}, gelu ? n : N, gelu ? 1 : F);
+    same(gelu ? "gelu x_low" : "swiglu gu_low", x_low, low_of(x));
+    same(gelu ? "gelu y_low" : "swiglu h_low", y_low, low_of(y));
+    if (gelu) gelu_backward(dx.data(), dy.data(), xr.data(), n);
+    else swiglu_backward(dx.data(), dy.data(), xr.data(), N, F);
+    mlp_activation_backward(gelu, dx_bf16.data(), dy.data(), {nullptr, nullptr, x_low.data(), y_low.data()},
+                            gelu ? n : N, gelu ? 1 : F);
+    for (int64_t i = 0; i < pre_n; ++i) ASSERT_EQ(dx_bf16[size_t(i)], dx[size_t(i)]) << (gelu ? "gelu" : "swiglu") << " dx[" << i << "]";
+  }
+}
+
 // ───────────────────────────── Embedding ─────────────────────────────
 
 class EmbeddingFd : public ::testing::TestWithParam<bool> {};

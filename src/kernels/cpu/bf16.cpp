@@ -27,6 +27,10 @@ void widen_scalar(float* out, const bf16* in, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_float(in[i]);
 }
 
+void precision_scalar(float* out, const float* in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(to_bf16(in[i]));
+}
+
 // The scalar to_bf16's arithmetic on 8 lanes; the results (< 2^16) are packed two vectors at a time.
 __attribute__((target("avx2"))) __m256i round_avx2(__m256i u) {
   const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
@@ -49,6 +53,15 @@ __attribute__((target("avx2"))) void narrow_avx2(bf16* out, const float* in, int
   narrow_scalar(out + i, in + i, n - i);
 }
 
+__attribute__((target("avx2"))) void precision_avx2(float* out, const float* in, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i r = round_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_slli_epi32(r, 16));
+  }
+  precision_scalar(out + i, in + i, n - i);
+}
+
 __attribute__((target("avx2"))) void widen_avx2(float* out, const bf16* in, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -58,18 +71,29 @@ __attribute__((target("avx2"))) void widen_avx2(float* out, const bf16* in, int6
   widen_scalar(out + i, in + i, n - i);
 }
 
+// The scalar to_bf16's arithmetic on 16 lanes: the bf16 bits in each lane's low half.
+__attribute__((target("avx512f"))) __m512i round_avx512f(__m512i u) {
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));  // NaN: the quiet bit
+  return _mm512_srli_epi32(r, 16);
+}
+
 __attribute__((target("avx512f"))) void narrow_avx512f(bf16* out, const float* in, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512i u = _mm512_loadu_si512(in + i);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));  // NaN: the quiet bit
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    const __m512i r = round_avx512f(_mm512_loadu_si512(in + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
   }
   narrow_scalar(out + i, in + i, n - i);
+}
+
+__attribute__((target("avx512f"))) void precision_avx512f(float* out, const float* in, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_si512(out + i, _mm512_slli_epi32(round_avx512f(_mm512_loadu_si512(in + i)), 16));
+  precision_scalar(out + i, in + i, n - i);
 }
 
 __attribute__((target("avx512f"))) void widen_avx512f(float* out, const bf16* in, int64_t n) {
@@ -150,7 +174,17 @@ void to_float(Bf16Isa isa, float* out, const bf16* in, int64_t n) {
   }
 }
 
+void to_bf16_precision(Bf16Isa isa, float* out, const float* in, int64_t n) {
+  switch (isa) {
+    case Bf16Isa::scalar: return precision_scalar(out, in, n);
+    case Bf16Isa::avx2: return precision_avx2(out, in, n);
+    case Bf16Isa::avx512f:
+    case Bf16Isa::avx512bf16: return precision_avx512f(out, in, n);
+  }
+}
+
 void to_bf16(bf16* out, const float* in, int64_t n) { to_bf16(best_bf16_isa(), out, in, n); }
+void to_bf16_precision(float* out, const float* in, int64_t n) { to_bf16_precision(best_bf16_isa(), out, in, n); }
 void to_float(float* out, const bf16* in, int64_t n) { to_float(best_bf16_isa(), out, in, n); }
 
 namespace {

@@ -45,18 +45,22 @@ inline float to_float(bf16 x) {
 // out[i] = to_bf16(in[i]) / to_float(in[i]) for i < n, on the widest path this CPU has.
 void to_bf16(bf16* out, const float* in, int64_t n);
 void to_float(float* out, const bf16* in, int64_t n);
+// out[i] = to_float(to_bf16(in[i])) in one pass: fp32 values rounded to bf16's precision (the portable
+// GEMM's operands, which need the bf16 values but in fp32). out may be in.
+void to_bf16_precision(float* out, const float* in, int64_t n);
 
 // The same over the threads (outside a parallel region; inside one, on the calling thread).
 void round_to_bf16(bf16* dst, const float* src, int64_t n);
 void widen_to_float(float* dst, const bf16* src, int64_t n);
 
 // The conversion paths, for tests and benchmarks: each exists where the CPU has its instructions.
-// Widening has no AVX512-BF16 instruction; that path widens with AVX-512F.
+// Widening has no AVX512-BF16 instruction; that path widens with AVX-512F (and rounds in fp32 with it).
 enum class Bf16Isa { scalar, avx2, avx512f, avx512bf16 };
 bool cpu_has(Bf16Isa isa);
 const char* name(Bf16Isa isa);
 Bf16Isa best_bf16_isa();  // the path to_bf16 / to_float above use
 void to_bf16(Bf16Isa isa, bf16* out, const float* in, int64_t n);
 void to_float(Bf16Isa isa, float* out, const bf16* in, int64_t n);
+void to_bf16_precision(Bf16Isa isa, float* out, const float* in, int64_t n);
 
 }  // namespace origami

@@ -54,15 +54,19 @@ float* scratch(int64_t floats) {
 }
 
 // Widens rows i0 .. i0+ni and columns k0 .. k0+nk of a matrix seen as [I, K] into dst, compactly and
-// in the layout the matrix is stored in: X is [I, K] with row stride ld when k_contiguous, else [K, I].
-// (A is op(A) = [M, K] stored untransposed when !ta; B is op(B)ᵀ = [N, K] stored that way when tb.)
-// Returns dst's row stride. Large blocks spread their rows over the threads.
-int64_t widen_panel(float* dst, const bf16* X, int64_t ld, bool k_contiguous, int64_t i0, int64_t ni,
-                    int64_t k0, int64_t nk) {
-  const bf16* src = k_contiguous ? X + i0 * ld + k0 : X + k0 * ld + i0;
+// in the layout the matrix is stored in: X is [I, K] with row stride X.ld when k_contiguous, else
+// [K, I]. (A is op(A) = [M, K] stored untransposed when !ta; B is op(B)ᵀ = [N, K] stored that way when
+// tb.) An fp32 operand is rounded to bf16's precision on the way. Returns dst's row stride. Large
+// blocks spread their rows over the threads.
+int64_t widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i0, int64_t ni, int64_t k0,
+                    int64_t nk) {
+  const int64_t at = k_contiguous ? i0 * X.ld + k0 : k0 * X.ld + i0;
   const int64_t rows = k_contiguous ? ni : nk, cols = k_contiguous ? nk : ni;
 #pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16) && !omp_in_parallel())
-  for (int64_t r = 0; r < rows; ++r) to_float(dst + r * cols, src + r * ld, cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (X.low) to_float(dst + r * cols, X.low + at + r * X.ld, cols);
+    else to_bf16_precision(dst + r * cols, X.values + at + r * X.ld, cols);
+  }
   return cols;
 }
 
@@ -74,7 +78,7 @@ int64_t widen_panel(float* dst, const bf16* X, int64_t ld, bool k_contiguous, in
 //    widened whole (all of K when it takes at most half the scratch) and the larger one in pieces
 //    that fill the rest, one call each.
 // Later slices accumulate into C with beta 1.
-void portable_gemm(const Shape& s, const bf16* A, const bf16* B, float* C) {
+void portable_gemm(const Shape& s, const Bf16Operand& A, const Bf16Operand& B, float* C) {
   const bool a_whole = s.M <= s.N;
   const int64_t small = a_whole ? s.M : s.N, large = a_whole ? s.N : s.M;
   const int64_t kc_both = kScratchFloats / (s.M + s.N);
@@ -88,15 +92,15 @@ void portable_gemm(const Shape& s, const bf16* A, const bf16* B, float* C) {
   for (int64_t k0 = 0; k0 < s.K; k0 += kc) {
     const int64_t kb = std::min(kc, s.K - k0);
     const float beta = k0 == 0 ? s.beta : 1.f;  // later slices add to the first one's result
-    const int64_t ld_small = a_whole ? widen_panel(small_buf, A, s.lda, !s.ta, 0, s.M, k0, kb)
-                                     : widen_panel(small_buf, B, s.ldb, s.tb, 0, s.N, k0, kb);
+    const int64_t ld_small = a_whole ? widen_panel(small_buf, A, !s.ta, 0, s.M, k0, kb)
+                                     : widen_panel(small_buf, B, s.tb, 0, s.N, k0, kb);
     for (int64_t p0 = 0; p0 < large; p0 += piece) {
       const int64_t pb = std::min(piece, large - p0);
       if (a_whole) {
-        const int64_t ldb = widen_panel(piece_buf, B, s.ldb, s.tb, p0, pb, k0, kb);
+        const int64_t ldb = widen_panel(piece_buf, B, s.tb, p0, pb, k0, kb);
         gemm<float>(s.ta, s.tb, s.M, pb, kb, s.alpha, small_buf, ld_small, piece_buf, ldb, beta, C + p0, s.ldc);
       } else {
-        const int64_t lda = widen_panel(piece_buf, A, s.lda, !s.ta, p0, pb, k0, kb);
+        const int64_t lda = widen_panel(piece_buf, A, !s.ta, p0, pb, k0, kb);
         gemm<float>(s.ta, s.tb, pb, s.N, kb, s.alpha, piece_buf, lda, small_buf, ld_small, beta, C + p0 * s.ldc, s.ldc);
       }
     }
@@ -219,7 +223,7 @@ bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
   double onednn = std::numeric_limits<double>::infinity(), portable = onednn, spent = 0;
   for (int run = 0; run < 7 && (run < 3 || spent < 0.05); ++run) {
     const double t_onednn = seconds([&] { run_onednn(*matmul, slab, A, B, C.data()); });
-    const double t_portable = seconds([&] { portable_gemm(slab, A, B, C.data()); });
+    const double t_portable = seconds([&] { portable_gemm(slab, {A, s.lda}, {B, s.ldb}, C.data()); });
     onednn = std::min(onednn, t_onednn), portable = std::min(portable, t_portable);
     spent += t_onednn + t_portable;
   }
@@ -266,14 +270,36 @@ Choices& choices() {
   return c;
 }
 
-// The shape's choice, made at its first call. Entries are never erased while GEMMs run (only
+// The shape's choice, made at its first call (A and B: its operands, for the timing), or where A is
+// null only looked up (null before the first call). Entries are never erased while GEMMs run (only
 // set_bf16_gemm_mode clears them), so the reference stays valid after the lock is released.
-const Choice& choice_for(const Shape& s, const bf16* A, const bf16* B) {
+const Choice* choice_for(const Shape& s, const bf16* A, const bf16* B) {
   Choices& c = choices();
   std::lock_guard<std::mutex> lock(c.mutex);
   auto it = c.by_shape.find(s);
-  if (it == c.by_shape.end()) it = c.by_shape.emplace(s, decide(s, A, B)).first;
-  return it->second;
+  if (it == c.by_shape.end()) {
+    if (!A) return nullptr;
+    it = c.by_shape.emplace(s, decide(s, A, B)).first;
+  }
+  return &it->second;
+}
+
+// An operand's bf16 values, rows × cols stored with row stride X.ld: its own, or its fp32 values
+// rounded compactly into this thread's scratch `slot` (0: A, 1: B), kept for the next calls. *ld: the
+// row stride of the result.
+const bf16* low_values(const Bf16Operand& X, int64_t rows, int64_t cols, int slot, int64_t* ld) {
+  *ld = X.low ? X.ld : cols;
+  if (X.low) return X.low;
+  thread_local std::vector<bf16> scratch[2];
+  std::vector<bf16>& s = scratch[slot];
+  if (s.size() < size_t(rows * cols)) s.resize(size_t(rows * cols));
+  if (X.ld == cols) {
+    round_to_bf16(s.data(), X.values, rows * cols);
+  } else {
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16) && !omp_in_parallel())
+    for (int64_t r = 0; r < rows; ++r) to_bf16(s.data() + r * cols, X.values + r * X.ld, cols);
+  }
+  return s.data();
 }
 
 thread_local Bf16GemmPath last_path = Bf16GemmPath::portable;
@@ -293,30 +319,42 @@ std::string isa_of(const std::string& impl) {
   return (isa & bf16_isa) == bf16_isa ? "AVX512-BF16" : "AVX-512";
 }
 
-// gemm_bf16 and gemm_bf16_varying: the path kept for the call's shape, or for its varying_key.
-void multiply(const Shape& s, bool varying, const bf16* A, const bf16* B, float* C) {
+// gemm_bf16 and gemm_bf16_varying: the path kept for the call's shape, or for its varying_key. The
+// shape's key has an fp32 operand's stride as oneDNN would see it, that of its compact rounded copy;
+// the portable path reads the operand where it is.
+void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B, float* C) {
   if (s.M == 0 || s.N == 0) return;
   ORIGAMI_ASSERT(s.lda >= std::max<int64_t>(1, s.ta ? s.M : s.K) && s.ldb >= std::max<int64_t>(1, s.tb ? s.K : s.N) &&
                  s.ldc >= std::max<int64_t>(1, s.N));
   last_path = Bf16GemmPath::portable;
   if (s.K == 0) return scale_c(s.M, s.N, s.beta, C, s.ldc);
   if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
-  const Choice& c = choice_for(varying ? varying_key(s) : s, A, B);
-  last_path = c.path;
-  if (c.path == Bf16GemmPath::onednn) run_onednn(*c.onednn, s, A, B, C);
-  else portable_gemm(s, A, B, C);
+  const int64_t a_rows = s.ta ? s.K : s.M, a_cols = s.ta ? s.M : s.K;  // as stored
+  const int64_t b_rows = s.tb ? s.N : s.K, b_cols = s.tb ? s.K : s.N;
+  Shape key = s;
+  key.lda = A.low ? A.ld : a_cols, key.ldb = B.low ? B.ld : b_cols;
+  if (varying) key = varying_key(key);
+  const Choice* c = choice_for(key, nullptr, nullptr);
+  if (c && c->path == Bf16GemmPath::portable) return portable_gemm(s, A, B, C);
+  Shape rounded = s;  // oneDNN's operands: bf16, an fp32 one rounded compactly
+  const bf16* a = low_values(A, a_rows, a_cols, 0, &rounded.lda);
+  const bf16* b = low_values(B, b_rows, b_cols, 1, &rounded.ldb);
+  if (!c) c = choice_for(key, a, b);
+  last_path = c->path;
+  if (c->path == Bf16GemmPath::onednn) run_onednn(*c->onednn, rounded, a, b, C);
+  else portable_gemm(rounded, {a, rounded.lda}, {b, rounded.ldb}, C);
 }
 
 }  // namespace
 
-void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
-               const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  multiply({ta, tb, M, N, K, lda, ldb, ldc, alpha, beta}, false, A, B, C);
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A, Bf16Operand B,
+               float beta, float* C, int64_t ldc) {
+  multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta}, false, A, B, C);
 }
 
-void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
-                       const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  multiply({ta, tb, M, N, K, lda, ldb, ldc, alpha, beta}, true, A, B, C);
+void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A,
+                       Bf16Operand B, float beta, float* C, int64_t ldc) {
+  multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta}, true, A, B, C);
 }
 
 void set_bf16_gemm_mode(Bf16GemmMode m) {
@@ -328,6 +366,14 @@ void set_bf16_gemm_mode(Bf16GemmMode m) {
 
 Bf16GemmMode bf16_gemm_mode() { return mode(); }
 
+bool bf16_gemm_always_portable() {
+  static const bool no_onednn = [] {  // the layer-sized shape describe_bf16_gemm asks about
+    std::string impl;
+    return !create_onednn({false, false, 512, 768, 768, 768, 768, 768, 1.f, 0.f}, &impl);
+  }();
+  return mode() == Bf16GemmMode::portable || no_onednn;
+}
+
 Bf16GemmPath last_bf16_gemm_path() { return last_path; }
 
 std::string describe_bf16_gemm() {
@@ -335,8 +381,8 @@ std::string describe_bf16_gemm() {
   constexpr int64_t M = 512, N = 768, K = 768;
   const std::vector<bf16> a(size_t(M * K), to_bf16(0.01f)), b(size_t(K * N), to_bf16(0.02f));
   std::vector<float> c(size_t(M * N));
-  gemm_bf16(false, false, M, N, K, 1.f, a.data(), K, b.data(), N, 0.f, c.data(), N);
-  const Choice& choice = choice_for({false, false, M, N, K, K, N, N, 1.f, 0.f}, a.data(), b.data());
+  gemm_bf16(false, false, M, N, K, 1.f, {a.data(), K}, {b.data(), N}, 0.f, c.data(), N);
+  const Choice& choice = *choice_for({false, false, M, N, K, K, N, N, 1.f, 0.f}, a.data(), b.data());
   if (choice.path == Bf16GemmPath::onednn) return cat("bf16 GEMM: ", isa_of(choice.onednn_impl), " (oneDNN)");
   if (choice.onednn_impl.empty()) return "bf16 GEMM: portable (no faster bf16 path on this CPU: oneDNN has no bf16 matmul here)";
   return cat("bf16 GEMM: portable (no faster bf16 path on this CPU: oneDNN's ", choice.onednn_impl, " is slower)");

@@ -1,7 +1,10 @@
 // Mixed-precision GEMM on the CPU: C = alpha·op(A)·op(B) + beta·C with A and B in bf16 and C in fp32,
 // accumulated in fp32 (the product of two bf16 values is exact in fp32). Row-major with the argument
 // order and meaning of gemm<float> (gemm.h): op(A) is [M, K], op(B) is [K, N], C is [M, N];
-// lda/ldb/ldc are row strides; beta = 0 ignores C (NaN there does not leak into the result).
+// an operand's ld and ldc are row strides; beta = 0 ignores C (NaN there does not leak into the result).
+// An operand is bf16 values, or fp32 values that the call rounds to bf16 (to_bf16) the way its path
+// reads them: oneDNN's into a per-thread bf16 scratch, the portable path while it copies its blocks
+// (one pass instead of rounding, then widening).
 //
 // Two paths:
 //   oneDNN: its matmul primitive, bf16 × bf16 -> f32, on whatever it has — AMX tiles
@@ -10,16 +13,18 @@
 //     AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, or an AVX2-only CPU) oneDNN 2.6 creates no bf16 matmul.
 //     One primitive per (transposes, sizes, strides, alpha, beta), created at its first call and
 //     kept; it runs on the OpenMP pool of our loops (oneDNN's OpenMP build).
-//   portable: op(A) and op(B) widened to fp32 block by block into a per-thread scratch buffer reused
+//   portable: op(A) and op(B) widened (an fp32 operand: rounded to bf16's precision) to fp32 block by
+//     block into a per-thread scratch buffer reused
 //     across calls (16 MiB at most), each block pair multiplied by gemm<float>. Always available. Its
 //     cost over gemm<float> on fp32 inputs is the widening pass, about F/(2W)·(1/M + 1/N) for a GEMM
 //     rate F and a widening rate W (elements/s). On an AMX host's cores (bench/README.md, "bf16
 //     GEMMs"), GPT-2's forward GEMMs at 256–2048 tokens: 0–17% on one core (median 5%); on two, the
 //     same from 1024 tokens on, but up to 33% for the 768-wide weights at 256–512. Where the fp32
 //     FMA rate is half (AVX2), about half that.
-// Choice, per shape (the key above), at its first call: where oneDNN creates a primitive, both paths
-// are timed alternately (a few runs each, on a slab of at most 4M elements of C written to a scratch
-// buffer) and oneDNN is kept unless the portable path is 20% faster (near ties, a fixed preference
+// Choice, per shape (the key above, with an fp32 operand's ld that of its compact rounded copy), at its
+// first call: where oneDNN creates a primitive, both paths are timed alternately (a few runs each, on
+// a slab of at most 4M elements of C written to a scratch buffer, on constant operands: the speed
+// does not depend on the values) and oneDNN is kept unless the portable path is 20% faster (near ties, a fixed preference
 // keeps processes from choosing differently, which would change the last bits of their sums).
 // Shapes under 2^24 multiply-adds (microseconds: timing them measures noise) take the choice timed
 // once for a GPT-2 projection at 512 tokens instead. Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
@@ -39,20 +44,34 @@
 
 namespace origami {
 
-void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
-               int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// A GEMM operand: bf16 values, or fp32 values to round (see above), with its row stride.
+struct Bf16Operand {
+  const bf16* low = nullptr;
+  const float* values = nullptr;  // where low is null
+  int64_t ld = 0;
+  Bf16Operand(const bf16* v, int64_t row_stride) : low(v), ld(row_stride) {}
+  Bf16Operand(const float* v, int64_t row_stride) : values(v), ld(row_stride) {}
+};
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A,
+               Bf16Operand B, float beta, float* C, int64_t ldc);
 
 // gemm_bf16 for M and K that vary with the data (an MoE expert's rows), which must not each cost a
 // cache entry and a timing: one oneDNN primitive per (transposes, N, strides, alpha, beta) with M
 // and K given at each call (runtime dimensions), taken where oneDNN won the layer-sized GEMM timed
 // for small shapes (below); else the portable path.
-void gemm_bf16_varying(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
-                       int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+void gemm_bf16_varying(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A,
+                       Bf16Operand B, float beta, float* C, int64_t ldc);
 
 enum class Bf16GemmMode { automatic, portable, onednn };
 // Overrides ORIGAMI_BF16_GEMM and forgets every choice made so far (tests, benchmarks).
 void set_bf16_gemm_mode(Bf16GemmMode mode);
 Bf16GemmMode bf16_gemm_mode();
+
+// Whether every bf16 GEMM takes the portable path: forced, or oneDNN has no bf16 matmul on this CPU
+// (below AVX-512). An operand that several GEMMs read is then better left in fp32 for each to round
+// while it copies its blocks than rounded once to bf16 and widened by each (matmul.h's `operand`).
+bool bf16_gemm_always_portable();
 
 enum class Bf16GemmPath { portable, onednn };
 // The path this thread's last gemm_bf16 call took (tests).

@@ -4,7 +4,7 @@
 // Precision::fp32: gemm<T> (fp64 for double: the finite-difference tests).
 // Precision::bf16 (mixed precision, float only): both operands rounded to bf16 — a weight through its
 //   bf16 copy (refreshed after each optimizer update, ParamSet's job), an activation or a gradient
-//   rounded at the call into a per-thread scratch — then gemm_bf16: products exact in fp32,
+//   rounded by gemm_bf16 the way its path reads it — products exact in fp32,
 //   accumulation in fp32, C in fp32. The rounding points are the operands of the GEMM, nothing else:
 //   a bias is added in fp32 outside, and a backward rounds dy once for both of its GEMMs (the PyTorch
 //   oracle's bf16 mode rounds at the same points, tests/reference/origami_ref.py).
@@ -70,7 +70,9 @@ void matmul(Precision p, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
             T beta, T* C, int64_t ldc, Sizes sizes = Sizes::fixed);
 
 // An operand [rows, cols] (compact) used by several GEMMs of one backward: in bf16, rounded once into
-// `buffer` (resized as needed) and carried as its copy; in fp32 (or for double), the values alone.
+// `buffer` (resized as needed) and carried as its copy — except where every bf16 GEMM is portable
+// (bf16_gemm_always_portable), which rounds it while copying its blocks: the same values, without a
+// pass through bf16 and back; in fp32 (or for double), the values alone.
 template <typename T>
 Mat<T> operand(Precision p, const T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
 

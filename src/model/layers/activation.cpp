@@ -1,58 +1,149 @@
 #include "model/layers/activation.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/fast_math.h"
 
 namespace origami {
 
 namespace {
+
 constexpr double kGeluScale = 0.7978845608028654;  // √(2/π)
+
+template <typename T>
+inline T gelu_of(T v) {
+  return T(0.5) * v * (T(1) + tanh_fast(T(kGeluScale) * (v + T(0.044715) * v * v * v)));
 }
+
+template <typename T>
+inline T gelu_slope(T v) {  // d gelu(v) / dv
+  const T t = tanh_fast(T(kGeluScale) * (v + T(0.044715) * v * v * v));
+  const T du = T(kGeluScale) * (T(1) + T(3 * 0.044715) * v * v);
+  return T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du;
+}
+
+// One row of SwiGLU: h = silu(g)·u.
+template <typename T>
+inline void swiglu_row(T* h, const T* g, const T* u, int64_t F) {
+  for (int64_t i = 0; i < F; ++i) h[i] = g[i] / (T(1) + exp_fast(-g[i])) * u[i];
+}
+
+// Its backward: dg, du from dh; reads a position's g and u before writing (dg may be g, du u).
+template <typename T>
+inline void swiglu_row_backward(T* dg, T* du, const T* d, const T* g, const T* u, int64_t F) {
+  for (int64_t i = 0; i < F; ++i) {
+    const T gi = g[i], ui = u[i], di = d[i];
+    const T sig = T(1) / (T(1) + exp_fast(-gi));
+    du[i] = di * gi * sig;
+    dg[i] = di * ui * sig * (T(1) + gi * (T(1) - sig));
+  }
+}
+
+// Elements a thread converts and computes at a time in the bf16 kernels, while they are in cache.
+constexpr int64_t kBlock = 2048;
+
+// A thread's fp32 scratch of n floats (the bf16 kernels' widened values), kept for its next calls.
+float* thread_floats(int64_t n) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < size_t(n)) buffer.resize(size_t(n));
+  return buffer.data();
+}
+
+}  // namespace
 
 template <typename T>
 void gelu_forward(T* y, const T* x, int64_t n) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T v = x[i];
-    y[i] = T(0.5) * v * (T(1) + tanh_fast(T(kGeluScale) * (v + T(0.044715) * v * v * v)));
-  }
+  for (int64_t i = 0; i < n; ++i) y[i] = gelu_of(x[i]);
 }
 
 template <typename T>
 void gelu_backward(T* dx, const T* dy, const T* x, int64_t n) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T v = x[i];
-    const T u = T(kGeluScale) * (v + T(0.044715) * v * v * v);
-    const T t = tanh_fast(u);
-    const T du = T(kGeluScale) * (T(1) + T(3 * 0.044715) * v * v);
-    dx[i] = dy[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
-  }
+  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * gelu_slope(x[i]);
 }
 
 template <typename T>
 void swiglu_forward(T* h, const T* gu, int64_t N, int64_t F) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < N; ++r) {
-    const T *g = gu + r * 2 * F, *u = g + F;
-    T* hr = h + r * F;
-    for (int64_t i = 0; i < F; ++i) hr[i] = g[i] / (T(1) + exp_fast(-g[i])) * u[i];
-  }
+  for (int64_t r = 0; r < N; ++r) swiglu_row(h + r * F, gu + r * 2 * F, gu + r * 2 * F + F, F);
 }
 
 template <typename T>
 void swiglu_backward(T* dgu, const T* dh, const T* gu, int64_t N, int64_t F) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {
-    const T *g = gu + r * 2 * F, *u = g + F, *d = dh + r * F;
-    T *dg = dgu + r * 2 * F, *du = dg + F;
-    for (int64_t i = 0; i < F; ++i) {  // read before written: dgu may be gu (in place)
-      const T gi = g[i], ui = u[i], di = d[i];
-      const T sig = T(1) / (T(1) + exp_fast(-gi));
-      du[i] = di * gi * sig;
-      dg[i] = di * ui * sig * (T(1) + gi * (T(1) - sig));
-    }
+    T* dg = dgu + r * 2 * F;
+    const T* g = gu + r * 2 * F;
+    swiglu_row_backward(dg, dg + F, dh + r * F, g, g + F, F);
+  }
+}
+
+void gelu_forward_bf16(bf16* y_low, bf16* x_low, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t k = std::min(kBlock, n - b);
+    float* v = thread_floats(kBlock);
+    to_bf16(x_low + b, x + b, k);
+    to_float(v, x_low + b, k);
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) v[i] = gelu_of(v[i]);
+    to_bf16(y_low + b, v, k);
+  }
+}
+
+void gelu_backward_bf16(float* dx, const float* dy, const bf16* x_low, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t k = std::min(kBlock, n - b);
+    float* v = thread_floats(kBlock);
+    to_float(v, x_low + b, k);
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) dx[b + i] = dy[b + i] * gelu_slope(v[i]);
+  }
+}
+
+void swiglu_forward_bf16(bf16* h_low, bf16* gu_low, const float* gu, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < N; ++r) {
+    float* v = thread_floats(3 * F);  // the rounded gate|up, then h
+    to_bf16(gu_low + r * 2 * F, gu + r * 2 * F, 2 * F);
+    to_float(v, gu_low + r * 2 * F, 2 * F);
+    swiglu_row(v + 2 * F, v, v + F, F);
+    to_bf16(h_low + r * F, v + 2 * F, F);
+  }
+}
+
+void swiglu_backward_bf16(float* dgu, const float* dh, const bf16* gu_low, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < N; ++r) {
+    float* v = thread_floats(2 * F);
+    to_float(v, gu_low + r * 2 * F, 2 * F);
+    float* dg = dgu + r * 2 * F;
+    swiglu_row_backward(dg, dg + F, dh + r * F, v, v + F, F);
+  }
+}
+
+void mlp_activation_forward(bool gelu, const MlpActivations& a, int64_t N, int64_t F) {
+  if (a.pre_low) {
+    if (gelu) gelu_forward_bf16(a.act_low, a.pre_low, a.pre, N * F);
+    else swiglu_forward_bf16(a.act_low, a.pre_low, a.pre, N, F);
+  } else {
+    if (gelu) gelu_forward(a.act, a.pre, N * F);
+    else swiglu_forward(a.act, a.pre, N, F);
+  }
+}
+
+void mlp_activation_backward(bool gelu, float* d_pre, const float* d_act, const MlpActivations& a, int64_t N,
+                             int64_t F) {
+  if (a.pre_low) {
+    if (gelu) gelu_backward_bf16(d_pre, d_act, a.pre_low, N * F);
+    else swiglu_backward_bf16(d_pre, d_act, a.pre_low, N, F);
+  } else {
+    if (gelu) gelu_backward(d_pre, d_act, a.pre, N * F);
+    else swiglu_backward(d_pre, d_act, a.pre, N, F);
   }
 }
 

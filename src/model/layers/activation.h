@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/cpu/bf16.h"
+
 namespace origami {
 
 template <typename T>
@@ -16,5 +18,29 @@ template <typename T>
 void swiglu_forward(T* h_NF, const T* gu_NF2, int64_t N, int64_t F);
 template <typename T>
 void swiglu_backward(T* dgu_NF2, const T* dh_NF, const T* gu_NF2, int64_t N, int64_t F);
+
+// bf16 runs, which keep both in bf16: forward rounds the activation's input x (the up projection's
+// output) into x_low, computes the activation in fp32 from the rounded values and rounds its output
+// into y_low, a block at a time while the values are in cache; backward reads x_low. The results are
+// those of the fp32 kernels on the rounded values.
+void gelu_forward_bf16(bf16* y_low, bf16* x_low, const float* x, int64_t n);
+void gelu_backward_bf16(float* dx, const float* dy, const bf16* x_low, int64_t n);
+void swiglu_forward_bf16(bf16* h_low_NF, bf16* gu_low_NF2, const float* gu_NF2, int64_t N, int64_t F);
+void swiglu_backward_bf16(float* dgu_NF2, const float* dh_NF, const bf16* gu_low_NF2, int64_t N, int64_t F);
+
+// A dense MLP's activation as a layer keeps it: fp32 runs keep the up projection's output `pre`
+// [N, F] (gelu) or [N, 2F] (swiglu) and the activation's output `act` [N, F]; bf16 runs keep both in
+// bf16 (pre_low, act_low; `pre` then only brings the up projection's output in, and act is unused).
+// The precision is chosen here, by which buffers the layer has.
+struct MlpActivations {
+  float* pre = nullptr;
+  float* act = nullptr;
+  bf16* pre_low = nullptr;
+  bf16* act_low = nullptr;
+};
+void mlp_activation_forward(bool gelu, const MlpActivations& a, int64_t N, int64_t F);
+// d_pre ← d_act · activation'(pre) (overwritten).
+void mlp_activation_backward(bool gelu, float* d_pre, const float* d_act, const MlpActivations& a, int64_t N,
+                             int64_t F);
 
 }  // namespace origami
