@@ -22,6 +22,8 @@ the last row of each step is the step as the run's result has it.
     finishes the run with the same curve.
   - A user error (a missing dataset, found on the ranks) and the non-finite stop (a NaN gradient
     injected at step 5) end the launch at once with exit 1 and 3: no restart, a "stop" event.
+  - --max-restarts 0 and a killed rank: the launch ends with exit 1 and says the limit was reached,
+    after one failure event and no restart.
   - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the
     MTBF and the step time it prints, and the checkpoints are at exactly those steps.
 """
@@ -243,6 +245,16 @@ def stop_runs(tmp, data):
         check(ok, "launch refuses: %s" % line)
 
 
+def restarts_exhausted(tmp, data):
+    def hit(save):
+        if wait_for_step(save, 0, 30) is not None:
+            os.kill(board(save, 1)[0], signal.SIGKILL)
+    rc, out, _, evs = launch(tmp, "exhausted", data, 2, ["--max-restarts", "0"], hit)
+    names = [e["event"] for e in evs]
+    check(rc == 1 and "--max-restarts 0 reached" in out and names == ["start", "failure"],
+          "--max-restarts 0: a killed rank ends the launch (exit %s, events %s)" % (rc, names))
+
+
 def auto_interval(tmp, data):
     """--save-every auto: the first save after 10 steps, then every round(sqrt(2·δ·M) / step) steps,
     recomputed here from the figures the run prints; the checkpoints are at exactly those steps."""
@@ -277,6 +289,7 @@ def main():
         shrink_pp_run(tmp, data)
         hang_run(tmp, data, ref)
         stop_runs(tmp, data)
+        restarts_exhausted(tmp, data)
         auto_interval(tmp, data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
