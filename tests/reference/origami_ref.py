@@ -384,6 +384,10 @@ class Bf16Matmul(torch.autograd.Function):
     def forward(ctx, x, w):
         xb, wb = bf16_round(x), bf16_round(w)
         ctx.save_for_backward(xb, wb)
+        # As torch's own mm backward: a column-major w (a transposed nn.Linear weight) gets dw as
+        # (gᵀ x)ᵀ, so with the rounding off this mode repeats autograd's sums exactly, whichever
+        # summation order the BLAS gives each form.
+        ctx.w_column_major = w.dim() == 2 and w.stride(0) == 1 and w.size(0) > 1
         return xb @ wb
 
     @staticmethod
@@ -393,7 +397,8 @@ class Bf16Matmul(torch.autograd.Function):
         dx = g @ wb.t() if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:   # sum over every leading (batch) dimension of x
-            dw = xb.reshape(-1, xb.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
+            x2, g2 = xb.reshape(-1, xb.shape[-1]), g.reshape(-1, g.shape[-1])
+            dw = (g2.t() @ x2).t() if ctx.w_column_major else x2.t() @ g2
         return dx, dw
 
 

@@ -1,7 +1,7 @@
 // Pointwise MLP activations.
 // GELU (tanh approximation, HF "gelu_new"): y = ½x(1 + tanh(√(2/π)(x + 0.044715x³))).
 // SwiGLU: gu_NF2 holds per row [gate(F) | up(F)]; h_NF = silu(gate)·up.
-// Backward overwrites dx / dgu, which may be the input x / gu itself (in place).
+// Backward overwrites dx / dgu.
 #pragma once
 #include <cstdint>
 
