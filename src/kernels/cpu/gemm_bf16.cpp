@@ -234,11 +234,19 @@ bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
 // shapes follow the choice made once for a GPT-2 projection at 512 tokens (512×768×768).
 constexpr int64_t kTimedWork = int64_t(1) << 24;
 
+// That layer-sized GEMM, compact operands; also the shape the startup line describes.
+constexpr Shape kLayerGemm{false, false, 512, 768, 768, 768, 768, 768, 1.f, 0.f};
+
+// Constant operands of kLayerGemm (the speed does not depend on the values).
+struct LayerGemmOperands {
+  std::vector<bf16> a = std::vector<bf16>(size_t(kLayerGemm.M * kLayerGemm.K), to_bf16(0.01f));
+  std::vector<bf16> b = std::vector<bf16>(size_t(kLayerGemm.K * kLayerGemm.N), to_bf16(0.02f));
+};
+
 bool onednn_is_faster_on_a_layer_gemm() {
   static const bool faster = [] {
-    constexpr int64_t M = 512, N = 768, K = 768;
-    const std::vector<bf16> a(size_t(M * K), to_bf16(0.01f)), b(size_t(K * N), to_bf16(0.02f));
-    return onednn_is_faster({false, false, M, N, K, K, N, N, 1.f, 0.f}, a.data(), b.data());
+    const LayerGemmOperands ops;
+    return onednn_is_faster(kLayerGemm, ops.a.data(), ops.b.data());
   }();
   return faster;
 }
@@ -367,9 +375,9 @@ void set_bf16_gemm_mode(Bf16GemmMode m) {
 Bf16GemmMode bf16_gemm_mode() { return mode(); }
 
 bool bf16_gemm_always_portable() {
-  static const bool no_onednn = [] {  // the layer-sized shape describe_bf16_gemm asks about
+  static const bool no_onednn = [] {
     std::string impl;
-    return !create_onednn({false, false, 512, 768, 768, 768, 768, 768, 1.f, 0.f}, &impl);
+    return !create_onednn(kLayerGemm, &impl);
   }();
   return mode() == Bf16GemmMode::portable || no_onednn;
 }
@@ -378,11 +386,11 @@ Bf16GemmPath last_bf16_gemm_path() { return last_path; }
 
 std::string describe_bf16_gemm() {
   if (mode() == Bf16GemmMode::portable) return "bf16 GEMM: portable (forced by ORIGAMI_BF16_GEMM=portable)";
-  constexpr int64_t M = 512, N = 768, K = 768;
-  const std::vector<bf16> a(size_t(M * K), to_bf16(0.01f)), b(size_t(K * N), to_bf16(0.02f));
-  std::vector<float> c(size_t(M * N));
-  gemm_bf16(false, false, M, N, K, 1.f, {a.data(), K}, {b.data(), N}, 0.f, c.data(), N);
-  const Choice& choice = *choice_for({false, false, M, N, K, K, N, N, 1.f, 0.f}, a.data(), b.data());
+  const Shape& s = kLayerGemm;
+  const LayerGemmOperands ops;
+  std::vector<float> c(size_t(s.M * s.N));
+  gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, s.alpha, {ops.a.data(), s.lda}, {ops.b.data(), s.ldb}, s.beta, c.data(), s.ldc);
+  const Choice& choice = *choice_for(s, ops.a.data(), ops.b.data());
   if (choice.path == Bf16GemmPath::onednn) return cat("bf16 GEMM: ", isa_of(choice.onednn_impl), " (oneDNN)");
   if (choice.onednn_impl.empty()) return "bf16 GEMM: portable (no faster bf16 path on this CPU: oneDNN has no bf16 matmul here)";
   return cat("bf16 GEMM: portable (no faster bf16 path on this CPU: oneDNN's ", choice.onednn_impl, " is slower)");
