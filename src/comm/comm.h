@@ -75,7 +75,8 @@ class Comm {
 
   // In place: buf[count] becomes the reduction over all ranks.
   virtual Request iall_reduce(void* buf, int64_t count, DType t, ReduceOp op) = 0;
-  // in[n·count] (rank-major blocks) → out[count] = reduction of every rank's block `rank()`.
+  // in[n·count] (rank-major blocks) → out[count] = reduction of every rank's block `rank()`; in place
+  // when out == in: the result lands in the buffer's first `count` elements (MPI_IN_PLACE's rule).
   virtual Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) = 0;
   // in[count] → out[n·count], rank r's block at r·count (in place when in == out + rank()·count).
   virtual Request iall_gather(void* out, const void* in, int64_t count, DType t) = 0;

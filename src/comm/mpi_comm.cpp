@@ -112,7 +112,8 @@ class MpiComm final : public Comm {
     progress_entered("reduce_scatter", name());
     count_scatter_gather(count, t);
     return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Ireduce_scatter_block(in, out, mpi_count(count), mpi_type(t), mpi_op(op, t), comm_, r));
+      CHECK_MPI(MPI_Ireduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, mpi_count(count), mpi_type(t),
+                                          mpi_op(op, t), comm_, r));
     });
   }
   Request iall_gather(void* out, const void* in, int64_t count, DType t) override {

@@ -4,7 +4,9 @@
 #include <fstream>
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <sstream>
+#include <sys/mman.h>
 #include <unistd.h>
 
 namespace origami {
@@ -17,6 +19,38 @@ std::string format_bytes(double bytes) {
   if (u == 0) std::snprintf(buf, sizeof buf, "%.0f B", bytes);
   else std::snprintf(buf, sizeof buf, bytes < 10 ? "%.2f %s" : bytes < 100 ? "%.1f %s" : "%.0f %s", bytes, units[u]);
   return buf;
+}
+
+ReleasablePages::ReleasablePages(int64_t bytes, const char* purpose) : bytes_(bytes), mapped_(std::max<int64_t>(1, bytes)) {
+  void* p = mmap(nullptr, size_t(mapped_), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ORIGAMI_CHECK(p != MAP_FAILED, "out of memory: cannot allocate ", format_bytes(double(bytes)), " for ", purpose);
+  data_ = p;
+}
+
+ReleasablePages::ReleasablePages(ReleasablePages&& o) noexcept : data_(o.data_), bytes_(o.bytes_), mapped_(o.mapped_) {
+  o.data_ = nullptr, o.bytes_ = o.mapped_ = 0;
+}
+
+ReleasablePages& ReleasablePages::operator=(ReleasablePages&& o) noexcept {
+  std::swap(data_, o.data_), std::swap(bytes_, o.bytes_), std::swap(mapped_, o.mapped_);
+  return *this;
+}
+
+ReleasablePages::~ReleasablePages() {
+  if (data_ != nullptr) munmap(data_, size_t(mapped_));
+}
+
+void ReleasablePages::release(int64_t begin, int64_t end) {
+  ORIGAMI_ASSERT(0 <= begin && begin <= end && end <= bytes_);
+  char* base = static_cast<char*>(data_);
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t first = (begin + page - 1) / page * page, last = end / page * page;  // whole pages: [first, last)
+  if (first >= last || madvise(base + first, size_t(last - first), MADV_DONTNEED) != 0) {
+    std::memset(base + begin, 0, size_t(end - begin));
+    return;
+  }
+  std::memset(base + begin, 0, size_t(first - begin));
+  std::memset(base + last, 0, size_t(end - last));
 }
 
 std::string host_name() {

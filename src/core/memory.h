@@ -26,6 +26,28 @@ void allocating(const char* purpose, int64_t bytes, Fn&& fn) {
   }
 }
 
+// Zero-filled memory of anonymous pages whose ranges can be given back to the operating system
+// (the gradient buffers: ZeRO-2 keeps only its shard and the buckets in flight resident). A range
+// released reads as zeros again and takes memory only where it is next written.
+class ReleasablePages {
+ public:
+  ReleasablePages() = default;
+  // `bytes` of zeros (at least one page is mapped); Error naming `purpose` when the mapping fails.
+  ReleasablePages(int64_t bytes, const char* purpose);
+  ReleasablePages(ReleasablePages&& o) noexcept;
+  ReleasablePages& operator=(ReleasablePages&& o) noexcept;
+  ~ReleasablePages();
+  void* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }
+  // Zeroes bytes [begin, end): whole pages inside the range are returned (madvise), the partial pages
+  // at its ends are cleared (they hold bytes outside the range). Everything: release(0, bytes()).
+  void release(int64_t begin, int64_t end);
+
+ private:
+  void* data_ = nullptr;
+  int64_t bytes_ = 0, mapped_ = 0;
+};
+
 // This machine's host name (gethostname; "" when it has none).
 std::string host_name();
 

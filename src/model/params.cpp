@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <sys/mman.h>
 #include <algorithm>
 
 #include "core/checked.h"
@@ -229,12 +228,8 @@ Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::m
   buckets_ = std::move(plan.buckets);
   const size_t bytes = std::max<size_t>(1, size_t(plan.size) * sizeof(float));
   allocating("the parameters", int64_t(bytes), [&] { data_.assign(size_t(plan.size), 0.f); });
-  void* g = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ORIGAMI_CHECK(g != MAP_FAILED, "out of memory: cannot allocate ", format_bytes(int64_t(bytes)), " for the gradients");
-  grad_ = std::unique_ptr<float, Unmap>(static_cast<float*>(g), Unmap{bytes});
+  grad_ = ReleasablePages(int64_t(plan.size) * int64_t(sizeof(float)), "the gradients");
 }
-
-void Params::Unmap::operator()(float* p) const { munmap(p, bytes); }
 
 std::vector<Segment> Params::segments(const std::vector<Range>& ranges) const {
   std::vector<Segment> out;
@@ -261,7 +256,7 @@ float* Params::value(const std::string& name) {
 float* Params::grad(const std::string& name) {
   int64_t i = index(name);
   ORIGAMI_CHECK(i >= 0, "internal error: no parameter named '", name, "'");
-  return grad_.get() + offsets_[size_t(i)];
+  return grad() + offsets_[size_t(i)];
 }
 
 void Params::init(uint64_t seed, int64_t num_layers) {
@@ -285,10 +280,6 @@ void Params::init(uint64_t seed, int64_t num_layers) {
   }
 }
 
-void Params::zero_grad() { std::memset(grad_.get(), 0, data_.size() * sizeof(float)); }
-
-void Params::release_grad() {
-  if (madvise(grad_.get(), grad_.get_deleter().bytes, MADV_DONTNEED) != 0) zero_grad();
-}
+void Params::zero_grad() { std::memset(grad(), 0, data_.size() * sizeof(float)); }
 
 }  // namespace origami

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/memory.h"
 #include "kernels/cpu/bf16.h"
 #include "model/config.h"
 
@@ -129,8 +130,8 @@ class Params {
   int64_t size() const { return int64_t(data_.size()); }
   float* data() { return data_.data(); }
   const float* data() const { return data_.data(); }
-  float* grad() { return grad_.get(); }
-  const float* grad() const { return grad_.get(); }
+  float* grad() { return static_cast<float*>(grad_.data()); }
+  const float* grad() const { return static_cast<const float*>(grad_.data()); }
   int64_t offset(size_t i) const { return offsets_[i]; }
   int64_t local_numel(size_t i) const { return table_[i].local_numel(layout_.tp); }
   // Index of a parameter by name, or -1.
@@ -150,9 +151,11 @@ class Params {
   void refresh_bf16_copy();
   const bf16* bf16_copy() const { return low_.empty() ? nullptr : low_.data(); }
 
-  // Zeroes the gradient buffer by returning its pages to the operating system: memory is used again
-  // only where gradients are next written (ZeRO-2 keeps only its shard resident between steps).
-  void release_grad();
+  // Zeroes the gradient buffer, or its elements [r.begin, r.end), by returning their pages to the
+  // operating system: memory is used again only where gradients are next written (ZeRO-2 keeps only
+  // its shard and the buckets in flight resident).
+  void release_grad() { grad_.release(0, grad_.bytes()); }
+  void release_grad(Range r) { grad_.release(r.begin * int64_t(sizeof(float)), r.end * int64_t(sizeof(float))); }
 
  private:
   std::vector<ParamSpec> table_;
@@ -162,11 +165,7 @@ class Params {
   std::unordered_map<std::string, size_t> by_name_;
   std::vector<float> data_;
   std::vector<bf16> low_;  // the bf16 copy (mixed precision), else empty
-  struct Unmap {
-    size_t bytes;
-    void operator()(float* p) const;
-  };
-  std::unique_ptr<float, Unmap> grad_;  // anonymous pages (zero-filled, releasable)
+  ReleasablePages grad_;
 };
 
 template <typename Fn>

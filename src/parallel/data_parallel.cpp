@@ -19,23 +19,10 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
   ORIGAMI_ASSERT(wire == DType::f32 || wire == DType::bf16);
   ORIGAMI_ASSERT(params.layout().dp == dp.size());
   shards_ = bucket_shards(params.buckets(), dp.size(), dp.rank());
-  int64_t total = 0;
-  for (const Range& s : shards_) {
-    shard_at_.push_back(total);
-    total += s.end - s.begin;
-  }
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
-  allocating("the data-parallel gradient shards", zero_ * 4 * total, [&] {
-    if (zero_ >= 1) recv_.assign(size_t(total), 0.f);
-    if (zero_ == 2) acc_.assign(size_t(total), 0.f);
-  });
-  if (wire_ == DType::bf16)
-    allocating("the bf16 gradient reduction buffers", 2 * (params.size() + (zero_ >= 1 ? total : 0)), [&] {
-      if (zero_ < 2) low_.reset(new bf16[size_t(params.size())]);  // ZeRO-2: per pass (begin_backward)
-      if (zero_ >= 1) low_recv_.reset(new bf16[size_t(total)]);
-    });
+  if (wire_ == DType::bf16) low_ = ReleasablePages(2 * params.size(), "the bf16 gradient reduction buffer");
   pending_.resize(params.buckets().size());
-  started_.assign(params.buckets().size(), 0);
+  started_.assign(params.buckets().size(), kIdle);
   const std::vector<ParamSpec>& table = params.table();
   for (const Segment& seg : params.segments(owned_)) {
     const TpSplit& split = table[seg.param].split;
@@ -68,83 +55,85 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 }
 
 void DataParallel::begin_step() {
-  if (zero_ == 2) std::fill(acc_.begin(), acc_.end(), 0.f);
+  if (zero_ == 2) params_.release_grad();  // the shards accumulate from zero; nothing else is resident
   else params_.zero_grad();
-  std::fill(started_.begin(), started_.end(), 0);
+  std::fill(started_.begin(), started_.end(), kIdle);
 }
 
 void DataParallel::begin_backward(bool final) {
-  if (zero_ == 2) {
-    params_.release_grad();  // zero, and free, the full buffer: only this pass writes it
-    std::fill(started_.begin(), started_.end(), 0);
-    if (wire_ == DType::bf16)
-      allocating("the bf16 gradient reduction buffer", 2 * params_.size(), [&] { low_.reset(new bf16[size_t(params_.size())]); });
-  }
+  if (zero_ == 2) std::fill(started_.begin(), started_.end(), kIdle);  // every pass reduces every bucket
   armed_ = zero_ == 2 || final;
 }
 
+// Bucket b (elements r) is reduced in place. ZeRO 0 all-reduces it. ZeRO ≥ 1 reduce-scatters it: the
+// result, this rank's shard s, lands at r.begin and complete_bucket moves it to s. Under ZeRO-2, s holds
+// the shard accumulated over the earlier passes plus this pass's gradients (backward adds to it), so
+// the reduction yields the new accumulated shard in fp32. With a bf16 wire the bucket is rounded into
+// low_ and, under ZeRO ≥ 1, this rank's own block there is zeroed: it never travels, so it is not
+// rounded; the others' sum is widened and added to s in fp32.
 void DataParallel::start_bucket(size_t b) {
+  if (zero_ == 2)  // one reduction in flight at most: two buckets resident beside the shards
+    for (size_t p = 0; p < started_.size(); ++p)
+      if (started_[p] == kInFlight) complete_bucket(p);
   const Range& r = params_.buckets()[b];
   const int64_t n = r.end - r.begin, shard = shards_[b].end - shards_[b].begin;
-  void* send = params_.grad() + r.begin;
-  void* recv = recv_.data() + shard_at_[b];
+  void* buf = params_.grad() + r.begin;
   if (wire_ == DType::bf16) {
-    round_to_bf16(low_.get() + r.begin, params_.grad() + r.begin, n);
-    send = low_.get() + r.begin;
-    recv = low_recv_.get() + shard_at_[b];
+    bf16* low = static_cast<bf16*>(low_.data()) + r.begin;
+    round_to_bf16(low, params_.grad() + r.begin, n);
+    if (zero_ >= 1) std::fill_n(low + (shards_[b].begin - r.begin), shard, bf16{0});
+    buf = low;
   }
-  if (zero_ == 0) pending_[b] = dp_.iall_reduce(send, n, wire_, ReduceOp::sum);
-  else pending_[b] = dp_.ireduce_scatter(recv, send, shard, wire_, ReduceOp::sum);
-  started_[b] = 1;
+  if (zero_ == 0) pending_[b] = dp_.iall_reduce(buf, n, wire_, ReduceOp::sum);
+  else pending_[b] = dp_.ireduce_scatter(buf, buf, shard, wire_, ReduceOp::sum);
+  started_[b] = kInFlight;
 }
 
 void DataParallel::grads_ready(int64_t offset) {
   if (!armed_) return;
   const std::vector<Range>& buckets = params_.buckets();
   for (size_t b = 0; b < buckets.size(); ++b)
-    if (!started_[b] && buckets[b].begin >= offset) start_bucket(b);
-  for (Request& r : pending_) r.test();  // drive progress of the reductions already in flight
+    if (started_[b] == kIdle && buckets[b].begin >= offset) start_bucket(b);
+  // Drive the reductions in flight; those done are completed now (ZeRO-2 returns their pages early).
+  for (size_t b = 0; b < buckets.size(); ++b)
+    if (started_[b] == kInFlight && pending_[b].test()) complete_bucket(b);
 }
 
 void DataParallel::complete_bucket(size_t b) {
   pending_[b].wait();
-  const Range& s = shards_[b];
-  if (wire_ == DType::bf16) {  // widen the reduced values: the whole bucket (ZeRO 0), else this rank's shard
-    const Range& r = params_.buckets()[b];
-    if (zero_ == 0) widen_to_float(params_.grad() + r.begin, low_.get() + r.begin, r.end - r.begin);
-    else widen_to_float(recv_.data() + shard_at_[b], low_recv_.get() + shard_at_[b], s.end - s.begin);
-  }
-  if (zero_ == 0) return;
-  const float* in = recv_.data() + shard_at_[b];
-  if (zero_ == 1) {
-    std::memcpy(params_.grad() + s.begin, in, size_t(s.end - s.begin) * sizeof(float));
-  } else {
-    float* acc = acc_.data() + shard_at_[b];
+  started_[b] = kDone;
+  const Range &r = params_.buckets()[b], &s = shards_[b];
+  float* g = params_.grad();
+  if (wire_ == DType::bf16) {
+    const bf16* low = static_cast<const bf16*>(low_.data()) + r.begin;
+    if (zero_ == 0) widen_to_float(g + r.begin, low, r.end - r.begin);
+    else
 #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < s.end - s.begin; ++i) acc[i] += in[i];
+      for (int64_t i = 0; i < s.end - s.begin; ++i) g[s.begin + i] += to_float(low[i]);
+    low_.release(2 * r.begin, 2 * r.end);
+  } else if (zero_ >= 1 && s.begin != r.begin) {
+    std::memmove(g + s.begin, g + r.begin, size_t(s.end - s.begin) * sizeof(float));
+  }
+  if (zero_ == 2) {  // keep only the shard
+    params_.release_grad({r.begin, s.begin});
+    params_.release_grad({s.end, r.end});
   }
 }
 
 void DataParallel::end_backward() {
   if (zero_ == 2) {
     grads_ready(0);  // every bucket, in case backward did not announce them all
-    for (size_t b = 0; b < pending_.size(); ++b) complete_bucket(b);
-    params_.release_grad();
-    low_.reset();
+    for (size_t b = 0; b < started_.size(); ++b)
+      if (started_[b] == kInFlight) complete_bucket(b);
   }
   armed_ = false;
 }
 
 double DataParallel::complete_gradients() {
   float* g = params_.grad();
-  if (zero_ == 2) {  // the optimizer reads gradients from the buffer: write back this rank's shards only
-    for (size_t b = 0; b < shards_.size(); ++b)
-      std::memcpy(g + shards_[b].begin, acc_.data() + shard_at_[b], size_t(shards_[b].end - shards_[b].begin) * sizeof(float));
-  } else {
-    for (size_t b = 0; b < pending_.size(); ++b) {
-      if (!started_[b]) start_bucket(b);  // buckets backward did not announce (a tied embedding on the last stage)
-      complete_bucket(b);
-    }
+  for (size_t b = 0; b < started_.size(); ++b) {  // ZeRO-2 completed every bucket in end_backward
+    if (started_[b] == kIdle) start_bucket(b);      // buckets backward did not announce (a tied embedding on the last stage)
+    if (started_[b] == kInFlight) complete_bucket(b);
   }
   // The tied embedding: its bucket (ZeRO 0) or this rank's shard of it, summed over the first and last stage.
   for (size_t b : shared_buckets_) {

@@ -4,17 +4,22 @@
 // collectives that overlap the rest of backward.
 //
 //   --zero 0  all-reduce each bucket; every rank updates every parameter
-//   --zero 1  reduce-scatter each bucket; rank d updates only its shard (1/dp of every bucket),
-//             keeps optimizer state for it only, then all-gathers the updated parameters
-//   --zero 2  as 1, and gradients are reduce-scattered after every micro-batch into a shard
-//             accumulator: the full gradient buffer is released (its pages returned) after each
-//             reduction, so only this rank's shard stays resident between micro-batches and steps
+//   --zero 1  reduce-scatter each bucket (in place: no second copy of the shard); rank d updates only
+//             its shard (1/dp of every bucket), keeps optimizer state for it only, then all-gathers
+//             the updated parameters
+//   --zero 2  as 1, and gradients are reduce-scattered after every micro-batch, accumulating in the
+//             shard's own place in the buffer; once a bucket's reduction is complete every page of it
+//             but the shard's is returned, and a bucket starts only after the one before it has
+//             completed: besides the shards, at most two buckets are resident (one reducing, one
+//             being written by backward)
 //
 // --grad-reduce-dtype bf16 (`wire` DType::bf16): each bucket is rounded to bf16 before its reduction,
-// which then sends half the bytes and sums in bf16 (comm.h); the result is widened back to fp32. The
-// gradients are still accumulated over micro-batches in fp32 (ZeRO 0/1 reduce after the last one;
-// ZeRO-2 accumulates each pass's reduced shard in fp32). A group of one rank reduces nothing and
-// rounds nothing.
+// which then sends half the bytes and sums in bf16 (comm.h). ZeRO 0 widens the all-reduced bucket back
+// to fp32. Under ZeRO ≥ 1 a rank's own block of the bucket never travels, so it is not rounded: its
+// place in the bf16 copy is zeroed, and the reduce-scatter's result (the other ranks' sum) is widened
+// and added to it in fp32. The gradients are accumulated over micro-batches in fp32 (ZeRO 0/1 reduce
+// after the last one; ZeRO-2 adds each pass's result to the fp32 shard). A group of one rank reduces
+// nothing and rounds nothing.
 //
 // Under pipeline parallelism a tied embedding lives on the first and the last stage, in a bucket of
 // its own on both: after the DP reduction its gradient (or this rank's DP shard of it — the shards
@@ -35,6 +40,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/memory.h"
 #include "kernels/cpu/bf16.h"
 #include "model/params.h"
 
@@ -91,18 +97,15 @@ class DataParallel {
   bool sp_;
   std::vector<Range> owned_;         // optimizer ranges
   std::vector<Range> shards_;        // this rank's shard of each bucket (norm ranges, whatever the stage)
-  std::vector<int64_t> shard_at_;    // where bucket b's shard starts in recv_ / acc_
   std::vector<Segment> partial_segs_;  // owned segments of TP-partial tensors (reduced over TP)
   std::vector<Segment> norm_segs_;   // shard segments this rank counts in the norm (TP-replicated: TP rank 0)
   std::vector<Segment> copy_segs_;   // TP replicas it applies but does not count (checked for finiteness)
-  std::vector<float> recv_;          // ZeRO ≥ 1: reduce-scatter output, one shard per bucket
-  std::vector<float> acc_;           // ZeRO-2: gradient shard accumulated over micro-batches
   DType wire_;                       // the reduction's element type
-  std::unique_ptr<bf16[]> low_;      // wire bf16: the gradient buffer rounded (ZeRO 0: reduced in place);
-                                     // ZeRO-2 releases it with the gradient buffer after each pass
-  std::unique_ptr<bf16[]> low_recv_;  // wire bf16, ZeRO ≥ 1: the reduce-scatter's output, widened into recv_
+  ReleasablePages low_;              // wire bf16: the gradient buffer rounded, each bucket's range returned
+                                     // once its reduction is complete
   std::vector<Request> pending_;     // per bucket
-  std::vector<uint8_t> started_;
+  enum : uint8_t { kIdle, kInFlight, kDone };
+  std::vector<uint8_t> started_;     // per bucket, this pass
   bool armed_ = false;
 };
 

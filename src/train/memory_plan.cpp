@@ -108,7 +108,10 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
     f.size = plan.size;
     for (size_t b = 0; b < shards.size(); ++b) {
       const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
-      f.buckets += plan.buckets[b].end - plan.buckets[b].begin;
+      const int64_t length = plan.buckets[b].end - plan.buckets[b].begin;
+      f.buckets += length;
+      if (length > f.largest[1]) f.largest[1] = length;
+      if (f.largest[1] > f.largest[0]) std::swap(f.largest[0], f.largest[1]);
       f.data += plan.bucket_data[b];
       f.shard += shards[b].end - shards[b].begin;
       f.shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
@@ -168,19 +171,21 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   MemoryParts m;
   m.runtime = runtime;
 
-  // Per parameter set (dense tensors over TP and DP, this rank's experts over ETP and EDP): parameters
-  // and gradients; ZeRO's reduce-scatter output (and ZeRO-2's accumulator) of shard size; the
-  // optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
+  // Per parameter set (dense tensors over TP and DP, this rank's experts over ETP and EDP): parameters;
+  // gradients: the whole buffer (ZeRO 0 and 1; the reduce-scatter is in place), or under ZeRO-2 the
+  // shards and, of the two largest buckets (one reducing, one being written), the rest (DataParallel);
+  // the optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding. --grad-reduce-dtype bf16 adds, where the group has several ranks, the
-  // buffer rounded for the reduction and (ZeRO ≥ 1) its bf16 reduce-scatter output.
+  // buffer rounded for the reduction (ZeRO-2: the bucket reducing).
   Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
   const bool bf16 = parse_precision(o.precision) == Precision::bf16;
   const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
   for (const auto& [f, group] : {std::pair{buffers.dense, int(mesh.group(rank, "dp-cp").size())},
                                  std::pair{buffers.experts, mesh.degree("edp")}}) {
     weights += (bf16 ? 4 + 2 : 4) * Size(f.size);  // bf16: the GEMMs' copy beside the fp32 master
-    grads += 4 * Size(f.size) + (o.zero >= 1 ? 4 * Size(f.shard) : 0) + (o.zero == 2 ? 4 * Size(f.shard) : 0);
-    if (bf16_wire && group > 1) grads += 2 * Size(f.size) + (o.zero >= 1 ? 2 * Size(f.shard) : 0);
+    const Size in_flight = (Size(f.largest[0]) + f.largest[1]) * (group - 1) / group;
+    grads += 4 * (o.zero == 2 ? Size(f.shard) + in_flight : Size(f.size));
+    if (bf16_wire && group > 1) grads += 2 * Size(o.zero == 2 ? f.largest[0] : f.size);
     optimizer += 2 * 4 * Size(o.zero == 0 ? f.data : f.shard_data);
   }
   m.weights = weights.get(), m.grads = grads.get(), m.optimizer = optimizer.get();
@@ -196,15 +201,16 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // Workspace: the model's work buffers, pipeline messages of [Nl, C], the step's token windows
   // (int32) and the sampler's order; and the MPI library's scratch for the gradient reductions in
   // flight: a non-blocking all-reduce or reduce-scatter keeps a copy of its bucket until it completes,
-  // and DataParallel posts every bucket in backward and completes them after it (Open MPI's libnbc;
-  // measured: the peak of rank 0 of a DP pair grows by the gradient buffer). Its algorithms put the
-  // copies on some ranks only (on 4 ranks: ranks 0 and 2, rank 0 twice under ZeRO), so this counts
-  // one copy on every rank: the neediest within a few percent on 2 ranks, others high. The copy is in
-  // the reduction's element type.
+  // and DataParallel posts every bucket of the last backward pass as it goes, ZeRO-2 one at a time
+  // (Open MPI's libnbc; measured: the peak of rank 0 of a DP pair grows by the gradient buffer). Its
+  // algorithms put the copies on some ranks only (on 4 ranks: ranks 0 and 2, rank 0 twice under ZeRO),
+  // so this counts one copy on every rank: the neediest within a few percent on 2 ranks, others high.
+  // The copy is in the reduction's element type.
   const int64_t Nl = shape.local_tokens();
   const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
+  auto posted = [&](const BufferFigures& f) { return Size(o.zero == 2 ? f.largest[0] : f.buckets); };
   const Size scratch = dtype_bytes(o.grad_reduce_wire()) *
-                       (Size(dp > 1 ? buffers.dense.buckets : 0) + (edp > 1 ? buffers.experts.buckets : 0));
+                       ((dp > 1 ? posted(buffers.dense) : Size(0)) + (edp > 1 ? posted(buffers.experts) : Size(0)));
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
                  4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 

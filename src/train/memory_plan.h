@@ -52,6 +52,7 @@ struct BufferFigures {
   int64_t data = 0;        // tensor elements (no padding)
   int64_t shard = 0;       // floats of this rank's shards of the buckets (ZeRO)
   int64_t shard_data = 0;  // tensor elements inside those shards
+  int64_t largest[2] = {0, 0};  // floats of its two largest buckets, the largest first (ZeRO-2's in flight)
 };
 
 // What a rank's memory and gradient traffic depend on in its parameter buffers: the dense tensors

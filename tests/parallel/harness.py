@@ -9,7 +9,9 @@ up to 8 ranks, spin-waiting OpenMP threads collapse throughput.
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -273,3 +275,39 @@ def fmt_table(header, rows):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(str(s).ljust(w) for s, w in zip(cells, widths)) + " |"
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def run_wrapped(tmp, label, np_, args, extra_env=None, timeout=120, keep_ranks=False):
+    """Runs `origami ARGS` on np_ ranks (0: without mpirun), each rank under sh (and /usr/bin/time,
+    for its peak RSS). Returns (mpirun's exit code, output, {rank: exit code}, {rank: peak RSS bytes}).
+    keep_ranks: mpirun does not end the other ranks when one exits non-zero (each rank's own exit code
+    is then always recorded, and mpirun's own status is 0)."""
+    d = os.path.join(tmp, re.sub(r"\W", "_", label))
+    os.makedirs(d)
+    rank = "${OMPI_COMM_WORLD_RANK:-0}"
+    script = ('/usr/bin/time -f %%M -o %s/rss.%s "$0" "$@"; rc=$?; echo $rc > %s/rc.%s; exit $rc'
+              % (d, rank, d, rank))
+    cmd = ["sh", "-c", script, BIN, *args]
+    if np_ > 0:
+        keep = ["--mca", "orte_abort_on_non_zero_status", "0"] if keep_ranks else []
+        cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", *keep, "-np", str(np_), *cmd]
+    e = env()
+    e.update(extra_env or {})
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the wrapper, mpirun and every rank: nothing outlives the test
+        out, _ = p.communicate()
+        rc, out = None, (out or "") + "\n[timed out]"
+    codes, rss = {}, {}
+    for r in range(max(np_, 1)):
+        f = os.path.join(d, "rc.%d" % r)
+        codes[r] = int(open(f).read()) if os.path.exists(f) and open(f).read().strip() else None
+        f = os.path.join(d, "rss.%d" % r)
+        if os.path.exists(f):
+            m = re.findall(r"^\d+$", open(f).read(), re.M)  # the last line; earlier ones say how it exited
+            rss[r] = int(m[-1]) * 1024 if m else None
+    return rc, out, codes, rss

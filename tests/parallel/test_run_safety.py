@@ -23,8 +23,10 @@
     under --memory-limit-gb 0.05. The demo is accepted, and the predicted total (first metrics row,
     "memory_bytes") is within 10% of the peak RSS measured by /usr/bin/time: for the demo (fp32 and bf16) on one
     rank (with --save: a synchronous save writes each rank's pieces from its own buffers, nothing
-    is gathered), per rank for TP2 x PP2 on 4 ranks, and for the neediest rank of DP2 ZeRO-1 of a
-    model whose gradients outweigh its activations (MPI's copy of the buckets in flight counted).
+    is gathered), per rank for TP2 x PP2 on 4 ranks, and for the neediest rank of DP2 ZeRO 0, 1 and 2
+    (gradients reduced in fp32 and in bf16) of a model whose gradients outweigh its activations (MPI's
+    copy of the buckets in flight counted); there the model state per rank (memory check) and the
+    measured peak strictly fall from ZeRO 0 to 1 to 2.
 (c) Defaults: without --global-batch, a DP2 run uses micro-batch x DP and says so. Loss spikes
     (--loss-spike-factor) are flagged exactly where the running-median rule says.
 
@@ -34,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -52,42 +53,6 @@ def check(ok, what):
     if not ok:
         FAILS.append(what)
     return ok
-
-
-def run_wrapped(tmp, label, np_, args, extra_env=None, timeout=120, keep_ranks=False):
-    """Runs `origami ARGS` on np_ ranks (0: without mpirun), each rank under sh (and /usr/bin/time,
-    for its peak RSS). Returns (mpirun's exit code, output, {rank: exit code}, {rank: peak RSS bytes}).
-    keep_ranks: mpirun does not end the other ranks when one exits non-zero (each rank's own exit code
-    is then always recorded, and mpirun's own status is 0)."""
-    d = os.path.join(tmp, re.sub(r"\W", "_", label))
-    os.makedirs(d)
-    rank = "${OMPI_COMM_WORLD_RANK:-0}"
-    script = ('/usr/bin/time -f %%M -o %s/rss.%s "$0" "$@"; rc=$?; echo $rc > %s/rc.%s; exit $rc'
-              % (d, rank, d, rank))
-    cmd = ["sh", "-c", script, h.BIN, *args]
-    if np_ > 0:
-        keep = ["--mca", "orte_abort_on_non_zero_status", "0"] if keep_ranks else []
-        cmd = [h.MPIRUN, "--oversubscribe", "--bind-to", "none", *keep, "-np", str(np_), *cmd]
-    e = h.env()
-    e.update(extra_env or {})
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the wrapper, mpirun and every rank: nothing outlives the test
-        out, _ = p.communicate()
-        rc, out = None, (out or "") + "\n[timed out]"
-    codes, rss = {}, {}
-    for r in range(max(np_, 1)):
-        f = os.path.join(d, "rc.%d" % r)
-        codes[r] = int(open(f).read()) if os.path.exists(f) and open(f).read().strip() else None
-        f = os.path.join(d, "rss.%d" % r)
-        if os.path.exists(f):
-            m = re.findall(r"^\d+$", open(f).read(), re.M)  # the last line; earlier ones say how it exited
-            rss[r] = int(m[-1]) * 1024 if m else None
-    return rc, out, codes, rss
 
 
 def own_exits_ok(codes):
@@ -112,7 +77,7 @@ def part_a(tmp, data):
 
     # --lr 1e9: the first non-finite step ends the run, nothing saved after the last finite one.
     mpath, ck = os.path.join(tmp, "lr.jsonl"), os.path.join(tmp, "lr_ck")
-    rc, out, codes, _ = run_wrapped(tmp, "lr1e9", 4, train_args(cfg, data, 6, "--lr", "1e9", *tp2dp2, "--metrics", mpath,
+    rc, out, codes, _ = h.run_wrapped(tmp, "lr1e9", 4, train_args(cfg, data, 6, "--lr", "1e9", *tp2dp2, "--metrics", mpath,
                                                                 "--save", ck, "--save-every", "1"))
     errors = [l for l in out.splitlines() if "error:" in l]
     check(rc == 3 and own_exits_ok(codes), "--lr 1e9 on TP2xDP2: mpirun exit %s, ranks' own exits %s" % (rc, codes))
@@ -138,7 +103,7 @@ def part_a(tmp, data):
 
     # --max-skipped-steps 3: steps 2..4 skipped and reported, step 5 ends the run.
     mpath = os.path.join(tmp, "skip3.jsonl")
-    rc, out, codes, _ = run_wrapped(tmp, "skip3", 4, train_args(cfg, data, 8, "--lr", "1e9", *tp2dp2, "--metrics", mpath,
+    rc, out, codes, _ = h.run_wrapped(tmp, "skip3", 4, train_args(cfg, data, 8, "--lr", "1e9", *tp2dp2, "--metrics", mpath,
                                                                 "--max-skipped-steps", "3"))
     warnings = [l for l in out.splitlines() if "warning:" in l and "skipped on every rank" in l]
     errors = [l for l in out.splitlines() if "error:" in l]
@@ -155,7 +120,7 @@ def part_a(tmp, data):
     # Finite gradients, but an update that overflows the weights (--lr 1e39 exceeds float): the save
     # after it refuses, on every rank, and commits nothing: no latest, no step-N.
     ck = os.path.join(tmp, "overflow_ck")
-    rc, out, codes, _ = run_wrapped(tmp, "overflow", 2, train_args(cfg, data, 3, "--lr", "1e39", "--tp", "2", "--save", ck,
+    rc, out, codes, _ = h.run_wrapped(tmp, "overflow", 2, train_args(cfg, data, 3, "--lr", "1e39", "--tp", "2", "--save", ck,
                                                                    "--save-every", "1"))
     errors = [l for l in out.splitlines() if "error:" in l]
     committed = h.step_entries(ck) + (["latest"] if os.path.exists(os.path.join(ck, "latest")) else [])
@@ -167,7 +132,7 @@ def part_a(tmp, data):
     # A NaN in one rank's gradient only, before any reduction.
     for rank, what in ((1, "a TP-replicated tensor on TP rank 1"), (2, "a DP-reduced tensor on DP rank 1")):
         mpath = os.path.join(tmp, "nan%d.jsonl" % rank)
-        rc, out, codes, _ = run_wrapped(tmp, "nan%d" % rank, 4, train_args(cfg, data, 6, *tp2dp2, "--metrics", mpath),
+        rc, out, codes, _ = h.run_wrapped(tmp, "nan%d" % rank, 4, train_args(cfg, data, 6, *tp2dp2, "--metrics", mpath),
                                         extra_env={"ORIGAMI_TEST_NAN_GRAD": "3:%d" % rank})
         errors = [l for l in out.splitlines() if "error:" in l]
         rows = h.read_metrics(mpath)
@@ -195,7 +160,7 @@ def part_b(tmp, data):
     for label, cfg, largest in (("vocab_size 2^24, hidden 2^16", huge_vocab, "weights|gradients|optimizer state"),
                                 ("llama, 10000 layers of hidden 8192", deep, "optimizer state")):
         t0 = time.time()
-        rc, out, codes, _ = run_wrapped(tmp, label, 0, train_args(cfg, data, 3))
+        rc, out, codes, _ = h.run_wrapped(tmp, label, 0, train_args(cfg, data, 3))
         wall = time.time() - t0
         errors = [l for l in out.splitlines() if "error:" in l]
         ok = (rc == 1 and wall < 1.0 and len(errors) == 1 and "not enough memory" in errors[0]
@@ -205,12 +170,12 @@ def part_b(tmp, data):
     # The same under mpirun: one message, every rank exits 1 by itself. mpirun is kept from ending a rank
     # (by default it kills the others once one exits, sometimes before their wrapper records the code),
     # so its own status is 0 here; h.check_error's cases check it under the default.
-    rc, out, codes, _ = run_wrapped(tmp, "vocab 2 ranks", 2, train_args(huge_vocab, data, 3), keep_ranks=True)
+    rc, out, codes, _ = h.run_wrapped(tmp, "vocab 2 ranks", 2, train_args(huge_vocab, data, 3), keep_ranks=True)
     errors = [l for l in out.splitlines() if "error:" in l]
     check(len(codes) == 2 and all(c == 1 for c in codes.values()) and len(errors) == 1,
           "vocab_size 2^24 on 2 ranks: ranks exit %s, %d error line(s)" % (codes, len(errors)))
     # A per-rank limit.
-    rc, out, _, _ = run_wrapped(tmp, "limit", 0, ["train", "--config", DEMO_CONFIG, "--data", data, "--steps", "2",
+    rc, out, _, _ = h.run_wrapped(tmp, "limit", 0, ["train", "--config", DEMO_CONFIG, "--data", data, "--steps", "2",
                                                   "--micro-batch", "16", "--seq-len", "128", "--memory-limit-gb", "0.05"])
     errors = [l for l in out.splitlines() if "error:" in l]
     check(rc == 1 and len(errors) == 1 and "--memory-limit-gb 0.05" in errors[0] and "activations" in errors[0],
@@ -237,7 +202,7 @@ def part_b(tmp, data):
             os.remove(mpath)
         args = demo + ["--threads", "2", "--precision", precision]
         args[args.index("--save") + 1] = os.path.join(tmp, "demo_ck_" + precision)
-        rc, out, _, rss = run_wrapped(tmp, "demo_" + precision, 0, args, extra_env={"OMP_NUM_THREADS": "2", **held})
+        rc, out, _, rss = h.run_wrapped(tmp, "demo_" + precision, 0, args, extra_env={"OMP_NUM_THREADS": "2", **held})
         if check(rc == 0, "the demo (%s) is accepted and runs (exit %s)" % (precision, rc)):
             parts, totals = predicted(mpath)
             err = (totals[0] - rss[0]) / rss[0]
@@ -248,34 +213,46 @@ def part_b(tmp, data):
     args = ["train", "--config", DEMO_CONFIG, "--data", demo_data, "--steps", "3", "--micro-batch", "16", "--seq-len",
             "128", "--global-batch", "64", "--tp", "2", "--pp", "2", "--threads", "1", "--metrics", mpath, "--save",
             os.path.join(tmp, "tp2pp2_ck")]
-    rc, out, codes, rss = run_wrapped(tmp, "tp2pp2", 4, args, extra_env=held, timeout=300)
+    rc, out, codes, rss = h.run_wrapped(tmp, "tp2pp2", 4, args, extra_env=held, timeout=300)
     if check(rc == 0, "TP2xPP2 runs (exit %s)" % rc):
         _, totals = predicted(mpath)
         for r in range(4):
             err = (totals[r] - rss[r]) / rss[r]
             check(abs(err) <= 0.10, "TP2xPP2 rank %d: predicted %.1f MiB, measured peak RSS %.1f MiB (%+.1f%%)"
                   % (r, totals[r] / 2 ** 20, rss[r] / 2 ** 20, 100 * err))
-    # DP2 ZeRO-1 on 2 ranks of a model whose gradients (50 MiB) outweigh its activations: MPI keeps a
-    # copy of each gradient bucket in flight, which the workspace counts (without it: about -20%). Its
-    # collectives put that copy on some ranks only (here rank 0): the neediest rank is compared.
+    # DP2 on 2 ranks of a model whose gradients (50 MiB) outweigh its activations, two micro-batches a
+    # rank, under ZeRO 0, 1 and 2. MPI keeps a copy of each gradient bucket in flight, which the workspace
+    # counts (without it: about -20%). Its collectives put that copy on some ranks only (here rank 0):
+    # the neediest rank is compared. With --grad-reduce-dtype bf16 the rounded buffer is added (ZeRO-2:
+    # the bucket reducing), and MPI's copy is of bf16 values. ZeRO-1 reduce-scatters in place (no second
+    # copy of its shard); ZeRO-2 keeps its shard and at most two buckets, so the model state (weights,
+    # gradients, optimizer state of the memory check) and the measured peak strictly fall from 0 to 1 to 2.
     wide = os.path.join(tmp, "gpt2_wide.json")
     with open(wide, "w") as f:
         json.dump({"model_type": "gpt2", "vocab_size": 512, "n_embd": 512, "n_layer": 4, "n_head": 8,
                    "n_positions": 128, "activation_function": "gelu_new", "tie_word_embeddings": True}, f)
-    # With --grad-reduce-dtype bf16 the rounded buffer and the bf16 reduce-scatter output are added, and
-    # MPI's copy is of bf16 values.
-    for wire in ("fp32", "bf16"):
-        mpath = os.path.join(tmp, "dp2_%s.jsonl" % wire)
+    state, peak = {}, {}
+    for zero, wire in ((0, "fp32"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")):
+        label = "DP2 ZeRO-%d (gradients reduced in %s)" % (zero, wire)
+        mpath = os.path.join(tmp, "dp2_z%d_%s.jsonl" % (zero, wire))
         args = ["train", "--config", wide, "--data", demo_data, "--steps", "3", "--micro-batch", "1", "--seq-len",
-                "64", "--global-batch", "4", "--zero", "1", "--threads", "1", "--metrics", mpath,
+                "64", "--global-batch", "4", "--zero", str(zero), "--threads", "1", "--metrics", mpath,
                 "--grad-reduce-dtype", wire]
-        rc, out, codes, rss = run_wrapped(tmp, "dp2_" + wire, 2, args, extra_env=held, timeout=300)
-        if check(rc == 0, "DP2 ZeRO-1 (gradients reduced in %s) runs (exit %s)" % (wire, rc)):
-            _, totals = predicted(mpath)
-            most = max(rss[r] for r in range(2))
-            err = (max(totals) - most) / most
-            check(abs(err) <= 0.10, "DP2 ZeRO-1 %s reduction, neediest rank: predicted %.1f MiB, measured peak RSS "
-                  "%.1f MiB (%+.1f%%)" % (wire, max(totals) / 2 ** 20, most / 2 ** 20, 100 * err))
+        rc, out, codes, rss = h.run_wrapped(tmp, "dp2_z%d_%s" % (zero, wire), 2, args, extra_env=held, timeout=300)
+        if not check(rc == 0, "%s runs (exit %s)" % (label, rc)):
+            continue
+        parts, totals = predicted(mpath)
+        most = max(rss[r] for r in range(2))
+        err = (max(totals) - most) / most
+        check(abs(err) <= 0.10, "%s, neediest rank: predicted %.1f MiB, measured peak RSS %.1f MiB (%+.1f%%)"
+              % (label, max(totals) / 2 ** 20, most / 2 ** 20, 100 * err))
+        if wire == "fp32":
+            state[zero] = sum(parts[k] for k in ("weights", "gradients", "optimizer state"))
+            peak[zero] = most
+    if len(state) == 3:
+        check(state[0] > state[1] > state[2] and peak[0] > peak[1] > peak[2],
+              "DP2 model state per rank (memory check) falls from ZeRO 0 to 1 to 2: %s MiB; measured peak: %s MiB"
+              % ([round(state[z] / 2 ** 20, 1) for z in range(3)], [round(peak[z] / 2 ** 20, 1) for z in range(3)]))
     if FAILS:
         print(out[-2000:])
 
