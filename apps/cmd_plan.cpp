@@ -66,7 +66,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
     else fail("--layout: '", w, "' is not one of tpN cpN epN etpN ppN vppN zeroN mbN sp nosp recompute=MODE cp-comm=MODE");
   }
-  ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 2), "--layout: zero must be 0, 1 or 2, got ", f.zero);
+  ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
   return f;
 }
 
@@ -246,7 +246,7 @@ TrainOptions LayoutSearch::options(const Shape& shape) const {
 }
 
 std::vector<int> LayoutSearch::zero_choices(int dp, int cp) const {
-  return choices(cmd_.fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2} : std::vector<int>{0});
+  return choices(cmd_.fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0});
 }
 
 // The all-to-all splits a rank's heads over CP (Ulysses): offered when they divide.

@@ -188,7 +188,7 @@ void add_parallel_options(Args& a) {
       .option("cp-a2a-size", "A", "with --cp-comm a2a+p2p: ranks per all-to-all group (divides --cp)")
       .flag("sequence-parallel", "split norms and residuals along the sequence over TP (all-reduce becomes "
                                  "reduce-scatter + all-gather)")
-      .option("zero", "0|1|2", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients", "0")
+      .option("zero", "0|1|2|3", "ZeRO stage: 0 all-reduce, 1 sharded optimizer state, 2 also sharded gradients, 3 also sharded parameters (each layer gathered when used)", "0")
       .option("bucket-mb", "X", "data-parallel gradient bucket size in MiB", "16")
       .option("grad-reduce-dtype", "fp32|bf16",
               "element type of the DP and EDP gradient reductions: bf16 sends half the bytes and sums in bf16 "

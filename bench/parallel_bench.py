@@ -32,7 +32,9 @@ dispatcher overhead: rank 0's time in regrouping rows, permute and weighted comb
 backward, the exchanges excluded) over its MoE layers' time (the `moe_times` metric).
 Targets: CPU ratio EP2 <= 1.15, EP4 <= 1.25; dispatcher overhead <= 5%.
 
-Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--layouts dense|moe] [--rounds 3] [--steps 4] [--warmup 1]
+--layouts zero runs DP2 under ZeRO 1, 2 and 3 on (b) and (c): what sharding the parameters costs.
+
+Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--layouts dense|moe|zero] [--rounds 3] [--steps 4] [--warmup 1]
 """
 import argparse
 import json
@@ -58,6 +60,12 @@ LAYOUTS = [
     ("DP2 ZeRO-1 bf16 grads", 2, ["--zero", "1", "--grad-reduce-dtype", "bf16"], 2, 1.15),
     ("TP2", 2, ["--tp", "2"], 1, 1.3),
     ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"], 1, 1.3),
+]
+# --layouts zero: ZeRO-3 against ZeRO-1 and 2 (the sharding issue's target: ZeRO-3 CPU ratio <= 1.15)
+ZERO_LAYOUTS = [
+    ("DP2 ZeRO-1", 2, ["--zero", "1"], 2, 1.15),
+    ("DP2 ZeRO-2", 2, ["--zero", "2"], 2, 1.15),
+    ("DP2 ZeRO-3", 2, ["--zero", "3"], 2, 1.15),
 ]
 MOE_LAYOUTS = [
     ("DP2", 2, [], 2, 1.15),
@@ -107,7 +115,7 @@ def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="b,c")
-    ap.add_argument("--layouts", default="dense", choices=("dense", "moe"))
+    ap.add_argument("--layouts", default="dense", choices=("dense", "moe", "zero"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of every run")
@@ -123,7 +131,7 @@ def main():
         sys.exit("origami binary not found at %s (cmake -S . -B build -G Ninja && ninja -C build)" % a.origami)
     os.makedirs(a.workdir, exist_ok=True)
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
-    layouts = MOE_LAYOUTS if a.layouts == "moe" else LAYOUTS
+    layouts = {"moe": MOE_LAYOUTS, "zero": ZERO_LAYOUTS}.get(a.layouts, LAYOUTS)
     if a.layouts == "moe" and a.cases == "b,c":
         cases = ["c", "c16"]
     load0 = os.getloadavg()

@@ -1,4 +1,4 @@
-"""ZeRO 0, 1 and 2 side by side: what a rank holds (the memory check's model state and total) and what
+"""ZeRO 0, 1, 2 and 3 side by side: what a rank holds (the memory check's model state and total) and what
 it measured (peak RSS of the neediest rank, /usr/bin/time), with the step time, on the 16-layer llama
 (hidden 256, 48.8 MiB of fp32 weights) of the sharding issue, at DP2 and DP4 with two micro-batches
 per rank.
@@ -7,7 +7,8 @@ per rank.
 
 ZeRO-1 reduce-scatters in place; ZeRO-2 keeps its gradient shard plus at most two buckets (one
 reducing, one being written), so its gradients part is shard + the non-shard part of the two largest
-buckets: --bucket-mb moves it. glibc's mmap threshold is fixed at 64 KiB (as in the run-safety test)
+buckets: --bucket-mb moves it. ZeRO-3 keeps its shard of the weights plus two units gathered (a
+layer in use and the next, prefetched). glibc's mmap threshold is fixed at 64 KiB (as in the run-safety test)
 so that freed library buffers leave the RSS.
 """
 import argparse
@@ -39,7 +40,7 @@ def main():
               "peak RSS MiB", "check / RSS", "step ms"]
     rows = []
     for n in [int(x) for x in a.ranks.split(",")]:
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2, 3):
             label = "DP%d ZeRO-%d" % (n, zero)
             mpath = os.path.join(a.dir, "dp%d_z%d.jsonl" % (n, zero))
             if os.path.exists(mpath):

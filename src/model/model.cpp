@@ -301,21 +301,24 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
     head_begin_ = lnf_w_;  // final norm and (untied) LM head: the end of the buffer
   }
   if (!cfg.is_gpt2()) rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
-  // Where each layer's parameters start in the buffer (for the gradient-ready hook).
-  const std::string prefix = cfg.is_gpt2() ? "h." : "model.layers.";
-  auto begins = [&](const Params& buf) {
+  // Where each layer's parameters start in the buffer (for the gradient-ready hook), and each unit's
+  // ranges (for ZeRO-3's gathers): tensors grouped by param_unit.
+  units_.resize(size_t(cfg.num_layers));
+  auto begins = [&](const Params& buf, std::vector<Range> WeightUnit::*ranges) {
     std::vector<int64_t> begin(size_t(cfg.num_layers), INT64_MAX);
     for (size_t i = 0; i < buf.table().size(); ++i) {
-      const std::string& n = buf.table()[i].name;
-      if (n.rfind(prefix, 0) == 0) {
-        const size_t l = std::stoul(n.substr(prefix.size()));
-        begin[l] = std::min(begin[l], buf.offset(i));
-      }
+      const int64_t u = param_unit(buf.table()[i].name);
+      const Range r{buf.offset(i), buf.offset(i) + buf.local_numel(i)};
+      WeightUnit& unit = u >= 0 ? units_[size_t(u)] : u == kEmbeddingUnit ? embedding_unit_ : head_unit_;
+      if (ranges) (unit.*ranges).push_back(r);
+      if (u >= 0) begin[size_t(u)] = std::min(begin[size_t(u)], r.begin);
+      // The LM head reads the tied embedding (on the last stage under PP: its own copy).
+      if (u == kEmbeddingUnit && ranges == &WeightUnit::dense && r.begin == head_) head_unit_.dense.push_back(r);
     }
     return begin;
   };
-  layer_begin_ = begins(params_);
-  expert_begin_ = begins(experts_);
+  layer_begin_ = begins(params_, &WeightUnit::dense);
+  expert_begin_ = begins(experts_, &experts_ != &params_ ? &WeightUnit::experts : nullptr);  // a dense model: one buffer
   for (int64_t l = cfg.num_layers - 1, above = experts_.size(); l >= 0; --l)  // a layer without experts: as above it
     above = expert_begin_[size_t(l)] = std::min(expert_begin_[size_t(l)], above);
   free_.resize(part_.chunks.size());
@@ -776,11 +779,21 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
     size_slot(*slot, Lc + 1, r.begin, kept, recompute_ == Recompute::none ? Lc : 0, slot_bytes(cfg_, activation_shape(), r));
   }
   float* resid = slot->resid.data();
-  if (chunk == 0 && part_.embedding) embed(resid, tokens);
-  else std::memcpy(resid, input, size_t(NlC) * sizeof(float));
+  if (Lc > 0) use_weights(WeightUse::prefetch, units_[size_t(r.begin)]);
+  if (chunk == 0 && part_.embedding) {
+    use_weights(WeightUse::need, embedding_unit_);
+    embed(resid, tokens);
+    use_weights(WeightUse::done, embedding_unit_);
+  } else {
+    std::memcpy(resid, input, size_t(NlC) * sizeof(float));
+  }
   Losses out;
   for (int64_t i = 0; i < Lc; ++i) {
-    layer_forward(r.begin + i, layer_acts(*slot, i), resid + i * NlC, resid + (i + 1) * NlC, &out);
+    const int64_t l = r.begin + i;
+    if (i + 1 < Lc) use_weights(WeightUse::prefetch, units_[size_t(l + 1)]);
+    use_weights(WeightUse::need, units_[size_t(l)]);
+    layer_forward(l, layer_acts(*slot, i), resid + i * NlC, resid + (i + 1) * NlC, &out);
+    use_weights(WeightUse::done, units_[size_t(l)]);
     if (progress_) progress_();
   }
   live_bytes_ += slot->bytes();
@@ -818,7 +831,9 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   float* d_res = scratch_->d_res.data();  // ∂/∂(residual stream) at the current depth, this rank's tokens
   Losses out;
   if (head_chunk) {
+    use_weights(WeightUse::need, head_unit_);
     out = head(resid + Lc * NlC, tokens, loss_scale, true, logits_BTV);
+    use_weights(WeightUse::done, head_unit_);
     grads_ready(head_begin_, experts_.size());
   } else {
     std::memcpy(d_res, d_output, size_t(NlC) * sizeof(float));
@@ -826,13 +841,16 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   for (int64_t i = Lc - 1; i >= 0; --i) {
     const int64_t l = r.begin + i;
     const LayerActs a = layer_acts(slot, i);
+    if (i > 0) use_weights(WeightUse::prefetch, units_[size_t(l - 1)]);
+    use_weights(WeightUse::need, units_[size_t(l)]);
     if (recompute_ == Recompute::full)  // rebuild the layer's buffers; its output is rewritten unchanged
       layer_forward(l, a, resid + i * NlC, resid + (i + 1) * NlC, nullptr);
     layer_backward(l, a, resid + i * NlC, d_res, loss_scale);
+    use_weights(WeightUse::done, units_[size_t(l)]);
     grads_ready(layer_begin_[size_t(l)], expert_begin_[size_t(l)]);
     if (progress_) progress_();
   }
-  if (chunk == 0 && part_.embedding) {
+  if (chunk == 0 && part_.embedding) {  // writes gradients only: no weights needed
     const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);
     gather_tokens(scratch_->inputs.data(), tokens, 0);
     embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
@@ -846,9 +864,11 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
 Losses Model::forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy,
                            float* logits_BTV) {
   Losses out = forward(mb, chunk, tokens, input);
-  if (part_.head && chunk == int(part_.chunks.size()) - 1)
+  if (part_.head && chunk == int(part_.chunks.size()) - 1) {
+    use_weights(WeightUse::need, head_unit_);
     out += head(output(mb, chunk), tokens, 1.f, false, logits_BTV);
-  else
+    use_weights(WeightUse::done, head_unit_);
+  } else
     std::memcpy(output_copy, output(mb, chunk), size_t(tp_.local_tokens(B_ * T_) * cfg_.hidden) * sizeof(float));
   release(mb, chunk);
   return out;

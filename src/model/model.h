@@ -158,6 +158,13 @@ class Model {
   // Called after every layer's forward and backward: lets the pipeline drive its non-blocking
   // transfers (MPI moves a large message only while the sender and the receiver call into it).
   void on_progress(std::function<void()> fn) { progress_ = std::move(fn); }
+  // ZeRO-3: called with each unit's ranges of the buffer and of the experts' buffer (param_unit: a
+  // layer, the embedding, the head with the tied embedding it reads) before the model reads them
+  // (need), after it has finished with them (done), and a unit ahead (prefetch: the next layer).
+  struct WeightUnit {
+    std::vector<Range> dense, experts;
+  };
+  void on_weights(std::function<void(WeightUse, const WeightUnit&)> fn) { weights_ = std::move(fn); }
 
   // Tokens this rank routed to each expert per MoE layer ([L][E], global layer index, the router's
   // choices before any capacity drop; zeros for layers on other stages and dense layers; empty for
@@ -213,6 +220,10 @@ class Model {
   void grads_ready(int64_t offset, int64_t expert_offset) {
     if (grads_ready_) grads_ready_(offset, expert_offset);
   }
+  void use_weights(WeightUse use, const WeightUnit& unit) {
+    if (weights_) weights_(use, unit);
+  }
+  const WeightUnit& layer_unit(int64_t l) const { return units_[size_t(l)]; }
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
   void mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F);
@@ -262,6 +273,9 @@ class Model {
   std::vector<int64_t> expert_begin_;  // the same in the experts' buffer (carried over dense layers)
   int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1, head_begin_ = -1;
   std::function<void(int64_t, int64_t)> grads_ready_;
+  std::function<void(WeightUse, const WeightUnit&)> weights_;
+  std::vector<WeightUnit> units_;            // by global layer index (ranges of this stage's layers)
+  WeightUnit embedding_unit_, head_unit_;    // the head's includes the tied embedding's ranges
   std::function<void()> progress_;
   RopeTable rope_;
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> live_;  // (micro-batch, chunk) → slot

@@ -179,14 +179,24 @@ int64_t num_parameters(const ModelConfig& cfg) {
   return n.get();
 }
 
+int64_t param_unit(const std::string& name) {
+  for (const char* prefix : {"h.", "model.layers."})  // gpt2, the others
+    if (name.rfind(prefix, 0) == 0) return std::stoll(name.substr(std::strlen(prefix)));
+  for (const char* embedding : {"wte.", "wpe.", "model.embed_tokens."})
+    if (name.rfind(embedding, 0) == 0) return kEmbeddingUnit;
+  return kHeadUnit;
+}
+
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout) {
   ORIGAMI_ASSERT(layout.tp >= 1 && layout.dp >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp);
   // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a
-  // tensor); a pp_shared tensor is a bucket of its own.
+  // tensor); a pp_shared tensor is a bucket of its own; under unit_buckets a bucket holds one unit's.
   std::vector<size_t> first_of_bucket;  // table index where each bucket starts, last bucket first
   Size filled = 0;
   for (size_t i = table.size(); i-- > 0;) {
-    if (table[i].pp_shared && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
+    const bool new_unit = layout.unit_buckets && i + 1 < table.size() &&
+                          param_unit(table[i].name) != param_unit(table[i + 1].name);
+    if ((table[i].pp_shared || new_unit) && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
     filled += table[i].local_numel(layout.tp);
     if (i == 0 || table[i].pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats)) {
       first_of_bucket.push_back(i);
@@ -202,23 +212,30 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
     const Size begin = off;
     for (size_t i = first_of_bucket[b]; i < end; ++i) plan.offsets[i] = off.get(), off += table[i].local_numel(layout.tp);
     plan.bucket_data.push_back((off - begin).get());
+    plan.bucket_unit.push_back(param_unit(table[first_of_bucket[b]].name));
     off = begin + (off - begin + layout.dp - 1) / layout.dp * layout.dp;
     plan.buckets.push_back(Range{begin.get(), off.get()});
   }
   // Built first bucket first; listed in the order gradients become final (last bucket first).
   std::reverse(plan.buckets.begin(), plan.buckets.end());
   std::reverse(plan.bucket_data.begin(), plan.bucket_data.end());
+  std::reverse(plan.bucket_unit.begin(), plan.bucket_unit.end());
   plan.size = off.get();
   return plan;
 }
 
 void Params::keep_bf16_copy() {
-  low_.resize(data_.size());
+  low_ = ReleasablePages(2 * size_, "the bf16 copy of the weights");
   refresh_bf16_copy();
 }
 
-void Params::refresh_bf16_copy() {
-  if (!low_.empty()) round_to_bf16(low_.data(), data_.data(), size());
+void Params::refresh_bf16_copy(Range r) {
+  if (low_.data() != nullptr) round_to_bf16(static_cast<bf16*>(low_.data()) + r.begin, data() + r.begin, r.end - r.begin);
+}
+
+void Params::release_values(Range r, Range copy) {
+  data_.release(r.begin * int64_t(sizeof(float)), r.end * int64_t(sizeof(float)));
+  if (low_.data() != nullptr) low_.release(copy.begin * 2, copy.end * 2);
 }
 
 Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::move(table)), layout_(layout) {
@@ -226,8 +243,8 @@ Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::m
   BufferPlan plan = plan_buffer(table_, layout_);
   offsets_ = std::move(plan.offsets);
   buckets_ = std::move(plan.buckets);
-  const size_t bytes = std::max<size_t>(1, size_t(plan.size) * sizeof(float));
-  allocating("the parameters", int64_t(bytes), [&] { data_.assign(size_t(plan.size), 0.f); });
+  size_ = plan.size;
+  data_ = ReleasablePages(int64_t(plan.size) * int64_t(sizeof(float)), "the parameters");
   grad_ = ReleasablePages(int64_t(plan.size) * int64_t(sizeof(float)), "the gradients");
 }
 
@@ -250,7 +267,7 @@ int64_t Params::index(const std::string& name) const {
 float* Params::value(const std::string& name) {
   int64_t i = index(name);
   ORIGAMI_CHECK(i >= 0, "internal error: no parameter named '", name, "'");
-  return data_.data() + offsets_[size_t(i)];
+  return data() + offsets_[size_t(i)];
 }
 
 float* Params::grad(const std::string& name) {
@@ -263,7 +280,7 @@ void Params::init(uint64_t seed, int64_t num_layers) {
   const double std_normal = 0.02, std_scaled = 0.02 / std::sqrt(2.0 * double(num_layers));
   for (size_t i = 0; i < table_.size(); ++i) {
     const ParamSpec& p = table_[i];
-    float* w = data_.data() + offsets_[i];
+    float* w = data() + offsets_[i];
     const uint64_t key = hash_name(p.name);
     const double s = p.init == Init::normal ? std_normal : std_scaled;
     p.for_each_run(layout_.tp, layout_.tp_rank, [&](int64_t local, int64_t global, int64_t n) {
@@ -280,6 +297,6 @@ void Params::init(uint64_t seed, int64_t num_layers) {
   }
 }
 
-void Params::zero_grad() { std::memset(grad(), 0, data_.size() * sizeof(float)); }
+void Params::zero_grad() { std::memset(grad(), 0, size_t(size_) * sizeof(float)); }
 
 }  // namespace origami

@@ -94,7 +94,19 @@ struct ParamLayout {
   int tp = 1, tp_rank = 0;
   int dp = 1;                 // buckets are padded to a multiple of this
   int64_t bucket_floats = 0;  // target bucket size; 0: one bucket
+  bool unit_buckets = false;  // ZeRO-3: a bucket also closes where param_unit changes, so that the
+                              // model's units (a layer, the embedding, the head) own whole buckets
 };
+
+// The unit of the model a tensor belongs to, the granularity at which ZeRO-3 gathers parameters:
+// its layer index, kEmbeddingUnit (the token and position embeddings) or kHeadUnit (the final norm and
+// an untied LM head).
+constexpr int64_t kEmbeddingUnit = -1, kHeadUnit = -2;
+int64_t param_unit(const std::string& name);
+
+// ZeRO-3: how the model uses a unit's parameters (Model::on_weights): it may need them soon
+// (prefetch: a gather may start), needs them now (need: gathered and kept until done), is done.
+enum class WeightUse { prefetch, need, done };
 
 struct Range {
   int64_t begin, end;  // [begin, end) of the flat buffer
@@ -106,6 +118,8 @@ struct BufferPlan {
   std::vector<int64_t> offsets;      // per table entry
   std::vector<Range> buckets;        // in the order their gradients become final (last tensors first)
   std::vector<int64_t> bucket_data;  // floats of tensors in each bucket; the rest of it is padding
+  std::vector<int64_t> bucket_unit;  // param_unit of each bucket's first tensor (under unit_buckets,
+                                     // of all its tensors)
   int64_t size = 0;                  // floats in the buffer, padding included
 };
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout);
@@ -127,9 +141,9 @@ class Params {
   const std::vector<Range>& buckets() const { return buckets_; }
   // The parameter segments covered by `ranges` (bucket padding excluded), in buffer order.
   std::vector<Segment> segments(const std::vector<Range>& ranges) const;
-  int64_t size() const { return int64_t(data_.size()); }
-  float* data() { return data_.data(); }
-  const float* data() const { return data_.data(); }
+  int64_t size() const { return size_; }
+  float* data() { return static_cast<float*>(data_.data()); }
+  const float* data() const { return static_cast<const float*>(data_.data()); }
   float* grad() { return static_cast<float*>(grad_.data()); }
   const float* grad() const { return static_cast<const float*>(grad_.data()); }
   int64_t offset(size_t i) const { return offsets_[i]; }
@@ -146,10 +160,14 @@ class Params {
   void zero_grad();
   // Mixed precision: a bf16 copy of the values (the GEMMs' weights), kept from keep_bf16_copy() on and
   // made again from the values by refresh_bf16_copy(), which whoever changes the values calls (the
-  // optimizer step with ZeRO's gather, a load). bf16_copy() is null while none is kept.
+  // optimizer step with ZeRO's gather, a load; ZeRO-3 a gathered range). bf16_copy() is null while
+  // none is kept.
   void keep_bf16_copy();
-  void refresh_bf16_copy();
-  const bf16* bf16_copy() const { return low_.empty() ? nullptr : low_.data(); }
+  void refresh_bf16_copy() { refresh_bf16_copy({0, size_}); }
+  void refresh_bf16_copy(Range r);
+  const bf16* bf16_copy() const { return static_cast<const bf16*>(low_.data()); }
+  // ZeRO-3: zeroes the values of r, and the bf16 copy of `copy`, returning their pages.
+  void release_values(Range r, Range copy);
 
   // Zeroes the gradient buffer, or its elements [r.begin, r.end), by returning their pages to the
   // operating system: memory is used again only where gradients are next written (ZeRO-2 keeps only
@@ -163,8 +181,9 @@ class Params {
   std::vector<int64_t> offsets_;
   std::vector<Range> buckets_;
   std::unordered_map<std::string, size_t> by_name_;
-  std::vector<float> data_;
-  std::vector<bf16> low_;  // the bf16 copy (mixed precision), else empty
+  int64_t size_ = 0;
+  ReleasablePages data_;
+  ReleasablePages low_;  // the bf16 copy (mixed precision), else none
   ReleasablePages grad_;
 };
 

@@ -15,13 +15,16 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
                            DType wire)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
       sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32) {
-  ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 2, "--zero must be 0, 1 or 2, got ", zero_);
+  ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 3, "--zero must be 0, 1, 2 or 3, got ", zero_);
   ORIGAMI_ASSERT(wire == DType::f32 || wire == DType::bf16);
   ORIGAMI_ASSERT(params.layout().dp == dp.size());
   shards_ = bucket_shards(params.buckets(), dp.size(), dp.rank());
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
   if (wire_ == DType::bf16) low_ = ReleasablePages(2 * params.size(), "the bf16 gradient reduction buffer");
   pending_.resize(params.buckets().size());
+  gathers_.resize(params.buckets().size());
+  held_.assign(params.buckets().size(), 0);
+  gathered_.assign(params.buckets().size(), 0);
   started_.assign(params.buckets().size(), kIdle);
   const std::vector<ParamSpec>& table = params.table();
   for (const Segment& seg : params.segments(owned_)) {
@@ -55,14 +58,19 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 }
 
 void DataParallel::begin_step() {
-  if (zero_ == 2) params_.release_grad();  // the shards accumulate from zero; nothing else is resident
+  if (zero_ >= 2) params_.release_grad();  // the shards accumulate from zero; nothing else is resident
   else params_.zero_grad();
+  if (zero_ == 3)  // only the shards of the values (the full buffer after an init or a load)
+    for (size_t b = 0; b < gathered_.size(); ++b) {
+      ORIGAMI_ASSERT(held_[b] == 0 && !gathers_[b].pending());
+      drop_values(b);
+    }
   std::fill(started_.begin(), started_.end(), kIdle);
 }
 
 void DataParallel::begin_backward(bool final) {
-  if (zero_ == 2) std::fill(started_.begin(), started_.end(), kIdle);  // every pass reduces every bucket
-  armed_ = zero_ == 2 || final;
+  if (zero_ >= 2) std::fill(started_.begin(), started_.end(), kIdle);  // every pass reduces every bucket
+  armed_ = zero_ >= 2 || final;
 }
 
 // Bucket b (elements r) is reduced in place. ZeRO 0 all-reduces it. ZeRO ≥ 1 reduce-scatters it: the
@@ -72,7 +80,7 @@ void DataParallel::begin_backward(bool final) {
 // low_ and, under ZeRO ≥ 1, this rank's own block there is zeroed: it never travels, so it is not
 // rounded; the others' sum is widened and added to s in fp32.
 void DataParallel::start_bucket(size_t b) {
-  if (zero_ == 2)  // one reduction in flight at most: two buckets resident beside the shards
+  if (zero_ >= 2)  // one reduction in flight at most: two buckets resident beside the shards
     for (size_t p = 0; p < started_.size(); ++p)
       if (started_[p] == kInFlight) complete_bucket(p);
   const Range& r = params_.buckets()[b];
@@ -114,14 +122,14 @@ void DataParallel::complete_bucket(size_t b) {
   } else if (zero_ >= 1 && s.begin != r.begin) {
     std::memmove(g + s.begin, g + r.begin, size_t(s.end - s.begin) * sizeof(float));
   }
-  if (zero_ == 2) {  // keep only the shard
+  if (zero_ >= 2) {  // keep only the shard
     params_.release_grad({r.begin, s.begin});
     params_.release_grad({s.end, r.end});
   }
 }
 
 void DataParallel::end_backward() {
-  if (zero_ == 2) {
+  if (zero_ >= 2) {
     grads_ready(0);  // every bucket, in case backward did not announce them all
     for (size_t b = 0; b < started_.size(); ++b)
       if (started_[b] == kInFlight) complete_bucket(b);
@@ -181,12 +189,67 @@ Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, 
 }
 
 void DataParallel::gather_params() {
-  if (zero_ == 0 || dp_.size() == 1) return;
-  float* w = params_.data();
+  if (zero_ == 3) return;
+  if (zero_ > 0 && dp_.size() > 1) {
+    float* w = params_.data();
+    const std::vector<Range>& buckets = params_.buckets();
+    for (size_t b = 0; b < buckets.size(); ++b)  // in place: this rank's shard already sits at its position
+      pending_[b] = dp_.iall_gather(w + buckets[b].begin, w + shards_[b].begin, shards_[b].end - shards_[b].begin, DType::f32);
+    for (Request& r : pending_) r.wait();
+  }
+  params_.refresh_bf16_copy();
+}
+
+std::vector<size_t> DataParallel::buckets_of(const std::vector<Range>& unit) const {
+  std::vector<size_t> out;
   const std::vector<Range>& buckets = params_.buckets();
-  for (size_t b = 0; b < buckets.size(); ++b)  // in place: this rank's shard already sits at its position
-    pending_[b] = dp_.iall_gather(w + buckets[b].begin, w + shards_[b].begin, shards_[b].end - shards_[b].begin, DType::f32);
-  for (Request& r : pending_) r.wait();
+  for (size_t b = 0; b < buckets.size(); ++b)
+    for (const Range& r : unit)
+      if (r.begin < buckets[b].end && buckets[b].begin < r.end) {
+        out.push_back(b);
+        break;
+      }
+  return out;
+}
+
+void DataParallel::start_gather(size_t b) {
+  if (gathered_[b] || gathers_[b].pending()) return;
+  float* w = params_.data();
+  const Range &r = params_.buckets()[b], &s = shards_[b];
+  gathers_[b] = dp_.iall_gather(w + r.begin, w + s.begin, s.end - s.begin, DType::f32);  // in place
+}
+
+void DataParallel::drop_values(size_t b) {
+  const Range &r = params_.buckets()[b], &s = shards_[b];
+  params_.release_values({r.begin, s.begin}, r);
+  params_.release_values({s.end, r.end}, {r.end, r.end});
+  gathered_[b] = 0;
+}
+
+void DataParallel::use_weights(WeightUse use, const std::vector<Range>& unit) {
+  if (zero_ != 3) return;
+  const std::vector<size_t> buckets = buckets_of(unit);
+  switch (use) {
+    case WeightUse::prefetch:
+      for (size_t b : buckets) start_gather(b);
+      break;
+    case WeightUse::need:
+      for (size_t b : buckets) start_gather(b), ++held_[b];
+      for (size_t b : buckets)
+        if (!gathered_[b]) {
+          gathers_[b].wait();
+          gathers_[b] = Request();
+          params_.refresh_bf16_copy(params_.buckets()[b]);  // bf16: the GEMMs' copy of the gathered values
+          gathered_[b] = 1;
+        }
+      break;
+    case WeightUse::done:
+      for (size_t b : buckets) {
+        ORIGAMI_ASSERT(held_[b] > 0);
+        if (--held_[b] == 0) drop_values(b);
+      }
+      break;
+  }
 }
 
 }  // namespace origami

@@ -12,6 +12,13 @@
 //             but the shard's is returned, and a bucket starts only after the one before it has
 //             completed: besides the shards, at most two buckets are resident (one reducing, one
 //             being written by backward)
+//   --zero 3  as 2, and the parameters too are sharded: between uses a rank holds only its shard of
+//             each bucket. The model announces each unit (a layer, the embedding, the head;
+//             Model::on_weights) before it reads it: use_weights(need) all-gathers the unit's
+//             buckets in place (a prefetch starts the next unit's gather early), use_weights(done)
+//             returns every page but the shard's. Buckets are unit-aligned (ParamLayout::unit_buckets),
+//             so a rank holds its shards plus two units (the one in use, the one prefetched). The bf16
+//             copy of a unit is rounded when it is gathered and released with it.
 //
 // --grad-reduce-dtype bf16 (`wire` DType::bf16): each bucket is rounded to bf16 before its reduction,
 // which then sends half the bytes and sums in bf16 (comm.h). ZeRO 0 widens the all-reduced bucket back
@@ -82,12 +89,18 @@ class DataParallel {
   // norm — NaN when a gradient element it applies but does not count (a TP replica on TP rank ≥ 1)
   // is not finite, so no rank updates with it. finish_gradients (below) calls it.
   double complete_gradients();
-  // After the optimizer updated the owned ranges (ZeRO ≥ 1): all-gathers every bucket's parameters.
+  // After the optimizer updated the owned ranges: ZeRO 1/2 all-gather every bucket's parameters; the
+  // bf16 copy (if kept) is rounded again. ZeRO-3 does neither: units are gathered when needed.
   void gather_params();
+  // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
+  void use_weights(WeightUse use, const std::vector<Range>& unit);
 
  private:
   void start_bucket(size_t b);
   void complete_bucket(size_t b);
+  std::vector<size_t> buckets_of(const std::vector<Range>& unit) const;
+  void start_gather(size_t b);
+  void drop_values(size_t b);  // ZeRO-3: returns bucket b's pages but the shard's
 
   Params& params_;
   Comm &dp_, &tp_;
@@ -106,6 +119,10 @@ class DataParallel {
   std::vector<Request> pending_;     // per bucket
   enum : uint8_t { kIdle, kInFlight, kDone };
   std::vector<uint8_t> started_;     // per bucket, this pass
+  // ZeRO-3, per bucket: its all-gather, the units using it, whether its values are all present.
+  std::vector<Request> gathers_;
+  std::vector<int> held_;
+  std::vector<uint8_t> gathered_;
   bool armed_ = false;
 };
 

@@ -144,7 +144,7 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
 
 const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& mesh, int rank) {
   const MeshDims& m = mesh.dims();
-  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb, rank, o.mesh_order, o.pp_layers};
+  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb, o.zero == 3, rank, o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);
   if (found != buffers_.end()) return found->second;
   // The stage's tables, cut for this rank's EP rank.
@@ -240,9 +240,10 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     if (x > 0) out.exposed_s[k] = double(micro) * x;
   out.bubble_s = makespan - double(micro) * (worst_f + worst_b);
 
-  // After backward: the gradient buckets' tail (the last bucket of each set; ZeRO's parameter gather
-  // whole; of the other buckets what the cluster does not overlap with backward), the tied embedding
-  // and the world's reductions; then AdamW's pass over the owned state.
+  // After backward: the gradient buckets' tail (the last bucket of each set; ZeRO-1/2's parameter
+  // gather whole; of the other buckets what the cluster does not overlap with backward), the tied
+  // embedding and the world's reductions; then AdamW's pass over the owned state. ZeRO-3 gathers each
+  // unit before use, the next one prefetched: overlapped like the reductions, nothing after the step.
   double after = 0;
   const double bucket = o.bucket_mb * 1024 * 1024;  // bytes of fp32 gradients per bucket
   for (const char* key : {"dp", "dp-cp", "edp"}) {
@@ -251,7 +252,8 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const std::string axes = key;
     const int group = axes == "edp" ? m.edp : axes == "dp" ? m.dp : m.dp * c;
     const bool inter = tier(0, axes == "edp" ? "edp" : "dp-cp");
-    const double total = it->second, gather = o.zero > 0 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
+    const double total = it->second;
+    const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
     const double hidden = cluster.comm_overlap * (total - gather - tail);
     out.exposed_s[axes] = cluster.transfer_seconds(total - hidden, 2 * (group - 1), inter);

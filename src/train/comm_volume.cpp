@@ -14,14 +14,35 @@ namespace {
 
 // One parameter set's data-parallel traffic over a group of `group` ranks (data_parallel.h): ZeRO 0
 // all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
-// parameters, ZeRO 2 reduce-scatters after each of the step's `passes` backward passes. Gradients
-// travel as `wire` (--grad-reduce-dtype), the gathered parameters as fp32.
-double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes, DType wire) {
+// parameters, ZeRO 2 and 3 reduce-scatter after each of the step's `passes` backward passes; ZeRO 3
+// gathers `gathered_floats` of parameters in the step instead (unit_gathers). Gradients travel as
+// `wire` (--grad-reduce-dtype), the gathered parameters as fp32.
+double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes, DType wire,
+                      double gathered_floats) {
   const double padded = double(buffer.buckets), g = double(group > 1 ? dtype_bytes(wire) : 4);
   if (zero == 0) return all_reduce_bytes(group, g * padded);
   // every bucket, each rank its shard
-  const double reduced = scatter_gather_bytes(group, g * padded / group), gathered = scatter_gather_bytes(group, 4 * padded / group);
-  return double(zero == 2 ? passes : 1) * reduced + gathered;
+  const double reduced = scatter_gather_bytes(group, g * padded / group);
+  const double gathered = scatter_gather_bytes(group, 4 * (zero == 3 ? gathered_floats : padded) / group);
+  return double(zero >= 2 ? passes : 1) * reduced + gathered;
+}
+
+// ZeRO-3: the floats one stage gathers in a step (Model::on_weights): per micro-batch and chunk, each
+// layer's unit in forward and again in backward, the embedding's in forward (chunk 0), the head's
+// (with the tied embedding) in backward (the last chunk). `experts`: the experts' buffer (layers only).
+double unit_gathers(const BufferFigures& f, const ModelPart& part, int64_t micro, bool experts) {
+  auto unit = [&](int64_t u) {
+    const auto it = f.unit_floats.find(u);
+    return it == f.unit_floats.end() ? 0.0 : double(it->second);
+  };
+  double per_micro = 0;
+  for (size_t c = 0; c < part.chunks.size(); ++c) {
+    for (int64_t l = part.chunks[c].begin; l < part.chunks[c].end; ++l) per_micro += 2 * unit(l);
+    if (experts) continue;
+    if (c == 0 && part.embedding) per_micro += unit(kEmbeddingUnit);
+    if (c + 1 == part.chunks.size() && part.head) per_micro += double(f.head_gather);
+  }
+  return double(micro) * per_micro;
 }
 
 }  // namespace
@@ -71,11 +92,13 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   // Gradients: the dense buffer over DP × CP, the experts' over EDP; TP-partial gradients over TP.
   const int grad_group = m.dp * c;
   const int64_t passes = micro * int64_t(part.chunks.size());
-  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes, o.grad_reduce_wire()));
+  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes, o.grad_reduce_wire(),
+                                              unit_gathers(buffers.dense, part, micro, false)));
   total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial(o.zero, t, o.sequence_parallel)));
   add("tp", total_tp);
   if (buffers.experts.size > 0)
-    add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes, o.grad_reduce_wire()));
+    add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes, o.grad_reduce_wire(),
+                              unit_gathers(buffers.experts, part, micro, true)));
   // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.
   if (p > 1 && (stage == 0 || stage == p - 1))
     for (int64_t bucket : buffers.shared_buckets)

@@ -8,6 +8,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,11 @@ struct BufferFigures {
   int64_t shard = 0;       // floats of this rank's shards of the buckets (ZeRO)
   int64_t shard_data = 0;  // tensor elements inside those shards
   int64_t largest[2] = {0, 0};  // floats of its two largest buckets, the largest first (ZeRO-2's in flight)
+  // ZeRO-3 (unit-aligned buckets): floats of the buckets of each unit (param_unit), of those the LM
+  // head's gather takes (the head unit's and the tied embedding's), and the two largest gathers.
+  std::map<int64_t, int64_t> unit_floats;
+  int64_t head_gather = 0;
+  int64_t largest_gathers[2] = {0, 0};
 };
 
 // What a rank's memory and gradient traffic depend on in its parameter buffers: the dense tensors

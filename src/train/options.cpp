@@ -129,7 +129,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   grad_reduce_wire();
   // Layout.
   parse_recompute(recompute);
-  ORIGAMI_CHECK(zero >= 0 && zero <= 2, "--zero must be 0, 1 or 2, got ", zero);
+  ORIGAMI_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
   ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
   // The MoE mesh: experts over EP, each expert's FFN over ETP, EDP the rest of a pipeline stage's ranks.
   ORIGAMI_CHECK(ep >= 1 && etp >= 1, "--ep and --etp must be at least 1, got --ep ", ep, " --etp ", etp);
@@ -229,7 +229,7 @@ TrainOptions TrainOptions::resolved(int world_size) const {
 }
 
 ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) const {
-  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float))};
+  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float)), zero == 3};
 }
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {

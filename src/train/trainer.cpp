@@ -352,6 +352,11 @@ Run::Run(Opened opened, Comm& world)
     params_.dense.dp.grads_ready(offset);
     params_.experts.dp.grads_ready(expert_offset);
   });
+  if (o_.zero == 3)  // each unit's parameters gathered over its group when the model reads them
+    model_.on_weights([this](WeightUse use, const Model::WeightUnit& unit) {
+      params_.dense.dp.use_weights(use, unit.dense);
+      params_.experts.dp.use_weights(use, unit.experts);
+    });
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.global_batch * o_.seq_len, cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_step_ = train_flops_per_token(cfg_, o_.seq_len) * double(info_.tokens);
   if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
@@ -476,8 +481,7 @@ Run::Update Run::train(int64_t step) {
   }
   for (ParamSet* set : params_.sets()) {
     set->opt.step(set->params, up.lr, clip_coefficient(up.grads.norm, o_.grad_clip));
-    set->dp.gather_params();
-    set->params.refresh_bf16_copy();  // bf16: the GEMMs' copy of the updated weights
+    set->dp.gather_params();  // and the GEMMs' bf16 copy of the updated weights
   }
   last_update_ = step + 1;
   return up;

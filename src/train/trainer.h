@@ -82,7 +82,7 @@ struct TrainOptions {
   std::vector<int> pp_layers;  // layers of each virtual stage; empty: an even split
   std::string recompute = "none";  // none | selective | full
   bool sequence_parallel = false;
-  int zero = 0;                // ZeRO stage 0, 1, 2
+  int zero = 0;                // ZeRO stage 0, 1, 2, 3
   double bucket_mb = 16;       // data-parallel gradient bucket size (MiB of fp32 gradients)
   std::string mesh_order = "tp-cp-ep-dp-pp";
   // MoE routing (model/layers/moe.h).

@@ -50,6 +50,7 @@ LAYOUTS = [
     ("TP2+SP", 2, ["--tp", "2", "--sequence-parallel"]),
     ("DP2 ZeRO-1", 2, ["--zero", "1"]),
     ("DP2 ZeRO-2 grad-reduce bf16", 2, ["--zero", "2", "--grad-reduce-dtype", "bf16"]),
+    ("DP2 ZeRO-3", 2, ["--zero", "3"]),
     ("PP2", 2, ["--pp", "2"]),
     ("CP2 p2p", 2, ["--cp", "2"]),
     ("CP2 a2a", 2, ["--cp", "2", "--cp-comm", "a2a"]),

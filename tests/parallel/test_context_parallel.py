@@ -106,6 +106,7 @@ LAYOUTS = [
     ("CP2xTP2+SP a2a", 4, ["--cp", "2", "--tp", "2", "--sequence-parallel"] + A2A, None),
     ("CP2xPP2 v2 interleaved", 4, ["--cp", "2", "--pp", "2", "--vpp", "2"] + P2P, None),
     ("CP2xDP2 z1 a2a", 4, ["--cp", "2", "--zero", "1"] + A2A, None),
+    ("CP2xDP2 z3 p2p", 4, ["--cp", "2", "--zero", "3"] + P2P, None),
     ("CP2xTP2xPP2 p2p", 8, ["--cp", "2", "--tp", "2", "--pp", "2"] + P2P, None),
     ("CP2 p2p recompute full", 2, ["--cp", "2", "--recompute", "full"] + P2P, None),
     ("CP2 a2a recompute selective", 2, ["--cp", "2", "--recompute", "selective"] + A2A, None),

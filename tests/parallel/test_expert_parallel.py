@@ -50,6 +50,7 @@ LAYOUTS = [
     ("EP2 x TP2+SP x PP2", CFG8, 8, ["--ep", "2", "--tp", "2", "--sequence-parallel", "--pp", "2"], 8),
     ("EP4 z1", CFG8, 4, ["--ep", "4", "--zero", "1"], 8),
     ("EP4 z2 (2 micro)", CFG8, 4, ["--ep", "4", "--zero", "2"], 16),
+    ("EP2xEDP2 z3 (2 micro)", CFG8, 4, ["--ep", "2", "--zero", "3"], 16),
     ("EP2 recompute full", CFG8, 2, ["--ep", "2", "--recompute", "full"], 8),
     ("6e top-3 EP2", CFG6, 2, ["--ep", "2"], 8),
     ("6e top-3 EP3", CFG6, 3, ["--ep", "3"], 12),

@@ -120,8 +120,8 @@ def part_a(tmp, data):
                  ["--pp", "2", "--vpp", "2"], ["micro-batches"], [1, 2])
     # A context-parallel degree below 1 (its own mistakes are test_context_parallel.py's).
     layout_error(tmp, data, "--cp 0", 2, gpt2, ["--cp", "0"], ["cp"], [0])
-    # ZeRO stage 3 does not exist here.
-    layout_error(tmp, data, "--zero 3", 2, gpt2, ["--zero", "3"], ["zero"], [3])
+    # ZeRO stage 4 does not exist.
+    layout_error(tmp, data, "--zero 4", 2, gpt2, ["--zero", "4"], ["zero"], [4])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,6 +78,11 @@ LAYOUTS = [
     ("DP4 z2 (2 micro)", 4, ["--zero", "2"], 16),
     ("DP2 (4 micro)", 2, [], 16),
     ("DP2xTP4+SP z2", 8, ["--tp", "4", "--sequence-parallel", "--zero", "2"], 16),
+    # ZeRO-3: every parameter sharded, each layer gathered when used (and again for backward)
+    ("DP2 z3", 2, ["--zero", "3"], 8),
+    ("DP4 z3 (2 micro)", 4, ["--zero", "3"], 16),
+    ("DP2xTP2+SP z3", 4, ["--tp", "2", "--sequence-parallel", "--zero", "3"], 8),
+    ("DP2 z3 recompute full", 2, ["--zero", "3", "--recompute", "full"], 8),
     # the mesh order only renumbers ranks: dp varies fastest here
     ("DP2xTP2 dp-first order", 4, ["--tp", "2", "--mesh-order", "dp-tp-cp-ep-pp"], 8),
     # vocabulary 257 (the byte tokenizer's) is padded to a multiple of TP inside the shards; the

@@ -52,6 +52,8 @@ LAYOUTS = [
     ("PP2 gpipe", 2, ["--pp", "2", "--pp-schedule", "gpipe"], ["none"], ["gpt2", "mixtral"], 4),
     ("PP2 layers 1,3", 2, ["--pp", "2", "--pp-layers", "1,3"], ["none"], ["gpt2", "mixtral"], 4),
     ("PP2xDP2 z2", 4, ["--pp", "2", "--dp", "2", "--zero", "2"], ["none"], ["gpt2", "mixtral"], 4),
+    ("PP2xDP2 z3", 4, ["--pp", "2", "--dp", "2", "--zero", "3"], ["none", "full"], ["gpt2", "mixtral"], 4),
+    ("PP2 v2xDP2 z3", 4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--zero", "3"], ["none"], ["gpt2", "mixtral"], 4),
 ]
 
 

@@ -1,7 +1,9 @@
 """A checkpoint saved by one layout resumes under another, exactly: 3 steps of mixtral as TP2 x DP2
 with sequence parallelism and ZeRO-1 (4 ranks), saved, then resumed (--resume) to step 6 as DP2 with
-ZeRO-2 (2 ranks), as one rank, as PP2 and as PP2 x DP2 with ZeRO-1 and full recomputation, equal the
-uninterrupted one-rank run's losses within 1e-6 relative.
+ZeRO-2 (2 ranks), as one rank, as PP2, as PP2 x DP2 with ZeRO-1 and full recomputation and as TP2 x
+DP2 with ZeRO-3; and 3 steps as DP4 with ZeRO-3 (every parameter sharded), resumed as one rank, as
+TP2 x DP2 + SP with ZeRO-1 and as PP2 with ZeRO-3: every resumed run equals the uninterrupted one-rank
+run's losses within 1e-6 relative.
 Nothing is gathered to one rank when saving: each rank writes its own pieces (its TP shards, its
 ZeRO shard of the moments) to DIR/step-3/rank-RRRRR.safetensors, metadata.json records every
 tensor's global shape and how it was split, and every layout reads the pieces that overlap its
@@ -46,22 +48,28 @@ def main():
               "--lr-schedule", "constant", "--threads", "1"]
     full = os.path.join(tmp, "full.jsonl")
     train(1, *common, "--steps", "6", "--metrics", full)
-    ck = os.path.join(tmp, "ck")
-    part = os.path.join(tmp, "part.jsonl")
-    train(4, *common, "--steps", "3", "--tp", "2", "--sequence-parallel", "--zero", "1", "--save", ck,
-          "--metrics", part)
     failures = []
-    for i, (ranks, layout) in enumerate(((2, ["--dp", "2", "--zero", "2"]), (1, []), (2, ["--pp", "2"]),
-                          (4, ["--pp", "2", "--dp", "2", "--zero", "1", "--recompute", "full"]))):
-        resumed = os.path.join(tmp, f"resumed{i}.jsonl")
-        out = train(ranks, *common, "--steps", "6", *layout, "--resume", ck, "--metrics", resumed)
-        a, b = losses(full), losses(part)[:3] + losses(resumed)
-        worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-        ok = "resuming from" in out and len(a) == len(b) == 6 and worst <= 1e-6
-        print(f"{'ok  ' if ok else 'FAIL'} TP2xDP2+SP ZeRO-1 checkpoint resumed on {ranks} rank(s) {' '.join(layout)}: "
-              f"worst relative loss difference {worst:.2e} over 6 steps")
-        if not ok:
-            failures.append(ranks)
+    # (name, ranks, layout) saved at step 3, then each resumed layout to step 6.
+    saves = [("TP2xDP2+SP ZeRO-1", 4, ["--tp", "2", "--sequence-parallel", "--zero", "1"],
+              [(2, ["--dp", "2", "--zero", "2"]), (1, []), (2, ["--pp", "2"]),
+               (4, ["--pp", "2", "--dp", "2", "--zero", "1", "--recompute", "full"]),
+               (4, ["--tp", "2", "--dp", "2", "--zero", "3"])]),
+             ("DP4 ZeRO-3", 4, ["--zero", "3"],
+              [(1, []), (4, ["--tp", "2", "--sequence-parallel", "--zero", "1"]), (2, ["--pp", "2", "--zero", "3"])])]
+    for s, (name, save_ranks, save_layout, resumes) in enumerate(saves):
+        ck = os.path.join(tmp, f"ck{s}")
+        part = os.path.join(tmp, f"part{s}.jsonl")
+        train(save_ranks, *common, "--steps", "3", *save_layout, "--save", ck, "--metrics", part)
+        for i, (ranks, layout) in enumerate(resumes):
+            resumed = os.path.join(tmp, f"resumed{s}_{i}.jsonl")
+            out = train(ranks, *common, "--steps", "6", *layout, "--resume", ck, "--metrics", resumed)
+            a, b = losses(full), losses(part)[:3] + losses(resumed)
+            worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+            ok = "resuming from" in out and len(a) == len(b) == 6 and worst <= 1e-6
+            print(f"{'ok  ' if ok else 'FAIL'} {name} checkpoint resumed on {ranks} rank(s) {' '.join(layout)}: "
+                  f"worst relative loss difference {worst:.2e} over 6 steps")
+            if not ok:
+                failures.append((name, ranks))
     sys.exit(1 if failures else 0)
 
 

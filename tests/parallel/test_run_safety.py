@@ -23,10 +23,11 @@
     under --memory-limit-gb 0.05. The demo is accepted, and the predicted total (first metrics row,
     "memory_bytes") is within 10% of the peak RSS measured by /usr/bin/time: for the demo (fp32 and bf16) on one
     rank (with --save: a synchronous save writes each rank's pieces from its own buffers, nothing
-    is gathered), per rank for TP2 x PP2 on 4 ranks, and for the neediest rank of DP2 ZeRO 0, 1 and 2
+    is gathered), per rank for TP2 x PP2 on 4 ranks, and for the neediest rank of DP2 ZeRO 0, 1, 2
     (gradients reduced in fp32 and in bf16) of a model whose gradients outweigh its activations (MPI's
-    copy of the buckets in flight counted); there the model state per rank (memory check) and the
-    measured peak strictly fall from ZeRO 0 to 1 to 2.
+    copy of the buckets in flight counted), and of its ZeRO-3; there the model state per rank (memory
+    check) and the measured peak strictly fall from ZeRO 0 to 1 to 2 to 3. A 16-layer llama under DP4
+    ZeRO-3 holds at most 1/DP + 2/L of its weights (the memory check's weights part).
 (c) Defaults: without --global-batch, a DP2 run uses micro-batch x DP and says so. Loss spikes
     (--loss-spike-factor) are flagged exactly where the running-median rule says.
 
@@ -232,7 +233,7 @@ def part_b(tmp, data):
         json.dump({"model_type": "gpt2", "vocab_size": 512, "n_embd": 512, "n_layer": 4, "n_head": 8,
                    "n_positions": 128, "activation_function": "gelu_new", "tie_word_embeddings": True}, f)
     state, peak = {}, {}
-    for zero, wire in ((0, "fp32"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")):
+    for zero, wire in ((0, "fp32"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "fp32")):
         label = "DP2 ZeRO-%d (gradients reduced in %s)" % (zero, wire)
         mpath = os.path.join(tmp, "dp2_z%d_%s.jsonl" % (zero, wire))
         args = ["train", "--config", wide, "--data", demo_data, "--steps", "3", "--micro-batch", "1", "--seq-len",
@@ -249,10 +250,27 @@ def part_b(tmp, data):
         if wire == "fp32":
             state[zero] = sum(parts[k] for k in ("weights", "gradients", "optimizer state"))
             peak[zero] = most
-    if len(state) == 3:
-        check(state[0] > state[1] > state[2] and peak[0] > peak[1] > peak[2],
-              "DP2 model state per rank (memory check) falls from ZeRO 0 to 1 to 2: %s MiB; measured peak: %s MiB"
-              % ([round(state[z] / 2 ** 20, 1) for z in range(3)], [round(peak[z] / 2 ** 20, 1) for z in range(3)]))
+    if len(state) == 4:
+        check(state[0] > state[1] > state[2] > state[3] and peak[0] > peak[1] > peak[2] > peak[3],
+              "DP2 model state per rank (memory check) falls from ZeRO 0 to 1 to 2 to 3: %s MiB; measured peak: %s MiB"
+              % ([round(state[z] / 2 ** 20, 1) for z in range(4)], [round(peak[z] / 2 ** 20, 1) for z in range(4)]))
+    # ZeRO-3 on a 16-layer llama under DP4: the weights a rank holds (its shards and two gathered
+    # units, by the memory check) are at most 1/DP + 2/L of the whole (the weights part under ZeRO-1).
+    deep16 = h.write_json(os.path.join(tmp, "llama16.json"),
+                          h.load_config("llama_tiny", num_hidden_layers=16, hidden_size=128, intermediate_size=344,
+                                        num_attention_heads=4, num_key_value_heads=4))
+    weights = {}
+    for zero in (1, 3):
+        mpath = os.path.join(tmp, "llama16_z%d.jsonl" % zero)
+        rc, out, _ = h.run(4, ["train", "--config", deep16, "--data", demo_data, "--steps", "1", "--micro-batch", "1",
+                               "--seq-len", "32", "--global-batch", "4", "--zero", str(zero), "--threads", "1",
+                               "--metrics", mpath])
+        if check(rc == 0, "16-layer llama DP4 ZeRO-%d runs (exit %s)" % (zero, rc)):
+            weights[zero] = predicted(mpath)[0]["weights"]
+    if len(weights) == 2:
+        share = weights[3] / weights[1]
+        check(share <= 1 / 4 + 2 / 16, "16-layer llama DP4 ZeRO-3 holds %.3f of the weights (%.1f of %.1f MiB), "
+              "at most 1/DP + 2/L = %.3f" % (share, weights[3] / 2 ** 20, weights[1] / 2 ** 20, 1 / 4 + 2 / 16))
     if FAILS:
         print(out[-2000:])
 
