@@ -1,5 +1,5 @@
 """ZeRO 0, 1, 2 and 3 side by side: what a rank holds (the memory check's model state and total) and what
-it measured (peak RSS of the neediest rank, /usr/bin/time), with the step time, on the 16-layer llama
+it measured (peak RSS of the neediest rank, /usr/bin/time), on the 16-layer llama
 (hidden 256, 48.8 MiB of fp32 weights) of the sharding issue, at DP2 and DP4 with two micro-batches
 per rank.
 
@@ -9,11 +9,10 @@ ZeRO-1 reduce-scatters in place; ZeRO-2 keeps its gradient shard plus at most tw
 reducing, one being written), so its gradients part is shard + the non-shard part of the two largest
 buckets: --bucket-mb moves it. ZeRO-3 keeps its shard of the weights plus two units gathered (a
 layer in use and the next, prefetched). glibc's mmap threshold is fixed at 64 KiB (as in the run-safety test)
-so that freed library buffers leave the RSS.
+so that freed library buffers leave the RSS. (Speed: bench/parallel_bench.py --layouts zero.)
 """
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parallel"))
@@ -37,7 +36,7 @@ def main():
     cfg = h.write_json(os.path.join(a.dir, "llama16.json"), CONFIG)
     data = h.prepare_data(a.dir, "zero_corpus", n_docs=200)
     header = ["layout", "weights MiB", "gradients MiB", "optimizer MiB", "model state MiB", "check total MiB",
-              "peak RSS MiB", "check / RSS", "step ms"]
+              "peak RSS MiB", "check / RSS"]
     rows = []
     for n in [int(x) for x in a.ranks.split(",")]:
         for zero in (0, 1, 2, 3):
@@ -56,9 +55,8 @@ def main():
             parts, totals = recs[0]["memory_bytes"], recs[0]["memory_bytes_per_rank"]
             state = [parts[k] for k in ("weights", "gradients", "optimizer state")]
             peak = max(rss.values())
-            ms = statistics.median(r["ms"] for r in recs[2:])
             rows.append([label] + ["%.1f" % (x / MIB) for x in state + [sum(state), max(totals), peak]] +
-                        ["%.3f" % (max(totals) / peak), "%.0f" % ms])
+                        ["%.3f" % (max(totals) / peak)])
             print(" | ".join(rows[-1]), flush=True)
     print()
     print(h.fmt_table(header, rows))

@@ -92,12 +92,6 @@ RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& options, in
 
 namespace {
 
-// largest[0] ≥ largest[1]: the two largest values seen.
-void keep_two_largest(int64_t* largest, int64_t x) {
-  if (x > largest[1]) largest[1] = x;
-  if (largest[1] > largest[0]) std::swap(largest[0], largest[1]);
-}
-
 RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
@@ -116,7 +110,9 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       const int64_t data_end = plan.buckets[b].begin + plan.bucket_data[b];
       const int64_t length = plan.buckets[b].end - plan.buckets[b].begin;
       f.buckets += length;
-      keep_two_largest(f.largest, length);
+      f.largest = std::max(f.largest, length);
+      const int64_t next = b + 1 < shards.size() ? plan.buckets[b + 1].end - plan.buckets[b + 1].begin : 0;
+      f.largest_pair = std::max(f.largest_pair, length + next);
       f.unit_floats[plan.bucket_unit[b]] += length;
       f.data += plan.bucket_data[b];
       f.shard += shards[b].end - shards[b].begin;
@@ -132,8 +128,11 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
                plan.offsets[i] >= plan.buckets[b].begin && plan.offsets[i] < plan.buckets[b].end;
       if (head) f.head_gather += plan.buckets[b].end - plan.buckets[b].begin;
     }
-    for (const auto& [unit, floats] : f.unit_floats) keep_two_largest(f.largest_gathers, unit == kHeadUnit ? 0 : floats);
-    keep_two_largest(f.largest_gathers, f.head_gather);
+    // Units in forward order: the embedding, then the layers (map order: kHeadUnit < kEmbeddingUnit < 0).
+    int64_t previous = 0;
+    for (const auto& [unit, floats] : f.unit_floats)
+      if (unit != kHeadUnit) f.gathers_held = std::max(f.gathers_held, previous + floats), previous = floats;
+    f.gathers_held = std::max(f.gathers_held, f.head_gather);
     if (!dense) return f;
     // The dense set: the TP-partial elements of the whole buffer and of this rank's shards (what
     // DataParallel updates under ZeRO 0 and 1-2), and the buckets of the tied embedding.
@@ -191,7 +190,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
 
   // Per parameter set (dense tensors over TP and DP, this rank's experts over ETP and EDP): parameters;
   // gradients: the whole buffer (ZeRO 0 and 1; the reduce-scatter is in place), or under ZeRO ≥ 2 the
-  // shards and, of the two largest buckets (one reducing, one being written), the rest (DataParallel);
+  // shards and, of two consecutive buckets (one reducing, one being written), the rest (DataParallel);
   // the optimizer state of the elements it updates: every tensor element (ZeRO 0) or its shard of each
   // bucket without the padding. --grad-reduce-dtype bf16 adds, where the group has several ranks, the
   // buffer rounded for the reduction (ZeRO-2: the bucket reducing).
@@ -202,12 +201,12 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
                                  std::pair{buffers.experts, mesh.degree("edp")}}) {
     // ZeRO-3 holds the shards of the values and two units gathered (one in use, one prefetched), the
     // bf16 copy of those two units only.
-    const Size gathered = Size(f.largest_gathers[0]) + f.largest_gathers[1];
+    const Size gathered = f.gathers_held;
     const Size values = o.zero == 3 ? Size(f.shard) + gathered * (group - 1) / group : Size(f.size);
     weights += 4 * values + (bf16 ? 2 * (o.zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
-    const Size in_flight = (Size(f.largest[0]) + f.largest[1]) * (group - 1) / group;
+    const Size in_flight = Size(f.largest_pair) * (group - 1) / group;
     grads += 4 * (o.zero >= 2 ? Size(f.shard) + in_flight : Size(f.size));
-    if (bf16_wire && group > 1) grads += 2 * Size(o.zero >= 2 ? f.largest[0] : f.size);
+    if (bf16_wire && group > 1) grads += 2 * Size(o.zero >= 2 ? f.largest : f.size);
     optimizer += 2 * 4 * Size(o.zero == 0 ? f.data : f.shard_data);
   }
   m.weights = weights.get(), m.grads = grads.get(), m.optimizer = optimizer.get();
@@ -230,7 +229,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // The copy is in the reduction's element type.
   const int64_t Nl = shape.local_tokens();
   const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
-  auto posted = [&](const BufferFigures& f) { return Size(o.zero >= 2 ? f.largest[0] : f.buckets); };
+  auto posted = [&](const BufferFigures& f) { return Size(o.zero >= 2 ? f.largest : f.buckets); };
   const Size scratch = dtype_bytes(o.grad_reduce_wire()) *
                        ((dp > 1 ? posted(buffers.dense) : Size(0)) + (edp > 1 ? posted(buffers.experts) : Size(0)));
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +

@@ -53,12 +53,16 @@ struct BufferFigures {
   int64_t data = 0;        // tensor elements (no padding)
   int64_t shard = 0;       // floats of this rank's shards of the buckets (ZeRO)
   int64_t shard_data = 0;  // tensor elements inside those shards
-  int64_t largest[2] = {0, 0};  // floats of its two largest buckets, the largest first (ZeRO-2's in flight)
+  int64_t largest = 0;      // floats of its largest bucket
+  int64_t largest_pair = 0; // of two consecutive buckets (the order gradients become final): ZeRO ≥ 2's
+                            // most resident, one reducing while backward writes the next
   // ZeRO-3 (unit-aligned buckets): floats of the buckets of each unit (param_unit), of those the LM
-  // head's gather takes (the head unit's and the tied embedding's), and the two largest gathers.
+  // head's gather takes (the head unit's and the tied embedding's), and the most gathered at once:
+  // a unit and the next one prefetched (forward: the embedding, then the layers in order; backward
+  // the same pairs reversed), or the head alone.
   std::map<int64_t, int64_t> unit_floats;
   int64_t head_gather = 0;
-  int64_t largest_gathers[2] = {0, 0};
+  int64_t gathers_held = 0;
 };
 
 // What a rank's memory and gradient traffic depend on in its parameter buffers: the dense tensors
