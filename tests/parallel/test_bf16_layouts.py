@@ -1,7 +1,7 @@
 """Mixed precision under every parallel dimension: `--precision bf16` rounds the layer GEMMs' operands
 (kernels/cpu/matmul.h) at points that do not depend on the layout, so the one-rank bf16 curve is
 reproduced by TP2, TP2+SP, DP2 ZeRO-1, PP2, CP2 (ring and all-to-all), EP2 (MoE parallel folding) and
-TP2xPP2; and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
+TP2xPP2 and DP2 ZeRO-3 (each unit's bf16 copy rounded from its gathered values); and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
 gradients rounded to bf16 and summed in bf16 after every micro-batch, then accumulated in fp32 — a
 further 2^-8 relative per element, once per pass; measured 4e-5 (gpt2, llama) to 4e-4 (mixtral) of the
 loss, within the same bound). Its layout string must also name "grad-reduce bf16".

@@ -9,7 +9,9 @@ tp, cp, dp / dp-cp, edp, tp-cp, pp, embedding, world. The token dispatcher's pay
 them the test prints the ratio and requires it within 25% (tiny random-init routers are far from
 even; the planner states the imbalance factor it assumes).
 
-Layouts (T 32, micro-batch 2, global batch 8): TP2, TP2+SP, DP2 with ZeRO 0/1/2, PP2 (1F1B; gpt2's
+Layouts (T 32, micro-batch 2, global batch 8): TP2, TP2+SP, DP2 with ZeRO 0/1/2/3; ZeRO-3 (each layer
+gathered in forward and again in backward, the embedding and the head once) under PP2×DP2 with full
+recomputation, PP2 interleaved, mixtral EP2 over 4 ranks and TP2×CP2; PP2 (1F1B; gpt2's
 tied embedding between the stages), PP2 interleaved, CP2 (p2p, a2a, a2a+p2p over 4), recompute
 full and selective, TP2×PP2+SP, TP2×CP2 ZeRO-1; MoE (mixtral, qwen2_moe with a shared expert and
 dense layers): TP2, EP2, EP2×ETP2 over 4, TP2×CP2, aux loss per sequence, global and none; gradients

@@ -10,7 +10,9 @@ one step is clipped) on a byte-level dataset are run once on one rank (the binar
 mpirun) and then under every layout of LAYOUTS, with mpirun --oversubscribe, 1 thread per rank
 and OMP_WAIT_POLICY=passive. Two more cases: DP2×TP2 with the mesh order dp-tp-cp-ep-pp (dp
 fastest), and TP4 on the byte tokenizer's vocabulary of 257, which the engine pads to 260 inside
-the shards (compared with a one-rank run of that vocab-257 config; the checkpoint keeps 257 rows).
+the shards (compared with a one-rank run of that vocab-257 config; the checkpoint keeps 257 rows). ZeRO-3 (every
+parameter sharded, each layer gathered when used) under DP2, DP4 with two micro-batches a rank,
+TP2×DP2+SP and full recomputation.
 
 Asserted for every (model, layout), against the one-rank run with the same --global-batch and
 --micro-batch:
