@@ -223,7 +223,6 @@ class Model {
   void use_weights(WeightUse use, const WeightUnit& unit) {
     if (weights_) weights_(use, unit);
   }
-  const WeightUnit& layer_unit(int64_t l) const { return units_[size_t(l)]; }
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
   void mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F);
