@@ -174,6 +174,10 @@ void add_parallel_options(Args& a) {
       .option("ep", "E", "expert-parallel degree (MoE): each rank group of E holds E-th of the experts; EP x ETP "
                          "may span what attention uses for TP, CP and DP (MoE parallel folding)", "1")
       .option("etp", "T", "expert tensor-parallel degree (MoE): each expert's FFN split over T ranks", "1")
+      .option("expert-sharding", "ep|fssdp",
+              "MoE experts: ep holds whole experts per EP rank and moves tokens to them; fssdp (Hecate's fully "
+              "sharded sparse data parallelism) shards every expert over the stage's ranks and gathers, per layer, "
+              "only the experts this rank's tokens reach (needs --ep 1)", "ep")
       .option("pp", "P", "pipeline-parallel degree (stages)", "1")
       .option("vpp", "V", "model chunks per pipeline stage (interleaved schedule)", "1")
       .option("pp-schedule", "gpipe|1f1b|interleaved", "pipeline schedule (default: 1f1b; interleaved when --vpp > 1)")
@@ -202,6 +206,7 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   ORIGAMI_CHECK(!a.has("dp") || o.dp >= 1, "--dp must be at least 1, got ", o.dp);
   o.ep = a.small_integer("ep");
   o.etp = a.small_integer("etp");
+  o.expert_sharding = a.str("expert-sharding");
   o.pp = a.small_integer("pp");
   o.vpp = a.small_integer("vpp");
   o.pp_schedule = a.str("pp-schedule");

@@ -705,8 +705,15 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   const bool global = c.routing.aux == AuxLoss::global;
   if (global && losses) balance.global = &global_counts_[size_t(l)];
   if (global && !losses) balance.reuse = &global_frac_.at({l, mb_});
-  origami::moe_forward(y, *a.moe, {x, w(o.router), expert_weights(o.experts)}, moe_sizes(), c.routing, balance,
-                       dispatcher_, s.moe);
+  const ExpertBlocks experts = expert_blocks(l);
+  std::vector<int32_t> need;  // FSSDP: the local experts this rank's rows reach, once routed
+  MoeInputs<float> in{x, w(o.router), expert_weights(o.experts)};
+  if (experts_fn_) in.before_experts = [&](const DispatchPlan& plan) {
+    for (int64_t rows : plan.expert_rows) need.push_back(rows > 0);
+    use_experts(ExpertUse::gather, experts, need);
+  };
+  origami::moe_forward(y, *a.moe, in, moe_sizes(), c.routing, balance, dispatcher_, s.moe);
+  use_experts(ExpertUse::release, experts, need);
   tp_.gather_shares(out, y, B, T, C);
   if (losses) {
     if (global) global_frac_[{l, mb_}] = a.moe->frac;
@@ -716,6 +723,11 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
     expert_dropped_[size_t(l)] += a.moe->dropped;
     expert_rows_ += a.moe->plan.rows;
   }
+}
+
+ExpertBlocks Model::expert_blocks(int64_t l) const {
+  const int64_t F = cfg_.expert_ffn / dispatcher_.etp();
+  return {layers_[size_t(l)].experts, 3 * F * cfg_.hidden, dispatcher_.local_experts(cfg_.num_experts)};
 }
 
 // d_ln ← ∂/∂norm2(mid) [Nl, C] from d_res = ∂/∂out [Nl, C]: the share's part, gathered. The router's
@@ -730,8 +742,14 @@ void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const
   const float* x = tp_.share(a.ln2, s.share_x.data(), B, T, C);
   const float* d_out = tp_.share(d_res, s.share_y.data(), B, T, C);
   float* dx = tp_.share_buffer(d_ln, s.share_dx.data());
+  const ExpertBlocks experts = expert_blocks(l);
+  std::vector<int32_t> need;  // FSSDP: the experts forward gathered, again
+  for (int64_t rows : a.moe->plan.expert_rows) need.push_back(rows > 0);
+  use_experts(ExpertUse::gather, experts, need);
   moe_backward_experts(dx, experts_.grad() + o.experts, d_out, *a.moe, s.moe, expert_weights(o.experts), ms,
                        dispatcher_);
+  use_experts(ExpertUse::reduce, experts, need);
+  use_experts(ExpertUse::release, experts, need);
   moe_backward_router(dx, g(o.router), s.moe, *a.moe, x, w(o.router), ms, c.routing, loss_scale);
   tp_.gather_shares(d_ln, dx, B, T, C);
 }

@@ -165,6 +165,13 @@ class Model {
     std::vector<Range> dense, experts;
   };
   void on_weights(std::function<void(WeightUse, const WeightUnit&)> fn) { weights_ = std::move(fn); }
+  // FSSDP: called in each MoE layer with its experts (blocks of the experts' buffer) and which of them
+  // this rank's rows reach (need[j] = 1 for local expert j; the same on every call of one layer's
+  // forward or backward): gather after routing, in forward and again in backward; reduce after the
+  // experts' backward; release when the layer is done with them. Every rank of the experts' group
+  // calls it at the same points, whatever its tokens need.
+  using ExpertsFn = std::function<void(ExpertUse, const ExpertBlocks&, const std::vector<int32_t>& need)>;
+  void on_experts(ExpertsFn fn) { experts_fn_ = std::move(fn); }
 
   // Tokens this rank routed to each expert per MoE layer ([L][E], global layer index, the router's
   // choices before any capacity drop; zeros for layers on other stages and dense layers; empty for
@@ -223,6 +230,10 @@ class Model {
   void use_weights(WeightUse use, const WeightUnit& unit) {
     if (weights_) weights_(use, unit);
   }
+  void use_experts(ExpertUse use, const ExpertBlocks& x, const std::vector<int32_t>& need) {
+    if (experts_fn_) experts_fn_(use, x, need);
+  }
+  ExpertBlocks expert_blocks(int64_t l) const;  // layer l's local experts
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
   void mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F);
@@ -273,6 +284,7 @@ class Model {
   int64_t wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_ = -1, head_begin_ = -1;
   std::function<void(int64_t, int64_t)> grads_ready_;
   std::function<void(WeightUse, const WeightUnit&)> weights_;
+  ExpertsFn experts_fn_;
   std::vector<WeightUnit> units_;            // by global layer index (ranges of this stage's layers)
   WeightUnit embedding_unit_, head_unit_;    // the head's includes the tied embedding's ranges
   std::function<void()> progress_;

@@ -112,6 +112,18 @@ struct Range {
   int64_t begin, end;  // [begin, end) of the flat buffer
 };
 
+// FSSDP (--expert-sharding fssdp): how an MoE layer uses its experts (Model::on_experts). After
+// routing it needs the experts its rows reach (gather, in forward and again in backward), after the
+// experts' backward their gradients go to their owners (reduce), and then it is done with them (release).
+enum class ExpertUse { gather, reduce, release };
+
+// One MoE layer's experts in the experts' buffer: `count` blocks of `block` floats from `begin`
+// (local expert j at begin + j·block).
+struct ExpertBlocks {
+  int64_t begin = 0, block = 0, count = 0;
+  Range of(int64_t j) const { return {begin + j * block, begin + (j + 1) * block}; }
+};
+
 // Where each tensor and each data-parallel bucket lies in one rank's buffer: exactly what Params
 // allocates, computed without allocating (the memory check before a run and the planner use it).
 struct BufferPlan {

@@ -1,8 +1,11 @@
 #include "parallel/data_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -12,15 +15,17 @@
 namespace origami {
 
 DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding,
-                           DType wire)
+                           DType wire, bool sparse)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
-      sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32) {
+      sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32), sparse_(sparse) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 3, "--zero must be 0, 1, 2 or 3, got ", zero_);
   ORIGAMI_ASSERT(wire == DType::f32 || wire == DType::bf16);
-  ORIGAMI_ASSERT(params.layout().dp == dp.size());
+  ORIGAMI_ASSERT(params.layout().dp == dp.size() && (!sparse || zero_ == 3));
   shards_ = bucket_shards(params.buckets(), dp.size(), dp.rank());
+  if (sparse)
+    for (int r = 0; r < dp.size(); ++r) rank_shards_.push_back(bucket_shards(params.buckets(), dp.size(), r));
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
-  if (wire_ == DType::bf16) low_ = ReleasablePages(2 * params.size(), "the bf16 gradient reduction buffer");
+  if (wire_ == DType::bf16 && !sparse) low_ = ReleasablePages(2 * params.size(), "the bf16 gradient reduction buffer");
   pending_.resize(params.buckets().size());
   gathers_.resize(params.buckets().size());
   held_.assign(params.buckets().size(), 0);
@@ -58,6 +63,7 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 }
 
 void DataParallel::begin_step() {
+  sparse_counts_ = {};
   if (zero_ >= 2) params_.release_grad();  // the shards accumulate from zero; nothing else is resident
   else params_.zero_grad();
   if (zero_ == 3)  // only the shards of the values (the full buffer after an init or a load)
@@ -70,7 +76,7 @@ void DataParallel::begin_step() {
 
 void DataParallel::begin_backward(bool final) {
   if (zero_ >= 2) std::fill(started_.begin(), started_.end(), kIdle);  // every pass reduces every bucket
-  armed_ = zero_ >= 2 || final;
+  armed_ = !sparse_ && (zero_ >= 2 || final);  // FSSDP reduces in reduce_experts
 }
 
 // Bucket b (elements r) is reduced in place. ZeRO 0 all-reduces it. ZeRO ≥ 1 reduce-scatters it: the
@@ -129,7 +135,7 @@ void DataParallel::complete_bucket(size_t b) {
 }
 
 void DataParallel::end_backward() {
-  if (zero_ >= 2) {
+  if (zero_ >= 2 && !sparse_) {
     grads_ready(0);  // every bucket, in case backward did not announce them all
     for (size_t b = 0; b < started_.size(); ++b)
       if (started_[b] == kInFlight) complete_bucket(b);
@@ -139,7 +145,7 @@ void DataParallel::end_backward() {
 
 double DataParallel::complete_gradients() {
   float* g = params_.grad();
-  for (size_t b = 0; b < started_.size(); ++b) {  // ZeRO-2 completed every bucket in end_backward
+  for (size_t b = 0; b < started_.size() && !sparse_; ++b) {  // ZeRO-2 completed every bucket in end_backward
     if (started_[b] == kIdle) start_bucket(b);      // buckets backward did not announce (a tied embedding on the last stage)
     if (started_[b] == kInFlight) complete_bucket(b);
   }
@@ -227,7 +233,7 @@ void DataParallel::drop_values(size_t b) {
 }
 
 void DataParallel::use_weights(WeightUse use, const std::vector<Range>& unit) {
-  if (zero_ != 3) return;
+  if (zero_ != 3 || sparse_) return;  // FSSDP: gather_experts
   const std::vector<size_t> buckets = buckets_of(unit);
   switch (use) {
     case WeightUse::prefetch:
@@ -250,6 +256,95 @@ void DataParallel::use_weights(WeightUse use, const std::vector<Range>& unit) {
       }
       break;
   }
+}
+
+template <typename Fn>
+void DataParallel::sparse_walk(const ExpertBlocks& x, bool to_owners, Fn&& fn) const {
+  const int me = dp_.rank();
+  for (int r = 0; r < dp_.size(); ++r) {
+    if (r == me) continue;
+    const int32_t* need = needs_.data() + (to_owners ? me : r) * x.count;  // whose blocks
+    const std::vector<Range>& shards = rank_shards_[size_t(to_owners ? r : me)];  // held by whom
+    for (int64_t j = 0; j < x.count; ++j) {
+      if (!need[j]) continue;
+      const Range e = x.of(j);
+      for (const Range& s : shards)
+        if (std::max(e.begin, s.begin) < std::min(e.end, s.end)) fn(r, std::max(e.begin, s.begin), std::min(e.end, s.end));
+    }
+  }
+}
+
+template <typename T, typename Read, typename Write>
+double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Read&& read, Write&& write) {
+  const size_t n = size_t(dp_.size());
+  std::vector<int64_t> send(n, 0), recv(n, 0);
+  sparse_walk(x, to_owners, [&](int r, int64_t lo, int64_t hi) { send[size_t(r)] += hi - lo; });
+  sparse_walk(x, !to_owners, [&](int r, int64_t lo, int64_t hi) { recv[size_t(r)] += hi - lo; });
+  std::vector<T> out(size_t(std::accumulate(send.begin(), send.end(), int64_t(0))));
+  std::vector<T> in(size_t(std::accumulate(recv.begin(), recv.end(), int64_t(0))));
+  T* at = out.data();
+  sparse_walk(x, to_owners, [&](int, int64_t lo, int64_t hi) { read(lo, hi, at), at += hi - lo; });
+  dp_.all_to_allv(in.data(), recv.data(), out.data(), send.data(), std::is_same_v<T, bf16> ? DType::bf16 : DType::f32);
+  const T* from = in.data();
+  sparse_walk(x, !to_owners, [&](int, int64_t lo, int64_t hi) { write(lo, hi, from), from += hi - lo; });
+  return double(out.size() * sizeof(T));
+}
+
+void DataParallel::gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need) {
+  ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
+  needs_.resize(size_t(dp_.size()) * need.size());
+  dp_.all_gather(needs_.data(), need.data(), x.count, DType::i32);
+  for (int64_t j = 0; j < x.count; ++j) sparse_counts_.blocks += need[size_t(j)] != 0;
+  float* w = params_.data();
+  if (params_.bf16_copy() == nullptr) {
+    sparse_counts_.gathered_bytes += sparse_exchange<float>(
+        x, false, [w](int64_t lo, int64_t hi, float* out) { std::memcpy(out, w + lo, size_t(hi - lo) * sizeof(float)); },
+        [w](int64_t lo, int64_t hi, const float* in) { std::memcpy(w + lo, in, size_t(hi - lo) * sizeof(float)); });
+    return;
+  }
+  // bf16 GEMMs read only the copy: the pieces travel as bf16 into it, and this rank's own pieces of the
+  // blocks it needs are rounded from its shard.
+  bf16* low = const_cast<bf16*>(params_.bf16_copy());
+  sparse_counts_.gathered_bytes += sparse_exchange<bf16>(
+      x, false, [w](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, w + lo, hi - lo); },
+      [low](int64_t lo, int64_t hi, const bf16* in) { std::memcpy(low + lo, in, size_t(hi - lo) * sizeof(bf16)); });
+  for (int64_t j = 0; j < x.count; ++j) {
+    if (!need[size_t(j)]) continue;
+    const Range e = x.of(j);
+    for (const Range& s : shards_)
+      if (std::max(e.begin, s.begin) < std::min(e.end, s.end))
+        params_.refresh_bf16_copy({std::max(e.begin, s.begin), std::min(e.end, s.end)});
+  }
+}
+
+void DataParallel::reduce_experts(const ExpertBlocks& x) {
+  ORIGAMI_ASSERT(sparse_ && int64_t(needs_.size()) == x.count * dp_.size());
+  float* g = params_.grad();
+  auto add = [g](int64_t lo, int64_t hi, const float* in) {
+#pragma omp simd
+    for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += in[i];
+  };
+  if (wire_ == DType::bf16) {
+    sparse_counts_.reduced_bytes += sparse_exchange<bf16>(
+        x, true, [g](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, g + lo, hi - lo); },
+        [g](int64_t lo, int64_t hi, const bf16* in) {
+          for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += to_float(in[i]);
+        });
+  } else {
+    sparse_counts_.reduced_bytes += sparse_exchange<float>(
+        x, true, [g](int64_t lo, int64_t hi, float* out) { std::memcpy(out, g + lo, size_t(hi - lo) * sizeof(float)); },
+        add);
+  }
+  for (size_t b : buckets_of({{x.begin, x.of(x.count - 1).end}})) {  // keep only the shards
+    const Range &r = params_.buckets()[b], &s = shards_[b];
+    params_.release_grad({r.begin, s.begin});
+    params_.release_grad({s.end, r.end});
+  }
+}
+
+void DataParallel::release_experts(const ExpertBlocks& x) {
+  ORIGAMI_ASSERT(sparse_);
+  for (size_t b : buckets_of({{x.begin, x.of(x.count - 1).end}})) drop_values(b);
 }
 
 }  // namespace origami

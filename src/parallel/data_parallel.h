@@ -36,6 +36,18 @@
 // parameters on TP rank 0 only; DP-replicated gradients within this rank's shard only; the tied
 // embedding on the first stage only).
 //
+// FSSDP (--expert-sharding fssdp; Hecate's fully sharded sparse data parallelism): the routed experts'
+// set is held as under ZeRO-3 (values, gradients and moments sharded over EDP, every rank's shard of
+// each bucket), but nothing is gathered or reduced per bucket. An MoE layer, once routing says which
+// of its experts this rank's rows reach, calls gather_experts: the ranks exchange those sets (an
+// all-gather of one flag per expert) and each receives exactly the pieces of its experts that others
+// own (one all-to-all-v; sizes known only now). After the experts' backward, reduce_experts sends
+// each owner the pieces of its shard that this rank's experts wrote (all-to-all-v again), which it
+// adds to its shard; release_experts then returns every page of the layer but the shards'. An
+// expert no row of a rank reached costs that rank nothing. The pieces travel in the reduction's
+// wire type (gradients) and, when the GEMMs read bf16 copies (--precision bf16), as bf16 into the
+// copy (the values' other pages are never read, so they stay released).
+//
 // MoE parallel folding: a rank has two parameter sets, each with its own DataParallel — the dense
 // one (attention mesh: TP, reduced over DP) and the routed experts (MoE mesh: split over ETP, one
 // EP rank's experts, reduced over EDP). finish_gradients takes both and forms one global norm with
@@ -64,8 +76,9 @@ class DataParallel {
   // embedding: the first and last pipeline stage of this rank's pipeline when it holds a pp_shared
   // tensor (the tied embedding), else null.
   // wire: the element type of the DP reduction, DType::f32 or DType::bf16 (--grad-reduce-dtype).
+  // sparse: FSSDP (zero_stage must be 3).
   DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr,
-               DType wire = DType::f32);
+               DType wire = DType::f32, bool sparse = false);
 
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
@@ -95,12 +108,37 @@ class DataParallel {
   // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
   void use_weights(WeightUse use, const std::vector<Range>& unit);
 
+  // FSSDP, collective over the group (every rank calls each, in the same order, with the same layer):
+  // need[j] is 1 when this rank's rows reach block j of x. gather_experts materializes those blocks;
+  // reduce_experts sends the gradients of the last gather's blocks to their owners and keeps only
+  // the shards; release_experts returns the values' pages but the shards'.
+  void gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need);
+  void reduce_experts(const ExpertBlocks& x);
+  void release_experts(const ExpertBlocks& x);
+  // FSSDP traffic since begin_step: bytes this rank sent of parameters (gathers) and of gradients
+  // (reductions), and the blocks it gathered.
+  struct SparseCounts {
+    double gathered_bytes = 0, reduced_bytes = 0;
+    int64_t blocks = 0;
+  };
+  const SparseCounts& sparse_counts() const { return sparse_counts_; }
+
  private:
   void start_bucket(size_t b);
   void complete_bucket(size_t b);
   std::vector<size_t> buckets_of(const std::vector<Range>& unit) const;
   void start_gather(size_t b);
   void drop_values(size_t b);  // ZeRO-3: returns bucket b's pages but the shard's
+  // FSSDP: calls fn(peer, begin, end) for each piece this rank sends in one exchange: outward (a
+  // gather) the pieces of its shards that each peer's needed blocks cover; to the owners (a
+  // reduction) the pieces of its own needed blocks each peer owns. With `to_owners` flipped it lists,
+  // in the same order, what the rank receives.
+  template <typename Fn>
+  void sparse_walk(const ExpertBlocks& x, bool to_owners, Fn&& fn) const;
+  // One exchange of elements of type T: read(begin, end, out) packs a piece this rank sends,
+  // write(begin, end, in) takes a piece it received. Returns the bytes sent.
+  template <typename T, typename Read, typename Write>
+  double sparse_exchange(const ExpertBlocks& x, bool to_owners, Read&& read, Write&& write);
 
   Params& params_;
   Comm &dp_, &tp_;
@@ -124,6 +162,11 @@ class DataParallel {
   std::vector<int> held_;
   std::vector<uint8_t> gathered_;
   bool armed_ = false;
+  // FSSDP: every rank's shard of each bucket ([rank][bucket]), the last gather's needs ([rank][block]).
+  bool sparse_;
+  std::vector<std::vector<Range>> rank_shards_;
+  std::vector<int32_t> needs_;
+  SparseCounts sparse_counts_;
 };
 
 // The step's gradients over every parameter set of this rank (complete_gradients of each), with one

@@ -45,6 +45,24 @@ double unit_gathers(const BufferFigures& f, const ModelPart& part, int64_t micro
   return double(micro) * per_micro;
 }
 
+// FSSDP: the experts' traffic over EDP (n ranks) in a step, when every rank's rows reach every one of
+// its El local experts in every MoE layer (exact then; otherwise an upper bound): per layer and
+// micro-batch, each gather (forward, the recomputed forward, backward) exchanges the needs (El int32
+// to every peer) and sends every peer this rank's shard of the layer (`gathered` bytes per element:
+// bf16 under --precision bf16); the reduction sends the owners the rest of the layer (`wire` bytes).
+double sparse_expert_bytes(const ModelConfig& cfg, const BufferFigures& f, const ModelPart& part, int64_t micro,
+                           int forwards, int n, int64_t El, double gathered, double wire) {
+  if (n == 1) return 0;
+  double per_micro = 0;
+  for (const LayerRange& r : part.chunks)
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      if (!cfg.is_moe_layer(l)) continue;
+      const double data = double(f.unit_data.at(l)), shard = double(f.unit_shard_data.at(l));
+      per_micro += double(forwards + 1) * double(n - 1) * (4 * double(El) + gathered * shard) + wire * (data - shard);
+    }
+  return double(micro) * per_micro;
+}
+
 }  // namespace
 
 std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world, int rank,
@@ -96,7 +114,11 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
                                               unit_gathers(buffers.dense, part, micro, false)));
   total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial(o.zero, t, o.sequence_parallel)));
   add("tp", total_tp);
-  if (buffers.experts.size > 0)
+  if (buffers.experts.size > 0 && o.fssdp())
+    add("edp", sparse_expert_bytes(cfg, buffers.experts, part, micro, forwards, m.edp, cfg.num_experts / m.ep,
+                                   parse_precision(o.precision) == Precision::bf16 ? 2 : 4,
+                                   double(dtype_bytes(o.grad_reduce_wire()))));
+  else if (buffers.experts.size > 0)
     add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes, o.grad_reduce_wire(),
                               unit_gathers(buffers.experts, part, micro, true)));
   // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.
@@ -150,9 +172,10 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   }
 
   // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
-  // expert counts and dropped assignments, every rank's expert rows, every rank's CP pairs, 5 per stage).
+  // expert counts and dropped assignments, every rank's expert rows, every rank's CP pairs, FSSDP's 3
+  // per rank, 5 per stage).
   const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + cfg.num_layers + world : 0) +
-                         (c > 1 ? world : 0) + 5.0 * p;
+                         (c > 1 ? world : 0) + (o.fssdp() ? 3.0 * world : 0) + 5.0 * p;
   add("world", all_reduce_bytes(world, 16) + all_reduce_bytes(world, 8 * figures));
   return out;
 }

@@ -102,7 +102,7 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
   RankBuffers out;
   // Per parameter set: the buffer (plan_buffer), this rank's shard of each bucket (bucket_shards).
   auto figures = [&](const std::vector<ParamSpec>& table, int tp_size, int tp_rank, int dp_size, int dp_r, bool dense) {
-    const BufferPlan plan = plan_buffer(table, o.param_layout(tp_size, tp_rank, dp_size));
+    const BufferPlan plan = plan_buffer(table, o.param_layout(tp_size, tp_rank, dp_size, !dense));
     const std::vector<Range> shards = bucket_shards(plan.buckets, dp_size, dp_r);
     BufferFigures f;
     f.size = plan.size;
@@ -116,7 +116,10 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       f.unit_floats[plan.bucket_unit[b]] += length;
       f.data += plan.bucket_data[b];
       f.shard += shards[b].end - shards[b].begin;
-      f.shard_data += std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
+      const int64_t shard_data = std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
+      f.shard_data += shard_data;
+      f.unit_data[plan.bucket_unit[b]] += plan.bucket_data[b];
+      f.unit_shard_data[plan.bucket_unit[b]] += shard_data;
     }
     // The head's gather: its own buckets and, with a tied embedding, the bucket holding the embedding.
     const bool tied = std::any_of(table.begin(), table.end(), [](const ParamSpec& p) { return param_unit(p.name) == kHeadUnit; }) &&
@@ -133,6 +136,7 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
     for (const auto& [unit, floats] : f.unit_floats)
       if (unit != kHeadUnit) f.gathers_held = std::max(f.gathers_held, previous + floats), previous = floats;
     f.gathers_held = std::max(f.gathers_held, f.head_gather);
+    for (const auto& [unit, floats] : f.unit_floats) f.largest_unit = std::max(f.largest_unit, floats);
     if (!dense) return f;
     // The dense set: the TP-partial elements of the whole buffer and of this rank's shards (what
     // DataParallel updates under ZeRO 0 and 1-2), and the buckets of the tied embedding.
@@ -197,17 +201,21 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
   const bool bf16 = parse_precision(o.precision) == Precision::bf16;
   const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
-  for (const auto& [f, group] : {std::pair{buffers.dense, int(mesh.group(rank, "dp-cp").size())},
-                                 std::pair{buffers.experts, mesh.degree("edp")}}) {
+  for (const auto& [f, group, experts] : {std::tuple{buffers.dense, int(mesh.group(rank, "dp-cp").size()), false},
+                                          std::tuple{buffers.experts, mesh.degree("edp"), true}}) {
     // ZeRO-3 holds the shards of the values and two units gathered (one in use, one prefetched), the
-    // bf16 copy of those two units only.
-    const Size gathered = f.gathers_held;
-    const Size values = o.zero == 3 ? Size(f.shard) + gathered * (group - 1) / group : Size(f.size);
-    weights += 4 * values + (bf16 ? 2 * (o.zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
-    const Size in_flight = Size(f.largest_pair) * (group - 1) / group;
-    grads += 4 * (o.zero >= 2 ? Size(f.shard) + in_flight : Size(f.size));
-    if (bf16_wire && group > 1) grads += 2 * Size(o.zero >= 2 ? f.largest : f.size);
-    optimizer += 2 * 4 * Size(o.zero == 0 ? f.data : f.shard_data);
+    // bf16 copy of those two units only. FSSDP's experts: the shards and at most one MoE layer's
+    // experts (all of them when every one has rows here), whose gradients too are resident until
+    // reduce_experts; under bf16 the gathered values go to the copy only.
+    const int zero = o.zero_of(experts);
+    const bool sparse = experts && o.fssdp();
+    const Size gathered = sparse ? f.largest_unit : f.gathers_held, others = gathered * (group - 1) / group;
+    const Size values = zero < 3 ? Size(f.size) : Size(f.shard) + (sparse && bf16 ? Size(0) : others);
+    weights += 4 * values + (bf16 ? 2 * (zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
+    const Size in_flight = sparse ? others : Size(f.largest_pair) * (group - 1) / group;
+    grads += 4 * (zero >= 2 ? Size(f.shard) + in_flight : Size(f.size));
+    if (bf16_wire && group > 1 && !sparse) grads += 2 * Size(zero >= 2 ? f.largest : f.size);
+    optimizer += 2 * 4 * Size(zero == 0 ? f.data : f.shard_data);
   }
   m.weights = weights.get(), m.grads = grads.get(), m.optimizer = optimizer.get();
 
@@ -229,9 +237,13 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // The copy is in the reduction's element type.
   const int64_t Nl = shape.local_tokens();
   const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
-  auto posted = [&](const BufferFigures& f) { return Size(o.zero >= 2 ? f.largest : f.buckets); };
-  const Size scratch = dtype_bytes(o.grad_reduce_wire()) *
-                       ((dp > 1 ? posted(buffers.dense) : Size(0)) + (edp > 1 ? posted(buffers.experts) : Size(0)));
+  // FSSDP's exchanges are blocking: their packed pieces, sent and received, fp32 at most, at most
+  // one layer's experts each way.
+  auto posted = [&](const BufferFigures& f, bool experts) { return Size(o.zero_of(experts) >= 2 ? f.largest : f.buckets); };
+  const Size sparse = o.fssdp() && edp > 1 ? 2 * 4 * Size(buffers.experts.largest_unit) * (edp - 1) / edp : Size(0);
+  const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp > 1 ? posted(buffers.dense, false) : Size(0)) +
+                                                            (edp > 1 && !o.fssdp() ? posted(buffers.experts, true) : Size(0))) +
+                       sparse;
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
                  4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 

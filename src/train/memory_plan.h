@@ -63,6 +63,9 @@ struct BufferFigures {
   std::map<int64_t, int64_t> unit_floats;
   int64_t head_gather = 0;
   int64_t gathers_held = 0;
+  int64_t largest_unit = 0;  // floats of the largest unit (FSSDP gathers one MoE layer's experts at a time)
+  // Per unit: tensor elements, and those inside this rank's shards (FSSDP's traffic).
+  std::map<int64_t, int64_t> unit_data, unit_shard_data;
 };
 
 // What a rank's memory and gradient traffic depend on in its parameter buffers: the dense tensors

@@ -177,6 +177,11 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
   if (r.router_bias && !r.router_bias->empty()) row["router_bias"] = *r.router_bias;
   row["expert_rows"] = f.expert_rows;
   row["expert_imbalance"] = expert_imbalance(f.expert_rows, *run.mesh);
+  if (!f.expert_gathers.empty()) {  // FSSDP
+    row["expert_gathers"] = f.expert_gathers;
+    row["expert_gather_bytes"] = f.expert_gather_bytes;
+    row["expert_reduce_bytes"] = f.expert_reduce_bytes;
+  }
   const DispatchTimes& dt = r.dispatch;
   row["moe_times"] = {{"layer_s", r.moe_layer_s}, {"exchange_s", dt.exchange_s}, {"regroup_s", dt.regroup_s},
                       {"permute_s", dt.permute_s}};

@@ -36,7 +36,8 @@ bool TrainOptions::fresh_start() const {
 
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
-          {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp},
+          {"expert_sharding", expert_sharding}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
           {"moe_aux_loss", moe_aux_loss}, {"moe_aux_loss_coef", moe_aux_loss_coef},
           {"moe_capacity_factor", moe_capacity_factor}, {"moe_drop_policy", moe_drop_policy},
           {"moe_pad_to_capacity", moe_pad_to_capacity}, {"moe_router_score", moe_router_score},
@@ -145,6 +146,10 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
     ORIGAMI_CHECK(tp == 1 || cp > 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (",
                   seq_len, ") must be a multiple of --tp (", tp, ")");
   }
+  ORIGAMI_CHECK(!fssdp() || cfg.is_moe(), "--expert-sharding fssdp shards routed experts, and this ", cfg.model_type(),
+                " model has none");
+  ORIGAMI_CHECK(!fssdp() || ep == 1, "--expert-sharding fssdp moves the experts to the tokens instead of the tokens to "
+                "the experts: it shards every expert over the stage's ranks and needs --ep 1, got --ep ", ep);
   // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP
   // (and by TP for MoE layers' shares); heads over the all-to-all group.
   const CpComm comm = parse_cp_comm(cp_comm);
@@ -228,8 +233,14 @@ TrainOptions TrainOptions::resolved(int world_size) const {
   return r;
 }
 
-ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size) const {
-  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float)), zero == 3};
+ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size, bool experts) const {
+  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float)), zero_of(experts) == 3};
+}
+
+bool TrainOptions::fssdp() const {
+  if (expert_sharding == "ep") return false;
+  if (expert_sharding == "fssdp") return true;
+  throw Error(cat("--expert-sharding '", expert_sharding, "' is not one of ep, fssdp"));
 }
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {

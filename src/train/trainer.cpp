@@ -48,9 +48,10 @@ struct ParamSet {
   DataParallel dp;
   AdamW opt;
   ParamSet(std::vector<ParamSpec> table, const TrainOptions& o, Comm& dp_group, Comm& tp_group, bool sequence_parallel,
-           Comm* embedding)
-      : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size())),
-        dp(params, dp_group, tp_group, o.zero, sequence_parallel, embedding, o.grad_reduce_wire()),
+           Comm* embedding, bool experts)
+      : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size(), experts)),
+        dp(params, dp_group, tp_group, o.zero_of(experts), sequence_parallel, embedding, o.grad_reduce_wire(),
+           experts && o.fssdp()),
         opt(params, o.adam, dp.owned()) {}
 };
 
@@ -67,8 +68,8 @@ struct StageParams {
 
  private:
   StageParams(SplitTable tables, const TrainOptions& o, Mesh& mesh, Comm* embedding)
-      : dense(std::move(tables.dense), o, mesh.comm("dp-cp"), mesh.comm("tp"), o.sequence_parallel, embedding),
-        experts(std::move(tables.experts), o, mesh.comm("edp"), mesh.comm("etp"), false, nullptr) {}
+      : dense(std::move(tables.dense), o, mesh.comm("dp-cp"), mesh.comm("tp"), o.sequence_parallel, embedding, false),
+        experts(std::move(tables.experts), o, mesh.comm("edp"), mesh.comm("etp"), false, nullptr, true) {}
 };
 
 // The run's inputs, opened on every rank and checked before any communication: the training data
@@ -240,6 +241,7 @@ std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   const MeshDims& dims = plan.mesh.dims();
   std::string name = plan.mesh.describe(plan.model.is_moe()) + (o.sequence_parallel && dims.tp > 1 ? " +SP" : "") +
                      (o.zero > 0 && dims.dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+  if (o.fssdp()) name += " FSSDP";
   if (dims.cp > 1) name += cat(" cp ", cp.describe(plan.model.num_kv_heads / dims.tp));
   if (dims.pp > 1) name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (plan.recompute != Recompute::none) name += cat(" recompute ", recompute_name(plan.recompute));
@@ -355,7 +357,16 @@ Run::Run(Opened opened, Comm& world)
   if (o_.zero == 3)  // each unit's parameters gathered over its group when the model reads them
     model_.on_weights([this](WeightUse use, const Model::WeightUnit& unit) {
       params_.dense.dp.use_weights(use, unit.dense);
-      params_.experts.dp.use_weights(use, unit.experts);
+      params_.experts.dp.use_weights(use, unit.experts);  // not under FSSDP: its own gathers follow
+    });
+  if (o_.fssdp())  // each MoE layer's experts gathered over EDP after routing, only those its rows reach
+    model_.on_experts([this](ExpertUse use, const ExpertBlocks& x, const std::vector<int32_t>& need) {
+      DataParallel& dp = params_.experts.dp;
+      switch (use) {
+        case ExpertUse::gather: return dp.gather_experts(x, need);
+        case ExpertUse::reduce: return dp.reduce_experts(x);
+        case ExpertUse::release: return dp.release_experts(x);
+      }
     });
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.global_batch * o_.seq_len, cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_step_ = train_flops_per_token(cfg_, o_.seq_len) * double(info_.tokens);
@@ -506,6 +517,12 @@ StepFigures Run::figures(int64_t step, const Losses& sum, double cpu0, bool stop
   const size_t ranks = size_t(world_.size()), rank = size_t(world_.rank());
   if (cfg_.is_moe()) f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();
   if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = cp().counters().pairs;
+  if (o_.fssdp()) {
+    const DataParallel::SparseCounts& c = params_.experts.dp.sparse_counts();
+    f.expert_gathers.assign(ranks, 0), f.expert_gathers[rank] = c.blocks;
+    f.expert_gather_bytes.assign(ranks, 0.0), f.expert_gather_bytes[rank] = c.gathered_bytes;
+    f.expert_reduce_bytes.assign(ranks, 0.0), f.expert_reduce_bytes[rank] = c.reduced_bytes;
+  }
   const size_t stages = size_t(pp_.size()), stage = size_t(pp_.rank());
   const PipelineTimes& times = pipeline_.times();
   const double act_computed = double(memory_.parts[rank].activations);

@@ -77,6 +77,7 @@ struct TrainOptions {
   std::string cp_comm = "p2p"; // context-parallel attention: p2p | a2a | a2a+p2p
   int cp_a2a_size = 0;         // a2a+p2p: ranks per all-to-all group (0: not given)
   int ep = 1, etp = 1;         // MoE mesh: expert parallel, expert tensor parallel (EDP = ranks per stage / (ETP·EP))
+  std::string expert_sharding = "ep";  // ep | fssdp (the experts fully sharded over EDP, gathered sparsely)
   int vpp = 1;                 // model chunks per pipeline stage (the interleaved schedule's v)
   std::string pp_schedule;     // gpipe | 1f1b | interleaved; "": 1f1b, interleaved when vpp > 1
   std::vector<int> pp_layers;  // layers of each virtual stage; empty: an even split
@@ -112,7 +113,10 @@ struct TrainOptions {
   TrainOptions resolved(int world_size) const;
   // A buffer layout (TP shard — ETP for the experts' buffer —, DP bucket padding — EDP —, bucket
   // size), and this layout's activation shape (tp: the attention mesh's TP degree).
-  ParamLayout param_layout(int tp, int tp_rank, int dp) const;
+  // `experts`: the experts' buffer (under FSSDP laid out as under ZeRO-3).
+  ParamLayout param_layout(int tp, int tp_rank, int dp, bool experts = false) const;
+  bool fssdp() const;             // --expert-sharding fssdp
+  int zero_of(bool experts) const { return experts && fssdp() ? 3 : zero; }  // the ZeRO stage of a parameter set
   ActivationShape activation_shape(int tp) const;
   ScheduleKind schedule_kind() const;
   int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
