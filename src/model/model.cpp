@@ -705,15 +705,14 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   const bool global = c.routing.aux == AuxLoss::global;
   if (global && losses) balance.global = &global_counts_[size_t(l)];
   if (global && !losses) balance.reuse = &global_frac_.at({l, mb_});
-  const ExpertBlocks experts = expert_blocks(l);
-  std::vector<int32_t> need;  // FSSDP: the local experts this rank's rows reach, once routed
   MoeInputs<float> in{x, w(o.router), expert_weights(o.experts)};
-  if (experts_fn_) in.before_experts = [&](const DispatchPlan& plan) {
+  if (experts_fn_) in.before_experts = [&](const DispatchPlan& plan) {  // FSSDP: the experts its rows reach
+    std::vector<int32_t> need;
     for (int64_t rows : plan.expert_rows) need.push_back(rows > 0);
-    use_experts(ExpertUse::gather, experts, need);
+    const ExpertPlace at = experts_fn_(ExpertUse::gather, expert_blocks(l), need);
+    return Weights<float>{at.values, at.low, precision_};
   };
   origami::moe_forward(y, *a.moe, in, moe_sizes(), c.routing, balance, dispatcher_, s.moe);
-  use_experts(ExpertUse::release, experts, need);
   tp_.gather_shares(out, y, B, T, C);
   if (losses) {
     if (global) global_frac_[{l, mb_}] = a.moe->frac;
@@ -742,14 +741,16 @@ void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const
   const float* x = tp_.share(a.ln2, s.share_x.data(), B, T, C);
   const float* d_out = tp_.share(d_res, s.share_y.data(), B, T, C);
   float* dx = tp_.share_buffer(d_ln, s.share_dx.data());
-  const ExpertBlocks experts = expert_blocks(l);
-  std::vector<int32_t> need;  // FSSDP: the experts forward gathered, again
-  for (int64_t rows : a.moe->plan.expert_rows) need.push_back(rows > 0);
-  use_experts(ExpertUse::gather, experts, need);
-  moe_backward_experts(dx, experts_.grad() + o.experts, d_out, *a.moe, s.moe, expert_weights(o.experts), ms,
-                       dispatcher_);
-  use_experts(ExpertUse::reduce, experts, need);
-  use_experts(ExpertUse::release, experts, need);
+  Weights<float> experts = expert_weights(o.experts);
+  float* d_experts = experts_.grad() + o.experts;
+  std::vector<int32_t> need;  // FSSDP: the experts forward gathered, gathered again
+  if (experts_fn_) {
+    for (int64_t rows : a.moe->plan.expert_rows) need.push_back(rows > 0);
+    const ExpertPlace at = experts_fn_(ExpertUse::gather, expert_blocks(l), need);
+    experts = {at.values, at.low, precision_}, d_experts = at.grads;
+  }
+  moe_backward_experts(dx, d_experts, d_out, *a.moe, s.moe, experts, ms, dispatcher_);
+  if (experts_fn_) experts_fn_(ExpertUse::reduce, expert_blocks(l), need);
   moe_backward_router(dx, g(o.router), s.moe, *a.moe, x, w(o.router), ms, c.routing, loss_scale);
   tp_.gather_shares(d_ln, dx, B, T, C);
 }

@@ -167,10 +167,11 @@ class Model {
   void on_weights(std::function<void(WeightUse, const WeightUnit&)> fn) { weights_ = std::move(fn); }
   // FSSDP: called in each MoE layer with its experts (blocks of the experts' buffer) and which of them
   // this rank's rows reach (need[j] = 1 for local expert j; the same on every call of one layer's
-  // forward or backward): gather after routing, in forward and again in backward; reduce after the
-  // experts' backward; release when the layer is done with them. Every rank of the experts' group
-  // calls it at the same points, whatever its tokens need.
-  using ExpertsFn = std::function<void(ExpertUse, const ExpertBlocks&, const std::vector<int32_t>& need)>;
+  // forward or backward): gather after routing, in forward and again in backward, returning where the
+  // gathered experts are (the layer reads them and accumulates their gradients there); reduce after
+  // the experts' backward. Every rank of the experts' group calls it at the same points, whatever its
+  // tokens need.
+  using ExpertsFn = std::function<ExpertPlace(ExpertUse, const ExpertBlocks&, const std::vector<int32_t>& need)>;
   void on_experts(ExpertsFn fn) { experts_fn_ = std::move(fn); }
 
   // Tokens this rank routed to each expert per MoE layer ([L][E], global layer index, the router's
@@ -229,9 +230,6 @@ class Model {
   }
   void use_weights(WeightUse use, const WeightUnit& unit) {
     if (weights_) weights_(use, unit);
-  }
-  void use_experts(ExpertUse use, const ExpertBlocks& x, const std::vector<int32_t>& need) {
-    if (experts_fn_) experts_fn_(use, x, need);
   }
   ExpertBlocks expert_blocks(int64_t l) const;  // layer l's local experts
   MoeSizes moe_sizes() const;  // this rank's share of the current batch

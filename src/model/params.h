@@ -113,9 +113,18 @@ struct Range {
 };
 
 // FSSDP (--expert-sharding fssdp): how an MoE layer uses its experts (Model::on_experts). After
-// routing it needs the experts its rows reach (gather, in forward and again in backward), after the
-// experts' backward their gradients go to their owners (reduce), and then it is done with them (release).
-enum class ExpertUse { gather, reduce, release };
+// routing it needs the experts its rows reach (gather, in forward and again in backward); after the
+// experts' backward their gradients go to their owners (reduce).
+enum class ExpertUse { gather, reduce };
+
+// Where a gathered layer's experts are while it uses them: values (fp32; null under bf16, whose GEMMs
+// read only the copy), their bf16 copy (null in fp32) and the gradients its backward accumulates
+// into, each laid out as the layer's blocks are in the experts' buffer (block j at j·block).
+struct ExpertPlace {
+  float* values = nullptr;
+  const bf16* low = nullptr;
+  float* grads = nullptr;
+};
 
 // One MoE layer's experts in the experts' buffer: `count` blocks of `block` floats from `begin`
 // (local expert j at begin + j·block).

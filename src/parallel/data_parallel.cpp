@@ -280,71 +280,82 @@ double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Read
   std::vector<int64_t> send(n, 0), recv(n, 0);
   sparse_walk(x, to_owners, [&](int r, int64_t lo, int64_t hi) { send[size_t(r)] += hi - lo; });
   sparse_walk(x, !to_owners, [&](int r, int64_t lo, int64_t hi) { recv[size_t(r)] += hi - lo; });
-  std::vector<T> out(size_t(std::accumulate(send.begin(), send.end(), int64_t(0))));
-  std::vector<T> in(size_t(std::accumulate(recv.begin(), recv.end(), int64_t(0))));
-  T* at = out.data();
+  const int64_t sent = std::accumulate(send.begin(), send.end(), int64_t(0));
+  const int64_t received = std::accumulate(recv.begin(), recv.end(), int64_t(0));
+  if (packed_out_.size() < size_t(sent) * sizeof(T)) packed_out_.resize(size_t(sent) * sizeof(T));
+  if (packed_in_.size() < size_t(received) * sizeof(T)) packed_in_.resize(size_t(received) * sizeof(T));
+  T* out = reinterpret_cast<T*>(packed_out_.data());
+  T* in = reinterpret_cast<T*>(packed_in_.data());
+  T* at = out;
   sparse_walk(x, to_owners, [&](int, int64_t lo, int64_t hi) { read(lo, hi, at), at += hi - lo; });
-  dp_.all_to_allv(in.data(), recv.data(), out.data(), send.data(), std::is_same_v<T, bf16> ? DType::bf16 : DType::f32);
-  const T* from = in.data();
+  dp_.all_to_allv(in, recv.data(), out, send.data(), std::is_same_v<T, bf16> ? DType::bf16 : DType::f32);
+  const T* from = in;
   sparse_walk(x, !to_owners, [&](int, int64_t lo, int64_t hi) { write(lo, hi, from), from += hi - lo; });
-  return double(out.size() * sizeof(T));
+  return double(sent) * double(sizeof(T));
 }
 
-void DataParallel::gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need) {
-  ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
-  needs_.resize(size_t(dp_.size()) * need.size());
-  dp_.all_gather(needs_.data(), need.data(), x.count, DType::i32);
-  for (int64_t j = 0; j < x.count; ++j) sparse_counts_.blocks += need[size_t(j)] != 0;
-  float* w = params_.data();
-  if (params_.bf16_copy() == nullptr) {
-    sparse_counts_.gathered_bytes += sparse_exchange<float>(
-        x, false, [w](int64_t lo, int64_t hi, float* out) { std::memcpy(out, w + lo, size_t(hi - lo) * sizeof(float)); },
-        [w](int64_t lo, int64_t hi, const float* in) { std::memcpy(w + lo, in, size_t(hi - lo) * sizeof(float)); });
-    return;
-  }
-  // bf16 GEMMs read only the copy: the pieces travel as bf16 into it, and this rank's own pieces of the
-  // blocks it needs are rounded from its shard.
-  bf16* low = const_cast<bf16*>(params_.bf16_copy());
-  sparse_counts_.gathered_bytes += sparse_exchange<bf16>(
-      x, false, [w](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, w + lo, hi - lo); },
-      [low](int64_t lo, int64_t hi, const bf16* in) { std::memcpy(low + lo, in, size_t(hi - lo) * sizeof(bf16)); });
+template <typename Fn>
+void DataParallel::own_pieces(const ExpertBlocks& x, const std::vector<int32_t>& need, Fn&& fn) const {
   for (int64_t j = 0; j < x.count; ++j) {
     if (!need[size_t(j)]) continue;
     const Range e = x.of(j);
     for (const Range& s : shards_)
-      if (std::max(e.begin, s.begin) < std::min(e.end, s.end))
-        params_.refresh_bf16_copy({std::max(e.begin, s.begin), std::min(e.end, s.end)});
+      if (std::max(e.begin, s.begin) < std::min(e.end, s.end)) fn(std::max(e.begin, s.begin), std::min(e.end, s.end));
   }
+}
+
+ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need) {
+  ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
+  needs_.resize(size_t(dp_.size()) * need.size());
+  dp_.all_gather(needs_.data(), need.data(), x.count, DType::i32);
+  for (int64_t j = 0; j < x.count; ++j) sparse_counts_.blocks += need[size_t(j)] != 0;
+  const size_t floats = size_t(x.count * x.block);
+  if (stage_grads_.size() < floats) stage_grads_.resize(floats);
+  const float* w = params_.data();
+  const int64_t at = x.begin;  // staged positions are relative to the layer's first block
+  if (params_.bf16_copy() == nullptr) {
+    if (stage_values_.size() < floats) stage_values_.resize(floats);
+    float* v = stage_values_.data() - at;
+    own_pieces(x, need, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });
+    sparse_counts_.gathered_bytes += sparse_exchange<float>(
+        x, false, [w](int64_t lo, int64_t hi, float* out) { std::memcpy(out, w + lo, size_t(hi - lo) * sizeof(float)); },
+        [v](int64_t lo, int64_t hi, const float* in) { std::memcpy(v + lo, in, size_t(hi - lo) * sizeof(float)); });
+    return {stage_values_.data(), nullptr, stage_grads_.data()};
+  }
+  // bf16 GEMMs read only the copy: the pieces travel as bf16 into it, this rank's own rounded from its shard.
+  if (stage_low_.size() < floats) stage_low_.resize(floats);
+  bf16* low = stage_low_.data() - at;
+  own_pieces(x, need, [&](int64_t lo, int64_t hi) { round_to_bf16(low + lo, w + lo, hi - lo); });
+  sparse_counts_.gathered_bytes += sparse_exchange<bf16>(
+      x, false, [w](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, w + lo, hi - lo); },
+      [low](int64_t lo, int64_t hi, const bf16* in) { std::memcpy(low + lo, in, size_t(hi - lo) * sizeof(bf16)); });
+  return {nullptr, stage_low_.data(), stage_grads_.data()};
 }
 
 void DataParallel::reduce_experts(const ExpertBlocks& x) {
   ORIGAMI_ASSERT(sparse_ && int64_t(needs_.size()) == x.count * dp_.size());
   float* g = params_.grad();
+  float* staged = stage_grads_.data() - x.begin;
   auto add = [g](int64_t lo, int64_t hi, const float* in) {
 #pragma omp simd
     for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += in[i];
   };
+  const std::vector<int32_t> need(needs_.begin() + dp_.rank() * x.count, needs_.begin() + (dp_.rank() + 1) * x.count);
+  own_pieces(x, need, [&](int64_t lo, int64_t hi) { add(lo, hi, staged + lo); });
   if (wire_ == DType::bf16) {
     sparse_counts_.reduced_bytes += sparse_exchange<bf16>(
-        x, true, [g](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, g + lo, hi - lo); },
+        x, true, [staged](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, staged + lo, hi - lo); },
         [g](int64_t lo, int64_t hi, const bf16* in) {
           for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += to_float(in[i]);
         });
   } else {
     sparse_counts_.reduced_bytes += sparse_exchange<float>(
-        x, true, [g](int64_t lo, int64_t hi, float* out) { std::memcpy(out, g + lo, size_t(hi - lo) * sizeof(float)); },
+        x, true,
+        [staged](int64_t lo, int64_t hi, float* out) { std::memcpy(out, staged + lo, size_t(hi - lo) * sizeof(float)); },
         add);
   }
-  for (size_t b : buckets_of({{x.begin, x.of(x.count - 1).end}})) {  // keep only the shards
-    const Range &r = params_.buckets()[b], &s = shards_[b];
-    params_.release_grad({r.begin, s.begin});
-    params_.release_grad({s.end, r.end});
-  }
-}
-
-void DataParallel::release_experts(const ExpertBlocks& x) {
-  ORIGAMI_ASSERT(sparse_);
-  for (size_t b : buckets_of({{x.begin, x.of(x.count - 1).end}})) drop_values(b);
+  for (int64_t j = 0; j < x.count; ++j)  // the staged gradients start from zero at the next backward
+    if (need[size_t(j)]) std::fill_n(stage_grads_.data() + j * x.block, x.block, 0.f);
 }
 
 }  // namespace origami

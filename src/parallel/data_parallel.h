@@ -41,12 +41,13 @@
 // each bucket), but nothing is gathered or reduced per bucket. An MoE layer, once routing says which
 // of its experts this rank's rows reach, calls gather_experts: the ranks exchange those sets (an
 // all-gather of one flag per expert) and each receives exactly the pieces of its experts that others
-// own (one all-to-all-v; sizes known only now). After the experts' backward, reduce_experts sends
-// each owner the pieces of its shard that this rank's experts wrote (all-to-all-v again), which it
-// adds to its shard; release_experts then returns every page of the layer but the shards'. An
-// expert no row of a rank reached costs that rank nothing. The pieces travel in the reduction's
-// wire type (gradients) and, when the GEMMs read bf16 copies (--precision bf16), as bf16 into the
-// copy (the values' other pages are never read, so they stay released).
+// own (one all-to-all-v; sizes known only now), into a staging area of one layer's experts that stays
+// resident (so no page is faulted in and returned per layer), with its own pieces copied beside them.
+// Backward gathers again and accumulates the gradients in the staging area; reduce_experts then
+// sends each owner the pieces of its shard (all-to-all-v again), which it adds to its shard, adds its
+// own pieces, and clears the staging gradients. An expert no row of a rank reached costs that rank
+// nothing. The gradient pieces travel in the reduction's wire type; when the GEMMs read bf16 copies
+// (--precision bf16) the parameter pieces travel as bf16, and only the copy is staged.
 //
 // MoE parallel folding: a rank has two parameter sets, each with its own DataParallel — the dense
 // one (attention mesh: TP, reduced over DP) and the routed experts (MoE mesh: split over ETP, one
@@ -109,12 +110,11 @@ class DataParallel {
   void use_weights(WeightUse use, const std::vector<Range>& unit);
 
   // FSSDP, collective over the group (every rank calls each, in the same order, with the same layer):
-  // need[j] is 1 when this rank's rows reach block j of x. gather_experts materializes those blocks;
-  // reduce_experts sends the gradients of the last gather's blocks to their owners and keeps only
-  // the shards; release_experts returns the values' pages but the shards'.
-  void gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need);
+  // need[j] is 1 when this rank's rows reach block j of x. gather_experts stages those blocks and says
+  // where (valid until the next gather); reduce_experts sends the staged gradients of the last
+  // gather's blocks to their owners, adds its own to its shards and clears them.
+  ExpertPlace gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need);
   void reduce_experts(const ExpertBlocks& x);
-  void release_experts(const ExpertBlocks& x);
   // FSSDP traffic since begin_step: bytes this rank sent of parameters (gathers) and of gradients
   // (reductions), and the blocks it gathered.
   struct SparseCounts {
@@ -139,6 +139,9 @@ class DataParallel {
   // write(begin, end, in) takes a piece it received. Returns the bytes sent.
   template <typename T, typename Read, typename Write>
   double sparse_exchange(const ExpertBlocks& x, bool to_owners, Read&& read, Write&& write);
+  // Calls fn(begin, end) for the pieces of this rank's shards inside the blocks `need` marks.
+  template <typename Fn>
+  void own_pieces(const ExpertBlocks& x, const std::vector<int32_t>& need, Fn&& fn) const;
 
   Params& params_;
   Comm &dp_, &tp_;
@@ -162,10 +165,15 @@ class DataParallel {
   std::vector<int> held_;
   std::vector<uint8_t> gathered_;
   bool armed_ = false;
-  // FSSDP: every rank's shard of each bucket ([rank][bucket]), the last gather's needs ([rank][block]).
+  // FSSDP: every rank's shard of each bucket ([rank][bucket]), the last gather's needs ([rank][block]);
+  // the staging area (one layer's experts: values or their bf16 copy, and gradients, kept zero
+  // between uses) and the exchanges' packed pieces, each grown to the largest use and kept.
   bool sparse_;
   std::vector<std::vector<Range>> rank_shards_;
   std::vector<int32_t> needs_;
+  std::vector<float> stage_values_, stage_grads_;
+  std::vector<bf16> stage_low_;
+  std::vector<char> packed_out_, packed_in_;
   SparseCounts sparse_counts_;
 };
 

@@ -1,5 +1,7 @@
 #include "train/test_hooks.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -16,12 +18,19 @@ TestHooks TestHooks::from_env(int world_rank, bool moe) {
   if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD"))
     ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &h.nan_step_, &h.nan_rank_) == 2 && h.nan_step_ >= 1 && h.nan_rank_ >= 0,
                   "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK (a step from 1, a world rank), got '", e, "'");
+  if (const char* e = std::getenv("ORIGAMI_TEST_ROUTER_SKEW")) {
+    char* end = nullptr;
+    h.skew_ = std::strtod(e, &end);
+    ORIGAMI_CHECK(*e && !*end && std::isfinite(h.skew_), "ORIGAMI_TEST_ROUTER_SKEW must be a number, got '", e, "'");
+    ORIGAMI_CHECK(moe, "ORIGAMI_TEST_ROUTER_SKEW is for mixture-of-experts models");
+  }
   if (const char* dir = std::getenv("ORIGAMI_TEST_ROUTING"); dir && moe)
     h.routing_log_ = std::make_shared<std::ofstream>(cat(dir, "/routing.", world_rank, ".jsonl"), std::ios::app);
   return h;
 }
 
 std::string TestHooks::describe() const {
+  if (skew_ != 0) return cat("test router skew: experts 0 and 1 selected with a bias of ", skew_, " (ORIGAMI_TEST_ROUTER_SKEW)");
   if (nan_step_ < 1) return "";
   return cat("test fault injection: a NaN in rank ", nan_rank_, "'s gradient at step ", nan_step_,
              " (ORIGAMI_TEST_NAN_GRAD)");
@@ -35,6 +44,13 @@ void TestHooks::poison_gradient(int64_t step, float* grad) {
 
 void TestHooks::log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts) {
   if (routing_log_) *routing_log_ << nlohmann::json({{"step", step}, {"expert_counts", counts}}).dump() << std::endl;
+}
+
+void TestHooks::skew_router(std::vector<std::vector<float>>& bias, int64_t layers, int64_t experts) const {
+  if (skew_ == 0) return;
+  if (bias.empty()) bias.assign(size_t(layers), std::vector<float>(size_t(experts), 0.f));
+  for (std::vector<float>& b : bias)
+    for (size_t e = 0; e < std::min<size_t>(2, b.size()); ++e) b[e] += float(skew_);
 }
 
 }  // namespace origami

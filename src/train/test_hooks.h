@@ -6,6 +6,9 @@
 //   ORIGAMI_TEST_ROUTING=DIR  every rank of a MoE run appends its own routed counts per step to
 //       DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently
 //       (tests/parallel/test_expert_parallel.py).
+//   ORIGAMI_TEST_ROUTER_SKEW=B  every MoE layer's router adds B to the selection scores of experts 0
+//       and 1 (as the aux-loss-free bias does; without --moe-router-bias-update-rate it stays put):
+//       the skewed routing of the FSSDP-against-EP benchmark (bench/fssdp_bench.py).
 #pragma once
 #include <cstdint>
 #include <fstream>
@@ -26,12 +29,15 @@ class TestHooks {
   void poison_gradient(int64_t step, float* grad);
   // After the step's routing: this rank's counts per layer and expert.
   void log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts);
+  // At the start: the router skew added to the selection bias ([layers][experts], allocated if empty).
+  void skew_router(std::vector<std::vector<float>>& bias, int64_t layers, int64_t experts) const;
 
  private:
   int rank_ = 0;
   long long nan_step_ = -1;
   int nan_rank_ = -1;
   bool injected_ = false;
+  double skew_ = 0;
   std::shared_ptr<std::ofstream> routing_log_;
 };
 

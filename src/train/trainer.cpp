@@ -348,6 +348,7 @@ Run::Run(Opened opened, Comm& world)
       pipeline_(model_, pp_, {&params_.dense.dp, &params_.experts.dp}, plan_.schedule, int(plan_.micro_batches),
                 o_.vpp) {
   restore_router_bias();
+  hooks_.skew_router(model_.router_bias(), cfg_.num_layers, cfg_.num_experts);
   model_.set_precision(plan_.precision);
   model_.on_grads_ready([this](int64_t offset, int64_t expert_offset) {
     hooks_.poison_gradient(current_step_, params_.dense.params.grad() + offset);
@@ -362,11 +363,9 @@ Run::Run(Opened opened, Comm& world)
   if (o_.fssdp())  // each MoE layer's experts gathered over EDP after routing, only those its rows reach
     model_.on_experts([this](ExpertUse use, const ExpertBlocks& x, const std::vector<int32_t>& need) {
       DataParallel& dp = params_.experts.dp;
-      switch (use) {
-        case ExpertUse::gather: return dp.gather_experts(x, need);
-        case ExpertUse::reduce: return dp.reduce_experts(x);
-        case ExpertUse::release: return dp.release_experts(x);
-      }
+      if (use == ExpertUse::gather) return dp.gather_experts(x, need);
+      dp.reduce_experts(x);
+      return ExpertPlace{};
     });
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.global_batch * o_.seq_len, cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_step_ = train_flops_per_token(cfg_, o_.seq_len) * double(info_.tokens);

@@ -19,7 +19,7 @@
   3. Memory: a 4-layer mixtral with 16 experts of 256 x 512 (experts 96% of the parameters) at DP2:
      the neediest rank's peak RSS is within 10% of the memory check, plain and under FSSDP (fp32 and
      bf16), and the model state (weights + gradients + optimizer state) per rank under FSSDP is below
-     0.6 of plain DP2's (half the experts' state plus one gathered layer: 0.5625).
+     0.65 of plain DP2's (half the experts' state plus one layer's experts staged whole: 0.625).
   4. Checkpoints: an FSSDP DP4 checkpoint (step 10) resumes under EP2xEDP2 ZeRO-1 and on one rank, and
      an EP4 checkpoint under FSSDP DP4, each on the uninterrupted run's curve (steps 11-20 within
      1e-5 relative; constant learning rate).
@@ -232,10 +232,11 @@ def run_memory(tmp, data):
         if not ok:
             failures.append("memory %s: check %.1f MiB vs peak %.1f MiB" % (label, max(totals) / 2 ** 20, most / 2 ** 20))
     if "DP2" in state and "FSSDP" in state:
-        # half of the experts' state, plus one layer's experts gathered (values and gradients, a quarter of
-        # 8 of 16 bytes a parameter): 0.5625 of plain DP2's, which replicates everything
-        ok = state["FSSDP"] < 0.6 * state["DP2"]
-        print("%-4s FSSDP model state per rank %.1f MiB: %.3f of plain DP2's %.1f MiB (at most 0.6)" % (
+        # half of the experts' state (16 bytes a parameter), plus the staging area of one layer's experts
+        # whole (values and gradients, 8 bytes, a quarter of them): 0.625 of plain DP2's, which
+        # replicates everything (the dense 4% replicated either way)
+        ok = state["FSSDP"] < 0.65 * state["DP2"]
+        print("%-4s FSSDP model state per rank %.1f MiB: %.3f of plain DP2's %.1f MiB (at most 0.65)" % (
             "ok" if ok else "FAIL", state["FSSDP"] / 2 ** 20, state["FSSDP"] / state["DP2"], state["DP2"] / 2 ** 20),
             flush=True)
         if not ok:

@@ -365,8 +365,7 @@ void moe_forward(T* out, MoeCache<T>& c, const MoeInputs<T>& in, const MoeSizes&
   d.plan(c.plan, c.count_E.data(), E);
   ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(c.xe_RC.size()) && int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
   d.to_experts(c.xe_RC.data(), xs, c.plan, C, scratch.dispatch);
-  if (in.before_experts) in.before_experts(c.plan);
-  experts_forward(ye, c, in.experts, s);
+  experts_forward(ye, c, in.before_experts ? in.before_experts(c.plan) : in.experts, s);
   d.from_experts(c.y_RC.data(), ye, c.plan, C, scratch.dispatch);
   combine_forward(out, c, s, d.times());
   aux_fractions(c, s, r, bal, d);

@@ -66,8 +66,9 @@ struct MoeInputs {
   const T* gate_EC;  // the router [E, C]
   Weights<T> experts;  // local expert 0's block (the legend above), in the run's precision
   // Called once the plan says how many rows each local expert computes, before any expert weight is
-  // read: FSSDP gathers there the experts with rows. Null: the weights are in place.
-  std::function<void(const DispatchPlan&)> before_experts = nullptr;
+  // read: FSSDP gathers there the experts with rows, and returns where they are (used instead of
+  // `experts`). Null: the weights are in place.
+  std::function<Weights<T>(const DispatchPlan&)> before_experts = nullptr;
 };
 
 // What a call's router uses beyond the weights.

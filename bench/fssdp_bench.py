@@ -1,0 +1,108 @@
+"""FSSDP against EP: Mixtral-style models with 16 and 64 experts on 2 and 4 ranks, under the router's own
+balance and under skew (a router bias that sends half of the assignments to experts 0 and 1).
+
+    /usr/bin/python3 bench/fssdp_bench.py [--experts 16,64] [--ranks 2,4] [--steps 6] [--repeats 3]
+                                          [--dir bench/runs/fssdp]
+
+The model: 4 layers of hidden 256, 8 heads, experts of FFN 512, top-2, the byte vocabulary; one
+micro-batch of --micro-batch x 128 tokens per rank, fp32, one thread per rank. Each layout is EP over
+all ranks (--ep R) or FSSDP (--expert-sharding fssdp) on R ranks of data parallelism (the dense part
+all-reduced either way). Skew: ORIGAMI_TEST_ROUTER_SKEW=B adds B to experts 0 and 1's selection scores;
+B is calibrated first (one rank, 1 step, bisection) so that about half of the routed assignments go to
+them. Per layout: the median over --repeats runs of the median step time of steps 3 onward (ms), the
+busiest rank's expert rows over the mean (expert_imbalance: under EP the rows an EP rank's experts
+compute, under FSSDP a rank's own), and the bytes rank 0 sends per step (all groups). The table ends
+with FSSDP's throughput over EP's.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parallel"))
+import harness as h  # noqa: E402
+
+SEQ = 128
+
+
+def model(d, experts):
+    return h.write_json(os.path.join(d, "mixtral_%de.json" % experts), h.load_config(
+        "mixtral_8e", hidden_size=256, intermediate_size=512, num_local_experts=experts, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ))
+
+
+def train(d, cfg, data, ranks, flags, steps, micro, skew, tag):
+    m = os.path.join(d, tag + ".jsonl")
+    if os.path.exists(m):
+        os.remove(m)
+    args = ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--micro-batch", str(micro),
+            "--global-batch", str(micro * max(ranks, 1)), "--seq-len", str(SEQ), "--threads", "1", "--quiet", "--metrics", m]
+    env = {"OMP_NUM_THREADS": "1"}
+    if skew:
+        env["ORIGAMI_TEST_ROUTER_SKEW"] = repr(skew)
+    rc, out, _ = h.run(ranks, args + flags, timeout=900, extra_env=env)
+    if rc != 0:
+        sys.exit("FAIL: %s: %s" % (tag, out[-800:]))
+    return h.read_metrics(m)
+
+
+def skewed_share(rows):
+    """Share of the routed assignments that went to experts 0 and 1, over the run."""
+    tot = [sum(map(sum, r["expert_tokens"])) for r in rows]
+    hot = [sum(layer[0] + layer[1] for layer in r["expert_tokens"]) for r in rows]
+    return sum(hot) / sum(tot)
+
+
+def calibrate(d, cfg, data, micro):
+    lo, hi = 0.0, 1.0
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        share = skewed_share(train(d, cfg, data, 0, [], 1, micro, mid, "calibrate"))
+        lo, hi = (mid, hi) if share < 0.5 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", default="16,64")
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--dir", default=os.path.join(h.ROOT, "bench", "runs", "fssdp"))
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    data = h.prepare_data(a.dir, n_docs=2000)
+    rows = []
+    for E in map(int, a.experts.split(",")):
+        cfg = model(a.dir, E)
+        bias = calibrate(a.dir, cfg, data, a.micro_batch)
+        for R in map(int, a.ranks.split(",")):
+            for routing, skew in (("balanced", 0.0), ("skewed", bias)):
+                result = {}
+                for name, flags in (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"])):
+                    ms, imb, sent, share = [], [], [], []
+                    for rep in range(a.repeats):  # EP and FSSDP alternate within a repeat
+                        got = train(a.dir, cfg, data, R, flags, a.steps, a.micro_batch, skew, "run")
+                        ms.append(statistics.median(r["ms"] for r in got[2:]))
+                        imb.append(statistics.median(r["expert_imbalance"] for r in got[2:]))
+                        sent.append(statistics.median(sum(r["comm_bytes"].values()) for r in got[2:]))
+                        share.append(skewed_share(got))
+                    result[name] = (statistics.median(ms), statistics.median(imb), statistics.median(sent),
+                                    statistics.median(share))
+                    print("%d experts, %d ranks, %s, %s: %.0f ms (runs %s), busiest/mean rows %.2f, %.1f MB sent, "
+                          "experts 0-1 take %.2f" % (E, R, routing, name, result[name][0], [round(x) for x in ms],
+                                                     result[name][1], result[name][2] / 1e6, result[name][3]), flush=True)
+                ep, fs = result["EP%d" % R], result["FSSDP DP%d" % R]
+                rows.append([E, R, routing + (" (B %.3f)" % skew if skew else ""), "%.0f" % ep[0], "%.0f" % fs[0],
+                             "%.2f" % ep[1], "%.2f" % fs[1], "%.1f" % (ep[2] / 1e6), "%.1f" % (fs[2] / 1e6),
+                             "%.2f" % (ep[0] / fs[0])])
+    print()
+    print(h.fmt_table(["experts", "ranks", "routing", "EP ms", "FSSDP ms", "EP busiest/mean", "FSSDP busiest/mean",
+                       "EP MB/step", "FSSDP MB/step", "FSSDP throughput / EP"], rows))
+
+
+if __name__ == "__main__":
+    main()
