@@ -81,17 +81,19 @@ def main():
         bias = calibrate(a.dir, cfg, data, a.micro_batch)
         for R in map(int, a.ranks.split(",")):
             for routing, skew in (("balanced", 0.0), ("skewed", bias)):
-                result = {}
-                for name, flags in (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"])):
-                    ms, imb, sent, share = [], [], [], []
-                    for rep in range(a.repeats):  # EP and FSSDP alternate within a repeat
+                layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]))
+                runs = {name: [] for name, _ in layouts}
+                for rep in range(a.repeats):  # EP and FSSDP alternate, so drifts of the machine hit both
+                    for name, flags in layouts:
                         got = train(a.dir, cfg, data, R, flags, a.steps, a.micro_batch, skew, "run")
-                        ms.append(statistics.median(r["ms"] for r in got[2:]))
-                        imb.append(statistics.median(r["expert_imbalance"] for r in got[2:]))
-                        sent.append(statistics.median(sum(r["comm_bytes"].values()) for r in got[2:]))
-                        share.append(skewed_share(got))
-                    result[name] = (statistics.median(ms), statistics.median(imb), statistics.median(sent),
-                                    statistics.median(share))
+                        runs[name].append((statistics.median(r["ms"] for r in got[2:]),
+                                           statistics.median(r["expert_imbalance"] for r in got[2:]),
+                                           statistics.median(sum(r["comm_bytes"].values()) for r in got[2:]),
+                                           skewed_share(got)))
+                result = {}
+                for name, _ in layouts:
+                    ms = [x[0] for x in runs[name]]
+                    result[name] = tuple(statistics.median(x[i] for x in runs[name]) for i in range(4))
                     print("%d experts, %d ranks, %s, %s: %.0f ms (runs %s), busiest/mean rows %.2f, %.1f MB sent, "
                           "experts 0-1 take %.2f" % (E, R, routing, name, result[name][0], [round(x) for x in ms],
                                                      result[name][1], result[name][2] / 1e6, result[name][3]), flush=True)

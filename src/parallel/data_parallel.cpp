@@ -63,7 +63,7 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 }
 
 void DataParallel::begin_step() {
-  sparse_counts_ = {};
+  traffic_ = {};
   if (zero_ >= 2) params_.release_grad();  // the shards accumulate from zero; nothing else is resident
   else params_.zero_grad();
   if (zero_ == 3)  // only the shards of the values (the full buffer after an init or a load)
@@ -98,8 +98,10 @@ void DataParallel::start_bucket(size_t b) {
     if (zero_ >= 1) std::fill_n(low + (shards_[b].begin - r.begin), shard, bf16{0});
     buf = low;
   }
+  const double before = dp_.bytes_sent();
   if (zero_ == 0) pending_[b] = dp_.iall_reduce(buf, n, wire_, ReduceOp::sum);
   else pending_[b] = dp_.ireduce_scatter(buf, buf, shard, wire_, ReduceOp::sum);
+  traffic_.reduced_bytes += dp_.bytes_sent() - before;
   started_[b] = kInFlight;
 }
 
@@ -199,9 +201,11 @@ void DataParallel::gather_params() {
   if (zero_ > 0 && dp_.size() > 1) {
     float* w = params_.data();
     const std::vector<Range>& buckets = params_.buckets();
+    const double before = dp_.bytes_sent();
     for (size_t b = 0; b < buckets.size(); ++b)  // in place: this rank's shard already sits at its position
       pending_[b] = dp_.iall_gather(w + buckets[b].begin, w + shards_[b].begin, shards_[b].end - shards_[b].begin, DType::f32);
     for (Request& r : pending_) r.wait();
+    traffic_.gathered_bytes += dp_.bytes_sent() - before;
   }
   params_.refresh_bf16_copy();
 }
@@ -222,7 +226,9 @@ void DataParallel::start_gather(size_t b) {
   if (gathered_[b] || gathers_[b].pending()) return;
   float* w = params_.data();
   const Range &r = params_.buckets()[b], &s = shards_[b];
+  const double before = dp_.bytes_sent();
   gathers_[b] = dp_.iall_gather(w + r.begin, w + s.begin, s.end - s.begin, DType::f32);  // in place
+  traffic_.gathered_bytes += dp_.bytes_sent() - before;
 }
 
 void DataParallel::drop_values(size_t b) {
@@ -308,7 +314,7 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
   ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
   needs_.resize(size_t(dp_.size()) * need.size());
   dp_.all_gather(needs_.data(), need.data(), x.count, DType::i32);
-  for (int64_t j = 0; j < x.count; ++j) sparse_counts_.blocks += need[size_t(j)] != 0;
+  for (int64_t j = 0; j < x.count; ++j) traffic_.expert_gathers += need[size_t(j)] != 0;
   const size_t floats = size_t(x.count * x.block);
   if (stage_grads_.size() < floats) stage_grads_.resize(floats);
   const float* w = params_.data();
@@ -317,7 +323,7 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
     if (stage_values_.size() < floats) stage_values_.resize(floats);
     float* v = stage_values_.data() - at;
     own_pieces(x, need, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });
-    sparse_counts_.gathered_bytes += sparse_exchange<float>(
+    traffic_.gathered_bytes += sparse_exchange<float>(
         x, false, [w](int64_t lo, int64_t hi, float* out) { std::memcpy(out, w + lo, size_t(hi - lo) * sizeof(float)); },
         [v](int64_t lo, int64_t hi, const float* in) { std::memcpy(v + lo, in, size_t(hi - lo) * sizeof(float)); });
     return {stage_values_.data(), nullptr, stage_grads_.data()};
@@ -326,7 +332,7 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
   if (stage_low_.size() < floats) stage_low_.resize(floats);
   bf16* low = stage_low_.data() - at;
   own_pieces(x, need, [&](int64_t lo, int64_t hi) { round_to_bf16(low + lo, w + lo, hi - lo); });
-  sparse_counts_.gathered_bytes += sparse_exchange<bf16>(
+  traffic_.gathered_bytes += sparse_exchange<bf16>(
       x, false, [w](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, w + lo, hi - lo); },
       [low](int64_t lo, int64_t hi, const bf16* in) { std::memcpy(low + lo, in, size_t(hi - lo) * sizeof(bf16)); });
   return {nullptr, stage_low_.data(), stage_grads_.data()};
@@ -343,13 +349,13 @@ void DataParallel::reduce_experts(const ExpertBlocks& x) {
   const std::vector<int32_t> need(needs_.begin() + dp_.rank() * x.count, needs_.begin() + (dp_.rank() + 1) * x.count);
   own_pieces(x, need, [&](int64_t lo, int64_t hi) { add(lo, hi, staged + lo); });
   if (wire_ == DType::bf16) {
-    sparse_counts_.reduced_bytes += sparse_exchange<bf16>(
+    traffic_.reduced_bytes += sparse_exchange<bf16>(
         x, true, [staged](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, staged + lo, hi - lo); },
         [g](int64_t lo, int64_t hi, const bf16* in) {
           for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += to_float(in[i]);
         });
   } else {
-    sparse_counts_.reduced_bytes += sparse_exchange<float>(
+    traffic_.reduced_bytes += sparse_exchange<float>(
         x, true,
         [staged](int64_t lo, int64_t hi, float* out) { std::memcpy(out, staged + lo, size_t(hi - lo) * sizeof(float)); },
         add);

@@ -115,13 +115,13 @@ class DataParallel {
   // gather's blocks to their owners, adds its own to its shards and clears them.
   ExpertPlace gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need);
   void reduce_experts(const ExpertBlocks& x);
-  // FSSDP traffic since begin_step: bytes this rank sent of parameters (gathers) and of gradients
-  // (reductions), and the blocks it gathered.
-  struct SparseCounts {
+  // Since begin_step: the bytes this rank sent gathering parameters (ZeRO ≥ 1, FSSDP) and reducing
+  // gradients (comm.h's accounting), and under FSSDP the expert blocks it gathered.
+  struct Traffic {
     double gathered_bytes = 0, reduced_bytes = 0;
-    int64_t blocks = 0;
+    int64_t expert_gathers = 0;
   };
-  const SparseCounts& sparse_counts() const { return sparse_counts_; }
+  const Traffic& traffic() const { return traffic_; }
 
  private:
   void start_bucket(size_t b);
@@ -174,7 +174,7 @@ class DataParallel {
   std::vector<float> stage_values_, stage_grads_;
   std::vector<bf16> stage_low_;
   std::vector<char> packed_out_, packed_in_;
-  SparseCounts sparse_counts_;
+  Traffic traffic_;
 };
 
 // The step's gradients over every parameter set of this rank (complete_gradients of each), with one

@@ -133,6 +133,7 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
                       {"act_bytes_peak", as_int(f.act_peak)}, {"act_bytes_computed", as_int(f.act_computed)},
                       {"pp_busy_ms", as_ms(f.busy_s)}, {"pp_ms", as_ms(f.total_s)}, {"pp_bytes", as_int(f.pp_bytes)}};
   add_cp_group(j, r);
+  if (!f.gathered_bytes.empty()) j["gathered_bytes"] = as_int(f.gathered_bytes), j["reduced_bytes"] = as_int(f.reduced_bytes);
   if (!r.data_samples.empty()) j["data_samples"] = r.data_samples;
   if (!std::isnan(r.val_loss)) j["val_loss"] = r.val_loss;  // the validation group: a step that evaluated
   if (!r.skipped.empty()) j["skipped"] = r.skipped;
@@ -177,11 +178,7 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
   if (r.router_bias && !r.router_bias->empty()) row["router_bias"] = *r.router_bias;
   row["expert_rows"] = f.expert_rows;
   row["expert_imbalance"] = expert_imbalance(f.expert_rows, *run.mesh);
-  if (!f.expert_gathers.empty()) {  // FSSDP
-    row["expert_gathers"] = f.expert_gathers;
-    row["expert_gather_bytes"] = f.expert_gather_bytes;
-    row["expert_reduce_bytes"] = f.expert_reduce_bytes;
-  }
+  if (!f.expert_gathers.empty()) row["expert_gathers"] = f.expert_gathers;  // FSSDP
   const DispatchTimes& dt = r.dispatch;
   row["moe_times"] = {{"layer_s", r.moe_layer_s}, {"exchange_s", dt.exchange_s}, {"regroup_s", dt.regroup_s},
                       {"permute_s", dt.permute_s}};

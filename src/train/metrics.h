@@ -39,10 +39,11 @@ struct StepFigures {
   std::vector<int64_t> expert_dropped;              // [layer]
   std::vector<int64_t> expert_rows;                 // [rank], MoE only
   std::vector<int64_t> cp_pairs;                    // [rank], CP only: the causal pairs each rank's attention computed
-  // FSSDP only, [rank]: the experts each rank gathered (one per layer, pass and expert its rows
-  // reached, forward and backward), and the bytes it sent of parameters and of gradients doing so.
+  // ZeRO-3 or FSSDP, [rank]: the bytes each rank sent gathering parameters and reducing gradients
+  // (both parameter sets: DataParallel::traffic); FSSDP, [rank]: the experts each rank gathered (one
+  // per layer, pass and expert its rows reached, forward and backward).
+  std::vector<double> gathered_bytes, reduced_bytes;
   std::vector<int64_t> expert_gathers;
-  std::vector<double> expert_gather_bytes, expert_reduce_bytes;
   // Per pipeline stage, from its first rank of TP x DP x CP: the measured and the computed activation
   // peak (bytes), the time it was busy and the schedule's time (s), the bytes it sent over pp.
   std::vector<double> act_peak, act_computed, busy_s, total_s, pp_bytes;  // [stage]
@@ -56,7 +57,7 @@ struct StepFigures {
   void for_each_field(F&& f) {
     f(lm_loss), f(aux_loss), f(z_loss), f(cpu_s), f(stop);
     f(expert_tokens), f(expert_dropped), f(expert_rows), f(cp_pairs);
-    f(expert_gathers), f(expert_gather_bytes), f(expert_reduce_bytes);
+    f(gathered_bytes), f(reduced_bytes), f(expert_gathers);
     f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes);
   }
 };

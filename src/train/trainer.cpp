@@ -516,12 +516,12 @@ StepFigures Run::figures(int64_t step, const Losses& sum, double cpu0, bool stop
   const size_t ranks = size_t(world_.size()), rank = size_t(world_.rank());
   if (cfg_.is_moe()) f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();
   if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = cp().counters().pairs;
-  if (o_.fssdp()) {
-    const DataParallel::SparseCounts& c = params_.experts.dp.sparse_counts();
-    f.expert_gathers.assign(ranks, 0), f.expert_gathers[rank] = c.blocks;
-    f.expert_gather_bytes.assign(ranks, 0.0), f.expert_gather_bytes[rank] = c.gathered_bytes;
-    f.expert_reduce_bytes.assign(ranks, 0.0), f.expert_reduce_bytes[rank] = c.reduced_bytes;
+  if (o_.zero == 3 || o_.fssdp()) {
+    f.gathered_bytes.assign(ranks, 0.0), f.reduced_bytes.assign(ranks, 0.0);
+    for (ParamSet* set : params_.sets())
+      f.gathered_bytes[rank] += set->dp.traffic().gathered_bytes, f.reduced_bytes[rank] += set->dp.traffic().reduced_bytes;
   }
+  if (o_.fssdp()) f.expert_gathers.assign(ranks, 0), f.expert_gathers[rank] = params_.experts.dp.traffic().expert_gathers;
   const size_t stages = size_t(pp_.size()), stage = size_t(pp_.rank());
   const PipelineTimes& times = pipeline_.times();
   const double act_computed = double(memory_.parts[rank].activations);

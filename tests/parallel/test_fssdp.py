@@ -12,7 +12,8 @@
      exactly what rank 0 must send over EDP — per layer, forward and backward gather each exchange
      the needs (El int32 to each peer) and send every peer the pieces of rank 0's shard its experts
      cover; the reduction sends the owners the pieces of rank 0's experts it does not own — and each
-     rank's gathered experts; comm_bytes.edp and expert_gathers must equal them. The first step's
+     rank's gathered experts; comm_bytes.edp, expert_gathers and rank 0's gathered_bytes and
+     reduced_bytes (these with the dense reduction added) must equal them. The first step's
      prediction (comm_bytes_predicted, which assumes every expert reached) equals comm_bytes where
      every rank of rank 0's group reached every expert (at least 3 layouts), and bounds it where one
      did not; the 16-expert model leaves experts unreached (an unreached expert costs nothing).
@@ -93,7 +94,8 @@ def overlap(a, b):
 
 
 def expected_traffic(routing, ranks, flags, cfg):
-    """{step: (edp bytes rank 0 sends, [expert gathers per rank])} from every rank's routed counts
+    """{step: (edp bytes rank 0 sends, [expert gathers per rank], of those bytes the experts' pieces
+    gathered and the gradient pieces reduced)} from every rank's routed counts
     (one micro-batch a rank, ETP1: a rank's needs are the experts it routed tokens to)."""
     pp = flag(flags, "--pp")
     per_stage = ranks // pp
@@ -102,7 +104,7 @@ def expected_traffic(routing, ranks, flags, cfg):
     forwards = 2 if "full" in flags else 1
     out = {}
     for step in routing[0]:
-        sent, gathers = 0, [0] * ranks
+        sent, gathered, reduced, gathers = 0, 0, 0, [0] * ranks
         for r in range(ranks):
             stage_layers = [l for l, row in enumerate(routing[r][step]) if any(row)]
             gathers[r] = (forwards + 1) * sum(1 for l in stage_layers for e in range(E) if routing[r][step][l][e])
@@ -115,7 +117,9 @@ def expected_traffic(routing, ranks, flags, cfg):
             gather = sum(overlap(blocks(e), shards[0]) for r in group if r != 0 for e in need[r])
             reduce = sum(overlap(blocks(e), shards[j]) for e in need[0] for j in group if j != 0)
             sent += (forwards + 1) * ((edp - 1) * 4 * E + 4 * gather) + 4 * reduce
-        out[step] = (sent, gathers)
+            gathered += (forwards + 1) * 4 * gather
+            reduced += 4 * reduce
+        out[step] = (sent, gathers, gathered, reduced)
     return out
 
 
@@ -130,10 +134,17 @@ def check_traffic(got, rdir, ranks, flags, cfg_path):
     routing = tep.read_routing(rdir, ranks)
     exp = expected_traffic(routing, ranks, flags, cfg)
     for g in got:
-        e_bytes, e_gathers = exp[g["step"]]
+        e_bytes, e_gathers, e_gathered, e_reduced = exp[g["step"]]
         if g["comm_bytes"].get("edp", 0) != e_bytes or g.get("expert_gathers") != e_gathers:
             fails.append("step %d: comm_bytes.edp %s, expert_gathers %s; from the routed counts %d, %s" % (
                 g["step"], g.get("comm_bytes", {}).get("edp"), g.get("expert_gathers"), e_bytes, e_gathers))
+            break
+        # rank 0's gathered and reduced bytes: the experts' pieces, and the dense reduction beside them
+        # (dense ZeRO-3 adds its own gathers and reduce-scatters, which comm_volume checks)
+        dense = g["comm_bytes"].get("dp", 0) + g["comm_bytes"].get("dp-cp", 0)
+        if "--zero" not in flags and (g["gathered_bytes"][0], g["reduced_bytes"][0]) != (e_gathered, e_reduced + dense):
+            fails.append("step %d: rank 0 gathered %s and reduced %s bytes; expected %d and %d (experts) + %d (dense)" % (
+                g["step"], g["gathered_bytes"][0], g["reduced_bytes"][0], e_gathered, e_reduced, dense))
             break
     # Step 1's prediction assumes every rank of rank 0's EDP group reaches every expert of its layers.
     E = expert_layout(cfg, 1)[0]
