@@ -35,7 +35,7 @@ namespace {
 constexpr int64_t kMaxTop = 1000;  // --top: the search keeps the best K, and a larger K stops it from skipping any
 
 struct Fixed {
-  int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1;
+  int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1;
   int64_t mb = -1;
   std::string recompute, cp_comm;
 };
@@ -56,6 +56,8 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("cp-comm=", 0) == 0) f.cp_comm = w.substr(8), parse_cp_comm(f.cp_comm);
     else if (w == "sp") f.sp = 1;
     else if (w == "nosp") f.sp = 0;
+    else if (w == "fssdp") f.fssdp = 1;
+    else if (w == "nofssdp") f.fssdp = 0;
     else if (w.rfind("etp", 0) == 0) f.etp = int(number(3));
     else if (w.rfind("tp", 0) == 0) f.tp = int(number(2));
     else if (w.rfind("cp", 0) == 0) f.cp = int(number(2));
@@ -64,7 +66,8 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("pp", 0) == 0) f.pp = int(number(2));
     else if (w.rfind("mb", 0) == 0) f.mb = number(2);
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
-    else fail("--layout: '", w, "' is not one of tpN cpN epN etpN ppN vppN zeroN mbN sp nosp recompute=MODE cp-comm=MODE");
+    else fail("--layout: '", w, "' is not one of tpN cpN epN etpN ppN vppN zeroN mbN sp nosp fssdp nofssdp "
+                "recompute=MODE cp-comm=MODE");
   }
   ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
   return f;
@@ -88,6 +91,7 @@ std::string layout_name(const TrainOptions& o, int devices) {
   std::string s = cat("tp", o.tp, " cp", o.cp, " dp", d.dp, " pp", o.pp);
   if (o.vpp > 1) s += cat(" vpp", o.vpp);
   if (o.ep > 1 || o.etp > 1) s += cat(" ep", o.ep, " etp", o.etp);
+  if (o.fssdp()) s += " fssdp";
   s += cat(" zero", o.zero, " mb", o.micro_batch);
   if (o.sequence_parallel) s += " sp";
   if (o.cp > 1) s += " cp-comm=" + o.cp_comm;
@@ -225,6 +229,7 @@ class LayoutSearch {
   void evaluate(const Shape& shape);
   TrainOptions options(const Shape& shape) const;
   std::vector<int> zero_choices(int dp, int cp) const;
+  std::vector<int> sharding_choices(int ep, int edp) const;
   std::vector<std::string> comm_choices(int tp, int cp) const;
 
   const PlanCommand& cmd_;
@@ -247,6 +252,14 @@ TrainOptions LayoutSearch::options(const Shape& shape) const {
 
 std::vector<int> LayoutSearch::zero_choices(int dp, int cp) const {
   return choices(cmd_.fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0});
+}
+
+// FSSDP (1) beside EP (0) where the experts are not split over EP and EDP has several ranks (only
+// there, when --layout asks for fssdp).
+std::vector<int> LayoutSearch::sharding_choices(int ep, int edp) const {
+  const bool possible = cmd_.cfg.is_moe() && ep == 1 && edp > 1;
+  if (cmd_.fixed.fssdp == 1) return possible ? std::vector<int>{1} : std::vector<int>{};
+  return choices(cmd_.fixed.fssdp, possible ? std::vector<int>{0, 1} : std::vector<int>{0});
 }
 
 // The all-to-all splits a rank's heads over CP (Ulysses): offered when they divide.
@@ -278,11 +291,12 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
   const ModelConfig& cfg = cmd_.cfg;
   const Fixed& fixed = cmd_.fixed;
   const int dp = cmd_.devices / (tp * cp * pp), stage = cmd_.devices / pp;
-  const int64_t expansions = int64_t(zero_choices(dp, cp).size() * comm_choices(tp, cp).size());
   for (int vpp : choices(fixed.vpp, pp > 1 ? std::vector<int>{1, 2} : std::vector<int>{1}))
     for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
       for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
         if (stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
+        const int64_t expansions = int64_t(zero_choices(dp, cp).size() * comm_choices(tp, cp).size() *
+                                           sharding_choices(ep, stage / (ep * etp)).size());
         for (int mb : choices(int(fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1))))
           for (int rc = 0; rc < int(recompute_modes_.size()); ++rc) {
             Shape shape{tp, cp, pp, vpp, ep, etp, mb, rc, 0};
@@ -328,23 +342,25 @@ void LayoutSearch::evaluate(const Shape& shape) {
     return x.p.step_s != y.p.step_s ? x.p.step_s < y.p.step_s : x.p.memory.total() < y.p.memory.total();
   };
   SearchResult& r = result_;
+  const int edp = cmd_.devices / shape.pp / (shape.ep * shape.etp);
   for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp))
-    for (const std::string& comm : comm_choices(shape.tp, shape.cp)) {
-      Candidate c{options(shape), {}};
-      c.o.zero = zero, c.o.cp_comm = comm;
-      ++r.evaluated;
-      try {
-        c.p = model_.predict(c.o, cmd_.cluster.memory_bytes);
-      } catch (const Error& e) {
-        if (r.first_refusal.empty()) r.first_refusal = e.what();
-        continue;  // a layout the runtime refuses
+    for (const std::string& comm : comm_choices(shape.tp, shape.cp))
+      for (int fssdp : sharding_choices(shape.ep, edp)) {
+        Candidate c{options(shape), {}};
+        c.o.zero = zero, c.o.cp_comm = comm, c.o.expert_sharding = fssdp ? "fssdp" : "ep";
+        ++r.evaluated;
+        try {
+          c.p = model_.predict(c.o, cmd_.cluster.memory_bytes);
+        } catch (const Error& e) {
+          if (r.first_refusal.empty()) r.first_refusal = e.what();
+          continue;  // a layout the runtime refuses
+        }
+        ++r.accepted;
+        if (!c.p.fits) continue;
+        ++r.fitting;
+        r.found.insert(std::upper_bound(r.found.begin(), r.found.end(), c, better), std::move(c));
+        if (int64_t(r.found.size()) > cmd_.top) r.found.pop_back();
       }
-      ++r.accepted;
-      if (!c.p.fits) continue;
-      ++r.fitting;
-      r.found.insert(std::upper_bound(r.found.begin(), r.found.end(), c, better), std::move(c));
-      if (int64_t(r.found.size()) > cmd_.top) r.found.pop_back();
-    }
 }
 
 // The search, timed; an Error when no layout is accepted or none fits.
@@ -402,6 +418,7 @@ void print_table(const PlanCommand& cmd, const SearchResult& r) {
 void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const TrainOptions& b = best.o;
   const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
+                                 {"expert-sharding", b.expert_sharding},
                                  {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
                                  {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
                                  {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision},

@@ -2,7 +2,7 @@
 balance and under skew (a router bias that sends half of the assignments to experts 0 and 1).
 
     /usr/bin/python3 bench/fssdp_bench.py [--experts 16,64] [--ranks 2,4] [--steps 6] [--repeats 3]
-                                          [--dir bench/runs/fssdp]
+                                          [--single-copy cma] [--dir bench/runs/fssdp]
 
 The model: 4 layers of hidden 256, 8 heads, experts of FFN 512, top-2, the byte vocabulary; one
 micro-batch of --micro-batch x 128 tokens per rank, fp32, one thread per rank. Each layout is EP over
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import harness as h  # noqa: E402
 
 SEQ = 128
+SINGLE_COPY = ["cma"]  # --single-copy
 
 
 def model(d, experts):
@@ -39,7 +40,7 @@ def train(d, cfg, data, ranks, flags, steps, micro, skew, tag):
         os.remove(m)
     args = ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--micro-batch", str(micro),
             "--global-batch", str(micro * max(ranks, 1)), "--seq-len", str(SEQ), "--threads", "1", "--quiet", "--metrics", m]
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": SINGLE_COPY[0]}
     if skew:
         env["ORIGAMI_TEST_ROUTER_SKEW"] = repr(skew)
     rc, out, _ = h.run(ranks, args + flags, timeout=900, extra_env=env)
@@ -71,8 +72,11 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--single-copy", default="cma", help="Open MPI shared-memory single-copy mechanism for large "
+                    "messages (cma: the receiver copies straight from the sender; none: through shared buffers)")
     ap.add_argument("--dir", default=os.path.join(h.ROOT, "bench", "runs", "fssdp"))
     a = ap.parse_args()
+    SINGLE_COPY[0] = a.single_copy
     os.makedirs(a.dir, exist_ok=True)
     data = h.prepare_data(a.dir, n_docs=2000)
     rows = []

@@ -144,7 +144,8 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
 
 const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& mesh, int rank) {
   const MeshDims& m = mesh.dims();
-  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb, o.zero == 3, rank, o.mesh_order, o.pp_layers};
+  const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb,
+                      (o.zero == 3 ? 1 : 0) + (o.fssdp() ? 2 : 0), rank, o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);
   if (found != buffers_.end()) return found->second;
   // The stage's tables, cut for this rank's EP rank.
@@ -255,7 +256,8 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const double total = it->second;
     const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
-    const double hidden = cluster.comm_overlap * (total - gather - tail);
+    // FSSDP's exchanges block inside the MoE layers: nothing of them overlaps.
+    const double hidden = axes == "edp" && o.fssdp() ? 0 : cluster.comm_overlap * (total - gather - tail);
     out.exposed_s[axes] = cluster.transfer_seconds(total - hidden, 2 * (group - 1), inter);
     after += out.exposed_s[axes];
   }
