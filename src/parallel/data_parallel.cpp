@@ -64,8 +64,13 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 
 void DataParallel::begin_step() {
   traffic_ = {};
-  if (zero_ >= 2) params_.release_grad();  // the shards accumulate from zero; nothing else is resident
-  else params_.zero_grad();
+  if (sparse_) {  // FSSDP writes gradients to the shards only: clearing them keeps their pages
+    for (const Range& s : shards_) std::fill(params_.grad() + s.begin, params_.grad() + s.end, 0.f);
+  } else if (zero_ >= 2) {
+    params_.release_grad();  // the shards accumulate from zero; nothing else is resident
+  } else {
+    params_.zero_grad();
+  }
   if (zero_ == 3)  // only the shards of the values (the full buffer after an init or a load)
     for (size_t b = 0; b < gathered_.size(); ++b) {
       ORIGAMI_ASSERT(held_[b] == 0 && !gathers_[b].pending());
@@ -280,24 +285,44 @@ void DataParallel::sparse_walk(const ExpertBlocks& x, bool to_owners, Fn&& fn) c
   }
 }
 
-template <typename T, typename Read, typename Write>
-double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Read&& read, Write&& write) {
-  const size_t n = size_t(dp_.size());
-  std::vector<int64_t> send(n, 0), recv(n, 0);
-  sparse_walk(x, to_owners, [&](int r, int64_t lo, int64_t hi) { send[size_t(r)] += hi - lo; });
-  sparse_walk(x, !to_owners, [&](int r, int64_t lo, int64_t hi) { recv[size_t(r)] += hi - lo; });
-  const int64_t sent = std::accumulate(send.begin(), send.end(), int64_t(0));
-  const int64_t received = std::accumulate(recv.begin(), recv.end(), int64_t(0));
-  if (packed_out_.size() < size_t(sent) * sizeof(T)) packed_out_.resize(size_t(sent) * sizeof(T));
-  if (packed_in_.size() < size_t(received) * sizeof(T)) packed_in_.resize(size_t(received) * sizeof(T));
-  T* out = reinterpret_cast<T*>(packed_out_.data());
-  T* in = reinterpret_cast<T*>(packed_in_.data());
-  T* at = out;
-  sparse_walk(x, to_owners, [&](int, int64_t lo, int64_t hi) { read(lo, hi, at), at += hi - lo; });
-  dp_.all_to_allv(in, recv.data(), out, send.data(), std::is_same_v<T, bf16> ? DType::bf16 : DType::f32);
-  const T* from = in;
-  sparse_walk(x, !to_owners, [&](int, int64_t lo, int64_t hi) { write(lo, hi, from), from += hi - lo; });
-  return double(sent) * double(sizeof(T));
+std::vector<std::pair<int, Range>> DataParallel::sparse_runs(const ExpertBlocks& x, bool to_owners) const {
+  std::vector<std::pair<int, Range>> out;
+  sparse_walk(x, to_owners, [&](int r, int64_t lo, int64_t hi) {
+    if (!out.empty() && out.back().first == r && out.back().second.end == lo) out.back().second.end = hi;
+    else out.push_back({r, {lo, hi}});
+  });
+  return out;
+}
+
+template <typename T, typename Src, typename Dst, typename Done>
+double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Src&& src, Dst&& dst, Done&& done) {
+  constexpr int kTag = 0;  // a pair's messages match in the order both walk them
+  const DType t = std::is_same_v<T, bf16> ? DType::bf16 : DType::f32;
+  const std::vector<std::pair<int, Range>> sends = sparse_runs(x, to_owners), recvs = sparse_runs(x, !to_owners);
+  auto total = [](const std::vector<std::pair<int, Range>>& runs) {
+    int64_t n = 0;
+    for (const auto& [r, run] : runs) n += run.end - run.begin;
+    return size_t(n);
+  };
+  if (packed_out_.size() < total(sends) * sizeof(T)) packed_out_.resize(total(sends) * sizeof(T));
+  if (packed_in_.size() < total(recvs) * sizeof(T)) packed_in_.resize(total(recvs) * sizeof(T));
+  T* scratch_in = reinterpret_cast<T*>(packed_in_.data());
+  T* scratch_out = reinterpret_cast<T*>(packed_out_.data());
+  std::vector<Request> pending;
+  std::vector<T*> landed;
+  for (const auto& [r, run] : recvs) {  // every receive is posted before any send
+    landed.push_back(dst(run.begin, run.end, scratch_in));
+    pending.push_back(dp_.irecv(landed.back(), run.end - run.begin, t, r, kTag));
+    scratch_in += run.end - run.begin;
+  }
+  const double before = dp_.bytes_sent();
+  for (const auto& [r, run] : sends) {
+    pending.push_back(dp_.isend(src(run.begin, run.end, scratch_out), run.end - run.begin, t, r, kTag));
+    scratch_out += run.end - run.begin;
+  }
+  for (Request& q : pending) q.wait();
+  for (size_t i = 0; i < recvs.size(); ++i) done(recvs[i].second.begin, recvs[i].second.end, landed[i]);
+  return dp_.bytes_sent() - before;
 }
 
 template <typename Fn>
@@ -324,8 +349,8 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
     float* v = stage_values_.data() - at;
     own_pieces(x, need, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });
     traffic_.gathered_bytes += sparse_exchange<float>(
-        x, false, [w](int64_t lo, int64_t hi, float* out) { std::memcpy(out, w + lo, size_t(hi - lo) * sizeof(float)); },
-        [v](int64_t lo, int64_t hi, const float* in) { std::memcpy(v + lo, in, size_t(hi - lo) * sizeof(float)); });
+        x, false, [w](int64_t lo, int64_t, float*) { return w + lo; }, [v](int64_t lo, int64_t, float*) { return v + lo; },
+        [](int64_t, int64_t, const float*) {});
     return {stage_values_.data(), nullptr, stage_grads_.data()};
   }
   // bf16 GEMMs read only the copy: the pieces travel as bf16 into it, this rank's own rounded from its shard.
@@ -333,8 +358,12 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
   bf16* low = stage_low_.data() - at;
   own_pieces(x, need, [&](int64_t lo, int64_t hi) { round_to_bf16(low + lo, w + lo, hi - lo); });
   traffic_.gathered_bytes += sparse_exchange<bf16>(
-      x, false, [w](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, w + lo, hi - lo); },
-      [low](int64_t lo, int64_t hi, const bf16* in) { std::memcpy(low + lo, in, size_t(hi - lo) * sizeof(bf16)); });
+      x, false,
+      [w](int64_t lo, int64_t hi, bf16* scratch) {
+        round_to_bf16(scratch, w + lo, hi - lo);
+        return scratch;
+      },
+      [low](int64_t lo, int64_t, bf16*) { return low + lo; }, [](int64_t, int64_t, const bf16*) {});
   return {nullptr, stage_low_.data(), stage_grads_.data()};
 }
 
@@ -348,17 +377,21 @@ void DataParallel::reduce_experts(const ExpertBlocks& x) {
   };
   const std::vector<int32_t> need(needs_.begin() + dp_.rank() * x.count, needs_.begin() + (dp_.rank() + 1) * x.count);
   own_pieces(x, need, [&](int64_t lo, int64_t hi) { add(lo, hi, staged + lo); });
+  auto land = [](int64_t, int64_t, auto* scratch) { return scratch; };  // received pieces are added
   if (wire_ == DType::bf16) {
     traffic_.reduced_bytes += sparse_exchange<bf16>(
-        x, true, [staged](int64_t lo, int64_t hi, bf16* out) { round_to_bf16(out, staged + lo, hi - lo); },
+        x, true,
+        [staged](int64_t lo, int64_t hi, bf16* scratch) {
+          round_to_bf16(scratch, staged + lo, hi - lo);
+          return scratch;
+        },
+        land,
         [g](int64_t lo, int64_t hi, const bf16* in) {
           for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += to_float(in[i]);
         });
   } else {
-    traffic_.reduced_bytes += sparse_exchange<float>(
-        x, true,
-        [staged](int64_t lo, int64_t hi, float* out) { std::memcpy(out, staged + lo, size_t(hi - lo) * sizeof(float)); },
-        add);
+    traffic_.reduced_bytes += sparse_exchange<float>(x, true, [staged](int64_t lo, int64_t, float*) { return staged + lo; },
+                                                      land, add);
   }
   for (int64_t j = 0; j < x.count; ++j)  // the staged gradients start from zero at the next backward
     if (need[size_t(j)]) std::fill_n(stage_grads_.data() + j * x.block, x.block, 0.f);

@@ -135,10 +135,14 @@ class DataParallel {
   // in the same order, what the rank receives.
   template <typename Fn>
   void sparse_walk(const ExpertBlocks& x, bool to_owners, Fn&& fn) const;
-  // One exchange of elements of type T: read(begin, end, out) packs a piece this rank sends,
-  // write(begin, end, in) takes a piece it received. Returns the bytes sent.
-  template <typename T, typename Read, typename Write>
-  double sparse_exchange(const ExpertBlocks& x, bool to_owners, Read&& read, Write&& write);
+  // The pieces of one exchange merged into runs (adjacent pieces for one peer), as (peer, range).
+  std::vector<std::pair<int, Range>> sparse_runs(const ExpertBlocks& x, bool to_owners) const;
+  // One exchange of elements of type T, one message per run (no packing where the elements travel as
+  // they are stored): src(begin, end, scratch) gives a run's elements to send (where they are, or
+  // converted into scratch); dst(begin, end, scratch) where a received run lands (its place, or
+  // scratch), and done(begin, end, landed) consumes it once everything has arrived. Returns the bytes sent.
+  template <typename T, typename Src, typename Dst, typename Done>
+  double sparse_exchange(const ExpertBlocks& x, bool to_owners, Src&& src, Dst&& dst, Done&& done);
   // Calls fn(begin, end) for the pieces of this rank's shards inside the blocks `need` marks.
   template <typename Fn>
   void own_pieces(const ExpertBlocks& x, const std::vector<int32_t>& need, Fn&& fn) const;
