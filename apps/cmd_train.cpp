@@ -178,6 +178,9 @@ void add_parallel_options(Args& a) {
               "MoE experts: ep holds whole experts per EP rank and moves tokens to them; fssdp (Hecate's fully "
               "sharded sparse data parallelism) shards every expert over the stage's ranks and gathers, per layer, "
               "only the experts this rank's tokens reach (needs --ep 1)", "ep")
+      .flag("fssdp-keep", "with --expert-sharding fssdp: keep the experts gathered in a step until its update, so "
+                          "each is gathered once a step, not in every forward and backward (memory: a replica of "
+                          "the stage's experts)")
       .option("pp", "P", "pipeline-parallel degree (stages)", "1")
       .option("vpp", "V", "model chunks per pipeline stage (interleaved schedule)", "1")
       .option("pp-schedule", "gpipe|1f1b|interleaved", "pipeline schedule (default: 1f1b; interleaved when --vpp > 1)")
@@ -207,6 +210,7 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   o.ep = a.small_integer("ep");
   o.etp = a.small_integer("etp");
   o.expert_sharding = a.str("expert-sharding");
+  o.fssdp_keep = a.on("fssdp-keep");
   o.pp = a.small_integer("pp");
   o.vpp = a.small_integer("vpp");
   o.pp_schedule = a.str("pp-schedule");

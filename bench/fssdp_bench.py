@@ -6,13 +6,13 @@ balance and under skew (a router bias that sends half of the assignments to expe
 
 The model: 4 layers of hidden 256, 8 heads, experts of FFN 512, top-2, the byte vocabulary; one
 micro-batch of --micro-batch x 128 tokens per rank, fp32, one thread per rank. Each layout is EP over
-all ranks (--ep R) or FSSDP (--expert-sharding fssdp) on R ranks of data parallelism (the dense part
-all-reduced either way). Skew: ORIGAMI_TEST_ROUTER_SKEW=B adds B to experts 0 and 1's selection scores;
-B is calibrated first (one rank, 1 step, bisection) so that about half of the routed assignments go to
+all ranks (--ep R), FSSDP (--expert-sharding fssdp) on R ranks of data parallelism (the dense part
+all-reduced either way), or FSSDP with --fssdp-keep (each expert gathered once a step). Skew:
+ORIGAMI_TEST_ROUTER_SKEW=B adds B to experts 0 and 1's selection scores; B is calibrated first (one rank, 1 step, bisection) so that about half of the routed assignments go to
 them. Per layout: the median over --repeats runs of the median step time of steps 3 onward (ms), the
 busiest rank's expert rows over the mean (expert_imbalance: under EP the rows an EP rank's experts
 compute, under FSSDP a rank's own), and the bytes rank 0 sends per step (all groups). The table ends
-with FSSDP's throughput over EP's.
+with FSSDP's throughput over EP's (the last columns: step time of EP over FSSDP's).
 """
 import argparse
 import json
@@ -85,7 +85,8 @@ def main():
         bias = calibrate(a.dir, cfg, data, a.micro_batch)
         for R in map(int, a.ranks.split(",")):
             for routing, skew in (("balanced", 0.0), ("skewed", bias)):
-                layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]))
+                layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]),
+                           ("FSSDP keep DP%d" % R, ["--expert-sharding", "fssdp", "--fssdp-keep"]))
                 runs = {name: [] for name, _ in layouts}
                 for rep in range(a.repeats):  # EP and FSSDP alternate, so drifts of the machine hit both
                     for name, flags in layouts:
@@ -101,13 +102,15 @@ def main():
                     print("%d experts, %d ranks, %s, %s: %.0f ms (runs %s), busiest/mean rows %.2f, %.1f MB sent, "
                           "experts 0-1 take %.2f" % (E, R, routing, name, result[name][0], [round(x) for x in ms],
                                                      result[name][1], result[name][2] / 1e6, result[name][3]), flush=True)
-                ep, fs = result["EP%d" % R], result["FSSDP DP%d" % R]
+                ep, fs, fk = result["EP%d" % R], result["FSSDP DP%d" % R], result["FSSDP keep DP%d" % R]
                 rows.append([E, R, routing + (" (B %.3f)" % skew if skew else ""), "%.0f" % ep[0], "%.0f" % fs[0],
-                             "%.2f" % ep[1], "%.2f" % fs[1], "%.1f" % (ep[2] / 1e6), "%.1f" % (fs[2] / 1e6),
-                             "%.2f" % (ep[0] / fs[0])])
+                             "%.0f" % fk[0], "%.2f" % ep[1], "%.2f" % fs[1], "%.1f" % (ep[2] / 1e6),
+                             "%.1f" % (fs[2] / 1e6), "%.1f" % (fk[2] / 1e6), "%.2f" % (ep[0] / fs[0]),
+                             "%.2f" % (ep[0] / fk[0])])
     print()
-    print(h.fmt_table(["experts", "ranks", "routing", "EP ms", "FSSDP ms", "EP busiest/mean", "FSSDP busiest/mean",
-                       "EP MB/step", "FSSDP MB/step", "FSSDP throughput / EP"], rows))
+    print(h.fmt_table(["experts", "ranks", "routing", "EP ms", "FSSDP ms", "keep ms", "EP busiest/mean",
+                       "FSSDP busiest/mean", "EP MB/step", "FSSDP MB/step", "keep MB/step", "FSSDP / EP",
+                       "keep / EP"], rows))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@
 namespace origami {
 
 DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding,
-                           DType wire, bool sparse)
+                           DType wire, bool sparse, bool keep)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
-      sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32), sparse_(sparse) {
+      sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32), sparse_(sparse),
+      keep_(sparse && keep) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 3, "--zero must be 0, 1, 2 or 3, got ", zero_);
   ORIGAMI_ASSERT(wire == DType::f32 || wire == DType::bf16);
   ORIGAMI_ASSERT(params.layout().dp == dp.size() && (!sparse || zero_ == 3));
@@ -64,6 +65,7 @@ std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int 
 
 void DataParallel::begin_step() {
   traffic_ = {};
+  for (auto& [begin, kept] : kept_) std::fill(kept.begin(), kept.end(), 0);  // values loaded or changed since
   if (sparse_) {  // FSSDP writes gradients to the shards only: clearing them keeps their pages
     for (const Range& s : shards_) std::fill(params_.grad() + s.begin, params_.grad() + s.end, 0.f);
   } else if (zero_ >= 2) {
@@ -202,6 +204,7 @@ Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, 
 }
 
 void DataParallel::gather_params() {
+  for (auto& [begin, kept] : kept_) std::fill(kept.begin(), kept.end(), 0);  // the values were just updated
   if (zero_ == 3) return;
   if (zero_ > 0 && dp_.size() > 1) {
     float* w = params_.data();
@@ -335,28 +338,43 @@ void DataParallel::own_pieces(const ExpertBlocks& x, const std::vector<int32_t>&
   }
 }
 
+void DataParallel::exchange_needs(const std::vector<int32_t>& need) {
+  needs_.resize(size_t(dp_.size()) * need.size());
+  dp_.all_gather(needs_.data(), need.data(), int64_t(need.size()), DType::i32);
+}
+
 ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need) {
   ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
-  needs_.resize(size_t(dp_.size()) * need.size());
-  dp_.all_gather(needs_.data(), need.data(), x.count, DType::i32);
-  for (int64_t j = 0; j < x.count; ++j) traffic_.expert_gathers += need[size_t(j)] != 0;
-  const size_t floats = size_t(x.count * x.block);
-  if (stage_grads_.size() < floats) stage_grads_.resize(floats);
+  std::vector<int32_t> want = need;  // under keep, a block staged earlier in the step is still valid
+  std::vector<int32_t>* kept = keep_ ? &kept_[x.begin] : nullptr;
+  if (kept) {
+    kept->resize(size_t(x.count), 0);
+    for (int64_t j = 0; j < x.count; ++j) want[size_t(j)] &= !(*kept)[size_t(j)];
+  }
+  exchange_needs(want);
+  for (int64_t j = 0; j < x.count; ++j) {
+    traffic_.expert_gathers += want[size_t(j)] != 0;
+    if (kept) (*kept)[size_t(j)] |= want[size_t(j)];
+  }
+  if (stage_grads_.size() < size_t(x.count * x.block)) stage_grads_.resize(size_t(x.count * x.block));
+  // The values' staging area: one layer's (staged positions relative to its first block) or, under
+  // keep, the whole buffer's (absolute positions).
+  const int64_t at = keep_ ? 0 : x.begin;
+  const size_t floats = size_t(keep_ ? params_.size() : x.count * x.block);
   const float* w = params_.data();
-  const int64_t at = x.begin;  // staged positions are relative to the layer's first block
   if (params_.bf16_copy() == nullptr) {
     if (stage_values_.size() < floats) stage_values_.resize(floats);
     float* v = stage_values_.data() - at;
-    own_pieces(x, need, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });
+    own_pieces(x, want, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });
     traffic_.gathered_bytes += sparse_exchange<float>(
         x, false, [w](int64_t lo, int64_t, float*) { return w + lo; }, [v](int64_t lo, int64_t, float*) { return v + lo; },
         [](int64_t, int64_t, const float*) {});
-    return {stage_values_.data(), nullptr, stage_grads_.data()};
+    return {v + x.begin, nullptr, stage_grads_.data()};
   }
   // bf16 GEMMs read only the copy: the pieces travel as bf16 into it, this rank's own rounded from its shard.
   if (stage_low_.size() < floats) stage_low_.resize(floats);
   bf16* low = stage_low_.data() - at;
-  own_pieces(x, need, [&](int64_t lo, int64_t hi) { round_to_bf16(low + lo, w + lo, hi - lo); });
+  own_pieces(x, want, [&](int64_t lo, int64_t hi) { round_to_bf16(low + lo, w + lo, hi - lo); });
   traffic_.gathered_bytes += sparse_exchange<bf16>(
       x, false,
       [w](int64_t lo, int64_t hi, bf16* scratch) {
@@ -364,18 +382,18 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
         return scratch;
       },
       [low](int64_t lo, int64_t, bf16*) { return low + lo; }, [](int64_t, int64_t, const bf16*) {});
-  return {nullptr, stage_low_.data(), stage_grads_.data()};
+  return {nullptr, low + x.begin, stage_grads_.data()};
 }
 
-void DataParallel::reduce_experts(const ExpertBlocks& x) {
-  ORIGAMI_ASSERT(sparse_ && int64_t(needs_.size()) == x.count * dp_.size());
+void DataParallel::reduce_experts(const ExpertBlocks& x, const std::vector<int32_t>& need) {
+  ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
+  exchange_needs(need);
   float* g = params_.grad();
   float* staged = stage_grads_.data() - x.begin;
   auto add = [g](int64_t lo, int64_t hi, const float* in) {
 #pragma omp simd
     for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += in[i];
   };
-  const std::vector<int32_t> need(needs_.begin() + dp_.rank() * x.count, needs_.begin() + (dp_.rank() + 1) * x.count);
   own_pieces(x, need, [&](int64_t lo, int64_t hi) { add(lo, hi, staged + lo); });
   auto land = [](int64_t, int64_t, auto* scratch) { return scratch; };  // received pieces are added
   if (wire_ == DType::bf16) {

@@ -41,10 +41,11 @@
 // each bucket), but nothing is gathered or reduced per bucket. An MoE layer, once routing says which
 // of its experts this rank's rows reach, calls gather_experts: the ranks exchange those sets (an
 // all-gather of one flag per expert) and each receives exactly the pieces of its experts that others
-// own (one all-to-all-v; sizes known only now), into a staging area of one layer's experts that stays
+// own (an all-to-all of point-to-point messages, one per run of adjacent pieces, sizes known only
+// now, straight from the owners' shards), into a staging area of one layer's experts that stays
 // resident (so no page is faulted in and returned per layer), with its own pieces copied beside them.
 // Backward gathers again and accumulates the gradients in the staging area; reduce_experts then
-// sends each owner the pieces of its shard (all-to-all-v again), which it adds to its shard, adds its
+// sends each owner the pieces of its shard (the same kind of exchange), which it adds to its shard, adds its
 // own pieces, and clears the staging gradients. An expert no row of a rank reached costs that rank
 // nothing. The gradient pieces travel in the reduction's wire type; when the GEMMs read bf16 copies
 // (--precision bf16) the parameter pieces travel as bf16, and only the copy is staged.
@@ -56,6 +57,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -77,9 +79,9 @@ class DataParallel {
   // embedding: the first and last pipeline stage of this rank's pipeline when it holds a pp_shared
   // tensor (the tied embedding), else null.
   // wire: the element type of the DP reduction, DType::f32 or DType::bf16 (--grad-reduce-dtype).
-  // sparse: FSSDP (zero_stage must be 3).
+  // sparse: FSSDP (zero_stage must be 3); keep: FSSDP keeps what it gathered until the step's update.
   DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr,
-               DType wire = DType::f32, bool sparse = false);
+               DType wire = DType::f32, bool sparse = false, bool keep = false);
 
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
@@ -104,17 +106,19 @@ class DataParallel {
   // is not finite, so no rank updates with it. finish_gradients (below) calls it.
   double complete_gradients();
   // After the optimizer updated the owned ranges: ZeRO 1/2 all-gather every bucket's parameters; the
-  // bf16 copy (if kept) is rounded again. ZeRO-3 does neither: units are gathered when needed.
+  // bf16 copy (if kept) is rounded again. ZeRO-3 does neither: units are gathered when needed (FSSDP
+  // forgets the experts --fssdp-keep kept).
   void gather_params();
   // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
   void use_weights(WeightUse use, const std::vector<Range>& unit);
 
   // FSSDP, collective over the group (every rank calls each, in the same order, with the same layer):
   // need[j] is 1 when this rank's rows reach block j of x. gather_experts stages those blocks and says
-  // where (valid until the next gather); reduce_experts sends the staged gradients of the last
-  // gather's blocks to their owners, adds its own to its shards and clears them.
+  // where (valid until the next gather; with keep, until the step's update, and a block staged
+  // earlier in the step is not gathered again); reduce_experts sends the staged gradients of the
+  // needed blocks to their owners, adds its own to its shards and clears them.
   ExpertPlace gather_experts(const ExpertBlocks& x, const std::vector<int32_t>& need);
-  void reduce_experts(const ExpertBlocks& x);
+  void reduce_experts(const ExpertBlocks& x, const std::vector<int32_t>& need);
   // Since begin_step: the bytes this rank sent gathering parameters (ZeRO ≥ 1, FSSDP) and reducing
   // gradients (comm.h's accounting), and under FSSDP the expert blocks it gathered.
   struct Traffic {
@@ -172,9 +176,13 @@ class DataParallel {
   // FSSDP: every rank's shard of each bucket ([rank][bucket]), the last gather's needs ([rank][block]);
   // the staging area (one layer's experts: values or their bf16 copy, and gradients, kept zero
   // between uses) and the exchanges' packed pieces, each grown to the largest use and kept.
-  bool sparse_;
+  // Under keep the values' staging area spans the whole buffer, and kept_ marks, per layer (its first
+  // offset), the blocks staged since begin_step.
+  void exchange_needs(const std::vector<int32_t>& need);  // → needs_
+  bool sparse_, keep_;
   std::vector<std::vector<Range>> rank_shards_;
   std::vector<int32_t> needs_;
+  std::map<int64_t, std::vector<int32_t>> kept_;
   std::vector<float> stage_values_, stage_grads_;
   std::vector<bf16> stage_low_;
   std::vector<char> packed_out_, packed_in_;

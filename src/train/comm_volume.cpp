@@ -47,20 +47,23 @@ double unit_gathers(const BufferFigures& f, const ModelPart& part, int64_t micro
 
 // FSSDP: the experts' traffic over EDP (n ranks) in a step, when every rank's rows reach every one of
 // its El local experts in every MoE layer (exact then; otherwise an upper bound): per layer and
-// micro-batch, each gather (forward, the recomputed forward, backward) exchanges the needs (El int32
-// to every peer) and sends every peer this rank's shard of the layer (`gathered` bytes per element:
-// bf16 under --precision bf16); the reduction sends the owners the rest of the layer (`wire` bytes).
+// micro-batch, each gather (forward, the recomputed forward, backward) and the reduction exchange
+// the needs (El int32 to every peer); each gather sends every peer this rank's shard of the layer
+// (`gathered` bytes per element: bf16 under --precision bf16) — under `keep` only the step's first;
+// the reduction sends the owners the rest of the layer (`wire` bytes).
 double sparse_expert_bytes(const ModelConfig& cfg, const BufferFigures& f, const ModelPart& part, int64_t micro,
-                           int forwards, int n, int64_t El, double gathered, double wire) {
+                           int forwards, int n, int64_t El, double gathered, double wire, bool keep) {
   if (n == 1) return 0;
-  double per_micro = 0;
+  double step = 0;
   for (const LayerRange& r : part.chunks)
     for (int64_t l = r.begin; l < r.end; ++l) {
       if (!cfg.is_moe_layer(l)) continue;
       const double data = double(f.unit_data.at(l)), shard = double(f.unit_shard_data.at(l));
-      per_micro += double(forwards + 1) * double(n - 1) * (4 * double(El) + gathered * shard) + wire * (data - shard);
+      const double gathers = keep ? 1 : double(micro * (forwards + 1));
+      step += double(micro * (forwards + 2) * (n - 1)) * 4 * double(El) + gathers * double(n - 1) * gathered * shard +
+              double(micro) * wire * (data - shard);
     }
-  return double(micro) * per_micro;
+  return step;
 }
 
 }  // namespace
@@ -117,7 +120,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   if (buffers.experts.size > 0 && o.fssdp())
     add("edp", sparse_expert_bytes(cfg, buffers.experts, part, micro, forwards, m.edp, cfg.num_experts / m.ep,
                                    parse_precision(o.precision) == Precision::bf16 ? 2 : 4,
-                                   double(dtype_bytes(o.grad_reduce_wire()))));
+                                   double(dtype_bytes(o.grad_reduce_wire())), o.fssdp_keep));
   else if (buffers.experts.size > 0)
     add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes, o.grad_reduce_wire(),
                               unit_gathers(buffers.experts, part, micro, true)));

@@ -205,14 +205,15 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
                                           std::tuple{buffers.experts, mesh.degree("edp"), true}}) {
     // ZeRO-3 holds the shards of the values and two units gathered (one in use, one prefetched), the
     // bf16 copy of those two units only. FSSDP's experts: the shards and a staging area of the largest
-    // MoE layer's experts, values (under bf16 only their copy) and gradients.
+    // MoE layer's experts, values (under bf16 only their copy) and gradients; with --fssdp-keep the
+    // values' area spans every layer's experts.
     const int zero = o.zero_of(experts);
     const bool sparse = experts && o.fssdp();
-    const Size gathered = sparse ? f.largest_unit : f.gathers_held;
+    const Size gathered = !sparse ? Size(f.gathers_held) : o.fssdp_keep ? Size(f.size) : Size(f.largest_unit);
     const Size values = zero < 3 ? Size(f.size)
                         : Size(f.shard) + (!sparse ? gathered * (group - 1) / group : bf16 ? Size(0) : gathered);
     weights += 4 * values + (bf16 ? 2 * (zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
-    const Size in_flight = sparse ? gathered : Size(f.largest_pair) * (group - 1) / group;
+    const Size in_flight = sparse ? Size(f.largest_unit) : Size(f.largest_pair) * (group - 1) / group;
     grads += 4 * (zero >= 2 ? Size(f.shard) + in_flight : Size(f.size));
     if (bf16_wire && group > 1 && !sparse) grads += 2 * Size(zero >= 2 ? f.largest : f.size);
     optimizer += 2 * 4 * Size(zero == 0 ? f.data : f.shard_data);

@@ -37,7 +37,7 @@ bool TrainOptions::fresh_start() const {
 nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
           {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp},
-          {"expert_sharding", expert_sharding}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
+          {"expert_sharding", expert_sharding}, {"fssdp_keep", fssdp_keep}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
           {"moe_aux_loss", moe_aux_loss}, {"moe_aux_loss_coef", moe_aux_loss_coef},
           {"moe_capacity_factor", moe_capacity_factor}, {"moe_drop_policy", moe_drop_policy},
           {"moe_pad_to_capacity", moe_pad_to_capacity}, {"moe_router_score", moe_router_score},
@@ -148,6 +148,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   }
   ORIGAMI_CHECK(!fssdp() || cfg.is_moe(), "--expert-sharding fssdp shards routed experts, and this ", cfg.model_type(),
                 " model has none");
+  ORIGAMI_CHECK(!fssdp_keep || fssdp(), "--fssdp-keep keeps what --expert-sharding fssdp gathers; it needs "
+                "--expert-sharding fssdp");
   ORIGAMI_CHECK(!fssdp() || ep == 1, "--expert-sharding fssdp moves the experts to the tokens instead of the tokens to "
                 "the experts: it shards every expert over the stage's ranks and needs --ep 1, got --ep ", ep);
   // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP

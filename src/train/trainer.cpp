@@ -51,7 +51,7 @@ struct ParamSet {
            Comm* embedding, bool experts)
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size(), experts)),
         dp(params, dp_group, tp_group, o.zero_of(experts), sequence_parallel, embedding, o.grad_reduce_wire(),
-           experts && o.fssdp()),
+           experts && o.fssdp(), o.fssdp_keep),
         opt(params, o.adam, dp.owned()) {}
 };
 
@@ -241,7 +241,7 @@ std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   const MeshDims& dims = plan.mesh.dims();
   std::string name = plan.mesh.describe(plan.model.is_moe()) + (o.sequence_parallel && dims.tp > 1 ? " +SP" : "") +
                      (o.zero > 0 && dims.dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
-  if (o.fssdp()) name += " FSSDP";
+  if (o.fssdp()) name += o.fssdp_keep ? " FSSDP keep" : " FSSDP";
   if (dims.cp > 1) name += cat(" cp ", cp.describe(plan.model.num_kv_heads / dims.tp));
   if (dims.pp > 1) name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
   if (plan.recompute != Recompute::none) name += cat(" recompute ", recompute_name(plan.recompute));
@@ -364,7 +364,7 @@ Run::Run(Opened opened, Comm& world)
     model_.on_experts([this](ExpertUse use, const ExpertBlocks& x, const std::vector<int32_t>& need) {
       DataParallel& dp = params_.experts.dp;
       if (use == ExpertUse::gather) return dp.gather_experts(x, need);
-      dp.reduce_experts(x);
+      dp.reduce_experts(x, need);
       return ExpertPlace{};
     });
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.global_batch * o_.seq_len, cfg_.is_moe(), o_.quiet, &plan_.mesh};

@@ -78,6 +78,7 @@ struct TrainOptions {
   int cp_a2a_size = 0;         // a2a+p2p: ranks per all-to-all group (0: not given)
   int ep = 1, etp = 1;         // MoE mesh: expert parallel, expert tensor parallel (EDP = ranks per stage / (ETP·EP))
   std::string expert_sharding = "ep";  // ep | fssdp (the experts fully sharded over EDP, gathered sparsely)
+  bool fssdp_keep = false;     // FSSDP: keep gathered experts until the step's update (gathered once a step)
   int vpp = 1;                 // model chunks per pipeline stage (the interleaved schedule's v)
   std::string pp_schedule;     // gpipe | 1f1b | interleaved; "": 1f1b, interleaved when vpp > 1
   std::vector<int> pp_layers;  // layers of each virtual stage; empty: an even split

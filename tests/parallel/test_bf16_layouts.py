@@ -2,7 +2,7 @@
 (kernels/cpu/matmul.h) at points that do not depend on the layout, so the one-rank bf16 curve is
 reproduced by TP2, TP2+SP, DP2 ZeRO-1, PP2, CP2 (ring and all-to-all), EP2 (MoE parallel folding) and
 TP2xPP2 and DP2 ZeRO-3 (each unit's bf16 copy rounded from its gathered values), DP2 FSSDP for mixtral
-(its experts gathered as bf16 straight into the copy, gradients reduced in bf16); and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
+(its experts gathered as bf16 straight into the copy, kept or not, gradients reduced in bf16); and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
 gradients rounded to bf16 and summed in bf16 after every micro-batch, then accumulated in fp32 — a
 further 2^-8 relative per element, once per pass; measured 4e-5 (gpt2, llama) to 4e-4 (mixtral) of the
 loss, within the same bound). Its layout string must also name "grad-reduce bf16".
@@ -57,6 +57,7 @@ LAYOUTS = [
     ("CP2 a2a", 2, ["--cp", "2", "--cp-comm", "a2a"]),
     ("EP2", 2, ["--ep", "2"]),
     ("DP2 FSSDP", 2, ["--expert-sharding", "fssdp"]),
+    ("DP2 FSSDP keep", 2, ["--expert-sharding", "fssdp", "--fssdp-keep"]),
     ("DP2 FSSDP grad-reduce bf16", 2, ["--expert-sharding", "fssdp", "--grad-reduce-dtype", "bf16"]),
     ("TP2xPP2", 4, ["--tp", "2", "--pp", "2"]),
 ]

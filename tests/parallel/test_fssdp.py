@@ -6,26 +6,29 @@
      under DP2, DP4 (2 micro-batches a rank), TP2xDP2, TP2xDP2+SP with the experts split over ETP2,
      PP2xDP2, CP2xDP2, DP2 with ZeRO-3 for the dense part, full recomputation; qwen2_moe (shared expert,
      a dense layer; lr 3e-3, the routing test's) under DP2, TP2xDP2, PP2xDP2 and PP2 interleaved xDP2
-     with ZeRO-3; and a 16-expert mixtral (lr 3e-3) whose ranks' tokens leave experts unreached.
+     with ZeRO-3; a 16-expert mixtral (lr 3e-3) whose ranks' tokens leave experts unreached; and
+     --fssdp-keep (experts kept from their first gather to the step's update) under DP2, DP4 with 2
+     micro-batches a rank, and PP2xDP2 with full recomputation.
   2. Traffic, every step of the layouts with one micro-batch a rank and ETP1: from every rank's routed
      counts (ORIGAMI_TEST_ROUTING), each rank's needs (the experts its rows reach, per layer) give
-     exactly what rank 0 must send over EDP — per layer, forward and backward gather each exchange
-     the needs (El int32 to each peer) and send every peer the pieces of rank 0's shard its experts
-     cover; the reduction sends the owners the pieces of rank 0's experts it does not own — and each
+     exactly what rank 0 must send over EDP — per layer, forward and backward gather and the reduction
+     each exchange the needs (El int32 to each peer); each gather sends every peer the pieces of rank
+     0's shard its experts cover (with --fssdp-keep only the step's first: later ones find them kept);
+     the reduction sends the owners the pieces of rank 0's experts it does not own — and each
      rank's gathered experts; comm_bytes.edp, expert_gathers and rank 0's gathered_bytes and
      reduced_bytes (these with the dense reduction added) must equal them. The first step's
      prediction (comm_bytes_predicted, which assumes every expert reached) equals comm_bytes where
      every rank of rank 0's group reached every expert (at least 3 layouts), and bounds it where one
      did not; the 16-expert model leaves experts unreached (an unreached expert costs nothing).
   3. Memory: a 4-layer mixtral with 16 experts of 256 x 512 (experts 96% of the parameters) at DP2:
-     the neediest rank's peak RSS is within 10% of the memory check, plain and under FSSDP (fp32 and
-     bf16), and the model state (weights + gradients + optimizer state) per rank under FSSDP is below
+     the neediest rank's peak RSS is within 10% of the memory check, plain and under FSSDP (fp32, bf16
+     and with --fssdp-keep), and the model state (weights + gradients + optimizer state) per rank under FSSDP is below
      0.65 of plain DP2's (half the experts' state plus one layer's experts staged whole: 0.625).
   4. Checkpoints: an FSSDP DP4 checkpoint (step 10) resumes under EP2xEDP2 ZeRO-1 and on one rank, and
      an EP4 checkpoint under FSSDP DP4, each on the uninterrupted run's curve (steps 11-20 within
      1e-5 relative; constant learning rate).
   5. Errors (one message, every rank exits 1): --expert-sharding fssdp with --ep 2; on a dense model;
-     an unknown sharding.
+     an unknown sharding; --fssdp-keep without fssdp.
 
 Usage: python3 tests/parallel/test_fssdp.py [LAYOUT,...]
 """
@@ -60,6 +63,9 @@ LAYOUTS = [
     ("qwen2_moe PP2xDP2", QWEN, 4, SLOW_LR + ["--pp", "2", "--pp-layers", "2,2"], 4),
     ("qwen2_moe PP2 v2 xDP2 ZeRO-3", QWEN, 4, SLOW_LR + ["--pp", "2", "--vpp", "2", "--zero", "3"], 8),
     ("16 experts DP4", None, 4, SLOW_LR, 8),
+    ("DP2 keep", MIXTRAL, 2, ["--fssdp-keep"], 4),
+    ("DP4 (2 micro) keep", MIXTRAL, 4, ["--fssdp-keep"], 16),
+    ("PP2xDP2 keep recompute full", MIXTRAL, 4, ["--fssdp-keep", "--pp", "2", "--recompute", "full"], 4),
 ]
 
 
@@ -102,12 +108,13 @@ def expected_traffic(routing, ranks, flags, cfg):
     edp = per_stage  # ETP1, EP1: a stage's ranks in rank order
     E, block, shards = expert_layout(cfg, edp)
     forwards = 2 if "full" in flags else 1
+    moved = 1 if "--fssdp-keep" in flags else forwards + 1  # kept: the step's first gather moves them all
     out = {}
     for step in routing[0]:
         sent, gathered, reduced, gathers = 0, 0, 0, [0] * ranks
         for r in range(ranks):
             stage_layers = [l for l, row in enumerate(routing[r][step]) if any(row)]
-            gathers[r] = (forwards + 1) * sum(1 for l in stage_layers for e in range(E) if routing[r][step][l][e])
+            gathers[r] = moved * sum(1 for l in stage_layers for e in range(E) if routing[r][step][l][e])
         group = range(edp)  # rank 0's EDP group: the first stage's ranks
         for l, row in enumerate(routing[0][step]):
             if not any(row):
@@ -116,8 +123,8 @@ def expected_traffic(routing, ranks, flags, cfg):
             blocks = lambda e: (e * block, (e + 1) * block)
             gather = sum(overlap(blocks(e), shards[0]) for r in group if r != 0 for e in need[r])
             reduce = sum(overlap(blocks(e), shards[j]) for e in need[0] for j in group if j != 0)
-            sent += (forwards + 1) * ((edp - 1) * 4 * E + 4 * gather) + 4 * reduce
-            gathered += (forwards + 1) * 4 * gather
+            sent += (forwards + 2) * (edp - 1) * 4 * E + moved * 4 * gather + 4 * reduce
+            gathered += moved * 4 * gather
             reduced += 4 * reduce
         out[step] = (sent, gathers, gathered, reduced)
     return out
@@ -148,7 +155,7 @@ def check_traffic(got, rdir, ranks, flags, cfg_path):
             break
     # Step 1's prediction assumes every rank of rank 0's EDP group reaches every expert of its layers.
     E = expert_layout(cfg, 1)[0]
-    passes = 3 if "full" in flags else 2
+    passes = 1 if "--fssdp-keep" in flags else 3 if "full" in flags else 2
     group = range(ranks // flag(flags, "--pp"))
     everything = all(n == passes * E * sum(1 for row in routing[r][1] if any(row))
                      for r, n in enumerate(exp[1][1]) if r in group)
@@ -223,7 +230,8 @@ def run_memory(tmp, data):
         "mixtral_8e", hidden_size=256, intermediate_size=512, num_local_experts=16, num_hidden_layers=4))
     held = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # as test_run_safety: freed library buffers leave the RSS
     state = {}
-    for label, flags in (("DP2", []), ("FSSDP", FSSDP), ("FSSDP bf16", FSSDP + ["--precision", "bf16"])):
+    for label, flags in (("DP2", []), ("FSSDP", FSSDP), ("FSSDP bf16", FSSDP + ["--precision", "bf16"]),
+                         ("FSSDP keep", FSSDP + ["--fssdp-keep"])):
         mpath = os.path.join(tmp, "mem_%s.jsonl" % label.replace(" ", "_"))
         args = ["train", "--config", cfg, "--data", data, "--steps", "2", "--micro-batch", "1", "--seq-len", "64",
                 "--global-batch", "2", "--threads", "1", "--metrics", mpath] + flags
@@ -294,6 +302,7 @@ def run_errors(tmp, data):
         ("fssdp with --ep 2", MIXTRAL, 2, FSSDP + ["--ep", "2"], "needs --ep 1, got --ep 2"),
         ("fssdp on a dense model", dense, 2, FSSDP, "this llama model has none"),
         ("an unknown sharding", MIXTRAL, 2, ["--expert-sharding", "zero"], "--expert-sharding 'zero' is not one of ep, fssdp"),
+        ("--fssdp-keep without fssdp", MIXTRAL, 2, ["--fssdp-keep"], "--fssdp-keep keeps what --expert-sharding fssdp"),
     ])
 
 
