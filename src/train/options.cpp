@@ -132,26 +132,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   parse_recompute(recompute);
   ORIGAMI_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
   ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
-  // The MoE mesh: experts over EP, each expert's FFN over ETP, EDP the rest of a pipeline stage's ranks.
-  ORIGAMI_CHECK(ep >= 1 && etp >= 1, "--ep and --etp must be at least 1, got --ep ", ep, " --etp ", etp);
-  ORIGAMI_CHECK(cfg.is_moe() || (ep == 1 && etp == 1), "--ep ", ep, " --etp ", etp, ": expert parallelism needs a "
-                "mixture-of-experts model, and this ", cfg.model_type(), " model has no experts");
-  if (cfg.is_moe()) {
-    ORIGAMI_CHECK(cfg.num_experts % ep == 0, "--ep ", ep, " must divide the number of experts (", cfg.num_experts, ")");
-    ORIGAMI_CHECK(cfg.expert_ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.expert_ffn, ")");
-    const int stage_ranks = world_size % pp == 0 ? world_size / pp : 0;
-    ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
-                  ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
-                  world_size / pp, "): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP");
-    ORIGAMI_CHECK(tp == 1 || cp > 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (",
-                  seq_len, ") must be a multiple of --tp (", tp, ")");
-  }
-  ORIGAMI_CHECK(!fssdp() || cfg.is_moe(), "--expert-sharding fssdp shards routed experts, and this ", cfg.model_type(),
-                " model has none");
-  ORIGAMI_CHECK(!fssdp_keep || fssdp(), "--fssdp-keep keeps what --expert-sharding fssdp gathers; it needs "
-                "--expert-sharding fssdp");
-  ORIGAMI_CHECK(!fssdp() || ep == 1, "--expert-sharding fssdp moves the experts to the tokens instead of the tokens to "
-                "the experts: it shards every expert over the stage's ranks and needs --ep 1, got --ep ", ep);
+  validate_experts(cfg, world_size);
   // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP
   // (and by TP for MoE layers' shares); heads over the all-to-all group.
   const CpComm comm = parse_cp_comm(cp_comm);
@@ -201,6 +182,30 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   Pipeline::check_tags(pp, int(m), vpp);
   ORIGAMI_CHECK(!sequence_parallel || cp > 1 || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
                 seq_len, ") must be a multiple of --tp (", tp, ")");
+}
+
+// The MoE mesh: experts over EP, each expert's FFN over ETP, EDP the rest of a pipeline stage's ranks;
+// or FSSDP over that rest. validate() calls it.
+void TrainOptions::validate_experts(const ModelConfig& cfg, int world_size) const {
+  ORIGAMI_CHECK(ep >= 1 && etp >= 1, "--ep and --etp must be at least 1, got --ep ", ep, " --etp ", etp);
+  ORIGAMI_CHECK(cfg.is_moe() || (ep == 1 && etp == 1), "--ep ", ep, " --etp ", etp, ": expert parallelism needs a "
+                "mixture-of-experts model, and this ", cfg.model_type(), " model has no experts");
+  if (cfg.is_moe()) {
+    ORIGAMI_CHECK(cfg.num_experts % ep == 0, "--ep ", ep, " must divide the number of experts (", cfg.num_experts, ")");
+    ORIGAMI_CHECK(cfg.expert_ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.expert_ffn, ")");
+    const int stage_ranks = world_size % pp == 0 ? world_size / pp : 0;
+    ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
+                  ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
+                  world_size / pp, "): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP");
+    ORIGAMI_CHECK(tp == 1 || cp > 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (",
+                  seq_len, ") must be a multiple of --tp (", tp, ")");
+  }
+  ORIGAMI_CHECK(!fssdp() || cfg.is_moe(), "--expert-sharding fssdp shards routed experts, and this ", cfg.model_type(),
+                " model has none");
+  ORIGAMI_CHECK(!fssdp_keep || fssdp(), "--fssdp-keep keeps what --expert-sharding fssdp gathers; it needs "
+                "--expert-sharding fssdp");
+  ORIGAMI_CHECK(!fssdp() || ep == 1, "--expert-sharding fssdp moves the experts to the tokens instead of the tokens to "
+                "the experts: it shards every expert over the stage's ranks and needs --ep 1, got --ep ", ep);
 }
 
 // Upper bounds (kMax* in trainer.h), after the lower ones validate() checks with their own words.
