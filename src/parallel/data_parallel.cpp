@@ -14,6 +14,18 @@
 
 namespace origami {
 
+namespace {
+
+// FSSDP: calls fn(begin, end) for the parts of block j of x inside `shards` (one rank's shards).
+template <typename Fn>
+void pieces_in(const ExpertBlocks& x, int64_t j, const std::vector<Range>& shards, Fn&& fn) {
+  const Range e = x.of(j);
+  for (const Range& s : shards)
+    if (std::max(e.begin, s.begin) < std::min(e.end, s.end)) fn(std::max(e.begin, s.begin), std::min(e.end, s.end));
+}
+
+}  // namespace
+
 DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding,
                            DType wire, bool sparse, bool keep)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
@@ -247,8 +259,12 @@ void DataParallel::drop_values(size_t b) {
 }
 
 void DataParallel::use_weights(WeightUse use, const std::vector<Range>& unit) {
-  if (zero_ != 3 || sparse_) return;  // FSSDP: gather_experts
-  const std::vector<size_t> buckets = buckets_of(unit);
+  if (zero_ != 3 || sparse_ || unit.empty()) return;  // FSSDP: gather_experts
+  std::vector<int64_t> key;  // a unit's buckets never change: found once
+  for (const Range& r : unit) key.push_back(r.begin), key.push_back(r.end);
+  auto known = unit_buckets_.find(key);
+  if (known == unit_buckets_.end()) known = unit_buckets_.emplace(std::move(key), buckets_of(unit)).first;
+  const std::vector<size_t>& buckets = known->second;
   switch (use) {
     case WeightUse::prefetch:
       for (size_t b : buckets) start_gather(b);
@@ -279,12 +295,8 @@ void DataParallel::sparse_walk(const ExpertBlocks& x, bool to_owners, Fn&& fn) c
     if (r == me) continue;
     const int32_t* need = needs_.data() + (to_owners ? me : r) * x.count;  // whose blocks
     const std::vector<Range>& shards = rank_shards_[size_t(to_owners ? r : me)];  // held by whom
-    for (int64_t j = 0; j < x.count; ++j) {
-      if (!need[j]) continue;
-      const Range e = x.of(j);
-      for (const Range& s : shards)
-        if (std::max(e.begin, s.begin) < std::min(e.end, s.end)) fn(r, std::max(e.begin, s.begin), std::min(e.end, s.end));
-    }
+    for (int64_t j = 0; j < x.count; ++j)
+      if (need[j]) pieces_in(x, j, shards, [&](int64_t lo, int64_t hi) { fn(r, lo, hi); });
   }
 }
 
@@ -330,12 +342,8 @@ double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Src&
 
 template <typename Fn>
 void DataParallel::own_pieces(const ExpertBlocks& x, const std::vector<int32_t>& need, Fn&& fn) const {
-  for (int64_t j = 0; j < x.count; ++j) {
-    if (!need[size_t(j)]) continue;
-    const Range e = x.of(j);
-    for (const Range& s : shards_)
-      if (std::max(e.begin, s.begin) < std::min(e.end, s.end)) fn(std::max(e.begin, s.begin), std::min(e.end, s.end));
-  }
+  for (int64_t j = 0; j < x.count; ++j)
+    if (need[size_t(j)]) pieces_in(x, j, shards_, fn);
 }
 
 void DataParallel::exchange_needs(const std::vector<int32_t>& need) {

@@ -172,6 +172,7 @@ class DataParallel {
   std::vector<Request> gathers_;
   std::vector<int> held_;
   std::vector<uint8_t> gathered_;
+  std::map<std::vector<int64_t>, std::vector<size_t>> unit_buckets_;  // a unit's ranges (begin, end, ...) → its buckets
   bool armed_ = false;
   // FSSDP: every rank's shard of each bucket ([rank][bucket]), the last gather's needs ([rank][block]);
   // the staging area (one layer's experts: values or their bf16 copy, and gradients, kept zero
