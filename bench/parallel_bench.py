@@ -33,8 +33,11 @@ backward, the exchanges excluded) over its MoE layers' time (the `moe_times` met
 Targets: CPU ratio EP2 <= 1.15, EP4 <= 1.25; dispatcher overhead <= 5%.
 
 --layouts zero runs DP2 under ZeRO 1, 2 and 3 on (b) and (c): what sharding the parameters costs.
+--precision bf16 runs every run (the one-rank references too) in mixed precision: with --layouts zero,
+ZeRO-3 gathers its GEMM weights as bf16 (half their bytes) while ZeRO-1/2 gather fp32.
 
-Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--layouts dense|moe|zero] [--rounds 3] [--steps 4] [--warmup 1]
+Usage: /usr/bin/python3 bench/parallel_bench.py [--cases b,c] [--layouts dense|moe|zero] [--precision fp32|bf16]
+           [--rounds 3] [--steps 4] [--warmup 1]
 """
 import argparse
 import json
@@ -86,7 +89,7 @@ def run_one(a, cfg_path, prefix, ranks, flags, B, G, T, mpath):
         os.remove(mpath)
     args = ["train", "--config", cfg_path, "--data", prefix, "--steps", str(a.warmup + a.steps), "--micro-batch", str(B),
             "--global-batch", str(G), "--seq-len", str(T), "--lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0",
-            "--threads", "1", "--metrics", mpath, "--quiet", *flags]
+            "--threads", "1", "--metrics", mpath, "--quiet", "--precision", a.precision, *flags]
     cmd = ["taskset", "-c", a.cores] + h.command(ranks, args, a.origami)
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=h.env(a.single_copy), timeout=a.timeout,
@@ -116,6 +119,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="b,c")
     ap.add_argument("--layouts", default="dense", choices=("dense", "moe", "zero"))
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="every run's --precision")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of every run")
@@ -136,8 +140,9 @@ def main():
         cases = ["c", "c16"]
     load0 = os.getloadavg()
     t_start = time.time()
-    print("parallel_bench: cases %s, %d rounds x (%d warm-up + %d measured steps), cores %s, single copy %s, "
-          "load %.2f %.2f %.2f" % (",".join(cases), a.rounds, a.warmup, a.steps, a.cores, a.single_copy, *load0),
+    print("parallel_bench: cases %s, %d rounds x (%d warm-up + %d measured steps), cores %s, single copy %s, %s, "
+          "load %.2f %.2f %.2f" % (",".join(cases), a.rounds, a.warmup, a.steps, a.cores, a.single_copy, a.precision,
+                                   *load0),
           flush=True)
     results = {}
     rows = []

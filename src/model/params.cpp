@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <algorithm>
+#include <numeric>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -187,19 +188,36 @@ int64_t param_unit(const std::string& name) {
   return kHeadUnit;
 }
 
+bool gemm_weight(const ParamSpec& p) {
+  return p.decays() && p.split.dim >= 0 && param_unit(p.name) != kEmbeddingUnit;
+}
+
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout) {
   ORIGAMI_ASSERT(layout.tp >= 1 && layout.dp >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp);
-  // Buckets from the end of the table: a bucket closes once it holds bucket_floats (never splitting a
-  // tensor); a pp_shared tensor is a bucket of its own; under unit_buckets a bucket holds one unit's.
-  std::vector<size_t> first_of_bucket;  // table index where each bucket starts, last bucket first
+  ORIGAMI_ASSERT(!layout.copy_buckets || layout.unit_buckets);
+  // The order tensors are laid out in: the table's, but under copy_buckets each unit's (a run of the
+  // table) with its GEMM weights moved after its other tensors.
+  std::vector<size_t> order(table.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  auto copy_kind = [&](size_t i) { return layout.copy_buckets && gemm_weight(table[i]); };
+  for (size_t a = 0, b = 0; a < order.size(); a = b) {
+    while (b < order.size() && param_unit(table[b].name) == param_unit(table[a].name)) ++b;
+    std::stable_partition(order.begin() + long(a), order.begin() + long(b), [&](size_t i) { return !copy_kind(i); });
+  }
+  // Buckets from the end: a bucket closes once it holds bucket_floats (never splitting a tensor); a
+  // pp_shared tensor is a bucket of its own; under unit_buckets a bucket holds one unit's, under
+  // copy_buckets one kind's.
+  std::vector<size_t> first_of_bucket;  // position in `order` where each bucket starts, last bucket first
   Size filled = 0;
-  for (size_t i = table.size(); i-- > 0;) {
-    const bool new_unit = layout.unit_buckets && i + 1 < table.size() &&
-                          param_unit(table[i].name) != param_unit(table[i + 1].name);
-    if ((table[i].pp_shared || new_unit) && filled > 0) first_of_bucket.push_back(i + 1), filled = 0;
-    filled += table[i].local_numel(layout.tp);
-    if (i == 0 || table[i].pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats)) {
-      first_of_bucket.push_back(i);
+  for (size_t k = order.size(); k-- > 0;) {
+    const ParamSpec& p = table[order[k]];
+    const size_t next = k + 1 < order.size() ? order[k + 1] : order[k];
+    const bool new_group = (layout.unit_buckets && param_unit(p.name) != param_unit(table[next].name)) ||
+                           copy_kind(order[k]) != copy_kind(next);
+    if ((p.pp_shared || new_group) && filled > 0) first_of_bucket.push_back(k + 1), filled = 0;
+    filled += p.local_numel(layout.tp);
+    if (k == 0 || p.pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats)) {
+      first_of_bucket.push_back(k);
       filled = 0;
     }
   }
@@ -208,11 +226,13 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   plan.offsets.assign(table.size(), 0);
   Size off = 0;  // checked: the sum over a model's tensors
   for (size_t b = first_of_bucket.size(); b-- > 0;) {
-    const size_t end = b == 0 ? table.size() : first_of_bucket[b - 1];
+    const size_t end = b == 0 ? order.size() : first_of_bucket[b - 1];
     const Size begin = off;
-    for (size_t i = first_of_bucket[b]; i < end; ++i) plan.offsets[i] = off.get(), off += table[i].local_numel(layout.tp);
+    for (size_t k = first_of_bucket[b]; k < end; ++k)
+      plan.offsets[order[k]] = off.get(), off += table[order[k]].local_numel(layout.tp);
     plan.bucket_data.push_back((off - begin).get());
-    plan.bucket_unit.push_back(param_unit(table[first_of_bucket[b]].name));
+    plan.bucket_unit.push_back(param_unit(table[order[first_of_bucket[b]]].name));
+    plan.bucket_copy.push_back(copy_kind(order[first_of_bucket[b]]) ? 1 : 0);
     off = begin + (off - begin + layout.dp - 1) / layout.dp * layout.dp;
     plan.buckets.push_back(Range{begin.get(), off.get()});
   }
@@ -220,6 +240,7 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   std::reverse(plan.buckets.begin(), plan.buckets.end());
   std::reverse(plan.bucket_data.begin(), plan.bucket_data.end());
   std::reverse(plan.bucket_unit.begin(), plan.bucket_unit.end());
+  std::reverse(plan.bucket_copy.begin(), plan.bucket_copy.end());
   plan.size = off.get();
   return plan;
 }
@@ -243,6 +264,7 @@ Params::Params(std::vector<ParamSpec> table, ParamLayout layout) : table_(std::m
   BufferPlan plan = plan_buffer(table_, layout_);
   offsets_ = std::move(plan.offsets);
   buckets_ = std::move(plan.buckets);
+  bucket_copy_ = std::move(plan.bucket_copy);
   size_ = plan.size;
   data_ = ReleasablePages(int64_t(plan.size) * int64_t(sizeof(float)), "the parameters");
   grad_ = ReleasablePages(int64_t(plan.size) * int64_t(sizeof(float)), "the gradients");

@@ -96,6 +96,10 @@ struct ParamLayout {
   int64_t bucket_floats = 0;  // target bucket size; 0: one bucket
   bool unit_buckets = false;  // ZeRO-3: a bucket also closes where param_unit changes, so that the
                               // model's units (a layer, the embedding, the head) own whole buckets
+  bool copy_buckets = false;  // ZeRO-3 under bf16 (needs unit_buckets): within each unit the tensors
+                              // read in fp32 are laid out first and its GEMM weights (gemm_weight) after
+                              // them, each kind in table order and in buckets of its own, so a bucket of
+                              // GEMM weights can be gathered as its bf16 copy alone
 };
 
 // The unit of the model a tensor belongs to, the granularity at which ZeRO-3 gathers parameters:
@@ -103,6 +107,12 @@ struct ParamLayout {
 // an untied LM head).
 constexpr int64_t kEmbeddingUnit = -1, kHeadUnit = -2;
 int64_t param_unit(const std::string& name);
+
+// Whether the layers read a tensor only as a GEMM weight (Model::mw, the routed experts), so that under
+// bf16 nothing but its bf16 copy is read: the TP-split matrices outside the embedding unit. Not the
+// embeddings (looked up in fp32; a tied one is also the LM head's weight), the norms and biases, nor
+// the replicated matrices (the router and the shared expert's gate: fp32 GEMMs).
+bool gemm_weight(const ParamSpec& p);
 
 // ZeRO-3: how the model uses a unit's parameters (Model::on_weights): it may need them soon
 // (prefetch: a gather may start), needs them now (need: gathered and kept until done), is done.
@@ -141,6 +151,7 @@ struct BufferPlan {
   std::vector<int64_t> bucket_data;  // floats of tensors in each bucket; the rest of it is padding
   std::vector<int64_t> bucket_unit;  // param_unit of each bucket's first tensor (under unit_buckets,
                                      // of all its tensors)
+  std::vector<uint8_t> bucket_copy;  // under copy_buckets: 1 where the bucket holds GEMM weights only
   int64_t size = 0;                  // floats in the buffer, padding included
 };
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout);
@@ -160,6 +171,8 @@ class Params {
   // Buckets in the order their gradients become final (last parameters first); each one's length
   // is a multiple of the layout's dp.
   const std::vector<Range>& buckets() const { return buckets_; }
+  // Whether bucket b holds GEMM weights only (ParamLayout::copy_buckets; else always false).
+  bool copy_bucket(size_t b) const { return bucket_copy_[b] != 0; }
   // The parameter segments covered by `ranges` (bucket padding excluded), in buffer order.
   std::vector<Segment> segments(const std::vector<Range>& ranges) const;
   int64_t size() const { return size_; }
@@ -187,6 +200,7 @@ class Params {
   void refresh_bf16_copy() { refresh_bf16_copy({0, size_}); }
   void refresh_bf16_copy(Range r);
   const bf16* bf16_copy() const { return static_cast<const bf16*>(low_.data()); }
+  bf16* bf16_copy() { return static_cast<bf16*>(low_.data()); }  // ZeRO-3 gathers copy buckets into it
   // ZeRO-3: zeroes the values of r, and the bf16 copy of `copy`, returning their pages.
   void release_values(Range r, Range copy);
 
@@ -201,6 +215,7 @@ class Params {
   ParamLayout layout_;
   std::vector<int64_t> offsets_;
   std::vector<Range> buckets_;
+  std::vector<uint8_t> bucket_copy_;
   std::unordered_map<std::string, size_t> by_name_;
   int64_t size_ = 0;
   ReleasablePages data_;

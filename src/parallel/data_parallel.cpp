@@ -217,7 +217,11 @@ Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, 
 
 void DataParallel::gather_params() {
   for (auto& [begin, kept] : kept_) std::fill(kept.begin(), kept.end(), 0);  // the values were just updated
-  if (zero_ == 3) return;
+  if (zero_ == 3) {  // the shards of the copy buckets, which gathers send as they are
+    for (size_t b = 0; b < shards_.size(); ++b)
+      if (params_.copy_bucket(b)) params_.refresh_bf16_copy(shards_[b]);
+    return;
+  }
   if (zero_ > 0 && dp_.size() > 1) {
     float* w = params_.data();
     const std::vector<Range>& buckets = params_.buckets();
@@ -244,17 +248,24 @@ std::vector<size_t> DataParallel::buckets_of(const std::vector<Range>& unit) con
 
 void DataParallel::start_gather(size_t b) {
   if (gathered_[b] || gathers_[b].pending()) return;
-  float* w = params_.data();
   const Range &r = params_.buckets()[b], &s = shards_[b];
   const double before = dp_.bytes_sent();
-  gathers_[b] = dp_.iall_gather(w + r.begin, w + s.begin, s.end - s.begin, DType::f32);  // in place
+  if (params_.copy_bucket(b)) {  // GEMM weights under bf16: their copy alone, the shard's kept current
+    bf16* low = params_.bf16_copy();
+    gathers_[b] = dp_.iall_gather(low + r.begin, low + s.begin, s.end - s.begin, DType::bf16);  // in place
+  } else {
+    float* w = params_.data();
+    gathers_[b] = dp_.iall_gather(w + r.begin, w + s.begin, s.end - s.begin, DType::f32);  // in place
+  }
   traffic_.gathered_bytes += dp_.bytes_sent() - before;
 }
 
 void DataParallel::drop_values(size_t b) {
+  // A copy bucket keeps its shard's copy (what it sends); another's copy is made when it is gathered.
   const Range &r = params_.buckets()[b], &s = shards_[b];
-  params_.release_values({r.begin, s.begin}, r);
-  params_.release_values({s.end, r.end}, {r.end, r.end});
+  const bool copy = params_.copy_bucket(b);
+  params_.release_values({r.begin, s.begin}, copy ? Range{r.begin, s.begin} : r);
+  params_.release_values({s.end, r.end}, copy ? Range{s.end, r.end} : Range{r.end, r.end});
   gathered_[b] = 0;
 }
 
@@ -275,7 +286,8 @@ void DataParallel::use_weights(WeightUse use, const std::vector<Range>& unit) {
         if (!gathered_[b]) {
           gathers_[b].wait();
           gathers_[b] = Request();
-          params_.refresh_bf16_copy(params_.buckets()[b]);  // bf16: the GEMMs' copy of the gathered values
+          if (!params_.copy_bucket(b))  // bf16: the GEMMs' copy of the gathered values
+            params_.refresh_bf16_copy(params_.buckets()[b]);
           gathered_[b] = 1;
         }
       break;
@@ -319,10 +331,10 @@ double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Src&
     for (const auto& [r, run] : runs) n += run.end - run.begin;
     return size_t(n);
   };
-  if (packed_out_.size() < total(sends) * sizeof(T)) packed_out_.resize(total(sends) * sizeof(T));
-  if (packed_in_.size() < total(recvs) * sizeof(T)) packed_in_.resize(total(recvs) * sizeof(T));
-  T* scratch_in = reinterpret_cast<T*>(packed_in_.data());
-  T* scratch_out = reinterpret_cast<T*>(packed_out_.data());
+  if (scratch_out_.size() < total(sends) * sizeof(T)) scratch_out_.resize(total(sends) * sizeof(T));
+  if (scratch_in_.size() < total(recvs) * sizeof(T)) scratch_in_.resize(total(recvs) * sizeof(T));
+  T* scratch_in = reinterpret_cast<T*>(scratch_in_.data());
+  T* scratch_out = reinterpret_cast<T*>(scratch_out_.data());
   std::vector<Request> pending;
   std::vector<T*> landed;
   for (const auto& [r, run] : recvs) {  // every receive is posted before any send

@@ -17,8 +17,10 @@
 //             Model::on_weights) before it reads it: use_weights(need) all-gathers the unit's
 //             buckets in place (a prefetch starts the next unit's gather early), use_weights(done)
 //             returns every page but the shard's. Buckets are unit-aligned (ParamLayout::unit_buckets),
-//             so a rank holds its shards plus two units (the one in use, the one prefetched). The bf16
-//             copy of a unit is rounded when it is gathered and released with it.
+//             so a rank holds its shards plus two units (the one in use, the one prefetched). Under
+//             bf16 a unit's GEMM weights have buckets of their own (ParamLayout::copy_buckets), which
+//             gather their bf16 copy alone (half the bytes; each rank keeps its shard's copy current
+//             after the update); the other buckets gather fp32 values and round their copy after.
 //
 // --grad-reduce-dtype bf16 (`wire` DType::bf16): each bucket is rounded to bf16 before its reduction,
 // which then sends half the bytes and sums in bf16 (comm.h). ZeRO 0 widens the all-reduced bucket back
@@ -107,7 +109,7 @@ class DataParallel {
   double complete_gradients();
   // After the optimizer updated the owned ranges: ZeRO 1/2 all-gather every bucket's parameters; the
   // bf16 copy (if kept) is rounded again. ZeRO-3 does neither: units are gathered when needed (FSSDP
-  // forgets the experts --fssdp-keep kept).
+  // forgets the experts --fssdp-keep kept); it rounds the copy of its copy buckets' shards.
   void gather_params();
   // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
   void use_weights(WeightUse use, const std::vector<Range>& unit);
@@ -176,7 +178,7 @@ class DataParallel {
   bool armed_ = false;
   // FSSDP: every rank's shard of each bucket ([rank][bucket]), the last gather's needs ([rank][block]);
   // the staging area (one layer's experts: values or their bf16 copy, and gradients, kept zero
-  // between uses) and the exchanges' packed pieces, each grown to the largest use and kept.
+  // between uses) and the exchanges' scratch for the runs they convert, each grown to the largest use and kept.
   // Under keep the values' staging area spans the whole buffer, and kept_ marks, per layer (its first
   // offset), the blocks staged since begin_step.
   void exchange_needs(const std::vector<int32_t>& need);  // → needs_
@@ -186,7 +188,7 @@ class DataParallel {
   std::map<int64_t, std::vector<int32_t>> kept_;
   std::vector<float> stage_values_, stage_grads_;
   std::vector<bf16> stage_low_;
-  std::vector<char> packed_out_, packed_in_;
+  std::vector<char> scratch_out_, scratch_in_;
   Traffic traffic_;
 };
 

@@ -145,7 +145,8 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
 const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& mesh, int rank) {
   const MeshDims& m = mesh.dims();
   const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb,
-                      (o.zero == 3 ? 1 : 0) + (o.fssdp() ? 2 : 0), rank, o.mesh_order, o.pp_layers};
+                      (o.zero == 3 ? 1 : 0) + (o.fssdp() ? 2 : 0) + (o.precision == "bf16" ? 4 : 0), rank,
+                      o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);
   if (found != buffers_.end()) return found->second;
   // The stage's tables, cut for this rank's EP rank.

@@ -15,32 +15,34 @@ namespace {
 // One parameter set's data-parallel traffic over a group of `group` ranks (data_parallel.h): ZeRO 0
 // all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
 // parameters, ZeRO 2 and 3 reduce-scatter after each of the step's `passes` backward passes; ZeRO 3
-// gathers `gathered_floats` of parameters in the step instead (unit_gathers). Gradients travel as
-// `wire` (--grad-reduce-dtype), the gathered parameters as fp32.
+// gathers `gathered` bytes of parameters in the step instead (unit_gathers). Gradients travel as
+// `wire` (--grad-reduce-dtype), the parameters ZeRO-1/2 gather as fp32.
 double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes, DType wire,
-                      double gathered_floats) {
+                      double gathered_bytes) {
   const double padded = double(buffer.buckets), g = double(group > 1 ? dtype_bytes(wire) : 4);
   if (zero == 0) return all_reduce_bytes(group, g * padded);
   // every bucket, each rank its shard
   const double reduced = scatter_gather_bytes(group, g * padded / group);
-  const double gathered = scatter_gather_bytes(group, 4 * (zero == 3 ? gathered_floats : padded) / group);
+  const double gathered = scatter_gather_bytes(group, (zero == 3 ? gathered_bytes : 4 * padded) / group);
   return double(zero >= 2 ? passes : 1) * reduced + gathered;
 }
 
-// ZeRO-3: the floats one stage gathers in a step (Model::on_weights): per micro-batch and chunk, each
+// ZeRO-3: the bytes one stage gathers in a step (Model::on_weights): per micro-batch and chunk, each
 // layer's unit in forward and again in backward, the embedding's in forward (chunk 0), the head's
-// (with the tied embedding) in backward (the last chunk). `experts`: the experts' buffer (layers only).
+// (with the tied embedding) in backward (the last chunk); fp32 values, bf16 for copy buckets
+// (ParamLayout::copy_buckets). `experts`: the experts' buffer (layers only).
 double unit_gathers(const BufferFigures& f, const ModelPart& part, int64_t micro, bool experts) {
+  auto bytes = [](int64_t floats, int64_t copy) { return 4.0 * double(floats - copy) + 2.0 * double(copy); };
   auto unit = [&](int64_t u) {
     const auto it = f.unit_floats.find(u);
-    return it == f.unit_floats.end() ? 0.0 : double(it->second);
+    return it == f.unit_floats.end() ? 0.0 : bytes(it->second, f.unit_copy.at(u));
   };
   double per_micro = 0;
   for (size_t c = 0; c < part.chunks.size(); ++c) {
     for (int64_t l = part.chunks[c].begin; l < part.chunks[c].end; ++l) per_micro += 2 * unit(l);
     if (experts) continue;
     if (c == 0 && part.embedding) per_micro += unit(kEmbeddingUnit);
-    if (c + 1 == part.chunks.size() && part.head) per_micro += double(f.head_gather);
+    if (c + 1 == part.chunks.size() && part.head) per_micro += bytes(f.head_gather, f.head_gather_copy);
   }
   return double(micro) * per_micro;
 }

@@ -61,6 +61,39 @@ nlohmann::json MemoryParts::as_json() const {
 }
 
 namespace {
+// ZeRO-3's figures of one buffer (BufferFigures: the units, the head's gather, what is held at once)
+// over a group of `group` ranks; `bf16`: the run keeps bf16 copies.
+void gathered_figures(BufferFigures& f, const std::vector<ParamSpec>& table, const BufferPlan& plan,
+                      const std::vector<Range>& shards, int group, bool bf16) {
+  // The head's gather: its own buckets and, with a tied embedding, the bucket holding the embedding.
+  const bool tied = std::any_of(table.begin(), table.end(), [](const ParamSpec& p) { return param_unit(p.name) == kHeadUnit; }) &&
+                    std::none_of(table.begin(), table.end(), [](const ParamSpec& p) { return p.name == "lm_head.weight"; });
+  for (size_t b = 0; b < shards.size(); ++b) {
+    const int64_t length = plan.buckets[b].end - plan.buckets[b].begin, copy = plan.bucket_copy[b] ? length : 0;
+    f.unit_floats[plan.bucket_unit[b]] += length;
+    f.unit_copy[plan.bucket_unit[b]] += copy;
+    if (copy > 0) f.shard_copy += shards[b].end - shards[b].begin;
+    bool head = plan.bucket_unit[b] == kHeadUnit;
+    for (size_t i = 0; i < table.size() && tied && !head; ++i)
+      head = (table[i].name == "wte.weight" || table[i].name == "model.embed_tokens.weight") &&
+             plan.offsets[i] >= plan.buckets[b].begin && plan.offsets[i] < plan.buckets[b].end;
+    if (head) f.head_gather += length, f.head_gather_copy += copy;
+  }
+  // Bytes a gathered unit of `floats`, `copy` of them in copy buckets, holds beyond the shards.
+  auto held = [&](int64_t floats, int64_t copy) {
+    const Size values = Size(floats - copy), others = values * (group - 1) / group;
+    return (4 * others + (bf16 ? 2 * values : Size(0)) + 2 * (Size(copy) * (group - 1) / group)).get();
+  };
+  // Units in forward order: the embedding, then the layers (map order: kHeadUnit < kEmbeddingUnit < 0).
+  int64_t previous = 0;
+  for (const auto& [unit, floats] : f.unit_floats) {
+    if (unit == kHeadUnit) continue;
+    const int64_t bytes = held(floats, f.unit_copy[unit]);
+    f.gathered_held = std::max(f.gathered_held, previous + bytes), previous = bytes;
+  }
+  f.gathered_held = std::max(f.gathered_held, held(f.head_gather, f.head_gather_copy));
+}
+
 RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables);
 }  // namespace
 
@@ -113,7 +146,6 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       f.largest = std::max(f.largest, length);
       const int64_t next = b + 1 < shards.size() ? plan.buckets[b + 1].end - plan.buckets[b + 1].begin : 0;
       f.largest_pair = std::max(f.largest_pair, length + next);
-      f.unit_floats[plan.bucket_unit[b]] += length;
       f.data += plan.bucket_data[b];
       f.shard += shards[b].end - shards[b].begin;
       const int64_t shard_data = std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
@@ -121,21 +153,7 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       f.unit_data[plan.bucket_unit[b]] += plan.bucket_data[b];
       f.unit_shard_data[plan.bucket_unit[b]] += shard_data;
     }
-    // The head's gather: its own buckets and, with a tied embedding, the bucket holding the embedding.
-    const bool tied = std::any_of(table.begin(), table.end(), [](const ParamSpec& p) { return param_unit(p.name) == kHeadUnit; }) &&
-                      std::none_of(table.begin(), table.end(), [](const ParamSpec& p) { return p.name == "lm_head.weight"; });
-    for (size_t b = 0; b < shards.size(); ++b) {
-      bool head = plan.bucket_unit[b] == kHeadUnit;
-      for (size_t i = 0; i < table.size() && tied && !head; ++i)
-        head = (table[i].name == "wte.weight" || table[i].name == "model.embed_tokens.weight") &&
-               plan.offsets[i] >= plan.buckets[b].begin && plan.offsets[i] < plan.buckets[b].end;
-      if (head) f.head_gather += plan.buckets[b].end - plan.buckets[b].begin;
-    }
-    // Units in forward order: the embedding, then the layers (map order: kHeadUnit < kEmbeddingUnit < 0).
-    int64_t previous = 0;
-    for (const auto& [unit, floats] : f.unit_floats)
-      if (unit != kHeadUnit) f.gathers_held = std::max(f.gathers_held, previous + floats), previous = floats;
-    f.gathers_held = std::max(f.gathers_held, f.head_gather);
+    gathered_figures(f, table, plan, shards, dp_size, parse_precision(o.precision) == Precision::bf16);
     for (const auto& [unit, floats] : f.unit_floats) f.largest_unit = std::max(f.largest_unit, floats);
     if (!dense) return f;
     // The dense set: the TP-partial elements of the whole buffer and of this rank's shards (what
@@ -203,16 +221,19 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
   for (const auto& [f, group, experts] : {std::tuple{buffers.dense, int(mesh.group(rank, "dp-cp").size()), false},
                                           std::tuple{buffers.experts, mesh.degree("edp"), true}}) {
-    // ZeRO-3 holds the shards of the values and two units gathered (one in use, one prefetched), the
-    // bf16 copy of those two units only. FSSDP's experts: the shards and a staging area of the largest
-    // MoE layer's experts, values (under bf16 only their copy) and gradients; with --fssdp-keep the
-    // values' area spans every layer's experts.
+    // ZeRO-3 holds the shards of the values (and under bf16 of its copy buckets' copy) and two units
+    // gathered (one in use, one prefetched; BufferFigures::gathered_held). FSSDP's experts: the shards
+    // and a staging area of the largest MoE layer's experts, values (under bf16 only their copy) and
+    // gradients; with --fssdp-keep the values' area spans every layer's experts.
     const int zero = o.zero_of(experts);
     const bool sparse = experts && o.fssdp();
-    const Size gathered = !sparse ? Size(f.gathers_held) : o.fssdp_keep ? Size(f.size) : Size(f.largest_unit);
-    const Size values = zero < 3 ? Size(f.size)
-                        : Size(f.shard) + (!sparse ? gathered * (group - 1) / group : bf16 ? Size(0) : gathered);
-    weights += 4 * values + (bf16 ? 2 * (zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
+    if (zero == 3 && !sparse) {
+      weights += 4 * Size(f.shard) + 2 * Size(f.shard_copy) + Size(f.gathered_held);
+    } else {
+      const Size gathered = sparse && o.fssdp_keep ? Size(f.size) : Size(f.largest_unit);
+      const Size values = zero < 3 ? Size(f.size) : Size(f.shard) + (bf16 ? Size(0) : gathered);
+      weights += 4 * values + (bf16 ? 2 * (zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
+    }
     const Size in_flight = sparse ? Size(f.largest_unit) : Size(f.largest_pair) * (group - 1) / group;
     grads += 4 * (zero >= 2 ? Size(f.shard) + in_flight : Size(f.size));
     if (bf16_wire && group > 1 && !sparse) grads += 2 * Size(zero >= 2 ? f.largest : f.size);
@@ -238,13 +259,14 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // The copy is in the reduction's element type.
   const int64_t Nl = shape.local_tokens();
   const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
-  // FSSDP's exchanges are blocking: their packed pieces, sent and received, fp32 at most, at most
-  // one layer's experts each way.
+  // FSSDP's exchanges are blocking: the scratch of the runs they convert on the way (values to bf16,
+  // gradients to the wire type, received gradients before they are added), 4 bytes an element at
+  // most, at most one layer's experts each way.
   auto posted = [&](const BufferFigures& f, bool experts) { return Size(o.zero_of(experts) >= 2 ? f.largest : f.buckets); };
-  const Size sparse = o.fssdp() && edp > 1 ? 2 * 4 * Size(buffers.experts.largest_unit) * (edp - 1) / edp : Size(0);
+  const Size exchanges = o.fssdp() && edp > 1 ? 2 * 4 * Size(buffers.experts.largest_unit) * (edp - 1) / edp : Size(0);
   const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp > 1 ? posted(buffers.dense, false) : Size(0)) +
                                                             (edp > 1 && !o.fssdp() ? posted(buffers.experts, true) : Size(0))) +
-                       sparse;
+                       exchanges;
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
                  4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 

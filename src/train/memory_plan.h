@@ -56,13 +56,16 @@ struct BufferFigures {
   int64_t largest = 0;      // floats of its largest bucket
   int64_t largest_pair = 0; // of two consecutive buckets (the order gradients become final): ZeRO ≥ 2's
                             // most resident, one reducing while backward writes the next
-  // ZeRO-3 (unit-aligned buckets): floats of the buckets of each unit (param_unit), of those the LM
-  // head's gather takes (the head unit's and the tied embedding's), and the most gathered at once:
-  // a unit and the next one prefetched (forward: the embedding, then the layers in order; backward
-  // the same pairs reversed), or the head alone.
-  std::map<int64_t, int64_t> unit_floats;
-  int64_t head_gather = 0;
-  int64_t gathers_held = 0;
+  // ZeRO-3 (unit-aligned buckets): floats of the buckets of each unit (param_unit) and of its copy
+  // buckets (ParamLayout::copy_buckets: gathered as bf16), of those the LM head's gather takes (the
+  // head unit's and the tied embedding's), and of this rank's shards of the copy buckets (whose copy
+  // it keeps). gathered_held: the most bytes gathered beyond the shards at once — a unit and the next
+  // one prefetched (forward: the embedding, then the layers in order; backward the same pairs
+  // reversed), or the head alone —, a unit holding the other ranks' values (fp32; a copy bucket's as
+  // bf16) and under bf16 the copy of its other buckets whole.
+  std::map<int64_t, int64_t> unit_floats, unit_copy;
+  int64_t head_gather = 0, head_gather_copy = 0, shard_copy = 0;
+  int64_t gathered_held = 0;
   int64_t largest_unit = 0;  // floats of the largest unit (FSSDP gathers one MoE layer's experts at a time)
   // Per unit: tensor elements, and those inside this rank's shards (FSSDP's traffic).
   std::map<int64_t, int64_t> unit_data, unit_shard_data;

@@ -16,7 +16,8 @@ tied embedding between the stages), PP2 interleaved, CP2 (p2p, a2a, a2a+p2p over
 full and selective, TP2×PP2+SP, TP2×CP2 ZeRO-1; MoE (mixtral, qwen2_moe with a shared expert and
 dense layers): TP2, EP2, EP2×ETP2 over 4, TP2×CP2, aux loss per sequence, global and none; gradients
 reduced in bf16 (--grad-reduce-dtype bf16): DP2 with ZeRO 0 and 2, and mixtral EP2 over 4 ranks with
-ZeRO-1 (dense gradients over DP4, experts' over EDP2).
+ZeRO-1 (dense gradients over DP4, experts' over EDP2); ZeRO-3 under --precision bf16 (GEMM weights
+gathered as their bf16 copy): DP2, PP2×DP2 with gpt2's tied embedding, mixtral EP2 over 4 ranks.
 """
 import os
 
@@ -52,12 +53,25 @@ CASES = [
     ("mixtral_8e", 2, ["--ep", "2", "--moe-aux-loss", "global", "--recompute", "full"]),
     ("mixtral_8e", 2, ["--tp", "2", "--moe-aux-loss", "none"]),
     ("qwen2_moe_8e", 2, ["--tp", "2", "--sequence-parallel"]),
-    # --grad-reduce-dtype bf16: the gradient reductions send half the bytes (ZeRO's parameter gathers stay fp32).
+    # --grad-reduce-dtype bf16: the gradient reductions send half the bytes (ZeRO-1/2's parameter gathers stay fp32).
     ("llama_tiny", 2, ["--grad-reduce-dtype", "bf16"]),
     ("llama_tiny", 2, ["--zero", "2", "--grad-reduce-dtype", "bf16"]),
     ("mixtral_8e", 4, ["--ep", "2", "--zero", "1", "--grad-reduce-dtype", "bf16"]),
+    # ZeRO-3 under --precision bf16: the GEMM weights' buckets gather their bf16 copy, the others fp32
+    # (gpt2: the tied embedding, in the head's gather too; mixtral: the experts over EDP as well).
+    ("llama_tiny", 2, ["--zero", "3", "--precision", "bf16"]),
+    ("gpt2_tiny", 4, ["--pp", "2", "--dp", "2", "--zero", "3", "--precision", "bf16"]),
+    ("mixtral_8e", 4, ["--ep", "2", "--zero", "3", "--precision", "bf16", "--grad-reduce-dtype", "bf16"]),
 ]
 ESTIMATED = ("ep", "etp")
+
+
+def gemm_weight_floats(cfg):
+    """A llama's GEMM weights: the floats of all layers' q|k|v, o, gate|up and down, and of the LM head."""
+    C, F, H, KV = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = C // H
+    per_layer = (H + 2 * KV) * D * C + C * H * D + 3 * F * C
+    return cfg["num_hidden_layers"] * per_layer, cfg["vocab_size"] * C
 
 
 def main():
@@ -67,7 +81,7 @@ def main():
     gpt2_4l = h.load_config("gpt2_tiny")
     gpt2_4l["n_layer"] = 4
     h.write_json(os.path.join(tmp, "gpt2_4l.json"), gpt2_4l)
-    sent = {}  # layout name -> comm_bytes
+    sent, gathered = {}, {}  # layout name -> comm_bytes, rank 0's gathered_bytes
     for model, ranks, flags in CASES:
         cfg = os.path.join(tmp if model == "gpt2_4l" else h.CONFIGS, model + ".json")
         metrics = os.path.join(tmp, "m.jsonl")
@@ -81,6 +95,7 @@ def main():
         row = h.read_metrics(metrics)[0]
         got, want = row["comm_bytes"], row.get("comm_bytes_predicted", {})
         sent[name] = got
+        gathered[name] = row.get("gathered_bytes", [None])[0]
         bad = []
         for axis in sorted(set(got) | set(want)):
             g, w = got.get(axis, 0), want.get(axis, 0)
@@ -100,6 +115,16 @@ def main():
     half, full = sent.get("llama_tiny --grad-reduce-dtype bf16", {}), sent.get("llama_tiny DP2", {})
     if not full.get("dp") or 2 * half.get("dp", 0) != full["dp"]:
         failures.append("llama DP2: bf16 gradient all-reduce sent %s bytes, fp32 %s: not half" % (half.get("dp"), full.get("dp")))
+    # ZeRO-3 in bf16 gathers the GEMM weights as bf16, the norms (and the embedding) as fp32: a gather
+    # of n floats of GEMM weights sends a rank's half, 2n bytes in fp32 and n in bf16. Per step (2
+    # micro-batches a rank) each layer is gathered in forward and in backward, the untied LM head once.
+    z3 = {p: gathered.get("llama_tiny --zero 3" + (" --precision bf16" if p == "bf16" else "")) for p in ("fp32", "bf16")}
+    layer, head = gemm_weight_floats(h.load_config("llama_tiny"))
+    gemm = 2 * (2 * layer + head)
+    if None in z3.values() or z3["fp32"] - z3["bf16"] != gemm:
+        failures.append("llama DP2 ZeRO-3: bf16 gathers %s bytes, fp32 %s: expected %d fewer (half the GEMM weights' "
+                        "bytes)" % (z3["bf16"], z3["fp32"], gemm))
+    print("llama DP2 ZeRO-3 gathers per rank: fp32 %s bytes, bf16 %s bytes" % (z3["fp32"], z3["bf16"]))
     print("\n" + h.fmt_table(["layout", "communicator", "sent", "predicted", ""], rows))
     h.report(failures, "every communicator's bytes equal the prediction (the dispatcher's payloads within 25%)")
 

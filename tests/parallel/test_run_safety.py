@@ -25,7 +25,8 @@
     rank (with --save: a synchronous save writes each rank's pieces from its own buffers, nothing
     is gathered), per rank for TP2 x PP2 on 4 ranks, and for the neediest rank of DP2 ZeRO 0, 1, 2
     (gradients reduced in fp32 and in bf16) of a model whose gradients outweigh its activations (MPI's
-    copy of the buckets in flight counted), and of its ZeRO-3; there the model state per rank (memory
+    copy of the buckets in flight counted), and of its ZeRO-3 (in fp32, and in bf16, where the GEMM
+    weights are gathered as their bf16 copy alone); there the model state per rank (memory
     check) and the measured peak strictly fall from ZeRO 0 to 1 to 2 to 3. A 16-layer llama under DP4
     ZeRO-3 holds at most 1/DP + 2/L of its weights (the memory check's weights part).
 (c) Defaults: without --global-batch, a DP2 run uses micro-batch x DP and says so. Loss spikes
@@ -233,13 +234,15 @@ def part_b(tmp, data):
         json.dump({"model_type": "gpt2", "vocab_size": 512, "n_embd": 512, "n_layer": 4, "n_head": 8,
                    "n_positions": 128, "activation_function": "gelu_new", "tie_word_embeddings": True}, f)
     state, peak = {}, {}
-    for zero, wire in ((0, "fp32"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "fp32")):
-        label = "DP2 ZeRO-%d (gradients reduced in %s)" % (zero, wire)
-        mpath = os.path.join(tmp, "dp2_z%d_%s.jsonl" % (zero, wire))
+    for zero, wire, precision in ((0, "fp32", "fp32"), (1, "fp32", "fp32"), (1, "bf16", "fp32"), (2, "fp32", "fp32"),
+                                  (2, "bf16", "fp32"), (3, "fp32", "fp32"), (3, "fp32", "bf16")):
+        label = "DP2 ZeRO-%d (gradients reduced in %s)%s" % (zero, wire, " in bf16" if precision == "bf16" else "")
+        tag = "dp2_z%d_%s_%s" % (zero, wire, precision)
+        mpath = os.path.join(tmp, tag + ".jsonl")
         args = ["train", "--config", wide, "--data", demo_data, "--steps", "3", "--micro-batch", "1", "--seq-len",
                 "64", "--global-batch", "4", "--zero", str(zero), "--threads", "1", "--metrics", mpath,
-                "--grad-reduce-dtype", wire]
-        rc, out, codes, rss = h.run_wrapped(tmp, "dp2_z%d_%s" % (zero, wire), 2, args, extra_env=held, timeout=300)
+                "--grad-reduce-dtype", wire, "--precision", precision]
+        rc, out, codes, rss = h.run_wrapped(tmp, tag, 2, args, extra_env=held, timeout=300)
         if not check(rc == 0, "%s runs (exit %s)" % (label, rc)):
             continue
         parts, totals = predicted(mpath)
@@ -247,7 +250,7 @@ def part_b(tmp, data):
         err = (max(totals) - most) / most
         check(abs(err) <= 0.10, "%s, neediest rank: predicted %.1f MiB, measured peak RSS %.1f MiB (%+.1f%%)"
               % (label, max(totals) / 2 ** 20, most / 2 ** 20, 100 * err))
-        if wire == "fp32":
+        if wire == "fp32" and precision == "fp32":
             state[zero] = sum(parts[k] for k in ("weights", "gradients", "optimizer state"))
             peak[zero] = most
     if len(state) == 4:
