@@ -708,9 +708,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   MoeInputs<float> in{x, w(o.router), expert_weights(o.experts)};
   if (experts_fn_) in.before_experts = [&](const DispatchPlan& plan) {  // FSSDP: the experts its rows reach
     std::vector<int32_t> need;
-    for (int64_t rows : plan.expert_rows) need.push_back(rows > 0);
-    const ExpertPlace at = experts_fn_(ExpertUse::gather, expert_blocks(l), need);
-    return Weights<float>{at.values, at.low, precision_};
+    return placed(gather_reached(l, plan, need));
   };
   origami::moe_forward(y, *a.moe, in, moe_sizes(), c.routing, balance, dispatcher_, s.moe);
   tp_.gather_shares(out, y, B, T, C);
@@ -722,6 +720,12 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
     expert_dropped_[size_t(l)] += a.moe->dropped;
     expert_rows_ += a.moe->plan.rows;
   }
+}
+
+ExpertPlace Model::gather_reached(int64_t l, const DispatchPlan& plan, std::vector<int32_t>& need) {
+  need.clear();
+  for (int64_t rows : plan.expert_rows) need.push_back(rows > 0);
+  return experts_fn_(ExpertUse::gather, expert_blocks(l), need);
 }
 
 ExpertBlocks Model::expert_blocks(int64_t l) const {
@@ -745,9 +749,8 @@ void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const
   float* d_experts = experts_.grad() + o.experts;
   std::vector<int32_t> need;  // FSSDP: the experts forward gathered, gathered again
   if (experts_fn_) {
-    for (int64_t rows : a.moe->plan.expert_rows) need.push_back(rows > 0);
-    const ExpertPlace at = experts_fn_(ExpertUse::gather, expert_blocks(l), need);
-    experts = {at.values, at.low, precision_}, d_experts = at.grads;
+    const ExpertPlace at = gather_reached(l, a.moe->plan, need);
+    experts = placed(at), d_experts = at.grads;
   }
   moe_backward_experts(dx, d_experts, d_out, *a.moe, s.moe, experts, ms, dispatcher_);
   if (experts_fn_) experts_fn_(ExpertUse::reduce, expert_blocks(l), need);

@@ -232,6 +232,9 @@ class Model {
     if (weights_) weights_(use, unit);
   }
   ExpertBlocks expert_blocks(int64_t l) const;  // layer l's local experts
+  // FSSDP: gathers layer l's local experts that `plan` sends rows to (need: 1 for each, 0 else).
+  ExpertPlace gather_reached(int64_t l, const DispatchPlan& plan, std::vector<int32_t>& need);
+  Weights<float> placed(const ExpertPlace& at) const { return {at.values, at.low, precision_}; }  // as GEMMs read it
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
   void mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F);
