@@ -49,6 +49,9 @@ struct LocalSizes {
   int64_t mlp_bytes;  // bytes of a kept fa or fb element: 2 in a bf16 run, which keeps the up projection's
                       // output rounded to bf16 (a rounding point) and the down projection's input as that
                       // GEMM reads it (no rounding added)
+  int64_t ln1_bytes, ln2_bytes;  // bytes of a kept norm output element: 2 in a bf16 run where only GEMMs
+                                 // read it (no rounding added): the first norm's always, the second's in a
+                                 // model without MoE layers (the router reads it in fp32)
   Size sh;         // shared expert: its output [C] and gate [1] per token outside TP regions (0: none)
   MoeSizes moe;      // MoE layers: this rank's share of the tokens (N/TP), the expert FFN over ETP
   Size moe_rows;     // the dispatcher's most expert-side rows
@@ -58,7 +61,8 @@ struct LocalSizes {
         Sl(qkv_width(c) / a.tp), HDl(c.num_heads / a.tp * c.head_dim), Fl(c.ffn / a.tp),
         fa(std::max(c.has_dense_layers() ? (c.is_gpt2() ? 1 : 2) * c.ffn : 0, 2 * c.shared_ffn) / a.tp),
         fb(std::max(c.has_dense_layers() ? c.ffn : 0, c.shared_ffn) / a.tp),
-        mlp_bytes(a.precision == Precision::bf16 ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
+        mlp_bytes(a.precision == Precision::bf16 ? 2 : 4), ln1_bytes(mlp_bytes),
+        ln2_bytes(a.precision == Precision::bf16 && !c.is_moe() ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
         moe{(N / a.tp).get(), C.get(), c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
             c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad},
         moe_rows(c.is_moe() ? TokenDispatcher::max_rows(moe.N, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
@@ -71,7 +75,8 @@ struct LocalSizes {
 Size layer_bytes(const ModelConfig& c, const LocalSizes& s, bool moe_layer) {
   const Size stats = (c.is_gpt2() ? 4 : 2) * s.Nl;  // LayerNorm mean and rstd, RMSNorm rstd, both norms
   const Size cache = moe_layer ? MoeCache<float>::bytes(s.moe, s.moe_rows.get()) : 0;
-  return 4 * (3 * s.Nl * s.C + stats + s.N * s.Sl + s.Nl * s.sh) + s.mlp_bytes * s.N * (s.fa + s.fb) + cache;
+  return 4 * (s.Nl * s.C + stats + s.N * s.Sl + s.Nl * s.sh) + (s.ln1_bytes + s.ln2_bytes) * s.Nl * s.C +
+         s.mlp_bytes * s.N * (s.fa + s.fb) + cache;
 }
 Size core_bytes(const LocalSizes& s) { return 4 * Size(s.core.core_floats()); }
 
@@ -79,6 +84,7 @@ Size core_bytes(const LocalSizes& s) { return 4 * Size(s.core.core_floats()); }
 // exactly this, and workspace_bytes() counts it.
 struct ScratchSizes {
   Size loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
+  Size ln_loc;               // bf16 runs: a norm output [Nl, C] before its rounding, or widened from it
   Size targets;              // int32 [N] each: the inputs and the targets of this rank's positions
   Size lnf, statsf;          // head stage: final norm output [N, C], mean and rstd [Nl] each
   Size d_res, d_ln, d_att, d_qkv, d_mlp_a, d_mlp_b;
@@ -93,6 +99,7 @@ struct ScratchSizes {
     const bool sp = a.sp;
     const int64_t Vl = (c.vocab_size + a.tp - 1) / a.tp;
     loc = sp ? s.Nl * s.C : 0, full = sp ? s.N * s.C : 0, gathered = full;
+    ln_loc = a.precision == Precision::bf16 ? s.Nl * s.C : 0;
     targets = s.N;
     lnf = head_stage ? s.N * s.C : 0, statsf = head_stage ? s.Nl : 0;
     d_res = s.Nl * s.C, d_ln = s.N * s.C, d_att = s.N * s.HDl, d_qkv = s.N * s.Sl;
@@ -106,7 +113,7 @@ struct ScratchSizes {
     cp = s.core.workspace_floats();
   }
   Size bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
-    return 4 * (loc + full + gathered + 2 * targets + cp + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
+    return 4 * (loc + ln_loc + full + gathered + 2 * targets + cp + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
                 head + 3 * share + sh_d + sh_full + sh_loc + sh_dz) + moe;
   }
 };
@@ -171,6 +178,7 @@ struct Model::Slot {
   std::vector<float> resid;  // [(Lc+1), Nl, C]: the input of each layer, then the chunk's output
   std::vector<float> mid;    // [., Nl, C] residual stream after the attention residual add
   std::vector<float> ln1, ln2;  // [., Nl, C] norm outputs (SP: this rank's sequence shard, gathered when used)
+  std::vector<bf16> ln1_low, ln2_low;  // bf16 runs: the same as the GEMMs read them (LocalSizes::ln1_bytes)
   std::vector<float> mean1, rstd1, mean2, rstd2;  // [., Nl] (means: LayerNorm only)
   std::vector<float> qkv;    // [., N, Sl] after RoPE
   std::vector<float> mlp_a, mlp_b;  // [., N, ·] gpt2: pre-GELU, GELU out; llama and the shared expert:
@@ -190,7 +198,7 @@ struct Model::Slot {
                           &sh_gate, &att, &lse, &qkv_h, &att_h})
       b += int64_t(v->size() * sizeof(float));
     for (const MoeCache<float>& m : moe) b += m.bytes();
-    return b + int64_t((mlp_a_low.size() + mlp_b_low.size()) * sizeof(bf16));
+    return b + int64_t((ln1_low.size() + ln2_low.size() + mlp_a_low.size() + mlp_b_low.size()) * sizeof(bf16));
   }
 };
 
@@ -200,6 +208,7 @@ struct Model::LayerActs {
       *att_h;
   MoeCache<float>* moe;
   bf16 *mlp_a_low, *mlp_b_low;  // bf16 runs (mlp_a and mlp_b are then null)
+  bf16 *ln1_low, *ln2_low;      // bf16 runs where LocalSizes says (ln1, ln2 are then null)
 };
 
 // Work buffers (not kept across calls): region scratch under SP, the head, backward.
@@ -207,6 +216,7 @@ struct Model::Scratch {
   // Under SP: a norm's output before the gather [Nl, C]; partial sums / gathered gradients [N, C];
   // a kept norm output gathered over the sequence for the GEMM that reads it [N, C].
   std::vector<float> loc, full, gathered;
+  std::vector<float> ln_loc;  // bf16 runs: a norm output [Nl, C] before it is rounded, or widened again
   std::vector<int32_t> inputs, targets;  // [N] of this rank's positions
   std::vector<float> lnf, meanf, rstdf;  // final norm: output [N, C], statistics [Nl]
   std::vector<float> head;               // LM head chunks
@@ -384,14 +394,16 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t 
   allocating("the activations kept for backward", bytes, [&] {
     size(s.resid, resid_rows * Nl * C);
     size(s.mid, layers * Nl * C);
-    size(s.ln1, layers * Nl * C);
-    size(s.ln2, layers * Nl * C);
+    const bool low = precision_ == Precision::bf16;
+    size(s.ln1, ls.ln1_bytes == 4 ? layers * Nl * C : 0);
+    size(s.ln2, ls.ln2_bytes == 4 ? layers * Nl * C : 0);
+    s.ln1_low.assign(ls.ln1_bytes == 2 ? size_t(layers * Nl * C) : 0, bf16{0});
+    s.ln2_low.assign(ls.ln2_bytes == 2 ? size_t(layers * Nl * C) : 0, bf16{0});
     size(s.mean1, cfg_.is_gpt2() ? layers * Nl : 0);
     size(s.mean2, cfg_.is_gpt2() ? layers * Nl : 0);
     size(s.rstd1, layers * Nl);
     size(s.rstd2, layers * Nl);
     size(s.qkv, layers * N * S);
-    const bool low = precision_ == Precision::bf16;
     size(s.mlp_a, low ? 0 : layers * N * ls.fa);
     size(s.mlp_b, low ? 0 : layers * N * ls.fb);
     s.mlp_a_low.assign(low ? size_t(layers * N * ls.fa) : 0, bf16{0});
@@ -434,6 +446,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   const ScratchSizes n(cfg_, activation_shape(), part_.head);
   allocating("the model's work buffers", n.bytes().get(), [&] {
     s.loc.resize(size_t(n.loc));
+    s.ln_loc.resize(size_t(n.ln_loc));
     s.full.resize(size_t(n.full));
     s.gathered.resize(size_t(n.gathered));
     s.inputs.resize(size_t(n.targets));
@@ -473,7 +486,7 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
           at(k.att, jc, N * HD),
           at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_shape().Sa()),
           at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)], at(m.mlp_a_low, j, N * fa),
-          at(m.mlp_b_low, j, N * fb)};
+          at(m.mlp_b_low, j, N * fb), at(m.ln1_low, j, Nl * C), at(m.ln2_low, j, Nl * C)};
 }
 
 namespace {
@@ -496,6 +509,27 @@ void residual_add(float* out, const float* res, const float* bias, int64_t N, in
 }
 
 }  // namespace
+
+// A norm output kept for backward, [Nl, C] (SP: this rank's sequence shard): computed into its place,
+// or in a bf16 run where only GEMMs read it (kept null) into Scratch::ln_loc and kept as its bf16
+// rounding `low` — what those GEMMs read of it anyway, so no rounding point is added.
+void Model::norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
+  float* y = kept ? kept : scratch_->ln_loc.data();
+  norm_forward(y, mean, rstd, x, w_off, b_off);
+  if (low) round_to_bf16(low, y, tp_.local_tokens(B_ * T_) * cfg_.hidden);
+}
+
+// A kept norm output for the GEMMs that read it, all tokens [N, C] (SP: the shard gathered into
+// Scratch::gathered); a bf16 one widened first into Scratch::ln_loc (exactly).
+float* Model::norm_read(float* kept, const bf16* low) {
+  Scratch& s = *scratch_;
+  const int64_t C = cfg_.hidden;
+  float* loc = kept;
+  if (!loc) widen_to_float(loc = s.ln_loc.data(), low, tp_.local_tokens(B_ * T_) * C);
+  float* full = tp_.full(loc, s.gathered.data());
+  tp_.enter(full, loc, B_, T_, C);
+  return full;
+}
 
 // LayerNorm (gpt2) or RMSNorm over this rank's Nl tokens; mean is unused by RMSNorm.
 void Model::norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
@@ -563,17 +597,15 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   // Attention: column-parallel QKV (this rank's heads), row-parallel output projection. Under SP the
   // norm output is kept as this rank's sequence shard and gathered for the GEMM (backward gathers it
   // again: Megatron's sequence parallelism keeps no [N, C] activation).
-  float* ln1 = tp.full(a.ln1, s.gathered.data());
-  norm_forward(a.ln1, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
-  tp.enter(ln1, a.ln1, B, T, C);
-  linear_forward(a.qkv, ln1, mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
+  linear_forward(a.qkv, norm_read(a.ln1, a.ln1_low), mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
   cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
   residual_add(a.mid, in, w(o.o_b), Nl, C);
-  norm_forward(a.ln2, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
+  norm_keep(a.ln2, a.ln2_low, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
   if (!c.is_moe_layer(l)) {
     mlp_forward(out, a, o, F);
     residual_add(out, a.mid, w(o.proj_b), Nl, C);
@@ -604,8 +636,7 @@ void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
   const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
-  float* ln2 = tp.full(a.ln2, s.gathered.data());
-  tp.enter(ln2, a.ln2, B, T, C);
+  const float* ln2 = norm_read(a.ln2, a.ln2_low);
   float* part = tp.full(y, s.full.data());
   // bf16: the up projection's output comes into backward's scratch; both are kept in bf16.
   const MlpActivations acts{a.mlp_a ? a.mlp_a : s.d_mlp_a.data(), a.mlp_b, a.mlp_a_low, a.mlp_b_low};
@@ -624,8 +655,7 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
   const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
-  float* ln2 = tp.full(a.ln2, s.gathered.data());
-  tp.enter(ln2, a.ln2, B, T, C);  // SP: gather the kept shard again
+  const float* ln2 = norm_read(a.ln2, a.ln2_low);  // SP: the kept shard gathered again
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
@@ -680,9 +710,8 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, mw(o.o_w), N, HD, C, lay);
   cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
-  float* ln1 = tp.full(a.ln1, s.gathered.data());
-  tp.enter(ln1, a.ln1, B, T, C);
-  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, mw(o.qkv_w), N, C, S, lay);
+  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), norm_read(a.ln1, a.ln1_low), mw(o.qkv_w), N,
+                  C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
 }

@@ -63,7 +63,9 @@ const char* recompute_name(Recompute r);
 //   every layer's input and the chunk's output   (layers+1)·Nl·C
 //   per layer (none, selective)                  after-attention residual Nl·C, both norm outputs
 //                                                2·Nl·C (SP: sequence shards, gathered again in
-//                                                backward), norm statistics (2 or 4)·Nl,
+//                                                backward; in bf16 2-byte values where only GEMMs
+//                                                read them: the first norm's, and the second's
+//                                                without MoE layers), norm statistics (2 or 4)·Nl,
 //                                                q|k|v N·Sl, MLP activations (dense; in bf16 the
 //                                                up projection's output and the down projection's
 //                                                input as 2-byte values) or the MoE cache
@@ -262,6 +264,8 @@ class Model {
   const int32_t* docs() const { return docs_.empty() ? nullptr : docs_.data(); }
   CpShape cp_shape() const { return cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
   void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
+  void norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
+  float* norm_read(float* kept, const bf16* low);
   void norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
                      int64_t w_off, int64_t b_off);
 

@@ -18,10 +18,12 @@ test_layouts.py's settings but the learning rate (lr 3e-3 cosine to 3e-4, weight
     in the loss or the gradient norm (else --precision would have been ignored, and the comparisons
     above would prove nothing about bf16).
 Activations: a bf16 run keeps each dense MLP's up-projection output (the GELU / SwiGLU input, F
-values a token in gpt2, gate|up 2F in llama) and its down-projection input (the GELU / SwiGLU output,
-F) in bf16, so the one-rank bf16 run keeps exactly 2·L·N·(F + F) bytes fewer than fp32 in gpt2 and
-2·L·N·(2F + F) in llama (act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP width, L the
-dense layers; mixtral has none) and, under every layout, act_bytes_peak equals act_bytes_computed (the planner's formula).
+values a token in gpt2, gate|up 2F in llama), its down-projection input (the GELU / SwiGLU output,
+F) and the norm outputs only GEMMs read (C each: both norms in gpt2 and llama, the first in mixtral,
+whose router reads the second in fp32) in bf16, so the one-rank bf16 run keeps exactly
+2·L·N·(F + F + 2C) bytes fewer than fp32 in gpt2, 2·L·N·(2F + F + 2C) in llama and 2·L·N·C in
+mixtral (act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP width, L the layers) and, under
+every layout, act_bytes_peak equals act_bytes_computed (the planner's formula).
 Why lr 3e-3 and not test_layouts.py's 1e-2. A layout changes fp32 summation orders (TP's row-parallel
 partial sums, CP's merged attention blocks): ~1e-7 relative, which fp32 carries through 20 steps as
 ~1e-5 of the loss. Rounding to bf16 turns such a last-bit difference, now and then, into a whole bf16
@@ -78,17 +80,20 @@ def run(tmp, tag, cfg, data, ranks, flags):
     return h.read_metrics(mpath), None, wall
 
 
-def dense_mlp_bytes(cfg_path):
-    """The bytes bf16 saves by keeping the dense MLPs' up-projection outputs and down-projection inputs in bf16."""
+def bf16_kept_bytes(cfg_path):
+    """The activation bytes bf16 saves (2 a value): the dense MLPs' up-projection outputs and
+    down-projection inputs, and the norm outputs only GEMMs read (the first norm's; the second's in a
+    model without MoE layers, whose router reads it in fp32)."""
     with open(cfg_path) as f:
         cfg = json.load(f)
+    N = tl.MICRO * tl.SEQ
     if cfg["model_type"] == "gpt2":
-        layers, F = cfg["n_layer"], cfg.get("n_inner") or 4 * cfg["n_embd"]
-        return 2 * layers * tl.MICRO * tl.SEQ * (F + F)
+        layers, C, F = cfg["n_layer"], cfg["n_embd"], cfg.get("n_inner") or 4 * cfg["n_embd"]
+        return 2 * layers * N * (F + F + 2 * C)
     if cfg["model_type"] == "llama":
-        layers, F = cfg["num_hidden_layers"], cfg["intermediate_size"]
-        return 2 * layers * tl.MICRO * tl.SEQ * (2 * F + F)
-    return 0
+        layers, C, F = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
+        return 2 * layers * N * (2 * F + F + 2 * C)
+    return 2 * cfg["num_hidden_layers"] * N * cfg["hidden_size"]
 
 
 def check_act_bytes(rows, what, failures):
@@ -126,10 +131,10 @@ def main():
                 failures.append("%s: layout string %r does not name bf16" % (model, ref[0].get("layout")))
             saved = fp32[0]["act_bytes_peak"][0] - ref[0]["act_bytes_peak"][0]
             print("%-8s activations kept: fp32 %d B, bf16 %d B (%d fewer, expected %d)" % (
-                model, fp32[0]["act_bytes_peak"][0], ref[0]["act_bytes_peak"][0], saved, dense_mlp_bytes(cfg)))
-            if saved != dense_mlp_bytes(cfg):
+                model, fp32[0]["act_bytes_peak"][0], ref[0]["act_bytes_peak"][0], saved, bf16_kept_bytes(cfg)))
+            if saved != bf16_kept_bytes(cfg):
                 failures.append("%s: bf16 keeps %d activation bytes fewer than fp32, expected %d" % (
-                    model, saved, dense_mlp_bytes(cfg)))
+                    model, saved, bf16_kept_bytes(cfg)))
             check_act_bytes(ref, model + " one rank bf16", failures)
             for name, ranks, flags in LAYOUTS:
                 if (only and name not in only) or (flags[0] in ("--ep", "--expert-sharding") and model != "mixtral"):
