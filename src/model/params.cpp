@@ -194,7 +194,6 @@ bool gemm_weight(const ParamSpec& p) {
 
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout) {
   ORIGAMI_ASSERT(layout.tp >= 1 && layout.dp >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp);
-  ORIGAMI_ASSERT(!layout.copy_buckets || layout.unit_buckets);
   // The order tensors are laid out in: the table's, but under copy_buckets each unit's (a run of the
   // table) with its GEMM weights moved after its other tensors.
   std::vector<size_t> order(table.size());

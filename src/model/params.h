@@ -96,10 +96,10 @@ struct ParamLayout {
   int64_t bucket_floats = 0;  // target bucket size; 0: one bucket
   bool unit_buckets = false;  // ZeRO-3: a bucket also closes where param_unit changes, so that the
                               // model's units (a layer, the embedding, the head) own whole buckets
-  bool copy_buckets = false;  // ZeRO-3 under bf16 (needs unit_buckets): within each unit the tensors
-                              // read in fp32 are laid out first and its GEMM weights (gemm_weight) after
-                              // them, each kind in table order and in buckets of its own, so a bucket of
-                              // GEMM weights can be gathered as its bf16 copy alone
+  bool copy_buckets = false;  // ZeRO ≥ 1 under bf16: within each unit the tensors read in fp32 are laid
+                              // out first and its GEMM weights (gemm_weight) after them, each kind in
+                              // table order and in buckets of its own, so a bucket of GEMM weights can
+                              // be gathered as its bf16 copy alone
 };
 
 // The unit of the model a tensor belongs to, the granularity at which ZeRO-3 gathers parameters:

@@ -85,11 +85,16 @@ void DataParallel::begin_step() {
   } else {
     params_.zero_grad();
   }
-  if (zero_ == 3)  // only the shards of the values (the full buffer after an init or a load)
-    for (size_t b = 0; b < gathered_.size(); ++b) {
+  // Only the shards of the values are kept (the full buffer after an init or a load, whose bf16 copy
+  // has been made): ZeRO-3's, and ZeRO 1/2's of the copy buckets, whose other values are never read.
+  for (size_t b = 0; b < gathered_.size(); ++b) {
+    if (zero_ == 3) {
       ORIGAMI_ASSERT(held_[b] == 0 && !gathers_[b].pending());
-      drop_values(b);
+      drop_values(b, true);
+    } else if (zero_ > 0 && params_.copy_bucket(b)) {
+      drop_values(b, false);
     }
+  }
   std::fill(started_.begin(), started_.end(), kIdle);
 }
 
@@ -217,21 +222,15 @@ Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, 
 
 void DataParallel::gather_params() {
   for (auto& [begin, kept] : kept_) std::fill(kept.begin(), kept.end(), 0);  // the values were just updated
-  if (zero_ == 3) {  // the shards of the copy buckets, which gathers send as they are
-    for (size_t b = 0; b < shards_.size(); ++b)
-      if (params_.copy_bucket(b)) params_.refresh_bf16_copy(shards_[b]);
-    return;
+  if (zero_ < 3 && (zero_ == 0 || dp_.size() == 1)) return params_.refresh_bf16_copy();  // every value updated here
+  for (size_t b = 0; b < shards_.size(); ++b)  // the copy buckets' shards, which their gathers send as they are
+    if (params_.copy_bucket(b)) params_.refresh_bf16_copy(shards_[b]);
+  if (zero_ == 3) return;
+  for (size_t b = 0; b < shards_.size(); ++b) pending_[b] = all_gather_bucket(b);
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    pending_[b].wait();
+    if (!params_.copy_bucket(b)) params_.refresh_bf16_copy(params_.buckets()[b]);
   }
-  if (zero_ > 0 && dp_.size() > 1) {
-    float* w = params_.data();
-    const std::vector<Range>& buckets = params_.buckets();
-    const double before = dp_.bytes_sent();
-    for (size_t b = 0; b < buckets.size(); ++b)  // in place: this rank's shard already sits at its position
-      pending_[b] = dp_.iall_gather(w + buckets[b].begin, w + shards_[b].begin, shards_[b].end - shards_[b].begin, DType::f32);
-    for (Request& r : pending_) r.wait();
-    traffic_.gathered_bytes += dp_.bytes_sent() - before;
-  }
-  params_.refresh_bf16_copy();
 }
 
 std::vector<size_t> DataParallel::buckets_of(const std::vector<Range>& unit) const {
@@ -246,26 +245,31 @@ std::vector<size_t> DataParallel::buckets_of(const std::vector<Range>& unit) con
   return out;
 }
 
-void DataParallel::start_gather(size_t b) {
-  if (gathered_[b] || gathers_[b].pending()) return;
+Request DataParallel::all_gather_bucket(size_t b) {
   const Range &r = params_.buckets()[b], &s = shards_[b];
   const double before = dp_.bytes_sent();
+  Request out;
   if (params_.copy_bucket(b)) {  // GEMM weights under bf16: their copy alone, the shard's kept current
     bf16* low = params_.bf16_copy();
-    gathers_[b] = dp_.iall_gather(low + r.begin, low + s.begin, s.end - s.begin, DType::bf16);  // in place
+    out = dp_.iall_gather(low + r.begin, low + s.begin, s.end - s.begin, DType::bf16);
   } else {
     float* w = params_.data();
-    gathers_[b] = dp_.iall_gather(w + r.begin, w + s.begin, s.end - s.begin, DType::f32);  // in place
+    out = dp_.iall_gather(w + r.begin, w + s.begin, s.end - s.begin, DType::f32);
   }
   traffic_.gathered_bytes += dp_.bytes_sent() - before;
+  return out;
 }
 
-void DataParallel::drop_values(size_t b) {
-  // A copy bucket keeps its shard's copy (what it sends); another's copy is made when it is gathered.
-  const Range &r = params_.buckets()[b], &s = shards_[b];
+void DataParallel::start_gather(size_t b) {
+  if (!gathered_[b] && !gathers_[b].pending()) gathers_[b] = all_gather_bucket(b);
+}
+
+void DataParallel::drop_values(size_t b, bool with_copy) {
+  // A copy bucket keeps its shard's copy (what its gathers send); another's copy is made when it is gathered.
+  const Range &r = params_.buckets()[b], &s = shards_[b], none{r.end, r.end};
   const bool copy = params_.copy_bucket(b);
-  params_.release_values({r.begin, s.begin}, copy ? Range{r.begin, s.begin} : r);
-  params_.release_values({s.end, r.end}, copy ? Range{s.end, r.end} : Range{r.end, r.end});
+  params_.release_values({r.begin, s.begin}, !with_copy ? none : copy ? Range{r.begin, s.begin} : r);
+  params_.release_values({s.end, r.end}, with_copy && copy ? Range{s.end, r.end} : none);
   gathered_[b] = 0;
 }
 
@@ -294,7 +298,7 @@ void DataParallel::use_weights(WeightUse use, const std::vector<Range>& unit) {
     case WeightUse::done:
       for (size_t b : buckets) {
         ORIGAMI_ASSERT(held_[b] > 0);
-        if (--held_[b] == 0) drop_values(b);
+        if (--held_[b] == 0) drop_values(b, true);
       }
       break;
   }

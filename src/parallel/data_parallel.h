@@ -6,7 +6,9 @@
 //   --zero 0  all-reduce each bucket; every rank updates every parameter
 //   --zero 1  reduce-scatter each bucket (in place: no second copy of the shard); rank d updates only
 //             its shard (1/dp of every bucket), keeps optimizer state for it only, then all-gathers
-//             the updated parameters
+//             the updated parameters (under bf16 a bucket of GEMM weights, ParamLayout::copy_buckets,
+//             gathers its bf16 copy alone — each rank rounds its shard first — and its fp32 values
+//             outside the shard are returned: the GEMMs read only the copy)
 //   --zero 2  as 1, and gradients are reduce-scattered after every micro-batch, accumulating in the
 //             shard's own place in the buffer; once a bucket's reduction is complete every page of it
 //             but the shard's is returned, and a bucket starts only after the one before it has
@@ -107,9 +109,10 @@ class DataParallel {
   // norm — NaN when a gradient element it applies but does not count (a TP replica on TP rank ≥ 1)
   // is not finite, so no rank updates with it. finish_gradients (below) calls it.
   double complete_gradients();
-  // After the optimizer updated the owned ranges: ZeRO 1/2 all-gather every bucket's parameters; the
-  // bf16 copy (if kept) is rounded again. ZeRO-3 does neither: units are gathered when needed (FSSDP
-  // forgets the experts --fssdp-keep kept); it rounds the copy of its copy buckets' shards.
+  // After the optimizer updated the owned ranges: ZeRO 1/2 all-gather every bucket's parameters (a
+  // copy bucket's bf16 copy, rounded from the shards); the bf16 copy (if kept) is rounded again.
+  // ZeRO-3 only rounds its copy buckets' shards: units are gathered when needed (FSSDP forgets the
+  // experts --fssdp-keep kept).
   void gather_params();
   // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
   void use_weights(WeightUse use, const std::vector<Range>& unit);
@@ -133,8 +136,13 @@ class DataParallel {
   void start_bucket(size_t b);
   void complete_bucket(size_t b);
   std::vector<size_t> buckets_of(const std::vector<Range>& unit) const;
-  void start_gather(size_t b);
-  void drop_values(size_t b);  // ZeRO-3: returns bucket b's pages but the shard's
+  // Bucket b's parameters all-gathered in place (the shard already sits at its place): a copy bucket's
+  // bf16 copy (ParamLayout::copy_buckets), another's fp32 values.
+  Request all_gather_bucket(size_t b);
+  void start_gather(size_t b);  // ZeRO-3: all_gather_bucket unless gathered or in flight
+  // Returns bucket b's pages outside this rank's shard: its values, and with `with_copy` (ZeRO-3) its
+  // bf16 copy (a copy bucket's outside the shard; another's whole, made again when it is gathered).
+  void drop_values(size_t b, bool with_copy);
   // FSSDP: calls fn(peer, begin, end) for each piece this rank sends in one exchange: outward (a
   // gather) the pieces of its shards that each peer's needed blocks cover; to the owners (a
   // reduction) the pieces of its own needed blocks each peer owns. With `to_owners` flipped it lists,

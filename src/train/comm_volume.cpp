@@ -16,14 +16,16 @@ namespace {
 // all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
 // parameters, ZeRO 2 and 3 reduce-scatter after each of the step's `passes` backward passes; ZeRO 3
 // gathers `gathered` bytes of parameters in the step instead (unit_gathers). Gradients travel as
-// `wire` (--grad-reduce-dtype), the parameters ZeRO-1/2 gather as fp32.
+// `wire` (--grad-reduce-dtype), the parameters ZeRO-1/2 gather as fp32 but for the copy buckets'
+// bf16 copy (ParamLayout::copy_buckets).
 double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes, DType wire,
                       double gathered_bytes) {
   const double padded = double(buffer.buckets), g = double(group > 1 ? dtype_bytes(wire) : 4);
   if (zero == 0) return all_reduce_bytes(group, g * padded);
   // every bucket, each rank its shard
   const double reduced = scatter_gather_bytes(group, g * padded / group);
-  const double gathered = scatter_gather_bytes(group, (zero == 3 ? gathered_bytes : 4 * padded) / group);
+  const double copy = double(buffer.copy);  // ZeRO 1/2 under bf16: those buckets gather their bf16 copy
+  const double gathered = scatter_gather_bytes(group, (zero == 3 ? gathered_bytes : 4 * padded - 2 * copy) / group);
   return double(zero >= 2 ? passes : 1) * reduced + gathered;
 }
 

@@ -72,7 +72,7 @@ void gathered_figures(BufferFigures& f, const std::vector<ParamSpec>& table, con
     const int64_t length = plan.buckets[b].end - plan.buckets[b].begin, copy = plan.bucket_copy[b] ? length : 0;
     f.unit_floats[plan.bucket_unit[b]] += length;
     f.unit_copy[plan.bucket_unit[b]] += copy;
-    if (copy > 0) f.shard_copy += shards[b].end - shards[b].begin;
+    if (copy > 0) f.shard_copy += shards[b].end - shards[b].begin, f.copy += copy;
     bool head = plan.bucket_unit[b] == kHeadUnit;
     for (size_t i = 0; i < table.size() && tied && !head; ++i)
       head = (table[i].name == "wte.weight" || table[i].name == "model.embed_tokens.weight") &&
@@ -221,18 +221,22 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
   for (const auto& [f, group, experts] : {std::tuple{buffers.dense, int(mesh.group(rank, "dp-cp").size()), false},
                                           std::tuple{buffers.experts, mesh.degree("edp"), true}}) {
+    // ZeRO 0-2 hold every value (ZeRO 1/2 under bf16: of the GEMM weights the shards only, whose
+    // copy they gather) and under bf16 the whole copy.
     // ZeRO-3 holds the shards of the values (and under bf16 of its copy buckets' copy) and two units
     // gathered (one in use, one prefetched; BufferFigures::gathered_held). FSSDP's experts: the shards
     // and a staging area of the largest MoE layer's experts, values (under bf16 only their copy) and
     // gradients; with --fssdp-keep the values' area spans every layer's experts.
     const int zero = o.zero_of(experts);
     const bool sparse = experts && o.fssdp();
-    if (zero == 3 && !sparse) {
+    if (zero < 3) {  // ZeRO 1/2 under bf16 keep the fp32 values of their copy buckets' shards only
+      const Size released = zero > 0 && group > 1 ? Size(f.copy) - f.shard_copy : Size(0);
+      weights += 4 * (Size(f.size) - released) + (bf16 ? 2 * Size(f.size) : Size(0));  // bf16: the GEMMs' copy
+    } else if (!sparse) {
       weights += 4 * Size(f.shard) + 2 * Size(f.shard_copy) + Size(f.gathered_held);
     } else {
-      const Size gathered = sparse && o.fssdp_keep ? Size(f.size) : Size(f.largest_unit);
-      const Size values = zero < 3 ? Size(f.size) : Size(f.shard) + (bf16 ? Size(0) : gathered);
-      weights += 4 * values + (bf16 ? 2 * (zero == 3 ? gathered : Size(f.size)) : Size(0));  // bf16: the GEMMs' copy
+      const Size gathered = o.fssdp_keep ? Size(f.size) : Size(f.largest_unit);
+      weights += 4 * (Size(f.shard) + (bf16 ? Size(0) : gathered)) + (bf16 ? 2 * gathered : Size(0));
     }
     const Size in_flight = sparse ? Size(f.largest_unit) : Size(f.largest_pair) * (group - 1) / group;
     grads += 4 * (zero >= 2 ? Size(f.shard) + in_flight : Size(f.size));

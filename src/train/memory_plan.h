@@ -65,6 +65,7 @@ struct BufferFigures {
   // bf16) and under bf16 the copy of its other buckets whole.
   std::map<int64_t, int64_t> unit_floats, unit_copy;
   int64_t head_gather = 0, head_gather_copy = 0, shard_copy = 0;
+  int64_t copy = 0;  // floats of the copy buckets (ZeRO ≥ 1 under bf16: gathered as bf16)
   int64_t gathered_held = 0;
   int64_t largest_unit = 0;  // floats of the largest unit (FSSDP gathers one MoE layer's experts at a time)
   // Per unit: tensor elements, and those inside this rank's shards (FSSDP's traffic).

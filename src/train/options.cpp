@@ -241,9 +241,9 @@ TrainOptions TrainOptions::resolved(int world_size) const {
 }
 
 ParamLayout TrainOptions::param_layout(int tp_size, int tp_rank, int dp_size, bool experts) const {
-  const bool zero3 = zero_of(experts) == 3;
-  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float)), zero3,
-          zero3 && parse_precision(precision) == Precision::bf16 && !(experts && fssdp())};
+  const int z = zero_of(experts);
+  return {tp_size, tp_rank, dp_size, int64_t(bucket_mb * 1024 * 1024 / sizeof(float)), z == 3,
+          z >= 1 && parse_precision(precision) == Precision::bf16 && !(experts && fssdp())};
 }
 
 bool TrainOptions::fssdp() const {

@@ -115,8 +115,8 @@ struct TrainOptions {
   TrainOptions resolved(int world_size) const;
   // A buffer layout (TP shard — ETP for the experts' buffer —, DP bucket padding — EDP —, bucket
   // size), and this layout's activation shape (tp: the attention mesh's TP degree).
-  // `experts`: the experts' buffer (under FSSDP laid out as under ZeRO-3). ZeRO-3 under bf16 lays the
-  // GEMM weights out in buckets of their own (copy_buckets; not FSSDP's, which rounds as it sends).
+  // `experts`: the experts' buffer (under FSSDP laid out as under ZeRO-3). ZeRO ≥ 1 under bf16 lays
+  // the GEMM weights out in buckets of their own (copy_buckets; not FSSDP's, which rounds as it sends).
   ParamLayout param_layout(int tp, int tp_rank, int dp, bool experts = false) const;
   bool fssdp() const;             // --expert-sharding fssdp
   int zero_of(bool experts) const { return experts && fssdp() ? 3 : zero; }  // the ZeRO stage of a parameter set

@@ -17,7 +17,8 @@ full and selective, TP2×PP2+SP, TP2×CP2 ZeRO-1; MoE (mixtral, qwen2_moe with a
 dense layers): TP2, EP2, EP2×ETP2 over 4, TP2×CP2, aux loss per sequence, global and none; gradients
 reduced in bf16 (--grad-reduce-dtype bf16): DP2 with ZeRO 0 and 2, and mixtral EP2 over 4 ranks with
 ZeRO-1 (dense gradients over DP4, experts' over EDP2); ZeRO-3 under --precision bf16 (GEMM weights
-gathered as their bf16 copy): DP2, PP2×DP2 with gpt2's tied embedding, mixtral EP2 over 4 ranks.
+gathered as their bf16 copy): DP2, PP2×DP2 with gpt2's tied embedding, mixtral EP2 over 4 ranks; and
+ZeRO-1/2 under bf16 (the updated GEMM weights all-gathered as bf16): DP2, PP2×DP2 ZeRO-2, mixtral EP2.
 """
 import os
 
@@ -62,6 +63,10 @@ CASES = [
     ("llama_tiny", 2, ["--zero", "3", "--precision", "bf16"]),
     ("gpt2_tiny", 4, ["--pp", "2", "--dp", "2", "--zero", "3", "--precision", "bf16"]),
     ("mixtral_8e", 4, ["--ep", "2", "--zero", "3", "--precision", "bf16", "--grad-reduce-dtype", "bf16"]),
+    # ZeRO-1/2 under bf16: the all-gather of the updated parameters moves the GEMM weights' bf16 copy.
+    ("llama_tiny", 2, ["--zero", "1", "--precision", "bf16"]),
+    ("gpt2_tiny", 4, ["--pp", "2", "--dp", "2", "--zero", "2", "--precision", "bf16"]),
+    ("mixtral_8e", 4, ["--ep", "2", "--zero", "1", "--precision", "bf16"]),
 ]
 ESTIMATED = ("ep", "etp")
 
@@ -125,6 +130,14 @@ def main():
         failures.append("llama DP2 ZeRO-3: bf16 gathers %s bytes, fp32 %s: expected %d fewer (half the GEMM weights' "
                         "bytes)" % (z3["bf16"], z3["fp32"], gemm))
     print("llama DP2 ZeRO-3 gathers per rank: fp32 %s bytes, bf16 %s bytes" % (z3["fp32"], z3["bf16"]))
+    # ZeRO-1 in bf16: the one all-gather of the updated parameters a step sends a rank's half of the
+    # GEMM weights as bf16 (n bytes for n floats instead of 2n), the reduce-scatter unchanged.
+    z1 = {p: sent.get("llama_tiny --zero 1" + (" --precision bf16" if p == "bf16" else ""), {}).get("dp")
+          for p in ("fp32", "bf16")}
+    if None in z1.values() or z1["fp32"] - z1["bf16"] != layer + head:
+        failures.append("llama DP2 ZeRO-1: bf16 sends %s bytes, fp32 %s: expected %d fewer" % (z1["bf16"], z1["fp32"],
+                                                                                             layer + head))
+    print("llama DP2 ZeRO-1 dp bytes per rank: fp32 %s, bf16 %s" % (z1["fp32"], z1["bf16"]))
     print("\n" + h.fmt_table(["layout", "communicator", "sent", "predicted", ""], rows))
     h.report(failures, "every communicator's bytes equal the prediction (the dispatcher's payloads within 25%)")
 

@@ -3,8 +3,8 @@ with sequence parallelism and ZeRO-1 (4 ranks), saved, then resumed (--resume) t
 ZeRO-2 (2 ranks), as one rank, as PP2, as PP2 x DP2 with ZeRO-1 and full recomputation and as TP2 x
 DP2 with ZeRO-3; and 3 steps as DP4 with ZeRO-3 (every parameter sharded), resumed as one rank, as
 TP2 x DP2 + SP with ZeRO-1 and as PP2 with ZeRO-3: every resumed run equals the uninterrupted one-rank
-run's losses within 1e-6 relative. In bf16 (bf16_zero3): a DP2 ZeRO-3 checkpoint resumed as DP2
-ZeRO-3 equals the uninterrupted run exactly, and a one-rank one resumed so stays within 1e-3 of it.
+run's losses within 1e-6 relative. In bf16 (bf16_zero): a DP2 ZeRO-1 or ZeRO-3 checkpoint resumed
+the same way equals the uninterrupted run exactly, and a one-rank one resumed so stays within 1e-3 of it.
 Nothing is gathered to one rank when saving: each rank writes its own pieces (its TP shards, its
 ZeRO shard of the moments) to DIR/step-3/rank-RRRRR.safetensors, metadata.json records every
 tensor's global shape and how it was split, and every layout reads the pieces that overlap its
@@ -71,29 +71,32 @@ def main():
                   f"worst relative loss difference {worst:.2e} over 6 steps")
             if not ok:
                 failures.append((name, ranks))
-    failures += bf16_zero3(tmp, common)
+    for zero in (1, 3):
+        failures += bf16_zero(tmp, common, zero)
     sys.exit(1 if failures else 0)
 
 
-def bf16_zero3(tmp, common):
-    """ZeRO-3 in bf16 gathers a GEMM weight as the bf16 copy of each rank's shard, which a resume must
-    round from the loaded values. Saved at step 3 under DP2 ZeRO-3 bf16 and resumed the same way, the
-    run equals the uninterrupted one exactly; saved by one rank (bf16) and resumed under DP2 ZeRO-3, it
-    stays within the bf16 layouts' bound (1e-3, test_bf16_layouts.py) of it."""
-    bf16, zero3 = ["--precision", "bf16"], ["--zero", "3"]
-    full = os.path.join(tmp, "full_bf16.jsonl")
-    train(2, *common, "--steps", "6", *zero3, *bf16, "--metrics", full)
+def bf16_zero(tmp, common, zero):
+    """ZeRO under bf16 gathers a GEMM weight as the bf16 copy of each rank's shard (ZeRO-1/2 after the
+    update, ZeRO-3 before each use), which a resume must round from the loaded values. Saved at step
+    3 under DP2 with that ZeRO stage in bf16 and resumed the same way, the run equals the uninterrupted
+    one exactly; saved by one rank (bf16) and resumed so, it stays within the bf16 layouts' bound
+    (1e-3, test_bf16_layouts.py) of it."""
+    bf16, layout = ["--precision", "bf16"], ["--zero", str(zero)]
+    full = os.path.join(tmp, "full_bf16_z%d.jsonl" % zero)
+    train(2, *common, "--steps", "6", *layout, *bf16, "--metrics", full)
     failures = []
-    for name, ranks, layout, bound in (("DP2 ZeRO-3 bf16", 2, zero3, 0.0), ("one rank bf16", 1, [], 1e-3)):
-        ck, part = os.path.join(tmp, "ck_bf16_%d" % ranks), os.path.join(tmp, "part_bf16_%d.jsonl" % ranks)
-        resumed = os.path.join(tmp, "resumed_bf16_%d.jsonl" % ranks)
-        train(ranks, *common, "--steps", "3", *layout, *bf16, "--save", ck, "--metrics", part)
-        out = train(2, *common, "--steps", "6", *zero3, *bf16, "--resume", ck, "--metrics", resumed)
+    for name, ranks, saved_as, bound in (("DP2 ZeRO-%d bf16" % zero, 2, layout, 0.0), ("one rank bf16", 1, [], 1e-3)):
+        tag = "bf16_z%d_%d" % (zero, ranks)
+        ck, part = os.path.join(tmp, "ck_" + tag), os.path.join(tmp, "part_%s.jsonl" % tag)
+        resumed = os.path.join(tmp, "resumed_%s.jsonl" % tag)
+        train(ranks, *common, "--steps", "3", *saved_as, *bf16, "--save", ck, "--metrics", part)
+        out = train(2, *common, "--steps", "6", *layout, *bf16, "--resume", ck, "--metrics", resumed)
         a, b = losses(full), losses(part)[:3] + losses(resumed)
         worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
         ok = "resuming from" in out and len(a) == len(b) == 6 and worst <= bound
-        print(f"{'ok  ' if ok else 'FAIL'} {name} checkpoint resumed as DP2 ZeRO-3 bf16: worst relative loss "
-              f"difference {worst:.2e} from the uninterrupted DP2 ZeRO-3 bf16 run (bound {bound:.0e})")
+        print(f"{'ok  ' if ok else 'FAIL'} {name} checkpoint resumed as DP2 ZeRO-{zero} bf16: worst relative loss "
+              f"difference {worst:.2e} from the uninterrupted DP2 ZeRO-{zero} bf16 run (bound {bound:.0e})")
         if not ok:
             failures.append((name, 2))
     return failures

@@ -26,7 +26,8 @@
     is gathered), per rank for TP2 x PP2 on 4 ranks, and for the neediest rank of DP2 ZeRO 0, 1, 2
     (gradients reduced in fp32 and in bf16) of a model whose gradients outweigh its activations (MPI's
     copy of the buckets in flight counted), and of its ZeRO-3 (in fp32, and in bf16, where the GEMM
-    weights are gathered as their bf16 copy alone); there the model state per rank (memory
+    weights are gathered as their bf16 copy alone) and its ZeRO-1 in bf16 (the GEMM weights' fp32
+    values held for the shard only); there the model state per rank (memory
     check) and the measured peak strictly fall from ZeRO 0 to 1 to 2 to 3. A 16-layer llama under DP4
     ZeRO-3 holds at most 1/DP + 2/L of its weights (the memory check's weights part).
 (c) Defaults: without --global-batch, a DP2 run uses micro-batch x DP and says so. Loss spikes
@@ -235,7 +236,7 @@ def part_b(tmp, data):
                    "n_positions": 128, "activation_function": "gelu_new", "tie_word_embeddings": True}, f)
     state, peak = {}, {}
     for zero, wire, precision in ((0, "fp32", "fp32"), (1, "fp32", "fp32"), (1, "bf16", "fp32"), (2, "fp32", "fp32"),
-                                  (2, "bf16", "fp32"), (3, "fp32", "fp32"), (3, "fp32", "bf16")):
+                                  (2, "bf16", "fp32"), (3, "fp32", "fp32"), (1, "fp32", "bf16"), (3, "fp32", "bf16")):
         label = "DP2 ZeRO-%d (gradients reduced in %s)%s" % (zero, wire, " in bf16" if precision == "bf16" else "")
         tag = "dp2_z%d_%s_%s" % (zero, wire, precision)
         mpath = os.path.join(tmp, tag + ".jsonl")

@@ -90,6 +90,33 @@ TEST_P(CopyBuckets, SplitEachUnitByKindAndLayEveryTensorOutOnce) {
   }
 }
 
+// ZeRO 1/2 under bf16: copy buckets without unit buckets, by size. Still no bucket mixes the kinds,
+// and each unit's tensors stay one contiguous range of the buffer, as the gradient-ready hook
+// (grads_ready(offset) after each layer's backward) needs.
+TEST_P(CopyBuckets, BySizeKeepEachUnitContiguousAndEachBucketOneKind) {
+  const Case& c = GetParam();
+  const std::vector<ParamSpec> table = make_param_table(config(c.model));
+  const BufferPlan plan = plan_buffer(table, {c.tp, 0, c.dp, 1000, false, true});
+  std::map<int64_t, std::pair<int64_t, int64_t>> span;  // unit -> [lowest offset, highest end)
+  int64_t floats = 0;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const int64_t at = plan.offsets[i], end = at + table[i].local_numel(c.tp), u = param_unit(table[i].name);
+    const size_t b = bucket_at(plan, at);
+    EXPECT_LE(end, plan.buckets[b].begin + plan.bucket_data[b]) << table[i].name << " leaves its bucket";
+    EXPECT_EQ(plan.bucket_copy[b] != 0, gemm_weight(table[i])) << table[i].name;
+    auto [it, fresh] = span.emplace(u, std::pair{at, end});
+    if (!fresh) it->second = {std::min(it->second.first, at), std::max(it->second.second, end)};
+    floats += end - at;
+  }
+  int64_t spanned = 0;  // the units' ranges do not overlap, so each holds only its own tensors
+  for (const auto& [u, r] : span) spanned += r.second - r.first;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const auto& [u, r] : span) ranges.push_back(r);
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t k = 1; k < ranges.size(); ++k) EXPECT_LE(ranges[k - 1].second, ranges[k].first);
+  EXPECT_GE(spanned, floats);
+}
+
 // Which tensors are GEMM weights: the layers' projections and an untied LM head; not the embeddings,
 // norms, biases, the router or the shared expert's gate.
 TEST(GemmWeight, NamesTheTensorsReadOnlyThroughTheirCopy) {
