@@ -64,7 +64,7 @@ struct LocalSizes {
         mlp_bytes(a.precision == Precision::bf16 ? 2 : 4), ln1_bytes(mlp_bytes),
         ln2_bytes(a.precision == Precision::bf16 && !c.is_moe() ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
         moe{(N / a.tp).get(), C.get(), c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
-            c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad},
+            c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad, a.precision == Precision::bf16},
         moe_rows(c.is_moe() ? TokenDispatcher::max_rows(moe.N, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
         core{a.B, a.T, c.num_heads / a.tp, c.num_kv_heads / a.tp, c.head_dim, a.cp, a.cp_a2a} {}
   // MoE shares cut from (and gathered into) full [N, C] buffers: TP without SP.

@@ -19,10 +19,11 @@ test_layouts.py's settings but the learning rate (lr 3e-3 cosine to 3e-4, weight
     above would prove nothing about bf16).
 Activations: a bf16 run keeps each dense MLP's up-projection output (the GELU / SwiGLU input, F
 values a token in gpt2, gate|up 2F in llama), its down-projection input (the GELU / SwiGLU output,
-F) and the norm outputs only GEMMs read (C each: both norms in gpt2 and llama, the first in mixtral,
-whose router reads the second in fp32) in bf16, so the one-rank bf16 run keeps exactly
-2·L·N·(F + F + 2C) bytes fewer than fp32 in gpt2, 2·L·N·(2F + F + 2C) in llama and 2·L·N·C in
-mixtral (act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP width, L the layers) and, under
+F), the norm outputs only GEMMs read (C each: both norms in gpt2 and llama, the first in mixtral,
+whose router reads the second in fp32) and each MoE layer's cached expert inputs and activations
+(C + F a row, N·K rows) in bf16, so the one-rank bf16 run keeps exactly 2·L·N·(F + F + 2C) bytes
+fewer than fp32 in gpt2, 2·L·N·(2F + F + 2C) in llama and 2·L·N·(C + K·(C + F)) in mixtral
+(act_bytes_peak; N = micro-batch x seq-len tokens, F the MLP (expert) width, L the layers) and, under
 every layout, act_bytes_peak equals act_bytes_computed (the planner's formula).
 Why lr 3e-3 and not test_layouts.py's 1e-2. A layout changes fp32 summation orders (TP's row-parallel
 partial sums, CP's merged attention blocks): ~1e-7 relative, which fp32 carries through 20 steps as
@@ -82,8 +83,9 @@ def run(tmp, tag, cfg, data, ranks, flags):
 
 def bf16_kept_bytes(cfg_path):
     """The activation bytes bf16 saves (2 a value): the dense MLPs' up-projection outputs and
-    down-projection inputs, and the norm outputs only GEMMs read (the first norm's; the second's in a
-    model without MoE layers, whose router reads it in fp32)."""
+    down-projection inputs, the MoE layers' cached expert inputs and activations, and the norm outputs
+    only GEMMs read (the first norm's; the second's in a model without MoE layers, whose router reads
+    it in fp32)."""
     with open(cfg_path) as f:
         cfg = json.load(f)
     N = tl.MICRO * tl.SEQ
@@ -93,7 +95,10 @@ def bf16_kept_bytes(cfg_path):
     if cfg["model_type"] == "llama":
         layers, C, F = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
         return 2 * layers * N * (2 * F + F + 2 * C)
-    return 2 * cfg["num_hidden_layers"] * N * cfg["hidden_size"]
+    # mixtral: the first norm's output, and each MoE layer's cached expert inputs and activations
+    # (C + F a row; one rank, dropless: N·K rows).
+    layers, C, F, K = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_experts_per_tok"]
+    return 2 * layers * N * C + 2 * layers * N * K * (C + F)
 
 
 def check_act_bytes(rows, what, failures):

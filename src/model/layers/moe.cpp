@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 
 #include "kernels/cpu/gemm.h"
 #include "core/error.h"
@@ -255,20 +256,38 @@ void permute_backward(T* dx, const T* dxs, const MoeCache<T>& c, const MoeSizes&
   }
 }
 
-// Local experts: one GEMM pair per expert over its contiguous rows of c.xe_RC (partial outputs
-// over ETP) into ye [rows, C]; gate|up and the activations stay in the cache.
+// A kept expert-side tensor [rows, ld] from row r0 as its GEMMs read it: the values (fp32 runs) or
+// their bf16 copy (MoeSizes::low), or both while forward still holds the values.
 template <typename T>
-void experts_forward(T* ye, MoeCache<T>& c, Weights<T> experts, const MoeSizes& s) {
+Mat<T> kept_rows(const T* values, const std::vector<bf16>& low, int64_t r0, int64_t ld) {
+  return {values ? values + r0 * ld : nullptr, ld, low.empty() ? nullptr : low.data() + r0 * ld};
+}
+
+// Under MoeSizes::low: n values from `at` rounded into their kept copy (fp64 runs keep none).
+template <typename T>
+void keep_rounded(std::vector<bf16>& low, int64_t at, const T* v, int64_t n) {
+  if constexpr (std::is_same_v<T, float>)
+    if (!low.empty()) round_to_bf16(low.data() + at, v, n);
+}
+
+// Local experts: one GEMM pair per expert over its contiguous rows of xe [rows, C] (as received;
+// kept in the cache) (partial outputs over ETP) into ye [rows, C]; gate|up and the activations stay
+// in the cache (the activations computed into `act_work` [rows, F] first where the cache keeps them in bf16).
+template <typename T>
+void experts_forward(T* ye, const T* xe, MoeCache<T>& c, Weights<T> experts, const MoeSizes& s, T* act_work) {
   const int64_t C = s.C, F = s.F;
   const Precision p = experts.p;
+  keep_rounded(c.xe_low, 0, xe, c.plan.rows * C);
+  T* act = s.low ? act_work : c.act_RF.data();
   for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
     const int64_t rn = c.plan.expert_rows[size_t(j)];
     if (rn == 0) continue;
     const Weights<T> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
-    matmul<T>(p, false, true, rn, 2 * F, C, T(1), {c.xe_RC.data() + r0 * C, C}, w13.mat(C), T(0),
+    matmul<T>(p, false, true, rn, 2 * F, C, T(1), kept_rows(xe, c.xe_low, r0, C), w13.mat(C), T(0),
               c.gu_R2F.data() + r0 * 2 * F, 2 * F, Sizes::varying);
-    swiglu_forward(c.act_RF.data() + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    matmul<T>(p, false, true, rn, C, F, T(1), {c.act_RF.data() + r0 * F, F}, w2.mat(F), T(0), ye + r0 * C, C,
+    swiglu_forward(act + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
+    keep_rounded(c.act_low, r0 * F, act + r0 * F, rn * F);
+    matmul<T>(p, false, true, rn, C, F, T(1), kept_rows<T>(act, c.act_low, r0, F), w2.mat(F), T(0), ye + r0 * C, C,
               Sizes::varying);
   }
 }
@@ -292,11 +311,13 @@ void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCach
     T* dw2 = dw13 + 2 * F * C;
     const Mat<T> g = operand(p, static_cast<const T*>(dye + r0 * C), rn, C, low);
     matmul<T>(p, false, false, rn, F, C, T(1), g, w2.mat(F), T(0), dact + r0 * F, F, vary);
-    matmul<T>(p, true, false, C, F, rn, T(1), g, {c.act_RF.data() + r0 * F, F}, T(1), dw2, F, vary);
+    const T* act = c.act_RF.empty() ? nullptr : c.act_RF.data();
+    matmul<T>(p, true, false, C, F, rn, T(1), g, kept_rows(act, c.act_low, r0, F), T(1), dw2, F, vary);
     swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
     const Mat<T> ggu = operand(p, static_cast<const T*>(dgu + r0 * 2 * F), rn, 2 * F, low);
     matmul<T>(p, false, false, rn, C, 2 * F, T(1), ggu, w13.mat(C), T(0), dye + r0 * C, C, vary);
-    matmul<T>(p, true, false, 2 * F, C, rn, T(1), ggu, {c.xe_RC.data() + r0 * C, C}, T(1), dw13, C, vary);
+    const T* xe = c.xe_RC.empty() ? nullptr : c.xe_RC.data();
+    matmul<T>(p, true, false, 2 * F, C, rn, T(1), ggu, kept_rows(xe, c.xe_low, r0, C), T(1), dw13, C, vary);
   }
 }
 
@@ -363,9 +384,11 @@ void moe_forward(T* out, MoeCache<T>& c, const MoeInputs<T>& in, const MoeSizes&
   // The exchange, the local experts and the return.
   c.tokens_total = N * d.token_ranks();
   d.plan(c.plan, c.count_E.data(), E);
-  ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(c.xe_RC.size()) && int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
-  d.to_experts(c.xe_RC.data(), xs, c.plan, C, scratch.dispatch);
-  experts_forward(ye, c, in.before_experts ? in.before_experts(c.plan) : in.experts, s);
+  T* xe = s.low ? scratch.xe_RC.data() : c.xe_RC.data();  // bf16 runs: received here, kept rounded
+  ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(s.low ? scratch.xe_RC.size() : c.xe_RC.size()) &&
+                 int64_t(scratch.e_RC.size()) >= c.plan.rows * C);
+  d.to_experts(xe, xs, c.plan, C, scratch.dispatch);
+  experts_forward(ye, xe, c, in.before_experts ? in.before_experts(c.plan) : in.experts, s, scratch.dact_RF.data());
   d.from_experts(c.y_RC.data(), ye, c.plan, C, scratch.dispatch);
   combine_forward(out, c, s, d.times());
   aux_fractions(c, s, r, bal, d);

@@ -49,6 +49,7 @@ struct MoeSizes {
   int64_t B = 1;        // rows (sequences) among the N tokens
   int64_t cap = 0;      // capacity per expert (0: dropless)
   bool pad = false;     // every expert padded to cap
+  bool low = false;     // bf16 runs: the cache keeps the experts' inputs and activations in bf16 (MoeCache)
   // Permuted rows this rank sends: the kept assignments (at most N·K), or E·cap when padded.
   int64_t sent_rows() const { return pad ? E * cap : N * K; }
 };
@@ -93,6 +94,10 @@ struct MoeCache {
   std::vector<double> frac;           // φ of the aux loss: [E] (micro, global) or [B·E] (seq)
   DispatchPlan plan;
   std::vector<T> xe_RC, gu_R2F, act_RF;  // expert side: inputs, gate|up, activations [rows, .]
+  // Under MoeSizes::low the inputs and activations are kept as their GEMMs read them (xe_RC and
+  // act_RF then empty): only those GEMMs read them (forward and the weight gradients), and they
+  // round them anyway, so no rounding point is added.
+  std::vector<bf16> xe_low, act_low;
   std::vector<T> y_RC;                   // this rank's rows' expert outputs [sent_rows, C], permuted order
   int64_t tokens_total = 0;              // Nt
   int64_t dropped = 0;                   // assignments dropped by the capacity
@@ -103,19 +108,22 @@ struct MoeCache {
     const size_t N = size_t(s.N), R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), E = size_t(s.E);
     logits_NE.resize(N * E), lse_N.resize(N), expert_NK.resize(R), score_NK.resize(R), weight_NK.resize(R);
     row_NK.resize(R), expert_begin.resize(E + 1), count_E.resize(E), routed_E.resize(E), frac.resize(size_t(s.B) * E);
-    xe_RC.resize(size_t(rows) * C), gu_R2F.resize(size_t(rows) * 2 * F), act_RF.resize(size_t(rows) * F);
+    const size_t X = size_t(rows), kept = s.low ? 0 : X, low = s.low ? X : 0;
+    xe_RC.resize(kept * C), gu_R2F.resize(X * 2 * F), act_RF.resize(kept * F);
+    xe_low.resize(low * C), act_low.resize(low * F);
     y_RC.resize(size_t(s.sent_rows()) * C);
   }
   // Bytes resize(s, rows) allocates, without allocating.
   static int64_t bytes(const MoeSizes& s, int64_t rows) {  // checked (core/checked.h)
     const Size N = s.N, R = N * s.K, t = int64_t(sizeof(T)), sent = s.pad ? Size(s.E) * s.cap : R;
-    return (t * (N * s.E + N + 2 * R + sent * s.C + rows * (s.C + 3 * Size(s.F))) + 4 * R +
-            8 * (R + 3 * Size(s.E) + 1 + Size(s.B) * s.E)).get();
+    const Size kept = s.low ? 2 : t;  // bytes of a kept input or activation element
+    return (t * (N * s.E + N + 2 * R + sent * s.C + Size(rows) * 2 * s.F) + kept * Size(rows) * (s.C + s.F) +
+            4 * R + 8 * (R + 3 * Size(s.E) + 1 + Size(s.B) * s.E)).get();
   }
   int64_t bytes() const {  // what resize() allocated
     auto b = [](const auto& v) { return int64_t(v.size() * sizeof(v[0])); };
     return b(logits_NE) + b(lse_N) + b(expert_NK) + b(score_NK) + b(weight_NK) + b(row_NK) + b(expert_begin) +
-           b(count_E) + b(routed_E) + b(frac) + b(xe_RC) + b(gu_R2F) + b(act_RF) + b(y_RC);
+           b(count_E) + b(routed_E) + b(frac) + b(xe_RC) + b(gu_R2F) + b(act_RF) + b(y_RC) + b(xe_low) + b(act_low);
   }
 };
 
@@ -127,18 +135,22 @@ struct MoeScratch {
   std::vector<T> dgu_R2F;  // ∂/∂[gate | up] [rows, 2F]
   std::vector<T> dact_RF;  // ∂/∂(silu(gate)·up) [rows, F]
   std::vector<T> d_weight; // ∂/∂(routing weights) [R]
+  std::vector<T> xe_RC;    // MoeSizes::low: the expert inputs [rows, C] as received, before the cache rounds them
   DispatchBuffers<T> dispatch;
   void resize(const MoeSizes& s, int64_t rows, int etp) {
     using std::size_t;
     const size_t R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), X = size_t(rows);
     xs_RC.resize(size_t(s.sent_rows()) * C), e_RC.resize(X * C), dgu_R2F.resize(X * 2 * F), dact_RF.resize(X * F);
     d_weight.resize(R);
+    xe_RC.resize(s.low ? X * C : 0);
     dispatch.gathered.resize(X * C);
     dispatch.mine.resize(etp > 1 ? X * C : 0);
   }
   static int64_t bytes(const MoeSizes& s, int64_t rows, int etp) {  // checked (core/checked.h)
     const Size R = Size(s.N) * s.K, sent = s.pad ? Size(s.E) * s.cap : R, X = rows;
-    return (int64_t(sizeof(T)) * (sent * s.C + R + X * (2 * Size(s.C) + 3 * Size(s.F)) + (etp > 1 ? X * s.C : 0))).get();
+    return (int64_t(sizeof(T)) *
+            (sent * s.C + R + X * (2 * Size(s.C) + 3 * Size(s.F)) + (etp > 1 ? X * s.C : 0) + (s.low ? X * s.C : 0)))
+        .get();
   }
 };
 
