@@ -512,23 +512,30 @@ void residual_add(float* out, const float* res, const float* bias, int64_t N, in
 
 // A norm output kept for backward, [Nl, C] (SP: this rank's sequence shard): computed into its place,
 // or in a bf16 run where only GEMMs read it (kept null) into Scratch::ln_loc and kept as its bf16
-// rounding `low` — what those GEMMs read of it anyway, so no rounding point is added.
-void Model::norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
+// rounding `low` — what those GEMMs read of it anyway, so no rounding point is added. Returns the
+// computed values (valid until ln_loc is next used), which forward's GEMMs read through norm_gather.
+float* Model::norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off,
+                        int64_t b_off) {
   float* y = kept ? kept : scratch_->ln_loc.data();
   norm_forward(y, mean, rstd, x, w_off, b_off);
   if (low) round_to_bf16(low, y, tp_.local_tokens(B_ * T_) * cfg_.hidden);
+  return y;
 }
 
-// A kept norm output for the GEMMs that read it, all tokens [N, C] (SP: the shard gathered into
-// Scratch::gathered); a bf16 one widened first into Scratch::ln_loc (exactly).
-float* Model::norm_read(float* kept, const bf16* low) {
-  Scratch& s = *scratch_;
-  const int64_t C = cfg_.hidden;
-  float* loc = kept;
-  if (!loc) widen_to_float(loc = s.ln_loc.data(), low, tp_.local_tokens(B_ * T_) * C);
-  float* full = tp_.full(loc, s.gathered.data());
-  tp_.enter(full, loc, B_, T_, C);
+// A norm output [Nl, C] for the GEMMs that read it, all tokens [N, C]: under SP the shard gathered
+// into Scratch::gathered.
+float* Model::norm_gather(float* loc) {
+  float* full = tp_.full(loc, scratch_->gathered.data());
+  tp_.enter(full, loc, B_, T_, cfg_.hidden);
   return full;
+}
+
+// A kept norm output read again (backward), as norm_gather gives it; a bf16 one widened first into
+// Scratch::ln_loc (exactly).
+float* Model::norm_read(float* kept, const bf16* low) {
+  if (kept) return norm_gather(kept);
+  widen_to_float(scratch_->ln_loc.data(), low, tp_.local_tokens(B_ * T_) * cfg_.hidden);
+  return norm_gather(scratch_->ln_loc.data());
 }
 
 // LayerNorm (gpt2) or RMSNorm over this rank's Nl tokens; mean is unused by RMSNorm.
@@ -597,23 +604,23 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   // Attention: column-parallel QKV (this rank's heads), row-parallel output projection. Under SP the
   // norm output is kept as this rank's sequence shard and gathered for the GEMM (backward gathers it
   // again: Megatron's sequence parallelism keeps no [N, C] activation).
-  norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b);
-  linear_forward(a.qkv, norm_read(a.ln1, a.ln1_low), mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  float* ln1 = norm_gather(norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b));
+  linear_forward(a.qkv, ln1, mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
   cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
   residual_add(a.mid, in, w(o.o_b), Nl, C);
-  norm_keep(a.ln2, a.ln2_low, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
+  float* ln2 = norm_keep(a.ln2, a.ln2_low, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
   if (!c.is_moe_layer(l)) {
-    mlp_forward(out, a, o, F);
+    mlp_forward(out, norm_gather(ln2), a, o, F);
     residual_add(out, a.mid, w(o.proj_b), Nl, C);
     return;
   }
   moe_layer_forward(l, a, out, losses);
   if (c.shared_ffn > 0) {  // out += sigmoid(ln2·w_gate)·shared(ln2), per token of this rank
-    mlp_forward(a.sh_out, a, o, c.shared_ffn / tp.size());
+    mlp_forward(a.sh_out, norm_gather(ln2), a, o, c.shared_ffn / tp.size());
     const float* wg = w(o.shared_gate);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < Nl; ++n) {
@@ -629,14 +636,14 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   residual_add(out, a.mid, nullptr, Nl, C);
 }
 
-// y [Nl, C] ← the MLP of F features (this rank's) on norm2(mid): column-parallel up (gate|up),
+// y [Nl, C] ← the MLP of F features (this rank's) on ln2 = norm2(mid) of all tokens [N, C]
+// (norm_gather's): column-parallel up (gate|up),
 // row-parallel down; gpt2's GELU MLP or a SwiGLU one (llama, qwen2_moe's dense layers and shared expert).
-void Model::mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F) {
+void Model::mlp_forward(float* y, const float* ln2, const LayerActs& a, const LayerOffsets& o, int64_t F) {
   Scratch& s = *scratch_;
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
   const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
-  const float* ln2 = norm_read(a.ln2, a.ln2_low);
   float* part = tp.full(y, s.full.data());
   // bf16: the up projection's output comes into backward's scratch; both are kept in bf16.
   const MlpActivations acts{a.mlp_a ? a.mlp_a : s.d_mlp_a.data(), a.mlp_b, a.mlp_a_low, a.mlp_b_low};

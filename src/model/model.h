@@ -239,7 +239,7 @@ class Model {
   Weights<float> placed(const ExpertPlace& at) const { return {at.values, at.low, precision_}; }  // as GEMMs read it
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
-  void mlp_forward(float* y, const LayerActs& a, const LayerOffsets& o, int64_t F);
+  void mlp_forward(float* y, const float* ln2, const LayerActs& a, const LayerOffsets& o, int64_t F);
   void mlp_backward(float* d_local, float* d_full, const float* d_y, const LayerActs& a, const LayerOffsets& o,
                     int64_t F);
   void moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses* losses);
@@ -264,7 +264,8 @@ class Model {
   const int32_t* docs() const { return docs_.empty() ? nullptr : docs_.data(); }
   CpShape cp_shape() const { return cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
   void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
-  void norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
+  float* norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
+  float* norm_gather(float* loc);
   float* norm_read(float* kept, const bf16* low);
   void norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
                      int64_t w_off, int64_t b_off);

@@ -196,12 +196,15 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   ORIGAMI_ASSERT(layout.tp >= 1 && layout.dp >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp);
   // The order tensors are laid out in: the table's, but under copy_buckets each unit's (a run of the
   // table) with its GEMM weights moved after its other tensors.
+  std::vector<int64_t> unit(table.size());
+  std::vector<uint8_t> copy(table.size());
+  for (size_t i = 0; i < table.size(); ++i)  // each tensor's unit and kind, found once
+    unit[i] = param_unit(table[i].name), copy[i] = layout.copy_buckets && gemm_weight(table[i]);
   std::vector<size_t> order(table.size());
   std::iota(order.begin(), order.end(), size_t(0));
-  auto copy_kind = [&](size_t i) { return layout.copy_buckets && gemm_weight(table[i]); };
-  for (size_t a = 0, b = 0; a < order.size(); a = b) {
-    while (b < order.size() && param_unit(table[b].name) == param_unit(table[a].name)) ++b;
-    std::stable_partition(order.begin() + long(a), order.begin() + long(b), [&](size_t i) { return !copy_kind(i); });
+  for (size_t a = 0, b = 0; a < order.size() && layout.copy_buckets; a = b) {
+    while (b < order.size() && unit[b] == unit[a]) ++b;
+    std::stable_partition(order.begin() + long(a), order.begin() + long(b), [&](size_t i) { return !copy[i]; });
   }
   // Buckets from the end: a bucket closes once it holds bucket_floats (never splitting a tensor); a
   // pp_shared tensor is a bucket of its own; under unit_buckets a bucket holds one unit's, under
@@ -210,9 +213,8 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   Size filled = 0;
   for (size_t k = order.size(); k-- > 0;) {
     const ParamSpec& p = table[order[k]];
-    const size_t next = k + 1 < order.size() ? order[k + 1] : order[k];
-    const bool new_group = (layout.unit_buckets && param_unit(p.name) != param_unit(table[next].name)) ||
-                           copy_kind(order[k]) != copy_kind(next);
+    const size_t i = order[k], next = k + 1 < order.size() ? order[k + 1] : i;
+    const bool new_group = (layout.unit_buckets && unit[i] != unit[next]) || copy[i] != copy[next];
     if ((p.pp_shared || new_group) && filled > 0) first_of_bucket.push_back(k + 1), filled = 0;
     filled += p.local_numel(layout.tp);
     if (k == 0 || p.pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats)) {
@@ -230,8 +232,8 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
     for (size_t k = first_of_bucket[b]; k < end; ++k)
       plan.offsets[order[k]] = off.get(), off += table[order[k]].local_numel(layout.tp);
     plan.bucket_data.push_back((off - begin).get());
-    plan.bucket_unit.push_back(param_unit(table[order[first_of_bucket[b]]].name));
-    plan.bucket_copy.push_back(copy_kind(order[first_of_bucket[b]]) ? 1 : 0);
+    plan.bucket_unit.push_back(unit[order[first_of_bucket[b]]]);
+    plan.bucket_copy.push_back(copy[order[first_of_bucket[b]]]);
     off = begin + (off - begin + layout.dp - 1) / layout.dp * layout.dp;
     plan.buckets.push_back(Range{begin.get(), off.get()});
   }

@@ -61,8 +61,9 @@ nlohmann::json MemoryParts::as_json() const {
 }
 
 namespace {
-// ZeRO-3's figures of one buffer (BufferFigures: the units, the head's gather, what is held at once)
-// over a group of `group` ranks; `bf16`: the run keeps bf16 copies.
+// The gather figures of one buffer over a group of `group` ranks (BufferFigures): its copy buckets
+// (ZeRO ≥ 1 under bf16) and ZeRO-3's units, head gather and most held at once; `bf16`: the run
+// keeps bf16 copies.
 void gathered_figures(BufferFigures& f, const std::vector<ParamSpec>& table, const BufferPlan& plan,
                       const std::vector<Range>& shards, int group, bool bf16) {
   // The head's gather: its own buckets and, with a tied embedding, the bucket holding the embedding.

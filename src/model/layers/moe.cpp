@@ -303,6 +303,8 @@ void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCach
   const Sizes vary = Sizes::varying;
   T *dgu = scratch.dgu_R2F.data(), *dact = scratch.dact_RF.data();
   thread_local std::vector<bf16> low;
+  const T* act = c.act_RF.empty() ? nullptr : c.act_RF.data();  // null under MoeSizes::low: act_low
+  const T* xe = c.xe_RC.empty() ? nullptr : c.xe_RC.data();     // the same: xe_low
   for (int64_t j = 0, r0 = 0; j < int64_t(c.plan.expert_rows.size()); r0 += c.plan.expert_rows[size_t(j)], ++j) {
     const int64_t rn = c.plan.expert_rows[size_t(j)];
     if (rn == 0) continue;
@@ -311,12 +313,10 @@ void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCach
     T* dw2 = dw13 + 2 * F * C;
     const Mat<T> g = operand(p, static_cast<const T*>(dye + r0 * C), rn, C, low);
     matmul<T>(p, false, false, rn, F, C, T(1), g, w2.mat(F), T(0), dact + r0 * F, F, vary);
-    const T* act = c.act_RF.empty() ? nullptr : c.act_RF.data();
     matmul<T>(p, true, false, C, F, rn, T(1), g, kept_rows(act, c.act_low, r0, F), T(1), dw2, F, vary);
     swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
     const Mat<T> ggu = operand(p, static_cast<const T*>(dgu + r0 * 2 * F), rn, 2 * F, low);
     matmul<T>(p, false, false, rn, C, 2 * F, T(1), ggu, w13.mat(C), T(0), dye + r0 * C, C, vary);
-    const T* xe = c.xe_RC.empty() ? nullptr : c.xe_RC.data();
     matmul<T>(p, true, false, 2 * F, C, rn, T(1), ggu, kept_rows(xe, c.xe_low, r0, C), T(1), dw13, C, vary);
   }
 }
