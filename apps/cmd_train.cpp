@@ -66,6 +66,15 @@ void add_input_options(Args& a) {
       .option("attention-mask", "causal|document",
               "document: a token attends only to earlier tokens of its own document (the token after each "
               "end-of-document token starts one) and positions restart at 0 per document", "causal")
+      .option("batching", "windows|documents",
+              "windows: --global-batch rows of --seq-len tokens cut from the token stream; documents: every "
+              "document (cut into pieces of at most --seq-len) is a sequence of its own, each step the next ones "
+              "up to --tokens-per-step tokens, packed into rows and placed on the DP ranks by --balance", "windows")
+      .option("tokens-per-step", "N", "documents: the most tokens a step takes (default: micro-batch x DP x seq-len)")
+      .option("micro-batch-tokens", "M", "documents: tokens per micro-batch, a multiple of --seq-len (sets --micro-batch "
+                                         "to M / seq-len)")
+      .option("balance", "none|lpt", "documents: sequences dealt round-robin to the DP ranks (none), or longest first "
+                                     "to the rank with the least estimated work (lpt)", "lpt")
       .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
                                 "position (PATH: a --save directory, its newest committed step, or one step-N in it; "
                                 "the same directory as --save before it holds a checkpoint: start at step 0)")
@@ -80,6 +89,12 @@ void read_input_options(const Args& a, TrainOptions& o) {
   if (a.has("eval-iters")) o.eval_iters = a.integer("eval-iters");
   ORIGAMI_CHECK(!a.has("eval-iters") || a.has("eval-data"), "--eval-iters needs --eval-data PREFIX");
   o.attention_mask = a.str("attention-mask");
+  o.batching = a.str("batching");
+  o.balance = a.str("balance");
+  if (a.has("tokens-per-step")) {
+    o.tokens_per_step = a.integer("tokens-per-step");
+    ORIGAMI_CHECK(o.tokens_per_step >= 1, "--tokens-per-step must be positive, got ", o.tokens_per_step);
+  }
   o.init_from = a.str("init-from");
   o.resume = a.str("resume");
 }
@@ -109,6 +124,15 @@ void read_optimizer_options(const Args& a, TrainOptions& o) {
   o.global_batch = a.has("global-batch") ? a.integer("global-batch") : 0;  // 0: micro-batch x DP
   ORIGAMI_CHECK(!a.has("global-batch") || o.global_batch >= 1, "--global-batch must be positive, got ", o.global_batch);
   o.seq_len = a.integer("seq-len");
+  if (a.has("micro-batch-tokens")) {
+    const int64_t m = a.integer("micro-batch-tokens");
+    ORIGAMI_CHECK(!a.given("micro-batch"), "give --micro-batch-tokens or --micro-batch, not both");
+    ORIGAMI_CHECK(o.seq_len >= 1 && m >= o.seq_len && m % o.seq_len == 0, "--micro-batch-tokens (", m,
+                  ") must be a positive multiple of --seq-len (", o.seq_len, "): a micro-batch is rows of --seq-len");
+    o.micro_batch = m / o.seq_len;
+  }
+  ORIGAMI_CHECK(!a.has("global-batch") || a.str("batching") != "documents", "--global-batch counts windows; under "
+                "--batching documents a step is --tokens-per-step tokens");
   o.lr.lr = a.number("lr");
   o.lr.min_lr = a.number("min-lr");
   o.lr.warmup = a.integer("warmup");

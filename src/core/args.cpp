@@ -84,6 +84,7 @@ const Args::Opt& Args::get(const std::string& name) const {
 }
 
 bool Args::has(const std::string& name) const { return !get(name).value.empty(); }
+bool Args::given(const std::string& name) const { return get(name).set; }
 std::string Args::str(const std::string& name) const { return get(name).value; }
 bool Args::on(const std::string& name) const { return has(name) && get(name).value != "0"; }
 

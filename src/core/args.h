@@ -31,6 +31,7 @@ class Args {
   void fill_from_json(const JsonField& obj);
 
   bool has(const std::string& name) const;  // given, from a file, or with a non-empty default
+  bool given(const std::string& name) const;  // on the command line or from a file (not a default)
   std::string str(const std::string& name) const;
   int64_t integer(const std::string& name) const;  // Error outside 64-bit integers
   int small_integer(const std::string& name) const;  // Error outside [-2^31, 2^31): degrees, counts of threads

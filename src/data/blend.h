@@ -64,6 +64,7 @@ class DataBlend {
   uint64_t num_tokens() const;   // over every dataset
   int64_t num_windows() const;   // over every dataset
   int64_t windows(size_t d) const { return samplers_[d]->num_windows(); }  // of dataset d
+  const IndexedDataset& dataset(size_t d) const { return *datasets_[d]; }
   // PREFIX.tokenizer.json of the datasets ("" when they have none).
   const std::string& tokenizer_path() const { return tokenizer_path_; }
   // An Error unless `other` was made with the same tokenizer (`what` names the two in the message).

@@ -82,6 +82,7 @@ class IndexedDataset {
   int32_t sequence_length(uint64_t i) const;
   int64_t sequence_pointer(uint64_t i) const;
   int64_t document_index(uint64_t i) const;  // i in [0, D)
+  uint64_t sequence_offset(uint64_t i) const { return token_offsets_[i]; }  // first token of sequence i in [0, S]
 
   // Tokens [first, first + count) of the concatenation of all sequences, in order.
   void read_tokens(uint64_t first, uint64_t count, int32_t* out) const;

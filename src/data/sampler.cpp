@@ -18,6 +18,18 @@ const char* sample_order_name(SampleOrder order) {
   return order == SampleOrder::sequential ? "sequential" : "shuffled";
 }
 
+// Fisher-Yates: for k = n-1 .. 1 swap element k with a uniform j in [0, k]; draw k uses counter
+// index k, so the permutation is a pure function of (seed, key, n).
+void shuffle_indices(std::vector<int64_t>& out, int64_t n, uint64_t seed, uint64_t key) {
+  out.resize(size_t(n));
+  std::iota(out.begin(), out.end(), int64_t(0));
+  for (int64_t k = n - 1; k > 0; --k) {
+    int64_t j = int64_t(uniform01(seed, key, uint64_t(k)) * double(k + 1));
+    if (j > k) j = k;  // guards rounding at u close to 1
+    std::swap(out[size_t(k)], out[size_t(j)]);
+  }
+}
+
 WindowSampler::WindowSampler(const IndexedDataset& dataset, int64_t seq_len, SampleOrder order, uint64_t seed)
     : dataset_(dataset), seq_len_(seq_len), num_windows_(0), order_(order), seed_(seed) {
   ORIGAMI_CHECK(seq_len >= 1, "sequence length must be >= 1, got ", seq_len);
@@ -33,16 +45,7 @@ int64_t WindowSampler::window_index(int64_t i) {
   int64_t epoch = i / num_windows_, within = i % num_windows_;
   if (order_ == SampleOrder::sequential) return within;
   if (epoch != cached_epoch_) {
-    // Fisher-Yates: for k = n-1 .. 1 swap element k with a uniform j in [0, k]; draw k uses
-    // counter index k, so the permutation is a pure function of (seed, epoch, n).
-    const uint64_t key = hash_name("data.shuffle") ^ splitmix64(uint64_t(epoch));
-    permutation_.resize(size_t(num_windows_));
-    std::iota(permutation_.begin(), permutation_.end(), int64_t(0));
-    for (int64_t k = num_windows_ - 1; k > 0; --k) {
-      int64_t j = int64_t(uniform01(seed_, key, uint64_t(k)) * double(k + 1));
-      if (j > k) j = k;  // guards rounding at u close to 1
-      std::swap(permutation_[size_t(k)], permutation_[size_t(j)]);
-    }
+    shuffle_indices(permutation_, num_windows_, seed_, hash_name("data.shuffle") ^ splitmix64(uint64_t(epoch)));
     cached_epoch_ = epoch;
   }
   return permutation_[size_t(within)];

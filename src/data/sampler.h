@@ -30,6 +30,9 @@ enum class SampleOrder { sequential, shuffled };
 SampleOrder parse_sample_order(std::string_view name);
 const char* sample_order_name(SampleOrder order);
 
+// out = a permutation of 0..n−1 drawn with the counter RNG under (seed, key): the same on every rank.
+void shuffle_indices(std::vector<int64_t>& out, int64_t n, uint64_t seed, uint64_t key);
+
 class WindowSampler {
  public:
   // Keeps a reference to `dataset`, which must outlive the sampler.

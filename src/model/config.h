@@ -88,9 +88,16 @@ struct ModelConfig {
   // its own document and position ids restart at 0 for each (Megatron's reset_attention_mask +
   // reset_position_ids). −1: causal attention over the whole window.
   int32_t document_eod = -1;
+  // Document batching (the run's --batching documents, data/documents.h): every row is [2, T], the T
+  // input tokens then their T targets, −1 where a position predicts nothing. Whole sequences are packed
+  // back to back with padding after them: a sequence ends at each position without a target, so a token
+  // attends only to its own sequence and position ids restart at 0 for each.
+  bool packed_sequences = false;
   nlohmann::json raw;         // the file as read
 
   bool is_moe() const { return num_experts > 0; }
+  bool masks_documents() const { return document_eod >= 0 || packed_sequences; }
+  int64_t row_stride(int64_t T) const { return packed_sequences ? 2 * T : T + 1; }  // a row's int32s
   bool is_moe_layer(int64_t l) const;
   int64_t num_moe_layers(int64_t begin, int64_t end) const;  // MoE layers among [begin, end)
   bool has_dense_layers() const;                               // llama-style MLP layers (gpt2's included)

@@ -433,7 +433,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   for (int64_t t = 0; t < T_; ++t) positions_[size_t(t)] = c == 1 ? t : cp_.position(t, T_);
   pos_ids_.resize(size_t(B_ * T_));
   for (int64_t b = 0; b < B_; ++b) std::copy(positions_.begin(), positions_.end(), pos_ids_.begin() + b * T_);
-  docs_.assign(cfg_.document_eod >= 0 ? size_t(B_ * T) : 0, 0);
+  docs_.assign(cfg_.masks_documents() ? size_t(B_ * T) : 0, 0);
   for (auto& f : free_) f.clear();
   recomputed_ = std::make_unique<Slot>();
   const int64_t rebuilt = recompute_bytes(cfg_, activation_shape());
@@ -554,25 +554,30 @@ void Model::norm_backward(float* dx, const float* dy, const float* x, const floa
 }
 
 void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const {
-  const int64_t window = T_ * cp_.size() + 1;
+  const int64_t T = T_ * cp_.size(), stride = cfg_.row_stride(T);
+  const int64_t at = cfg_.packed_sequences ? shift * T : shift;  // targets: the row's second half, or shifted by one
+  const int32_t least = cfg_.packed_sequences && shift ? -1 : 0;  // −1: no target
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < T_; ++t) {
-      const int32_t tok = tokens[b * window + positions_[size_t(t)] + shift];
-      ORIGAMI_CHECK(tok >= 0 && tok < cfg_.vocab_size, "token id ", tok, " is outside the model's vocabulary of ",
+      const int32_t tok = tokens[b * stride + at + positions_[size_t(t)]];
+      ORIGAMI_CHECK(tok >= least && tok < cfg_.vocab_size, "token id ", tok, " is outside the model's vocabulary of ",
                     cfg_.vocab_size);
       out[b * T_ + t] = tok;
     }
 }
 
+// Where each window's documents start: after an end-of-document token, or (packed sequences) after a
+// position without a target.
 void Model::set_documents(const int32_t* tokens) {
-  if (cfg_.document_eod < 0) return;
-  const int64_t T = T_ * cp_.size(), window = T + 1;
+  if (!cfg_.masks_documents()) return;
+  const int64_t T = T_ * cp_.size(), stride = cfg_.row_stride(T);
   std::vector<int64_t> pos(static_cast<size_t>(T));  // position ids of the whole window's positions
   for (int64_t b = 0; b < B_; ++b) {
-    const int32_t* row = tokens + b * window;
+    const int32_t* row = tokens + b * stride;
     int32_t* doc = docs_.data() + b * T;
     for (int64_t t = 0, start = 0; t < T; ++t) {
-      if (t > 0 && row[t - 1] == cfg_.document_eod) start = t;  // the token after an end-of-document
+      const bool ended = t > 0 && (cfg_.packed_sequences ? row[T + t - 1] < 0 : row[t - 1] == cfg_.document_eod);
+      if (ended) start = t;
       doc[t] = t == 0 ? 0 : doc[t - 1] + (start == t ? 1 : 0);
       pos[size_t(t)] = t - start;
     }
@@ -808,11 +813,12 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
   VocabShard<float> shard{vocab_begin_, vocab_valid_, nullptr};
   if (tp.size() > 1) shard.combine = [&tp](float* stats, int64_t n) { tp.combine_vocab_stats(stats, n); };
   Losses out;
-  // The mean over the micro-batch's B·T tokens: under CP this rank's part of it (summed over CP).
-  const int64_t tokens_total = N * cp_.size();
+  // The sum over the micro-batch's targets over loss_tokens_, by default its B·T tokens (a mean): under
+  // CP this rank's part of it (summed over CP).
+  const double tokens_total = loss_tokens_ > 0 ? loss_tokens_ : double(N * cp_.size());
   out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), mw(head_),
                              s.targets.data(), N, C, Vl_, loss_scale / float(tokens_total), s.head, shard) /
-                double(tokens_total);
+                tokens_total;
   if (!backward) return out;
   float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);

@@ -201,6 +201,10 @@ class Model {
   // Between steps only (no activations kept).
   void set_precision(Precision p);
   Precision precision() const { return precision_; }
+  // The LM loss of each micro-batch is the sum of its targets' cross-entropies over `tokens`; 0 (the
+  // default): over its B·T tokens (the mean of a window batch). Document batching sets the step's
+  // predicted tokens / micro-batches, so that the step's loss is the mean over every predicted token.
+  void set_loss_tokens(double tokens) { loss_tokens_ = tokens; }
   ContextParallel& context_parallel() { return cp_; }
   const ModelPart& part() const { return part_; }
 
@@ -279,6 +283,7 @@ class Model {
   ModelPart part_;
   Recompute recompute_;
   Precision precision_ = Precision::fp32;
+  double loss_tokens_ = 0;
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
   int64_t B_ = 0, T_ = 0;          // batch rows and this rank's positions per row
   std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence

@@ -23,13 +23,20 @@ struct Pipeline::Transfer {
 
 Pipeline::Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, ScheduleKind kind, int microbatches,
                    int chunks)
-    : model_(model), pp_(pp), dp_(std::move(dp)), chunks_(chunks), microbatches_(microbatches) {
+    : model_(model), pp_(pp), dp_(std::move(dp)), kind_(kind), chunks_(chunks) {
   ORIGAMI_ASSERT(int(model.part().chunks.size()) == chunks);
-  actions_ = make_schedule(kind, pp.size(), pp.rank(), microbatches, chunks);
+  set_microbatches(microbatches);
+}
+
+void Pipeline::set_microbatches(int microbatches) {
+  if (microbatches == microbatches_) return;
+  check_tags(pp_.size(), microbatches, chunks_);
+  microbatches_ = microbatches;
+  actions_ = make_schedule(kind_, pp_.size(), pp_.rank(), microbatches, chunks_);
   // A backward is final when no later backward of the same chunk follows; finals in decreasing chunk order.
   final_.assign(actions_.size(), 0);
   std::set<int> seen;
-  int last_final_chunk = chunks;
+  int last_final_chunk = chunks_;
   for (size_t i = actions_.size(); i-- > 0;)
     if (actions_[i].type == ActionType::backward && seen.insert(actions_[i].chunk).second) final_[i] = 1;
   for (size_t i = 0; i < actions_.size(); ++i)
@@ -37,7 +44,6 @@ Pipeline::Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, Schedu
       ORIGAMI_ASSERT(actions_[i].chunk < last_final_chunk);
       last_final_chunk = actions_[i].chunk;
     }
-  check_tags(pp.size(), microbatches, chunks);
 }
 
 void Pipeline::check_tags(int stages, int microbatches, int chunks) {
@@ -204,7 +210,7 @@ class Pipeline::Step {
 };
 
 Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale) {
-  ORIGAMI_ASSERT(int(tokens.size()) == microbatches_);
+  set_microbatches(int(tokens.size()));
   model_.set_batch(B, T);
   const ActivationShape shape = model_.activation_shape();
   const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message
@@ -224,7 +230,7 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
 }
 
 Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
-  ORIGAMI_ASSERT(int(tokens.size()) == microbatches_);  // the tags check_tags validated
+  check_tags(pp_.size(), int(tokens.size()), chunks_);
   model_.set_batch(B, T);
   const int64_t n = model_.activation_shape().local_tokens() * model_.config().hidden;  // floats per message
   const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p, last = p * chunks_ - 1;

@@ -36,8 +36,9 @@ class Pipeline {
   // virtual stages chunk·stages + stage); dp: gradient reduction hooks, one per parameter set.
   Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, ScheduleKind kind, int microbatches, int chunks);
 
-  // One step: micro-batch m reads tokens[m] ([B, T+1] windows); gradients of loss_scale·loss of each
-  // micro-batch accumulate. Returns the losses summed over micro-batches as seen by this stage: the LM
+  // One step: micro-batch m reads tokens[m] (B rows: ModelConfig::row_stride); gradients of
+  // loss_scale·loss of each micro-batch accumulate. The schedule is remade when the number of
+  // micro-batches differs from the last step's (document batching). Returns the losses summed over micro-batches as seen by this stage: the LM
   // loss on the last stage, router losses of this stage's MoE layers; `loss` is their sum.
   Losses run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale);
 
@@ -67,7 +68,10 @@ class Pipeline {
   Model& model_;
   Comm& pp_;
   std::vector<DataParallel*> dp_;
-  int chunks_, microbatches_;
+  void set_microbatches(int microbatches);  // the schedule's actions for this many
+
+  ScheduleKind kind_;
+  int chunks_, microbatches_ = 0;
   std::vector<Action> actions_;
   std::vector<uint8_t> final_;  // per action: a backward no later backward of its chunk follows
   PipelineTimes times_;

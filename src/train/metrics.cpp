@@ -112,7 +112,7 @@ void print_step_line(const RunInfo& run, const StepReport& r, bool skip) {
   std::printf("step %lld/%lld | loss %.4f", (long long)r.step, (long long)run.steps, f.loss());
   if (run.moe) std::printf(" (lm %.4f aux %.4f z %.5f)", f.lm_loss, f.aux_loss, f.z_loss);
   std::printf(" | lr %.3e | grad norm %.3f | %.0f tok/s | %.1f ms | %.1f GFLOP/s | eta %s%s\n", r.lr, r.grad_norm,
-              r.tokens_per_s(run), r.ms, r.gflops, format_duration(r.eta_s).c_str(), skip ? " | update skipped" : "");
+              r.tokens_per_s(), r.ms, r.gflops, format_duration(r.eta_s).c_str(), skip ? " | update skipped" : "");
   std::fflush(stdout);
 }
 
@@ -127,14 +127,15 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
   nlohmann::json bytes = nlohmann::json::object();
   for (const auto& [group, b] : r.comm_bytes) bytes[group] = std::llround(b);
   nlohmann::json j = {{"step", r.step}, {"loss", f.loss()}, {"lm_loss", f.lm_loss}, {"aux_loss", f.aux_loss},
-                      {"z_loss", f.z_loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"tokens", run.tokens},
-                      {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s(run)}, {"gflops", r.gflops}, {"cpu_s", f.cpu_s},
+                      {"z_loss", f.z_loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"tokens", r.tokens},
+                      {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s()}, {"gflops", r.gflops}, {"cpu_s", f.cpu_s},
                       {"layout", run.layout}, {"comm_bytes", bytes},
                       {"act_bytes_peak", as_int(f.act_peak)}, {"act_bytes_computed", as_int(f.act_computed)},
                       {"pp_busy_ms", as_ms(f.busy_s)}, {"pp_ms", as_ms(f.total_s)}, {"pp_bytes", as_int(f.pp_bytes)}};
   add_cp_group(j, r);
   if (!f.gathered_bytes.empty()) j["gathered_bytes"] = as_int(f.gathered_bytes), j["reduced_bytes"] = as_int(f.reduced_bytes);
   if (!r.data_samples.empty()) j["data_samples"] = r.data_samples;
+  if (r.documents) add_documents_group(j, r);
   if (!std::isnan(r.val_loss)) j["val_loss"] = r.val_loss;  // the validation group: a step that evaluated
   if (!r.skipped.empty()) j["skipped"] = r.skipped;
   if (r.loss_spike) j["loss_spike"] = true;
@@ -143,6 +144,19 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
   add_memory_group(j, r);
   if (run.moe) add_moe_group(j, run, r);
   return j;
+}
+
+// Document batching: the step's sequences and the balance of the work over the ranks, estimated by the
+// balancer (over DP ranks) and measured (each rank's pipeline busy time, max / mean over every rank).
+void add_documents_group(nlohmann::json& row, const StepReport& r) {
+  const std::vector<double>& busy = r.fig->rank_busy_s;
+  double sum = 0, most = 0;
+  for (const double b : busy) sum += b, most = std::max(most, b);
+  row["documents"] = {{"sequences", r.documents->sequences}, {"predicted_tokens", r.documents->predicted},
+                      {"micro_batches", r.documents->micro_batches},
+                      {"busy_estimated_max_over_mean", r.documents->estimated_imbalance},
+                      {"busy_max_over_mean", sum > 0 ? most * double(busy.size()) / sum : 1.0},
+                      {"busy_ms", as_ms(busy)}};
 }
 
 // Under CP: rank 0's ring (transfer time and the part waited for) and every rank's causal pairs.

@@ -47,6 +47,7 @@ struct StepFigures {
   // Per pipeline stage, from its first rank of TP x DP x CP: the measured and the computed activation
   // peak (bytes), the time it was busy and the schedule's time (s), the bytes it sent over pp.
   std::vector<double> act_peak, act_computed, busy_s, total_s, pp_bytes;  // [stage]
+  std::vector<double> rank_busy_s;  // [rank], document batching: the time each rank's pipeline was busy
 
   double loss() const { return lm_loss + aux_loss + z_loss; }
   // Collective over `world`: every rank's figures summed, on every rank.
@@ -58,7 +59,7 @@ struct StepFigures {
     f(lm_loss), f(aux_loss), f(z_loss), f(cpu_s), f(stop);
     f(expert_tokens), f(expert_dropped), f(expert_rows), f(cp_pairs);
     f(gathered_bytes), f(reduced_bytes), f(expert_gathers);
-    f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes);
+    f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes), f(rank_busy_s);
   }
 };
 
@@ -82,15 +83,23 @@ std::string non_finite_words(const Gradients& grads, double loss);
 struct RunInfo {
   std::string layout;       // the layout in words
   int64_t steps = 0;        // --steps
-  int64_t tokens = 0;       // per step: G x T
+  int64_t tokens = 0;       // per step: G x T (document batching: at most --tokens-per-step)
   bool moe = false;
   bool quiet = false;       // --quiet: a console line every 50 steps, at the last and on a skipped step
   const MeshShape* mesh = nullptr;
 };
 
 // One step as rank 0 reports it: the reduced figures and rank 0's own measurements.
+// Document batching: what a step held and how evenly the balancer spread it (train/balance.h).
+struct DocumentStep {
+  int64_t sequences = 0, tokens = 0, predicted = 0;  // the step's sequences, tokens and tokens with a target
+  int64_t micro_batches = 0;             // per DP rank
+  double estimated_imbalance = 1;        // max / mean of the balancer's cost per DP rank
+};
+
 struct StepReport {
   int64_t step = 0;  // steps done
+  int64_t tokens = 0;  // the step's tokens
   double lr = 0, grad_norm = 0, ms = 0, eta_s = 0;
   double gflops = 0;
   const StepFigures* fig = nullptr;
@@ -111,7 +120,8 @@ struct StepReport {
   const MemoryCheck* memory = nullptr;
   std::map<std::string, double> comm_predicted;
 
-  double tokens_per_s(const RunInfo& run) const { return double(run.tokens) / (ms / 1000.0); }
+  const DocumentStep* documents = nullptr;  // document batching only
+  double tokens_per_s() const { return double(tokens) / (ms / 1000.0); }
 };
 
 // The console lines of a step and of an evaluation (rank 0).
@@ -121,6 +131,7 @@ void print_eval_line(const RunInfo& run, int64_t step, double val_loss, double m
 // The metrics row of a step, one function per optional group.
 nlohmann::json metrics_row(const RunInfo& run, const StepReport& r);
 void add_cp_group(nlohmann::json& row, const StepReport& r);
+void add_documents_group(nlohmann::json& row, const StepReport& r);
 void add_memory_group(nlohmann::json& row, const StepReport& r);
 void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r);
 

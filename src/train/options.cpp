@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "data/blend.h"
 #include "data/sampler.h"
+#include "train/balance.h"
 #include "parallel/context_parallel.h"
 #include "parallel/pipeline.h"
 #include "train/trainer.h"
@@ -48,6 +49,7 @@ nlohmann::json TrainOptions::as_json() const {
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
           {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask},
+          {"batching", batching}, {"tokens_per_step", tokens_per_step}, {"balance", balance},
           {"precision", precision}, {"grad_reduce_dtype", grad_reduce_dtype}};
 }
 
@@ -90,6 +92,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(eval_iters >= 1, "--eval-iters must be at least 1, got ", eval_iters);
   ORIGAMI_CHECK(eval_every == 0 || !eval_data.empty(), "--eval-every needs --eval-data PREFIX");
   parse_attention_mask(attention_mask);
+  validate_documents(cfg);
   // Layout degrees first: the global batch's default derives from them.
   ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
   ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
@@ -230,13 +233,55 @@ ScheduleKind TrainOptions::schedule_kind() const {
 }
 
 int64_t TrainOptions::micro_batches(int world_size) const {
-  return global_batch / (micro_batch * layout_dims(world_size).dp);
+  if (!documents()) return global_batch / (micro_batch * layout_dims(world_size).dp);
+  if (step_micro_batches > 0) return step_micro_batches;
+  const int64_t rows = 2 * ((tokens_per_step + seq_len - 1) / seq_len) + 1;
+  const int64_t m = (rows + micro_batch - 1) / micro_batch;
+  return schedule_kind() == ScheduleKind::interleaved ? (m + pp - 1) / pp * pp : m;
+}
+
+bool TrainOptions::documents() const {
+  if (batching == "windows") return false;
+  if (batching == "documents") return true;
+  throw Error(cat("--batching '", batching, "' is not one of windows, documents"));
+}
+
+// Document batching: what a step is made of (data/documents.h) and what it does not combine with.
+void TrainOptions::validate_documents(const ModelConfig& cfg) const {
+  if (!documents()) {
+    ORIGAMI_CHECK(tokens_per_step == 0, "--tokens-per-step sizes a step of --batching documents (got --batching ",
+                  batching, ")");
+    return;
+  }
+  parse_balance(balance);
+  ORIGAMI_CHECK(tokens_per_step >= seq_len, "--tokens-per-step (", tokens_per_step, ") must be at least --seq-len (",
+                seq_len, "): a step must have room for the longest sequence");
+  ORIGAMI_CHECK(tokens_per_step <= kMaxBatch, "--tokens-per-step must be at most ", kMaxBatch, ", got ", tokens_per_step);
+  ORIGAMI_CHECK(!parse_attention_mask(attention_mask), "--batching documents keeps every sequence to itself already: "
+                "drop --attention-mask document");
+  ORIGAMI_CHECK(parse_blend(data, "--data").size() == 1, "--batching documents reads one dataset: a blend in --data "
+                "is not supported with it yet");
+  ORIGAMI_CHECK(eval_data.empty() || parse_blend(eval_data, "--eval-data").size() == 1, "--batching documents reads "
+                "one dataset: a blend in --eval-data is not supported with it yet");
+  const AuxLoss aux = parse_aux_loss(moe_aux_loss);
+  ORIGAMI_CHECK(!cfg.is_moe() || aux == AuxLoss::none, "--batching documents: --moe-aux-loss ", moe_aux_loss,
+                " would depend on how the sequences are grouped into rows, which depends on the layout; use "
+                "--moe-aux-loss none (a per-sequence loss is not built yet)");
+  ORIGAMI_CHECK(!cfg.is_moe() || moe_router_bias_update_rate == 0, "--batching documents: "
+                "--moe-router-bias-update-rate would count the rows' padding, whose amount depends on the layout; "
+                "it is not supported with it yet");
+  ORIGAMI_CHECK(!cfg.is_moe() || moe_capacity_factor == 0, "--batching documents: --moe-capacity-factor drops "
+                "assignments by what shares a row, which depends on the layout; it needs dropless routing (0)");
+  ORIGAMI_CHECK(!cfg.is_moe() || cfg.routing.z_coef == 0, "--batching documents: the router z-loss would count "
+                "the rows' padding; it needs router_z_loss_coef 0 in the config");
 }
 
 TrainOptions TrainOptions::resolved(int world_size) const {
   TrainOptions r = *this;
   if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0)  // DP only: validate() names MoE mistakes
     r.global_batch = r.micro_batch * MeshShape::derive(world_size, {tp, cp, dp, pp, 1, 1, 0}).dp;
+  if (r.tokens_per_step == 0 && r.batching == "documents" && r.global_batch > 0 && r.seq_len > 0)
+    r.tokens_per_step = r.global_batch * r.seq_len;
   return r;
 }
 

@@ -19,6 +19,7 @@
 #include "core/stop_signals.h"
 #include "core/timer.h"
 #include "data/blend.h"
+#include "data/documents.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/gemm.h"
@@ -28,6 +29,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
+#include "train/balance.h"
 #include "train/comm_volume.h"
 #include "train/memory_check.h"
 #include "train/memory_plan.h"
@@ -78,6 +80,7 @@ struct StageParams {
 // --attention-mask document (the data's tokenizer names it).
 struct Inputs {
   std::optional<DataBlend> data, eval_data;  // the training data and the validation data (if any)
+  std::optional<DocumentBatcher> docs, eval_docs;  // --batching documents: their sequences, step by step
   std::optional<Checkpoint> checkpoint;      // --resume or --init-from
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
 };
@@ -95,16 +98,23 @@ Inputs open_inputs(Plan& plan) {
     ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                   tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
   }
+  if (o.documents()) in.docs.emplace(in.data->dataset(0), o.seq_len, o.tokens_per_step, parse_sample_order(o.data_order), o.seed);
   if (!o.eval_data.empty()) {
-    // The validation windows, in order: the first eval_iters × G samples, none read twice.
+    // The validation windows (sequences), in order: the first eval_iters × G samples (steps), none read twice.
     in.eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
                          "--eval-data");
     in.data->require_same_tokenizer(*in.eval_data, cat("--data '", o.data, "' and --eval-data '", o.eval_data, "'"));
-    in.eval_data->require_no_repeat(o.eval_iters * o.global_batch,
-                                    cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters,
-                                        " x ", o.global_batch, "; lower --eval-iters or give more validation data)"));
+    if (!o.documents())
+      in.eval_data->require_no_repeat(o.eval_iters * o.global_batch,
+                                      cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters,
+                                          " x ", o.global_batch, "; lower --eval-iters or give more validation data)"));
+    else if (in.eval_docs.emplace(in.eval_data->dataset(0), o.seq_len, o.tokens_per_step, SampleOrder::sequential, o.seed);
+             in.eval_docs->repeats(o.eval_iters))
+      fail("--eval-data: an evaluation (--eval-iters x --tokens-per-step = ", o.eval_iters, " x ", o.tokens_per_step,
+           " tokens) reads some document twice; lower --eval-iters or give more validation data");
   }
   if (parse_attention_mask(o.attention_mask)) cfg.document_eod = document_eod(cfg, tok.get(), parts[0].prefix);
+  cfg.packed_sequences = o.documents();
   in.fresh_start = o.fresh_start();
   const std::string& from = o.resume.empty() ? o.init_from : o.resume;
   if (!from.empty() && !in.fresh_start) {  // the checkpoint to start from, checked against the model
@@ -217,7 +227,8 @@ MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
   const int64_t data_bytes =
-      in.data->bytes(o.global_batch) + (in.eval_data ? in.eval_data->bytes(o.eval_iters * o.global_batch) : 0);
+      in.data->bytes(o.global_batch) + (in.eval_data ? in.eval_data->bytes(o.eval_iters * o.global_batch) : 0) +
+      (in.docs ? in.docs->bytes() : 0) + (in.eval_docs ? in.eval_docs->bytes() : 0);
   return check_memory(plan, data_bytes, world);
 }
 
@@ -267,15 +278,19 @@ class Run {
     Gradients grads;
     double lr;
     std::vector<int64_t> samples;  // the step's rows from each dataset
+    int64_t micro = 0;             // micro-batches per DP rank
     bool skip() const { return !grads.finite(); }
   };
   void restore_router_bias();
+  std::string describe_batch() const;
   void print_startup() const;
   void open_writer();
   ContextParallel& cp() { return model_.context_parallel(); }
+  void size_rows(int64_t micro);
   void read_rows(DataBlend& data, int64_t first_row);
+  DocumentStep read_sequences(DocumentBatcher& docs, int64_t step);
   Update train(int64_t step);
-  StepFigures figures(int64_t step, const Losses& sum, double cpu0, bool stop);
+  StepFigures figures(int64_t step, const Update& up, double cpu0, bool stop);
   std::string report_skip(const Update& up, double loss, int64_t done) const;
   void take_measurements(StepReport& r);
   double evaluate();
@@ -313,7 +328,8 @@ class Run {
   Pipeline pipeline_;
   // 7. Report.
   RunInfo info_;
-  double flops_per_step_ = 0;
+  double flops_per_token_ = 0;
+  SequenceCost sequence_cost_;  // document batching: the balancer's estimate a·n + b·n² (FLOPs)
   MetricsFile metrics_;
   TensorBoardWriter tensorboard_;
   // 8. Checkpoints.
@@ -322,9 +338,10 @@ class Run {
   static constexpr int64_t kAutoSaveFirst = 10;  // --save-every auto: the first save, after this many steps
   int64_t save_every_ = o_.save_every;  // --save-every auto: 0 until the first save has been timed
   std::vector<double> step_ms_;         // --save-every auto: the steps' times before that save
-  // 9. The step loop's state: this DP rank's token windows of a step, in micro-batches.
+  // 9. The step loop's state: this DP rank's rows of a step, in micro-batches.
   std::vector<int32_t> tokens_;
   std::vector<const int32_t*> micro_tokens_;
+  DocumentStep doc_step_;  // document batching: the step's sequences
   Timer run_timer_;
   int64_t current_step_ = 0;                 // the step being computed (from 1), for the gradient hook
   int64_t skipped_ = 0, last_update_ = 0;    // steps skipped for a non-finite loss or gradient; last step updated
@@ -367,15 +384,17 @@ Run::Run(Opened opened, Comm& world)
       dp.reduce_experts(x, need);
       return ExpertPlace{};
     });
-  info_ = {describe_layout(plan_, cp()), o_.steps, o_.global_batch * o_.seq_len, cfg_.is_moe(), o_.quiet, &plan_.mesh};
-  flops_per_step_ = train_flops_per_token(cfg_, o_.seq_len) * double(info_.tokens);
+  info_ = {describe_layout(plan_, cp()), o_.steps, o_.documents() ? o_.tokens_per_step : o_.global_batch * o_.seq_len,
+           cfg_.is_moe(), o_.quiet, &plan_.mesh};
+  flops_per_token_ = train_flops_per_token(cfg_, o_.seq_len);
+  // A sequence of n tokens: 6 FLOPs per matmul parameter and token, and the attention's 6·L·H·D per
+  // token pair of which causal masking computes half.
+  sequence_cost_ = {train_flops_per_token(cfg_, 0), (train_flops_per_token(cfg_, 1) - train_flops_per_token(cfg_, 0)) / 2};
   if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
   if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step > 0 ? start_.step : -1);
   if (rank0_) print_startup();
   open_writer();
-  tokens_.resize(size_t(plan_.micro_batches * o_.micro_batch * (o_.seq_len + 1)));
-  for (int64_t m = 0; m < plan_.micro_batches; ++m)
-    micro_tokens_.push_back(tokens_.data() + m * o_.micro_batch * (o_.seq_len + 1));
+  if (!o_.documents()) size_rows(plan_.micro_batches);
   last_update_ = start_.step;
   run_timer_.reset();
 }
@@ -389,14 +408,24 @@ void Run::restore_router_bias() {
   model_.router_bias() = start_.router_bias;
 }
 
-void Run::print_startup() const {
+// How a step is made: windows (the global batch) or packed documents.
+std::string Run::describe_batch() const {
   const int64_t G = o_.global_batch, micro = plan_.micro_batches;
-  std::printf("origami train: %s, %lld parameters, %lld layers | data %s | "
-              "global batch %lld%s = %lld accumulation step%s x micro-batch %lld x DP %d | %s, %d threads per rank\n",
+  if (!in_.docs)
+    return cat(in_.data->describe(), " | global batch ", G, plan_.default_global_batch ? " (default: micro-batch x DP)" : "",
+               " = ", micro, " accumulation step", micro == 1 ? "" : "s", " x micro-batch ", o_.micro_batch, " x DP ",
+               dp_.size());
+  return cat(o_.data, ": ", in_.data->num_tokens(), " tokens, ", in_.docs->num_documents(), " documents | steps of at "
+             "most ", o_.tokens_per_step, " tokens of whole documents (cut at ", o_.seq_len, "), packed into rows of ",
+             o_.seq_len, ", micro-batches of ", o_.micro_batch, " row", o_.micro_batch == 1 ? "" : "s", " x DP ",
+             dp_.size(), " (balance ", o_.balance, ")");
+}
+
+void Run::print_startup() const {
+  const int64_t G = o_.global_batch;
+  std::printf("origami train: %s, %lld parameters, %lld layers | data %s | %s, %d threads per rank\n",
               cfg_.model_type().c_str(), (long long)num_parameters(cfg_), (long long)cfg_.num_layers,
-              in_.data->describe().c_str(), (long long)G, plan_.default_global_batch ? " (default: micro-batch x DP)" : "",
-              (long long)micro, micro == 1 ? "" : "s", (long long)o_.micro_batch, dp_.size(), info_.layout.c_str(),
-              num_threads());
+              describe_batch().c_str(), info_.layout.c_str(), num_threads());
   std::printf("memory: %s per rank at most (rank %zu; %s)\n",
               format_bytes(double(memory_.parts[memory_.neediest].total())).c_str(), memory_.neediest,
               memory_.budget.c_str());
@@ -413,8 +442,12 @@ void Run::print_startup() const {
     std::printf("\n");
   }
   if (in_.eval_data)
-    std::printf("validation: %s | %lld windows (%lld x global batch) %s\n", in_.eval_data->describe().c_str(),
-                (long long)(o_.eval_iters * G), (long long)o_.eval_iters,
+    std::printf("validation: %s | %s %s\n",
+                in_.eval_docs ? cat(o_.eval_data, ": ", in_.eval_data->num_tokens(), " tokens, ",
+                                    in_.eval_docs->num_documents(), " documents").c_str()
+                              : in_.eval_data->describe().c_str(),
+                in_.eval_docs ? cat("its first ", o_.eval_iters, " steps of documents").c_str()
+                              : cat(o_.eval_iters * G, " windows (", o_.eval_iters, " x global batch)").c_str(),
                 o_.eval_every > 0 ? cat("every ", o_.eval_every, " steps and after the last").c_str() : "after the last step");
   if (plan_.precision == Precision::bf16)
     std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
@@ -457,6 +490,45 @@ std::vector<SavePiece> Run::owned_pieces() {
   return pieces;
 }
 
+// Room for `micro` micro-batches of B rows (ModelConfig::row_stride int32s each).
+void Run::size_rows(int64_t micro) {
+  const int64_t row = o_.micro_batch * cfg_.row_stride(o_.seq_len);
+  tokens_.resize(size_t(micro * row));
+  micro_tokens_.clear();
+  for (int64_t m = 0; m < micro; ++m) micro_tokens_.push_back(tokens_.data() + m * row);
+}
+
+// Document batching: step `step`'s sequences packed into rows (train/balance.h) and this DP rank's rows
+// written to tokens_, each its T inputs then their T targets: a sequence's next tokens, −1 after its
+// last one and on the padding. Every rank packs the whole step alike, so none needs to hear from another.
+DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
+  const std::vector<Sequence>& seqs = docs.step(step);
+  DocumentStep d;
+  std::vector<int64_t> lengths;
+  for (const Sequence& q : seqs) lengths.push_back(q.length), d.tokens += q.length, d.predicted += q.length - 1;
+  const int64_t T = o_.seq_len, B = o_.micro_batch;
+  const int64_t multiple = B * (plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1);  // whole micro-batches
+  const Packing packing = pack_sequences(lengths, dp_.size(), T, multiple, parse_balance(o_.balance), sequence_cost_);
+  d.sequences = int64_t(seqs.size()), d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance();
+  size_rows(d.micro_batches);
+  const std::vector<std::vector<int32_t>>& rows = packing.ranks[size_t(dp_.rank())];
+  for (size_t r = 0; r < rows.size(); ++r) {
+    int32_t* in = tokens_.data() + int64_t(r) * 2 * T;
+    int32_t* target = in + T;
+    int64_t at = 0;
+    for (const int32_t i : rows[r]) {
+      const int64_t n = seqs[size_t(i)].length;
+      docs.read(seqs[size_t(i)], in + at);
+      std::copy(in + at + 1, in + at + n, target + at);
+      target[at + n - 1] = -1;
+      at += n;
+    }
+    std::fill(in + at, in + T, 0);
+    std::fill(target + at, target + T, -1);
+  }
+  return d;
+}
+
 // This DP rank's rows from `first_row` on, read by every pipeline stage (the first embeds them, the
 // last takes its targets from them).
 void Run::read_rows(DataBlend& data, int64_t first_row) {
@@ -477,13 +549,21 @@ Run::Update Run::train(int64_t step) {
   if (in_.data->parts().size() > 1) up.samples = in_.data->samples_per_dataset(step * G, G);
   if (embedding_comm_) embedding_comm_->reset_bytes();
   up.lr = lr_at(o_.lr, step);
-  read_rows(*in_.data, step * G + dp_.rank() * (G / dp));
+  up.micro = plan_.micro_batches;
+  if (in_.docs) {
+    doc_step_ = read_sequences(*in_.docs, step);
+    up.micro = doc_step_.micro_batches;
+    // With the micro-batches' weight 1/(micro·dp) below, the step's loss is the mean over its predicted tokens.
+    model_.set_loss_tokens(double(std::max<int64_t>(1, doc_step_.predicted)) / double(up.micro * dp));
+  } else {
+    read_rows(*in_.data, step * G + dp_.rank() * (G / dp));
+  }
   for (ParamSet* set : params_.sets()) set->dp.begin_step();
   model_.reset_expert_counts();
   model_.reset_act_peak();
   // Each micro-batch's loss enters the step's objective with weight 1/(G/B) (a mean over all of them).
   current_step_ = step + 1;
-  up.sum = pipeline_.run(micro_tokens_, o_.micro_batch, o_.seq_len, 1.f / float(plan_.micro_batches * dp));
+  up.sum = pipeline_.run(micro_tokens_, o_.micro_batch, o_.seq_len, 1.f / float(up.micro * dp));
   up.grads = finish_gradients({&params_.dense.dp, &params_.experts.dp}, world_, up.sum.loss);
   if (up.skip()) {
     ++skipped_;
@@ -502,8 +582,9 @@ Run::Update Run::train(int64_t step) {
 // expert counts from every rank (each TP rank routes its own share of the tokens); CPU time and, for
 // MoE, the expert-side rows from every rank; the stop flag (any rank signalled). The loss parts come
 // from the stages that own them.
-StepFigures Run::figures(int64_t step, const Losses& sum, double cpu0, bool stop) {
-  const double micro_dp = double(plan_.micro_batches * dp_.size());
+StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop) {
+  const Losses& sum = up.sum;
+  const double micro_dp = double(up.micro * dp_.size());
   const double weight = tp_.rank() == 0 ? 1.0 : 0.0, per = weight / micro_dp, share_per = 1.0 / micro_dp;
   const double stage_weight = grad_.rank() == 0 ? weight : 0.0;  // DP and CP rank 0
   StepFigures f;
@@ -524,6 +605,7 @@ StepFigures Run::figures(int64_t step, const Losses& sum, double cpu0, bool stop
   if (o_.fssdp()) f.expert_gathers.assign(ranks, 0), f.expert_gathers[rank] = params_.experts.dp.traffic().expert_gathers;
   const size_t stages = size_t(pp_.size()), stage = size_t(pp_.rank());
   const PipelineTimes& times = pipeline_.times();
+  if (in_.docs) f.rank_busy_s.assign(ranks, 0.0), f.rank_busy_s[rank] = times.busy;
   const double act_computed = double(memory_.parts[rank].activations);
   for (auto [v, mine] : {std::pair{&f.act_peak, double(model_.act_bytes_peak())}, std::pair{&f.act_computed, act_computed},
                          std::pair{&f.busy_s, times.busy}, std::pair{&f.total_s, times.total},
@@ -550,13 +632,15 @@ int Run::step(int64_t step, StopSignals& signals) {
   Timer step_timer;
   const double cpu0 = cpu_seconds();
   const Update up = train(step);
-  StepFigures fig = figures(step, up.sum, cpu0, signals.poll());
+  StepFigures fig = figures(step, up, cpu0, signals.poll());
   // MoE: the aux-loss-free balancing's bias update from the step's load per expert over every rank.
   if (cfg_.routing.bias_rate > 0 && !up.skip()) model_.update_router_bias(fig.expert_tokens);
   StepReport r;
   r.step = step + 1, r.fig = &fig, r.lr = up.lr, r.grad_norm = up.grads.norm, r.data_samples = up.samples;
   r.ms = step_timer.ms();
-  r.gflops = flops_per_step_ / (r.ms / 1000.0) / 1e9;
+  r.tokens = in_.docs ? doc_step_.tokens : info_.tokens;
+  if (in_.docs) r.documents = &doc_step_;
+  r.gflops = flops_per_token_ * double(r.tokens) / (r.ms / 1000.0) / 1e9;
   r.eta_s = run_timer_.ms() / 1000.0 / double(r.step - start_.step) * double(o_.steps - r.step);
   if (rank0_) print_step_line(info_, r, up.skip());
   if (rank0_ && o_.loss_spike_factor > 0 && !up.skip()) r.loss_spike = spikes_.check(r.step, fig.loss());
@@ -598,6 +682,15 @@ double Run::evaluate() {
   const int64_t G = o_.global_batch;
   const int dp = dp_.size();
   double sum = 0;
+  if (in_.eval_docs) {  // the sum of every predicted token's loss, over their number
+    int64_t predicted = 0;
+    model_.set_loss_tokens(1);
+    for (int64_t k = 0; k < o_.eval_iters; ++k) {
+      predicted += read_sequences(*in_.eval_docs, k).predicted;
+      sum += pipeline_.evaluate(micro_tokens_, o_.micro_batch, o_.seq_len).lm_loss;
+    }
+    return world_.all_reduce_value(tp_.rank() == 0 ? sum : 0.0) / double(std::max<int64_t>(1, predicted));
+  }
   for (int64_t k = 0; k < o_.eval_iters; ++k) {
     read_rows(*in_.eval_data, k * G + dp_.rank() * (G / dp));
     sum += pipeline_.evaluate(micro_tokens_, o_.micro_batch, o_.seq_len).lm_loss;
@@ -677,7 +770,9 @@ void Run::write_metrics(StepReport& r) {
   r.rss_peak_bytes = peak_rss_bytes();
   if (r.step == start_.step + 1) {
     r.memory = &memory_;
-    r.comm_predicted = step_comm_bytes(cfg_, o_, world_.size(), 0);
+    TrainOptions step = o_;  // document batching: the prediction for this step's micro-batches
+    if (in_.docs) step.step_micro_batches = doc_step_.micro_batches;
+    r.comm_predicted = step_comm_bytes(cfg_, step, world_.size(), 0);
   }
   const nlohmann::json row = metrics_row(info_, r);
   if (metrics_) metrics_.write(row);

@@ -43,6 +43,10 @@ struct TrainOptions {
   int64_t eval_every = 0;      // evaluate every N steps (and after the last); 0: after the last only
   int64_t eval_iters = 10;     // global batches of validation windows per evaluation
   std::string attention_mask = "causal";  // causal | document (attention within documents, positions restart)
+  std::string batching = "windows";  // windows | documents (whole documents as sequences, data/documents.h)
+  int64_t tokens_per_step = 0;       // documents: N, the most tokens a step takes (0: B x DP x T)
+  std::string balance = "lpt";       // documents: none | lpt, how sequences are placed on DP ranks (train/balance.h)
+  int64_t step_micro_batches = 0;    // documents: one step's micro-batches, to predict that step (0: the bound)
   std::string init_from;       // weights only: any checkpoint, Hugging Face directory or .safetensors file
   std::string resume;          // a checkpoint to continue: weights, optimizer state, step (any layout wrote it)
   int64_t steps = 100;         // total optimizer steps
@@ -122,7 +126,12 @@ struct TrainOptions {
   int zero_of(bool experts) const { return experts && fssdp() ? 3 : zero; }  // the ZeRO stage of a parameter set
   ActivationShape activation_shape(int tp) const;
   ScheduleKind schedule_kind() const;
-  int64_t micro_batches(int world_size) const;  // per step and DP rank: G / (B·dp)
+  // Per step and DP rank: G / (B·dp); under document batching the most a step may need (a step's
+  // packing, train/balance.h, fills more than half of every row but one of each rank: 2·N/T + 1 rows),
+  // a multiple of --pp under the interleaved schedule; step_micro_batches when set.
+  int64_t micro_batches(int world_size) const;
+  bool documents() const;  // --batching documents (an Error naming any other value than windows)
+  void validate_documents(const ModelConfig& cfg) const;  // validate() calls it
 };
 
 // The end-of-document id of --attention-mask document: the data's tokenizer's (null when the data has

@@ -921,6 +921,76 @@ class BlendSampler(WindowSampler):
 # --------------------------------------------------------------------------------------
 
 
+class DocumentSampler:
+    """--batching documents (data/documents.h), sequential order: every document with its
+    end-of-document token is a sequence, one longer than L cut into pieces of L (the last shorter);
+    step s takes the next sequences while the step's tokens stay <= N; the documents repeat."""
+
+    def __init__(self, prefix, max_len, step_tokens):
+        seqs, doc_index = read_indexed_dataset(prefix)
+        self.pieces = []
+        for d in range(len(doc_index) - 1):
+            doc = np.concatenate(seqs[doc_index[d]:doc_index[d + 1]]) if doc_index[d + 1] > doc_index[d] else []
+            self.pieces += [doc[i:i + max_len] for i in range(0, len(doc), max_len)]
+        self.N = step_tokens
+        self.steps, self.next = [], 0
+
+    def step(self, s):
+        """The sequences of step s (int64 token tensors)."""
+        while len(self.steps) <= s:
+            out, tokens = [], 0
+            while tokens + len(self.pieces[self.next % len(self.pieces)]) <= self.N:
+                piece = self.pieces[self.next % len(self.pieces)]
+                out.append(torch.from_numpy(piece.astype(np.int64)))
+                tokens += len(piece)
+                self.next += 1
+            self.steps.append(out)
+        return self.steps[s]
+
+
+def document_loss(cfg, params, sequences, routing=None):
+    """The mean LM loss over every predicted token of `sequences`, each run through the model alone
+    (positions from 0): a sequence of n tokens predicts its last n - 1. Returns (loss, predicted)."""
+    total, predicted = torch.zeros((), dtype=torch.float64), 0
+    for q in sequences:
+        if len(q) < 2:
+            continue
+        out = losses(cfg, params, q[None, :-1], q[None, 1:], routing)
+        total = total + out["lm_loss"] * (len(q) - 1)
+        predicted += len(q) - 1
+    return total / max(predicted, 1), predicted
+
+
+def train_documents(cfg, params, sampler, steps, lr, min_lr, warmup, schedule, weight_decay, grad_clip,
+                    routing=None, eval_sampler=None, eval_iters=1):
+    """Reference training under document batching (routing without router losses: aux none and
+    no z-loss). `params` is updated in place; per step: loss, grad_norm, lr, tokens, sequences, and
+    after the last step val_loss (the mean over eval_iters steps' predicted tokens)."""
+    opt = AdamW(params, weight_decay=weight_decay)
+    metrics = []
+    for s in range(steps):
+        seqs = sampler.step(s)
+        leaves = OrderedDict((k, v.detach().clone().requires_grad_(True)) for k, v in params.items())
+        loss, _ = document_loss(cfg, leaves, seqs, routing)
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        acc = OrderedDict((k, (g if g is not None else torch.zeros_like(leaves[k])).detach())
+                          for k, g in zip(leaves.keys(), grads))
+        norm = clip_grads(acc, grad_clip)
+        lr_s = lr_at(s, lr, min_lr, warmup, steps, schedule)
+        with torch.no_grad():
+            opt.step(params, acc, lr_s)
+        metrics.append(dict(step=s, loss=float(loss), grad_norm=norm, lr=lr_s,
+                            tokens=sum(len(q) for q in seqs), sequences=len(seqs)))
+    if eval_sampler is not None:
+        with torch.no_grad():
+            total, n = 0.0, 0
+            for k in range(eval_iters):
+                loss, predicted = document_loss(cfg, params, eval_sampler.step(k), routing)
+                total, n = total + float(loss) * predicted, n + predicted
+        metrics[-1]["val_loss"] = total / max(n, 1)
+    return metrics
+
+
 def lr_at(step, lr, min_lr, warmup, total_steps, schedule):
     if step < warmup:
         return lr * (step + 1) / warmup

@@ -67,9 +67,10 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, Id<Weights<T>> w, c
     for (int64_t r = 0; r < n; ++r) {
       T* lr = logits + r * V;
       const double lse = double(stats[r * 3]) + std::log(double(stats[r * 3 + 1]));
-      total += lse - double(stats[r * 3 + 2]);
+      const bool counted = targets[n0 + r] >= 0;  // −1: the row predicts nothing (no loss, no gradient)
+      if (counted) total += lse - double(stats[r * 3 + 2]);
       if (dx) {  // dlogits = grad_scale·exp(logit − lse) = grad_scale·exp(logit − max)·exp(max − lse); padding gets none
-        const T coef = T(double(grad_scale) * std::exp(double(local_max[r]) - lse));
+        const T coef = counted ? T(double(grad_scale) * std::exp(double(local_max[r]) - lse)) : T(0);
         for (int64_t v = 0; v < valid; ++v) lr[v] *= coef;
         for (int64_t v = valid; v < V; ++v) lr[v] = T(0);
         const int64_t t = int64_t(targets[n0 + r]) - v0;

@@ -35,7 +35,7 @@ void merge_vocab_stats(T* out_n3, const T* stats_kn3, int64_t k, int64_t n);
 // size with at most ~16M logits alive. The scratch holds chunk·(V + 4) elements.
 int64_t lm_head_chunk_rows(int64_t N, int64_t V);
 
-// Returns Σ_n loss_n (in double). The GEMMs run in W's precision (kernels/cpu/matmul.h): in bf16 the logits come from x and W rounded, and dlogits is rounded once for dx and dW; the
+// Returns Σ_n loss_n (in double) over the rows with a target: a target of −1 adds no loss and no gradient. The GEMMs run in W's precision (kernels/cpu/matmul.h): in bf16 the logits come from x and W rounded, and dlogits is rounded once for dx and dW; the
 // softmax, the statistics and the loss stay fp32.
 template <typename T>
 double lm_head_loss(T* dx_NC, T* dw_VC, T* logits_NV, const T* x_NC, Id<Weights<T>> w_VC, const int32_t* targets_N,

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Mixed-length training benchmark: step time of fixed windows against document batching.
+
+Data: byte-level documents whose lengths follow a long-tailed lognormal (--median tokens, 1% above
+--tail), L = --seq-len, steps of N = --tokens-per-step tokens; a llama-style model (d = 256, 4 layers,
+4 heads). On R ranks (1 thread each) it times
+  (i)   fixed windows with document masking (today's batching): N / L windows of L a step, DP R;
+  (ii)  document batching, sequences dealt round-robin (--balance none), DP R;
+  (iii) document batching, balanced (--balance lpt), DP R;
+  (iv)  balanced with a CP degree per sequence: not built yet (printed as such);
+  (v)   balanced with static CP over every sequence: --cp 2 (CP2 x DP R/2).
+Per configuration: tokens/s (the step's tokens over its time; median of the measured steps, then of
+--rounds rounds in rotated order), the rows each DP rank ran per step, and for document batching the
+balancer's estimated and the measured max/mean busy time per rank (`documents` in the metrics).
+
+Usage: /usr/bin/python3 bench/documents_bench.py [--ranks 2,4] [--seq-len 4096] [--tokens-per-step 16384]
+           [--median 150] [--tail 2048] [--steps 6] [--warmup 2] [--rounds 3]
+"""
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "parallel"))
+import harness as h  # noqa: E402
+
+
+def make_data(tmp, args, count):
+    """Documents of lognormal lengths (tokens, the end-of-document included)."""
+    rng = random.Random(args.seed)
+    sigma = math.log(args.tail / args.median) / 2.326  # P(n > tail) = 1%
+    text = os.path.join(tmp, "docs.txt")
+    lengths = []
+    with open(text, "w") as f:
+        for _ in range(count):
+            n = max(2, int(rng.lognormvariate(math.log(args.median), sigma)))
+            lengths.append(n)
+            f.write("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n - 1)) + "\n")
+    prefix = os.path.join(tmp, "docs")
+    rc, out, _ = h.run(0, ["data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte",
+                           "--split", "line"])
+    if rc != 0:
+        sys.exit("data prepare failed:\n" + out)
+    return prefix, lengths
+
+
+def model_config(tmp, seq_len):
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 257, "hidden_size": 256,
+           "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "max_position_embeddings": seq_len, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "hidden_act": "silu"}
+    return h.write_json(os.path.join(tmp, "llama_d256.json"), cfg)
+
+
+def configurations(args, ranks):
+    L, N = args.seq_len, args.tokens_per_step
+    docs = ["--batching", "documents", "--tokens-per-step", str(N), "--micro-batch", "1"]
+    return [
+        ("(i) windows, document mask", ["--attention-mask", "document", "--micro-batch", "1",
+                                        "--global-batch", str(N // L)]),
+        ("(ii) documents, round-robin", docs + ["--balance", "none"]),
+        ("(iii) documents, balanced", docs + ["--balance", "lpt"]),
+        ("(iv) balanced, CP per sequence", None),
+        ("(v) balanced, static CP2", docs + ["--balance", "lpt", "--cp", "2"]),
+    ]
+
+
+def run_once(tmp, args, cfg, data, ranks, label, flags):
+    metrics = os.path.join(tmp, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    steps = args.warmup + args.steps
+    rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(args.seq_len),
+                               "--steps", str(steps), "--threads", "1", "--quiet", "--lr", "1e-3",
+                               "--metrics", metrics, *flags], timeout=3600)
+    if rc != 0:
+        sys.exit("%s on %d ranks failed:\n%s" % (label, ranks, out[-2000:]))
+    rows = h.read_metrics(metrics)[args.warmup:]
+    docs = [r.get("documents") for r in rows]
+    return {"tok_s": statistics.median(r["tokens_per_s"] for r in rows),
+            "rows": statistics.median(d["micro_batches"] for d in docs) if docs[0] else None,
+            "est": statistics.median(d["busy_estimated_max_over_mean"] for d in docs) if docs[0] else None,
+            "measured": statistics.median(d["busy_max_over_mean"] for d in docs) if docs[0] else None}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--tokens-per-step", type=int, default=16384)
+    p.add_argument("--median", type=float, default=150)
+    p.add_argument("--tail", type=float, default=2048)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args()
+    tmp = h.tmpdir("origami_documents_bench_")
+    need = (args.warmup + args.steps) * args.tokens_per_step * 2
+    data, lengths = make_data(tmp, args, count=int(need / (args.median * 1.5)) + 100)
+    cfg = model_config(tmp, args.seq_len)
+    print("data: %d documents, median %d tokens, %.1f%% above %d, longest %d; L %d, N %d" % (
+        len(lengths), statistics.median(lengths), 100.0 * sum(n > args.tail for n in lengths) / len(lengths),
+        args.tail, max(lengths), args.seq_len, args.tokens_per_step))
+    table = []
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        confs = [(label, flags) for label, flags in configurations(args, ranks) if flags is not None]
+        results = {label: [] for label, _ in confs}
+        for k in range(args.rounds):
+            for label, flags in confs[k % len(confs):] + confs[:k % len(confs)]:
+                results[label].append(run_once(tmp, args, cfg, data, ranks, label, flags))
+        base = statistics.median(r["tok_s"] for r in results["(ii) documents, round-robin"])
+        for label, flags in configurations(args, ranks):
+            if flags is None:
+                table.append((ranks, label, "not built", "", "", "", ""))
+                continue
+            rs = results[label]
+            tok_s = statistics.median(r["tok_s"] for r in rs)
+            fmt = lambda key: "%.3f" % statistics.median(r[key] for r in rs) if rs[0][key] is not None else ""
+            table.append((ranks, label, "%.0f" % tok_s, "%.2fx" % (tok_s / base), fmt("rows"), fmt("est"),
+                          fmt("measured")))
+        print(h.fmt_table(["ranks", "configuration", "tokens/s", "vs (ii)", "micro-batches", "est. max/mean",
+                           "measured max/mean"], [t for t in table if t[0] == ranks]), flush=True)
+    print(json.dumps({"table": table}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Document batching (`--batching documents`, DESIGN.md "Document batching") under every parallel layout.
+
+Data: byte-level documents of 10..80 tokens (data prepare's fortune split, end-of-document 256), so with
+L = --seq-len 32 many are cut into pieces, some pieces are one token long (they predict nothing), and
+rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-batches of one row.
+
+  1. 20 AdamW steps of gpt2, llama (2 KV heads) and mixtral (8 experts, aux none, no z-loss), 4 layers,
+     under DP2, DP4, TP2xDP2+SP, CP2xDP2, CP4, PP2xDP2 (1F1B), PP2 interleaved v2, DP2 ZeRO-1, DP2
+     ZeRO-3, DP2 recompute full, DP2 --balance none and (mixtral) EP2 and EP2xDP2: every step's loss
+     within 1e-5 relative of the one-rank run, and its tokens, sequences and predicted tokens equal; for
+     gpt2 and llama the first step's comm_bytes equal the prediction for its micro-batches.
+  2. The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
+     losses (steps 11..20).
+  3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
+     every step, and at most 1.05 on the steps' mean.
+  4. Mistakes: each an error line naming the value and the rule, exit 1 on every rank.
+"""
+import os
+import struct
+
+import harness as h
+
+RTOL = 1e-5
+L, N = 32, 160
+COMMON = ["--steps", "20", "--micro-batch", "1", "--lr", "3e-3", "--warmup", "2", "--min-lr", "3e-4",
+          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7", "--threads", "1", "--quiet",
+          "--batching", "documents", "--seq-len", str(L), "--tokens-per-step", str(N)]
+# (name, ranks, flags, only for the MoE model)
+LAYOUTS = [
+    ("DP2", 2, [], False),
+    ("DP4", 4, [], False),
+    ("TP2xDP2+SP", 4, ["--tp", "2", "--sequence-parallel"], False),
+    ("CP2xDP2", 4, ["--cp", "2"], False),
+    ("CP4", 4, ["--cp", "4"], False),
+    ("PP2xDP2 1f1b", 4, ["--pp", "2"], False),
+    ("PP2 interleaved v2", 2, ["--pp", "2", "--vpp", "2"], False),
+    ("DP2 ZeRO-1", 2, ["--zero", "1"], False),
+    ("DP2 ZeRO-3", 2, ["--zero", "3"], False),
+    ("DP2 recompute full", 2, ["--recompute", "full"], False),
+    ("DP2 balance none", 2, ["--balance", "none"], False),
+    ("EP2", 2, ["--ep", "2"], True),
+    ("EP2xDP2", 4, ["--ep", "2", "--dp", "4"], True),
+]
+MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
+
+
+def document_lengths(prefix):
+    """Tokens of each document of PREFIX.idx (one sequence per document)."""
+    with open(prefix + ".idx", "rb") as f:
+        idx = f.read()
+    (count,) = struct.unpack_from("<Q", idx, 18)
+    return struct.unpack_from("<%di" % count, idx, 34)
+
+
+def train(tmp, tag, ranks, cfg, data, flags):
+    metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
+    rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *flags, "--metrics", metrics])
+    if rc != 0:
+        return None, "exit %s: %s" % (rc, out[-600:])
+    return h.read_metrics(metrics), None
+
+
+def step_contents(m):
+    d = m["documents"]
+    return m["tokens"], d["sequences"], d["predicted_tokens"]
+
+
+def compare(ref, got, moe=True):
+    """Worst relative loss deviation and the failures; a dense model's first step sends the bytes
+    predicted for its micro-batches (comm_bytes_predicted)."""
+    worst, fails = 0.0, []
+    if len(got) != len(ref):
+        return worst, ["%d metric lines, expected %d" % (len(got), len(ref))]
+    if not moe and got[0].get("comm_bytes") != got[0].get("comm_bytes_predicted"):
+        fails.append("step 1: comm_bytes %s, predicted %s" % (got[0].get("comm_bytes"), got[0].get("comm_bytes_predicted")))
+    for r, g in zip(ref, got):
+        d = abs(g["loss"] - r["loss"]) / max(abs(r["loss"]), 1e-30)
+        worst = max(worst, d)
+        if d > RTOL:
+            fails.append("step %d: loss %.9g vs one-rank %.9g (rel %.2e)" % (r["step"], g["loss"], r["loss"], d))
+        if step_contents(g) != step_contents(r):
+            fails.append("step %d: (tokens, sequences, predicted) %s vs one-rank %s" % (
+                r["step"], step_contents(g), step_contents(r)))
+    return worst, fails
+
+
+def check_layouts(tmp, data, failures):
+    print("1. layouts against one rank")
+    rows = []
+    for model in MODELS:
+        moe = model.startswith("mixtral")
+        base = h.load_config(model, **({"router_z_loss_coef": 0.0} if moe else {}))
+        base["n_layer" if "n_layer" in base else "num_hidden_layers"] = 4
+        cfg = h.write_json(os.path.join(tmp, model + ".json"), base)
+        extra = ["--moe-aux-loss", "none"] if moe else []
+        ref, err = train(tmp, model + " one rank", 0, cfg, data, extra)
+        if err:
+            failures.append("%s one-rank run: %s" % (model, err))
+            continue
+        for name, ranks, flags, only_moe in LAYOUTS:
+            if only_moe and not moe:
+                continue
+            got, err = train(tmp, "%s %s" % (model, name), ranks, cfg, data, extra + flags)
+            if err:
+                failures.append("%s %s: %s" % (model, name, err))
+                continue
+            worst, fails = compare(ref, got, moe)
+            failures += ["%s %s: %s" % (model, name, f) for f in fails[:3]]
+            rows.append((model, name, "%.1e" % worst, "ok" if not fails else "FAIL"))
+            print("  %-4s %-11s %-22s worst %.1e" % ("ok" if not fails else "FAIL", model, name, worst), flush=True)
+    print("\n" + h.fmt_table(["model", "layout", "worst relative deviation", ""], rows))
+
+
+def check_resume(tmp, data, failures):
+    print("2. resume under another layout")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    save = os.path.join(tmp, "ck")
+    one, err1 = train(tmp, "resume one rank", 0, cfg, data, ["--save", save, "--save-every", "10"])
+    resumed, err2 = train(tmp, "resumed DP2", 2, cfg, data, ["--resume", os.path.join(save, "step-10")])
+    if err1 or err2:
+        failures.append("resume: %s" % (err1 or err2))
+        return
+    worst, fails = compare(one[10:], resumed)
+    failures += ["resumed under DP2: " + f for f in fails[:3]]
+    print("  %-4s step 10 resumed under DP2: steps 11..20 worst %.1e" % ("ok" if not fails else "FAIL", worst))
+
+
+def check_balance(tmp, data, failures):
+    print("3. the balancer under DP4")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    runs = {}
+    for balance in ("lpt", "none"):
+        runs[balance], err = train(tmp, "balance " + balance, 4, cfg, data, ["--balance", balance, "--steps", "8"])
+        if err:
+            failures.append("balance %s: %s" % (balance, err))
+            return
+    est = {b: [m["documents"]["busy_estimated_max_over_mean"] for m in runs[b]] for b in runs}
+    worse = [s + 1 for s, (a, b) in enumerate(zip(est["lpt"], est["none"])) if a > b + 1e-12]
+    mean = sum(est["lpt"]) / len(est["lpt"])
+    if worse or mean > 1.05:
+        failures.append("balance: lpt estimated imbalance %s (mean %.3f, must be <= 1.05), none %s; lpt worse at "
+                        "steps %s" % (est["lpt"], mean, est["none"], worse))
+    print("  %-4s estimated max/mean busy per rank: lpt mean %.3f, none mean %.3f" % (
+        "ok" if not worse and mean <= 1.05 else "FAIL", mean, sum(est["none"]) / len(est["none"])))
+
+
+def check_mistakes(data, other, failures):
+    print("4. mistakes")
+    llama = os.path.join(h.CONFIGS, "llama_tiny.json")
+    mixtral = os.path.join(h.CONFIGS, "mixtral_8e.json")
+    docs = ["--batching", "documents"]
+    failures += h.check_error_cases(data, [
+        ("unknown batching", llama, 2, ["--batching", "sentences"], "--batching 'sentences'"),
+        ("unknown balance", llama, 2, docs + ["--balance", "greedy"], "--balance 'greedy'"),
+        ("tokens per step below seq-len", llama, 2, docs + ["--tokens-per-step", "8"], "must be at least --seq-len"),
+        ("tokens per step with windows", llama, 2, ["--tokens-per-step", "64"], "--tokens-per-step sizes a step"),
+        ("global batch with documents", llama, 2, docs + ["--global-batch", "4"], "--global-batch counts windows"),
+        ("document mask with documents", llama, 2, docs + ["--attention-mask", "document"],
+         "drop --attention-mask document"),
+        ("both micro-batch options", llama, 2, docs + ["--micro-batch-tokens", "32"], "not both"),
+        ("blend with documents", llama, 2, docs + ["--data", "0.5 %s 0.5 %s" % (data, other)], "a blend"),
+        ("aux loss with documents", mixtral, 2, docs, "--moe-aux-loss micro"),
+    ])
+    args = ["train", "--config", llama, "--data", data, "--steps", "1", "--seq-len", "16", *docs]
+    _, _, failure = h.check_error("micro-batch tokens", 2, args + ["--micro-batch-tokens", "20"],
+                                  lambda line: "--micro-batch-tokens (20)" in line and "multiple of --seq-len (16)" in line)
+    failures += [failure] if failure else []
+
+
+def main():
+    failures = []
+    tmp = h.tmpdir("origami_document_batching_")
+    data = h.prepare_data(tmp, "docs", n_docs=700, seed=5, words=(1, 14))
+    lengths = document_lengths(data)
+    longer, ones = sum(n > L for n in lengths), sum(n % L == 1 for n in lengths)
+    print("data: %d documents, %d longer than L = %d, %d leave a one-token piece" % (len(lengths), longer, L, ones))
+    if longer < 20 or ones < 2:
+        failures.append("data: %d documents longer than L and %d one-token pieces; the test needs both" % (longer, ones))
+    check_layouts(tmp, data, failures)
+    check_resume(tmp, data, failures)
+    check_balance(tmp, data, failures)
+    check_mistakes(data, h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14)), failures)
+    h.report(failures, "document batching: every layout gives the one-rank run")
+
+
+if __name__ == "__main__":
+    main()

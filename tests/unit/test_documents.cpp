@@ -1,0 +1,121 @@
+// Document batching: the step rule (data/documents.h) and the packing of a step's sequences into rows
+// on the DP ranks (train/balance.h).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "core/error.h"
+#include "data/documents.h"
+#include "train/balance.h"
+
+using namespace origami;
+
+namespace {
+
+// A dataset of documents with these lengths; document d's tokens are 1000·d + 0, 1, 2, ...
+std::string write_documents(const std::string& name, const std::vector<int>& lengths) {
+  const std::string prefix = (std::filesystem::temp_directory_path() / name).string();
+  IndexedDatasetWriter w(prefix, TokenDtype::int32);
+  for (size_t d = 0; d < lengths.size(); ++d) {
+    std::vector<int32_t> doc(size_t(lengths[d]));
+    std::iota(doc.begin(), doc.end(), int32_t(1000 * d));
+    w.add_document(doc);
+  }
+  w.finish();
+  return prefix;
+}
+
+std::vector<int64_t> step_lengths(DocumentBatcher& b, int64_t s) {
+  std::vector<int64_t> out;
+  for (const Sequence& q : b.step(s)) out.push_back(q.length);
+  return out;
+}
+
+// Documents of 5, 12, 1 and 9 tokens with L = 4 make pieces 4 1 | 4 4 4 | 1 | 4 4 1; steps take the
+// next ones while they fit in N = 10 tokens, then the documents repeat.
+TEST(DocumentBatcher, CutsAtTheLengthAndFillsStepsInOrder) {
+  const IndexedDataset ds = IndexedDataset::open(write_documents("origami_docs_rule", {5, 12, 1, 9}));
+  DocumentBatcher b(ds, 4, 10, SampleOrder::sequential, 1);
+  EXPECT_EQ(step_lengths(b, 0), (std::vector<int64_t>{4, 1, 4}));  // the next 4 would make 13
+  EXPECT_EQ(step_lengths(b, 1), (std::vector<int64_t>{4, 4, 1}));
+  EXPECT_EQ(step_lengths(b, 2), (std::vector<int64_t>{4, 4, 1}));
+  EXPECT_EQ(step_lengths(b, 3), (std::vector<int64_t>{4, 1, 4}));  // epoch 2 begins inside step 3
+  EXPECT_TRUE(b.repeats(4));
+  EXPECT_FALSE(b.repeats(3));
+  // The tokens: step 1 is the second document's second and third pieces, then the third document.
+  const std::vector<Sequence>& s1 = b.step(1);
+  std::vector<int32_t> got(4);
+  b.read(s1[1], got.data());
+  EXPECT_EQ(got, (std::vector<int32_t>{1008, 1009, 1010, 1011}));
+  b.read(s1[2], got.data());
+  EXPECT_EQ(got[0], 2000);
+  // Going back replays the rule from step 0.
+  EXPECT_EQ(step_lengths(b, 0), (std::vector<int64_t>{4, 1, 4}));
+}
+
+// Shuffled: each epoch a permutation of the documents, the same for every batcher of the same seed.
+TEST(DocumentBatcher, ShuffledOrderIsAPermutationPerEpoch) {
+  std::vector<int> lengths(50);
+  std::iota(lengths.begin(), lengths.end(), 1);  // document d has d + 1 tokens: its length names it
+  const IndexedDataset ds = IndexedDataset::open(write_documents("origami_docs_shuffle", lengths));
+  DocumentBatcher a(ds, 64, 64, SampleOrder::shuffled, 9), b(ds, 64, 64, SampleOrder::shuffled, 9);
+  std::vector<int64_t> seen;
+  for (int64_t s = 0; seen.size() < 50; ++s) {
+    const std::vector<int64_t> got = step_lengths(a, s);
+    EXPECT_EQ(got, step_lengths(b, s));
+    seen.insert(seen.end(), got.begin(), got.end());
+  }
+  seen.resize(50);
+  EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), 50u) << "epoch 0 reads every document once";
+  EXPECT_FALSE(std::is_sorted(seen.begin(), seen.end()));
+}
+
+TEST(DocumentBatcher, RejectsAStepShorterThanASequence) {
+  const IndexedDataset ds = IndexedDataset::open(write_documents("origami_docs_bad", {3}));
+  EXPECT_THROW(DocumentBatcher(ds, 8, 4, SampleOrder::sequential, 1), Error);
+}
+
+// Every sequence is placed once, rows hold at most row_len tokens, every rank has the same number of
+// rows (a multiple of the micro-batch), and lpt needs no more rows than dealing them round-robin.
+TEST(PackSequences, PlacesEverySequenceOnceWithinTheRows) {
+  const std::vector<int64_t> lengths = {30, 1, 7, 32, 16, 16, 2, 25, 9, 9, 31, 4, 1, 12};
+  const SequenceCost cost{100, 1};
+  for (const Balance balance : {Balance::none, Balance::lpt})
+    for (const int ranks : {1, 2, 3, 4}) {
+      const Packing p = pack_sequences(lengths, ranks, 32, 2, balance, cost);
+      ASSERT_EQ(p.ranks.size(), size_t(ranks));
+      EXPECT_EQ(p.rows % 2, 0);
+      std::vector<int> placed(lengths.size(), 0);
+      for (const auto& rows : p.ranks) {
+        EXPECT_EQ(int64_t(rows.size()), p.rows);
+        for (const auto& row : rows) {
+          int64_t used = 0;
+          for (const int32_t i : row) used += lengths[size_t(i)], ++placed[size_t(i)];
+          EXPECT_LE(used, 32);
+        }
+      }
+      EXPECT_EQ(placed, std::vector<int>(lengths.size(), 1)) << balance_name(balance) << " on " << ranks << " ranks";
+    }
+  EXPECT_LE(pack_sequences(lengths, 2, 32, 1, Balance::lpt, cost).rows,
+            pack_sequences(lengths, 2, 32, 1, Balance::none, cost).rows);
+}
+
+// lpt balances the attention part b·n² over the ranks: one long sequence and four of half its length on
+// two ranks of two rows of 32 put the long one alone; round-robin dealing does not.
+TEST(PackSequences, LptBalancesTheQuadraticCost) {
+  const std::vector<int64_t> lengths = {32, 16, 16, 16, 16};  // 4·16² = 32²
+  const SequenceCost cost{0, 1};
+  const Packing lpt = pack_sequences(lengths, 2, 32, 1, Balance::lpt, cost);
+  EXPECT_EQ(lpt.rows, 2);
+  EXPECT_EQ(lpt.cost, (std::vector<double>{1024, 1024}));
+  EXPECT_DOUBLE_EQ(lpt.imbalance(), 1.0);
+  const Packing none = pack_sequences(lengths, 2, 32, 1, Balance::none, cost);
+  EXPECT_DOUBLE_EQ(none.imbalance(), 1.5);  // 32, 16, 16 on rank 0: 1536 against 512
+  EXPECT_THROW(parse_balance("greedy"), Error);
+}
+
+}  // namespace
