@@ -75,6 +75,8 @@ void add_input_options(Args& a) {
                                          "to M / seq-len)")
       .option("balance", "none|lpt", "documents: sequences dealt round-robin to the DP ranks (none), or longest first "
                                      "to the rank with the least estimated work (lpt)", "lpt")
+      .flag("static-cp", "documents with --cp C: every sequence over the CP group (default: a sequence of at most "
+                         "seq-len / C tokens runs on one rank, without CP traffic; longer ones over the group)")
       .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
                                 "position (PATH: a --save directory, its newest committed step, or one step-N in it; "
                                 "the same directory as --save before it holds a checkpoint: start at step 0)")
@@ -91,6 +93,7 @@ void read_input_options(const Args& a, TrainOptions& o) {
   o.attention_mask = a.str("attention-mask");
   o.batching = a.str("batching");
   o.balance = a.str("balance");
+  o.static_cp = a.on("static-cp");
   if (a.has("tokens-per-step")) {
     o.tokens_per_step = a.integer("tokens-per-step");
     ORIGAMI_CHECK(o.tokens_per_step >= 1, "--tokens-per-step must be positive, got ", o.tokens_per_step);

@@ -416,7 +416,7 @@ void Model::size_slot(Slot& s, int64_t resid_rows, int64_t first_layer, int64_t 
     size(s.att, core_layers * N * HD);
     size(s.lse, core_layers * B * H * T);
     const bool heads = cp_.a2a_size() > 1;
-    size(s.qkv_h, heads ? core_layers * cp_.a2a_size() * N * cp_shape().Sa() : 0);
+    size(s.qkv_h, heads ? core_layers * cp_.a2a_size() * N * cp_.shape(B, T, H, KV, D).Sa() : 0);
     size(s.att_h, heads ? core_layers * N * HD : 0);
   });
   s.layers = layers, s.core_layers = core_layers;
@@ -451,7 +451,8 @@ void Model::set_batch(int64_t B, int64_t T) {
     s.gathered.resize(size_t(n.gathered));
     s.inputs.resize(size_t(n.targets));
     s.targets.resize(size_t(n.targets));
-    cp_.reserve(cp_shape());
+    cp_.reserve(cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim));
+    local_cp_.reserve(local_cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim));
     s.lnf.resize(size_t(n.lnf));
     s.meanf.resize(size_t(n.statsf));
     s.rstdf.resize(size_t(n.statsf));
@@ -484,7 +485,7 @@ Model::LayerActs Model::layer_acts(Slot& s, int64_t i) {
           at(m.rstd1, j, Nl),       at(m.mean2, j, Nl),   at(m.rstd2, j, Nl),   at(m.qkv, j, N * S),
           at(m.mlp_a, j, N * fa),   at(m.mlp_b, j, N * fb), at(m.sh_out, j, Nl * C), at(m.sh_gate, j, Nl),
           at(k.att, jc, N * HD),
-          at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_shape().Sa()),
+          at(k.lse, jc, B * H * T), at(k.qkv_h, jc, cp_.a2a_size() * N * cp_.shape(B, T, H, KV, D).Sa()),
           at(k.att_h, jc, N * HD), m.moe.empty() ? nullptr : &m.moe[size_t(j)], at(m.mlp_a_low, j, N * fa),
           at(m.mlp_b_low, j, N * fb), at(m.ln1_low, j, Nl * C), at(m.ln2_low, j, Nl * C)};
 }
@@ -554,12 +555,12 @@ void Model::norm_backward(float* dx, const float* dy, const float* x, const floa
 }
 
 void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const {
-  const int64_t T = T_ * cp_.size(), stride = cfg_.row_stride(T);
+  const int64_t T = T_ * row_cp(), stride = cfg_.row_stride(T);
   const int64_t at = cfg_.packed_sequences ? shift * T : shift;  // targets: the row's second half, or shifted by one
   const int32_t least = cfg_.packed_sequences && shift ? -1 : 0;  // −1: no target
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < T_; ++t) {
-      const int32_t tok = tokens[b * stride + at + positions_[size_t(t)]];
+      const int32_t tok = tokens[b * stride + at + position(t)];
       ORIGAMI_CHECK(tok >= least && tok < cfg_.vocab_size, "token id ", tok, " is outside the model's vocabulary of ",
                     cfg_.vocab_size);
       out[b * T_ + t] = tok;
@@ -570,7 +571,7 @@ void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) co
 // position without a target.
 void Model::set_documents(const int32_t* tokens) {
   if (!cfg_.masks_documents()) return;
-  const int64_t T = T_ * cp_.size(), stride = cfg_.row_stride(T);
+  const int64_t T = T_ * row_cp(), stride = cfg_.row_stride(T);
   std::vector<int64_t> pos(static_cast<size_t>(T));  // position ids of the whole window's positions
   for (int64_t b = 0; b < B_; ++b) {
     const int32_t* row = tokens + b * stride;
@@ -581,7 +582,7 @@ void Model::set_documents(const int32_t* tokens) {
       doc[t] = t == 0 ? 0 : doc[t - 1] + (start == t ? 1 : 0);
       pos[size_t(t)] = t - start;
     }
-    for (int64_t t = 0; t < T_; ++t) pos_ids_[size_t(b * T_ + t)] = pos[size_t(positions_[size_t(t)])];
+    for (int64_t t = 0; t < T_; ++t) pos_ids_[size_t(b * T_ + t)] = pos[size_t(position(t))];
   }
 }
 
@@ -612,7 +613,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   float* ln1 = norm_gather(norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b));
   linear_forward(a.qkv, ln1, mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
-  cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
+  cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
@@ -717,10 +718,10 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   }
   norm_backward(d_res, d_ln_loc, a.mid, a.mean2, a.rstd2, o.ln2_w, o.ln2_b);
   // Attention branch: mid = in + o_proj(attn(qkv(norm1(in)))); d_res is now ∂/∂mid.
-  if (recompute_ == Recompute::selective) cp_.forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
+  if (recompute_ == Recompute::selective) cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   const float* d_out = tp.exit_backward(s.full.data(), d_res, B, T, C);
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, mw(o.o_w), N, HD, C, lay);
-  cp_.backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
+  cp_now().backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
   linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), norm_read(a.ln1, a.ln1_low), mw(o.qkv_w), N,
                   C, S, lay);
@@ -815,7 +816,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
   Losses out;
   // The sum over the micro-batch's targets over loss_tokens_, by default its B·T tokens (a mean): under
   // CP this rank's part of it (summed over CP).
-  const double tokens_total = loss_tokens_ > 0 ? loss_tokens_ : double(N * cp_.size());
+  const double tokens_total = loss_tokens_ > 0 ? loss_tokens_ : double(N * row_cp());
   out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), mw(head_),
                              s.targets.data(), N, C, Vl_, loss_scale / float(tokens_total), s.head, shard) /
                 tokens_total;
@@ -830,6 +831,7 @@ Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bo
 Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* input) {
   ORIGAMI_ASSERT(B_ > 0 && chunk >= 0 && chunk < int(part_.chunks.size()) && !live_.count({mb, chunk}));
   mb_ = mb;
+  select_cp(mb);
   set_documents(tokens);
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
@@ -886,6 +888,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   auto it = live_.find({mb, chunk});
   ORIGAMI_ASSERT(it != live_.end());
   mb_ = mb;
+  select_cp(mb);
   set_documents(tokens);
   Slot& slot = *it->second;
   const LayerRange r = part_.chunks[size_t(chunk)];

@@ -206,6 +206,13 @@ class Model {
   // predicted tokens / micro-batches, so that the step's loss is the mean over every predicted token.
   void set_loss_tokens(double tokens) { loss_tokens_ = tokens; }
   ContextParallel& context_parallel() { return cp_; }
+  // Document batching under CP (a CP degree per sequence): micro-batch m runs on this rank alone when
+  // alone[m] — its own B rows of T/C tokens, attention without communication — and over the CP group
+  // otherwise (rows of T). Empty (the default): every micro-batch over the group.
+  void set_alone(std::vector<uint8_t> alone) { alone_mbs_ = std::move(alone); }
+  // The attention's forward score tiles since the last reset, over the group's and the lone micro-batches.
+  int64_t attention_tiles() const { return cp_.counters().tiles + local_cp_.counters().tiles; }
+  void reset_attention_counters() { cp_.reset_counters(), local_cp_.reset_counters(); }
   const ModelPart& part() const { return part_; }
 
  private:
@@ -266,7 +273,13 @@ class Model {
   // sets them again: micro-batches interleave under pipeline schedules).
   void set_documents(const int32_t* tokens);
   const int32_t* docs() const { return docs_.empty() ? nullptr : docs_.data(); }
-  CpShape cp_shape() const { return cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
+  CpShape cp_shape() const { return cp_now().shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
+  // The current micro-batch's attention: over the CP group, or this rank's alone (set_alone).
+  ContextParallel& cp_now() { return alone_ ? local_cp_ : cp_; }
+  const ContextParallel& cp_now() const { return alone_ ? local_cp_ : cp_; }
+  int64_t row_cp() const { return alone_ ? 1 : cp_.size(); }  // the ranks sharing the current rows
+  int64_t position(int64_t t) const { return alone_ ? t : positions_[size_t(t)]; }  // local t's place in its row
+  void select_cp(int mb) { alone_ = size_t(mb) < alone_mbs_.size() && alone_mbs_[size_t(mb)]; }
   void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   float* norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   float* norm_gather(float* loc);
@@ -280,13 +293,16 @@ class Model {
   TokenDispatcher dispatcher_;
   TensorParallel tp_;
   ContextParallel cp_;
+  ContextParallel local_cp_;          // one rank: the lone micro-batches' attention
+  std::vector<uint8_t> alone_mbs_;    // set_alone
+  bool alone_ = false;                // the current micro-batch runs alone
   ModelPart part_;
   Recompute recompute_;
   Precision precision_ = Precision::fp32;
   double loss_tokens_ = 0;
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
   int64_t B_ = 0, T_ = 0;          // batch rows and this rank's positions per row
-  std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence
+  std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence (over the CP group)
   std::vector<int64_t> pos_ids_;    // [B_, T_]: each token's position id (RoPE, learned positions)
   std::vector<int32_t> docs_;       // document masking: [B_, T_·CP] the document of each position of a window
   std::vector<LayerOffsets> layers_;  // by global layer index (entries of other stages unused)

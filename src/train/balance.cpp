@@ -15,7 +15,7 @@ Balance parse_balance(std::string_view name) {
 
 const char* balance_name(Balance b) { return b == Balance::none ? "none" : "lpt"; }
 
-double Packing::imbalance() const {
+double imbalance(const std::vector<double>& cost) {
   const double sum = std::accumulate(cost.begin(), cost.end(), 0.0);
   const double most = cost.empty() ? 0.0 : *std::max_element(cost.begin(), cost.end());
   return sum > 0 ? most * double(cost.size()) / sum : 1.0;
@@ -23,51 +23,84 @@ double Packing::imbalance() const {
 
 namespace {
 
-struct Filling {  // rows being filled: their sequences and free tokens
-  std::vector<std::vector<int32_t>> rows;
-  std::vector<int64_t> free;
+// Workers being filled: each has rows of row_len tokens, at most cap[w] of them (deal opens rows as it
+// needs them), and an estimated load (b·n² of what it holds, scaled by `share`).
+struct Filling {
+  std::vector<Rows> rows;
+  std::vector<std::vector<int64_t>> free;
+  std::vector<double> load;
 };
 
-// Round-robin over ranks, next fit over each rank's rows.
-std::vector<Filling> deal(const std::vector<int64_t>& lengths, int ranks, int64_t row_len) {
-  std::vector<Filling> out(static_cast<size_t>(ranks));
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    Filling& f = out[i % size_t(ranks)];
-    if (f.rows.empty() || f.free.back() < lengths[i]) f.rows.emplace_back(), f.free.push_back(row_len);
-    f.rows.back().push_back(int32_t(i));
-    f.free.back() -= lengths[i];
+// Round-robin over workers (items in order), next fit over each worker's rows.
+Filling deal(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, size_t workers, int64_t row_len) {
+  Filling f{std::vector<Rows>(workers), std::vector<std::vector<int64_t>>(workers), std::vector<double>(workers, 0.0)};
+  for (size_t k = 0; k < items.size(); ++k) {
+    const size_t w = k % workers;
+    const int64_t n = lengths[size_t(items[k])];
+    if (f.rows[w].empty() || f.free[w].back() < n) f.rows[w].emplace_back(), f.free[w].push_back(row_len);
+    f.rows[w].back().push_back(items[k]);
+    f.free[w].back() -= n;
   }
-  return out;
+  return f;
 }
 
-// LPT into `rows` rows per rank; false when some sequence finds no room.
-bool lpt(const std::vector<int64_t>& lengths, int ranks, int64_t row_len, int64_t rows, const SequenceCost& cost,
-         std::vector<Filling>& out) {
-  out.assign(size_t(ranks), Filling{std::vector<std::vector<int32_t>>(size_t(rows)),
-                                    std::vector<int64_t>(size_t(rows), row_len)});
-  std::vector<int32_t> order(lengths.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return lengths[size_t(x)] > lengths[size_t(y)]; });
-  std::vector<double> load(size_t(ranks), 0.0);
-  for (const int32_t i : order) {
+// LPT into cap[w] rows per worker, starting from `load`; false when some item finds no room.
+bool lpt(const std::vector<int64_t>& lengths, std::vector<int32_t> items, const std::vector<int64_t>& cap,
+         int64_t row_len, double share, std::vector<double> load, Filling& f) {
+  const size_t workers = cap.size();
+  f = {std::vector<Rows>(workers), std::vector<std::vector<int64_t>>(workers), std::move(load)};
+  for (size_t w = 0; w < workers; ++w) f.rows[w].resize(size_t(cap[w])), f.free[w].assign(size_t(cap[w]), row_len);
+  std::stable_sort(items.begin(), items.end(), [&](int32_t x, int32_t y) { return lengths[size_t(x)] > lengths[size_t(y)]; });
+  for (const int32_t i : items) {
     const int64_t n = lengths[size_t(i)];
-    int best_rank = -1;
-    size_t best_row = 0;
-    for (int r = 0; r < ranks; ++r) {
-      if (best_rank >= 0 && load[size_t(r)] >= load[size_t(best_rank)]) continue;
-      const std::vector<int64_t>& free = out[size_t(r)].free;
+    size_t best = workers, best_row = 0;
+    for (size_t w = 0; w < workers; ++w) {
+      if (best < workers && f.load[w] >= f.load[best]) continue;
+      const std::vector<int64_t>& free = f.free[w];
       size_t row = free.size();  // the fullest row it fits in
       for (size_t k = 0; k < free.size(); ++k)
         if (free[k] >= n && (row == free.size() || free[k] < free[row])) row = k;
-      if (row < free.size()) best_rank = r, best_row = row;
+      if (row < free.size()) best = w, best_row = row;
     }
-    if (best_rank < 0) return false;
-    Filling& f = out[size_t(best_rank)];
-    f.rows[best_row].push_back(i);
-    f.free[best_row] -= n;
-    load[size_t(best_rank)] += cost.b * double(n) * double(n);
+    if (best == workers) return false;
+    f.rows[best][best_row].push_back(i);
+    f.free[best][best_row] -= n;
+    f.load[best] += share * double(n) * double(n);
   }
   return true;
+}
+
+int64_t tokens_of(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items) {
+  int64_t total = 0;
+  for (const int32_t i : items) total += lengths[size_t(i)];
+  return total;
+}
+
+// The fewest rows per worker (uniform) that LPT fits the items into.
+Filling lpt_fewest_rows(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, size_t workers,
+                        int64_t row_len, double share, const std::vector<double>& load) {
+  const int64_t total = tokens_of(lengths, items), room = int64_t(workers) * row_len;
+  Filling f;
+  // Ends: with one row per item every item fits.
+  for (int64_t rows = std::max<int64_t>(1, (total + room - 1) / room);
+       !lpt(lengths, items, std::vector<int64_t>(workers, rows), row_len, share, load, f); ++rows) {
+  }
+  return f;
+}
+
+int64_t used_rows(const Rows& rows) {
+  int64_t used = 0;
+  for (const auto& r : rows) used += r.empty() ? 0 : 1;
+  return used;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+double sum_squares(const std::vector<int64_t>& lengths, const Rows& rows) {
+  double s = 0;
+  for (const auto& row : rows)
+    for (const int32_t i : row) s += double(lengths[size_t(i)]) * double(lengths[size_t(i)]);
+  return s;
 }
 
 }  // namespace
@@ -75,28 +108,67 @@ bool lpt(const std::vector<int64_t>& lengths, int ranks, int64_t row_len, int64_
 Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t row_len, int64_t rows_multiple,
                        Balance balance, const SequenceCost& cost) {
   ORIGAMI_ASSERT(ranks >= 1 && row_len >= 1 && rows_multiple >= 1);
-  int64_t total = 0;
-  for (const int64_t n : lengths) {
-    ORIGAMI_ASSERT(n >= 1 && n <= row_len);
-    total += n;
-  }
-  std::vector<Filling> fill;
-  if (balance == Balance::none) {
-    fill = deal(lengths, ranks, row_len);
-  } else {
-    int64_t rows = std::max<int64_t>(1, (total + ranks * row_len - 1) / (ranks * row_len));
-    while (!lpt(lengths, ranks, row_len, rows, cost, fill)) ++rows;  // ends: one row per sequence always fits
-  }
+  std::vector<int32_t> items(lengths.size());
+  std::iota(items.begin(), items.end(), 0);
+  for (const int64_t n : lengths) ORIGAMI_ASSERT(n >= 1 && n <= row_len);
+  Filling f = balance == Balance::none
+                  ? deal(lengths, items, size_t(ranks), row_len)
+                  : lpt_fewest_rows(lengths, items, size_t(ranks), row_len, cost.b, std::vector<double>(size_t(ranks), 0.0));
   Packing p;
-  for (const Filling& f : fill) p.rows = std::max<int64_t>(p.rows, int64_t(f.rows.size()));
-  p.rows = std::max<int64_t>(1, (p.rows + rows_multiple - 1) / rows_multiple) * rows_multiple;
-  for (Filling& f : fill) {
-    double c = cost.a * double(p.rows * row_len);  // every row's GEMMs, padding included
-    for (const std::vector<int32_t>& row : f.rows)
-      for (const int32_t i : row) c += cost.b * double(lengths[size_t(i)]) * double(lengths[size_t(i)]);
-    f.rows.resize(size_t(p.rows));
-    p.ranks.push_back(std::move(f.rows));
-    p.cost.push_back(c);
+  for (const Rows& r : f.rows) p.rows = std::max<int64_t>(p.rows, int64_t(r.size()));
+  p.rows = round_up(std::max<int64_t>(1, p.rows), rows_multiple);
+  for (Rows& r : f.rows) {
+    r.resize(size_t(p.rows));
+    p.cost.push_back(cost.a * double(p.rows * row_len) + cost.b * sum_squares(lengths, r));  // padding computes too
+    p.ranks.push_back(std::move(r));
+  }
+  return p;
+}
+
+CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
+                            int64_t micro_multiple, Balance balance, const SequenceCost& cost) {
+  ORIGAMI_ASSERT(groups >= 1 && cp >= 2 && row_len % cp == 0 && B >= 1 && micro_multiple >= 1);
+  const int64_t short_len = row_len / cp;
+  const size_t ranks = size_t(groups) * size_t(cp);
+  std::vector<int32_t> longer, shorter;
+  for (size_t i = 0; i < lengths.size(); ++i) (lengths[i] > short_len ? longer : shorter).push_back(int32_t(i));
+  // The long sequences over the groups (each rank of a group carries 1/C of their attention).
+  const double share = cost.b / double(cp);
+  Filling g = balance == Balance::none
+                  ? deal(lengths, longer, size_t(groups), row_len)
+                  : lpt_fewest_rows(lengths, longer, size_t(groups), row_len, share, std::vector<double>(size_t(groups)));
+  CpPacking p;
+  std::vector<double> start(ranks);
+  for (size_t k = 0; k < size_t(groups); ++k) {
+    p.joint.push_back((used_rows(g.rows[k]) + B - 1) / B);
+    for (int r = 0; r < cp; ++r) start[k * size_t(cp) + size_t(r)] = g.load[k];
+  }
+  // The short ones over every rank, in the micro-batches its group has left of `micro`.
+  Filling s;
+  const int64_t least = *std::max_element(p.joint.begin(), p.joint.end());
+  for (p.micro = round_up(std::max<int64_t>(1, least), micro_multiple);; p.micro += micro_multiple) {
+    std::vector<int64_t> cap(ranks);
+    for (size_t w = 0; w < ranks; ++w) cap[w] = (p.micro - p.joint[w / size_t(cp)]) * B;
+    if (balance == Balance::lpt) {
+      if (lpt(lengths, shorter, cap, short_len, cost.b, start, s)) break;
+      continue;
+    }
+    s = deal(lengths, shorter, ranks, short_len);
+    bool fits = true;
+    for (size_t w = 0; w < ranks; ++w) fits = fits && int64_t(s.rows[w].size()) <= cap[w];
+    if (fits) break;
+  }
+  for (size_t k = 0; k < size_t(groups); ++k) {
+    std::erase_if(g.rows[k], [](const std::vector<int32_t>& r) { return r.empty(); });
+    g.rows[k].resize(size_t(p.joint[k] * B));
+    p.groups.push_back(std::move(g.rows[k]));
+  }
+  for (size_t w = 0; w < ranks; ++w) {
+    const size_t k = w / size_t(cp);
+    s.rows[w].resize(size_t((p.micro - p.joint[k]) * B));
+    const double attention = sum_squares(lengths, p.groups[k]) / double(cp) + sum_squares(lengths, s.rows[w]);
+    p.cost.push_back(cost.a * double(p.micro * B * short_len) + cost.b * attention);
+    p.ranks.push_back(std::move(s.rows[w]));
   }
   return p;
 }

@@ -137,7 +137,8 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   // recomputation) and backward.
   if (c > 1) {
     const CpShape s{B, o.seq_len / c, cfg.num_heads / t, cfg.num_kv_heads / t, cfg.head_dim, c, o.cp_a2a()};
-    add("cp", double(micro) * double(part.num_layers()) *
+    const int64_t over_group = o.step_group_micro_batches >= 0 ? o.step_group_micro_batches : micro;
+    add("cp", double(over_group) * double(part.num_layers()) *
                   double((rc == Recompute::none ? 1 : 2) * s.forward_bytes() + s.backward_bytes()));
   }
 

@@ -153,7 +153,7 @@ void add_documents_group(nlohmann::json& row, const StepReport& r) {
   double sum = 0, most = 0;
   for (const double b : busy) sum += b, most = std::max(most, b);
   row["documents"] = {{"sequences", r.documents->sequences}, {"predicted_tokens", r.documents->predicted},
-                      {"micro_batches", r.documents->micro_batches},
+                      {"micro_batches", r.documents->micro_batches}, {"sequences_over_cp", r.documents->over_group},
                       {"busy_estimated_max_over_mean", r.documents->estimated_imbalance},
                       {"busy_max_over_mean", sum > 0 ? most * double(busy.size()) / sum : 1.0},
                       {"busy_ms", as_ms(busy)}};

@@ -94,6 +94,8 @@ struct RunInfo {
 struct DocumentStep {
   int64_t sequences = 0, tokens = 0, predicted = 0;  // the step's sequences, tokens and tokens with a target
   int64_t micro_batches = 0;             // per DP rank
+  int64_t over_group = 0;                // the sequences run over a CP group (all of them without a CP degree per sequence)
+  int64_t over_group_micro = -1;         // with a CP degree per sequence: rank 0's group's micro-batches over it
   double estimated_imbalance = 1;        // max / mean of the balancer's cost per DP rank
 };
 

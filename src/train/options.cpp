@@ -49,7 +49,7 @@ nlohmann::json TrainOptions::as_json() const {
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
           {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask},
-          {"batching", batching}, {"tokens_per_step", tokens_per_step}, {"balance", balance},
+          {"batching", batching}, {"tokens_per_step", tokens_per_step}, {"balance", balance}, {"static_cp", static_cp},
           {"precision", precision}, {"grad_reduce_dtype", grad_reduce_dtype}};
 }
 
@@ -251,8 +251,10 @@ void TrainOptions::validate_documents(const ModelConfig& cfg) const {
   if (!documents()) {
     ORIGAMI_CHECK(tokens_per_step == 0, "--tokens-per-step sizes a step of --batching documents (got --batching ",
                   batching, ")");
+    ORIGAMI_CHECK(!static_cp, "--static-cp is for --batching documents (got --batching ", batching, ")");
     return;
   }
+  ORIGAMI_CHECK(!static_cp || cp > 1, "--static-cp runs every sequence over the CP group: it needs --cp > 1");
   parse_balance(balance);
   ORIGAMI_CHECK(tokens_per_step >= seq_len, "--tokens-per-step (", tokens_per_step, ") must be at least --seq-len (",
                 seq_len, "): a step must have room for the longest sequence");

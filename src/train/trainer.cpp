@@ -490,7 +490,8 @@ std::vector<SavePiece> Run::owned_pieces() {
   return pieces;
 }
 
-// Room for `micro` micro-batches of B rows (ModelConfig::row_stride int32s each).
+// Room for `micro` micro-batches of B rows (ModelConfig::row_stride int32s each; of the longest
+// rows under document batching, where a lone micro-batch's are shorter).
 void Run::size_rows(int64_t micro) {
   const int64_t row = o_.micro_batch * cfg_.row_stride(o_.seq_len);
   tokens_.resize(size_t(micro * row));
@@ -498,34 +499,58 @@ void Run::size_rows(int64_t micro) {
   for (int64_t m = 0; m < micro; ++m) micro_tokens_.push_back(tokens_.data() + m * row);
 }
 
-// Document batching: step `step`'s sequences packed into rows (train/balance.h) and this DP rank's rows
-// written to tokens_, each its T inputs then their T targets: a sequence's next tokens, −1 after its
-// last one and on the padding. Every rank packs the whole step alike, so none needs to hear from another.
+// One packed row of `len` tokens at `out`: its sequences' tokens, then their targets (each sequence's
+// next tokens, −1 after its last one and on the padding).
+void write_row(DocumentBatcher& docs, const std::vector<Sequence>& seqs, const std::vector<int32_t>& row, int64_t len,
+               int32_t* out) {
+  int32_t* target = out + len;
+  int64_t at = 0;
+  for (const int32_t i : row) {
+    const int64_t n = seqs[size_t(i)].length;
+    docs.read(seqs[size_t(i)], out + at);
+    std::copy(out + at + 1, out + at + n, target + at);
+    target[at + n - 1] = -1;
+    at += n;
+  }
+  std::fill(out + at, out + len, 0);
+  std::fill(target + at, target + len, -1);
+}
+
+// Document batching: step `step`'s sequences packed into rows (train/balance.h) and this rank's rows
+// written to tokens_, micro-batch m at m·B rows of 2T. Every rank packs the whole step alike, so none
+// needs to hear from another. With a CP degree per sequence, the micro-batches after the group's
+// joint ones hold this rank's own rows of T/C (Model::set_alone).
 DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const std::vector<Sequence>& seqs = docs.step(step);
   DocumentStep d;
   std::vector<int64_t> lengths;
   for (const Sequence& q : seqs) lengths.push_back(q.length), d.tokens += q.length, d.predicted += q.length - 1;
-  const int64_t T = o_.seq_len, B = o_.micro_batch;
-  const int64_t multiple = B * (plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1);  // whole micro-batches
-  const Packing packing = pack_sequences(lengths, dp_.size(), T, multiple, parse_balance(o_.balance), sequence_cost_);
-  d.sequences = int64_t(seqs.size()), d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance();
-  size_rows(d.micro_batches);
-  const std::vector<std::vector<int32_t>>& rows = packing.ranks[size_t(dp_.rank())];
-  for (size_t r = 0; r < rows.size(); ++r) {
-    int32_t* in = tokens_.data() + int64_t(r) * 2 * T;
-    int32_t* target = in + T;
-    int64_t at = 0;
-    for (const int32_t i : rows[r]) {
-      const int64_t n = seqs[size_t(i)].length;
-      docs.read(seqs[size_t(i)], in + at);
-      std::copy(in + at + 1, in + at + n, target + at);
-      target[at + n - 1] = -1;
-      at += n;
-    }
-    std::fill(in + at, in + T, 0);
-    std::fill(target + at, target + T, -1);
+  const int64_t T = o_.seq_len, B = o_.micro_batch, per = plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1;
+  const Balance balance = parse_balance(o_.balance);
+  d.sequences = int64_t(seqs.size());
+  auto fill = [&](const Rows& rows, int64_t first, int64_t len) {  // micro-batches from `first` on
+    for (size_t r = 0; r < rows.size(); ++r) write_row(docs, seqs, rows[r], len, tokens_.data() + (first * B + int64_t(r)) * 2 * T);
+  };
+  if (!o_.cp_per_sequence() || cp().size() == 1) {
+    const Packing packing = pack_sequences(lengths, dp_.size(), T, B * per, balance, sequence_cost_);
+    d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance();
+    d.over_group = cp().size() > 1 ? int64_t(seqs.size()) : 0;
+    size_rows(d.micro_batches);
+    fill(packing.ranks[size_t(dp_.rank())], 0, T);
+    return d;
   }
+  const int C = cp().size();
+  const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_);
+  d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance();
+  for (const int64_t n : lengths) d.over_group += n > T / C ? 1 : 0;
+  size_rows(d.micro_batches);
+  const int64_t joint = packing.joint[size_t(dp_.rank())];
+  d.over_group_micro = packing.joint[0];  // rank 0's group (its traffic is the one predicted)
+  fill(packing.groups[size_t(dp_.rank())], 0, T);
+  fill(packing.ranks[size_t(dp_.rank() * C + cp().rank())], joint, T / C);
+  std::vector<uint8_t> alone(size_t(d.micro_batches), 1);
+  std::fill(alone.begin(), alone.begin() + joint, uint8_t(0));
+  model_.set_alone(std::move(alone));
   return d;
 }
 
@@ -544,7 +569,7 @@ Run::Update Run::train(int64_t step) {
   const int64_t G = o_.global_batch;
   const int dp = dp_.size();
   mesh_.reset_bytes();
-  cp().reset_counters();
+  model_.reset_attention_counters();
   Update up;
   if (in_.data->parts().size() > 1) up.samples = in_.data->samples_per_dataset(step * G, G);
   if (embedding_comm_) embedding_comm_->reset_bytes();
@@ -669,7 +694,7 @@ void Run::take_measurements(StepReport& r) {
   r.comm_bytes = mesh_.bytes_sent();
   if (cp().size() > 1) r.comm_bytes["cp"] = cp().bytes_sent(), r.cp = &cp().counters();
   if (embedding_comm_ && embedding_comm_->bytes_sent() > 0) r.comm_bytes["embedding"] = embedding_comm_->bytes_sent();
-  r.attention_tiles = cp().counters().tiles;
+  r.attention_tiles = model_.attention_tiles();
   r.dispatch = model_.dispatch_times();
   r.moe_layer_s = model_.moe_layer_s();
   r.router_bias = &model_.router_bias();
@@ -771,7 +796,7 @@ void Run::write_metrics(StepReport& r) {
   if (r.step == start_.step + 1) {
     r.memory = &memory_;
     TrainOptions step = o_;  // document batching: the prediction for this step's micro-batches
-    if (in_.docs) step.step_micro_batches = doc_step_.micro_batches;
+    if (in_.docs) step.step_micro_batches = doc_step_.micro_batches, step.step_group_micro_batches = doc_step_.over_group_micro;
     r.comm_predicted = step_comm_bytes(cfg_, step, world_.size(), 0);
   }
   const nlohmann::json row = metrics_row(info_, r);

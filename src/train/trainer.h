@@ -46,7 +46,10 @@ struct TrainOptions {
   std::string batching = "windows";  // windows | documents (whole documents as sequences, data/documents.h)
   int64_t tokens_per_step = 0;       // documents: N, the most tokens a step takes (0: B x DP x T)
   std::string balance = "lpt";       // documents: none | lpt, how sequences are placed on DP ranks (train/balance.h)
-  int64_t step_micro_batches = 0;    // documents: one step's micro-batches, to predict that step (0: the bound)
+  bool static_cp = false;            // documents with --cp: every sequence over the CP group (no degree per sequence)
+  // Document batching: one step's micro-batches and, with a CP degree per sequence, how many of them run
+  // over the CP group (rank 0's), to predict that step's traffic (0 and −1: the bound, all of them).
+  int64_t step_micro_batches = 0, step_group_micro_batches = -1;
   std::string init_from;       // weights only: any checkpoint, Hugging Face directory or .safetensors file
   std::string resume;          // a checkpoint to continue: weights, optimizer state, step (any layout wrote it)
   int64_t steps = 100;         // total optimizer steps
@@ -131,6 +134,7 @@ struct TrainOptions {
   // a multiple of --pp under the interleaved schedule; step_micro_batches when set.
   int64_t micro_batches(int world_size) const;
   bool documents() const;  // --batching documents (an Error naming any other value than windows)
+  bool cp_per_sequence() const { return documents() && cp > 1 && !static_cp; }  // a CP degree per sequence
   void validate_documents(const ModelConfig& cfg) const;  // validate() calls it
 };
 

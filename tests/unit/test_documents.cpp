@@ -119,3 +119,47 @@ TEST(PackSequences, LptBalancesTheQuadraticCost) {
 }
 
 }  // namespace
+
+namespace {
+
+// A CP degree per sequence: the sequences longer than L/C run over their group in the group's first
+// micro-batches (rows of L), the others on one rank (rows of L/C); every rank runs the same number of
+// micro-batches and every sequence is placed once.
+TEST(PackSequencesCp, LongOnesOverTheGroupShortOnesAlone) {
+  const std::vector<int64_t> lengths = {64, 40, 3, 16, 16, 9, 33, 1, 12, 16, 7, 50, 2, 2};
+  const SequenceCost cost{100, 1};
+  for (const Balance balance : {Balance::none, Balance::lpt}) {
+    const int groups = 2, C = 2;
+    const CpPacking p = pack_sequences_cp(lengths, groups, C, 64, 2, 1, balance, cost);
+    std::vector<int> placed(lengths.size(), 0);
+    for (int g = 0; g < groups; ++g) {
+      EXPECT_EQ(int64_t(p.groups[size_t(g)].size()), p.joint[size_t(g)] * 2);
+      for (const auto& row : p.groups[size_t(g)]) {
+        int64_t used = 0;
+        for (const int32_t i : row) {
+          EXPECT_GT(lengths[size_t(i)], 32);
+          used += lengths[size_t(i)], ++placed[size_t(i)];
+        }
+        EXPECT_LE(used, 64);
+      }
+      for (int r = 0; r < C; ++r) {
+        const Rows& rows = p.ranks[size_t(g * C + r)];
+        EXPECT_EQ(int64_t(rows.size()), (p.micro - p.joint[size_t(g)]) * 2) << "every rank runs p.micro micro-batches";
+        for (const auto& row : rows) {
+          int64_t used = 0;
+          for (const int32_t i : row) {
+            EXPECT_LE(lengths[size_t(i)], 32);
+            used += lengths[size_t(i)], ++placed[size_t(i)];
+          }
+          EXPECT_LE(used, 32);
+        }
+      }
+    }
+    EXPECT_EQ(placed, std::vector<int>(lengths.size(), 1)) << balance_name(balance);
+    EXPECT_EQ(p.cost.size(), size_t(groups * C));
+  }
+  // Interleaved pipelines need whole multiples of the stages.
+  EXPECT_EQ(pack_sequences_cp(lengths, 1, 2, 64, 1, 4, Balance::lpt, cost).micro % 4, 0);
+}
+
+}  // namespace
