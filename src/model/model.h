@@ -3,7 +3,8 @@
 //
 // Legend: B batch rows, T positions, N = B·T tokens, C hidden, L layers, H heads, KV kv heads,
 // D head dim, S = (H + 2·KV)·D packed qkv width, F MLP inner size, V vocabulary, E experts, K top-k.
-// A training window row holds T+1 tokens: inputs are tokens[0..T), targets tokens[1..T].
+// A training window row holds T+1 tokens: inputs are tokens[0..T), targets tokens[1..T]. Under
+// document batching (ModelConfig::packed_sequences) a row is [2, T]: T inputs, then their T targets.
 //
 // Under tensor parallelism (size t) the model runs on this rank's shards: H/t heads, KV/t kv heads,
 // F/t MLP features, Vp/t vocabulary rows (Vp = V padded to a multiple of t), and with sequence
@@ -267,7 +268,7 @@ class Model {
   // Final norm, LM head and loss on the chunk output `top`; with `backward`, leaves ∂/∂top in d_res.
   Losses head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out);
   void embed(float* x0, const int32_t* tokens);
-  // The inputs (or with `shift` 1 the targets) of this rank's positions from whole windows [B, T+1].
+  // The inputs (or with `shift` 1 the targets) of this rank's positions from whole rows (row_stride).
   void gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const;
   // Document masking: docs_ and pos_ids_ of the micro-batch's windows (every forward and backward
   // sets them again: micro-batches interleave under pipeline schedules).

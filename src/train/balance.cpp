@@ -88,10 +88,30 @@ Filling lpt_fewest_rows(const std::vector<int64_t>& lengths, const std::vector<i
   return f;
 }
 
-int64_t used_rows(const Rows& rows) {
-  int64_t used = 0;
-  for (const auto& r : rows) used += r.empty() ? 0 : 1;
-  return used;
+// Short sequences, longest first, into the padding of the groups' rows (it computes anyway, and there a
+// sequence costs each rank of the group 1/C of its attention): the least loaded group with room, its
+// fullest row that fits. Returns those that found none.
+std::vector<int32_t> fill_gaps(const std::vector<int64_t>& lengths, std::vector<int32_t> items, double share,
+                               Filling& g) {
+  std::stable_sort(items.begin(), items.end(), [&](int32_t x, int32_t y) { return lengths[size_t(x)] > lengths[size_t(y)]; });
+  std::vector<int32_t> rest;
+  for (const int32_t i : items) {
+    const int64_t n = lengths[size_t(i)];
+    size_t best = g.rows.size(), best_row = 0;
+    for (size_t k = 0; k < g.rows.size(); ++k) {
+      if (best < g.rows.size() && g.load[k] >= g.load[best]) continue;
+      for (size_t j = 0; j < g.free[k].size(); ++j)
+        if (g.free[k][j] >= n && (best != k || g.free[k][j] < g.free[k][best_row])) best = k, best_row = j;
+    }
+    if (best == g.rows.size()) {
+      rest.push_back(i);
+      continue;
+    }
+    g.rows[best][best_row].push_back(i);
+    g.free[best][best_row] -= n;
+    g.load[best] += share * double(n) * double(n);
+  }
+  return rest;
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -138,11 +158,16 @@ CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int
                   ? deal(lengths, longer, size_t(groups), row_len)
                   : lpt_fewest_rows(lengths, longer, size_t(groups), row_len, share, std::vector<double>(size_t(groups)));
   CpPacking p;
-  std::vector<double> start(ranks);
-  for (size_t k = 0; k < size_t(groups); ++k) {
-    p.joint.push_back((used_rows(g.rows[k]) + B - 1) / B);
-    for (int r = 0; r < cp; ++r) start[k * size_t(cp) + size_t(r)] = g.load[k];
+  for (size_t k = 0; k < size_t(groups); ++k) {  // whole micro-batches of the rows in use
+    for (size_t j = g.rows[k].size(); j-- > 0;)
+      if (g.rows[k][j].empty()) g.rows[k].erase(g.rows[k].begin() + long(j)), g.free[k].erase(g.free[k].begin() + long(j));
+    p.joint.push_back((int64_t(g.rows[k].size()) + B - 1) / B);
+    g.rows[k].resize(size_t(p.joint[k] * B));
+    g.free[k].resize(size_t(p.joint[k] * B), row_len);
   }
+  if (balance == Balance::lpt) shorter = fill_gaps(lengths, shorter, share, g);
+  std::vector<double> start(ranks);
+  for (size_t w = 0; w < ranks; ++w) start[w] = g.load[w / size_t(cp)];
   // The short ones over every rank, in the micro-batches its group has left of `micro`.
   Filling s;
   const int64_t least = *std::max_element(p.joint.begin(), p.joint.end());
@@ -158,11 +183,7 @@ CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int
     for (size_t w = 0; w < ranks; ++w) fits = fits && int64_t(s.rows[w].size()) <= cap[w];
     if (fits) break;
   }
-  for (size_t k = 0; k < size_t(groups); ++k) {
-    std::erase_if(g.rows[k], [](const std::vector<int32_t>& r) { return r.empty(); });
-    g.rows[k].resize(size_t(p.joint[k] * B));
-    p.groups.push_back(std::move(g.rows[k]));
-  }
+  for (size_t k = 0; k < size_t(groups); ++k) p.groups.push_back(std::move(g.rows[k]));
   for (size_t w = 0; w < ranks; ++w) {
     const size_t k = w / size_t(cp);
     s.rows[w].resize(size_t((p.micro - p.joint[k]) * B));

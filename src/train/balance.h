@@ -14,7 +14,8 @@
 // Under context parallelism with a CP degree per sequence (pack_sequences_cp): a sequence of at most
 // L/C tokens runs on one rank (rows of L/C: no CP traffic), a longer one over its DP group's C ranks
 // (rows of L, each rank T/C of them). Every micro-batch has the same local shape [B, L/C] either way.
-// A group first runs its micro-batches over the group, then its ranks their own ones.
+// A group first runs its micro-batches over the group, then its ranks their own ones. Under lpt short
+// sequences first fill the padding of the group's rows (free compute, 1/C of their attention per rank).
 #pragma once
 #include <cstdint>
 #include <string_view>
@@ -51,7 +52,7 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
 struct CpPacking {
   int64_t micro = 0;              // micro-batches per rank, a multiple of micro_multiple
   std::vector<int64_t> joint;     // [group]: its first joint[g] micro-batches run over the group
-  std::vector<Rows> groups;       // [group]: rows of row_len, joint[g]·B of them
+  std::vector<Rows> groups;       // [group]: rows of row_len, joint[g]·B of them (long sequences, and short ones in their gaps)
   std::vector<Rows> ranks;        // [group·C + cp rank]: rows of row_len / C, (micro − joint[g])·B of them
   std::vector<double> cost;       // per rank: a·(its tokens, padding included) + b·n² (n²/C over the group)
   double imbalance() const { return origami::imbalance(cost); }

@@ -171,6 +171,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
       // (key, flag, value now, value of a checkpoint written before the key existed)
       for (const auto& [key, flag, now, old] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask, "causal"},
                                                 std::tuple{"data", "--data", o.data, ""},
+                                                std::tuple{"batching", "--batching", o.batching, "windows"},
                                                 std::tuple{"precision", "--precision", o.precision, "fp32"}}) {
         const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>() : old;
         if (before != now)
@@ -542,7 +543,8 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const int C = cp().size();
   const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_);
   d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance();
-  for (const int64_t n : lengths) d.over_group += n > T / C ? 1 : 0;
+  for (const Rows& rows : packing.groups)
+    for (const std::vector<int32_t>& row : rows) d.over_group += int64_t(row.size());
   size_rows(d.micro_batches);
   const int64_t joint = packing.joint[size_t(dp_.rank())];
   d.over_group_micro = packing.joint[0];  // rank 0's group (its traffic is the one predicted)

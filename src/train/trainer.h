@@ -9,7 +9,9 @@
 // the rows of step s are windows s·G .. s·G+G−1 whatever the layout, DP rank d taking rows
 // [d·G/dp, (d+1)·G/dp) in micro-batches of B; every micro-batch's loss enters with weight
 // 1/(G/B), so the step's loss and gradients are those of the one-rank run. Every pipeline stage
-// reads the same rows; each (micro-batch, chunk) runs in the order of its stage's schedule.
+// reads the same rows; each (micro-batch, chunk) runs in the order of its stage's schedule. Under
+// document batching step s is a list of whole sequences (data/documents.h) that every rank packs
+// into rows alike (train/balance.h); the step's loss is the mean over its predicted tokens.
 #pragma once
 #include <cstdint>
 #include <string>
