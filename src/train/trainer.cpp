@@ -529,8 +529,9 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const int64_t T = o_.seq_len, B = o_.micro_batch, per = plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1;
   const Balance balance = parse_balance(o_.balance);
   d.sequences = int64_t(seqs.size());
-  auto fill = [&](const Rows& rows, int64_t first, int64_t len) {  // micro-batches from `first` on
-    for (size_t r = 0; r < rows.size(); ++r) write_row(docs, seqs, rows[r], len, tokens_.data() + (first * B + int64_t(r)) * 2 * T);
+  auto fill = [&](const Rows& rows, int64_t first, int64_t len) {  // micro-batches from `first` on, rows of len
+    for (int64_t r = 0; r < int64_t(rows.size()); ++r)
+      write_row(docs, seqs, rows[size_t(r)], len, tokens_.data() + (first + r / B) * B * 2 * T + (r % B) * 2 * len);
   };
   if (!o_.cp_per_sequence() || cp().size() == 1) {
     const Packing packing = pack_sequences(lengths, dp_.size(), T, B * per, balance, sequence_cost_);

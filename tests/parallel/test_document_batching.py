@@ -2,16 +2,19 @@
 
 Data: byte-level documents of 10..80 tokens (data prepare's fortune split, end-of-document 256), so with
 L = --seq-len 32 many are cut into pieces, some pieces are one token long (they predict nothing), and
-rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-batches of one row.
+rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-batches of one row
+(but one layout's).
 
   1. 20 AdamW steps of gpt2, llama (2 KV heads) and mixtral (8 experts, aux none, no z-loss), 4 layers,
      under DP2, DP4, TP2xDP2+SP, CP2xDP2 (a CP degree per sequence: those of at most 16 tokens on one
-     rank) and with --static-cp, CP4, CP2 a2a with full recompute, CP2xPP2, CP2 --balance none,
+     rank) and with --static-cp, CP2 with micro-batches of 3 rows, CP4, CP2 a2a with full recompute, CP2xPP2, CP2 --balance none,
      PP2xDP2 (1F1B), PP2 interleaved v2, DP2 ZeRO-1, DP2 ZeRO-3, DP2 recompute full, DP2 --balance none
      and (mixtral) EP2, EP2xDP2 and CP2xEP2: every step's loss
      within 1e-5 relative of the one-rank run, and its tokens, sequences and predicted tokens equal; for
      gpt2 and llama the first step's comm_bytes equal the prediction for its micro-batches.
      Under CP2xDP2 fewer sequences run over the CP group than with --static-cp, and fewer cp bytes move.
+     In bf16 (llama), CP2xDP2 and DP2 ZeRO-1 stay within 1e-3 of the one-rank bf16 run (test_bf16_layouts.py's
+     bound), which differs from the fp32 run.
   2. The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
      losses (steps 11..20).
   3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
@@ -27,7 +30,7 @@ RTOL = 1e-5
 L, N = 32, 160
 # Adam's eps 1e-6 as in test_layouts.py (which measures why: with 1e-8, Adam amplifies the float noise of
 # gradients near zero, and after some steps of that a MoE token's top-2 routing flips on one layout).
-COMMON = ["--steps", "20", "--micro-batch", "1", "--lr", "3e-3", "--warmup", "2", "--min-lr", "3e-4", "--eps", "1e-6",
+COMMON = ["--steps", "20", "--lr", "3e-3", "--warmup", "2", "--min-lr", "3e-4", "--eps", "1e-6",
           "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7", "--threads", "1", "--quiet",
           "--batching", "documents", "--seq-len", str(L), "--tokens-per-step", str(N)]
 # (name, ranks, flags, only for the MoE model)
@@ -37,6 +40,7 @@ LAYOUTS = [
     ("TP2xDP2+SP", 4, ["--tp", "2", "--sequence-parallel"], False),
     ("CP2xDP2", 4, ["--cp", "2"], False),
     ("CP2xDP2 static", 4, ["--cp", "2", "--static-cp"], False),
+    ("CP2 micro-batch 3", 2, ["--cp", "2", "--micro-batch", "3"], False),
     ("CP4", 4, ["--cp", "4"], False),
     ("CP2 a2a recompute full", 2, ["--cp", "2", "--cp-comm", "a2a", "--recompute", "full"], False),
     ("CP2xPP2", 4, ["--cp", "2", "--pp", "2"], False),
@@ -64,7 +68,8 @@ def document_lengths(prefix):
 
 def train(tmp, tag, ranks, cfg, data, flags):
     metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
-    rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *flags, "--metrics", metrics])
+    rows = [] if "--micro-batch" in flags else ["--micro-batch", "1"]
+    rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *rows, *flags, "--metrics", metrics])
     if rc != 0:
         return None, "exit %s: %s" % (rc, out[-600:])
     return h.read_metrics(metrics), None
@@ -143,6 +148,33 @@ def check_cp_degrees(runs, failures):
         "ok" if ok else "FAIL", sum(over), sum(every), ratio))
 
 
+def check_bf16(tmp, data, failures):
+    """Mixed precision composes: bf16 layouts within test_bf16_layouts.py's bound (1e-3 relative) of the
+    one-rank bf16 run, which differs from the fp32 one (so --precision was not ignored)."""
+    print("1c. --precision bf16 (llama)")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    bf16 = ["--precision", "bf16"]
+    one, err = train(tmp, "bf16 one rank", 0, cfg, data, bf16)
+    fp32, err2 = train(tmp, "fp32 one rank", 0, cfg, data, [])
+    if err or err2:
+        failures.append("bf16: " + (err or err2))
+        return
+    apart = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(one, fp32))
+    if apart <= 1e-4:
+        failures.append("bf16: the one-rank bf16 run is within %.1e of fp32: --precision was ignored" % apart)
+    for name, ranks, flags in (("CP2xDP2", 4, ["--cp", "2"]), ("DP2 ZeRO-1", 2, ["--zero", "1"])):
+        got, err = train(tmp, "bf16 " + name, ranks, cfg, data, bf16 + flags)
+        if err:
+            failures.append("bf16 %s: %s" % (name, err))
+            continue
+        worst = max(abs(g["loss"] - r["loss"]) / abs(r["loss"]) for g, r in zip(got, one))
+        if len(got) != len(one) or worst > 1e-3 or "bf16" not in got[0]["layout"]:
+            failures.append("bf16 %s: worst %.1e of the one-rank bf16 loss (bound 1e-3), layout '%s'" % (
+                name, worst, got[0]["layout"]))
+        print("  %-4s bf16 %-10s worst %.1e (bf16 vs fp32 one rank: %.1e apart)" % (
+            "ok" if worst <= 1e-3 else "FAIL", name, worst, apart))
+
+
 def check_resume(tmp, data, failures):
     print("2. resume under another layout")
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
@@ -209,6 +241,7 @@ def main():
     if longer < 20 or ones < 2:
         failures.append("data: %d documents longer than L and %d one-token pieces; the test needs both" % (longer, ones))
     check_cp_degrees(check_layouts(tmp, data, failures), failures)
+    check_bf16(tmp, data, failures)
     check_resume(tmp, data, failures)
     check_balance(tmp, data, failures)
     check_mistakes(data, h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14)), failures)

@@ -150,9 +150,14 @@ def data_prepare(argv):
     p.add_argument("--tokenizer", default="byte")
     p.add_argument("--split", default="auto")
     a = p.parse_args(argv)
-    if a.tokenizer != "byte" or a.split != "auto" or os.path.isdir(a.input):
-        sys.exit("fake origami: only one file, --tokenizer byte, --split auto")
-    ref.prepare_byte_dataset(a.input, a.output)
+    if a.tokenizer != "byte" or a.split not in ("auto", "line") or os.path.isdir(a.input):
+        sys.exit("fake origami: only one file, --tokenizer byte, --split auto or line")
+    if a.split == "auto":
+        return ref.prepare_byte_dataset(a.input, a.output)
+    with open(a.input, "rb") as f:  # each line without its line break, blank ones skipped
+        lines = [l.rstrip(b"\r") for l in f.read().split(b"\n") if l.strip()]
+    ref.write_indexed_dataset(a.output, [ref.np.append(ref.np.frombuffer(l, dtype=ref.np.uint8).astype(ref.np.int64), 256)
+                                         for l in lines], dtype_code=8)
 
 
 def add_moe_flags(p, train=False):
@@ -204,8 +209,11 @@ def train(argv):
     add_moe_flags(p, train=True)
     for k in ("--config", "--init-from", "--data", "--metrics"):
         p.add_argument(k, required=True)
-    for k in ("--steps", "--micro-batch", "--global-batch", "--seq-len", "--warmup", "--threads"):
+    for k in ("--steps", "--micro-batch", "--global-batch", "--seq-len", "--warmup", "--threads", "--tokens-per-step",
+              "--eval-iters"):
         p.add_argument(k, type=int, default=None)
+    p.add_argument("--batching", choices=("windows", "documents"), default="windows")
+    p.add_argument("--eval-data", default=None)
     for k in ("--lr", "--min-lr", "--weight-decay", "--grad-clip"):
         p.add_argument(k, type=float, default=0.0)
     p.add_argument("--lr-schedule", default="constant")
@@ -218,16 +226,25 @@ def train(argv):
     cfg = ref.load_config(a.config)
     params = ref.load_params(cfg, a.init_from, torch.float32)
     with ref.gemm_precision(a.precision):
-        metrics = ref.train(cfg, params, ref.WindowSampler(a.data, a.seq_len), a.steps, a.micro_batch,
-                            a.global_batch, a.lr, a.min_lr, a.warmup or 0, a.lr_schedule,
-                            a.weight_decay, a.grad_clip, routing=moe_routing(a))
+        if a.batching == "documents":  # rows and micro-batches do not change the reference's sums
+            val = ref.DocumentSampler(a.eval_data, a.seq_len, a.tokens_per_step) if a.eval_data else None
+            metrics = ref.train_documents(cfg, params, ref.DocumentSampler(a.data, a.seq_len, a.tokens_per_step),
+                                          a.steps, a.lr, a.min_lr, a.warmup or 0, a.lr_schedule, a.weight_decay,
+                                          a.grad_clip, routing=moe_routing(a), eval_sampler=val,
+                                          eval_iters=a.eval_iters or 1)
+            for m in metrics:
+                m["documents"] = {"sequences": m.pop("sequences")}
+        else:
+            metrics = ref.train(cfg, params, ref.WindowSampler(a.data, a.seq_len), a.steps, a.micro_batch,
+                                a.global_batch, a.lr, a.min_lr, a.warmup or 0, a.lr_schedule,
+                                a.weight_decay, a.grad_clip, routing=moe_routing(a))
     with open(a.metrics, "w") as f:
         for m in metrics:
             m = {k: v for k, v in m.items() if k != "min_topk_gap"}
             if not ref.moe_layers(cfg):
                 m = {k: v for k, v in m.items() if not k.startswith(("expert_", "router_"))}
             elif not a.moe_router_bias_update_rate:
-                m.pop("router_bias")
+                m.pop("router_bias", None)
             f.write(json.dumps(m) + "\n")
     if a.save:
         step = f"step-{a.steps}"
