@@ -93,6 +93,8 @@ void read_input_options(const Args& a, TrainOptions& o) {
   o.attention_mask = a.str("attention-mask");
   o.batching = a.str("batching");
   o.balance = a.str("balance");
+  ORIGAMI_CHECK(!a.given("balance") || o.batching == "documents", "--balance places the sequences of --batching "
+                "documents (got --batching ", o.batching, ")");
   o.static_cp = a.on("static-cp");
   if (a.has("tokens-per-step")) {
     o.tokens_per_step = a.integer("tokens-per-step");

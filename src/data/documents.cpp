@@ -41,9 +41,12 @@ Sequence DocumentBatcher::peek() {
   }
 }
 
+// Each step takes at least one sequence, so a second epoch begins within as many steps as the first
+// has sequences: the loop ends early however large `steps` is.
 bool DocumentBatcher::repeats(int64_t steps) {
-  if (steps > 0) step(steps - 1);
-  return steps > 0 && last_epoch_ > 0;
+  for (int64_t s = 0; s < steps; ++s)
+    if (step(s), last_epoch_ > 0) return true;
+  return false;
 }
 
 void DocumentBatcher::advance(const Sequence& q) {

@@ -93,6 +93,7 @@ struct RunInfo {
 // Document batching: what a step held and how evenly the balancer spread it (train/balance.h).
 struct DocumentStep {
   int64_t sequences = 0, tokens = 0, predicted = 0;  // the step's sequences, tokens and tokens with a target
+  double flops = 0;                      // the step's training FLOPs, each sequence at its own length
   int64_t micro_batches = 0;             // per DP rank
   int64_t over_group = 0;                // the sequences run over a CP group (all of them without a CP degree per sequence)
   int64_t over_group_micro = -1;         // with a CP degree per sequence: rank 0's group's micro-batches over it

@@ -92,7 +92,6 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(eval_iters >= 1, "--eval-iters must be at least 1, got ", eval_iters);
   ORIGAMI_CHECK(eval_every == 0 || !eval_data.empty(), "--eval-every needs --eval-data PREFIX");
   parse_attention_mask(attention_mask);
-  validate_documents(cfg);
   // Layout degrees first: the global batch's default derives from them.
   ORIGAMI_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
   ORIGAMI_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
@@ -104,6 +103,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(global_batch > 0 && global_batch % micro_batch == 0, "--global-batch (", global_batch,
                 ") must be a positive multiple of --micro-batch (", micro_batch, ")");
   check_limits();
+  validate_documents(cfg);
   ORIGAMI_CHECK(seq_len > 0 && seq_len <= cfg.max_positions, "--seq-len must be in [1, ", cfg.max_positions,
                 "] (the model's maximum positions), got ", seq_len);
   ORIGAMI_CHECK(lr.lr >= 0, "--lr must not be negative, got ", lr.lr);
@@ -235,9 +235,20 @@ ScheduleKind TrainOptions::schedule_kind() const {
 int64_t TrainOptions::micro_batches(int world_size) const {
   if (!documents()) return global_batch / (micro_batch * layout_dims(world_size).dp);
   if (step_micro_batches > 0) return step_micro_batches;
-  const int64_t rows = 2 * ((tokens_per_step + seq_len - 1) / seq_len) + 1;
-  const int64_t m = (rows + micro_batch - 1) / micro_batch;
-  return schedule_kind() == ScheduleKind::interleaved ? (m + pp - 1) / pp * pp : m;
+  // Rows of `len` a worker may need (train/balance.h): lpt fails with R rows a worker only when every
+  // row is more than half full, so it ends with at most ceil(2N / (workers·len)); round-robin may give
+  // one worker almost all N tokens (next fit: 2·ceil(N/len) + 1 rows).
+  const int64_t N = tokens_per_step, dp_size = layout_dims(world_size).dp;
+  const bool lpt = parse_balance(balance) == Balance::lpt;
+  auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  auto micro = [&](int64_t len, int64_t workers) {
+    return ceil_div(lpt ? std::max<int64_t>(1, ceil_div(2 * N, workers * len)) : 2 * ceil_div(N, len) + 1, micro_batch);
+  };
+  const int64_t step = schedule_kind() == ScheduleKind::interleaved ? pp : 1;
+  int64_t m = micro(seq_len, dp_size);
+  // A CP degree per sequence: the lone micro-batches after the joint ones, found in increments of `step`.
+  if (cp_per_sequence()) m += micro(seq_len / cp, dp_size * cp) + step;
+  return ceil_div(m, step) * step;
 }
 
 bool TrainOptions::documents() const {

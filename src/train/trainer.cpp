@@ -168,12 +168,19 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     // A resume continues the run: options that change what it learns from are worth a word when changed.
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
       const nlohmann::json& was = st["options"];
-      // (key, flag, value now, value of a checkpoint written before the key existed)
-      for (const auto& [key, flag, now, old] : {std::tuple{"attention_mask", "--attention-mask", o.attention_mask, "causal"},
-                                                std::tuple{"data", "--data", o.data, ""},
-                                                std::tuple{"batching", "--batching", o.batching, "windows"},
-                                                std::tuple{"precision", "--precision", o.precision, "fp32"}}) {
-        const std::string before = was.contains(key) && was[key].is_string() ? was[key].get<std::string>() : old;
+      // (key, flag, value now, value of a checkpoint written before the key existed). The data position
+      // is replayed from the step: under document batching it also depends on N and L.
+      using Option = std::tuple<const char*, const char*, std::string, std::string>;
+      std::vector<Option> options = {{"attention_mask", "--attention-mask", o.attention_mask, "causal"},
+                                     {"data", "--data", o.data, ""},
+                                     {"batching", "--batching", o.batching, "windows"},
+                                     {"precision", "--precision", o.precision, "fp32"}};
+      if (o.documents())
+        options.insert(options.end(), {{"tokens_per_step", "--tokens-per-step", std::to_string(o.tokens_per_step), "0"},
+                                       {"seq_len", "--seq-len", std::to_string(o.seq_len), std::to_string(o.seq_len)}});
+      for (const auto& [key, flag, now, old] : options) {
+        const nlohmann::json* v = was.contains(key) ? &was[key] : nullptr;
+        const std::string before = v && v->is_string() ? v->get<std::string>() : v && v->is_number_integer() ? v->dump() : old;
         if (before != now)
           std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
                        now.c_str(), ck->path().c_str(), before.c_str());
@@ -525,7 +532,10 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const std::vector<Sequence>& seqs = docs.step(step);
   DocumentStep d;
   std::vector<int64_t> lengths;
-  for (const Sequence& q : seqs) lengths.push_back(q.length), d.tokens += q.length, d.predicted += q.length - 1;
+  for (const Sequence& q : seqs) {
+    lengths.push_back(q.length), d.tokens += q.length, d.predicted += q.length - 1;
+    d.flops += train_flops_per_token(cfg_, q.length) * double(q.length);  // the FLOP convention, per sequence
+  }
   const int64_t T = o_.seq_len, B = o_.micro_batch, per = plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1;
   const Balance balance = parse_balance(o_.balance);
   d.sequences = int64_t(seqs.size());
@@ -668,7 +678,7 @@ int Run::step(int64_t step, StopSignals& signals) {
   r.ms = step_timer.ms();
   r.tokens = in_.docs ? doc_step_.tokens : info_.tokens;
   if (in_.docs) r.documents = &doc_step_;
-  r.gflops = flops_per_token_ * double(r.tokens) / (r.ms / 1000.0) / 1e9;
+  r.gflops = (in_.docs ? doc_step_.flops : flops_per_token_ * double(r.tokens)) / (r.ms / 1000.0) / 1e9;
   r.eta_s = run_timer_.ms() / 1000.0 / double(r.step - start_.step) * double(o_.steps - r.step);
   if (rank0_) print_step_line(info_, r, up.skip());
   if (rank0_ && o_.loss_spike_factor > 0 && !up.skip()) r.loss_spike = spikes_.check(r.step, fig.loss());

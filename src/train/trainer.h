@@ -131,9 +131,9 @@ struct TrainOptions {
   int zero_of(bool experts) const { return experts && fssdp() ? 3 : zero; }  // the ZeRO stage of a parameter set
   ActivationShape activation_shape(int tp) const;
   ScheduleKind schedule_kind() const;
-  // Per step and DP rank: G / (B·dp); under document batching the most a step may need (a step's
-  // packing, train/balance.h, fills more than half of every row but one of each rank: 2·N/T + 1 rows),
-  // a multiple of --pp under the interleaved schedule; step_micro_batches when set.
+  // Per step and DP rank: G / (B·dp); under document batching the most a step may need (bounds from
+  // how the packers of train/balance.h fill rows), a multiple of --pp under the interleaved schedule;
+  // step_micro_batches when set.
   int64_t micro_batches(int world_size) const;
   bool documents() const;  // --batching documents (an Error naming any other value than windows)
   bool cp_per_sequence() const { return documents() && cp > 1 && !static_cp; }  // a CP degree per sequence

@@ -187,6 +187,12 @@ def check_resume(tmp, data, failures):
     worst, fails = compare(one[10:], resumed)
     failures += ["resumed under DP2: " + f for f in fails[:3]]
     print("  %-4s step 10 resumed under DP2: steps 11..20 worst %.1e" % ("ok" if not fails else "FAIL", worst))
+    # Another N replays other steps up to the resumed one: allowed, with a warning naming it.
+    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, *COMMON[2:-2], "--tokens-per-step", "128",
+                           "--resume", os.path.join(save, "step-10"), "--steps", "11"])
+    if rc != 0 or "warning: resuming with --tokens-per-step '128'" not in out:
+        failures.append("resume with another --tokens-per-step: exit %s, no warning naming it:\n%s" % (rc, out[-400:]))
+    print("  %-4s resuming with another --tokens-per-step warns" % ("ok" if rc == 0 and "warning" in out else "FAIL"))
 
 
 def check_balance(tmp, data, failures):
@@ -224,6 +230,10 @@ def check_mistakes(data, other, failures):
         ("both micro-batch options", llama, 2, docs + ["--micro-batch-tokens", "32"], "not both"),
         ("blend with documents", llama, 2, docs + ["--data", "0.5 %s 0.5 %s" % (data, other)], "a blend"),
         ("aux loss with documents", mixtral, 2, docs, "--moe-aux-loss micro"),
+        ("validation reads a document twice", llama, 2, docs + ["--eval-data", other, "--eval-iters", "100000"],
+         "reads some document twice"),
+        ("static CP without CP", llama, 2, docs + ["--static-cp"], "needs --cp > 1"),
+        ("balance with windows", llama, 2, ["--balance", "lpt"], "--balance places the sequences"),
     ])
     args = ["train", "--config", llama, "--data", data, "--steps", "1", "--seq-len", "16", *docs]
     _, _, failure = h.check_error("micro-batch tokens", 2, args + ["--micro-batch-tokens", "20"],

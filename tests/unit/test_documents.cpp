@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <filesystem>
 #include <numeric>
+#include <random>
 #include <set>
 #include <vector>
 
 #include "core/error.h"
 #include "data/documents.h"
 #include "train/balance.h"
+#include "train/trainer.h"
 
 using namespace origami;
 
@@ -165,6 +167,40 @@ TEST(PackSequencesCp, LongOnesOverTheGroupShortOnesAlone) {
   EXPECT_EQ(pack_sequences_cp({40, 20}, 1, 2, 64, 1, 1, Balance::none, cost).micro, 2);
   // Interleaved pipelines need whole multiples of the stages.
   EXPECT_EQ(pack_sequences_cp(lengths, 1, 2, 64, 1, 4, Balance::lpt, cost).micro % 4, 0);
+}
+
+}  // namespace
+
+namespace {
+
+// TrainOptions::micro_batches under document batching bounds what the packers produce (the memory
+// plan, the schedule check and the MPI tags are sized by it): random steps of long-tailed lengths on
+// DP 1, 2, 4, with and without a CP degree per sequence, 1 to 3 rows per micro-batch, both balancers.
+TEST(DocumentBatching, MicroBatchBoundHoldsForEveryPacking) {
+  std::mt19937_64 rng(7);
+  const int64_t L = 32, N = 160;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<int64_t> lengths;
+    int64_t total = 0;
+    for (;;) {
+      const int64_t n = std::min<int64_t>(L, 1 + int64_t(std::exponential_distribution<double>(0.08)(rng)));
+      if (total + n > N) break;
+      lengths.push_back(n), total += n;
+    }
+    for (const int dp : {1, 2, 4})
+      for (const int cp : {1, 2})
+        for (const int64_t B : {1, 2, 3})
+          for (const char* balance : {"none", "lpt"}) {
+            TrainOptions o;
+            o.batching = "documents", o.balance = balance, o.seq_len = L, o.tokens_per_step = N, o.micro_batch = B;
+            o.cp = cp, o.dp = dp;
+            const int64_t bound = o.micro_batches(dp * cp);
+            const Balance b = parse_balance(balance);
+            const int64_t got = cp == 1 ? pack_sequences(lengths, dp, L, B, b, SequenceCost{1, 1}).rows / B
+                                        : pack_sequences_cp(lengths, dp, cp, L, B, 1, b, SequenceCost{1, 1}).micro;
+            ASSERT_LE(got, bound) << "dp " << dp << " cp " << cp << " B " << B << " " << balance << " trial " << trial;
+          }
+  }
 }
 
 }  // namespace
