@@ -44,29 +44,41 @@ Filling deal(const std::vector<int64_t>& lengths, const std::vector<int32_t>& it
   return f;
 }
 
+// Items longest first (ties in index order).
+std::vector<int32_t> longest_first(const std::vector<int64_t>& lengths, std::vector<int32_t> items) {
+  std::stable_sort(items.begin(), items.end(), [&](int32_t x, int32_t y) { return lengths[size_t(x)] > lengths[size_t(y)]; });
+  return items;
+}
+
+// Item i to the least loaded worker with a row it fits in, into that worker's fullest such row (its
+// load grows by share·n²); false when no row has room.
+bool place(const std::vector<int64_t>& lengths, int32_t i, double share, Filling& f) {
+  const int64_t n = lengths[size_t(i)];
+  const size_t workers = f.rows.size();
+  size_t best = workers, best_row = 0;
+  for (size_t w = 0; w < workers; ++w) {
+    if (best < workers && f.load[w] >= f.load[best]) continue;
+    const std::vector<int64_t>& free = f.free[w];
+    size_t row = free.size();
+    for (size_t k = 0; k < free.size(); ++k)
+      if (free[k] >= n && (row == free.size() || free[k] < free[row])) row = k;
+    if (row < free.size()) best = w, best_row = row;
+  }
+  if (best == workers) return false;
+  f.rows[best][best_row].push_back(i);
+  f.free[best][best_row] -= n;
+  f.load[best] += share * double(n) * double(n);
+  return true;
+}
+
 // LPT into cap[w] rows per worker, starting from `load`; false when some item finds no room.
-bool lpt(const std::vector<int64_t>& lengths, std::vector<int32_t> items, const std::vector<int64_t>& cap,
+bool lpt(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, const std::vector<int64_t>& cap,
          int64_t row_len, double share, std::vector<double> load, Filling& f) {
   const size_t workers = cap.size();
   f = {std::vector<Rows>(workers), std::vector<std::vector<int64_t>>(workers), std::move(load)};
   for (size_t w = 0; w < workers; ++w) f.rows[w].resize(size_t(cap[w])), f.free[w].assign(size_t(cap[w]), row_len);
-  std::stable_sort(items.begin(), items.end(), [&](int32_t x, int32_t y) { return lengths[size_t(x)] > lengths[size_t(y)]; });
-  for (const int32_t i : items) {
-    const int64_t n = lengths[size_t(i)];
-    size_t best = workers, best_row = 0;
-    for (size_t w = 0; w < workers; ++w) {
-      if (best < workers && f.load[w] >= f.load[best]) continue;
-      const std::vector<int64_t>& free = f.free[w];
-      size_t row = free.size();  // the fullest row it fits in
-      for (size_t k = 0; k < free.size(); ++k)
-        if (free[k] >= n && (row == free.size() || free[k] < free[row])) row = k;
-      if (row < free.size()) best = w, best_row = row;
-    }
-    if (best == workers) return false;
-    f.rows[best][best_row].push_back(i);
-    f.free[best][best_row] -= n;
-    f.load[best] += share * double(n) * double(n);
-  }
+  for (const int32_t i : longest_first(lengths, items))
+    if (!place(lengths, i, share, f)) return false;
   return true;
 }
 
@@ -89,28 +101,13 @@ Filling lpt_fewest_rows(const std::vector<int64_t>& lengths, const std::vector<i
 }
 
 // Short sequences, longest first, into the padding of the groups' rows (it computes anyway, and there a
-// sequence costs each rank of the group 1/C of its attention): the least loaded group with room, its
-// fullest row that fits. Returns those that found none.
-std::vector<int32_t> fill_gaps(const std::vector<int64_t>& lengths, std::vector<int32_t> items, double share,
+// sequence costs each rank of the group 1/C of its attention), as LPT places them. Returns those that
+// found no room.
+std::vector<int32_t> fill_gaps(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, double share,
                                Filling& g) {
-  std::stable_sort(items.begin(), items.end(), [&](int32_t x, int32_t y) { return lengths[size_t(x)] > lengths[size_t(y)]; });
   std::vector<int32_t> rest;
-  for (const int32_t i : items) {
-    const int64_t n = lengths[size_t(i)];
-    size_t best = g.rows.size(), best_row = 0;
-    for (size_t k = 0; k < g.rows.size(); ++k) {
-      if (best < g.rows.size() && g.load[k] >= g.load[best]) continue;
-      for (size_t j = 0; j < g.free[k].size(); ++j)
-        if (g.free[k][j] >= n && (best != k || g.free[k][j] < g.free[k][best_row])) best = k, best_row = j;
-    }
-    if (best == g.rows.size()) {
-      rest.push_back(i);
-      continue;
-    }
-    g.rows[best][best_row].push_back(i);
-    g.free[best][best_row] -= n;
-    g.load[best] += share * double(n) * double(n);
-  }
+  for (const int32_t i : longest_first(lengths, items))
+    if (!place(lengths, i, share, g)) rest.push_back(i);
   return rest;
 }
 
@@ -168,20 +165,22 @@ CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int
   if (balance == Balance::lpt) shorter = fill_gaps(lengths, shorter, share, g);
   std::vector<double> start(ranks);
   for (size_t w = 0; w < ranks; ++w) start[w] = g.load[w / size_t(cp)];
-  // The short ones over every rank, in the micro-batches its group has left of `micro`.
+  // The short ones over every rank, in the micro-batches its group has left of `micro`: dealt, they
+  // need what their rows need; under lpt, the fewest that hold them.
+  const int64_t least = std::max<int64_t>(1, *std::max_element(p.joint.begin(), p.joint.end()));
   Filling s;
-  const int64_t least = *std::max_element(p.joint.begin(), p.joint.end());
-  for (p.micro = round_up(std::max<int64_t>(1, least), micro_multiple);; p.micro += micro_multiple) {
-    std::vector<int64_t> cap(ranks);
-    for (size_t w = 0; w < ranks; ++w) cap[w] = (p.micro - p.joint[w / size_t(cp)]) * B;
-    if (balance == Balance::lpt) {
-      if (lpt(lengths, shorter, cap, short_len, cost.b, start, s)) break;
-      continue;
-    }
+  if (balance == Balance::none) {
     s = deal(lengths, shorter, ranks, short_len);
-    bool fits = true;
-    for (size_t w = 0; w < ranks; ++w) fits = fits && int64_t(s.rows[w].size()) <= cap[w];
-    if (fits) break;
+    int64_t need = least;
+    for (size_t w = 0; w < ranks; ++w)
+      need = std::max<int64_t>(need, p.joint[w / size_t(cp)] + (int64_t(s.rows[w].size()) + B - 1) / B);
+    p.micro = round_up(need, micro_multiple);
+  } else {
+    for (p.micro = round_up(least, micro_multiple);; p.micro += micro_multiple) {
+      std::vector<int64_t> cap(ranks);
+      for (size_t w = 0; w < ranks; ++w) cap[w] = (p.micro - p.joint[w / size_t(cp)]) * B;
+      if (lpt(lengths, shorter, cap, short_len, cost.b, start, s)) break;
+    }
   }
   for (size_t k = 0; k < size_t(groups); ++k) p.groups.push_back(std::move(g.rows[k]));
   for (size_t w = 0; w < ranks; ++w) {
