@@ -1,0 +1,297 @@
+// The CUDA kernels (src/kernels/cuda) against their CPU twins on random data: each CUDA kernel gets the
+// inputs the CPU kernel gets and must give its outputs within fp32 rounding (max error ≤ 1e-4 of the
+// largest magnitude), or in bf16 the same rounded products summed in another order. Without a CUDA
+// device every test prints one SKIPPED line and passes (CI builds this, the device runs it).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/bf16.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "model/layers/activation.h"
+#include "model/layers/attention.h"
+#include "model/layers/embedding.h"
+#include "model/layers/linear.h"
+#include "model/layers/lm_head.h"
+#include "model/layers/norm.h"
+#include "model/layers/rope.h"
+
+namespace origami {
+namespace {
+
+using Vec = std::vector<float>;
+
+class Cuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (cuda::device_count(&why) == 0) GTEST_SKIP() << "SKIPPED: no CUDA device (" << why << ")";
+  }
+};
+
+Vec random(size_t n, uint32_t seed, float scale = 1.f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.f, scale);
+  Vec v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+// A device copy of host values, and back.
+template <typename T>
+cuda::Buffer<T> up(const std::vector<T>& h) {
+  cuda::Buffer<T> b(h.size());
+  cuda::copy_to_device(b.data(), h.data(), h.size() * sizeof(T));
+  return b;
+}
+template <typename T>
+std::vector<T> down(const cuda::Buffer<T>& b) {
+  std::vector<T> h(b.size());
+  cuda::copy_to_host(h.data(), b.data(), h.size() * sizeof(T));
+  return h;
+}
+
+// max |a − b| over max |b|: the error relative to the tensor's scale.
+double rel_err(const Vec& a, const Vec& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) num = std::max(num, double(std::fabs(a[i] - b[i]))), den = std::max(den, double(std::fabs(b[i])));
+  return den > 0 ? num / den : num;
+}
+#define EXPECT_CLOSE(gpu, cpu, tol) EXPECT_LE(rel_err(gpu, cpu), tol) << #gpu " vs " #cpu
+
+constexpr double kFp32 = 1e-4;
+
+TEST_F(Cuda, MatmulEveryTransposeStrided) {
+  for (Precision p : {Precision::fp32, Precision::bf16})
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        const int64_t M = 37, N = 50, K = 70, pad = 3;
+        const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+        const Vec A = random(static_cast<size_t>((ta ? K : M) * lda), 1), B = random(static_cast<size_t>((tb ? N : K) * ldb), 2);
+        Vec C = random(static_cast<size_t>(M * ldc), 3);
+        auto dA = up(A), dB = up(B), dC = up(C);
+        matmul<float>(p, ta, tb, M, N, K, 0.5f, {A.data(), lda}, {B.data(), ldb}, 0.25f, C.data(), ldc);
+        cuda::matmul(p, ta, tb, M, N, K, 0.5f, {dA.data(), lda}, {dB.data(), ldb}, 0.25f, dC.data(), ldc);
+        EXPECT_CLOSE(down(dC), C, p == Precision::fp32 ? kFp32 : 1e-5) << precision_name(p) << " ta " << ta << " tb " << tb;
+      }
+}
+
+TEST_F(Cuda, Bf16MatmulReadsTheWeightsCopy) {
+  const int64_t M = 16, N = 24, K = 32;
+  const Vec A = random(static_cast<size_t>(M * K), 4), W = random(static_cast<size_t>(N * K), 5);
+  std::vector<bf16> twice(W.size());
+  for (size_t i = 0; i < W.size(); ++i) twice[i] = to_bf16(2.f * W[i]);  // a copy unlike the values
+  Vec C(static_cast<size_t>(M * N)), C2(static_cast<size_t>(M * N));
+  auto dA = up(A), dW = up(W), dC = up(C);
+  auto dLow = up(twice);
+  cuda::matmul(Precision::bf16, false, true, M, N, K, 1.f, {dA.data(), K}, {dW.data(), K, dLow.data()}, 0.f, dC.data(), N);
+  matmul<float>(Precision::bf16, false, true, M, N, K, 2.f, {A.data(), K}, {W.data(), K}, 0.f, C2.data(), N);
+  EXPECT_CLOSE(down(dC), C2, 1e-5);
+}
+
+TEST_F(Cuda, LinearForwardBackwardBothLayouts) {
+  const int64_t N = 45, in = 48, out = 40;
+  for (Precision p : {Precision::fp32, Precision::bf16})
+    for (WeightLayout lay : {WeightLayout::out_in, WeightLayout::in_out}) {
+      const Vec x = random(static_cast<size_t>(N * in), 6), w = random(static_cast<size_t>(in * out), 7, 0.2f), b = random(static_cast<size_t>(out), 8);
+      const Vec dy = random(static_cast<size_t>(N * out), 9);
+      std::vector<bf16> wl(w.size());
+      to_bf16(wl.data(), w.data(), int64_t(w.size()));
+      Vec y(static_cast<size_t>(N * out)), dx(static_cast<size_t>(N * in)), dw(w.size(), 0.5f), db(static_cast<size_t>(out), 0.5f);
+      auto gx = up(x), gw = up(w), gb = up(b), gdy = up(dy), gy = up(y), gdx = up(dx), gdw = up(dw), gdb = up(db);
+      auto gwl = up(wl);
+      const Weights<float> W(w.data(), wl.data(), p), GW(gw.data(), gwl.data(), p);
+      linear_forward<float>(y.data(), x.data(), W, b.data(), N, in, out, lay);
+      linear_backward<float>(dx.data(), dw.data(), db.data(), dy.data(), x.data(), W, N, in, out, lay);
+      const bool io = lay == WeightLayout::in_out;
+      cuda::linear_forward(gy.data(), gx.data(), GW, gb.data(), N, in, out, io);
+      cuda::linear_backward(gdx.data(), gdw.data(), gdb.data(), gdy.data(), gx.data(), GW, N, in, out, io);
+      const double tol = p == Precision::fp32 ? kFp32 : 1e-5;
+      EXPECT_CLOSE(down(gy), y, tol);
+      EXPECT_CLOSE(down(gdx), dx, tol);
+      EXPECT_CLOSE(down(gdw), dw, tol);
+      EXPECT_CLOSE(down(gdb), db, kFp32);
+    }
+}
+
+TEST_F(Cuda, Norms) {
+  const int64_t N = 33, C = 300;
+  const Vec x = random(static_cast<size_t>(N * C), 10, 2.f), w = random(static_cast<size_t>(C), 11), b = random(static_cast<size_t>(C), 12);
+  const Vec dy = random(static_cast<size_t>(N * C), 13);
+  auto gx = up(x), gw = up(w), gb = up(b), gdy = up(dy);
+  {  // LayerNorm
+    Vec y(x.size()), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N)), dx(x.size(), 1.f), dw(static_cast<size_t>(C), 1.f), db(static_cast<size_t>(C), 1.f);
+    auto gy = up(y), gm = up(mean), gr = up(rstd), gdx = up(dx), gdw = up(dw), gdb = up(db);
+    layernorm_forward<float>(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-5);
+    layernorm_backward<float>(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+    cuda::layernorm_forward(gy.data(), gm.data(), gr.data(), gx.data(), gw.data(), gb.data(), N, C, 1e-5);
+    cuda::layernorm_backward(gdx.data(), gdw.data(), gdb.data(), gdy.data(), gx.data(), gw.data(), gm.data(), gr.data(), N, C);
+    EXPECT_CLOSE(down(gy), y, kFp32);
+    EXPECT_CLOSE(down(gm), mean, kFp32);
+    EXPECT_CLOSE(down(gr), rstd, kFp32);
+    EXPECT_CLOSE(down(gdx), dx, kFp32);
+    EXPECT_CLOSE(down(gdw), dw, kFp32);
+    EXPECT_CLOSE(down(gdb), db, kFp32);
+  }
+  {  // RMSNorm
+    Vec y(x.size()), rstd(static_cast<size_t>(N)), dx(x.size(), 1.f), dw(static_cast<size_t>(C), 1.f);
+    auto gy = up(y), gr = up(rstd), gdx = up(dx), gdw = up(dw);
+    rmsnorm_forward<float>(y.data(), rstd.data(), x.data(), w.data(), N, C, 1e-6);
+    rmsnorm_backward<float>(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);
+    cuda::rmsnorm_forward(gy.data(), gr.data(), gx.data(), gw.data(), N, C, 1e-6);
+    cuda::rmsnorm_backward(gdx.data(), gdw.data(), gdy.data(), gx.data(), gw.data(), gr.data(), N, C);
+    EXPECT_CLOSE(down(gy), y, kFp32);
+    EXPECT_CLOSE(down(gr), rstd, kFp32);
+    EXPECT_CLOSE(down(gdx), dx, kFp32);
+    EXPECT_CLOSE(down(gdw), dw, kFp32);
+  }
+}
+
+TEST_F(Cuda, Activations) {
+  const int64_t N = 17, F = 90;
+  const Vec x = random(static_cast<size_t>(N * 2 * F), 14, 3.f), dy = random(static_cast<size_t>(N * 2 * F), 15);
+  auto gx = up(x), gdy = up(dy);
+  Vec y(x.size()), dx(x.size()), h(static_cast<size_t>(N * F)), dgu(x.size());
+  auto gy = up(y), gdx = up(dx), gh = up(h), gdgu = up(dgu);
+  const int64_t n = int64_t(x.size());
+  gelu_forward<float>(y.data(), x.data(), n);
+  gelu_backward<float>(dx.data(), dy.data(), x.data(), n);
+  swiglu_forward<float>(h.data(), x.data(), N, F);
+  swiglu_backward<float>(dgu.data(), dy.data(), x.data(), N, F);
+  cuda::gelu_forward(gy.data(), gx.data(), n);
+  cuda::gelu_backward(gdx.data(), gdy.data(), gx.data(), n);
+  cuda::swiglu_forward(gh.data(), gx.data(), N, F);
+  cuda::swiglu_backward(gdgu.data(), gdy.data(), gx.data(), N, F);
+  EXPECT_CLOSE(down(gy), y, kFp32);
+  EXPECT_CLOSE(down(gdx), dx, kFp32);
+  EXPECT_CLOSE(down(gh), h, kFp32);
+  EXPECT_CLOSE(down(gdgu), dgu, kFp32);
+}
+
+TEST_F(Cuda, RopeWithAndWithoutPositions) {
+  const int64_t B = 2, T = 20, H = 4, KV = 2, D = 16;
+  const RopeTable rt(64, D, 10000.0);
+  auto table = cuda::rope_table(rt.cos.data(), rt.sin.data(), rt.max_T, rt.half);
+  std::vector<int64_t> pos(static_cast<size_t>(B * T));
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = int64_t((i * 7) % 64);
+  auto gpos = up(pos);
+  for (bool with_pos : {false, true}) {
+    Vec q = random(static_cast<size_t>(B * T * (H + 2 * KV) * D), 16), g = random(q.size(), 17);
+    auto gq = up(q), gg = up(g);
+    const int64_t* p = with_pos ? pos.data() : nullptr;
+    rope_forward<float>(q.data(), rt, B, T, H, KV, D, p);
+    rope_backward<float>(g.data(), rt, B, T, H, KV, D, p);
+    cuda::rope_forward(gq.data(), table.data(), B, T, H, KV, D, with_pos ? gpos.data() : nullptr);
+    cuda::rope_backward(gg.data(), table.data(), B, T, H, KV, D, with_pos ? gpos.data() : nullptr);
+    EXPECT_CLOSE(down(gq), q, kFp32) << "positions " << with_pos;
+    EXPECT_CLOSE(down(gg), g, kFp32) << "positions " << with_pos;
+  }
+}
+
+TEST_F(Cuda, EmbeddingRepeatedTokens) {
+  const int64_t B = 3, T = 11, C = 40, V = 9;
+  std::vector<int32_t> tokens(static_cast<size_t>(B * (T + 1)));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * i) % V);  // repeats
+  const Vec wte = random(static_cast<size_t>(V * C), 18), wpe = random(static_cast<size_t>(T * C), 19), dx = random(static_cast<size_t>(B * T * C), 20);
+  Vec x(static_cast<size_t>(B * T * C)), dwte(wte.size(), 0.1f), dwpe(wpe.size(), 0.1f);
+  auto gt = up(tokens);
+  auto gwte = up(wte), gwpe = up(wpe), gdx = up(dx), gx = up(x), gdwte = up(dwte), gdwpe = up(dwpe);
+  embedding_forward<float>(x.data(), tokens.data(), T + 1, wte.data(), wpe.data(), B, T, C);
+  embedding_backward<float>(dwte.data(), dwpe.data(), dx.data(), tokens.data(), T + 1, B, T, C);
+  cuda::embedding_forward(gx.data(), gt.data(), T + 1, gwte.data(), gwpe.data(), B, T, C);
+  cuda::embedding_backward(gdwte.data(), gdwpe.data(), gdx.data(), gt.data(), T + 1, B, T, C);
+  EXPECT_EQ(down(gx), x);        // a copy and one add: exact
+  EXPECT_EQ(down(gdwte), dwte);  // the CPU's summation order: exact
+  EXPECT_EQ(down(gdwpe), dwpe);
+}
+
+// Causal attention with grouped-query heads, a length that is no multiple of a tile, optional documents.
+void check_attention(int64_t D, bool docs) {
+  const int64_t B = 2, T = 150, H = 4, KV = 2, S = (H + 2 * KV) * D;
+  const Vec qkv = random(static_cast<size_t>(B * T * S), 21, 1.5f), dout = random(static_cast<size_t>(B * T * H * D), 22);
+  std::vector<int32_t> doc(static_cast<size_t>(B * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) doc[static_cast<size_t>(b * T + t)] = int32_t(t < 40 ? 0 : t < 41 ? 1 : t < 120 ? 2 : 3);
+  Vec out(static_cast<size_t>(B * T * H * D)), lse(static_cast<size_t>(B * H * T)), dqkv(qkv.size());
+  const int32_t* d = docs ? doc.data() : nullptr;
+  attention_forward<float>(out.data(), lse.data(), qkv.data(), B, T, H, KV, D, d);
+  attention_backward<float>(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, H, KV, D, d);
+  auto gdoc = up(doc);
+  auto gqkv = up(qkv), gdout = up(dout), gout = up(out), glse = up(lse), gdqkv = up(dqkv);
+  cuda::Buffer<float> delta(static_cast<size_t>(B * H * T));
+  const int32_t* gd = docs ? gdoc.data() : nullptr;
+  cuda::attention_forward(gout.data(), glse.data(), gqkv.data(), B, T, H, KV, D, gd);
+  EXPECT_CLOSE(down(gout), out, kFp32) << "D " << D << " docs " << docs;
+  EXPECT_CLOSE(down(glse), lse, kFp32) << "D " << D << " docs " << docs;
+  cuda::attention_backward(gdqkv.data(), gdout.data(), gqkv.data(), gout.data(), glse.data(), delta.data(), B, T, H, KV,
+                           D, gd);
+  const Vec first = down(gdqkv);
+  EXPECT_CLOSE(first, dqkv, kFp32) << "D " << D << " docs " << docs;
+  cuda::attention_backward(gdqkv.data(), gdout.data(), gqkv.data(), gout.data(), glse.data(), delta.data(), B, T, H, KV,
+                           D, gd);
+  EXPECT_EQ(down(gdqkv), first) << "a second backward gives other bits";
+}
+
+TEST_F(Cuda, AttentionCausalGqa) {
+  for (int64_t D : {16, 32, 64, 128}) check_attention(D, false);
+}
+TEST_F(Cuda, AttentionDocumentMask) {
+  for (int64_t D : {16, 64}) check_attention(D, true);
+}
+
+TEST_F(Cuda, LmHeadLossWithPaddingTargets) {
+  for (Precision p : {Precision::fp32, Precision::bf16}) {
+    const int64_t N = 70, C = 48, V = 1000;
+    const Vec x = random(static_cast<size_t>(N * C), 23), w = random(static_cast<size_t>(V * C), 24, 0.3f);
+    std::vector<int32_t> tg(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) tg[static_cast<size_t>(n)] = n % 9 == 4 ? -1 : int32_t((n * 131) % V);
+    std::vector<bf16> wl(w.size());
+    to_bf16(wl.data(), w.data(), int64_t(w.size()));
+    Vec dx(x.size()), dw(w.size(), 0.f);
+    std::vector<float> scratch;
+    auto gx = up(x), gw = up(w), gdx = up(dx), gdw = up(dw);
+    auto gwl = up(wl);
+    auto gt = up(tg);
+    const double loss = lm_head_loss<float>(dx.data(), dw.data(), nullptr, x.data(), Weights<float>(w.data(), wl.data(), p),
+                                            tg.data(), N, C, V, 0.5f, scratch);
+    cuda::Buffer<float> gscratch;
+    const double gloss = cuda::lm_head_loss(gdx.data(), gdw.data(), gx.data(), Weights<float>(gw.data(), gwl.data(), p),
+                                            gt.data(), N, C, V, 0.5f, gscratch);
+    const double tol = p == Precision::fp32 ? kFp32 : 1e-5;
+    EXPECT_NEAR(gloss, loss, kFp32 * std::fabs(loss)) << precision_name(p);
+    EXPECT_CLOSE(down(gdx), dx, tol);
+    EXPECT_CLOSE(down(gdw), dw, tol);
+    // Without gradients the same loss.
+    EXPECT_EQ(cuda::lm_head_loss(nullptr, nullptr, gx.data(), Weights<float>(gw.data(), gwl.data(), p), gt.data(), N, C,
+                                 V, 0.5f, gscratch),
+              gloss);
+  }
+}
+
+TEST_F(Cuda, AdamWUpdateAndSumSquares) {
+  const int64_t n = 5000;
+  Vec w = random(static_cast<size_t>(n), 25), g = random(static_cast<size_t>(n), 26), m = random(static_cast<size_t>(n), 27, 0.1f), v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = std::fabs(g[static_cast<size_t>(i)]) * 0.01f;
+  auto gw = up(w), gg = up(g), gm = up(m), gv = up(v);
+  const float b1 = 0.9f, b2 = 0.95f, step = 1e-3f / 0.19f, isq = float(1 / std::sqrt(0.0975)), eps = 1e-8f, keep = 0.999f;
+  for (int64_t j = 0; j < n; ++j) {  // train/optimizer.cpp's update, element by element
+    const float gj = g[static_cast<size_t>(j)] * 0.5f;
+    m[static_cast<size_t>(j)] = b1 * m[static_cast<size_t>(j)] + (1.f - b1) * gj;
+    v[static_cast<size_t>(j)] = b2 * v[static_cast<size_t>(j)] + (1.f - b2) * gj * gj;
+    w[static_cast<size_t>(j)] = w[static_cast<size_t>(j)] * keep - step * m[static_cast<size_t>(j)] / (std::sqrt(v[static_cast<size_t>(j)]) * isq + eps);
+  }
+  cuda::adamw_update(gw.data(), gg.data(), gm.data(), gv.data(), n, b1, b2, step, isq, eps, keep, 0.5f);
+  EXPECT_CLOSE(down(gw), w, 1e-6);
+  EXPECT_CLOSE(down(gm), m, 1e-6);
+  EXPECT_CLOSE(down(gv), v, 1e-6);
+  double ss = 0;
+  for (float x : g) ss += double(x) * x;
+  EXPECT_NEAR(cuda::sum_squares(gg.data(), n), ss, 1e-12 * ss);
+}
+
+}  // namespace
+}  // namespace origami
