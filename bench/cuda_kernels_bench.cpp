@@ -55,15 +55,18 @@ int main() {
   const int64_t B = 8, T = 1024, N = B * T, C = 768, H = 12, D = 64, V = 50257;
   auto x = random_buffer(size_t(N * 4 * C), 1.f), w = random_buffer(size_t(4 * C * C), 0.02f);
   auto y = random_buffer(size_t(N * 4 * C), 1.f);
-  cuda::Buffer<bf16> w_low(size_t(4 * C * C));
+  // bf16 copies of the weight and of the input activation, as a bf16 run keeps them
+  cuda::Buffer<bf16> w_low(size_t(4 * C * C)), x_low(size_t(N * C));
   cuda::round_to_bf16(w_low.data(), w.data(), 4 * C * C);
+  cuda::round_to_bf16(x_low.data(), x.data(), N * C);
   for (Precision p : {Precision::fp32, Precision::bf16}) {
     const Weights<float> W(w.data(), w_low.data(), p);
+    const Operand<float> X(x.data(), p == Precision::bf16 ? x_low.data() : nullptr);
     const double flops = 2.0 * N * C * 4 * C;
     report((std::string("MLP up GEMM 8192x3072x768 ") + precision_name(p)).c_str(),
-           median_ms([&] { cuda::linear_forward(y.data(), x.data(), W, nullptr, N, C, 4 * C, false); }), flops);
+           median_ms([&] { cuda::linear_forward(y.data(), X, W, nullptr, N, C, 4 * C, false); }), flops);
     report((std::string("MLP up backward (dx, dW) ") + precision_name(p)).c_str(),
-           median_ms([&] { cuda::linear_backward(x.data(), w.data(), nullptr, y.data(), x.data(), W, N, C, 4 * C, false); }),
+           median_ms([&] { cuda::linear_backward(x.data(), w.data(), nullptr, y.data(), X, W, N, C, 4 * C, false); }),
            2 * flops);
   }
   {

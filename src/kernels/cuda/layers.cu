@@ -1,7 +1,9 @@
 // Norms, activations, rotary embedding, embedding, the linear layer's bias parts and the optimizer
 // update on the device (cuda_kernels.h). Each follows its CPU twin's formula; reductions over rows
 // (dw, db, dwte) run in a fixed order, so a run repeats bit for bit.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -11,14 +13,47 @@ namespace origami::cuda {
 namespace {
 constexpr int kThreads = 256;
 
-// Column sums over rows, accumulated: out[c] += Σ_n f(n, c), a thread per column walking the rows in order.
+// Column sums over rows, accumulated: out[c] += Σ_n f(n, c), in two passes with a fixed order. Pass 1:
+// block (x, r) of 32×8 threads sums rows [r·chunk, (r+1)·chunk) of 32 columns, each thread every 8th
+// row, then the 8 partial sums in order; pass 2 adds the row chunks' sums per column in order.
+constexpr int kChunks = 128;
 template <typename F>
-__global__ void column_sums(float* out, int64_t N, int64_t C, F f) {
+__global__ void column_chunk_sums(float* part, int64_t N, int64_t C, int64_t chunk, F f) {
+  __shared__ float acc[8][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x, n0 = int64_t(blockIdx.y) * chunk;
+  const int64_t n1 = n0 + chunk < N ? n0 + chunk : N;
+  float s = 0.f;
+  if (c < C)
+    for (int64_t n = n0 + threadIdx.y; n < n1; n += 8) s += f(n, c);
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  for (int y = 1; y < 8; ++y) s += acc[y][threadIdx.x];
+  part[blockIdx.y * C + c] = s;
+}
+__global__ void add_chunk_sums(float* out, const float* part, int chunks, int64_t C) {
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   float s = 0.f;
-  for (int64_t n = 0; n < N; ++n) s += f(n, c);
+  for (int r = 0; r < chunks; ++r) s += part[r * C + c];
   out[c] += s;
+}
+float* chunk_sums_scratch(int64_t C) {
+  static Buffer<float> part;  // one stream: calls never overlap
+  if (part.size() < size_t(kChunks * C)) part = Buffer<float>(size_t(kChunks * C));
+  return part.data();
+}
+template <typename F>
+void column_sums(float* out, int64_t N, int64_t C, const char* what, F f) {
+  if (N == 0) return;
+  float* part = chunk_sums_scratch(C);
+  const int64_t chunk = std::max<int64_t>(64, (N + kChunks - 1) / kChunks);
+  const int chunks = int((N + chunk - 1) / chunk);
+  column_chunk_sums<<<dim3(blocks_for(C, 32), unsigned(chunks)), dim3(32, 8), 0, cu_stream()>>>(part, N, C,
+                                                                                                 chunk, f);
+  check_launch(what);
+  add_chunk_sums<<<blocks_for(C, 128), 128, 0, cu_stream()>>>(out, part, chunks, C);
+  check_launch(what);
 }
 }  // namespace
 
@@ -66,12 +101,9 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
   if (N == 0) return;
   layernorm_bwd_dx<<<unsigned(N), kThreads, 0, cu_stream()>>>(dx, dy, x, w, mean, rstd, C);
   check_launch("layernorm_backward dx");
-  column_sums<<<blocks_for(C, 128), 128, 0, cu_stream()>>>(
-      dw, N, C, [=] __device__(int64_t n, int64_t c) { return dy[n * C + c] * ((x[n * C + c] - mean[n]) * rstd[n]); });
-  check_launch("layernorm_backward dw");
-  column_sums<<<blocks_for(C, 128), 128, 0, cu_stream()>>>(
-      db, N, C, [=] __device__(int64_t n, int64_t c) { return dy[n * C + c]; });
-  check_launch("layernorm_backward db");
+  column_sums(dw, N, C, "layernorm_backward dw",
+              [=] __device__(int64_t n, int64_t c) { return dy[n * C + c] * ((x[n * C + c] - mean[n]) * rstd[n]); });
+  column_sums(db, N, C, "layernorm_backward db", [=] __device__(int64_t n, int64_t c) { return dy[n * C + c]; });
 }
 
 __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int64_t C, double eps) {
@@ -106,9 +138,8 @@ void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, con
   if (N == 0) return;
   rmsnorm_bwd_dx<<<unsigned(N), kThreads, 0, cu_stream()>>>(dx, dy, x, w, rstd, C);
   check_launch("rmsnorm_backward dx");
-  column_sums<<<blocks_for(C, 128), 128, 0, cu_stream()>>>(
-      dw, N, C, [=] __device__(int64_t n, int64_t c) { return dy[n * C + c] * (x[n * C + c] * rstd[n]); });
-  check_launch("rmsnorm_backward dw");
+  column_sums(dw, N, C, "rmsnorm_backward dw",
+              [=] __device__(int64_t n, int64_t c) { return dy[n * C + c] * (x[n * C + c] * rstd[n]); });
 }
 
 // ---- Activations ----
@@ -222,17 +253,19 @@ void linear_forward(float* y, Operand<float> x, Weights<float> w, const float* b
 }
 void linear_backward(float* dx, float* dw, float* db, const float* dy, Operand<float> x, Weights<float> w, int64_t N,
                      int64_t in, int64_t out, bool w_in_out, bool accumulate_dx) {
-  const Mat<float> g{dy, out};  // rounded by each bf16 GEMM: the same values as one rounding
+  static Buffer<bf16> dy_low;  // dy rounded once for both GEMMs (bf16); one stream: calls never overlap
+  Mat<float> g{dy, out};
+  if (w.p == Precision::bf16) {
+    if (dy_low.size() < size_t(N * out)) dy_low = Buffer<bf16>(size_t(N * out));
+    cuda::round_to_bf16(dy_low.data(), dy, N * out);
+    g.low = dy_low.data();
+  }
   if (dx) matmul(w.p, false, w_in_out, N, in, out, 1.f, g, w.mat(w_in_out ? out : in), accumulate_dx ? 1.f : 0.f, dx, in);
   if (dw) {
     if (!w_in_out) matmul(w.p, true, false, out, in, N, 1.f, g, x.mat(in), 1.f, dw, in);  // dW[out,in] += dyᵀ·x
     else matmul(w.p, true, false, in, out, N, 1.f, x.mat(in), g, 1.f, dw, out);          // dW[in,out] += xᵀ·dy
   }
-  if (db && N > 0) {
-    column_sums<<<blocks_for(out, 128), 128, 0, cu_stream()>>>(
-        db, N, out, [=] __device__(int64_t n, int64_t o) { return dy[n * out + o]; });
-    check_launch("linear_backward db");
-  }
+  if (db) column_sums(db, N, out, "linear_backward db", [=] __device__(int64_t n, int64_t o) { return dy[n * out + o]; });
 }
 
 // ---- Optimizer ----

@@ -3,11 +3,11 @@
 // the max and Σ exp (in double), writes its loss and overwrites its logits with
 // dlogits = grad_scale·(softmax − onehot(target)); two GEMMs give dx and dW. A target of −1 adds no
 // loss and no gradient.
+#include <algorithm>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
-#include "model/layers/lm_head.h"
 
 namespace origami::cuda {
 
@@ -38,12 +38,16 @@ double lm_head_loss(float* dx, float* dw, const float* x, Weights<float> w, cons
                     int64_t V, float grad_scale, Buffer<float>& scratch) {
   if (N == 0) return 0.0;
   const Precision p = w.p;
-  const int64_t chunk = lm_head_chunk_rows(N, V);
+  // Chunks of equal size with at most 2^28 logits (1 GiB) alive: the GPU has the memory, and its GEMMs
+  // run well only on thousands of rows (the CPU's 16M-logit chunks are 333 rows of GPT-2).
+  const int64_t max_rows = std::max<int64_t>(1, (int64_t(1) << 28) / V), chunks = (N + max_rows - 1) / max_rows;
+  const int64_t chunk = (N + chunks - 1) / chunks;
   // logits [chunk, V], then the rows' losses (N doubles as 2N floats, 8-byte aligned)
   const size_t need = size_t(chunk * V + 2 * N + 1);
   if (scratch.size() < need) scratch = Buffer<float>(need);
   float* logits = scratch.data();
   double* loss = reinterpret_cast<double*>(scratch.data() + chunk * V + (chunk * V) % 2);  // 8-byte aligned
+  static Buffer<bf16> low;  // one stream: calls never overlap
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t n = std::min(chunk, N - n0);
     matmul(p, false, true, n, V, C, 1.f, {x + n0 * C, C}, w.mat(C), 0.f, logits, V);
@@ -51,8 +55,14 @@ double lm_head_loss(float* dx, float* dw, const float* x, Weights<float> w, cons
                                                                    dx != nullptr);
     check_launch("lm_head cross_entropy");
     if (!dx) continue;
-    matmul(p, false, false, n, C, V, 1.f, {logits, V}, w.mat(C), 0.f, dx + n0 * C, C);  // dx = dlogits·W
-    matmul(p, true, false, V, C, n, 1.f, {logits, V}, {x + n0 * C, C}, 1.f, dw, C);       // dW += dlogitsᵀ·x
+    Mat<float> g{logits, V};
+    if (p == Precision::bf16) {  // dlogits rounded once for both GEMMs
+      if (low.size() < size_t(chunk * V)) low = Buffer<bf16>(size_t(chunk * V));
+      cuda::round_to_bf16(low.data(), logits, n * V);
+      g.low = low.data();
+    }
+    matmul(p, false, false, n, C, V, 1.f, g, w.mat(C), 0.f, dx + n0 * C, C);  // dx = dlogits·W
+    matmul(p, true, false, V, C, n, 1.f, g, {x + n0 * C, C}, 1.f, dw, C);     // dW += dlogitsᵀ·x
   }
   std::vector<double> host(static_cast<size_t>(N));
   copy_to_host(host.data(), loss, host.size() * sizeof(double));
