@@ -99,6 +99,27 @@ int main() {
              3 * 2.0 * N * C * V);
     }
   }
+  {  // A Mixtral-style MoE layer at C = 768: 8 experts of F = 1536, top 2
+    const int64_t E = 8, K = 2, F = 1536;
+    MoeSizes s{N, C, F, E, K};
+    MoeRouting r;
+    r.aux_coef = 0.01;
+    auto gate = random_buffer(size_t(E * C), 0.02f), dgate = random_buffer(size_t(E * C), 0.01f);
+    auto ex = random_buffer(size_t(E * 3 * F * C), 0.02f), dex = random_buffer(size_t(E * 3 * F * C), 0.01f);
+    cuda::Buffer<bf16> ex_low(size_t(E * 3 * F * C));
+    cuda::round_to_bf16(ex_low.data(), ex.data(), E * 3 * F * C);
+    auto out = random_buffer(size_t(N * C), 1.f), dx = random_buffer(size_t(N * C), 1.f);
+    cuda::MoeDeviceCache cache;
+    for (Precision p : {Precision::fp32, Precision::bf16}) {
+      const Weights<float> W(ex.data(), ex_low.data(), p);
+      report((std::string("MoE 8x top-2 F=1536 fwd+bwd ") + precision_name(p)).c_str(), median_ms([&] {
+               cuda::moe_forward(out.data(), cache, x.data(), gate.data(), W, s, r);
+               cuda::moe_backward(dx.data(), dgate.data(), dex.data(), out.data(), cache, x.data(), gate.data(), W, s, r,
+                                  1.f);
+             }),
+             3 * 2.0 * N * K * 3 * F * C);
+    }
+  }
   {
     auto mean = random_buffer(size_t(N), 1.f), rstd = random_buffer(size_t(N), 1.f);
     auto g = random_buffer(size_t(C), 1.f), b = random_buffer(size_t(C), 1.f);

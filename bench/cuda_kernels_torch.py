@@ -62,6 +62,24 @@ def main():
             loss = F.cross_entropy(F.linear(x, w).float(), targets)
             torch.autograd.grad(loss, (x, w))
         report(f"LM head + CE fwd+bwd {name}", median_ms(step), 3 * 2.0 * N * C * V)
+    E, K, F_ = 8, 2, 1536
+    for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        x = torch.randn(N, C, device=dev, dtype=dt, requires_grad=True)
+        gate = (torch.randn(E, C, device=dev) * 0.02).requires_grad_()
+        w13 = (torch.randn(E, 2 * F_, C, device=dev) * 0.02).to(dt).requires_grad_()
+        w2 = (torch.randn(E, C, F_, device=dev) * 0.02).to(dt).requires_grad_()
+
+        def moe():  # Hugging Face Mixtral's eager loop over experts
+            p = F.softmax(F.linear(x.float(), gate), dim=-1)
+            wk, ek = torch.topk(p, K, dim=-1)
+            wk = (wk / wk.sum(-1, keepdim=True)).to(dt)
+            out = torch.zeros_like(x)
+            for e in range(E):
+                tok, slot = torch.where(ek == e)
+                g, u = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+                out = out.index_add(0, tok, F.linear(F.silu(g) * u, w2[e]) * wk[tok, slot, None])
+            torch.autograd.grad(out, (x, gate, w13, w2), out.detach())
+        report(f"MoE 8x top-2 F=1536 fwd+bwd {name}", median_ms(moe), 3 * 2.0 * N * K * 3 * F_ * C)
     x = torch.randn(N, C, device=dev, requires_grad=True)
     ln = torch.nn.LayerNorm(C).to(dev)
 

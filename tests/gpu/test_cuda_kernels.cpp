@@ -17,6 +17,7 @@
 #include "model/layers/embedding.h"
 #include "model/layers/linear.h"
 #include "model/layers/lm_head.h"
+#include "model/layers/moe.h"
 #include "model/layers/norm.h"
 #include "model/layers/rope.h"
 
@@ -271,6 +272,48 @@ TEST_F(Cuda, LmHeadLossWithPaddingTargets) {
               gloss);
   }
 }
+
+// The one-rank MoE layer: softmax (mixtral) and sigmoid scores, aux loss and z-loss, fp32 and bf16 experts.
+void check_moe(RouterScore score, bool norm_topk, Precision p) {
+  MoeSizes s{96, 32, 48, 8, 2};
+  MoeRouting r;
+  r.score = score, r.norm_topk = norm_topk, r.aux_coef = 0.01, r.z_coef = 0.001;
+  const Vec x = random(static_cast<size_t>(s.N * s.C), 30), gate = random(static_cast<size_t>(s.E * s.C), 31, 0.5f);
+  const Vec experts = random(static_cast<size_t>(s.E * 3 * s.F * s.C), 32, 0.2f), dout = random(x.size(), 33);
+  std::vector<bf16> low(experts.size());
+  to_bf16(low.data(), experts.data(), int64_t(experts.size()));
+  Vec out(x.size()), dx(x.size()), dgate(gate.size(), 0.f), dexp(experts.size(), 0.f);
+  // Device copies first: the CPU backward accumulates into dgate and dexp.
+  auto gx = up(x), ggate = up(gate), gexp = up(experts), gdout = up(dout), gout = up(out), gdx = up(dx), gdgate = up(dgate),
+       gdexp = up(dexp);
+  auto glow = up(low);
+  MoeCache<float> cache;
+  TokenDispatcher local;  // one rank: every expert here
+  MoeScratch<float> scratch;
+  const int64_t rows = TokenDispatcher::max_rows(s.N, s.K, s.E, 1, 1);
+  cache.resize(s, rows), scratch.resize(s, rows, 1);
+  const Weights<float> cpu_w(experts.data(), low.data(), p);
+  moe_forward<float>(out.data(), cache, MoeInputs<float>{x.data(), gate.data(), cpu_w}, s, r, {}, local, scratch);
+  moe_backward_experts<float>(dx.data(), dexp.data(), dout.data(), cache, scratch, cpu_w, s, local);
+  moe_backward_router<float>(dx.data(), dgate.data(), scratch, cache, x.data(), gate.data(), s, r, 1.f);
+  cuda::MoeDeviceCache c;
+  const Weights<float> W(gexp.data(), glow.data(), p);
+  cuda::moe_forward(gout.data(), c, gx.data(), ggate.data(), W, s, r);
+  cuda::moe_backward(gdx.data(), gdgate.data(), gdexp.data(), gdout.data(), c, gx.data(), ggate.data(), W, s, r, 1.f);
+  const double tol = p == Precision::fp32 ? kFp32 : 1e-5;
+  EXPECT_EQ(c.count_E, cache.count_E) << "the rows per expert";
+  EXPECT_CLOSE(down(gout), out, tol);
+  EXPECT_NEAR(c.aux, cache.aux, kFp32 * cache.aux);
+  EXPECT_NEAR(c.z, cache.z, kFp32 * cache.z);
+  EXPECT_CLOSE(down(gdx), dx, tol);
+  EXPECT_CLOSE(down(gdgate), dgate, tol);
+  EXPECT_CLOSE(down(gdexp), dexp, tol);
+}
+
+TEST_F(Cuda, MoeSoftmaxRenormalised) { check_moe(RouterScore::softmax, true, Precision::fp32); }
+TEST_F(Cuda, MoeSoftmaxNotRenormalised) { check_moe(RouterScore::softmax, false, Precision::fp32); }
+TEST_F(Cuda, MoeSigmoid) { check_moe(RouterScore::sigmoid, true, Precision::fp32); }
+TEST_F(Cuda, MoeBf16Experts) { check_moe(RouterScore::softmax, true, Precision::bf16); }
 
 TEST_F(Cuda, AdamWUpdateAndSumSquares) {
   const int64_t n = 5000;

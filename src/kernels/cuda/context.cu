@@ -76,6 +76,7 @@ Buffer<T>& Buffer<T>::operator=(Buffer&& o) noexcept {
   return *this;
 }
 template class Buffer<float>;
+template class Buffer<double>;
 template class Buffer<bf16>;
 template class Buffer<int32_t>;
 template class Buffer<int64_t>;

@@ -12,7 +12,11 @@
 #include <cstdint>
 #include <string>
 
+#include <vector>
+
 #include "kernels/cpu/matmul.h"
+#include "model/config.h"
+#include "model/layers/moe.h"
 
 namespace origami::cuda {
 
@@ -106,6 +110,25 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 // target (waits for the stream).
 double lm_head_loss(float* dx, float* dw, const float* x, Weights<float> w, const int32_t* targets, int64_t N, int64_t C,
                     int64_t V, float grad_scale, Buffer<float>& scratch);
+
+// ---- Mixture-of-experts MLP on one device (model/layers/moe.h's one-rank moe_forward / moe_backward) ----
+// Routing as there (softmax or sigmoid scores, top K with ties to the lower expert, renormalised
+// weights), dropless (no capacity, no router bias), aux loss `micro` or none, z-loss; each expert's
+// rows one GEMM pair through cuBLASLt. The rows per expert come back to the host once per forward
+// (the GEMMs' sizes). Experts' weights as in moe.h's legend, in their precision.
+struct MoeDeviceCache {
+  Buffer<float> logits_NE, lse_N, score_NK, weight_NK, frac_E;
+  Buffer<int32_t> expert_NK, row_NK;  // chosen experts, best first; each assignment's permuted row
+  std::vector<int64_t> count_E;       // rows per expert (host)
+  Buffer<float> xe_RC, gu_R2F, act_RF, y_RC;
+  double aux = 0, z = 0;              // coefficient-weighted router losses
+};
+void moe_forward(float* out_NC, MoeDeviceCache& cache, const float* x_NC, const float* gate_EC, Weights<float> experts,
+                 const MoeSizes& s, const MoeRouting& r);
+// dx overwritten, dgate and dexperts accumulated (+=); loss_scale multiplies the router losses' gradient.
+void moe_backward(float* dx_NC, float* dgate_EC, float* dexperts, const float* dout_NC, const MoeDeviceCache& cache,
+                  const float* x_NC, const float* gate_EC, Weights<float> experts, const MoeSizes& s,
+                  const MoeRouting& r, float loss_scale);
 
 // ---- Optimizer (train/optimizer.h): one segment's AdamW update on g·grad_scale ----
 // keep = 1 − lr·wd (1 for vectors), step_size = lr/(1 − β1^t), inv_sqrt_bc2 = 1/√(1 − β2^t).
