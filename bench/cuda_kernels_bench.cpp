@@ -81,6 +81,13 @@ int main() {
                                       H, H, D);
            }),
            2.5 * fwd);
+    report("attention forward bf16 (causal)",
+           median_ms([&] { cuda::attention_forward_bf16(out.data(), lse.data(), qkv.data(), B, T, H, H, D); }), fwd);
+    report("attention backward bf16 (causal)", median_ms([&] {
+             cuda::attention_backward_bf16(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), delta.data(), B,
+                                           T, H, H, D);
+           }),
+           2.5 * fwd);
   }
   {
     auto wte = random_buffer(size_t(V * C), 0.02f), dwte = random_buffer(size_t(V * C), 0.01f);

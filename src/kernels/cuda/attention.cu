@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace origami::cuda {
@@ -14,26 +15,6 @@ namespace origami::cuda {
 namespace {
 constexpr int kRows = 64;  // query rows (forward, dq) or key rows (dk, dv) per block: one per thread
 constexpr int kTile = 32;  // rows of the shared tile a block walks
-
-// Where a token's heads are in the packed rows (attention.h's legend).
-struct Dims {
-  int64_t T, H, KV, D, S, group;  // S = (H + 2·KV)·D; group = H / KV query heads per kv head
-  const int32_t* doc;             // [B, T] or null
-  float scale;                    // 1/√D
-  __device__ int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * S + h * D; }
-  __device__ int64_t k_at(int64_t b, int64_t t, int64_t g) const { return (b * T + t) * S + (H + g) * D; }
-  __device__ int64_t v_at(int64_t b, int64_t t, int64_t g) const { return (b * T + t) * S + (H + KV + g) * D; }
-  __device__ int64_t o_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * H * D + h * D; }
-  __device__ int64_t l_at(int64_t b, int64_t t, int64_t h) const { return (b * H + h) * T + t; }
-  // Key j visible to query i (both < T).
-  __device__ bool visible(int64_t b, int64_t i, int64_t j) const {
-    return j <= i && (!doc || doc[b * T + j] == doc[b * T + i]);
-  }
-  // No pair of queries [i0, i1) and keys [j0, j1) visible (documents are nondecreasing along a row).
-  __device__ bool empty(int64_t b, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
-    return j0 >= i1 || i0 >= T || (doc && doc[b * T + j1 - 1] < doc[b * T + i0]);
-  }
-};
 
 // Rows [r0, r0 + kTile) of one head into a shared tile (zeros past T): src is the head at t = 0 of its
 // batch row, `row` the stride between tokens.
@@ -99,14 +80,16 @@ __global__ void forward_kernel(float* out, float* lse, const float* qkv, Dims m)
   lse[m.l_at(b, i, h)] = mx + logf(sum);
 }
 
-// delta[b,h,i] = Σ_d dout·out (FlashAttention-2's D term): a thread per query row and head.
-__global__ void delta_kernel(float* delta, const float* dout, const float* out, int64_t B, Dims m) {
+// delta[b,h,i] = Σ_d dout·out (FlashAttention-2's D term): a thread per query row and head. With
+// round_dout, dout as the bf16 kernels read it (rounded), so delta and dP agree.
+__global__ void delta_kernel(float* delta, const float* dout, const float* out, int64_t B, Dims m, bool round_dout) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // over (b, h, i)
   if (e >= B * m.H * m.T) return;
   const int64_t i = e % m.T, h = (e / m.T) % m.H, b = e / (m.T * m.H);
   const int64_t at = (b * m.T + i) * m.H * m.D + h * m.D;
   float s = 0.f;
-  for (int64_t d = 0; d < m.D; ++d) s += dout[at + d] * out[at + d];
+  for (int64_t d = 0; d < m.D; ++d)
+    s += (round_dout ? __bfloat162float(__float2bfloat16_rn(dout[at + d])) : dout[at + d]) * out[at + d];
   delta[e] = s;
 }
 
@@ -186,22 +169,12 @@ __global__ void dkv_kernel(float* dqkv, const float* dout, const float* qkv, con
   for (int d = 0; d < D; ++d) dqkv[m.k_at(b, j, g) + d] = dk[d] * m.scale, dqkv[m.v_at(b, j, g) + d] = dv[d];
 }
 
-Dims dims(int64_t T, int64_t H, int64_t KV, int64_t D, const int32_t* doc) {
-  return {T, H, KV, D, (H + 2 * KV) * D, H / KV, doc, float(1.0 / std::sqrt(double(D)))};
-}
-
-// Calls f.template operator()<D>() for the head dims built (the per-thread rows live in registers).
-template <typename F>
-void with_head_dim(int64_t D, F f) {
-  switch (D) {
-    case 16: return f.template operator()<16>();
-    case 32: return f.template operator()<32>();
-    case 64: return f.template operator()<64>();
-    case 128: return f.template operator()<128>();
-    default: throw Error(cat("CUDA attention: head dim ", D, " is not built (16, 32, 64 or 128)"));
-  }
-}
 }  // namespace
+
+void attention_delta(float* delta, const float* dout, const float* out, int64_t B, const Dims& m, bool round_dout) {
+  delta_kernel<<<blocks_for(B * m.H * m.T, 256), 256, 0, cu_stream()>>>(delta, dout, out, B, m, round_dout);
+  check_launch("attention delta");
+}
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
                        int64_t D, const int32_t* doc) {
@@ -218,8 +191,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                         float* delta, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, const int32_t* doc) {
   if (B * T == 0) return;
   const Dims m = dims(T, H, KV, D, doc);
-  delta_kernel<<<blocks_for(B * H * T, 256), 256, 0, cu_stream()>>>(delta, dout, out, B, m);
-  check_launch("attention_backward delta");
+  attention_delta(delta, dout, out, B, m, false);
   with_head_dim(D, [&]<int HD>() {
     dq_kernel<HD><<<dim3(blocks_for(T, kRows), unsigned(H), unsigned(B)), kRows, 0, cu_stream()>>>(dqkv, dout, qkv,
                                                                                                    lse, delta, m);

@@ -105,6 +105,15 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                         float* scratch_BHT, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D,
                         const int32_t* doc = nullptr);
 
+// In bf16 on the tensor cores (FlashAttention-2's rounding points, attention_bf16.cu): q, k, v rounded to
+// bf16 as read, scores and softmax in fp32, probabilities rounded for P·V; backward rounds dout, P and dS
+// for its products. Same arguments and layouts as above (fp32 in and out).
+void attention_forward_bf16(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
+                            int64_t D, const int32_t* doc = nullptr);
+void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                             float* scratch_BHT, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D,
+                             const int32_t* doc = nullptr);
+
 // ---- LM head with cross-entropy (model/layers/lm_head.h, one vocabulary shard) ----
 // In chunks of lm_head_chunk_rows rows; scratch grows as needed. Returns Σ loss over rows with a
 // target (waits for the stream).

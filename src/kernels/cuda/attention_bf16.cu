@@ -1,0 +1,332 @@
+// Fused causal attention in bf16 on the tensor cores (cuda_kernels.h), FlashAttention-2's scheme and
+// rounding points: q, k, v rounded to bf16 as they are read; scores S = q·kᵀ accumulated in fp32 and
+// the softmax in fp32; the probabilities rounded to bf16 for P·V. Backward rounds dout, P and
+// dS = P∘(dP − delta) for its products, accumulating in fp32. No atomics: dq is its own kernel (a
+// block per query tile walking the key tiles), dk and dv another (a block per key tile walking the
+// query tiles), so a run repeats bit for bit.
+//
+// Each block has 4 warps; a warp owns 16 rows (queries, or keys in the dk/dv kernel) and multiplies
+// 16×16 by 16×8 tiles with mma.sync.m16n8k16 (bf16 in, fp32 out). Fragment layouts (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16"), lane = 4·g + t:
+//   A (16×16, row-major): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]
+//   B (16×8, given as Y = Bᵀ, 8×16 row-major): b0 = Y[g][2t, 2t+1], b1 = Y[g][2t+8, 2t+9]
+//   C (16×8 fp32): c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
+// So every product is X·Yᵀ with both operands row-major along the summed index, read as bf16 pairs
+// from shared memory; a C tile pair becomes an A fragment in registers (the probabilities, dS).
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace origami::cuda {
+
+namespace {
+constexpr int kWarps = 4, kRows = 16 * kWarps, kTile = 64;  // rows per block; keys (queries) per tile
+constexpr int kPad = 8;                                        // bf16 elements padding a shared row
+
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// A shared tile of bf16 rows with `ld` elements per row.
+struct Tile {
+  __nv_bfloat16* p;
+  int ld;
+  __device__ __nv_bfloat16* row(int r) const { return p + r * ld; }
+};
+
+// n rows [r0, r0+n) of one head (src: the head at t = 0, stride `tok`), rounded into tile rows (zeros past
+// T), or transposed (tile[d][r]).
+template <int D>
+__device__ void load_rows(Tile t, const float* src, int64_t r0, int64_t T, int64_t tok, bool transposed) {
+  for (int e = threadIdx.x; e < kTile * D; e += blockDim.x) {
+    const int r = e / D, d = e % D;
+    const __nv_bfloat16 v = __float2bfloat16_rn(r0 + r < T ? src[(r0 + r) * tok + d] : 0.f);
+    if (transposed) t.row(d)[r] = v;
+    else t.row(r)[d] = v;
+  }
+}
+
+// A fragments of the warp's 16 rows [r0, r0+16) of one head, all D/16 steps, read from global fp32.
+template <int D>
+__device__ void load_a(uint32_t a[D / 16][4], const float* src, int64_t r0, int64_t T, int64_t tok) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  auto at = [&](int64_t r, int c) {
+    return r < T ? pack(src[r * tok + c], src[r * tok + c + 1]) : 0u;
+  };
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    a[k][0] = at(r0 + g, 16 * k + 2 * t), a[k][1] = at(r0 + g + 8, 16 * k + 2 * t);
+    a[k][2] = at(r0 + g, 16 * k + 2 * t + 8), a[k][3] = at(r0 + g + 8, 16 * k + 2 * t + 8);
+  }
+}
+
+// acc[n][·] (16 rows × 8n columns) += A (16 × 16·K16) · Yᵀ, Y's rows y0.. of the tile (8 per n).
+template <int K16, int N8>
+__device__ void mma_rows(float acc[N8][4], const uint32_t a[K16][4], Tile y, int y0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int k = 0; k < K16; ++k)
+#pragma unroll
+    for (int n = 0; n < N8; ++n) {
+      const __nv_bfloat16* r = y.row(y0 + 8 * n + g) + 16 * k + 2 * t;
+      mma(acc[n], a[k], pair(r), pair(r + 8));
+    }
+}
+
+// The 16×64 fp32 tile c as A fragments (4 steps of 16 columns), rounded to bf16.
+__device__ void to_a(uint32_t a[4][4], const float c[8][4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    a[k][0] = pack(c[2 * k][0], c[2 * k][1]), a[k][1] = pack(c[2 * k][2], c[2 * k][3]);
+    a[k][2] = pack(c[2 * k + 1][0], c[2 * k + 1][1]), a[k][3] = pack(c[2 * k + 1][2], c[2 * k + 1][3]);
+  }
+}
+
+template <int N8>
+__device__ void zero(float acc[N8][4]) {
+#pragma unroll
+  for (int n = 0; n < N8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
+// Row and column of element e of n-tile n in a warp's 16×64 C tile (rows from r0, columns from c0).
+struct Place {
+  int64_t row, col;
+};
+__device__ Place place(int64_t r0, int64_t c0, int n, int e) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  return {r0 + g + (e >= 2 ? 8 : 0), c0 + 8 * n + 2 * t + (e & 1)};
+}
+
+// ---- Forward: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+template <int D>
+__global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, const float* qkv, Dims m) {
+  extern __shared__ __nv_bfloat16 smem[];
+  const Tile ks{smem, D + kPad}, vt{smem + kTile * (D + kPad), kTile + kPad};
+  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
+  const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
+  uint32_t qa[D / 16][4];
+  load_a<D>(qa, qkv + m.q_at(b, 0, h), w0, m.T, m.S);
+  float o[D / 8][4], mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
+  zero<D / 8>(o);
+  for (int64_t j0 = 0; j0 < i1; j0 += kTile) {
+    if (m.empty(b, i0, i1, j0, min(m.T, j0 + kTile))) continue;  // the same for the whole block
+    __syncthreads();
+    load_rows<D>(ks, qkv + m.k_at(b, 0, g), j0, m.T, m.S, false);
+    load_rows<D>(vt, qkv + m.v_at(b, 0, g), j0, m.T, m.S, true);
+    __syncthreads();
+    if (w0 >= m.T || j0 > w0 + 15) continue;  // the warp's queries see none of these keys
+    float s[8][4];
+    zero<8>(s);
+    mma_rows<D / 16, 8>(s, qa, ks, 0);
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const Place p = place(w0, j0, n, e);
+        const bool vis = p.row < m.T && p.col < m.T && m.visible(b, p.row, p.col);
+        s[n][e] = vis ? s[n][e] * m.scale : -INFINITY;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+      }
+    float keep[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // the row's 4 threads agree on its max
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float new_max = fmaxf(mx[r], tile_max[r]);
+      base[r] = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp(−∞) = 0 below
+      keep[r] = expf(mx[r] - base[r]);
+      mx[r] = new_max;
+      sum[r] *= keep[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum[e >> 1] += (s[n][e] = expf(s[n][e] - base[e >> 1]));
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] *= keep[0], o[n][1] *= keep[0], o[n][2] *= keep[1], o[n][3] *= keep[1];
+    uint32_t pa[4][4];
+    to_a(pa, s);
+    mma_rows<4, D / 8>(o, pa, vt, 0);
+  }
+  const int gq = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+    const int64_t i = w0 + gq + 8 * r;
+    if (i >= m.T) continue;
+    if (t == 0) lse[m.l_at(b, i, h)] = mx[r] + logf(sum[r]);
+    float* dst = out + m.o_at(b, i, h);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) dst[8 * n + 2 * t] = o[n][2 * r] / sum[r], dst[8 * n + 2 * t + 1] = o[n][2 * r + 1] / sum[r];
+  }
+}
+
+// The probabilities and dS of a warp's 16×64 tile (rows r0.. against columns c0..; `rows_are_queries`
+// says which is which): p = exp(s·scale − lse_query) where visible, else 0; ds = p∘(dp − delta_query).
+// lse and delta of the rows are given per thread (rows g, g+8), of the columns read from shared memory.
+__device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int64_t b, int64_t r0, int64_t c0,
+                              bool rows_are_queries, const float row_lse[2], const float row_delta[2],
+                              const float* col_lse, const float* col_delta) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Place p = place(r0, c0, n, e);
+      const int64_t i = rows_are_queries ? p.row : p.col, j = rows_are_queries ? p.col : p.row;
+      const bool vis = p.row < m.T && p.col < m.T && m.visible(b, i, j);
+      const int c = 8 * n + 2 * (threadIdx.x & 3) + (e & 1);
+      const float L = rows_are_queries ? row_lse[e >> 1] : col_lse[c];
+      const float dl = rows_are_queries ? row_delta[e >> 1] : col_delta[c];
+      const float pr = vis ? expf(s[n][e] * m.scale - L) : 0.f;
+      s[n][e] = pr;
+      dp[n][e] = pr * (dp[n][e] - dl);
+    }
+}
+
+// ---- dq: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+template <int D>
+__global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const float* dout, const float* qkv, const float* lse,
+                                               const float* delta, Dims m) {
+  extern __shared__ __nv_bfloat16 smem[];
+  const Tile ks{smem, D + kPad}, vs{ks.p + kTile * ks.ld, D + kPad}, kt{vs.p + kTile * vs.ld, kTile + kPad};
+  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
+  const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
+  const int gq = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  uint32_t qa[D / 16][4], oa[D / 16][4];
+  load_a<D>(qa, qkv + m.q_at(b, 0, h), w0, m.T, m.S);
+  load_a<D>(oa, dout + m.o_at(b, 0, h), w0, m.T, m.H * m.D);
+  float L[2], dl[2], dq[D / 8][4];
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = w0 + gq + 8 * r;
+    L[r] = i < m.T ? lse[m.l_at(b, i, h)] : 0.f, dl[r] = i < m.T ? delta[m.l_at(b, i, h)] : 0.f;
+  }
+  zero<D / 8>(dq);
+  for (int64_t j0 = 0; j0 < i1; j0 += kTile) {
+    if (m.empty(b, i0, i1, j0, min(m.T, j0 + kTile))) continue;
+    __syncthreads();
+    load_rows<D>(ks, qkv + m.k_at(b, 0, g), j0, m.T, m.S, false);
+    load_rows<D>(vs, qkv + m.v_at(b, 0, g), j0, m.T, m.S, false);
+    load_rows<D>(kt, qkv + m.k_at(b, 0, g), j0, m.T, m.S, true);
+    __syncthreads();
+    if (w0 >= m.T || j0 > w0 + 15) continue;
+    float s[8][4], dp[8][4];
+    zero<8>(s), zero<8>(dp);
+    mma_rows<D / 16, 8>(s, qa, ks, 0);   // S = q·kᵀ
+    mma_rows<D / 16, 8>(dp, oa, vs, 0);  // dP = dout·vᵀ
+    probabilities(s, dp, m, b, w0, j0, true, L, dl, nullptr, nullptr);
+    uint32_t da[4][4];
+    to_a(da, dp);
+    mma_rows<4, D / 8>(dq, da, kt, 0);  // dq += dS·k
+  }
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = w0 + gq + 8 * r;
+    if (i >= m.T) continue;
+    float* dst = dqkv + m.q_at(b, i, h);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      dst[8 * n + 2 * t] = dq[n][2 * r] * m.scale, dst[8 * n + 2 * t + 1] = dq[n][2 * r + 1] * m.scale;
+  }
+}
+
+// ---- dk, dv: grid (⌈T/64⌉, KV, B); warp w owns keys j0 + 16w .. +16, over the group's query heads ----
+template <int D>
+__global__ void __launch_bounds__(128) dkv_bf16(float* dqkv, const float* dout, const float* qkv, const float* lse,
+                                                const float* delta, Dims m) {
+  extern __shared__ __nv_bfloat16 smem[];
+  const Tile qs{smem, D + kPad}, os{qs.p + kTile * qs.ld, D + kPad}, qt{os.p + kTile * os.ld, kTile + kPad},
+      ot{qt.p + D * qt.ld, kTile + kPad};
+  float* col_lse = reinterpret_cast<float*>(ot.p + D * ot.ld);
+  float* col_delta = col_lse + kTile;
+  const int64_t b = blockIdx.z, g = blockIdx.y, j0 = int64_t(blockIdx.x) * kRows;
+  const int64_t j1 = min(m.T, j0 + kRows), w0 = j0 + 16 * (threadIdx.x >> 5);
+  const int gk = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  uint32_t ka[D / 16][4], va[D / 16][4];
+  load_a<D>(ka, qkv + m.k_at(b, 0, g), w0, m.T, m.S);
+  load_a<D>(va, qkv + m.v_at(b, 0, g), w0, m.T, m.S);
+  float dk[D / 8][4], dv[D / 8][4];
+  zero<D / 8>(dk), zero<D / 8>(dv);
+  for (int64_t h = g * m.group; h < (g + 1) * m.group; ++h)
+    for (int64_t i0 = j0; i0 < m.T; i0 += kTile) {  // queries before j0 see no key here
+      if (m.empty(b, i0, min(m.T, i0 + kTile), j0, j1)) continue;
+      __syncthreads();
+      load_rows<D>(qs, qkv + m.q_at(b, 0, h), i0, m.T, m.S, false);
+      load_rows<D>(os, dout + m.o_at(b, 0, h), i0, m.T, m.H * m.D, false);
+      load_rows<D>(qt, qkv + m.q_at(b, 0, h), i0, m.T, m.S, true);
+      load_rows<D>(ot, dout + m.o_at(b, 0, h), i0, m.T, m.H * m.D, true);
+      for (int c = threadIdx.x; c < kTile; c += blockDim.x) {
+        const bool in = i0 + c < m.T;
+        col_lse[c] = in ? lse[m.l_at(b, i0 + c, h)] : 0.f, col_delta[c] = in ? delta[m.l_at(b, i0 + c, h)] : 0.f;
+      }
+      __syncthreads();
+      if (w0 >= m.T || i0 + kTile - 1 < w0) continue;  // every query of the tile precedes the warp's keys
+      float s[8][4], dp[8][4];
+      zero<8>(s), zero<8>(dp);
+      mma_rows<D / 16, 8>(s, ka, qs, 0);   // Sᵀ = k·qᵀ
+      mma_rows<D / 16, 8>(dp, va, os, 0);  // dPᵀ = v·doutᵀ
+      probabilities(s, dp, m, b, w0, i0, false, nullptr, nullptr, col_lse, col_delta);
+      uint32_t pa[4][4], da[4][4];
+      to_a(pa, s), to_a(da, dp);
+      mma_rows<4, D / 8>(dv, pa, ot, 0);  // dv += Pᵀ·dout
+      mma_rows<4, D / 8>(dk, da, qt, 0);  // dk += dSᵀ·q
+    }
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = w0 + gk + 8 * r;
+    if (j >= m.T) continue;
+    float *dkd = dqkv + m.k_at(b, j, g), *dvd = dqkv + m.v_at(b, j, g);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      dkd[8 * n + 2 * t] = dk[n][2 * r] * m.scale, dkd[8 * n + 2 * t + 1] = dk[n][2 * r + 1] * m.scale;
+      dvd[8 * n + 2 * t] = dv[n][2 * r], dvd[8 * n + 2 * t + 1] = dv[n][2 * r + 1];
+    }
+  }
+}
+
+// A kernel with dynamic shared memory (above 48 KiB it must be allowed first).
+template <typename Kernel, typename... Args>
+void launch_with_smem(Kernel kernel, dim3 grid, size_t smem, const char* what, Args... args) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), what);
+  kernel<<<grid, 32 * kWarps, smem, cu_stream()>>>(args...);
+  check_launch(what);
+}
+size_t rows_bytes(int64_t rows, int64_t ld) { return size_t(rows * ld) * sizeof(__nv_bfloat16); }
+}  // namespace
+
+void attention_forward_bf16(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
+                            int64_t D, const int32_t* doc) {
+  if (B * T == 0) return;
+  const Dims m = dims(T, H, KV, D, doc);
+  const dim3 grid(blocks_for(T, kRows), unsigned(H), unsigned(B));
+  with_head_dim(D, [&]<int HD>() {
+    const size_t smem = rows_bytes(kTile, HD + kPad) + rows_bytes(HD, kTile + kPad);
+    launch_with_smem(forward_bf16<HD>, grid, smem, "attention_forward_bf16", out, lse, qkv, m);
+  });
+}
+
+void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                             float* delta, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, const int32_t* doc) {
+  if (B * T == 0) return;
+  const Dims m = dims(T, H, KV, D, doc);
+  attention_delta(delta, dout, out, B, m, true);
+  with_head_dim(D, [&]<int HD>() {
+    const size_t dq_smem = 2 * rows_bytes(kTile, HD + kPad) + rows_bytes(HD, kTile + kPad);
+    launch_with_smem(dq_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(H), unsigned(B)), dq_smem,
+                     "attention_backward_bf16 dq", dqkv, dout, qkv, lse, static_cast<const float*>(delta), m);
+    const size_t dkv_smem = 2 * rows_bytes(kTile, HD + kPad) + 2 * rows_bytes(HD, kTile + kPad) + 2 * kTile * sizeof(float);
+    launch_with_smem(dkv_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(KV), unsigned(B)), dkv_smem,
+                     "attention_backward_bf16 dk dv", dqkv, dout, qkv, lse, static_cast<const float*>(delta), m);
+  });
+}
+
+}  // namespace origami::cuda
