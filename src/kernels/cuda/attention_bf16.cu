@@ -44,25 +44,30 @@ struct Tile {
   __device__ __nv_bfloat16* row(int r) const { return p + r * ld; }
 };
 
-// n rows [r0, r0+n) of one head (src: the head at t = 0, stride `tok`), rounded into tile rows (zeros past
-// T), or transposed (tile[d][r]).
+// Rows [r0, r0 + kTile) of one head (src: the head at t = 0, `tok` elements between tokens; 16-byte aligned)
+// into tile rows (zeros past T), or transposed (tile[d][r]); 8 elements per 16-byte load.
 template <int D>
-__device__ void load_rows(Tile t, const float* src, int64_t r0, int64_t T, int64_t tok, bool transposed) {
-  for (int e = threadIdx.x; e < kTile * D; e += blockDim.x) {
-    const int r = e / D, d = e % D;
-    const __nv_bfloat16 v = __float2bfloat16_rn(r0 + r < T ? src[(r0 + r) * tok + d] : 0.f);
-    if (transposed) t.row(d)[r] = v;
-    else t.row(r)[d] = v;
+__device__ void load_rows(Tile t, const __nv_bfloat16* src, int64_t r0, int64_t T, int64_t tok, bool transposed) {
+  constexpr int kVec = 8;
+  for (int e = threadIdx.x; e < kTile * D / kVec; e += blockDim.x) {
+    const int r = e / (D / kVec), d = e % (D / kVec) * kVec;
+    uint4 v = {0u, 0u, 0u, 0u};
+    if (r0 + r < T) v = *reinterpret_cast<const uint4*>(src + (r0 + r) * tok + d);
+    if (!transposed) {
+      *reinterpret_cast<uint4*>(t.row(r) + d) = v;
+    } else {
+      const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) t.row(d + i)[r] = x[i];
+    }
   }
 }
 
-// A fragments of the warp's 16 rows [r0, r0+16) of one head, all D/16 steps, read from global fp32.
+// A fragments of the warp's 16 rows [r0, r0+16) of one head, all D/16 steps, read from global memory.
 template <int D>
-__device__ void load_a(uint32_t a[D / 16][4], const float* src, int64_t r0, int64_t T, int64_t tok) {
+__device__ void load_a(uint32_t a[D / 16][4], const __nv_bfloat16* src, int64_t r0, int64_t T, int64_t tok) {
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  auto at = [&](int64_t r, int c) {
-    return r < T ? pack(src[r * tok + c], src[r * tok + c + 1]) : 0u;
-  };
+  auto at = [&](int64_t r, int c) { return r < T ? pair(src + r * tok + c) : 0u; };
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
     a[k][0] = at(r0 + g, 16 * k + 2 * t), a[k][1] = at(r0 + g + 8, 16 * k + 2 * t);
@@ -109,7 +114,7 @@ __device__ Place place(int64_t r0, int64_t c0, int n, int e) {
 
 // ---- Forward: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
 template <int D>
-__global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, const float* qkv, Dims m) {
+__global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
   extern __shared__ __nv_bfloat16 smem[];
   const Tile ks{smem, D + kPad}, vt{smem + kTile * (D + kPad), kTile + kPad};
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
@@ -129,12 +134,13 @@ __global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, cons
     zero<8>(s);
     mma_rows<D / 16, 8>(s, qa, ks, 0);
     float tile_max[2] = {-INFINITY, -INFINITY};
+    const bool full = !m.doc && j0 + kTile - 1 <= w0 && w0 + 15 < m.T;  // every key visible to every row
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const Place p = place(w0, j0, n, e);
-        const bool vis = p.row < m.T && p.col < m.T && m.visible(b, p.row, p.col);
+        const bool vis = full || (p.row < m.T && p.col < m.T && m.visible(b, p.row, p.col));
         s[n][e] = vis ? s[n][e] * m.scale : -INFINITY;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
       }
@@ -176,8 +182,9 @@ __global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, cons
 // The probabilities and dS of a warp's 16×64 tile (rows r0.. against columns c0..; `rows_are_queries`
 // says which is which): p = exp(s·scale − lse_query) where visible, else 0; ds = p∘(dp − delta_query).
 // lse and delta of the rows are given per thread (rows g, g+8), of the columns read from shared memory.
+// full: every pair of the tile is visible (no test per element).
 __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int64_t b, int64_t r0, int64_t c0,
-                              bool rows_are_queries, const float row_lse[2], const float row_delta[2],
+                              bool rows_are_queries, bool full, const float row_lse[2], const float row_delta[2],
                               const float* col_lse, const float* col_delta) {
 #pragma unroll
   for (int n = 0; n < 8; ++n)
@@ -185,7 +192,7 @@ __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int6
     for (int e = 0; e < 4; ++e) {
       const Place p = place(r0, c0, n, e);
       const int64_t i = rows_are_queries ? p.row : p.col, j = rows_are_queries ? p.col : p.row;
-      const bool vis = p.row < m.T && p.col < m.T && m.visible(b, i, j);
+      const bool vis = full || (p.row < m.T && p.col < m.T && m.visible(b, i, j));
       const int c = 8 * n + 2 * (threadIdx.x & 3) + (e & 1);
       const float L = rows_are_queries ? row_lse[e >> 1] : col_lse[c];
       const float dl = rows_are_queries ? row_delta[e >> 1] : col_delta[c];
@@ -197,7 +204,7 @@ __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int6
 
 // ---- dq: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
 template <int D>
-__global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const float* dout, const float* qkv, const float* lse,
+__global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
                                                const float* delta, Dims m) {
   extern __shared__ __nv_bfloat16 smem[];
   const Tile ks{smem, D + kPad}, vs{ks.p + kTile * ks.ld, D + kPad}, kt{vs.p + kTile * vs.ld, kTile + kPad};
@@ -225,7 +232,8 @@ __global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const float* dout, c
     zero<8>(s), zero<8>(dp);
     mma_rows<D / 16, 8>(s, qa, ks, 0);   // S = q·kᵀ
     mma_rows<D / 16, 8>(dp, oa, vs, 0);  // dP = dout·vᵀ
-    probabilities(s, dp, m, b, w0, j0, true, L, dl, nullptr, nullptr);
+    probabilities(s, dp, m, b, w0, j0, true, !m.doc && j0 + kTile - 1 <= w0 && w0 + 15 < m.T, L, dl, nullptr,
+                  nullptr);
     uint32_t da[4][4];
     to_a(da, dp);
     mma_rows<4, D / 8>(dq, da, kt, 0);  // dq += dS·k
@@ -242,7 +250,7 @@ __global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const float* dout, c
 
 // ---- dk, dv: grid (⌈T/64⌉, KV, B); warp w owns keys j0 + 16w .. +16, over the group's query heads ----
 template <int D>
-__global__ void __launch_bounds__(128) dkv_bf16(float* dqkv, const float* dout, const float* qkv, const float* lse,
+__global__ void __launch_bounds__(128) dkv_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
                                                 const float* delta, Dims m) {
   extern __shared__ __nv_bfloat16 smem[];
   const Tile qs{smem, D + kPad}, os{qs.p + kTile * qs.ld, D + kPad}, qt{os.p + kTile * os.ld, kTile + kPad},
@@ -275,7 +283,8 @@ __global__ void __launch_bounds__(128) dkv_bf16(float* dqkv, const float* dout, 
       zero<8>(s), zero<8>(dp);
       mma_rows<D / 16, 8>(s, ka, qs, 0);   // Sᵀ = k·qᵀ
       mma_rows<D / 16, 8>(dp, va, os, 0);  // dPᵀ = v·doutᵀ
-      probabilities(s, dp, m, b, w0, i0, false, nullptr, nullptr, col_lse, col_delta);
+      probabilities(s, dp, m, b, w0, i0, false, !m.doc && w0 + 15 <= i0 && i0 + kTile - 1 < m.T, nullptr, nullptr,
+                    col_lse, col_delta);
       uint32_t pa[4][4], da[4][4];
       to_a(pa, s), to_a(da, dp);
       mma_rows<4, D / 8>(dv, pa, ot, 0);  // dv += Pᵀ·dout
@@ -301,6 +310,14 @@ void launch_with_smem(Kernel kernel, dim3 grid, size_t smem, const char* what, A
   check_launch(what);
 }
 size_t rows_bytes(int64_t rows, int64_t ld) { return size_t(rows * ld) * sizeof(__nv_bfloat16); }
+
+// n values rounded to bf16 into a scratch of their own (grown as needed; one stream: calls never overlap).
+const __nv_bfloat16* rounded(Buffer<bf16>& scratch, const float* v, int64_t n) {
+  if (scratch.size() < size_t(n)) scratch = Buffer<bf16>(size_t(n));
+  cuda::round_to_bf16(scratch.data(), v, n);
+  return reinterpret_cast<const __nv_bfloat16*>(scratch.data());
+}
+Buffer<bf16> qkv_low, dout_low;
 }  // namespace
 
 void attention_forward_bf16(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
@@ -308,9 +325,10 @@ void attention_forward_bf16(float* out, float* lse, const float* qkv, int64_t B,
   if (B * T == 0) return;
   const Dims m = dims(T, H, KV, D, doc);
   const dim3 grid(blocks_for(T, kRows), unsigned(H), unsigned(B));
+  const __nv_bfloat16* q = rounded(qkv_low, qkv, B * T * m.S);
   with_head_dim(D, [&]<int HD>() {
     const size_t smem = rows_bytes(kTile, HD + kPad) + rows_bytes(HD, kTile + kPad);
-    launch_with_smem(forward_bf16<HD>, grid, smem, "attention_forward_bf16", out, lse, qkv, m);
+    launch_with_smem(forward_bf16<HD>, grid, smem, "attention_forward_bf16", out, lse, q, m);
   });
 }
 
@@ -319,13 +337,14 @@ void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, c
   if (B * T == 0) return;
   const Dims m = dims(T, H, KV, D, doc);
   attention_delta(delta, dout, out, B, m, true);
+  const __nv_bfloat16 *q = rounded(qkv_low, qkv, B * T * m.S), *o = rounded(dout_low, dout, B * T * H * D);
   with_head_dim(D, [&]<int HD>() {
     const size_t dq_smem = 2 * rows_bytes(kTile, HD + kPad) + rows_bytes(HD, kTile + kPad);
     launch_with_smem(dq_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(H), unsigned(B)), dq_smem,
-                     "attention_backward_bf16 dq", dqkv, dout, qkv, lse, static_cast<const float*>(delta), m);
+                     "attention_backward_bf16 dq", dqkv, o, q, lse, static_cast<const float*>(delta), m);
     const size_t dkv_smem = 2 * rows_bytes(kTile, HD + kPad) + 2 * rows_bytes(HD, kTile + kPad) + 2 * kTile * sizeof(float);
     launch_with_smem(dkv_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(KV), unsigned(B)), dkv_smem,
-                     "attention_backward_bf16 dk dv", dqkv, dout, qkv, lse, static_cast<const float*>(delta), m);
+                     "attention_backward_bf16 dk dv", dqkv, o, q, lse, static_cast<const float*>(delta), m);
   });
 }
 
