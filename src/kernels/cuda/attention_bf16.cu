@@ -5,7 +5,7 @@
 // block per query tile walking the key tiles), dk and dv another (a block per key tile walking the
 // query tiles), so a run repeats bit for bit.
 //
-// Each block has 4 warps; a warp owns 16 rows (queries, or keys in the dk/dv kernel) and multiplies
+// Each block has 8 warps; a warp owns 16 rows (queries, or keys in the dk/dv kernel) and multiplies
 // 16×16 by 16×8 tiles with mma.sync.m16n8k16 (bf16 in, fp32 out). Fragment layouts (PTX ISA,
 // "Matrix Fragments for mma.m16n8k16"), lane = 4·g + t:
 //   A (16×16, row-major): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]
@@ -22,7 +22,7 @@
 namespace origami::cuda {
 
 namespace {
-constexpr int kWarps = 4, kRows = 16 * kWarps, kTile = 64;  // rows per block; keys (queries) per tile
+constexpr int kWarps = 8, kRows = 16 * kWarps, kTile = 64;  // rows per block; keys (queries) per tile
 constexpr int kPad = 8;                                        // bf16 elements padding a shared row
 
 __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -45,12 +45,13 @@ struct Tile {
 };
 
 // Rows [r0, r0 + kTile) of one head (src: the head at t = 0, `tok` elements between tokens; 16-byte aligned)
-// into tile rows (zeros past T), or transposed (tile[d][r]); 8 elements per 16-byte load.
+// into tile rows (zeros past T), or transposed (tile[d][r]); 8 elements per 16-byte load. Transposed,
+// neighbouring threads take neighbouring rows, so a warp's stores of one d fill one shared row.
 template <int D>
 __device__ void load_rows(Tile t, const __nv_bfloat16* src, int64_t r0, int64_t T, int64_t tok, bool transposed) {
   constexpr int kVec = 8;
   for (int e = threadIdx.x; e < kTile * D / kVec; e += blockDim.x) {
-    const int r = e / (D / kVec), d = e % (D / kVec) * kVec;
+    const int r = transposed ? e % kTile : e / (D / kVec), d = (transposed ? e / kTile : e % (D / kVec)) * kVec;
     uint4 v = {0u, 0u, 0u, 0u};
     if (r0 + r < T) v = *reinterpret_cast<const uint4*>(src + (r0 + r) * tok + d);
     if (!transposed) {
@@ -114,7 +115,7 @@ __device__ Place place(int64_t r0, int64_t c0, int n, int e) {
 
 // ---- Forward: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
 template <int D>
-__global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
+__global__ void __launch_bounds__(32 * kWarps) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
   extern __shared__ __nv_bfloat16 smem[];
   const Tile ks{smem, D + kPad}, vt{smem + kTile * (D + kPad), kTile + kPad};
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
@@ -151,14 +152,14 @@ __global__ void __launch_bounds__(128) forward_bf16(float* out, float* lse, cons
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
       const float new_max = fmaxf(mx[r], tile_max[r]);
       base[r] = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp(−∞) = 0 below
-      keep[r] = expf(mx[r] - base[r]);
+      keep[r] = __expf(mx[r] - base[r]);
       mx[r] = new_max;
       sum[r] *= keep[r];
     }
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sum[e >> 1] += (s[n][e] = expf(s[n][e] - base[e >> 1]));
+      for (int e = 0; e < 4; ++e) sum[e >> 1] += (s[n][e] = __expf(s[n][e] - base[e >> 1]));
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] *= keep[0], o[n][1] *= keep[0], o[n][2] *= keep[1], o[n][3] *= keep[1];
     uint32_t pa[4][4];
@@ -196,7 +197,7 @@ __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int6
       const int c = 8 * n + 2 * (threadIdx.x & 3) + (e & 1);
       const float L = rows_are_queries ? row_lse[e >> 1] : col_lse[c];
       const float dl = rows_are_queries ? row_delta[e >> 1] : col_delta[c];
-      const float pr = vis ? expf(s[n][e] * m.scale - L) : 0.f;
+      const float pr = vis ? __expf(s[n][e] * m.scale - L) : 0.f;
       s[n][e] = pr;
       dp[n][e] = pr * (dp[n][e] - dl);
     }
@@ -204,7 +205,7 @@ __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int6
 
 // ---- dq: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
 template <int D>
-__global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
+__global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
                                                const float* delta, Dims m) {
   extern __shared__ __nv_bfloat16 smem[];
   const Tile ks{smem, D + kPad}, vs{ks.p + kTile * ks.ld, D + kPad}, kt{vs.p + kTile * vs.ld, kTile + kPad};
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(128) dq_bf16(float* dqkv, const __nv_bfloat16*
 
 // ---- dk, dv: grid (⌈T/64⌉, KV, B); warp w owns keys j0 + 16w .. +16, over the group's query heads ----
 template <int D>
-__global__ void __launch_bounds__(128) dkv_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
+__global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
                                                 const float* delta, Dims m) {
   extern __shared__ __nv_bfloat16 smem[];
   const Tile qs{smem, D + kPad}, os{qs.p + kTile * qs.ld, D + kPad}, qt{os.p + kTile * os.ld, kTile + kPad},
