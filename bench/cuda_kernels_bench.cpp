@@ -84,8 +84,8 @@ int main() {
     report("attention forward bf16 (causal)",
            median_ms([&] { cuda::attention_forward_bf16(out.data(), lse.data(), qkv.data(), B, T, H, H, D); }), fwd);
     report("attention backward bf16 (causal)", median_ms([&] {
-             cuda::attention_backward_bf16(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), delta.data(), B,
-                                           T, H, H, D);
+             cuda::attention_backward_bf16(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), delta.data(),
+                                           B, T, H, H, D);
            }),
            2.5 * fwd);
   }
@@ -121,8 +121,8 @@ int main() {
       const Weights<float> W(ex.data(), ex_low.data(), p);
       report((std::string("MoE 8x top-2 F=1536 fwd+bwd ") + precision_name(p)).c_str(), median_ms([&] {
                cuda::moe_forward(out.data(), cache, x.data(), gate.data(), W, s, r);
-               cuda::moe_backward(dx.data(), dgate.data(), dex.data(), out.data(), cache, x.data(), gate.data(), W, s, r,
-                                  1.f);
+               cuda::moe_backward(dx.data(), dgate.data(), dex.data(), out.data(), cache, x.data(), gate.data(), W, s,
+                                  r, 1.f);
              }),
              3 * 2.0 * N * K * 3 * F * C);
     }
@@ -132,7 +132,8 @@ int main() {
     auto g = random_buffer(size_t(C), 1.f), b = random_buffer(size_t(C), 1.f);
     const double ms = median_ms([&] {
       cuda::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, 1e-5);
-      cuda::layernorm_backward(x.data(), g.data(), b.data(), y.data(), x.data(), g.data(), mean.data(), rstd.data(), N, C);
+      cuda::layernorm_backward(x.data(), g.data(), b.data(), y.data(), x.data(), g.data(), mean.data(), rstd.data(), N,
+                               C);
     });
     std::printf("%-40s %9.3f ms  %8.1f GB/s\n", "LayerNorm fwd+bwd 8192x768", ms, 7.0 * N * C * 4 / ms * 1e-6);
   }

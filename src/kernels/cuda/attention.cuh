@@ -29,6 +29,7 @@ struct Dims {
 };
 
 inline Dims dims(int64_t T, int64_t H, int64_t KV, int64_t D, const int32_t* doc) {
+  if (KV <= 0 || H % KV != 0) throw Error(cat("CUDA attention: ", H, " query heads over ", KV, " kv heads"));
   return {T, H, KV, D, (H + 2 * KV) * D, H / KV, doc, float(1.0 / std::sqrt(double(D)))};
 }
 

@@ -15,6 +15,9 @@
 // from shared memory; a C tile pair becomes an A fragment in registers (the probabilities, dS).
 #include <cuda_bf16.h>
 
+#include <map>
+#include <mutex>
+
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -113,10 +116,10 @@ __device__ Place place(int64_t r0, int64_t c0, int n, int e) {
   return {r0 + g + (e >= 2 ? 8 : 0), c0 + 8 * n + 2 * t + (e & 1)};
 }
 
-// ---- Forward: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+// ---- Forward: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
 template <int D>
 __global__ void __launch_bounds__(32 * kWarps) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
-  extern __shared__ __nv_bfloat16 smem[];
+  extern __shared__ __align__(16) __nv_bfloat16 smem[];
   const Tile ks{smem, D + kPad}, vt{smem + kTile * (D + kPad), kTile + kPad};
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
   const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
@@ -203,11 +206,11 @@ __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int6
     }
 }
 
-// ---- dq: grid (⌈T/64⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+// ---- dq: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
 template <int D>
 __global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
                                                const float* delta, Dims m) {
-  extern __shared__ __nv_bfloat16 smem[];
+  extern __shared__ __align__(16) __nv_bfloat16 smem[];
   const Tile ks{smem, D + kPad}, vs{ks.p + kTile * ks.ld, D + kPad}, kt{vs.p + kTile * vs.ld, kTile + kPad};
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
   const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
@@ -249,11 +252,11 @@ __global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_b
   }
 }
 
-// ---- dk, dv: grid (⌈T/64⌉, KV, B); warp w owns keys j0 + 16w .. +16, over the group's query heads ----
+// ---- dk, dv: grid (⌈T/128⌉, KV, B); warp w owns keys j0 + 16w .. +16, over the group's query heads ----
 template <int D>
 __global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
                                                 const float* delta, Dims m) {
-  extern __shared__ __nv_bfloat16 smem[];
+  extern __shared__ __align__(16) __nv_bfloat16 smem[];
   const Tile qs{smem, D + kPad}, os{qs.p + kTile * qs.ld, D + kPad}, qt{os.p + kTile * os.ld, kTile + kPad},
       ot{qt.p + D * qt.ld, kTile + kPad};
   float* col_lse = reinterpret_cast<float*>(ot.p + D * ot.ld);
@@ -306,7 +309,16 @@ __global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_
 // A kernel with dynamic shared memory (above 48 KiB it must be allowed first).
 template <typename Kernel, typename... Args>
 void launch_with_smem(Kernel kernel, dim3 grid, size_t smem, const char* what, Args... args) {
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), what);
+  static std::mutex mu;
+  static std::map<const void*, size_t> allowed;  // per kernel, the most shared memory allowed so far
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    size_t& a = allowed[reinterpret_cast<const void*>(kernel)];
+    if (a < smem) {
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), what);
+      a = smem;
+    }
+  }
   kernel<<<grid, 32 * kWarps, smem, cu_stream()>>>(args...);
   check_launch(what);
 }
@@ -314,11 +326,11 @@ size_t rows_bytes(int64_t rows, int64_t ld) { return size_t(rows * ld) * sizeof(
 
 // n values rounded to bf16 into a scratch of their own (grown as needed; one stream: calls never overlap).
 const __nv_bfloat16* rounded(Buffer<bf16>& scratch, const float* v, int64_t n) {
-  if (scratch.size() < size_t(n)) scratch = Buffer<bf16>(size_t(n));
-  cuda::round_to_bf16(scratch.data(), v, n);
+  cuda::round_to_bf16(grown(scratch, n), v, n);
   return reinterpret_cast<const __nv_bfloat16*>(scratch.data());
 }
-Buffer<bf16> qkv_low, dout_low;
+Buffer<bf16>& qkv_low = *new Buffer<bf16>;  // process-long scratch (common.cuh, grown())
+Buffer<bf16>& dout_low = *new Buffer<bf16>;
 }  // namespace
 
 void attention_forward_bf16(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KV,

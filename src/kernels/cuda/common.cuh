@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace origami::cuda {
 
@@ -40,6 +41,29 @@ __device__ inline float block_max(float v) {
   return block_reduce(v, -INFINITY, [](float a, float b) { return a > b ? a : b; });
 }
 
+// Grow-only scratch: b holds at least n elements afterwards. Scratch buffers are process-long statics,
+// made with `static auto& b = *new Buffer<T>` (never destroyed: at exit the CUDA runtime may already be
+// gone). Reusing one across calls is safe because every kernel runs on the one stream, in order, and
+// growing frees the old memory with cudaFree, which first waits for the device.
+template <typename T>
+T* grown(Buffer<T>& b, int64_t n) {
+  if (b.size() < size_t(n)) b = Buffer<T>(size_t(n));
+  return b.data();
+}
+
 inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+// f(i) for i < n, a thread each (element-wise kernels as device lambdas), queued on the stream.
+template <typename F>
+__global__ void for_each(int64_t n, F f) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) f(i);
+}
+template <typename F>
+void launch_each(int64_t n, const char* what, F f) {
+  if (n == 0) return;
+  for_each<<<blocks_for(n, 256), 256, 0, cu_stream()>>>(n, f);
+  check_launch(what);
+}
 
 }  // namespace origami::cuda

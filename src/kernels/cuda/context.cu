@@ -81,13 +81,15 @@ template class Buffer<bf16>;
 template class Buffer<int32_t>;
 template class Buffer<int64_t>;
 
+// On our stream, then waited for: a plain cudaMemcpy runs on the legacy default stream, which our
+// non-blocking stream does not wait for, and from pageable memory it may return before the data lands.
 void copy_to_device(void* dst, const void* src, size_t bytes) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cu_stream()), "cudaMemcpyAsync to device");
   synchronize();
-  check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
 }
 void copy_to_host(void* dst, const void* src, size_t bytes) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cu_stream()), "cudaMemcpyAsync to host");
   synchronize();
-  check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
 }
 void fill_zero(void* dst, size_t bytes) { check(cudaMemsetAsync(dst, 0, bytes, cu_stream()), "cudaMemsetAsync"); }
 
@@ -105,12 +107,19 @@ void round_to_bf16(bf16* dst, const float* src, int64_t n) {
 // ---- GEMM ----
 namespace {
 // A cuBLASLt plan for one shape: the descriptors and the heuristic's first algorithm, kept per shape
-// (layer shapes repeat every micro-batch).
+// (layer shapes repeat every micro-batch; an MoE expert's rows vary with the routing, so the cache is
+// emptied when it reaches kMaxPlans).
 struct GemmPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  void destroy() const {
+    if (op) cublasLtMatmulDescDestroy(op);
+    for (auto l : {a, b, c})
+      if (l) cublasLtMatrixLayoutDestroy(l);
+  }
 };
+constexpr size_t kMaxPlans = 4096;
 using GemmKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t,
                            uint32_t>;
 
@@ -132,6 +141,10 @@ const GemmPlan& plan_for(bool bf16_in, bool ta, bool tb, int64_t M, int64_t N, i
   const GemmKey key{bf16_in, ta, tb, M, N, K, lda, ldb, ldc, alignment(a), alignment(b), alignment(c)};
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
+  if (plans.size() >= kMaxPlans) {  // a queued matmul keeps no reference to its descriptors
+    for (auto& [k, p] : plans) p.destroy();
+    plans.clear();
+  }
   GemmPlan g;
   const cudaDataType_t in = bf16_in ? CUDA_R_16BF : CUDA_R_32F;
   check_lt(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
@@ -159,7 +172,10 @@ const GemmPlan& plan_for(bool bf16_in, bool ta, bool tb, int64_t M, int64_t N, i
   int found = 0;
   check_lt(cublasLtMatmulAlgoGetHeuristic(ctx().lt, g.op, g.a, g.b, g.c, g.c, pref, 1, &h, &found), "heuristic");
   cublasLtMatmulPreferenceDestroy(pref);
-  if (found == 0) throw Error(cat("cuBLASLt: no algorithm for ", M, "x", N, "x", K));
+  if (found == 0) {
+    g.destroy();
+    throw Error(cat("cuBLASLt: no algorithm for ", M, "x", N, "x", K));
+  }
   g.algo = h.algo;
   return plans.emplace(key, g).first->second;
 }
@@ -177,7 +193,7 @@ struct Rounded {
 };
 Rounded rounded(Mat<float> m, int64_t rows, int64_t cols, Buffer<bf16>& scratch) {
   if (m.low) return {m.low, m.ld};
-  if (scratch.size() < size_t(rows * cols)) scratch = Buffer<bf16>(size_t(rows * cols));
+  grown(scratch, rows * cols);
   round_rows<<<blocks_for(rows * cols, 256), 256, 0, cu_stream()>>>(reinterpret_cast<__nv_bfloat16*>(scratch.data()),
                                                                      m.v, rows, cols, m.ld);
   check_launch("bf16 operand rounding");
@@ -190,7 +206,8 @@ void matmul(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
   if (M == 0 || N == 0 || (K == 0 && beta == 1.f)) return;  // nothing to add
   const void *a = A.v, *b = B.v;
   int64_t lda = A.ld, ldb = B.ld;
-  static Buffer<bf16> a_low, b_low;  // rounding scratch, grown as needed (one stream: no overlap)
+  static auto& a_low = *new Buffer<bf16>;  // rounding scratch (grown(): common.cuh)
+  static auto& b_low = *new Buffer<bf16>;
   if (p == Precision::bf16) {
     const Rounded ra = rounded(A, ta ? K : M, ta ? M : K, a_low), rb = rounded(B, tb ? N : K, tb ? K : N, b_low);
     a = ra.p, lda = ra.ld, b = rb.p, ldb = rb.ld;

@@ -9,6 +9,7 @@
 // layouts: as in the CPU headers named at each group.
 #pragma once
 #include <cstddef>
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -90,15 +91,18 @@ void rope_forward(float* qkv, const float* cos_sin, int64_t B, int64_t T, int64_
 void rope_backward(float* dqkv, const float* cos_sin, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D,
                    const int64_t* pos = nullptr);
 
-// ---- Embedding (model/layers/embedding.h); backward += in the CPU's summation order ----
+// ---- Embedding (model/layers/embedding.h, its vocabulary-parallel form too); backward += in the CPU's
+// summation order ----
 void embedding_forward(float* x, const int32_t* tokens, int64_t tok_stride, const float* wte, const float* wpe,
-                       int64_t B, int64_t T, int64_t C, const int64_t* pos = nullptr);
+                       int64_t B, int64_t T, int64_t C, int64_t vocab_begin = 0, int64_t vocab_rows = INT64_MAX,
+                       const int64_t* pos = nullptr);
 void embedding_backward(float* dwte, float* dwpe, const float* dx, const int32_t* tokens, int64_t tok_stride,
-                        int64_t B, int64_t T, int64_t C, const int64_t* pos = nullptr);
+                        int64_t B, int64_t T, int64_t C, int64_t vocab_begin = 0, int64_t vocab_rows = INT64_MAX,
+                        const int64_t* pos = nullptr);
 
 // ---- Causal attention (model/layers/attention.h), fused, online softmax, GQA, document masks ----
 // Forward writes out_BTHD and lse_BHT; backward overwrites dqkv_BTS. scratch_BHT: B·H·T floats (the
-// rows' Σ dout·out). Head dims up to 128.
+// rows' Σ dout·out). Head dims 16, 32, 64 and 128; H a multiple of KV (else an Error).
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
                        int64_t D, const int32_t* doc = nullptr);
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
@@ -115,8 +119,9 @@ void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, c
                              const int32_t* doc = nullptr);
 
 // ---- LM head with cross-entropy (model/layers/lm_head.h, one vocabulary shard) ----
-// In chunks of lm_head_chunk_rows rows; scratch grows as needed. Returns Σ loss over rows with a
-// target (waits for the stream).
+// In chunks of at most 2^28 logits (lm_head.cu); scratch grows as needed. A target of −1 adds nothing, one
+// outside [0, V) the loss with no target logit (another shard's, as on the CPU). Returns Σ loss over rows
+// with a target (waits for the stream).
 double lm_head_loss(float* dx, float* dw, const float* x, Weights<float> w, const int32_t* targets, int64_t N, int64_t C,
                     int64_t V, float grad_scale, Buffer<float>& scratch);
 
@@ -131,11 +136,16 @@ struct MoeDeviceCache {
   std::vector<int64_t> count_E;       // rows per expert (host)
   Buffer<float> xe_RC, gu_R2F, act_RF, y_RC;
   double aux = 0, z = 0;              // coefficient-weighted router losses
+  // Work buffers of the calls, kept between them: the counts and the router losses' per-token terms
+  // (forward); the gradients of the expert side, the routing weights and the logits (backward).
+  Buffer<int64_t> count_dev;
+  Buffer<double> terms_N2;
+  Buffer<float> dye_RC, dweight_NK, dgu_R2F, dact_RF, dlogits_NE;
 };
 void moe_forward(float* out_NC, MoeDeviceCache& cache, const float* x_NC, const float* gate_EC, Weights<float> experts,
                  const MoeSizes& s, const MoeRouting& r);
 // dx overwritten, dgate and dexperts accumulated (+=); loss_scale multiplies the router losses' gradient.
-void moe_backward(float* dx_NC, float* dgate_EC, float* dexperts, const float* dout_NC, const MoeDeviceCache& cache,
+void moe_backward(float* dx_NC, float* dgate_EC, float* dexperts, const float* dout_NC, MoeDeviceCache& cache,
                   const float* x_NC, const float* gate_EC, Weights<float> experts, const MoeSizes& s,
                   const MoeRouting& r, float loss_scale);
 

@@ -39,9 +39,8 @@ __global__ void add_chunk_sums(float* out, const float* part, int chunks, int64_
   out[c] += s;
 }
 float* chunk_sums_scratch(int64_t C) {
-  static Buffer<float> part;  // one stream: calls never overlap
-  if (part.size() < size_t(kChunks * C)) part = Buffer<float>(size_t(kChunks * C));
-  return part.data();
+  static auto& part = *new Buffer<float>;
+  return grown(part, kChunks * C);
 }
 template <typename F>
 void column_sums(float* out, int64_t N, int64_t C, const char* what, F f) {
@@ -57,7 +56,7 @@ void column_sums(float* out, int64_t N, int64_t C, const char* what, F f) {
 }
 }  // namespace
 
-// ---- Norms: a block per row; statistics in double as on the CPU ----
+// ---- Norms: a block per row; the row statistics and backward's row sums in double ----
 __global__ void layernorm_fwd(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
                               int64_t C, double eps) {
   const float* xr = x + blockIdx.x * C;
@@ -151,17 +150,6 @@ __device__ float gelu_slope(float v) {
   const float du = kGeluScale * (1.f + 3.f * 0.044715f * v * v);
   return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du;
 }
-template <typename F>
-__global__ void for_each(int64_t n, F f) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) f(i);
-}
-template <typename F>
-void launch_each(int64_t n, const char* what, F f) {
-  if (n == 0) return;
-  for_each<<<blocks_for(n, kThreads), kThreads, 0, cu_stream()>>>(n, f);
-  check_launch(what);
-}
 }  // namespace
 
 void gelu_forward(float* y, const float* x, int64_t n) {
@@ -217,31 +205,35 @@ void rope_backward(float* dqkv, const float* cs, int64_t B, int64_t T, int64_t H
   rotate(dqkv, cs, B, T, H, KV, D, pos, -1.f, "rope_backward");
 }
 
-// ---- Embedding ----
+// ---- Embedding: wte holds token ids [vocab_begin, vocab_begin + vocab_rows); others embed as zeros ----
 void embedding_forward(float* x, const int32_t* tokens, int64_t tok_stride, const float* wte, const float* wpe,
-                       int64_t B, int64_t T, int64_t C, const int64_t* pos) {
+                       int64_t B, int64_t T, int64_t C, int64_t vocab_begin, int64_t vocab_rows, const int64_t* pos) {
   launch_each(B * T * C, "embedding_forward", [=] __device__(int64_t e) {
     const int64_t c = e % C, bt = e / C, b = bt / T, t = bt % T;
+    const int64_t row = int64_t(tokens[b * tok_stride + t]) - vocab_begin;
     const float p = wpe ? wpe[(pos ? pos[bt] : t) * C + c] : 0.f;
-    x[e] = wte[int64_t(tokens[b * tok_stride + t]) * C + c] + p;
+    x[e] = (row >= 0 && row < vocab_rows ? wte[row * C + c] : 0.f) + p;
   });
 }
 // A thread per channel walks the tokens in order (the CPU's order): rows of the same token never race.
 __global__ void embedding_bwd(float* dwte, float* dwpe, const float* dx, const int32_t* tokens, int64_t tok_stride,
-                              int64_t B, int64_t T, int64_t C, const int64_t* pos) {
+                              int64_t B, int64_t T, int64_t C, int64_t vocab_begin, int64_t vocab_rows,
+                              const int64_t* pos) {
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const float d = dx[(b * T + t) * C + c];
-      dwte[int64_t(tokens[b * tok_stride + t]) * C + c] += d;
+      const int64_t row = int64_t(tokens[b * tok_stride + t]) - vocab_begin;
+      if (row >= 0 && row < vocab_rows) dwte[row * C + c] += d;
       if (dwpe) dwpe[(pos ? pos[b * T + t] : t) * C + c] += d;
     }
 }
 void embedding_backward(float* dwte, float* dwpe, const float* dx, const int32_t* tokens, int64_t tok_stride,
-                        int64_t B, int64_t T, int64_t C, const int64_t* pos) {
+                        int64_t B, int64_t T, int64_t C, int64_t vocab_begin, int64_t vocab_rows, const int64_t* pos) {
   if (B * T == 0) return;
-  embedding_bwd<<<blocks_for(C, 64), 64, 0, cu_stream()>>>(dwte, dwpe, dx, tokens, tok_stride, B, T, C, pos);
+  embedding_bwd<<<blocks_for(C, 64), 64, 0, cu_stream()>>>(dwte, dwpe, dx, tokens, tok_stride, B, T, C, vocab_begin,
+                                                           vocab_rows, pos);
   check_launch("embedding_backward");
 }
 
@@ -253,12 +245,11 @@ void linear_forward(float* y, Operand<float> x, Weights<float> w, const float* b
 }
 void linear_backward(float* dx, float* dw, float* db, const float* dy, Operand<float> x, Weights<float> w, int64_t N,
                      int64_t in, int64_t out, bool w_in_out, bool accumulate_dx) {
-  static Buffer<bf16> dy_low;  // dy rounded once for both GEMMs (bf16); one stream: calls never overlap
+  static auto& dy_low = *new Buffer<bf16>;  // dy rounded once for both GEMMs (bf16)
   Mat<float> g{dy, out};
   if (w.p == Precision::bf16) {
-    if (dy_low.size() < size_t(N * out)) dy_low = Buffer<bf16>(size_t(N * out));
+    g.low = grown(dy_low, N * out);
     cuda::round_to_bf16(dy_low.data(), dy, N * out);
-    g.low = dy_low.data();
   }
   if (dx) matmul(w.p, false, w_in_out, N, in, out, 1.f, g, w.mat(w_in_out ? out : in), accumulate_dx ? 1.f : 0.f, dx, in);
   if (dw) {
@@ -289,7 +280,7 @@ __global__ void sum_squares_kernel(double* part, const float* x, int64_t n) {
 }
 double sum_squares(const float* x, int64_t n) {
   constexpr int kBlocks = 264;  // two per H100 multiprocessor
-  static Buffer<float> part(2 * kBlocks);  // kBlocks doubles
+  static auto& part = *new Buffer<float>(2 * kBlocks);  // kBlocks doubles
   sum_squares_kernel<<<kBlocks, kThreads, 0, cu_stream()>>>(reinterpret_cast<double*>(part.data()), x, n);
   check_launch("sum_squares");
   double host[kBlocks];

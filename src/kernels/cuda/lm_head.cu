@@ -24,7 +24,7 @@ __global__ void cross_entropy_kernel(float* logits, double* loss, const int32_t*
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += double(expf(lr[v] - mx));
   const double lse = double(mx) + log(block_sum(s));
   const int32_t t = targets[blockIdx.x];
-  const float target_logit = t >= 0 ? lr[t] : 0.f;
+  const float target_logit = t >= 0 && t < V ? lr[t] : 0.f;
   __syncthreads();  // every thread has read lr[t] before the logits are overwritten below
   if (threadIdx.x == 0) loss[blockIdx.x] = t >= 0 ? lse - double(target_logit) : 0.0;
   if (!grad) return;
@@ -43,11 +43,9 @@ double lm_head_loss(float* dx, float* dw, const float* x, Weights<float> w, cons
   const int64_t max_rows = std::max<int64_t>(1, (int64_t(1) << 28) / V), chunks = (N + max_rows - 1) / max_rows;
   const int64_t chunk = (N + chunks - 1) / chunks;
   // logits [chunk, V], then the rows' losses (N doubles as 2N floats, 8-byte aligned)
-  const size_t need = size_t(chunk * V + 2 * N + 1);
-  if (scratch.size() < need) scratch = Buffer<float>(need);
-  float* logits = scratch.data();
+  float* logits = grown(scratch, chunk * V + 2 * N + 1);
   double* loss = reinterpret_cast<double*>(scratch.data() + chunk * V + (chunk * V) % 2);  // 8-byte aligned
-  static Buffer<bf16> low;  // one stream: calls never overlap
+  static auto& low = *new Buffer<bf16>;
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t n = std::min(chunk, N - n0);
     matmul(p, false, true, n, V, C, 1.f, {x + n0 * C, C}, w.mat(C), 0.f, logits, V);
@@ -57,9 +55,8 @@ double lm_head_loss(float* dx, float* dw, const float* x, Weights<float> w, cons
     if (!dx) continue;
     Mat<float> g{logits, V};
     if (p == Precision::bf16) {  // dlogits rounded once for both GEMMs
-      if (low.size() < size_t(chunk * V)) low = Buffer<bf16>(size_t(chunk * V));
+      g.low = grown(low, chunk * V);
       cuda::round_to_bf16(low.data(), logits, n * V);
-      g.low = low.data();
     }
     matmul(p, false, false, n, C, V, 1.f, g, w.mat(C), 0.f, dx + n0 * C, C);  // dx = dlogits·W
     matmul(p, true, false, V, C, n, 1.f, g, {x + n0 * C, C}, 1.f, dw, C);     // dW += dlogitsᵀ·x

@@ -12,11 +12,6 @@ namespace origami::cuda {
 namespace {
 constexpr int kThreads = 256;
 
-template <typename T>
-void ensure(Buffer<T>& b, int64_t n) {
-  if (b.size() < size_t(n)) b = Buffer<T>(size_t(n));
-}
-
 __device__ float score_of(float logit, float lse, bool softmax) {
   return softmax ? expf(logit - lse) : 1.f / (1.f + expf(-logit));
 }
@@ -71,17 +66,6 @@ __global__ void permute_kernel(int32_t* row, int64_t* count, float* frac, const 
     if (expert[i] == e) row[i] = int32_t(next++);
 }
 
-template <typename F>
-__global__ void for_each(int64_t n, F f) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) f(i);
-}
-template <typename F>
-void launch_each(int64_t n, const char* what, F f) {
-  if (n == 0) return;
-  for_each<<<blocks_for(n, kThreads), kThreads, 0, cu_stream()>>>(n, f);
-  check_launch(what);
-}
 
 // Router losses' per-token terms: aux_n = Σ_e φ_e·pa_e (pa = p / Σp), z_n = lse².
 __global__ void router_terms(double* terms, const float* logits, const float* lse, const float* frac, int64_t N,
@@ -156,9 +140,12 @@ void moe_forward(float* out, MoeDeviceCache& c, const float* x, const float* gat
   check_supported(s, r);
   const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
   const bool softmax = r.score == RouterScore::softmax;
-  ensure(c.logits_NE, N * E), ensure(c.lse_N, N), ensure(c.score_NK, R), ensure(c.weight_NK, R), ensure(c.frac_E, E);
-  ensure(c.expert_NK, R), ensure(c.row_NK, R), ensure(c.xe_RC, R * C), ensure(c.gu_R2F, R * 2 * F);
-  ensure(c.act_RF, R * F), ensure(c.y_RC, R * C);
+  c.count_E.assign(size_t(E), 0);
+  c.aux = c.z = 0;
+  if (N == 0) return;
+  grown(c.logits_NE, N * E), grown(c.lse_N, N), grown(c.score_NK, R), grown(c.weight_NK, R), grown(c.frac_E, E);
+  grown(c.expert_NK, R), grown(c.row_NK, R), grown(c.xe_RC, R * C), grown(c.gu_R2F, R * 2 * F);
+  grown(c.act_RF, R * F), grown(c.y_RC, R * C);
   // Route: logits in fp32 (the router GEMM is fp32 in every run, as on the CPU).
   matmul(Precision::fp32, false, true, N, E, C, 1.f, {x, C}, {gate, C}, 0.f, c.logits_NE.data(), E);
   route_kernel<<<blocks_for(N, 128), 128, 0, cu_stream()>>>(c.lse_N.data(), c.expert_NK.data(), c.score_NK.data(),
@@ -166,12 +153,11 @@ void moe_forward(float* out, MoeDeviceCache& c, const float* x, const float* gat
                                                             r.renormalise());
   check_launch("moe route");
   // Permute: rows by expert, then the rows' inputs.
-  Buffer<int64_t> count(static_cast<size_t>(E));
-  permute_kernel<<<1, unsigned((E + 31) / 32 * 32), 0, cu_stream()>>>(c.row_NK.data(), count.data(), c.frac_E.data(),
+  int64_t* count = grown(c.count_dev, E);
+  permute_kernel<<<1, unsigned((E + 31) / 32 * 32), 0, cu_stream()>>>(c.row_NK.data(), count, c.frac_E.data(),
                                                                       c.expert_NK.data(), R, E);
   check_launch("moe permute");
-  c.count_E.assign(size_t(E), 0);
-  copy_to_host(c.count_E.data(), count.data(), size_t(E) * sizeof(int64_t));
+  copy_to_host(c.count_E.data(), count, size_t(E) * sizeof(int64_t));
   float* xe = c.xe_RC.data();
   const int32_t* row = c.row_NK.data();
   launch_each(R * C, "moe gather", [=] __device__(int64_t e) {
@@ -198,28 +184,28 @@ void moe_forward(float* out, MoeDeviceCache& c, const float* x, const float* gat
     out[e] = o;
   });
   // Router losses (their per-token terms summed on the host, in order).
-  Buffer<double> terms(static_cast<size_t>(2 * N));
-  router_terms<<<blocks_for(N, 128), 128, 0, cu_stream()>>>(terms.data(), c.logits_NE.data(), c.lse_N.data(),
+  double* terms = grown(c.terms_N2, 2 * N);
+  router_terms<<<blocks_for(N, 128), 128, 0, cu_stream()>>>(terms, c.logits_NE.data(), c.lse_N.data(),
                                                             c.frac_E.data(), N, E, softmax, r.aux != AuxLoss::none);
   check_launch("moe router losses");
   std::vector<double> host(size_t(2 * N));
-  copy_to_host(host.data(), terms.data(), host.size() * sizeof(double));
+  copy_to_host(host.data(), terms, host.size() * sizeof(double));
   double aux = 0, z = 0;
   for (int64_t n = 0; n < N; ++n) aux += host[size_t(2 * n)], z += host[size_t(2 * n + 1)];
   c.aux = r.aux == AuxLoss::none ? 0.0 : r.aux_coef * double(E) * aux / double(N);
   c.z = r.z_coef * z / double(N);
 }
 
-void moe_backward(float* dx, float* dgate, float* dexperts, const float* dout, const MoeDeviceCache& c, const float* x,
+void moe_backward(float* dx, float* dgate, float* dexperts, const float* dout, MoeDeviceCache& c, const float* x,
                   const float* gate, Weights<float> experts, const MoeSizes& s, const MoeRouting& r, float loss_scale) {
   const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K, R = N * K;
-  Buffer<float> dye(static_cast<size_t>(R * C)), dweight(static_cast<size_t>(R)), dgu(static_cast<size_t>(R * 2 * F)),
-      dact(static_cast<size_t>(R * F));
-  Buffer<float> dlogits(static_cast<size_t>(N * E));
+  if (N == 0) return;
+  // Work buffers, kept in the cache between calls (grown(): common.cuh).
+  float *g = grown(c.dye_RC, R * C), *dwt = grown(c.dweight_NK, R), *dgu = grown(c.dgu_R2F, R * 2 * F);
+  float *dact = grown(c.dact_RF, R * F), *dlogits = grown(c.dlogits_NE, N * E);
   // Combine backward: dye[row] = w·dout[n]; dweight = dout[n]·y[row].
   const float *y = c.y_RC.data(), *w = c.weight_NK.data();
   const int32_t* row = c.row_NK.data();
-  float *g = dye.data(), *dwt = dweight.data();
   launch_each(R * C, "moe combine backward", [=] __device__(int64_t e) {
     const int64_t i = e / C, ch = e % C;
     g[int64_t(row[i]) * C + ch] = w[i] * dout[(i / K) * C + ch];
@@ -235,10 +221,10 @@ void moe_backward(float* dx, float* dgate, float* dexperts, const float* dout, c
     if (rn == 0) continue;
     const Weights<float> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
     float *dw13 = dexperts + j * 3 * F * C, *dw2 = dw13 + 2 * F * C;
-    const Mat<float> gy{g + r0 * C, C}, ggu{dgu.data() + r0 * 2 * F, 2 * F};
-    matmul(experts.p, false, false, rn, F, C, 1.f, gy, w2.mat(F), 0.f, dact.data() + r0 * F, F);
+    const Mat<float> gy{g + r0 * C, C}, ggu{dgu + r0 * 2 * F, 2 * F};
+    matmul(experts.p, false, false, rn, F, C, 1.f, gy, w2.mat(F), 0.f, dact + r0 * F, F);
     matmul(experts.p, true, false, C, F, rn, 1.f, gy, {c.act_RF.data() + r0 * F, F}, 1.f, dw2, F);
-    swiglu_backward(dgu.data() + r0 * 2 * F, dact.data() + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
+    swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
     matmul(experts.p, false, false, rn, C, 2 * F, 1.f, ggu, w13.mat(C), 0.f, g + r0 * C, C);
     matmul(experts.p, true, false, 2 * F, C, rn, 1.f, ggu, {c.xe_RC.data() + r0 * C, C}, 1.f, dw13, C);
   }
@@ -253,12 +239,11 @@ void moe_backward(float* dx, float* dgate, float* dexperts, const float* dout, c
   const float aux_g = r.aux == AuxLoss::none ? 0.f : float(r.aux_coef * double(E) / double(N)) * loss_scale;
   const float z_g = float(2.0 * r.z_coef / double(N)) * loss_scale;
   router_backward_kernel<<<blocks_for(N, 128), 128, 0, cu_stream()>>>(
-      dlogits.data(), c.logits_NE.data(), c.lse_N.data(), c.frac_E.data(), c.expert_NK.data(), c.score_NK.data(), w,
+      dlogits, c.logits_NE.data(), c.lse_N.data(), c.frac_E.data(), c.expert_NK.data(), c.score_NK.data(), w,
       dwt, N, E, K, r.score == RouterScore::softmax, r.renormalise(), aux_g, z_g);
   check_launch("moe router backward");
-  matmul(Precision::fp32, true, false, E, C, N, 1.f, {dlogits.data(), E}, {x, C}, 1.f, dgate, C);
-  matmul(Precision::fp32, false, false, N, C, E, 1.f, {dlogits.data(), E}, {gate, C}, 1.f, dx, C);
-  synchronize();  // the local buffers are freed on return
+  matmul(Precision::fp32, true, false, E, C, N, 1.f, {dlogits, E}, {x, C}, 1.f, dgate, C);
+  matmul(Precision::fp32, false, false, N, C, E, 1.f, {dlogits, E}, {gate, C}, 1.f, dx, C);
 }
 
 }  // namespace origami::cuda
