@@ -116,58 +116,140 @@ __device__ Place place(int64_t r0, int64_t c0, int n, int e) {
   return {r0 + g + (e >= 2 ? 8 : 0), c0 + 8 * n + 2 * t + (e & 1)};
 }
 
+// ---- Asynchronous tile copies and ldmatrix (sm_80+) ----
+// 16 bytes global → shared without passing through registers; zero-filled when `valid` is false.
+__device__ __forceinline__ void copy16(void* smem_dst, const void* src, bool valid) {
+  const unsigned dst = unsigned(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void copies_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// Rows [r0, r0 + kTile) of one head into a row-major tile, asynchronously (rows past T: zeros).
+template <int D>
+__device__ void copy_rows(Tile t, const __nv_bfloat16* src, int64_t r0, int64_t T, int64_t tok) {
+  for (int e = threadIdx.x; e < kTile * D / 8; e += blockDim.x) {
+    const int r = e / (D / 8), d = e % (D / 8) * 8;
+    const bool valid = r0 + r < T;
+    copy16(t.row(r) + d, src + (valid ? r0 + r : 0) * tok + d, valid);
+  }
+}
+// Four 8×8 bf16 matrices from shared memory, lane l giving the address of row l % 8 of matrix l / 8;
+// each lane gets per matrix the pair (row l/4, columns 2(l%4), +1), or with .trans (rows 2(l%4), +1; column l/4).
+__device__ __forceinline__ void ldmatrix4(uint32_t r[4], const __nv_bfloat16* p) {
+  const unsigned a = unsigned(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix4_trans(uint32_t r[4], const __nv_bfloat16* p) {
+  const unsigned a = unsigned(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// acc (16 × 64) += A (16 × 16·K16) · Yᵀ for the 64 rows of y (row-major along the summed index):
+// the B fragments of two n-tiles per ldmatrix.
+template <int K16>
+__device__ void mma_rows_ld(float acc[8][4], const uint32_t a[K16][4], Tile y) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < K16; ++k)
+#pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      uint32_t f[4];
+      ldmatrix4(f, y.row(8 * (n + (l >> 4)) + (l & 7)) + 16 * k + ((l >> 3) & 1) * 8);
+      mma(acc[n], a[k], f[0], f[1]);
+      mma(acc[n + 1], a[k], f[2], f[3]);
+    }
+}
+// acc (16 × D) += P (16 × 64, as A fragments) · V, V a row-major [64 keys][D] tile: ldmatrix.trans.
+template <int D>
+__device__ void mma_pv(float acc[D / 8][4], const uint32_t p[4][4], Tile v) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t f[4];
+      ldmatrix4_trans(f, v.row(16 * k + ((l >> 3) & 1) * 8 + (l & 7)) + 8 * (n + (l >> 4)));
+      mma(acc[n], p[k], f[0], f[1]);
+      mma(acc[n + 1], p[k], f[2], f[3]);
+    }
+}
+
+// One key tile of the forward for a warp's 16 query rows: scores s (16 × 64, unscaled) masked and
+// scaled, the running max and sum updated, o rescaled and o += P·V.
+template <int D>
+__device__ void softmax_pv(float s[8][4], float o[D / 8][4], float mx[2], float sum[2], const Dims& m, int64_t b,
+                           int64_t w0, int64_t j0, Tile v) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+  const bool full = !m.doc && j0 + kTile - 1 <= w0 && w0 + 15 < m.T;  // every key visible to every row
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Place p = place(w0, j0, n, e);
+      const bool vis = full || (p.row < m.T && p.col < m.T && m.visible(b, p.row, p.col));
+      s[n][e] = vis ? s[n][e] * m.scale : -INFINITY;
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+    }
+  float keep[2], base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // the row's 4 threads agree on its max
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+    const float new_max = fmaxf(mx[r], tile_max[r]);
+    base[r] = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp(−∞) = 0 below
+    keep[r] = __expf(mx[r] - base[r]);
+    mx[r] = new_max;
+    sum[r] *= keep[r];
+  }
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sum[e >> 1] += (s[n][e] = __expf(s[n][e] - base[e >> 1]));
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] *= keep[0], o[n][1] *= keep[0], o[n][2] *= keep[1], o[n][3] *= keep[1];
+  uint32_t pa[4][4];
+  to_a(pa, s);
+  mma_pv<D>(o, pa, v);
+}
+
 // ---- Forward: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+// K and V tiles in two stages: the next tile's copies run while this one is computed.
 template <int D>
 __global__ void __launch_bounds__(32 * kWarps) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
-  const Tile ks{smem, D + kPad}, vt{smem + kTile * (D + kPad), kTile + kPad};
+  const int ld = D + kPad;
+  const Tile ks[2] = {{smem, ld}, {smem + 2 * kTile * ld, ld}}, vs[2] = {{smem + kTile * ld, ld}, {smem + 3 * kTile * ld, ld}};
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
   const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
+  const __nv_bfloat16 *kh = qkv + m.k_at(b, 0, g), *vh = qkv + m.v_at(b, 0, g);
   uint32_t qa[D / 16][4];
   load_a<D>(qa, qkv + m.q_at(b, 0, h), w0, m.T, m.S);
   float o[D / 8][4], mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
   zero<D / 8>(o);
-  for (int64_t j0 = 0; j0 < i1; j0 += kTile) {
-    if (m.empty(b, i0, i1, j0, min(m.T, j0 + kTile))) continue;  // the same for the whole block
-    __syncthreads();
-    load_rows<D>(ks, qkv + m.k_at(b, 0, g), j0, m.T, m.S, false);
-    load_rows<D>(vt, qkv + m.v_at(b, 0, g), j0, m.T, m.S, true);
-    __syncthreads();
-    if (w0 >= m.T || j0 > w0 + 15) continue;  // the warp's queries see none of these keys
-    float s[8][4];
-    zero<8>(s);
-    mma_rows<D / 16, 8>(s, qa, ks, 0);
-    float tile_max[2] = {-INFINITY, -INFINITY};
-    const bool full = !m.doc && j0 + kTile - 1 <= w0 && w0 + 15 < m.T;  // every key visible to every row
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const Place p = place(w0, j0, n, e);
-        const bool vis = full || (p.row < m.T && p.col < m.T && m.visible(b, p.row, p.col));
-        s[n][e] = vis ? s[n][e] * m.scale : -INFINITY;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
-      }
-    float keep[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // the row's 4 threads agree on its max
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(mx[r], tile_max[r]);
-      base[r] = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp(−∞) = 0 below
-      keep[r] = __expf(mx[r] - base[r]);
-      mx[r] = new_max;
-      sum[r] *= keep[r];
+  int64_t first = 0;  // the key tiles before the block's first document are empty (documents nondecreasing)
+  while (first < i1 && m.empty(b, i0, i1, first, min(m.T, first + kTile))) first += kTile;
+  if (first < i1) copy_rows<D>(ks[0], kh, first, m.T, m.S), copy_rows<D>(vs[0], vh, first, m.T, m.S);
+  copies_commit();
+  for (int64_t j0 = first, stage = 0; j0 < i1; j0 += kTile, stage ^= 1) {
+    if (j0 + kTile < i1) {
+      copy_rows<D>(ks[stage ^ 1], kh, j0 + kTile, m.T, m.S), copy_rows<D>(vs[stage ^ 1], vh, j0 + kTile, m.T, m.S);
+      copies_commit();
+      copies_wait<1>();
+    } else {
+      copies_wait<0>();
     }
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sum[e >> 1] += (s[n][e] = __expf(s[n][e] - base[e >> 1]));
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] *= keep[0], o[n][1] *= keep[0], o[n][2] *= keep[1], o[n][3] *= keep[1];
-    uint32_t pa[4][4];
-    to_a(pa, s);
-    mma_rows<4, D / 8>(o, pa, vt, 0);
+    __syncthreads();
+    if (w0 < m.T && j0 <= w0 + 15) {  // else the warp's queries see none of these keys
+      float s[8][4];
+      zero<8>(s);
+      mma_rows_ld<D / 16>(s, qa, ks[stage]);
+      softmax_pv<D>(s, o, mx, sum, m, b, w0, j0, vs[stage]);
+    }
+    __syncthreads();  // the stage is refilled next iteration
   }
   const int gq = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
@@ -340,7 +422,7 @@ void attention_forward_bf16(float* out, float* lse, const float* qkv, int64_t B,
   const dim3 grid(blocks_for(T, kRows), unsigned(H), unsigned(B));
   const __nv_bfloat16* q = rounded(qkv_low, qkv, B * T * m.S);
   with_head_dim(D, [&]<int HD>() {
-    const size_t smem = rows_bytes(kTile, HD + kPad) + rows_bytes(HD, kTile + kPad);
+    const size_t smem = 4 * rows_bytes(kTile, HD + kPad);  // K and V tiles, two stages
     launch_with_smem(forward_bf16<HD>, grid, smem, "attention_forward_bf16", out, lse, q, m);
   });
 }
