@@ -213,6 +213,8 @@ void add_parallel_options(Args& a) {
       .option("pp", "P", "pipeline-parallel degree (stages)", "1")
       .option("vpp", "V", "model chunks per pipeline stage (interleaved schedule)", "1")
       .option("pp-schedule", "gpipe|1f1b|interleaved", "pipeline schedule (default: 1f1b; interleaved when --vpp > 1)")
+      .flag("vocab-parallel", "split the embedding and the LM head's vocabulary over every pipeline stage (and TP), "
+                              "with the output layer's passes placed into the schedule (Yeung et al. 2024)")
       .option("pp-layers", "N,N,...", "layers of each virtual stage, in order (default: an even split)")
       .option("recompute", "none|selective|full",
               "activation recomputation: selective recomputes the attention core, full keeps only each layer's input",
@@ -243,6 +245,7 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   o.pp = a.small_integer("pp");
   o.vpp = a.small_integer("vpp");
   o.pp_schedule = a.str("pp-schedule");
+  o.vocab_parallel = a.on("vocab-parallel");
   if (a.has("pp-layers"))
     for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
   o.recompute = a.str("recompute");

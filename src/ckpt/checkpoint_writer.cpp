@@ -29,13 +29,15 @@ void add_owned_pieces(const Params& params, const AdamW& opt, int replicas, int 
     if (spec.split.dim < 0 && lay.tp_rank != 0) continue;  // TP replica: TP rank 0 writes it
     if (spec.pp_shared && !first_stage_copy) continue;      // the first stage's copy is written
     const int64_t at = params.offset(seg.param), begin = seg.begin - at, end = seg.end - at;
-    out.push_back({StateKind::weight, &spec, lay.tp, lay.tp_rank, begin, end, params.data() + seg.begin});
+    // A piece names its shard as one of split.ways(tp) (vocabulary parallelism: of TP × PP).
+    const int tp = spec.split.ways(lay.tp), tp_rank = spec.split.way(lay.tp, lay.tp_rank);
+    out.push_back({StateKind::weight, &spec, tp, tp_rank, begin, end, params.data() + seg.begin});
     // The optimizer's segment holding these elements (ZeRO: the same shard; else the whole tensor).
     const int64_t s = opt.segment_of(seg.begin);
     ORIGAMI_ASSERT(s >= 0 && opt.segments()[size_t(s)].end >= seg.end);
     const int64_t skip = seg.begin - opt.segments()[size_t(s)].begin;
-    out.push_back({StateKind::exp_avg, &spec, lay.tp, lay.tp_rank, begin, end, opt.exp_avg(size_t(s)) + skip});
-    out.push_back({StateKind::exp_avg_sq, &spec, lay.tp, lay.tp_rank, begin, end, opt.exp_avg_sq(size_t(s)) + skip});
+    out.push_back({StateKind::exp_avg, &spec, tp, tp_rank, begin, end, opt.exp_avg(size_t(s)) + skip});
+    out.push_back({StateKind::exp_avg_sq, &spec, tp, tp_rank, begin, end, opt.exp_avg_sq(size_t(s)) + skip});
   }
 }
 

@@ -82,6 +82,11 @@ Size core_bytes(const LocalSizes& s) { return 4 * Size(s.core.core_floats()); }
 
 // Elements of the model's work buffers (Model::Scratch) for a batch: set_batch sizes each buffer to
 // exactly this, and workspace_bytes() counts it.
+int64_t vocab_rows(const ModelConfig& c, const ActivationShape& a) {  // the vocabulary slice's rows, padded
+  const int64_t ways = int64_t(a.tp) * a.vocab_pp;
+  return (c.vocab_size + ways - 1) / ways;
+}
+
 struct ScratchSizes {
   Size loc, full, gathered;  // SP region scratch: [Nl, C], [N, C], [N, C]
   Size ln_loc;               // bf16 runs: a norm output [Nl, C] before its rounding, or widened from it
@@ -97,7 +102,7 @@ struct ScratchSizes {
   ScratchSizes(const ModelConfig& c, const ActivationShape& a, bool head_stage) {
     const LocalSizes s(c, a);
     const bool sp = a.sp;
-    const int64_t Vl = (c.vocab_size + a.tp - 1) / a.tp;
+    const int64_t Vl = vocab_rows(c, a);
     loc = sp ? s.Nl * s.C : 0, full = sp ? s.N * s.C : 0, gathered = full;
     ln_loc = a.precision == Precision::bf16 ? s.Nl * s.C : 0;
     targets = s.N;
@@ -125,7 +130,7 @@ struct ScratchSizes {
 // LM head's rounded dlogits and input chunk — and gemm_bf16's portable widening scratch (16 MiB at most).
 Size bf16_scratch_bytes(const ModelConfig& c, const LocalSizes& s, const ActivationShape& a, bool head_stage) {
   if (a.precision != Precision::bf16) return 0;
-  const int64_t Vl = (c.vocab_size + a.tp - 1) / a.tp;
+  const int64_t Vl = vocab_rows(c, a);
   const Size rows = std::max(s.N, s.moe_rows), widest = std::max({s.C, s.Sl, s.HDl, s.fa, 2 * Size(s.moe.F)});
   const Size chunk = head_stage ? lm_head_chunk_rows(s.N.get(), Vl) : 0;
   return 2 * (3 * rows * widest + chunk * (Size(Vl) + s.C)) + (int64_t(16) << 20);
@@ -135,7 +140,8 @@ int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const Mo
   const LocalSizes s(c, a);
   // TensorParallel's region buffer: under SP (or gathering MoE shares) with B > 1, the gathered or reordered [N, C].
   const Size tp_region = (a.sp || s.moe_shares(c, a)) && a.B > 1 ? 4 * s.N * s.C : 0;
-  return (ScratchSizes(c, a, part.head).bytes() + tp_region + bf16_scratch_bytes(c, s, a, part.head)).get();
+  const bool head = part.head || part.vocab_parallel();  // under vocabulary parallelism every stage runs the head
+  return (ScratchSizes(c, a, head).bytes() + tp_region + bf16_scratch_bytes(c, s, a, head)).get();
 }
 
 int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, LayerRange r) {
@@ -237,8 +243,10 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
   ORIGAMI_ASSERT(params.layout().tp == t && params.layout().tp_rank == tp_.rank());
   ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && cfg.ffn % t == 0 && cfg.shared_ffn % t == 0);
   Hl_ = cfg.num_heads / t, KVl_ = cfg.num_kv_heads / t, Fl_ = cfg.ffn / t;
-  Vl_ = (cfg.vocab_size + t - 1) / t;  // rows per rank of the vocabulary padded to a multiple of t
-  vocab_begin_ = tp_.rank() * Vl_;
+  // Rows per rank of the vocabulary padded to a multiple of t (vocabulary parallelism: of t·stages).
+  const int64_t ways = t * part_.vocab_stages;
+  Vl_ = (cfg.vocab_size + ways - 1) / ways;
+  vocab_begin_ = (int64_t(part_.vocab_stage) * t + tp_.rank()) * Vl_;
   vocab_valid_ = std::clamp<int64_t>(cfg.vocab_size - vocab_begin_, 0, Vl_);
   auto off = [&](const std::string& name) {
     int64_t i = params_.index(name);
@@ -299,15 +307,15 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
       }
     }
   }
-  if (part_.embedding) {
-    wte_ = need(cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight");
-    if (cfg.is_gpt2()) wpe_ = need("wpe.weight");
-  }
+  const bool vocab = part_.vocab_parallel();  // every stage: its slices of the embedding and the head
+  if (part_.embedding || vocab) wte_ = need(cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight");
+  if (part_.embedding && cfg.is_gpt2()) wpe_ = need("wpe.weight");
+  if (part_.head || vocab)
+    head_ = cfg.is_gpt2() || cfg.tied_embeddings ? need(cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight")
+                                                 : need("lm_head.weight");
   if (part_.head) {
     lnf_w_ = need(cfg.is_gpt2() ? "ln_f.weight" : "model.norm.weight");
     if (cfg.is_gpt2()) lnf_b_ = need("ln_f.bias");
-    head_ = cfg.is_gpt2() || cfg.tied_embeddings ? need(cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight")
-                                                 : need("lm_head.weight");
     head_begin_ = lnf_w_;  // final norm and (untied) LM head: the end of the buffer
   }
   if (!cfg.is_gpt2()) rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
@@ -379,7 +387,7 @@ Model::Dims Model::dims() const {
 
 ActivationShape Model::activation_shape() const {
   return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(), cp_.a2a_size(),
-          precision_};
+          part_.vocab_stages, precision_};
 }
 
 MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }
@@ -443,7 +451,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   live_bytes_ = 0;
   peak_bytes_ = act_bytes();
   Scratch& s = *scratch_;
-  const ScratchSizes n(cfg_, activation_shape(), part_.head);
+  const ScratchSizes n(cfg_, activation_shape(), part_.head || part_.vocab_parallel());
   allocating("the model's work buffers", n.bytes().get(), [&] {
     s.loc.resize(size_t(n.loc));
     s.ln_loc.resize(size_t(n.ln_loc));
@@ -803,29 +811,86 @@ void Model::moe_layer_backward(int64_t l, const LayerActs& a, float* d_ln, const
 // Final norm, then the vocab-parallel LM head and cross-entropy with its backward fused in:
 // d_ln = this rank's part of ∂(loss_scale·lm_loss)/∂lnf, then d_res = ∂/∂top.
 Losses Model::head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out) {
-  const ModelConfig& c = cfg_;
-  Scratch& s = *scratch_;
-  TensorParallel& tp = tp_;
-  const int64_t B = B_, T = T_, N = B * T, C = c.hidden;
-  gather_tokens(s.targets.data(), tokens, 1);
-  float* lnf_loc = tp.local(s.lnf.data(), s.loc.data());
-  norm_forward(lnf_loc, s.meanf.data(), s.rstdf.data(), top, lnf_w_, lnf_b_);
-  tp.enter(s.lnf.data(), lnf_loc, B, T, C);
-  VocabShard<float> shard{vocab_begin_, vocab_valid_, nullptr};
-  if (tp.size() > 1) shard.combine = [&tp](float* stats, int64_t n) { tp.combine_vocab_stats(stats, n); };
+  gather_tokens(scratch_->targets.data(), tokens, 1);
+  final_norm(top);
   Losses out;
+  out.lm_loss = lm_loss(loss_scale, backward, logits_out);
+  if (backward) final_norm_backward(scratch_->d_res.data(), top);
+  return out;
+}
+
+void Model::final_norm(const float* top) {
+  Scratch& s = *scratch_;
+  float* lnf_loc = tp_.local(s.lnf.data(), s.loc.data());
+  norm_forward(lnf_loc, s.meanf.data(), s.rstdf.data(), top, lnf_w_, lnf_b_);
+  tp_.enter(s.lnf.data(), lnf_loc, B_, T_, cfg_.hidden);
+}
+
+// The statistics of this rank's vocabulary rows combined over TP, then (vocabulary parallelism) over
+// the pipeline group: each an all-gather of 3 floats per row.
+double Model::lm_loss(float loss_scale, bool backward, float* logits_out) {
+  Scratch& s = *scratch_;
+  VocabShard<float> shard{vocab_begin_, vocab_valid_, nullptr};
+  if (tp_.size() > 1 || vocab_)
+    shard.combine = [this](float* stats, int64_t n) {
+      if (tp_.size() > 1) combine_vocab_stats(tp_.comm(), stats, n);
+      if (vocab_) combine_vocab_stats(*vocab_, stats, n);
+    };
   // The sum over the micro-batch's targets over loss_tokens_, by default its B·T tokens (a mean): under
   // CP this rank's part of it (summed over CP).
+  const int64_t N = B_ * T_;
   const double tokens_total = loss_tokens_ > 0 ? loss_tokens_ : double(N * row_cp());
-  out.lm_loss = lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), mw(head_),
-                             s.targets.data(), N, C, Vl_, loss_scale / float(tokens_total), s.head, shard) /
-                tokens_total;
-  if (!backward) return out;
-  float* d_ln_loc = tp.local(s.d_ln.data(), s.loc.data());
-  tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
-  std::fill(s.d_res.begin(), s.d_res.end(), 0.f);
-  norm_backward(s.d_res.data(), d_ln_loc, top, s.meanf.data(), s.rstdf.data(), lnf_w_, lnf_b_);
-  return out;
+  return lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), mw(head_),
+                      s.targets.data(), N, cfg_.hidden, Vl_, loss_scale / float(tokens_total), s.head, shard) /
+         tokens_total;
+}
+
+void Model::final_norm_backward(float* d_top, const float* top) {
+  Scratch& s = *scratch_;
+  float* d_ln_loc = tp_.local(s.d_ln.data(), s.loc.data());
+  tp_.enter_backward(d_ln_loc, s.d_ln.data(), B_, T_, cfg_.hidden);
+  std::fill_n(d_top, tp_.local_tokens(B_ * T_) * cfg_.hidden, 0.f);
+  norm_backward(d_top, d_ln_loc, top, s.meanf.data(), s.rstdf.data(), lnf_w_, lnf_b_);
+}
+
+void Model::vocab_embed(int mb, const int32_t* tokens, float* x0) {
+  ORIGAMI_ASSERT(vocab_ && (x0 != nullptr) == part_.embedding);
+  select_cp(mb);
+  set_documents(tokens);
+  const int64_t B = B_, T = T_, C = cfg_.hidden;
+  gather_tokens(scratch_->inputs.data(), tokens, 0);
+  float* rows = x0 ? tp_.full(x0, scratch_->full.data()) : scratch_->lnf.data();  // [N, C]
+  embedding_forward(rows, scratch_->inputs.data(), T, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C,
+                    vocab_begin_, Vl_, pos_ids_.data());
+  vocab_->all_reduce(rows, B * T * C);
+  if (x0) tp_.exit(x0, rows, B, T, C);
+}
+
+Losses Model::vocab_head(int mb, const int32_t* tokens, const float* top, float* d_top, float loss_scale,
+                         bool backward) {
+  ORIGAMI_ASSERT(vocab_ && (top != nullptr) == part_.head && (!backward || (d_top != nullptr) == part_.head));
+  mb_ = mb;
+  select_cp(mb);
+  set_documents(tokens);
+  const int64_t NC = B_ * T_ * cfg_.hidden;
+  gather_tokens(scratch_->targets.data(), tokens, 1);
+  if (top) final_norm(top);
+  vocab_->broadcast(scratch_->lnf.data(), NC, DType::f32, vocab_->size() - 1);
+  Losses out;
+  out.lm_loss = lm_loss(loss_scale, backward, nullptr);
+  if (backward) vocab_->all_reduce(scratch_->d_ln.data(), NC);
+  if (backward && top) final_norm_backward(d_top, top);
+  return top ? out : Losses{};
+}
+
+void Model::vocab_embed_backward(int mb, const int32_t* tokens, float* d_x0) {
+  ORIGAMI_ASSERT(vocab_);
+  select_cp(mb);
+  set_documents(tokens);
+  vocab_->broadcast(d_x0, B_ * T_ * cfg_.hidden, DType::f32, 0);
+  gather_tokens(scratch_->inputs.data(), tokens, 0);
+  embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
+                     pos_ids_.data());
 }
 
 Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* input) {
@@ -846,7 +911,7 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
   }
   float* resid = slot->resid.data();
   if (Lc > 0) use_weights(WeightUse::prefetch, units_[size_t(r.begin)]);
-  if (chunk == 0 && part_.embedding) {
+  if (chunk == 0 && part_.embedding && !part_.vocab_parallel()) {  // (vocabulary parallelism: vocab_embed)
     use_weights(WeightUse::need, embedding_unit_);
     embed(resid, tokens);
     use_weights(WeightUse::done, embedding_unit_);
@@ -874,8 +939,6 @@ const float* Model::output(int mb, int chunk) const {
   return s.resid.data() + (r.end - r.begin) * tp_.local_tokens(B_ * T_) * cfg_.hidden;
 }
 
-const float* Model::input_grad() const { return scratch_->d_res.data(); }
-
 void Model::release(int mb, int chunk) {
   auto it = live_.find({mb, chunk});
   live_bytes_ -= it->second->bytes();
@@ -893,11 +956,11 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   Slot& slot = *it->second;
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
-  const bool head_chunk = part_.head && chunk == int(part_.chunks.size()) - 1;
   float* resid = slot.resid.data();
   float* d_res = scratch_->d_res.data();  // ∂/∂(residual stream) at the current depth, this rank's tokens
+  input_grad_ = d_res;
   Losses out;
-  if (head_chunk) {
+  if (runs_head(chunk)) {
     use_weights(WeightUse::need, head_unit_);
     out = head(resid + Lc * NlC, tokens, loss_scale, true, logits_BTV);
     use_weights(WeightUse::done, head_unit_);
@@ -919,6 +982,11 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
   }
   if (chunk == 0 && part_.embedding) {  // writes gradients only: no weights needed
     const float* d_x0 = tp_.exit_backward(scratch_->full.data(), d_res, B_, T_, cfg_.hidden);
+    if (part_.vocab_parallel()) {  // every stage's slice, in vocab_embed_backward
+      input_grad_ = d_x0;
+      release(mb, chunk);
+      return out;
+    }
     gather_tokens(scratch_->inputs.data(), tokens, 0);
     embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
                        pos_ids_.data());
@@ -931,7 +999,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
 Losses Model::forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy,
                            float* logits_BTV) {
   Losses out = forward(mb, chunk, tokens, input);
-  if (part_.head && chunk == int(part_.chunks.size()) - 1) {
+  if (runs_head(chunk)) {
     use_weights(WeightUse::need, head_unit_);
     out += head(output(mb, chunk), tokens, 1.f, false, logits_BTV);
     use_weights(WeightUse::done, head_unit_);

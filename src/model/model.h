@@ -83,6 +83,7 @@ struct ActivationShape {
   Recompute recompute = Recompute::none;
   int etp = 1, ep = 1;  // MoE mesh: the expert-side buffers are sized for the dispatcher's worst case
   int cp = 1, cp_a2a = 1;  // context parallelism: CP size and all-to-all group size
+  int vocab_pp = 1;  // vocabulary parallelism: the vocabulary split over tp·vocab_pp, every stage runs the LM head
   Precision precision = Precision::fp32;  // of the layer GEMMs: bf16 adds the rounding scratch to the workspace
                                           // and keeps the dense MLPs' activations in bf16
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
@@ -139,8 +140,28 @@ class Model {
   Losses backward(int mb, int chunk, const int32_t* tokens, const float* d_output, float loss_scale,
                   float* logits_BTV = nullptr);
   // ∂/∂(input) [Nl, C] of the last backward (to send to the previous virtual stage); valid until the
-  // next backward.
-  const float* input_grad() const;
+  // next backward. Under vocabulary parallelism, after the backward of chunk 0 of the first stage:
+  // ∂/∂(the embedding rows) [N, C] (vocab_embed_backward's input).
+  const float* input_grad() const { return input_grad_; }
+
+  // ---- Vocabulary parallelism (ModelPart::vocab_parallel; Yeung et al. 2024) ----
+  // Every stage holds a slice of the embedding's and of the LM head's vocabulary rows (one of TP × PP);
+  // what the slices compute is summed over the pipeline group set here. The pipeline runs each call on
+  // every stage of the group at matching points of their schedules (they are collectives over it):
+  void set_vocab_group(Comm& pp) { vocab_ = &pp; }
+  // Micro-batch mb's embedding: each rank looks up its rows, the partial sums are all-reduced over the
+  // group, and on the first stage the TP region exit leaves the forward's input [Nl, C] in x0 (the
+  // input of its forward of (mb, 0)); other stages pass null.
+  void vocab_embed(int mb, const int32_t* tokens, float* x0);
+  // Micro-batch mb's output pass: the last stage's final norm of top ([Nl, C], its head chunk's output;
+  // null elsewhere) is broadcast over the group, every rank computes its slice's logits and the softmax
+  // statistics are combined over TP and the group. With `backward`, the input gradients of the slices
+  // are all-reduced over the group and the last stage writes ∂(loss_scale·lm_loss)/∂top [Nl, C] to
+  // d_top (its head chunk's backward input). Returns the LM loss on the last stage, zeros elsewhere.
+  Losses vocab_head(int mb, const int32_t* tokens, const float* top, float* d_top, float loss_scale, bool backward);
+  // ∂/∂(embedding rows) [N, C] of micro-batch mb, d_x0 on the first stage (its input_grad() after the
+  // backward of (mb, 0)), broadcast from it into every stage's d_x0, accumulated into each slice.
+  void vocab_embed_backward(int mb, const int32_t* tokens, float* d_x0);
   // Evaluation: forward of (mb, chunk) as forward() does, keeping nothing — its slot is released at
   // once; the head chunk also computes the LM loss (no gradient; logits_BTV, if given, receives its
   // logits), any other chunk copies its output [Nl, C] to output_copy (to send to the next virtual
@@ -267,6 +288,15 @@ class Model {
   void layer_backward(int64_t l, const LayerActs& a, const float* in, float* d_res, float loss_scale);
   // Final norm, LM head and loss on the chunk output `top`; with `backward`, leaves ∂/∂top in d_res.
   Losses head(const float* top, const int32_t* tokens, float loss_scale, bool backward, float* logits_out);
+  // head's parts: the final norm of top into the scratch's lnf [N, C] (gathered over the sequence
+  // under SP); the LM head and loss on it (∂/∂lnf, this rank's partial sum, in the scratch's d_ln);
+  // the norm's backward from that sum into d_top [Nl, C].
+  void final_norm(const float* top);
+  double lm_loss(float loss_scale, bool backward, float* logits_out);
+  void final_norm_backward(float* d_top, const float* top);
+  bool runs_head(int chunk) const {  // the head chunk computes the LM head in its backward
+    return part_.head && !part_.vocab_parallel() && chunk == int(part_.chunks.size()) - 1;
+  }
   void embed(float* x0, const int32_t* tokens);
   // The inputs (or with `shift` 1 the targets) of this rank's positions from whole rows (row_stride).
   void gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const;
@@ -293,6 +323,8 @@ class Model {
   Params& experts_;  // the routed experts' buffer (params_ itself when they have none of their own)
   TokenDispatcher dispatcher_;
   TensorParallel tp_;
+  Comm* vocab_ = nullptr;  // vocabulary parallelism: the pipeline group
+  const float* input_grad_ = nullptr;
   ContextParallel cp_;
   ContextParallel local_cp_;          // one rank: the lone micro-batches' attention
   std::vector<uint8_t> alone_mbs_;    // set_alone

@@ -21,6 +21,7 @@ int64_t ParamSpec::numel() const {
 
 // The split dimension on one TP rank (padded first where the split pads).
 static int64_t local_dim(const ParamSpec& p, int tp) {
+  tp = p.split.ways(tp);
   int64_t n = p.shape[size_t(p.split.dim)];
   if (p.split.pad) n = ((Size(n) + tp - 1) / tp * tp).get();
   ORIGAMI_ASSERT(n % (int64_t(tp) * p.split.parts) == 0);
@@ -141,8 +142,9 @@ bool ModelPart::holds_layer(int64_t l) const {
   return false;
 }
 
-ModelPart ModelPart::of_stage(const std::vector<LayerRange>& virtual_stages, int stages, int stage) {
-  ModelPart part{{}, stage == 0, stage == stages - 1};
+ModelPart ModelPart::of_stage(const std::vector<LayerRange>& virtual_stages, int stages, int stage,
+                              bool vocab_parallel) {
+  ModelPart part{{}, stage == 0, stage == stages - 1, vocab_parallel ? stages : 1, vocab_parallel ? stage : 0};
   for (size_t v = size_t(stage); v < virtual_stages.size(); v += size_t(stages)) part.chunks.push_back(virtual_stages[v]);
   return part;
 }
@@ -156,17 +158,21 @@ int64_t ModelPart::num_layers() const {
 std::vector<ParamSpec> make_param_table(const ModelConfig& c, const ModelPart& part) {
   const std::string layer_prefix = c.is_gpt2() ? "h." : "model.layers.";
   const std::string embedding = c.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight";
-  const bool shared = (c.is_gpt2() || c.tied_embeddings) && part.embedding != part.head;
+  const bool tied = c.is_gpt2() || c.tied_embeddings, vocab = part.vocab_parallel();
+  const bool shared = tied && part.embedding != part.head && !vocab;
   std::vector<ParamSpec> out = make_param_table(c);
   size_t kept = 0;  // compacted in place: a model of 10^5 layers has ~10^6 tensors
   for (ParamSpec& p : out) {
     bool keep;
+    const bool vocab_rows = p.name == embedding || p.name == "lm_head.weight";
     if (p.name.rfind(layer_prefix, 0) == 0) keep = part.holds_layer(std::stol(p.name.substr(layer_prefix.size())));
-    else if (p.name == embedding) keep = part.embedding || (part.head && (c.is_gpt2() || c.tied_embeddings));
+    else if (vocab && vocab_rows) keep = true;  // every stage's slice
+    else if (p.name == embedding) keep = part.embedding || (part.head && tied);
     else if (p.name == "wpe.weight") keep = part.embedding;
     else keep = part.head;  // final norm, untied lm_head
     if (!keep) continue;
     p.pp_shared = shared && p.name == embedding;
+    if (vocab && vocab_rows) p.split.pp = part.vocab_stages, p.split.pp_rank = part.vocab_stage;
     if (&out[kept] != &p) out[kept] = std::move(p);  // (a self-move would empty the shape vector)
     ++kept;
   }

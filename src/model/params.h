@@ -35,6 +35,12 @@ struct TpSplit {
                              // the sequence shards (norm weights): reduced over TP before the optimizer
   bool token_partial = false;  // replicated, and each TP rank computes it on its own share of the tokens
                                // whatever SP says (the MoE router): reduced over TP before the optimizer
+  // Vocabulary parallelism: the dimension is split over TP × `pp` pipeline stages, this stage holding
+  // block pp_rank·tp + tp_rank of tp·pp (the stage's TP ranks share one contiguous slice). Every
+  // function below that takes (tp, tp_rank) applies it: a shard is then one of tp·pp.
+  int pp = 1, pp_rank = 0;
+  int ways(int tp) const { return tp * pp; }
+  int way(int tp, int tp_rank) const { return pp_rank * tp + tp_rank; }
 };
 
 struct ParamSpec {
@@ -54,21 +60,27 @@ struct ParamSpec {
   std::vector<int64_t> local_shape(int tp) const;    // this shard's shape (padded dimension included)
   int64_t local_numel(int tp) const;
   // Calls fn(local_offset, global_offset, length) for the contiguous runs that map TP rank `tp_rank`'s
-  // shard onto the global tensor (row-major offsets; padding rows are in no run).
+  // shard onto the global tensor (row-major offsets; padding rows are in no run). Under vocabulary
+  // parallelism (split.pp > 1) the shard is block split.way(tp, tp_rank) of split.ways(tp).
   template <typename Fn> void for_each_run(int tp, int tp_rank, Fn&& fn) const;
 };
 
 // The part of the model one pipeline stage holds: the layers of each of its chunks (in chunk order),
 // whether its chunk 0 starts with the embedding (it is the first virtual stage) and whether its last
 // chunk ends with the final norm and LM head (the last virtual stage). Without pipeline parallelism:
-// one chunk with every layer and both ends.
+// one chunk with every layer and both ends. Under vocabulary parallelism (vocab_stages > 1) every
+// stage also holds its slice of the embedding and of an untied LM head (TpSplit::pp); `embedding` and
+// `head` still say where the position embedding and the final norm are.
 struct ModelPart {
   std::vector<LayerRange> chunks;
   bool embedding = true, head = true;
+  int vocab_stages = 1, vocab_stage = 0;
   static ModelPart whole(int64_t num_layers) { return {{{0, int(num_layers)}}, true, true}; }
   // Stage `stage` of `stages` over the virtual stages of partition_layers (chunk c of the stage is
-  // virtual stage c·stages + stage).
-  static ModelPart of_stage(const std::vector<LayerRange>& virtual_stages, int stages, int stage);
+  // virtual stage c·stages + stage); with vocab_parallel, the vocabulary split over the stages too.
+  static ModelPart of_stage(const std::vector<LayerRange>& virtual_stages, int stages, int stage,
+                            bool vocab_parallel = false);
+  bool vocab_parallel() const { return vocab_stages > 1; }
   bool holds_layer(int64_t l) const;
   int64_t num_layers() const;
 };
@@ -229,9 +241,10 @@ void ParamSpec::for_each_run(int tp, int tp_rank, Fn&& fn) const {
     fn(int64_t(0), int64_t(0), numel());
     return;
   }
+  tp_rank = split.way(tp, tp_rank), tp = split.ways(tp);
   // View the tensor as [outer, rows, inner] around the split dimension; rows (padded to local·tp) are
   // `parts` blocks, and this rank holds rows [p·rows/parts + r·lp, + lp) of each block p.
-  const std::vector<int64_t> local = local_shape(tp);
+  const std::vector<int64_t> local = local_shape(tp / split.pp);
   int64_t outer = 1, inner = 1;
   for (int d = 0; d < split.dim; ++d) outer *= shape[size_t(d)];
   for (size_t d = size_t(split.dim) + 1; d < shape.size(); ++d) inner *= shape[d];

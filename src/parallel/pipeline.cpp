@@ -23,16 +23,29 @@ struct Pipeline::Transfer {
 
 Pipeline::Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, ScheduleKind kind, int microbatches,
                    int chunks)
-    : model_(model), pp_(pp), dp_(std::move(dp)), kind_(kind), chunks_(chunks) {
+    : model_(model), pp_(pp), dp_(std::move(dp)), kind_(kind), vocab_(model.part().vocab_parallel()), chunks_(chunks) {
   ORIGAMI_ASSERT(int(model.part().chunks.size()) == chunks);
+  ORIGAMI_ASSERT(!vocab_ || model.part().vocab_stages == pp.size());
+  if (vocab_) model_.set_vocab_group(pp_);
   set_microbatches(microbatches);
+}
+
+int64_t Pipeline::vocab_bytes(int stages, int stage, int64_t microbatches, int64_t local, int64_t full) {
+  const Size first = stage == 0 ? microbatches * (Size(local) + full) : Size(full);
+  return (4 * (first + (stage == stages - 1 ? microbatches * Size(local) : 0))).get();
 }
 
 void Pipeline::set_microbatches(int microbatches) {
   if (microbatches == microbatches_) return;
   check_tags(pp_.size(), microbatches, chunks_);
   microbatches_ = microbatches;
-  actions_ = make_schedule(kind_, pp_.size(), pp_.rank(), microbatches, chunks_);
+  if (vocab_) {  // the output passes placed in every stage's list at once
+    std::vector<std::vector<Action>> all;
+    for (int s = 0; s < pp_.size(); ++s) all.push_back(make_schedule(kind_, pp_.size(), s, microbatches, chunks_));
+    actions_ = with_vocab_passes(all, pp_.size(), microbatches, chunks_)[size_t(pp_.rank())];
+  } else {
+    actions_ = make_schedule(kind_, pp_.size(), pp_.rank(), microbatches, chunks_);
+  }
   // A backward is final when no later backward of the same chunk follows; finals in decreasing chunk order.
   final_.assign(actions_.size(), 0);
   std::set<int> seen;
@@ -76,6 +89,7 @@ class Pipeline::Step {
       case ActionType::send_forward: send_forward(a); break;
       case ActionType::backward: backward(i); break;
       case ActionType::send_backward: send_backward(a); break;
+      case ActionType::vocab: vocab(a); break;
     }
     // Completed backward sends give their buffers back.
     for (size_t k = 0; k < bwd_sends_.size();)
@@ -111,8 +125,10 @@ class Pipeline::Step {
     const int32_t* tok = tokens_[size_t(a.microbatch)];
     post_next_recv(i);
     std::unique_ptr<Transfer> in = take_input();
+    const float* input = in ? in->buf.data() : nullptr;
+    if (pipe_.vocab_ && virtual_stage(a) == 0) input = pipe_.embeds_.data() + a.microbatch * n_;  // (Pipeline::embed)
     const double c0 = now();
-    out_ += pipe_.model_.forward(a.microbatch, a.chunk, tok, in ? in->buf.data() : nullptr);
+    out_ += pipe_.model_.forward(a.microbatch, a.chunk, tok, input);
     pipe_.times_.busy += now() - c0;
     if (in) spare_.push_back(std::move(in));
   }
@@ -129,6 +145,11 @@ class Pipeline::Step {
     const int32_t* tok = tokens_[size_t(a.microbatch)];
     post_next_recv(i);
     std::unique_ptr<Transfer> d_out = take_input();
+    auto head_grad = d_tops_.find(a.microbatch);  // vocabulary parallelism: the output pass's gradient
+    if (!d_out && virtual_stage(a) == p_ * pipe_.chunks_ - 1 && head_grad != d_tops_.end()) {
+      d_out = std::move(head_grad->second);
+      d_tops_.erase(head_grad);
+    }
     // The slot's output is freed by backward: its forward send must be complete.
     auto f = fwd_sends_.find({a.microbatch, a.chunk});
     if (f != fwd_sends_.end()) {
@@ -141,6 +162,22 @@ class Pipeline::Step {
     pipe_.times_.busy += now() - c0;
     for (DataParallel* d : pipe_.dp_) d->end_backward();
     if (d_out) spare_.push_back(std::move(d_out));
+    if (pipe_.vocab_ && virtual_stage(a) == 0) {  // ∂/∂(embedding rows) [N, C], for Pipeline::embed_backward
+      const int64_t full = int64_t(pipe_.embed_grads_.size()) / pipe_.microbatches_;
+      std::memcpy(pipe_.embed_grads_.data() + a.microbatch * full, pipe_.model_.input_grad(), size_t(full) * sizeof(float));
+    }
+  }
+
+  // The output pass of a micro-batch, on every stage; the last keeps ∂/∂(its head chunk's output).
+  void vocab(const Action& a) {
+    const bool last = s_ == p_ - 1;
+    std::unique_ptr<Transfer> d_top = last ? transfer() : nullptr;
+    const double c0 = now();
+    out_ += pipe_.model_.vocab_head(a.microbatch, tokens_[size_t(a.microbatch)],
+                                    last ? pipe_.model_.output(a.microbatch, pipe_.chunks_ - 1) : nullptr,
+                                    last ? d_top->buf.data() : nullptr, loss_scale_, true);
+    pipe_.times_.vocab += now() - c0;
+    if (last) d_tops_[a.microbatch] = std::move(d_top);
   }
 
   void send_backward(const Action& a) {
@@ -205,6 +242,7 @@ class Pipeline::Step {
   std::map<size_t, std::unique_ptr<Transfer>> recvs_;                // by index of the receive action
   std::map<std::pair<int, int>, std::unique_ptr<Transfer>> fwd_sends_;  // by (micro-batch, chunk)
   std::vector<std::unique_ptr<Transfer>> bwd_sends_;
+  std::map<int, std::unique_ptr<Transfer>> d_tops_;  // vocabulary parallelism, last stage: by micro-batch
   size_t pending_input_ = SIZE_MAX;  // the receive take_input() gives next
   Losses out_;
 };
@@ -217,42 +255,69 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
 
   times_ = {};
   const double t0 = now();
+  const int64_t full = shape.B * shape.T * model_.config().hidden;  // [N, C]: the vocabulary passes' rows
+  if (vocab_) embed(tokens, n, full);
   Step step(*this, tokens, loss_scale, n);
   // Between layers, every transfer in flight is driven (tested) so it moves while this stage computes.
   model_.on_progress([&] { step.drive(); });
   for (size_t i = 0; i < actions_.size(); ++i) step.run(i);
   model_.on_progress(nullptr);
   step.finish();
+  if (vocab_) embed_backward(tokens, full);
   times_.total = now() - t0;
   Losses out = step.losses();
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;
 }
 
+void Pipeline::embed(const std::vector<const int32_t*>& tokens, int64_t local, int64_t full) {
+  const double c0 = now();
+  const bool first = pp_.rank() == 0;
+  embeds_.resize(first ? tokens.size() * size_t(local) : 0);
+  for (size_t m = 0; m < tokens.size(); ++m)
+    model_.vocab_embed(int(m), tokens[m], first ? embeds_.data() + m * size_t(local) : nullptr);
+  embed_grads_.resize(first ? tokens.size() * size_t(full) : size_t(full));
+  times_.vocab += now() - c0;
+}
+
+void Pipeline::embed_backward(const std::vector<const int32_t*>& tokens, int64_t full) {
+  const double c0 = now();
+  const bool first = pp_.rank() == 0;
+  for (size_t m = 0; m < tokens.size(); ++m)
+    model_.vocab_embed_backward(int(m), tokens[m], embed_grads_.data() + (first ? m * size_t(full) : 0));
+  times_.vocab += now() - c0;
+}
+
 Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
   check_tags(pp_.size(), int(tokens.size()), chunks_);
   model_.set_batch(B, T);
-  const int64_t n = model_.activation_shape().local_tokens() * model_.config().hidden;  // floats per message
+  const ActivationShape shape = model_.activation_shape();
+  const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message
   const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p, last = p * chunks_ - 1;
+  if (vocab_) embed(tokens, n, shape.B * shape.T * model_.config().hidden);
   // A received input and two sends in flight at most (a buffer is reused once its earlier send is
   // done): no more than a training step's message buffers (buffer_bytes), and none on one stage.
-  std::vector<float> input(p > 1 ? static_cast<size_t>(n) : 0);
+  // Under vocabulary parallelism the last stage's head chunk output goes to `top`, the output pass's input.
+  std::vector<float> input(p > 1 ? static_cast<size_t>(n) : 0), top(vocab_ && s == p - 1 ? size_t(n) : 0);
   std::vector<Transfer> sends(2);
   for (Transfer& t : sends) t.buf.resize(p > 1 ? size_t(n) : 0);
   size_t turn = 0;
   Losses out;
-  for (int m = 0; m < int(tokens.size()); ++m)
+  for (int m = 0; m < int(tokens.size()); ++m) {
     for (int c = 0; c < chunks_; ++c) {
       const int u = c * p + s;  // the virtual stage
       if (u > 0) pp_.irecv(input.data(), n, DType::f32, prev, tag(m, u - 1, false)).wait();
+      const float* in = u > 0 ? input.data() : vocab_ ? embeds_.data() + m * n : nullptr;
       Transfer& send = sends[turn];
       if (u < last) send.req.wait();
-      out += model_.forward_only(m, c, tokens[size_t(m)], u > 0 ? input.data() : nullptr, send.buf.data());
+      out += model_.forward_only(m, c, tokens[size_t(m)], in, u < last ? send.buf.data() : top.data());
       if (u < last) {
         send.req = pp_.isend(send.buf.data(), n, DType::f32, next, tag(m, u, false));
         turn ^= 1;
       }
     }
+    if (vocab_) out += model_.vocab_head(m, tokens[size_t(m)], top.empty() ? nullptr : top.data(), nullptr, 1.f, false);
+  }
   for (Transfer& t : sends) t.req.wait();
   return out;
 }

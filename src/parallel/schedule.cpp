@@ -33,6 +33,7 @@ const char* action_type_name(ActionType t) {
     case ActionType::recv_backward: return "recv_backward";
     case ActionType::backward: return "backward";
     case ActionType::send_backward: return "send_backward";
+    case ActionType::vocab: return "vocab";
   }
   return "?";
 }
@@ -164,7 +165,8 @@ struct StageState {
   size_t next = 0;  // index of the next action to run
   double clock = 0;
   int in_flight = 0;
-  std::vector<uint8_t> done;  // [microbatch * chunks + chunk]
+  std::vector<uint8_t> done;   // [microbatch * chunks + chunk]
+  std::vector<uint8_t> vocab;  // [microbatch]: its vocab pass has run
 };
 
 enum Direction { fwd = 0, bwd = 1 };
@@ -173,11 +175,15 @@ enum Direction { fwd = 0, bwd = 1 };
 class Replayer {
  public:
   Replayer(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
-           double t_forward, double t_backward)
+           double t_forward, double t_backward, double t_vocab)
       : per_stage_(per_stage), p_(stages), m_(microbatches), v_(chunks), t_forward_(t_forward),
-        t_backward_(t_backward), channels_(size_t(p_) * p_ * 2), st_(p_) {
+        t_backward_(t_backward), t_vocab_(t_vocab), channels_(size_t(p_) * p_ * 2), st_(p_) {
     r_.stages.resize(p_);
-    for (auto& s : st_) s.done.assign(size_t(m_) * v_, 0);
+    for (int s = 0; s < p_; ++s) {
+      st_[s].done.assign(size_t(m_) * v_, 0), st_[s].vocab.assign(size_t(m_), 0);
+      r_.stages[s].starts.assign(per_stage[s].size(), 0.0);
+      for (const Action& a : per_stage[s]) vocab_ = vocab_ || a.type == ActionType::vocab;
+    }
   }
 
   // Sweep: run every stage as far as it can go, until all are done or none moves. The result does
@@ -197,6 +203,7 @@ class Replayer {
  private:
   bool step(int s);
   bool receive(int s, int from, Direction dir);
+  bool vocab_pass(int s);
   void once(int s, uint8_t& done, uint8_t bit) {
     ORIGAMI_CHECK(!(done & bit), where(s), "runs twice");
     done |= bit;
@@ -212,7 +219,8 @@ class Replayer {
 
   const std::vector<std::vector<Action>>& per_stage_;
   const int p_, m_, v_;
-  const double t_forward_, t_backward_;
+  const double t_forward_, t_backward_, t_vocab_;
+  bool vocab_ = false;  // the lists hold vocab passes
   std::vector<std::deque<Message>> channels_;
   std::vector<StageState> st_;
   Replay r_;
@@ -238,6 +246,7 @@ bool Replayer::step(int s) {
     case ActionType::forward:
       ORIGAMI_CHECK(u == 0 || (done & got_input), where(s), "runs before its recv_forward");
       once(s, done, forwarded);
+      T.starts[S.next] = S.clock;
       S.clock += t_forward_;
       T.busy += t_forward_;
       T.max_in_flight = std::max(T.max_in_flight, ++S.in_flight);
@@ -257,7 +266,10 @@ bool Replayer::step(int s) {
     case ActionType::backward:
       ORIGAMI_CHECK(done & forwarded, where(s), "runs before this stage's forward of the same micro-batch and chunk");
       ORIGAMI_CHECK(u == last_virtual || (done & got_grad), where(s), "runs before its recv_backward");
+      ORIGAMI_CHECK(u != last_virtual || !vocab_ || S.vocab[size_t(a.microbatch)], where(s),
+                    "runs before its micro-batch's vocab pass");
       once(s, done, backwarded);
+      T.starts[S.next] = S.clock;
       S.clock += t_backward_;
       T.busy += t_backward_;
       --S.in_flight;
@@ -268,8 +280,33 @@ bool Replayer::step(int s) {
       once(s, done, sent_grad);
       channel(s, (u - 1 + p_) % p_, bwd).push_back({a.microbatch, u - 1, S.clock});
       break;
+    case ActionType::vocab: return vocab_pass(s);
   }
+  if (a.type != ActionType::forward && a.type != ActionType::backward) T.starts[S.next] = S.clock;
   ++S.next;
+  return true;
+}
+
+// Stage s is at a vocab pass: a collective, so it runs (on every stage at once, from the latest
+// arrival) only when every stage is at the same pass.
+bool Replayer::vocab_pass(int s) {
+  const Action& a = per_stage_[s][st_[s].next];
+  ORIGAMI_CHECK(!st_[s].vocab[size_t(a.microbatch)], where(s), "runs twice");
+  for (int r = 0; r < p_; ++r)
+    if (st_[r].next >= per_stage_[r].size() || per_stage_[r][st_[r].next] != a) return false;
+  ORIGAMI_CHECK(st_[p_ - 1].done[size_t(a.microbatch) * v_ + v_ - 1] & forwarded, where(p_ - 1),
+                "runs before the last virtual stage's forward of its micro-batch");
+  double start = 0;
+  for (int r = 0; r < p_; ++r) start = std::max(start, st_[r].clock);
+  for (int r = 0; r < p_; ++r) {
+    StageState& S = st_[r];
+    r_.stages[r].idle += start - S.clock;
+    r_.stages[r].busy += t_vocab_;
+    r_.stages[r].starts[S.next] = start;
+    S.clock = start + t_vocab_;
+    S.vocab[size_t(a.microbatch)] = 1;
+    ++S.next;
+  }
   return true;
 }
 
@@ -320,6 +357,7 @@ void Replayer::check_all_computed() const {
         const uint8_t done = st_[s].done[size_t(mb) * v_ + c];
         ORIGAMI_CHECK(done & forwarded, "stage ", s, " never runs forward(mb ", mb, ", chunk ", c, ")");
         ORIGAMI_CHECK(done & backwarded, "stage ", s, " never runs backward(mb ", mb, ", chunk ", c, ")");
+        ORIGAMI_CHECK(!vocab_ || st_[s].vocab[size_t(mb)], "stage ", s, " never runs vocab(mb ", mb, ")");
       }
 }
 
@@ -337,13 +375,40 @@ Replay Replayer::result() {
 }  // namespace
 
 Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
-                        double t_forward, double t_backward) {
+                        double t_forward, double t_backward, double t_vocab) {
   ORIGAMI_CHECK(stages >= 1 && microbatches >= 1 && chunks >= 1, "replay needs stages, microbatches, chunks >= 1, got ",
                 stages, ", ", microbatches, ", ", chunks);
   ORIGAMI_CHECK(int(per_stage.size()) == stages, "replay got ", per_stage.size(), " action lists for stages=", stages);
-  Replayer replay(per_stage, stages, microbatches, chunks, t_forward, t_backward);
+  Replayer replay(per_stage, stages, microbatches, chunks, t_forward, t_backward, t_vocab);
   replay.sweep();
   return replay.result();
+}
+
+std::vector<std::vector<Action>> with_vocab_passes(const std::vector<std::vector<Action>>& per_stage, int stages,
+                                                   int microbatches, int chunks) {
+  const Replay base = replay_schedules(per_stage, stages, microbatches, chunks, 1.0, 2.0);
+  std::vector<double> ready(size_t(microbatches), 0.0);  // when the head forward of each micro-batch ends
+  const std::vector<Action>& last = per_stage[size_t(stages) - 1];
+  for (size_t i = 0; i < last.size(); ++i)
+    if (last[i].type == ActionType::forward && last[i].chunk == chunks - 1)
+      ready[size_t(last[i].microbatch)] = base.stages[size_t(stages) - 1].starts[i] + 1.0;
+  std::vector<std::vector<Action>> out(per_stage.size());
+  for (size_t s = 0; s < per_stage.size(); ++s) {
+    int next = 0;  // the next micro-batch's pass to place
+    for (size_t i = 0; i < per_stage[s].size(); ++i) {
+      const Action& a = per_stage[s][i];
+      const bool compute = a.type == ActionType::forward || a.type == ActionType::backward;
+      for (; compute && next < microbatches && base.stages[s].starts[i] >= ready[size_t(next)]; ++next) {
+        const bool after_recv = !out[s].empty() && (out[s].back().type == ActionType::recv_forward ||
+                                                    out[s].back().type == ActionType::recv_backward);
+        out[s].insert(out[s].end() - (after_recv ? 1 : 0), Action{ActionType::vocab, next, 0});
+      }
+      out[s].push_back(a);
+    }
+    for (; next < microbatches; ++next) out[s].push_back({ActionType::vocab, next, 0});
+  }
+  replay_schedules(out, stages, microbatches, chunks, 1.0, 2.0, 0.5);  // throws if the passes deadlock
+  return out;
 }
 
 }  // namespace origami

@@ -30,13 +30,16 @@ enum class ScheduleKind { gpipe, one_f_one_b, interleaved };
 ScheduleKind parse_schedule_kind(const std::string& s);
 const char* schedule_kind_name(ScheduleKind k);
 
-enum class ActionType { recv_forward, forward, send_forward, recv_backward, backward, send_backward };
+enum class ActionType { recv_forward, forward, send_forward, recv_backward, backward, send_backward, vocab };
 const char* action_type_name(ActionType t);
 
 // recv_forward:  receive the activation of (microbatch, chunk) from the previous virtual stage;
 // send_forward:  send this chunk's output activation to the next virtual stage;
 // recv_backward: receive the gradient w.r.t. this chunk's output from the next virtual stage;
 // send_backward: send the gradient w.r.t. this chunk's input to the previous virtual stage.
+// vocab:         vocabulary parallelism's output pass of a micro-batch (chunk 0): the LM head and its
+//                loss over every stage's slice of the vocabulary, a collective over the pipeline group
+//                that every stage runs once per micro-batch (with_vocab_passes places it).
 // No send/recv appears for the first virtual stage's input or the last virtual stage's output.
 // Receives sit immediately before the compute that needs them (the executor posts non-blocking
 // receives earlier itself); sends immediately after the compute that produced them (non-blocking).
@@ -65,6 +68,7 @@ int num_warmup_forwards(ScheduleKind kind, int stages, int stage, int microbatch
 // ---- Replay simulator (reused by the planner) ----
 
 struct StageTiming {
+  std::vector<double> starts;  // per action: when it began (after any wait)
   double busy = 0;    // time spent in forward/backward compute
   double idle = 0;    // time spent blocked in receives before this stage's last action (= finish - busy)
   double finish = 0;  // time this stage's last action completes
@@ -77,7 +81,8 @@ struct Replay {
 
 // Runs all stages' action lists together from time 0. Sends are non-blocking: a message is
 // available to its receiver at the moment its send action runs. Receives block. A forward of one
-// chunk costs t_forward, a backward t_backward, sends and receives cost 0. Checks every dependency
+// chunk costs t_forward, a backward t_backward, a vocab pass t_vocab on every stage once all have
+// reached it (a collective), sends and receives cost 0. Checks every dependency
 // and throws origami::Error naming the stage, the action and the rule if one is broken:
 //  - a receive matches the earliest unmatched send on its channel (from-stage, to-stage,
 //    direction) and that send must be for the same (micro-batch, virtual stage);
@@ -87,9 +92,22 @@ struct Replay {
 //    no send/recv across the model's two ends;
 //  - every (micro-batch, chunk) forward and backward, and each needed send/recv, exactly once per
 //    stage; no message left unreceived at the end;
+//  - when the lists hold vocab passes: one per micro-batch on every stage, in the same order on all;
+//    the last stage's after its forward of the last virtual stage and before that pair's backward;
 //  - if no stage can progress before all are done: Error("deadlock: ...") naming the stuck actions.
 Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
-                        double t_forward, double t_backward);
+                        double t_forward, double t_backward, double t_vocab = 0);
+
+// Vocabulary parallelism (Yeung et al. 2024, "Balancing Pipeline Parallelism with Vocabulary
+// Parallelism"): the stages' lists with one vocab pass per micro-batch m added to each, where the
+// last virtual stage's forward of m has ended in a replay of the lists (forward 1, backward 2): before
+// the first compute action that starts at or after that time (and before the receive that precedes
+// it). Every action placed before the pass began earlier than the head forward ended, so none of them
+// depends on the pass, and every action after it began later, so the head forward cannot depend on
+// them: the passes line the stages up where the pipeline already is, with no deadlock (the result is
+// replayed to check it). The last stage runs the pass between its head forward and that backward.
+std::vector<std::vector<Action>> with_vocab_passes(const std::vector<std::vector<Action>>& per_stage, int stages,
+                                                   int microbatches, int chunks);
 
 // Activation bytes a stage keeps at its peak over one step: replays its action list, the forward of
 // chunk c adding slot_bytes[c] and that pair's backward releasing them (model.h: slot_bytes()).

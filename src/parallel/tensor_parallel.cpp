@@ -95,11 +95,11 @@ const float* TensorParallel::exit_backward(float* d_full, const float* d_local, 
   return d_full;
 }
 
-void TensorParallel::combine_vocab_stats(float* stats, int64_t n) {
-  if (size() == 1) return;
-  std::vector<float> all(size_t(size() * n * 3));
-  comm_->all_gather(all.data(), stats, n * 3, DType::f32);
-  merge_vocab_stats(stats, all.data(), size(), n);
+void combine_vocab_stats(Comm& group, float* stats, int64_t n) {
+  if (group.size() == 1) return;
+  std::vector<float> all(size_t(group.size() * n * 3));
+  group.all_gather(all.data(), stats, n * 3, DType::f32);
+  merge_vocab_stats(stats, all.data(), group.size(), n);
 }
 
 }  // namespace origami

@@ -20,6 +20,11 @@
 
 namespace origami {
 
+// Vocab-parallel cross-entropy: each rank's per-row (max, sum-exp, target logit) → the statistics of
+// the vocabulary rows of every rank of `group` (an all-gather of 3 floats per row, then
+// merge_vocab_stats). Over TP, and under vocabulary parallelism then over the pipeline group.
+void combine_vocab_stats(Comm& group, float* stats_n3, int64_t n);
+
 class TensorParallel {
  public:
   TensorParallel();  // one rank, no communication
@@ -60,10 +65,6 @@ class TensorParallel {
   float* share_buffer(float* local, float* scratch) const { return whole_shares() ? local : scratch; }
   // local ([Nl, C]) ← every rank's share (an all-gather without SP; nothing when share is local).
   void gather_shares(float* local, const float* share, int64_t B, int64_t T, int64_t C);
-
-  // Vocab-parallel cross-entropy: each rank's per-row (max, sum-exp, target logit) → whole-vocabulary
-  // statistics (an all-gather of 3 floats per row, then merge_vocab_stats).
-  void combine_vocab_stats(float* stats_n3, int64_t n);
 
  private:
   // [B, T, C] ↔ [t][B, T/t, C] (rank-major shards); the identity when B == 1.

@@ -100,7 +100,7 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
 }
 
 const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
-  const auto key = std::make_tuple(pp, o.vpp, o.pp_layers);
+  const auto key = std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel);
   const auto found = parts_.find(key);
   if (found != parts_.end()) {
     if (found->second.empty()) fail(unsplittable_.at(key));  // refused before: the same error, without the work
@@ -109,7 +109,7 @@ const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int 
   std::vector<ModelPart> parts;
   try {
     const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
-    for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s));
+    for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s, o.vocab_parallel));
   } catch (const Error& e) {
     parts_.emplace(key, parts);
     unsplittable_.emplace(key, e.what());

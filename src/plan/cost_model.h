@@ -97,8 +97,8 @@ class CostModel {
   int devices_;
   int64_t runtime_;
   double imbalance_;
-  std::map<std::tuple<int, int, std::vector<int>>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers); empty: refused
-  std::map<std::tuple<int, int, std::vector<int>>, std::string> unsplittable_;     // why partition_layers refused
+  std::map<std::tuple<int, int, std::vector<int>, bool>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers, vocab); empty: refused
+  std::map<std::tuple<int, int, std::vector<int>, bool>, std::string> unsplittable_;  // why partition_layers refused
   std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp)
   std::map<std::tuple<int, int, std::vector<int>, int, int, int>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank)
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)

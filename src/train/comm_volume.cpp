@@ -88,7 +88,8 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   const double N = double(B * o.seq_len / c);  // this rank's tokens of a micro-batch
   const Recompute rc = parse_recompute(o.recompute);
   const int forwards = rc == Recompute::full ? 2 : 1;  // a layer's forward runs again before its backward
-  const ModelPart part = ModelPart::of_stage(partition_layers(int(cfg.num_layers), p, v, o.pp_layers), p, stage);
+  const ModelPart part =
+      ModelPart::of_stage(partition_layers(int(cfg.num_layers), p, v, o.pp_layers), p, stage, o.vocab_parallel);
   std::map<std::string, double> out;
   auto add = [&](const std::string& key, double bytes) {
     if (bytes > 0) out[key] += bytes;
@@ -111,7 +112,8 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
       if (cfg.shared_ffn > 0) tp += forwards * region + region + (sp ? gather : 0);  // the shared expert's MLP
     }
   if (part.embedding) tp += region;  // vocab-parallel lookup: partial embeddings summed
-  if (part.head) tp += region + double(t - 1) * 3 * N * 4;  // LM head input gradient; cross-entropy statistics
+  if (part.head) tp += region;  // LM head input gradient
+  if (part.head || part.vocab_parallel()) tp += double(t - 1) * 3 * N * 4;  // cross-entropy statistics
   double total_tp = double(micro) * tp;
 
   // Gradients: the dense buffer over DP × CP, the experts' over EDP; TP-partial gradients over TP.
@@ -148,6 +150,15 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
     const double message = 4 * (sp ? N / t : N) * double(C);
     const int64_t sends = 2 * int64_t(v) - (stage == p - 1 ? 1 : 0) - (stage == 0 ? 1 : 0);
     add("pp", double(micro * sends) * message);
+  }
+  // Vocabulary parallelism, per micro-batch over the pipeline group (Model::vocab_embed, vocab_head,
+  // vocab_embed_backward; [N, C] rows, gathered under SP): the partial embeddings all-reduced; the
+  // final norm's output broadcast from the last stage, the statistics all-gathered (3 floats per row),
+  // the input gradients all-reduced; the embedding's gradient broadcast from the first stage.
+  if (part.vocab_parallel()) {
+    const double rows = 4 * N * double(C);
+    add("pp", double(micro) * (2 * all_reduce_bytes(p, rows) + scatter_gather_bytes(p, 12 * N) +
+                               (stage == p - 1 ? rows : 0) + (stage == 0 ? rows : 0)));
   }
 
   // The router's counts, per MoE layer and forward (micro-batch aux loss: E counts over the tokens'

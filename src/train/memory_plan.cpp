@@ -116,7 +116,7 @@ RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& options, in
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), mesh.degree("pp"), o.vpp, o.pp_layers);
-  const ModelPart part = ModelPart::of_stage(virtual_stages, mesh.degree("pp"), mesh.coord(rank, "pp"));
+  const ModelPart part = ModelPart::of_stage(virtual_stages, mesh.degree("pp"), mesh.coord(rank, "pp"), o.vocab_parallel);
   // The table is large for deep models (the memory check must answer within a second): moved, not copied.
   return size_error("the parameter buffer", size_inputs(cfg), [&] {
     return buffers_of(o, world_size, rank,
@@ -207,7 +207,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   const int tp = mesh.degree("tp"), pp = mesh.degree("pp"), stage = mesh.coord(rank, "pp");
   const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg.num_layers), pp, o.vpp, o.pp_layers);
-  const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage);
+  const ModelPart part = ModelPart::of_stage(virtual_stages, pp, stage, o.vocab_parallel);
   MemoryParts m;
   m.runtime = runtime;
 
@@ -254,7 +254,8 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   m.activations = (schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes) +
                    Size(recompute_bytes(cfg, shape))).get();
 
-  // Workspace: the model's work buffers, pipeline messages of [Nl, C], the step's token windows
+  // Workspace: the model's work buffers, pipeline messages of [Nl, C] (and vocabulary parallelism's
+  // buffers: Pipeline::vocab_bytes), the step's token windows
   // (int32) and the sampler's order; and the MPI library's scratch for the gradient reductions in
   // flight: a non-blocking all-reduce or reduce-scatter keeps a copy of its bucket until it completes,
   // and DataParallel posts every bucket of the last backward pass as it goes, ZeRO-2 one at a time
@@ -272,8 +273,11 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp > 1 ? posted(buffers.dense, false) : Size(0)) +
                                                             (edp > 1 && !o.fssdp() ? posted(buffers.experts, true) : Size(0))) +
                        exchanges;
+  const Size vocab = part.vocab_parallel() ? Size(Pipeline::vocab_bytes(pp, stage, micro, (Size(Nl) * cfg.hidden).get(),
+                                                                       (Size(shape.B) * shape.T * cfg.hidden).get()))
+                                           : Size(0);
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
-                 4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
+                 vocab + 4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.

@@ -43,7 +43,7 @@ nlohmann::json TrainOptions::as_json() const {
           {"moe_capacity_factor", moe_capacity_factor}, {"moe_drop_policy", moe_drop_policy},
           {"moe_pad_to_capacity", moe_pad_to_capacity}, {"moe_router_score", moe_router_score},
           {"moe_router_bias_update_rate", moe_router_bias_update_rate},
-          {"pp_layers", pp_layers}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
+          {"pp_layers", pp_layers}, {"vocab_parallel", vocab_parallel}, {"recompute", recompute}, {"sequence_parallel", sequence_parallel}, {"zero", zero},
           {"seq_len", seq_len}, {"lr", lr.lr}, {"min_lr", lr.min_lr}, {"warmup", lr.warmup},
           {"lr_schedule", lr.schedule == LrSchedule::cosine ? "cosine" : "constant"},
           {"weight_decay", adam.weight_decay}, {"beta1", adam.beta1}, {"beta2", adam.beta2}, {"eps", adam.eps},
@@ -183,6 +183,11 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 schedule_kind_name(kind));
   check_schedule(kind, pp, int(m), vpp);
   Pipeline::check_tags(pp, int(m), vpp);
+  ORIGAMI_CHECK(!vocab_parallel || pp >= 2, "--vocab-parallel splits the vocabulary over the pipeline stages and "
+                "needs --pp >= 2, got --pp ", pp, " (tensor parallelism alone already splits it)");
+  ORIGAMI_CHECK(!vocab_parallel || zero <= 1, "--vocab-parallel works with --zero 0 or 1, got --zero ", zero,
+                ": its embedding gradients are written after the last backward, which ZeRO ",
+                zero, " does not reduce");
   ORIGAMI_CHECK(!sequence_parallel || cp > 1 || seq_len % tp == 0, "--sequence-parallel splits the sequence over TP: --seq-len (",
                 seq_len, ") must be a multiple of --tp (", tp, ")");
 }
@@ -312,7 +317,7 @@ bool TrainOptions::fssdp() const {
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
   return {micro_batch, seq_len / cp,        tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
-          cp,          cp_a2a(),                  parse_precision(precision)};
+          cp,          cp_a2a(),                  vocab_parallel ? pp : 1, parse_precision(precision)};
 }
 
 DType TrainOptions::grad_reduce_wire() const {

@@ -21,6 +21,8 @@ Plan make_plan(const ModelConfig& cfg, const TrainOptions& opts, int world_size)
           .precision = parse_precision(o.precision)};
 }
 
-ModelPart Plan::part(int stage) const { return ModelPart::of_stage(virtual_stages, mesh.degree("pp"), stage); }
+ModelPart Plan::part(int stage) const {
+  return ModelPart::of_stage(virtual_stages, mesh.degree("pp"), stage, options.vocab_parallel);
+}
 
 }  // namespace origami

@@ -263,6 +263,7 @@ std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   if (o.fssdp()) name += o.fssdp_keep ? " FSSDP keep" : " FSSDP";
   if (dims.cp > 1) name += cat(" cp ", cp.describe(plan.model.num_kv_heads / dims.tp));
   if (dims.pp > 1) name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
+  if (dims.pp > 1 && o.vocab_parallel) name += " vocab-parallel";
   if (plan.recompute != Recompute::none) name += cat(" recompute ", recompute_name(plan.recompute));
   if (plan.precision != Precision::fp32) name += cat(" ", precision_name(plan.precision));
   if (reduces_in_bf16(plan)) name += " grad-reduce bf16";

@@ -91,6 +91,7 @@ struct TrainOptions {
   int vpp = 1;                 // model chunks per pipeline stage (the interleaved schedule's v)
   std::string pp_schedule;     // gpipe | 1f1b | interleaved; "": 1f1b, interleaved when vpp > 1
   std::vector<int> pp_layers;  // layers of each virtual stage; empty: an even split
+  bool vocab_parallel = false;  // the vocabulary split over every pipeline stage (needs pp > 1)
   std::string recompute = "none";  // none | selective | full
   bool sequence_parallel = false;
   int zero = 0;                // ZeRO stage 0, 1, 2, 3
