@@ -141,3 +141,48 @@ INSTANTIATE_TEST_SUITE_P(Models, CopyBuckets,
                          [](const auto& info) { return name(info.param); });
 
 }  // namespace
+
+// Vocabulary parallelism: every stage's table holds its slice of the embedding and the untied head
+// (first stage: the position embedding too; last: the final norm), not marked pp_shared; the slices
+// of TP x PP ranks cover every element of the global tensors exactly once, the first stage's slice
+// first (checkpoint pieces name them as shards of tp·pp), each ceil(V / (tp·pp)) rows long.
+TEST(VocabParallelTable, SlicesCoverTheVocabularyOnce) {
+  for (const char* model : {"gpt2_tiny", "llama_tiny"}) {
+    const ModelConfig cfg = config(model);
+    const std::string wte = cfg.is_gpt2() ? "wte.weight" : "model.embed_tokens.weight";
+    const std::vector<LayerRange> stages{{0, 1}, {1, 2}, {2, 3}};
+    for (int tp : {1, 2}) {
+      std::map<std::string, std::vector<int>> seen;  // tensor → how often each global element is held
+      for (int s = 0; s < 3; ++s) {
+        const ModelPart part = ModelPart::of_stage(stages, 3, s, true);
+        ASSERT_TRUE(part.vocab_parallel());
+        const std::vector<ParamSpec> table = make_param_table(cfg, part);
+        auto find = [&](const std::string& n) {
+          return std::find_if(table.begin(), table.end(), [&](const ParamSpec& p) { return p.name == n; });
+        };
+        EXPECT_EQ(find("wpe.weight") != table.end(), cfg.is_gpt2() && s == 0) << model << " stage " << s;
+        EXPECT_EQ(find(cfg.is_gpt2() ? "ln_f.weight" : "model.norm.weight") != table.end(), s == 2);
+        EXPECT_EQ(table.front().name, wte) << "the slice comes first: its gradients are final last";
+        for (const ParamSpec& p : table) {
+          EXPECT_FALSE(p.pp_shared) << p.name;
+          if (p.name != wte && p.name != "lm_head.weight") continue;
+          const int64_t rows = (p.shape[0] + 3 * tp - 1) / (3 * tp);
+          for (int r = 0; r < tp; ++r) {
+            EXPECT_EQ(p.local_numel(tp), rows * p.shape[1]);
+            std::vector<int>& count = seen[p.name];
+            count.resize(size_t(p.numel()));
+            int64_t first = -1;
+            p.for_each_run(tp, r, [&](int64_t, int64_t global, int64_t n) {
+              if (first < 0) first = global;
+              for (int64_t i = 0; i < n; ++i) ++count[size_t(global + i)];
+            });
+            EXPECT_EQ(first, (s * tp + r) * rows * p.shape[1]) << p.name << " stage " << s << " tp rank " << r;
+          }
+        }
+      }
+      EXPECT_EQ(seen.size(), cfg.is_gpt2() || cfg.tied_embeddings ? 1u : 2u);
+      for (const auto& [n, count] : seen)
+        EXPECT_EQ(std::count(count.begin(), count.end(), 1), int64_t(count.size())) << n << " tp " << tp;
+    }
+  }
+}

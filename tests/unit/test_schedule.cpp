@@ -389,3 +389,84 @@ TEST(SchedulePartition, EvenExplicitAndErrors) {
             std::string::npos);
   EXPECT_NE(message([] { partition_layers(8, 2, 1, {8, 0}); }).find("at least one layer"), std::string::npos);
 }
+
+// ---- Vocabulary parallelism's output passes (with_vocab_passes) ----
+
+// Over the grid (p >= 2): every stage runs one pass per micro-batch, in micro-batch order, and
+// otherwise its base list unchanged; the last stage runs pass m between its forward and its backward of
+// (m, last chunk); the lists replay without deadlock with passes of any cost, and lining the stages
+// up costs little: the makespan grows by the passes' own time and at most one pass's wait per stage.
+TEST(ScheduleVocab, PassesOnEveryStageInOrderWithoutDeadlock) {
+  for (const Config& c : grid()) {
+    if (c.stages < 2) continue;
+    SCOPED_TRACE(c.name());
+    const auto base = all_stages(c);
+    std::vector<std::vector<Action>> lists;
+    ASSERT_NO_THROW(lists = with_vocab_passes(base, c.stages, c.microbatches, c.chunks));
+    for (int s = 0; s < c.stages; ++s) {
+      std::vector<Action> rest;
+      std::vector<int> passes;
+      for (const Action& a : lists[size_t(s)])
+        if (a.type == ActionType::vocab) passes.push_back(a.microbatch);
+        else rest.push_back(a);
+      EXPECT_EQ(rest, base[size_t(s)]) << "stage " << s;
+      std::vector<int> want(size_t(c.microbatches));
+      for (int m = 0; m < c.microbatches; ++m) want[size_t(m)] = m;
+      EXPECT_EQ(passes, want) << "stage " << s;
+    }
+    const auto& last = lists.back();
+    auto at = [&](Action a) { return std::find(last.begin(), last.end(), a) - last.begin(); };
+    for (int m = 0; m < c.microbatches; ++m) {
+      const auto pass = at({ActionType::vocab, m, 0});
+      EXPECT_LT(at({ActionType::forward, m, c.chunks - 1}), pass);
+      EXPECT_LT(pass, at({ActionType::backward, m, c.chunks - 1}));
+    }
+    for (double tv : {0.25, 1.0, 4.0}) {
+      Replay r;
+      ASSERT_NO_THROW(r = replay_schedules(lists, c.stages, c.microbatches, c.chunks, 1, 2, tv));
+      // Each stage's busy time grows by exactly its passes; the makespan by them and by at most one
+      // forward per micro-batch after the first (1F1B's steady state: the last stage waits, once per
+      // micro-batch, for the others to end the action under way when its head forward ends).
+      const Replay b = replay(c, 1, 2);
+      for (int s = 0; s < c.stages; ++s) EXPECT_DOUBLE_EQ(r.stages[s].busy, b.stages[s].busy + c.microbatches * tv);
+      EXPECT_LE(r.makespan, b.makespan + c.microbatches * tv + (c.microbatches - 1) * 1.0 + 1e-9) << "t_vocab " << tv;
+    }
+  }
+  // GPipe's passes cost nothing but their own time: every forward precedes every pass's wait.
+  const Config g{ScheduleKind::gpipe, 4, 8, 1};
+  EXPECT_DOUBLE_EQ(replay_schedules(with_vocab_passes(all_stages(g), 4, 8, 1), 4, 8, 1, 1, 2, 0.5).makespan,
+                   replay(g, 1, 2).makespan + 8 * 0.5);
+}
+
+// The replay refuses lists whose passes are missing, out of order, or before the head forward.
+TEST(ScheduleVocab, ReplayCatchesBrokenPasses) {
+  const Config c{ScheduleKind::one_f_one_b, 2, 2, 1};
+  const auto good = with_vocab_passes(all_stages(c), 2, 2, 1);
+  auto replay_with = [&](auto edit) {
+    auto lists = good;
+    edit(lists);
+    return error_of([&] { replay_schedules(lists, 2, 2, 1, 1, 2, 0.5); });
+  };
+  auto pass = [](int m) { return Action{ActionType::vocab, m, 0}; };
+  auto erase = [](std::vector<Action>& l, Action a) { l.erase(std::find(l.begin(), l.end(), a)); };
+  EXPECT_EQ(replay_with([](auto&) {}), "");
+  // Stage 0 without the pass of micro-batch 1: the last stage waits for it forever.
+  EXPECT_NE(replay_with([&](auto& l) { erase(l[0], pass(1)); }).find("deadlock"), std::string::npos);
+  // The last stage's backward of micro-batch 0 before its pass.
+  EXPECT_NE(replay_with([&](auto& l) {
+              erase(l[1], pass(0));
+              l[1].insert(std::find(l[1].begin(), l[1].end(), Action{ActionType::backward, 0, 0}) + 1, pass(0));
+            }).find("before its micro-batch's vocab pass"),
+            std::string::npos);
+  // The passes of stage 0 in the other order: the stages wait at different passes.
+  EXPECT_NE(replay_with([&](auto& l) {
+              auto a = std::find(l[0].begin(), l[0].end(), pass(0)), b = std::find(l[0].begin(), l[0].end(), pass(1));
+              std::iter_swap(a, b);
+            }).find("deadlock"),
+            std::string::npos);
+  // A pass at the very start of every list: before the last stage's forward of micro-batch 0.
+  EXPECT_NE(replay_with([&](auto& l) {
+              for (auto& list : l) erase(list, pass(0)), list.insert(list.begin(), pass(0));
+            }).find("before the last virtual stage's forward"),
+            std::string::npos);
+}
