@@ -35,7 +35,7 @@ namespace {
 constexpr int64_t kMaxTop = 1000;  // --top: the search keeps the best K, and a larger K stops it from skipping any
 
 struct Fixed {
-  int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1;
+  int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1, vocab = -1;
   int64_t mb = -1;
   std::string recompute, cp_comm;
 };
@@ -58,6 +58,8 @@ Fixed parse_layout(const std::string& spec) {
     else if (w == "nosp") f.sp = 0;
     else if (w == "fssdp") f.fssdp = 1;
     else if (w == "nofssdp") f.fssdp = 0;
+    else if (w == "vocab") f.vocab = 1;
+    else if (w == "novocab") f.vocab = 0;
     else if (w.rfind("etp", 0) == 0) f.etp = int(number(3));
     else if (w.rfind("tp", 0) == 0) f.tp = int(number(2));
     else if (w.rfind("cp", 0) == 0) f.cp = int(number(2));
@@ -67,7 +69,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("mb", 0) == 0) f.mb = number(2);
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
     else fail("--layout: '", w, "' is not one of tpN cpN epN etpN ppN vppN zeroN mbN sp nosp fssdp nofssdp "
-                "recompute=MODE cp-comm=MODE");
+                "vocab novocab recompute=MODE cp-comm=MODE");
   }
   ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
   return f;
@@ -90,6 +92,7 @@ std::string layout_name(const TrainOptions& o, int devices) {
   const MeshDims d = o.layout_dims(devices);
   std::string s = cat("tp", o.tp, " cp", o.cp, " dp", d.dp, " pp", o.pp);
   if (o.vpp > 1) s += cat(" vpp", o.vpp);
+  if (o.vocab_parallel) s += " vocab";
   if (o.ep > 1 || o.etp > 1) s += cat(" ep", o.ep, " etp", o.etp);
   if (o.fssdp()) s += " fssdp";
   s += cat(" zero", o.zero, " mb", o.micro_batch);
@@ -191,6 +194,7 @@ std::vector<int> choices(int fixed_value, std::vector<int> all) {
 // recomputation), with the lower bound of its step time.
 struct Shape {
   int tp, cp, pp, vpp, ep, etp, mb, recompute;  // recompute: index into LayoutSearch's recompute_modes
+  int vocab;                                    // vocabulary parallelism (1) or not
   double bound;
 };
 
@@ -228,7 +232,9 @@ class LayoutSearch {
   void add_shapes_of_mesh(int tp, int cp, int pp);
   void evaluate(const Shape& shape);
   TrainOptions options(const Shape& shape) const;
-  std::vector<int> zero_choices(int dp, int cp) const;
+  std::vector<int> zero_choices(int dp, int cp, int vocab) const;
+  std::vector<int> vocab_choices(int pp) const;
+  void add_shapes_of_split(Shape shape, int dp, int stage);
   std::vector<int> sharding_choices(int ep, int edp) const;
   std::vector<std::string> comm_choices(int tp, int cp) const;
 
@@ -245,13 +251,21 @@ TrainOptions LayoutSearch::options(const Shape& shape) const {
   o.tp = shape.tp, o.cp = shape.cp, o.pp = shape.pp, o.vpp = shape.vpp, o.ep = shape.ep, o.etp = shape.etp;
   o.micro_batch = shape.mb;
   o.recompute = recompute_modes_[size_t(shape.recompute)];
+  o.vocab_parallel = shape.vocab == 1;
   const int sp = cmd_.fixed.sp;
   o.sequence_parallel = sp >= 0 ? sp == 1 && shape.tp > 1 : shape.tp > 1;
   return o;
 }
 
-std::vector<int> LayoutSearch::zero_choices(int dp, int cp) const {
-  return choices(cmd_.fixed.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0});
+std::vector<int> LayoutSearch::zero_choices(int dp, int cp, int vocab) const {
+  const std::vector<int> all = dp * cp == 1 ? std::vector<int>{0} : vocab ? std::vector<int>{0, 1} : std::vector<int>{0, 1, 2, 3};
+  return choices(cmd_.fixed.zero, all);  // (vocabulary parallelism takes ZeRO 0 and 1: a fixed 2 or 3 is refused)
+}
+
+// Vocabulary parallelism (1) beside none (0) where there is a pipeline (only there, when --layout asks for vocab).
+std::vector<int> LayoutSearch::vocab_choices(int pp) const {
+  if (cmd_.fixed.vocab == 1) return pp > 1 ? std::vector<int>{1} : std::vector<int>{};
+  return choices(cmd_.fixed.vocab, pp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0});
 }
 
 // FSSDP (1) beside EP (0) where the experts are not split over EP and EDP has several ranks (only
@@ -295,21 +309,28 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
     for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
       for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
         if (stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
-        const int64_t expansions = int64_t(zero_choices(dp, cp).size() * comm_choices(tp, cp).size() *
-                                           sharding_choices(ep, stage / (ep * etp)).size());
-        for (int mb : choices(int(fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1))))
-          for (int rc = 0; rc < int(recompute_modes_.size()); ++rc) {
-            Shape shape{tp, cp, pp, vpp, ep, etp, mb, rc, 0};
-            result_.layouts += expansions;
-            try {
-              shape.bound = model_.step_bound(options(shape));
-              shapes_.push_back(shape);
-            } catch (const Error& e) {  // its layers do not split over the stages: refused
-              result_.evaluated += expansions;
-              if (result_.first_refusal.empty()) result_.first_refusal = e.what();
-            }
-          }
+        for (int vocab : vocab_choices(pp))
+          add_shapes_of_split({tp, cp, pp, vpp, ep, etp, 0, 0, vocab, 0}, dp, stage);
       }
+}
+
+// The shapes of one mesh and split: every micro-batch and recomputation mode.
+void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
+  const int64_t expansions = int64_t(zero_choices(dp, shape.cp, shape.vocab).size() *
+                                     comm_choices(shape.tp, shape.cp).size() *
+                                     sharding_choices(shape.ep, stage / (shape.ep * shape.etp)).size());
+  for (int mb : choices(int(cmd_.fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1))))
+    for (int rc = 0; rc < int(recompute_modes_.size()); ++rc) {
+      shape.mb = mb, shape.recompute = rc;
+      result_.layouts += expansions;
+      try {
+        shape.bound = model_.step_bound(options(shape));
+        shapes_.push_back(shape);
+      } catch (const Error& e) {  // its layers do not split over the stages: refused
+        result_.evaluated += expansions;
+        if (result_.first_refusal.empty()) result_.first_refusal = e.what();
+      }
+    }
 }
 
 // The search's work, known before it starts: predicting a layout's memory sizes every tensor of its
@@ -343,7 +364,7 @@ void LayoutSearch::evaluate(const Shape& shape) {
   };
   SearchResult& r = result_;
   const int edp = cmd_.devices / shape.pp / (shape.ep * shape.etp);
-  for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp))
+  for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp, shape.vocab))
     for (const std::string& comm : comm_choices(shape.tp, shape.cp))
       for (int fssdp : sharding_choices(shape.ep, edp)) {
         Candidate c{options(shape), {}};
@@ -419,7 +440,8 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const TrainOptions& b = best.o;
   const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
                                  {"expert-sharding", b.expert_sharding},
-                                 {"pp", b.pp}, {"vpp", b.vpp}, {"zero", b.zero}, {"micro-batch", b.micro_batch},
+                                 {"pp", b.pp}, {"vpp", b.vpp}, {"vocab-parallel", b.vocab_parallel}, {"zero", b.zero},
+                                 {"micro-batch", b.micro_batch},
                                  {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
                                  {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision},
                                  {"grad-reduce-dtype", b.grad_reduce_dtype}};

@@ -132,9 +132,12 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
                   moe * l.moe_mlp.bwd + (layers - moe) * l.dense_mlp.bwd};
       attention += layers * l.attention_core;
     }
-    if (part.head) compute += l.head;
+    if (part.head && !part.vocab_parallel()) compute += l.head;
     // Recomputation: the layer's forward (full) or the attention core's (selective) again in backward.
-    StageCompute s{compute.fwd + attention / 3, compute.bwd + 2 * attention / 3, attention};
+    // Vocabulary parallelism: every stage's output passes run 1/p of the LM head (the vocabulary
+    // slices), apart from the forwards and backwards.
+    StageCompute s{compute.fwd + attention / 3, compute.bwd + 2 * attention / 3, attention,
+                   part.vocab_parallel() ? (l.head.fwd + l.head.bwd) / m.pp : 0.0};
     if (rc == Recompute::full) s.bwd += compute.fwd + attention / 3;
     if (rc == Recompute::selective) s.bwd += attention / 3;
     out.push_back(s);
@@ -145,13 +148,15 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
 const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& mesh, int rank) {
   const MeshDims& m = mesh.dims();
   const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb,
-                      (o.zero == 3 ? 1 : 0) + (o.fssdp() ? 2 : 0) + (o.precision == "bf16" ? 4 : 0), rank,
+                      (o.zero == 3 ? 1 : 0) + (o.fssdp() ? 2 : 0) + (o.precision == "bf16" ? 4 : 0) +
+                          (o.vocab_parallel ? 8 : 0),
+                      rank,
                       o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);
   if (found != buffers_.end()) return found->second;
   // The stage's tables, cut for this rank's EP rank.
   const int stage = mesh.coord(rank, "pp"), ep_rank = mesh.coord(rank, "ep");
-  const auto table_key = std::make_tuple(m.pp, o.vpp, o.pp_layers, stage, m.ep, ep_rank);
+  const auto table_key = std::make_tuple(m.pp, o.vpp, o.pp_layers, stage, m.ep, ep_rank, o.vocab_parallel);
   auto table = tables_.find(table_key);
   if (table == tables_.end())
     table = tables_.emplace(table_key, split_experts(make_param_table(cfg_, stage_parts(o, m.pp)[size_t(stage)]),
@@ -159,10 +164,26 @@ const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& me
   return buffers_.emplace(key, rank_buffers(o, devices_, rank, table->second)).first->second;
 }
 
+// The schedule with the busiest stage's times on every stage. Its makespan scales with them: kept per
+// schedule and ratios to the forward (backward, output pass), in units of the forward.
+double CostModel::makespan_units(const TrainOptions& o, int64_t micro, double backward, double vocab) {
+  const int p = o.layout_dims(devices_).pp, v = o.vpp;
+  const auto key = std::make_tuple(int(o.schedule_kind()), p, micro, v, backward, vocab);
+  auto replayed = makespans_.find(key);
+  if (replayed == makespans_.end()) {
+    std::vector<std::vector<Action>> lists;
+    for (int s = 0; s < p; ++s) lists.push_back(make_schedule(o.schedule_kind(), p, s, int(micro), v));
+    if (o.vocab_parallel && p > 1) lists = with_vocab_passes(lists, p, int(micro), v);
+    const double makespan = replay_schedules(lists, p, int(micro), v, 1.0 / v, backward / v, vocab).makespan;
+    replayed = makespans_.emplace(key, makespan).first;
+  }
+  return replayed->second;
+}
+
 double CostModel::step_bound(const TrainOptions& o) {
   const MeshDims m = o.layout_dims(devices_);
   double busy = 0;
-  for (const StageCompute& s : stage_compute(o, m)) busy = std::max(busy, s.fwd + s.bwd);
+  for (const StageCompute& s : stage_compute(o, m)) busy = std::max(busy, s.fwd + s.bwd + s.vocab);
   return (double(o.micro_batches(devices_)) + double(m.pp - 1) / o.vpp) * busy;
 }
 
@@ -198,7 +219,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
   // Per stage: compute and blocking communication of one micro-batch (all its chunks).
   const std::vector<StageCompute> compute = stage_compute(o, m);
   const std::vector<ModelPart>& parts = stage_parts(o, p);
-  double worst_f = 0, worst_b = 0, worst_compute = 0;
+  double worst_f = 0, worst_b = 0, worst_vocab = 0, worst_compute = 0;
   std::map<std::string, double> worst_exposed;
   for (int s = 0; s < p; ++s) {
     const int rank = stage_ranks[size_t(s)];
@@ -219,28 +240,23 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     // all-to-all (a2a) sits before and after it.
     const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c);
     exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.comm_overlap * compute[size_t(s)].attention);
-    if (p > 1)  // one message after each forward and backward of a chunk
-      exposed["pp"] = 2 * v * cluster.transfer_seconds(4 * (sp ? N / t : N) * C, 1, tier(rank, "pp"));
+    // One message after each forward and backward of a chunk; under vocabulary parallelism also its
+    // passes' collectives (two all-reduces, an all-gather, the broadcasts: their bytes, ~6 hops each).
+    if (p > 1)
+      exposed["pp"] = parts[size_t(s)].vocab_parallel()
+                          ? per_micro("pp", "pp", 2 * v + 6 * (p - 1))
+                          : 2 * v * cluster.transfer_seconds(4 * (sp ? N / t : N) * C, 1, tier(rank, "pp"));
     double blocking = 0;
     for (const auto& [k, x] : exposed) blocking += x;
-    const double f = fwd + blocking * fwd / busy, b = bwd + blocking * bwd / busy;
-    if (f + b > worst_f + worst_b) worst_f = f, worst_b = b, worst_compute = busy, worst_exposed = exposed;
+    const double f = fwd + blocking * fwd / busy, b = bwd + blocking * bwd / busy, vocab = compute[size_t(s)].vocab;
+    if (f + b + vocab > worst_f + worst_b + worst_vocab)
+      worst_f = f, worst_b = b, worst_vocab = vocab, worst_compute = busy + vocab, worst_exposed = exposed;
   }
-  // The schedule with the busiest stage's times on every stage. Its makespan scales with them: kept
-  // per schedule and backward/forward ratio, in units of the forward.
-  const auto replay_key = std::make_tuple(int(o.schedule_kind()), p, micro, v, worst_b / worst_f);
-  auto replayed = makespans_.find(replay_key);
-  if (replayed == makespans_.end()) {
-    std::vector<std::vector<Action>> lists;
-    for (int s = 0; s < p; ++s) lists.push_back(make_schedule(o.schedule_kind(), p, s, int(micro), v));
-    const double makespan = replay_schedules(lists, p, int(micro), v, 1.0 / v, worst_b / worst_f / v).makespan;
-    replayed = makespans_.emplace(replay_key, makespan).first;
-  }
-  const double makespan = replayed->second * worst_f;
+  const double makespan = makespan_units(o, micro, worst_b / worst_f, worst_vocab / worst_f) * worst_f;
   out.compute_s = double(micro) * worst_compute;
   for (const auto& [k, x] : worst_exposed)
     if (x > 0) out.exposed_s[k] = double(micro) * x;
-  out.bubble_s = makespan - double(micro) * (worst_f + worst_b);
+  out.bubble_s = makespan - double(micro) * (worst_f + worst_b + worst_vocab);
 
   // After backward: the gradient buckets' tail (the last bucket of each set; ZeRO-1/2's parameter
   // gather whole; of the other buckets what the cluster does not overlap with backward), the tied

@@ -15,7 +15,8 @@
 //             data-parallel buckets overlap backward except the last, and ZeRO's parameter gather
 //             and the world's reductions follow the step
 //   bubble    the stage schedules the executor runs, replayed (replay_schedules) with the busiest
-//             stage's forward and backward times for every stage
+//             stage's forward and backward times for every stage (under vocabulary parallelism with
+//             its output passes placed as the executor places them, with_vocab_passes)
 // The MoE dispatcher's payload and expert rows assume evenly routed tokens times `imbalance`.
 #pragma once
 #include <limits>
@@ -79,6 +80,7 @@ class CostModel {
   struct StageCompute {
     double fwd = 0, bwd = 0;  // one micro-batch through all the stage's chunks, recomputation included
     double attention = 0;     // forward + backward of its attention cores (what the CP ring hides behind)
+    double vocab = 0;         // vocabulary parallelism: its output passes' compute (this rank's slice of the LM head)
   };
   // Per layer type, one micro-batch on this rank: the GEMMs' forward and backward, and the attention
   // core's forward + backward.
@@ -89,6 +91,7 @@ class CostModel {
   const LayerCosts& layer_costs(const TrainOptions& o, const MeshDims& m);
   const std::vector<ModelPart>& stage_parts(const TrainOptions& o, int pp);
   std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m);
+  double makespan_units(const TrainOptions& o, int64_t micro, double backward, double vocab);
   const RankBuffers& buffers(const TrainOptions& o, const MeshShape& mesh, int rank);
 
   ModelConfig cfg_;
@@ -100,11 +103,11 @@ class CostModel {
   std::map<std::tuple<int, int, std::vector<int>, bool>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers, vocab); empty: refused
   std::map<std::tuple<int, int, std::vector<int>, bool>, std::string> unsplittable_;  // why partition_layers refused
   std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp)
-  std::map<std::tuple<int, int, std::vector<int>, int, int, int>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank)
+  std::map<std::tuple<int, int, std::vector<int>, int, int, int, bool>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank, vocab)
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
-  using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16), ...
+  using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16, 8: vocabulary parallelism), ...
   std::map<BufferKey, RankBuffers> buffers_;
-  std::map<std::tuple<int, int, int64_t, int, double>, double> makespans_;  // (schedule, p, m, v, b/f): makespan / f
+  std::map<std::tuple<int, int, int64_t, int, double, double>, double> makespans_;  // (schedule, p, m, v, b/f, vocab/f): makespan / f
 };
 
 }  // namespace origami

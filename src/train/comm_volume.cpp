@@ -70,6 +70,23 @@ double sparse_expert_bytes(const ModelConfig& cfg, const BufferFigures& f, const
   return step;
 }
 
+// Pipeline, per micro-batch: a [Nl, C] message to the next virtual stage after each forward (none
+// from the last) and to the previous one after each backward (none from the first). Vocabulary
+// parallelism over the pipeline group (Model::vocab_embed, vocab_head, vocab_embed_backward; [N, C]
+// rows, gathered under SP): the partial embeddings all-reduced; the final norm's output broadcast from
+// the last stage, the statistics all-gathered (3 floats per row), the input gradients all-reduced; the
+// embedding's gradient broadcast from the first stage.
+double pipeline_bytes(const ModelPart& part, int p, int v, int stage, double N, double Nl, int64_t C, int64_t micro) {
+  const int64_t sends = 2 * int64_t(v) - (stage == p - 1 ? 1 : 0) - (stage == 0 ? 1 : 0);
+  double bytes = double(sends) * 4 * Nl * double(C);
+  if (part.vocab_parallel()) {
+    const double rows = 4 * N * double(C);
+    bytes += 2 * all_reduce_bytes(p, rows) + scatter_gather_bytes(p, 12 * N) + (stage == p - 1 ? rows : 0) +
+             (stage == 0 ? rows : 0);
+  }
+  return double(micro) * bytes;
+}
+
 }  // namespace
 
 std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world, int rank,
@@ -144,22 +161,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
                   double((rc == Recompute::none ? 1 : 2) * s.forward_bytes() + s.backward_bytes()));
   }
 
-  // Pipeline: a [Nl, C] message to the next virtual stage after each forward (none from the last)
-  // and to the previous one after each backward (none from the first).
-  if (p > 1) {
-    const double message = 4 * (sp ? N / t : N) * double(C);
-    const int64_t sends = 2 * int64_t(v) - (stage == p - 1 ? 1 : 0) - (stage == 0 ? 1 : 0);
-    add("pp", double(micro * sends) * message);
-  }
-  // Vocabulary parallelism, per micro-batch over the pipeline group (Model::vocab_embed, vocab_head,
-  // vocab_embed_backward; [N, C] rows, gathered under SP): the partial embeddings all-reduced; the
-  // final norm's output broadcast from the last stage, the statistics all-gathered (3 floats per row),
-  // the input gradients all-reduced; the embedding's gradient broadcast from the first stage.
-  if (part.vocab_parallel()) {
-    const double rows = 4 * N * double(C);
-    add("pp", double(micro) * (2 * all_reduce_bytes(p, rows) + scatter_gather_bytes(p, 12 * N) +
-                               (stage == p - 1 ? rows : 0) + (stage == 0 ? rows : 0)));
-  }
+  if (p > 1) add("pp", pipeline_bytes(part, p, v, stage, N, sp ? N / t : N, C, micro));
 
   // The router's counts, per MoE layer and forward (micro-batch aux loss: E counts over the tokens'
   // group TP × CP; per-sequence: B·E; global: E over that group and E over DP, except in the
@@ -192,11 +194,12 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
 
   // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
   // expert counts and dropped assignments, every rank's expert rows, every rank's CP pairs, under
-  // ZeRO-3 or FSSDP every rank's gathered and reduced bytes, under FSSDP its expert gathers, 5 per stage,
+  // ZeRO-3 or FSSDP every rank's gathered and reduced bytes, under FSSDP its expert gathers, 6 per stage
+  // (7 under vocabulary parallelism: its passes' time),
   // under document batching every rank's busy time).
   const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + cfg.num_layers + world : 0) +
                          (c > 1 ? world : 0) + (o.zero == 3 || o.fssdp() ? 2.0 * world : 0) +
-                         (o.fssdp() ? world : 0) + 5.0 * p + (o.documents() ? world : 0);
+                         (o.fssdp() ? world : 0) + (part.vocab_parallel() ? 7.0 : 6.0) * p + (o.documents() ? world : 0);
   add("world", all_reduce_bytes(world, 16) + all_reduce_bytes(world, 8 * figures));
   return out;
 }

@@ -131,8 +131,10 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
                       {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s()}, {"gflops", r.gflops}, {"cpu_s", f.cpu_s},
                       {"layout", run.layout}, {"comm_bytes", bytes},
                       {"act_bytes_peak", as_int(f.act_peak)}, {"act_bytes_computed", as_int(f.act_computed)},
-                      {"pp_busy_ms", as_ms(f.busy_s)}, {"pp_ms", as_ms(f.total_s)}, {"pp_bytes", as_int(f.pp_bytes)}};
+                      {"pp_busy_ms", as_ms(f.busy_s)}, {"pp_ms", as_ms(f.total_s)}, {"pp_bytes", as_int(f.pp_bytes)},
+                      {"pp_rss_peak_bytes", as_int(f.rss_peak)}};
   add_cp_group(j, r);
+  if (!f.vocab_s.empty()) j["pp_vocab_ms"] = as_ms(f.vocab_s);
   if (!f.gathered_bytes.empty()) j["gathered_bytes"] = as_int(f.gathered_bytes), j["reduced_bytes"] = as_int(f.reduced_bytes);
   if (!r.data_samples.empty()) j["data_samples"] = r.data_samples;
   if (r.documents) add_documents_group(j, r);

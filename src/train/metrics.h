@@ -45,9 +45,11 @@ struct StepFigures {
   std::vector<double> gathered_bytes, reduced_bytes;
   std::vector<int64_t> expert_gathers;
   // Per pipeline stage, from its first rank of TP x DP x CP: the measured and the computed activation
-  // peak (bytes), the time it was busy and the schedule's time (s), the bytes it sent over pp.
-  std::vector<double> act_peak, act_computed, busy_s, total_s, pp_bytes;  // [stage]
+  // peak (bytes), the time it was busy and the schedule's time (s), the bytes it sent over pp, the
+  // process's peak resident memory so far (bytes).
+  std::vector<double> act_peak, act_computed, busy_s, total_s, pp_bytes, rss_peak;  // [stage]
   std::vector<double> rank_busy_s;  // [rank], document batching: the time each rank's pipeline was busy
+  std::vector<double> vocab_s;      // [stage], vocabulary parallelism: the time in its passes (PipelineTimes::vocab)
 
   double loss() const { return lm_loss + aux_loss + z_loss; }
   // Collective over `world`: every rank's figures summed, on every rank.
@@ -59,7 +61,7 @@ struct StepFigures {
     f(lm_loss), f(aux_loss), f(z_loss), f(cpu_s), f(stop);
     f(expert_tokens), f(expert_dropped), f(expert_rows), f(cp_pairs);
     f(gathered_bytes), f(reduced_bytes), f(expert_gathers);
-    f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes), f(rank_busy_s);
+    f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes), f(rss_peak), f(rank_busy_s), f(vocab_s);
   }
 };
 

@@ -645,10 +645,11 @@ StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop)
   const size_t stages = size_t(pp_.size()), stage = size_t(pp_.rank());
   const PipelineTimes& times = pipeline_.times();
   if (in_.docs) f.rank_busy_s.assign(ranks, 0.0), f.rank_busy_s[rank] = times.busy;
+  if (part_.vocab_parallel()) f.vocab_s.assign(stages, 0.0), f.vocab_s[stage] = times.vocab * stage_weight;
   const double act_computed = double(memory_.parts[rank].activations);
   for (auto [v, mine] : {std::pair{&f.act_peak, double(model_.act_bytes_peak())}, std::pair{&f.act_computed, act_computed},
                          std::pair{&f.busy_s, times.busy}, std::pair{&f.total_s, times.total},
-                         std::pair{&f.pp_bytes, pp_.bytes_sent()}}) {
+                         std::pair{&f.pp_bytes, pp_.bytes_sent()}, std::pair{&f.rss_peak, double(peak_rss_bytes())}}) {
     v->assign(stages, 0.0);
     (*v)[stage] = mine * stage_weight;
   }

@@ -10,7 +10,8 @@ global batch 8, T 32:
      (all but the measured process memory) equal the plan's for that rank's stage, and rank 0's
      bytes on every communicator equal the plan's (the MoE dispatcher's payloads excepted: they
      depend on the routing).
-  3. --layout fixes the axes it names (for mixtral, "fssdp": those layouts run and agree as in 2);
+  3. --layout fixes the axes it names (for mixtral, "fssdp"; for both, "pp2 vocab": those layouts run
+     and agree as in 2);
      --out writes the best layout and its prediction, and
      `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
   4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has)
@@ -52,6 +53,12 @@ def main():
             if not fssdp or not all(" fssdp " in " %s " % p["layout"] for p in fssdp):
                 failures.append("%s: --layout fssdp: exit %s: %s" % (model, rc, out[-300:]))
             plans += fssdp
+        # Vocabulary parallelism's best layouts (searched where there is a pipeline): bytes exact.
+        rc, out, _ = h.run(0, base + ["--layout", "pp2 vocab", "--top", "2", "--json"])
+        vocab = json.loads(out) if rc == 0 else []
+        if not vocab or not all(" vocab " in " %s " % p["layout"] for p in vocab):
+            failures.append("%s: --layout \"pp2 vocab\": exit %s: %s" % (model, rc, out[-300:]))
+        plans += vocab
         for p in plans:
             metrics = os.path.join(tmp, "m.jsonl")
             rc, text, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--steps", "1", "--global-batch", "8",
