@@ -2,7 +2,8 @@
 """Vocabulary parallelism benchmark: step time, per-stage busy time and peak memory with and without
 --vocab-parallel, at PP2 and PP4, on a model whose vocabulary dominates.
 
-Model: llama, 4 layers, d = 512, 8 heads, FFN 1408, vocabulary 128256 (Llama 3's), untied: the
+Model (configs/models/llama-4l-vocab128k.json): llama, 4 layers, d = 512, 8 heads, FFN 1408,
+vocabulary 128256 (Llama 3's), untied: the
 embedding and the LM head hold 131M of its 144M parameters (91%). T = 256, micro-batch 1, 8
 micro-batches per step, 1F1B, 1 thread per rank; without the flag the first stage holds the embedding
 and the last the LM head and its loss.
@@ -34,12 +35,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "parallel"))
 import harness as h  # noqa: E402
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 512,
-    "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
-    "hidden_act": "silu", "max_position_embeddings": 1024, "initializer_range": 0.02, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
+CONFIG = os.path.join(ROOT, "configs", "models", "llama-4l-vocab128k.json")
 
 
 def run(a, cfg, data, pp, vocab, tmp):
@@ -79,7 +75,7 @@ def main():
     tmp = h.tmpdir("origami_vpb_")
     try:
         data = h.prepare_data(tmp, n_docs=400)
-        cfg = h.write_json(os.path.join(tmp, "llama_vocab128k.json"), CONFIG)
+        cfg = CONFIG
         host = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True,
                               text=True).stdout.strip()
         print("host: %s, %d cores; llama 4 layers d=512 V=128256, T=%d, %d micro-batches of 1 row" % (

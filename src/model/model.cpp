@@ -884,7 +884,8 @@ Losses Model::vocab_head(int mb, const int32_t* tokens, const float* top, float*
 }
 
 void Model::vocab_embed_backward(int mb, const int32_t* tokens, float* d_x0) {
-  ORIGAMI_ASSERT(vocab_);
+  ORIGAMI_ASSERT(vocab_ && (d_x0 != nullptr) == part_.embedding);
+  if (!d_x0) d_x0 = scratch_->lnf.data();  // [N, C], free between the head's uses
   select_cp(mb);
   set_documents(tokens);
   vocab_->broadcast(d_x0, B_ * T_ * cfg_.hidden, DType::f32, 0);

@@ -160,7 +160,7 @@ class Model {
   // d_top (its head chunk's backward input). Returns the LM loss on the last stage, zeros elsewhere.
   Losses vocab_head(int mb, const int32_t* tokens, const float* top, float* d_top, float loss_scale, bool backward);
   // ∂/∂(embedding rows) [N, C] of micro-batch mb, d_x0 on the first stage (its input_grad() after the
-  // backward of (mb, 0)), broadcast from it into every stage's d_x0, accumulated into each slice.
+  // backward of (mb, 0); null elsewhere), broadcast from it to every stage, accumulated into each slice.
   void vocab_embed_backward(int mb, const int32_t* tokens, float* d_x0);
   // Evaluation: forward of (mb, chunk) as forward() does, keeping nothing — its slot is released at
   // once; the head chunk also computes the LM loss (no gradient; logits_BTV, if given, receives its

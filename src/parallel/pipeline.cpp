@@ -30,22 +30,25 @@ Pipeline::Pipeline(Model& model, Comm& pp, std::vector<DataParallel*> dp, Schedu
   set_microbatches(microbatches);
 }
 
-int64_t Pipeline::vocab_bytes(int stages, int stage, int64_t microbatches, int64_t local, int64_t full) {
-  const Size first = stage == 0 ? microbatches * (Size(local) + full) : Size(full);
-  return (4 * (first + (stage == stages - 1 ? microbatches * Size(local) : 0))).get();
+int64_t Pipeline::vocab_bytes(const std::vector<Action>& actions, int stages, int stage, int chunks, int64_t local,
+                              int64_t full) {
+  Size live = 0, peak = 0;  // checked (core/checked.h)
+  for (const Action& a : actions) {
+    const bool first = stage == 0 && a.chunk == 0, last = stage == stages - 1 && a.chunk == chunks - 1;
+    if ((stage == 0 && a.type == ActionType::vocab_embed) || (stage == stages - 1 && a.type == ActionType::vocab))
+      peak = std::max(peak, live += local);
+    if ((first && a.type == ActionType::forward) || (last && a.type == ActionType::backward)) live -= local;
+    if (first && a.type == ActionType::backward) peak = std::max(peak, live += full);
+    if (stage == 0 && a.type == ActionType::vocab_embed_grad) live -= full;
+  }
+  return (4 * peak).get();
 }
 
 void Pipeline::set_microbatches(int microbatches) {
   if (microbatches == microbatches_) return;
   check_tags(pp_.size(), microbatches, chunks_);
   microbatches_ = microbatches;
-  if (vocab_) {  // the output passes placed in every stage's list at once
-    std::vector<std::vector<Action>> all;
-    for (int s = 0; s < pp_.size(); ++s) all.push_back(make_schedule(kind_, pp_.size(), s, microbatches, chunks_));
-    actions_ = with_vocab_passes(all, pp_.size(), microbatches, chunks_)[size_t(pp_.rank())];
-  } else {
-    actions_ = make_schedule(kind_, pp_.size(), pp_.rank(), microbatches, chunks_);
-  }
+  actions_ = stage_actions(kind_, pp_.size(), pp_.rank(), microbatches, chunks_, vocab_);
   // A backward is final when no later backward of the same chunk follows; finals in decreasing chunk order.
   final_.assign(actions_.size(), 0);
   std::set<int> seen;
@@ -75,8 +78,9 @@ int Pipeline::tag(int microbatch, int boundary, bool backward) const {
 // One run(): its transfers in flight and its actions, in the schedule's order.
 class Pipeline::Step {
  public:
-  Step(Pipeline& pipe, const std::vector<const int32_t*>& tokens, float loss_scale, int64_t n)
-      : pipe_(pipe), tokens_(tokens), loss_scale_(loss_scale), n_(n), p_(pipe.pp_.size()), s_(pipe.pp_.rank()),
+  // n: floats per message ([Nl, C]); full: floats of [N, C].
+  Step(Pipeline& pipe, const std::vector<const int32_t*>& tokens, float loss_scale, int64_t n, int64_t full)
+      : pipe_(pipe), tokens_(tokens), loss_scale_(loss_scale), n_(n), full_(full), p_(pipe.pp_.size()), s_(pipe.pp_.rank()),
         prev_((s_ + p_ - 1) % p_), next_((s_ + 1) % p_) {}
 
   // Runs action i.
@@ -89,7 +93,9 @@ class Pipeline::Step {
       case ActionType::send_forward: send_forward(a); break;
       case ActionType::backward: backward(i); break;
       case ActionType::send_backward: send_backward(a); break;
+      case ActionType::vocab_embed: vocab_embed(a); break;
       case ActionType::vocab: vocab(a); break;
+      case ActionType::vocab_embed_grad: vocab_embed_grad(a); break;
     }
     // Completed backward sends give their buffers back.
     for (size_t k = 0; k < bwd_sends_.size();)
@@ -125,10 +131,9 @@ class Pipeline::Step {
     const int32_t* tok = tokens_[size_t(a.microbatch)];
     post_next_recv(i);
     std::unique_ptr<Transfer> in = take_input();
-    const float* input = in ? in->buf.data() : nullptr;
-    if (pipe_.vocab_ && virtual_stage(a) == 0) input = pipe_.embeds_.data() + a.microbatch * n_;  // (Pipeline::embed)
+    if (!in && pipe_.vocab_ && virtual_stage(a) == 0) in = take(embeds_, a.microbatch);  // (vocab_embed)
     const double c0 = now();
-    out_ += pipe_.model_.forward(a.microbatch, a.chunk, tok, input);
+    out_ += pipe_.model_.forward(a.microbatch, a.chunk, tok, in ? in->buf.data() : nullptr);
     pipe_.times_.busy += now() - c0;
     if (in) spare_.push_back(std::move(in));
   }
@@ -145,11 +150,7 @@ class Pipeline::Step {
     const int32_t* tok = tokens_[size_t(a.microbatch)];
     post_next_recv(i);
     std::unique_ptr<Transfer> d_out = take_input();
-    auto head_grad = d_tops_.find(a.microbatch);  // vocabulary parallelism: the output pass's gradient
-    if (!d_out && virtual_stage(a) == p_ * pipe_.chunks_ - 1 && head_grad != d_tops_.end()) {
-      d_out = std::move(head_grad->second);
-      d_tops_.erase(head_grad);
-    }
+    if (!d_out && pipe_.vocab_ && virtual_stage(a) == p_ * pipe_.chunks_ - 1) d_out = take(d_tops_, a.microbatch);
     // The slot's output is freed by backward: its forward send must be complete.
     auto f = fwd_sends_.find({a.microbatch, a.chunk});
     if (f != fwd_sends_.end()) {
@@ -162,10 +163,29 @@ class Pipeline::Step {
     pipe_.times_.busy += now() - c0;
     for (DataParallel* d : pipe_.dp_) d->end_backward();
     if (d_out) spare_.push_back(std::move(d_out));
-    if (pipe_.vocab_ && virtual_stage(a) == 0) {  // ∂/∂(embedding rows) [N, C], for Pipeline::embed_backward
-      const int64_t full = int64_t(pipe_.embed_grads_.size()) / pipe_.microbatches_;
-      std::memcpy(pipe_.embed_grads_.data() + a.microbatch * full, pipe_.model_.input_grad(), size_t(full) * sizeof(float));
+    if (pipe_.vocab_ && virtual_stage(a) == 0) {  // ∂/∂(embedding rows) [N, C], for vocab_embed_grad
+      std::vector<float>& g = embed_grads_[a.microbatch];
+      g.assign(pipe_.model_.input_grad(), pipe_.model_.input_grad() + full_);
     }
+  }
+
+  // The embedding pass of a micro-batch, on every stage; the first keeps its first chunk's input.
+  void vocab_embed(const Action& a) {
+    const double c0 = now();
+    std::unique_ptr<Transfer> x0 = s_ == 0 ? transfer() : nullptr;
+    pipe_.model_.vocab_embed(a.microbatch, tokens_[size_t(a.microbatch)], x0 ? x0->buf.data() : nullptr);
+    if (x0) embeds_[a.microbatch] = std::move(x0);
+    pipe_.times_.vocab += now() - c0;
+  }
+
+  // The embedding's backward of a micro-batch, on every stage, from the first stage's gradient.
+  void vocab_embed_grad(const Action& a) {
+    const double c0 = now();
+    auto g = embed_grads_.find(a.microbatch);
+    pipe_.model_.vocab_embed_backward(a.microbatch, tokens_[size_t(a.microbatch)],
+                                      g == embed_grads_.end() ? nullptr : g->second.data());
+    if (g != embed_grads_.end()) embed_grads_.erase(g);
+    pipe_.times_.vocab += now() - c0;
   }
 
   // The output pass of a micro-batch, on every stage; the last keeps ∂/∂(its head chunk's output).
@@ -224,6 +244,14 @@ class Pipeline::Step {
     }
   }
 
+  static std::unique_ptr<Transfer> take(std::map<int, std::unique_ptr<Transfer>>& kept, int microbatch) {
+    auto it = kept.find(microbatch);
+    ORIGAMI_ASSERT(it != kept.end());
+    std::unique_ptr<Transfer> t = std::move(it->second);
+    kept.erase(it);
+    return t;
+  }
+
   // The completed receive for the input of compute action i (the receive just before it), or null.
   std::unique_ptr<Transfer> take_input() {
     if (pending_input_ == SIZE_MAX) return nullptr;
@@ -236,13 +264,16 @@ class Pipeline::Step {
   Pipeline& pipe_;
   const std::vector<const int32_t*>& tokens_;
   const float loss_scale_;
-  const int64_t n_;  // floats per message
+  const int64_t n_, full_;  // floats per message, of [N, C]
   const int p_, s_, prev_, next_;
   std::vector<std::unique_ptr<Transfer>> spare_;  // finished transfers, buffers reused
   std::map<size_t, std::unique_ptr<Transfer>> recvs_;                // by index of the receive action
   std::map<std::pair<int, int>, std::unique_ptr<Transfer>> fwd_sends_;  // by (micro-batch, chunk)
   std::vector<std::unique_ptr<Transfer>> bwd_sends_;
-  std::map<int, std::unique_ptr<Transfer>> d_tops_;  // vocabulary parallelism, last stage: by micro-batch
+  // Vocabulary parallelism, by micro-batch: the first stage's inputs from vocab_embed and gradients for
+  // vocab_embed_grad ([N, C]), the last stage's gradients from vocab.
+  std::map<int, std::unique_ptr<Transfer>> embeds_, d_tops_;
+  std::map<int, std::vector<float>> embed_grads_;
   size_t pending_input_ = SIZE_MAX;  // the receive take_input() gives next
   Losses out_;
 };
@@ -255,37 +286,16 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
 
   times_ = {};
   const double t0 = now();
-  const int64_t full = shape.B * shape.T * model_.config().hidden;  // [N, C]: the vocabulary passes' rows
-  if (vocab_) embed(tokens, n, full);
-  Step step(*this, tokens, loss_scale, n);
+  Step step(*this, tokens, loss_scale, n, shape.B * shape.T * model_.config().hidden);
   // Between layers, every transfer in flight is driven (tested) so it moves while this stage computes.
   model_.on_progress([&] { step.drive(); });
   for (size_t i = 0; i < actions_.size(); ++i) step.run(i);
   model_.on_progress(nullptr);
   step.finish();
-  if (vocab_) embed_backward(tokens, full);
   times_.total = now() - t0;
   Losses out = step.losses();
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;
-}
-
-void Pipeline::embed(const std::vector<const int32_t*>& tokens, int64_t local, int64_t full) {
-  const double c0 = now();
-  const bool first = pp_.rank() == 0;
-  embeds_.resize(first ? tokens.size() * size_t(local) : 0);
-  for (size_t m = 0; m < tokens.size(); ++m)
-    model_.vocab_embed(int(m), tokens[m], first ? embeds_.data() + m * size_t(local) : nullptr);
-  embed_grads_.resize(first ? tokens.size() * size_t(full) : size_t(full));
-  times_.vocab += now() - c0;
-}
-
-void Pipeline::embed_backward(const std::vector<const int32_t*>& tokens, int64_t full) {
-  const double c0 = now();
-  const bool first = pp_.rank() == 0;
-  for (size_t m = 0; m < tokens.size(); ++m)
-    model_.vocab_embed_backward(int(m), tokens[m], embed_grads_.data() + (first ? m * size_t(full) : 0));
-  times_.vocab += now() - c0;
 }
 
 Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
@@ -294,20 +304,22 @@ Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, 
   const ActivationShape shape = model_.activation_shape();
   const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message
   const int p = pp_.size(), s = pp_.rank(), prev = (s + p - 1) % p, next = (s + 1) % p, last = p * chunks_ - 1;
-  if (vocab_) embed(tokens, n, shape.B * shape.T * model_.config().hidden);
   // A received input and two sends in flight at most (a buffer is reused once its earlier send is
   // done): no more than a training step's message buffers (buffer_bytes), and none on one stage.
   // Under vocabulary parallelism the last stage's head chunk output goes to `top`, the output pass's input.
-  std::vector<float> input(p > 1 ? static_cast<size_t>(n) : 0), top(vocab_ && s == p - 1 ? size_t(n) : 0);
+  // The first stage's first chunk reads its input from `embed`, vocab_embed's output.
+  std::vector<float> input(p > 1 ? static_cast<size_t>(n) : 0), top(vocab_ && s == p - 1 ? size_t(n) : 0),
+      embed(vocab_ && s == 0 ? size_t(n) : 0);
   std::vector<Transfer> sends(2);
   for (Transfer& t : sends) t.buf.resize(p > 1 ? size_t(n) : 0);
   size_t turn = 0;
   Losses out;
   for (int m = 0; m < int(tokens.size()); ++m) {
+    if (vocab_) model_.vocab_embed(m, tokens[size_t(m)], embed.empty() ? nullptr : embed.data());
     for (int c = 0; c < chunks_; ++c) {
       const int u = c * p + s;  // the virtual stage
       if (u > 0) pp_.irecv(input.data(), n, DType::f32, prev, tag(m, u - 1, false)).wait();
-      const float* in = u > 0 ? input.data() : vocab_ ? embeds_.data() + m * n : nullptr;
+      const float* in = u > 0 ? input.data() : vocab_ ? embed.data() : nullptr;
       Transfer& send = sends[turn];
       if (u < last) send.req.wait();
       out += model_.forward_only(m, c, tokens[size_t(m)], in, u < last ? send.buf.data() : top.data());

@@ -13,13 +13,14 @@
 // gradients-ready offsets (higher chunks sit higher in the buffer) valid.
 //
 // Vocabulary parallelism (the model's ModelPart::vocab_parallel; Yeung et al. 2024): every stage holds
-// a slice of the vocabulary, so every stage takes part in three passes, collectives over this group:
-//   - before the schedule, the embedding of every micro-batch (Model::vocab_embed): the first stage
-//     keeps the inputs of its first chunk's forwards;
-//   - one output pass per micro-batch (ActionType::vocab, placed by with_vocab_passes): the LM head and
-//     its loss over all slices; the last stage keeps ∂/∂(its head chunk's output) for that backward;
-//   - after the schedule, the embedding's backward of every micro-batch (Model::vocab_embed_backward),
-//     from the gradients the first stage kept from its first chunk's backwards.
+// a slice of the vocabulary, so every stage takes part in three passes per micro-batch, collectives
+// over this group placed into every stage's list by with_vocab_passes:
+//   - vocab_embed (Model::vocab_embed): the embedding; the first stage keeps the input of its first
+//     chunk's forward;
+//   - vocab (Model::vocab_head): the LM head and its loss over all slices; the last stage keeps
+//     ∂/∂(its head chunk's output) for that chunk's backward;
+//   - vocab_embed_grad (Model::vocab_embed_backward): the embedding's backward, from the gradient the
+//     first stage kept from its first chunk's backward.
 // The embedding's gradients are final only after the last pass: ZeRO 0/1 reduce their buckets when the
 // step's gradients are completed (DataParallel::complete_gradients).
 #pragma once
@@ -64,11 +65,13 @@ class Pipeline {
   // a received input, the next receive posted ahead and a backward send in flight (forward sends
   // go out of the model's slot). None without pipeline parallelism.
   static int64_t buffer_bytes(int stages, int64_t floats) { return stages > 1 ? (12 * Size(floats)).get() : 0; }
-  // Vocabulary parallelism: the buffers its passes keep on stage `stage` of `stages` for `microbatches`
-  // micro-batches of `local` floats ([Nl, C]) and `full` floats ([N, C]): on the first stage every
-  // micro-batch's embedding and embedding gradient, elsewhere one gradient received; on the last
-  // stage the head gradients waiting for their backward (at most `microbatches`).
-  static int64_t vocab_bytes(int stages, int stage, int64_t microbatches, int64_t local, int64_t full);
+  // Vocabulary parallelism: the most bytes its passes keep at once on stage `stage` of `stages` running
+  // `actions` (with_vocab_passes), for messages of `local` floats ([Nl, C]) and rows of `full` ([N, C]):
+  // the first stage's embeddings from vocab_embed until their forward and gradients from its first
+  // chunk's backward until vocab_embed_grad; the last stage's head gradients from vocab until their
+  // backward.
+  static int64_t vocab_bytes(const std::vector<Action>& actions, int stages, int stage, int chunks, int64_t local,
+                             int64_t full);
 
   // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
   // (one per micro-batch, stage boundary and direction).
@@ -86,14 +89,9 @@ class Pipeline {
   Comm& pp_;
   std::vector<DataParallel*> dp_;
   void set_microbatches(int microbatches);  // the schedule's actions for this many
-  // Vocabulary parallelism: every micro-batch's embedding before the schedule, its backward after it.
-  void embed(const std::vector<const int32_t*>& tokens, int64_t local, int64_t full);
-  void embed_backward(const std::vector<const int32_t*>& tokens, int64_t full);
 
   ScheduleKind kind_;
-  bool vocab_ = false;               // vocabulary parallelism
-  std::vector<float> embeds_;        // first stage: [M][Nl, C] its first chunk's inputs
-  std::vector<float> embed_grads_;   // first stage: [M][N, C] ∂/∂(embedding rows); elsewhere one [N, C]
+  bool vocab_ = false;  // vocabulary parallelism
   int chunks_, microbatches_ = 0;
   std::vector<Action> actions_;
   std::vector<uint8_t> final_;  // per action: a backward no later backward of its chunk follows

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <limits>
+#include <tuple>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -33,7 +35,9 @@ const char* action_type_name(ActionType t) {
     case ActionType::recv_backward: return "recv_backward";
     case ActionType::backward: return "backward";
     case ActionType::send_backward: return "send_backward";
+    case ActionType::vocab_embed: return "vocab_embed";
     case ActionType::vocab: return "vocab";
+    case ActionType::vocab_embed_grad: return "vocab_embed_grad";
   }
   return "?";
 }
@@ -166,10 +170,14 @@ struct StageState {
   double clock = 0;
   int in_flight = 0;
   std::vector<uint8_t> done;   // [microbatch * chunks + chunk]
-  std::vector<uint8_t> vocab;  // [microbatch]: its vocab pass has run
+  std::vector<uint8_t> vocab;  // [microbatch]: which of its vocabulary passes have run (vocab_bit)
 };
 
 enum Direction { fwd = 0, bwd = 1 };
+
+uint8_t vocab_bit(ActionType t) {
+  return t == ActionType::vocab_embed ? 1 : t == ActionType::vocab ? 2 : 4;
+}
 
 // All stages' action lists run together: each stage's state, and the channels between stages.
 class Replayer {
@@ -182,7 +190,7 @@ class Replayer {
     for (int s = 0; s < p_; ++s) {
       st_[s].done.assign(size_t(m_) * v_, 0), st_[s].vocab.assign(size_t(m_), 0);
       r_.stages[s].starts.assign(per_stage[s].size(), 0.0);
-      for (const Action& a : per_stage[s]) vocab_ = vocab_ || a.type == ActionType::vocab;
+      for (const Action& a : per_stage[s]) vocab_ = vocab_ || is_vocab_pass(a.type);
     }
   }
 
@@ -245,6 +253,8 @@ bool Replayer::step(int s) {
       break;
     case ActionType::forward:
       ORIGAMI_CHECK(u == 0 || (done & got_input), where(s), "runs before its recv_forward");
+      ORIGAMI_CHECK(u != 0 || !vocab_ || (S.vocab[size_t(a.microbatch)] & vocab_bit(ActionType::vocab_embed)),
+                    where(s), "runs before its micro-batch's vocab_embed pass");
       once(s, done, forwarded);
       T.starts[S.next] = S.clock;
       S.clock += t_forward_;
@@ -266,8 +276,8 @@ bool Replayer::step(int s) {
     case ActionType::backward:
       ORIGAMI_CHECK(done & forwarded, where(s), "runs before this stage's forward of the same micro-batch and chunk");
       ORIGAMI_CHECK(u == last_virtual || (done & got_grad), where(s), "runs before its recv_backward");
-      ORIGAMI_CHECK(u != last_virtual || !vocab_ || S.vocab[size_t(a.microbatch)], where(s),
-                    "runs before its micro-batch's vocab pass");
+      ORIGAMI_CHECK(u != last_virtual || !vocab_ || (S.vocab[size_t(a.microbatch)] & vocab_bit(ActionType::vocab)),
+                    where(s), "runs before its micro-batch's vocab pass");
       once(s, done, backwarded);
       T.starts[S.next] = S.clock;
       S.clock += t_backward_;
@@ -280,31 +290,37 @@ bool Replayer::step(int s) {
       once(s, done, sent_grad);
       channel(s, (u - 1 + p_) % p_, bwd).push_back({a.microbatch, u - 1, S.clock});
       break;
-    case ActionType::vocab: return vocab_pass(s);
+    case ActionType::vocab_embed:
+    case ActionType::vocab:
+    case ActionType::vocab_embed_grad: return vocab_pass(s);
   }
   if (a.type != ActionType::forward && a.type != ActionType::backward) T.starts[S.next] = S.clock;
   ++S.next;
   return true;
 }
 
-// Stage s is at a vocab pass: a collective, so it runs (on every stage at once, from the latest
+// Stage s is at a vocabulary pass: a collective, so it runs (on every stage at once, from the latest
 // arrival) only when every stage is at the same pass.
 bool Replayer::vocab_pass(int s) {
   const Action& a = per_stage_[s][st_[s].next];
-  ORIGAMI_CHECK(!st_[s].vocab[size_t(a.microbatch)], where(s), "runs twice");
+  const size_t m = size_t(a.microbatch);
+  ORIGAMI_CHECK(!(st_[s].vocab[m] & vocab_bit(a.type)), where(s), "runs twice");
   for (int r = 0; r < p_; ++r)
     if (st_[r].next >= per_stage_[r].size() || per_stage_[r][st_[r].next] != a) return false;
-  ORIGAMI_CHECK(st_[p_ - 1].done[size_t(a.microbatch) * v_ + v_ - 1] & forwarded, where(p_ - 1),
+  ORIGAMI_CHECK(a.type != ActionType::vocab || (st_[p_ - 1].done[m * v_ + v_ - 1] & forwarded), where(p_ - 1),
                 "runs before the last virtual stage's forward of its micro-batch");
+  ORIGAMI_CHECK(a.type != ActionType::vocab_embed_grad || (st_[0].done[m * v_] & backwarded), where(0),
+                "runs before the first virtual stage's backward of its micro-batch");
+  const double cost = a.type == ActionType::vocab ? t_vocab_ : 0.0;
   double start = 0;
   for (int r = 0; r < p_; ++r) start = std::max(start, st_[r].clock);
   for (int r = 0; r < p_; ++r) {
     StageState& S = st_[r];
     r_.stages[r].idle += start - S.clock;
-    r_.stages[r].busy += t_vocab_;
+    r_.stages[r].busy += cost;
     r_.stages[r].starts[S.next] = start;
-    S.clock = start + t_vocab_;
-    S.vocab[size_t(a.microbatch)] = 1;
+    S.clock = start + cost;
+    S.vocab[m] |= vocab_bit(a.type);
     ++S.next;
   }
   return true;
@@ -357,7 +373,8 @@ void Replayer::check_all_computed() const {
         const uint8_t done = st_[s].done[size_t(mb) * v_ + c];
         ORIGAMI_CHECK(done & forwarded, "stage ", s, " never runs forward(mb ", mb, ", chunk ", c, ")");
         ORIGAMI_CHECK(done & backwarded, "stage ", s, " never runs backward(mb ", mb, ", chunk ", c, ")");
-        ORIGAMI_CHECK(!vocab_ || st_[s].vocab[size_t(mb)], "stage ", s, " never runs vocab(mb ", mb, ")");
+        ORIGAMI_CHECK(!vocab_ || st_[s].vocab[size_t(mb)] == 7, "stage ", s, " never runs one of the vocabulary "
+                      "passes of mb ", mb);
       }
 }
 
@@ -387,28 +404,64 @@ Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int s
 std::vector<std::vector<Action>> with_vocab_passes(const std::vector<std::vector<Action>>& per_stage, int stages,
                                                    int microbatches, int chunks) {
   const Replay base = replay_schedules(per_stage, stages, microbatches, chunks, 1.0, 2.0);
-  std::vector<double> ready(size_t(microbatches), 0.0);  // when the head forward of each micro-batch ends
-  const std::vector<Action>& last = per_stage[size_t(stages) - 1];
-  for (size_t i = 0; i < last.size(); ++i)
-    if (last[i].type == ActionType::forward && last[i].chunk == chunks - 1)
-      ready[size_t(last[i].microbatch)] = base.stages[size_t(stages) - 1].starts[i] + 1.0;
+  struct Pass {
+    double time;
+    Action action;
+  };
+  // The output passes' times: each head forward's end.
+  std::vector<Pass> passes;
+  std::vector<double> times;
+  const size_t last = size_t(stages) - 1;
+  for (size_t i = 0; i < per_stage[last].size(); ++i)
+    if (per_stage[last][i].chunk == chunks - 1 && per_stage[last][i].type == ActionType::forward) {
+      passes.push_back({base.stages[last].starts[i] + 1.0, {ActionType::vocab, per_stage[last][i].microbatch, 0}});
+      times.push_back(passes.back().time);
+    }
+  std::sort(times.begin(), times.end());
+  // The embedding passes join them, adding no synchronisation of their own: vocab_embed(m) at the
+  // latest output pass not after the first forward of m starts (or at the start), vocab_embed_grad(m)
+  // at the first one not before the first backward of m ends (or at the end).
+  const double never = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < per_stage[0].size(); ++i) {
+    const Action& a = per_stage[0][i];
+    if (a.chunk != 0 || (a.type != ActionType::forward && a.type != ActionType::backward)) continue;
+    const double start = base.stages[0].starts[i];
+    if (a.type == ActionType::forward) {
+      const auto after = std::upper_bound(times.begin(), times.end(), start);
+      passes.push_back({after == times.begin() ? 0.0 : *(after - 1), {ActionType::vocab_embed, a.microbatch, 0}});
+    } else {
+      const auto at = std::lower_bound(times.begin(), times.end(), start + 2.0);
+      passes.push_back({at == times.end() ? never : *at, {ActionType::vocab_embed_grad, a.microbatch, 0}});
+    }
+  }
+  std::sort(passes.begin(), passes.end(), [](const Pass& x, const Pass& y) {
+    return std::tuple(x.time, int(x.action.type), x.action.microbatch) <
+           std::tuple(y.time, int(y.action.type), y.action.microbatch);
+  });
   std::vector<std::vector<Action>> out(per_stage.size());
   for (size_t s = 0; s < per_stage.size(); ++s) {
-    int next = 0;  // the next micro-batch's pass to place
+    size_t next = 0;  // the next pass to place
     for (size_t i = 0; i < per_stage[s].size(); ++i) {
       const Action& a = per_stage[s][i];
       const bool compute = a.type == ActionType::forward || a.type == ActionType::backward;
-      for (; compute && next < microbatches && base.stages[s].starts[i] >= ready[size_t(next)]; ++next) {
+      for (; compute && next < passes.size() && base.stages[s].starts[i] >= passes[next].time; ++next) {
         const bool after_recv = !out[s].empty() && (out[s].back().type == ActionType::recv_forward ||
                                                     out[s].back().type == ActionType::recv_backward);
-        out[s].insert(out[s].end() - (after_recv ? 1 : 0), Action{ActionType::vocab, next, 0});
+        out[s].insert(out[s].end() - (after_recv ? 1 : 0), passes[next].action);
       }
       out[s].push_back(a);
     }
-    for (; next < microbatches; ++next) out[s].push_back({ActionType::vocab, next, 0});
+    for (; next < passes.size(); ++next) out[s].push_back(passes[next].action);
   }
   replay_schedules(out, stages, microbatches, chunks, 1.0, 2.0, 0.5);  // throws if the passes deadlock
   return out;
+}
+
+std::vector<Action> stage_actions(ScheduleKind kind, int stages, int stage, int microbatches, int chunks, bool vocab) {
+  if (!vocab) return make_schedule(kind, stages, stage, microbatches, chunks);
+  std::vector<std::vector<Action>> all;
+  for (int s = 0; s < stages; ++s) all.push_back(make_schedule(kind, stages, s, microbatches, chunks));
+  return with_vocab_passes(all, stages, microbatches, chunks)[size_t(stage)];
 }
 
 }  // namespace origami

@@ -30,16 +30,26 @@ enum class ScheduleKind { gpipe, one_f_one_b, interleaved };
 ScheduleKind parse_schedule_kind(const std::string& s);
 const char* schedule_kind_name(ScheduleKind k);
 
-enum class ActionType { recv_forward, forward, send_forward, recv_backward, backward, send_backward, vocab };
+enum class ActionType {
+  recv_forward, forward, send_forward, recv_backward, backward, send_backward,
+  vocab_embed, vocab, vocab_embed_grad  // vocabulary parallelism's passes (with_vocab_passes)
+};
+inline bool is_vocab_pass(ActionType t) {
+  return t == ActionType::vocab_embed || t == ActionType::vocab || t == ActionType::vocab_embed_grad;
+}
 const char* action_type_name(ActionType t);
 
 // recv_forward:  receive the activation of (microbatch, chunk) from the previous virtual stage;
 // send_forward:  send this chunk's output activation to the next virtual stage;
 // recv_backward: receive the gradient w.r.t. this chunk's output from the next virtual stage;
 // send_backward: send the gradient w.r.t. this chunk's input to the previous virtual stage.
-// vocab:         vocabulary parallelism's output pass of a micro-batch (chunk 0): the LM head and its
-//                loss over every stage's slice of the vocabulary, a collective over the pipeline group
-//                that every stage runs once per micro-batch (with_vocab_passes places it).
+// Vocabulary parallelism's passes of a micro-batch (chunk 0), each a collective over the pipeline group
+// that every stage runs once per micro-batch (with_vocab_passes places them):
+// vocab_embed:   the embedding over every stage's slice of the vocabulary, before the first virtual
+//                stage's forward of the micro-batch;
+// vocab:         the output pass: the LM head and its loss over every slice, after the last virtual
+//                stage's forward and before its backward;
+// vocab_embed_grad: the embedding's backward into every slice, after the first virtual stage's backward.
 // No send/recv appears for the first virtual stage's input or the last virtual stage's output.
 // Receives sit immediately before the compute that needs them (the executor posts non-blocking
 // receives earlier itself); sends immediately after the compute that produced them (non-blocking).
@@ -81,8 +91,9 @@ struct Replay {
 
 // Runs all stages' action lists together from time 0. Sends are non-blocking: a message is
 // available to its receiver at the moment its send action runs. Receives block. A forward of one
-// chunk costs t_forward, a backward t_backward, a vocab pass t_vocab on every stage once all have
-// reached it (a collective), sends and receives cost 0. Checks every dependency
+// chunk costs t_forward, a backward t_backward, an output pass (vocab) t_vocab on every stage once all
+// have reached it (a collective; the embedding passes cost 0), sends and receives cost 0. Checks
+// every dependency
 // and throws origami::Error naming the stage, the action and the rule if one is broken:
 //  - a receive matches the earliest unmatched send on its channel (from-stage, to-stage,
 //    direction) and that send must be for the same (micro-batch, virtual stage);
@@ -92,22 +103,30 @@ struct Replay {
 //    no send/recv across the model's two ends;
 //  - every (micro-batch, chunk) forward and backward, and each needed send/recv, exactly once per
 //    stage; no message left unreceived at the end;
-//  - when the lists hold vocab passes: one per micro-batch on every stage, in the same order on all;
-//    the last stage's after its forward of the last virtual stage and before that pair's backward;
+//  - when the lists hold vocabulary passes: each kind once per micro-batch on every stage, in the
+//    same order on all; the embedding pass before the first virtual stage's forward of its
+//    micro-batch and its gradient pass after that pair's backward; the output pass after the last
+//    virtual stage's forward and before that pair's backward;
 //  - if no stage can progress before all are done: Error("deadlock: ...") naming the stuck actions.
 Replay replay_schedules(const std::vector<std::vector<Action>>& per_stage, int stages, int microbatches, int chunks,
                         double t_forward, double t_backward, double t_vocab = 0);
 
 // Vocabulary parallelism (Yeung et al. 2024, "Balancing Pipeline Parallelism with Vocabulary
-// Parallelism"): the stages' lists with one vocab pass per micro-batch m added to each, where the
-// last virtual stage's forward of m has ended in a replay of the lists (forward 1, backward 2): before
-// the first compute action that starts at or after that time (and before the receive that precedes
-// it). Every action placed before the pass began earlier than the head forward ended, so none of them
-// depends on the pass, and every action after it began later, so the head forward cannot depend on
-// them: the passes line the stages up where the pipeline already is, with no deadlock (the result is
-// replayed to check it). The last stage runs the pass between its head forward and that backward.
+// Parallelism"): the stages' lists with the three passes of every micro-batch m added to each, each at
+// a time of a replay of the lists (forward 1, backward 2): vocab(m) when the last virtual stage's
+// forward of m ends; vocab_embed(m) at the latest of those times not after the first virtual stage's
+// forward of m starts (0 if none), vocab_embed_grad(m) at the earliest not before that pair's
+// backward ends (after everything if none), so the embedding passes add no synchronisation of their
+// own. A pass goes before the first compute action that starts at or after its time (and before the
+// receive that precedes it), passes of one time in a fixed order. Every action placed before a pass
+// began earlier, so none depends on it, and every action after it began later, so none the pass
+// needs can depend on them: the passes line the stages up where the pipeline already is, with no
+// deadlock (the result is replayed to check it). The first stage keeps the embeddings and gradients
+// of about as many micro-batches as the schedule has in flight (Pipeline::vocab_bytes counts them).
 std::vector<std::vector<Action>> with_vocab_passes(const std::vector<std::vector<Action>>& per_stage, int stages,
                                                    int microbatches, int chunks);
+// One stage's list as the executor runs it: make_schedule's, with the vocabulary passes when `vocab`.
+std::vector<Action> stage_actions(ScheduleKind kind, int stages, int stage, int microbatches, int chunks, bool vocab);
 
 // Activation bytes a stage keeps at its peak over one step: replays its action list, the forward of
 // chunk c adding slot_bytes[c] and that pair's backward releasing them (model.h: slot_bytes()).

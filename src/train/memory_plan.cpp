@@ -273,9 +273,11 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp > 1 ? posted(buffers.dense, false) : Size(0)) +
                                                             (edp > 1 && !o.fssdp() ? posted(buffers.experts, true) : Size(0))) +
                        exchanges;
-  const Size vocab = part.vocab_parallel() ? Size(Pipeline::vocab_bytes(pp, stage, micro, (Size(Nl) * cfg.hidden).get(),
-                                                                       (Size(shape.B) * shape.T * cfg.hidden).get()))
-                                           : Size(0);
+  const Size vocab =
+      part.vocab_parallel()
+          ? Size(Pipeline::vocab_bytes(stage_actions(o.schedule_kind(), pp, stage, micro, o.vpp, true), pp, stage, o.vpp,
+                                       (Size(Nl) * cfg.hidden).get(), (Size(shape.B) * shape.T * cfg.hidden).get()))
+          : Size(0);
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
                  vocab + 4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
 

@@ -1,6 +1,8 @@
 """Mixed precision under every parallel dimension: `--precision bf16` rounds the layer GEMMs' operands
 (kernels/cpu/matmul.h) at points that do not depend on the layout, so the one-rank bf16 curve is
-reproduced by TP2, TP2+SP, DP2 ZeRO-1, PP2, CP2 (ring and all-to-all), EP2 (MoE parallel folding) and
+reproduced by TP2, TP2+SP, DP2 ZeRO-1, PP2, CP2 (ring and all-to-all), EP2 (MoE parallel folding),
+PP2 and PP2xDP2 ZeRO-1 with --vocab-parallel (the LM head's slices read their bf16 copy, ZeRO-1 keeping
+only its shard of the head's fp32 values; the embedding slices are looked up in fp32) and
 TP2xPP2 and DP2 ZeRO-3 (each unit's bf16 copy rounded from its gathered values), DP2 FSSDP for mixtral
 (its experts gathered as bf16 straight into the copy, kept or not, gradients reduced in bf16); and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
 gradients rounded to bf16 and summed in bf16 after every micro-batch, then accumulated in fp32 — a
@@ -63,6 +65,8 @@ LAYOUTS = [
     ("DP2 FSSDP keep", 2, ["--expert-sharding", "fssdp", "--fssdp-keep"]),
     ("DP2 FSSDP grad-reduce bf16", 2, ["--expert-sharding", "fssdp", "--grad-reduce-dtype", "bf16"]),
     ("TP2xPP2", 4, ["--tp", "2", "--pp", "2"]),
+    ("PP2 vocab-parallel", 2, ["--pp", "2", "--vocab-parallel"]),
+    ("PP2xDP2 ZeRO-1 vocab-parallel", 4, ["--pp", "2", "--dp", "2", "--zero", "1", "--vocab-parallel"]),
 ]
 
 

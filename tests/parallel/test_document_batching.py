@@ -8,7 +8,7 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
   1. 20 AdamW steps of gpt2, llama (2 KV heads) and mixtral (8 experts, aux none, no z-loss), 4 layers,
      under DP2, DP4, TP2xDP2+SP, CP2xDP2 (a CP degree per sequence: those of at most 16 tokens on one
      rank) and with --static-cp, CP2 with micro-batches of 3 rows, CP4, CP2 a2a with full recompute, CP2xPP2, CP2 --balance none,
-     PP2xDP2 (1F1B), PP2 interleaved v2, DP2 ZeRO-1, DP2 ZeRO-3, DP2 recompute full, DP2 --balance none
+     PP2xDP2 (1F1B), PP2 interleaved v2, PP2xDP2 and CP2xPP2 with --vocab-parallel, DP2 ZeRO-1, DP2 ZeRO-3, DP2 recompute full, DP2 --balance none
      and (mixtral) EP2, EP2xDP2 and CP2xEP2: every step's loss
      within 1e-5 relative of the one-rank run, and its tokens, sequences and predicted tokens equal; for
      gpt2 and llama the first step's comm_bytes equal the prediction for its micro-batches.
@@ -47,6 +47,8 @@ LAYOUTS = [
     ("CP2 balance none", 2, ["--cp", "2", "--balance", "none"], False),
     ("PP2xDP2 1f1b", 4, ["--pp", "2"], False),
     ("PP2 interleaved v2", 2, ["--pp", "2", "--vpp", "2"], False),
+    ("PP2xDP2 vocab-parallel", 4, ["--pp", "2", "--vocab-parallel"], False),
+    ("CP2xPP2 vocab-parallel", 4, ["--cp", "2", "--pp", "2", "--vocab-parallel"], False),
     ("DP2 ZeRO-1", 2, ["--zero", "1"], False),
     ("DP2 ZeRO-3", 2, ["--zero", "3"], False),
     ("DP2 recompute full", 2, ["--recompute", "full"], False),

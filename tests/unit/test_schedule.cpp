@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -392,10 +393,13 @@ TEST(SchedulePartition, EvenExplicitAndErrors) {
 
 // ---- Vocabulary parallelism's output passes (with_vocab_passes) ----
 
-// Over the grid (p >= 2): every stage runs one pass per micro-batch, in micro-batch order, and
-// otherwise its base list unchanged; the last stage runs pass m between its forward and its backward of
-// (m, last chunk); the lists replay without deadlock with passes of any cost, and lining the stages
-// up costs little: the makespan grows by the passes' own time and at most one pass's wait per stage.
+// Over the grid (p >= 2): every stage runs each kind of pass once per micro-batch, in micro-batch
+// order, and otherwise its base list unchanged; the first stage runs vocab_embed(m) before its forward
+// of (m, 0) and vocab_embed_grad(m) after its backward of it, the last stage vocab(m) between its
+// forward and its backward of (m, last chunk); the lists replay without deadlock with output passes of
+// any cost, and lining the stages up costs little (the embedding passes sit next to output passes or
+// at either end, adding no waiting): the makespan grows by the passes' own time and at most one
+// forward per micro-batch.
 TEST(ScheduleVocab, PassesOnEveryStageInOrderWithoutDeadlock) {
   for (const Config& c : grid()) {
     if (c.stages < 2) continue;
@@ -405,21 +409,24 @@ TEST(ScheduleVocab, PassesOnEveryStageInOrderWithoutDeadlock) {
     ASSERT_NO_THROW(lists = with_vocab_passes(base, c.stages, c.microbatches, c.chunks));
     for (int s = 0; s < c.stages; ++s) {
       std::vector<Action> rest;
-      std::vector<int> passes;
+      std::map<ActionType, std::vector<int>> passes;
       for (const Action& a : lists[size_t(s)])
-        if (a.type == ActionType::vocab) passes.push_back(a.microbatch);
+        if (is_vocab_pass(a.type)) passes[a.type].push_back(a.microbatch);
         else rest.push_back(a);
       EXPECT_EQ(rest, base[size_t(s)]) << "stage " << s;
       std::vector<int> want(size_t(c.microbatches));
       for (int m = 0; m < c.microbatches; ++m) want[size_t(m)] = m;
-      EXPECT_EQ(passes, want) << "stage " << s;
+      for (ActionType t : {ActionType::vocab_embed, ActionType::vocab, ActionType::vocab_embed_grad})
+        EXPECT_EQ(passes[t], want) << "stage " << s << " " << action_type_name(t);
     }
-    const auto& last = lists.back();
-    auto at = [&](Action a) { return std::find(last.begin(), last.end(), a) - last.begin(); };
+    const auto &first = lists.front(), &last = lists.back();
+    auto at = [](const std::vector<Action>& l, Action a) { return std::find(l.begin(), l.end(), a) - l.begin(); };
     for (int m = 0; m < c.microbatches; ++m) {
-      const auto pass = at({ActionType::vocab, m, 0});
-      EXPECT_LT(at({ActionType::forward, m, c.chunks - 1}), pass);
-      EXPECT_LT(pass, at({ActionType::backward, m, c.chunks - 1}));
+      const auto pass = at(last, {ActionType::vocab, m, 0});
+      EXPECT_LT(at(last, {ActionType::forward, m, c.chunks - 1}), pass);
+      EXPECT_LT(pass, at(last, {ActionType::backward, m, c.chunks - 1}));
+      EXPECT_LT(at(first, {ActionType::vocab_embed, m, 0}), at(first, {ActionType::forward, m, 0}));
+      EXPECT_LT(at(first, {ActionType::backward, m, 0}), at(first, {ActionType::vocab_embed_grad, m, 0}));
     }
     for (double tv : {0.25, 1.0, 4.0}) {
       Replay r;
@@ -468,5 +475,15 @@ TEST(ScheduleVocab, ReplayCatchesBrokenPasses) {
   EXPECT_NE(replay_with([&](auto& l) {
               for (auto& list : l) erase(list, pass(0)), list.insert(list.begin(), pass(0));
             }).find("before the last virtual stage's forward"),
+            std::string::npos);
+  // The embedding pass of micro-batch 0 after the first stage's forward of it; its gradient pass first.
+  const Action embed{ActionType::vocab_embed, 0, 0}, embed_grad{ActionType::vocab_embed_grad, 0, 0};
+  EXPECT_NE(replay_with([&](auto& l) {
+              for (auto& list : l) erase(list, embed), list.push_back(embed);
+            }).find("before its micro-batch's vocab_embed pass"),
+            std::string::npos);
+  EXPECT_NE(replay_with([&](auto& l) {
+              for (auto& list : l) erase(list, embed_grad), list.insert(list.begin(), embed_grad);
+            }).find("before the first virtual stage's backward"),
             std::string::npos);
 }
