@@ -182,9 +182,10 @@ double CostModel::makespan_units(const TrainOptions& o, int64_t micro, double ba
 
 double CostModel::step_bound(const TrainOptions& o) {
   const MeshDims m = o.layout_dims(devices_);
-  double busy = 0;
-  for (const StageCompute& s : stage_compute(o, m)) busy = std::max(busy, s.fwd + s.bwd + s.vocab);
-  return (double(o.micro_batches(devices_)) + double(m.pp - 1) / o.vpp) * busy;
+  double busy = 0, vocab = 0;  // (the output passes run once per micro-batch, outside the fill and drain)
+  for (const StageCompute& s : stage_compute(o, m)) busy = std::max(busy, s.fwd + s.bwd), vocab = std::max(vocab, s.vocab);
+  const double micro = double(o.micro_batches(devices_));
+  return (micro + double(m.pp - 1) / o.vpp) * busy + micro * vocab;
 }
 
 Prediction CostModel::predict(const TrainOptions& options, double memory_limit) {

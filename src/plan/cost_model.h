@@ -70,7 +70,8 @@ class CostModel {
   Prediction predict(const TrainOptions& o, double memory_limit = std::numeric_limits<double>::infinity());
 
   // A lower bound of predict(o).step_s, at a fraction of its cost: the busiest stage's compute for
-  // every micro-batch plus the pipeline's fill and drain, (m + (p − 1)/v)·(f + b), no communication.
+  // every micro-batch plus the pipeline's fill and drain, (m + (p − 1)/v)·(f + b), and under
+  // vocabulary parallelism m output passes; no communication.
   // The search evaluates layouts in the order of this bound and stops when it exceeds the K-th best.
   // o: resolved, with degrees that divide the devices (not otherwise validated).
   double step_bound(const TrainOptions& o);

@@ -55,6 +55,8 @@ LAYOUTS = [
     ("PP2xDP2 z1", 4, ["--pp", "2", "--dp", "2", "--zero", "1"], TWO, 2),
     ("PP2xCP2", 4, ["--pp", "2", "--cp", "2"], TWO, 2),
     ("PP2xEP2", 4, ["--pp", "2", "--ep", "2"], MOE_EP, 2),
+    ("TP2xPP2", 4, ["--pp", "2", "--tp", "2"], {"gpt2": "gpt2_tiny", "llama": "llama_tiny"}, 2),
+    ("PP2xDP2 z0", 4, ["--pp", "2", "--dp", "2"], {"llama": "llama_tiny"}, 2),
     ("PP4 recompute full", 4, ["--pp", "4", "--recompute", "full"], {"gpt2": "gpt2_tiny"}, 4),
     ("PP2 gpipe selective 1,3", 2, ["--pp", "2", "--pp-schedule", "gpipe", "--recompute", "selective", "--pp-layers",
                                     "1,3"], {"gpt2": "gpt2_tiny"}, 4),

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -821,6 +822,29 @@ TEST(LmHeadFd, LargeLogitsStayFinite) {
   EXPECT_NEAR(Lf, L, 1e-4 * std::max(1.0, L));  // logit rounding in float is ~1e-5 absolute here
   for (float v : dxf) ASSERT_TRUE(std::isfinite(v));
   expect_close("lm_head large dx float", to_d(dxf), dx, 1e-4);
+}
+
+// A rank whose vocabulary slice is padding only (a small vocabulary over many TP x PP ranks) adds
+// nothing to the merged statistics: max −∞ and Σexp 0. Were its max a padding logit (0), a slice of
+// real logits far below 0 (−200 here) would underflow to Σexp 0 in the merge: a loss of −∞.
+TEST(LmHeadFd, ShardOfPaddingOnlyAddsNothing) {
+  const int64_t N = 3, C = 4, V = 5;
+  std::vector<float> x(N * C, 1.f), w(V * C, -50.f), padding(V * C, 0.f), scratch;
+  const std::vector<int32_t> tgt{0, 1, 2};  // on the real slice, vocabulary rows [0, V)
+  std::vector<float> real_stats, padding_stats;
+  auto keep = [](std::vector<float>& into) { return [&into](float* s, int64_t n) { into.assign(s, s + 3 * n); }; };
+  lm_head_loss<float>(nullptr, nullptr, nullptr, x.data(), w.data(), tgt.data(), N, C, V, 1.f, scratch,
+                      {0, V, keep(real_stats)});
+  lm_head_loss<float>(nullptr, nullptr, nullptr, x.data(), padding.data(), tgt.data(), N, C, V, 1.f, scratch,
+                      {V, 0, keep(padding_stats)});
+  std::vector<float> both = real_stats, merged(size_t(3 * N));
+  both.insert(both.end(), padding_stats.begin(), padding_stats.end());
+  merge_vocab_stats(merged.data(), both.data(), 2, N);
+  for (int64_t r = 0; r < N; ++r) {
+    EXPECT_EQ(padding_stats[size_t(3 * r)], -std::numeric_limits<float>::infinity());
+    EXPECT_EQ(padding_stats[size_t(3 * r + 1)], 0.f);
+    for (int64_t k = 0; k < 3; ++k) EXPECT_EQ(merged[size_t(3 * r + k)], real_stats[size_t(3 * r + k)]) << r << " " << k;
+  }
 }
 
 // The head processes rows in chunks of ⌊8M / V⌋; with a large vocabulary the chunking is exercised.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/cpu/fast_math.h"
 
@@ -51,7 +52,8 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, Id<Weights<T>> w, c
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
       T* lr = logits + r * V;
-      T m = lr[0];
+      // A shard of padding only (a small vocabulary over many ranks) contributes nothing: max −∞, Σ 0.
+      T m = valid > 0 ? lr[0] : -std::numeric_limits<T>::infinity();
       for (int64_t v = 1; v < valid; ++v) m = std::max(m, lr[v]);
       const int64_t t = int64_t(targets[n0 + r]) - v0;
       stats[r * 3 + 2] = t >= 0 && t < valid ? lr[t] : T(0);
