@@ -595,14 +595,24 @@ void Model::set_documents(const int32_t* tokens) {
 }
 
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
-// added on TP rank 0 only), and the region exit sums the partial embeddings.
+// added on TP rank 0 only); under vocabulary parallelism the partial embeddings [N, C] are first
+// summed over the pipeline group. The region exit sums them over TP into x0 (null on a stage that
+// only contributes its rows).
 void Model::embed(float* x0, const int32_t* tokens) {
   const int64_t B = B_, T = T_, C = cfg_.hidden;
   gather_tokens(scratch_->inputs.data(), tokens, 0);
-  float* part = tp_.full(x0, scratch_->full.data());
+  float* part = x0 ? tp_.full(x0, scratch_->full.data()) : scratch_->lnf.data();
   embedding_forward(part, scratch_->inputs.data(), T, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C,
                     vocab_begin_, Vl_, pos_ids_.data());
-  tp_.exit(x0, part, B, T, C);
+  if (vocab_) vocab_->all_reduce(part, B * T * C);
+  if (x0) tp_.exit(x0, part, B, T, C);
+}
+
+// The embedding's backward from ∂/∂(its rows) d_x0 [N, C]: this rank's vocabulary rows (and positions).
+void Model::embed_backward(const float* d_x0, const int32_t* tokens) {
+  gather_tokens(scratch_->inputs.data(), tokens, 0);
+  embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
+                     pos_ids_.data());
 }
 
 // One decoder layer: out = mid + mlp(norm2(mid)), mid = in + attn(norm1(in)). `losses` (null when
@@ -857,13 +867,7 @@ void Model::vocab_embed(int mb, const int32_t* tokens, float* x0) {
   ORIGAMI_ASSERT(vocab_ && (x0 != nullptr) == part_.embedding);
   select_cp(mb);
   set_documents(tokens);
-  const int64_t B = B_, T = T_, C = cfg_.hidden;
-  gather_tokens(scratch_->inputs.data(), tokens, 0);
-  float* rows = x0 ? tp_.full(x0, scratch_->full.data()) : scratch_->lnf.data();  // [N, C]
-  embedding_forward(rows, scratch_->inputs.data(), T, w(wte_), tp_.rank() == 0 ? w(wpe_) : nullptr, B, T, C,
-                    vocab_begin_, Vl_, pos_ids_.data());
-  vocab_->all_reduce(rows, B * T * C);
-  if (x0) tp_.exit(x0, rows, B, T, C);
+  embed(x0, tokens);
 }
 
 Losses Model::vocab_head(int mb, const int32_t* tokens, const float* top, float* d_top, float loss_scale,
@@ -889,9 +893,7 @@ void Model::vocab_embed_backward(int mb, const int32_t* tokens, float* d_x0) {
   select_cp(mb);
   set_documents(tokens);
   vocab_->broadcast(d_x0, B_ * T_ * cfg_.hidden, DType::f32, 0);
-  gather_tokens(scratch_->inputs.data(), tokens, 0);
-  embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
-                     pos_ids_.data());
+  embed_backward(d_x0, tokens);
 }
 
 Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* input) {
@@ -988,9 +990,7 @@ Losses Model::backward(int mb, int chunk, const int32_t* tokens, const float* d_
       release(mb, chunk);
       return out;
     }
-    gather_tokens(scratch_->inputs.data(), tokens, 0);
-    embedding_backward(g(wte_), g(wpe_), d_x0, scratch_->inputs.data(), T_, B_, T_, cfg_.hidden, vocab_begin_, Vl_,
-                       pos_ids_.data());
+    embed_backward(d_x0, tokens);
     grads_ready(0, 0);
   }
   release(mb, chunk);

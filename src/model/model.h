@@ -298,6 +298,7 @@ class Model {
     return part_.head && !part_.vocab_parallel() && chunk == int(part_.chunks.size()) - 1;
   }
   void embed(float* x0, const int32_t* tokens);
+  void embed_backward(const float* d_x0, const int32_t* tokens);
   // The inputs (or with `shift` 1 the targets) of this rank's positions from whole rows (row_stride).
   void gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const;
   // Document masking: docs_ and pos_ids_ of the micro-batch's windows (every forward and backward

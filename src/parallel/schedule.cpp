@@ -244,6 +244,7 @@ bool Replayer::step(int s) {
                 "micro-batch must be in 0..", m_ - 1, " and chunk in 0..", v_ - 1);
   const int u = a.chunk * p_ + s;
   uint8_t& done = S.done[size_t(a.microbatch) * v_ + a.chunk];
+  T.starts[S.next] = S.clock;
   switch (a.type) {
     case ActionType::recv_forward:
       ORIGAMI_CHECK(u != 0, where(s), "the first virtual stage has no input to receive");
@@ -256,7 +257,6 @@ bool Replayer::step(int s) {
       ORIGAMI_CHECK(u != 0 || !vocab_ || (S.vocab[size_t(a.microbatch)] & vocab_bit(ActionType::vocab_embed)),
                     where(s), "runs before its micro-batch's vocab_embed pass");
       once(s, done, forwarded);
-      T.starts[S.next] = S.clock;
       S.clock += t_forward_;
       T.busy += t_forward_;
       T.max_in_flight = std::max(T.max_in_flight, ++S.in_flight);
@@ -279,7 +279,6 @@ bool Replayer::step(int s) {
       ORIGAMI_CHECK(u != last_virtual || !vocab_ || (S.vocab[size_t(a.microbatch)] & vocab_bit(ActionType::vocab)),
                     where(s), "runs before its micro-batch's vocab pass");
       once(s, done, backwarded);
-      T.starts[S.next] = S.clock;
       S.clock += t_backward_;
       T.busy += t_backward_;
       --S.in_flight;
@@ -294,7 +293,6 @@ bool Replayer::step(int s) {
     case ActionType::vocab:
     case ActionType::vocab_embed_grad: return vocab_pass(s);
   }
-  if (a.type != ActionType::forward && a.type != ActionType::backward) T.starts[S.next] = S.clock;
   ++S.next;
   return true;
 }

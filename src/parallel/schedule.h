@@ -78,7 +78,7 @@ int num_warmup_forwards(ScheduleKind kind, int stages, int stage, int microbatch
 // ---- Replay simulator (reused by the planner) ----
 
 struct StageTiming {
-  std::vector<double> starts;  // per action: when it began (after any wait)
+  std::vector<double> starts;  // per action: when it began (a receive: before its wait; a pass: after it)
   double busy = 0;    // time spent in forward/backward compute
   double idle = 0;    // time spent blocked in receives before this stage's last action (= finish - busy)
   double finish = 0;  // time this stage's last action completes

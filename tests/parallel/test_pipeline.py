@@ -62,16 +62,33 @@ def flag(flags, name, default):
 
 
 def expected_pp_bytes(flags, ranks, C):
-    pp, v, tp = flag(flags, "--pp", 1), flag(flags, "--vpp", 1), flag(flags, "--tp", 1)
-    dp = ranks // (pp * tp)
+    pp, v, tp, cp = flag(flags, "--pp", 1), flag(flags, "--vpp", 1), flag(flags, "--tp", 1), flag(flags, "--cp", 1)
+    dp = ranks // (pp * tp * cp)
     micro = G // (tl.MICRO * dp)
-    nl = tl.MICRO * tl.SEQ // (tp if "--sequence-parallel" in flags else 1)
+    nl = tl.MICRO * tl.SEQ // cp // (tp if "--sequence-parallel" in flags else 1)
     out = []
     for s in range(pp):
         virt = [c * pp + s for c in range(v)]
         msgs = sum(u != pp * v - 1 for u in virt) + sum(u != 0 for u in virt)
         out.append(micro * nl * C * 4 * msgs)
     return out
+
+
+def check_steps(got, word, want_bytes):
+    """Every step's metrics: the layout string names `word`, the measured activation peaks equal the
+    computed ones, and pp_bytes equal `want_bytes`. Returns the failures (at most a few)."""
+    fails = []
+    for g in got:
+        if word not in g.get("layout", ""):
+            fails.append("layout string %r does not name %s" % (g.get("layout"), word))
+        if g.get("act_bytes_peak") != g.get("act_bytes_computed"):
+            fails.append("step %d: act_bytes_peak %s != act_bytes_computed %s" % (
+                g["step"], g.get("act_bytes_peak"), g.get("act_bytes_computed")))
+        if g.get("pp_bytes") != want_bytes:
+            fails.append("step %d: pp_bytes %s, analytic %s" % (g["step"], g.get("pp_bytes"), want_bytes))
+        if len(fails) > 6:
+            break
+    return fails
 
 
 def main():
@@ -129,16 +146,7 @@ def main():
                     pp = flag(flags, "--pp", 1)
                     want_bytes = expected_pp_bytes(flags, ranks, C)
                     act = "-"
-                    for g in got:
-                        if "PP%d" % pp not in g.get("layout", ""):
-                            fails.append("layout string %r does not name PP%d" % (g.get("layout"), pp))
-                        if g.get("act_bytes_peak") != g.get("act_bytes_computed"):
-                            fails.append("step %d: act_bytes_peak %s != act_bytes_computed %s" % (
-                                g["step"], g.get("act_bytes_peak"), g.get("act_bytes_computed")))
-                        if g.get("pp_bytes") != want_bytes:
-                            fails.append("step %d: pp_bytes %s, analytic %s" % (g["step"], g.get("pp_bytes"), want_bytes))
-                        if len(fails) > 6:
-                            break
+                    fails += check_steps(got, "PP%d" % pp, want_bytes)
                     if got:
                         act = "/".join("%.0fk" % (b / 1024) for b in got[-1]["act_bytes_peak"])
                         peaks[mode] = got[-1]["act_bytes_computed"][0]

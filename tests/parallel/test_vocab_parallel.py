@@ -65,18 +65,15 @@ EVAL = ["--eval-every", "10", "--eval-iters", "2"]  # and --eval-data: the train
 
 
 def expected_pp_bytes(flags, ranks, C):
-    """The p2p messages (as test_pipeline counts them) plus the vocabulary passes, per stage."""
-    pp, v, tpd, cp = (tp.flag(flags, f, 1) for f in ("--pp", "--vpp", "--tp", "--cp"))
+    """The p2p messages (test_pipeline.expected_pp_bytes) plus the vocabulary passes, per stage."""
+    pp, tpd, cp = (tp.flag(flags, f, 1) for f in ("--pp", "--tp", "--cp"))
     micro = G // (tl.MICRO * (ranks // (pp * tpd * cp)))
     n = tl.MICRO * tl.SEQ // cp
-    nl = n // (tpd if "--sequence-parallel" in flags else 1)
     rows = 4 * n * C
     out = []
-    for s in range(pp):
-        virt = [c * pp + s for c in range(v)]
-        msgs = sum(u != pp * v - 1 for u in virt) + sum(u != 0 for u in virt)
+    for s, p2p in enumerate(tp.expected_pp_bytes(flags, ranks, C)):
         vocab = 2 * 2.0 * (pp - 1) / pp * rows + (pp - 1) * 12 * n + (rows if s == pp - 1 else 0) + (rows if s == 0 else 0)
-        out.append(int(round(micro * (nl * C * 4 * msgs + vocab))))
+        out.append(int(round(p2p + micro * vocab)))
     return out
 
 
@@ -199,16 +196,7 @@ def main():
                 val = [(a["val_loss"], b.get("val_loss")) for a, b in zip(ref, got) if "val_loss" in a]
                 if got and (len(val) != 2 or any(b is None or tl.rel(b, a) > tl.RTOL for a, b in val)):
                     fails.append("validation losses %s, one rank's within 1e-5 expected" % val)
-                for g in got:
-                    if "vocab-parallel" not in g.get("layout", ""):
-                        fails.append("layout string %r does not name vocab-parallel" % g.get("layout"))
-                    if g.get("act_bytes_peak") != g.get("act_bytes_computed"):
-                        fails.append("step %d: act_bytes_peak %s != act_bytes_computed %s" % (
-                            g["step"], g.get("act_bytes_peak"), g.get("act_bytes_computed")))
-                    if g.get("pp_bytes") != want:
-                        fails.append("step %d: pp_bytes %s, analytic %s" % (g["step"], g.get("pp_bytes"), want))
-                    if len(fails) > 6:
-                        break
+                fails += tp.check_steps(got, "vocab-parallel", want)
                 status = "ok" if not fails else "FAIL"
                 rows.append((config, layers, name, ranks, "%.1e" % w["loss"], "%.1e" % w["gn1"], "%.1e" % params,
                              "/".join(str(b) for b in want), "%.1f" % wall, status))
