@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iomanip>
+#include <limits>
 #include <set>
 #include <tuple>
 #include <cstdio>
@@ -32,12 +33,14 @@ namespace origami {
 namespace {
 
 // The axes --layout fixes; -1 (or empty): searched.
-constexpr int64_t kMaxTop = 1000;  // --top: the search keeps the best K, and a larger K stops it from skipping any
+constexpr int64_t kMaxTop = 1000;
+constexpr int64_t kMaxDevices = int64_t(1) << 20;  // --nodes: a million devices, far beyond any cluster  // --top: the search keeps the best K, and a larger K stops it from skipping any
 
 struct Fixed {
   int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1, vocab = -1;
   int64_t mb = -1;
   std::string recompute, cp_comm;
+  std::vector<int> pp_layers;  // pp-layers=N,N,...: layers of each virtual stage (empty: an even split)
 };
 
 Fixed parse_layout(const std::string& spec) {
@@ -54,6 +57,15 @@ Fixed parse_layout(const std::string& spec) {
     };
     if (w.rfind("recompute=", 0) == 0) f.recompute = w.substr(10), parse_recompute(f.recompute);
     else if (w.rfind("cp-comm=", 0) == 0) f.cp_comm = w.substr(8), parse_cp_comm(f.cp_comm);
+    else if (w.rfind("pp-layers=", 0) == 0) {
+      std::istringstream list(w.substr(10));
+      for (std::string n; std::getline(list, n, ',');) {
+        ORIGAMI_CHECK(!n.empty() && n.size() < 10 && std::all_of(n.begin(), n.end(), ::isdigit) && std::stoll(n) >= 1,
+                      "--layout: '", w, "' needs positive layer counts separated by commas, got '", n, "'");
+        f.pp_layers.push_back(int(std::stoll(n)));
+      }
+      ORIGAMI_CHECK(!f.pp_layers.empty(), "--layout: '", w, "' gives no layer counts");
+    }
     else if (w == "sp") f.sp = 1;
     else if (w == "nosp") f.sp = 0;
     else if (w == "fssdp") f.fssdp = 1;
@@ -69,7 +81,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("mb", 0) == 0) f.mb = number(2);
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
     else fail("--layout: '", w, "' is not one of tpN cpN epN etpN ppN vppN zeroN mbN sp nosp fssdp nofssdp "
-                "vocab novocab recompute=MODE cp-comm=MODE");
+                "vocab novocab recompute=MODE cp-comm=MODE pp-layers=N,N,...");
   }
   ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
   return f;
@@ -116,7 +128,7 @@ struct PlanCommand {
   double imbalance = 1;
   std::string layout;  // --layout as given (empty: none)
   Fixed fixed;         // its axes
-  bool json = false;
+  bool json = false, explain = false, any_memory = false;
   std::string out, plot;  // empty: not asked for
   std::string precision;  // of the layer GEMMs: fp32 | bf16 (memory counts the bf16 weight copy and scratch)
   std::string grad_reduce_dtype;  // of the DP/EDP gradient reductions: fp32 | bf16 (their bytes and buffers)
@@ -136,13 +148,19 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
       .option("seq-len", "T", "tokens per row")
       .option("layout", "AXES", "fix these axes and search the rest, e.g. \"tp2 pp4 zero1 mb1 recompute=selective\"")
       .option("top", "K", "layouts to print", "10")
-      .option("precision", "fp32|bf16", "the run's --precision: bf16 adds the weights' bf16 copy and the rounding "
-                                        "scratch to each rank's memory (step times use the cluster's fp32 GEMM rates)",
+      .option("nodes", "N", "size the cluster file's pod: N nodes of its devices_per_node (default: the file's nodes)")
+      .option("precision", "fp32|bf16", "the run's --precision: bf16 GEMMs and attention at the cluster's bf16 rates "
+                                        "(its fp32 ones where it gives none), 2-byte activations, and the weights' bf16 "
+                                        "copy and the rounding scratch in each rank's memory",
               "fp32")
       .option("grad-reduce-dtype", "fp32|bf16", "the run's --grad-reduce-dtype: bf16 halves the gradient "
                                                 "reductions' bytes and adds their bf16 buffers to memory", "fp32")
       .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean", "1.0")
-      .flag("json", "print a JSON list, best first")
+      .flag("json", "print a JSON list, best first (each with its step time's 'breakdown')")
+      .flag("any-memory", "list layouts whatever memory they need (to time another trainer's published run, "
+                          "whose memory differs from origami's); the memory column still says what origami needs")
+      .flag("explain", "after the table, each listed layout's step time by part: compute by term (GEMMs, "
+                       "attention, element-wise, kernel launches), bubble, exposed communication per group, optimizer")
       .option("out", "FILE", "write the best layout as a plan file (its options and prediction)")
       .option("plot", "FILE.png", "draw the predicted step time breakdown of the listed layouts (gnuplot)");
   if (!a.parse(argc, argv)) return std::nullopt;
@@ -151,9 +169,18 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   PlanCommand cmd;
   cmd.cfg = load_model_config(a.str("config"));
   cmd.cluster = Cluster::load(a.str("cluster"));
+  if (a.has("nodes")) {
+    cmd.cluster.nodes = a.small_integer("nodes");
+    ORIGAMI_CHECK(cmd.cluster.nodes >= 1 && int64_t(cmd.cluster.nodes) * cmd.cluster.devices_per_node <= kMaxDevices,
+                  "--nodes must be in [1, ", kMaxDevices / cmd.cluster.devices_per_node, "] (at most ", kMaxDevices,
+                  " devices of ", cmd.cluster.devices_per_node, " per node), got ", cmd.cluster.nodes);
+    ORIGAMI_CHECK(cmd.cluster.nodes == 1 || cmd.cluster.inter_given, "--nodes ", cmd.cluster.nodes, ": ",
+                  a.str("cluster"), " gives no 'inter_node' link to join its nodes with");
+  }
   cmd.devices = a.has("devices") ? a.small_integer("devices") : cmd.cluster.devices();
   ORIGAMI_CHECK(cmd.devices >= 1 && cmd.devices <= cmd.cluster.devices(), "--devices must be in [1, ",
-                cmd.cluster.devices(), "] (the cluster's devices), got ", cmd.devices);
+                cmd.cluster.devices(), "] (the cluster's devices: ", cmd.cluster.nodes, " node", cmd.cluster.nodes > 1 ? "s" : "",
+                " of ", cmd.cluster.devices_per_node, "; --nodes N sizes the pod), got ", cmd.devices);
   cmd.global_batch = a.integer("global-batch"), cmd.seq_len = a.integer("seq-len"), cmd.top = a.integer("top");
   ORIGAMI_CHECK(cmd.global_batch >= 1 && cmd.seq_len >= 1 && cmd.top >= 1,
                 "--global-batch, --seq-len and --top must be positive");
@@ -169,6 +196,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.layout = a.str("layout");
   cmd.fixed = parse_layout(cmd.layout);
   cmd.json = a.on("json");
+  cmd.explain = a.on("explain");
+  cmd.any_memory = a.on("any-memory");
   cmd.out = a.str("out");
   cmd.plot = a.str("plot");
   cmd.precision = a.str("precision");
@@ -252,6 +281,7 @@ TrainOptions LayoutSearch::options(const Shape& shape) const {
   o.micro_batch = shape.mb;
   o.recompute = recompute_modes_[size_t(shape.recompute)];
   o.vocab_parallel = shape.vocab == 1;
+  o.pp_layers = cmd_.fixed.pp_layers;
   const int sp = cmd_.fixed.sp;
   o.sequence_parallel = sp >= 0 ? sp == 1 && shape.tp > 1 : shape.tp > 1;
   return o;
@@ -371,7 +401,7 @@ void LayoutSearch::evaluate(const Shape& shape) {
         c.o.zero = zero, c.o.cp_comm = comm, c.o.expert_sharding = fssdp ? "fssdp" : "ep";
         ++r.evaluated;
         try {
-          c.p = model_.predict(c.o, cmd_.cluster.memory_bytes);
+          c.p = model_.predict(c.o, cmd_.any_memory ? std::numeric_limits<double>::infinity() : cmd_.cluster.memory_bytes);
         } catch (const Error& e) {
           if (r.first_refusal.empty()) r.first_refusal = e.what();
           continue;  // a layout the runtime refuses
@@ -435,6 +465,17 @@ void print_table(const PlanCommand& cmd, const SearchResult& r) {
   }
 }
 
+// Each listed layout's step time by part, largest first.
+void print_breakdowns(const PlanCommand& cmd, const std::vector<Candidate>& found) {
+  for (const Candidate& c : found) {
+    std::printf("\n%s: step %.4g s, MFU %.1f%%\n", layout_name(c.o, cmd.devices).c_str(), c.p.step_s, 100 * c.p.mfu);
+    std::vector<std::pair<std::string, double>> parts = c.p.breakdown();
+    std::stable_sort(parts.begin(), parts.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+    for (const auto& [name, seconds] : parts)
+      if (seconds > 0) std::printf("  %-24s %10.4g s  %5.1f%%\n", name.c_str(), seconds, 100 * seconds / c.p.step_s);
+  }
+}
+
 // The best layout as `origami train` options (train --plan reads them).
 void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const TrainOptions& b = best.o;
@@ -463,6 +504,7 @@ int run_plan(const PlanCommand& cmd) {
   const SearchResult r = search_layouts(cmd);
   if (cmd.json) print_json(cmd, r.found);
   else print_table(cmd, r);
+  if (cmd.explain && !cmd.json) print_breakdowns(cmd, r.found);
   if (!cmd.out.empty()) write_plan_file(cmd, r.found.front());
   if (!cmd.plot.empty()) plot_layouts(cmd, r.found);
   return 0;

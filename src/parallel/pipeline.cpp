@@ -46,7 +46,7 @@ int64_t Pipeline::vocab_bytes(const std::vector<Action>& actions, int stages, in
 
 void Pipeline::set_microbatches(int microbatches) {
   if (microbatches == microbatches_) return;
-  check_tags(pp_.size(), microbatches, chunks_);
+  check_tags(microbatches, chunks_);
   microbatches_ = microbatches;
   actions_ = stage_actions(kind_, pp_.size(), pp_.rank(), microbatches, chunks_, vocab_);
   // A backward is final when no later backward of the same chunk follows; finals in decreasing chunk order.
@@ -62,17 +62,18 @@ void Pipeline::set_microbatches(int microbatches) {
     }
 }
 
-void Pipeline::check_tags(int stages, int microbatches, int chunks) {
-  const int64_t boundaries = int64_t(stages) * chunks - 1;
-  ORIGAMI_CHECK(2 * int64_t(microbatches) * std::max<int64_t>(boundaries, 1) <= 32767, "a pipeline with ",
-                microbatches, " micro-batches per step and ", boundaries, " stage boundaries needs more MPI tags "
-                "than the 32767 every MPI library provides; use fewer micro-batches");
+void Pipeline::check_tags(int microbatches, int chunks) {
+  ORIGAMI_CHECK(2 * int64_t(microbatches) * chunks <= 32767, "a pipeline with ", microbatches,
+                " micro-batches per step and ", chunks, " chunks per stage needs more MPI tags than the 32767 every MPI "
+                "library provides; use fewer micro-batches");
 }
 
-// Message tags: one per (micro-batch, boundary between virtual stages b and b+1, direction).
+// Message tags: unique per (micro-batch, boundary between virtual stages b and b+1, direction) among
+// the messages one rank sends another. Every boundary a rank sends over to the same peer in the same
+// direction is b ≡ its stage (mod stages) (a boundary of one stage's chunk c is c·stages + stage), so
+// b / stages, the sending chunk, tells them apart: 2·micro-batches·chunks tags, whatever the stages.
 int Pipeline::tag(int microbatch, int boundary, bool backward) const {
-  const int boundaries = pp_.size() * chunks_ - 1;
-  return (microbatch * boundaries + boundary) * 2 + (backward ? 1 : 0);
+  return (microbatch * chunks_ + boundary / pp_.size()) * 2 + (backward ? 1 : 0);
 }
 
 // One run(): its transfers in flight and its actions, in the schedule's order.
@@ -299,7 +300,7 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
 }
 
 Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
-  check_tags(pp_.size(), int(tokens.size()), chunks_);
+  check_tags(int(tokens.size()), chunks_);
   model_.set_batch(B, T);
   const ActivationShape shape = model_.activation_shape();
   const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message

@@ -74,8 +74,8 @@ class Pipeline {
                              int64_t full);
 
   // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
-  // (one per micro-batch, stage boundary and direction).
-  static void check_tags(int stages, int microbatches, int chunks);
+  // (one per micro-batch, chunk and direction: tag()).
+  static void check_tags(int microbatches, int chunks);
 
   const std::vector<Action>& actions() const { return actions_; }
   const PipelineTimes& times() const { return times_; }

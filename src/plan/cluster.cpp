@@ -18,13 +18,52 @@ double Cluster::gemm_rate(double M, double N, double K) const {
     const double f = (std::log(flops) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
     return lo->second + f * (hi->second - lo->second);
   }
-  const double seconds = std::max(flops / peak_flops, 2 * (M * K + K * N + M * N) / memory_bandwidth);
+  const double peak = peak_flops * (sms > 0 ? gemm_tile_share(M, N, sms) : 1.0);
+  const double seconds = std::max(flops / peak, element_bytes * (M * K + K * N + M * N) / memory_bandwidth);
   return gemm_efficiency * flops / seconds;
+}
+
+double gemm_tile_share(double M, double N, int sms) {
+  static constexpr double kTiles[][2] = {{256, 128}, {128, 256}, {128, 128}, {128, 64}, {64, 128}, {64, 64}};
+  double best = 0;
+  for (const auto& [tm, tn] : kTiles) {
+    const double tiles = std::ceil(M / tm) * std::ceil(N / tn), waves = std::ceil(tiles / sms);
+    const double useful = M * N / (waves * sms * tm * tn), reuse = std::min(1.0, tm * tn / (tm + tn) / 64);
+    best = std::max(best, useful * reuse);
+  }
+  return best;
+}
+
+double Cluster::attention_rate(double T, double D) const {
+  if (sms == 0) return attention_flops;  // a CPU: measured at the run's window and heads
+  return attention_flops * T / (T + 128) * (D / (D + 32)) / (128.0 / 160);
+}
+
+Cluster Cluster::at(const std::string& precision) const {
+  Cluster c = *this;
+  if (precision == "bf16") {
+    if (bf16) static_cast<ComputeRates&>(c) = *bf16;
+    c.element_bytes = 2;
+  }
+  return c;
+}
+
+double Cluster::overlap_of(const std::string& kind) const {
+  const auto it = overlap.find(kind);
+  if (it != overlap.end()) return it->second;
+  return kind == "dp" || kind == "cp" ? comm_overlap : 0.0;
 }
 
 double Cluster::transfer_seconds(double bytes, int steps, bool inter_node) const {
   const LinkTier& t = inter_node ? inter : intra;
   return steps * t.latency + bytes / t.bandwidth;
+}
+
+double Cluster::all_to_all_seconds(double bytes, int steps, int group, int in_node) const {
+  if (group <= 1) return 0;
+  const double local = bytes * double(in_node - 1) / double(group - 1), remote = bytes - local;
+  return steps * (remote > 0 ? inter.latency : intra.latency) +
+         std::max(local / intra.bandwidth, remote > 0 ? remote / inter.bandwidth : 0.0);
 }
 
 namespace {
@@ -54,6 +93,31 @@ std::vector<std::pair<double, double>> gemm_curve(const JsonField& f) {
   return gemm;
 }
 
+// A precision's rates: the peak, the attention core and the GEMMs, measured by size or as a roofline's
+// efficiency (which then needs the device's memory bandwidth).
+ComputeRates rates_of(const JsonField& d, double memory_bandwidth) {
+  ComputeRates r;
+  r.peak_flops = positive(d["peak_tflops"], 1e12);
+  r.attention_flops = positive(d["attention_tflops"], 1e12);
+  if (d["gemm"].present()) return r.gemm = gemm_curve(d["gemm"]), r;
+  ORIGAMI_CHECK(d["gemm_efficiency"].present(), d["gemm_efficiency"].where(),
+                ": missing (it is needed without measured 'gemm' rates)");
+  ORIGAMI_CHECK(memory_bandwidth > 0, d.where(), ": 'gemm_efficiency' needs the device's memory_bandwidth_gb_s");
+  r.gemm_efficiency = d["gemm_efficiency"].number({0, 1, true});  // a fraction of the roofline
+  return r;
+}
+
+nlohmann::json rates_json(const ComputeRates& r) {
+  nlohmann::json d = {{"peak_tflops", r.peak_flops / 1e12}, {"attention_tflops", r.attention_flops / 1e12}};
+  if (r.gemm.empty()) {
+    d["gemm_efficiency"] = r.gemm_efficiency;
+  } else {
+    d["gemm"] = nlohmann::json::array();
+    for (const auto& [flops, rate] : r.gemm) d["gemm"].push_back({flops / 1e9, rate / 1e12});
+  }
+  return d;
+}
+
 }  // namespace
 
 Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
@@ -66,40 +130,43 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   const JsonField d = f["device"];
   d.object();
   c.memory_bytes = positive(d["memory_gb"], 1e9);
-  c.peak_flops = positive(d["peak_tflops"], 1e12);
-  c.attention_flops = positive(d["attention_tflops"], 1e12);
-  if (d["gemm"].present()) {
-    c.gemm = gemm_curve(d["gemm"]);
-    c.memory_bandwidth = d["memory_bandwidth_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
-  } else {
-    for (const char* key : {"memory_bandwidth_gb_s", "gemm_efficiency"})
-      ORIGAMI_CHECK(d[key].present(), d[key].where(), ": missing (it is needed without measured 'gemm' rates)");
-    c.memory_bandwidth = positive(d["memory_bandwidth_gb_s"], 1e9);
-    c.gemm_efficiency = d["gemm_efficiency"].number({0, 1, true});  // a fraction of the roofline
-  }
+  if (!d["gemm"].present())
+    ORIGAMI_CHECK(d["memory_bandwidth_gb_s"].present(), d["memory_bandwidth_gb_s"].where(),
+                  ": missing (it is needed without measured 'gemm' rates)");
+  c.memory_bandwidth = d["memory_bandwidth_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
+  static_cast<ComputeRates&>(c) = rates_of(d, c.memory_bandwidth);
+  if (d["bf16"].present()) c.bf16 = rates_of(d["bf16"].object(), c.memory_bandwidth);
+  c.sms = int(d["sms"].integer_or(0, 0, 1 << 20));
+  c.kernel_overhead = d["kernel_overhead_us"].number_or(0, NumberRange::at_least(0)) * 1e-6;
   c.comm_overlap = f["comm_overlap"].number_or(c.comm_overlap, NumberRange::between(0, 1));
+  if (f["overlap"].present())
+    f["overlap"].for_each_member([&](const std::string& kind, const JsonField& x) {
+      ORIGAMI_CHECK(kind == "dp" || kind == "param-gather" || kind == "cp" || kind == "tp" || kind == "ep" ||
+                        kind == "pp",
+                    x.where(), ": not one of dp, param-gather, cp, tp, ep, pp");
+      c.overlap[kind] = x.number(NumberRange::between(0, 1));
+    });
   c.intra = link_of(f["intra_node"]);
-  c.inter = c.nodes > 1 || f["inter_node"].present() ? link_of(f["inter_node"]) : c.intra;
+  c.inter_given = f["inter_node"].present();
+  c.inter = c.nodes > 1 || c.inter_given ? link_of(f["inter_node"]) : c.intra;
   return c;
 }
 
 Cluster Cluster::load(const std::string& path) { return from_json(parse_json_file(path), path); }
 
 nlohmann::json Cluster::to_json() const {
-  nlohmann::json d = {{"memory_gb", memory_bytes / 1e9}, {"peak_tflops", peak_flops / 1e12},
-                      {"attention_tflops", attention_flops / 1e12}};
+  nlohmann::json d = rates_json(*this);
+  d["memory_gb"] = memory_bytes / 1e9;
   if (memory_bandwidth > 0) d["memory_bandwidth_gb_s"] = memory_bandwidth / 1e9;
-  if (gemm.empty()) {
-    d["gemm_efficiency"] = gemm_efficiency;
-  } else {
-    d["gemm"] = nlohmann::json::array();
-    for (const auto& [flops, rate] : gemm) d["gemm"].push_back({flops / 1e9, rate / 1e12});
-  }
+  if (bf16) d["bf16"] = rates_json(*bf16);
+  if (sms > 0) d["sms"] = sms;
+  if (kernel_overhead > 0) d["kernel_overhead_us"] = kernel_overhead * 1e6;
   auto link = [](const LinkTier& t) {
     return nlohmann::json{{"bandwidth_gb_s", t.bandwidth / 1e9}, {"latency_us", t.latency * 1e6}};
   };
   return {{"name", name},  {"source", source},      {"nodes", nodes},           {"devices_per_node", devices_per_node},
-          {"device", d},   {"intra_node", link(intra)}, {"inter_node", link(inter)}, {"comm_overlap", comm_overlap}};
+          {"device", d},   {"intra_node", link(intra)}, {"inter_node", link(inter)}, {"comm_overlap", comm_overlap},
+          {"overlap", overlap}};
 }
 
 }  // namespace origami

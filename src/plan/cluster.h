@@ -10,15 +10,29 @@
 //               "gemm": [[gflop, tflops], ...],               ... or measured rates by GEMM size (FLOPs of one
 //                                                            call), which take precedence (the bandwidth is
 //                                                            then optional: element-wise work and AdamW use it)
-//               "attention_tflops": ..},                     the attention core's achieved rate (causal FLOPs)
+//               "attention_tflops": ..,                      the attention core's achieved rate (causal FLOPs; on a
+//                                                            GPU at long sequences and head size 128)
+//               "sms": ..,                                   GPU: streaming multiprocessors, for the GEMMs' tile and
+//                                                            wave quantization and attention's diagonal tiles
+//               "kernel_overhead_us": ..,                    what each kernel launch adds (default 0)
+//               "bf16": {"peak_tflops", "gemm_efficiency" or "gemm", "attention_tflops"}},
+//                                                            the rates under --precision bf16 (absent: the ones above)
 //    "comm_overlap": ..,                                      the part of a transfer that proceeds while the device
 //                                                            computes (1: a copy engine or NCCL's own SMs; default 1)
+//    "overlap": {"dp": .., "cp": .., "param-gather": .., "tp": .., "ep": .., "pp": ..},   per kind (each
+//                                                            optional): the data-parallel buckets behind backward,
+//                                                            CP's ring behind attention (default comm_overlap for
+//                                                            both); ZeRO-1/2's parameter gather behind the next
+//                                                            forward, TP/SP regions, the MoE dispatcher, pipeline
+//                                                            messages (default 0: blocking, as origami runs them)
 //    "intra_node": {"bandwidth_gb_s": .., "latency_us": ..},  per device, as Comm counts bytes (comm.h: a ring
 //    "inter_node": {"bandwidth_gb_s": .., "latency_us": ..}}  all-reduce of S bytes over n sends 2(n−1)/n·S)
 //
 // Units in the file are human ones (GB = 1e9 bytes, TFLOP/s, µs); the struct holds SI units.
 #pragma once
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,31 +46,60 @@ struct LinkTier {
   double latency = 0;    // seconds per message step
 };
 
-struct Cluster {
-  std::string name, source;
-  int nodes = 1, devices_per_node = 1;
-  double memory_bytes = 0;            // per device
-  double peak_flops = 0;              // per device
-  double memory_bandwidth = 0;        // bytes/s (roofline, element-wise work, AdamW; 0: not known)
+// The compute rates of one element type: the device's, and under bf16 its "bf16" object's.
+struct ComputeRates {
+  double peak_flops = 0;              // per device: the dense matmul peak MFU is measured against
   double gemm_efficiency = 1;         // of the roofline
   std::vector<std::pair<double, double>> gemm;  // (FLOPs of one GEMM, achieved FLOP/s), ascending
   double attention_flops = 0;         // achieved FLOP/s of the attention core
+};
+
+struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 as read, at(bf16) for bf16)
+  std::string name, source;
+  int nodes = 1, devices_per_node = 1;
+  double memory_bytes = 0;            // per device
+  double memory_bandwidth = 0;        // bytes/s (roofline, element-wise work, AdamW; 0: not known)
+  std::optional<ComputeRates> bf16;   // the file's bf16 rates (none: bf16 GEMMs run at the fp32 rates)
+  int element_bytes = 4;              // of a GEMM operand and a streamed activation: 4 (fp32), 2 (bf16)
+  int sms = 0;                        // GPU: streaming multiprocessors (0: no tile model, a CPU)
+  double kernel_overhead = 0;         // seconds each kernel launch adds
   LinkTier intra, inter;
+  bool inter_given = false;           // the file describes the link between nodes
   double comm_overlap = 1;            // of a transfer that can hide behind compute, [0, 1]
+  std::map<std::string, double> overlap;  // per kind, as the file gives it
 
   int devices() const { return nodes * devices_per_node; }
-  // Achieved FLOP/s of one GEMM of M×N×K (2·M·N·K FLOPs; 2-byte elements for the roofline's traffic
-  // M·K + K·N + M·N): from the measured curve (interpolated in log FLOPs, flat beyond its ends), or
-  // the roofline of peak and memory bandwidth times gemm_efficiency.
+  // The same cluster computing in `precision` ("fp32" | "bf16"): bf16 takes the file's bf16 rates
+  // where it has them, and 2-byte elements.
+  Cluster at(const std::string& precision) const;
+  // The part of a transfer of `kind` ("dp", "param-gather", "cp", "tp", "ep", "pp") that hides behind compute.
+  double overlap_of(const std::string& kind) const;
+  // Achieved FLOP/s of one GEMM of M×N×K (2·M·N·K FLOPs): from the measured curve (interpolated in
+  // log FLOPs, flat beyond its ends), or the roofline of peak (on a GPU less its tile and wave
+  // quantization, gemm_tile_share) and memory bandwidth (traffic M·K + K·N + M·N elements) times
+  // gemm_efficiency.
   double gemm_rate(double M, double N, double K) const;
-  // Seconds of a collective step that sends `bytes` (as Comm counts them) in `steps` latency-bound
+  // Achieved FLOP/s of the attention core at sequence length T and head size D: attention_flops,
+  // on a GPU less the causal diagonal's half-empty 128-row tiles, T / (T + 128), and the per-tile
+  // softmax work that does not scale with D, (D / (D + 32)) relative to D = 128.
+  double attention_rate(double T, double D) const;
+  // Seconds of a collective that sends `bytes` (as Comm counts them) in `steps` latency-bound
   // message steps, over the tier the group spans.
   double transfer_seconds(double bytes, int steps, bool inter_node) const;
+  // An all-to-all over `group` ranks of which `in_node` share the sender's node: each peer gets an
+  // equal part of `bytes`, the ones in the node over its links and the rest across nodes, both at once.
+  double all_to_all_seconds(double bytes, int steps, int group, int in_node) const;
 
   // Errors name the file, the field and the rule.
   static Cluster from_json(const nlohmann::json& j, const std::string& source);
   static Cluster load(const std::string& path);
   nlohmann::json to_json() const;
 };
+
+// The best share of a GPU's peak an output of M×N rows and columns can use: over cuBLAS's tile shapes
+// (NVIDIA, Matrix Multiplication Background User's Guide: tile and wave quantization), the useful part
+// of the tiles the SMs run in whole waves, times the tile's operand reuse tm·tn/(tm + tn) relative to
+// a 128×128 tile's (smaller tiles wait on shared memory; larger ones gain nothing more).
+double gemm_tile_share(double M, double N, int sms);
 
 }  // namespace origami

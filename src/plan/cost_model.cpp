@@ -19,10 +19,21 @@ nlohmann::json Prediction::as_json() const {
   mem["rank"] = memory_rank;
   mem["total"] = memory.total();
   for (const MemoryParts& m : stage_memory) stages.push_back(m.as_json());
+  nlohmann::json parts = nlohmann::json::object();
+  for (const auto& [name, seconds] : breakdown()) parts[name] = seconds;
   return {{"step_time_s", step_s}, {"tokens_per_s", tokens_per_s}, {"mfu", mfu}, {"compute_s", compute_s},
-          {"bubble_s", bubble_s}, {"exposed_s", exposed}, {"memory_bytes_per_rank", mem},
+          {"bubble_s", bubble_s}, {"exposed_s", exposed}, {"breakdown", parts}, {"memory_bytes_per_rank", mem},
           {"memory_bytes_per_stage", stages}, {"comm_bytes", comm_bytes},
           {"dominant", dominant}};
+}
+
+std::vector<std::pair<std::string, double>> Prediction::breakdown() const {
+  std::vector<std::pair<std::string, double>> parts;
+  for (const char* term : {"gemm", "attention", "elementwise", "kernels"})
+    if (compute_parts.count(term)) parts.emplace_back(std::string("compute: ") + term, compute_parts.at(term));
+  parts.emplace_back("bubble", bubble_s);
+  for (const auto& [k, s] : exposed_s) parts.emplace_back(k == "optimizer" ? k : "exposed: " + k, s);
+  return parts;
 }
 
 namespace {
@@ -42,60 +53,78 @@ bool spans_nodes(const MeshShape& mesh, int rank, const std::string& axes, int p
   const std::vector<int> group = mesh.group(rank, axes);
   return std::any_of(group.begin(), group.end(), [&](int r) { return r / per_node != group.front() / per_node; });
 }
+// How many ranks of `rank`'s group along `axes` share its node (itself included).
+int in_node(const MeshShape& mesh, int rank, const std::string& axes, int per_node) {
+  const std::vector<int> group = mesh.group(rank, axes);
+  return int(std::count_if(group.begin(), group.end(), [&](int r) { return r / per_node == rank / per_node; }));
+}
 
 }  // namespace
 
 CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime, double imbalance)
-    : cfg_(cfg), num_tensors_(int64_t(make_param_table(cfg).size())), cluster_(cluster), devices_(devices),
-      runtime_(runtime), imbalance_(imbalance) {}
+    : cfg_(cfg), num_tensors_(int64_t(make_param_table(cfg).size())), cluster_(cluster), bf16_(cluster.at("bf16")),
+      devices_(devices), runtime_(runtime), imbalance_(imbalance) {}
 
-const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const MeshDims& m) {
-  const bool sp = o.sequence_parallel && m.tp > 1;
-  const auto key = std::make_tuple(m.tp, m.cp, m.ep, m.etp, o.micro_batch, o.seq_len, sp);
+const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const MeshDims& m, int terms) {
+  const bool sp = o.sequence_parallel && m.tp > 1, bf16 = o.precision == "bf16";
+  const auto key = std::make_tuple(m.tp, m.cp, m.ep, m.etp, o.micro_batch, o.seq_len, sp, bf16, terms);
   const auto found = layers_.find(key);
   if (found != layers_.end()) return found->second;
-  const Cluster& k = cluster_;
+  const Cluster& k = at(o);
   const int t = m.tp;
   const double N = double(o.micro_batch * o.seq_len / m.cp), C = double(cfg_.hidden), D = double(cfg_.head_dim);
   const double H = double(cfg_.num_heads / t), KV = double(cfg_.num_kv_heads / t);
-  // Element-wise work streams memory: `floats` read and written in forward and backward together, a
-  // third of it forward. Per token, stated counts: norms and residual adds 22·C (on N/TP tokens under
+  // Element-wise work streams memory: `elements` read and written in forward and backward together,
+  // a third of it forward. Per token, stated counts: norms and residual adds 22·C (on N/TP tokens under
   // SP), RoPE on q and k 4·(H + KV)·D, the gated activation 8·F (GELU 6·F), the dispatcher's permute
   // and combine 8·C per routed row, the cross-entropy 6·V.
-  auto streamed = [&](double floats) {
-    const double s = k.memory_bandwidth > 0 ? 4 * floats / k.memory_bandwidth : 0;
+  auto streamed = [&](double elements) {
+    const double s = k.memory_bandwidth > 0 && (terms & kStreamed) ? k.element_bytes * elements / k.memory_bandwidth : 0;
     return Pass{s / 3, 2 * s / 3};
   };
+  auto gemms = [&](double rows, double in, double out) { return terms & kGemm ? linear(k, rows, in, out) : Pass{}; };
+  // Kernel launches (forward, backward) as Megatron-Core issues them with fused norms, FlashAttention
+  // and grouped expert GEMMs: attention block 6 and 12 (norm, q|k|v, RoPE, core, output, residual
+  // add), dense MLP 5 and 8, MoE MLP 13 and 24 (router, top-k, aux loss, permute, three grouped
+  // GEMM steps, unpermute), head 4 and 4.
+  auto kernels = [&](double fwd, double bwd) {
+    return terms & kKernels ? Pass{fwd * k.kernel_overhead, bwd * k.kernel_overhead} : Pass{};
+  };
   LayerCosts l;
-  l.attention_linears = linear(k, N, C, (H + 2 * KV) * D);  // q|k|v
-  l.attention_linears += linear(k, N, H * D, C);            // attention output
+  l.attention_linears = gemms(N, C, (H + 2 * KV) * D);  // q|k|v
+  l.attention_linears += gemms(N, H * D, C);            // attention output
   l.attention_linears += streamed((sp ? N / t : N) * 22 * C + N * 4 * (H + KV) * D);
-  l.attention_core = 6 * double(o.seq_len) * H * D * N / k.attention_flops;
+  l.attention_linears += kernels(6, 12);
+  if (terms & kAttention) l.attention_core = 6 * double(o.seq_len) * H * D * N / k.attention_rate(double(o.seq_len), D);
   if (cfg_.has_dense_layers()) {
     const double F = double(cfg_.ffn / t);
-    l.dense_mlp = linear(k, N, C, cfg_.is_gpt2() ? F : 2 * F);
-    l.dense_mlp += linear(k, N, F, C);
+    l.dense_mlp = gemms(N, C, cfg_.is_gpt2() ? F : 2 * F);
+    l.dense_mlp += gemms(N, F, C);
     l.dense_mlp += streamed(N * (cfg_.is_gpt2() ? 6 : 8) * F);
+    l.dense_mlp += kernels(5, 8);
   }
   if (cfg_.is_moe()) {
     // The router on this rank's share of the tokens; each local expert on the rows routed to it.
     const double share = N / t, E = double(cfg_.num_experts), El = E / m.ep, Fe = double(cfg_.expert_ffn / m.etp);
-    l.moe_mlp = linear(k, share, C, E);
+    l.moe_mlp = gemms(share, C, E);
     const double rows = share * double(cfg_.top_k) * m.etp * (m.ep > 1 ? imbalance_ : 1.0) / El;  // one EP rank: no skew
-    Pass expert = linear(k, rows, C, 2 * Fe);
-    expert += linear(k, rows, Fe, C);
+    Pass expert = gemms(rows, C, 2 * Fe);
+    expert += gemms(rows, Fe, C);
     expert += streamed(rows * 8 * (Fe + C));
     l.moe_mlp += {El * expert.fwd, El * expert.bwd};
+    l.moe_mlp += kernels(13, 24);
     if (cfg_.shared_ffn > 0) {
       const double Fs = double(cfg_.shared_ffn / t);
-      l.moe_mlp += linear(k, N, C, 2 * Fs);
-      l.moe_mlp += linear(k, N, Fs, C);
+      l.moe_mlp += gemms(N, C, 2 * Fs);
+      l.moe_mlp += gemms(N, Fs, C);
       l.moe_mlp += streamed(N * 8 * Fs);
+      l.moe_mlp += kernels(5, 8);
     }
   }
   const double V = double((cfg_.vocab_size + t - 1) / t);
-  l.head = linear(k, N, C, V);
+  l.head = gemms(N, C, V);
   l.head += streamed(N * 6 * V);
+  l.head += kernels(4, 4);
   return layers_.emplace(key, l).first->second;
 }
 
@@ -118,8 +147,8 @@ const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int 
   return parts_.emplace(key, std::move(parts)).first->second;
 }
 
-std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions& o, const MeshDims& m) {
-  const LayerCosts& l = layer_costs(o, m);
+std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions& o, const MeshDims& m, int terms) {
+  const LayerCosts& l = layer_costs(o, m, terms);
   const Recompute rc = parse_recompute(o.recompute);
   std::vector<StageCompute> out;
   for (const ModelPart& part : stage_parts(o, m.pp)) {
@@ -192,7 +221,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
   const TrainOptions o = options.resolved(devices_);
   o.validate(cfg_, devices_);
   const ModelConfig& cfg = cfg_;
-  const Cluster& cluster = cluster_;
+  const Cluster& cluster = at(o);
   const int devices = devices_;
   const MeshShape mesh(devices, o.layout_dims(devices), o.mesh_order);
   const MeshDims& m = mesh.dims();
@@ -221,6 +250,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
   const std::vector<StageCompute> compute = stage_compute(o, m);
   const std::vector<ModelPart>& parts = stage_parts(o, p);
   double worst_f = 0, worst_b = 0, worst_vocab = 0, worst_compute = 0;
+  int worst = 0;
   std::map<std::string, double> worst_exposed;
   for (int s = 0; s < p; ++s) {
     const int rank = stage_ranks[size_t(s)];
@@ -234,24 +264,40 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     };
     std::map<std::string, double> exposed;
     const double layers = double(parts[size_t(s)].num_layers());
-    exposed["tp"] = per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
-    exposed["tp-cp"] = per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
-    exposed["ep"] = per_micro("ep", "ep", int(layers) * 6 * (m.ep - 1)) + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1));
+    // Each kind hides behind compute as far as the cluster overlaps it (TP, the dispatcher and
+    // pipeline messages block unless the file says otherwise).
+    const double tp_shown = 1 - cluster.overlap_of("tp"), ep_shown = 1 - cluster.overlap_of("ep");
+    exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
+    exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
+    // The dispatcher's exchanges are all-to-alls: the peers in the node over its links, the others
+    // across nodes at once; ETP's are ring collectives.
+    const auto dispatched = bytes.find("ep");
+    const double dispatch = dispatched == bytes.end() ? 0.0
+        : cluster.all_to_all_seconds(dispatched->second / double(micro), int(layers) * 6, m.ep,
+                                     in_node(mesh, rank, "ep", per_node));
+    exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1)));
     // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
     // all-to-all (a2a) sits before and after it.
     const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c);
-    exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.comm_overlap * compute[size_t(s)].attention);
+    exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.overlap_of("cp") * compute[size_t(s)].attention);
     // One message after each forward and backward of a chunk; under vocabulary parallelism also its
     // passes' collectives (two all-reduces, an all-gather, the broadcasts: their bytes, ~6 hops each).
     if (p > 1)
-      exposed["pp"] = parts[size_t(s)].vocab_parallel()
-                          ? per_micro("pp", "pp", 2 * v + 6 * (p - 1))
-                          : 2 * v * cluster.transfer_seconds(4 * (sp ? N / t : N) * C, 1, tier(rank, "pp"));
+      exposed["pp"] = (1 - cluster.overlap_of("pp")) *
+                      (parts[size_t(s)].vocab_parallel()
+                           ? per_micro("pp", "pp", 2 * v + 6 * (p - 1))
+                           : 2 * v * cluster.transfer_seconds(cluster.element_bytes * (sp ? N / t : N) * C, 1, tier(rank, "pp")));
     double blocking = 0;
     for (const auto& [k, x] : exposed) blocking += x;
     const double f = fwd + blocking * fwd / busy, b = bwd + blocking * bwd / busy, vocab = compute[size_t(s)].vocab;
     if (f + b + vocab > worst_f + worst_b + worst_vocab)
-      worst_f = f, worst_b = b, worst_vocab = vocab, worst_compute = busy + vocab, worst_exposed = exposed;
+      worst_f = f, worst_b = b, worst_vocab = vocab, worst_compute = busy + vocab, worst_exposed = exposed, worst = s;
+  }
+  // The busiest stage's compute by term (they add up to compute_s).
+  for (const auto& [name, term] : {std::pair{"gemm", kGemm}, {"attention", kAttention}, {"elementwise", kStreamed},
+                                   {"kernels", kKernels}}) {
+    const StageCompute part = stage_compute(o, m, term)[size_t(worst)];
+    out.compute_parts[name] = double(micro) * (part.fwd + part.bwd + part.vocab);
   }
   const double makespan = makespan_units(o, micro, worst_b / worst_f, worst_vocab / worst_f) * worst_f;
   out.compute_s = double(micro) * worst_compute;
@@ -259,12 +305,15 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     if (x > 0) out.exposed_s[k] = double(micro) * x;
   out.bubble_s = makespan - double(micro) * (worst_f + worst_b + worst_vocab);
 
-  // After backward: the gradient buckets' tail (the last bucket of each set; ZeRO-1/2's parameter
-  // gather whole; of the other buckets what the cluster does not overlap with backward), the tied
-  // embedding and the world's reductions; then AdamW's pass over the owned state. ZeRO-3 gathers each
-  // unit before use, the next one prefetched: overlapped like the reductions, nothing after the step.
+  // After backward: the gradient buckets' tail (the last bucket of each set; of the other buckets what
+  // the cluster does not overlap with the backward they can hide behind: the last micro-batch's, or
+  // under ZeRO-2 and 3, which reduce every micro-batch, all of them), ZeRO-1/2's parameter gather (as
+  // far as the cluster overlaps it with the next step's first forward), the tied embedding and the
+  // world's reductions; then AdamW's pass over the owned state. ZeRO-3's gathers, each unit's before
+  // its use with the next one prefetched, hide behind the forwards and backwards like the reductions.
   double after = 0;
   const double bucket = o.bucket_mb * 1024 * 1024;  // bytes of fp32 gradients per bucket
+  const double window = (o.zero >= 2 ? double(micro) : 1.0) * (o.zero == 3 ? worst_f + worst_b : worst_b);
   for (const char* key : {"dp", "dp-cp", "edp"}) {
     const auto it = out.comm_bytes.find(key);
     if (it == out.comm_bytes.end()) continue;
@@ -274,9 +323,15 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const double total = it->second;
     const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
+    const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter),
+                 tail_s = cluster.transfer_seconds(tail, 0, inter),
+                 gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter) : 0.0;
     // FSSDP's exchanges block inside the MoE layers: nothing of them overlaps.
-    const double hidden = axes == "edp" && o.fssdp() ? 0 : cluster.comm_overlap * (total - gather - tail);
-    out.exposed_s[axes] = cluster.transfer_seconds(total - hidden, 2 * (group - 1), inter);
+    const bool blocking = axes == "edp" && o.fssdp();
+    const double hidden = blocking ? 0.0
+                                   : cluster.overlap_of("dp") * std::min(reduce_s - tail_s, window) +
+                                         cluster.overlap_of("param-gather") * std::min(gather_s, worst_f);
+    out.exposed_s[axes] = reduce_s + gather_s - hidden;
     after += out.exposed_s[axes];
   }
   for (const char* key : {"embedding", "world"}) {
@@ -288,8 +343,14 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
                                                   std::string(key) == "world" ? devices > per_node : tier(0, "pp"));
     after += out.exposed_s[key];
   }
-  if (cluster.memory_bandwidth > 0)  // AdamW: weights, gradients and two moments read, three written
-    out.exposed_s["optimizer"] = double(out.memory.weights) * 7 / cluster.memory_bandwidth, after += out.exposed_s["optimizer"];
+  // AdamW over the elements this rank updates (its moments are 8 bytes each): the fp32 weight,
+  // gradient and two moments read, three written back, the gradient read once more for the clipping
+  // norm, and under bf16 the weight's 2-byte copy written: 32 bytes (34), and a few kernels per tensor.
+  if (cluster.memory_bandwidth > 0) {
+    const double owned = double(out.memory.optimizer) / 8, bytes = owned * (o.precision == "bf16" ? 34 : 32);
+    out.exposed_s["optimizer"] = bytes / cluster.memory_bandwidth + 3 * double(num_tensors_) * cluster.kernel_overhead;
+    after += out.exposed_s["optimizer"];
+  }
   out.step_s = makespan + after;
   out.tokens_per_s = double(G * T) / out.step_s;
   out.mfu = train_flops_per_token(cfg, T) * double(G * T) / (out.step_s * devices * cluster.peak_flops);

@@ -6,14 +6,15 @@
 // (rank_memory: weights, gradients, optimizer state, the schedule's activation peak, work buffers)
 // and the bytes every rank sends per communicator (step_comm_bytes). Modelled:
 //   compute   each layer's GEMMs (this rank's TP / ETP shards, its share of the tokens under CP and
-//             of the routed rows under EP) at the cluster's achieved rate for that GEMM's size; the
-//             attention core at its achieved rate (causal FLOPs); backward twice the forward; a
+//             of the routed rows under EP) at the cluster's achieved rate for that GEMM's size and the
+//             run's precision; the attention core at its achieved rate (causal FLOPs); element-wise
+//             work at memory bandwidth; each kernel launch's overhead; backward twice the forward; a
 //             recomputed forward (full: the layer's, selective: the attention core's) again
-//   exposed   communication on the critical path: TP regions and the MoE dispatcher are blocking
-//             (counted whole, at the tier their group spans); the CP ring hides behind the attention
-//             core (only what exceeds it shows); pipeline messages add to each forward and backward;
-//             data-parallel buckets overlap backward except the last, and ZeRO's parameter gather
-//             and the world's reductions follow the step
+//   exposed   communication on the critical path, each kind less what the cluster overlaps of it
+//             (Cluster::overlap_of): TP regions, the MoE dispatcher (all-to-alls split over the
+//             tiers) and pipeline messages add to each forward and backward; the CP ring hides behind
+//             the attention core; data-parallel buckets overlap backward except the last, and ZeRO's
+//             parameter gather, the world's reductions and AdamW follow the step
 //   bubble    the stage schedules the executor runs, replayed (replay_schedules) with the busiest
 //             stage's forward and backward times for every stage (under vocabulary parallelism with
 //             its output passes placed as the executor places them, with_vocab_passes)
@@ -38,7 +39,8 @@ struct Prediction {
   double step_s = 0;
   double compute_s = 0;                      // the busiest stage's compute in the step
   double bubble_s = 0;                       // that stage's idle time in the schedule
-  std::map<std::string, double> exposed_s;   // per communicator: time not hidden behind compute
+  std::map<std::string, double> compute_parts;  // compute_s by term: gemm, attention, elementwise, kernels
+  std::map<std::string, double> exposed_s;   // per communicator (and the optimizer): time not hidden behind compute
   double tokens_per_s = 0;
   double mfu = 0;                            // model FLOPs / (step time × devices × peak)
   MemoryParts memory;                        // the neediest rank's
@@ -47,6 +49,8 @@ struct Prediction {
   std::map<std::string, double> comm_bytes;  // rank 0's per step
   std::string dominant;                      // the largest of compute, bubble and each exposed part
   nlohmann::json as_json() const;
+  // The step time's parts, adding up to step_s: each compute term, the bubble, each exposed part.
+  std::vector<std::pair<std::string, double>> breakdown() const;
 };
 
 // One model on `devices` ranks of a cluster (ranks fill nodes in order). It keeps what layouts share —
@@ -89,21 +93,24 @@ class CostModel {
     Pass attention_linears, dense_mlp, moe_mlp, head;
     double attention_core = 0;
   };
-  const LayerCosts& layer_costs(const TrainOptions& o, const MeshDims& m);
+  // The terms of compute, for the breakdown (a mask; kAll: the whole).
+  enum Terms { kGemm = 1, kAttention = 2, kStreamed = 4, kKernels = 8, kAll = 15 };
+  const LayerCosts& layer_costs(const TrainOptions& o, const MeshDims& m, int terms);
   const std::vector<ModelPart>& stage_parts(const TrainOptions& o, int pp);
-  std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m);
+  std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m, int terms = kAll);
+  const Cluster& at(const TrainOptions& o) const { return o.precision == "bf16" ? bf16_ : cluster_; }
   double makespan_units(const TrainOptions& o, int64_t micro, double backward, double vocab);
   const RankBuffers& buffers(const TrainOptions& o, const MeshShape& mesh, int rank);
 
   ModelConfig cfg_;
   int64_t num_tensors_;  // of the whole model (make_param_table)
-  Cluster cluster_;
+  Cluster cluster_, bf16_;  // as read (fp32), and at bf16
   int devices_;
   int64_t runtime_;
   double imbalance_;
   std::map<std::tuple<int, int, std::vector<int>, bool>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers, vocab); empty: refused
   std::map<std::tuple<int, int, std::vector<int>, bool>, std::string> unsplittable_;  // why partition_layers refused
-  std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp)
+  std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool, bool, int>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp, bf16, terms)
   std::map<std::tuple<int, int, std::vector<int>, int, int, int, bool>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank, vocab)
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
   using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16, 8: vocabulary parallelism), ...

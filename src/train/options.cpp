@@ -182,7 +182,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(vpp == 1 || kind == ScheduleKind::interleaved, "--vpp ", vpp, " needs --pp-schedule interleaved, got ",
                 schedule_kind_name(kind));
   check_schedule(kind, pp, int(m), vpp);
-  Pipeline::check_tags(pp, int(m), vpp);
+  Pipeline::check_tags(int(m), vpp);
   ORIGAMI_CHECK(!vocab_parallel || pp >= 2, "--vocab-parallel splits the vocabulary over the pipeline stages and "
                 "needs --pp >= 2, got --pp ", pp, " (tensor parallelism alone already splits it)");
   ORIGAMI_CHECK(!vocab_parallel || zero <= 1, "--vocab-parallel works with --zero 0 or 1, got --zero ", zero,

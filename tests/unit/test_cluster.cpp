@@ -31,11 +31,16 @@ TEST(Cluster, ShippedFilesLoad) {
   for (const char* name : {"dgx-a100", "dgx-h100"}) {
     const Cluster c = Cluster::load(std::string(ORIGAMI_SOURCE_DIR) + "/configs/clusters/" + name + ".json");
     EXPECT_EQ(c.devices_per_node, 8) << name;
-    EXPECT_GT(c.peak_flops, 3e14) << name;
+    const Cluster b = c.at("bf16");
+    EXPECT_GT(b.peak_flops, 3e14) << name;
+    EXPECT_NEAR(b.peak_flops, 2 * c.peak_flops, 0.01 * b.peak_flops) << name << ": dense BF16 twice TF32";
     EXPECT_GT(c.intra.bandwidth, c.inter.bandwidth) << name;
+    EXPECT_GT(c.sms, 100) << name;
     EXPECT_NE(c.source.find("datasheet"), std::string::npos) << name << ": figures name their source";
-    // A large square GEMM is compute-bound: 0.8 of the peak.
-    EXPECT_NEAR(c.gemm_rate(8192, 8192, 8192), 0.8 * c.peak_flops, 1e-6 * c.peak_flops) << name;
+    // A large square GEMM is compute-bound: the efficiency times the peak, less its last partial wave.
+    EXPECT_NEAR(b.gemm_rate(8192, 8192, 8192), b.gemm_efficiency * b.peak_flops * gemm_tile_share(8192, 8192, c.sms),
+                1e-6 * b.peak_flops) << name;
+    EXPECT_GT(gemm_tile_share(8192, 8192, c.sms), 0.95) << name;
   }
 }
 
@@ -44,8 +49,10 @@ TEST(Cluster, RooflineAndMeasuredRates) {
   EXPECT_EQ(c.devices(), 8);
   // 4096³: compute-bound, 0.5 × 100 TFLOP/s.
   EXPECT_NEAR(c.gemm_rate(4096, 4096, 4096), 0.5e14, 1e6);
-  // 64×64×64: memory-bound, 2·64³ FLOPs over 2·3·64² bytes at 1e12 B/s, times 0.5.
-  EXPECT_NEAR(c.gemm_rate(64, 64, 64), 0.5 * 2.0 * 64 * 64 * 64 / (6.0 * 64 * 64 / 1e12), 1.0);
+  // 64×64×64: memory-bound, 2·64³ FLOPs over 3·64² fp32 elements (4 bytes) at 1e12 B/s, times 0.5;
+  // in bf16, 2-byte elements: twice the rate.
+  EXPECT_NEAR(c.gemm_rate(64, 64, 64), 0.5 * 2.0 * 64 * 64 * 64 / (12.0 * 64 * 64 / 1e12), 1.0);
+  EXPECT_NEAR(c.at("bf16").gemm_rate(64, 64, 64), 0.5 * 2.0 * 64 * 64 * 64 / (6.0 * 64 * 64 / 1e12), 1.0);
   EXPECT_NEAR(c.transfer_seconds(2e9, 10, false), 10 * 2e-6 + 2e9 / 2e11, 1e-12);
   EXPECT_NEAR(c.transfer_seconds(2e9, 10, true), 10 * 5e-6 + 2e9 / 2e10, 1e-12);
   nlohmann::json j = base();
@@ -68,6 +75,66 @@ TEST(Cluster, RooflineAndMeasuredRates) {
   EXPECT_EQ(r.gemm, m.gemm);
   EXPECT_DOUBLE_EQ(r.inter.latency, m.inter.latency);
   EXPECT_DOUBLE_EQ(r.memory_bytes, m.memory_bytes);
+}
+
+TEST(Cluster, PrecisionRatesAndOverlapPerKind) {
+  nlohmann::json j = base();
+  const Cluster plain = Cluster::from_json(j, "c.json");
+  // Without bf16 rates, bf16 computes at the fp32 ones (with 2-byte elements).
+  EXPECT_EQ(plain.at("bf16").peak_flops, plain.peak_flops);
+  EXPECT_EQ(plain.at("bf16").element_bytes, 2);
+  EXPECT_EQ(plain.at("fp32").element_bytes, 4);
+  j["device"]["bf16"] = {{"peak_tflops", 400}, {"gemm_efficiency", 0.8}, {"attention_tflops", 160}};
+  const Cluster c = Cluster::from_json(j, "c.json");
+  EXPECT_EQ(c.peak_flops, 1e14);
+  EXPECT_EQ(c.at("bf16").peak_flops, 4e14);
+  EXPECT_EQ(c.at("bf16").attention_flops, 1.6e14);
+  EXPECT_NEAR(c.at("bf16").gemm_rate(8192, 8192, 8192), 0.8 * 4e14, 1e3);
+  EXPECT_EQ(Cluster::from_json(c.to_json(), "again").at("bf16").peak_flops, 4e14);
+  // Overlap: dp and cp default to comm_overlap, the blocking kinds to 0; the file's per kind wins.
+  EXPECT_EQ(c.overlap_of("dp"), 1);
+  EXPECT_EQ(c.overlap_of("tp"), 0);
+  EXPECT_EQ(c.overlap_of("param-gather"), 0);
+  j["overlap"] = {{"dp", 0.25}, {"tp", 0.5}};
+  const Cluster o = Cluster::from_json(j, "c.json");
+  EXPECT_EQ(o.overlap_of("dp"), 0.25);
+  EXPECT_EQ(o.overlap_of("tp"), 0.5);
+  EXPECT_EQ(o.overlap_of("cp"), 1);
+  EXPECT_EQ(Cluster::from_json(o.to_json(), "again").overlap_of("tp"), 0.5);
+  j["overlap"] = {{"nvlink", 1}};
+  EXPECT_EQ(error_of(j), "c.json: field 'overlap.nvlink': not one of dp, param-gather, cp, tp, ep, pp");
+  j["overlap"] = {{"tp", 2}};
+  EXPECT_EQ(error_of(j), "c.json: field 'overlap.tp': expected a number in [0, 1], got 2");
+}
+
+// The GPU terms: tile and wave quantization, attention by length and head size, an all-to-all over
+// both tiers.
+TEST(Cluster, GpuShapeTerms) {
+  // 1024×1024 on 64 SMs: 128×128 tiles, 64 of them, one whole wave: all of the peak. 1025 columns
+  // need a ninth column of tiles: 256×128's 4·9 = 36 tiles take one wave of 64 SMs (1024·1025 useful
+  // of 64·256·128), as 128×128's 72 take two; the smaller tiles lose more to their reuse.
+  EXPECT_DOUBLE_EQ(gemm_tile_share(1024, 1024, 64), 1.0);
+  EXPECT_DOUBLE_EQ(gemm_tile_share(1024, 1025, 64), 1024.0 * 1025 / (64.0 * 256 * 128));
+  // 100 rows: at best a 128-row tile: 100/128 of it (one wave of 64 SMs over N = 8192 in 64 tiles of 128).
+  EXPECT_DOUBLE_EQ(gemm_tile_share(100, 8192, 64), 100.0 / 128);
+  nlohmann::json j = base();
+  j["device"]["sms"] = 64;
+  const Cluster g = Cluster::from_json(j, "c.json");
+  // bf16 (2-byte operands): compute-bound, less the quantization.
+  EXPECT_NEAR(g.at("bf16").gemm_rate(100, 8192, 8192), 0.5 * 1e14 * 100.0 / 128, 1e3);
+  // Attention: rate at long sequences and D = 128; T = 128 loses half to the diagonal tiles; D = 64
+  // does (64/96)/(128/160) of D = 128's work per tile-time.
+  EXPECT_NEAR(g.attention_rate(1e12, 128), 4e13, 1e4);
+  EXPECT_NEAR(g.attention_rate(128, 128), 2e13, 1e3);
+  EXPECT_NEAR(g.attention_rate(1e12, 64), 4e13 * (64.0 / 96) / 0.8, 1e4);
+  EXPECT_EQ(Cluster::from_json(base(), "c.json").attention_rate(128, 64), 4e13);  // a CPU: as measured
+  // All-to-all over 8 ranks, 4 in the node: 3/7 of the bytes over 200 GB/s, 4/7 over 20 GB/s, at once.
+  EXPECT_NEAR(g.all_to_all_seconds(7e9, 2, 8, 4), 2 * 5e-6 + 4e9 / 2e10, 1e-12);
+  EXPECT_NEAR(g.all_to_all_seconds(7e9, 2, 8, 8), 2 * 2e-6 + 7e9 / 2e11, 1e-12);  // all in the node
+  EXPECT_EQ(g.all_to_all_seconds(7e9, 2, 1, 1), 0);
+  // Kernel launches: microseconds in the file, seconds in the struct.
+  j["device"]["kernel_overhead_us"] = 3;
+  EXPECT_DOUBLE_EQ(Cluster::from_json(j, "c.json").kernel_overhead, 3e-6);
 }
 
 TEST(Cluster, MistakesNameTheField) {

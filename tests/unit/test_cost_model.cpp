@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "plan/cost_model.h"
+#include "comm/comm.h"
 #include "train/comm_volume.h"
 
 using namespace origami;
@@ -158,6 +159,65 @@ TEST(CostModel, VocabParallelBalancesTheStages) {
   EXPECT_LT(vocab.step_s, plain.step_s);
   EXPECT_EQ(vocab.comm_bytes, step_comm_bytes(cfg, o, 4, 0));
   EXPECT_GT(vocab.comm_bytes.at("pp"), plain.comm_bytes.at("pp"));  // the passes' collectives
+}
+
+// Kernel launches and AdamW: with every launch costing 1 ms, the compute's kernel term is the stated
+// counts per micro-batch (per layer 6 + 12 for attention, 5 + 8 for a dense MLP; the head 4 + 4);
+// AdamW streams 32 bytes per element it updates (34 under bf16: the weight's bf16 copy) and launches
+// 3 kernels per tensor. The breakdown adds up to the step.
+TEST(CostModel, KernelAndOptimizerTerms) {
+  const ModelConfig cfg = config("llama_tiny");
+  Cluster c = cluster(4, false);
+  c.kernel_overhead = 1e-3;
+  CostModel model(cfg, c, 1);
+  TrainOptions o;
+  o.data = "plan";
+  o.global_batch = 4, o.seq_len = 32, o.micro_batch = 1;
+  for (const char* precision : {"fp32", "bf16"}) {
+    o.precision = precision;
+    const Prediction p = model.predict(o);
+    const double layers = double(cfg.num_layers);
+    EXPECT_NEAR(p.compute_parts.at("kernels"), 4 * (layers * (6 + 12 + 5 + 8) + 8) * 1e-3, 1e-12) << precision;
+    const double bytes = std::string(precision) == "bf16" ? 34 : 32;
+    EXPECT_NEAR(p.exposed_s.at("optimizer"),
+                double(p.memory.optimizer) / 8 * bytes / c.memory_bandwidth + 3 * double(model.num_tensors()) * 1e-3,
+                1e-12) << precision;
+    double sum = 0;
+    for (const auto& [part, seconds] : p.breakdown()) sum += seconds;
+    EXPECT_NEAR(sum, p.step_s, 1e-12 * p.step_s) << precision;
+    double compute = 0;
+    for (const auto& [term, seconds] : p.compute_parts) compute += seconds;
+    EXPECT_NEAR(compute, p.compute_s, 1e-12 * p.compute_s) << precision;
+  }
+}
+
+// The data-parallel reduction hides behind the backward it can overlap: ZeRO-0 and 1 reduce during
+// the last micro-batch's backward, ZeRO-2 during every one. With compute-bound GEMMs (a backward
+// twice its forward: 2/3 of a micro-batch's compute) and buckets of 64 KiB, the exposed part is the
+// whole reduction less min(reduction less its last bucket, the window), on a slow link (the window
+// binds) and a fast one (the reduction fits in it but for the last bucket).
+TEST(CostModel, GradientReductionHidesBehindTheBackwardItOverlaps) {
+  const ModelConfig cfg = config("llama_tiny");
+  for (double bandwidth : {1e6, 1e12}) {
+    Cluster c = cluster(4, false);
+    c.memory_bandwidth = 1e18;  // GEMMs compute-bound, element-wise work free
+    c.intra = {bandwidth, 1e-6};
+    CostModel model(cfg, c, 2);
+    for (int zero : {0, 2}) {
+      TrainOptions o;
+      o.data = "plan";
+      o.global_batch = 8, o.seq_len = 32, o.micro_batch = 1, o.zero = zero, o.bucket_mb = 1.0 / 16;
+      const Prediction p = model.predict(o);
+      const double micro = 4, total = p.comm_bytes.at("dp");
+      const double gather = zero == 2 ? total / (micro + 1) : 0;  // ZeRO-2: per-micro-batch reduce-scatters, one gather
+      const double reduce_s = 2 * 1e-6 + (total - gather) / bandwidth;
+      const double tail_s = std::min(total - gather, all_reduce_bytes(2, o.bucket_mb * 1024 * 1024)) / bandwidth;
+      const double window = (zero == 2 ? micro : 1.0) * (2.0 / 3) * p.compute_s / micro;
+      const double gather_s = zero == 2 ? 1e-6 + gather / bandwidth : 0.0;
+      EXPECT_NEAR(p.exposed_s.at("dp"), reduce_s + gather_s - std::min(reduce_s - tail_s, window), 1e-9 * p.step_s)
+          << "bandwidth " << bandwidth << " zero " << zero;
+    }
+  }
 }
 
 }  // namespace
