@@ -217,103 +217,65 @@ double CostModel::step_bound(const TrainOptions& o) {
   return (micro + double(m.pp - 1) / o.vpp) * busy + micro * vocab;
 }
 
-Prediction CostModel::predict(const TrainOptions& options, double memory_limit) {
-  const TrainOptions o = options.resolved(devices_);
-  o.validate(cfg_, devices_);
-  const ModelConfig& cfg = cfg_;
-  const Cluster& cluster = at(o);
-  const int devices = devices_;
-  const MeshShape mesh(devices, o.layout_dims(devices), o.mesh_order);
+// The blocking communication of one micro-batch on stage s (its first rank's bytes per step, `bytes`),
+// per kind: each hides behind compute as far as the cluster overlaps it (TP, the dispatcher and
+// pipeline messages block unless the file says otherwise).
+std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, const MeshShape& mesh,
+                                                       const Cluster& cluster, int s,
+                                                       const std::map<std::string, double>& bytes, double attention) {
   const MeshDims& m = mesh.dims();
-  const int t = m.tp, c = m.cp, p = m.pp, v = o.vpp;
+  const int t = m.tp, c = m.cp, p = m.pp, v = o.vpp, per_node = cluster.devices_per_node;
+  const int rank = mesh.group(0, "pp")[size_t(s)];
+  const double micro = double(o.micro_batches(devices_));
+  const double N = double(o.micro_batch * o.seq_len / c), C = double(cfg_.hidden);
   const bool sp = o.sequence_parallel && t > 1;
-  const int64_t T = o.seq_len, G = o.global_batch, micro = o.micro_batches(devices);
-  const double N = double(o.micro_batch * T / c), C = double(cfg.hidden);
-  const int per_node = cluster.devices_per_node;
+  const ModelPart& part = stage_parts(o, p)[size_t(s)];
+  auto tier = [&](const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
+  auto per_micro = [&](const std::string& key, const std::string& axes, int steps) {
+    const auto it = bytes.find(key);
+    return it == bytes.end() ? 0.0 : cluster.transfer_seconds(it->second / micro, steps, tier(axes));
+  };
+  std::map<std::string, double> exposed;
+  const double layers = double(part.num_layers());
+  const double tp_shown = 1 - cluster.overlap_of("tp"), ep_shown = 1 - cluster.overlap_of("ep");
+  exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
+  exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
+  // The dispatcher's exchanges are all-to-alls: the peers in the node over its links, the others
+  // across nodes at once; ETP's are ring collectives.
+  const auto dispatched = bytes.find("ep");
+  const double dispatch = dispatched == bytes.end() ? 0.0
+      : cluster.all_to_all_seconds(dispatched->second / micro, int(layers) * 6, m.ep, in_node(mesh, rank, "ep", per_node));
+  exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1)));
+  // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
+  // all-to-all (a2a) sits before and after it.
+  const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c);
+  exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.overlap_of("cp") * attention);
+  // One message after each forward and backward of a chunk; under vocabulary parallelism also its
+  // passes' collectives (two all-reduces, an all-gather, the broadcasts: their bytes, ~6 hops each).
+  if (p > 1)
+    exposed["pp"] = (1 - cluster.overlap_of("pp")) *
+                    (part.vocab_parallel()
+                         ? per_micro("pp", "pp", 2 * v + 6 * (p - 1))
+                         : 2 * v * cluster.transfer_seconds(cluster.element_bytes * (sp ? N / t : N) * C, 1, tier("pp")));
+  return exposed;
+}
+
+// After backward: the gradient buckets' tail (the last bucket of each set; of the other buckets what
+// the cluster does not overlap with the backward they can hide behind: the last micro-batch's, or
+// under ZeRO-2 and 3, which reduce every micro-batch, all of them), ZeRO-1/2's parameter gather (as
+// far as the cluster overlaps it with the next step's first forward), the tied embedding and the
+// world's reductions; then AdamW's pass over the owned state. ZeRO-3's gathers, each unit's before
+// its use with the next one prefetched, hide behind the forwards and backwards like the reductions.
+// f, b: the busiest stage's forward and backward of one micro-batch. Adds each part to out.exposed_s.
+double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f,
+                                 double b, Prediction& out) {
+  const MeshDims& m = mesh.dims();
+  const int c = m.cp, v = o.vpp, devices = devices_, per_node = cluster.devices_per_node;
+  const int64_t micro = o.micro_batches(devices);
   auto tier = [&](int rank, const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
-  // Each stage's representative, its first rank: every other coordinate 0 (rank 0's pipeline group).
-  const std::vector<int> stage_ranks = mesh.group(0, "pp");
-
-  // Memory first: every stage's first rank (the others differ only by ZeRO padding and shards); the
-  // first stage over the limit ends the prediction.
-  Prediction out;
-  for (int r : stage_ranks) {
-    out.stage_memory.push_back(rank_memory(cfg, o, devices, r, buffers(o, mesh, r), runtime_));
-    if (out.stage_memory.back().total() > out.memory.total()) out.memory = out.stage_memory.back(), out.memory_rank = r;
-    if (double(out.memory.total()) > memory_limit) {
-      out.fits = false;
-      return out;
-    }
-  }
-
-  // Per stage: compute and blocking communication of one micro-batch (all its chunks).
-  const std::vector<StageCompute> compute = stage_compute(o, m);
-  const std::vector<ModelPart>& parts = stage_parts(o, p);
-  double worst_f = 0, worst_b = 0, worst_vocab = 0, worst_compute = 0;
-  int worst = 0;
-  std::map<std::string, double> worst_exposed;
-  for (int s = 0; s < p; ++s) {
-    const int rank = stage_ranks[size_t(s)];
-    const double fwd = compute[size_t(s)].fwd, bwd = compute[size_t(s)].bwd, busy = fwd + bwd;
-    // Blocking communication per micro-batch, from the stage rank's bytes per step.
-    const std::map<std::string, double> bytes = step_comm_bytes(cfg, o, devices, rank, buffers(o, mesh, rank), imbalance_);
-    if (s == 0) out.comm_bytes = bytes;
-    auto per_micro = [&](const std::string& key, const std::string& axes, int steps) {
-      const auto it = bytes.find(key);
-      return it == bytes.end() ? 0.0 : cluster.transfer_seconds(it->second / double(micro), steps, tier(rank, axes));
-    };
-    std::map<std::string, double> exposed;
-    const double layers = double(parts[size_t(s)].num_layers());
-    // Each kind hides behind compute as far as the cluster overlaps it (TP, the dispatcher and
-    // pipeline messages block unless the file says otherwise).
-    const double tp_shown = 1 - cluster.overlap_of("tp"), ep_shown = 1 - cluster.overlap_of("ep");
-    exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
-    exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
-    // The dispatcher's exchanges are all-to-alls: the peers in the node over its links, the others
-    // across nodes at once; ETP's are ring collectives.
-    const auto dispatched = bytes.find("ep");
-    const double dispatch = dispatched == bytes.end() ? 0.0
-        : cluster.all_to_all_seconds(dispatched->second / double(micro), int(layers) * 6, m.ep,
-                                     in_node(mesh, rank, "ep", per_node));
-    exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1)));
-    // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
-    // all-to-all (a2a) sits before and after it.
-    const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c);
-    exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.overlap_of("cp") * compute[size_t(s)].attention);
-    // One message after each forward and backward of a chunk; under vocabulary parallelism also its
-    // passes' collectives (two all-reduces, an all-gather, the broadcasts: their bytes, ~6 hops each).
-    if (p > 1)
-      exposed["pp"] = (1 - cluster.overlap_of("pp")) *
-                      (parts[size_t(s)].vocab_parallel()
-                           ? per_micro("pp", "pp", 2 * v + 6 * (p - 1))
-                           : 2 * v * cluster.transfer_seconds(cluster.element_bytes * (sp ? N / t : N) * C, 1, tier(rank, "pp")));
-    double blocking = 0;
-    for (const auto& [k, x] : exposed) blocking += x;
-    const double f = fwd + blocking * fwd / busy, b = bwd + blocking * bwd / busy, vocab = compute[size_t(s)].vocab;
-    if (f + b + vocab > worst_f + worst_b + worst_vocab)
-      worst_f = f, worst_b = b, worst_vocab = vocab, worst_compute = busy + vocab, worst_exposed = exposed, worst = s;
-  }
-  // The busiest stage's compute by term (they add up to compute_s).
-  for (const auto& [name, term] : {std::pair{"gemm", kGemm}, {"attention", kAttention}, {"elementwise", kStreamed},
-                                   {"kernels", kKernels}}) {
-    const StageCompute part = stage_compute(o, m, term)[size_t(worst)];
-    out.compute_parts[name] = double(micro) * (part.fwd + part.bwd + part.vocab);
-  }
-  const double makespan = makespan_units(o, micro, worst_b / worst_f, worst_vocab / worst_f) * worst_f;
-  out.compute_s = double(micro) * worst_compute;
-  for (const auto& [k, x] : worst_exposed)
-    if (x > 0) out.exposed_s[k] = double(micro) * x;
-  out.bubble_s = makespan - double(micro) * (worst_f + worst_b + worst_vocab);
-
-  // After backward: the gradient buckets' tail (the last bucket of each set; of the other buckets what
-  // the cluster does not overlap with the backward they can hide behind: the last micro-batch's, or
-  // under ZeRO-2 and 3, which reduce every micro-batch, all of them), ZeRO-1/2's parameter gather (as
-  // far as the cluster overlaps it with the next step's first forward), the tied embedding and the
-  // world's reductions; then AdamW's pass over the owned state. ZeRO-3's gathers, each unit's before
-  // its use with the next one prefetched, hide behind the forwards and backwards like the reductions.
   double after = 0;
   const double bucket = o.bucket_mb * 1024 * 1024;  // bytes of fp32 gradients per bucket
-  const double window = (o.zero >= 2 ? double(micro) : 1.0) * (o.zero == 3 ? worst_f + worst_b : worst_b);
+  const double window = (o.zero >= 2 ? double(micro) : 1.0) * (o.zero == 3 ? f + b : b);
   for (const char* key : {"dp", "dp-cp", "edp"}) {
     const auto it = out.comm_bytes.find(key);
     if (it == out.comm_bytes.end()) continue;
@@ -330,7 +292,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const bool blocking = axes == "edp" && o.fssdp();
     const double hidden = blocking ? 0.0
                                    : cluster.overlap_of("dp") * std::min(reduce_s - tail_s, window) +
-                                         cluster.overlap_of("param-gather") * std::min(gather_s, worst_f);
+                                         cluster.overlap_of("param-gather") * std::min(gather_s, f);
     out.exposed_s[axes] = reduce_s + gather_s - hidden;
     after += out.exposed_s[axes];
   }
@@ -351,6 +313,65 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     out.exposed_s["optimizer"] = bytes / cluster.memory_bandwidth + 3 * double(num_tensors_) * cluster.kernel_overhead;
     after += out.exposed_s["optimizer"];
   }
+  return after;
+}
+
+Prediction CostModel::predict(const TrainOptions& options, double memory_limit) {
+  const TrainOptions o = options.resolved(devices_);
+  o.validate(cfg_, devices_);
+  const ModelConfig& cfg = cfg_;
+  const Cluster& cluster = at(o);
+  const int devices = devices_;
+  const MeshShape mesh(devices, o.layout_dims(devices), o.mesh_order);
+  const MeshDims& m = mesh.dims();
+  const int p = m.pp;
+  const int64_t T = o.seq_len, G = o.global_batch, micro = o.micro_batches(devices);
+  // Each stage's representative, its first rank: every other coordinate 0 (rank 0's pipeline group).
+  const std::vector<int> stage_ranks = mesh.group(0, "pp");
+
+  // Memory first: every stage's first rank (the others differ only by ZeRO padding and shards); the
+  // first stage over the limit ends the prediction.
+  Prediction out;
+  for (int r : stage_ranks) {
+    out.stage_memory.push_back(rank_memory(cfg, o, devices, r, buffers(o, mesh, r), runtime_));
+    if (out.stage_memory.back().total() > out.memory.total()) out.memory = out.stage_memory.back(), out.memory_rank = r;
+    if (double(out.memory.total()) > memory_limit) {
+      out.fits = false;
+      return out;
+    }
+  }
+
+  // Per stage: compute and blocking communication of one micro-batch (all its chunks).
+  const std::vector<StageCompute> compute = stage_compute(o, m);
+  double worst_f = 0, worst_b = 0, worst_vocab = 0, worst_compute = 0;
+  int worst = 0;
+  std::map<std::string, double> worst_exposed;
+  for (int s = 0; s < p; ++s) {
+    const int rank = stage_ranks[size_t(s)];
+    const double fwd = compute[size_t(s)].fwd, bwd = compute[size_t(s)].bwd, busy = fwd + bwd;
+    // Blocking communication per micro-batch, from the stage rank's bytes per step.
+    const std::map<std::string, double> bytes = step_comm_bytes(cfg, o, devices, rank, buffers(o, mesh, rank), imbalance_);
+    if (s == 0) out.comm_bytes = bytes;
+    const std::map<std::string, double> exposed = stage_exposed(o, mesh, cluster, s, bytes, compute[size_t(s)].attention);
+    double blocking = 0;
+    for (const auto& [k, x] : exposed) blocking += x;
+    const double f = fwd + blocking * fwd / busy, b = bwd + blocking * bwd / busy, vocab = compute[size_t(s)].vocab;
+    if (f + b + vocab > worst_f + worst_b + worst_vocab)
+      worst_f = f, worst_b = b, worst_vocab = vocab, worst_compute = busy + vocab, worst_exposed = exposed, worst = s;
+  }
+  // The busiest stage's compute by term (they add up to compute_s).
+  for (const auto& [name, term] : {std::pair{"gemm", kGemm}, {"attention", kAttention}, {"elementwise", kStreamed},
+                                   {"kernels", kKernels}}) {
+    const StageCompute part = stage_compute(o, m, term)[size_t(worst)];
+    out.compute_parts[name] = double(micro) * (part.fwd + part.bwd + part.vocab);
+  }
+  const double makespan = makespan_units(o, micro, worst_b / worst_f, worst_vocab / worst_f) * worst_f;
+  out.compute_s = double(micro) * worst_compute;
+  for (const auto& [k, x] : worst_exposed)
+    if (x > 0) out.exposed_s[k] = double(micro) * x;
+  out.bubble_s = makespan - double(micro) * (worst_f + worst_b + worst_vocab);
+
+  const double after = after_backward(o, mesh, cluster, worst_f, worst_b, out);
   out.step_s = makespan + after;
   out.tokens_per_s = double(G * T) / out.step_s;
   out.mfu = train_flops_per_token(cfg, T) * double(G * T) / (out.step_s * devices * cluster.peak_flops);

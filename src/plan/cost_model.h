@@ -99,6 +99,10 @@ class CostModel {
   const std::vector<ModelPart>& stage_parts(const TrainOptions& o, int pp);
   std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m, int terms = kAll);
   const Cluster& at(const TrainOptions& o) const { return o.precision == "bf16" ? bf16_ : cluster_; }
+  std::map<std::string, double> stage_exposed(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster,
+                                              int stage, const std::map<std::string, double>& bytes, double attention);
+  double after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f, double b,
+                        Prediction& out);
   double makespan_units(const TrainOptions& o, int64_t micro, double backward, double vocab);
   const RankBuffers& buffers(const TrainOptions& o, const MeshShape& mesh, int rank);
 
