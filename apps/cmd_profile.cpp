@@ -3,13 +3,16 @@
 // Under mpirun every rank takes part, as in a training run on the same ranks:
 //   GEMMs       each shape is timed on every rank at once (each with its share of the cores), the
 //               rate per rank the mean over ranks; shapes are the model's layer GEMMs (--config) or
-//               squares and slabs from 128 to 2048
+//               squares and slabs from 128 to 2048; in fp32, and in bf16 as training's matmul runs
+//               them (the weight's bf16 copy kept, the other operand rounded at the call, fp32
+//               accumulation): the file's "bf16" rates
 //   attention   the attention core's forward + backward on one window (--seq-len, the model's heads),
 //               its rate by the causal FLOP convention (6·T²·H·D per window)
 //   collectives all-reduce, all-gather, reduce-scatter and all-to-all over all ranks, and a
 //               send/receive between ranks 0 and 1, from 4 KiB to --max-mb; bandwidth and per-step
 //               latency by a least-squares fit of seconds = steps·latency + bytes/bandwidth (bytes as
-//               Comm counts them); the all-reduce's fit is the file's intra-node link
+//               Comm counts them); the all-reduce's fit is the file's intra-node link, the others'
+//               its "collectives"
 //   bandwidth   a triad over arrays beyond the caches, every rank at once (element-wise work, AdamW)
 //   overlap     how much of a posted all-reduce completes while the rank runs GEMMs
 // The device's peak is the best GEMM rate measured; its memory what the node has available, shared
@@ -30,6 +33,7 @@
 #include "core/files.h"
 #include "core/memory.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/matmul.h"
 #include "model/config.h"
 #include "model/layers/attention.h"
 #include "plan/cluster.h"
@@ -149,17 +153,20 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
   return cmd;
 }
 
-// GEMMs: (FLOPs, rate) per shape, equal FLOPs merged.
-void measure_gemms(Comm& world, const ProfileCommand& cmd, Cluster& c) {
+// GEMMs in precision p: (FLOPs, rate) per shape, equal FLOPs merged, into r's curve and peak.
+void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeRates& r) {
   const bool rank0 = world.rank() == 0;
   const std::vector<Shape> shapes = cmd.cfg ? model_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_shapes();
   std::map<double, std::vector<double>> rates;
-  if (rank0) std::printf("GEMMs, %d rank%s x %d threads at once (per rank):\n", world.size(), world.size() > 1 ? "s" : "", num_threads());
+  if (rank0) std::printf("%s GEMMs, %d rank%s x %d threads at once (per rank):\n", precision_name(p), world.size(),
+                         world.size() > 1 ? "s" : "", num_threads());
   for (const Shape& s : shapes) {
     std::vector<float> A(size_t(s.M * s.K), 0.5f), Bm(size_t(s.K * s.N), 0.25f), C(size_t(s.M * s.N));
+    std::vector<bf16> low;  // B's bf16 copy (a weight's), rounded once
+    if (p == Precision::bf16) low.resize(Bm.size()), round_to_bf16(low.data(), Bm.data(), int64_t(Bm.size()));
+    const Mat<float> a{A.data(), s.ta ? s.M : s.K}, b{Bm.data(), s.tb ? s.K : s.N, low.empty() ? nullptr : low.data()};
     const double t = timed(world, cmd.seconds, 2, [&] {
-      gemm<float>(s.ta, s.tb, s.M, s.N, s.K, 1.f, A.data(), s.ta ? s.M : s.K, Bm.data(), s.tb ? s.K : s.N, 0.f,
-                  C.data(), s.N);
+      matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, 0.f, C.data(), s.N);
     });
     const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
     rates[flops].push_back(flops / t);
@@ -168,9 +175,9 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Cluster& c) {
   }
   for (const auto& [flops, rs] : rates) {
     double sum = 0;
-    for (double r : rs) sum += r;
-    c.gemm.emplace_back(flops, sum / double(rs.size()));
-    c.peak_flops = std::max(c.peak_flops, *std::max_element(rs.begin(), rs.end()));
+    for (double x : rs) sum += x;
+    r.gemm.emplace_back(flops, sum / double(rs.size()));
+    r.peak_flops = std::max(r.peak_flops, *std::max_element(rs.begin(), rs.end()));
   }
 }
 
@@ -253,6 +260,7 @@ void measure_collectives(Comm& world, const ProfileCommand& cmd, Cluster& c) {
     const Fit f = measure_collective(world, k, cmd.seconds, in, out);
     if (rank0) std::printf("  %-15s %8.2f GB/s  %7.2f us per step\n", k.name, f.bandwidth / 1e9, f.latency * 1e6);
     if (std::string(k.name) == "all_reduce") c.intra = {f.bandwidth, f.latency};
+    else c.collectives[k.name] = {f.bandwidth, f.latency};
   }
 }
 
@@ -289,8 +297,9 @@ void describe_node(const Comm& world, Cluster& c) {
   c.memory_bytes = double(avail.bytes) / world.size();
   c.source = cat("measured by 'origami profile' on ", world.size(), " rank", world.size() > 1 ? "s" : "", " x ",
                  num_threads(), " threads: GEMM rates per rank with every rank running (peak: the best of them), the "
-                 "attention core, memory bandwidth (triad), the all-reduce's bandwidth and latency, and how much of an "
-                 "all-reduce hides behind GEMMs; memory: what the node had available (",
+                 "attention core, memory bandwidth (triad), each collective's bandwidth and latency (the all-reduce's "
+                 "the link), and how much of an all-reduce hides behind GEMMs; bf16: the GEMMs as its matmul runs them, "
+                 "attention at the fp32 rate (its tiles compute in fp32); memory: what the node had available (",
                  avail.source, ") shared by the ranks");
 }
 
@@ -301,8 +310,13 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
   c.name = cmd.name;
   c.nodes = 1;
   c.devices_per_node = world.size();
-  measure_gemms(world, cmd, c);
+  measure_gemms(world, cmd, Precision::fp32, c);
   measure_attention(world, cmd, c);
+  // bf16: the GEMMs as its matmul runs them; attention's tiles compute in fp32 (DESIGN.md, "Mixed
+  // precision"), so its rate is fp32's.
+  c.bf16 = ComputeRates{};
+  measure_gemms(world, cmd, Precision::bf16, *c.bf16);
+  c.bf16->attention_flops = c.attention_flops;
   measure_memory_bandwidth(world, cmd.seconds, c);
   c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
   if (world.size() > 1) {

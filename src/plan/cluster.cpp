@@ -54,16 +54,18 @@ double Cluster::overlap_of(const std::string& kind) const {
   return kind == "dp" || kind == "cp" ? comm_overlap : 0.0;
 }
 
-double Cluster::transfer_seconds(double bytes, int steps, bool inter_node) const {
-  const LinkTier& t = inter_node ? inter : intra;
+double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective) const {
+  const auto own = collectives.find(collective);
+  const LinkTier& t = inter_node ? inter : own != collectives.end() ? own->second : intra;
   return steps * t.latency + bytes / t.bandwidth;
 }
 
 double Cluster::all_to_all_seconds(double bytes, int steps, int group, int in_node) const {
   if (group <= 1) return 0;
   const double local = bytes * double(in_node - 1) / double(group - 1), remote = bytes - local;
-  return steps * (remote > 0 ? inter.latency : intra.latency) +
-         std::max(local / intra.bandwidth, remote > 0 ? remote / inter.bandwidth : 0.0);
+  if (remote == 0) return transfer_seconds(local, steps, false, "all_to_all");
+  const double local_s = local > 0 ? transfer_seconds(local, 0, false, "all_to_all") : 0.0;
+  return std::max(local_s, transfer_seconds(remote, steps, true));
 }
 
 namespace {
@@ -136,8 +138,8 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   c.memory_bandwidth = d["memory_bandwidth_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
   static_cast<ComputeRates&>(c) = rates_of(d, c.memory_bandwidth);
   if (d["bf16"].present()) c.bf16 = rates_of(d["bf16"].object(), c.memory_bandwidth);
-  c.sms = int(d["sms"].integer_or(0, 0, 1 << 20));
-  c.kernel_overhead = d["kernel_overhead_us"].number_or(0, NumberRange::at_least(0)) * 1e-6;
+  c.sms = int(d["sms"].integer_or(0, 1, 1 << 16));  // (absent: 0, no tile model)
+  c.kernel_overhead = d["kernel_overhead_us"].number_or(0, NumberRange::between(0, 1e6)) * 1e-6;  // up to a second
   c.comm_overlap = f["comm_overlap"].number_or(c.comm_overlap, NumberRange::between(0, 1));
   if (f["overlap"].present())
     f["overlap"].for_each_member([&](const std::string& kind, const JsonField& x) {
@@ -147,6 +149,13 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
       c.overlap[kind] = x.number(NumberRange::between(0, 1));
     });
   c.intra = link_of(f["intra_node"]);
+  if (f["collectives"].present())
+    f["collectives"].for_each_member([&](const std::string& name, const JsonField& x) {
+      ORIGAMI_CHECK(name == "all_reduce" || name == "all_gather" || name == "reduce_scatter" || name == "all_to_all" ||
+                        name == "send_recv",
+                    x.where(), ": not one of all_reduce, all_gather, reduce_scatter, all_to_all, send_recv");
+      c.collectives[name] = link_of(x);
+    });
   c.inter_given = f["inter_node"].present();
   c.inter = c.nodes > 1 || c.inter_given ? link_of(f["inter_node"]) : c.intra;
   return c;
@@ -164,9 +173,11 @@ nlohmann::json Cluster::to_json() const {
   auto link = [](const LinkTier& t) {
     return nlohmann::json{{"bandwidth_gb_s", t.bandwidth / 1e9}, {"latency_us", t.latency * 1e6}};
   };
+  nlohmann::json links = nlohmann::json::object();
+  for (const auto& [name, t] : collectives) links[name] = link(t);
   return {{"name", name},  {"source", source},      {"nodes", nodes},           {"devices_per_node", devices_per_node},
           {"device", d},   {"intra_node", link(intra)}, {"inter_node", link(inter)}, {"comm_overlap", comm_overlap},
-          {"overlap", overlap}};
+          {"overlap", overlap}, {"collectives", links}};
 }
 
 }  // namespace origami

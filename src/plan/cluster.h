@@ -26,7 +26,11 @@
 //                                                            forward, TP/SP regions, the MoE dispatcher, pipeline
 //                                                            messages (default 0: blocking, as origami runs them)
 //    "intra_node": {"bandwidth_gb_s": .., "latency_us": ..},  per device, as Comm counts bytes (comm.h: a ring
-//    "inter_node": {"bandwidth_gb_s": .., "latency_us": ..}}  all-reduce of S bytes over n sends 2(n−1)/n·S)
+//    "inter_node": {"bandwidth_gb_s": .., "latency_us": ..},  all-reduce of S bytes over n sends 2(n−1)/n·S)
+//    "collectives": {"all_gather": {"bandwidth_gb_s", "latency_us"}, "reduce_scatter": .., "all_to_all": ..,
+//                    "send_recv": ..}}                       optional, within a node: the other collectives' own
+//                                                            rates (`origami profile` measures them; the tiers'
+//                                                            links are the all-reduce's)
 //
 // Units in the file are human ones (GB = 1e9 bytes, TFLOP/s, µs); the struct holds SI units.
 #pragma once
@@ -64,6 +68,7 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   int sms = 0;                        // GPU: streaming multiprocessors (0: no tile model, a CPU)
   double kernel_overhead = 0;         // seconds each kernel launch adds
   LinkTier intra, inter;
+  std::map<std::string, LinkTier> collectives;  // within a node, by collective (none: every one at intra's rate)
   bool inter_given = false;           // the file describes the link between nodes
   double comm_overlap = 1;            // of a transfer that can hide behind compute, [0, 1]
   std::map<std::string, double> overlap;  // per kind, as the file gives it
@@ -84,8 +89,10 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   // softmax work that does not scale with D, (D / (D + 32)) relative to D = 128.
   double attention_rate(double T, double D) const;
   // Seconds of a collective that sends `bytes` (as Comm counts them) in `steps` latency-bound
-  // message steps, over the tier the group spans.
-  double transfer_seconds(double bytes, int steps, bool inter_node) const;
+  // message steps, over the tier the group spans: within a node at the collective's own measured
+  // rate ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv") where the file
+  // gives one, else at the tier's.
+  double transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective = "all_reduce") const;
   // An all-to-all over `group` ranks of which `in_node` share the sender's node: each peer gets an
   // equal part of `bytes`, the ones in the node over its links and the rest across nodes, both at once.
   double all_to_all_seconds(double bytes, int steps, int group, int in_node) const;

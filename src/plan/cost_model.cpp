@@ -231,32 +231,40 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   const bool sp = o.sequence_parallel && t > 1;
   const ModelPart& part = stage_parts(o, p)[size_t(s)];
   auto tier = [&](const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
-  auto per_micro = [&](const std::string& key, const std::string& axes, int steps) {
+  // One micro-batch's share of a communicator's bytes, moved by `collective` ("gather+scatter": half
+  // by all-gathers, half by reduce-scatters, each with half the steps).
+  auto per_micro = [&](const std::string& key, const std::string& axes, int steps, const std::string& collective) {
     const auto it = bytes.find(key);
-    return it == bytes.end() ? 0.0 : cluster.transfer_seconds(it->second / micro, steps, tier(axes));
+    if (it == bytes.end()) return 0.0;
+    const double x = it->second / micro;
+    if (collective != "gather+scatter") return cluster.transfer_seconds(x, steps, tier(axes), collective);
+    return cluster.transfer_seconds(x / 2, steps / 2, tier(axes), "all_gather") +
+           cluster.transfer_seconds(x / 2, steps / 2, tier(axes), "reduce_scatter");
   };
   std::map<std::string, double> exposed;
   const double layers = double(part.num_layers());
   const double tp_shown = 1 - cluster.overlap_of("tp"), ep_shown = 1 - cluster.overlap_of("ep");
-  exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1));
-  exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1));
+  // TP regions: all-reduces, or under SP all-gathers and reduce-scatters (twice as many, half the steps).
+  exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1), sp ? "gather+scatter" : "all_reduce");
+  exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1), "all_reduce");
   // The dispatcher's exchanges are all-to-alls: the peers in the node over its links, the others
   // across nodes at once; ETP's are ring collectives.
   const auto dispatched = bytes.find("ep");
   const double dispatch = dispatched == bytes.end() ? 0.0
       : cluster.all_to_all_seconds(dispatched->second / micro, int(layers) * 6, m.ep, in_node(mesh, rank, "ep", per_node));
-  exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1)));
+  exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1), "gather+scatter"));
   // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
   // all-to-all (a2a) sits before and after it.
-  const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c);
+  const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c, o.cp_a2a() == c ? "all_to_all" : "send_recv");
   exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.overlap_of("cp") * attention);
   // One message after each forward and backward of a chunk; under vocabulary parallelism also its
   // passes' collectives (two all-reduces, an all-gather, the broadcasts: their bytes, ~6 hops each).
   if (p > 1)
     exposed["pp"] = (1 - cluster.overlap_of("pp")) *
                     (part.vocab_parallel()
-                         ? per_micro("pp", "pp", 2 * v + 6 * (p - 1))
-                         : 2 * v * cluster.transfer_seconds(cluster.element_bytes * (sp ? N / t : N) * C, 1, tier("pp")));
+                         ? per_micro("pp", "pp", 2 * v + 6 * (p - 1), "all_reduce")
+                         : 2 * v * cluster.transfer_seconds(cluster.element_bytes * (sp ? N / t : N) * C, 1, tier("pp"),
+                                                            "send_recv"));
   return exposed;
 }
 
@@ -285,9 +293,11 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
     const double total = it->second;
     const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
-    const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter),
-                 tail_s = cluster.transfer_seconds(tail, 0, inter),
-                 gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter) : 0.0;
+    // ZeRO-0 all-reduces; ZeRO-1, 2 and 3 reduce-scatter (and gather).
+    const std::string reduce = o.zero == 0 ? "all_reduce" : "reduce_scatter";
+    const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter, reduce),
+                 tail_s = cluster.transfer_seconds(tail, 0, inter, reduce),
+                 gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter, "all_gather") : 0.0;
     // FSSDP's exchanges block inside the MoE layers: nothing of them overlaps.
     const bool blocking = axes == "edp" && o.fssdp();
     const double hidden = blocking ? 0.0

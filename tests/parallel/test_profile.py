@@ -4,7 +4,9 @@
      GEMM rate per distinct size of the model's layer GEMMs (forward, input and weight gradients of
      QKV, attention output, MLP and LM head), ascending in size, each positive and at most the
      peak; the attention rate, the memory and the link's bandwidth and latency positive; the table
-     printed names every collective.
+     printed names every collective, and the file keeps the other four collectives' own rates;
+     the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention at fp32's rate); the
+     planner reads the file and plans bf16 with it.
   2. On one rank (no mpirun): one device, no collectives to measure.
   3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
 """
@@ -39,7 +41,16 @@ def main():
             (c["intra_node"]["bandwidth_gb_s"] > 0 and c["intra_node"]["latency_us"] > 0, "link: %s" % c["intra_node"]),
             (all(k in text for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")),
              "the printed table names every collective"),
+            (sorted(c.get("collectives", {})) == ["all_gather", "all_to_all", "reduce_scatter", "send_recv"] and
+             all(x["bandwidth_gb_s"] > 0 and x["latency_us"] > 0 for x in c["collectives"].values()),
+             "each collective's own rate: %s" % c.get("collectives")),
+            ([g[0] for g in d.get("bf16", {}).get("gemm", [])] == sizes and
+             all(0 < g[1] <= d["bf16"]["peak_tflops"] * (1 + 1e-9) for g in d["bf16"]["gemm"]) and
+             d["bf16"]["attention_tflops"] == d["attention_tflops"], "bf16 rates: %s" % d.get("bf16")),
         ]
+        rc2, planned, _ = h.run(0, ["plan", "--config", cfg, "--cluster", out, "--global-batch", "4", "--seq-len", "32",
+                                    "--precision", "bf16", "--top", "1", "--json"])
+        checks.append((rc2 == 0 and json.loads(planned)[0]["step_time_s"] > 0, "the planner reads it (bf16): %s" % planned[-300:]))
         for ok, what in checks:
             print("%-4s 2 ranks: %s" % ("ok" if ok else "FAIL", what[:160]))
             if not ok:

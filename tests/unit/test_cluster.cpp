@@ -137,6 +137,22 @@ TEST(Cluster, GpuShapeTerms) {
   EXPECT_DOUBLE_EQ(Cluster::from_json(j, "c.json").kernel_overhead, 3e-6);
 }
 
+// Each collective at its own measured rate within a node; across nodes at the tier's.
+TEST(Cluster, CollectivesAtTheirOwnRates) {
+  nlohmann::json j = base();
+  j["collectives"] = {{"reduce_scatter", {{"bandwidth_gb_s", 100}, {"latency_us", 1}}},
+                      {"all_to_all", {{"bandwidth_gb_s", 400}, {"latency_us", 3}}}};
+  const Cluster c = Cluster::from_json(j, "c.json");
+  EXPECT_NEAR(c.transfer_seconds(1e9, 4, false, "reduce_scatter"), 4e-6 + 1e9 / 1e11, 1e-15);
+  EXPECT_NEAR(c.transfer_seconds(1e9, 4, false, "all_gather"), 4 * 2e-6 + 1e9 / 2e11, 1e-15);  // none given: intra's
+  EXPECT_NEAR(c.transfer_seconds(1e9, 4, true, "reduce_scatter"), 4 * 5e-6 + 1e9 / 2e10, 1e-15);  // across nodes
+  EXPECT_NEAR(c.all_to_all_seconds(7e9, 2, 8, 8), 2 * 3e-6 + 7e9 / 4e11, 1e-15);
+  EXPECT_EQ(Cluster::from_json(c.to_json(), "again").collectives.at("all_to_all").bandwidth, 4e11);
+  j["collectives"] = {{"broadcast", {{"bandwidth_gb_s", 1}, {"latency_us", 1}}}};
+  EXPECT_EQ(error_of(j), "c.json: field 'collectives.broadcast': not one of all_reduce, all_gather, reduce_scatter, "
+                         "all_to_all, send_recv");
+}
+
 TEST(Cluster, MistakesNameTheField) {
   nlohmann::json j = base();
   j["nodes"] = 0;
