@@ -19,10 +19,11 @@ MoE layouts are predicted with a stated routing imbalance of 1.25 (IMBALANCE bel
 Finally the planner's own choice (`origami plan` with nothing fixed) is run for each (model, ranks x
 threads) and compared with the best measured layout.
 
-Environment: the tests' (tests/parallel/harness.py: Open MPI's shared-memory transport without a
-single-copy mechanism, which works in every container; ranks that yield while they wait; --bind-to
-none), profiles and runs alike. (With CMA single copy, pipeline messages and DP reductions move
-differently and MPI keeps less scratch: the memory prediction is then up to 11% high.)
+Environment: the tests' (tests/parallel/harness.py: Open MPI's shared-memory transport, ranks that
+yield while they wait, --bind-to none), profiles and runs alike, with CMA single copy for large
+messages as the other benchmarks (--single-copy none: without it, as the tests run, which works in
+every container; pipeline messages then move only while both ranks are in MPI, and PP layouts
+measure 13-34% above their prediction; MPI also keeps more scratch, so memory comes out closer).
 
 Each layout runs in fp32 or bf16 (--precision, the planner predicting with the profile's bf16 GEMM
 rates). Targets (the planner issues): on 2 ranks x 1 thread at least 90% of the layouts within 15%
@@ -30,7 +31,7 @@ and a median within 7%; activation + state memory within 5%; the top choice with
 measured.
 
 Usage: /usr/bin/python3 bench/plan_accuracy.py [--rounds 1] [--steps 3] [--warmup 1] [--only dense|moe]
-         [--json OUT.json]
+         [--ranks 1|2] [--single-copy cma|none] [--json OUT.json]
 """
 import argparse
 import json
@@ -97,8 +98,12 @@ CASES = [
 PARTS = ("weights", "gradients", "optimizer state", "activations", "workspace", "checkpoint")
 
 
+SINGLE_COPY = ["cma"]  # Open MPI's single-copy mechanism (--single-copy)
+
+
 def run(cmd, timeout=900):
-    p = subprocess.run(cmd, capture_output=True, text=True, env=h.env(), timeout=timeout, stdin=subprocess.DEVNULL)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=h.env(SINGLE_COPY[0]), timeout=timeout,
+                       stdin=subprocess.DEVNULL)
     if p.returncode != 0:
         raise RuntimeError("exit %d: %s\n%s" % (p.returncode, " ".join(cmd), (p.stdout + p.stderr)[-2000:]))
     return p.stdout
@@ -138,15 +143,21 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of a run")
     ap.add_argument("--only", choices=sorted(MODELS), help="one model")
+    ap.add_argument("--ranks", type=int, choices=(1, 2), help="only the setups of this many ranks (2: 2 ranks x 1 thread)")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--single-copy", choices=("cma", "none"), default="cma",
+                    help="Open MPI's single-copy mechanism for large messages, profiles and runs alike (cma, as the "
+                         "other benchmarks; none: what works in every container, as the tests)")
     a = ap.parse_args()
+    SINGLE_COPY[0] = a.single_copy
     tmp = h.tmpdir("origami_plan_accuracy_")
     data = h.prepare_data(tmp, n_docs=400)
     load = os.getloadavg()
-    print("plan_accuracy: global batch %d x %d tokens, %d round(s) of %d warm-up + %d measured steps; load %.2f %.2f %.2f"
-          % (G, T, a.rounds, a.warmup, a.steps, *load), flush=True)
+    print("plan_accuracy: global batch %d x %d tokens, %d round(s) of %d warm-up + %d measured steps; single copy %s; "
+          "load %.2f %.2f %.2f" % (G, T, a.rounds, a.warmup, a.steps, a.single_copy, *load), flush=True)
     results = []
-    setups = sorted({(m, r, t, p) for m, r, t, p, _ in CASES if not a.only or m == a.only})
+    setups = sorted({(m, r, t, p) for m, r, t, p, _ in CASES
+                     if (not a.only or m == a.only) and (not a.ranks or r == a.ranks)})
     for model, ranks, threads, precision in setups:
         cfg = os.path.join(tmp, model + ".json")
         with open(cfg, "w") as f:

@@ -70,10 +70,15 @@ void Pipeline::check_tags(int microbatches, int chunks) {
 
 // Message tags: unique per (micro-batch, boundary between virtual stages b and b+1, direction) among
 // the messages one rank sends another. Every boundary a rank sends over to the same peer in the same
-// direction is b ≡ its stage (mod stages) (a boundary of one stage's chunk c is c·stages + stage), so
-// b / stages, the sending chunk, tells them apart: 2·micro-batches·chunks tags, whatever the stages.
+// direction is b ≡ r (mod stages) for one r (virtual stage c·stages + s is stage s's chunk c), so
+// b / stages, the chunk on the boundary's lower side, tells them apart: 2·micro-batches·chunks tags,
+// whatever the stages.
+int Pipeline::message_tag(int microbatch, int boundary, bool backward, int stages, int chunks) {
+  return (microbatch * chunks + boundary / stages) * 2 + (backward ? 1 : 0);
+}
+
 int Pipeline::tag(int microbatch, int boundary, bool backward) const {
-  return (microbatch * chunks_ + boundary / pp_.size()) * 2 + (backward ? 1 : 0);
+  return message_tag(microbatch, boundary, backward, pp_.size(), chunks_);
 }
 
 // One run(): its transfers in flight and its actions, in the schedule's order.
