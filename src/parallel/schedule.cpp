@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <mutex>
 #include <tuple>
 
 #include "core/checked.h"
@@ -457,9 +458,22 @@ std::vector<std::vector<Action>> with_vocab_passes(const std::vector<std::vector
 
 std::vector<Action> stage_actions(ScheduleKind kind, int stages, int stage, int microbatches, int chunks, bool vocab) {
   if (!vocab) return make_schedule(kind, stages, stage, microbatches, chunks);
-  std::vector<std::vector<Action>> all;
-  for (int s = 0; s < stages; ++s) all.push_back(make_schedule(kind, stages, s, microbatches, chunks));
-  return with_vocab_passes(all, stages, microbatches, chunks)[size_t(stage)];
+  // Placing the passes replays every stage's list; the memory check asks for each stage of a layout
+  // in turn (and the planner for many layouts of the same pipeline), so the last few are kept.
+  using Key = std::tuple<int, int, int, int>;
+  static std::mutex mutex;
+  static std::deque<std::pair<Key, std::vector<std::vector<Action>>>> kept;
+  const Key key{int(kind), stages, microbatches, chunks};
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = std::find_if(kept.begin(), kept.end(), [&](const auto& k) { return k.first == key; });
+  if (it == kept.end()) {
+    std::vector<std::vector<Action>> all;
+    for (int s = 0; s < stages; ++s) all.push_back(make_schedule(kind, stages, s, microbatches, chunks));
+    kept.emplace_front(key, with_vocab_passes(all, stages, microbatches, chunks));
+    if (kept.size() > 4) kept.pop_back();
+    it = kept.begin();
+  }
+  return it->second[size_t(stage)];
 }
 
 }  // namespace origami

@@ -15,9 +15,10 @@
 //             tiers) and pipeline messages add to each forward and backward; the CP ring hides behind
 //             the attention core; data-parallel buckets overlap backward except the last, and ZeRO's
 //             parameter gather, the world's reductions and AdamW follow the step
-//   bubble    the stage schedules the executor runs, replayed (replay_schedules) with the busiest
-//             stage's forward and backward times for every stage (under vocabulary parallelism with
-//             its output passes placed as the executor places them, with_vocab_passes)
+//   bubble    the stage schedules the executor runs with the busiest stage's forward and backward
+//             times for every stage: their fill and drain, (p − 1)/v of a micro-batch (what a replay
+//             of them gives), and under vocabulary parallelism replayed (replay_schedules) with its
+//             output passes placed as the executor places them (with_vocab_passes)
 // The MoE dispatcher's payload and expert rows assume evenly routed tokens times `imbalance`.
 #pragma once
 #include <limits>
@@ -119,6 +120,7 @@ class CostModel {
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
   using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16, 8: vocabulary parallelism), ...
   std::map<BufferKey, RankBuffers> buffers_;
+  std::map<std::tuple<int, int, int64_t, int>, std::vector<std::vector<Action>>> lists_;  // (schedule, p, m, v): the stages' lists with the output passes
   std::map<std::tuple<int, int, int64_t, int, double, double>, double> makespans_;  // (schedule, p, m, v, b/f, vocab/f): makespan / f
 };
 

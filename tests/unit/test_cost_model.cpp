@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "parallel/schedule.h"
 #include "plan/cost_model.h"
 #include "comm/comm.h"
 #include "train/comm_volume.h"
@@ -132,6 +133,28 @@ TEST(CostModel, BubbleIsTheSchedulesFillAndDrain) {
       if (part == "optimizer" || part == "world") after += s;
     EXPECT_NEAR(model.step_bound(o), p.step_s - after, 1e-9 * p.step_s) << schedule;
   }
+}
+
+// The closed form the cost model uses for schedules without output passes: with every stage alike,
+// the replayed makespan of GPipe, 1F1B and interleaved 1F1B is (m + (p − 1)/v)·(f + b), for any
+// backward-to-forward ratio.
+TEST(CostModel, UniformStagesReplayToFillDrainAndSteadyState) {
+  int checked = 0;
+  for (ScheduleKind kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved})
+    for (int p : {2, 3, 4, 8})
+      for (int v : {1, 2, 3})
+        for (int m : {1, 2, 3, 4, 8, 12, 16, 24}) {
+          if ((kind != ScheduleKind::interleaved && v > 1) || (kind == ScheduleKind::interleaved && m % p != 0)) continue;
+          std::vector<std::vector<Action>> lists;
+          for (int s = 0; s < p; ++s) lists.push_back(make_schedule(kind, p, s, m, v));
+          for (double ratio : {1.0, 1.7, 2.0, 2.3, 3.1}) {
+            const double replayed = replay_schedules(lists, p, m, v, 1.0 / v, ratio / v).makespan;
+            const double closed = (m + double(p - 1) / v) * (1 + ratio);
+            EXPECT_NEAR(replayed, closed, 1e-9 * closed) << schedule_kind_name(kind) << " p" << p << " v" << v << " m" << m;
+            ++checked;
+          }
+        }
+  EXPECT_GT(checked, 500);
 }
 
 // Vocabulary parallelism on a model whose vocabulary dominates (the 4-layer test llama with 16384
