@@ -33,8 +33,8 @@ namespace origami {
 namespace {
 
 // The axes --layout fixes; -1 (or empty): searched.
-constexpr int64_t kMaxTop = 1000;
-constexpr int64_t kMaxDevices = int64_t(1) << 20;  // --nodes: a million devices, far beyond any cluster  // --top: the search keeps the best K, and a larger K stops it from skipping any
+constexpr int64_t kMaxTop = 1000;  // --top: the search keeps the best K, and a larger K stops it from skipping any
+constexpr int64_t kMaxDevices = int64_t(1) << 20;  // --nodes: a million devices, far beyond any cluster
 
 struct Fixed {
   int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1, vocab = -1;
@@ -43,13 +43,22 @@ struct Fixed {
   std::vector<int> pp_layers;  // pp-layers=N,N,...: layers of each virtual stage (empty: an even split)
 };
 
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+// "7,8,8,7"
+std::string join_layers(const std::vector<int>& layers) {
+  std::string s;
+  for (int n : layers) s += cat(s.empty() ? "" : ",", n);
+  return s;
+}
+
 Fixed parse_layout(const std::string& spec) {
   Fixed f;
   std::istringstream in(spec);
   for (std::string w; in >> w;) {
     auto number = [&](size_t skip, int64_t least = 1) {
       const std::string digits = w.substr(skip);
-      ORIGAMI_CHECK(!digits.empty() && digits.size() < 10 && std::all_of(digits.begin(), digits.end(), ::isdigit) &&
+      ORIGAMI_CHECK(!digits.empty() && digits.size() < 10 && std::all_of(digits.begin(), digits.end(), is_digit) &&
                         std::stoll(digits) >= least && std::stoll(digits) <= kMaxDegree,
                     "--layout: '", w, "' needs an integer in [", least, ", ", kMaxDegree, "] after '", w.substr(0, skip),
                     "'");
@@ -60,7 +69,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("pp-layers=", 0) == 0) {
       std::istringstream list(w.substr(10));
       for (std::string n; std::getline(list, n, ',');) {
-        ORIGAMI_CHECK(!n.empty() && n.size() < 10 && std::all_of(n.begin(), n.end(), ::isdigit) && std::stoll(n) >= 1,
+        ORIGAMI_CHECK(!n.empty() && n.size() < 10 && std::all_of(n.begin(), n.end(), is_digit) && std::stoll(n) >= 1,
                       "--layout: '", w, "' needs positive layer counts separated by commas, got '", n, "'");
         f.pp_layers.push_back(int(std::stoll(n)));
       }
@@ -111,6 +120,7 @@ std::string layout_name(const TrainOptions& o, int devices) {
   if (o.sequence_parallel) s += " sp";
   if (o.cp > 1) s += " cp-comm=" + o.cp_comm;
   if (o.recompute != "none") s += " recompute=" + o.recompute;
+  if (!o.pp_layers.empty()) s += " pp-layers=" + join_layers(o.pp_layers);
   return s;
 }
 
@@ -479,13 +489,14 @@ void print_breakdowns(const PlanCommand& cmd, const std::vector<Candidate>& foun
 // The best layout as `origami train` options (train --plan reads them).
 void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const TrainOptions& b = best.o;
-  const nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
+  nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
                                  {"expert-sharding", b.expert_sharding},
                                  {"pp", b.pp}, {"vpp", b.vpp}, {"vocab-parallel", b.vocab_parallel}, {"zero", b.zero},
                                  {"micro-batch", b.micro_batch},
                                  {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},
                                  {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision},
                                  {"grad-reduce-dtype", b.grad_reduce_dtype}};
+  if (!b.pp_layers.empty()) layout["pp-layers"] = join_layers(b.pp_layers);
   const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
                                {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
   write_file_atomically(cmd.out, plan.dump(2) + "\n");

@@ -202,7 +202,12 @@ def main():
             " (planner's choice)" if r["planner_choice"] else "",
             r["predicted_s"], r["measured_s"], pct(r["time_error"]), r["predicted_memory"] / 2**20,
             r["measured_memory"] / 2**20, pct(r["memory_error"])))
+    if a.json:  # first: nothing measured is lost to a summary's mistake
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
     for name, rows in (("all", results), ("2 ranks x 1 thread", [r for r in results if r["ranks"] == 2])):
+        if not rows:
+            continue
         time_errors = [abs(r["time_error"]) for r in rows]
         memory_errors = [abs(r["memory_error"]) for r in rows]
         print("\n%s: layouts %d; step time |error| median %.1f%%, max %.1f%%, within 15%%: %d (%.0f%%); memory |error| "
@@ -219,9 +224,6 @@ def main():
         print("top choice %s %dx%d %s: %s measured %.3f s; best measured %s %.3f s (%s)" % (
             model, ranks, threads, precision, chosen["layout"], chosen["measured_s"], best["layout"], best["measured_s"],
             pct(chosen["measured_s"] / best["measured_s"] - 1)))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

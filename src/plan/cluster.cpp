@@ -62,8 +62,9 @@ double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const
 
 double Cluster::all_to_all_seconds(double bytes, int steps, int group, int in_node) const {
   if (group <= 1) return 0;
-  const double local = bytes * double(in_node - 1) / double(group - 1), remote = bytes - local;
-  if (remote == 0) return transfer_seconds(local, steps, false, "all_to_all");
+  if (in_node >= group) return transfer_seconds(bytes, steps, false, "all_to_all");
+  const double local = bytes * double(in_node - 1) / double(group - 1),
+               remote = bytes * double(group - in_node) / double(group - 1);
   const double local_s = local > 0 ? transfer_seconds(local, 0, false, "all_to_all") : 0.0;
   return std::max(local_s, transfer_seconds(remote, steps, true));
 }
@@ -151,9 +152,9 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   c.intra = link_of(f["intra_node"]);
   if (f["collectives"].present())
     f["collectives"].for_each_member([&](const std::string& name, const JsonField& x) {
-      ORIGAMI_CHECK(name == "all_reduce" || name == "all_gather" || name == "reduce_scatter" || name == "all_to_all" ||
-                        name == "send_recv",
-                    x.where(), ": not one of all_reduce, all_gather, reduce_scatter, all_to_all, send_recv");
+      ORIGAMI_CHECK(name == "all_gather" || name == "reduce_scatter" || name == "all_to_all" || name == "send_recv",
+                    x.where(), ": not one of all_gather, reduce_scatter, all_to_all, send_recv (the all-reduce's rate "
+                    "is the tier's link)");
       c.collectives[name] = link_of(x);
     });
   c.inter_given = f["inter_node"].present();
@@ -175,9 +176,11 @@ nlohmann::json Cluster::to_json() const {
   };
   nlohmann::json links = nlohmann::json::object();
   for (const auto& [name, t] : collectives) links[name] = link(t);
-  return {{"name", name},  {"source", source},      {"nodes", nodes},           {"devices_per_node", devices_per_node},
-          {"device", d},   {"intra_node", link(intra)}, {"inter_node", link(inter)}, {"comm_overlap", comm_overlap},
-          {"overlap", overlap}, {"collectives", links}};
+  nlohmann::json j = {{"name", name},  {"source", source},      {"nodes", nodes},   {"devices_per_node", devices_per_node},
+                      {"device", d},   {"intra_node", link(intra)}, {"comm_overlap", comm_overlap},
+                      {"overlap", overlap}, {"collectives", links}};
+  if (inter_given || nodes > 1) j["inter_node"] = link(inter);  // (one node without it: none to join nodes with)
+  return j;
 }
 
 }  // namespace origami

@@ -326,10 +326,11 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
   }
   // AdamW over the elements this rank updates (its moments are 8 bytes each): the fp32 weight,
   // gradient and two moments read, three written back, the gradient read once more for the clipping
-  // norm, and under bf16 the weight's 2-byte copy written: 32 bytes (34), and a few kernels per tensor.
+  // norm, and under bf16 the weight's 2-byte copy written: 32 bytes (34), and 3 kernels per tensor of the stage.
   if (cluster.memory_bandwidth > 0) {
     const double owned = double(out.memory.optimizer) / 8, bytes = owned * (o.precision == "bf16" ? 34 : 32);
-    out.exposed_s["optimizer"] = bytes / cluster.memory_bandwidth + 3 * double(num_tensors_) * cluster.kernel_overhead;
+    const double tensors = double(num_tensors_) / m.pp;  // about the stage's share of them
+    out.exposed_s["optimizer"] = bytes / cluster.memory_bandwidth + 3 * tensors * cluster.kernel_overhead;
     after += out.exposed_s["optimizer"];
   }
   return after;

@@ -10,7 +10,8 @@ breakdown, and the calibration against published runs.
   3. --nodes N sizes the file's pod: 2240 GPUs of DGX A100 are refused at the file's 128 nodes and
      planned at --nodes 280; --nodes on a file without an inter-node link, or 0, is an error.
   4. --layout pp-layers=... gives the stages' layers (the first stage's weights shrink with its
-     layers); a layout over the device memory is refused without --any-memory and listed with it.
+     layers; the layout's name and --out's plan file carry the split); a layout over the device
+     memory is refused without --any-memory and listed with it.
   5. bench/plan_published.py (29 published runs, layouts fixed as published) meets the issue's
      targets on its calibration set: median |error| <= 10%, worst <= 20%.
 """
@@ -94,6 +95,12 @@ def main():
     even = plan_json(*split, "--layout", "tp1 cp1 pp2 zero0 mb1 recompute=full")[0]
     uneven = plan_json(*split, "--layout", "tp1 cp1 pp2 zero0 mb1 recompute=full pp-layers=8,24")[0]
     w_even, w_uneven = (x["memory_bytes_per_stage"][0]["weights"] for x in (even, uneven))
+    check(uneven["layout"].endswith("pp-layers=8,24"), f"the layout names its split: {uneven['layout']}")
+    plan_file = os.path.join(tmp, "plan.json")
+    run("plan", *split, "--layout", "tp1 cp1 pp2 zero0 mb1 recompute=full pp-layers=8,24", "--out", plan_file)
+    with open(plan_file) as f:
+        written = json.load(f)["layout"]
+    check(written.get("pp-layers") == "8,24", f"the plan file carries the split for train --plan: {written}")
     check(w_uneven < 0.6 * w_even, f"pp-layers=8,24 should give the first stage fewer weights: {w_uneven} vs {w_even}")
     expect_error("pp-layers with a zero", ["plan", *split, "--layout", "pp2 pp-layers=0,32"],
                  "--layout: 'pp-layers=0,32' needs positive layer counts separated by commas, got '0'")

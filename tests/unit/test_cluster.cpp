@@ -149,8 +149,16 @@ TEST(Cluster, CollectivesAtTheirOwnRates) {
   EXPECT_NEAR(c.all_to_all_seconds(7e9, 2, 8, 8), 2 * 3e-6 + 7e9 / 4e11, 1e-15);
   EXPECT_EQ(Cluster::from_json(c.to_json(), "again").collectives.at("all_to_all").bandwidth, 4e11);
   j["collectives"] = {{"broadcast", {{"bandwidth_gb_s", 1}, {"latency_us", 1}}}};
-  EXPECT_EQ(error_of(j), "c.json: field 'collectives.broadcast': not one of all_reduce, all_gather, reduce_scatter, "
-                         "all_to_all, send_recv");
+  EXPECT_EQ(error_of(j), "c.json: field 'collectives.broadcast': not one of all_gather, reduce_scatter, all_to_all, "
+                         "send_recv (the all-reduce's rate is the tier's link)");
+  // A one-node file without an inter-node link writes none back (so plan --nodes still refuses it).
+  nlohmann::json one = base();
+  one["nodes"] = 1;
+  one.erase("inter_node");
+  const Cluster single = Cluster::from_json(one, "c.json");
+  EXPECT_FALSE(single.inter_given);
+  EXPECT_FALSE(single.to_json().contains("inter_node"));
+  EXPECT_FALSE(Cluster::from_json(single.to_json(), "again").inter_given);
 }
 
 TEST(Cluster, MistakesNameTheField) {
