@@ -197,22 +197,16 @@ const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& me
 // of the forward, per schedule and ratios to the forward (backward, output pass). With every stage
 // alike and no output passes, every schedule's makespan is its fill and drain plus the steady state,
 // (m + (p − 1)/v)·(f + b) (tests/unit/test_cost_model.cpp checks the replay gives exactly that);
-// the output passes' placement is replayed, with the stages' lists kept per pipeline.
+// the output passes' placement is replayed.
 double CostModel::makespan_units(const TrainOptions& o, int64_t micro, double backward, double vocab) {
   const int p = o.layout_dims(devices_).pp, v = o.vpp;
   if (!(o.vocab_parallel && p > 1)) return (double(micro) + double(p - 1) / v) * (1 + backward);
   const auto key = std::make_tuple(int(o.schedule_kind()), p, micro, v, backward, vocab);
   auto replayed = makespans_.find(key);
   if (replayed == makespans_.end()) {
-    const auto list_key = std::make_tuple(int(o.schedule_kind()), p, micro, v);
-    auto lists = lists_.find(list_key);
-    if (lists == lists_.end()) {
-      if (lists_.size() >= 64) lists_.clear();  // (a search's pipelines; each up to p·m·v actions)
-      std::vector<std::vector<Action>> all;
-      for (int s = 0; s < p; ++s) all.push_back(make_schedule(o.schedule_kind(), p, s, int(micro), v));
-      lists = lists_.emplace(list_key, with_vocab_passes(all, p, int(micro), v)).first;
-    }
-    const double makespan = replay_schedules(lists->second, p, int(micro), v, 1.0 / v, backward / v, vocab).makespan;
+    std::vector<std::vector<Action>> lists;  // (stage_actions keeps the last pipelines' lists)
+    for (int s = 0; s < p; ++s) lists.push_back(stage_actions(o.schedule_kind(), p, s, int(micro), v, true));
+    const double makespan = replay_schedules(lists, p, int(micro), v, 1.0 / v, backward / v, vocab).makespan;
     replayed = makespans_.emplace(key, makespan).first;
   }
   return replayed->second;

@@ -120,7 +120,6 @@ class CostModel {
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
   using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16, 8: vocabulary parallelism), ...
   std::map<BufferKey, RankBuffers> buffers_;
-  std::map<std::tuple<int, int, int64_t, int>, std::vector<std::vector<Action>>> lists_;  // (schedule, p, m, v): the stages' lists with the output passes
   std::map<std::tuple<int, int, int64_t, int, double, double>, double> makespans_;  // (schedule, p, m, v, b/f, vocab/f): makespan / f
 };
 
