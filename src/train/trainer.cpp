@@ -458,6 +458,7 @@ void Run::print_startup() const {
                 in_.eval_docs ? cat("its first ", o_.eval_iters, " steps of documents").c_str()
                               : cat(o_.eval_iters * G, " windows (", o_.eval_iters, " x global batch)").c_str(),
                 o_.eval_every > 0 ? cat("every ", o_.eval_every, " steps and after the last").c_str() : "after the last step");
+  std::printf("%s\n", describe_tile_gemm().c_str());
   if (plan_.precision == Precision::bf16)
     std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
                 "| %s\n", describe_bf16_gemm().c_str());

@@ -1,5 +1,10 @@
 #include "kernels/cpu/gemm.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include <cblas.h>
@@ -12,19 +17,83 @@ namespace origami {
 
 static CBLAS_TRANSPOSE op(bool t) { return t ? CblasTrans : CblasNoTrans; }
 
+namespace {
+void sgemm(TileGemm lib, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (lib == TileGemm::openblas) {
+    cblas_sgemm(CblasRowMajor, op(ta), op(tb), int(M), int(N), int(K), alpha, A, int(lda), B, int(ldb), beta, C,
+                int(ldc));
+    return;
+  }
+  // dnnl_sgemm reports bad arguments (a leading dimension too small, ...) by its status alone and
+  // leaves C untouched: a silent wrong result unless checked. Inside a parallel region it runs on
+  // the calling thread only.
+  const dnnl_status_t status = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  ORIGAMI_ASSERT(status == dnnl_success);
+}
+
+// Seconds of attention's two forward tile products (scores = Q·Kᵀ, acc += P·V) at 64×64×64, on
+// every thread at once as attention runs them (OpenBLAS's OpenMP build serialises its concurrent
+// calls on a lock, so one thread alone does not show their cost).
+double time_tiles(TileGemm lib) {
+  constexpr int64_t n = 64, reps = 16;
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+  {
+    std::vector<float> buf(size_t(3 * n * n), 0.01f);
+    float *a = buf.data(), *b = a + n * n, *c = b + n * n;
+    for (int r = 0; r < reps; ++r) {
+      sgemm(lib, false, true, n, n, n, 0.125f, a, n, b, n, 0.f, c, n);
+      sgemm(lib, false, false, n, n, n, 1.f, c, n, b, n, 1.f, a, n);
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct TileChoice {
+  TileGemm lib = TileGemm::openblas;
+  double openblas_over_onednn = 0;  // measured time ratio (0: forced, not timed)
+};
+
+TileChoice choose_tiles() {
+  const char* v = std::getenv("ORIGAMI_TILE_GEMM");
+  const std::string s = v ? v : "auto";
+  if (s == "openblas") return {TileGemm::openblas};
+  if (s == "onednn") return {TileGemm::onednn};
+  if (s != "auto") fail("ORIGAMI_TILE_GEMM='", s, "': expected auto, openblas or onednn");
+  double t[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  for (int round = 0; round < 6; ++round)  // alternated, best of each; round 0 also warms the JIT kernels
+    for (TileGemm lib : {TileGemm::openblas, TileGemm::onednn})
+      if (round > 0) t[int(lib)] = std::min(t[int(lib)], time_tiles(lib));
+      else time_tiles(lib);
+  const double ratio = t[0] / t[1];
+  return {ratio > 1.3 ? TileGemm::onednn : TileGemm::openblas, ratio};
+}
+
+const TileChoice& tile_choice() {
+  static const TileChoice choice = choose_tiles();  // thread-safe: a second thread waits for the first
+  return choice;
+}
+}  // namespace
+
+TileGemm tile_gemm_library() { return tile_choice().lib; }
+
+std::string describe_tile_gemm() {
+  const TileChoice& c = tile_choice();
+  const char* name = c.lib == TileGemm::onednn ? "oneDNN" : "OpenBLAS";
+  if (c.openblas_over_onednn == 0) return cat("attention tiles: ", name, " (forced by ORIGAMI_TILE_GEMM)");
+  char ratio[32];
+  std::snprintf(ratio, sizeof ratio, "%.2f", c.openblas_over_onednn);
+  return cat("attention tiles: ", name, " (timed: OpenBLAS at ", ratio, "x oneDNN's time here)");
+}
+
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (omp_in_parallel()) {  // a per-thread tile (attention): OpenBLAS's small-matrix kernels
-    cblas_sgemm(CblasRowMajor, op(ta), op(tb), int(M), int(N), int(K), alpha, A, int(lda), B, int(ldb),
-                beta, C, int(ldc));
-    return;
-  }
-  // dnnl_sgemm reports bad arguments (a leading dimension too small, ...) by its status alone and
-  // leaves C untouched: a silent wrong result unless checked.
-  const dnnl_status_t status = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  ORIGAMI_ASSERT(status == dnnl_success);
+  // A per-thread tile (attention) on the library timed faster for tiles; a whole GEMM on oneDNN.
+  sgemm(omp_in_parallel() ? tile_gemm_library() : TileGemm::onednn, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta,
+        C, ldc);
 }
 
 template <>
@@ -43,6 +112,7 @@ void set_num_threads(int n) {
 int num_threads() { return omp_get_max_threads(); }
 
 void warm_up_gemm() {
+  tile_choice();
   constexpr int64_t n = 512, tile = 64;
   std::vector<float> a(size_t(n * n), 1.f), b(size_t(n * n), 1.f), c(size_t(n * n));
   gemm<float>(false, true, n, n, n, 1.f, a.data(), n, b.data(), n, 0.f, c.data(), n);

@@ -4,14 +4,17 @@
 // Libraries, chosen by measurement on the model's shapes (bench/README.md, "Choosing the BLAS"):
 //   float, outside an OpenMP parallel region: oneDNN's dnnl_sgemm on all threads (its JIT kernels
 //     beat OpenBLAS on the layer GEMMs, and beta = 0 costs no separate pass over C);
-//   float, inside one (attention's 64×64 tiles, one per thread): OpenBLAS, single-threaded — its
-//     small-matrix kernels are faster there than oneDNN's;
+//   float, inside one (attention's 64×64 tiles, one per thread): single-threaded, the library
+//     tile_gemm_library() chose by timing both on such tiles — OpenBLAS's small-matrix kernels beat
+//     oneDNN's by ~15% on Zen 4, while on an Emerald Rapids host OpenBLAS 0.3.21 (which knows the CPU
+//     only as Cooper Lake) ran them at a quarter of oneDNN's speed;
 //   double (finite-difference tests): OpenBLAS.
 // Both libraries are OpenMP builds, so they and our own loops share one thread pool.
 // oneDNN 2.x's JIT kernels are not safe against handled signals (core/stop_signals.h says why and
 // how the trainer keeps SIGINT/SIGTERM away from them).
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace origami {
 
@@ -22,6 +25,16 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
 // Sets the thread count of OpenMP (our loops, oneDNN) and OpenBLAS: one pool.
 void set_num_threads(int n);
 int num_threads();
+
+// The library of the per-thread tiles, chosen at its first call: ORIGAMI_TILE_GEMM=openblas|onednn
+// forces one; auto (the default) times 64×64×64 tiles (attention's scores and P·V) through both on
+// every thread at once and keeps OpenBLAS unless oneDNN is 1.3× faster — a margin that keeps two processes
+// from choosing differently on a near tie, which would change the last bits of their sums. Call it
+// first outside a parallel region (attention does, before its own): inside one it would time one thread.
+enum class TileGemm { openblas, onednn };
+TileGemm tile_gemm_library();
+// The startup line's words for that choice, e.g. "attention tiles: oneDNN (OpenBLAS 3.6x slower here)".
+std::string describe_tile_gemm();
 
 // Runs each GEMM path once — a layer-sized GEMM through oneDNN on every thread, a 64×64 tile per
 // thread through OpenBLAS — so the thread pool, the JIT kernels and the libraries' per-thread

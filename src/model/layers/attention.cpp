@@ -44,6 +44,7 @@ int64_t attention_block_forward(Heads<T> out, Lse<T> lse, Heads<const T> q, Head
   const int64_t B = dm.B, Tq = dm.Tq, Tk = dm.Tk, H = dm.H, D = dm.D, group = dm.H / dm.KV;
   const T scale = T(1.0 / std::sqrt(double(D)));
   int64_t tiles = 0;
+  tile_gemm_library();  // chosen here, outside the region (gemm.h)
 #pragma omp parallel reduction(+ : tiles)
   {
     std::vector<T> scores(kBlock * kBlock), acc(kBlock * D), row_max(kBlock), row_sum(kBlock);
@@ -118,6 +119,7 @@ int64_t attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<co
   const int64_t B = dm.B, Tq = dm.Tq, Tk = dm.Tk, D = dm.D, KV = dm.KV, group = dm.H / dm.KV;
   const T scale = T(1.0 / std::sqrt(double(D)));
   int64_t tiles = 0;
+  tile_gemm_library();  // chosen here, outside the region (gemm.h)
   // One task per (batch row, kv head): it owns dK, dV of that kv head and dQ of its query heads.
 #pragma omp parallel reduction(+ : tiles)
   {
