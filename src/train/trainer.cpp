@@ -224,6 +224,7 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
     plan.emplace(make_plan(cfg, opts, world.size()));
     in = open_inputs(*plan);
     hooks = TestHooks::from_env(world.rank(), plan->model.is_moe());
+    check_tile_gemm_env();
   });
   return {std::move(*plan), std::move(in), std::move(hooks)};
 }
@@ -234,6 +235,10 @@ MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   const TrainOptions& o = plan.options;
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
+  // Attention's tiles on rank 0's library on every rank: one summation order for the job.
+  int32_t tiles = int32_t(tile_gemm_library());
+  world.broadcast(&tiles, 1, DType::i32, 0);
+  set_tile_gemm_library(TileGemm(tiles));
   const int64_t data_bytes =
       in.data->bytes(o.global_batch) + (in.eval_data ? in.eval_data->bytes(o.eval_iters * o.global_batch) : 0) +
       (in.docs ? in.docs->bytes() : 0) + (in.eval_docs ? in.eval_docs->bytes() : 0);

@@ -100,14 +100,28 @@ TEST(Gemm, FloatOutsideParallelRegion) {
   for (const auto& c : cases()) EXPECT_LT(max_error<float>(c, 11), 1e-6) << name(c);  // false for NaN
 }
 
+// Each tile library, in a team of 2 and in a team of 1 (still a tile: --threads 1 runs attention's
+// regions that way), takes the tile and gets it right.
 TEST(Gemm, FloatInsideParallelRegionOneTilePerThread) {
   set_num_threads(2);
-  for (const auto& c : cases()) {
-    std::vector<double> err(2, -1);
-#pragma omp parallel num_threads(2)
-    err[size_t(omp_get_thread_num())] = max_error<float>(c, 20 + uint32_t(omp_get_thread_num()));
-    for (double e : err) EXPECT_TRUE(e >= 0 && e < 1e-6) << name(c) << ": " << e;
+  const TileGemm chosen = tile_gemm_library();
+  for (TileGemm lib : {TileGemm::openblas, TileGemm::onednn}) {
+    set_tile_gemm_library(lib);
+    for (int team : {2, 1})
+      for (const auto& c : cases()) {
+        std::vector<double> err(size_t(team), -1);
+        std::vector<int> used(size_t(team), -1);
+#pragma omp parallel num_threads(team)
+        {
+          err[size_t(omp_get_thread_num())] = max_error<float>(c, 20 + uint32_t(omp_get_thread_num()));
+          used[size_t(omp_get_thread_num())] = int(last_tile_gemm_library());
+        }
+        const std::string what = cat(name(c), lib == TileGemm::onednn ? " oneDNN" : " OpenBLAS", " team ", team);
+        for (double e : err) EXPECT_TRUE(e >= 0 && e < 1e-6) << what << ": " << e;
+        for (int u : used) EXPECT_EQ(u, int(lib)) << what;
+      }
   }
+  set_tile_gemm_library(chosen);
 }
 
 TEST(Gemm, Double) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include <cblas.h>
@@ -34,9 +35,9 @@ void sgemm(TileGemm lib, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 
 // Seconds of attention's two forward tile products (scores = Q·Kᵀ, acc += P·V) at 64×64×64, on
 // every thread at once as attention runs them (OpenBLAS's OpenMP build serialises its concurrent
-// calls on a lock, so one thread alone does not show their cost).
+// calls on a lock, so one thread alone does not show their cost); 64 of each, a few milliseconds.
 double time_tiles(TileGemm lib) {
-  constexpr int64_t n = 64, reps = 16;
+  constexpr int64_t n = 64, reps = 64;
   const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel
   {
@@ -53,14 +54,21 @@ double time_tiles(TileGemm lib) {
 struct TileChoice {
   TileGemm lib = TileGemm::openblas;
   double openblas_over_onednn = 0;  // measured time ratio (0: forced, not timed)
+  bool agreed = false;              // replaced by set_tile_gemm_library (rank 0's)
 };
 
-TileChoice choose_tiles() {
+// ORIGAMI_TILE_GEMM: nullopt for auto.
+std::optional<TileGemm> forced_tiles() {
   const char* v = std::getenv("ORIGAMI_TILE_GEMM");
   const std::string s = v ? v : "auto";
-  if (s == "openblas") return {TileGemm::openblas};
-  if (s == "onednn") return {TileGemm::onednn};
+  if (s == "openblas") return TileGemm::openblas;
+  if (s == "onednn") return TileGemm::onednn;
   if (s != "auto") fail("ORIGAMI_TILE_GEMM='", s, "': expected auto, openblas or onednn");
+  return std::nullopt;
+}
+
+TileChoice choose_tiles() {
+  if (const auto forced = forced_tiles()) return {*forced};
   double t[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
   for (int round = 0; round < 6; ++round)  // alternated, best of each; round 0 also warms the JIT kernels
     for (TileGemm lib : {TileGemm::openblas, TileGemm::onednn})
@@ -70,13 +78,22 @@ TileChoice choose_tiles() {
   return {ratio > 1.3 ? TileGemm::onednn : TileGemm::openblas, ratio};
 }
 
-const TileChoice& tile_choice() {
-  static const TileChoice choice = choose_tiles();  // thread-safe: a second thread waits for the first
+TileChoice& tile_choice() {
+  static TileChoice choice = choose_tiles();  // thread-safe: a second thread waits for the first
   return choice;
 }
+
+thread_local TileGemm last_tile = TileGemm::openblas;
 }  // namespace
 
 TileGemm tile_gemm_library() { return tile_choice().lib; }
+void check_tile_gemm_env() { forced_tiles(); }
+void set_tile_gemm_library(TileGemm lib) {
+  TileChoice& c = tile_choice();
+  c.agreed = c.agreed || lib != c.lib;
+  c.lib = lib;
+}
+TileGemm last_tile_gemm_library() { return last_tile; }
 
 std::string describe_tile_gemm() {
   const TileChoice& c = tile_choice();
@@ -84,16 +101,21 @@ std::string describe_tile_gemm() {
   if (c.openblas_over_onednn == 0) return cat("attention tiles: ", name, " (forced by ORIGAMI_TILE_GEMM)");
   char ratio[32];
   std::snprintf(ratio, sizeof ratio, "%.2f", c.openblas_over_onednn);
-  return cat("attention tiles: ", name, " (timed: OpenBLAS at ", ratio, "x oneDNN's time here)");
+  return cat("attention tiles: ", name, " (timed: OpenBLAS at ", ratio, "x oneDNN's time here",
+             c.agreed ? "; rank 0's choice" : "", ")");
 }
 
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  // A per-thread tile (attention) on the library timed faster for tiles; a whole GEMM on oneDNN.
-  sgemm(omp_in_parallel() ? tile_gemm_library() : TileGemm::onednn, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta,
-        C, ldc);
+  // A per-thread tile (attention; inside a region of any team size, one thread included) on the
+  // library timed faster for tiles; a whole GEMM on oneDNN.
+  if (omp_get_level() > 0) {
+    last_tile = tile_gemm_library();
+    return sgemm(last_tile, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  sgemm(TileGemm::onednn, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 template <>

@@ -26,19 +26,29 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
 void set_num_threads(int n);
 int num_threads();
 
-// The library of the per-thread tiles, chosen at its first call: ORIGAMI_TILE_GEMM=openblas|onednn
-// forces one; auto (the default) times 64×64×64 tiles (attention's scores and P·V) through both on
-// every thread at once and keeps OpenBLAS unless oneDNN is 1.3× faster — a margin that keeps two processes
-// from choosing differently on a near tie, which would change the last bits of their sums. Call it
-// first outside a parallel region (attention does, before its own): inside one it would time one thread.
+// The library of the per-thread tiles (a gemm<float> call inside an OpenMP parallel region, of any
+// team size), chosen at its first call: ORIGAMI_TILE_GEMM=openblas|onednn forces one; auto (the
+// default) times 64×64×64 tiles (attention's scores and P·V) through both on every thread at once
+// and keeps OpenBLAS unless oneDNN is 1.3× faster. Call it first outside a parallel region (the
+// trainer's warm-up and attention do): inside one it would time one thread.
 enum class TileGemm { openblas, onednn };
 TileGemm tile_gemm_library();
-// The startup line's words for that choice, e.g. "attention tiles: oneDNN (OpenBLAS 3.6x slower here)".
+// Reads ORIGAMI_TILE_GEMM: an invalid value throws (the trainer checks it on every rank at start).
+void check_tile_gemm_env();
+// Replaces the choice — a job takes rank 0's, so that its processes sum in one order — outside any
+// parallel region. A timing near 1.3 can still choose differently in two separate runs; forcing the
+// library makes them repeatable.
+void set_tile_gemm_library(TileGemm lib);
+// The library this thread's last tile ran on (tests).
+TileGemm last_tile_gemm_library();
+// The startup line's words for the choice, e.g. "attention tiles: oneDNN (timed: OpenBLAS at 4.20x
+// oneDNN's time here)".
 std::string describe_tile_gemm();
 
-// Runs each GEMM path once — a layer-sized GEMM through oneDNN on every thread, a 64×64 tile per
-// thread through OpenBLAS — so the thread pool, the JIT kernels and the libraries' per-thread
-// buffers exist before the memory check measures the process (they are part of its runtime figure).
+// Chooses the tiles' library, then runs each GEMM path once — a layer-sized GEMM through oneDNN on
+// every thread, a 64×64 tile per thread through the chosen library — so the thread pool, the JIT
+// kernels and the libraries' per-thread buffers exist before the memory check measures the process
+// (they are part of its runtime figure).
 void warm_up_gemm();
 
 }  // namespace origami
