@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -100,8 +101,8 @@ TEST(Gemm, FloatOutsideParallelRegion) {
   for (const auto& c : cases()) EXPECT_LT(max_error<float>(c, 11), 1e-6) << name(c);  // false for NaN
 }
 
-// Each tile library, in a team of 2 and in a team of 1 (still a tile: --threads 1 runs attention's
-// regions that way), takes the tile and gets it right.
+// Each tile library takes the tiles of a team of 2 and gets them right; a team of 1 (--threads 1)
+// is not an active region: its calls take oneDNN's whole-GEMM path whatever the choice.
 TEST(Gemm, FloatInsideParallelRegionOneTilePerThread) {
   set_num_threads(2);
   const TileGemm chosen = tile_gemm_library();
@@ -110,15 +111,20 @@ TEST(Gemm, FloatInsideParallelRegionOneTilePerThread) {
     for (int team : {2, 1})
       for (const auto& c : cases()) {
         std::vector<double> err(size_t(team), -1);
-        std::vector<int> used(size_t(team), -1);
+        std::vector<std::array<int64_t, 2>> ran(static_cast<size_t>(team));  // tiles run per library, by this call
 #pragma omp parallel num_threads(team)
         {
-          err[size_t(omp_get_thread_num())] = max_error<float>(c, 20 + uint32_t(omp_get_thread_num()));
-          used[size_t(omp_get_thread_num())] = int(last_tile_gemm_library());
+          const size_t t = size_t(omp_get_thread_num());
+          const int64_t before[2] = {tiles_run(TileGemm::openblas), tiles_run(TileGemm::onednn)};
+          err[t] = max_error<float>(c, 20 + uint32_t(t));
+          ran[t] = {tiles_run(TileGemm::openblas) - before[0], tiles_run(TileGemm::onednn) - before[1]};
         }
         const std::string what = cat(name(c), lib == TileGemm::onednn ? " oneDNN" : " OpenBLAS", " team ", team);
         for (double e : err) EXPECT_TRUE(e >= 0 && e < 1e-6) << what << ": " << e;
-        for (int u : used) EXPECT_EQ(u, int(lib)) << what;
+        const std::array<int64_t, 2> want =
+            team == 1 ? std::array<int64_t, 2>{0, 0} : lib == TileGemm::openblas ? std::array<int64_t, 2>{1, 0}
+                                                                                   : std::array<int64_t, 2>{0, 1};
+        for (const auto& r : ran) EXPECT_EQ(r, want) << what;
       }
   }
   set_tile_gemm_library(chosen);

@@ -53,7 +53,7 @@ double time_tiles(TileGemm lib) {
 
 struct TileChoice {
   TileGemm lib = TileGemm::openblas;
-  double openblas_over_onednn = 0;  // measured time ratio (0: forced, not timed)
+  double openblas_over_onednn = 0;  // measured time ratio (0: forced or one thread, not timed)
   bool agreed = false;              // replaced by set_tile_gemm_library (rank 0's)
 };
 
@@ -69,6 +69,7 @@ std::optional<TileGemm> forced_tiles() {
 
 TileChoice choose_tiles() {
   if (const auto forced = forced_tiles()) return {*forced};
+  if (omp_get_max_threads() == 1) return {TileGemm::onednn};  // no tiles inside active regions (gemm<float>)
   double t[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
   for (int round = 0; round < 6; ++round)  // alternated, best of each; round 0 also warms the JIT kernels
     for (TileGemm lib : {TileGemm::openblas, TileGemm::onednn})
@@ -83,7 +84,7 @@ TileChoice& tile_choice() {
   return choice;
 }
 
-thread_local TileGemm last_tile = TileGemm::openblas;
+thread_local int64_t tiles_on[2] = {0, 0};
 }  // namespace
 
 TileGemm tile_gemm_library() { return tile_choice().lib; }
@@ -93,11 +94,12 @@ void set_tile_gemm_library(TileGemm lib) {
   c.agreed = c.agreed || lib != c.lib;
   c.lib = lib;
 }
-TileGemm last_tile_gemm_library() { return last_tile; }
+int64_t tiles_run(TileGemm lib) { return tiles_on[int(lib)]; }
 
 std::string describe_tile_gemm() {
   const TileChoice& c = tile_choice();
   const char* name = c.lib == TileGemm::onednn ? "oneDNN" : "OpenBLAS";
+  if (omp_get_max_threads() == 1) return "attention tiles: oneDNN (one thread: the layers' path)";
   if (c.openblas_over_onednn == 0) return cat("attention tiles: ", name, " (forced by ORIGAMI_TILE_GEMM)");
   char ratio[32];
   std::snprintf(ratio, sizeof ratio, "%.2f", c.openblas_over_onednn);
@@ -109,11 +111,12 @@ template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  // A per-thread tile (attention; inside a region of any team size, one thread included) on the
-  // library timed faster for tiles; a whole GEMM on oneDNN.
-  if (omp_get_level() > 0) {
-    last_tile = tile_gemm_library();
-    return sgemm(last_tile, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  // A per-thread tile (attention) on the library timed faster for tiles; a whole GEMM, and a tile of
+  // a team of one (not in an active region: --threads 1), on oneDNN, whatever the timing.
+  if (omp_in_parallel()) {
+    const TileGemm lib = tile_gemm_library();
+    ++tiles_on[int(lib)];
+    return sgemm(lib, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   sgemm(TileGemm::onednn, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }

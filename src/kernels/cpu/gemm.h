@@ -26,11 +26,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
 void set_num_threads(int n);
 int num_threads();
 
-// The library of the per-thread tiles (a gemm<float> call inside an OpenMP parallel region, of any
-// team size), chosen at its first call: ORIGAMI_TILE_GEMM=openblas|onednn forces one; auto (the
-// default) times 64×64×64 tiles (attention's scores and P·V) through both on every thread at once
-// and keeps OpenBLAS unless oneDNN is 1.3× faster. Call it first outside a parallel region (the
-// trainer's warm-up and attention do): inside one it would time one thread.
+// The library of the per-thread tiles (a gemm<float> call inside an active OpenMP parallel region),
+// chosen at its first call: ORIGAMI_TILE_GEMM=openblas|onednn forces one; auto (the default) times
+// 64×64×64 tiles (attention's scores and P·V) through both on every thread at once and keeps
+// OpenBLAS unless oneDNN is 1.3× faster. With one thread there are no such tiles (a team of one is
+// not active: its calls take oneDNN, deterministically — a single thread's timing sits near the
+// margin, measured 1.39 on Emerald Rapids, and separate runs must sum alike); auto then times
+// nothing. Call it first outside a parallel region (the trainer's warm-up and attention do).
 enum class TileGemm { openblas, onednn };
 TileGemm tile_gemm_library();
 // Reads ORIGAMI_TILE_GEMM: an invalid value throws (the trainer checks it on every rank at start).
@@ -39,8 +41,8 @@ void check_tile_gemm_env();
 // parallel region. A timing near 1.3 can still choose differently in two separate runs; forcing the
 // library makes them repeatable.
 void set_tile_gemm_library(TileGemm lib);
-// The library this thread's last tile ran on (tests).
-TileGemm last_tile_gemm_library();
+// How many tiles this thread has run on `lib` (tests).
+int64_t tiles_run(TileGemm lib);
 // The startup line's words for the choice, e.g. "attention tiles: oneDNN (timed: OpenBLAS at 4.20x
 // oneDNN's time here)".
 std::string describe_tile_gemm();
