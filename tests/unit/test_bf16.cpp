@@ -288,31 +288,31 @@ struct GemmCheck {
     gemm<float>(c.ta, c.tb, c.M, c.N, c.K, alpha, a32.data(), lda, b32.data(), ldb, c.beta, fp32.data(), ldc);
   }
 
-  // gemm_bf16 on a fresh C, with the operands in bf16 or (fp32_operands) in fp32 for the call to round.
-  std::vector<float> call(bool fp32_operands) const {
+  // gemm_bf16 of A and B on a fresh C.
+  std::vector<float> multiply(const Bf16Operand& A, const Bf16Operand& B) const {
     std::vector<float> C = c0;
     if (c.beta == 0)  // beta 0 ignores C: NaN there must not reach the result
       for (int64_t i = 0; i < c.M; ++i)
         for (int64_t j = 0; j < c.N; ++j) C[size_t(i * ldc + j)] = std::numeric_limits<float>::quiet_NaN();
-    const Bf16Operand A = fp32_operands ? Bf16Operand(a32_at.data() + offset, lda) : Bf16Operand(a16.data() + offset, lda);
-    const Bf16Operand B = fp32_operands ? Bf16Operand(b32_at.data() + offset, ldb) : Bf16Operand(b16.data() + offset, ldb);
     gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, alpha, A, B, c.beta, C.data(), ldc);
     return C;
   }
 
-  // gemm_bf16 on a fresh C with the bf16 operands copied compactly (row stride = columns): what oneDNN's
-  // path reads when the call rounds fp32 operands itself (gemm_bf16.h).
+  // The operands in bf16 or (fp32_operands) in fp32 for the call to round.
+  std::vector<float> call(bool fp32_operands) const {
+    const Bf16Operand A = fp32_operands ? Bf16Operand(a32_at.data() + offset, lda) : Bf16Operand(a16.data() + offset, lda);
+    const Bf16Operand B = fp32_operands ? Bf16Operand(b32_at.data() + offset, ldb) : Bf16Operand(b16.data() + offset, ldb);
+    return multiply(A, B);
+  }
+
+  // The bf16 operands copied compactly (row stride = columns): what oneDNN's path reads when the call
+  // rounds fp32 operands itself (gemm_bf16.h).
   std::vector<float> call_compact() const {
     const int64_t ar = c.ta ? c.K : c.M, ac = c.ta ? c.M : c.K, br = c.tb ? c.N : c.K, bc = c.tb ? c.K : c.N;
     std::vector<bf16> a(size_t(ar * ac)), b(size_t(br * bc));
     for (int64_t r = 0; r < ar; ++r) std::copy_n(a16.data() + offset + r * lda, ac, a.data() + r * ac);
     for (int64_t r = 0; r < br; ++r) std::copy_n(b16.data() + offset + r * ldb, bc, b.data() + r * bc);
-    std::vector<float> C = c0;
-    if (c.beta == 0)
-      for (int64_t i = 0; i < c.M; ++i)
-        for (int64_t j = 0; j < c.N; ++j) C[size_t(i * ldc + j)] = std::numeric_limits<float>::quiet_NaN();
-    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, alpha, {a.data(), ac}, {b.data(), bc}, c.beta, C.data(), ldc);
-    return C;
+    return multiply({a.data(), ac}, {b.data(), bc});
   }
 
   // {bound 1 ratio, bound 2 ratio} of a call's C; infinity when C's padding changed, NaN when a
