@@ -11,7 +11,7 @@ each rank's own tokens, and --ep may fold EP over the CP ranks.
 Models: gpt2 (tests/parallel/configs/gpt2_tiny.json: 4 heads of 12), llama with GQA whose KV heads
 are fewer than C (llama_gqa2.json: 8 heads of 6, 2 KV heads, so CP4 a2a, and a2a over CP2 under
 TP2, must replicate KV heads), mixtral (mixtral_8e.json: 8 heads, 4 KV heads, 8 experts top-2).
-Runs are test_layouts.py's (20 AdamW steps, but lr 3e-3 (see LR below) with warmup and cosine decay, weight decay,
+Runs are test_layouts.py's (20 AdamW steps, but lr 3e-3 (see train_args below) with warmup and cosine decay, weight decay,
 clipping at 1.0, eps 1e-6, micro-batch 2, global batch 8) with --seq-len 32 instead of 16, so
 that T divides by 2·C·TP for C = 4 and for C = 2 with TP2 + SP.
 
@@ -184,16 +184,13 @@ def act_comparable(flags):
 # a token whose top-2 experts are nearly tied, after which the curves part for a reason that is not a
 # bug (seed 7 does so for mixtral_8e at step 19, in every CP mechanism alike). At lr 3e-3 every model
 # and depth here stays within ~1e-7 of one rank for every seed tried (2, 3, 7, 8): a 100x margin
-# under the 1e-5 tolerance. expert_tokens are compared every step, so a flip is always visible.
-LR, MIN_LR = "3e-3", "3e-4"
+# under the 1e-5 tolerance (tl.SLOW_LR). expert_tokens are compared every step, so a flip is always visible.
 
 
 def train_args(cfg_path, data, metrics, save=None, seq=SEQ, steps=tl.STEPS, G=G):
     """test_layouts.train_args with this file's sequence length and learning rate (and optionally fewer steps, no save)."""
-    a = tl.train_args(cfg_path, data, G, metrics, save or "-")
+    a = tl.train_args(cfg_path, data, G, metrics, save or "-", lr=tl.SLOW_LR)
     a[a.index("--seq-len") + 1] = str(seq)
-    a[a.index("--lr") + 1] = LR
-    a[a.index("--min-lr") + 1] = MIN_LR
     a[a.index("--steps") + 1] = str(steps)
     if save is None:
         i = a.index("--save")

@@ -1,7 +1,7 @@
 """MoE routing across layouts (DESIGN.md, "MoE routing"): capacity dropping, the load-balancing loss
 variants, aux-loss-free bias balancing and qwen2_moe, each on the reference curve of a run with the
 same data-parallel size (test_layouts' settings: 20 AdamW steps, global batch 8 in micro-batches of 2,
-but lr 3e-3 as in test_context_parallel.py, see LR below; loss, aux/z/lm loss within 1e-5 relative
+but lr 3e-3 as in test_context_parallel.py, see train_args below; loss, aux/z/lm loss within 1e-5 relative
 every step, expert_tokens identical, final parameters and optimizer moments within 1e-5):
 
   1. micro, seq, global and bias balancing (--moe-router-bias-update-rate) under TP2 attention with EP2
@@ -34,15 +34,12 @@ G = 8
 # difference from another order of float sums (the DP reduction) flips a nearly tied decision, after
 # which the curves part for a reason that is not a bug (at 1e-2 the capacity-1.0 probs runs flip one
 # drop at step 7 under EP2 and EP2xPP2 alike, and qwen2_moe under EP4 drifts to 1e-5 by step 19). At
-# 3e-3 every case stays within ~1e-7. expert_tokens and expert_dropped are compared every step, so a
-# flip is always visible.
-LR, MIN_LR = "3e-3", "3e-4"
+# 3e-3 (tl.SLOW_LR) every case stays within ~1e-7. expert_tokens and expert_dropped are compared every
+# step, so a flip is always visible.
 
 
 def train_args(cfg_path, data, metrics, save):
-    a = tl.train_args(cfg_path, data, G, metrics, save)
-    a[a.index("--lr") + 1] = LR
-    a[a.index("--min-lr") + 1] = MIN_LR
+    a = tl.train_args(cfg_path, data, G, metrics, save, lr=tl.SLOW_LR)
     return a
 
 VARIANTS = {
