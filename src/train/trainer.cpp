@@ -225,6 +225,7 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
     in = open_inputs(*plan);
     hooks = TestHooks::from_env(world.rank(), plan->model.is_moe());
     check_tile_gemm_env();
+    check_bf16_gemm_env();
   });
   return {std::move(*plan), std::move(in), std::move(hooks)};
 }

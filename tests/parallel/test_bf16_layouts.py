@@ -36,6 +36,8 @@ rank, and mixtral's top-2 routing differs from step 2 on under TP2 (2.1e-2 by st
 equally valid bf16 training, not a wrong one: the one-rank bf16 run itself differs from fp32 by 3e-3
 (llama) and 1.9e-2 (mixtral) there. At 3e-3 the same runs stay within the bound, and bf16 still moves
 every model's curve from fp32's by more than 1e-4 (checked below).
+A bad ORIGAMI_BF16_GEMM or ORIGAMI_TILE_GEMM stops a 2-rank job at start: exit 1 on every rank, one error
+line naming the variable, the value and the choices.
 Usage: BF16_TEST_LR=X python3 tests/parallel/test_bf16_layouts.py [gpt2,llama,mixtral] [LAYOUT,...]
 """
 import json
@@ -116,6 +118,19 @@ def worst(ref, got, field="loss"):
     return max(((tl.rel(g[field], r[field]), r["step"]) for r, g in zip(ref, got)), default=(0.0, 0))
 
 
+def kernel_switch_errors(data, failures):
+    """A bad value of either kernel switch (src/kernels/cpu/gemm.h, gemm_bf16.h) stops a 2-rank job at
+    start: exit 1 on every rank, one error line naming the variable, the value and the choices."""
+    cfg = os.path.join(h.CONFIGS, MODELS["gpt2"] + ".json")
+    args = ["train", "--config", cfg, "--data", data, "--steps", "1", "--seq-len", "16", "--micro-batch", "2",
+            "--precision", "bf16", "--dp", "2"]
+    for name, choices in (("ORIGAMI_BF16_GEMM", "auto, portable or onednn"), ("ORIGAMI_TILE_GEMM", "auto, openblas or onednn")):
+        want = "%s='amx': expected %s" % (name, choices)
+        _, _, failure = h.check_error(name + "=amx", 2, args, lambda line, want=want: line.endswith(want),
+                                      extra_env={name: "amx"})
+        failures += [failure] if failure else []
+
+
 def main():
     models = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else list(MODELS)
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
@@ -123,6 +138,8 @@ def main():
     failures = []
     try:
         data = h.prepare_data(tmp)
+        if not only:
+            kernel_switch_errors(data, failures)
         for model in models:
             cfg = os.path.join(h.CONFIGS, MODELS[model] + ".json")
             bf16 = ["--precision", "bf16"]

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/args.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "core/json_fields.h"
 
@@ -51,4 +52,24 @@ TEST(Args, RunConfigFileFillsButFlagsWin) {
   EXPECT_DOUBLE_EQ(a.number("lr"), 0.1);
   EXPECT_EQ(a.integer("steps"), 7);
   EXPECT_THROW(a.fill_from_json(origami::JsonField(nlohmann::json{{"bogus", 1}}, "run.json")), origami::Error);
+}
+
+// The environment switches' one parser: unset and empty give the default (the first choice); a
+// value outside the choices is one error naming the variable, the value and every choice.
+TEST(EnvChoice, DefaultValidAndInvalid) {
+  const char* var = "ORIGAMI_TEST_ENV_CHOICE";
+  unsetenv(var);
+  EXPECT_EQ(origami::env_choice(var, {"auto", "fast", "slow"}), "auto");
+  setenv(var, "", 1);
+  EXPECT_EQ(origami::env_choice(var, {"auto", "fast", "slow"}), "auto");
+  setenv(var, "slow", 1);
+  EXPECT_EQ(origami::env_choice(var, {"auto", "fast", "slow"}), "slow");
+  setenv(var, "Fast", 1);
+  try {
+    origami::env_choice(var, {"auto", "fast", "slow"});
+    ADD_FAILURE() << "no error for Fast";
+  } catch (const origami::Error& e) {
+    EXPECT_STREQ(e.what(), "ORIGAMI_TEST_ENV_CHOICE='Fast': expected auto, fast or slow");
+  }
+  unsetenv(var);
 }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -12,6 +11,7 @@
 #include <dnnl.h>
 #include <omp.h>
 
+#include "core/env.h"
 #include "core/error.h"
 
 namespace origami {
@@ -59,12 +59,9 @@ struct TileChoice {
 
 // ORIGAMI_TILE_GEMM: nullopt for auto.
 std::optional<TileGemm> forced_tiles() {
-  const char* v = std::getenv("ORIGAMI_TILE_GEMM");
-  const std::string s = v ? v : "auto";
-  if (s == "openblas") return TileGemm::openblas;
-  if (s == "onednn") return TileGemm::onednn;
-  if (s != "auto") fail("ORIGAMI_TILE_GEMM='", s, "': expected auto, openblas or onednn");
-  return std::nullopt;
+  const std::string s = env_choice("ORIGAMI_TILE_GEMM", {"auto", "openblas", "onednn"});
+  if (s == "auto") return std::nullopt;
+  return s == "openblas" ? TileGemm::openblas : TileGemm::onednn;
 }
 
 TileChoice choose_tiles() {

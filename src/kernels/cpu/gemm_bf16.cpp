@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -14,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
 
@@ -180,12 +180,9 @@ void run_onednn(const OnednnMatmul& m, const Shape& s, const bf16* A, const bf16
 // ---- the choice ----------------------------------------------------------------------------------
 
 Bf16GemmMode mode_from_env() {
-  const char* v = std::getenv("ORIGAMI_BF16_GEMM");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "auto") return Bf16GemmMode::automatic;
-  if (s == "portable") return Bf16GemmMode::portable;
-  if (s == "onednn") return Bf16GemmMode::onednn;
-  fail("ORIGAMI_BF16_GEMM='", s, "': expected auto, portable or onednn");
+  const std::string s = env_choice("ORIGAMI_BF16_GEMM", {"auto", "portable", "onednn"});
+  if (s == "auto") return Bf16GemmMode::automatic;
+  return s == "portable" ? Bf16GemmMode::portable : Bf16GemmMode::onednn;
 }
 
 std::atomic<Bf16GemmMode>& mode() {
@@ -373,6 +370,7 @@ void set_bf16_gemm_mode(Bf16GemmMode m) {
 }
 
 Bf16GemmMode bf16_gemm_mode() { return mode(); }
+void check_bf16_gemm_env() { mode_from_env(); }
 
 bool bf16_gemm_always_portable() {
   static const bool no_onednn = [] {

@@ -67,6 +67,8 @@ enum class Bf16GemmMode { automatic, portable, onednn };
 // Overrides ORIGAMI_BF16_GEMM and forgets every choice made so far (tests, benchmarks).
 void set_bf16_gemm_mode(Bf16GemmMode mode);
 Bf16GemmMode bf16_gemm_mode();
+// Reads ORIGAMI_BF16_GEMM: an invalid value throws (the trainer checks it on every rank at start).
+void check_bf16_gemm_env();
 
 // Whether every bf16 GEMM takes the portable path: forced, or oneDNN has no bf16 matmul on this CPU
 // (below AVX-512). An operand that several GEMMs read is then better left in fp32 for each to round
