@@ -359,14 +359,21 @@ void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
   const int64_t expansions = int64_t(zero_choices(dp, shape.cp, shape.vocab).size() *
                                      comm_choices(shape.tp, shape.cp).size() *
                                      sharding_choices(shape.ep, stage / (shape.ep * shape.etp)).size());
-  for (int mb : choices(int(cmd_.fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1))))
+  const std::vector<int> mbs = choices(int(cmd_.fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1)));
+  const int64_t all = expansions * int64_t(mbs.size() * recompute_modes_.size());
+  if (const std::string* why = model_.split_refusal(options(shape))) {  // its layers do not split over the stages
+    result_.layouts += all, result_.evaluated += all;
+    if (result_.first_refusal.empty()) result_.first_refusal = *why;
+    return;
+  }
+  for (int mb : mbs)
     for (int rc = 0; rc < int(recompute_modes_.size()); ++rc) {
       shape.mb = mb, shape.recompute = rc;
       result_.layouts += expansions;
       try {
         shape.bound = model_.step_bound(options(shape));
         shapes_.push_back(shape);
-      } catch (const Error& e) {  // its layers do not split over the stages: refused
+      } catch (const Error& e) {  // refused
         result_.evaluated += expansions;
         if (result_.first_refusal.empty()) result_.first_refusal = e.what();
       }

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/error.h"
 
@@ -43,13 +44,17 @@ class Size {
 };
 
 // Runs `f` (which computes sizes); an overflow becomes an Error naming what was sized and from which
-// inputs: "<what> overflows 64-bit arithmetic (<inputs>)".
-template <typename F>
-auto size_error(const std::string& what, const std::string& inputs, F&& f) -> decltype(f()) {
+// inputs: "<what> overflows 64-bit arithmetic (<inputs>)". `inputs` is a string, or a function that
+// returns one (called only on overflow: the planner sizes millions of layouts).
+template <typename I, typename F>
+auto size_error(const std::string& what, const I& inputs, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const SizeOverflow&) {
-    fail(what, " overflows 64-bit arithmetic (", inputs, ")");
+    if constexpr (std::is_invocable_v<const I&>)
+      fail(what, " overflows 64-bit arithmetic (", inputs(), ")");
+    else
+      fail(what, " overflows 64-bit arithmetic (", inputs, ")");
   }
 }
 

@@ -128,23 +128,28 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   return layers_.emplace(key, l).first->second;
 }
 
-const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
+const std::string* CostModel::split_refusal(const TrainOptions& o) { return split_refusal(o, o.layout_dims(devices_).pp); }
+
+const std::string* CostModel::split_refusal(const TrainOptions& o, int pp) {
   const auto key = std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel);
-  const auto found = parts_.find(key);
-  if (found != parts_.end()) {
-    if (found->second.empty()) fail(unsplittable_.at(key));  // refused before: the same error, without the work
-    return found->second;
+  if (parts_.find(key) == parts_.end()) {
+    std::vector<ModelPart> parts;
+    try {
+      const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
+      for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s, o.vocab_parallel));
+    } catch (const Error& e) {
+      parts.clear();
+      unsplittable_.emplace(key, e.what());
+    }
+    parts_.emplace(key, std::move(parts));
   }
-  std::vector<ModelPart> parts;
-  try {
-    const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
-    for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s, o.vocab_parallel));
-  } catch (const Error& e) {
-    parts_.emplace(key, parts);
-    unsplittable_.emplace(key, e.what());
-    throw;
-  }
-  return parts_.emplace(key, std::move(parts)).first->second;
+  const auto refused = unsplittable_.find(key);
+  return refused == unsplittable_.end() ? nullptr : &refused->second;
+}
+
+const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
+  if (const std::string* why = split_refusal(o, pp)) fail(*why);
+  return parts_.at(std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel));
 }
 
 std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions& o, const MeshDims& m, int terms) {

@@ -220,8 +220,9 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
   const bool bf16 = parse_precision(o.precision) == Precision::bf16;
   const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
-  for (const auto& [f, group, experts] : {std::tuple{buffers.dense, int(mesh.group(rank, "dp-cp").size()), false},
-                                          std::tuple{buffers.experts, mesh.degree("edp"), true}}) {
+  const int dp = mesh.degree("dp") * mesh.degree("cp"), edp = mesh.degree("edp");  // the two gradient groups
+  for (const auto& [figures, group, experts] : {std::tuple{&buffers.dense, dp, false}, std::tuple{&buffers.experts, edp, true}}) {
+    const BufferFigures& f = *figures;  // (a pointer: the figures' unit maps are not copied per layout)
     // ZeRO 0-2 hold every value (ZeRO 1/2 under bf16: of the GEMM weights the shards only, whose
     // copy they gather) and under bf16 the whole copy.
     // ZeRO-3 holds the shards of the values (and under bf16 of its copy buckets' copy) and two units
@@ -264,7 +265,6 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // so this counts one copy on every rank: the neediest within a few percent on 2 ranks, others high.
   // The copy is in the reduction's element type.
   const int64_t Nl = shape.local_tokens();
-  const int dp = int(mesh.group(rank, "dp-cp").size()), edp = mesh.degree("edp");
   // FSSDP's exchanges are blocking: the scratch of the runs they convert on the way (values to bf16,
   // gradients to the wire type, received gradients before they are added), 4 bytes an element at
   // most, at most one layer's experts each way.
@@ -291,7 +291,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
 
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,
                         const RankBuffers& buffers, int64_t runtime, int64_t sampler) {
-  return size_error("the memory of this run", size_inputs(cfg, &o),
+  return size_error("the memory of this run", [&] { return size_inputs(cfg, &o); },
                     [&] { return memory_of(cfg, o, world_size, rank, buffers, runtime, sampler); });
 }
 

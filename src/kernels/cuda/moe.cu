@@ -10,7 +10,6 @@
 namespace origami::cuda {
 
 namespace {
-constexpr int kThreads = 256;
 
 __device__ float score_of(float logit, float lse, bool softmax) {
   return softmax ? expf(logit - lse) : 1.f / (1.f + expf(-logit));
