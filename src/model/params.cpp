@@ -1,5 +1,6 @@
 #include "model/params.h"
 
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <algorithm>
@@ -187,8 +188,13 @@ int64_t num_parameters(const ModelConfig& cfg) {
 }
 
 int64_t param_unit(const std::string& name) {
-  for (const char* prefix : {"h.", "model.layers."})  // gpt2, the others
-    if (name.rfind(prefix, 0) == 0) return std::stoll(name.substr(std::strlen(prefix)));
+  for (const std::string_view prefix : {"h.", "model.layers."})  // gpt2, the others
+    if (name.rfind(prefix, 0) == 0) {
+      int64_t layer = -1;  // (parsed in place: the planner asks for every tensor of millions of layouts)
+      std::from_chars(name.data() + prefix.size(), name.data() + name.size(), layer);
+      ORIGAMI_ASSERT(layer >= 0);
+      return layer;
+    }
   for (const char* embedding : {"wte.", "wpe.", "model.embed_tokens."})
     if (name.rfind(embedding, 0) == 0) return kEmbeddingUnit;
   return kHeadUnit;

@@ -10,8 +10,9 @@ namespace origami {
 
 namespace {
 
-std::vector<std::string> split_axes(std::string_view s) {
-  std::vector<std::string> out;
+// The names of "a-b-c" (views into s: no copies, the planner builds meshes by the million).
+std::vector<std::string_view> split_axes(std::string_view s) {
+  std::vector<std::string_view> out;
   size_t start = 0;
   while (start <= s.size()) {
     size_t end = s.find('-', start);
@@ -48,16 +49,16 @@ MeshShape::MeshShape(int world, MeshDims d, std::string order) : world_(world), 
                 d.dp, "·", d.pp, " = ", attn.get());
   ORIGAMI_CHECK(moe == world, "the world size (", world, " ranks) must equal ETP·EP·EDP·PP for the MoE mesh = ", d.etp,
                 "·", d.ep, "·", d.edp, "·", d.pp, " = ", moe.get());
-  std::vector<std::string> names = split_axes(order_), sorted = names;
+  std::vector<std::string_view> names = split_axes(order_), sorted = names;
   std::sort(sorted.begin(), sorted.end());
-  ORIGAMI_CHECK(sorted == std::vector<std::string>({"cp", "dp", "ep", "pp", "tp"}), "mesh order '", order_,
+  ORIGAMI_CHECK(sorted == std::vector<std::string_view>({"cp", "dp", "ep", "pp", "tp"}), "mesh order '", order_,
                 "' must name each of tp, cp, ep, dp, pp exactly once, separated by '-'");
   int sa = 1, sm = 1;
-  for (const std::string& n : names) {
+  for (const std::string_view n : names) {
     const int a = n == "tp" ? d.tp : n == "cp" ? d.cp : n == "dp" ? d.dp : n == "pp" ? d.pp : 1;
     const int m = n == "tp" ? d.etp : n == "ep" ? d.ep : n == "dp" ? d.edp : n == "pp" ? d.pp : 1;
-    if (n != "ep") attn_.push_back({n, a, sa});
-    if (n != "cp") moe_.push_back({n == "tp" ? "etp" : n == "dp" ? "edp" : n, m, sm});
+    if (n != "ep") attn_.push_back({std::string(n), a, sa});
+    if (n != "cp") moe_.push_back({std::string(n == "tp" ? "etp" : n == "dp" ? "edp" : n), m, sm});
     sa *= a, sm *= m;
   }
   auto pp_stride = [](const std::vector<Axis>& mesh) {
@@ -90,7 +91,7 @@ int MeshShape::coord(int rank, std::string_view a) const {
 }
 
 std::vector<int> MeshShape::group(int rank, std::string_view axes) const {
-  const std::vector<std::string> names = split_axes(axes);
+  const std::vector<std::string_view> names = split_axes(axes);
   const std::vector<Axis>& mesh = mesh_of(names.front());
   std::vector<const Axis*> in;  // the group's axes, in mesh order
   for (const Axis& x : mesh)
