@@ -354,7 +354,8 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
       }
 }
 
-// The shapes of one mesh and split: every micro-batch and recomputation mode.
+// The shapes of one mesh and split: every micro-batch and recomputation mode; a split whose layers do
+// not divide over its stages is refused with all of them.
 void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
   const int64_t expansions = int64_t(zero_choices(dp, shape.cp, shape.vocab).size() *
                                      comm_choices(shape.tp, shape.cp).size() *
@@ -370,13 +371,8 @@ void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
     for (int rc = 0; rc < int(recompute_modes_.size()); ++rc) {
       shape.mb = mb, shape.recompute = rc;
       result_.layouts += expansions;
-      try {
-        shape.bound = model_.step_bound(options(shape));
-        shapes_.push_back(shape);
-      } catch (const Error& e) {  // refused
-        result_.evaluated += expansions;
-        if (result_.first_refusal.empty()) result_.first_refusal = e.what();
-      }
+      shape.bound = model_.step_bound(options(shape));  // (its split is known to divide the layers)
+      shapes_.push_back(shape);
     }
 }
 

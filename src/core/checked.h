@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "core/error.h"
@@ -47,14 +48,16 @@ class Size {
 // inputs: "<what> overflows 64-bit arithmetic (<inputs>)". `inputs` is a string, or a function that
 // returns one (called only on overflow: the planner sizes millions of layouts).
 template <typename I, typename F>
-auto size_error(const std::string& what, const I& inputs, F&& f) -> decltype(f()) {
+auto size_error(std::string_view what, const I& inputs, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const SizeOverflow&) {
+    std::string named;
     if constexpr (std::is_invocable_v<const I&>)
-      fail(what, " overflows 64-bit arithmetic (", inputs(), ")");
+      named = inputs();
     else
-      fail(what, " overflows 64-bit arithmetic (", inputs, ")");
+      named = inputs;
+    fail(what, " overflows 64-bit arithmetic (", named, ")");
   }
 }
 

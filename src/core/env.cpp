@@ -7,6 +7,7 @@
 namespace origami {
 
 std::string env_choice(const char* name, std::initializer_list<std::string_view> choices) {
+  ORIGAMI_ASSERT(choices.size() > 0);
   const char* v = std::getenv(name);
   const std::string s = v && *v ? v : std::string(*choices.begin());
   std::string expected;

@@ -189,7 +189,7 @@ int64_t num_parameters(const ModelConfig& cfg) {
 
 int64_t param_unit(const std::string& name) {
   for (const std::string_view prefix : {"h.", "model.layers."})  // gpt2, the others
-    if (name.rfind(prefix, 0) == 0) {
+    if (name.starts_with(prefix)) {
       int64_t layer = -1;  // (parsed in place: the planner asks for every tensor of millions of layouts)
       std::from_chars(name.data() + prefix.size(), name.data() + name.size(), layer);
       ORIGAMI_ASSERT(layer >= 0);

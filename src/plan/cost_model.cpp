@@ -128,11 +128,10 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   return layers_.emplace(key, l).first->second;
 }
 
-const std::string* CostModel::split_refusal(const TrainOptions& o) { return split_refusal(o, o.layout_dims(devices_).pp); }
-
-const std::string* CostModel::split_refusal(const TrainOptions& o, int pp) {
+const std::vector<ModelPart>& CostModel::split(const TrainOptions& o, int pp) {
   const auto key = std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel);
-  if (parts_.find(key) == parts_.end()) {
+  auto found = parts_.find(key);
+  if (found == parts_.end()) {
     std::vector<ModelPart> parts;
     try {
       const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
@@ -141,15 +140,20 @@ const std::string* CostModel::split_refusal(const TrainOptions& o, int pp) {
       parts.clear();
       unsplittable_.emplace(key, e.what());
     }
-    parts_.emplace(key, std::move(parts));
+    found = parts_.emplace(key, std::move(parts)).first;
   }
-  const auto refused = unsplittable_.find(key);
-  return refused == unsplittable_.end() ? nullptr : &refused->second;
+  return found->second;
+}
+
+const std::string* CostModel::split_refusal(const TrainOptions& o) {
+  if (!split(o, o.pp).empty()) return nullptr;
+  return &unsplittable_.at(std::make_tuple(o.pp, o.vpp, o.pp_layers, o.vocab_parallel));
 }
 
 const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
-  if (const std::string* why = split_refusal(o, pp)) fail(*why);
-  return parts_.at(std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel));
+  const std::vector<ModelPart>& parts = split(o, pp);
+  if (parts.empty()) fail(unsplittable_.at(std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel)));
+  return parts;
 }
 
 std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions& o, const MeshDims& m, int terms) {

@@ -80,8 +80,9 @@ class CostModel {
   // The search evaluates layouts in the order of this bound and stops when it exceeds the K-th best.
   // o: resolved, with degrees that divide the devices (not otherwise validated).
   double step_bound(const TrainOptions& o);
-  // Why o's layers do not split over its pipeline (partition_layers' message), or null when they do:
-  // the search asks once per split, not per layout (an exception per layout cost it ~10%).
+  // Why o's layers do not split over its pipeline (the error partition_layers or the stage parts
+  // give), or null when they do: the search asks once per split, not per layout (an exception per
+  // layout was ~15% of a search).
   const std::string* split_refusal(const TrainOptions& o);
   int64_t num_tensors() const { return num_tensors_; }  // of the whole model
 
@@ -100,7 +101,9 @@ class CostModel {
   // The terms of compute, for the breakdown (a mask; kAll: the whole).
   enum Terms { kGemm = 1, kAttention = 2, kStreamed = 4, kKernels = 8, kAll = 15 };
   const LayerCosts& layer_costs(const TrainOptions& o, const MeshDims& m, int terms);
-  const std::string* split_refusal(const TrainOptions& o, int pp);
+  // Each stage's part of o's layers over pp stages, computed once per split; empty when refused
+  // (unsplittable_ holds why).
+  const std::vector<ModelPart>& split(const TrainOptions& o, int pp);
   const std::vector<ModelPart>& stage_parts(const TrainOptions& o, int pp);
   std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m, int terms = kAll);
   const Cluster& at(const TrainOptions& o) const { return o.precision == "bf16" ? bf16_ : cluster_; }

@@ -220,8 +220,8 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   Size weights = 0, grads = 0, optimizer = 0;  // checked (core/checked.h), as every sum below
   const bool bf16 = parse_precision(o.precision) == Precision::bf16;
   const bool bf16_wire = o.grad_reduce_wire() == DType::bf16;
-  const int dp = mesh.degree("dp") * mesh.degree("cp"), edp = mesh.degree("edp");  // the two gradient groups
-  for (const auto& [figures, group, experts] : {std::tuple{&buffers.dense, dp, false}, std::tuple{&buffers.experts, edp, true}}) {
+  const int dp_cp = mesh.degree("dp") * mesh.degree("cp"), edp = mesh.degree("edp");  // the two gradient groups
+  for (const auto& [figures, group, experts] : {std::tuple{&buffers.dense, dp_cp, false}, std::tuple{&buffers.experts, edp, true}}) {
     const BufferFigures& f = *figures;  // (a pointer: the figures' unit maps are not copied per layout)
     // ZeRO 0-2 hold every value (ZeRO 1/2 under bf16: of the GEMM weights the shards only, whose
     // copy they gather) and under bf16 the whole copy.
@@ -270,7 +270,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // most, at most one layer's experts each way.
   auto posted = [&](const BufferFigures& f, bool experts) { return Size(o.zero_of(experts) >= 2 ? f.largest : f.buckets); };
   const Size exchanges = o.fssdp() && edp > 1 ? 2 * 4 * Size(buffers.experts.largest_unit) * (edp - 1) / edp : Size(0);
-  const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp > 1 ? posted(buffers.dense, false) : Size(0)) +
+  const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp_cp > 1 ? posted(buffers.dense, false) : Size(0)) +
                                                             (edp > 1 && !o.fssdp() ? posted(buffers.experts, true) : Size(0))) +
                        exchanges;
   const Size vocab =

@@ -39,8 +39,7 @@ G = 8
 
 
 def train_args(cfg_path, data, metrics, save):
-    a = tl.train_args(cfg_path, data, G, metrics, save, lr=tl.SLOW_LR)
-    return a
+    return tl.train_args(cfg_path, data, G, metrics, save, lr=tl.SLOW_LR)
 
 VARIANTS = {
     "micro": [],

@@ -27,10 +27,10 @@ message naming the value and the rule. Checkpoints saved with the flag resume wi
 other way round (resumes). The memory balance on a model whose vocabulary dominates (balance).
 
 Models: the 4-layer test models where a layout needs 4 stages or chunks, else the 2-layer ones. The
-4-layer llama_tiny and qwen2_moe_8e are not used: on them the one-rank control with --threads 2
-(no parallelism at all, only a different float summation order) at lr 1e-2 already ends 4.4e-5 and 5.8e-5 from
-one thread at step 20 (measured; AdamW amplifies the noise there, see test_layouts.py), so no
-layout can be held to 1e-5 on them; llama_gqa2 is the 4-layer llama here.
+4-layer llama_tiny and qwen2_moe_8e are not used, a choice made when this test ran at lr 1e-2: there
+the one-rank control with --threads 2 (no parallelism at all, only a different float summation
+order) ended 4.4e-5 and 5.8e-5 from one thread at step 20 (AdamW amplifies the noise, see
+test_layouts.py), so no layout could be held to 1e-5 on them; llama_gqa2 is the 4-layer llama here.
 
 Usage: python3 tests/parallel/test_vocab_parallel.py [LAYOUT,...]
 """
