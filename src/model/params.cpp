@@ -196,7 +196,7 @@ int64_t param_unit(const std::string& name) {
       return layer;
     }
   for (const char* embedding : {"wte.", "wpe.", "model.embed_tokens."})
-    if (name.rfind(embedding, 0) == 0) return kEmbeddingUnit;
+    if (name.starts_with(embedding)) return kEmbeddingUnit;
   return kHeadUnit;
 }
 

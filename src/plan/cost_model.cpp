@@ -128,32 +128,31 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   return layers_.emplace(key, l).first->second;
 }
 
-const std::vector<ModelPart>& CostModel::split(const TrainOptions& o, int pp) {
+const CostModel::Split& CostModel::split(const TrainOptions& o, int pp) {
   const auto key = std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel);
-  auto found = parts_.find(key);
-  if (found == parts_.end()) {
-    std::vector<ModelPart> parts;
+  auto found = splits_.find(key);
+  if (found == splits_.end()) {
+    Split split;
     try {
       const std::vector<LayerRange> virtual_stages = partition_layers(int(cfg_.num_layers), pp, o.vpp, o.pp_layers);
-      for (int s = 0; s < pp; ++s) parts.push_back(ModelPart::of_stage(virtual_stages, pp, s, o.vocab_parallel));
+      for (int s = 0; s < pp; ++s) split.parts.push_back(ModelPart::of_stage(virtual_stages, pp, s, o.vocab_parallel));
     } catch (const Error& e) {
-      parts.clear();
-      unsplittable_.emplace(key, e.what());
+      split = {{}, e.what()};
     }
-    found = parts_.emplace(key, std::move(parts)).first;
+    found = splits_.emplace(key, std::move(split)).first;
   }
   return found->second;
 }
 
 const std::string* CostModel::split_refusal(const TrainOptions& o) {
-  if (!split(o, o.pp).empty()) return nullptr;
-  return &unsplittable_.at(std::make_tuple(o.pp, o.vpp, o.pp_layers, o.vocab_parallel));
+  const Split& s = split(o, o.pp);
+  return s.parts.empty() ? &s.refusal : nullptr;
 }
 
 const std::vector<ModelPart>& CostModel::stage_parts(const TrainOptions& o, int pp) {
-  const std::vector<ModelPart>& parts = split(o, pp);
-  if (parts.empty()) fail(unsplittable_.at(std::make_tuple(pp, o.vpp, o.pp_layers, o.vocab_parallel)));
-  return parts;
+  const Split& s = split(o, pp);
+  if (s.parts.empty()) fail(s.refusal);
+  return s.parts;
 }
 
 std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions& o, const MeshDims& m, int terms) {

@@ -101,9 +101,13 @@ class CostModel {
   // The terms of compute, for the breakdown (a mask; kAll: the whole).
   enum Terms { kGemm = 1, kAttention = 2, kStreamed = 4, kKernels = 8, kAll = 15 };
   const LayerCosts& layer_costs(const TrainOptions& o, const MeshDims& m, int terms);
-  // Each stage's part of o's layers over pp stages, computed once per split; empty when refused
-  // (unsplittable_ holds why).
-  const std::vector<ModelPart>& split(const TrainOptions& o, int pp);
+  // Each stage's part of o's layers over pp stages, computed once per split; no parts when refused,
+  // with why (partition_layers' or the stage parts' error).
+  struct Split {
+    std::vector<ModelPart> parts;
+    std::string refusal;
+  };
+  const Split& split(const TrainOptions& o, int pp);
   const std::vector<ModelPart>& stage_parts(const TrainOptions& o, int pp);
   std::vector<StageCompute> stage_compute(const TrainOptions& o, const MeshDims& m, int terms = kAll);
   const Cluster& at(const TrainOptions& o) const { return o.precision == "bf16" ? bf16_ : cluster_; }
@@ -120,8 +124,7 @@ class CostModel {
   int devices_;
   int64_t runtime_;
   double imbalance_;
-  std::map<std::tuple<int, int, std::vector<int>, bool>, std::vector<ModelPart>> parts_;  // (pp, vpp, pp_layers, vocab); empty: refused
-  std::map<std::tuple<int, int, std::vector<int>, bool>, std::string> unsplittable_;  // why partition_layers refused
+  std::map<std::tuple<int, int, std::vector<int>, bool>, Split> splits_;  // (pp, vpp, pp_layers, vocab)
   std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool, bool, int>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp, bf16, terms)
   std::map<std::tuple<int, int, std::vector<int>, int, int, int, bool>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank, vocab)
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
