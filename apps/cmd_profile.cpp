@@ -181,21 +181,22 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeR
   }
 }
 
-// Attention: one window of T, the model's heads (or 8 of 64).
-void measure_attention(Comm& world, const ProfileCommand& cmd, Cluster& c) {
+// Attention: one window of T, the model's heads (or 8 of 64), in precision p. Returns its FLOP/s.
+double measure_attention(Comm& world, const ProfileCommand& cmd, Precision p) {
   const int64_t T = cmd.seq_len;
   const int64_t H = cmd.cfg ? cmd.cfg->num_heads : 8, KV = cmd.cfg ? cmd.cfg->num_kv_heads : 8,
                 D = cmd.cfg ? cmd.cfg->head_dim : 64, S = (H + 2 * KV) * D;
   std::vector<float> qkv(size_t(T * S), 0.01f), out(size_t(T * H * D)), lse(size_t(H * T)), dqkv(size_t(T * S)),
       dout(size_t(T * H * D), 0.01f);
   const double t = timed(world, cmd.seconds, 1, [&] {
-    attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D);
-    attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D);
+    attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D, nullptr, p);
+    attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D, nullptr, p);
   });
-  c.attention_flops = 6.0 * double(T) * double(T) * double(H * D) / t;
+  const double flops = 6.0 * double(T) * double(T) * double(H * D) / t;
   if (world.rank() == 0)
-    std::printf("attention T %lld, %lld heads of %lld: %.2f GFLOP/s per rank\n", (long long)T, (long long)H,
-                (long long)D, c.attention_flops / 1e9);
+    std::printf("attention T %lld, %lld heads of %lld, %s: %.2f GFLOP/s per rank\n", (long long)T, (long long)H,
+                (long long)D, precision_name(p), flops / 1e9);
+  return flops;
 }
 
 // Memory bandwidth: a triad a = b + s·c over arrays far larger than the caches, on every rank at
@@ -299,7 +300,7 @@ void describe_node(const Comm& world, Cluster& c) {
                  num_threads(), " threads: GEMM rates per rank with every rank running (peak: the best of them), the "
                  "attention core, memory bandwidth (triad), each collective's bandwidth and latency (the all-reduce's "
                  "the link), and how much of an all-reduce hides behind GEMMs; bf16: the GEMMs as its matmul runs them, "
-                 "attention at the fp32 rate (its tiles compute in fp32); memory: what the node had available (",
+                 "the attention core with its bf16 products; memory: what the node had available (",
                  avail.source, ") shared by the ranks");
 }
 
@@ -311,12 +312,12 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
   c.nodes = 1;
   c.devices_per_node = world.size();
   measure_gemms(world, cmd, Precision::fp32, c);
-  measure_attention(world, cmd, c);
-  // bf16: the GEMMs as its matmul runs them; attention's tiles compute in fp32 (DESIGN.md, "Mixed
-  // precision"), so its rate is fp32's.
+  c.attention_flops = measure_attention(world, cmd, Precision::fp32);
+  // bf16: the GEMMs as its matmul runs them, the attention core with its bf16 products (DESIGN.md,
+  // "Mixed precision").
   c.bf16 = ComputeRates{};
   measure_gemms(world, cmd, Precision::bf16, *c.bf16);
-  c.bf16->attention_flops = c.attention_flops;
+  c.bf16->attention_flops = measure_attention(world, cmd, Precision::bf16);
   measure_memory_bandwidth(world, cmd.seconds, c);
   c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
   if (world.size() > 1) {

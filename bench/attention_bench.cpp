@@ -4,8 +4,13 @@
 //
 //   ninja -C build attention_bench
 //   build/attention_bench [--seq 4096] [--heads 8] [--kv-heads 8] [--head-dim 64] [--batch 1]
-//                         [--docs 1,8,64] [--rounds 5] [--threads 0 (all cores)]
+//                         [--docs 1,8,64] [--rounds 5] [--threads 0 (all cores)] [--precision fp32[,bf16]]
 //
+// --precision bf16 runs the core as `train --precision bf16` does (layers/attention.h: bf16 products,
+// fp32 softmax), its tiles on the path bf16_tiles() chose (printed; ORIGAMI_BF16_GEMM=portable forces
+// fp32 tiles). With both (fp32,bf16) each round times both, alternately, and each bf16 row also
+// gives its time relative to fp32's on the same window (round by round: a machine whose speed
+// drifts between rounds moves both).
 // Each round times, alternately, the causal window and each document count (forward, then
 // backward, on the same random q|k|v in fp32). Printed: per row the median of the rounds' times
 // (min and max beside it), the score tiles computed (forward, per call), and the time and tiles
@@ -20,6 +25,7 @@
 #include <vector>
 
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "model/layers/attention.h"
 
 using namespace origami;
@@ -30,11 +36,12 @@ struct Options {
   int64_t T = 4096, H = 8, KV = 8, D = 64, B = 1;
   std::vector<int64_t> docs = {1, 8, 64};
   int rounds = 5, threads = 0;
+  std::vector<Precision> precisions = {Precision::fp32};
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr, "attention_bench: %s\nusage: attention_bench [--seq T] [--heads H] [--kv-heads KV] "
-               "[--head-dim D] [--batch B] [--docs N,N,...] [--rounds R] [--threads N]\n", why);
+               "[--head-dim D] [--batch B] [--docs N,N,...] [--rounds R] [--threads N] [--precision fp32[,bf16]]\n", why);
   std::exit(2);
 }
 
@@ -58,7 +65,14 @@ Options parse(int argc, char** argv) {
     else if (k == "--batch") o.B = num();
     else if (k == "--rounds") o.rounds = int(num());
     else if (k == "--threads") o.threads = int(num());
-    else if (k == "--docs") {
+    else if (k == "--precision") {
+      o.precisions.clear();
+      std::stringstream ss(v);
+      for (std::string f; std::getline(ss, f, ',');) {
+        if (f != "fp32" && f != "bf16") usage(("--precision takes fp32 and bf16, got '" + f + "'").c_str());
+        o.precisions.push_back(parse_precision(f));
+      }
+    } else if (k == "--docs") {
       o.docs.clear();
       std::stringstream ss(v);
       for (std::string f; std::getline(ss, f, ',');) o.docs.push_back(std::atoll(f.c_str()));
@@ -94,30 +108,45 @@ int main(int argc, char** argv) {
     for (int64_t b = 0; b < o.B; ++b)
       for (int64_t t = 0; t < o.T; ++t) masks[r].push_back(int32_t(std::min(t / len, o.docs[r] - 1)));
   }
-  const size_t rows = 1 + o.docs.size();
+  // Row (precision p, window w) is p · windows + w; window 0 is causal.
+  const size_t windows = 1 + o.docs.size(), rows = o.precisions.size() * windows;
   std::vector<std::vector<double>> times(rows);
   std::vector<int64_t> tiles(rows);
   for (int round = 0; round <= o.rounds; ++round)  // round 0 warms up
     for (size_t r = 0; r < rows; ++r) {
-      const int32_t* doc = r == 0 ? nullptr : masks[r - 1].data();
+      const Precision p = o.precisions[r / windows];
+      const int32_t* doc = r % windows == 0 ? nullptr : masks[r % windows - 1].data();
       const auto t0 = std::chrono::steady_clock::now();
-      tiles[r] = attention_forward(out.data(), lse.data(), qkv.data(), o.B, o.T, o.H, o.KV, o.D, doc);
-      attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), o.B, o.T, o.H, o.KV, o.D, doc);
+      tiles[r] = attention_forward(out.data(), lse.data(), qkv.data(), o.B, o.T, o.H, o.KV, o.D, doc, p);
+      attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), o.B, o.T, o.H, o.KV, o.D, doc, p);
       if (round > 0) times[r].push_back(seconds_since(t0) * 1e3);
     }
-  std::printf("attention forward + backward: B %lld, T %lld, %lld heads (%lld kv), head dim %lld, %d threads, "
-              "median of %d rounds\n\n", (long long)o.B, (long long)o.T, (long long)o.H, (long long)o.KV,
-              (long long)o.D, num_threads(), o.rounds);
-  std::printf("| window | ms (min-max) | score tiles | time vs causal | tiles vs causal |\n|---|---|---|---|---|\n");
-  for (size_t r = 0; r < rows; ++r) {
-    std::vector<double> t = times[r];
+  auto median = [](std::vector<double> t) {
     std::sort(t.begin(), t.end());
-    const double med = t[t.size() / 2];
-    std::vector<double> c = times[0];
-    std::sort(c.begin(), c.end());
-    const std::string name = r == 0 ? "causal" : std::to_string(o.docs[r - 1]) + " document" + (o.docs[r - 1] > 1 ? "s" : "");
-    std::printf("| %s | %.1f (%.1f-%.1f) | %lld | %.3f | %.3f |\n", name.c_str(), med, t.front(), t.back(),
-                (long long)tiles[r], med / c[c.size() / 2], double(tiles[r]) / double(tiles[0]));
+    return t[t.size() / 2];
+  };
+  std::printf("attention forward + backward: B %lld, T %lld, %lld heads (%lld kv), head dim %lld, %d threads, "
+              "median of %d rounds\n%s\n", (long long)o.B, (long long)o.T, (long long)o.H, (long long)o.KV,
+              (long long)o.D, num_threads(), o.rounds, describe_tile_gemm().c_str());
+  const bool both = o.precisions.size() > 1;  // rows relative to the first precision's
+  if (std::find(o.precisions.begin(), o.precisions.end(), Precision::bf16) != o.precisions.end())
+    std::printf("%s\n", describe_bf16_tiles().c_str());
+  std::printf("\n| precision | window | ms (min-max) | score tiles | time vs causal | tiles vs causal |%s\n"
+              "|---|---|---|---|---|---|%s\n", both ? " time vs the first precision |" : "", both ? "---|" : "");
+  for (size_t r = 0; r < rows; ++r) {
+    const Precision p = o.precisions[r / windows];
+    const size_t w = r % windows, causal = r - w;
+    const std::string name = w == 0 ? "causal" : std::to_string(o.docs[w - 1]) + " document" + (o.docs[w - 1] > 1 ? "s" : "");
+    const double med = median(times[r]);
+    std::printf("| %s | %s | %.1f (%.1f-%.1f) | %lld | %.3f | %.3f |", precision_name(p), name.c_str(), med,
+                *std::min_element(times[r].begin(), times[r].end()), *std::max_element(times[r].begin(), times[r].end()),
+                (long long)tiles[r], med / median(times[causal]), double(tiles[r]) / double(tiles[causal]));
+    if (both) {  // the median of the round-by-round ratios against the first precision's row
+      std::vector<double> ratio;
+      for (size_t i = 0; i < times[r].size(); ++i) ratio.push_back(times[r][i] / times[w][i]);
+      std::printf(" %.3f |", median(ratio));
+    }
+    std::printf("\n");
   }
   return 0;
 }

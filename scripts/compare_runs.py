@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import harness  # noqa: E402
 
 TIMING_KEYS = {"ms", "tokens_per_s", "gflops", "cpu_s", "pp_busy_ms", "pp_ms", "rss_peak_bytes", "save_blocked_s",
-               "moe_times", "memory_bytes_per_rank"}
+               "moe_times", "memory_bytes_per_rank", "pp_rss_peak_bytes"}
 # Console text that depends on the clock or on the process's measured memory.
 MASKS = [(re.compile(r"\d+ tok/s \| [\d.]+ ms \| [\d.]+ GFLOP/s \| eta \S+"), "<timing>"),
          (re.compile(r"\| [\d.]+ ms$", re.M), "| <ms>"),

@@ -127,13 +127,15 @@ struct ScratchSizes {
 
 // bf16: the rounding scratch of the calling thread — two operand slots and a backward's rounded dy,
 // each at most the most rows of a GEMM (tokens, or the experts' rows) times its widest operand; the
-// LM head's rounded dlogits and input chunk — and gemm_bf16's portable widening scratch (16 MiB at most).
+// LM head's rounded dlogits and input chunk — gemm_bf16's portable widening scratch (16 MiB at most),
+// and every thread's attention scratch for windows of T tokens (a CP block is shorter).
 Size bf16_scratch_bytes(const ModelConfig& c, const LocalSizes& s, const ActivationShape& a, bool head_stage) {
   if (a.precision != Precision::bf16) return 0;
   const int64_t Vl = vocab_rows(c, a);
   const Size rows = std::max(s.N, s.moe_rows), widest = std::max({s.C, s.Sl, s.HDl, s.fa, 2 * Size(s.moe.F)});
   const Size chunk = head_stage ? lm_head_chunk_rows(s.N.get(), Vl) : 0;
-  return 2 * (3 * rows * widest + chunk * (Size(Vl) + s.C)) + (int64_t(16) << 20);
+  return 2 * (3 * rows * widest + chunk * (Size(Vl) + s.C)) + (int64_t(16) << 20) +
+         Size(a.threads) * attention_scratch_bytes(a.T, c.head_dim, a.precision);
 }
 
 int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const ModelPart& part) {
@@ -386,8 +388,8 @@ Model::Dims Model::dims() const {
 }
 
 ActivationShape Model::activation_shape() const {
-  return {B_, T_, tp_.size(), tp_.sp(), recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(), cp_.a2a_size(),
-          part_.vocab_stages, precision_};
+  return {B_,           T_,        tp_.size(), tp_.sp(),   recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(),
+          cp_.a2a_size(), part_.vocab_stages, precision_, num_threads()};
 }
 
 MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }

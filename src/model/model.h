@@ -86,6 +86,7 @@ struct ActivationShape {
   int vocab_pp = 1;  // vocabulary parallelism: the vocabulary split over tp·vocab_pp, every stage runs the LM head
   Precision precision = Precision::fp32;  // of the layer GEMMs: bf16 adds the rounding scratch to the workspace
                                           // and keeps the dense MLPs' activations in bf16
+  int threads = 1;  // of the rank: in bf16 each holds the attention core's scratch (attention_scratch_bytes)
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);
@@ -93,7 +94,8 @@ int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
 // Work buffers of a stage's model for a batch (not kept across calls: backward gradients of the
 // activations, the LM head's logits chunk, MoE backward buffers, SP region buffers), allocated once
 // by Model::set_batch (and TensorParallel's region buffer); in bf16 also the matmul seam's rounding
-// scratch and gemm_bf16's (kernels/cpu/matmul.h), which grow to the largest call and stay.
+// scratch and gemm_bf16's (kernels/cpu/matmul.h), which grow to the largest call and stay, and the
+// attention core's per-thread scratch while it runs.
 int64_t workspace_bytes(const ModelConfig& cfg, const ActivationShape& a, const ModelPart& part);
 
 // Model FLOPs per token of a training step (forward + backward), convention:
@@ -305,7 +307,11 @@ class Model {
   // sets them again: micro-batches interleave under pipeline schedules).
   void set_documents(const int32_t* tokens);
   const int32_t* docs() const { return docs_.empty() ? nullptr : docs_.data(); }
-  CpShape cp_shape() const { return cp_now().shape(B_, T_, Hl_, KVl_, cfg_.head_dim); }
+  CpShape cp_shape() const {
+    CpShape s = cp_now().shape(B_, T_, Hl_, KVl_, cfg_.head_dim);
+    s.precision = precision_;
+    return s;
+  }
   // The current micro-batch's attention: over the CP group, or this rank's alone (set_alone).
   ContextParallel& cp_now() { return alone_ ? local_cp_ : cp_; }
   const ContextParallel& cp_now() const { return alone_ ? local_cp_ : cp_; }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "kernels/cpu/matmul.h"
 
 namespace origami {
 
@@ -49,6 +50,7 @@ const char* cp_comm_name(CpComm c);
 struct CpShape {
   int64_t B = 0, Tl = 0, H = 0, KV = 0, D = 0;
   int cp = 1, a2a = 1;  // C and A
+  Precision precision = Precision::fp32;  // of the attention core's products (layers/attention.h)
   int64_t N() const { return B * Tl; }
   int64_t Ha() const { return H / a2a; }
   int64_t KVa() const { return KV >= a2a ? KV / a2a : 1; }

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "data/blend.h"
 #include "data/sampler.h"
+#include "kernels/cpu/gemm.h"
 #include "train/balance.h"
 #include "parallel/context_parallel.h"
 #include "parallel/pipeline.h"
@@ -316,8 +317,8 @@ bool TrainOptions::fssdp() const {
 }
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
-  return {micro_batch, seq_len / cp,        tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
-          cp,          cp_a2a(),                  vocab_parallel ? pp : 1, parse_precision(precision)};
+  return {micro_batch, seq_len / cp, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
+          cp, cp_a2a(), vocab_parallel ? pp : 1, parse_precision(precision), threads > 0 ? threads : num_threads()};
 }
 
 DType TrainOptions::grad_reduce_wire() const {

@@ -240,6 +240,11 @@ MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   int32_t tiles = int32_t(tile_gemm_library());
   world.broadcast(&tiles, 1, DType::i32, 0);
   set_tile_gemm_library(TileGemm(tiles));
+  if (plan.precision == Precision::bf16) {  // and its bf16 tiles' path
+    int32_t bf16 = int32_t(bf16_tiles());
+    world.broadcast(&bf16, 1, DType::i32, 0);
+    set_bf16_tiles(Bf16Tiles(bf16));
+  }
   const int64_t data_bytes =
       in.data->bytes(o.global_batch) + (in.eval_data ? in.eval_data->bytes(o.eval_iters * o.global_batch) : 0) +
       (in.docs ? in.docs->bytes() : 0) + (in.eval_docs ? in.eval_docs->bytes() : 0);
@@ -467,7 +472,7 @@ void Run::print_startup() const {
   std::printf("%s\n", describe_tile_gemm().c_str());
   if (plan_.precision == Precision::bf16)
     std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
-                "| %s\n", describe_bf16_gemm().c_str());
+                "| %s | %s\n", describe_bf16_gemm().c_str(), describe_bf16_tiles().c_str());
   if (plan_.options.grad_reduce_wire() == DType::bf16 && !reduces_in_bf16(plan_))
     std::fprintf(stderr, "origami train: warning: --grad-reduce-dtype bf16 changes nothing here: no DP, CP or EDP "
                  "group has more than one rank, so no gradient is reduced\n");

@@ -308,17 +308,67 @@ def document_layout(tok_BT, eod):
     return doc, t - first
 
 
-def causal_attention(q_BHTD, k_BHTD, v_BHTD, doc_BT=None):
-    """Softmax attention of each query over the keys at or before it (and, with doc_BT, in the
-    same document: a block-diagonal causal mask)."""
-    T, D = q_BHTD.shape[-2], q_BHTD.shape[-1]
-    att = q_BHTD @ k_BHTD.transpose(-1, -2) / math.sqrt(D)
+def attention_mask(T, doc_BT=None):
+    """[T, T] (or [B, 1, T, T] with documents): key j visible to query i."""
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     if doc_BT is not None:
         mask = mask & (doc_BT[:, None, :, None] == doc_BT[:, None, None, :])
+    return mask
+
+
+def causal_attention(q_BHTD, k_BHTD, v_BHTD, doc_BT=None):
+    """Softmax attention of each query over the keys at or before it (and, with doc_BT, in the
+    same document: a block-diagonal causal mask). In bf16 mode with origami's rounding points
+    (Bf16Attention)."""
+    mask = attention_mask(q_BHTD.shape[-2], doc_BT)
+    if _GEMM_PRECISION == "bf16":
+        return Bf16Attention.apply(q_BHTD, k_BHTD, v_BHTD, mask)
+    return softmax_attention(q_BHTD, k_BHTD, v_BHTD, mask)
+
+
+def softmax_attention(q_BHTD, k_BHTD, v_BHTD, mask):
+    """softmax(q kᵀ / √D, keys where mask) v in the working dtype."""
+    att = q_BHTD @ k_BHTD.transpose(-1, -2) / math.sqrt(q_BHTD.shape[-1])
     att = att.masked_fill(~mask, float("-inf"))
-    att = torch.softmax(att, dim=-1)
-    return att @ v_BHTD
+    return torch.softmax(att, dim=-1) @ v_BHTD
+
+
+class Bf16Attention(torch.autograd.Function):
+    """The attention core as origami's --precision bf16 computes it (model/layers/attention.h),
+    FlashAttention-2's rounding points: q, k, v rounded to bf16; scores, softmax and log-sum-exp in
+    the working dtype; the probabilities rounded for P·V, relative to c = ln2·ceil(rowmax/ln2), a
+    power of two (bf16 rounding commutes with 2^n, so origami's running reference, whichever keys
+    it has seen, rounds them alike); the output normalised by the sum of the rounded
+    probabilities. Backward: P = exp(S - lse) unrounded, dv = bf16(P)^T bf16(do),
+    dP = bf16(do) v^T, dS = P∘(dP - Σ do∘o) with do unrounded there, dq = bf16(dS) k / √D,
+    dk = bf16(dS)^T q / √D. Rounding is the identity for the gradients' flow (as Bf16Matmul)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qb, kb, vb = bf16_round(q), bf16_round(k), bf16_round(v)
+        s = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        c = math.log(2.0) * torch.ceil(s.amax(-1, keepdim=True) / math.log(2.0))
+        p = bf16_round(torch.exp(s - c))
+        rows = p.sum(-1, keepdim=True)
+        o = (p @ vb) / rows
+        lse = c + torch.log(rows)
+        ctx.save_for_backward(qb, kb, vb, o, lse, mask)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        qb, kb, vb, o, lse, mask = ctx.saved_tensors
+        scale = ctx.scale
+        dob = bf16_round(do)
+        s = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        P = torch.exp(s - lse)
+        dv = bf16_round(P).transpose(-1, -2) @ dob
+        dP = dob @ vb.transpose(-1, -2)
+        dS = P * (dP - (do * o).sum(-1, keepdim=True))
+        dSb = bf16_round(dS)
+        return dSb @ kb * scale, dSb.transpose(-1, -2) @ qb * scale, dv, None
 
 
 def rope_cos_sin(T, D, theta, dtype):
@@ -344,8 +394,9 @@ def apply_rope(x_BHTD, cos, sin):
 # "fp32": every GEMM exact in the working dtype (float64 or float32). "bf16": the linear-layer
 # GEMMs (those that go through `gemm`) round as origami's --precision bf16 does, see Bf16Matmul,
 # and so does the output of a dense MLP's (and the shared expert's) up projection, which origami
-# keeps for backward in bf16 (`kept`). Everything else (embedding lookup, norms, RoPE, attention
-# core, activations, router and shared-expert gate, losses, optimizer) stays in the working dtype.
+# keeps for backward in bf16 (`kept`), and the attention core's products (Bf16Attention).
+# Everything else (embedding lookup, norms, RoPE, the softmax, activations, router and
+# shared-expert gate, losses, optimizer) stays in the working dtype.
 # Set with `gemm_precision`.
 _GEMM_PRECISION = "fp32"
 

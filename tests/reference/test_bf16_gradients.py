@@ -30,7 +30,8 @@ cascade: a gross error in one window); where the reference's gradient is exactly
 dump's must be too.
 Teeth: the reference itself in float32 passes the TOL checks, while the reference with dy left
 unrounded, and the unrounded reference, must each fail them on every GEMM weight (dense and
-routed experts) by at least FLAG_MARGIN = 10x (measured >= 32x and >= 220x).
+routed experts) by at least FLAG_MARGIN = 10x (measured >= 32x and >= 220x), and the reference
+with the attention core's products unrounded on every attention weight (measured >= 170x).
 
 Seeds (gpt2 and llama: test_forward_backward's): every MoE routing decision of every window at
 least 1e-4 from a tie (ref.routing_gap; asserted >= 1e-5), every routed expert chosen in at
@@ -57,6 +58,8 @@ MIN_ROUTING_GAP = 1e-5
 SCALARS = ("loss", "lm_loss", "aux_loss", "z_loss")
 # the weights that go through ref.gemm (the LM head is the embedding when tied)
 GEMM_WEIGHT = re.compile(r"(c_attn|c_proj|c_fc|_proj|\.w[123]|lm_head)\.weight$")
+# the attention's GEMM weights (gpt2's attn.c_attn and attn.c_proj; q, k, v and o projections)
+ATTENTION_WEIGHT = re.compile(r"(attn\.c_attn|attn\.c_proj|self_attn\.[qkvo]_proj)\.weight$")
 
 
 class dy_unrounded:
@@ -78,13 +81,26 @@ class dy_unrounded:
         ref.Bf16Matmul.backward = self.saved
 
 
+class attention_unrounded:
+    """The reference's bf16 mode with the attention core in the working dtype (its products
+    unrounded: origami's bf16 before the core had its own rounding points)."""
+
+    def __enter__(self):
+        ref.Bf16Attention.apply = ref.softmax_attention   # a plain function: no bound class
+
+    def __exit__(self, *exc):
+        del ref.Bf16Attention.apply                       # torch's Function.apply again
+
+
 def reference(cfg, params, inp, tgt, variant):
-    """variant: bf16 (the reference), bf16_fp32 (same, in float32), dy_unrounded, unrounded."""
+    """variant: bf16 (the reference), bf16_fp32 (same, in float32), dy_unrounded,
+    attention_unrounded, unrounded."""
     if variant == "bf16_fp32":
         params = {k: v.float() for k, v in params.items()}
-    if variant == "dy_unrounded":
-        with dy_unrounded(), ref.gemm_precision("bf16"):
-            return ref.loss_and_grads(cfg, params, inp, tgt)
+    for name, patch in (("dy_unrounded", dy_unrounded), ("attention_unrounded", attention_unrounded)):
+        if variant == name:
+            with patch(), ref.gemm_precision("bf16"):
+                return ref.loss_and_grads(cfg, params, inp, tgt)
     with ref.gemm_precision("fp32" if variant == "unrounded" else "bf16"):
         return ref.loss_and_grads(cfg, params, inp, tgt)
 
@@ -110,7 +126,7 @@ def check_model(name, report, tmp, data):
     cfg_path, cfg, init, params = ref.seeded_model(name, tmp, SEEDS[name])
     sampler = ref.WindowSampler(data, T)
     steps = [r * (sampler.num_windows // WINDOWS) for r in range(WINDOWS)]
-    sources = ("origami", "bf16_fp32", "dy_unrounded", "unrounded")
+    sources = ("origami", "bf16_fp32", "dy_unrounded", "attention_unrounded", "unrounded")
     errs = {s: [] for s in sources}   # per window {tensor: rel_err}
     zero = []                         # per window: tensors whose reference is exactly zero
     gaps = []
@@ -179,14 +195,19 @@ def check_model(name, report, tmp, data):
                  f"({sum(len(z) for z in zero)} tensor-windows"
                  + (f"; not {nonzero[:3]})" if nonzero else ")"), 0.0 if not nonzero else 1.0, 0.0)
 
-    # teeth: the reference with dy unrounded, and without rounding, fail on every GEMM weight
+    # teeth: the reference with dy unrounded, and without rounding, fail on every GEMM weight; with
+    # the attention core unrounded, on every attention weight
     weights = gemm_weights(cfg, names)
     margins = {}
     for s, label in (("dy_unrounded", "the reference with dy left unrounded"),
+                     ("attention_unrounded", "the reference with the attention core unrounded"),
                      ("unrounded", "the unrounded reference")):
         b = best(s)
-        for group, keys in (("dense", [k for k in weights if "experts." not in k]),
-                            ("routed experts", [k for k in weights if "experts." in k])):
+        groups = (("attention", [k for k in weights if ATTENTION_WEIGHT.search(k)]),) \
+            if s == "attention_unrounded" else \
+            (("dense", [k for k in weights if "experts." not in k]),
+             ("routed experts", [k for k in weights if "experts." in k]))
+        for group, keys in groups:
             keys = [k for k in keys if k in b]
             if not keys:
                 continue

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "model/layers/activation.h"
 #include "model/layers/attention.h"
 #include "model/layers/embedding.h"
@@ -127,6 +129,7 @@ Vec scaled(const Vec& a, double s) {
 }
 std::vector<float> to_f(const Vec& v) { return std::vector<float>(v.begin(), v.end()); }
 Vec to_d(const std::vector<float>& v) { return Vec(v.begin(), v.end()); }
+const Vec& to_d(const Vec& v) { return v; }
 
 constexpr double kFloatTol = 1e-5;  // float vs double instantiation agreement
 
@@ -623,20 +626,29 @@ std::vector<int32_t> document_ids(int64_t T, const std::vector<std::vector<int64
 // computation, forward and backward — with or without documents. Chunks of uneven lengths crossing
 // the 64-row tiles; the keys read from a separate k|v buffer (as a ring buffer holds them); key
 // chunks visited in a shuffled order per query chunk; blocks whose keys all follow the queries skipped.
-void check_any_chunking(const int32_t* doc) {
+// In bf16 (float) the same holds within fp32 round-off: the probabilities' rounding does not depend on
+// the order the keys come in (attention.cpp, "Precision").
+// Returns the chunked results with the whole ones: {out, lse, dq, dk|dv} pairs (chunked, whole).
+struct Chunked {
+  std::vector<std::pair<Vec, Vec>> forward, backward;
+};
+template <typename T>
+Chunked any_chunking(const int32_t* doc, Precision precision) {
+  using TVec = std::vector<T>;
   const int64_t B = 2, Tn = 130, H = 6, KV = 2, D = 8, S = (H + 2 * KV) * D, HD = H * D, W = 2 * KV * D;
   Rng rng(97);
-  const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
-  Vec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
-  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc);
-  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc);
-  Vec kv(B * Tn * W);  // [B, T, k | v]
+  const Vec qkv_d = rng.vec(B * Tn * S, -2, 2), dout_d = rng.vec(B * Tn * HD);
+  const TVec qkv(qkv_d.begin(), qkv_d.end()), dout(dout_d.begin(), dout_d.end());
+  TVec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc, precision);
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc, precision);
+  TVec kv(B * Tn * W);  // [B, T, k | v]
   for (int64_t n = 0; n < B * Tn; ++n)
     for (int64_t j = 0; j < W; ++j) kv[n * W + j] = qkv[n * S + H * D + j];
   const std::vector<int64_t> edges = {0, 17, 70, 71, 128, 130};  // chunk c is [edges[c], edges[c+1])
   const size_t chunks = edges.size() - 1;
   std::mt19937_64 g(5);
-  Vec bout(out.size(), 0.0), blse(lse.size(), -INFINITY), bdq(dqkv.size(), 0.0), bdkv(kv.size(), 0.0);
+  TVec bout(out.size(), T(0)), blse(lse.size(), -INFINITY), bdq(dqkv.size(), T(0)), bdkv(kv.size(), T(0));
   auto blocks = [&](bool backward) {
     for (size_t qc = 0; qc < chunks; ++qc) {
       std::vector<size_t> order(qc + 1);  // key chunks up to the query chunk; later ones are empty
@@ -646,13 +658,14 @@ void check_any_chunking(const int32_t* doc) {
         const int64_t q0 = edges[qc], k0 = edges[kc];
         BlockDims d{B, edges[qc + 1] - q0, edges[kc + 1] - k0, H, KV, D, kc == qc ? 0 : kAllKeys};
         if (doc) d.qdoc = doc + q0, d.kdoc = doc + k0, d.doc_row = Tn;
-        const Heads<const double> q{qkv.data() + q0 * S, Tn * S, S}, k{kv.data() + k0 * W, Tn * W, W},
+        d.precision = precision;
+        const Heads<const T> q{qkv.data() + q0 * S, Tn * S, S}, k{kv.data() + k0 * W, Tn * W, W},
             v{kv.data() + k0 * W + KV * D, Tn * W, W};
         if (!backward) {
-          attention_block_forward<double>({bout.data() + q0 * HD, Tn * HD, HD}, {blse.data() + q0, H * Tn, Tn}, q, k,
+          attention_block_forward<T>({bout.data() + q0 * HD, Tn * HD, HD}, {blse.data() + q0, H * Tn, Tn}, q, k,
                                           v, d);
         } else {
-          attention_block_backward<double>({bdq.data() + q0 * S, Tn * S, S}, {bdkv.data() + k0 * W, Tn * W, W},
+          attention_block_backward<T>({bdq.data() + q0 * S, Tn * S, S}, {bdkv.data() + k0 * W, Tn * W, W},
                                            {bdkv.data() + k0 * W + KV * D, Tn * W, W},
                                            {dout.data() + q0 * HD, Tn * HD, HD}, q, k, v,
                                            {bout.data() + q0 * HD, Tn * HD, HD}, {blse.data() + q0, H * Tn, Tn}, d);
@@ -661,16 +674,21 @@ void check_any_chunking(const int32_t* doc) {
     }
   };
   blocks(false);
-  expect_close("merged blocks: out", bout, out, 1e-13);
-  expect_close("merged blocks: lse", blse, lse, 1e-13);
   blocks(true);
-  Vec whole_q(dqkv.size(), 0.0), whole_kv(kv.size());
+  TVec whole_q(dqkv.size(), T(0)), whole_kv(kv.size());
   for (int64_t n = 0; n < B * Tn; ++n) {
     for (int64_t j = 0; j < HD; ++j) whole_q[n * S + j] = dqkv[n * S + j];
     for (int64_t j = 0; j < W; ++j) whole_kv[n * W + j] = dqkv[n * S + HD + j];
   }
-  expect_close("merged blocks: dq", bdq, whole_q, 1e-12);
-  expect_close("merged blocks: dk|dv", bdkv, whole_kv, 1e-12);
+  return {{{to_d(bout), to_d(out)}, {to_d(blse), to_d(lse)}}, {{to_d(bdq), to_d(whole_q)}, {to_d(bdkv), to_d(whole_kv)}}};
+}
+
+void check_any_chunking(const int32_t* doc) {
+  const Chunked c = any_chunking<double>(doc, Precision::fp32);
+  expect_close("merged blocks: out", c.forward[0].first, c.forward[0].second, 1e-13);
+  expect_close("merged blocks: lse", c.forward[1].first, c.forward[1].second, 1e-13);
+  expect_close("merged blocks: dq", c.backward[0].first, c.backward[0].second, 1e-12);
+  expect_close("merged blocks: dk|dv", c.backward[1].first, c.backward[1].second, 1e-12);
 }
 
 TEST(AttentionBlocks, AnyChunkingMergesToTheWhole) { check_any_chunking(nullptr); }
@@ -679,6 +697,148 @@ TEST(AttentionBlocks, AnyChunkingMergesToTheWholeWithDocuments) {
   // Documents that end inside chunks, at chunk edges (17, 71) and tile edges (64, 128), one of one token.
   const std::vector<int32_t> doc = document_ids(130, {{5, 17, 64, 65, 100, 128}, {30, 71, 129}});
   check_any_chunking(doc.data());
+}
+
+// ---- bf16 (layers/attention.h) ----
+
+// Elementwise errors |a − b| relative to the root mean square of b: their median and their norm
+// (‖a − b‖ / ‖b‖). A bf16 engine in fp32 rounds a few values the other way than one in double, where
+// the value lies within fp32 round-off of a bf16 tie; each such flip moves a few outputs by up to
+// ~1e-3, which the norm sees and the median does not, while a missing or misplaced rounding point
+// moves every output.
+struct Errors {
+  double median, norm;
+};
+Errors errors(const Vec& a, const Vec& b) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < a.size(); ++i) err += (a[i] - b[i]) * (a[i] - b[i]), ref += b[i] * b[i];
+  const double rms = std::sqrt(ref / double(b.size()));
+  Vec e(a.size());
+  for (size_t i = 0; i < a.size(); ++i) e[i] = std::abs(a[i] - b[i]) / rms;
+  std::nth_element(e.begin(), e.begin() + ptrdiff_t(e.size() / 2), e.end());
+  return {e[e.size() / 2], std::sqrt(err / ref)};
+}
+
+// Runs f once per bf16 tile path this host has: fp32 tiles, and oneDNN's bf16 tiles where it has them.
+void for_each_bf16_tile_path(const std::function<void(Bf16Tiles)>& f) {
+  for (Bf16GemmMode mode : {Bf16GemmMode::portable, Bf16GemmMode::onednn}) {
+    set_bf16_gemm_mode(mode);
+    if (mode == Bf16GemmMode::onednn && bf16_tiles() == Bf16Tiles::fp32) continue;  // none here
+    SCOPED_TRACE(bf16_tiles() == Bf16Tiles::onednn ? "oneDNN bf16 tiles" : "fp32 tiles");
+    f(bf16_tiles());
+  }
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+}
+
+// Any chunking merges to the whole in bf16 too. Forward within fp32 round-off, elementwise (1e-6; the
+// probabilities rounded relative to the running max instead of a power of two part by ~1e-3).
+// Backward rounds P = exp(s − lse) and dS, whose fp32 values differ in their last bits with the
+// chunking (lse's sums in another order), so a few of them round the other way at a bf16 tie: the
+// median error within 1e-6, the norm within 2e-4 (errors(), below).
+TEST(AttentionBf16, AnyChunkingMergesToTheWhole) {
+  const std::vector<int32_t> doc = document_ids(130, {{5, 17, 64, 65, 100, 128}, {30, 71, 129}});
+  for_each_bf16_tile_path([&](Bf16Tiles) {
+    for (const int32_t* d : {static_cast<const int32_t*>(nullptr), doc.data()}) {
+      const Chunked c = any_chunking<float>(d, Precision::bf16);
+      expect_close("bf16 merged blocks: out", c.forward[0].first, c.forward[0].second, 1e-6);
+      expect_close("bf16 merged blocks: lse", c.forward[1].first, c.forward[1].second, 1e-6);
+      for (const auto& [chunked, whole] : c.backward) {
+        const Errors e = errors(chunked, whole);
+        std::printf("  bf16 merged blocks, backward: median %.2e norm %.2e\n", e.median, e.norm);
+        EXPECT_LE(e.median, 1e-6);
+        EXPECT_LE(e.norm, 2e-4);
+      }
+    }
+  });
+}
+
+double bf16_value(double x) { return to_float(to_bf16(float(x))); }
+
+struct Attention {
+  Vec out, lse, dqkv;
+};
+
+// The bf16 core by its definition (attention.h; the PyTorch oracle's Bf16Attention), in double and
+// naive loops: q, k, v rounded; P = bf16(exp(s − c)) with c = ln2·ceil(rowmax/ln2), normalised by
+// its sum; backward with P = exp(s − lse) unrounded, dV = bf16(P)ᵀ·bf16(dO), dP = bf16(dO)·Vᵀ,
+// dS = P∘(dP − Σ dO∘O), dQ = bf16(dS)·K/√D, dK = bf16(dS)ᵀ·Q/√D.
+Attention bf16_attention_by_definition(const Vec& qkv, const Vec& dout, int64_t B, int64_t Tn, int64_t H, int64_t KV,
+                                       int64_t D) {
+  const int64_t S = (H + 2 * KV) * D, HD = H * D, group = H / KV;
+  const double scale = 1 / std::sqrt(double(D)), ln2 = std::log(2.0);
+  Attention a{Vec(B * Tn * HD), Vec(B * H * Tn), Vec(B * Tn * S, 0.0)};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      auto at = [&](int64_t t, int64_t col) { return bf16_value(qkv[(b * Tn + t) * S + col]); };
+      auto q = [&](int64_t t, int64_t d) { return at(t, h * D + d); };
+      auto k = [&](int64_t t, int64_t d) { return at(t, HD + g * D + d); };
+      auto v = [&](int64_t t, int64_t d) { return at(t, HD + KV * D + g * D + d); };
+      for (int64_t i = 0; i < Tn; ++i) {
+        Vec s(size_t(i + 1));
+        for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t d = 0; d < D; ++d) s[j] += q(i, d) * k(j, d);
+          s[j] *= scale;
+        }
+        const double c = ln2 * std::ceil(*std::max_element(s.begin(), s.end()) / ln2);
+        double sum = 0;
+        Vec o(size_t(D), 0.0);
+        for (int64_t j = 0; j <= i; ++j) {
+          const double p = bf16_value(std::exp(s[j] - c));
+          sum += p;
+          for (int64_t d = 0; d < D; ++d) o[d] += p * v(j, d);
+        }
+        for (int64_t d = 0; d < D; ++d) a.out[(b * Tn + i) * HD + h * D + d] = o[d] / sum;
+        const double lse = c + std::log(sum);
+        a.lse[(b * H + h) * Tn + i] = lse;
+        double delta = 0;
+        for (int64_t d = 0; d < D; ++d) delta += dout[(b * Tn + i) * HD + h * D + d] * o[d] / sum;
+        for (int64_t j = 0; j <= i; ++j) {
+          const double p = std::exp(s[j] - lse);
+          double dp = 0;
+          for (int64_t d = 0; d < D; ++d) dp += bf16_value(dout[(b * Tn + i) * HD + h * D + d]) * v(j, d);
+          const double ds = bf16_value(p * (dp - delta)) * scale;
+          for (int64_t d = 0; d < D; ++d) {
+            const double dO = bf16_value(dout[(b * Tn + i) * HD + h * D + d]);
+            a.dqkv[(b * Tn + j) * S + HD + KV * D + g * D + d] += bf16_value(p) * dO;
+            a.dqkv[(b * Tn + i) * S + h * D + d] += ds * k(j, d);
+            a.dqkv[(b * Tn + j) * S + HD + g * D + d] += ds * q(i, d);
+          }
+        }
+      }
+    }
+  return a;
+}
+
+// origami's bf16 core against its definition, out, lse and dqkv: the median error within 1e-6 (fp32
+// round-off) and the norm within 2e-4 (the flips above: up to 5e-5 measured). The fp32 core (no
+// rounding) measured against the same definition must miss the median bound by 100× — it sees the
+// rounding points. Three tiles a row (T = 150), GQA 2:1.
+TEST(AttentionBf16, MatchesItsDefinition) {
+  const int64_t B = 2, Tn = 150, H = 4, KV = 2, D = 16, S = (H + 2 * KV) * D, HD = H * D;
+  Rng rng(31);
+  const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
+  const Attention want = bf16_attention_by_definition(qkv, dout, B, Tn, H, KV, D);
+  auto run = [&](Precision p) {
+    std::vector<float> qf = to_f(qkv), rf = to_f(dout), out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
+    attention_forward(out.data(), lse.data(), qf.data(), B, Tn, H, KV, D, nullptr, p);
+    attention_backward(dqkv.data(), rf.data(), qf.data(), out.data(), lse.data(), B, Tn, H, KV, D, nullptr, p);
+    return Attention{to_d(out), to_d(lse), to_d(dqkv)};
+  };
+  const Attention fp32 = run(Precision::fp32);
+  for_each_bf16_tile_path([&](Bf16Tiles) {
+    const Attention got = run(Precision::bf16);
+    for (auto [name, a, f, w] : {std::tuple{"out", &got.out, &fp32.out, &want.out},
+                                 std::tuple{"lse", &got.lse, &fp32.lse, &want.lse},
+                                 std::tuple{"dqkv", &got.dqkv, &fp32.dqkv, &want.dqkv}}) {
+      const Errors e = errors(*a, *w), e_fp32 = errors(*f, *w);
+      std::printf("  bf16 %-5s against its definition: median %.2e norm %.2e (fp32: median %.2e norm %.2e)\n", name,
+                  e.median, e.norm, e_fp32.median, e_fp32.norm);
+      EXPECT_LE(e.median, 1e-6) << name;
+      EXPECT_LE(e.norm, 2e-4) << name;
+      EXPECT_GE(e_fp32.median, 1e-4) << name;
+    }
+  });
 }
 
 // Document masking: attention over a window of several documents equals each document's own causal

@@ -10,6 +10,19 @@
 
 namespace origami {
 
+// 2ⁿ for an integer-valued n in [−127, 128] (−127: 0) from the exponent bits, without converting n to
+// an integer (undefined for a NaN input): n + 127 lands exactly in the low mantissa bits of
+// 1.5·2²³ + n + 127, and a shift by 23 keeps just those 9 bits, moved into the exponent field.
+inline float pow2(float n) {
+  const float biased = n + (12582912.0f + 127.0f);
+  uint32_t low;
+  __builtin_memcpy(&low, &biased, sizeof low);
+  const uint32_t bits = low << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);  // std::bit_cast blocks vectorisation in GCC 12
+  return scale;
+}
+
 inline float exp_fast(float x) {
   x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
   // Round to nearest by the 1.5·2²³ trick: plain arithmetic, so the loop vectorises
@@ -23,16 +36,7 @@ inline float exp_fast(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
-  // 2ⁿ from the exponent bits, without converting n to an integer (undefined for a NaN input, whose
-  // result is NaN through y anyway): n + 127 ∈ [1, 255] lands exactly in the low mantissa bits of
-  // 1.5·2²³ + n + 127, and a shift by 23 keeps just those 9 bits, moved into the exponent field.
-  const float biased = n + (12582912.0f + 127.0f);
-  uint32_t low;
-  __builtin_memcpy(&low, &biased, sizeof low);
-  const uint32_t bits = low << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);  // std::bit_cast blocks vectorisation in GCC 12
-  return y * scale;
+  return y * pow2(n);  // n ∈ [−126, 128]; a NaN x gives NaN through y
 }
 inline double exp_fast(double x) { return std::exp(x); }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -350,6 +351,110 @@ void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B,
   else portable_gemm(rounded, {a, rounded.lda}, {b, rounded.ldb}, C);
 }
 
+// ---- attention's tiles ------------------------------------------------------------------------
+
+// Attention's bf16 products (model/layers/attention.cpp): 64 queries against up to 256 keys, head dim 64.
+constexpr int64_t kQueries = 64, kKeys = 256, kHeadDim = 64;
+constexpr Shape kScoresTile{false, true, kQueries, kKeys, kHeadDim, kHeadDim, kHeadDim, kKeys, 0.125f, 0.f};
+
+// What oneDNN offers for a bf16 tile ("" where nothing but its reference loops).
+const std::string& onednn_tile_impl() {
+  static const std::string impl = [] {
+    std::string name;
+    return create_onednn(kScoresTile, &name) ? name : std::string();
+  }();
+  return impl;
+}
+
+// Seconds of attention's two forward products (scores = Q·Kᵀ, acc += P·V) at kScoresTile's sizes on
+// every thread at once, 32 of each: bf16 through tile_gemm_bf16, or fp32 through gemm<float>'s tiles.
+double time_tiles(Bf16Tiles path) {
+  constexpr int64_t q = kQueries, k = kKeys, d = kHeadDim, reps = 32;
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+  {
+    std::vector<float> scores(size_t(q * k), 0.f), acc(size_t(q * d), 0.f);
+    // Q [q, d] | K and V [k, d] | P [q, k], as one buffer of constant values (the speed does not depend on them)
+    const size_t n = size_t(q * d + 2 * k * d + q * k);
+    auto run = [&](auto* x, auto product) {
+      auto *Q = x, *K = Q + q * d, *V = K + k * d, *P = V + k * d;
+      for (int r = 0; r < reps; ++r) {
+        product(false, true, q, k, d, 0.125f, Q, d, K, d, 0.f, scores.data(), k);
+        product(false, false, q, d, k, 1.f, P, k, V, d, 1.f, acc.data(), d);
+      }
+    };
+    if (path == Bf16Tiles::onednn) {
+      const std::vector<bf16> x(n, to_bf16(0.01f));
+      run(x.data(), tile_gemm_bf16);
+    } else {
+      const std::vector<float> x(n, 0.01f);
+      run(x.data(), gemm<float>);
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A tile shape's primitive with its memory objects, made once: a tile takes about 2 µs on AMX, and
+// making the four objects at each call (run_onednn) costs as much again.
+class TilePrimitive {
+ public:
+  explicit TilePrimitive(OnednnMatmul m)
+      : m_(std::move(m)), scratchpad_(m_.scratchpad.get_size()), a_(m_.operands.a, cpu_engine(), nullptr),
+        b_(m_.operands.b, cpu_engine(), nullptr), c_(m_.operands.c, cpu_engine(), nullptr),
+        args_{{DNNL_ARG_SRC, a_},
+              {DNNL_ARG_WEIGHTS, b_},
+              {DNNL_ARG_DST, c_},
+              {DNNL_ARG_SCRATCHPAD, dnnl::memory(m_.scratchpad, cpu_engine(), scratchpad_.data())}} {}
+  void run(const bf16* A, const bf16* B, float* C) {
+    thread_local dnnl::stream stream(cpu_engine());
+    a_.set_data_handle(const_cast<bf16*>(A));
+    b_.set_data_handle(const_cast<bf16*>(B));
+    c_.set_data_handle(C);
+    m_.primitive.execute(stream, args_);
+    stream.wait();
+  }
+
+ private:
+  OnednnMatmul m_;
+  std::vector<uint8_t> scratchpad_;
+  dnnl::memory a_, b_, c_;  // args_ holds handles to the same objects
+  std::unordered_map<int, dnnl::memory> args_;
+};
+
+struct TileChoice {
+  Bf16Tiles path = Bf16Tiles::fp32;
+  double fp32_over_onednn = 0;  // measured time ratio (0: not timed)
+  bool agreed = false;          // replaced by set_bf16_tiles (rank 0's)
+};
+
+TileChoice choose_tiles() {
+  if (mode() == Bf16GemmMode::portable || onednn_tile_impl().empty()) return {};
+  if (mode() == Bf16GemmMode::onednn) return {Bf16Tiles::onednn};
+  tile_gemm_library();  // chosen before the timing's parallel regions
+  double t[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  for (int round = 0; round < 6; ++round)  // alternated, best of each; round 0 also creates the kernels
+    for (Bf16Tiles path : {Bf16Tiles::fp32, Bf16Tiles::onednn}) {
+      const double seconds = time_tiles(path);
+      if (round > 0) t[int(path)] = std::min(t[int(path)], seconds);
+    }
+  const double ratio = t[0] / t[1];
+  return {ratio > 1.2 ? Bf16Tiles::onednn : Bf16Tiles::fp32, ratio};
+}
+
+// The choice, made at the first call (set_bf16_gemm_mode forgets it).
+std::optional<TileChoice>& tile_choice_slot() {
+  static std::optional<TileChoice> choice;
+  return choice;
+}
+
+TileChoice& tile_choice() {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::optional<TileChoice>& c = tile_choice_slot();
+  if (!c) c = choose_tiles();
+  return *c;
+}
+
 }  // namespace
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A, Bf16Operand B,
@@ -362,11 +467,50 @@ void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float 
   multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta}, true, A, B, C);
 }
 
+void tile_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+                    const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) return scale_c(M, N, beta, C, ldc);
+  const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
+  thread_local std::unordered_map<Shape, TilePrimitive, ShapeHash> primitives;  // no lock: this thread's
+  auto it = primitives.find(s);
+  if (it == primitives.end()) {
+    std::string impl;
+    std::optional<OnednnMatmul> m = create_onednn(s, &impl);
+    ORIGAMI_ASSERT(m);  // bf16_tiles() is onednn only where oneDNN has a bf16 matmul
+    it = primitives.emplace(s, TilePrimitive(std::move(*m))).first;
+  }
+  it->second.run(A, B, C);
+}
+
+Bf16Tiles bf16_tiles() { return tile_choice().path; }
+
+void set_bf16_tiles(Bf16Tiles tiles) {
+  TileChoice& c = tile_choice();
+  ORIGAMI_ASSERT(tiles == Bf16Tiles::fp32 || !onednn_tile_impl().empty());
+  c.agreed = c.agreed || tiles != c.path;
+  c.path = tiles;
+}
+
+std::string describe_bf16_tiles() {
+  const TileChoice& c = tile_choice();
+  if (mode() == Bf16GemmMode::portable) return "bf16 attention tiles: fp32 (forced by ORIGAMI_BF16_GEMM=portable)";
+  if (onednn_tile_impl().empty()) return "bf16 attention tiles: fp32 (oneDNN has no bf16 matmul here)";
+  char ratio[32];
+  std::snprintf(ratio, sizeof ratio, "%.2f", c.fp32_over_onednn);
+  const std::string timed = c.fp32_over_onednn == 0 ? "forced by ORIGAMI_BF16_GEMM=onednn"
+                                                    : cat("timed: fp32 tiles at ", ratio, "x oneDNN's time");
+  const std::string agreed = c.agreed ? "; rank 0's choice" : "";
+  if (c.path == Bf16Tiles::fp32) return cat("bf16 attention tiles: fp32 (", timed, agreed, ")");
+  return cat("bf16 attention tiles: ", isa_of(onednn_tile_impl()), " (oneDNN; ", timed, agreed, ")");
+}
+
 void set_bf16_gemm_mode(Bf16GemmMode m) {
   Choices& c = choices();
   std::lock_guard<std::mutex> lock(c.mutex);
   mode() = m;
   c.by_shape.clear();
+  tile_choice_slot().reset();
 }
 
 Bf16GemmMode bf16_gemm_mode() { return mode(); }

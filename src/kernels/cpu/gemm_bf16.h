@@ -79,6 +79,26 @@ enum class Bf16GemmPath { portable, onednn };
 // The path this thread's last gemm_bf16 call took (tests).
 Bf16GemmPath last_bf16_gemm_path();
 
+// ---- Attention's tiles in bf16 (one per thread, inside a parallel region) ----
+// C = alpha·op(A)·op(B) + beta·C, A and B bf16, single-threaded on the calling thread, through this
+// thread's oneDNN matmul primitive of the shape (created at its first call and kept: attention has a
+// handful of tile shapes). Only where bf16_tiles() is onednn.
+void tile_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+                    int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// Where attention's bf16 tiles multiply: oneDNN's bf16 matmul (tile_gemm_bf16), or the fp32 tiles
+// (gemm<float>, tile_gemm_library()) on fp32 copies holding the same bf16 values — the same rounding
+// points either way, only the speed differs. Chosen at the first call: ORIGAMI_BF16_GEMM=portable
+// takes fp32 tiles, =onednn oneDNN's wherever it creates a primitive; auto (the default) times
+// attention's two forward products (64 queries, 256 keys, head dim 64) on every thread at once
+// through both and keeps oneDNN's where they are 1.2× faster. Call it first outside a parallel region.
+enum class Bf16Tiles { fp32, onednn };
+Bf16Tiles bf16_tiles();
+// Replaces the choice (a job takes rank 0's, one summation order for all its processes).
+void set_bf16_tiles(Bf16Tiles tiles);
+// The startup line's words, e.g. "bf16 attention tiles: AMX (oneDNN; timed: fp32 tiles at 1.70x its time)".
+std::string describe_bf16_tiles();
+
 // The startup line: the path a GPT-2 projection at 512 tokens (512×768×768, the first call of that
 // shape decides it as above) takes, e.g. "bf16 GEMM: AMX (oneDNN)", "bf16 GEMM: AVX512-BF16 (oneDNN)",
 // "bf16 GEMM: portable (no faster bf16 path on this CPU)". Call it outside a parallel region.

@@ -12,19 +12,30 @@
 //            a query then sees only the keys of its own document (document masking)
 // Backward overwrites dqkv_BTS. Both return the score tiles (kBlock × kBlock blocks of one head)
 // they computed: under document masking the tiles the mask empties are skipped.
+// Precision (float only): fp32, or bf16 with FlashAttention-2's rounding points — q, k, v and dout
+// rounded to bf16, the probabilities and dS rounded for the products that read them, every sum,
+// the softmax and the log-sum-exp in fp32 (attention.cpp says how P's rounding is kept
+// independent of the order the keys come in).
 #pragma once
 #include <cstdint>
+
+#include "kernels/cpu/matmul.h"
 
 namespace origami {
 
 template <typename T>
 int64_t attention_forward(T* out_BTHD, T* lse_BHT, const T* qkv_BTS, int64_t B, int64_t Tn, int64_t H,
-                          int64_t KV, int64_t D, const int32_t* doc_BT = nullptr);
+                          int64_t KV, int64_t D, const int32_t* doc_BT = nullptr, Precision p = Precision::fp32);
+
+// Bytes a thread holds while the core runs over windows of at most T tokens, head dim D, beyond the
+// fp32 core's few tiles: in bf16 its head's rows as the products read them (q, k, v, dout; 4 bytes an
+// element at most) and the compact fp32 accumulators of dq, dk, dv.
+int64_t attention_scratch_bytes(int64_t T, int64_t D, Precision p);
 
 template <typename T>
 int64_t attention_backward(T* dqkv_BTS, const T* dout_BTHD, const T* qkv_BTS, const T* out_BTHD,
                            const T* lse_BHT, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
-                           const int32_t* doc_BT = nullptr);
+                           const int32_t* doc_BT = nullptr, Precision p = Precision::fp32);
 
 // ---- Blocks: attention of Tq query rows against Tk key rows, merged into a running result ----
 // The whole-sequence functions above are one block each; context parallelism (parallel/
@@ -54,6 +65,7 @@ struct BlockDims {
   const int32_t* qdoc = nullptr;  // null: no document mask
   const int32_t* kdoc = nullptr;
   int64_t doc_row = 0;
+  Precision precision = Precision::fp32;
 };
 
 // Merges the block into (out, lse): on entry they hold the attention over the keys seen so far
