@@ -86,7 +86,9 @@ struct ActivationShape {
   int vocab_pp = 1;  // vocabulary parallelism: the vocabulary split over tp·vocab_pp, every stage runs the LM head
   Precision precision = Precision::fp32;  // of the layer GEMMs: bf16 adds the rounding scratch to the workspace
                                           // and keeps the dense MLPs' activations in bf16
-  int threads = 1;  // of the rank: in bf16 each holds the attention core's scratch (attention_scratch_bytes)
+  int threads = 1;  // of the rank: in bf16 each holds the attention core's scratch (attention_scratch_bytes);
+                    // from options, --threads 0 (all cores) counts as 1 where the count is not known (a plan
+                    // for other machines); the memory check sets the count it runs with
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);

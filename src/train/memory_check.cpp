@@ -4,11 +4,13 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "kernels/cpu/gemm.h"
 
 namespace origami {
 
 MemoryCheck check_memory(const Plan& plan, int64_t sampler, Comm& world) {
-  const TrainOptions& o = plan.options;
+  TrainOptions o = plan.options;
+  o.threads = num_threads();  // what --threads 0 (all cores) came to: each may hold attention scratch
   const int64_t runtime = resident_bytes();
   MemoryParts mine;
   check_on_every_rank(world, "train",

@@ -1,5 +1,6 @@
 // TrainOptions: the options' rules (validate), what they derive (the layout's degrees, the buffer
 // and activation shapes, the schedule) and the end-of-document id of --attention-mask document.
+#include <algorithm>
 #include <cstdio>
 #include <tuple>
 
@@ -7,7 +8,6 @@
 #include "core/error.h"
 #include "data/blend.h"
 #include "data/sampler.h"
-#include "kernels/cpu/gemm.h"
 #include "train/balance.h"
 #include "parallel/context_parallel.h"
 #include "parallel/pipeline.h"
@@ -318,7 +318,7 @@ bool TrainOptions::fssdp() const {
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
   return {micro_batch, seq_len / cp, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
-          cp, cp_a2a(), vocab_parallel ? pp : 1, parse_precision(precision), threads > 0 ? threads : num_threads()};
+          cp, cp_a2a(), vocab_parallel ? pp : 1, parse_precision(precision), std::max(threads, 1)};
 }
 
 DType TrainOptions::grad_reduce_wire() const {

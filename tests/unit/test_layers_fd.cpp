@@ -752,6 +752,24 @@ TEST(AttentionBf16, AnyChunkingMergesToTheWhole) {
   });
 }
 
+// Rank 0's choice of oneDNN's bf16 tiles reaches every rank (trainer); a rank whose CPU has no bf16
+// matmul (a job over unlike CPUs; here: ctest's isa_cap runs under ONEDNN_MAX_CPU_ISA=AVX2) takes the
+// fp32 tiles instead, says so, and runs the core; elsewhere it takes oneDNN's.
+TEST(AttentionBf16, RankZerosOneDnnChoiceWhereThisCpuLacksIt) {
+  set_bf16_gemm_mode(Bf16GemmMode::portable);
+  const bool has_onednn = (set_bf16_gemm_mode(Bf16GemmMode::onednn), bf16_tiles() == Bf16Tiles::onednn);
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+  set_bf16_tiles(Bf16Tiles::onednn);
+  EXPECT_EQ(bf16_tiles(), has_onednn ? Bf16Tiles::onednn : Bf16Tiles::fp32);
+  const std::string line = describe_bf16_tiles();
+  EXPECT_EQ(line.find("which this CPU lacks") != std::string::npos, !has_onednn) << line;
+  const int64_t T = 70, H = 2, D = 8, S = 3 * H * D;
+  std::vector<float> qkv = to_f(Rng(3).vec(T * S)), out(T * H * D), lse(H * T);
+  EXPECT_EQ(attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, H, D, nullptr, Precision::bf16), 2 * 3);
+  for (float x : out) ASSERT_TRUE(std::isfinite(x));
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);  // forgets the choice
+}
+
 double bf16_value(double x) { return to_float(to_bf16(float(x))); }
 
 struct Attention {

@@ -425,6 +425,7 @@ struct TileChoice {
   Bf16Tiles path = Bf16Tiles::fp32;
   double fp32_over_onednn = 0;  // measured time ratio (0: not timed)
   bool agreed = false;          // replaced by set_bf16_tiles (rank 0's)
+  bool lacks_onednn = false;    // rank 0's was oneDNN, which this CPU does not have: fp32 tiles
 };
 
 TileChoice choose_tiles() {
@@ -472,37 +473,41 @@ void tile_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alp
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
-  thread_local std::unordered_map<Shape, TilePrimitive, ShapeHash> primitives;  // no lock: this thread's
+  // This thread's primitive per shape (no lock); none where oneDNN offers only its reference loops
+  // for a shape (bf16_tiles() checked one): that shape takes the portable path.
+  thread_local std::unordered_map<Shape, std::optional<TilePrimitive>, ShapeHash> primitives;
   auto it = primitives.find(s);
   if (it == primitives.end()) {
     std::string impl;
     std::optional<OnednnMatmul> m = create_onednn(s, &impl);
-    ORIGAMI_ASSERT(m);  // bf16_tiles() is onednn only where oneDNN has a bf16 matmul
-    it = primitives.emplace(s, TilePrimitive(std::move(*m))).first;
+    it = primitives.emplace(s, m ? std::optional<TilePrimitive>(std::in_place, std::move(*m)) : std::nullopt).first;
   }
-  it->second.run(A, B, C);
+  if (it->second) it->second->run(A, B, C);
+  else portable_gemm(s, {A, lda}, {B, ldb}, C);
 }
 
 Bf16Tiles bf16_tiles() { return tile_choice().path; }
 
 void set_bf16_tiles(Bf16Tiles tiles) {
   TileChoice& c = tile_choice();
-  ORIGAMI_ASSERT(tiles == Bf16Tiles::fp32 || !onednn_tile_impl().empty());
+  c.lacks_onednn = tiles == Bf16Tiles::onednn && onednn_tile_impl().empty();  // a job of unlike CPUs
+  if (c.lacks_onednn) tiles = Bf16Tiles::fp32;
   c.agreed = c.agreed || tiles != c.path;
   c.path = tiles;
 }
 
 std::string describe_bf16_tiles() {
   const TileChoice& c = tile_choice();
-  if (mode() == Bf16GemmMode::portable) return "bf16 attention tiles: fp32 (forced by ORIGAMI_BF16_GEMM=portable)";
-  if (onednn_tile_impl().empty()) return "bf16 attention tiles: fp32 (oneDNN has no bf16 matmul here)";
   char ratio[32];
   std::snprintf(ratio, sizeof ratio, "%.2f", c.fp32_over_onednn);
-  const std::string timed = c.fp32_over_onednn == 0 ? "forced by ORIGAMI_BF16_GEMM=onednn"
-                                                    : cat("timed: fp32 tiles at ", ratio, "x oneDNN's time");
-  const std::string agreed = c.agreed ? "; rank 0's choice" : "";
-  if (c.path == Bf16Tiles::fp32) return cat("bf16 attention tiles: fp32 (", timed, agreed, ")");
-  return cat("bf16 attention tiles: ", isa_of(onednn_tile_impl()), " (oneDNN; ", timed, agreed, ")");
+  std::string why = c.lacks_onednn ? "rank 0 chose oneDNN's, which this CPU lacks"
+                    : mode() == Bf16GemmMode::portable ? "forced by ORIGAMI_BF16_GEMM=portable"
+                    : onednn_tile_impl().empty()       ? "oneDNN has no bf16 matmul here"
+                    : c.fp32_over_onednn == 0          ? "forced by ORIGAMI_BF16_GEMM=onednn"
+                                                       : cat("timed: fp32 tiles at ", ratio, "x oneDNN's time");
+  if (c.agreed && !c.lacks_onednn) why += "; rank 0's choice";
+  if (c.path == Bf16Tiles::fp32) return cat("bf16 attention tiles: fp32 (", why, ")");
+  return cat("bf16 attention tiles: ", isa_of(onednn_tile_impl()), " (oneDNN; ", why, ")");
 }
 
 void set_bf16_gemm_mode(Bf16GemmMode m) {

@@ -94,9 +94,10 @@ void tile_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
 // through both and keeps oneDNN's where they are 1.2× faster. Call it first outside a parallel region.
 enum class Bf16Tiles { fp32, onednn };
 Bf16Tiles bf16_tiles();
-// Replaces the choice (a job takes rank 0's, one summation order for all its processes).
+// Replaces the choice (a job takes rank 0's, one summation order for all its processes); oneDNN's
+// where this CPU has no bf16 matmul (a job over unlike CPUs) gives fp32 tiles, and the startup line says so.
 void set_bf16_tiles(Bf16Tiles tiles);
-// The startup line's words, e.g. "bf16 attention tiles: AMX (oneDNN; timed: fp32 tiles at 1.70x its time)".
+// The startup line's words, e.g. "bf16 attention tiles: AMX (oneDNN; timed: fp32 tiles at 1.70x oneDNN's time)".
 std::string describe_bf16_tiles();
 
 // The startup line: the path a GPT-2 projection at 512 tokens (512×768×768, the first call of that
