@@ -5,7 +5,7 @@
      QKV, attention output, MLP and LM head), ascending in size, each positive and at most the
      peak; the attention rate, the memory and the link's bandwidth and latency positive; the table
      printed names every collective, and the file keeps the other four collectives' own rates;
-     the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention at fp32's rate); the
+     the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention's own, positive); the
      planner reads the file and plans bf16 with it.
   2. On one rank (no mpirun): one device, no collectives to measure.
   3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
@@ -46,7 +46,7 @@ def main():
              "each collective's own rate: %s" % c.get("collectives")),
             ([g[0] for g in d.get("bf16", {}).get("gemm", [])] == sizes and
              all(0 < g[1] <= d["bf16"]["peak_tflops"] * (1 + 1e-9) for g in d["bf16"]["gemm"]) and
-             d["bf16"]["attention_tflops"] == d["attention_tflops"], "bf16 rates: %s" % d.get("bf16")),
+             d["bf16"]["attention_tflops"] > 0, "bf16 rates: %s" % d.get("bf16")),
         ]
         rc2, planned, _ = h.run(0, ["plan", "--config", cfg, "--cluster", out, "--global-batch", "4", "--seq-len", "32",
                                     "--precision", "bf16", "--top", "1", "--json"])

@@ -186,7 +186,9 @@ def check_bf16_gemm(report):
 
 def check_bf16_off_is_exact(report):
     """bf16 mode with its rounding replaced by the identity gives the unrounded loss and every
-    gradient bit for bit: the mode changes nothing but the rounding."""
+    gradient bit for bit: the mode changes nothing but the rounding. The attention core's bf16 form
+    is its own algorithm (an online-softmax reference, an explicit backward), so here it is the plain
+    softmax attention, and check_bf16_attention_off compares the two."""
     g = torch.Generator().manual_seed(4)
     tok = torch.randint(0, 257, (2, 17), generator=g)
     rounding = ref.bf16_round
@@ -195,14 +197,39 @@ def check_bf16_off_is_exact(report):
         P = ref.init_params(cfg, seed=11, dtype=torch.float64)
         a = ref.loss_and_grads(cfg, P, tok[:, :-1], tok[:, 1:])
         ref.bf16_round = lambda t: t
+        ref.Bf16Attention.apply = ref.softmax_attention
         try:
             with ref.gemm_precision("bf16"):
                 b = ref.loss_and_grads(cfg, P, tok[:, :-1], tok[:, 1:])
         finally:
             ref.bf16_round = rounding
+            del ref.Bf16Attention.apply
         same = torch.equal(a["loss"], b["loss"]) and all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
         report.check(f"{name}: bf16 mode without rounding = unrounded (loss, every gradient)",
                      0.0 if same else 1.0, 0.0)
+
+
+def check_bf16_attention_off(report):
+    """The attention core's bf16 form (Bf16Attention) with its rounding replaced by the identity is
+    softmax attention: output and the gradients of q, k and v within float64 round-off, causal and
+    with documents (GQA is the callers' repeat of k, v)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v, r = (torch.randn(2, 3, 17, 8, generator=g, dtype=torch.float64) * 2 for _ in range(4))
+    doc = torch.tensor([[0] * 5 + [1] * 12, [0] * 9 + [1] * 3 + [2] * 5])
+    rounding = ref.bf16_round
+    for what, mask in (("causal", ref.attention_mask(17)), ("documents", ref.attention_mask(17, doc))):
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        y = ref.softmax_attention(*x, mask)
+        want = [y] + list(torch.autograd.grad(y, x, r))
+        ref.bf16_round = lambda t: t
+        try:
+            x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            y = ref.Bf16Attention.apply(*x, mask)
+            got = [y] + list(torch.autograd.grad(y, x, r))
+        finally:
+            ref.bf16_round = rounding
+        report.check(f"bf16 attention without rounding = softmax attention ({what}: out, dq, dk, dv)",
+                     max(ref.rel_err(a, b) for a, b in zip(got, want)), 1e-13)
 
 
 def check_bf16_headroom(report, tmp):
@@ -229,7 +256,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for fn in (check_adamw, check_clip, check_lr, lambda r: check_data(r, tmp),
                    check_accumulation, lambda r: check_fp32_headroom(r, tmp), check_bf16_gemm,
-                   check_bf16_off_is_exact, lambda r: check_bf16_headroom(r, tmp)):
+                   check_bf16_off_is_exact, check_bf16_attention_off, lambda r: check_bf16_headroom(r, tmp)):
             try:
                 fn(report)
             except Exception as e:
