@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "kernels/cpu/optimizer.h"
 
 namespace origami {
 
@@ -38,6 +39,13 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
   if (sparse)
     for (int r = 0; r < dp.size(); ++r) rank_shards_.push_back(bucket_shards(params.buckets(), dp.size(), r));
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
+  // The bf16 copy the update writes: all it updates where that is every value (ZeRO 0, or one rank),
+  // else the copy buckets' shards, which their gathers send as they are. The other buckets' copies
+  // are rounded from the gathered values (gather_params, use_weights).
+  if (zero_ < 3 && (zero_ == 0 || dp.size() == 1)) copy_from_update_ = owned_;
+  else
+    for (size_t b = 0; b < shards_.size(); ++b)
+      if (params.copy_bucket(b)) copy_from_update_.push_back(shards_[b]);
   if (wire_ == DType::bf16 && !sparse) low_ = ReleasablePages(2 * params.size(), "the bf16 gradient reduction buffer");
   pending_.resize(params.buckets().size());
   gathers_.resize(params.buckets().size());
@@ -201,10 +209,7 @@ double DataParallel::complete_gradients() {
       const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
       for (const Segment& s : segs) {
         const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
-        double part = 0;
-#pragma omp simd reduction(+ : part)
-        for (int64_t i = lo; i < hi; ++i) part += double(g[i]) * g[i];
-        sq += part;
+        sq += origami::sum_squares(g + lo, hi - lo);
       }
     }
     return sq;
@@ -222,10 +227,8 @@ Gradients finish_gradients(const std::vector<DataParallel*>& sets, Comm& world, 
 
 void DataParallel::gather_params() {
   for (auto& [begin, kept] : kept_) std::fill(kept.begin(), kept.end(), 0);  // the values were just updated
-  if (zero_ < 3 && (zero_ == 0 || dp_.size() == 1)) return params_.refresh_bf16_copy();  // every value updated here
-  for (size_t b = 0; b < shards_.size(); ++b)  // the copy buckets' shards, which their gathers send as they are
-    if (params_.copy_bucket(b)) params_.refresh_bf16_copy(shards_[b]);
-  if (zero_ == 3) return;
+  // The update wrote the bf16 copy of copy_from_update_ (every value here, or the copy buckets' shards).
+  if (zero_ == 3 || zero_ == 0 || dp_.size() == 1) return;
   for (size_t b = 0; b < shards_.size(); ++b) pending_[b] = all_gather_bucket(b);
   for (size_t b = 0; b < shards_.size(); ++b) {
     pending_[b].wait();

@@ -90,6 +90,9 @@ class DataParallel {
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
   const std::vector<Range>& owned() const { return owned_; }
+  // The ranges whose bf16 copy the optimizer writes as it updates them (AdamW's copy_ranges): all it
+  // updates when that is every value, else the copy buckets' shards (written where there is a copy).
+  const std::vector<Range>& copy_written_by_update() const { return copy_from_update_; }
 
   // A step, whatever the schedule (one forward-backward per micro-batch, or a pipeline's chunks):
   //   begin_step(); { begin_backward(final); <backward: the model calls grads_ready> end_backward(); }...
@@ -109,10 +112,10 @@ class DataParallel {
   // norm — NaN when a gradient element it applies but does not count (a TP replica on TP rank ≥ 1)
   // is not finite, so no rank updates with it. finish_gradients (below) calls it.
   double complete_gradients();
-  // After the optimizer updated the owned ranges: ZeRO 1/2 all-gather every bucket's parameters (a
-  // copy bucket's bf16 copy, rounded from the shards); the bf16 copy (if kept) is rounded again.
-  // ZeRO-3 only rounds its copy buckets' shards: units are gathered when needed (FSSDP forgets the
-  // experts --fssdp-keep kept).
+  // After the optimizer updated the owned ranges (and wrote copy_written_by_update's bf16 copy):
+  // ZeRO 1/2 all-gather every bucket's parameters (a copy bucket's bf16 copy) and round the other
+  // buckets' bf16 copy (if kept) from the gathered values. ZeRO-3 gathers units when needed (FSSDP
+  // forgets the experts --fssdp-keep kept).
   void gather_params();
   // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
   void use_weights(WeightUse use, const std::vector<Range>& unit);
@@ -168,6 +171,7 @@ class DataParallel {
   int zero_;
   bool sp_;
   std::vector<Range> owned_;         // optimizer ranges
+  std::vector<Range> copy_from_update_;  // copy_written_by_update()
   std::vector<Range> shards_;        // this rank's shard of each bucket (norm ranges, whatever the stage)
   std::vector<Segment> partial_segs_;  // owned segments of TP-partial tensors (reduced over TP)
   std::vector<Segment> norm_segs_;   // shard segments this rank counts in the norm (TP-replicated: TP rank 0)

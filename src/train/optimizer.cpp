@@ -3,17 +3,24 @@
 #include <algorithm>
 #include <cmath>
 
+#include <omp.h>
+
 #include "core/error.h"
 #include "core/memory.h"
+#include "kernels/cpu/optimizer.h"
 
 namespace origami {
 
-AdamW::AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges) : cfg_(cfg) {
+AdamW::AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges,
+             const std::vector<Range>& copy_ranges)
+    : cfg_(cfg) {
   segs_ = params.segments(ranges.empty() ? std::vector<Range>{{0, params.size()}} : ranges);
   int64_t n = 0;
   for (const Segment& s : segs_) {
     state_at_.push_back(n);
     decay_.push_back(params.table()[s.param].decays() ? 1 : 0);
+    copy_.push_back(std::any_of(copy_ranges.begin(), copy_ranges.end(),
+                                [&](const Range& r) { return r.begin <= s.begin && s.end <= r.end; }));
     n += s.end - s.begin;
   }
   allocating("the AdamW moments", 8 * n, [&] {
@@ -25,24 +32,20 @@ AdamW::AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ra
 void AdamW::step(Params& params, double lr, float grad_scale) {
   ++t_;
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_)), bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
-  const float b1 = float(cfg_.beta1), b2 = float(cfg_.beta2);
-  const float step_size = float(lr / bc1), inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2)), eps = float(cfg_.eps);
+  AdamWScalars s{float(cfg_.beta1), float(cfg_.beta2), float(lr / bc1), float(1.0 / std::sqrt(bc2)),
+                 float(cfg_.eps),   1.f,                grad_scale};
+  const float decayed = float(1.0 - lr * cfg_.weight_decay);
+  bf16* low = params.bf16_copy();
   // One parallel region for all segments (GPT-2 has 148, many of them bias vectors): a region per
-  // segment cost ~10% of the step's time in thread wake-ups. Segments are disjoint, hence nowait.
-#pragma omp parallel
-  for (size_t i = 0; i < segs_.size(); ++i) {
-    const int64_t n = segs_[i].end - segs_[i].begin;
-    float* w = params.data() + segs_[i].begin;
-    const float* g = params.grad() + segs_[i].begin;
-    float* m = m_.data() + state_at_[i];
-    float* v = v_.data() + state_at_[i];
-    const float keep = decay_[i] ? float(1.0 - lr * cfg_.weight_decay) : 1.f;
-#pragma omp for simd schedule(static) nowait
-    for (int64_t j = 0; j < n; ++j) {
-      const float gj = g[j] * grad_scale;
-      m[j] = b1 * m[j] + (1.f - b1) * gj;
-      v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
-      w[j] = w[j] * keep - step_size * m[j] / (std::sqrt(v[j]) * inv_sqrt_bc2 + eps);
+  // segment cost ~10% of the step's time in thread wake-ups. Each thread updates its share of each.
+#pragma omp parallel firstprivate(s)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (size_t i = 0; i < segs_.size(); ++i) {
+      const int64_t n = segs_[i].end - segs_[i].begin, lo = n * t / nt, hi = n * (t + 1) / nt, at = segs_[i].begin + lo;
+      s.keep = decay_[i] ? decayed : 1.f;
+      adamw_update(params.data() + at, copy_[i] && low != nullptr ? low + at : nullptr, params.grad() + at,
+                   m_.data() + state_at_[i] + lo, v_.data() + state_at_[i] + lo, hi - lo, s);
     }
   }
 }

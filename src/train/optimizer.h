@@ -19,9 +19,13 @@ struct AdamWConfig {
 class AdamW {
  public:
   // Updates the parameters in `ranges` of the buffer (empty: all of it); state exists only for them.
-  AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges = {});
+  // The update also writes the bf16 copy (Params::bf16_copy, where there is one) of the values it
+  // updates within `copy_ranges` (DataParallel::copy_written_by_update), in the same pass.
+  AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ranges = {},
+        const std::vector<Range>& copy_ranges = {});
   // One update with learning rate lr on the gradients g·grad_scale: p −= lr·wd·p (matrices only),
-  // then the bias-corrected Adam step p −= lr·m̂/(√v̂ + ε). The gradient buffer is left unchanged.
+  // then the bias-corrected Adam step p −= lr·m̂/(√v̂ + ε) (kernels/cpu/optimizer.h). The gradient
+  // buffer is left unchanged.
   void step(Params& params, double lr, float grad_scale = 1.f);
   int64_t steps_taken() const { return t_; }
   void set_steps_taken(int64_t t) { t_ = t; }
@@ -41,6 +45,7 @@ class AdamW {
   std::vector<Segment> segs_;
   std::vector<int64_t> state_at_;  // where each segment's state starts in m_ / v_
   std::vector<uint8_t> decay_;     // per segment
+  std::vector<uint8_t> copy_;      // per segment: the update writes its bf16 copy
   std::vector<float> m_, v_;
   int64_t t_ = 0;
 };

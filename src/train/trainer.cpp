@@ -54,7 +54,7 @@ struct ParamSet {
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size(), experts)),
         dp(params, dp_group, tp_group, o.zero_of(experts), sequence_parallel, embedding, o.grad_reduce_wire(),
            experts && o.fssdp(), o.fssdp_keep),
-        opt(params, o.adam, dp.owned()) {}
+        opt(params, o.adam, dp.owned(), dp.copy_written_by_update()) {}
 };
 
 // This rank's two parameter sets: its pipeline stage's part of the model (its chunks of layers), the

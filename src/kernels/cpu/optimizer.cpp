@@ -1,0 +1,36 @@
+#include "kernels/cpu/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace origami {
+
+void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s) {
+  // Blocks small enough that the bf16 copy reads the block's new values from L1.
+  constexpr int64_t kBlock = 2048;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+#pragma omp simd
+    for (int64_t j = b; j < e; ++j) {
+      const float gj = g[j] * s.grad_scale;
+      m[j] = s.b1 * m[j] + (1.f - s.b1) * gj;
+      v[j] = s.b2 * v[j] + (1.f - s.b2) * gj * gj;
+      w[j] = w[j] * s.keep - s.step_size * m[j] / (std::sqrt(v[j]) * s.inv_sqrt_bc2 + s.eps);
+    }
+    if (low != nullptr) to_bf16(low + b, w + b, e - b);
+  }
+}
+
+double sum_squares(const float* x, int64_t n) {
+  constexpr int kLanes = 8;
+  double part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) part[k] += double(x[i + k]) * double(x[i + k]);
+  for (int k = 0; i < n; ++i, ++k) part[k] += double(x[i]) * double(x[i]);
+  double sum = 0;
+  for (double p : part) sum += p;
+  return sum;
+}
+
+}  // namespace origami

@@ -1,0 +1,30 @@
+// The optimizer's element-wise kernels (train/optimizer.h and the gradient norm of
+// parallel/data_parallel.h call them): each runs on the calling thread over one contiguous run of
+// elements; the callers split their buffers over the threads. The CUDA twins are in
+// kernels/cuda/cuda_kernels.h ("Optimizer").
+#pragma once
+#include <cstdint>
+
+#include "kernels/cpu/bf16.h"
+
+namespace origami {
+
+// One AdamW step's scalars. keep = 1 − lr·wd (1 for vectors), step_size = lr/(1 − β1^t),
+// inv_sqrt_bc2 = 1/√(1 − β2^t); the gradients enter as g·grad_scale (the clipping coefficient).
+struct AdamWScalars {
+  float b1, b2, step_size, inv_sqrt_bc2, eps, keep, grad_scale;
+};
+
+// w, m, v updated in place over n elements (PyTorch's AdamW, decoupled weight decay):
+//   m = β1·m + (1−β1)·g,  v = β2·v + (1−β2)·g²,  w = keep·w − step_size·m/(√v·inv_sqrt_bc2 + ε).
+// With `low` given, low[i] = to_bf16(w[i]) too: the GEMMs' bf16 copy written while the new values are
+// in cache (one pass over the weights less than refreshing the copy afterwards).
+void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s);
+
+// Σ x[i]² in double: the clipping norm's part. Eight interleaved partial sums (element i goes to
+// sum i mod 8, in index order; then the eight are added in order), so a vector unit keeps eight
+// chains in flight where a single sum waits on each addition. The result depends on n and the
+// values only, not on the CPU.
+double sum_squares(const float* x, int64_t n);
+
+}  // namespace origami
