@@ -1,4 +1,5 @@
-// The optimizer's kernels (kernels/cpu/optimizer.h) against their definitions, and AdamW's bf16 copy.
+// The optimizer's kernels (kernels/cpu/optimizer.h) against their definitions, AdamW's bf16 copy, and
+// the reductions the element-wise kernels share (kernels/cpu/reduce.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/reduce.h"
 #include "model/params.h"
 #include "train/optimizer.h"
 
@@ -85,6 +87,31 @@ TEST(AdamW, WritesTheBf16CopyOfItsCopyRangesOnly) {
     changed += to_bf16(p.data()[i]).bits != before[size_t(i)].bits;
   }
   EXPECT_GT(changed, 0);  // the values did change: the copy's staying put is the range's doing
+}
+
+// lane_sum's order is its definition: partial k sums the elements i ≡ k (mod 8) in index order, then
+// the eight partials are added in order — in float, where the order shows in the last bits.
+TEST(LaneSum, AddsInItsStatedOrder) {
+  for (int64_t n : {0, 1, 7, 8, 9, 1001}) {
+    const std::vector<float> x = random_floats(size_t(n), -1, 1, uint32_t(n + 11));
+    float part[8] = {};
+    for (int64_t i = 0; i < n; ++i) part[i % 8] += x[size_t(i)];
+    float want = 0;
+    for (float p : part) want += p;
+    EXPECT_EQ(lane_sum<float>(n, [&](int64_t i) { return x[size_t(i)]; }), want) << n;
+  }
+}
+
+TEST(LaneMax, IsTheMaximumAndPassesOverNaN) {
+  for (int64_t n : {1, 5, 8, 17, 1000}) {
+    std::vector<float> x = random_floats(size_t(n), -5, -1, uint32_t(n));
+    x[size_t(n / 2)] = 3.f;
+    EXPECT_EQ(lane_max(x.data(), n), 3.f) << n;
+    if (n > 1) {
+      x[size_t(n - 1)] = std::numeric_limits<float>::quiet_NaN();
+      EXPECT_EQ(lane_max(x.data(), n), 3.f) << n;
+    }
+  }
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/reduce.h"
+
 namespace origami {
 
 void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s) {
@@ -22,15 +24,7 @@ void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64
 }
 
 double sum_squares(const float* x, int64_t n) {
-  constexpr int kLanes = 8;
-  double part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int k = 0; k < kLanes; ++k) part[k] += double(x[i + k]) * double(x[i + k]);
-  for (int k = 0; i < n; ++i, ++k) part[k] += double(x[i]) * double(x[i]);
-  double sum = 0;
-  for (double p : part) sum += p;
-  return sum;
+  return lane_sum<double>(n, [x](int64_t i) { return double(x[i]) * double(x[i]); });
 }
 
 }  // namespace origami

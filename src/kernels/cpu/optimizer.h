@@ -21,10 +21,7 @@ struct AdamWScalars {
 // in cache (one pass over the weights less than refreshing the copy afterwards).
 void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s);
 
-// Σ x[i]² in double: the clipping norm's part. Eight interleaved partial sums (element i goes to
-// sum i mod 8, in index order; then the eight are added in order), so a vector unit keeps eight
-// chains in flight where a single sum waits on each addition. The result depends on n and the
-// values only, not on the CPU.
+// Σ x[i]² in double: the clipping norm's part (lane_sum's order, kernels/cpu/reduce.h).
 double sum_squares(const float* x, int64_t n);
 
 }  // namespace origami
