@@ -222,7 +222,7 @@ class Model {
   void update_router_bias(const std::vector<std::vector<int64_t>>& load);
   const ModelConfig& config() const { return cfg_; }
   // The precision of the layer GEMMs (kernels/cpu/matmul.h). bf16 makes the parameter buffers keep
-  // their bf16 copies (made now from the values; Params::refresh_bf16_copy after every change) and
+  // their bf16 copies (made now from the values, then kept by the update and the gathers: params.h) and
   // the dense MLPs' activations (up-projection output, down-projection input) be kept in bf16.
   // Between steps only (no activations kept).
   void set_precision(Precision p);

@@ -204,10 +204,10 @@ class Params {
   // normal: N(0, 0.02²); scaled_normal: N(0, (0.02/√(2L))²) (GPT-2 residual projections).
   void init(uint64_t seed, int64_t num_layers);
   void zero_grad();
-  // Mixed precision: a bf16 copy of the values (the GEMMs' weights), kept from keep_bf16_copy() on and
-  // made again from the values by refresh_bf16_copy(), which whoever changes the values calls (the
-  // optimizer step with ZeRO's gather, a load; ZeRO-3 a gathered range). bf16_copy() is null while
-  // none is kept.
+  // Mixed precision: a bf16 copy of the values (the GEMMs' weights), kept from keep_bf16_copy() on (made
+  // then from the values) and kept equal to them by whoever changes them: AdamW writes the copy of
+  // what it updates (its copy ranges), ZeRO's gathers call refresh_bf16_copy() on the ranges they
+  // fill. bf16_copy() is null while none is kept.
   void keep_bf16_copy();
   void refresh_bf16_copy() { refresh_bf16_copy({0, size_}); }
   void refresh_bf16_copy(Range r);

@@ -113,9 +113,9 @@ class DataParallel {
   // is not finite, so no rank updates with it. finish_gradients (below) calls it.
   double complete_gradients();
   // After the optimizer updated the owned ranges (and wrote copy_written_by_update's bf16 copy):
-  // ZeRO 1/2 all-gather every bucket's parameters (a copy bucket's bf16 copy) and round the other
-  // buckets' bf16 copy (if kept) from the gathered values. ZeRO-3 gathers units when needed (FSSDP
-  // forgets the experts --fssdp-keep kept).
+  // ZeRO 1/2 over several ranks all-gather every bucket's parameters (a copy bucket's bf16 copy) and
+  // round the other buckets' bf16 copy (if kept) from the gathered values; ZeRO 0 and one rank have
+  // nothing to gather. ZeRO-3 gathers units when needed (FSSDP forgets the experts --fssdp-keep kept).
   void gather_params();
   // ZeRO-3 (a no-op below): the parameters of the buffer ranges `unit` (Model::on_weights).
   void use_weights(WeightUse use, const std::vector<Range>& unit);

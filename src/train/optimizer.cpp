@@ -19,8 +19,12 @@ AdamW::AdamW(const Params& params, AdamWConfig cfg, const std::vector<Range>& ra
   for (const Segment& s : segs_) {
     state_at_.push_back(n);
     decay_.push_back(params.table()[s.param].decays() ? 1 : 0);
-    copy_.push_back(std::any_of(copy_ranges.begin(), copy_ranges.end(),
-                                [&](const Range& r) { return r.begin <= s.begin && s.end <= r.end; }));
+    const bool inside = std::any_of(copy_ranges.begin(), copy_ranges.end(),
+                                    [&](const Range& r) { return r.begin <= s.begin && s.end <= r.end; });
+    const bool touches = std::any_of(copy_ranges.begin(), copy_ranges.end(),
+                                     [&](const Range& r) { return r.begin < s.end && s.begin < r.end; });
+    ORIGAMI_ASSERT(inside == touches);  // a copy range holds whole segments
+    copy_.push_back(inside);
     n += s.end - s.begin;
   }
   allocating("the AdamW moments", 8 * n, [&] {
