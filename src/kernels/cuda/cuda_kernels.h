@@ -150,7 +150,8 @@ void moe_backward(float* dx_NC, float* dgate_EC, float* dexperts, const float* d
                   const MoeRouting& r, float loss_scale);
 
 // ---- Optimizer (kernels/cpu/optimizer.h): one segment's AdamW update on g·grad_scale ----
-// (AdamWScalars' fields as arguments; the CPU kernel's bf16 copy has no device twin yet: Params has no device buffers.)
+// (AdamWScalars' fields as arguments; the CPU kernel's bf16 copy has no device twin yet: Params has
+// no device buffers.)
 // keep = 1 − lr·wd (1 for vectors), step_size = lr/(1 − β1^t), inv_sqrt_bc2 = 1/√(1 − β2^t).
 void adamw_update(float* w, const float* g, float* m, float* v, int64_t n, float b1, float b2, float step_size,
                   float inv_sqrt_bc2, float eps, float keep, float grad_scale);
