@@ -22,7 +22,8 @@ void add_precision_option(Args& a) {
 
 void add_routing_options(Args& a, bool train) {
   a.option("moe-aux-loss", "none|micro|seq|global",
-           "MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so far", "micro")
+           "MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so far "
+           "(default: micro; seq under --batching documents)")
       .option("moe-aux-loss-coef", "X", "its coefficient (default: the config's router_aux_loss_coef)")
       .option("moe-capacity-factor", "F", "drop assignments beyond ceil(F x tokens x top-k / experts) per expert "
                                           "(counted over the tokens a rank routes); 0: dropless", "0")
@@ -36,7 +37,7 @@ void add_routing_options(Args& a, bool train) {
 }
 
 void read_routing_options(const Args& a, TrainOptions& o, bool train) {
-  o.moe_aux_loss = a.str("moe-aux-loss");
+  o.moe_aux_loss = a.given("moe-aux-loss") ? a.str("moe-aux-loss") : "";
   if (a.has("moe-aux-loss-coef")) {
     o.moe_aux_loss_coef = a.number("moe-aux-loss-coef");
     ORIGAMI_CHECK(o.moe_aux_loss_coef >= 0, "--moe-aux-loss-coef must not be negative, got ", o.moe_aux_loss_coef);

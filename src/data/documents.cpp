@@ -1,18 +1,34 @@
 #include "data/documents.h"
 
+#include <string>
+
 #include "core/error.h"
 #include "core/rng.h"
 
 namespace origami {
 
-DocumentBatcher::DocumentBatcher(const IndexedDataset& dataset, int64_t max_len, int64_t step_tokens,
-                                 SampleOrder order, uint64_t seed)
-    : dataset_(&dataset), max_len_(max_len), step_tokens_(step_tokens), order_(order), seed_(seed) {
+DocumentBatcher::DocumentBatcher(std::vector<const IndexedDataset*> datasets, std::vector<double> weights,
+                                 int64_t max_len, int64_t step_tokens, SampleOrder order, uint64_t seed)
+    : max_len_(max_len), step_tokens_(step_tokens), order_(order), seed_(seed) {
   ORIGAMI_CHECK(max_len >= 1, "--seq-len must be at least 1, got ", max_len);
   ORIGAMI_CHECK(step_tokens >= max_len, "--tokens-per-step (", step_tokens, ") must be at least --seq-len (", max_len,
                 "): a step must have room for the longest sequence");
-  ORIGAMI_CHECK(dataset.num_tokens() > 0 && dataset.num_documents() > 0, dataset.prefix(),
-                ": the dataset has no tokens to make sequences of");
+  ORIGAMI_ASSERT(!datasets.empty() && datasets.size() == weights.size());
+  double total = 0;
+  for (const double w : weights) total += w;
+  for (size_t d = 0; d < datasets.size(); ++d) {
+    const IndexedDataset& ds = *datasets[d];
+    ORIGAMI_CHECK(ds.num_tokens() > 0 && ds.num_documents() > 0, ds.prefix(),
+                  ": the dataset has no tokens to make sequences of");
+    const std::string name = d == 0 ? "data.documents" : "data.documents." + std::to_string(d);
+    parts_.push_back({&ds, weights[d] / total, hash_name(name), {}, 0, -1, {}});
+  }
+}
+
+int64_t DocumentBatcher::num_documents() const {
+  int64_t n = 0;
+  for (const Part& p : parts_) n += int64_t(p.dataset->num_documents());
+  return n;
 }
 
 int64_t DocumentBatcher::bytes() const {
@@ -20,29 +36,45 @@ int64_t DocumentBatcher::bytes() const {
   return order + step_tokens_ * int64_t(sizeof(Sequence));  // a step holds at most N sequences
 }
 
-int64_t DocumentBatcher::document_at(int64_t epoch, int64_t index) {
+int64_t DocumentBatcher::document_at(Part& p, int64_t epoch, int64_t index) {
   if (order_ == SampleOrder::sequential) return index;
-  if (epoch != cached_epoch_) {
-    shuffle_indices(permutation_, num_documents(), seed_, hash_name("data.documents") ^ splitmix64(uint64_t(epoch)));
-    cached_epoch_ = epoch;
+  if (epoch != p.cached_epoch) {
+    shuffle_indices(p.permutation, int64_t(p.dataset->num_documents()), seed_, p.stream ^ splitmix64(uint64_t(epoch)));
+    p.cached_epoch = epoch;
   }
-  return permutation_[size_t(index)];
+  return p.permutation[size_t(index)];
+}
+
+int DocumentBatcher::choose() const {
+  int64_t total = 0;
+  for (const Part& p : parts_) total += p.taken;
+  int best = 0;
+  double best_due = -1e300;
+  for (size_t d = 0; d < parts_.size(); ++d) {
+    const double due = parts_[d].weight * double(total + 1) - double(parts_[d].taken);
+    if (due > best_due) best = int(d), best_due = due;
+  }
+  return best;
 }
 
 Sequence DocumentBatcher::peek() {
+  if (parts_[size_t(current_)].cursor.offset == 0) current_ = choose();  // a new document
+  Part& p = parts_[size_t(current_)];
+  Cursor& c = p.cursor;
+  const int64_t documents = int64_t(p.dataset->num_documents());
   for (;;) {
-    const uint64_t d = uint64_t(document_at(cursor_.epoch, cursor_.index));
-    const uint64_t begin = dataset_->sequence_offset(uint64_t(dataset_->document_index(d)));
-    const uint64_t end = dataset_->sequence_offset(uint64_t(dataset_->document_index(d + 1)));
-    const int64_t left = int64_t(end - begin) - cursor_.offset;
-    if (left > 0) return {begin + uint64_t(cursor_.offset), std::min(left, max_len_)};
-    cursor_.offset = 0;  // an empty document (the constructor checked that some is not)
-    if (++cursor_.index == num_documents()) cursor_.index = 0, ++cursor_.epoch;
+    const uint64_t d = uint64_t(document_at(p, c.epoch, c.index));
+    const uint64_t begin = p.dataset->sequence_offset(uint64_t(p.dataset->document_index(d)));
+    const uint64_t end = p.dataset->sequence_offset(uint64_t(p.dataset->document_index(d + 1)));
+    const int64_t left = int64_t(end - begin) - c.offset;
+    if (left > 0) return {begin + uint64_t(c.offset), std::min(left, max_len_), current_};
+    c.offset = 0;  // an empty document (the constructor checked that some is not)
+    if (++c.index == documents) c.index = 0, ++c.epoch;
   }
 }
 
-// Each step takes at least one sequence, so a second epoch begins within as many steps as the first
-// has sequences: the loop ends early however large `steps` is.
+// Each step takes at least one sequence, so a second epoch of some dataset begins within as many
+// steps as the blend's first epochs have sequences: the loop ends early however large `steps` is.
 bool DocumentBatcher::repeats(int64_t steps) {
   for (int64_t s = 0; s < steps; ++s)
     if (step(s), last_epoch_ > 0) return true;
@@ -50,14 +82,19 @@ bool DocumentBatcher::repeats(int64_t steps) {
 }
 
 void DocumentBatcher::advance(const Sequence& q) {
-  last_epoch_ = cursor_.epoch;
-  cursor_.offset += q.length;
+  Part& p = parts_[size_t(q.part)];
+  last_epoch_ = std::max(last_epoch_, p.cursor.epoch);
+  p.taken += q.length;
+  p.cursor.offset += q.length;
   peek();  // moves to the next document once this one is used up
 }
 
 const std::vector<Sequence>& DocumentBatcher::step(int64_t s) {
   ORIGAMI_CHECK(s >= 0, "step must be >= 0, got ", s);
-  if (s < step_) step_ = -1, cursor_ = {}, last_epoch_ = 0, sequences_.clear();
+  if (s < step_) {
+    step_ = -1, current_ = 0, last_epoch_ = 0, sequences_.clear();
+    for (Part& p : parts_) p.cursor = {}, p.taken = 0;
+  }
   while (step_ < s) {
     sequences_.clear();
     int64_t tokens = 0;

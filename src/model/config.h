@@ -60,6 +60,9 @@ struct ModelLimits {
   static constexpr int64_t tensors = int64_t(1) << 21;
 };
 
+// Document batching: the target of a padding position (ModelConfig::packed_sequences).
+inline constexpr int32_t kPaddingTarget = -2;
+
 struct ModelConfig {
   ModelType type = ModelType::gpt2;
   int64_t vocab_size = 0;
@@ -89,9 +92,10 @@ struct ModelConfig {
   // reset_position_ids). −1: causal attention over the whole window.
   int32_t document_eod = -1;
   // Document batching (the run's --batching documents, data/documents.h): every row is [2, T], the T
-  // input tokens then their T targets, −1 where a position predicts nothing. Whole sequences are packed
-  // back to back with padding after them: a sequence ends at each position without a target, so a token
-  // attends only to its own sequence and position ids restart at 0 for each.
+  // input tokens then their T targets, −1 where a position predicts nothing (a sequence's last) and
+  // kPaddingTarget on the padding. Whole sequences are packed back to back with the padding after them:
+  // a sequence ends at each position without a target, so a token attends only to its own sequence and
+  // position ids restart at 0 for each. Padding routes to no expert and counts in no router loss.
   bool packed_sequences = false;
   nlohmann::json raw;         // the file as read
 

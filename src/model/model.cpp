@@ -64,7 +64,8 @@ struct LocalSizes {
         mlp_bytes(a.precision == Precision::bf16 ? 2 : 4), ln1_bytes(mlp_bytes),
         ln2_bytes(a.precision == Precision::bf16 && !c.is_moe() ? 2 : 4), sh(c.shared_ffn > 0 ? C + 1 : 0),
         moe{(N / a.tp).get(), C.get(), c.expert_ffn / a.etp, c.num_experts, c.top_k, a.B,
-            c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad, a.precision == Precision::bf16},
+            c.routing.capacity((N / a.tp).get(), c.top_k, c.num_experts), c.routing.pad, a.precision == Precision::bf16,
+            c.packed_sequences},
         moe_rows(c.is_moe() ? TokenDispatcher::max_rows(moe.N, c.top_k, c.num_experts, a.ep, a.etp, moe.cap, moe.pad) : 0),
         core{a.B, a.T, c.num_heads / a.tp, c.num_kv_heads / a.tp, c.head_dim, a.cp, a.cp_a2a} {}
   // MoE shares cut from (and gathered into) full [N, C] buffers: TP without SP.
@@ -567,7 +568,7 @@ void Model::norm_backward(float* dx, const float* dy, const float* x, const floa
 void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const {
   const int64_t T = T_ * row_cp(), stride = cfg_.row_stride(T);
   const int64_t at = cfg_.packed_sequences ? shift * T : shift;  // targets: the row's second half, or shifted by one
-  const int32_t least = cfg_.packed_sequences && shift ? -1 : 0;  // −1: no target
+  const int32_t least = cfg_.packed_sequences && shift ? kPaddingTarget : 0;  // −1: no target, −2: padding
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < T_; ++t) {
       const int32_t tok = tokens[b * stride + at + position(t)];
@@ -594,6 +595,27 @@ void Model::set_documents(const int32_t* tokens) {
     }
     for (int64_t t = 0; t < T_; ++t) pos_ids_[size_t(b * T_ + t)] = pos[size_t(position(t))];
   }
+  if (cfg_.packed_sequences && cfg_.is_moe()) set_sequences(tokens);
+}
+
+// The MoE share's tokens (TensorParallel::share: positions [r·T/t, (r+1)·T/t) of each local row) by
+// sequence: the micro-batch's sequences numbered row by row over the whole rows, so every rank sharing
+// the rows (TP, and CP unless the micro-batch runs alone) numbers them alike; padding (target −2) −1.
+void Model::set_sequences(const int32_t* tokens) {
+  const int64_t T = T_ * row_cp(), stride = cfg_.row_stride(T), Ts = T_ / tp_.size(), r = tp_.rank();
+  moe_seq_.resize(size_t(B_ * Ts));
+  int32_t first = 0;  // the row's first sequence
+  for (int64_t b = 0; b < B_; ++b) {
+    const int32_t* target = tokens + b * stride + T;
+    const int32_t* doc = docs_.data() + b * T;
+    for (int64_t j = 0; j < Ts; ++j) {
+      const int64_t t = position(r * Ts + j);
+      moe_seq_[size_t(b * Ts + j)] = target[t] == kPaddingTarget ? -1 : first + doc[t];
+    }
+    const int64_t real = std::find(target, target + T, kPaddingTarget) - target;  // padding is the row's tail
+    first += real > 0 ? doc[real - 1] + 1 : 0;
+  }
+  moe_docs_ = {moe_seq_.data(), first, alone_ ? &tp_.comm() : &dispatcher_.token_group(), router_tokens_};
 }
 
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions
@@ -767,6 +789,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
   const bool global = c.routing.aux == AuxLoss::global;
   if (global && losses) balance.global = &global_counts_[size_t(l)];
   if (global && !losses) balance.reuse = &global_frac_.at({l, mb_});
+  if (c.packed_sequences) balance.docs = &moe_docs_;
   MoeInputs<float> in{x, w(o.router), expert_weights(o.experts)};
   if (experts_fn_) in.before_experts = [&](const DispatchPlan& plan) {  // FSSDP: the experts its rows reach
     std::vector<int32_t> need;

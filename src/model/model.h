@@ -229,8 +229,9 @@ class Model {
   Precision precision() const { return precision_; }
   // The LM loss of each micro-batch is the sum of its targets' cross-entropies over `tokens`; 0 (the
   // default): over its B·T tokens (the mean of a window batch). Document batching sets the step's
-  // predicted tokens / micro-batches, so that the step's loss is the mean over every predicted token.
-  void set_loss_tokens(double tokens) { loss_tokens_ = tokens; }
+  // predicted tokens / micro-batches, so that the step's loss is the mean over every predicted token,
+  // and `routed`, the step's tokens / micro-batches, the router losses' denominator (MoeSequences).
+  void set_loss_tokens(double tokens, double routed = 0) { loss_tokens_ = tokens, router_tokens_ = routed; }
   ContextParallel& context_parallel() { return cp_; }
   // Document batching under CP (a CP degree per sequence): micro-batch m runs on this rank alone when
   // alone[m] — its own B rows of T/C tokens, attention without communication — and over the CP group
@@ -306,8 +307,10 @@ class Model {
   // The inputs (or with `shift` 1 the targets) of this rank's positions from whole rows (row_stride).
   void gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) const;
   // Document masking: docs_ and pos_ids_ of the micro-batch's windows (every forward and backward
-  // sets them again: micro-batches interleave under pipeline schedules).
+  // sets them again: micro-batches interleave under pipeline schedules); MoE under document batching
+  // also the sequences of the MoE share's tokens (set_sequences).
   void set_documents(const int32_t* tokens);
+  void set_sequences(const int32_t* tokens);
   const int32_t* docs() const { return docs_.empty() ? nullptr : docs_.data(); }
   CpShape cp_shape() const {
     CpShape s = cp_now().shape(B_, T_, Hl_, KVl_, cfg_.head_dim);
@@ -341,12 +344,14 @@ class Model {
   ModelPart part_;
   Recompute recompute_;
   Precision precision_ = Precision::fp32;
-  double loss_tokens_ = 0;
+  double loss_tokens_ = 0, router_tokens_ = 0;
   int64_t Hl_, KVl_, Fl_, Vl_, vocab_begin_, vocab_valid_;  // this TP rank's shard sizes
   int64_t B_ = 0, T_ = 0;          // batch rows and this rank's positions per row
   std::vector<int64_t> positions_;  // [T_]: each local position's place in the sequence (over the CP group)
   std::vector<int64_t> pos_ids_;    // [B_, T_]: each token's position id (RoPE, learned positions)
   std::vector<int32_t> docs_;       // document masking: [B_, T_·CP] the document of each position of a window
+  std::vector<int32_t> moe_seq_;    // MoE under document batching: [share tokens] each one's sequence (−1: padding)
+  MoeSequences moe_docs_;           // ... and what the router reads of them (set_sequences)
   std::vector<LayerOffsets> layers_;  // by global layer index (entries of other stages unused)
   std::vector<int64_t> layer_begin_;  // lowest buffer offset of each layer's parameters
   std::vector<int64_t> expert_begin_;  // the same in the experts' buffer (carried over dense layers)

@@ -64,6 +64,7 @@ class TokenDispatcher {
   int64_t local_experts(int64_t E) const { return E / ep_->size(); }
   int64_t first_expert(int64_t E) const { return ep_->rank() * local_experts(E); }
   int64_t token_ranks() const { return tokens_->size(); }
+  Comm& token_group() const { return *tokens_; }
   int64_t replicas() const { return replicas_->size(); }
   DispatchTimes& times() { return times_; }
   // Most expert-side rows one call can bring to a rank (any imbalance), when every rank routes n

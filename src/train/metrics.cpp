@@ -137,6 +137,7 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
   if (!f.vocab_s.empty()) j["pp_vocab_ms"] = as_ms(f.vocab_s);
   if (!f.gathered_bytes.empty()) j["gathered_bytes"] = as_int(f.gathered_bytes), j["reduced_bytes"] = as_int(f.reduced_bytes);
   if (!r.data_samples.empty()) j["data_samples"] = r.data_samples;
+  if (!r.data_tokens.empty()) j["data_tokens"] = r.data_tokens;
   if (r.documents) add_documents_group(j, r);
   if (!std::isnan(r.val_loss)) j["val_loss"] = r.val_loss;  // the validation group: a step that evaluated
   if (!r.skipped.empty()) j["skipped"] = r.skipped;

@@ -100,6 +100,7 @@ struct DocumentStep {
   int64_t over_group = 0;                // the sequences run over a CP group (all of them without a CP degree per sequence)
   int64_t over_group_micro = -1;         // with a CP degree per sequence: rank 0's group's micro-batches over it
   double estimated_imbalance = 1;        // max / mean of the balancer's cost per DP rank
+  std::vector<int64_t> dataset_tokens;   // a blend: the step's tokens from each dataset (else empty)
 };
 
 struct StepReport {
@@ -112,6 +113,7 @@ struct StepReport {
   const CpCounters* cp = nullptr;            // under CP: rank 0's counters (tiles are reported in any case)
   int64_t attention_tiles = 0;               // rank 0's forward score tiles (fewer under document masking)
   std::vector<int64_t> data_samples;         // the step's rows from each dataset (a blend)
+  std::vector<int64_t> data_tokens;          // ... under document batching, the step's tokens from each
   double val_loss = std::numeric_limits<double>::quiet_NaN();
   std::string skipped;  // what was not finite, when the update was skipped
   bool loss_spike = false;

@@ -40,7 +40,7 @@ nlohmann::json TrainOptions::as_json() const {
   return {{"data", data}, {"steps", steps}, {"micro_batch", micro_batch}, {"global_batch", global_batch},
           {"tp", tp}, {"cp", cp}, {"cp_comm", cp_comm}, {"cp_a2a_size", cp_a2a()}, {"dp", dp}, {"ep", ep}, {"etp", etp},
           {"expert_sharding", expert_sharding}, {"fssdp_keep", fssdp_keep}, {"pp", pp}, {"vpp", vpp}, {"pp_schedule", schedule_kind_name(schedule_kind())},
-          {"moe_aux_loss", moe_aux_loss}, {"moe_aux_loss_coef", moe_aux_loss_coef},
+          {"moe_aux_loss", aux_loss()}, {"moe_aux_loss_coef", moe_aux_loss_coef},
           {"moe_capacity_factor", moe_capacity_factor}, {"moe_drop_policy", moe_drop_policy},
           {"moe_pad_to_capacity", moe_pad_to_capacity}, {"moe_router_score", moe_router_score},
           {"moe_router_bias_update_rate", moe_router_bias_update_rate},
@@ -55,7 +55,7 @@ nlohmann::json TrainOptions::as_json() const {
 }
 
 void TrainOptions::validate_routing(const ModelConfig& cfg) const {
-  const AuxLoss aux = parse_aux_loss(moe_aux_loss);
+  const AuxLoss aux = parse_aux_loss(aux_loss());
   const DropPolicy drop = parse_drop_policy(moe_drop_policy);
   const RouterScore score = parse_router_score(moe_router_score);
   ORIGAMI_CHECK(moe_capacity_factor >= 0, "--moe-capacity-factor must not be negative (0: dropless), got ",
@@ -65,7 +65,7 @@ void TrainOptions::validate_routing(const ModelConfig& cfg) const {
                 " needs --moe-capacity-factor F (without it routing is dropless)");
   ORIGAMI_CHECK(moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must not be negative (0: off), got ",
                 moe_router_bias_update_rate);
-  const bool any = aux != AuxLoss::micro || moe_aux_loss_coef >= 0 || moe_capacity_factor > 0 ||
+  const bool any = (!moe_aux_loss.empty() && aux != AuxLoss::micro) || moe_aux_loss_coef >= 0 || moe_capacity_factor > 0 ||
                    score != RouterScore::softmax || moe_router_bias_update_rate > 0;
   ORIGAMI_CHECK(cfg.is_moe() || !any, "the --moe-* routing options need a mixture-of-experts model, and this ",
                 cfg.model_type(), " model has no experts");
@@ -74,7 +74,7 @@ void TrainOptions::validate_routing(const ModelConfig& cfg) const {
 ModelConfig TrainOptions::with_routing(const ModelConfig& cfg) const {
   ModelConfig c = cfg;
   MoeRouting& r = c.routing;
-  r.aux = parse_aux_loss(moe_aux_loss);
+  r.aux = parse_aux_loss(aux_loss());
   if (moe_aux_loss_coef >= 0) r.aux_coef = moe_aux_loss_coef;
   r.capacity_factor = moe_capacity_factor;
   r.drop = parse_drop_policy(moe_drop_policy);
@@ -278,21 +278,17 @@ void TrainOptions::validate_documents(const ModelConfig& cfg) const {
   ORIGAMI_CHECK(tokens_per_step <= kMaxBatch, "--tokens-per-step must be at most ", kMaxBatch, ", got ", tokens_per_step);
   ORIGAMI_CHECK(!parse_attention_mask(attention_mask), "--batching documents keeps every sequence to itself already: "
                 "drop --attention-mask document");
-  ORIGAMI_CHECK(parse_blend(data, "--data").size() == 1, "--batching documents reads one dataset: a blend in --data "
-                "is not supported with it yet");
-  ORIGAMI_CHECK(eval_data.empty() || parse_blend(eval_data, "--eval-data").size() == 1, "--batching documents reads "
-                "one dataset: a blend in --eval-data is not supported with it yet");
-  const AuxLoss aux = parse_aux_loss(moe_aux_loss);
-  ORIGAMI_CHECK(!cfg.is_moe() || aux == AuxLoss::none, "--batching documents: --moe-aux-loss ", moe_aux_loss,
-                " would depend on how the sequences are grouped into rows, which depends on the layout; use "
-                "--moe-aux-loss none (a per-sequence loss is not built yet)");
-  ORIGAMI_CHECK(!cfg.is_moe() || moe_router_bias_update_rate == 0, "--batching documents: "
-                "--moe-router-bias-update-rate would count the rows' padding, whose amount depends on the layout; "
-                "it is not supported with it yet");
+  const AuxLoss aux = parse_aux_loss(aux_loss());
+  ORIGAMI_CHECK(!cfg.is_moe() || aux == AuxLoss::none || aux == AuxLoss::seq, "--batching documents: --moe-aux-loss ",
+                aux_loss(), " counts experts over the sequences that share a micro-batch, which depends on the "
+                "layout; use seq (per sequence, the default) or none");
   ORIGAMI_CHECK(!cfg.is_moe() || moe_capacity_factor == 0, "--batching documents: --moe-capacity-factor drops "
                 "assignments by what shares a row, which depends on the layout; it needs dropless routing (0)");
-  ORIGAMI_CHECK(!cfg.is_moe() || cfg.routing.z_coef == 0, "--batching documents: the router z-loss would count "
-                "the rows' padding; it needs router_z_loss_coef 0 in the config");
+}
+
+std::string TrainOptions::aux_loss() const {
+  if (!moe_aux_loss.empty()) return moe_aux_loss;
+  return batching == "documents" ? "seq" : "micro";
 }
 
 TrainOptions TrainOptions::resolved(int world_size) const {

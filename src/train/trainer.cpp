@@ -85,6 +85,14 @@ struct Inputs {
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
 };
 
+// Document batching over the blend's datasets, with its weights (data/documents.h).
+DocumentBatcher document_batcher(const DataBlend& data, const TrainOptions& o, SampleOrder order) {
+  std::vector<const IndexedDataset*> datasets;
+  std::vector<double> weights;
+  for (size_t d = 0; d < data.parts().size(); ++d) datasets.push_back(&data.dataset(d)), weights.push_back(data.parts()[d].weight);
+  return DocumentBatcher(datasets, weights, o.seq_len, o.tokens_per_step, order, o.seed);
+}
+
 Inputs open_inputs(Plan& plan) {
   const TrainOptions& o = plan.options;
   ModelConfig& cfg = plan.model;
@@ -98,7 +106,7 @@ Inputs open_inputs(Plan& plan) {
     ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                   tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
   }
-  if (o.documents()) in.docs.emplace(in.data->dataset(0), o.seq_len, o.tokens_per_step, parse_sample_order(o.data_order), o.seed);
+  if (o.documents()) in.docs = document_batcher(*in.data, o, parse_sample_order(o.data_order));
   if (!o.eval_data.empty()) {
     // The validation windows (sequences), in order: the first eval_iters × G samples (steps), none read twice.
     in.eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
@@ -108,8 +116,7 @@ Inputs open_inputs(Plan& plan) {
       in.eval_data->require_no_repeat(o.eval_iters * o.global_batch,
                                       cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters,
                                           " x ", o.global_batch, "; lower --eval-iters or give more validation data)"));
-    else if (in.eval_docs.emplace(in.eval_data->dataset(0), o.seq_len, o.tokens_per_step, SampleOrder::sequential, o.seed);
-             in.eval_docs->repeats(o.eval_iters))
+    else if (in.eval_docs = document_batcher(*in.eval_data, o, SampleOrder::sequential); in.eval_docs->repeats(o.eval_iters))
       fail("--eval-data: an evaluation (--eval-iters x --tokens-per-step = ", o.eval_iters, " x ", o.tokens_per_step,
            " tokens) reads some document twice; lower --eval-iters or give more validation data");
   }
@@ -521,7 +528,7 @@ void Run::size_rows(int64_t micro) {
 }
 
 // One packed row of `len` tokens at `out`: its sequences' tokens, then their targets (each sequence's
-// next tokens, −1 after its last one and on the padding).
+// next tokens, −1 after its last one, kPaddingTarget on the padding).
 void write_row(DocumentBatcher& docs, const std::vector<Sequence>& seqs, const std::vector<int32_t>& row, int64_t len,
                int32_t* out) {
   int32_t* target = out + len;
@@ -534,7 +541,7 @@ void write_row(DocumentBatcher& docs, const std::vector<Sequence>& seqs, const s
     at += n;
   }
   std::fill(out + at, out + len, 0);
-  std::fill(target + at, target + len, -1);
+  std::fill(target + at, target + len, kPaddingTarget);
 }
 
 // Document batching: step `step`'s sequences packed into rows (train/balance.h) and this rank's rows
@@ -545,8 +552,10 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const std::vector<Sequence>& seqs = docs.step(step);
   DocumentStep d;
   std::vector<int64_t> lengths;
+  if (docs.num_parts() > 1) d.dataset_tokens.assign(docs.num_parts(), 0);
   for (const Sequence& q : seqs) {
     lengths.push_back(q.length), d.tokens += q.length, d.predicted += q.length - 1;
+    if (docs.num_parts() > 1) d.dataset_tokens[size_t(q.part)] += q.length;
     d.flops += train_flops_per_token(cfg_, q.length) * double(q.length);  // the FLOP convention, per sequence
   }
   const int64_t T = o_.seq_len, B = o_.micro_batch, per = plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1;
@@ -605,7 +614,8 @@ Run::Update Run::train(int64_t step) {
     doc_step_ = read_sequences(*in_.docs, step);
     up.micro = doc_step_.micro_batches;
     // With the micro-batches' weight 1/(micro·dp) below, the step's loss is the mean over its predicted tokens.
-    model_.set_loss_tokens(double(std::max<int64_t>(1, doc_step_.predicted)) / double(up.micro * dp));
+    model_.set_loss_tokens(double(std::max<int64_t>(1, doc_step_.predicted)) / double(up.micro * dp),
+                           double(doc_step_.tokens) / double(up.micro * dp));
   } else {
     read_rows(*in_.data, step * G + dp_.rank() * (G / dp));
   }
@@ -689,6 +699,7 @@ int Run::step(int64_t step, StopSignals& signals) {
   if (cfg_.routing.bias_rate > 0 && !up.skip()) model_.update_router_bias(fig.expert_tokens);
   StepReport r;
   r.step = step + 1, r.fig = &fig, r.lr = up.lr, r.grad_norm = up.grads.norm, r.data_samples = up.samples;
+  if (in_.docs) r.data_tokens = doc_step_.dataset_tokens;
   r.ms = step_timer.ms();
   r.tokens = in_.docs ? doc_step_.tokens : info_.tokens;
   if (in_.docs) r.documents = &doc_step_;
@@ -736,7 +747,7 @@ double Run::evaluate() {
   double sum = 0;
   if (in_.eval_docs) {  // the sum of every predicted token's loss, over their number
     int64_t predicted = 0;
-    model_.set_loss_tokens(1);
+    model_.set_loss_tokens(1, 1);
     for (int64_t k = 0; k < o_.eval_iters; ++k) {
       predicted += read_sequences(*in_.eval_docs, k).predicted;
       sum += pipeline_.evaluate(micro_tokens_, o_.micro_batch, o_.seq_len).lm_loss;

@@ -98,7 +98,7 @@ struct TrainOptions {
   double bucket_mb = 16;       // data-parallel gradient bucket size (MiB of fp32 gradients)
   std::string mesh_order = "tp-cp-ep-dp-pp";
   // MoE routing (model/layers/moe.h).
-  std::string moe_aux_loss = "micro";    // none | micro | seq | global
+  std::string moe_aux_loss;              // none | micro | seq | global; empty: aux_loss()'s default
   double moe_aux_loss_coef = -1;         // < 0: the config's router_aux_loss_coef
   double moe_capacity_factor = 0;        // 0: dropless
   std::string moe_drop_policy = "probs"; // probs | position
@@ -137,6 +137,7 @@ struct TrainOptions {
   // step_micro_batches when set.
   int64_t micro_batches(int world_size) const;
   bool documents() const;  // --batching documents (an Error naming any other value than windows)
+  std::string aux_loss() const;  // --moe-aux-loss, by default micro (seq under --batching documents)
   bool cp_per_sequence() const { return documents() && cp > 1 && !static_cp; }  // a CP degree per sequence
   void validate_documents(const ModelConfig& cfg) const;  // validate() calls it
 };

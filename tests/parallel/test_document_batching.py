@@ -5,18 +5,22 @@ L = --seq-len 32 many are cut into pieces, some pieces are one token long (they 
 rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-batches of one row
 (but one layout's).
 
-  1. 20 AdamW steps of gpt2, llama (2 KV heads) and mixtral (8 experts, aux none, no z-loss), 4 layers,
+  1. 20 AdamW steps of gpt2, llama (2 KV heads) and mixtral (8 experts; the default per-sequence aux loss
+     and the config's z-loss), 4 layers,
      under DP2, DP4, TP2xDP2+SP, CP2xDP2 (a CP degree per sequence: those of at most 16 tokens on one
      rank) and with --static-cp, CP2 with micro-batches of 3 rows, CP4, CP2 a2a with full recompute, CP2xPP2, CP2 --balance none,
      PP2xDP2 (1F1B), PP2 interleaved v2, PP2xDP2 and CP2xPP2 with --vocab-parallel, DP2 ZeRO-1, DP2 ZeRO-3, DP2 recompute full, DP2 --balance none
-     and (mixtral) EP2, EP2xDP2 and CP2xEP2: every step's loss
+     and (mixtral) EP2, EP2xDP2, CP2xEP2, TP2 (its shares cut from whole rows), TP2xCP2+SP (lone micro-batches
+     count each sequence over TP alone) and EP2 with bias balancing instead (against its own one-rank run):
+     every step's loss
      within 1e-5 relative of the one-rank run, and its tokens, sequences and predicted tokens equal; for
      gpt2 and llama the first step's comm_bytes equal the prediction for its micro-batches.
      Under CP2xDP2 fewer sequences run over the CP group than with --static-cp, and fewer cp bytes move.
      In bf16 (llama), CP2xDP2 and DP2 ZeRO-1 stay within 1e-3 of the one-rank bf16 run (test_bf16_layouts.py's
      bound), which differs from the fp32 run.
   2. The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
-     losses (steps 11..20).
+     losses (steps 11..20). The same on a blend of two datasets (0.6 / 0.4, shuffled), which also runs
+     under DP2 and CP2xDP2 with the one-rank losses and tokens per dataset.
   3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
      every step, and at most 1.05 on the steps' mean.
   4. Mistakes: each an error line naming the value and the rule, exit 1 on every rank.
@@ -33,6 +37,7 @@ L, N = 32, 160
 COMMON = ["--steps", "20", "--lr", "3e-3", "--warmup", "2", "--min-lr", "3e-4", "--eps", "1e-6",
           "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7", "--threads", "1", "--quiet",
           "--batching", "documents", "--seq-len", str(L), "--tokens-per-step", str(N)]
+BIAS = ["--moe-aux-loss", "none", "--moe-router-bias-update-rate", "0.01"]  # aux-loss-free balancing instead
 # (name, ranks, flags, only for the MoE model)
 LAYOUTS = [
     ("DP2", 2, [], False),
@@ -56,6 +61,9 @@ LAYOUTS = [
     ("EP2", 2, ["--ep", "2"], True),
     ("EP2xDP2", 4, ["--ep", "2", "--dp", "4"], True),
     ("CP2xEP2", 2, ["--cp", "2", "--ep", "2"], True),
+    ("TP2", 2, ["--tp", "2"], True),
+    ("TP2xCP2+SP", 4, ["--tp", "2", "--cp", "2", "--sequence-parallel"], True),
+    ("EP2 bias balancing", 2, ["--ep", "2"] + BIAS, True),
 ]
 MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
 
@@ -107,18 +115,22 @@ def check_layouts(tmp, data, failures):
     rows, runs = [], {}
     for model in MODELS:
         moe = model.startswith("mixtral")
-        base = h.load_config(model, **({"router_z_loss_coef": 0.0} if moe else {}))
+        base = h.load_config(model)
         base["n_layer" if "n_layer" in base else "num_hidden_layers"] = 4
         cfg = h.write_json(os.path.join(tmp, model + ".json"), base)
-        extra = ["--moe-aux-loss", "none"] if moe else []
-        ref, err = train(tmp, model + " one rank", 0, cfg, data, extra)
-        if err:
-            failures.append("%s one-rank run: %s" % (model, err))
-            continue
+        refs = {}
+        for routing in ([[], BIAS] if moe else [[]]):
+            refs[tuple(routing)], err = train(tmp, model + " one rank" + (" bias" if routing else ""), 0, cfg, data,
+                                              routing)
+            if err:
+                failures.append("%s one-rank run: %s" % (model, err))
         for name, ranks, flags, only_moe in LAYOUTS:
             if only_moe and not moe:
                 continue
-            got, err = train(tmp, "%s %s" % (model, name), ranks, cfg, data, extra + flags)
+            ref = refs.get(tuple(BIAS) if BIAS[-1] in flags else ())
+            if ref is None:
+                continue
+            got, err = train(tmp, "%s %s" % (model, name), ranks, cfg, data, flags)
             if err:
                 failures.append("%s %s: %s" % (model, name, err))
                 continue
@@ -197,6 +209,34 @@ def check_resume(tmp, data, failures):
     print("  %-4s resuming with another --tokens-per-step warns" % ("ok" if rc == 0 and "warning" in out else "FAIL"))
 
 
+def check_blend(tmp, data, other, failures):
+    """A blend (0.6 / 0.4, shuffled orders): DP2 and CP2xDP2 give the one-rank run, tokens per dataset
+    included, and its step-10 checkpoint resumed under DP2 continues it."""
+    print("2b. a blend of two datasets, shuffled")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    spec, blend = "0.6 %s 0.4 %s" % (data, other), ["--data-order", "shuffled"]
+    save = os.path.join(tmp, "ck_blend")
+    one, err = train(tmp, "blend one rank", 0, cfg, spec, blend + ["--save", save, "--save-every", "10"])
+    if err:
+        failures.append("blend one rank: " + err)
+        return
+    tokens = [sum(m["data_tokens"][d] for m in one) for d in range(2)]
+    if min(tokens) == 0 or len(one[0].get("data_tokens", [])) != 2:
+        failures.append("blend: tokens per dataset %s" % tokens)
+    for name, ranks, flags, ref in (("DP2", 2, [], one), ("CP2xDP2", 4, ["--cp", "2"], one),
+                                    ("resumed at step 10 under DP2", 2, ["--resume", os.path.join(save, "step-10")],
+                                     one[10:])):
+        got, err = train(tmp, "blend " + name, ranks, cfg, spec, blend + flags)
+        if err:
+            failures.append("blend %s: %s" % (name, err))
+            continue
+        worst, fails = compare(ref, got, moe=False)
+        if [g.get("data_tokens") for g in got] != [r["data_tokens"] for r in ref]:
+            fails.append("tokens per dataset differ from the one-rank run's")
+        failures += ["blend %s: %s" % (name, f) for f in fails[:3]]
+        print("  %-4s %-28s worst %.1e, tokens per dataset %s" % ("ok" if not fails else "FAIL", name, worst, tokens))
+
+
 def check_balance(tmp, data, failures):
     print("3. the balancer under DP4")
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
@@ -230,8 +270,10 @@ def check_mistakes(data, other, failures):
         ("document mask with documents", llama, 2, docs + ["--attention-mask", "document"],
          "drop --attention-mask document"),
         ("both micro-batch options", llama, 2, docs + ["--micro-batch-tokens", "32"], "not both"),
-        ("blend with documents", llama, 2, docs + ["--data", "0.5 %s 0.5 %s" % (data, other)], "a blend"),
-        ("aux loss with documents", mixtral, 2, docs, "--moe-aux-loss micro"),
+        ("micro aux loss with documents", mixtral, 2, docs + ["--moe-aux-loss", "micro"],
+         "--moe-aux-loss micro counts experts over the sequences that share a micro-batch"),
+        ("global aux loss with documents", mixtral, 2, docs + ["--moe-aux-loss", "global"], "use seq"),
+        ("capacity with documents", mixtral, 2, docs + ["--moe-capacity-factor", "1.5"], "needs dropless routing"),
         ("validation reads a document twice", llama, 2, docs + ["--eval-data", other, "--eval-iters", "100000"],
          "reads some document twice"),
         ("static CP without CP", llama, 2, docs + ["--static-cp"], "needs --cp > 1"),
@@ -255,8 +297,10 @@ def main():
     check_cp_degrees(check_layouts(tmp, data, failures), failures)
     check_bf16(tmp, data, failures)
     check_resume(tmp, data, failures)
+    other = h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14))
+    check_blend(tmp, data, other, failures)
     check_balance(tmp, data, failures)
-    check_mistakes(data, h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14)), failures)
+    check_mistakes(data, other, failures)
     h.report(failures, "document batching: every layout gives the one-rank run")
 
 

@@ -975,69 +975,126 @@ class BlendSampler(WindowSampler):
 class DocumentSampler:
     """--batching documents (data/documents.h), sequential order: every document with its
     end-of-document token is a sequence, one longer than L cut into pieces of L (the last shorter);
-    step s takes the next sequences while the step's tokens stay <= N; the documents repeat."""
+    step s takes the next sequences while the step's tokens stay <= N; the documents repeat.
+    `data` is a prefix or a blend [(weight, prefix), ...]: each next document then comes from the
+    dataset d maximising w_d (T + 1) - T_d (T_d its tokens so far, T their sum; the first on ties)."""
 
-    def __init__(self, prefix, max_len, step_tokens):
-        seqs, doc_index = read_indexed_dataset(prefix)
-        self.pieces = []
-        for d in range(len(doc_index) - 1):
-            doc = np.concatenate(seqs[doc_index[d]:doc_index[d + 1]]) if doc_index[d + 1] > doc_index[d] else []
-            self.pieces += [doc[i:i + max_len] for i in range(0, len(doc), max_len)]
+    def __init__(self, data, max_len, step_tokens):
+        blend = [(1.0, data)] if isinstance(data, str) else data
+        total = sum(w for w, _ in blend)
+        self.weights = [w / total for w, _ in blend]
+        self.docs = []  # per dataset: its documents, each a list of pieces
+        for _, prefix in blend:
+            seqs, doc_index = read_indexed_dataset(prefix)
+            docs = []
+            for d in range(len(doc_index) - 1):
+                doc = np.concatenate(seqs[doc_index[d]:doc_index[d + 1]]) if doc_index[d + 1] > doc_index[d] else []
+                if len(doc):
+                    docs.append([doc[i:i + max_len] for i in range(0, len(doc), max_len)])
+            self.docs.append(docs)
+        self.taken = [0] * len(blend)  # tokens per dataset
+        self.next_doc = [0] * len(blend)
+        self.pending = []  # pieces of the document under way, as (dataset, piece)
         self.N = step_tokens
-        self.steps, self.next = [], 0
+        self.steps = []
+        self.dataset_tokens = []  # per step: tokens from each dataset
+
+    def _peek(self):
+        if not self.pending:
+            T = sum(self.taken)
+            due = [w * (T + 1) - t for w, t in zip(self.weights, self.taken)]
+            d = due.index(max(due))
+            docs = self.docs[d]
+            self.pending = [(d, piece) for piece in docs[self.next_doc[d] % len(docs)]]
+            self.next_doc[d] += 1
+        return self.pending[0]
 
     def step(self, s):
         """The sequences of step s (int64 token tensors)."""
         while len(self.steps) <= s:
-            out, tokens = [], 0
-            while tokens + len(self.pieces[self.next % len(self.pieces)]) <= self.N:
-                piece = self.pieces[self.next % len(self.pieces)]
+            out, tokens, per = [], 0, [0] * len(self.docs)
+            while tokens + len(self._peek()[1]) <= self.N:
+                d, piece = self.pending.pop(0)
                 out.append(torch.from_numpy(piece.astype(np.int64)))
                 tokens += len(piece)
-                self.next += 1
+                self.taken[d] += len(piece)
+                per[d] += len(piece)
             self.steps.append(out)
+            self.dataset_tokens.append(per)
         return self.steps[s]
 
 
-def document_loss(cfg, params, sequences, routing=None):
-    """The mean LM loss over every predicted token of `sequences`, each run through the model alone
-    (positions from 0): a sequence of n tokens predicts its last n - 1. Returns (loss, predicted)."""
-    total, predicted = torch.zeros((), dtype=torch.float64), 0
+def document_loss(cfg, params, sequences, routing=None, router_bias=None):
+    """The loss of a document-batching step, each sequence run through the model alone (positions from
+    0): the mean LM loss over every predicted token (a sequence of n tokens predicts its last n - 1),
+    plus the router losses over every token of the step (a sequence's last token too, which the model
+    reads though it predicts nothing), each divided by the step's tokens:
+      seq aux: coef * E * sum_b sum_e f_be * sum_{t in b} pa_te, f_be = c_be / (n_b K) over b's own tokens;
+      z:       z_coef * sum_t logsumexp_e(logits_te)^2.
+    Returns dict: loss, lm_loss, aux_loss, z_loss (tensors), predicted, expert_tokens [L,E] (the step's
+    assignments, for bias balancing)."""
+    routing = {"aux": "seq", **(routing or {})}  # origami's default under document batching
+    opts = routing_options(cfg, routing) if num_experts(cfg) else None
+    E, L = num_experts(cfg), _dims(cfg)[4]
+    lm, aux, z = (torch.zeros((), dtype=torch.float64) for _ in range(3))
+    predicted, tokens = 0, 0
+    load = torch.zeros(L, E, dtype=torch.long)
     for q in sequences:
-        if len(q) < 2:
-            continue
-        out = losses(cfg, params, q[None, :-1], q[None, 1:], routing)
-        total = total + out["lm_loss"] * (len(q) - 1)
-        predicted += len(q) - 1
-    return total / max(predicted, 1), predicted
+        logits, routes = forward_routes(cfg, params, q[None, :], routing, router_bias)
+        tokens += len(q)
+        if len(q) > 1:
+            lm = lm + torch.nn.functional.cross_entropy(logits[0, :-1], q[1:], reduction="sum")
+            predicted += len(q) - 1
+        for r in routes:
+            K = cfg["num_experts_per_tok"]
+            load[r["layer"]] += r["counts"]
+            if opts["aux"] == "seq":
+                f = r["counts"].to(r["p"].dtype) / (len(q) * K)
+                aux = aux + E * (f * _aux_probs(r["p"], opts["score"]).sum(0)).sum()
+            z = z + (torch.logsumexp(r["logits"], dim=-1) ** 2).sum()
+    if opts is not None and opts["aux"] not in ("seq", "none"):
+        raise ValueError("document batching takes aux seq or none")
+    aux = (opts["aux_coef"] if opts else 0.0) * aux / max(tokens, 1)
+    z = cfg.get("router_z_loss_coef", 0.0) * z / max(tokens, 1)
+    lm = lm / max(predicted, 1)
+    return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "predicted": predicted,
+            "expert_tokens": load}
 
 
 def train_documents(cfg, params, sampler, steps, lr, min_lr, warmup, schedule, weight_decay, grad_clip,
                     routing=None, eval_sampler=None, eval_iters=1):
-    """Reference training under document batching (routing without router losses: aux none and
-    no z-loss). `params` is updated in place; per step: loss, grad_norm, lr, tokens, sequences, and
-    after the last step val_loss (the mean over eval_iters steps' predicted tokens)."""
+    """Reference training under document batching (document_loss; MoE: aux seq or none, the z-loss,
+    bias balancing from the step's loads). `params` is updated in place; per step: loss, lm_loss,
+    aux_loss, z_loss, grad_norm, lr, tokens, sequences, expert_tokens, router_bias (after the step's
+    update), and after the last step val_loss (the mean over eval_iters steps' predicted tokens)."""
     opt = AdamW(params, weight_decay=weight_decay)
+    opts = routing_options(cfg, {"aux": "seq", **(routing or {})}) if num_experts(cfg) else None
+    L, E = _dims(cfg)[4], num_experts(cfg)
+    bias = torch.zeros(L, E, dtype=torch.float64)
     metrics = []
     for s in range(steps):
         seqs = sampler.step(s)
         leaves = OrderedDict((k, v.detach().clone().requires_grad_(True)) for k, v in params.items())
-        loss, _ = document_loss(cfg, leaves, seqs, routing)
-        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        out = document_loss(cfg, leaves, seqs, routing, bias)
+        grads = torch.autograd.grad(out["loss"], list(leaves.values()), allow_unused=True)
         acc = OrderedDict((k, (g if g is not None else torch.zeros_like(leaves[k])).detach())
                           for k, g in zip(leaves.keys(), grads))
         norm = clip_grads(acc, grad_clip)
         lr_s = lr_at(s, lr, min_lr, warmup, steps, schedule)
         with torch.no_grad():
             opt.step(params, acc, lr_s)
-        metrics.append(dict(step=s, loss=float(loss), grad_norm=norm, lr=lr_s,
-                            tokens=sum(len(q) for q in seqs), sequences=len(seqs)))
+        if opts is not None and opts["bias_update_rate"] > 0:
+            for l in moe_layers(cfg):
+                bias[l] += router_bias_update(out["expert_tokens"][l], opts["bias_update_rate"])
+        metrics.append(dict(step=s, grad_norm=norm, lr=lr_s, tokens=sum(len(q) for q in seqs), sequences=len(seqs),
+                            expert_tokens=out["expert_tokens"].tolist(), router_bias=bias.tolist(),
+                            **{k: float(out[k]) for k in ("loss", "lm_loss", "aux_loss", "z_loss")}))
     if eval_sampler is not None:
         with torch.no_grad():
             total, n = 0.0, 0
             for k in range(eval_iters):
-                loss, predicted = document_loss(cfg, params, eval_sampler.step(k), routing)
-                total, n = total + float(loss) * predicted, n + predicted
+                out = document_loss(cfg, params, eval_sampler.step(k), routing, bias)
+                total, n = total + float(out["lm_loss"]) * out["predicted"], n + out["predicted"]
         metrics[-1]["val_loss"] = total / max(n, 1)
     return metrics
 

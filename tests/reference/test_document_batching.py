@@ -6,9 +6,14 @@ tokens (a last piece of one token, which predicts nothing) and one-character lin
 The reference (origami_ref.DocumentSampler / train_documents) runs every sequence through the model
 alone, positions from 0, and takes the mean cross-entropy over the step's predicted tokens; origami
 packs the sequences into rows of 32 (micro-batch 2 rows) and masks them from each other.
-  10 AdamW steps of at most N = 96 tokens for gpt2, llama, mixtral and qwen2_moe (MoE: aux none, no
-  z-loss), and the validation loss after the last step over 2 steps of another file: per step loss,
-  grad_norm (<= 1e-4), tokens and sequences (exact); val_loss (<= 1e-4).
+  10 AdamW steps of at most N = 96 tokens for gpt2, llama, mixtral and qwen2_moe, and the validation
+  loss after the last step over 2 steps of another file: per step loss, grad_norm (<= 1e-4), tokens and
+  sequences (exact); val_loss (<= 1e-4). MoE runs origami's default under document batching, the
+  per-sequence aux loss, with the configs' z-loss: aux_loss and z_loss (<= 1e-4) and every layer's
+  expert counts (exact: padding is not routed). mixtral once more with aux-loss-free bias balancing
+  (--moe-router-bias-update-rate 0.01, aux none): the counts exact, so the biases are too. llama once
+  more on a blend (0.7 / 0.3 of two files, validation on another 0.5 / 0.5 blend): also each step's tokens
+  per dataset (exact), and over the run each dataset's share within one document of its weight.
 """
 import json
 import os
@@ -48,11 +53,8 @@ def documents_data(tmp, name, seed, count):
 
 
 def model(name, tmp):
-    """The tiny config (MoE: router_z_loss_coef 0, since the z-loss would count the rows' padding)
-    with seeded weights."""
+    """The tiny config with seeded weights."""
     cfg = ref.load_config(ref.config_path(name))
-    cfg["router_z_loss_coef"] = 0.0 if "router_z_loss_coef" in cfg else cfg.get("router_z_loss_coef")
-    cfg = {k: v for k, v in cfg.items() if v is not None}
     cfg_path = os.path.join(tmp, f"{name}_documents.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
@@ -61,38 +63,65 @@ def model(name, tmp):
     return cfg_path, cfg, init, ref.load_params(cfg, init, ref.torch.float64)
 
 
-def check(name, report, tmp, data, val):
+def spec(data):
+    """origami's --data for a prefix or a blend [(weight, prefix), ...]."""
+    return data if isinstance(data, str) else " ".join(f"{w} {p}" for w, p in data)
+
+
+def check(name, report, tmp, data, val, routing=None, tag=""):
+    """routing: None for origami's defaults (MoE: aux seq), else ref.routing_cli_args's dict. data and
+    val: a prefix or a blend."""
     cfg_path, cfg, init, params = model(name, tmp)
     moe = ref.num_experts(cfg) > 0
-    routing = {"aux": "none"} if moe else None
-    metrics = os.path.join(tmp, f"{name}_documents.jsonl")
+    name = name + tag
+    metrics = os.path.join(tmp, name.replace(" ", "_").replace("/", "_") + "_documents.jsonl")
     a = TRAIN
-    ref.run_origami(["train", "--config", cfg_path, "--init-from", init, "--data", data, "--batching", "documents",
+    ref.run_origami(["train", "--config", cfg_path, "--init-from", init, "--data", spec(data), "--batching", "documents",
                      "--seq-len", L, "--tokens-per-step", N, "--micro-batch", 2, "--steps", STEPS,
                      "--lr", repr(a["lr"]), "--min-lr", repr(a["min_lr"]), "--warmup", a["warmup"],
                      "--lr-schedule", a["schedule"], "--weight-decay", repr(a["weight_decay"]),
                      "--grad-clip", repr(a["grad_clip"]), "--metrics", metrics, "--threads", 2,
-                     "--eval-data", val, "--eval-iters", 2] + ref.routing_cli_args(routing, train=True))
+                     "--eval-data", spec(val), "--eval-iters", 2] + ref.routing_cli_args(routing, train=True))
     with open(metrics) as f:
         got = [json.loads(line) for line in f if line.strip()]
-    want = ref.train_documents(cfg, params, ref.DocumentSampler(data, L, N), STEPS, **a, routing=routing,
+    sampler = ref.DocumentSampler(data, L, N)
+    want = ref.train_documents(cfg, params, sampler, STEPS, **a, routing=routing,
                                eval_sampler=ref.DocumentSampler(val, L, N), eval_iters=2)
     if len(got) != len(want):
         report.fail(f"{name}: metrics lines", f"{len(got)}, expected {len(want)}")
         return
     worst = {"loss": 0.0, "grad_norm": 0.0}
+    if moe:
+        worst.update({"aux_loss": 0.0, "z_loss": 0.0})
+    worst_bias = 0.0
     for s, (g, w) in enumerate(zip(got, want)):
         for f in worst:
-            worst[f] = max(worst[f], ref.rel_err(float(g[f]), w[f]))
-        seen = (g["tokens"], g["documents"]["sequences"])
-        if seen != (w["tokens"], w["sequences"]):
-            report.fail(f"{name}: step {s + 1} tokens, sequences", f"{seen}, expected {(w['tokens'], w['sequences'])}")
+            worst[f] = max(worst[f], ref.rel_err(float(g.get(f, 0.0)), w[f]))
+        seen = (g["tokens"], g["documents"]["sequences"], g.get("data_tokens"))
+        expected = (w["tokens"], w["sequences"], None if isinstance(data, str) else sampler.dataset_tokens[s])
+        if seen != expected:
+            report.fail(f"{name}: step {s + 1} tokens, sequences, tokens per dataset", f"{seen}, expected {expected}")
+        if moe and g["expert_tokens"] != w["expert_tokens"]:
+            report.fail(f"{name}: step {s + 1} expert counts", f"{g['expert_tokens']}, expected {w['expert_tokens']}")
+        if routing and routing.get("bias_update_rate"):
+            off = max(abs(a - b) for ga, wa in zip(g["router_bias"], w["router_bias"]) for a, b in zip(ga, wa))
+            worst_bias = max(worst_bias, off)
+    if not isinstance(data, str):
+        got_tokens = [sum(g["data_tokens"][d] for g in got) for d in range(len(data))]
+        total, longest = sum(got_tokens), max(sum(len(p) for p in doc) for docs in sampler.docs for doc in docs)
+        off = max(abs(t - w / sum(x for x, _ in data) * total) for t, (w, _) in zip(got_tokens, data))
+        report.check(f"{name}: tokens per dataset {got_tokens} within the longest document ({longest}) of the "
+                     f"weights' shares", 0.0 if off <= longest else off, 0.0)
     for f, e in worst.items():
         report.check(f"{name}: {f}, worst of {len(want)} steps", e, TOL)
+    if routing and routing.get("bias_update_rate"):
+        moved = max(abs(b) for row in want[-1]["router_bias"] for b in row)
+        report.check(f"{name}: the biases moved ({moved:.2f}), each step's within 1e-6 absolute", worst_bias, 1e-6)
     report.check(f"{name}: val_loss after the last step", ref.rel_err(float(got[-1]["val_loss"]), want[-1]["val_loss"]),
                  TOL)
     print(f"  {name}: loss {want[0]['loss']:.4f} -> {want[-1]['loss']:.4f}, val {want[-1]['val_loss']:.4f}, "
-          f"{sum(w['sequences'] for w in want)} sequences")
+          f"{sum(w['sequences'] for w in want)} sequences" +
+          (f", aux {want[-1]['aux_loss']:.3e}, z {want[-1]['z_loss']:.3e}" if moe else ""))
 
 
 def main():
@@ -103,11 +132,16 @@ def main():
         lengths = [len(q) for s in range(STEPS) for q in ref.DocumentSampler(data, L, N).step(s)]
         report.check("the data has sequences of one token, of L and of lengths in between",
                      0.0 if 1 in lengths and L in lengths and any(1 < n < L for n in lengths) else 1.0, 0.0)
-        for name in ref.MODELS:
+        other = documents_data(tmp, "docs_other", 3, 120)
+        blend, val_blend = [(0.7, data), (0.3, other)], [(0.5, val), (0.5, other)]
+        cases = [(name, None, "", data, val) for name in ref.MODELS]
+        cases.append(("mixtral", {"aux": "none", "bias_update_rate": 0.01}, " bias balancing", data, val))
+        cases.append(("llama", None, " blend 0.7/0.3", blend, val_blend))
+        for name, routing, tag, train_data, val_data in cases:
             try:
-                check(name, report, tmp, data, val)
+                check(name, report, tmp, train_data, val_data, routing, tag)
             except Exception as e:
-                report.fail(name, f"{type(e).__name__}: {e}")
+                report.fail(name + tag, f"{type(e).__name__}: {e}")
     return report.finish()
 
 

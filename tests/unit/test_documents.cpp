@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <numeric>
 #include <random>
@@ -74,6 +75,32 @@ TEST(DocumentBatcher, ShuffledOrderIsAPermutationPerEpoch) {
   seen.resize(50);
   EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), 50u) << "epoch 0 reads every document once";
   EXPECT_FALSE(std::is_sorted(seen.begin(), seen.end()));
+}
+
+// A blend interleaves whole documents by tokens: dataset a's documents of 4 tokens and b's of 2 at
+// 0.5 / 0.5 go a b b a b b ... (w_d·(T+1) − T_d, the first on ties), a document of 6 cut at L = 4 keeps its
+// pieces together, and every prefix holds each dataset's tokens within one document of its share.
+TEST(DocumentBatcher, BlendsInterleaveWholeDocumentsByTokens) {
+  const IndexedDataset a = IndexedDataset::open(write_documents("origami_docs_blend_a", {4, 4, 6, 4}));
+  const IndexedDataset b = IndexedDataset::open(write_documents("origami_docs_blend_b", {2, 2, 2, 2, 2}));
+  DocumentBatcher blend({&a, &b}, {1.0, 1.0}, 4, 4, SampleOrder::sequential, 1);
+  std::vector<std::pair<int32_t, int64_t>> got;  // (dataset, length) of steps 0..9, one step a sequence or two
+  for (int64_t s = 0; s < 10; ++s)
+    for (const Sequence& q : blend.step(s)) got.emplace_back(q.part, q.length);
+  const std::vector<std::pair<int32_t, int64_t>> want = {{0, 4}, {1, 2}, {1, 2}, {0, 4}, {1, 2}, {1, 2},
+                                                         {0, 4}, {0, 2}, {1, 2}, {1, 2}, {1, 2}, {0, 4},
+                                                         {1, 2}, {1, 2}, {0, 4}};
+  EXPECT_EQ(got, want);
+  // 0.75 / 0.25 over many steps: the running token counts stay within a document (6) of the shares.
+  DocumentBatcher uneven({&a, &b}, {3.0, 1.0}, 4, 8, SampleOrder::shuffled, 3);
+  int64_t taken[2] = {0, 0};
+  for (int64_t s = 0; s < 200; ++s) {
+    for (const Sequence& q : uneven.step(s)) taken[q.part] += q.length;
+    const double total = double(taken[0] + taken[1]);
+    EXPECT_LE(std::abs(double(taken[0]) - 0.75 * total), 6.0) << "after step " << s;
+  }
+  EXPECT_TRUE(uneven.repeats(200));
+  EXPECT_EQ(uneven.num_documents(), 9);
 }
 
 TEST(DocumentBatcher, RejectsAStepShorterThanASequence) {

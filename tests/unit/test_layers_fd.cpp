@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -1293,6 +1294,72 @@ INSTANTIATE_TEST_SUITE_P(Configs, MoeFd,
                                            MoeCase{{12, 6, 4, 5, 2}, false, 1.0, 2},
                                            MoeCase{{12, 6, 4, 5, 3}, true, 0.7, 3}),
                          [](const ::testing::TestParamInfo<MoeCase>& info) { return moe_case_name(info.param); });
+
+// Document batching (MoeSequences): 12 tokens of 4 sequences (one of one token, one split by padding
+// from nothing) and 3 padding tokens. Padding routes to no expert, counts nowhere and gets no gradient;
+// the per-sequence aux loss and the z-loss over the real tokens, divided by the given `tokens`, match
+// their formulas (moe.h) in long double; the gradients match finite differences.
+TEST(MoeSequences, PaddingRoutesNowhereAndTheLossesArePerSequence) {
+  MoeSizes s{12, 6, 4, 5, 2};
+  s.sequences = true;
+  const int64_t N = s.N, C = s.C, F = s.F, E = s.E, K = s.K;
+  const std::vector<int32_t> id = {0, 0, 0, 1, -1, -1, 2, 2, 2, 2, 3, -1};
+  MoeRouting routing;
+  routing.aux = AuxLoss::seq, routing.aux_coef = 0.3, routing.z_coef = 0.05;
+  const std::unique_ptr<Comm> one = make_local_comm();
+  MoeSequences docs{id.data(), 4, one.get(), 7.5};
+  const MoeBalance bal{nullptr, nullptr, nullptr, &docs};
+  MoeProblem p = moe_problem(s, 97, false);
+  ASSERT_FALSE(p.x.empty());
+  const MoeNaive ref = moe_naive(p, 0, 0);
+  Rng rng(93);
+  const Vec r = rng.vec(N * C);
+  MoeCache<double> cache;
+  Vec out(N * C, 999.0);
+  moe_forward(out.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s, routing, bal);
+
+  std::vector<int64_t> routed(size_t(E), 0), seq_count(size_t(4 * E), 0), len(4, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    if (id[size_t(n)] < 0) continue;
+    len[size_t(id[size_t(n)])]++;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = ref.chosen[size_t(n * K + k)];
+      routed[size_t(e)]++, seq_count[size_t(id[size_t(n)] * E + e)]++;
+    }
+  }
+  EXPECT_EQ(cache.routed_E, routed);
+  EXPECT_EQ(cache.dropped, 0);
+  LD aux = 0, z = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t q = id[size_t(n)];
+    for (int64_t c = 0; c < C; ++c)
+      EXPECT_NEAR(out[size_t(n * C + c)], q < 0 ? 0.0 : ref.out[size_t(n * C + c)], 1e-13) << "token " << n;
+    if (q < 0) continue;
+    for (int64_t e = 0; e < E; ++e)
+      aux += LD(seq_count[size_t(q * E + e)]) / LD(len[size_t(q)] * K) * ref.probs[size_t(n * E + e)];
+    z += LD(ref.lse[size_t(n)]) * ref.lse[size_t(n)];
+  }
+  EXPECT_NEAR(cache.aux, double(routing.aux_coef * E * aux / 7.5), 1e-14);
+  EXPECT_NEAR(cache.z, double(routing.z_coef * z / 7.5), 1e-14);
+  EXPECT_GT(cache.aux, 0);
+
+  const double loss_scale = 0.8;
+  auto loss = [&] {
+    MoeCache<double> c;
+    Vec o(N * C);
+    moe_forward(o.data(), c, p.x.data(), p.gate.data(), p.experts.data(), s, routing, bal);
+    return dot(r, o) + loss_scale * (c.aux + c.z);
+  };
+  Vec dx(N * C, 999.0), dgate(E * C, 0.0), dexp(E * 3 * F * C, 0.0);
+  moe_backward(dx.data(), dgate.data(), dexp.data(), r.data(), cache, p.x.data(), p.gate.data(), p.experts.data(), s,
+               routing, loss_scale);
+  for (int64_t n = 0; n < N; ++n)
+    if (id[size_t(n)] < 0)
+      for (int64_t c = 0; c < C; ++c) EXPECT_EQ(dx[size_t(n * C + c)], 0.0) << "padding token " << n;
+  fd_check("moe docs dx", p.x, dx, loss, all_indices(p.x.size()));
+  fd_check("moe docs dgate", p.gate, dgate, loss, all_indices(p.gate.size()));
+  fd_check("moe docs dexperts", p.experts, dexp, loss, all_indices(p.experts.size()));
+}
 
 // Ties in router probability go to the lower expert index (deterministic selection).
 TEST(MoeRouting, TiesPreferLowerIndex) {

@@ -49,6 +49,20 @@ T score_sum(const T* p, int64_t E, RouterScore score) {
   return s;
 }
 
+// Document batching: whether token n is padding (it routes nowhere and counts in no loss).
+template <typename T>
+bool padding(const MoeCache<T>& c, int64_t n) {
+  return !c.seq_N.empty() && c.seq_N[size_t(n)] < 0;
+}
+
+// φ [E] of token n's aux-loss term: its sequence's (seq: its row, or under MoeSequences its own
+// sequence) or the micro-batch's / step's.
+template <typename T>
+const double* phi_of(const MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r, int64_t n) {
+  if (r.aux != AuxLoss::seq) return c.frac.data();
+  return c.frac.data() + (c.seq_N.empty() ? n / (s.N / s.B) : int64_t(c.seq_N[size_t(n)])) * s.E;
+}
+
 // Route: logits = x·gateᵀ, each token's log-sum-exp, its top K experts by score + bias and their
 // routing weights. Its backward, moe_backward_router, follows the router losses below.
 template <typename T>
@@ -86,6 +100,31 @@ void route_forward(MoeCache<T>& c, const T* x, const T* gate, const MoeSizes& s,
   }
 }
 
+// Document batching, `seq`: φ of each sequence with tokens here, from its counts summed over the
+// ranks its tokens are spread over; seq_N then holds each token's row of frac (−1: padding).
+template <typename T>
+void sequence_fractions(MoeCache<T>& c, const MoeSizes& s, const MoeSequences& q) {
+  const int64_t E = s.E, K = s.K;
+  std::vector<int64_t> count(size_t(q.count * E), 0);
+  for (int64_t n = 0; n < s.N; ++n)
+    if (q.id_N[n] >= 0)
+      for (int64_t k = 0; k < K; ++k) count[size_t(q.id_N[n] * E + c.expert_NK[size_t(n * K + k)])]++;
+  q.group->all_reduce(count.data(), q.count * E);
+  std::vector<int32_t> row(size_t(q.count), -1);  // each sequence's row of frac
+  c.frac.clear();
+  for (int64_t n = 0; n < s.N; ++n) {
+    const int32_t id = q.id_N[n];
+    if (id < 0) continue;
+    if (row[size_t(id)] < 0) {
+      row[size_t(id)] = int32_t(int64_t(c.frac.size()) / E);
+      const int64_t* counts = count.data() + id * E;
+      const double assigned = double(std::accumulate(counts, counts + E, int64_t(0)));  // its length · K
+      for (int64_t e = 0; e < E; ++e) c.frac.push_back(double(counts[e]) / assigned);
+    }
+    c.seq_N[size_t(n)] = row[size_t(id)];
+  }
+}
+
 // The aux loss's fractions φ (counted over the token group, and for `global` over the step so far).
 template <typename T>
 void aux_fractions(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r, const MoeBalance& bal,
@@ -93,7 +132,9 @@ void aux_fractions(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r, const
   const int64_t E = s.E, K = s.K, R = s.N * K, B = s.B, Tn = s.N / B;
   const double Nt = double(c.tokens_total);
   std::fill(c.frac.begin(), c.frac.end(), 0.0);
-  if (r.aux == AuxLoss::seq) {
+  if (r.aux == AuxLoss::seq && bal.docs) {
+    sequence_fractions(c, s, *bal.docs);
+  } else if (r.aux == AuxLoss::seq) {
     std::vector<int64_t> count_BE(size_t(B * E), 0);
     for (int64_t i = 0; i < R; ++i) count_BE[size_t((i / K) / Tn * E + c.expert_NK[size_t(i)])]++;
     d.global_counts(count_BE.data(), B * E);
@@ -123,21 +164,22 @@ void aux_fractions(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r, const
 // Router losses: this share's terms of the micro-batch's.
 template <typename T>
 void router_losses(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r) {
-  const int64_t N = s.N, E = s.E, Tn = N / s.B;
-  const double Nt = double(c.tokens_total);
+  const int64_t N = s.N, E = s.E;
   double aux = 0, z = 0;
   if (r.aux != AuxLoss::none) {
     std::vector<T> p(static_cast<size_t>(E));
     for (int64_t n = 0; n < N; ++n) {
+      if (padding(c, n)) continue;
       scores(p.data(), c.logits_NE.data() + n * E, c.lse_N[size_t(n)], E, r.score);
       const double S = double(score_sum(p.data(), E, r.score));
-      const double* phi = c.frac.data() + (r.aux == AuxLoss::seq ? (n / Tn) * E : 0);
+      const double* phi = phi_of(c, s, r, n);
       for (int64_t e = 0; e < E; ++e) aux += phi[e] * double(p[size_t(e)]) / S;
     }
   }
-  for (int64_t n = 0; n < N; ++n) z += double(c.lse_N[size_t(n)]) * c.lse_N[size_t(n)];
-  c.aux = r.aux_coef * double(E) * aux / Nt;
-  c.z = r.z_coef * z / Nt;
+  for (int64_t n = 0; n < N; ++n)
+    if (!padding(c, n)) z += double(c.lse_N[size_t(n)]) * c.lse_N[size_t(n)];
+  c.aux = r.aux_coef * double(E) * aux / c.loss_tokens;
+  c.z = r.z_coef * z / c.loss_tokens;
 }
 
 }  // namespace
@@ -146,25 +188,26 @@ void router_losses(MoeCache<T>& c, const MoeSizes& s, const MoeRouting& r) {
 template <typename T>
 void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const MoeCache<T>& c, const T* x,
                          const T* gate, const MoeSizes& s, const MoeRouting& r, T loss_scale) {
-  const int64_t N = s.N, C = s.C, E = s.E, K = s.K, Tn = N / s.B;
+  const int64_t N = s.N, C = s.C, E = s.E, K = s.K;
   const T* dweight = scratch.d_weight.data();
-  const double Nt = double(c.tokens_total);
-  // d logits from the routing weights, the aux loss and the z-loss.
+  const double Nt = c.loss_tokens;
+  // d logits from the routing weights, the aux loss and the z-loss (padding: none of them, zeros).
   std::vector<T> dlogits(size_t(N * E));
   const T aux_g = r.aux == AuxLoss::none ? T(0) : T(r.aux_coef * double(E) / Nt) * loss_scale;  // ∂aux/∂pa = aux_g·φ
   const T z_g = T(2.0 * r.z_coef / Nt) * loss_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
+    if (padding(c, n)) continue;
     std::vector<T> p(static_cast<size_t>(E));
     const T* l = c.logits_NE.data() + n * E;
     const T lse = c.lse_N[size_t(n)];
     scores(p.data(), l, lse, E, r.score);
     T* dp = dlogits.data() + n * E;  // ∂/∂p first, turned into ∂/∂logits in place
     // The aux loss through pa = p / Σp (Σp = 1 for softmax): dp_j = (dpa_j − Σ_e dpa_e·pa_e) / Σp.
-    const double* phi = c.frac.data() + (r.aux == AuxLoss::seq ? (n / Tn) * E : 0);
+    const double* phi = r.aux == AuxLoss::none ? nullptr : phi_of(c, s, r, n);
     const T S = score_sum(p.data(), E, r.score);
     T dot = 0;
-    for (int64_t e = 0; e < E; ++e) dp[e] = aux_g * T(phi[e]), dot += dp[e] * p[size_t(e)] / S;
+    for (int64_t e = 0; e < E; ++e) dp[e] = phi ? aux_g * T(phi[e]) : T(0), dot += dp[e] * p[size_t(e)] / S;
     if (r.score == RouterScore::sigmoid)
       for (int64_t e = 0; e < E; ++e) dp[e] = (dp[e] - dot) / S;
     // The weights: w_k = p_k / Σ_j p_j over the chosen (renormalised): dp_j += (dw_j − Σ_k dw_k·w_k) / Σ p;
@@ -190,18 +233,22 @@ void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const Mo
 
 namespace {
 
-// The router's choices per expert, and the capacity rule: each expert keeps at most cap assignments
-// (row_NK −1 marks a dropped one).
+// The router's choices per expert (padding's not counted, not kept), and the capacity rule: each
+// expert keeps at most cap assignments (row_NK −1 marks a dropped one).
 template <typename T>
 void drop_over_capacity(MoeCache<T>& c, const MoeSizes& s, DropPolicy drop) {
-  const int64_t E = s.E, R = s.N * s.K;
+  const int64_t E = s.E, K = s.K, R = s.N * K;
   std::fill(c.routed_E.begin(), c.routed_E.end(), 0);
-  for (int64_t i = 0; i < R; ++i) c.routed_E[size_t(c.expert_NK[size_t(i)])]++;
-  std::fill(c.row_NK.begin(), c.row_NK.end(), 0);
+  for (int64_t i = 0; i < R; ++i) {
+    const bool pad = padding(c, i / K);
+    c.row_NK[size_t(i)] = pad ? -1 : 0;
+    if (!pad) c.routed_E[size_t(c.expert_NK[size_t(i)])]++;
+  }
   c.dropped = 0;
   if (s.cap > 0) {
     std::vector<std::vector<int64_t>> cand(static_cast<size_t>(E));  // each expert's assignments, in token order
-    for (int64_t i = 0; i < R; ++i) cand[size_t(c.expert_NK[size_t(i)])].push_back(i);
+    for (int64_t i = 0; i < R; ++i)
+      if (c.row_NK[size_t(i)] == 0) cand[size_t(c.expert_NK[size_t(i)])].push_back(i);
     for (auto& list : cand) {
       if (int64_t(list.size()) <= s.cap) continue;
       if (drop == DropPolicy::probs)  // highest score first; stable: the earlier token on ties
@@ -378,11 +425,14 @@ void moe_forward(T* out, MoeCache<T>& c, const MoeInputs<T>& in, const MoeSizes&
   ORIGAMI_ASSERT(int64_t(c.y_RC.size()) == s.sent_rows() * C && int64_t(scratch.xs_RC.size()) >= s.sent_rows() * C);
   ORIGAMI_ASSERT(N % B == 0);
   T *xs = scratch.xs_RC.data(), *ye = scratch.e_RC.data();
+  ORIGAMI_ASSERT(s.sequences == (bal.docs != nullptr));
+  if (bal.docs) std::copy(bal.docs->id_N, bal.docs->id_N + N, c.seq_N.begin());
   route_forward(c, in.x_NC, in.gate_EC, s, r, bal.bias);
   drop_over_capacity(c, s, r.drop);
   permute_forward(xs, c, in.x_NC, s, d.times());
   // The exchange, the local experts and the return.
   c.tokens_total = N * d.token_ranks();
+  c.loss_tokens = bal.docs ? bal.docs->tokens : double(c.tokens_total);
   d.plan(c.plan, c.count_E.data(), E);
   T* xe = s.low ? scratch.xe_RC.data() : c.xe_RC.data();  // bf16 runs: received here, kept rounded
   ORIGAMI_ASSERT(c.plan.rows * C <= int64_t(s.low ? scratch.xe_RC.size() : c.xe_RC.size()) &&

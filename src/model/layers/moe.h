@@ -26,6 +26,10 @@
 //   z       z_coef·(1/Nt)·Σ_n (logsumexp_e logits[n,e])²
 // count_e counts the router's choices before dropping. Each rank's aux and z are its share's terms:
 // they sum over the token group to the micro-batch's.
+// Under document batching (MoeSequences) rows hold whole sequences of any length and then padding:
+// padding routes to no expert and counts in no loss or count; `seq` counts over each token's own
+// sequence (T its length, wherever its tokens are), and Nt becomes the caller's `tokens` (the step's
+// real tokens over micro-batches·replicas), so the losses do not depend on how sequences were packed.
 // Legend: N tokens here in B rows of N/B (a row's tokens contiguous), C channels, F expert inner size
 // on this rank (the FFN over ETP), E experts, K experts per token, El = E/EP local experts, R = N·K.
 // Expert weights: `experts` points at local expert 0; each local expert's block, 3·F·C floats, is
@@ -50,6 +54,8 @@ struct MoeSizes {
   int64_t cap = 0;      // capacity per expert (0: dropless)
   bool pad = false;     // every expert padded to cap
   bool low = false;     // bf16 runs: the cache keeps the experts' inputs and activations in bf16 (MoeCache)
+  bool sequences = false;  // document batching (MoeSequences): the cache keeps each token's sequence, and φ
+                           // for up to N sequences (one-token ones at worst)
   // Permuted rows this rank sends: the kept assignments (at most N·K), or E·cap when padded.
   int64_t sent_rows() const { return pad ? E * cap : N * K; }
 };
@@ -72,11 +78,20 @@ struct MoeInputs {
   std::function<Weights<T>(const DispatchPlan&)> before_experts = nullptr;
 };
 
+// Document batching: the sequences among the micro-batch's tokens.
+struct MoeSequences {
+  const int32_t* id_N = nullptr;  // [N] each token's sequence in [0, count), or −1: padding
+  int64_t count = 0;              // sequences over the ranks of `group` (the same count on each)
+  Comm* group = nullptr;          // the ranks the sequences' tokens are spread over (each counts its own)
+  double tokens = 0;              // the router losses' denominator, in place of Nt
+};
+
 // What a call's router uses beyond the weights.
 struct MoeBalance {
   const float* bias = nullptr;                 // [E] added to the scores for selection; null: none
   GlobalCounts* global = nullptr;              // AuxLoss::global: add this micro-batch's counts to these
   const std::vector<double>* reuse = nullptr;  // AuxLoss::global, recomputation: the first forward's φ
+  const MoeSequences* docs = nullptr;          // document batching; null: B rows of one sequence each
 };
 
 // What forward keeps for backward. Expert-side buffers hold up to `rows` rows (the dispatcher's
@@ -91,7 +106,9 @@ struct MoeCache {
   std::vector<int64_t> expert_begin;  // [E+1] first permuted row of each expert
   std::vector<int64_t> count_E;       // permuted rows of each expert (kept assignments, plus padding)
   std::vector<int64_t> routed_E;      // this rank's choices per expert, before dropping
-  std::vector<double> frac;           // φ of the aux loss: [E] (micro, global) or [B·E] (seq)
+  std::vector<double> frac;           // φ of the aux loss: [E] (micro, global), [B·E] (seq) or, under
+                                      // MoeSequences, [count·E]
+  std::vector<int32_t> seq_N;         // MoeSequences: each token's sequence (−1: padding); empty otherwise
   DispatchPlan plan;
   std::vector<T> xe_RC, gu_R2F, act_RF;  // expert side: inputs, gate|up, activations [rows, .]
   // Under MoeSizes::low the inputs and activations are kept as their GEMMs read them (xe_RC and
@@ -100,6 +117,7 @@ struct MoeCache {
   std::vector<bf16> xe_low, act_low;
   std::vector<T> y_RC;                   // this rank's rows' expert outputs [sent_rows, C], permuted order
   int64_t tokens_total = 0;              // Nt
+  double loss_tokens = 0;                // the router losses' denominator: Nt, or MoeSequences::tokens
   int64_t dropped = 0;                   // assignments dropped by the capacity
   double aux = 0, z = 0;                 // coefficient-weighted router losses: this share's terms
   // Sizes every buffer (a caller may call it ahead so the memory is allocated, and counted, before use).
@@ -107,7 +125,9 @@ struct MoeCache {
     using std::size_t;
     const size_t N = size_t(s.N), R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), E = size_t(s.E);
     logits_NE.resize(N * E), lse_N.resize(N), expert_NK.resize(R), score_NK.resize(R), weight_NK.resize(R);
-    row_NK.resize(R), expert_begin.resize(E + 1), count_E.resize(E), routed_E.resize(E), frac.resize(size_t(s.B) * E);
+    row_NK.resize(R), expert_begin.resize(E + 1), count_E.resize(E), routed_E.resize(E);
+    frac.resize(s.sequences ? 0 : size_t(s.B) * E);  // under MoeSequences sized by each call's sequences
+    seq_N.resize(s.sequences ? N : 0);
     const size_t X = size_t(rows), kept = s.low ? 0 : X, low = s.low ? X : 0;
     xe_RC.resize(kept * C), gu_R2F.resize(X * 2 * F), act_RF.resize(kept * F);
     xe_low.resize(low * C), act_low.resize(low * F);
@@ -117,13 +137,15 @@ struct MoeCache {
   static int64_t bytes(const MoeSizes& s, int64_t rows) {  // checked (core/checked.h)
     const Size N = s.N, R = N * s.K, t = int64_t(sizeof(T)), sent = s.pad ? Size(s.E) * s.cap : R;
     const Size kept = s.low ? 2 : t;  // bytes of a kept input or activation element
+    const Size phi_rows = s.sequences ? N : Size(s.B), seq = s.sequences ? N : 0;
     return (t * (N * s.E + N + 2 * R + sent * s.C + Size(rows) * 2 * s.F) + kept * Size(rows) * (s.C + s.F) +
-            4 * R + 8 * (R + 3 * Size(s.E) + 1 + Size(s.B) * s.E)).get();
+            4 * (R + seq) + 8 * (R + 3 * Size(s.E) + 1 + phi_rows * s.E)).get();
   }
   int64_t bytes() const {  // what resize() allocated
     auto b = [](const auto& v) { return int64_t(v.size() * sizeof(v[0])); };
     return b(logits_NE) + b(lse_N) + b(expert_NK) + b(score_NK) + b(weight_NK) + b(row_NK) + b(expert_begin) +
-           b(count_E) + b(routed_E) + b(frac) + b(xe_RC) + b(gu_R2F) + b(act_RF) + b(y_RC) + b(xe_low) + b(act_low);
+           b(count_E) + b(routed_E) + b(frac) + b(seq_N) + b(xe_RC) + b(gu_R2F) + b(act_RF) + b(y_RC) + b(xe_low) +
+           b(act_low);
   }
 };
 

@@ -164,7 +164,7 @@ def add_moe_flags(p, train=False):
     p.add_argument("--moe-capacity-factor", type=float, default=0.0)
     p.add_argument("--moe-drop-policy", choices=("probs", "position"), default="probs")
     p.add_argument("--moe-pad-to-capacity", action="store_true")
-    p.add_argument("--moe-aux-loss", choices=("none", "micro", "seq", "global"), default="micro")
+    p.add_argument("--moe-aux-loss", choices=("none", "micro", "seq", "global"), default=None)
     p.add_argument("--moe-aux-loss-coef", type=float, default=None)
     p.add_argument("--moe-router-score", choices=("softmax", "sigmoid"), default="softmax")
     if train:
@@ -172,8 +172,9 @@ def add_moe_flags(p, train=False):
 
 
 def moe_routing(a):
+    default = "seq" if getattr(a, "batching", "windows") == "documents" else "micro"
     r = {"capacity_factor": a.moe_capacity_factor, "drop_policy": a.moe_drop_policy,
-         "pad_to_capacity": a.moe_pad_to_capacity, "aux": a.moe_aux_loss,
+         "pad_to_capacity": a.moe_pad_to_capacity, "aux": a.moe_aux_loss or default,
          "aux_coef": a.moe_aux_loss_coef, "score": a.moe_router_score}
     if hasattr(a, "moe_router_bias_update_rate"):
         r["bias_update_rate"] = a.moe_router_bias_update_rate
