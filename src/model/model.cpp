@@ -442,6 +442,10 @@ void Model::set_batch(int64_t B, int64_t T) {
   B_ = B, T_ = T / c;
   positions_.resize(size_t(T_));
   for (int64_t t = 0; t < T_; ++t) positions_[size_t(t)] = c == 1 ? t : cp_.position(t, T_);
+  for (CpLevel& l : levels_) {
+    l.positions.resize(size_t(T_));
+    for (int64_t t = 0; t < T_; ++t) l.positions[size_t(t)] = l.degree == 1 ? t : l.cp.position(t, T_);
+  }
   pos_ids_.resize(size_t(B_ * T_));
   for (int64_t b = 0; b < B_; ++b) std::copy(positions_.begin(), positions_.end(), pos_ids_.begin() + b * T_);
   docs_.assign(cfg_.masks_documents() ? size_t(B_ * T) : 0, 0);
@@ -463,7 +467,7 @@ void Model::set_batch(int64_t B, int64_t T) {
     s.inputs.resize(size_t(n.targets));
     s.targets.resize(size_t(n.targets));
     cp_.reserve(cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim));
-    local_cp_.reserve(local_cp_.shape(B_, T_, Hl_, KVl_, cfg_.head_dim));
+    for (CpLevel& l : levels_) l.cp.reserve(l.cp.shape(B_, T_, Hl_, KVl_, cfg_.head_dim));
     s.lnf.resize(size_t(n.lnf));
     s.meanf.resize(size_t(n.statsf));
     s.rstdf.resize(size_t(n.statsf));
@@ -600,7 +604,7 @@ void Model::set_documents(const int32_t* tokens) {
 
 // The MoE share's tokens (TensorParallel::share: positions [r·T/t, (r+1)·T/t) of each local row) by
 // sequence: the micro-batch's sequences numbered row by row over the whole rows, so every rank sharing
-// the rows (TP, and CP unless the micro-batch runs alone) numbers them alike; padding (target −2) −1.
+// the rows (TP, and the micro-batch's CP subgroup) numbers them alike; padding (target −2) −1.
 void Model::set_sequences(const int32_t* tokens) {
   const int64_t T = T_ * row_cp(), stride = cfg_.row_stride(T), Ts = T_ / tp_.size(), r = tp_.rank();
   moe_seq_.resize(size_t(B_ * Ts));
@@ -615,7 +619,38 @@ void Model::set_sequences(const int32_t* tokens) {
     const int64_t real = std::find(target, target + T, kPaddingTarget) - target;  // padding is the row's tail
     first += real > 0 ? doc[real - 1] + 1 : 0;
   }
-  moe_docs_ = {moe_seq_.data(), first, alone_ ? &tp_.comm() : &dispatcher_.token_group(), router_tokens_};
+  moe_docs_ = {moe_seq_.data(), first, level_ ? level_->tokens.get() : &dispatcher_.token_group(), router_tokens_};
+}
+
+void Model::select_cp(int mb) {
+  const int d = size_t(mb) < degree_mbs_.size() ? degree_mbs_[size_t(mb)] : cp_.size();
+  level_ = nullptr;
+  for (CpLevel& l : levels_)
+    if (l.degree == d) level_ = &l;
+  ORIGAMI_ASSERT(level_ || d == cp_.size());
+}
+
+int64_t Model::attention_tiles() const {
+  int64_t tiles = cp_.counters().tiles;
+  for (const CpLevel& l : levels_) tiles += l.cp.counters().tiles;
+  return tiles;
+}
+
+double Model::cp_bytes_sent() const {
+  double bytes = cp_.bytes_sent();
+  for (const CpLevel& l : levels_) bytes += l.cp.bytes_sent();
+  return bytes;
+}
+
+int64_t Model::cp_pairs() const {
+  int64_t pairs = cp_.counters().pairs;
+  for (const CpLevel& l : levels_) pairs += l.cp.counters().pairs;
+  return pairs;
+}
+
+void Model::reset_attention_counters() {
+  cp_.reset_counters();
+  for (CpLevel& l : levels_) l.cp.reset_counters();
 }
 
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions

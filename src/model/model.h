@@ -233,13 +233,25 @@ class Model {
   // and `routed`, the step's tokens / micro-batches, the router losses' denominator (MoeSequences).
   void set_loss_tokens(double tokens, double routed = 0) { loss_tokens_ = tokens, router_tokens_ = routed; }
   ContextParallel& context_parallel() { return cp_; }
-  // Document batching under CP (a CP degree per sequence): micro-batch m runs on this rank alone when
-  // alone[m] — its own B rows of T/C tokens, attention without communication — and over the CP group
-  // otherwise (rows of T). Empty (the default): every micro-batch over the group.
-  void set_alone(std::vector<uint8_t> alone) { alone_mbs_ = std::move(alone); }
-  // The attention's forward score tiles since the last reset, over the group's and the lone micro-batches.
-  int64_t attention_tiles() const { return cp_.counters().tiles + local_cp_.counters().tiles; }
-  void reset_attention_counters() { cp_.reset_counters(), local_cp_.reset_counters(); }
+  // Document batching under CP (a CP degree per sequence, train/balance.h): the degrees below the CP
+  // group's, each over the aligned subgroups of `degree` CP ranks (1: this rank alone). Built once.
+  struct CpLevel {
+    int degree;
+    ContextParallel cp;            // over the subgroup
+    std::unique_ptr<Comm> tokens;  // TP × the subgroup: the MoE router's token group at this degree
+    std::vector<int64_t> positions;  // [T_]: each local position's place in the subgroup's rows (set_batch)
+  };
+  void set_cp_levels(std::vector<CpLevel> levels) { levels_ = std::move(levels); }
+  // Micro-batch m runs at degree d = degrees[m]: its B rows of d·T/C tokens over the subgroup of d CP
+  // ranks holding this rank (every rank holds T/C positions of each). Empty (the default), or d = C:
+  // over the whole group.
+  void set_cp_degrees(std::vector<int> degrees) { degree_mbs_ = std::move(degrees); }
+  // The attention's forward score tiles, its bytes sent and its (query, key) pairs since the last
+  // reset, over every degree.
+  int64_t attention_tiles() const;
+  double cp_bytes_sent() const;
+  int64_t cp_pairs() const;
+  void reset_attention_counters();
   const ModelPart& part() const { return part_; }
 
  private:
@@ -317,12 +329,14 @@ class Model {
     s.precision = precision_;
     return s;
   }
-  // The current micro-batch's attention: over the CP group, or this rank's alone (set_alone).
-  ContextParallel& cp_now() { return alone_ ? local_cp_ : cp_; }
-  const ContextParallel& cp_now() const { return alone_ ? local_cp_ : cp_; }
-  int64_t row_cp() const { return alone_ ? 1 : cp_.size(); }  // the ranks sharing the current rows
-  int64_t position(int64_t t) const { return alone_ ? t : positions_[size_t(t)]; }  // local t's place in its row
-  void select_cp(int mb) { alone_ = size_t(mb) < alone_mbs_.size() && alone_mbs_[size_t(mb)]; }
+  // The current micro-batch's attention: over the CP group, or a subgroup's (set_cp_degrees).
+  ContextParallel& cp_now() { return level_ ? level_->cp : cp_; }
+  const ContextParallel& cp_now() const { return level_ ? level_->cp : cp_; }
+  int64_t row_cp() const { return level_ ? level_->degree : cp_.size(); }  // the ranks sharing the current rows
+  int64_t position(int64_t t) const {  // local t's place in its row
+    return (level_ ? level_->positions : positions_)[size_t(t)];
+  }
+  void select_cp(int mb);
   void norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   float* norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   float* norm_gather(float* loc);
@@ -338,9 +352,9 @@ class Model {
   Comm* vocab_ = nullptr;  // vocabulary parallelism: the pipeline group
   const float* input_grad_ = nullptr;
   ContextParallel cp_;
-  ContextParallel local_cp_;          // one rank: the lone micro-batches' attention
-  std::vector<uint8_t> alone_mbs_;    // set_alone
-  bool alone_ = false;                // the current micro-batch runs alone
+  std::vector<CpLevel> levels_;       // set_cp_levels
+  std::vector<int> degree_mbs_;       // set_cp_degrees
+  CpLevel* level_ = nullptr;          // the current micro-batch's degree (null: the whole group)
   ModelPart part_;
   Recompute recompute_;
   Precision precision_ = Precision::fp32;

@@ -142,53 +142,112 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
   return p;
 }
 
+std::vector<int> cp_degrees(int C) {
+  std::vector<int> d;
+  for (int k = 1; k < C; k *= 2)
+    if (C % k == 0) d.push_back(k);
+  d.push_back(C);
+  return d;
+}
+
+namespace {
+
+// Drops a worker's empty rows, then pads them to whole micro-batches of B: its micro-batch count.
+int64_t whole_micro_batches(Filling& f, size_t w, int64_t B, int64_t row_len) {
+  for (size_t j = f.rows[w].size(); j-- > 0;)
+    if (f.rows[w][j].empty()) f.rows[w].erase(f.rows[w].begin() + long(j)), f.free[w].erase(f.free[w].begin() + long(j));
+  const int64_t m = (int64_t(f.rows[w].size()) + B - 1) / B;
+  f.rows[w].resize(size_t(m * B)), f.free[w].resize(size_t(m * B), row_len);
+  return m;
+}
+
+// One degree d > 1 of pack_sequences_cp: its sequences over the aligned subgroups of d ranks (rows of
+// d·short_len), then (lpt) the shorter ones into their gaps; every rank of a subgroup gets its rows.
+void pack_degree(const std::vector<int64_t>& lengths, std::vector<std::vector<int32_t>>& items, size_t level, int d,
+                 int64_t short_len, int64_t B, Balance balance, const SequenceCost& cost, std::vector<double>& load,
+                 CpPacking& p) {
+  const size_t workers = p.ranks.size() / size_t(d);
+  const int64_t len = d * short_len;
+  const double share = cost.b / double(d);
+  std::vector<double> start(workers);
+  for (size_t w = 0; w < workers; ++w)
+    start[w] = *std::max_element(load.begin() + long(w) * d, load.begin() + long(w + 1) * d);
+  Filling f = balance == Balance::none ? deal(lengths, items[level], workers, len)
+                                       : lpt_fewest_rows(lengths, items[level], workers, len, share, start);
+  if (balance == Balance::none) f.load = start;
+  std::vector<int64_t> micro(workers);
+  for (size_t w = 0; w < workers; ++w) micro[w] = whole_micro_batches(f, w, B, len);
+  if (balance == Balance::lpt)
+    for (size_t l = level; l-- > 0;) items[l] = fill_gaps(lengths, items[l], share, f);
+  for (size_t r = 0; r < p.ranks.size(); ++r) {
+    const size_t w = r / size_t(d);
+    p.ranks[r].insert(p.ranks[r].end(), f.rows[w].begin(), f.rows[w].end());
+    p.degree[r].insert(p.degree[r].end(), size_t(micro[w]), d);
+    load[r] += share * sum_squares(lengths, f.rows[w]);
+  }
+}
+
+// Degree 1 of pack_sequences_cp: the rest over every rank in rows of short_len, in the micro-batches it
+// has left of p.micro: dealt, they take what their rows need; under lpt, the fewest that hold them.
+void pack_alone(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, int64_t short_len, int64_t B,
+                int64_t micro_multiple, Balance balance, const SequenceCost& cost, const std::vector<double>& load,
+                CpPacking& p) {
+  const size_t ranks = p.ranks.size();
+  int64_t least = 1;
+  for (const auto& d : p.degree) least = std::max<int64_t>(least, int64_t(d.size()));
+  Filling s;
+  if (balance == Balance::none) {
+    s = deal(lengths, items, ranks, short_len);
+    for (size_t r = 0; r < ranks; ++r)
+      least = std::max<int64_t>(least, int64_t(p.degree[r].size()) + (int64_t(s.rows[r].size()) + B - 1) / B);
+    p.micro = round_up(least, micro_multiple);
+  } else {
+    for (p.micro = round_up(least, micro_multiple);; p.micro += micro_multiple) {
+      std::vector<int64_t> cap(ranks);
+      for (size_t r = 0; r < ranks; ++r) cap[r] = (p.micro - int64_t(p.degree[r].size())) * B;
+      if (lpt(lengths, items, cap, short_len, cost.b, load, s)) break;
+    }
+  }
+  for (size_t r = 0; r < ranks; ++r) {
+    s.rows[r].resize(size_t((p.micro - int64_t(p.degree[r].size())) * B));
+    p.ranks[r].insert(p.ranks[r].end(), s.rows[r].begin(), s.rows[r].end());
+    p.degree[r].resize(size_t(p.micro), 1);
+  }
+}
+
+}  // namespace
+
 CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
                             int64_t micro_multiple, Balance balance, const SequenceCost& cost) {
   ORIGAMI_ASSERT(groups >= 1 && cp >= 2 && row_len % cp == 0 && B >= 1 && micro_multiple >= 1);
   const int64_t short_len = row_len / cp;
-  const size_t ranks = size_t(groups) * size_t(cp);
-  std::vector<int32_t> longer, shorter;
-  for (size_t i = 0; i < lengths.size(); ++i) (lengths[i] > short_len ? longer : shorter).push_back(int32_t(i));
-  // The long sequences over the groups (each rank of a group carries 1/C of their attention).
-  const double share = cost.b / double(cp);
-  Filling g = balance == Balance::none
-                  ? deal(lengths, longer, size_t(groups), row_len)
-                  : lpt_fewest_rows(lengths, longer, size_t(groups), row_len, share, std::vector<double>(size_t(groups)));
+  const std::vector<int> degrees = cp_degrees(cp);
+  std::vector<std::vector<int32_t>> items(degrees.size());  // each sequence at the least degree that holds it
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    size_t l = 0;
+    while (lengths[i] > degrees[l] * short_len) ++l;
+    items[l].push_back(int32_t(i));
+  }
   CpPacking p;
-  for (size_t k = 0; k < size_t(groups); ++k) {  // whole micro-batches of the rows in use
-    for (size_t j = g.rows[k].size(); j-- > 0;)
-      if (g.rows[k][j].empty()) g.rows[k].erase(g.rows[k].begin() + long(j)), g.free[k].erase(g.free[k].begin() + long(j));
-    p.joint.push_back((int64_t(g.rows[k].size()) + B - 1) / B);
-    g.rows[k].resize(size_t(p.joint[k] * B));
-    g.free[k].resize(size_t(p.joint[k] * B), row_len);
-  }
-  if (balance == Balance::lpt) shorter = fill_gaps(lengths, shorter, share, g);
-  std::vector<double> start(ranks);
-  for (size_t w = 0; w < ranks; ++w) start[w] = g.load[w / size_t(cp)];
-  // The short ones over every rank, in the micro-batches its group has left of `micro`: dealt, they
-  // need what their rows need; under lpt, the fewest that hold them.
-  const int64_t least = std::max<int64_t>(1, *std::max_element(p.joint.begin(), p.joint.end()));
-  Filling s;
-  if (balance == Balance::none) {
-    s = deal(lengths, shorter, ranks, short_len);
-    int64_t need = least;
-    for (size_t w = 0; w < ranks; ++w)
-      need = std::max<int64_t>(need, p.joint[w / size_t(cp)] + (int64_t(s.rows[w].size()) + B - 1) / B);
-    p.micro = round_up(need, micro_multiple);
-  } else {
-    for (p.micro = round_up(least, micro_multiple);; p.micro += micro_multiple) {
-      std::vector<int64_t> cap(ranks);
-      for (size_t w = 0; w < ranks; ++w) cap[w] = (p.micro - p.joint[w / size_t(cp)]) * B;
-      if (lpt(lengths, shorter, cap, short_len, cost.b, start, s)) break;
+  const size_t ranks = size_t(groups) * size_t(cp);
+  p.ranks.resize(ranks), p.degree.resize(ranks);
+  std::vector<double> load(ranks, 0.0);  // b·n²/d per rank so far
+  for (size_t l = degrees.size(); l-- > 1;)
+    pack_degree(lengths, items, l, degrees[l], short_len, B, balance, cost, load, p);
+  pack_alone(lengths, items[0], short_len, B, micro_multiple, balance, cost, load, p);
+  p.sequences.assign(degrees.size(), 0);
+  for (size_t r = 0; r < ranks; ++r) {
+    double attention = 0;
+    for (int64_t m = 0; m < p.micro; ++m) {
+      const int d = p.degree[r][size_t(m)];
+      const size_t level = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
+      for (int64_t b = 0; b < B; ++b)
+        for (const int32_t i : p.ranks[r][size_t(m * B + b)]) {
+          attention += double(lengths[size_t(i)]) * double(lengths[size_t(i)]) / double(d);
+          if (r % size_t(d) == 0) ++p.sequences[level];  // once per subgroup
+        }
     }
-  }
-  for (size_t k = 0; k < size_t(groups); ++k) p.groups.push_back(std::move(g.rows[k]));
-  for (size_t w = 0; w < ranks; ++w) {
-    const size_t k = w / size_t(cp);
-    s.rows[w].resize(size_t((p.micro - p.joint[k]) * B));
-    const double attention = sum_squares(lengths, p.groups[k]) / double(cp) + sum_squares(lengths, s.rows[w]);
     p.cost.push_back(cost.a * double(p.micro * B * short_len) + cost.b * attention);
-    p.ranks.push_back(std::move(s.rows[w]));
   }
   return p;
 }

@@ -11,11 +11,14 @@
 //         sequence, longest first, to the worker whose estimated b·n² sum is lowest among those with
 //         a row it fits in (the row that it fills best).
 //
-// Under context parallelism with a CP degree per sequence (pack_sequences_cp): a sequence of at most
-// L/C tokens runs on one rank (rows of L/C: no CP traffic), a longer one over its DP group's C ranks
-// (rows of L, each rank T/C of them). Every micro-batch has the same local shape [B, L/C] either way.
-// A group first runs its micro-batches over the group, then its ranks their own ones. Under lpt short
-// sequences first fill the padding of the group's rows (free compute, 1/C of their attention per rank).
+// Under context parallelism with a CP degree per sequence (pack_sequences_cp), ByteScale's dynamic DP×CP
+// with FlexSP's groups of several sizes: a sequence runs at the least degree d of cp_degrees(C) whose
+// rows of d·L/C tokens hold it, over an aligned subgroup of d of its DP group's C CP ranks (d = 1: on
+// one rank, no CP traffic; d = C: the whole group), each rank holding L/C positions of every row, so
+// every micro-batch has the same local shape [B, L/C] at any degree. A rank runs its micro-batches of
+// the largest degree first, then the next: aligned subgroups nest, so the ranks of a subgroup reach its
+// micro-batches at the same index. Under lpt the shorter sequences first fill the padding of the larger
+// degrees' rows (free compute, 1/d of their attention per rank).
 #pragma once
 #include <cstdint>
 #include <string_view>
@@ -49,12 +52,17 @@ struct Packing {
 Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t row_len, int64_t rows_multiple,
                        Balance balance, const SequenceCost& cost);
 
+// The CP degrees a sequence may run at under --cp C, ascending: 1, the powers of two that divide C, and C.
+std::vector<int> cp_degrees(int C);
+
 struct CpPacking {
-  int64_t micro = 0;              // micro-batches per rank, a multiple of micro_multiple
-  std::vector<int64_t> joint;     // [group]: its first joint[g] micro-batches run over the group
-  std::vector<Rows> groups;       // [group]: rows of row_len, joint[g]·B of them (long sequences, and short ones in their gaps)
-  std::vector<Rows> ranks;        // [group·C + cp rank]: rows of row_len / C, (micro − joint[g])·B of them
-  std::vector<double> cost;       // per rank: a·(its tokens, padding included) + b·n² (n²/C over the group)
+  int64_t micro = 0;                     // micro-batches per rank, a multiple of micro_multiple
+  std::vector<std::vector<int>> degree;  // [rank][micro-batch]: the degree d it runs at, over the aligned
+                                         // subgroup of d CP ranks holding the rank
+  std::vector<Rows> ranks;               // [group·C + cp rank]: B rows per micro-batch, of d·row_len/C tokens,
+                                         // the same on every rank of the micro-batch's subgroup
+  std::vector<int64_t> sequences;        // [degree index]: the sequences run at each degree of cp_degrees(C)
+  std::vector<double> cost;              // per rank: a·(its tokens, padding included) + b·n²/d per sequence
   double imbalance() const { return origami::imbalance(cost); }
 };
 

@@ -1,6 +1,7 @@
 #include "train/comm_volume.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "model/model.h"
 #include "model/params.h"
@@ -154,11 +155,17 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
 
   // Context parallelism: each attention core's exchanges, forward (again before backward under any
   // recomputation) and backward.
+  // Under a CP degree per sequence, rank 0's micro-batches at degree d exchange over its d ranks (the
+  // same local shape, all-to-all groups of gcd(A, d)).
   if (c > 1) {
-    const CpShape s{B, o.seq_len / c, cfg.num_heads / t, cfg.num_kv_heads / t, cfg.head_dim, c, o.cp_a2a()};
-    const int64_t over_group = o.step_group_micro_batches >= 0 ? o.step_group_micro_batches : micro;
-    add("cp", double(over_group) * double(part.num_layers()) *
-                  double((rc == Recompute::none ? 1 : 2) * s.forward_bytes() + s.backward_bytes()));
+    std::vector<std::pair<int, int64_t>> at = o.step_degree_micro_batches;
+    if (at.empty()) at = {{c, micro}};
+    for (const auto& [d, count] : at) {
+      const CpShape s{B, o.seq_len / c, cfg.num_heads / t, cfg.num_kv_heads / t, cfg.head_dim, d, std::gcd(o.cp_a2a(), d)};
+      if (d > 1)
+        add("cp", double(count) * double(part.num_layers()) *
+                      double((rc == Recompute::none ? 1 : 2) * s.forward_bytes() + s.backward_bytes()));
+    }
   }
 
   if (p > 1) add("pp", pipeline_bytes(part, p, v, stage, N, sp ? N / t : N, C, micro));

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -97,8 +98,11 @@ struct DocumentStep {
   int64_t sequences = 0, tokens = 0, predicted = 0;  // the step's sequences, tokens and tokens with a target
   double flops = 0;                      // the step's training FLOPs, each sequence at its own length
   int64_t micro_batches = 0;             // per DP rank
-  int64_t over_group = 0;                // the sequences run over a CP group (all of them without a CP degree per sequence)
-  int64_t over_group_micro = -1;         // with a CP degree per sequence: rank 0's group's micro-batches over it
+  int64_t over_group = 0;                // the sequences run over a CP group (all of them without a CP degree per
+                                         // sequence; with one, those at a degree above 1)
+  // With a CP degree per sequence, for each degree of cp_degrees(C): (degree, the step's sequences at
+  // it) and (degree, rank 0's micro-batches at it).
+  std::vector<std::pair<int, int64_t>> cp_degrees, degree_micro;
   double estimated_imbalance = 1;        // max / mean of the balancer's cost per DP rank
   std::vector<int64_t> dataset_tokens;   // a blend: the step's tokens from each dataset (else empty)
 };

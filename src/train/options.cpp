@@ -252,8 +252,13 @@ int64_t TrainOptions::micro_batches(int world_size) const {
   };
   const int64_t step = schedule_kind() == ScheduleKind::interleaved ? pp : 1;
   int64_t m = micro(seq_len, dp_size);
-  // A CP degree per sequence: the lone micro-batches after the joint ones, found in increments of `step`.
-  if (cp_per_sequence()) m += micro(seq_len / cp, dp_size * cp) + step;
+  // A CP degree per sequence: each degree's micro-batches after the larger ones', the last (one rank
+  // alone) found in increments of `step`.
+  if (cp_per_sequence()) {
+    for (const int d : cp_degrees(cp))
+      if (d < cp) m += micro(d * (seq_len / cp), dp_size * (cp / d));
+    m += step;
+  }
   return ceil_div(m, step) * step;
 }
 

@@ -1,11 +1,13 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <sys/resource.h>
@@ -316,6 +318,7 @@ class Run {
   void size_rows(int64_t micro);
   void read_rows(DataBlend& data, int64_t first_row);
   DocumentStep read_sequences(DocumentBatcher& docs, int64_t step);
+  std::vector<Model::CpLevel> cp_levels();
   Update train(int64_t step);
   StepFigures figures(int64_t step, const Update& up, double cpu0, bool stop);
   std::string report_skip(const Update& up, double loss, int64_t done) const;
@@ -411,6 +414,7 @@ Run::Run(Opened opened, Comm& world)
       dp.reduce_experts(x, need);
       return ExpertPlace{};
     });
+  if (o_.cp_per_sequence() && cp().size() > 1) model_.set_cp_levels(cp_levels());
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.documents() ? o_.tokens_per_step : o_.global_batch * o_.seq_len,
            cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_token_ = train_flops_per_token(cfg_, o_.seq_len);
@@ -576,17 +580,37 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const int C = cp().size();
   const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_);
   d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance();
-  for (const Rows& rows : packing.groups)
-    for (const std::vector<int32_t>& row : rows) d.over_group += int64_t(row.size());
+  d.over_group = std::accumulate(packing.sequences.begin() + 1, packing.sequences.end(), int64_t(0));
   size_rows(d.micro_batches);
-  const int64_t joint = packing.joint[size_t(dp_.rank())];
-  d.over_group_micro = packing.joint[0];  // rank 0's group (its traffic is the one predicted)
-  fill(packing.groups[size_t(dp_.rank())], 0, T);
-  fill(packing.ranks[size_t(dp_.rank() * C + cp().rank())], joint, T / C);
-  std::vector<uint8_t> alone(size_t(d.micro_batches), 1);
-  std::fill(alone.begin(), alone.begin() + joint, uint8_t(0));
-  model_.set_alone(std::move(alone));
+  const size_t me = size_t(dp_.rank() * C + cp().rank());
+  const std::vector<int>& degree = packing.degree[me];
+  for (int64_t m = 0; m < d.micro_batches; ++m) {
+    const int64_t len = degree[size_t(m)] * (T / C);
+    for (int64_t b = 0; b < B; ++b)
+      write_row(docs, seqs, packing.ranks[me][size_t(m * B + b)], len, tokens_.data() + (m * B * 2 * T + b * 2 * len));
+  }
+  const std::vector<int> degrees = cp_degrees(C);
+  for (size_t l = 0; l < degrees.size(); ++l) {  // rank 0's micro-batches (its traffic is the one predicted)
+    d.cp_degrees.emplace_back(degrees[l], packing.sequences[l]);
+    d.degree_micro.emplace_back(degrees[l], std::count(packing.degree[0].begin(), packing.degree[0].end(), degrees[l]));
+  }
+  model_.set_cp_degrees(degree);
   return d;
+}
+
+// The CP degrees below the group's for a degree per sequence: each over the aligned subgroups of its
+// size (Model::CpLevel), with its all-to-all groups as large as both the run's and the degree allow.
+std::vector<Model::CpLevel> Run::cp_levels() {
+  Comm &group = mesh_.comm("cp"), &tokens = mesh_.comm("tp-cp");
+  const int C = group.size(), r = group.rank();
+  std::vector<Model::CpLevel> levels;
+  for (const int d : cp_degrees(C)) {
+    if (d == C) continue;
+    std::unique_ptr<Comm> sub = group.split(r / d, r, cat("cp", d));
+    levels.push_back({d, d == 1 ? ContextParallel() : ContextParallel(*sub, plan_.cp_comm, std::gcd(plan_.cp_a2a, d)),
+                      tokens.split(r / d, tokens.rank(), cat("tp-cp", d)), {}});
+  }
+  return levels;
 }
 
 // This DP rank's rows from `first_row` on, read by every pipeline stage (the first embeds them, the
@@ -657,7 +681,7 @@ StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop)
   hooks_.log_routing(step + 1, model_.expert_counts());
   const size_t ranks = size_t(world_.size()), rank = size_t(world_.rank());
   if (cfg_.is_moe()) f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();
-  if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = cp().counters().pairs;
+  if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = model_.cp_pairs();
   if (o_.zero == 3 || o_.fssdp()) {
     f.gathered_bytes.assign(ranks, 0.0), f.reduced_bytes.assign(ranks, 0.0);
     for (ParamSet* set : params_.sets())
@@ -730,7 +754,7 @@ int Run::step(int64_t step, StopSignals& signals) {
 // The step's communication and attention figures on this rank (rank 0's are reported).
 void Run::take_measurements(StepReport& r) {
   r.comm_bytes = mesh_.bytes_sent();
-  if (cp().size() > 1) r.comm_bytes["cp"] = cp().bytes_sent(), r.cp = &cp().counters();
+  if (cp().size() > 1) r.comm_bytes["cp"] = model_.cp_bytes_sent(), r.cp = &cp().counters();
   if (embedding_comm_ && embedding_comm_->bytes_sent() > 0) r.comm_bytes["embedding"] = embedding_comm_->bytes_sent();
   r.attention_tiles = model_.attention_tiles();
   r.dispatch = model_.dispatch_times();
@@ -834,7 +858,7 @@ void Run::write_metrics(StepReport& r) {
   if (r.step == start_.step + 1) {
     r.memory = &memory_;
     TrainOptions step = o_;  // document batching: the prediction for this step's micro-batches
-    if (in_.docs) step.step_micro_batches = doc_step_.micro_batches, step.step_group_micro_batches = doc_step_.over_group_micro;
+    if (in_.docs) step.step_micro_batches = doc_step_.micro_batches, step.step_degree_micro_batches = doc_step_.degree_micro;
     r.comm_predicted = step_comm_bytes(cfg_, step, world_.size(), 0);
   }
   const nlohmann::json row = metrics_row(info_, r);

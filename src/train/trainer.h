@@ -49,9 +49,11 @@ struct TrainOptions {
   int64_t tokens_per_step = 0;       // documents: N, the most tokens a step takes (0: B x DP x T)
   std::string balance = "lpt";       // documents: none | lpt, how sequences are placed on DP ranks (train/balance.h)
   bool static_cp = false;            // documents with --cp: every sequence over the CP group (no degree per sequence)
-  // Document batching: one step's micro-batches and, with a CP degree per sequence, how many of them run
-  // over the CP group (rank 0's), to predict that step's traffic (0 and −1: the bound, all of them).
-  int64_t step_micro_batches = 0, step_group_micro_batches = -1;
+  // Document batching: one step's micro-batches and, with a CP degree per sequence, how many of rank 0's
+  // run at each degree (degree, micro-batches), to predict that step's traffic (0 and empty: the bound,
+  // all of them over the group).
+  int64_t step_micro_batches = 0;
+  std::vector<std::pair<int, int64_t>> step_degree_micro_batches;
   std::string init_from;       // weights only: any checkpoint, Hugging Face directory or .safetensors file
   std::string resume;          // a checkpoint to continue: weights, optimizer state, step (any layout wrote it)
   int64_t steps = 100;         // total optimizer steps

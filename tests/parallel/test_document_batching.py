@@ -47,6 +47,8 @@ LAYOUTS = [
     ("CP2xDP2 static", 4, ["--cp", "2", "--static-cp"], False),
     ("CP2 micro-batch 3", 2, ["--cp", "2", "--micro-batch", "3"], False),
     ("CP4", 4, ["--cp", "4"], False),
+    ("CP4 static", 4, ["--cp", "4", "--static-cp"], False),
+    ("CP4 a2a", 4, ["--cp", "4", "--cp-comm", "a2a"], False),
     ("CP2 a2a recompute full", 2, ["--cp", "2", "--cp-comm", "a2a", "--recompute", "full"], False),
     ("CP2xPP2", 4, ["--cp", "2", "--pp", "2"], False),
     ("CP2 balance none", 2, ["--cp", "2", "--balance", "none"], False),
@@ -145,21 +147,35 @@ def check_layouts(tmp, data, failures):
 
 def check_cp_degrees(runs, failures):
     """A CP degree per sequence: the sequences of at most L/C tokens run without CP traffic, so fewer run
-    over the group and the step sends fewer cp bytes than with --static-cp, where all of them do."""
-    print("1b. a CP degree per sequence against --static-cp (llama, CP2xDP2)")
-    dynamic, static = runs.get(("llama_gqa2", "CP2xDP2")), runs.get(("llama_gqa2", "CP2xDP2 static"))
+    over the group and the step sends fewer cp bytes than with --static-cp, where all of them do. Under
+    CP4 the degrees are 1, 2 and 4, each the least whose rows of d·L/4 tokens hold the sequence (or a
+    larger one's gap), and every one is used."""
+    print("1b. a CP degree per sequence against --static-cp (llama, CP2xDP2 and CP4)")
+    for name in ("CP2xDP2", "CP4"):
+        check_cp_degree_run(runs.get(("llama_gqa2", name)), runs.get(("llama_gqa2", name + " static")), name,
+                            failures)
+
+
+def check_cp_degree_run(dynamic, static, name, failures):
     if not dynamic or not static:
         return  # the layout failures say why
     over = [m["documents"]["sequences_over_cp"] for m in dynamic]
     every = [m["documents"]["sequences"] for m in dynamic]
     ratio = sum(m["comm_bytes"]["cp"] for m in dynamic) / sum(m["comm_bytes"]["cp"] for m in static)
+    per_degree = {}
+    for m in dynamic:
+        for d, n in m["documents"]["sequences_per_cp_degree"].items():
+            per_degree[d] = per_degree.get(d, 0) + n
+    want_degrees = ["1", "2"] if name.startswith("CP2") else ["1", "2", "4"]
     ok = all(o <= e for o, e in zip(over, every)) and sum(over) < sum(every) and ratio < 1 and \
-        [m["documents"]["sequences_over_cp"] for m in static] == every
+        [m["documents"]["sequences_over_cp"] for m in static] == every and \
+        sorted(per_degree) == want_degrees and all(per_degree.values()) and sum(per_degree.values()) == sum(every)
     if not ok:
-        failures.append("CP degrees: over the group %s of %s sequences (static: %s); cp bytes %.2f of static's" % (
-            over, every, [m["documents"]["sequences_over_cp"] for m in static], ratio))
-    print("  %-4s %d of %d sequences over the CP group (static: all); cp bytes %.2f of static's" % (
-        "ok" if ok else "FAIL", sum(over), sum(every), ratio))
+        failures.append("CP degrees %s: over the group %s of %s sequences (static: %s); per degree %s; cp bytes %.2f "
+                        "of static's" % (name, over, every, [m["documents"]["sequences_over_cp"] for m in static],
+                                         per_degree, ratio))
+    print("  %-4s %-8s %d of %d sequences over CP ranks (static: all), per degree %s; cp bytes %.2f of static's" % (
+        "ok" if ok else "FAIL", name, sum(over), sum(every), per_degree, ratio))
 
 
 def check_bf16(tmp, data, failures):

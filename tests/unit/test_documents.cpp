@@ -151,49 +151,63 @@ TEST(PackSequences, LptBalancesTheQuadraticCost) {
 
 namespace {
 
-// A CP degree per sequence: the sequences longer than L/C run over their group in the group's first
-// micro-batches (rows of L), the others on one rank (rows of L/C) or, under lpt, in the gaps of the
-// group's rows; every rank runs the same number of micro-batches and every sequence is placed once.
-TEST(PackSequencesCp, LongOnesOverTheGroupShortOnesAlone) {
-  const std::vector<int64_t> lengths = {64, 40, 3, 16, 16, 9, 33, 1, 12, 16, 7, 50, 2, 2};
+// A CP degree per sequence: on 1 or 2 DP groups of C = 2, 4 and 6 CP ranks, both balancers, every rank
+// runs the same number of micro-batches, largest degree first; a micro-batch of degree d has the same
+// degree and rows on every rank of its aligned subgroup, rows of at most d·L/C tokens, and every sequence
+// runs once at a degree that holds it (none: the least; lpt: or a larger one's gap).
+TEST(PackSequencesCp, EachSequenceOnceOverAnAlignedSubgroup) {
+  const std::vector<int64_t> lengths = {96, 40, 3, 16, 16, 9, 33, 1, 12, 16, 7, 50, 2, 2, 30, 20, 11, 64, 25};
   const SequenceCost cost{100, 1};
-  for (const Balance balance : {Balance::none, Balance::lpt}) {
-    const int groups = 2, C = 2;
-    const CpPacking p = pack_sequences_cp(lengths, groups, C, 64, 2, 1, balance, cost);
-    std::vector<int> placed(lengths.size(), 0);
-    for (int g = 0; g < groups; ++g) {
-      EXPECT_EQ(int64_t(p.groups[size_t(g)].size()), p.joint[size_t(g)] * 2);
-      for (const auto& row : p.groups[size_t(g)]) {
-        int64_t used = 0;
-        for (const int32_t i : row) {
-          if (balance == Balance::none) EXPECT_GT(lengths[size_t(i)], 32);  // lpt fills the gaps with short ones
-          used += lengths[size_t(i)], ++placed[size_t(i)];
-        }
-        EXPECT_LE(used, 64);
-      }
-      for (int r = 0; r < C; ++r) {
-        const Rows& rows = p.ranks[size_t(g * C + r)];
-        EXPECT_EQ(int64_t(rows.size()), (p.micro - p.joint[size_t(g)]) * 2) << "every rank runs p.micro micro-batches";
-        for (const auto& row : rows) {
-          int64_t used = 0;
-          for (const int32_t i : row) {
-            EXPECT_LE(lengths[size_t(i)], 32);
-            used += lengths[size_t(i)], ++placed[size_t(i)];
+  const int64_t L = 96, B = 2;
+  for (const int C : {2, 4, 6})
+    for (const int groups : {1, 2})
+      for (const Balance balance : {Balance::none, Balance::lpt}) {
+        const CpPacking p = pack_sequences_cp(lengths, groups, C, L, B, 1, balance, cost);
+        const std::vector<int> degrees = cp_degrees(C);
+        std::vector<int> placed(lengths.size(), 0);
+        ASSERT_EQ(p.ranks.size(), size_t(groups * C));
+        for (size_t r = 0; r < p.ranks.size(); ++r) {
+          ASSERT_EQ(int64_t(p.ranks[r].size()), p.micro * B);
+          ASSERT_EQ(int64_t(p.degree[r].size()), p.micro);
+          EXPECT_TRUE(std::is_sorted(p.degree[r].rbegin(), p.degree[r].rend())) << "largest degree first";
+          for (int64_t m = 0; m < p.micro; ++m) {
+            const int d = p.degree[r][size_t(m)];
+            ASSERT_NE(std::find(degrees.begin(), degrees.end(), d), degrees.end());
+            const size_t first = r - r % size_t(d);  // the aligned subgroup (inside r's DP group: d divides C)
+            for (size_t q = first; q < first + size_t(d); ++q) {
+              EXPECT_EQ(p.degree[q][size_t(m)], d) << "C " << C << " rank " << r << " micro-batch " << m;
+              for (int64_t b = 0; b < B; ++b) EXPECT_EQ(p.ranks[q][size_t(m * B + b)], p.ranks[r][size_t(m * B + b)]);
+            }
+            for (int64_t b = 0; b < B; ++b) {
+              int64_t used = 0;
+              for (const int32_t i : p.ranks[r][size_t(m * B + b)]) {
+                const int64_t n = lengths[size_t(i)];
+                const int least = *std::find_if(degrees.begin(), degrees.end(), [&](int k) { return n <= k * (L / C); });
+                if (balance == Balance::none) EXPECT_EQ(d, least);
+                EXPECT_GE(d, least);
+                used += n, placed[size_t(i)] += r == first;
+              }
+              EXPECT_LE(used, d * (L / C));
+            }
           }
-          EXPECT_LE(used, 32);
         }
+        EXPECT_EQ(placed, std::vector<int>(lengths.size(), 1)) << "C " << C << " " << balance_name(balance);
+        EXPECT_EQ(std::accumulate(p.sequences.begin(), p.sequences.end(), int64_t(0)), int64_t(lengths.size()));
+        EXPECT_EQ(p.cost.size(), size_t(groups * C));
       }
-    }
-    EXPECT_EQ(placed, std::vector<int>(lengths.size(), 1)) << balance_name(balance);
-    EXPECT_EQ(p.cost.size(), size_t(groups * C));
-  }
+  EXPECT_EQ(cp_degrees(8), (std::vector<int>{1, 2, 4, 8}));
+  EXPECT_EQ(cp_degrees(6), (std::vector<int>{1, 2, 6}));
   // lpt puts a short sequence into the padding of a group's row: 40 + 20 tokens run as one micro-batch.
-  const CpPacking gap = pack_sequences_cp({40, 20}, 1, 2, 64, 1, 1, Balance::lpt, cost);
+  const SequenceCost quadratic{100, 1};
+  const CpPacking gap = pack_sequences_cp({40, 20}, 1, 2, 64, 1, 1, Balance::lpt, quadratic);
   EXPECT_EQ(gap.micro, 1);
-  EXPECT_EQ(gap.groups[0], (Rows{{0, 1}}));
-  EXPECT_EQ(pack_sequences_cp({40, 20}, 1, 2, 64, 1, 1, Balance::none, cost).micro, 2);
+  EXPECT_EQ(gap.ranks[0], (Rows{{0, 1}}));
+  EXPECT_EQ(pack_sequences_cp({40, 20}, 1, 2, 64, 1, 1, Balance::none, quadratic).micro, 2);
+  // CP4, L = 64: 60 tokens over all 4 ranks, 30 over 2 of them, 10 on one.
+  const CpPacking three = pack_sequences_cp({60, 30, 10}, 1, 4, 64, 1, 1, Balance::none, quadratic);
+  EXPECT_EQ(three.sequences, (std::vector<int64_t>{1, 1, 1}));
   // Interleaved pipelines need whole multiples of the stages.
-  EXPECT_EQ(pack_sequences_cp(lengths, 1, 2, 64, 1, 4, Balance::lpt, cost).micro % 4, 0);
+  EXPECT_EQ(pack_sequences_cp(lengths, 1, 2, 96, 1, 4, Balance::lpt, cost).micro % 4, 0);
 }
 
 }  // namespace
@@ -215,7 +229,7 @@ TEST(DocumentBatching, MicroBatchBoundHoldsForEveryPacking) {
       lengths.push_back(n), total += n;
     }
     for (const int dp : {1, 2, 4})
-      for (const int cp : {1, 2})
+      for (const int cp : {1, 2, 4})
         for (const int64_t B : {1, 2, 3})
           for (const char* balance : {"none", "lpt"}) {
             TrainOptions o;
