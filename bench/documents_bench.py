@@ -7,15 +7,19 @@ Data: byte-level documents whose lengths follow a long-tailed lognormal (--media
   (i)   fixed windows with document masking (today's batching): N / L windows of L a step, DP R;
   (ii)  document batching, sequences dealt round-robin (--balance none), DP R;
   (iii) document batching, balanced (--balance lpt), DP R;
-  (iv)  balanced with a CP degree per sequence: --cp 2 (CP2 x DP R/2); a sequence of at most L/2 tokens
-        runs on one rank, a longer one over its CP pair;
-  (v)   balanced with static CP over every sequence: --cp 2 --static-cp.
+  (iv)  balanced with a CP degree per sequence: --cp C (CP C x DP R/C); a sequence runs at the least of
+        1, 2, 4 ... C ranks whose rows of degree·L/C tokens hold it (at CP2: one rank up to L/2 tokens);
+  (v)   balanced with static CP over every sequence: --cp C --static-cp.
+C is 2, and on 4 ranks or more also 4 (the degrees 1, 2 and 4). With --balance-cluster FILE also
+  (iii) with the balancer's costs in seconds at that cluster.json's rates (train --balance-cluster).
+--only LABELS (comma-separated prefixes such as "(ii),(iii)") times those configurations alone.
 Per configuration: tokens/s (the step's tokens over its time; median of the measured steps, then of
 --rounds rounds in rotated order), the rows each DP rank ran per step, and for document batching the
 balancer's estimated and the measured max/mean busy time per rank (`documents` in the metrics).
 
 Usage: /usr/bin/python3 bench/documents_bench.py [--ranks 2,4] [--seq-len 4096] [--tokens-per-step 16384]
-           [--median 150] [--tail 2048] [--steps 6] [--warmup 2] [--rounds 3]
+           [--median 150] [--tail 2048] [--steps 6] [--warmup 2] [--rounds 3] [--balance-cluster FILE]
+           [--only LABELS]
 """
 import argparse
 import json
@@ -65,9 +69,11 @@ def configurations(args, ranks):
                                         "--global-batch", str(N // L)]),
         ("(ii) documents, round-robin", docs + ["--balance", "none"]),
         ("(iii) documents, balanced", docs + ["--balance", "lpt"]),
-        ("(iv) balanced, CP2 per sequence", docs + ["--balance", "lpt", "--cp", "2"]),
-        ("(v) balanced, static CP2", docs + ["--balance", "lpt", "--cp", "2", "--static-cp"]),
-    ]
+    ] + ([("(iii) balanced, costs from %s" % os.path.basename(args.balance_cluster),
+           docs + ["--balance", "lpt", "--balance-cluster", args.balance_cluster])] if args.balance_cluster else []) + [
+        conf for c in ([2, 4] if ranks >= 4 else [2]) for conf in (
+        ("(iv) balanced, CP%d per sequence" % c, docs + ["--balance", "lpt", "--cp", str(c)]),
+        ("(v) balanced, static CP%d" % c, docs + ["--balance", "lpt", "--cp", str(c), "--static-cp"]))]
 
 
 def run_once(tmp, args, cfg, data, ranks, label, flags):
@@ -99,6 +105,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--balance-cluster", default="")
+    p.add_argument("--only", default="")
     args = p.parse_args()
     tmp = h.tmpdir("origami_documents_bench_")
     need = (args.warmup + args.steps) * args.tokens_per_step * 2
@@ -109,21 +117,23 @@ def main():
         args.tail, max(lengths), args.seq_len, args.tokens_per_step))
     table = []
     for ranks in [int(r) for r in args.ranks.split(",")]:
-        confs = configurations(args, ranks)
+        confs = [c for c in configurations(args, ranks) if not args.only or c[0].startswith(tuple(args.only.split(",")))]
         results = {label: [] for label, _ in confs}
         for k in range(args.rounds):
             for label, flags in confs[k % len(confs):] + confs[:k % len(confs)]:
                 results[label].append(run_once(tmp, args, cfg, data, ranks, label, flags))
         base = statistics.median(r["tok_s"] for r in results["(ii) documents, round-robin"])
-        for label, flags in configurations(args, ranks):
+        for label, flags in confs:
             rs = results[label]
             tok_s = statistics.median(r["tok_s"] for r in rs)
             fmt = lambda key: "%.3f" % statistics.median(r[key] for r in rs) if rs[0][key] is not None else ""
             table.append((ranks, label, "%.0f" % tok_s, "%.2fx" % (tok_s / base), fmt("rows"), fmt("est"),
                           fmt("measured")))
-        iv, v = (statistics.median(r["tok_s"] for r in results[k]) for k in ("(iv) balanced, CP2 per sequence",
-                                                                             "(v) balanced, static CP2"))
-        print("%d ranks: (iv) is %.2fx (ii) (target >= 1.3) and %.2fx (v) (target >= 1.2)" % (ranks, iv / base, iv / v))
+        for c in [c for c in ([2, 4] if ranks >= 4 else [2]) if "(v) balanced, static CP%d" % c in results]:
+            iv, v = (statistics.median(r["tok_s"] for r in results[k % c]) for k in (
+                "(iv) balanced, CP%d per sequence", "(v) balanced, static CP%d"))
+            print("%d ranks, CP%d: (iv) is %.2fx (ii) (target >= 1.3) and %.2fx (v) (target >= 1.2)" % (
+                ranks, c, iv / base, iv / v))
         print(h.fmt_table(["ranks", "configuration", "tokens/s", "vs (ii)", "micro-batches", "est. max/mean",
                            "measured max/mean"], [t for t in table if t[0] == ranks]), flush=True)
     print(json.dumps({"table": table}))

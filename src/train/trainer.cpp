@@ -31,6 +31,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
+#include "plan/cluster.h"
 #include "train/balance.h"
 #include "train/comm_volume.h"
 #include "train/memory_check.h"
@@ -86,6 +87,18 @@ struct Inputs {
   std::optional<Checkpoint> checkpoint;      // --resume or --init-from
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
 };
+
+// The balancer's estimate c(n) = a·n + b·n² of a sequence of n tokens: its FLOPs (6 per matmul parameter
+// and token; the attention's 6·L·H·D per token pair, of which causal masking computes half) or, with
+// --balance-cluster, their seconds at the cluster's GEMM rate (a micro-batch's local rows by the hidden
+// size, square) and attention rate, in the run's precision.
+SequenceCost sequence_cost(const ModelConfig& cfg, const TrainOptions& o) {
+  const double a = train_flops_per_token(cfg, 0), b = (train_flops_per_token(cfg, 1) - a) / 2;
+  if (o.balance_cluster.empty()) return {a, b};
+  const Cluster c = Cluster::load(o.balance_cluster).at(o.precision);  // (TrainOptions::validate read it)
+  const double rows = double(o.micro_batch * (o.seq_len / std::max(o.cp, 1))), C = double(cfg.hidden);
+  return {a / c.gemm_rate(rows, C, C), b / c.attention_rate(double(o.seq_len), double(cfg.head_dim))};
+}
 
 // Document batching over the blend's datasets, with its weights (data/documents.h).
 DocumentBatcher document_batcher(const DataBlend& data, const TrainOptions& o, SampleOrder order) {
@@ -418,9 +431,7 @@ Run::Run(Opened opened, Comm& world)
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.documents() ? o_.tokens_per_step : o_.global_batch * o_.seq_len,
            cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_token_ = train_flops_per_token(cfg_, o_.seq_len);
-  // A sequence of n tokens: 6 FLOPs per matmul parameter and token, and the attention's 6·L·H·D per
-  // token pair of which causal masking computes half.
-  sequence_cost_ = {train_flops_per_token(cfg_, 0), (train_flops_per_token(cfg_, 1) - train_flops_per_token(cfg_, 0)) / 2};
+  if (o_.documents()) sequence_cost_ = sequence_cost(cfg_, o_);
   if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
   if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step > 0 ? start_.step : -1);
   if (rank0_) print_startup();
@@ -449,7 +460,8 @@ std::string Run::describe_batch() const {
   return cat(o_.data, ": ", in_.data->num_tokens(), " tokens, ", in_.docs->num_documents(), " documents | steps of at "
              "most ", o_.tokens_per_step, " tokens of whole documents (cut at ", o_.seq_len, "), packed into rows of ",
              o_.seq_len, ", micro-batches of ", o_.micro_batch, " row", o_.micro_batch == 1 ? "" : "s", " x DP ",
-             dp_.size(), " (balance ", o_.balance, ")");
+             dp_.size(), " (balance ", o_.balance, o_.balance_cluster.empty() ? "" : ", costs at " + o_.balance_cluster +
+             "'s rates", ")");
 }
 
 void Run::print_startup() const {

@@ -23,8 +23,11 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      under DP2 and CP2xDP2 with the one-rank losses and tokens per dataset.
   3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
      every step, and at most 1.05 on the steps' mean.
+     With --balance-cluster (a profiled cluster's GEMM and attention rates) the estimate changes and the
+     losses stay the one-rank run's.
   4. Mistakes: each an error line naming the value and the rule, exit 1 on every rank.
 """
+import json
 import os
 import struct
 
@@ -37,6 +40,7 @@ L, N = 32, 160
 COMMON = ["--steps", "20", "--lr", "3e-3", "--warmup", "2", "--min-lr", "3e-4", "--eps", "1e-6",
           "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "7", "--threads", "1", "--quiet",
           "--batching", "documents", "--seq-len", str(L), "--tokens-per-step", str(N)]
+CPU_CLUSTER = os.path.join(h.ROOT, "configs", "clusters", "cpu-2core.json")
 BIAS = ["--moe-aux-loss", "none", "--moe-router-bias-update-rate", "0.01"]  # aux-loss-free balancing instead
 # (name, ranks, flags, only for the MoE model)
 LAYOUTS = [
@@ -272,11 +276,40 @@ def check_balance(tmp, data, failures):
         "ok" if not worse and mean <= 1.05 else "FAIL", mean, sum(est["none"]) / len(est["none"])))
 
 
+def check_balance_cluster(tmp, data, failures):
+    """--balance-cluster: the balancer's costs in seconds at a profiled cluster's rates (this project's
+    configs/clusters/cpu-2core.json, attention about 2.5x slower per FLOP than its GEMMs) place the
+    sequences otherwise than FLOP counts do (another estimated imbalance on some step), and the losses
+    stay the one-rank run's."""
+    print("3b. the balancer's costs from a cluster file (DP4)")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    cluster = CPU_CLUSTER
+    one, err = train(tmp, "cluster one rank", 0, cfg, data, ["--steps", "8"])
+    flops, err2 = train(tmp, "cluster flops", 4, cfg, data, ["--steps", "8"])
+    timed, err3 = train(tmp, "cluster timed", 4, cfg, data, ["--steps", "8", "--balance-cluster", cluster])
+    if err or err2 or err3:
+        failures.append("balance cluster: " + (err or err2 or err3))
+        return
+    worst, fails = compare(one, timed)
+    est = [(a["documents"]["busy_estimated_max_over_mean"], b["documents"]["busy_estimated_max_over_mean"])
+           for a, b in zip(flops, timed)]
+    if all(abs(a - b) < 1e-12 for a, b in est):
+        fails.append("the estimated imbalance is the FLOP-count one on every step: %s" % est)
+    failures += ["balance cluster: " + f for f in fails[:3]]
+    print("  %-4s losses within %.1e of one rank; estimated max/mean (FLOPs, seconds) %s" % (
+        "ok" if not fails else "FAIL", worst, ", ".join("(%.3f, %.3f)" % e for e in est[:4])))
+
+
 def check_mistakes(data, other, failures):
     print("4. mistakes")
     llama = os.path.join(h.CONFIGS, "llama_tiny.json")
     mixtral = os.path.join(h.CONFIGS, "mixtral_8e.json")
     docs = ["--batching", "documents"]
+    with open(CPU_CLUSTER) as f:
+        cluster = json.load(f)
+    cluster["device"].pop("attention_tflops")
+    cluster["device"].get("bf16", {}).pop("attention_tflops", None)
+    no_attention = h.write_json(os.path.join(os.path.dirname(data), "no_attention.json"), cluster)
     failures += h.check_error_cases(data, [
         ("unknown batching", llama, 2, ["--batching", "sentences"], "--batching 'sentences'"),
         ("unknown balance", llama, 2, docs + ["--balance", "greedy"], "--balance 'greedy'"),
@@ -294,6 +327,9 @@ def check_mistakes(data, other, failures):
          "reads some document twice"),
         ("static CP without CP", llama, 2, docs + ["--static-cp"], "needs --cp > 1"),
         ("balance with windows", llama, 2, ["--balance", "lpt"], "--balance places the sequences"),
+        ("balance cluster with windows", llama, 2, ["--balance-cluster", CPU_CLUSTER], "--balance-cluster sizes"),
+        ("balance cluster without attention", llama, 2, docs + ["--balance-cluster", no_attention],
+         "field 'device.attention_tflops': missing"),
     ])
     args = ["train", "--config", llama, "--data", data, "--steps", "1", "--seq-len", "16", *docs]
     _, _, failure = h.check_error("micro-batch tokens", 2, args + ["--micro-batch-tokens", "20"],
@@ -316,6 +352,7 @@ def main():
     other = h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14))
     check_blend(tmp, data, other, failures)
     check_balance(tmp, data, failures)
+    check_balance_cluster(tmp, data, failures)
     check_mistakes(data, other, failures)
     h.report(failures, "document batching: every layout gives the one-rank run")
 
