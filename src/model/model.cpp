@@ -117,6 +117,12 @@ struct ScratchSizes {
     sh_dz = shared ? s.Nl : 0;
     moe = c.is_moe() ? MoeScratch<float>::bytes(s.moe, s.moe_rows.get(), a.etp) : 0;
     cp = s.core.workspace_floats();
+    if (a.cp_levels)  // the subgroups' ContextParallel (Model::CpLevel), at the same local shape
+      for (const int d : cp_degrees(a.cp)) {
+        CpShape sub = s.core;
+        sub.cp = d, sub.a2a = std::gcd(a.cp_a2a, d);
+        if (d < a.cp) cp += sub.workspace_floats();
+      }
   }
   Size bytes() const {  // every buffer but the MoE ones holds 4-byte elements (floats, int32 targets)
     return 4 * (loc + ln_loc + full + gathered + 2 * targets + cp + lnf + 2 * statsf + d_res + d_ln + d_att + d_qkv + d_mlp_a + d_mlp_b +
@@ -390,7 +396,7 @@ Model::Dims Model::dims() const {
 
 ActivationShape Model::activation_shape() const {
   return {B_,           T_,        tp_.size(), tp_.sp(),   recompute_, dispatcher_.etp(), dispatcher_.ep(), cp_.size(),
-          cp_.a2a_size(), part_.vocab_stages, precision_, num_threads()};
+          cp_.a2a_size(), part_.vocab_stages, precision_, num_threads(), !levels_.empty()};
 }
 
 MoeSizes Model::moe_sizes() const { return LocalSizes(cfg_, activation_shape()).moe; }
@@ -642,15 +648,30 @@ double Model::cp_bytes_sent() const {
   return bytes;
 }
 
+CpCounters Model::cp_counters() const {
+  CpCounters c = cp_.counters();
+  for (const CpLevel& l : levels_) {
+    const CpCounters& k = l.cp.counters();
+    c.transfer_s += k.transfer_s, c.wait_s += k.wait_s, c.pairs += k.pairs, c.tiles += k.tiles;
+  }
+  return c;
+}
+
 int64_t Model::cp_pairs() const {
   int64_t pairs = cp_.counters().pairs;
   for (const CpLevel& l : levels_) pairs += l.cp.counters().pairs;
   return pairs;
 }
 
+double Model::level_token_bytes() const {
+  double bytes = 0;
+  for (const CpLevel& l : levels_) bytes += l.tokens->bytes_sent();
+  return bytes;
+}
+
 void Model::reset_attention_counters() {
   cp_.reset_counters();
-  for (CpLevel& l : levels_) l.cp.reset_counters();
+  for (CpLevel& l : levels_) l.cp.reset_counters(), l.tokens->reset_bytes();
 }
 
 // Vocab-parallel embedding: every rank looks up its vocabulary rows for all N tokens (positions

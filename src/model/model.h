@@ -89,6 +89,7 @@ struct ActivationShape {
   int threads = 1;  // of the rank: in bf16 each holds the attention core's scratch (attention_scratch_bytes);
                     // from options, --threads 0 (all cores) counts as 1 where the count is not known (a plan
                     // for other machines); the memory check sets the count it runs with
+  bool cp_levels = false;  // a CP degree per sequence: each subgroup degree's ContextParallel has buffers too
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);
@@ -241,7 +242,7 @@ class Model {
     std::unique_ptr<Comm> tokens;  // TP × the subgroup: the MoE router's token group at this degree
     std::vector<int64_t> positions;  // [T_]: each local position's place in the subgroup's rows (set_batch)
   };
-  void set_cp_levels(std::vector<CpLevel> levels) { levels_ = std::move(levels); }
+  void set_cp_levels(std::vector<CpLevel> levels) { levels_ = std::move(levels), B_ = 0; }  // (set_batch redoes)
   // Micro-batch m runs at degree d = degrees[m]: its B rows of d·T/C tokens over the subgroup of d CP
   // ranks holding this rank (every rank holds T/C positions of each). Empty (the default), or d = C:
   // over the whole group.
@@ -251,6 +252,8 @@ class Model {
   int64_t attention_tiles() const;
   double cp_bytes_sent() const;
   int64_t cp_pairs() const;
+  CpCounters cp_counters() const;  // the ring's times, pairs and tiles summed over every degree
+  double level_token_bytes() const;  // sent by the subgroups' MoE token groups (CpLevel::tokens)
   void reset_attention_counters();
   const ModelPart& part() const { return part_; }
 

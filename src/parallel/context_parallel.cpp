@@ -35,6 +35,14 @@ int64_t CpShape::core_floats() const {
   return (a2a > 1 ? kept + a2a * N * Sa() + N * H * D : kept).get();
 }
 
+std::vector<int> cp_degrees(int C) {
+  std::vector<int> d;
+  for (int k = 1; k < C; k *= 2)
+    if (C % k == 0) d.push_back(k);
+  d.push_back(C);
+  return d;
+}
+
 int64_t CpShape::workspace_floats() const {
   const Size N = this->N();
   const Size heads = a2a > 1 ? 2 * a2a * N * Sa() + N * H * D : 0;  // staging, d_q|k|v and d_out heads

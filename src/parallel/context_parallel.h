@@ -79,6 +79,11 @@ struct CpCounters {
   int64_t pairs = 0, tiles = 0;
 };
 
+// Document batching's CP degree per sequence (train/balance.h): the degrees a sequence may run at under
+// CP size C, ascending: 1, the powers of two that divide C, and C. Degree d runs over aligned subgroups
+// of d consecutive CP ranks.
+std::vector<int> cp_degrees(int C);
+
 class ContextParallel {
  public:
   ContextParallel();  // one rank: whole-sequence attention, no communication

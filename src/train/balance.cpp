@@ -142,14 +142,6 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
   return p;
 }
 
-std::vector<int> cp_degrees(int C) {
-  std::vector<int> d;
-  for (int k = 1; k < C; k *= 2)
-    if (C % k == 0) d.push_back(k);
-  d.push_back(C);
-  return d;
-}
-
 namespace {
 
 // Drops a worker's empty rows, then pads them to whole micro-batches of B: its micro-batch count.

@@ -24,6 +24,8 @@
 #include <string_view>
 #include <vector>
 
+#include "parallel/context_parallel.h"  // cp_degrees
+
 namespace origami {
 
 enum class Balance { none, lpt };
@@ -51,9 +53,6 @@ struct Packing {
 // lengths[i]: sequence i's tokens (each in [1, row_len]).
 Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t row_len, int64_t rows_multiple,
                        Balance balance, const SequenceCost& cost);
-
-// The CP degrees a sequence may run at under --cp C, ascending: 1, the powers of two that divide C, and C.
-std::vector<int> cp_degrees(int C);
 
 struct CpPacking {
   int64_t micro = 0;                     // micro-batches per rank, a multiple of micro_multiple

@@ -183,6 +183,8 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
     }();
     const int tokens = t * c;
     const AuxLoss aux = cfg.routing.aux;
+    // (Under document batching `seq` counts the micro-batch's sequences × E over TP and its CP subgroup,
+    // known only per step: B·E here, a lower bound when rows hold several sequences.)
     const double counts = aux == AuxLoss::none ? 0 : aux == AuxLoss::seq ? double(B * E) : double(E);
     const int counted = aux == AuxLoss::global ? 1 : forwards;
     add(c > 1 ? "tp-cp" : "tp", double(micro * moe_layers) * counted * all_reduce_bytes(tokens, 8 * counts));

@@ -324,7 +324,7 @@ bool TrainOptions::fssdp() const {
 
 ActivationShape TrainOptions::activation_shape(int tp_size) const {
   return {micro_batch, seq_len / cp, tp_size, sequence_parallel && tp_size > 1, parse_recompute(recompute), etp, ep,
-          cp, cp_a2a(), vocab_parallel ? pp : 1, parse_precision(precision), std::max(threads, 1)};
+          cp, cp_a2a(), vocab_parallel ? pp : 1, parse_precision(precision), std::max(threads, 1), cp_per_sequence()};
 }
 
 DType TrainOptions::grad_reduce_wire() const {

@@ -372,6 +372,7 @@ class Run {
   // 7. Report.
   RunInfo info_;
   double flops_per_token_ = 0;
+  CpCounters cp_counters_;      // the step's, over every CP degree (take_measurements)
   SequenceCost sequence_cost_;  // document batching: the balancer's estimate a·n + b·n² (FLOPs)
   MetricsFile metrics_;
   TensorBoardWriter tensorboard_;
@@ -766,7 +767,8 @@ int Run::step(int64_t step, StopSignals& signals) {
 // The step's communication and attention figures on this rank (rank 0's are reported).
 void Run::take_measurements(StepReport& r) {
   r.comm_bytes = mesh_.bytes_sent();
-  if (cp().size() > 1) r.comm_bytes["cp"] = model_.cp_bytes_sent(), r.cp = &cp().counters();
+  if (cp().size() > 1) r.comm_bytes["cp"] = model_.cp_bytes_sent(), r.cp = &(cp_counters_ = model_.cp_counters());
+  if (model_.level_token_bytes() > 0) r.comm_bytes["tp-cp"] += model_.level_token_bytes();  // the subgroups' MoE counts
   if (embedding_comm_ && embedding_comm_->bytes_sent() > 0) r.comm_bytes["embedding"] = embedding_comm_->bytes_sent();
   r.attention_tiles = model_.attention_tiles();
   r.dispatch = model_.dispatch_times();

@@ -102,6 +102,11 @@ def compare(ref, got, moe=True):
     worst, fails = 0.0, []
     if len(got) != len(ref):
         return worst, ["%d metric lines, expected %d" % (len(got), len(ref))]
+    for g in got:
+        if g.get("act_bytes_peak") != g.get("act_bytes_computed"):
+            fails.append("step %d: act_bytes_peak %s, computed %s" % (g["step"], g.get("act_bytes_peak"),
+                                                                    g.get("act_bytes_computed")))
+            break
     if not moe and got[0].get("comm_bytes") != got[0].get("comm_bytes_predicted"):
         fails.append("step 1: comm_bytes %s, predicted %s" % (got[0].get("comm_bytes"), got[0].get("comm_bytes_predicted")))
     for r, g in zip(ref, got):

@@ -110,16 +110,16 @@ void sequence_fractions(MoeCache<T>& c, const MoeSizes& s, const MoeSequences& q
     if (q.id_N[n] >= 0)
       for (int64_t k = 0; k < K; ++k) count[size_t(q.id_N[n] * E + c.expert_NK[size_t(n * K + k)])]++;
   q.group->all_reduce(count.data(), q.count * E);
-  std::vector<int32_t> row(size_t(q.count), -1);  // each sequence's row of frac
-  c.frac.clear();
+  std::vector<int32_t> row(size_t(q.count), -1);  // each sequence's row of frac (at most N rows: N tokens)
+  int32_t rows = 0;
   for (int64_t n = 0; n < s.N; ++n) {
     const int32_t id = q.id_N[n];
     if (id < 0) continue;
     if (row[size_t(id)] < 0) {
-      row[size_t(id)] = int32_t(int64_t(c.frac.size()) / E);
+      row[size_t(id)] = rows++;
       const int64_t* counts = count.data() + id * E;
       const double assigned = double(std::accumulate(counts, counts + E, int64_t(0)));  // its length · K
-      for (int64_t e = 0; e < E; ++e) c.frac.push_back(double(counts[e]) / assigned);
+      for (int64_t e = 0; e < E; ++e) c.frac[size_t(row[size_t(id)] * E + e)] = double(counts[e]) / assigned;
     }
     c.seq_N[size_t(n)] = row[size_t(id)];
   }

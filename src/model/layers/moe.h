@@ -126,7 +126,7 @@ struct MoeCache {
     const size_t N = size_t(s.N), R = size_t(s.N * s.K), C = size_t(s.C), F = size_t(s.F), E = size_t(s.E);
     logits_NE.resize(N * E), lse_N.resize(N), expert_NK.resize(R), score_NK.resize(R), weight_NK.resize(R);
     row_NK.resize(R), expert_begin.resize(E + 1), count_E.resize(E), routed_E.resize(E);
-    frac.resize(s.sequences ? 0 : size_t(s.B) * E);  // under MoeSequences sized by each call's sequences
+    frac.resize(size_t(s.sequences ? s.N : s.B) * E);  // under MoeSequences: a row per sequence, at most N
     seq_N.resize(s.sequences ? N : 0);
     const size_t X = size_t(rows), kept = s.low ? 0 : X, low = s.low ? X : 0;
     xe_RC.resize(kept * C), gu_R2F.resize(X * 2 * F), act_RF.resize(kept * F);
