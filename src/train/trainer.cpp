@@ -563,8 +563,8 @@ void write_row(DocumentBatcher& docs, const std::vector<Sequence>& seqs, const s
 
 // Document batching: step `step`'s sequences packed into rows (train/balance.h) and this rank's rows
 // written to tokens_, micro-batch m at m·B rows of 2T. Every rank packs the whole step alike, so none
-// needs to hear from another. With a CP degree per sequence, the micro-batches after the group's
-// joint ones hold this rank's own rows of T/C (Model::set_alone).
+// needs to hear from another. With a CP degree per sequence, micro-batch m holds rows of d·T/C tokens,
+// d its degree (Model::set_cp_degrees), at the same offsets.
 DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const std::vector<Sequence>& seqs = docs.step(step);
   DocumentStep d;
