@@ -450,7 +450,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   for (int64_t t = 0; t < T_; ++t) positions_[size_t(t)] = c == 1 ? t : cp_.position(t, T_);
   for (CpLevel& l : levels_) {
     l.positions.resize(size_t(T_));
-    for (int64_t t = 0; t < T_; ++t) l.positions[size_t(t)] = l.degree == 1 ? t : l.cp.position(t, T_);
+    for (int64_t t = 0; t < T_; ++t) l.positions[size_t(t)] = l.cp.position(t, T_);  // (degree 1: t)
   }
   pos_ids_.resize(size_t(B_ * T_));
   for (int64_t b = 0; b < B_; ++b) std::copy(positions_.begin(), positions_.end(), pos_ids_.begin() + b * T_);
@@ -636,12 +636,6 @@ void Model::select_cp(int mb) {
   ORIGAMI_ASSERT(level_ || d == cp_.size());
 }
 
-int64_t Model::attention_tiles() const {
-  int64_t tiles = cp_.counters().tiles;
-  for (const CpLevel& l : levels_) tiles += l.cp.counters().tiles;
-  return tiles;
-}
-
 double Model::cp_bytes_sent() const {
   double bytes = cp_.bytes_sent();
   for (const CpLevel& l : levels_) bytes += l.cp.bytes_sent();
@@ -655,12 +649,6 @@ CpCounters Model::cp_counters() const {
     c.transfer_s += k.transfer_s, c.wait_s += k.wait_s, c.pairs += k.pairs, c.tiles += k.tiles;
   }
   return c;
-}
-
-int64_t Model::cp_pairs() const {
-  int64_t pairs = cp_.counters().pairs;
-  for (const CpLevel& l : levels_) pairs += l.cp.counters().pairs;
-  return pairs;
 }
 
 double Model::level_token_bytes() const {

@@ -247,12 +247,11 @@ class Model {
   // ranks holding this rank (every rank holds T/C positions of each). Empty (the default), or d = C:
   // over the whole group.
   void set_cp_degrees(std::vector<int> degrees) { degree_mbs_ = std::move(degrees); }
-  // The attention's forward score tiles, its bytes sent and its (query, key) pairs since the last
-  // reset, over every degree.
-  int64_t attention_tiles() const;
+  // Since the last reset, summed over every degree: the ring's times, (query, key) pairs and forward
+  // score tiles, and the bytes sent.
+  CpCounters cp_counters() const;
+  int64_t attention_tiles() const { return cp_counters().tiles; }
   double cp_bytes_sent() const;
-  int64_t cp_pairs() const;
-  CpCounters cp_counters() const;  // the ring's times, pairs and tiles summed over every degree
   double level_token_bytes() const;  // sent by the subgroups' MoE token groups (CpLevel::tokens)
   void reset_attention_counters();
   const ModelPart& part() const { return part_; }

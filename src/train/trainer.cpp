@@ -578,16 +578,18 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const int64_t T = o_.seq_len, B = o_.micro_batch, per = plan_.schedule == ScheduleKind::interleaved ? pp_.size() : 1;
   const Balance balance = parse_balance(o_.balance);
   d.sequences = int64_t(seqs.size());
-  auto fill = [&](const Rows& rows, int64_t first, int64_t len) {  // micro-batches from `first` on, rows of len
-    for (int64_t r = 0; r < int64_t(rows.size()); ++r)
-      write_row(docs, seqs, rows[size_t(r)], len, tokens_.data() + (first + r / B) * B * 2 * T + (r % B) * 2 * len);
+  auto fill = [&](const Rows& rows, auto&& row_len) {  // B rows per micro-batch m, each of row_len(m) tokens
+    for (int64_t r = 0; r < int64_t(rows.size()); ++r) {
+      const int64_t m = r / B, len = row_len(m);
+      write_row(docs, seqs, rows[size_t(r)], len, tokens_.data() + m * B * 2 * T + (r % B) * 2 * len);
+    }
   };
   if (!o_.cp_per_sequence() || cp().size() == 1) {
     const Packing packing = pack_sequences(lengths, dp_.size(), T, B * per, balance, sequence_cost_);
     d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance();
     d.over_group = cp().size() > 1 ? int64_t(seqs.size()) : 0;
     size_rows(d.micro_batches);
-    fill(packing.ranks[size_t(dp_.rank())], 0, T);
+    fill(packing.ranks[size_t(dp_.rank())], [T](int64_t) { return T; });
     return d;
   }
   const int C = cp().size();
@@ -597,11 +599,7 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   size_rows(d.micro_batches);
   const size_t me = size_t(dp_.rank() * C + cp().rank());
   const std::vector<int>& degree = packing.degree[me];
-  for (int64_t m = 0; m < d.micro_batches; ++m) {
-    const int64_t len = degree[size_t(m)] * (T / C);
-    for (int64_t b = 0; b < B; ++b)
-      write_row(docs, seqs, packing.ranks[me][size_t(m * B + b)], len, tokens_.data() + (m * B * 2 * T + b * 2 * len));
-  }
+  fill(packing.ranks[me], [&](int64_t m) { return degree[size_t(m)] * (T / C); });
   const std::vector<int> degrees = cp_degrees(C);
   for (size_t l = 0; l < degrees.size(); ++l) {  // rank 0's micro-batches (its traffic is the one predicted)
     d.cp_degrees.emplace_back(degrees[l], packing.sequences[l]);
@@ -694,7 +692,7 @@ StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop)
   hooks_.log_routing(step + 1, model_.expert_counts());
   const size_t ranks = size_t(world_.size()), rank = size_t(world_.rank());
   if (cfg_.is_moe()) f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();
-  if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = model_.cp_pairs();
+  if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = model_.cp_counters().pairs;
   if (o_.zero == 3 || o_.fssdp()) {
     f.gathered_bytes.assign(ranks, 0.0), f.reduced_bytes.assign(ranks, 0.0);
     for (ParamSet* set : params_.sets())

@@ -107,7 +107,7 @@ struct MoeCache {
   std::vector<int64_t> count_E;       // permuted rows of each expert (kept assignments, plus padding)
   std::vector<int64_t> routed_E;      // this rank's choices per expert, before dropping
   std::vector<double> frac;           // φ of the aux loss: [E] (micro, global), [B·E] (seq) or, under
-                                      // MoeSequences, [count·E]
+                                      // MoeSequences, [N·E]: a row per sequence with tokens here
   std::vector<int32_t> seq_N;         // MoeSequences: each token's sequence (−1: padding); empty otherwise
   DispatchPlan plan;
   std::vector<T> xe_RC, gu_R2F, act_RF;  // expert side: inputs, gate|up, activations [rows, .]
