@@ -18,7 +18,6 @@
 // The device's peak is the best GEMM rate measured; its memory what the node has available, shared
 // by its ranks. One node of `world` devices.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -35,61 +34,11 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/matmul.h"
 #include "model/config.h"
-#include "model/layers/attention.h"
 #include "plan/cluster.h"
+#include "train/measure.h"
 
 namespace origami {
 namespace {
-
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-// Seconds per call of fn, every rank at once and the same number of times (fn may communicate):
-// a warm-up call sizes the count to about `seconds` (at least `min_calls`); the slowest rank's mean.
-template <typename Fn>
-double timed(Comm& world, double seconds, int min_calls, Fn&& fn) {
-  world.barrier();
-  double t0 = now();
-  fn();
-  const double once = world.all_reduce_value(now() - t0, ReduceOp::max);
-  const int calls = std::max(min_calls, int(std::min(1e4, seconds / std::max(once, 1e-9))));
-  world.barrier();
-  t0 = now();
-  for (int i = 0; i < calls; ++i) fn();
-  return world.all_reduce_value((now() - t0) / calls, ReduceOp::max);
-}
-
-struct Shape {
-  int64_t M, N, K;
-  bool ta, tb;
-};
-
-// The layer GEMMs of a training step of `cfg` on micro-batches of B×T tokens (one rank, no TP):
-// forward y = x·Wᵀ, and backward dx = dy·W, dW = dyᵀ·x, for QKV, the attention output, the MLP
-// (or one expert's, with its share of the tokens) and the LM head.
-std::vector<Shape> model_shapes(const ModelConfig& c, int64_t B, int64_t T) {
-  const int64_t N = B * T, C = c.hidden, S = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
-  const int64_t HD = c.num_heads * c.head_dim;
-  const int64_t F = c.is_moe() ? c.expert_ffn : c.ffn, rows = c.is_moe() ? N * c.top_k / c.num_experts : N;
-  std::vector<Shape> out;
-  auto linear = [&](int64_t n, int64_t in, int64_t o) {
-    out.push_back({n, o, in, false, true});   // y = x·Wᵀ
-    out.push_back({n, in, o, false, false});  // dx = dy·W
-    out.push_back({o, in, n, true, false});   // dW = dyᵀ·x
-  };
-  linear(N, C, S);
-  linear(N, HD, C);
-  linear(rows, C, 2 * F);
-  linear(rows, F, C);
-  linear(N, C, c.vocab_size);
-  return out;
-}
-
-std::vector<Shape> default_shapes() {
-  std::vector<Shape> out;
-  for (int64_t n : {128, 256, 512, 1024, 2048}) out.push_back({n, n, n, false, true});
-  for (int64_t n : {256, 1024, 4096}) out.push_back({n, 1024, 4096, false, true}), out.push_back({n, 4096, 1024, false, true});
-  return out;
-}
 
 // seconds = steps·latency + bytes/bandwidth from the points (bytes, seconds), smallest first: the
 // latency from the smallest message (its transfer time removed at the bandwidth of the largest),
@@ -156,22 +105,16 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
 // GEMMs in precision p: (FLOPs, rate) per shape, equal FLOPs merged, into r's curve and peak.
 void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeRates& r) {
   const bool rank0 = world.rank() == 0;
-  const std::vector<Shape> shapes = cmd.cfg ? model_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_shapes();
+  const std::vector<GemmShape> shapes =
+      cmd.cfg ? model_gemm_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_gemm_shapes();
   std::map<double, std::vector<double>> rates;
   if (rank0) std::printf("%s GEMMs, %d rank%s x %d threads at once (per rank):\n", precision_name(p), world.size(),
                          world.size() > 1 ? "s" : "", num_threads());
-  for (const Shape& s : shapes) {
-    std::vector<float> A(size_t(s.M * s.K), 0.5f), Bm(size_t(s.K * s.N), 0.25f), C(size_t(s.M * s.N));
-    std::vector<bf16> low;  // B's bf16 copy (a weight's), rounded once
-    if (p == Precision::bf16) low.resize(Bm.size()), round_to_bf16(low.data(), Bm.data(), int64_t(Bm.size()));
-    const Mat<float> a{A.data(), s.ta ? s.M : s.K}, b{Bm.data(), s.tb ? s.K : s.N, low.empty() ? nullptr : low.data()};
-    const double t = timed(world, cmd.seconds, 2, [&] {
-      matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, 0.f, C.data(), s.N);
-    });
-    const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
-    rates[flops].push_back(flops / t);
+  for (const GemmShape& s : shapes) {
+    const double t = time_gemm(world, s, p, cmd.seconds);
+    rates[s.flops()].push_back(s.flops() / t);
     if (rank0) std::printf("  %6lld x %6lld x %6lld%s  %8.2f GFLOP/s\n", (long long)s.M, (long long)s.N, (long long)s.K,
-                           s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", flops / t / 1e9);
+                           s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", s.flops() / t / 1e9);
   }
   for (const auto& [flops, rs] : rates) {
     double sum = 0;
@@ -185,13 +128,8 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeR
 double measure_attention(Comm& world, const ProfileCommand& cmd, Precision p) {
   const int64_t T = cmd.seq_len;
   const int64_t H = cmd.cfg ? cmd.cfg->num_heads : 8, KV = cmd.cfg ? cmd.cfg->num_kv_heads : 8,
-                D = cmd.cfg ? cmd.cfg->head_dim : 64, S = (H + 2 * KV) * D;
-  std::vector<float> qkv(size_t(T * S), 0.01f), out(size_t(T * H * D)), lse(size_t(H * T)), dqkv(size_t(T * S)),
-      dout(size_t(T * H * D), 0.01f);
-  const double t = timed(world, cmd.seconds, 1, [&] {
-    attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D, nullptr, p);
-    attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D, nullptr, p);
-  });
+                D = cmd.cfg ? cmd.cfg->head_dim : 64;
+  const double t = time_attention(world, T, H, KV, D, 0, p, cmd.seconds);
   const double flops = 6.0 * double(T) * double(T) * double(H * D) / t;
   if (world.rank() == 0)
     std::printf("attention T %lld, %lld heads of %lld, %s: %.2f GFLOP/s per rank\n", (long long)T, (long long)H,

@@ -76,9 +76,10 @@ void add_input_options(Args& a) {
                                          "to M / seq-len)")
       .option("balance", "none|lpt", "documents: sequences dealt round-robin to the DP ranks (none), or longest first "
                                      "to the rank with the least estimated work (lpt)", "lpt")
-      .option("balance-cluster", "FILE", "documents: the balancer's cost of a sequence in seconds at this "
-                                         "cluster.json's GEMM and attention rates (written by 'origami profile'; "
-                                         "default: its FLOPs)")
+      .option("balance-costs", "flops|measure|FILE", "documents: the balancer's cost of a sequence: its FLOPs, "
+                                                     "seconds timed at start on this machine (measure), or seconds at "
+                                                     "a cluster.json's GEMM and attention rates ('origami profile')",
+              "flops")
       .flag("static-cp", "documents with --cp C: every sequence over the CP group (default: each at the least of "
                          "1, 2, 4 ... C ranks whose rows of degree x seq-len / C tokens hold it)")
       .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
@@ -100,7 +101,7 @@ void read_input_options(const Args& a, TrainOptions& o) {
   ORIGAMI_CHECK(!a.given("balance") || o.batching == "documents", "--balance places the sequences of --batching "
                 "documents (got --batching ", o.batching, ")");
   o.static_cp = a.on("static-cp");
-  o.balance_cluster = a.str("balance-cluster");
+  o.balance_costs = a.str("balance-costs");
   if (a.has("tokens-per-step")) {
     o.tokens_per_step = a.integer("tokens-per-step");
     ORIGAMI_CHECK(o.tokens_per_step >= 1, "--tokens-per-step must be positive, got ", o.tokens_per_step);

@@ -160,6 +160,7 @@ void add_documents_group(nlohmann::json& row, const StepReport& r) {
                       {"busy_estimated_max_over_mean", r.documents->estimated_imbalance},
                       {"busy_max_over_mean", sum > 0 ? most * double(busy.size()) / sum : 1.0},
                       {"busy_ms", as_ms(busy)}};
+  if (!r.documents->estimated_s.empty()) row["documents"]["busy_estimated_ms"] = as_ms(r.documents->estimated_s);
   if (!r.documents->cp_degrees.empty()) {  // the sequences at each CP degree, e.g. {"1": 40, "2": 9, "4": 3}
     nlohmann::json& at = row["documents"]["sequences_per_cp_degree"] = nlohmann::json::object();
     for (const auto& [degree, sequences] : r.documents->cp_degrees) at[std::to_string(degree)] = sequences;

@@ -2,6 +2,7 @@
 // and activation shapes, the schedule) and the end-of-document id of --attention-mask document.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <tuple>
 
 #include "ckpt/checkpoint.h"
@@ -52,7 +53,7 @@ nlohmann::json TrainOptions::as_json() const {
           {"grad_clip", grad_clip}, {"seed", seed}, {"data_order", data_order}, {"eval_data", eval_data},
           {"eval_every", eval_every}, {"eval_iters", eval_iters}, {"attention_mask", attention_mask},
           {"batching", batching}, {"tokens_per_step", tokens_per_step}, {"balance", balance}, {"static_cp", static_cp},
-          {"balance_cluster", balance_cluster},
+          {"balance_costs", balance_costs},
           {"precision", precision}, {"grad_reduce_dtype", grad_reduce_dtype}};
 }
 
@@ -276,12 +277,16 @@ void TrainOptions::validate_documents(const ModelConfig& cfg) const {
     ORIGAMI_CHECK(tokens_per_step == 0, "--tokens-per-step sizes a step of --batching documents (got --batching ",
                   batching, ")");
     ORIGAMI_CHECK(!static_cp, "--static-cp is for --batching documents (got --batching ", batching, ")");
-    ORIGAMI_CHECK(balance_cluster.empty(), "--balance-cluster sizes the balancer's costs under --batching "
+    ORIGAMI_CHECK(balance_costs == "flops", "--balance-costs sizes the balancer's costs under --batching "
                   "documents (got --batching ", batching, ")");
     return;
   }
   ORIGAMI_CHECK(!static_cp || cp > 1, "--static-cp runs every sequence over the CP group: it needs --cp > 1");
-  if (!balance_cluster.empty()) Cluster::load(balance_cluster);  // its errors name the file and the field
+  if (balance_costs != "flops" && balance_costs != "measure") {
+    ORIGAMI_CHECK(std::filesystem::exists(balance_costs), "--balance-costs must be flops, measure or a cluster.json (as 'origami "
+                  "profile' writes one), got '", balance_costs, "': no such file");
+    Cluster::load(balance_costs);  // its errors name the file and the field
+  }
   parse_balance(balance);
   ORIGAMI_CHECK(tokens_per_step >= seq_len, "--tokens-per-step (", tokens_per_step, ") must be at least --seq-len (",
                 seq_len, "): a step must have room for the longest sequence");

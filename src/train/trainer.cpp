@@ -32,6 +32,7 @@
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
 #include "plan/cluster.h"
+#include "train/measure.h"
 #include "train/balance.h"
 #include "train/comm_volume.h"
 #include "train/memory_check.h"
@@ -88,16 +89,48 @@ struct Inputs {
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
 };
 
-// The balancer's estimate c(n) = a·n + b·n² of a sequence of n tokens: its FLOPs (6 per matmul parameter
-// and token; the attention's 6·L·H·D per token pair, of which causal masking computes half) or, with
-// --balance-cluster, their seconds at the cluster's GEMM rate (a micro-batch's local rows by the hidden
-// size, square) and attention rate, in the run's precision.
-SequenceCost sequence_cost(const ModelConfig& cfg, const TrainOptions& o) {
+// --balance-costs measure: a and b in seconds, timed on every rank at once (as the run will share the
+// cores), rank 0's figures on every rank (they decide the packing, which every rank computes alike).
+//   a  the FLOPs per token over the rate of the model's layer GEMMs on a micro-batch's local rows (at
+//      most 512), plus the attention core's per-token part α
+//   b  the attention core's per-pair part β: from the core on one row of T = min(L, 2048) tokens as
+//      one causal sequence, t1 = α·T + β·T², and as documents of n = 64 tokens, t2 = α·T + β·n·T
+// (α and β per layer, times the layers; the model's heads, unsplit: TP divides GEMMs and heads alike).
+// `flops` is the FLOP-count estimate; where noise leaves β ≤ 0, b keeps its ratio to a.
+SequenceCost measured_sequence_cost(Comm& world, const ModelConfig& cfg, const TrainOptions& o, SequenceCost flops) {
+  const Precision p = parse_precision(o.precision);
+  const double seconds = 0.05;  // per measurement: the whole takes a second or two
+  const int64_t rows = std::min<int64_t>(o.micro_batch * (o.seq_len / std::max(o.cp, 1)), 512);
+  double gemm_flops = 0, gemm_s = 0;
+  for (const GemmShape& s : model_gemm_shapes(cfg, 1, rows))
+    gemm_flops += s.flops(), gemm_s += time_gemm(world, s, p, seconds);
+  const int64_t T = std::min<int64_t>(o.seq_len, 2048), n = std::max<int64_t>(1, std::min<int64_t>(64, T / 2));
+  auto attention = [&](int64_t doc_len) {
+    return time_attention(world, T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, doc_len, p, seconds);
+  };
+  const double one = attention(0), docs = attention(n), L = double(cfg.num_layers);
+  const double beta = (one - docs) / (double(T) * double(T - n));
+  const double alpha = std::max(docs - std::max(beta, 0.0) * double(n) * double(T), 0.0) / double(T);
+  double ab[2] = {flops.a / (gemm_flops / gemm_s) + L * alpha, 0};
+  ab[1] = beta > 0 ? L * beta : ab[0] * flops.b / flops.a;
+  world.broadcast(ab, 2, DType::f64, 0);
+  return {ab[0], ab[1]};
+}
+
+// The balancer's estimate c(n) = a·n + b·n² of a sequence of n tokens, by --balance-costs:
+//   flops    its FLOPs: 6 per matmul parameter and token (a), and the attention's 6·L·H·D per token
+//            pair, of which causal masking computes half (b)
+//   measure  seconds timed here at start (measured_sequence_cost)
+//   FILE     seconds at a cluster.json's rates in the run's precision: a over its GEMM rate for a
+//            micro-batch's local rows by the hidden size, square; b over its attention rate at L. That
+//            rate counts a causal window's 6·T²·H·D (`origami profile`), twice what b counts.
+SequenceCost sequence_cost(Comm& world, const ModelConfig& cfg, const TrainOptions& o) {
   const double a = train_flops_per_token(cfg, 0), b = (train_flops_per_token(cfg, 1) - a) / 2;
-  if (o.balance_cluster.empty()) return {a, b};
-  const Cluster c = Cluster::load(o.balance_cluster).at(o.precision);  // (TrainOptions::validate read it)
+  if (o.balance_costs == "flops") return {a, b};
+  if (o.balance_costs == "measure") return measured_sequence_cost(world, cfg, o, {a, b});
+  const Cluster c = Cluster::load(o.balance_costs).at(o.precision);  // (TrainOptions::validate read it)
   const double rows = double(o.micro_batch * (o.seq_len / std::max(o.cp, 1))), C = double(cfg.hidden);
-  return {a / c.gemm_rate(rows, C, C), b / c.attention_rate(double(o.seq_len), double(cfg.head_dim))};
+  return {a / c.gemm_rate(rows, C, C), 2 * b / c.attention_rate(double(o.seq_len), double(cfg.head_dim))};
 }
 
 // Document batching over the blend's datasets, with its weights (data/documents.h).
@@ -325,6 +358,8 @@ class Run {
   };
   void restore_router_bias();
   std::string describe_batch() const;
+  std::string describe_costs() const;
+  std::vector<double> estimated_seconds(std::vector<double> cost) const;
   void print_startup() const;
   void open_writer();
   ContextParallel& cp() { return model_.context_parallel(); }
@@ -373,7 +408,7 @@ class Run {
   RunInfo info_;
   double flops_per_token_ = 0;
   CpCounters cp_counters_;      // the step's, over every CP degree (take_measurements)
-  SequenceCost sequence_cost_;  // document batching: the balancer's estimate a·n + b·n² (FLOPs)
+  SequenceCost sequence_cost_;  // document batching: the balancer's estimate a·n + b·n² (--balance-costs)
   MetricsFile metrics_;
   TensorBoardWriter tensorboard_;
   // 8. Checkpoints.
@@ -432,7 +467,7 @@ Run::Run(Opened opened, Comm& world)
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.documents() ? o_.tokens_per_step : o_.global_batch * o_.seq_len,
            cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_token_ = train_flops_per_token(cfg_, o_.seq_len);
-  if (o_.documents()) sequence_cost_ = sequence_cost(cfg_, o_);
+  if (o_.documents()) sequence_cost_ = sequence_cost(world_, cfg_, o_);
   if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
   if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step > 0 ? start_.step : -1);
   if (rank0_) print_startup();
@@ -461,8 +496,24 @@ std::string Run::describe_batch() const {
   return cat(o_.data, ": ", in_.data->num_tokens(), " tokens, ", in_.docs->num_documents(), " documents | steps of at "
              "most ", o_.tokens_per_step, " tokens of whole documents (cut at ", o_.seq_len, "), packed into rows of ",
              o_.seq_len, ", micro-batches of ", o_.micro_batch, " row", o_.micro_batch == 1 ? "" : "s", " x DP ",
-             dp_.size(), " (balance ", o_.balance, o_.balance_cluster.empty() ? "" : ", costs at " + o_.balance_cluster +
-             "'s rates", ")");
+             dp_.size(), " (balance ", o_.balance, ", ", describe_costs(), ")");
+}
+
+// The packing's cost per worker in seconds per rank (each worker's work split over world / workers
+// ranks), where the costs are seconds; else empty.
+std::vector<double> Run::estimated_seconds(std::vector<double> cost) const {
+  if (o_.balance_costs == "flops") return {};
+  for (double& c : cost) c /= double(world_.size()) / double(cost.size());
+  return cost;
+}
+
+// The balancer's costs, as --balance-costs gave them.
+std::string Run::describe_costs() const {
+  if (o_.balance_costs == "flops") return "costs: FLOPs";
+  char per[96];
+  std::snprintf(per, sizeof per, "%.1f ns a token + %.3f ps a token pair", sequence_cost_.a * 1e9,
+                sequence_cost_.b * 1e12);
+  return (o_.balance_costs == "measure" ? "costs measured here: " : "costs at " + o_.balance_costs + "'s rates: ") + per;
 }
 
 void Run::print_startup() const {
@@ -587,6 +638,7 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   if (!o_.cp_per_sequence() || cp().size() == 1) {
     const Packing packing = pack_sequences(lengths, dp_.size(), T, B * per, balance, sequence_cost_);
     d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance();
+    d.estimated_s = estimated_seconds(packing.cost);
     d.over_group = cp().size() > 1 ? int64_t(seqs.size()) : 0;
     size_rows(d.micro_batches);
     fill(packing.ranks[size_t(dp_.rank())], [T](int64_t) { return T; });
@@ -595,6 +647,7 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   const int C = cp().size();
   const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_);
   d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance();
+  d.estimated_s = estimated_seconds(packing.cost);
   d.over_group = std::accumulate(packing.sequences.begin() + 1, packing.sequences.end(), int64_t(0));
   size_rows(d.micro_batches);
   const size_t me = size_t(dp_.rank() * C + cp().rank());

@@ -49,7 +49,8 @@ struct TrainOptions {
   int64_t tokens_per_step = 0;       // documents: N, the most tokens a step takes (0: B x DP x T)
   std::string balance = "lpt";       // documents: none | lpt, how sequences are placed on DP ranks (train/balance.h)
   bool static_cp = false;            // documents with --cp: every sequence over the CP group (no degree per sequence)
-  std::string balance_cluster;       // documents: the balancer's costs in seconds at this cluster.json's rates
+  std::string balance_costs = "flops";  // documents: the balancer's costs: flops, measure (timed at start) or a
+                                     // cluster.json whose rates give seconds
   // Document batching: one step's micro-batches and, with a CP degree per sequence, how many of rank 0's
   // run at each degree (degree, micro-batches), to predict that step's traffic (0 and empty: the bound,
   // all of them over the group).

@@ -23,12 +23,14 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      under DP2 and CP2xDP2 with the one-rank losses and tokens per dataset.
   3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
      every step, and at most 1.05 on the steps' mean.
-     With --balance-cluster (a profiled cluster's GEMM and attention rates) the estimate changes and the
-     losses stay the one-rank run's.
+     With --balance-costs FILE (a profiled cluster's GEMM and attention rates) the estimate changes;
+     with --balance-costs measure the startup line names the measured costs; with either, each DP rank's
+     estimated busy ms is reported and the losses stay the one-rank run's.
   4. Mistakes: each an error line naming the value and the rule, exit 1 on every rank.
 """
 import json
 import os
+import re
 import struct
 
 import harness as h
@@ -281,28 +283,48 @@ def check_balance(tmp, data, failures):
         "ok" if not worse and mean <= 1.05 else "FAIL", mean, sum(est["none"]) / len(est["none"])))
 
 
-def check_balance_cluster(tmp, data, failures):
-    """--balance-cluster: the balancer's costs in seconds at a profiled cluster's rates (this project's
-    configs/clusters/cpu-2core.json, attention about 2.5x slower per FLOP than its GEMMs) place the
-    sequences otherwise than FLOP counts do (another estimated imbalance on some step), and the losses
+def check_balance_costs(tmp, data, failures):
+    """--balance-costs: the balancer's costs in seconds, at a profiled cluster's rates (this project's
+    configs/clusters/cpu-2core.json, attention about 2.5x slower per FLOP than its GEMMs) or timed at
+    start (measure). Either places the sequences otherwise than FLOP counts do (another estimated
+    imbalance on some step: a cluster's costs) or names its coefficients at start (measured), reports
+    each DP rank's estimated busy time (ms) whose max/mean is the estimated imbalance, and the losses
     stay the one-rank run's."""
-    print("3b. the balancer's costs from a cluster file (DP4)")
+    print("3b. the balancer's costs from a cluster file and measured at start (DP4)")
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
-    cluster = CPU_CLUSTER
-    one, err = train(tmp, "cluster one rank", 0, cfg, data, ["--steps", "8"])
-    flops, err2 = train(tmp, "cluster flops", 4, cfg, data, ["--steps", "8"])
-    timed, err3 = train(tmp, "cluster timed", 4, cfg, data, ["--steps", "8", "--balance-cluster", cluster])
-    if err or err2 or err3:
-        failures.append("balance cluster: " + (err or err2 or err3))
+    one, err = train(tmp, "costs one rank", 0, cfg, data, ["--steps", "8"])
+    flops, err2 = train(tmp, "costs flops", 4, cfg, data, ["--steps", "8"])
+    if err or err2:
+        failures.append("balance costs: " + (err or err2))
         return
-    worst, fails = compare(one, timed)
-    est = [(a["documents"]["busy_estimated_max_over_mean"], b["documents"]["busy_estimated_max_over_mean"])
-           for a, b in zip(flops, timed)]
-    if all(abs(a - b) < 1e-12 for a, b in est):
-        fails.append("the estimated imbalance is the FLOP-count one on every step: %s" % est)
-    failures += ["balance cluster: " + f for f in fails[:3]]
-    print("  %-4s losses within %.1e of one rank; estimated max/mean (FLOPs, seconds) %s" % (
-        "ok" if not fails else "FAIL", worst, ", ".join("(%.3f, %.3f)" % e for e in est[:4])))
+    for name, source in (("cluster", CPU_CLUSTER), ("measure", "measure")):
+        metrics = os.path.join(tmp, "costs_%s.jsonl" % name)
+        rc, out, _ = h.run(4, ["train", "--config", cfg, "--data", data, *COMMON, "--micro-batch", "1", "--steps", "8",
+                               "--balance-costs", source, "--metrics", metrics])
+        if rc != 0:
+            failures.append("balance costs %s: exit %s: %s" % (name, rc, out[-600:]))
+            continue
+        got = h.read_metrics(metrics)
+        worst, fails = compare(one, got)
+        est = [(a["documents"]["busy_estimated_max_over_mean"], b["documents"]["busy_estimated_max_over_mean"])
+               for a, b in zip(flops, got)]
+        if name == "cluster" and all(abs(a - b) < 1e-12 for a, b in est):
+            fails.append("the estimated imbalance is the FLOP-count one on every step: %s" % est)
+        for g in got:
+            ms = g["documents"].get("busy_estimated_ms", [])
+            if len(ms) != 4 or min(ms) <= 0 or abs(max(ms) * 4 / sum(ms) - g["documents"]["busy_estimated_max_over_mean"]) > 1e-9:
+                fails.append("step %d: busy_estimated_ms %s is not 4 positive times whose max/mean is %s" % (
+                    g["step"], ms, g["documents"]["busy_estimated_max_over_mean"]))
+                break
+        if flops[0]["documents"].get("busy_estimated_ms") is not None:
+            fails.append("FLOP costs report busy_estimated_ms")
+        said = re.search(r"costs (measured here|at \S+'s rates): ([0-9.]+) ns a token \+ ([0-9.]+) ps a token pair", out)
+        if not said or float(said.group(2)) <= 0 or float(said.group(3)) <= 0:
+            fails.append("the startup line does not name positive costs a token and a token pair:\n" + out[:600])
+        failures += ["balance costs %s: %s" % (name, f) for f in fails[:3]]
+        print("  %-4s %s: losses within %.1e of one rank; estimated max/mean (FLOPs, seconds) %s; ms %s" % (
+            "ok" if not fails else "FAIL", name, worst, ", ".join("(%.3f, %.3f)" % e for e in est[:3]),
+            got[0]["documents"].get("busy_estimated_ms")))
 
 
 def check_mistakes(data, other, failures):
@@ -332,8 +354,10 @@ def check_mistakes(data, other, failures):
          "reads some document twice"),
         ("static CP without CP", llama, 2, docs + ["--static-cp"], "needs --cp > 1"),
         ("balance with windows", llama, 2, ["--balance", "lpt"], "--balance places the sequences"),
-        ("balance cluster with windows", llama, 2, ["--balance-cluster", CPU_CLUSTER], "--balance-cluster sizes"),
-        ("balance cluster without attention", llama, 2, docs + ["--balance-cluster", no_attention],
+        ("balance costs with windows", llama, 2, ["--balance-costs", CPU_CLUSTER], "--balance-costs sizes"),
+        ("balance costs unknown", llama, 2, docs + ["--balance-costs", "mesure"],
+         "--balance-costs must be flops, measure or a cluster.json"),
+        ("balance costs without attention", llama, 2, docs + ["--balance-costs", no_attention],
          "field 'device.attention_tflops': missing"),
     ])
     args = ["train", "--config", llama, "--data", data, "--steps", "1", "--seq-len", "16", *docs]
@@ -357,7 +381,7 @@ def main():
     other = h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14))
     check_blend(tmp, data, other, failures)
     check_balance(tmp, data, failures)
-    check_balance_cluster(tmp, data, failures)
+    check_balance_costs(tmp, data, failures)
     check_mistakes(data, other, failures)
     h.report(failures, "document batching: every layout gives the one-rank run")
 

@@ -1,0 +1,55 @@
+#include "train/measure.h"
+
+#include "kernels/cpu/bf16.h"
+#include "model/layers/attention.h"
+
+namespace origami {
+
+std::vector<GemmShape> model_gemm_shapes(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t N = B * T, C = c.hidden, S = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+  const int64_t HD = c.num_heads * c.head_dim;
+  const int64_t F = c.is_moe() ? c.expert_ffn : c.ffn, rows = c.is_moe() ? N * c.top_k / c.num_experts : N;
+  std::vector<GemmShape> out;
+  auto linear = [&](int64_t n, int64_t in, int64_t o) {
+    out.push_back({n, o, in, false, true});   // y = x·Wᵀ
+    out.push_back({n, in, o, false, false});  // dx = dy·W
+    out.push_back({o, in, n, true, false});   // dW = dyᵀ·x
+  };
+  linear(N, C, S);
+  linear(N, HD, C);
+  linear(rows, C, 2 * F);
+  linear(rows, F, C);
+  linear(N, C, c.vocab_size);
+  return out;
+}
+
+std::vector<GemmShape> default_gemm_shapes() {
+  std::vector<GemmShape> out;
+  for (int64_t n : {128, 256, 512, 1024, 2048}) out.push_back({n, n, n, false, true});
+  for (int64_t n : {256, 1024, 4096}) out.push_back({n, 1024, 4096, false, true}), out.push_back({n, 4096, 1024, false, true});
+  return out;
+}
+
+double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds) {
+  std::vector<float> A(size_t(s.M * s.K), 0.5f), Bm(size_t(s.K * s.N), 0.25f), C(size_t(s.M * s.N));
+  std::vector<bf16> low;  // B's bf16 copy (a weight's), rounded once
+  if (p == Precision::bf16) low.resize(Bm.size()), round_to_bf16(low.data(), Bm.data(), int64_t(Bm.size()));
+  const Mat<float> a{A.data(), s.ta ? s.M : s.K}, b{Bm.data(), s.tb ? s.K : s.N, low.empty() ? nullptr : low.data()};
+  return timed(world, seconds, 2, [&] { matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, 0.f, C.data(), s.N); });
+}
+
+double time_attention(Comm& world, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t doc_len, Precision p,
+                      double seconds) {
+  const int64_t S = (H + 2 * KV) * D;
+  std::vector<float> qkv(size_t(T * S), 0.01f), out(size_t(T * H * D)), lse(size_t(H * T)), dqkv(size_t(T * S)),
+      dout(size_t(T * H * D), 0.01f);
+  std::vector<int32_t> doc;
+  for (int64_t t = 0; doc_len > 0 && t < T; ++t) doc.push_back(int32_t(t / doc_len));
+  const int32_t* d = doc.empty() ? nullptr : doc.data();
+  return timed(world, seconds, 1, [&] {
+    attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D, d, p);
+    attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), 1, T, H, KV, D, d, p);
+  });
+}
+
+}  // namespace origami
