@@ -369,6 +369,7 @@ void Model::reset_expert_counts() {
   const size_t L = cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, E = size_t(cfg_.num_experts);
   expert_counts_.assign(L, std::vector<int64_t>(E, 0));
   expert_dropped_.assign(L, 0);
+  expert_near_ties_.assign(L, 0);
   expert_rows_ = 0;
   moe_layer_s_ = 0;
   dispatcher_.times() = {};
@@ -847,6 +848,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
     losses->z_loss += a.moe->z;
     for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->routed_E[size_t(e)];
     expert_dropped_[size_t(l)] += a.moe->dropped;
+    expert_near_ties_[size_t(l)] += a.moe->near_ties;
     expert_rows_ += a.moe->plan.rows;
   }
 }

@@ -210,6 +210,7 @@ class Model {
   // brought it). The reset also starts a new step for the global-batch balance.
   const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
   const std::vector<int64_t>& expert_dropped() const { return expert_dropped_; }
+  const std::vector<int64_t>& expert_near_ties() const { return expert_near_ties_; }  // per layer (kNearTie)
   int64_t expert_rows() const { return expert_rows_; }
   // Seconds this rank spent in its MoE layers (forward and backward, exchanges included) since the
   // last reset, and the dispatcher's share of them (DispatchTimes).
@@ -386,6 +387,7 @@ class Model {
   int64_t live_bytes_ = 0, recompute_bytes_ = 0, peak_bytes_ = 0;
   std::vector<std::vector<int64_t>> expert_counts_;
   std::vector<int64_t> expert_dropped_;
+  std::vector<int64_t> expert_near_ties_;
   int64_t expert_rows_ = 0;
   double moe_layer_s_ = 0;
   std::vector<std::vector<float>> router_bias_;            // [L][E] (aux-loss-free balancing)

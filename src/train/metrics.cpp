@@ -197,6 +197,7 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
   const StepFigures& f = *r.fig;
   row["expert_tokens"] = f.expert_tokens;
   row["expert_dropped"] = f.expert_dropped;
+  row["expert_near_ties"] = f.expert_near_ties;
   if (r.router_bias && !r.router_bias->empty()) row["router_bias"] = *r.router_bias;
   row["expert_rows"] = f.expert_rows;
   row["expert_imbalance"] = expert_imbalance(f.expert_rows, *run.mesh);

@@ -742,6 +742,7 @@ StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop)
   f.stop = stop;
   f.expert_tokens = model_.expert_counts();
   f.expert_dropped = model_.expert_dropped();
+  f.expert_near_ties = model_.expert_near_ties();
   hooks_.log_routing(step + 1, model_.expert_counts());
   const size_t ranks = size_t(world_.size()), rank = size_t(world_.rank());
   if (cfg_.is_moe()) f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();

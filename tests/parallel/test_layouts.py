@@ -18,7 +18,9 @@ Asserted for every (model, layout), against the one-rank run with the same --glo
 --micro-batch:
   - loss: every step within 1e-5 relative, |loss − loss_ref| ≤ 1e-5·|loss_ref|, all 20 steps;
     MoE: lm_loss, aux_loss and z_loss too, and expert_tokens (tokens per expert per layer over
-    the whole step) identical;
+    the whole step) identical — up to a near-tie flip: where the counts first differ by no more than
+    the one-rank run's nearly tied top-k decisions of that step explain (expert_near_ties), the
+    steps before it are compared and the final checkpoint is not (near_tie_flip);
   - grad_norm of step 1 within 1e-5 relative (step 1 starts from identical parameters, so only
     the summation order differs; Adam is invariant to the scale of a tensor's gradient, so this —
     and the optimizer moments below — is what catches a gradient reduced over too few or too many
@@ -124,12 +126,60 @@ def rel(a, b):
     return abs(a - b) / abs(b) if b != 0 else (0.0 if a == 0 else float("inf"))
 
 
+def near_tie_flip(ref, got):
+    """The first step whose expert_tokens differ from the one-rank run's, where that run's near ties of
+    the step explain the difference, else None. A near tie (expert_near_ties per layer: a token whose
+    K-th choice led the best expert left out by less than kNearTie, layers/moe.h) is a decision that
+    another layout's float rounding may take the other way; each such flip moves one assignment
+    between two experts of its layer. From that step the curves part for a reason that is not a bug,
+    so the comparisons stop there. A difference the near ties do not explain returns None (and the
+    step-by-step comparison fails on it)."""
+    for r, g in zip(ref, got):
+        if g.get("expert_tokens") == r.get("expert_tokens"):
+            continue
+        ties = r.get("expert_near_ties") or []
+        moved = [sum(abs(a - b) for a, b in zip(gl, rl)) for gl, rl in zip(g.get("expert_tokens") or [], r["expert_tokens"])]
+        explained = len(moved) == len(ties) and all(m <= 2 * t for m, t in zip(moved, ties))
+        return r["step"] if explained else None
+    return None
+
+
+def before_flip(ref, got, moe):
+    """(ref, got, flip step or None): the steps before a near-tie flip (near_tie_flip), all of them
+    without one."""
+    flip = near_tie_flip(ref, got) if moe else None
+    if flip is None:
+        return ref, got, None
+    return [r for r in ref if r["step"] < flip], [g for g in got if g["step"] < flip], flip
+
+
+def check_near_tie_flip():
+    """near_tie_flip on made-up rows (2 layers, 3 experts): what the near ties explain and what not."""
+    def rows(counts, ties=None):
+        return [{"step": s + 1, "expert_tokens": c, "expert_near_ties": t}
+                for s, (c, t) in enumerate(zip(counts, ties or [[0, 0]] * len(counts)))]
+    same, moved = [[4, 4, 4], [6, 3, 3]], [[5, 3, 4], [6, 3, 3]]  # step 2: one assignment of layer 0 moved
+    ref = rows([same, same, same], [[0, 0], [1, 0], [0, 0]])
+    cases = [("a flip the near tie explains", rows([same, moved, moved]), 2),
+             ("no difference", rows([same, same, same]), None),
+             ("two flips, one near tie", rows([same, [[6, 2, 4], [6, 3, 3]], same]), None),
+             ("a flip in a layer without near ties", rows([same, [[4, 4, 4], [5, 4, 3]], same]), None),
+             ("a difference before the near tie", rows([moved, moved, moved]), None)]
+    bad = ["%s: %s, expected %s" % (name, near_tie_flip(ref, got), want) for name, got, want in cases
+           if near_tie_flip(ref, got) != want]
+    if bad:
+        sys.exit("FAIL: near_tie_flip: " + "; ".join(bad))
+
+
 def compare_run(ref, got, moe, G):
-    """Per-step comparison of metrics. Returns (dict of worst deviations, list of failures)."""
+    """Per-step comparison of metrics. Returns (dict of worst deviations, list of failures). MoE: the
+    steps before a near-tie flip (before_flip), whose step is w["flip"]; the caller then skips what
+    depends on the later steps (the final checkpoint)."""
     fails = []
-    w = {"loss": 0.0, "loss_step": 0, "gn1": 0.0, "grad_norm": 0.0, "aux": 0.0, "experts": "-"}
+    w = {"loss": 0.0, "loss_step": 0, "gn1": 0.0, "grad_norm": 0.0, "aux": 0.0, "experts": "-", "flip": None}
     if len(got) != len(ref):
         return w, ["%d metric lines, expected %d" % (len(got), len(ref))]
+    ref, got, w["flip"] = before_flip(ref, got, moe)
     for r, g in zip(ref, got):
         s = r["step"]
         if g.get("step") != s:
@@ -160,6 +210,10 @@ def compare_run(ref, got, moe, G):
                 w["experts"] = "DIFF"
             elif w["experts"] == "-":
                 w["experts"] = "same"
+    if w["flip"] is not None:
+        w["experts"] = "same to a near tie at step %d" % w["flip"]
+        print("      a near-tie routing flip at step %d: steps 1-%d compared, the final checkpoint not" % (
+            w["flip"], w["flip"] - 1), flush=True)
     return w, fails
 
 
@@ -226,6 +280,7 @@ def main():
     models = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else MODELS
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
     layouts = [tuple(l) + (None,) * (5 - len(l)) for l in LAYOUTS if only is None or l[0] in only]
+    check_near_tie_flip()
     tmp = h.tmpdir()
     rows, failures = [], []
     print("AdamW eps %s; tolerances: loss %.0e relative, parameters %.0e absolute, moments %.0e of max"
@@ -283,7 +338,7 @@ def main():
                     if rc == 0 and got and deg > 1 and ("%s%d" % (lab, deg)) not in lay:
                         fails.append("layout string %r does not name %s%d" % (lay, lab, deg))
                 ck_dev = {}
-                if rc == 0:
+                if rc == 0 and w["flip"] is None:
                     ck_dev, f = compare_checkpoint(ref_ck, ck)
                     fails += f
                 pa = ck_dev.get("params", {"abs": (float("nan"), "-", (), 0, 0), "rel": (float("nan"), "-")})

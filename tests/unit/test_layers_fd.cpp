@@ -1375,4 +1375,19 @@ TEST(MoeRouting, TiesPreferLowerIndex) {
   Vec out(s.N * s.C);
   moe_forward(out.data(), c, x.data(), gate.data(), experts.data(), s, MoeRouting{});
   EXPECT_EQ(c.expert_NK, (std::vector<int32_t>{0, 1, 2, 4, 3, 1}));
+  // Tokens 0 and 2 chose their K-th expert over a tied one; token 1's 4 leads 3 by e² − e per share.
+  EXPECT_EQ(c.near_ties, 2);
+  // Margins just above and below kNearTie. Logits 2, 1, 1 − ε, 0, 0 choose experts 0 and 1, and p1
+  // leads p2 by about p1·ε: token 0 by 3·kNearTie (clear), token 1 by 0.3·kNearTie (a near tie);
+  // token 2's logits are all 0 (a tie).
+  const double p1 = std::exp(1.0) / (std::exp(2.0) + 2 * std::exp(1.0) + 2);
+  x.assign(size_t(s.N * s.C), 0.0), gate.assign(size_t(s.E * s.C), 0.0);
+  x[0 * s.C + 0] = 1, x[1 * s.C + 1] = 1;
+  for (int64_t f : {0, 1}) {
+    const double eps = (f == 0 ? 3.0 : 0.3) * kNearTie / p1;
+    gate[0 * s.C + f] = 2, gate[1 * s.C + f] = 1, gate[2 * s.C + f] = 1 - eps;
+  }
+  moe_forward(out.data(), c, x.data(), gate.data(), experts.data(), s, MoeRouting{});
+  EXPECT_EQ(c.expert_NK, (std::vector<int32_t>{0, 1, 0, 1, 0, 1}));
+  EXPECT_EQ(c.near_ties, 2);
 }

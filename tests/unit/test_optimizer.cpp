@@ -1,5 +1,5 @@
 // The optimizer's kernels (kernels/cpu/optimizer.h) against their definitions, AdamW's bf16 copy, and
-// the lane sum the clipping norm uses (kernels/cpu/reduce.h).
+// the reductions the element-wise kernels share (kernels/cpu/reduce.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -99,6 +99,18 @@ TEST(LaneSum, AddsInItsStatedOrder) {
     float want = 0;
     for (float p : part) want += p;
     EXPECT_EQ(lane_sum<float>(n, [&](int64_t i) { return x[size_t(i)]; }), want) << n;
+  }
+}
+
+TEST(LaneMax, IsTheMaximumAndPassesOverNaN) {
+  for (int64_t n : {1, 5, 8, 17, 1000}) {
+    std::vector<float> x = random_floats(size_t(n), -5, -1, uint32_t(n));
+    x[size_t(n / 2)] = 3.f;
+    EXPECT_EQ(lane_max(x.data(), n), 3.f) << n;
+    if (n > 1) {
+      x[size_t(n - 1)] = std::numeric_limits<float>::quiet_NaN();
+      EXPECT_EQ(lane_max(x.data(), n), 3.f) << n;
+    }
   }
 }
 

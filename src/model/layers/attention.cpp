@@ -11,6 +11,7 @@
 #include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemm_bf16.h"
+#include "kernels/cpu/reduce.h"
 
 namespace origami {
 
@@ -203,13 +204,12 @@ int64_t forward_tiles(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T>
                 std::fill(p, p + nk, T(0));
                 continue;
               }
-              T m = row_max[r];
-              for (int64_t j = first; j < allowed; ++j) m = std::max(m, p[j]);
+              const T m = std::max(row_max[r], lane_max(p + first, allowed - first));
               std::fill(p, p + first, T(0));
               const T ref = probabilities<kRound>(p, first, allowed, m);
               const T rescale = std::exp(row_ref[r] - ref);  // 0 while no key was seen (−∞)
-              T sum = 0;  // of P as P·V reads it
-              for (int64_t j = first; j < allowed; ++j) sum += p[j];
+              // Σ P as P·V reads it
+              const T sum = lane_sum<T>(allowed - first, [p, first](int64_t j) { return p[first + j]; });
               std::fill(p + allowed, p + nk, T(0));
               row_sum[r] = row_sum[r] * rescale + sum;
               row_ref[r] = ref, row_max[r] = m;
@@ -269,9 +269,9 @@ int64_t backward_tiles(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dou
           const T* dOv = dout.p + b * dout.row + h * D;
           const T* L = lse.p + b * lse.row + h * lse.head;
           for (int64_t t = 0; t < Tq; ++t) {
-            T s = 0;
-            for (int64_t d = 0; d < D; ++d) s += dOv[t * dout.tok + d] * O[t * out.tok + d];
-            delta[size_t(t)] = s;  // Σ_d dO·O = Σ_j P_ij·dP_ij over all keys of the query row
+            const T *dOt = dOv + t * dout.tok, *Ot = O + t * out.tok;
+            // Σ_d dO·O = Σ_j P_ij·dP_ij over all keys of the query row
+            delta[size_t(t)] = lane_sum<T>(D, [dOt, Ot](int64_t d) { return dOt[d] * Ot[d]; });
           }
           for (int64_t i0 = 0; i0 < Tq; i0 += kBlock) {
             const int64_t nq = std::min(kBlock, Tq - i0), kend = key_end(i0, nq, Tk, dm.diag);

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kernels/cpu/fast_math.h"
+#include "kernels/cpu/reduce.h"
 
 namespace origami {
 
@@ -53,15 +54,16 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, Id<Weights<T>> w, c
     for (int64_t r = 0; r < n; ++r) {
       T* lr = logits + r * V;
       // A shard of padding only (a small vocabulary over many ranks) contributes nothing: max −∞, Σ 0.
-      T m = valid > 0 ? lr[0] : -std::numeric_limits<T>::infinity();
-      for (int64_t v = 1; v < valid; ++v) m = std::max(m, lr[v]);
+      const T m = valid > 0 ? lane_max(lr, valid) : -std::numeric_limits<T>::infinity();
       const int64_t t = int64_t(targets[n0 + r]) - v0;
       stats[r * 3 + 2] = t >= 0 && t < valid ? lr[t] : T(0);
       double sum = 0;
-      if (dx)
-        for (int64_t v = 0; v < valid; ++v) sum += double(lr[v] = exp_fast(lr[v] - m));
-      else
-        for (int64_t v = 0; v < valid; ++v) sum += double(exp_fast(lr[v] - m));
+      if (dx) {
+        for (int64_t v = 0; v < valid; ++v) lr[v] = exp_fast(lr[v] - m);
+        sum = lane_sum<double>(valid, [lr](int64_t v) { return lr[v]; });
+      } else {
+        sum = lane_sum<double>(valid, [lr, m](int64_t v) { return exp_fast(lr[v] - m); });
+      }
       stats[r * 3] = local_max[r] = m, stats[r * 3 + 1] = T(sum);
     }
     if (shard.combine) shard.combine(stats, n);

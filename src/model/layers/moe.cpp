@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 
@@ -70,7 +71,8 @@ void route_forward(MoeCache<T>& c, const T* x, const T* gate, const MoeSizes& s,
                    const float* bias) {
   const int64_t N = s.N, C = s.C, E = s.E, K = s.K;
   gemm<T>(false, true, N, E, C, T(1), x, C, gate, C, T(0), c.logits_NE.data(), E);
-#pragma omp parallel for schedule(static)
+  int64_t near_ties = 0;
+#pragma omp parallel for schedule(static) reduction(+ : near_ties)
   for (int64_t n = 0; n < N; ++n) {
     const T* l = c.logits_NE.data() + n * E;
     T m = l[0];
@@ -95,9 +97,14 @@ void route_forward(MoeCache<T>& c, const T* x, const T* gate, const MoeSizes& s,
       idx[k] = best;
       psum += (sc[k] = w[k] = p[size_t(best)]);
     }
+    T rest = -std::numeric_limits<T>::infinity();  // the best expert left out
+    for (int64_t e = 0; e < E; ++e)
+      if (std::find(idx, idx + K, int32_t(e)) == idx + K) rest = std::max(rest, key(e));
+    near_ties += !padding(c, n) && key(idx[K - 1]) - rest < T(kNearTie);
     if (r.renormalise())
       for (int64_t k = 0; k < K; ++k) w[k] /= psum;
   }
+  c.near_ties = near_ties;
 }
 
 // Document batching, `seq`: φ of each sequence with tokens here, from its counts summed over the

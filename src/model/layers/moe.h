@@ -94,6 +94,12 @@ struct MoeBalance {
   const MoeSequences* docs = nullptr;          // document batching; null: B rows of one sequence each
 };
 
+// A top-K decision this close (the K-th selection score over the best left out) is a near tie: the
+// float rounding of another layout (~1e-7 relative), grown over training steps, can flip it, and the
+// curves then part for a reason that is not a bug. The metrics count them (expert_near_ties), so a
+// layout test can tell such a flip from a wrong routing.
+constexpr double kNearTie = 1e-5;
+
 // What forward keeps for backward. Expert-side buffers hold up to `rows` rows (the dispatcher's
 // worst case, TokenDispatcher::max_rows): dropless routing may send any share of the tokens to a rank.
 template <typename T>
@@ -119,6 +125,8 @@ struct MoeCache {
   int64_t tokens_total = 0;              // Nt
   double loss_tokens = 0;                // the router losses' denominator: Nt, or MoeSequences::tokens
   int64_t dropped = 0;                   // assignments dropped by the capacity
+  int64_t near_ties = 0;                 // tokens whose K-th choice led the best expert left out by less
+                                         // than kNearTie
   double aux = 0, z = 0;                 // coefficient-weighted router losses: this share's terms
   // Sizes every buffer (a caller may call it ahead so the memory is allocated, and counted, before use).
   void resize(const MoeSizes& s, int64_t rows) {

@@ -5,6 +5,8 @@
 
 #include <omp.h>
 
+#include "kernels/cpu/reduce.h"
+
 namespace origami {
 
 // dw/db are reduced over rows: each thread sums into its own row of a [threads, C] scratch,
@@ -21,12 +23,8 @@ void layernorm_forward(T* y, T* mean, T* rstd, const T* x, const T* w, const T* 
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * C;
-    double m = 0;
-    for (int64_t c = 0; c < C; ++c) m += xr[c];
-    m /= double(C);
-    double v = 0;
-    for (int64_t c = 0; c < C; ++c) v += (xr[c] - m) * (xr[c] - m);
-    v /= double(C);
+    const double m = lane_sum<double>(C, [xr](int64_t c) { return xr[c]; }) / double(C);
+    const double v = lane_sum<double>(C, [xr, m](int64_t c) { return (xr[c] - m) * (xr[c] - m); }) / double(C);
     const T s = T(1.0 / std::sqrt(v + eps)), mt = T(m);
     T* yr = y + n * C;
     for (int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mt) * s * w[c] + b[c];
@@ -49,16 +47,12 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w
       const T *xr = x + n * C, *dyr = dy + n * C;
       const T m = mean[n], s = rstd[n];
       // xhat = (x-m)·s; dxhat = dy·w; dx = s·(dxhat − mean(dxhat) − xhat·mean(dxhat·xhat))
-      T sum_d = 0, sum_dx = 0;
+      const T sum_d = lane_sum<T>(C, [&](int64_t c) { return dyr[c] * w[c]; }) / T(C);
+      const T sum_dx = lane_sum<T>(C, [&](int64_t c) { return dyr[c] * w[c] * ((xr[c] - m) * s); }) / T(C);
       for (int64_t c = 0; c < C; ++c) {
-        const T xh = (xr[c] - m) * s, d = dyr[c] * w[c];
-        sum_d += d;
-        sum_dx += d * xh;
-        mw[c] += dyr[c] * xh;
+        mw[c] += dyr[c] * ((xr[c] - m) * s);
         mb[c] += dyr[c];
       }
-      sum_d /= T(C);
-      sum_dx /= T(C);
       T* dxr = dx + n * C;
       for (int64_t c = 0; c < C; ++c) {
         const T xh = (xr[c] - m) * s;
@@ -75,8 +69,7 @@ void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t N, int64_t C
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * C;
-    double ss = 0;
-    for (int64_t c = 0; c < C; ++c) ss += double(xr[c]) * xr[c];
+    const double ss = lane_sum<double>(C, [xr](int64_t c) { return double(xr[c]) * xr[c]; });
     const T s = T(1.0 / std::sqrt(ss / double(C) + eps));
     T* yr = y + n * C;
     for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * s * w[c];
@@ -97,11 +90,8 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
       const T *xr = x + n * C, *dyr = dy + n * C;
       const T s = rstd[n];
       // y = x·s·w, s = (mean(x²)+eps)^-½ ; dx = s·(dy·w) − x·s³·mean(dy·w·x)
-      T dot = 0;
-      for (int64_t c = 0; c < C; ++c) {
-        dot += dyr[c] * w[c] * xr[c];
-        mw[c] += dyr[c] * xr[c] * s;
-      }
+      const T dot = lane_sum<T>(C, [&](int64_t c) { return dyr[c] * w[c] * xr[c]; });
+      for (int64_t c = 0; c < C; ++c) mw[c] += dyr[c] * xr[c] * s;
       const T k = s * s * s * dot / T(C);
       T* dxr = dx + n * C;
       for (int64_t c = 0; c < C; ++c) dxr[c] += s * dyr[c] * w[c] - xr[c] * k;
