@@ -102,6 +102,8 @@ void read_input_options(const Args& a, TrainOptions& o) {
                 "documents (got --batching ", o.batching, ")");
   o.static_cp = a.on("static-cp");
   o.balance_costs = a.str("balance-costs");
+  ORIGAMI_CHECK(!a.given("balance-costs") || o.batching == "documents", "--balance-costs sizes the balancer's "
+                "costs under --batching documents (got --batching ", o.batching, ")");
   if (a.has("tokens-per-step")) {
     o.tokens_per_step = a.integer("tokens-per-step");
     ORIGAMI_CHECK(o.tokens_per_step >= 1, "--tokens-per-step must be positive, got ", o.tokens_per_step);

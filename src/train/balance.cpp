@@ -130,7 +130,7 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
   for (const int64_t n : lengths) ORIGAMI_ASSERT(n >= 1 && n <= row_len);
   Filling f = balance == Balance::none
                   ? deal(lengths, items, size_t(ranks), row_len)
-                  : lpt_fewest_rows(lengths, items, size_t(ranks), row_len, cost.b, std::vector<double>(size_t(ranks), 0.0));
+                  : lpt_fewest_rows(lengths, items, size_t(ranks), row_len, 1.0, std::vector<double>(size_t(ranks), 0.0));
   Packing p;
   for (const Rows& r : f.rows) p.rows = std::max<int64_t>(p.rows, int64_t(r.size()));
   p.rows = round_up(std::max<int64_t>(1, p.rows), rows_multiple);
@@ -156,11 +156,11 @@ int64_t whole_micro_batches(Filling& f, size_t w, int64_t B, int64_t row_len) {
 // One degree d > 1 of pack_sequences_cp: its sequences over the aligned subgroups of d ranks (rows of
 // d·short_len), then (lpt) the shorter ones into their gaps; every rank of a subgroup gets its rows.
 void pack_degree(const std::vector<int64_t>& lengths, std::vector<std::vector<int32_t>>& items, size_t level, int d,
-                 int64_t short_len, int64_t B, Balance balance, const SequenceCost& cost, std::vector<double>& load,
+                 int64_t short_len, int64_t B, Balance balance, std::vector<double>& load,
                  CpPacking& p) {
   const size_t workers = p.ranks.size() / size_t(d);
   const int64_t len = d * short_len;
-  const double share = cost.b / double(d);
+  const double share = 1.0 / double(d);  // placement weighs n²/d (balance.h)
   std::vector<double> start(workers);
   for (size_t w = 0; w < workers; ++w)
     start[w] = *std::max_element(load.begin() + long(w) * d, load.begin() + long(w + 1) * d);
@@ -182,7 +182,7 @@ void pack_degree(const std::vector<int64_t>& lengths, std::vector<std::vector<in
 // Degree 1 of pack_sequences_cp: the rest over every rank in rows of short_len, in the micro-batches it
 // has left of p.micro: dealt, they take what their rows need; under lpt, the fewest that hold them.
 void pack_alone(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, int64_t short_len, int64_t B,
-                int64_t micro_multiple, Balance balance, const SequenceCost& cost, const std::vector<double>& load,
+                int64_t micro_multiple, Balance balance, const std::vector<double>& load,
                 CpPacking& p) {
   const size_t ranks = p.ranks.size();
   int64_t least = 1;
@@ -197,7 +197,7 @@ void pack_alone(const std::vector<int64_t>& lengths, const std::vector<int32_t>&
     for (p.micro = round_up(least, micro_multiple);; p.micro += micro_multiple) {
       std::vector<int64_t> cap(ranks);
       for (size_t r = 0; r < ranks; ++r) cap[r] = (p.micro - int64_t(p.degree[r].size())) * B;
-      if (lpt(lengths, items, cap, short_len, cost.b, load, s)) break;
+      if (lpt(lengths, items, cap, short_len, 1.0, load, s)) break;
     }
   }
   for (size_t r = 0; r < ranks; ++r) {
@@ -223,10 +223,10 @@ CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int
   CpPacking p;
   const size_t ranks = size_t(groups) * size_t(cp);
   p.ranks.resize(ranks), p.degree.resize(ranks);
-  std::vector<double> load(ranks, 0.0);  // b·n²/d per rank so far
+  std::vector<double> load(ranks, 0.0);  // n²/d per rank so far
   for (size_t l = degrees.size(); l-- > 1;)
-    pack_degree(lengths, items, l, degrees[l], short_len, B, balance, cost, load, p);
-  pack_alone(lengths, items[0], short_len, B, micro_multiple, balance, cost, load, p);
+    pack_degree(lengths, items, l, degrees[l], short_len, B, balance, load, p);
+  pack_alone(lengths, items[0], short_len, B, micro_multiple, balance, load, p);
   p.sequences.assign(degrees.size(), 0);
   for (size_t r = 0; r < ranks; ++r) {
     double attention = 0;

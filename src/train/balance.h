@@ -8,8 +8,10 @@
 //
 //   none  sequence i goes to worker i mod workers; each worker fills its rows in order (next fit).
 //   lpt   longest-processing-time first: the fewest rows per worker that hold the step, then each
-//         sequence, longest first, to the worker whose estimated b·n² sum is lowest among those with
-//         a row it fits in (the row that it fills best).
+//         sequence, longest first, to the worker whose sum of n² is lowest among those with a row it
+//         fits in (the row that it fills best). The sums are of n² (over d under CP), not b·n²: b's
+//         scale cancels, and sums of integers compare exactly, so the placement depends on the lengths
+//         alone, whatever costs were measured (a resumed run places as the first did).
 //
 // Under context parallelism with a CP degree per sequence (pack_sequences_cp), ByteScale's dynamic DP×CP
 // with FlexSP's groups of several sizes: a sequence runs at the least degree d of cp_degrees(C) whose
@@ -32,7 +34,8 @@ enum class Balance { none, lpt };
 Balance parse_balance(std::string_view name);  // "none" or "lpt"; else an Error naming the value
 const char* balance_name(Balance b);
 
-// The estimated cost of a sequence of n tokens: a·n + b·n² (any unit; only ratios are used).
+// The estimated cost of a sequence of n tokens: a·n + b·n² (any unit: it sizes the estimate, while
+// the placement weighs n² alone).
 struct SequenceCost {
   double a = 1, b = 0;
   double operator()(int64_t n) const { return a * double(n) + b * double(n) * double(n); }

@@ -89,28 +89,45 @@ struct Inputs {
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
 };
 
+// The balancer's FLOP-count estimate: 6 per matmul parameter and token (a), and the attention's
+// 6·L·H·D per token pair (b): 12·H·D a pair and layer forward and backward, over the n²/2 pairs a
+// causal sequence computes (train_flops_per_token's convention).
+SequenceCost flop_cost(const ModelConfig& cfg) {
+  const double a = train_flops_per_token(cfg, 0);
+  return {a, train_flops_per_token(cfg, 1) - a};
+}
+
 // --balance-costs measure: a and b in seconds, timed on every rank at once (as the run will share the
 // cores), rank 0's figures on every rank (they decide the packing, which every rank computes alike).
 //   a  the FLOPs per token over the rate of the model's layer GEMMs on a micro-batch's local rows (at
-//      most 512), plus the attention core's per-token part α
+//      most 512; no dimension above 4096, so a large vocabulary's LM head is timed on a slice of it)
+//      plus the attention core's per-token part α
 //   b  the attention core's per-pair part β: from the core on one row of T = min(L, 2048) tokens as
-//      one causal sequence, t1 = α·T + β·T², and as documents of n = 64 tokens, t2 = α·T + β·n·T
+//      one causal sequence, t1 = α·T + β·T², and as documents of n = 64 tokens (one score tile
+//      each), t2 = α·T + β·n·T
 // (α and β per layer, times the layers; the model's heads, unsplit: TP divides GEMMs and heads alike).
-// `flops` is the FLOP-count estimate; where noise leaves β ≤ 0, b keeps its ratio to a.
+// `flops` is the FLOP-count estimate; b keeps its ratio to a where the window is too short to tell
+// β from α (L < 2n) or noise leaves β ≤ 0.
 SequenceCost measured_sequence_cost(Comm& world, const ModelConfig& cfg, const TrainOptions& o, SequenceCost flops) {
   const Precision p = parse_precision(o.precision);
-  const double seconds = 0.05;  // per measurement: the whole takes a second or two
-  const int64_t rows = std::min<int64_t>(o.micro_batch * (o.seq_len / std::max(o.cp, 1)), 512);
+  const double seconds = 0.05;  // per measurement: the whole takes a few seconds at most
+  const int64_t rows = std::min<int64_t>(o.micro_batch * (o.seq_len / std::max(o.cp, 1)), 512), most = 4096;
   double gemm_flops = 0, gemm_s = 0;
-  for (const GemmShape& s : model_gemm_shapes(cfg, 1, rows))
+  for (GemmShape s : model_gemm_shapes(cfg, 1, rows)) {
+    s.M = std::min(s.M, most), s.N = std::min(s.N, most), s.K = std::min(s.K, most);
     gemm_flops += s.flops(), gemm_s += time_gemm(world, s, p, seconds);
-  const int64_t T = std::min<int64_t>(o.seq_len, 2048), n = std::max<int64_t>(1, std::min<int64_t>(64, T / 2));
+  }
+  const int64_t T = std::min<int64_t>(o.seq_len, 2048), n = 64;
   auto attention = [&](int64_t doc_len) {
     return time_attention(world, T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, doc_len, p, seconds);
   };
-  const double one = attention(0), docs = attention(n), L = double(cfg.num_layers);
-  const double beta = (one - docs) / (double(T) * double(T - n));
-  const double alpha = std::max(docs - std::max(beta, 0.0) * double(n) * double(T), 0.0) / double(T);
+  double alpha = 0, beta = 0;
+  if (T >= 2 * n) {
+    const double one = attention(0), docs = attention(n);
+    beta = (one - docs) / (double(T) * double(T - n));
+    if (beta > 0) alpha = std::max(docs - beta * double(n) * double(T), 0.0) / double(T);
+  }
+  const double L = double(cfg.num_layers);
   double ab[2] = {flops.a / (gemm_flops / gemm_s) + L * alpha, 0};
   ab[1] = beta > 0 ? L * beta : ab[0] * flops.b / flops.a;
   world.broadcast(ab, 2, DType::f64, 0);
@@ -118,19 +135,18 @@ SequenceCost measured_sequence_cost(Comm& world, const ModelConfig& cfg, const T
 }
 
 // The balancer's estimate c(n) = a·n + b·n² of a sequence of n tokens, by --balance-costs:
-//   flops    its FLOPs: 6 per matmul parameter and token (a), and the attention's 6·L·H·D per token
-//            pair, of which causal masking computes half (b)
+//   flops    its FLOPs (flop_cost)
 //   measure  seconds timed here at start (measured_sequence_cost)
 //   FILE     seconds at a cluster.json's rates in the run's precision: a over its GEMM rate for a
-//            micro-batch's local rows by the hidden size, square; b over its attention rate at L. That
-//            rate counts a causal window's 6·T²·H·D (`origami profile`), twice what b counts.
+//            micro-batch's local rows by the hidden size, square; b over its attention rate at L (the
+//            same convention: a causal window's 6·T²·H·D, `origami profile`).
 SequenceCost sequence_cost(Comm& world, const ModelConfig& cfg, const TrainOptions& o) {
-  const double a = train_flops_per_token(cfg, 0), b = (train_flops_per_token(cfg, 1) - a) / 2;
-  if (o.balance_costs == "flops") return {a, b};
-  if (o.balance_costs == "measure") return measured_sequence_cost(world, cfg, o, {a, b});
+  const SequenceCost flops = flop_cost(cfg);
+  if (o.balance_costs == "flops") return flops;
+  if (o.balance_costs == "measure") return measured_sequence_cost(world, cfg, o, flops);
   const Cluster c = Cluster::load(o.balance_costs).at(o.precision);  // (TrainOptions::validate read it)
   const double rows = double(o.micro_batch * (o.seq_len / std::max(o.cp, 1))), C = double(cfg.hidden);
-  return {a / c.gemm_rate(rows, C, C), 2 * b / c.attention_rate(double(o.seq_len), double(cfg.head_dim))};
+  return {flops.a / c.gemm_rate(rows, C, C), flops.b / c.attention_rate(double(o.seq_len), double(cfg.head_dim))};
 }
 
 // Document batching over the blend's datasets, with its weights (data/documents.h).
@@ -511,9 +527,14 @@ std::vector<double> Run::estimated_seconds(std::vector<double> cost) const {
 std::string Run::describe_costs() const {
   if (o_.balance_costs == "flops") return "costs: FLOPs";
   char per[96];
-  std::snprintf(per, sizeof per, "%.1f ns a token + %.3f ps a token pair", sequence_cost_.a * 1e9,
+  std::snprintf(per, sizeof per, "%.4g ns a token + %.4g ps a token pair", sequence_cost_.a * 1e9,
                 sequence_cost_.b * 1e12);
-  return (o_.balance_costs == "measure" ? "costs measured here: " : "costs at " + o_.balance_costs + "'s rates: ") + per;
+  if (o_.balance_costs != "measure") return "costs at " + o_.balance_costs + "'s rates: " + per;
+  const SequenceCost f = flop_cost(cfg_);  // measured_sequence_cost's fallback for b, the same expression
+  const bool ratio = sequence_cost_.b == sequence_cost_.a * f.b / f.a;
+  return std::string("costs measured here: ") + per +
+         (ratio ? " (b at the FLOP counts' ratio to a: the window is too short, or the timing too noisy, to "
+                  "tell it)" : " (b from the attention core)");
 }
 
 void Run::print_startup() const {

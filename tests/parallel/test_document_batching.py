@@ -112,14 +112,15 @@ def compare(ref, got, moe=True):
             break
     if not moe and got[0].get("comm_bytes") != got[0].get("comm_bytes_predicted"):
         fails.append("step 1: comm_bytes %s, predicted %s" % (got[0].get("comm_bytes"), got[0].get("comm_bytes_predicted")))
+    for r, g in zip(ref, got):  # what a step holds does not depend on routing: every step
+        if step_contents(g) != step_contents(r):
+            fails.append("step %d: (tokens, sequences, predicted) %s vs one-rank %s" % (
+                r["step"], step_contents(g), step_contents(r)))
     for r, g in zip(*tl.before_flip(ref, got, moe)[:2]):  # MoE: the steps before a near-tie flip
         d = abs(g["loss"] - r["loss"]) / max(abs(r["loss"]), 1e-30)
         worst = max(worst, d)
         if d > RTOL:
             fails.append("step %d: loss %.9g vs one-rank %.9g (rel %.2e)" % (r["step"], g["loss"], r["loss"], d))
-        if step_contents(g) != step_contents(r):
-            fails.append("step %d: (tokens, sequences, predicted) %s vs one-rank %s" % (
-                r["step"], step_contents(g), step_contents(r)))
     return worst, fails
 
 
@@ -287,10 +288,11 @@ def check_balance(tmp, data, failures):
 def check_balance_costs(tmp, data, failures):
     """--balance-costs: the balancer's costs in seconds, at a profiled cluster's rates (this project's
     configs/clusters/cpu-2core.json, attention about 2.5x slower per FLOP than its GEMMs) or timed at
-    start (measure). Either places the sequences otherwise than FLOP counts do (another estimated
-    imbalance on some step: a cluster's costs) or names its coefficients at start (measured), reports
-    each DP rank's estimated busy time (ms) whose max/mean is the estimated imbalance, and the losses
-    stay the one-rank run's."""
+    start (measure). Either names its coefficients at start, estimates another imbalance than FLOP
+    counts on some step (a cluster's), reports each DP rank's estimated busy time (ms) whose max/mean
+    is the estimated imbalance, and keeps the one-rank losses. At L = 32 the measurement keeps b at
+    the FLOP counts' ratio (documents of 64 would fill the window) and says so; at L = 128 it times b
+    from the attention core."""
     print("3b. the balancer's costs from a cluster file and measured at start (DP4)")
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
     one, err = train(tmp, "costs one rank", 0, cfg, data, ["--steps", "8"])
@@ -319,13 +321,27 @@ def check_balance_costs(tmp, data, failures):
                 break
         if flops[0]["documents"].get("busy_estimated_ms") is not None:
             fails.append("FLOP costs report busy_estimated_ms")
-        said = re.search(r"costs (measured here|at \S+'s rates): ([0-9.]+) ns a token \+ ([0-9.]+) ps a token pair", out)
+        said = re.search(r"costs (measured here|at \S+'s rates): ([0-9.e+-]+) ns a token \+ ([0-9.e+-]+) ps a token pair", out)
         if not said or float(said.group(2)) <= 0 or float(said.group(3)) <= 0:
             fails.append("the startup line does not name positive costs a token and a token pair:\n" + out[:600])
+        if name == "measure" and "(b at the FLOP counts' ratio to a: the window is too short" not in out:
+            fails.append("L = %d is too short to time b, and the startup line does not say so" % L)
         failures += ["balance costs %s: %s" % (name, f) for f in fails[:3]]
         print("  %-4s %s: losses within %.1e of one rank; estimated max/mean (FLOPs, seconds) %s; ms %s" % (
             "ok" if not fails else "FAIL", name, worst, ", ".join("(%.3f, %.3f)" % e for e in est[:3]),
             got[0]["documents"].get("busy_estimated_ms")))
+    args = list(COMMON)
+    args[args.index("--seq-len") + 1], args[args.index("--tokens-per-step") + 1] = "128", "256"
+    cfg128 = h.write_json(os.path.join(tmp, "llama_128.json"), h.load_config("llama_tiny", max_position_embeddings=128))
+    rc, out, _ = h.run(2, ["train", "--config", cfg128, "--data", data, *args, "--micro-batch", "1", "--steps", "2",
+                           "--balance-costs", "measure"])
+    said = re.search(r"costs measured here: ([0-9.e+-]+) ns a token \+ ([0-9.e+-]+) ps a token pair \(b from the "
+                     r"attention core\)", out)
+    ok = rc == 0 and said and float(said.group(1)) > 0 and float(said.group(2)) > 0
+    if not ok:
+        failures.append("balance costs measured at L = 128: exit %s, no positive costs with b from the attention "
+                        "core:\n%s" % (rc, out[-600:]))
+    print("  %-4s measure at L = 128: %s" % ("ok" if ok else "FAIL", said.group(0) if said else "-"))
 
 
 def check_mistakes(data, other, failures):

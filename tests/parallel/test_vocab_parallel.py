@@ -10,7 +10,8 @@ split over TP x PP, every stage running the output pass of every micro-batch.
 Asserted for every (model, layout), against the one-rank run (test_layouts.compare_run /
 compare_checkpoint):
   - the validation loss (steps 10 and 20, Pipeline::evaluate's forward-only passes) within 1e-5;
-  - loss every step within 1e-5 relative (MoE: lm/aux/z losses too, expert_tokens identical),
+  - loss every step within 1e-5 relative (MoE: lm/aux/z losses too, expert_tokens identical up to a
+  near-tie flip (test_layouts.near_tie_flip)),
     step-1 grad norm within 1e-5, final parameters elementwise within 1e-5, Adam moments within 1e-3
     of their max — the checkpoint is read through `origami ckpt export`, so the vocabulary slices
     of every stage land in the one-rank checkpoint's tensors (the format is unchanged);

@@ -147,6 +147,34 @@ TEST(PackSequences, LptBalancesTheQuadraticCost) {
   EXPECT_THROW(parse_balance("greedy"), Error);
 }
 
+// The placement depends on the lengths alone: costs of any scale (FLOP counts, seconds measured at
+// start, a cluster file's) place every sequence in the same row, with and without a CP degree per
+// sequence, and only the reported costs differ. Equal sums of n² (4·16² = 32², and the random steps'
+// many small ones) make ties that sums of b·n² in floating point could break either way.
+TEST(PackSequences, PlacementIgnoresTheCoefficients) {
+  std::vector<std::vector<int64_t>> steps = {{32, 16, 16, 16, 16, 3, 5, 4, 12, 9, 9, 1, 30, 7, 7, 20, 11}};
+  uint64_t state = 7;
+  for (int k = 0; k < 20; ++k) {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 40; ++i) state = state * 6364136223846793005ULL + 1442695040888963407ULL,
+                                 lengths.push_back(1 + int64_t((state >> 33) % 32));
+    steps.push_back(lengths);
+  }
+  const SequenceCost unit{1, 1};
+  for (const std::vector<int64_t>& lengths : steps)
+    for (const SequenceCost cost : {SequenceCost{6e8, 3e5}, SequenceCost{1.7e-9, 3.1e-12}, SequenceCost{1, 0.1},
+                                    SequenceCost{1, 1.0 / 3}}) {
+      const Packing a = pack_sequences(lengths, 3, 32, 1, Balance::lpt, unit);
+      const Packing b = pack_sequences(lengths, 3, 32, 1, Balance::lpt, cost);
+      EXPECT_EQ(a.ranks, b.ranks) << "b = " << cost.b;
+      EXPECT_NE(a.cost, b.cost);
+      const CpPacking c = pack_sequences_cp(lengths, 2, 4, 32, 1, 1, Balance::lpt, unit);
+      const CpPacking d = pack_sequences_cp(lengths, 2, 4, 32, 1, 1, Balance::lpt, cost);
+      EXPECT_EQ(c.ranks, d.ranks) << "b = " << cost.b;
+      EXPECT_EQ(c.degree, d.degree);
+    }
+}
+
 }  // namespace
 
 namespace {

@@ -24,8 +24,8 @@ inline A lane_sum(int64_t n, F&& f) {
   return sum;
 }
 
-// max_{i<n} x[i] for n ≥ 1. A NaN element is passed over (as std::max passes over its second
-// argument): callers that must see one find it in a sum.
+// max_{i<n} x[i] for n ≥ 1. A NaN element after x[0] is passed over (as std::max passes over its
+// second argument; a NaN x[0] stays in its lanes): callers that must see one find it in a sum.
 template <typename T>
 inline T lane_max(const T* x, int64_t n) {
   T part[kReduceLanes];
