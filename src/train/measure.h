@@ -4,33 +4,29 @@
 // costs with it at start (`train --balance-costs measure`).
 #pragma once
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/timer.h"
 #include "kernels/cpu/matmul.h"
 #include "model/config.h"
 
 namespace origami {
-
-inline double seconds_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // Seconds per call of fn, every rank at once and the same number of times (fn may communicate):
 // a warm-up call sizes the count to about `seconds` (at least `min_calls`); the slowest rank's mean.
 template <typename Fn>
 double timed(Comm& world, double seconds, int min_calls, Fn&& fn) {
   world.barrier();
-  double t0 = seconds_now();
+  Timer t;
   fn();
-  const double once = world.all_reduce_value(seconds_now() - t0, ReduceOp::max);
+  const double once = world.all_reduce_value(t.ms() / 1000, ReduceOp::max);
   const int calls = std::max(min_calls, int(std::min(1e4, seconds / std::max(once, 1e-9))));
   world.barrier();
-  t0 = seconds_now();
+  t.reset();
   for (int i = 0; i < calls; ++i) fn();
-  return world.all_reduce_value((seconds_now() - t0) / calls, ReduceOp::max);
+  return world.all_reduce_value(t.ms() / 1000 / calls, ReduceOp::max);
 }
 
 // C[M, N] = op(A)·op(B), A [M, K] (ta: stored [K, M]), B [K, N] (tb: stored [N, K]).
