@@ -488,7 +488,9 @@ def main():
     ap.add_argument("--origami-wait-policy", default="default", choices=["auto", "default", "passive", "active"],
                     help="origami's OMP_WAIT_POLICY (same meaning as --omp-wait-policy; default: unset)")
     ap.add_argument("--origami", default=os.path.join(ROOT, "build", "origami"))
-    ap.add_argument("--precisions", default="fp32,bf16", help="origami --precision values to run (each a column)")
+    ap.add_argument("--precisions", default="fp32,bf16",
+                    help="origami --precision values to run (each a column); bf16-portable is --precision bf16 with "
+                         "ORIGAMI_BF16_GEMM=portable (the host's bf16 path refused), its step time over fp32's a column")
     ap.add_argument("--autocast", default="auto", choices=["auto", "on", "off"],
                     help="PyTorch under torch.autocast(cpu, bfloat16): auto runs with and without it each round")
     ap.add_argument("--cores", default="0,1")
@@ -583,6 +585,8 @@ def main():
                 if pol != "default":
                     env["OMP_WAIT_POLICY"] = pol
                 if kind == "origami":
+                    if what == "bf16-portable":
+                        env["ORIGAMI_BF16_GEMM"] = "portable"
                     label = "origami" + ("" if what == "fp32" else " " + what) + ("" if pol == "default" else " " + pol)
                     mpath = os.path.join(cdir, "metrics_r%d_%s_%s.jsonl" % (rnd, what, pol))
                     if os.path.exists(mpath):
@@ -590,7 +594,7 @@ def main():
                     cmd = [a.origami, "train", "--config", cfg_path, "--data", prefix, "--steps", str(steps_total),
                            "--micro-batch", str(B), "--global-batch", str(B), "--seq-len", str(T), "--lr", "3e-4",
                            "--weight-decay", "0.1", "--grad-clip", "1.0", "--threads", str(a.threads),
-                           "--metrics", mpath, "--quiet", "--precision", what]
+                           "--metrics", mpath, "--quiet", "--precision", what.split("-")[0]]
                     out, err, rss, wall = run_child_rss(cmd, env, a.cores, a.timeout)
                     with open(mpath) as f:
                         recs = [json.loads(l) for l in f if l.strip()]
@@ -603,7 +607,7 @@ def main():
                         print("  WARNING: origami counts %.4g FLOP/step, this script %.4g" % (theirs, ours))
                     meta[label] = {"loss_last": g["loss"]}
                     for l in out.splitlines():
-                        if "bf16 GEMM: " in l:
+                        if "bf16 GEMM: " in l and what == "bf16":
                             bf16_path = l[l.index("bf16 GEMM: "):]
                 else:
                     tp, ac = what
@@ -647,7 +651,8 @@ def main():
           % (a.rounds, a.steps_per_round))
     print("host: %s; %s" % (host_isa(), bf16_path))
     hdr = ("case", "origami fp32 tok/s", "origami bf16 tok/s", "bf16 / fp32", "fastest PyTorch tok/s",
-           "bf16 / PyTorch", "bf16 GFLOP/s", "RSS fp32", "RSS bf16", "RSS PyTorch", "fastest PyTorch setting")
+           "bf16 / PyTorch", "bf16 GFLOP/s", "RSS fp32", "RSS bf16", "RSS PyTorch", "fastest PyTorch setting",
+           "bf16-portable step time over fp32")
     pol_of = lambda lab: "PASSIVE" if lab.endswith("PASSIVE") else ("ACTIVE" if lab.endswith("ACTIVE") else "default")
     torch_name = lambda tp: os.path.basename(os.path.dirname(os.path.dirname(tp))) if ".venv" in tp else tp
     rows = []
@@ -656,7 +661,8 @@ def main():
         best = lambda keep: min(((lab, v) for lab, v in r.items() if keep(lab)), key=lambda kv: kv[1]["ms"],
                                 default=(None, None))
         _, o32 = best(lambda lab: lab.startswith("origami") and " bf16" not in lab)
-        _, o16 = best(lambda lab: lab.startswith("origami bf16"))
+        _, o16 = best(lambda lab: lab.startswith("origami bf16") and "portable" not in lab)
+        _, port = best(lambda lab: lab.startswith("origami bf16-portable"))
         tlab, t = best(lambda lab: lab.startswith("torch["))
         results[c]["fastest_torch"] = tlab
         tps = lambda v: v["tokens_per_s"] if v else float("nan")
@@ -666,7 +672,8 @@ def main():
                      "%.1f" % (o16["gflops"] if o16 else float("nan")),
                      *("%.0f MiB" % (v["rss_mib"] if v else float("nan")) for v in (o32, o16, t)),
                      "%s %s%s, wait=%s" % (t.get("torch", "?"), torch_name(tp), " autocast bf16" if t.get("autocast") else " fp32",
-                                           pol_of(tlab))))
+                                           pol_of(tlab))) +
+                    (("%+.1f%%" % (100 * (port["ms"] / o32["ms"] - 1)) if port and o32 else "-",)))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(hdr)]
     line = lambda cells: "| " + " | ".join(s.ljust(w) for s, w in zip(cells, widths)) + " |"
     print(line(hdr))
