@@ -397,8 +397,8 @@ std::vector<Case> odd_size_cases() {
     out.push_back({t, t, 20000, 7, 300, 1.f, true});
     out.push_back({t, !t, 7, 20000, 300, 0.f, true});
   }
-  // Accumulating into a C of 2^24 elements or more: oneDNN's path runs it in row blocks (17 of 965
-  // and 960 rows here; the LM head's dW of model_cases is the transposed-A case).
+  // Accumulating into a C of 2^24 elements or more: oneDNN's path runs it in row blocks (16 of 965
+  // rows and one of 960 here; the LM head's dW of model_cases is the transposed-A case).
   out.push_back({false, false, 16400, 1024, 17, 1.f, true});
   return out;
 }

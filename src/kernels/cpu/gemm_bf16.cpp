@@ -193,9 +193,41 @@ std::atomic<Bf16GemmMode>& mode() {
 
 struct Choice {
   Bf16GemmPath path;
-  std::optional<OnednnMatmul> onednn;  // when path is onednn
+  std::optional<OnednnMatmul> onednn;  // when path is onednn: the whole call's, or a row block's
   std::string onednn_impl;             // what oneDNN offered; empty when nothing
+  int64_t block_rows = 0;              // > 0: the call runs as row blocks of this many rows (row_block_rows)
+  std::optional<OnednnMatmul> last_block;  // the last block's, when it has fewer rows
 };
+
+// oneDNN's bf16 matmul accumulating into a C far larger than the cache (beta ≠ 0, 2²⁴ elements or
+// more: 64 MiB of fp32) ran the LM head's dW += dlogitsᵀ·x (50304×768×256) at about 600 GFLOP/s on a
+// Zen 5 host, against 830–900 for the same product in row blocks of 512 to 16384 rows, or with beta 0;
+// oneDNN's fp32 sgemm runs it whole at full rate (and loses in blocks). So where oneDNN's bf16 path is
+// chosen for such a call, it runs as row blocks of at most kBlockRows rows, all of one size but the
+// last (which may be up to one row a block shorter), each block its own rows of C. The choice is the
+// whole shape's (timed on a slab of its first rows), so every block takes the path the call took.
+constexpr int64_t kBlockRows = 1024, kLargeAccumulation = int64_t(1) << 24;
+
+int64_t row_block_rows(const Shape& s) {
+  if (s.beta == 0.f || s.M <= kBlockRows || s.M * s.N < kLargeAccumulation) return 0;
+  const int64_t blocks = (s.M + kBlockRows - 1) / kBlockRows;
+  return (s.M + blocks - 1) / blocks;
+}
+
+Shape rows_of(Shape s, int64_t rows) {
+  s.M = rows;
+  return s;
+}
+
+// The call s on oneDNN's path as its choice says: whole, or row block by row block.
+void run_choice(const Choice& c, const Shape& s, const bf16* A, const bf16* B, float* C) {
+  if (c.block_rows == 0) return run_onednn(*c.onednn, s, A, B, C);
+  for (int64_t m0 = 0; m0 < s.M; m0 += c.block_rows) {
+    const int64_t rows = std::min(c.block_rows, s.M - m0);
+    run_onednn(rows == c.block_rows ? *c.onednn : *c.last_block, rows_of(s, rows), s.ta ? A + m0 : A + m0 * s.lda,
+               B, C + m0 * s.ldc);
+  }
+}
 
 double seconds(const std::function<void()>& f) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -256,13 +288,22 @@ Shape varying_key(const Shape& s) { return {s.ta, s.tb, -1, s.N, -1, s.lda, s.ld
 // and shapes too small to time, follow the layer-sized GEMM's timing; others are timed themselves.
 Choice decide(const Shape& s, const bf16* A, const bf16* B) {
   std::string impl;
-  Choice c{Bf16GemmPath::portable, create_onednn(s, &impl), impl};
+  Choice c{Bf16GemmPath::portable, create_onednn(s, &impl), impl, 0, std::nullopt};
   if (!c.onednn) return c;
   const bool timed = s.M >= 0 && s.M * s.N * s.K >= kTimedWork;
   if (mode() == Bf16GemmMode::onednn || (timed ? onednn_is_faster(s, A, B) : onednn_is_faster_on_a_layer_gemm()))
     c.path = Bf16GemmPath::onednn;
   else
     c.onednn.reset();
+  if (const int64_t rows = row_block_rows(s); rows > 0 && c.onednn) {
+    const int64_t last = s.M - (s.M - 1) / rows * rows;
+    auto block = create_onednn(rows_of(s, rows), &impl);
+    auto last_block = last == rows ? std::nullopt : create_onednn(rows_of(s, last), &impl);
+    if (block && (last == rows || last_block)) {
+      c.onednn = std::move(block), c.last_block = std::move(last_block);
+      c.block_rows = rows;
+    }
+  }
   return c;
 }
 
@@ -325,24 +366,6 @@ std::string isa_of(const std::string& impl) {
   return (isa & bf16_isa) == bf16_isa ? "AVX512-BF16" : "AVX-512";
 }
 
-// oneDNN's bf16 matmul accumulating into a C far larger than the cache (beta ≠ 0, at least 64 MiB of
-// fp32) ran at 0.65–0.7× the same product in row blocks of about 1000 (the LM head's dW += dlogitsᵀ·x,
-// 50304×768×256: 33 ms against 24 on a Zen 5 host, whose beta-0 product takes 22), while oneDNN's
-// fp32 sgemm runs it whole at full rate and loses in blocks. So such a call on oneDNN's bf16 path
-// runs as equal row blocks of at most kAccumulateRows (two shapes, each timed and cached once).
-constexpr int64_t kAccumulateRows = 1024, kLargeAccumulation = int64_t(1) << 24;
-
-void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B, float* C);
-
-void multiply_in_row_blocks(const Shape& s, const bf16* a, const bf16* b, float* C) {
-  const int64_t blocks = (s.M + kAccumulateRows - 1) / kAccumulateRows, rows = (s.M + blocks - 1) / blocks;
-  for (int64_t m0 = 0; m0 < s.M; m0 += rows) {
-    Shape block = s;
-    block.M = std::min(rows, s.M - m0);
-    multiply(block, false, {s.ta ? a + m0 : a + m0 * s.lda, s.lda}, {b, s.ldb}, C + m0 * s.ldc);
-  }
-}
-
 // gemm_bf16 and gemm_bf16_varying: the path kept for the call's shape, or for its varying_key. The
 // shape's key has an fp32 operand's stride as oneDNN would see it, that of its compact rounded copy;
 // the portable path reads the operand where it is.
@@ -365,10 +388,7 @@ void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B,
   const bf16* b = low_values(B, b_rows, b_cols, 1, &rounded.ldb);
   if (!c) c = choice_for(key, a, b);
   last_path = c->path;
-  if (c->path == Bf16GemmPath::onednn && !varying && s.beta != 0.f && s.M > kAccumulateRows &&
-      s.M * s.N >= kLargeAccumulation)
-    return multiply_in_row_blocks(rounded, a, b, C);
-  if (c->path == Bf16GemmPath::onednn) run_onednn(*c->onednn, rounded, a, b, C);
+  if (c->path == Bf16GemmPath::onednn) run_choice(*c, rounded, a, b, C);
   else portable_gemm(rounded, {a, rounded.lda}, {b, rounded.ldb}, C);
 }
 
