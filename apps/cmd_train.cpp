@@ -74,8 +74,10 @@ void add_input_options(Args& a) {
       .option("tokens-per-step", "N", "documents: the most tokens a step takes (default: micro-batch x DP x seq-len)")
       .option("micro-batch-tokens", "M", "documents: tokens per micro-batch, a multiple of --seq-len (sets --micro-batch "
                                          "to M / seq-len)")
-      .option("balance", "none|lpt", "documents: sequences dealt round-robin to the DP ranks (none), or longest first "
-                                     "to the rank with the least estimated work (lpt)", "lpt")
+      .option("balance", "none|lpt|flex", "documents: sequences dealt round-robin to the DP ranks (none), or longest "
+                                          "first to the rank with the least estimated work (lpt); with a CP degree "
+                                          "per sequence, flex also raises a sequence's degree where that balances "
+                                          "the ranks", "lpt")
       .option("balance-costs", "flops|measure|FILE", "documents: the balancer's cost of a sequence: its FLOPs, "
                                                      "seconds timed at start on this machine (measure), or seconds at "
                                                      "a cluster.json's GEMM and attention rates ('origami profile')",

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <tuple>
+#include <utility>
 
 #include "core/error.h"
 
@@ -10,15 +12,22 @@ namespace origami {
 Balance parse_balance(std::string_view name) {
   if (name == "none") return Balance::none;
   if (name == "lpt") return Balance::lpt;
-  fail("--balance '", name, "' is not one of none, lpt");
+  if (name == "flex") return Balance::flex;
+  fail("--balance '", name, "' is not one of none, lpt, flex");
 }
 
-const char* balance_name(Balance b) { return b == Balance::none ? "none" : "lpt"; }
+const char* balance_name(Balance b) { return b == Balance::none ? "none" : b == Balance::lpt ? "lpt" : "flex"; }
 
 double imbalance(const std::vector<double>& cost) {
   const double sum = std::accumulate(cost.begin(), cost.end(), 0.0);
   const double most = cost.empty() ? 0.0 : *std::max_element(cost.begin(), cost.end());
   return sum > 0 ? most * double(cost.size()) / sum : 1.0;
+}
+
+double imbalance_bound(double common, double b, const std::vector<double>& attention, double heaviest) {
+  const double mean = std::accumulate(attention.begin(), attention.end(), 0.0) / double(std::max<size_t>(1, attention.size()));
+  const double least = common + b * std::max(mean, heaviest), avg = common + b * mean;
+  return avg > 0 ? least / avg : 1.0;
 }
 
 namespace {
@@ -134,11 +143,16 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
   Packing p;
   for (const Rows& r : f.rows) p.rows = std::max<int64_t>(p.rows, int64_t(r.size()));
   p.rows = round_up(std::max<int64_t>(1, p.rows), rows_multiple);
+  double heaviest = 0;
+  for (const int64_t n : lengths) heaviest = std::max(heaviest, double(n) * double(n));
+  std::vector<double> attention;
   for (Rows& r : f.rows) {
     r.resize(size_t(p.rows));
-    p.cost.push_back(cost.a * double(p.rows * row_len) + cost.b * sum_squares(lengths, r));  // padding computes too
+    attention.push_back(sum_squares(lengths, r));
+    p.cost.push_back(cost.a * double(p.rows * row_len) + cost.b * attention.back());  // padding computes too
     p.ranks.push_back(std::move(r));
   }
+  p.bound = imbalance_bound(cost.a * double(p.rows * row_len), cost.b, attention, heaviest);
   return p;
 }
 
@@ -169,7 +183,7 @@ void pack_degree(const std::vector<int64_t>& lengths, std::vector<std::vector<in
   if (balance == Balance::none) f.load = start;
   std::vector<int64_t> micro(workers);
   for (size_t w = 0; w < workers; ++w) micro[w] = whole_micro_batches(f, w, B, len);
-  if (balance == Balance::lpt)
+  if (balance != Balance::none)
     for (size_t l = level; l-- > 0;) items[l] = fill_gaps(lengths, items[l], share, f);
   for (size_t r = 0; r < p.ranks.size(); ++r) {
     const size_t w = r / size_t(d);
@@ -207,19 +221,13 @@ void pack_alone(const std::vector<int64_t>& lengths, const std::vector<int32_t>&
   }
 }
 
-}  // namespace
-
-CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
-                            int64_t micro_multiple, Balance balance, const SequenceCost& cost) {
-  ORIGAMI_ASSERT(groups >= 1 && cp >= 2 && row_len % cp == 0 && B >= 1 && micro_multiple >= 1);
+// pack_sequences_cp with sequence i at degree degrees[level[i]] (or, balanced, in a larger degree's gap).
+CpPacking pack_at_levels(const std::vector<int64_t>& lengths, const std::vector<size_t>& level, int groups, int cp,
+                         int64_t row_len, int64_t B, int64_t micro_multiple, Balance balance, const SequenceCost& cost) {
   const int64_t short_len = row_len / cp;
   const std::vector<int> degrees = cp_degrees(cp);
-  std::vector<std::vector<int32_t>> items(degrees.size());  // each sequence at the least degree that holds it
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    size_t l = 0;
-    while (lengths[i] > degrees[l] * short_len) ++l;
-    items[l].push_back(int32_t(i));
-  }
+  std::vector<std::vector<int32_t>> items(degrees.size());
+  for (size_t i = 0; i < lengths.size(); ++i) items[level[i]].push_back(int32_t(i));
   CpPacking p;
   const size_t ranks = size_t(groups) * size_t(cp);
   p.ranks.resize(ranks), p.degree.resize(ranks);
@@ -228,20 +236,85 @@ CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int
     pack_degree(lengths, items, l, degrees[l], short_len, B, balance, load, p);
   pack_alone(lengths, items[0], short_len, B, micro_multiple, balance, load, p);
   p.sequences.assign(degrees.size(), 0);
+  double heaviest = 0;
   for (size_t r = 0; r < ranks; ++r) {
     double attention = 0;
     for (int64_t m = 0; m < p.micro; ++m) {
       const int d = p.degree[r][size_t(m)];
-      const size_t level = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
+      const size_t at = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
       for (int64_t b = 0; b < B; ++b)
         for (const int32_t i : p.ranks[r][size_t(m * B + b)]) {
-          attention += double(lengths[size_t(i)]) * double(lengths[size_t(i)]) / double(d);
-          if (r % size_t(d) == 0) ++p.sequences[level];  // once per subgroup
+          const double n = double(lengths[size_t(i)]);
+          attention += n * n / double(d);
+          heaviest = std::max(heaviest, n * n / double(cp));
+          if (r % size_t(d) == 0) ++p.sequences[at];  // once per subgroup
         }
     }
+    p.attention.push_back(attention);
     p.cost.push_back(cost.a * double(p.micro * B * short_len) + cost.b * attention);
   }
+  p.bound = imbalance_bound(cost.a * double(p.micro * B * short_len), cost.b, p.attention, heaviest);
   return p;
+}
+
+// Whether packing p beats q: fewer micro-batches (every rank runs them, and they cost their GEMMs full or
+// not), else a lighter busiest rank. Sums of n²/d are exact in doubles, so every rank decides alike.
+bool better(const CpPacking& p, const CpPacking& q) {
+  const double p_most = *std::max_element(p.attention.begin(), p.attention.end());
+  const double q_most = *std::max_element(q.attention.begin(), q.attention.end());
+  return p.micro < q.micro || (p.micro == q.micro && p_most < q_most);
+}
+
+// The sequences on p's busiest rank (by n²/d, the lowest rank of equals) below the top degree, heaviest
+// share n²/d first (ties in index order), each with the level one above the degree it ran at (a short
+// sequence may have run in a larger degree's gap).
+std::vector<std::pair<int32_t, size_t>> raisable_on_busiest(const CpPacking& p, const std::vector<int64_t>& lengths,
+                                                            const std::vector<int>& degrees, int64_t B) {
+  const size_t busiest = size_t(std::max_element(p.attention.begin(), p.attention.end()) - p.attention.begin());
+  std::vector<std::tuple<double, int32_t, size_t>> items;  // (−n²/d, index, level up)
+  for (size_t r = 0; r < p.ranks[busiest].size(); ++r) {
+    const int d = p.degree[busiest][r / size_t(B)];
+    const size_t at = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
+    if (at + 1 < degrees.size())
+      for (const int32_t i : p.ranks[busiest][r])
+        items.emplace_back(-double(lengths[size_t(i)]) * double(lengths[size_t(i)]) / d, i, at + 1);
+  }
+  std::sort(items.begin(), items.end());
+  std::vector<std::pair<int32_t, size_t>> out;
+  for (const auto& [share, i, up] : items) out.emplace_back(i, up);
+  return out;
+}
+
+}  // namespace
+
+// flex: from the least degrees (lpt's packing), the busiest rank's heaviest sequences are tried one
+// degree up, the first that makes the packing better (`better`) kept, until none does (at most
+// `tries` a round). A sequence one degree up splits its attention over twice the ranks; its row is
+// longer, so it may fill a gap there or need a micro-batch more (then it is not kept).
+CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
+                            int64_t micro_multiple, Balance balance, const SequenceCost& cost) {
+  ORIGAMI_ASSERT(groups >= 1 && cp >= 2 && row_len % cp == 0 && B >= 1 && micro_multiple >= 1);
+  const int64_t short_len = row_len / cp;
+  const std::vector<int> degrees = cp_degrees(cp);
+  std::vector<size_t> level(lengths.size(), 0);  // each sequence at the least degree whose rows hold it
+  for (size_t i = 0; i < lengths.size(); ++i)
+    while (lengths[i] > degrees[level[i]] * short_len) ++level[i];
+  auto pack = [&] { return pack_at_levels(lengths, level, groups, cp, row_len, B, micro_multiple, balance, cost); };
+  CpPacking best = pack();
+  if (balance != Balance::flex) return best;
+  const size_t tries = 4;
+  for (bool raised = true; raised;) {
+    raised = false;
+    const auto items = raisable_on_busiest(best, lengths, degrees, B);
+    for (size_t k = 0; k < std::min(tries, items.size()) && !raised; ++k) {
+      const auto [i, up] = items[k];
+      const size_t was = std::exchange(level[size_t(i)], up);
+      CpPacking p = pack();
+      if ((raised = better(p, best))) best = std::move(p);
+      else level[size_t(i)] = was;
+    }
+  }
+  return best;
 }
 
 }  // namespace origami

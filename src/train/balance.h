@@ -12,15 +12,19 @@
 //         fits in (the row that it fills best). The sums are of n² (over d under CP), not b·n²: b's
 //         scale cancels, and sums of integers compare exactly, so the placement depends on the lengths
 //         alone, whatever costs were measured (a resumed run places as the first did).
+//   flex  (a CP degree per sequence only) lpt, with each sequence's degree chosen for balance, not
+//         only for fit: FlexSP's groups sized per sequence by its cost, found by a greedy search instead
+//         of FlexSP's MILP. From the least degrees, a sequence of the busiest rank is moved one degree
+//         up while that lowers the busiest rank's n²/d without adding a micro-batch (pack_sequences_cp).
 //
 // Under context parallelism with a CP degree per sequence (pack_sequences_cp), ByteScale's dynamic DP×CP
 // with FlexSP's groups of several sizes: a sequence runs at the least degree d of cp_degrees(C) whose
-// rows of d·L/C tokens hold it, over an aligned subgroup of d of its DP group's C CP ranks (d = 1: on
+// rows of d·L/C tokens hold it (flex: or a larger one), over an aligned subgroup of d of its DP group's C CP ranks (d = 1: on
 // one rank, no CP traffic; d = C: the whole group), each rank holding L/C positions of every row, so
 // every micro-batch has the same local shape [B, L/C] at any degree. A rank runs its micro-batches of
 // the largest degree first, then the next: aligned subgroups nest, so the ranks of a subgroup reach its
-// micro-batches at the same index. Under lpt the shorter sequences first fill the padding of the larger
-// degrees' rows (free compute, 1/d of their attention per rank).
+// micro-batches at the same index. Under lpt and flex the shorter sequences first fill the padding of
+// the larger degrees' rows (free compute, 1/d of their attention per rank).
 #pragma once
 #include <cstdint>
 #include <string_view>
@@ -30,8 +34,8 @@
 
 namespace origami {
 
-enum class Balance { none, lpt };
-Balance parse_balance(std::string_view name);  // "none" or "lpt"; else an Error naming the value
+enum class Balance { none, lpt, flex };
+Balance parse_balance(std::string_view name);  // "none", "lpt" or "flex"; else an Error naming the value
 const char* balance_name(Balance b);
 
 // The estimated cost of a sequence of n tokens: a·n + b·n² (any unit: it sizes the estimate, while
@@ -45,11 +49,16 @@ using Rows = std::vector<std::vector<int32_t>>;  // rows, each the step's sequen
 
 // max / mean of per-rank costs (1 when all are 0).
 double imbalance(const std::vector<double>& cost);
+// The max / mean no placement in the same rows could beat: every rank costs `common` (its rows' a·L)
+// plus b times its attention, whose sum is fixed, and the heaviest sequence's share (n², or n²/C over
+// a CP group) lies on one rank whole.
+double imbalance_bound(double common, double b, const std::vector<double>& attention, double heaviest);
 
 struct Packing {
   int64_t rows = 0;                 // per rank, a multiple of rows_multiple
   std::vector<Rows> ranks;          // [rank]
   std::vector<double> cost;         // per rank: its rows' a·L each plus b·n² per sequence
+  double bound = 1;                 // imbalance_bound for these rows
   double imbalance() const { return origami::imbalance(cost); }
 };
 
@@ -64,7 +73,9 @@ struct CpPacking {
   std::vector<Rows> ranks;               // [group·C + cp rank]: B rows per micro-batch, of d·row_len/C tokens,
                                          // the same on every rank of the micro-batch's subgroup
   std::vector<int64_t> sequences;        // [degree index]: the sequences run at each degree of cp_degrees(C)
+  std::vector<double> attention;         // per rank: n²/d per sequence
   std::vector<double> cost;              // per rank: a·(its tokens, padding included) + b·n²/d per sequence
+  double bound = 1;                      // imbalance_bound for these micro-batches
   double imbalance() const { return origami::imbalance(cost); }
 };
 

@@ -158,6 +158,7 @@ void add_documents_group(nlohmann::json& row, const StepReport& r) {
   row["documents"] = {{"sequences", r.documents->sequences}, {"predicted_tokens", r.documents->predicted},
                       {"micro_batches", r.documents->micro_batches}, {"sequences_over_cp", r.documents->over_group},
                       {"busy_estimated_max_over_mean", r.documents->estimated_imbalance},
+                      {"busy_estimated_bound", r.documents->estimated_bound},
                       {"busy_max_over_mean", sum > 0 ? most * double(busy.size()) / sum : 1.0},
                       {"busy_ms", as_ms(busy)}};
   if (!r.documents->estimated_s.empty()) row["documents"]["busy_estimated_ms"] = as_ms(r.documents->estimated_s);

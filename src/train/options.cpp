@@ -245,10 +245,11 @@ int64_t TrainOptions::micro_batches(int world_size) const {
   if (!documents()) return global_batch / (micro_batch * layout_dims(world_size).dp);
   if (step_micro_batches > 0) return step_micro_batches;
   // Rows of `len` a worker may need (train/balance.h): lpt fails with R rows a worker only when every
-  // row is more than half full, so it ends with at most ceil(2N / (workers·len)); round-robin may give
-  // one worker almost all N tokens (next fit: 2·ceil(N/len) + 1 rows).
+  // row is more than half full, so it ends with at most ceil(2N / (workers·len)) (flex keeps no packing
+  // with more micro-batches than lpt's); round-robin may give one worker almost all N tokens (next fit:
+  // 2·ceil(N/len) + 1 rows).
   const int64_t N = tokens_per_step, dp_size = layout_dims(world_size).dp;
-  const bool lpt = parse_balance(balance) == Balance::lpt;
+  const bool lpt = parse_balance(balance) != Balance::none;
   auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   auto micro = [&](int64_t len, int64_t workers) {
     return ceil_div(lpt ? std::max<int64_t>(1, ceil_div(2 * N, workers * len)) : 2 * ceil_div(N, len) + 1, micro_batch);
@@ -287,7 +288,9 @@ void TrainOptions::validate_documents(const ModelConfig& cfg) const {
                   "profile' writes one), got '", balance_costs, "': no such file");
     Cluster::load(balance_costs);  // its errors name the file and the field
   }
-  parse_balance(balance);
+  ORIGAMI_CHECK(parse_balance(balance) != Balance::flex || cp_per_sequence(), "--balance flex chooses a CP degree "
+                "per sequence: it needs --cp > 1 without --static-cp (got --cp ", cp, static_cp ? " --static-cp" : "",
+                "); use lpt");
   ORIGAMI_CHECK(tokens_per_step >= seq_len, "--tokens-per-step (", tokens_per_step, ") must be at least --seq-len (",
                 seq_len, "): a step must have room for the longest sequence");
   ORIGAMI_CHECK(tokens_per_step <= kMaxBatch, "--tokens-per-step must be at most ", kMaxBatch, ", got ", tokens_per_step);

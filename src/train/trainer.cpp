@@ -658,7 +658,7 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   };
   if (!o_.cp_per_sequence() || cp().size() == 1) {
     const Packing packing = pack_sequences(lengths, dp_.size(), T, B * per, balance, sequence_cost_);
-    d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance();
+    d.micro_batches = packing.rows / B, d.estimated_imbalance = packing.imbalance(), d.estimated_bound = packing.bound;
     d.estimated_s = estimated_seconds(packing.cost);
     d.over_group = cp().size() > 1 ? int64_t(seqs.size()) : 0;
     size_rows(d.micro_batches);
@@ -667,7 +667,7 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
   }
   const int C = cp().size();
   const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_);
-  d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance();
+  d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance(), d.estimated_bound = packing.bound;
   d.estimated_s = estimated_seconds(packing.cost);
   d.over_group = std::accumulate(packing.sequences.begin() + 1, packing.sequences.end(), int64_t(0));
   size_rows(d.micro_batches);

@@ -55,6 +55,8 @@ LAYOUTS = [
     ("CP2 micro-batch 3", 2, ["--cp", "2", "--micro-batch", "3"], False),
     ("CP4", 4, ["--cp", "4"], False),
     ("CP4 static", 4, ["--cp", "4", "--static-cp"], False),
+    ("CP2xDP2 flex", 4, ["--cp", "2", "--balance", "flex"], False),
+    ("CP4 flex", 4, ["--cp", "4", "--balance", "flex"], False),
     ("CP4 a2a", 4, ["--cp", "4", "--cp-comm", "a2a"], False),
     ("CP2 a2a recompute full", 2, ["--cp", "2", "--cp-comm", "a2a", "--recompute", "full"], False),
     ("CP2xPP2", 4, ["--cp", "2", "--pp", "2"], False),
@@ -167,6 +169,33 @@ def check_cp_degrees(runs, failures):
     for name in ("CP2xDP2", "CP4"):
         check_cp_degree_run(runs.get(("llama_gqa2", name)), runs.get(("llama_gqa2", name + " static")), name,
                             failures)
+    for name in ("CP2xDP2", "CP4"):
+        check_flex_run(runs.get(("llama_gqa2", name)), runs.get(("llama_gqa2", name + " flex")), name, failures)
+
+
+def check_flex_run(lpt, flex, name, failures):
+    """--balance flex against lpt on the same steps: never more micro-batches nor a higher estimated
+    imbalance, lower on some step, with more sequences over CP ranks; and no estimate below its bound."""
+    if not lpt or not flex:
+        return  # the layout failures say why
+    pairs = [(a["documents"], b["documents"]) for a, b in zip(lpt, flex)]
+    worse = [k + 1 for k, (a, b) in enumerate(pairs) if b["micro_batches"] > a["micro_batches"] or (
+        b["micro_batches"] == a["micro_batches"] and
+        b["busy_estimated_max_over_mean"] > a["busy_estimated_max_over_mean"] + 1e-12)]
+    better = sum(b["busy_estimated_max_over_mean"] < a["busy_estimated_max_over_mean"] - 1e-12 for a, b in pairs)
+    below = [k + 1 for k, (a, b) in enumerate(pairs) for d in (a, b)
+             if d["busy_estimated_max_over_mean"] < d["busy_estimated_bound"] - 1e-12]
+    over = [sum(d["sequences_over_cp"] for d in ds) for ds in zip(*pairs)]
+    ok = not worse and better > 0 and not below and over[1] >= over[0]
+    if not ok:
+        failures.append("flex %s: worse than lpt at steps %s, better at %d; under the bound at %s; over CP %s" % (
+            name, worse, better, below, over))
+    mean = lambda k, i: sum(p[i][k] for p in pairs) / len(pairs)
+    print("  %-4s %-8s flex: estimated max/mean %.3f (lpt %.3f, bound %.3f), better on %d of %d steps; "
+          "%d sequences over CP ranks (lpt %d)" % (
+              "ok" if ok else "FAIL", name, mean("busy_estimated_max_over_mean", 1),
+              mean("busy_estimated_max_over_mean", 0), mean("busy_estimated_bound", 1), better, len(pairs), over[1],
+              over[0]))
 
 
 def check_cp_degree_run(dynamic, static, name, failures):
@@ -370,6 +399,9 @@ def check_mistakes(data, other, failures):
         ("validation reads a document twice", llama, 2, docs + ["--eval-data", other, "--eval-iters", "100000"],
          "reads some document twice"),
         ("static CP without CP", llama, 2, docs + ["--static-cp"], "needs --cp > 1"),
+        ("flex without CP", llama, 2, docs + ["--balance", "flex"], "--balance flex chooses a CP degree per sequence"),
+        ("flex with static CP", llama, 2, docs + ["--balance", "flex", "--cp", "2", "--static-cp"],
+         "without --static-cp (got --cp 2 --static-cp)"),
         ("balance with windows", llama, 2, ["--balance", "lpt"], "--balance places the sequences"),
         ("balance costs with windows", llama, 2, ["--balance-costs", CPU_CLUSTER], "--balance-costs sizes"),
         ("balance costs unknown", llama, 2, docs + ["--balance-costs", "mesure"],

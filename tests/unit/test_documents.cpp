@@ -168,10 +168,12 @@ TEST(PackSequences, PlacementIgnoresTheCoefficients) {
       const Packing b = pack_sequences(lengths, 3, 32, 1, Balance::lpt, cost);
       EXPECT_EQ(a.ranks, b.ranks) << "b = " << cost.b;
       EXPECT_NE(a.cost, b.cost);
-      const CpPacking c = pack_sequences_cp(lengths, 2, 4, 32, 1, 1, Balance::lpt, unit);
-      const CpPacking d = pack_sequences_cp(lengths, 2, 4, 32, 1, 1, Balance::lpt, cost);
-      EXPECT_EQ(c.ranks, d.ranks) << "b = " << cost.b;
-      EXPECT_EQ(c.degree, d.degree);
+      for (const Balance balance : {Balance::lpt, Balance::flex}) {
+        const CpPacking c = pack_sequences_cp(lengths, 2, 4, 32, 1, 1, balance, unit);
+        const CpPacking d = pack_sequences_cp(lengths, 2, 4, 32, 1, 1, balance, cost);
+        EXPECT_EQ(c.ranks, d.ranks) << "b = " << cost.b << " " << balance_name(balance);
+        EXPECT_EQ(c.degree, d.degree);
+      }
     }
 }
 
@@ -182,14 +184,14 @@ namespace {
 // A CP degree per sequence: on 1 or 2 DP groups of C = 2, 4 and 6 CP ranks, both balancers, every rank
 // runs the same number of micro-batches, largest degree first; a micro-batch of degree d has the same
 // degree and rows on every rank of its aligned subgroup, rows of at most d·L/C tokens, and every sequence
-// runs once at a degree that holds it (none: the least; lpt: or a larger one's gap).
+// runs once at a degree that holds it (none: the least; lpt: or a larger one's gap; flex: or larger).
 TEST(PackSequencesCp, EachSequenceOnceOverAnAlignedSubgroup) {
   const std::vector<int64_t> lengths = {96, 40, 3, 16, 16, 9, 33, 1, 12, 16, 7, 50, 2, 2, 30, 20, 11, 64, 25};
   const SequenceCost cost{100, 1};
   const int64_t L = 96, B = 2;
   for (const int C : {2, 4, 6})
     for (const int groups : {1, 2})
-      for (const Balance balance : {Balance::none, Balance::lpt}) {
+      for (const Balance balance : {Balance::none, Balance::lpt, Balance::flex}) {
         const CpPacking p = pack_sequences_cp(lengths, groups, C, L, B, 1, balance, cost);
         const std::vector<int> degrees = cp_degrees(C);
         std::vector<int> placed(lengths.size(), 0);
@@ -236,6 +238,62 @@ TEST(PackSequencesCp, EachSequenceOnceOverAnAlignedSubgroup) {
   EXPECT_EQ(three.sequences, (std::vector<int64_t>{1, 1, 1}));
   // Interleaved pipelines need whole multiples of the stages.
   EXPECT_EQ(pack_sequences_cp(lengths, 1, 2, 96, 1, 4, Balance::lpt, cost).micro % 4, 0);
+  EXPECT_EQ(pack_sequences_cp(lengths, 1, 2, 96, 1, 4, Balance::flex, cost).micro % 4, 0);
+}
+
+// flex raises a sequence's degree where that balances the ranks. CP2, L = 64: lpt runs 32 tokens on one
+// rank (it fits in L/2) and the four 8s on the other, attention 1024 against 256; flex runs the 32 over
+// both ranks with the 8s in its row's gap, 640 each, in as many micro-batches.
+TEST(PackSequencesCp, FlexRaisesTheHeavySequence) {
+  const SequenceCost quadratic{0, 1};
+  const std::vector<int64_t> lengths = {32, 8, 8, 8, 8};
+  const CpPacking lpt = pack_sequences_cp(lengths, 1, 2, 64, 1, 1, Balance::lpt, quadratic);
+  EXPECT_EQ(lpt.micro, 1);
+  EXPECT_EQ(lpt.degree[0], std::vector<int>{1});
+  EXPECT_EQ(lpt.attention, (std::vector<double>{1024, 256}));
+  EXPECT_DOUBLE_EQ(lpt.imbalance(), 1.6);
+  const CpPacking flex = pack_sequences_cp(lengths, 1, 2, 64, 1, 1, Balance::flex, quadratic);
+  EXPECT_EQ(flex.micro, 1);
+  EXPECT_EQ(flex.degree[0], std::vector<int>{2});
+  EXPECT_EQ(flex.ranks[0], (Rows{{0, 1, 2, 3, 4}}));
+  EXPECT_EQ(flex.attention, (std::vector<double>{640, 640}));
+  EXPECT_DOUBLE_EQ(flex.imbalance(), 1.0);
+  EXPECT_DOUBLE_EQ(flex.bound, 1.0);  // 512 (32²/2) under the mean, 640
+  // Balanced already (two 32s a rank): nothing is raised.
+  const CpPacking even = pack_sequences_cp({32, 32, 32, 32}, 1, 2, 64, 1, 1, Balance::flex, quadratic);
+  EXPECT_EQ(even.degree[0], (std::vector<int>{1, 1}));
+}
+
+// flex never packs worse than lpt (no more micro-batches, no heavier busiest rank), and no packing's
+// estimated imbalance is below its bound; on random long-tailed steps of DP 1 and 2 groups of CP 2 and 4.
+TEST(PackSequencesCp, FlexNeverWorseThanLptAndTheBoundHolds) {
+  std::mt19937_64 rng(11);
+  const int64_t L = 64, N = 512;
+  int better = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<int64_t> lengths;
+    for (int64_t total = 0;;) {
+      const int64_t n = std::min<int64_t>(L, 1 + int64_t(std::exponential_distribution<double>(0.06)(rng)));
+      if (total + n > N) break;
+      lengths.push_back(n), total += n;
+    }
+    const SequenceCost cost{50, 1};
+    for (const int groups : {1, 2})
+      for (const int C : {2, 4}) {
+        const CpPacking lpt = pack_sequences_cp(lengths, groups, C, L, 1, 1, Balance::lpt, cost);
+        const CpPacking flex = pack_sequences_cp(lengths, groups, C, L, 1, 1, Balance::flex, cost);
+        const double most_lpt = *std::max_element(lpt.attention.begin(), lpt.attention.end());
+        const double most_flex = *std::max_element(flex.attention.begin(), flex.attention.end());
+        ASSERT_LE(flex.micro, lpt.micro) << "trial " << trial;
+        if (flex.micro == lpt.micro) ASSERT_LE(most_flex, most_lpt) << "trial " << trial;
+        better += flex.micro < lpt.micro || most_flex < most_lpt;
+        for (const CpPacking* p : {&lpt, &flex}) EXPECT_GE(p->imbalance(), p->bound - 1e-12) << "trial " << trial;
+      }
+    const Packing whole = pack_sequences(lengths, 4, L, 1, Balance::lpt, cost);
+    EXPECT_GE(whole.imbalance(), whole.bound - 1e-12);
+    EXPECT_GE(whole.bound, 1.0);
+  }
+  EXPECT_GT(better, 100) << "flex packs better than lpt on few of the 800 steps";
 }
 
 }  // namespace
@@ -259,7 +317,8 @@ TEST(DocumentBatching, MicroBatchBoundHoldsForEveryPacking) {
     for (const int dp : {1, 2, 4})
       for (const int cp : {1, 2, 4})
         for (const int64_t B : {1, 2, 3})
-          for (const char* balance : {"none", "lpt"}) {
+          for (const char* balance : {"none", "lpt", "flex"}) {
+            if (cp == 1 && balance == std::string("flex")) continue;  // flex needs a CP degree per sequence
             TrainOptions o;
             o.batching = "documents", o.balance = balance, o.seq_len = L, o.tokens_per_step = N, o.micro_batch = B;
             o.cp = cp, o.dp = dp;
