@@ -257,60 +257,84 @@ CpPacking pack_at_levels(const std::vector<int64_t>& lengths, const std::vector<
   return p;
 }
 
-// Whether packing p beats q: fewer micro-batches (every rank runs them, and they cost their GEMMs full or
-// not), else a lighter busiest rank. Sums of n²/d are exact in doubles, so every rank decides alike.
-bool better(const CpPacking& p, const CpPacking& q) {
-  const double p_most = *std::max_element(p.attention.begin(), p.attention.end());
-  const double q_most = *std::max_element(q.attention.begin(), q.attention.end());
-  return p.micro < q.micro || (p.micro == q.micro && p_most < q_most);
+double busiest(const CpPacking& p) { return *std::max_element(p.attention.begin(), p.attention.end()); }
+
+// A raise is kept when its packing p is no worse than q by `weigh`'s estimate of the busiest rank (a
+// micro-batch saved, on every rank, against attention added) and not in micro-batches, and better in
+// one of them: fewer micro-batches, or a busiest rank lighter by at least `gain` (a raise moves a
+// sequence onto CP exchanges, which the estimate does not count, so it must pay for them). The sums
+// are computed alike on every rank (the same lengths in the same order), so every rank decides alike.
+constexpr double gain = 0.01;
+bool better(const CpPacking& p, const CpPacking& q, int64_t row_tokens, const SequenceCost& weigh) {
+  auto estimate = [&](const CpPacking& x) { return weigh.a * double(x.micro * row_tokens) + weigh.b * busiest(x); };
+  return p.micro <= q.micro && estimate(p) <= estimate(q) &&
+         (p.micro < q.micro || busiest(p) <= (1 - gain) * busiest(q));
 }
 
-// The sequences on p's busiest rank (by n²/d, the lowest rank of equals) below the top degree, heaviest
-// share n²/d first (ties in index order), each with the level one above the degree it ran at (a short
-// sequence may have run in a larger degree's gap).
-std::vector<std::pair<int32_t, size_t>> raisable_on_busiest(const CpPacking& p, const std::vector<int64_t>& lengths,
-                                                            const std::vector<int>& degrees, int64_t B) {
-  const size_t busiest = size_t(std::max_element(p.attention.begin(), p.attention.end()) - p.attention.begin());
+// The sequences below the top degree on rank `only` of p (every rank: only = p.ranks.size()), the
+// heaviest share n²/d first (ties in index order), at most `most` of them, each with the level one
+// above the degree it ran at (a short sequence may have run in a larger degree's gap).
+std::vector<std::pair<int32_t, size_t>> raisable(const CpPacking& p, const std::vector<int64_t>& lengths,
+                                                 const std::vector<int>& degrees, int64_t B, size_t only, size_t most) {
   std::vector<std::tuple<double, int32_t, size_t>> items;  // (−n²/d, index, level up)
-  for (size_t r = 0; r < p.ranks[busiest].size(); ++r) {
-    const int d = p.degree[busiest][r / size_t(B)];
-    const size_t at = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
-    if (at + 1 < degrees.size())
-      for (const int32_t i : p.ranks[busiest][r])
-        items.emplace_back(-double(lengths[size_t(i)]) * double(lengths[size_t(i)]) / d, i, at + 1);
-  }
+  for (size_t k = 0; k < p.ranks.size(); ++k)
+    for (size_t r = 0; r < p.ranks[k].size() && (only == p.ranks.size() || k == only); ++r) {
+      const int d = p.degree[k][r / size_t(B)];
+      const size_t at = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
+      if (at + 1 < degrees.size() && (k == only || k % size_t(d) == 0))  // each sequence once
+        for (const int32_t i : p.ranks[k][r])
+          items.emplace_back(-double(lengths[size_t(i)]) * double(lengths[size_t(i)]) / d, i, at + 1);
+    }
   std::sort(items.begin(), items.end());
   std::vector<std::pair<int32_t, size_t>> out;
-  for (const auto& [share, i, up] : items) out.emplace_back(i, up);
+  for (size_t k = 0; k < std::min(most, items.size()); ++k) out.emplace_back(std::get<1>(items[k]), std::get<2>(items[k]));
   return out;
 }
 
 }  // namespace
 
-// flex: from the least degrees (lpt's packing), the busiest rank's heaviest sequences are tried one
-// degree up, the first that makes the packing better (`better`) kept, until none does (at most
-// `tries` a round). A sequence one degree up splits its attention over twice the ranks; its row is
-// longer, so it may fill a gap there or need a micro-batch more (then it is not kept).
+// flex: from the least degrees (lpt's packing), the busiest rank's heaviest sequences (and, while the
+// step may fit in fewer micro-batches, the heaviest of all) are tried one degree up, the first that
+// makes the packing better (`better`) kept, for at most `rounds` rounds of at most 2·`tries`
+// repackings each, and no more once the busiest rank is within `gain` of what any
+// rank must carry (the mean, or the heaviest sequence over the whole group) in the fewest micro-batches
+// that hold the step's tokens. A sequence one degree up
+// splits its attention over twice the ranks; its row is longer, so it may fill a gap there or need a
+// micro-batch more (then it is not kept).
 CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
-                            int64_t micro_multiple, Balance balance, const SequenceCost& cost) {
+                            int64_t micro_multiple, Balance balance, const SequenceCost& cost, const SequenceCost& weigh) {
   ORIGAMI_ASSERT(groups >= 1 && cp >= 2 && row_len % cp == 0 && B >= 1 && micro_multiple >= 1);
   const int64_t short_len = row_len / cp;
   const std::vector<int> degrees = cp_degrees(cp);
   std::vector<size_t> level(lengths.size(), 0);  // each sequence at the least degree whose rows hold it
-  for (size_t i = 0; i < lengths.size(); ++i)
+  double least = 0;                              // what the busiest rank carries at least
+  for (size_t i = 0; i < lengths.size(); ++i) {
     while (lengths[i] > degrees[level[i]] * short_len) ++level[i];
+    least = std::max(least, double(lengths[i]) * double(lengths[i]) / cp);
+  }
   auto pack = [&] { return pack_at_levels(lengths, level, groups, cp, row_len, B, micro_multiple, balance, cost); };
   CpPacking best = pack();
   if (balance != Balance::flex) return best;
-  const size_t tries = 4;
-  for (bool raised = true; raised;) {
+  least = std::max(least, std::accumulate(best.attention.begin(), best.attention.end(), 0.0) / double(best.attention.size()));
+  const int64_t room = int64_t(best.ranks.size()) * B * short_len;  // tokens a micro-batch holds over all ranks
+  const int64_t fewest = round_up(std::max<int64_t>(1, (std::accumulate(lengths.begin(), lengths.end(), int64_t(0)) +
+                                                        room - 1) / room), micro_multiple);
+  auto may_gain = [&] { return busiest(best) > (1 + gain) * least || best.micro > fewest; };
+  const size_t tries = 4, rounds = 16;
+  bool raised = true;
+  for (size_t round = 0; raised && round < rounds && may_gain(); ++round) {
     raised = false;
-    const auto items = raisable_on_busiest(best, lengths, degrees, B);
-    for (size_t k = 0; k < std::min(tries, items.size()) && !raised; ++k) {
+    // The busiest rank's heaviest; while the step may fit fewer micro-batches, also the heaviest of all.
+    const size_t top = size_t(std::max_element(best.attention.begin(), best.attention.end()) - best.attention.begin());
+    auto items = raisable(best, lengths, degrees, B, top, tries);
+    if (best.micro > fewest)
+      for (const auto& item : raisable(best, lengths, degrees, B, best.ranks.size(), tries))
+        if (std::find(items.begin(), items.end(), item) == items.end()) items.push_back(item);
+    for (size_t k = 0; k < items.size() && !raised; ++k) {
       const auto [i, up] = items[k];
       const size_t was = std::exchange(level[size_t(i)], up);
       CpPacking p = pack();
-      if ((raised = better(p, best))) best = std::move(p);
+      if ((raised = better(p, best, B * short_len, weigh))) best = std::move(p);
       else level[size_t(i)] = was;
     }
   }

@@ -15,16 +15,19 @@
 //   flex  (a CP degree per sequence only) lpt, with each sequence's degree chosen for balance, not
 //         only for fit: FlexSP's groups sized per sequence by its cost, found by a greedy search instead
 //         of FlexSP's MILP. From the least degrees, a sequence of the busiest rank is moved one degree
-//         up while that lowers the busiest rank's n²/d without adding a micro-batch (pack_sequences_cp).
+//         up while that lowers the busiest rank's n²/d by 1% or more (the CP exchanges it adds are not
+//         in the estimate) without adding a micro-batch, or saves one at no more estimated cost on
+//         the busiest rank (pack_sequences_cp).
 //
 // Under context parallelism with a CP degree per sequence (pack_sequences_cp), ByteScale's dynamic DP×CP
 // with FlexSP's groups of several sizes: a sequence runs at the least degree d of cp_degrees(C) whose
-// rows of d·L/C tokens hold it (flex: or a larger one), over an aligned subgroup of d of its DP group's C CP ranks (d = 1: on
-// one rank, no CP traffic; d = C: the whole group), each rank holding L/C positions of every row, so
-// every micro-batch has the same local shape [B, L/C] at any degree. A rank runs its micro-batches of
-// the largest degree first, then the next: aligned subgroups nest, so the ranks of a subgroup reach its
-// micro-batches at the same index. Under lpt and flex the shorter sequences first fill the padding of
-// the larger degrees' rows (free compute, 1/d of their attention per rank).
+// rows of d·L/C tokens hold it (flex: or a larger one), over an aligned subgroup of d of its DP group's
+// C CP ranks (d = 1: on one rank, no CP traffic; d = C: the whole group), each rank holding L/C
+// positions of every row, so every micro-batch has the same local shape [B, L/C] at any degree. A rank
+// runs its micro-batches of the largest degree first, then the next: aligned subgroups nest, so the
+// ranks of a subgroup reach its micro-batches at the same index. Under lpt and flex the shorter
+// sequences first fill the padding of the larger degrees' rows (free compute, 1/d of their attention
+// per rank).
 #pragma once
 #include <cstdint>
 #include <string_view>
@@ -49,7 +52,7 @@ using Rows = std::vector<std::vector<int32_t>>;  // rows, each the step's sequen
 
 // max / mean of per-rank costs (1 when all are 0).
 double imbalance(const std::vector<double>& cost);
-// The max / mean no placement in the same rows could beat: every rank costs `common` (its rows' a·L)
+// A lower bound of the max / mean of any placement in the same rows (not always reachable): every rank costs `common` (its rows' a·L)
 // plus b times its attention, whose sum is fixed, and the heaviest sequence's share (n², or n²/C over
 // a CP group) lies on one rank whole.
 double imbalance_bound(double common, double b, const std::vector<double>& attention, double heaviest);
@@ -79,8 +82,10 @@ struct CpPacking {
   double imbalance() const { return origami::imbalance(cost); }
 };
 
-// groups DP groups of cp ranks each; rows of B per micro-batch; row_len a multiple of cp.
+// groups DP groups of cp ranks each; rows of B per micro-batch; row_len a multiple of cp. `cost` sizes
+// the estimate; flex weighs a micro-batch saved against attention added by `weigh`, the FLOP counts,
+// so that the placement depends on the lengths and the model alone, whatever costs were measured.
 CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
-                            int64_t micro_multiple, Balance balance, const SequenceCost& cost);
+                            int64_t micro_multiple, Balance balance, const SequenceCost& cost, const SequenceCost& weigh);
 
 }  // namespace origami

@@ -105,8 +105,8 @@ struct DocumentStep {
   // it) and (degree, rank 0's micro-batches at it).
   std::vector<std::pair<int, int64_t>> cp_degrees, degree_micro;
   double estimated_imbalance = 1;        // max / mean of the balancer's cost per DP rank
-  double estimated_bound = 1;            // the least estimated_imbalance any placement in as many micro-batches
-                                         // could reach (train/balance.h imbalance_bound)
+  double estimated_bound = 1;            // a lower bound of estimated_imbalance for any placement in as many
+                                         // micro-batches (train/balance.h imbalance_bound)
   std::vector<double> estimated_s;       // costs in seconds (--balance-costs measure or FILE): the balancer's
                                          // estimate per worker (DP rank, or DP×CP rank with a CP degree per
                                          // sequence) over the ranks that split its work (TP, PP, static CP)

@@ -666,7 +666,7 @@ DocumentStep Run::read_sequences(DocumentBatcher& docs, int64_t step) {
     return d;
   }
   const int C = cp().size();
-  const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_);
+  const CpPacking packing = pack_sequences_cp(lengths, dp_.size(), C, T, B, per, balance, sequence_cost_, flop_cost(cfg_));
   d.micro_batches = packing.micro, d.estimated_imbalance = packing.imbalance(), d.estimated_bound = packing.bound;
   d.estimated_s = estimated_seconds(packing.cost);
   d.over_group = std::accumulate(packing.sequences.begin() + 1, packing.sequences.end(), int64_t(0));

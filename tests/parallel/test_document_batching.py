@@ -175,7 +175,8 @@ def check_cp_degrees(runs, failures):
 
 def check_flex_run(lpt, flex, name, failures):
     """--balance flex against lpt on the same steps: never more micro-batches nor a higher estimated
-    imbalance, lower on some step, with more sequences over CP ranks; and no estimate below its bound."""
+    imbalance, lower on some step; and no estimate below its bound. (The sequences over CP ranks are
+    reported, not checked: a raised sequence may take a gap that held several short ones.)"""
     if not lpt or not flex:
         return  # the layout failures say why
     pairs = [(a["documents"], b["documents"]) for a, b in zip(lpt, flex)]
@@ -186,7 +187,7 @@ def check_flex_run(lpt, flex, name, failures):
     below = [k + 1 for k, (a, b) in enumerate(pairs) for d in (a, b)
              if d["busy_estimated_max_over_mean"] < d["busy_estimated_bound"] - 1e-12]
     over = [sum(d["sequences_over_cp"] for d in ds) for ds in zip(*pairs)]
-    ok = not worse and better > 0 and not below and over[1] >= over[0]
+    ok = not worse and better > 0 and not below
     if not ok:
         failures.append("flex %s: worse than lpt at steps %s, better at %d; under the bound at %s; over CP %s" % (
             name, worse, better, below, over))
