@@ -79,10 +79,18 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   // SP), RoPE on q and k 4·(H + KV)·D, the gated activation 8·F (GELU 6·F), the dispatcher's permute
   // and combine 8·C per routed row, the cross-entropy 6·V.
   auto streamed = [&](double elements) {
-    const double s = k.memory_bandwidth > 0 && (terms & kStreamed) ? k.element_bytes * elements / k.memory_bandwidth : 0;
+    const double s = k.memory_bandwidth > 0 && (terms & kStreamed) ? k.activation_bytes() * elements / k.memory_bandwidth : 0;
     return Pass{s / 3, 2 * s / 3};
   };
-  auto gemms = [&](double rows, double in, double out) { return terms & kGemm ? linear(k, rows, in, out) : Pass{}; };
+  // A linear's GEMMs; under bf16 on a CPU (rounds_operands) also, with the streamed work, its input's
+  // bf16 copy (2 bytes an element, written beside the fp32 one by its producer) and the rounding of
+  // its output gradient once in backward (4 bytes read, 2 written).
+  auto gemms = [&](double rows, double in, double out) {
+    Pass p = terms & kGemm ? linear(k, rows, in, out) : Pass{};
+    if (k.rounds_operands && k.memory_bandwidth > 0 && (terms & kStreamed))
+      p += Pass{2 * rows * in / k.memory_bandwidth, 6 * rows * out / k.memory_bandwidth};
+    return p;
+  };
   // Kernel launches (forward, backward) as Megatron-Core issues them with fused norms, FlashAttention
   // and grouped expert GEMMs: attention block 6 and 12 (norm, q|k|v, RoPE, core, output, residual
   // add), dense MLP 5 and 8, MoE MLP 13 and 24 (router, top-k, aux loss, permute, three grouped
@@ -274,8 +282,8 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
     exposed["pp"] = (1 - cluster.overlap_of("pp")) *
                     (part.vocab_parallel()
                          ? per_micro("pp", "pp", 2 * v + 6 * (p - 1), "all_reduce")
-                         : 2 * v * cluster.transfer_seconds(cluster.element_bytes * (sp ? N / t : N) * C, 1, tier("pp"),
-                                                            "send_recv"));
+                         : 2 * v * cluster.transfer_seconds(cluster.activation_bytes() * (sp ? N / t : N) * C, 1,
+                                                            tier("pp"), "send_recv"));
   return exposed;
 }
 

@@ -84,6 +84,14 @@ TEST(Cluster, PrecisionRatesAndOverlapPerKind) {
   EXPECT_EQ(plain.at("bf16").peak_flops, plain.peak_flops);
   EXPECT_EQ(plain.at("bf16").element_bytes, 2);
   EXPECT_EQ(plain.at("fp32").element_bytes, 4);
+  // A CPU (no SMs) runs bf16 as origami's kernels do: GEMM operands of 2 bytes, activations of 4.
+  EXPECT_TRUE(plain.at("bf16").rounds_operands);
+  EXPECT_EQ(plain.at("bf16").activation_bytes(), 4);
+  EXPECT_FALSE(plain.at("fp32").rounds_operands);
+  nlohmann::json gpu = base();
+  gpu["device"]["sms"] = 108;
+  EXPECT_FALSE(Cluster::from_json(gpu, "gpu.json").at("bf16").rounds_operands);
+  EXPECT_EQ(Cluster::from_json(gpu, "gpu.json").at("bf16").activation_bytes(), 2);
   j["device"]["bf16"] = {{"peak_tflops", 400}, {"gemm_efficiency", 0.8}, {"attention_tflops", 160}};
   const Cluster c = Cluster::from_json(j, "c.json");
   EXPECT_EQ(c.peak_flops, 1e14);

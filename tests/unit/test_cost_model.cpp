@@ -214,6 +214,26 @@ TEST(CostModel, KernelAndOptimizerTerms) {
   }
 }
 
+// bf16 on a CPU (origami's kernels): the element-wise work streams 4-byte activations as in fp32, and
+// each linear adds its input's bf16 copy (2 bytes an element, forward) and its output gradient's
+// rounding (4 read + 2 written, backward). llama_tiny, one rank, 4 micro-batches of 32 tokens.
+TEST(CostModel, Bf16OnACpuRoundsEachLinearsOperands) {
+  const ModelConfig cfg = config("llama_tiny");
+  const Cluster c = cluster(4, false);
+  CostModel model(cfg, c, 1);
+  TrainOptions o;
+  o.data = "plan";
+  o.global_batch = 4, o.seq_len = 32, o.micro_batch = 1;
+  const double fp32 = model.predict(o).compute_parts.at("elementwise");
+  o.precision = "bf16";
+  const double bf16 = model.predict(o).compute_parts.at("elementwise");
+  const double N = 32, C = double(cfg.hidden), F = double(cfg.ffn), HD = double(cfg.num_heads * cfg.head_dim);
+  const double S = double((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim), V = double(cfg.vocab_size);
+  // (input, output) of q|k|v, the attention output, gate|up and down per layer, then the LM head.
+  const double layer = 2 * N * (C + HD + C + F) + 6 * N * (S + C + 2 * F + C), head = 2 * N * C + 6 * N * V;
+  EXPECT_NEAR(bf16 - fp32, 4 * (double(cfg.num_layers) * layer + head) / c.memory_bandwidth, 1e-12);
+}
+
 // The data-parallel reduction hides behind the backward it can overlap: ZeRO-0 and 1 reduce during
 // the last micro-batch's backward, ZeRO-2 during every one. With compute-bound GEMMs (a backward
 // twice its forward: 2/3 of a micro-batch's compute) and buckets of 64 KiB, the exposed part is the
