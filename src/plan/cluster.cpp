@@ -43,9 +43,8 @@ Cluster Cluster::at(const std::string& precision) const {
   Cluster c = *this;
   if (precision == "bf16") {
     if (bf16) static_cast<ComputeRates&>(c) = *bf16;
-    // A GPU's bf16 kernels read and write bf16 activations. origami's CPU kernels keep them in fp32 and
-    // round each GEMM's inputs (the norms and activations have no bf16 versions): measured on 2 ranks
-    // of a Zen 5, a pipeline stage's bf16 busy time was 19% above the estimate with 2-byte activations.
+    // A GPU's bf16 kernels read and write bf16 activations. origami's CPU kernels keep them in fp32
+    // (the norms have no bf16 versions; pipeline messages carry fp32) and round GEMM operands.
     c.element_bytes = 2;
     c.rounds_operands = sms == 0;
   }

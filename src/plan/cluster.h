@@ -66,7 +66,7 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   std::optional<ComputeRates> bf16;   // the file's bf16 rates (none: bf16 GEMMs run at the fp32 rates)
   int element_bytes = 4;              // of a GEMM operand: 4 (fp32), 2 (bf16)
   bool rounds_operands = false;       // bf16 on a CPU, as origami's kernels run it: activations stay fp32
-                                      // (4 bytes), each GEMM input gets a bf16 copy beside them
+                                      // (4 bytes), GEMM operands are rounded to bf16
   int activation_bytes() const { return rounds_operands ? 4 : element_bytes; }  // streamed, and sent between stages
   int sms = 0;                        // GPU: streaming multiprocessors (0: no tile model, a CPU)
   double kernel_overhead = 0;         // seconds each kernel launch adds

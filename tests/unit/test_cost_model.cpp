@@ -214,24 +214,27 @@ TEST(CostModel, KernelAndOptimizerTerms) {
   }
 }
 
-// bf16 on a CPU (origami's kernels): the element-wise work streams 4-byte activations as in fp32, and
-// each linear adds its input's bf16 copy (2 bytes an element, forward) and its output gradient's
-// rounding (4 read + 2 written, backward). llama_tiny, one rank, 4 micro-batches of 32 tokens.
-TEST(CostModel, Bf16OnACpuRoundsEachLinearsOperands) {
+// bf16 on a CPU (origami's kernels, fp32 activations): the element-wise work and the pipeline messages
+// cost what they cost in fp32; on a GPU (a cluster with SMs) they move 2-byte elements, so the
+// element-wise work halves and the messages' transfer falls. llama_tiny, 4 micro-batches of 32 tokens.
+TEST(CostModel, Bf16ActivationsAreFp32OnACpuAndHalfOnAGpu) {
   const ModelConfig cfg = config("llama_tiny");
-  const Cluster c = cluster(4, false);
-  CostModel model(cfg, c, 1);
-  TrainOptions o;
-  o.data = "plan";
-  o.global_batch = 4, o.seq_len = 32, o.micro_batch = 1;
-  const double fp32 = model.predict(o).compute_parts.at("elementwise");
-  o.precision = "bf16";
-  const double bf16 = model.predict(o).compute_parts.at("elementwise");
-  const double N = 32, C = double(cfg.hidden), F = double(cfg.ffn), HD = double(cfg.num_heads * cfg.head_dim);
-  const double S = double((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim), V = double(cfg.vocab_size);
-  // (input, output) of q|k|v, the attention output, gate|up and down per layer, then the LM head.
-  const double layer = 2 * N * (C + HD + C + F) + 6 * N * (S + C + 2 * F + C), head = 2 * N * C + 6 * N * V;
-  EXPECT_NEAR(bf16 - fp32, 4 * (double(cfg.num_layers) * layer + head) / c.memory_bandwidth, 1e-12);
+  for (const bool gpu : {false, true}) {
+    Cluster c = cluster(4, false);
+    if (gpu) c.sms = 108;
+    CostModel model(cfg, c, 2);
+    TrainOptions o;
+    o.data = "plan";
+    o.global_batch = 4, o.seq_len = 32, o.micro_batch = 1, o.pp = 2;
+    const Prediction fp32 = model.predict(o);
+    o.precision = "bf16";
+    const Prediction bf16 = model.predict(o);
+    const double elementwise = bf16.compute_parts.at("elementwise") / fp32.compute_parts.at("elementwise");
+    EXPECT_NEAR(elementwise, gpu ? 0.5 : 1.0, 1e-12) << (gpu ? "gpu" : "cpu");
+    if (gpu) EXPECT_LT(bf16.exposed_s.at("pp"), fp32.exposed_s.at("pp"));
+    else EXPECT_DOUBLE_EQ(bf16.exposed_s.at("pp"), fp32.exposed_s.at("pp"));
+    EXPECT_GT(fp32.exposed_s.at("pp"), 0);
+  }
 }
 
 // The data-parallel reduction hides behind the backward it can overlap: ZeRO-0 and 1 reduce during
