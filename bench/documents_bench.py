@@ -10,7 +10,7 @@ Data: byte-level documents whose lengths follow a long-tailed lognormal (--media
   (iv)  balanced with a CP degree per sequence: --cp C (CP C x DP R/C); a sequence runs at the least of
         1, 2, 4 ... C ranks whose rows of degree·L/C tokens hold it (at CP2: one rank up to L/2 tokens);
   (iv') the same with --balance flex: a sequence's degree raised above the least where that balances
-        the ranks (the busiest rank's heaviest sequences, while no micro-batch is added);
+        the ranks or saves a micro-batch (train/balance.h);
   (v)   balanced with static CP over every sequence: --cp C --static-cp.
 C is 2, and on 4 ranks or more also 4 (the degrees 1, 2 and 4). With --balance-costs SOURCE also
   (iii) with the balancer's costs in seconds (train --balance-costs): timed at start (measure) or at a
@@ -18,8 +18,8 @@ C is 2, and on 4 ranks or more also 4 (the degrees 1, 2 and 4). With --balance-c
 --only LABELS (comma-separated prefixes such as "(ii),(iii)") times those configurations alone.
 Per configuration: tokens/s (the step's tokens over its time; median of the measured steps, then of
 --rounds rounds in rotated order), the rows each DP rank ran per step, and for document batching the
-balancer's estimated max/mean busy time per rank, the least any placement in as many micro-batches could
-estimate (the bound: the mean, or the heaviest sequence's share alone) and the measured max/mean
+balancer's estimated max/mean busy time per rank, a lower bound of that estimate for any placement in as
+many micro-batches (the bound: the mean, or the heaviest sequence's share alone) and the measured max/mean
 (`documents` in the metrics).
 
 Usage: /usr/bin/python3 bench/documents_bench.py [--ranks 2,4] [--seq-len 4096] [--tokens-per-step 16384]

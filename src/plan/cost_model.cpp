@@ -79,7 +79,8 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   // SP), RoPE on q and k 4·(H + KV)·D, the gated activation 8·F (GELU 6·F), the dispatcher's permute
   // and combine 8·C per routed row, the cross-entropy 6·V.
   auto streamed = [&](double elements) {
-    const double s = k.memory_bandwidth > 0 && (terms & kStreamed) ? k.activation_bytes() * elements / k.memory_bandwidth : 0;
+    const double s =
+        k.memory_bandwidth > 0 && (terms & kStreamed) ? k.activation_bytes() * elements / k.memory_bandwidth : 0;
     return Pass{s / 3, 2 * s / 3};
   };
   // A linear's GEMMs. Under bf16 on a CPU (rounds_operands) the passes that round their operands are

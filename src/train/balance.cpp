@@ -24,10 +24,9 @@ double imbalance(const std::vector<double>& cost) {
   return sum > 0 ? most * double(cost.size()) / sum : 1.0;
 }
 
-double imbalance_bound(double common, double b, const std::vector<double>& attention, double heaviest) {
-  const double mean = std::accumulate(attention.begin(), attention.end(), 0.0) / double(std::max<size_t>(1, attention.size()));
-  const double least = common + b * std::max(mean, heaviest), avg = common + b * mean;
-  return avg > 0 ? least / avg : 1.0;
+double imbalance_bound(double common, double b, double mean, double floor) {
+  const double avg = common + b * mean;
+  return avg > 0 ? (common + b * floor) / avg : 1.0;
 }
 
 namespace {
@@ -122,6 +121,10 @@ std::vector<int32_t> fill_gaps(const std::vector<int64_t>& lengths, const std::v
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+double mean_of(const std::vector<double>& v) {
+  return std::accumulate(v.begin(), v.end(), 0.0) / double(std::max<size_t>(1, v.size()));
+}
+
 double sum_squares(const std::vector<int64_t>& lengths, const Rows& rows) {
   double s = 0;
   for (const auto& row : rows)
@@ -152,7 +155,8 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
     p.cost.push_back(cost.a * double(p.rows * row_len) + cost.b * attention.back());  // padding computes too
     p.ranks.push_back(std::move(r));
   }
-  p.bound = imbalance_bound(cost.a * double(p.rows * row_len), cost.b, attention, heaviest);
+  const double mean = mean_of(attention);
+  p.bound = imbalance_bound(cost.a * double(p.rows * row_len), cost.b, mean, std::max(mean, heaviest));
   return p;
 }
 
@@ -253,7 +257,9 @@ CpPacking pack_at_levels(const std::vector<int64_t>& lengths, const std::vector<
     p.attention.push_back(attention);
     p.cost.push_back(cost.a * double(p.micro * B * short_len) + cost.b * attention);
   }
-  p.bound = imbalance_bound(cost.a * double(p.micro * B * short_len), cost.b, p.attention, heaviest);
+  const double mean = mean_of(p.attention);
+  p.floor = std::max(mean, heaviest);
+  p.bound = imbalance_bound(cost.a * double(p.micro * B * short_len), cost.b, mean, p.floor);
   return p;
 }
 
@@ -277,8 +283,9 @@ bool better(const CpPacking& p, const CpPacking& q, int64_t row_tokens, const Se
 std::vector<std::pair<int32_t, size_t>> raisable(const CpPacking& p, const std::vector<int64_t>& lengths,
                                                  const std::vector<int>& degrees, int64_t B, size_t only, size_t most) {
   std::vector<std::tuple<double, int32_t, size_t>> items;  // (−n²/d, index, level up)
-  for (size_t k = 0; k < p.ranks.size(); ++k)
-    for (size_t r = 0; r < p.ranks[k].size() && (only == p.ranks.size() || k == only); ++r) {
+  const bool every = only == p.ranks.size();
+  for (size_t k = every ? 0 : only; k < (every ? p.ranks.size() : only + 1); ++k)
+    for (size_t r = 0; r < p.ranks[k].size(); ++r) {
       const int d = p.degree[k][r / size_t(B)];
       const size_t at = size_t(std::find(degrees.begin(), degrees.end(), d) - degrees.begin());
       if (at + 1 < degrees.size() && (k == only || k % size_t(d) == 0))  // each sequence once
@@ -296,30 +303,25 @@ std::vector<std::pair<int32_t, size_t>> raisable(const CpPacking& p, const std::
 // flex: from the least degrees (lpt's packing), the busiest rank's heaviest sequences (and, while the
 // step may fit in fewer micro-batches, the heaviest of all) are tried one degree up, the first that
 // makes the packing better (`better`) kept, for at most `rounds` rounds of at most 2·`tries`
-// repackings each, and no more once the busiest rank is within `gain` of what any
-// rank must carry (the mean, or the heaviest sequence over the whole group) in the fewest micro-batches
-// that hold the step's tokens. A sequence one degree up
-// splits its attention over twice the ranks; its row is longer, so it may fill a gap there or need a
-// micro-batch more (then it is not kept).
+// repackings each, and no more once the busiest rank is within `gain` of its floor (CpPacking::floor)
+// in the fewest micro-batches that hold the step's tokens. A sequence one degree up splits its
+// attention over twice the ranks; its row is longer, so it may fill a gap there or need a micro-batch
+// more (then it is not kept).
 CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int cp, int64_t row_len, int64_t B,
                             int64_t micro_multiple, Balance balance, const SequenceCost& cost, const SequenceCost& weigh) {
   ORIGAMI_ASSERT(groups >= 1 && cp >= 2 && row_len % cp == 0 && B >= 1 && micro_multiple >= 1);
   const int64_t short_len = row_len / cp;
   const std::vector<int> degrees = cp_degrees(cp);
   std::vector<size_t> level(lengths.size(), 0);  // each sequence at the least degree whose rows hold it
-  double least = 0;                              // what the busiest rank carries at least
-  for (size_t i = 0; i < lengths.size(); ++i) {
+  for (size_t i = 0; i < lengths.size(); ++i)
     while (lengths[i] > degrees[level[i]] * short_len) ++level[i];
-    least = std::max(least, double(lengths[i]) * double(lengths[i]) / cp);
-  }
   auto pack = [&] { return pack_at_levels(lengths, level, groups, cp, row_len, B, micro_multiple, balance, cost); };
   CpPacking best = pack();
   if (balance != Balance::flex) return best;
-  least = std::max(least, std::accumulate(best.attention.begin(), best.attention.end(), 0.0) / double(best.attention.size()));
   const int64_t room = int64_t(best.ranks.size()) * B * short_len;  // tokens a micro-batch holds over all ranks
   const int64_t fewest = round_up(std::max<int64_t>(1, (std::accumulate(lengths.begin(), lengths.end(), int64_t(0)) +
                                                         room - 1) / room), micro_multiple);
-  auto may_gain = [&] { return busiest(best) > (1 + gain) * least || best.micro > fewest; };
+  auto may_gain = [&] { return busiest(best) > (1 + gain) * best.floor || best.micro > fewest; };
   const size_t tries = 4, rounds = 16;
   bool raised = true;
   for (size_t round = 0; raised && round < rounds && may_gain(); ++round) {

@@ -52,10 +52,11 @@ using Rows = std::vector<std::vector<int32_t>>;  // rows, each the step's sequen
 
 // max / mean of per-rank costs (1 when all are 0).
 double imbalance(const std::vector<double>& cost);
-// A lower bound of the max / mean of any placement in the same rows (not always reachable): every rank costs `common` (its rows' a·L)
-// plus b times its attention, whose sum is fixed, and the heaviest sequence's share (n², or n²/C over
-// a CP group) lies on one rank whole.
-double imbalance_bound(double common, double b, const std::vector<double>& attention, double heaviest);
+// A lower bound of the max / mean of any placement in the same rows (not always reachable): every rank
+// costs `common` (its rows' a·L) plus b times its attention, whose mean is fixed, and the busiest
+// carries at least `floor` of it (the mean, or the heaviest sequence's share: n², or n²/C over a CP
+// group, lies on one rank whole).
+double imbalance_bound(double common, double b, double mean, double floor);
 
 struct Packing {
   int64_t rows = 0;                 // per rank, a multiple of rows_multiple
@@ -77,6 +78,8 @@ struct CpPacking {
                                          // the same on every rank of the micro-batch's subgroup
   std::vector<int64_t> sequences;        // [degree index]: the sequences run at each degree of cp_degrees(C)
   std::vector<double> attention;         // per rank: n²/d per sequence
+  double floor = 0;                      // the least attention any placement leaves its busiest rank: the
+                                         // mean, or the heaviest sequence's n²/C
   std::vector<double> cost;              // per rank: a·(its tokens, padding included) + b·n²/d per sequence
   double bound = 1;                      // imbalance_bound for these micro-batches
   double imbalance() const { return origami::imbalance(cost); }
