@@ -2,10 +2,12 @@
 //
 // Under mpirun every rank takes part, as in a training run on the same ranks:
 //   GEMMs       each shape is timed on every rank at once (each with its share of the cores), the
-//               rate per rank the mean over ranks; shapes are the model's layer GEMMs (--config) or
-//               squares and slabs from 128 to 2048; in fp32, and in bf16 as training's matmul runs
-//               them (the weight's bf16 copy kept, the other operand rounded at the call, fp32
-//               accumulation): the file's "bf16" rates
+//               rate per rank the mean over ranks; shapes are the model's layer GEMMs (--config) at
+//               one row and at --micro-batch rows, or squares and slabs from 128 to 2048; in fp32,
+//               and in bf16 as training's matmul runs them (the weight's bf16 copy kept, the other
+//               operand rounded at the call, fp32 accumulation): the file's "bf16" rates. Each shape
+//               is timed in cache (the curve) and cold, its operands from memory as in a training
+//               step (the difference: the rate operands stream at, gemm_streaming_gb_s)
 //   attention   the attention core's forward + backward on one window (--seq-len, the model's heads),
 //               its rate by the causal FLOP convention (6·T²·H·D per window)
 //   collectives all-reduce, all-gather, reduce-scatter and all-to-all over all ranks, and a
@@ -14,12 +16,14 @@
 //               Comm counts them); the all-reduce's fit is the file's intra-node link, the others'
 //               its "collectives"
 //   bandwidth   a triad over arrays beyond the caches, every rank at once (element-wise work, AdamW)
+//   first touch writing into pages returned to the system (ZeRO-2's gradient buffer), every rank at once
 //   overlap     how much of a posted all-reduce completes while the rank runs GEMMs
 // The device's peak is the best GEMM rate measured; its memory what the node has available, shared
 // by its ranks. One node of `world` devices.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <string>
@@ -74,7 +78,7 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
          "and threads a training run would use.");
   a.option("out", "FILE", "cluster.json to write")
       .option("config", "FILE", "model config.json whose layer GEMMs are measured (default: squares and slabs)")
-      .option("micro-batch", "B", "rows per micro-batch of the measured shapes", "4")
+      .option("micro-batch", "B", "rows per micro-batch of the measured shapes (also timed at 1 row)", "4")
       .option("seq-len", "T", "tokens per row (GEMM rows B x T; the attention window)", "1024")
       .option("threads", "N", "threads per rank (default: all cores)", "0")
       .option("seconds", "S", "time per measurement and rank", "0.5")
@@ -102,19 +106,27 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
   return cmd;
 }
 
-// GEMMs in precision p: (FLOPs, rate) per shape, equal FLOPs merged, into r's curve and peak.
+// GEMMs in precision p: (FLOPs, rate) per shape in cache, equal FLOPs merged, into r's curve and peak;
+// each shape timed cold as well, the difference fitted as the rate its operands stream at.
 void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeRates& r) {
   const bool rank0 = world.rank() == 0;
-  const std::vector<GemmShape> shapes =
-      cmd.cfg ? model_gemm_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_gemm_shapes();
+  // The model's shapes at one row and at --micro-batch rows: a planner's layouts range between them
+  // (the curve is flat beyond its ends).
+  std::vector<GemmShape> shapes = cmd.cfg ? model_gemm_shapes(*cmd.cfg, 1, cmd.seq_len) : default_gemm_shapes();
+  if (cmd.cfg && cmd.micro_batch > 1)
+    for (const GemmShape& s : model_gemm_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len)) shapes.push_back(s);
   std::map<double, std::vector<double>> rates;
-  if (rank0) std::printf("%s GEMMs, %d rank%s x %d threads at once (per rank):\n", precision_name(p), world.size(),
-                         world.size() > 1 ? "s" : "", num_threads());
+  std::vector<std::pair<double, double>> streamed;  // (operand bytes, cold − in-cache seconds)
+  const double element = p == Precision::bf16 ? 2 : 4;  // bytes, as the planner counts a GEMM's operands
+  if (rank0) std::printf("%s GEMMs, %d rank%s x %d threads at once (per rank; in cache, then cold):\n",
+                         precision_name(p), world.size(), world.size() > 1 ? "s" : "", num_threads());
   for (const GemmShape& s : shapes) {
-    const double t = time_gemm(world, s, p, cmd.seconds);
+    const double t = time_gemm(world, s, p, cmd.seconds), cold = time_gemm(world, s, p, cmd.seconds, true);
     rates[s.flops()].push_back(s.flops() / t);
-    if (rank0) std::printf("  %6lld x %6lld x %6lld%s  %8.2f GFLOP/s\n", (long long)s.M, (long long)s.N, (long long)s.K,
-                           s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", s.flops() / t / 1e9);
+    streamed.emplace_back(element * s.elements(), cold - t);
+    if (rank0) std::printf("  %6lld x %6lld x %6lld%s  %8.2f  %8.2f GFLOP/s\n", (long long)s.M, (long long)s.N,
+                           (long long)s.K, s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", s.flops() / t / 1e9,
+                           s.flops() / cold / 1e9);
   }
   for (const auto& [flops, rs] : rates) {
     double sum = 0;
@@ -122,6 +134,8 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeR
     r.gemm.emplace_back(flops, sum / double(rs.size()));
     r.peak_flops = std::max(r.peak_flops, *std::max_element(rs.begin(), rs.end()));
   }
+  r.gemm_streaming = fit_streaming_rate(streamed);
+  if (rank0) std::printf("  operands stream at %.2f GB/s beyond the in-cache rates\n", r.gemm_streaming / 1e9);
 }
 
 // Attention: one window of T, the model's heads (or 8 of 64), in precision p. Returns its FLOP/s.
@@ -152,6 +166,20 @@ void measure_memory_bandwidth(Comm& world, double seconds, Cluster& c) {
   c.memory_bandwidth = 3.0 * 4.0 * double(n) / t;
   if (world.rank() == 0)
     std::printf("memory bandwidth (triad, every rank at once): %.2f GB/s per rank\n", c.memory_bandwidth / 1e9);
+}
+
+// Writing into pages returned to the system (ZeRO-2 refills its gradient buffer so every
+// micro-batch): a 64 MiB range released and written again, every rank at once.
+void measure_first_touch(Comm& world, double seconds, Cluster& c) {
+  const int64_t bytes = int64_t(64) << 20;
+  ReleasablePages pages(bytes, "the first-touch measurement");
+  const double t = timed(world, seconds, 2, [&] {
+    pages.release(0, bytes);
+    std::memset(pages.data(), 1, size_t(bytes));
+  });
+  c.first_touch = double(bytes) / t;
+  if (world.rank() == 0)
+    std::printf("first touch (fresh pages written, every rank at once): %.2f GB/s per rank\n", c.first_touch / 1e9);
 }
 
 struct Collective {
@@ -257,6 +285,7 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
   measure_gemms(world, cmd, Precision::bf16, *c.bf16);
   c.bf16->attention_flops = measure_attention(world, cmd, Precision::bf16);
   measure_memory_bandwidth(world, cmd.seconds, c);
+  measure_first_touch(world, cmd.seconds, c);
   c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
   if (world.size() > 1) {
     measure_collectives(world, cmd, c);

@@ -9,18 +9,28 @@
 namespace origami {
 
 double Cluster::gemm_rate(double M, double N, double K) const {
-  const double flops = 2 * M * N * K;
+  const double flops = 2 * M * N * K, traffic = element_bytes * (M * K + K * N + M * N);
   if (!gemm.empty()) {
-    if (flops <= gemm.front().first) return gemm.front().second;
-    if (flops >= gemm.back().first) return gemm.back().second;
-    const auto hi = std::lower_bound(gemm.begin(), gemm.end(), std::make_pair(flops, 0.0));
-    const auto lo = hi - 1;
-    const double f = (std::log(flops) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
-    return lo->second + f * (hi->second - lo->second);
+    double rate = gemm.front().second;  // in cache, interpolated in log FLOPs
+    if (flops >= gemm.back().first) {
+      rate = gemm.back().second;
+    } else if (flops > gemm.front().first) {
+      const auto hi = std::lower_bound(gemm.begin(), gemm.end(), std::make_pair(flops, 0.0));
+      const auto lo = hi - 1;
+      const double f = (std::log(flops) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
+      rate = lo->second + f * (hi->second - lo->second);
+    }
+    return flops / (flops / rate + (gemm_streaming > 0 ? traffic / gemm_streaming : 0));
   }
   const double peak = peak_flops * (sms > 0 ? gemm_tile_share(M, N, sms) : 1.0);
-  const double seconds = std::max(flops / peak, element_bytes * (M * K + K * N + M * N) / memory_bandwidth);
+  const double seconds = std::max(flops / peak, traffic / memory_bandwidth);
   return gemm_efficiency * flops / seconds;
+}
+
+double fit_streaming_rate(const std::vector<std::pair<double, double>>& bytes_and_extra_seconds) {
+  double bb = 0, bt = 0;
+  for (const auto& [bytes, extra] : bytes_and_extra_seconds) bb += bytes * bytes, bt += bytes * extra;
+  return bt > 0 ? bb / bt : 0;
 }
 
 double gemm_tile_share(double M, double N, int sms) {
@@ -105,7 +115,13 @@ ComputeRates rates_of(const JsonField& d, double memory_bandwidth) {
   ComputeRates r;
   r.peak_flops = positive(d["peak_tflops"], 1e12);
   r.attention_flops = positive(d["attention_tflops"], 1e12);
-  if (d["gemm"].present()) return r.gemm = gemm_curve(d["gemm"]), r;
+  if (d["gemm"].present()) {
+    r.gemm = gemm_curve(d["gemm"]);
+    r.gemm_streaming = d["gemm_streaming_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
+    return r;
+  }
+  ORIGAMI_CHECK(!d["gemm_streaming_gb_s"].present(), d["gemm_streaming_gb_s"].where(),
+                ": needs measured 'gemm' rates (the roofline counts operand traffic itself)");
   ORIGAMI_CHECK(d["gemm_efficiency"].present(), d["gemm_efficiency"].where(),
                 ": missing (it is needed without measured 'gemm' rates)");
   ORIGAMI_CHECK(memory_bandwidth > 0, d.where(), ": 'gemm_efficiency' needs the device's memory_bandwidth_gb_s");
@@ -120,6 +136,7 @@ nlohmann::json rates_json(const ComputeRates& r) {
   } else {
     d["gemm"] = nlohmann::json::array();
     for (const auto& [flops, rate] : r.gemm) d["gemm"].push_back({flops / 1e9, rate / 1e12});
+    if (r.gemm_streaming > 0) d["gemm_streaming_gb_s"] = r.gemm_streaming / 1e9;
   }
   return d;
 }
@@ -140,6 +157,7 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
     ORIGAMI_CHECK(d["memory_bandwidth_gb_s"].present(), d["memory_bandwidth_gb_s"].where(),
                   ": missing (it is needed without measured 'gemm' rates)");
   c.memory_bandwidth = d["memory_bandwidth_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
+  c.first_touch = d["first_touch_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
   static_cast<ComputeRates&>(c) = rates_of(d, c.memory_bandwidth);
   if (d["bf16"].present()) c.bf16 = rates_of(d["bf16"].object(), c.memory_bandwidth);
   c.sms = int(d["sms"].integer_or(0, 1, 1 << 16));  // (absent: 0, no tile model)
@@ -171,6 +189,7 @@ nlohmann::json Cluster::to_json() const {
   nlohmann::json d = rates_json(*this);
   d["memory_gb"] = memory_bytes / 1e9;
   if (memory_bandwidth > 0) d["memory_bandwidth_gb_s"] = memory_bandwidth / 1e9;
+  if (first_touch > 0) d["first_touch_gb_s"] = first_touch / 1e9;
   if (bf16) d["bf16"] = rates_json(*bf16);
   if (sms > 0) d["sms"] = sms;
   if (kernel_overhead > 0) d["kernel_overhead_us"] = kernel_overhead * 1e6;

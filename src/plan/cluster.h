@@ -9,13 +9,20 @@
 //                                                            memory bandwidth times the efficiency ...
 //               "gemm": [[gflop, tflops], ...],               ... or measured rates by GEMM size (FLOPs of one
 //                                                            call), which take precedence (the bandwidth is
-//                                                            then optional: element-wise work and AdamW use it)
+//                                                            then optional: element-wise work and AdamW use it),
+//               "gemm_streaming_gb_s": ..,                   with them: the rate a call's operands stream from
+//                                                            memory at beyond the in-cache rates (M·K + K·N + M·N
+//                                                            elements; absent: operands cost nothing more)
+//               "first_touch_gb_s": ..,                      writing into pages returned to the system (ZeRO ≥ 2's
+//                                                            gradient buffer, refilled every micro-batch; absent:
+//                                                            not priced)
 //               "attention_tflops": ..,                      the attention core's achieved rate (causal FLOPs; on a
 //                                                            GPU at long sequences and head size 128)
 //               "sms": ..,                                   GPU: streaming multiprocessors, for the GEMMs' tile and
 //                                                            wave quantization and attention's diagonal tiles
 //               "kernel_overhead_us": ..,                    what each kernel launch adds (default 0)
-//               "bf16": {"peak_tflops", "gemm_efficiency" or "gemm", "attention_tflops"}},
+//               "bf16": {"peak_tflops", "gemm_efficiency" or "gemm" (and "gemm_streaming_gb_s"),
+//                        "attention_tflops"}},
 //                                                            the rates under --precision bf16 (absent: the ones above)
 //    "comm_overlap": ..,                                      the part of a transfer that proceeds while the device
 //                                                            computes (1: a copy engine or NCCL's own SMs; default 1)
@@ -55,6 +62,7 @@ struct ComputeRates {
   double peak_flops = 0;              // per device: the dense matmul peak MFU is measured against
   double gemm_efficiency = 1;         // of the roofline
   std::vector<std::pair<double, double>> gemm;  // (FLOPs of one GEMM, achieved FLOP/s), ascending
+  double gemm_streaming = 0;          // bytes/s a measured curve's calls read operands from memory at (0: free)
   double attention_flops = 0;         // achieved FLOP/s of the attention core
 };
 
@@ -63,6 +71,7 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   int nodes = 1, devices_per_node = 1;
   double memory_bytes = 0;            // per device
   double memory_bandwidth = 0;        // bytes/s (roofline, element-wise work, AdamW; 0: not known)
+  double first_touch = 0;             // bytes/s written into fresh pages (0: not priced)
   std::optional<ComputeRates> bf16;   // the file's bf16 rates (none: bf16 GEMMs run at the fp32 rates)
   int element_bytes = 4;              // of a GEMM operand: 4 (fp32), 2 (bf16)
   bool rounds_operands = false;       // bf16 on a CPU, as origami's kernels run it: activations stay fp32
@@ -83,8 +92,9 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   // The part of a transfer of `kind` ("dp", "param-gather", "cp", "tp", "ep", "pp") that hides behind compute.
   double overlap_of(const std::string& kind) const;
   // Achieved FLOP/s of one GEMM of M×N×K (2·M·N·K FLOPs): from the measured curve (interpolated in
-  // log FLOPs, flat beyond its ends), or the roofline of peak (on a GPU less its tile and wave
-  // quantization, gemm_tile_share) and memory bandwidth (traffic M·K + K·N + M·N elements) times
+  // log FLOPs, flat beyond its ends; those are in-cache rates, so the call's operands, M·K + K·N + M·N
+  // elements, add their bytes over gemm_streaming), or the roofline of peak (on a GPU less its tile
+  // and wave quantization, gemm_tile_share) and memory bandwidth (the same traffic) times
   // gemm_efficiency.
   double gemm_rate(double M, double N, double K) const;
   // Achieved FLOP/s of the attention core at sequence length T and head size D: attention_flops,
@@ -105,6 +115,10 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   static Cluster load(const std::string& path);
   nlohmann::json to_json() const;
 };
+
+// gemm_streaming from timings of the same calls in cache and cold: (operand bytes, cold − in-cache
+// seconds) per call, the least-squares rate through the origin; 0 when the cold calls are not slower.
+double fit_streaming_rate(const std::vector<std::pair<double, double>>& bytes_and_extra_seconds);
 
 // The best share of a GPU's peak an output of M×N rows and columns can use: over cuBLAS's tile shapes
 // (NVIDIA, Matrix Multiplication Background User's Guide: tile and wave quantization), the useful part

@@ -32,7 +32,7 @@ std::vector<std::pair<std::string, double>> Prediction::breakdown() const {
   for (const char* term : {"gemm", "attention", "elementwise", "kernels"})
     if (compute_parts.count(term)) parts.emplace_back(std::string("compute: ") + term, compute_parts.at(term));
   parts.emplace_back("bubble", bubble_s);
-  for (const auto& [k, s] : exposed_s) parts.emplace_back(k == "optimizer" ? k : "exposed: " + k, s);
+  for (const auto& [k, s] : exposed_s) parts.emplace_back(k == "optimizer" || k == "page faults" ? k : "exposed: " + k, s);
   return parts;
 }
 
@@ -287,8 +287,9 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
 // the cluster does not overlap with the backward they can hide behind: the last micro-batch's, or
 // under ZeRO-2 and 3, which reduce every micro-batch, all of them), ZeRO-1/2's parameter gather (as
 // far as the cluster overlaps it with the next step's first forward), the tied embedding and the
-// world's reductions; then AdamW's pass over the owned state. ZeRO-3's gathers, each unit's before
-// its use with the next one prefetched, hide behind the forwards and backwards like the reductions.
+// world's reductions, ZeRO ≥ 2's gradient pages written afresh; then AdamW's pass over the owned
+// state. ZeRO-3's gathers, each unit's before its use with the next one prefetched, hide behind the
+// forwards and backwards like the reductions.
 // f, b: the busiest stage's forward and backward of one micro-batch. Adds each part to out.exposed_s.
 double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f,
                                  double b, Prediction& out) {
@@ -329,6 +330,16 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
     out.exposed_s[key] = cluster.transfer_seconds(it->second, (std::string(key) == "world" ? 2 : 1) * steps,
                                                   std::string(key) == "world" ? devices > per_node : tier(0, "pp"));
     after += out.exposed_s[key];
+  }
+  // ZeRO ≥ 2 returns the gradient buffer's pages outside the shards once each bucket is reduced, so
+  // every micro-batch's backward writes them into fresh pages (the shards' own pages only in the first).
+  // FSSDP's experts accumulate in a resident staging area instead.
+  if (o.zero >= 2 && cluster.first_touch > 0) {
+    const RankBuffers& held = buffers(o, mesh, out.memory_rank);
+    double floats = double(micro) * double(held.dense.size - held.dense.shard) + double(held.dense.shard);
+    if (!o.fssdp()) floats += double(micro) * double(held.experts.size - held.experts.shard) + double(held.experts.shard);
+    out.exposed_s["page faults"] = 4 * floats / cluster.first_touch;
+    after += out.exposed_s["page faults"];
   }
   // AdamW over the elements this rank updates (its moments are 8 bytes each): the fp32 weight,
   // gradient and two moments read, three written back, the gradient read once more for the clipping

@@ -41,7 +41,8 @@ struct Prediction {
   double compute_s = 0;                      // the busiest stage's compute in the step
   double bubble_s = 0;                       // that stage's idle time in the schedule
   std::map<std::string, double> compute_parts;  // compute_s by term: gemm, attention, elementwise, kernels
-  std::map<std::string, double> exposed_s;   // per communicator (and the optimizer): time not hidden behind compute
+  std::map<std::string, double> exposed_s;   // per communicator (and the optimizer, ZeRO-2's page faults): time
+                                             // not hidden behind compute
   double tokens_per_s = 0;
   double mfu = 0;                            // model FLOPs / (step time × devices × peak)
   MemoryParts memory;                        // the neediest rank's

@@ -30,12 +30,23 @@ std::vector<GemmShape> default_gemm_shapes() {
   return out;
 }
 
-double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds) {
-  std::vector<float> A(size_t(s.M * s.K), 0.5f), Bm(size_t(s.K * s.N), 0.25f), C(size_t(s.M * s.N));
+double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, bool cold) {
+  // Cold: the calls cycle over copies of the operands filling 128 MiB (four times a 32 MiB L3), as
+  // in a training step, where every other layer's weights, gradients and activations pass through
+  // the caches between two uses of one layer's. dW (ta) accumulates into C, as the layers' backward does.
+  const size_t a_n = size_t(s.M * s.K), b_n = size_t(s.K * s.N), c_n = size_t(s.M * s.N);
+  const size_t call_bytes = 4 * (a_n + b_n + 2 * c_n) + (p == Precision::bf16 ? 2 * b_n : 0);
+  const size_t copies = cold ? std::clamp<size_t>((size_t(128) << 20) / std::max<size_t>(call_bytes, 1), 1, 64) : 1;
+  std::vector<float> A(copies * a_n, 0.5f), Bm(copies * b_n, 0.25f), C(copies * c_n, 0.f);
   std::vector<bf16> low;  // B's bf16 copy (a weight's), rounded once
   if (p == Precision::bf16) low.resize(Bm.size()), round_to_bf16(low.data(), Bm.data(), int64_t(Bm.size()));
-  const Mat<float> a{A.data(), s.ta ? s.M : s.K}, b{Bm.data(), s.tb ? s.K : s.N, low.empty() ? nullptr : low.data()};
-  return timed(world, seconds, 2, [&] { matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, 0.f, C.data(), s.N); });
+  size_t i = 0;
+  return timed(world, seconds, 2 * int(copies), [&] {
+    const size_t k = i++ % copies;
+    const Mat<float> a{A.data() + k * a_n, s.ta ? s.M : s.K},
+        b{Bm.data() + k * b_n, s.tb ? s.K : s.N, low.empty() ? nullptr : low.data() + k * b_n};
+    matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, s.ta ? 1.f : 0.f, C.data() + k * c_n, s.N);
+  });
 }
 
 double time_attention(Comm& world, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t doc_len, Precision p,

@@ -34,6 +34,7 @@ struct GemmShape {
   int64_t M, N, K;
   bool ta, tb;
   double flops() const { return 2.0 * double(M) * double(N) * double(K); }
+  double elements() const { return double(M) * double(K) + double(K) * double(N) + double(M) * double(N); }  // operands
 };
 
 // The layer GEMMs of a training step of `cfg` on B×T tokens (one rank, no TP): forward y = x·Wᵀ and
@@ -44,8 +45,9 @@ std::vector<GemmShape> model_gemm_shapes(const ModelConfig& c, int64_t B, int64_
 std::vector<GemmShape> default_gemm_shapes();
 
 // Seconds per GEMM of shape s in precision p as training's matmul runs it (bf16: the B operand a
-// weight's bf16 copy, rounded once; the other rounded at the call), about `seconds` of calls.
-double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds);
+// weight's bf16 copy, rounded once; the other rounded at the call; a weight gradient, ta, added into
+// C), about `seconds` of calls. cold: every call's operands come from memory, not the caches.
+double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, bool cold = false);
 
 // Seconds per forward + backward of the attention core over one row of T tokens, H query and KV
 // key/value heads of D, in precision p: one causal sequence (doc_len 0), or documents of doc_len

@@ -2,8 +2,10 @@
 
   1. Under mpirun on 2 ranks with a model config: exit 0; the file is one node of 2 devices; one
      GEMM rate per distinct size of the model's layer GEMMs (forward, input and weight gradients of
-     QKV, attention output, MLP and LM head), ascending in size, each positive and at most the
-     peak; the attention rate, the memory and the link's bandwidth and latency positive; the table
+     QKV, attention output, MLP and LM head) at one row and at --micro-batch rows, ascending in size,
+     each positive and at most the peak; the operands' streaming rate, where the cold calls were
+     slower, and the first-touch rate positive; the attention rate, the memory and the link's
+     bandwidth and latency positive; the table
      printed names every collective, and the file keeps the other four collectives' own rates;
      the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention's own, positive); the
      planner reads the file and plans bf16 with it.
@@ -16,6 +18,15 @@ import os
 import harness as h
 
 QUICK = ["--seconds", "0.05", "--max-mb", "1", "--seq-len", "64", "--micro-batch", "2", "--threads", "1"]
+
+
+def gemm_sizes(cfg, rows):
+    """FLOPs of each layer GEMM of `cfg` on `rows` rows (forward, dx and dW of a linear share them)."""
+    c, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = c // heads
+    linears = [(c, (heads + 2 * kv) * d), (heads * d, c), (c, 2 * cfg["intermediate_size"]),
+               (cfg["intermediate_size"], c), (c, cfg["vocab_size"])]
+    return {2 * rows * i * o for i, o in linears}
 
 
 def main():
@@ -32,10 +43,15 @@ def main():
         d = c["device"]
         gemm = d.get("gemm", [])
         sizes = [g[0] for g in gemm]
+        model = json.load(open(cfg))
+        want = sorted(gemm_sizes(model, 64) | gemm_sizes(model, 2 * 64))
         checks = [
             (c["nodes"] == 1 and c["devices_per_node"] == 2, "one node of 2 devices: %s x %s" % (c["nodes"], c["devices_per_node"])),
-            (len(gemm) >= 5 and sizes == sorted(sizes) and len(set(sizes)) == len(sizes),
-             "GEMM rates ascending by distinct size: %s" % sizes),
+            (len(sizes) == len(want) and all(abs(a - b * 1e-9) < 1e-9 * b * 1e-9 for a, b in zip(sizes, want)),
+             "GEMM rates by distinct size, ascending, at 1 and 2 rows of 64: %s (want %s)" % (sizes, [w * 1e-9 for w in want])),
+            (d.get("gemm_streaming_gb_s", 1) > 0 and d.get("bf16", {}).get("gemm_streaming_gb_s", 1) > 0,
+             "operands' streaming rates positive where measured: %s" % d.get("gemm_streaming_gb_s")),
+            (d.get("first_touch_gb_s", 0) > 0, "first-touch rate positive: %s" % d.get("first_touch_gb_s")),
             (all(0 < g[1] <= d["peak_tflops"] * (1 + 1e-9) for g in gemm), "rates in (0, peak]: %s" % gemm),
             (d["attention_tflops"] > 0 and d["memory_gb"] > 0, "attention and memory positive: %s" % d),
             (c["intra_node"]["bandwidth_gb_s"] > 0 and c["intra_node"]["latency_us"] > 0, "link: %s" % c["intra_node"]),

@@ -77,6 +77,31 @@ TEST(Cluster, RooflineAndMeasuredRates) {
   EXPECT_DOUBLE_EQ(r.memory_bytes, m.memory_bytes);
 }
 
+// In-cache rates plus operand traffic: a measured curve's call takes its FLOPs at the curve's rate
+// and its operands' bytes at gemm_streaming, so fewer rows per call cost more per FLOP.
+TEST(Cluster, OperandsStreamBeyondTheInCacheRates) {
+  nlohmann::json j = base();
+  j["device"]["gemm"] = {{0.001, 1.0}, {1000.0, 1.0}};  // 1 TFLOP/s in cache at every size
+  j["device"]["gemm_streaming_gb_s"] = 10;
+  j["device"]["bf16"] = {{"peak_tflops", 2}, {"gemm", {{0.001, 2.0}}}, {"gemm_streaming_gb_s", 5}, {"attention_tflops", 1}};
+  const Cluster c = Cluster::from_json(j, "c.json");
+  const double flops = 2.0 * 256 * 1024 * 1024, elements = 256.0 * 1024 + 1024.0 * 1024 + 256.0 * 1024;
+  EXPECT_NEAR(2 * 256.0 * 1024 * 1024 / c.gemm_rate(256, 1024, 1024), flops / 1e12 + 4 * elements / 1e10, 1e-12);
+  // bf16: its own curve and rate, 2-byte elements.
+  EXPECT_NEAR(flops / c.at("bf16").gemm_rate(256, 1024, 1024), flops / 2e12 + 2 * elements / 5e9, 1e-12);
+  // The same weight over four times the rows: fewer bytes per FLOP, a higher rate.
+  EXPECT_GT(c.gemm_rate(1024, 1024, 1024), c.gemm_rate(256, 1024, 1024) * 1.2);
+  EXPECT_EQ(Cluster::from_json(c.to_json(), "again").gemm_streaming, 1e10);
+  EXPECT_EQ(Cluster::from_json(c.to_json(), "again").bf16->gemm_streaming, 5e9);
+  j["device"].erase("gemm_streaming_gb_s");
+  EXPECT_NEAR(Cluster::from_json(j, "c.json").gemm_rate(256, 1024, 1024), 1e12, 1);  // absent: in cache
+  // The fit: extra seconds = bytes / rate through the origin; no slower cold calls, no term.
+  EXPECT_NEAR(fit_streaming_rate({{1e6, 1e-4}, {4e6, 4e-4}}), 1e10, 1);
+  EXPECT_NEAR(fit_streaming_rate({{1e6, 0.5e-4}, {1e6, 1.5e-4}}), 1e10, 1);
+  EXPECT_EQ(fit_streaming_rate({{1e6, -1e-4}, {1e6, 0.5e-4}}), 0);
+  EXPECT_EQ(fit_streaming_rate({}), 0);
+}
+
 TEST(Cluster, PrecisionRatesAndOverlapPerKind) {
   nlohmann::json j = base();
   const Cluster plain = Cluster::from_json(j, "c.json");
@@ -201,6 +226,13 @@ TEST(Cluster, MistakesNameTheField) {
   j = base();
   j["device"].erase("gemm_efficiency");
   EXPECT_EQ(error_of(j), "c.json: field 'device.gemm_efficiency': missing (it is needed without measured 'gemm' rates)");
+  j = base();
+  j["device"]["gemm_streaming_gb_s"] = 10;
+  EXPECT_EQ(error_of(j), "c.json: field 'device.gemm_streaming_gb_s': needs measured 'gemm' rates (the roofline "
+                         "counts operand traffic itself)");
+  j = base();
+  j["device"]["first_touch_gb_s"] = 0;
+  EXPECT_EQ(error_of(j), "c.json: field 'device.first_touch_gb_s': expected a positive number, got 0");
   j = base();
   j["devices_per_node"] = 2.5;
   EXPECT_EQ(error_of(j), "c.json: field 'devices_per_node': expected an integer in [1, 1024], got 2.5");

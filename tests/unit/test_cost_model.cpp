@@ -266,4 +266,28 @@ TEST(CostModel, GradientReductionHidesBehindTheBackwardItOverlaps) {
   }
 }
 
+// ZeRO-2 returns its gradient pages outside the shard after each bucket's reduction, so every one of
+// the 4 micro-batches writes them afresh (the shard's own pages only the first time): that many bytes
+// at the cluster's first-touch rate, added to the step. ZeRO-1 keeps its buffer; a cluster without
+// the rate prices nothing.
+TEST(CostModel, ZeroTwoWritesItsGradientPagesAfreshEveryMicroBatch) {
+  const ModelConfig cfg = config("llama_tiny");
+  Cluster c = cluster(4, false);
+  CostModel plain(cfg, c, 2);
+  c.first_touch = 1e9;
+  CostModel model(cfg, c, 2);
+  TrainOptions o;
+  o.data = "plan";
+  o.global_batch = 8, o.seq_len = 32, o.micro_batch = 1, o.zero = 2;
+  const Prediction p = model.predict(o), without = plain.predict(o);
+  const BufferFigures b = rank_buffers(cfg, o.resolved(2), 2, 0).dense;
+  const double micro = 4, floats = micro * double(b.size - b.shard) + double(b.shard);
+  EXPECT_GT(b.shard, 0);
+  EXPECT_NEAR(p.exposed_s.at("page faults"), 4 * floats / 1e9, 1e-15);
+  EXPECT_NEAR(p.step_s - without.step_s, 4 * floats / 1e9, 1e-12);
+  EXPECT_EQ(without.exposed_s.count("page faults"), 0u);
+  o.zero = 1;
+  EXPECT_EQ(model.predict(o).exposed_s.count("page faults"), 0u);
+}
+
 }  // namespace
