@@ -11,9 +11,10 @@
 //   attention   the attention core's forward + backward on one window (--seq-len, the model's heads),
 //               its rate by the causal FLOP convention (6·T²·H·D per window)
 //   collectives all-reduce, all-gather, reduce-scatter and all-to-all over all ranks, and a
-//               send/receive between ranks 0 and 1, from 4 KiB to --max-mb; bandwidth and per-step
-//               latency by a least-squares fit of seconds = steps·latency + bytes/bandwidth (bytes as
-//               Comm counts them); the all-reduce's fit is the file's intra-node link, the others'
+//               send/receive between ranks 0 and 1, from 4 KiB to --max-mb; per-step latency and
+//               bandwidth from the smallest and largest messages of seconds = steps·latency +
+//               bytes/bandwidth (bytes as Comm counts them), and each size's own bandwidth (its
+//               "bandwidth_by_size"); the all-reduce's is the file's intra-node link, the others'
 //               its "collectives"
 //   bandwidth   a triad over arrays beyond the caches, every rank at once (element-wise work, AdamW)
 //   first touch writing into pages returned to the system (ZeRO-2's gradient buffer), every rank at once
@@ -46,9 +47,12 @@ namespace {
 
 // seconds = steps·latency + bytes/bandwidth from the points (bytes, seconds), smallest first: the
 // latency from the smallest message (its transfer time removed at the bandwidth of the largest),
-// the bandwidth from the largest with its latency removed.
+// the bandwidth from the largest with its latency removed; and each point's own bandwidth, its
+// latency removed, by its bytes per step (messages that stay in the caches move faster).
 struct Fit {
   double latency = 0, bandwidth = 0;  // per step, bytes/s
+  std::vector<std::pair<double, double>> by_size;  // (bytes per step, bytes/s)
+  LinkTier link() const { return {bandwidth, latency, by_size}; }
 };
 Fit fit(const std::vector<std::pair<double, double>>& pts, int steps) {
   const auto [b0, t0] = pts.front();
@@ -58,7 +62,9 @@ Fit fit(const std::vector<std::pair<double, double>>& pts, int steps) {
     latency = std::max(t0 - b0 / bandwidth, 0.0) / steps;
     bandwidth = b1 / std::max(t1 - steps * latency, t1 * 0.05);
   }
-  return {std::max(latency, 1e-9), bandwidth};
+  Fit f{std::max(latency, 1e-9), bandwidth, {}};
+  for (const auto& [b, t] : pts) f.by_size.emplace_back(b / steps, b / std::max(t - steps * latency, t * 0.05));
+  return f;
 }
 
 // The options of `origami profile`, read and checked on every rank.
@@ -226,8 +232,8 @@ void measure_collectives(Comm& world, const ProfileCommand& cmd, Cluster& c) {
   for (const Collective& k : kinds) {
     const Fit f = measure_collective(world, k, cmd.seconds, in, out);
     if (rank0) std::printf("  %-15s %8.2f GB/s  %7.2f us per step\n", k.name, f.bandwidth / 1e9, f.latency * 1e6);
-    if (std::string(k.name) == "all_reduce") c.intra = {f.bandwidth, f.latency};
-    else c.collectives[k.name] = {f.bandwidth, f.latency};
+    if (std::string(k.name) == "all_reduce") c.intra = f.link();
+    else c.collectives[k.name] = f.link();
   }
 }
 

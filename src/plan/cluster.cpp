@@ -70,7 +70,17 @@ double Cluster::overlap_of(const std::string& kind) const {
 double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective) const {
   const auto own = collectives.find(collective);
   const LinkTier& t = inter_node ? inter : own != collectives.end() ? own->second : intra;
-  return steps * t.latency + bytes / t.bandwidth;
+  return steps * t.latency + bytes / t.bandwidth_at(steps > 0 ? bytes / steps : bytes);
+}
+
+double LinkTier::bandwidth_at(double step_bytes) const {
+  if (by_size.empty()) return bandwidth;
+  if (step_bytes <= by_size.front().first) return by_size.front().second;
+  if (step_bytes >= by_size.back().first) return by_size.back().second;
+  const auto hi = std::lower_bound(by_size.begin(), by_size.end(), std::make_pair(step_bytes, 0.0));
+  const auto lo = hi - 1;
+  const double f = (std::log(step_bytes) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
+  return lo->second + f * (hi->second - lo->second);
 }
 
 double Cluster::all_to_all_seconds(double bytes, int steps, int group, int in_node) const {
@@ -90,9 +100,20 @@ constexpr int64_t kMaxNodes = int64_t(1) << 20, kMaxDevicesPerNode = 1024;
 // A positive figure of the file, in its human unit, times `unit` (to SI).
 double positive(const JsonField& f, double unit) { return f.number(NumberRange::positive()) * unit; }
 
+// A link or collective: bandwidth and latency, and optionally the bandwidth by message size
+// ([KiB per step, GB/s] pairs, both positive, sizes ascending).
 LinkTier link_of(const JsonField& f) {
   f.object();
-  return {positive(f["bandwidth_gb_s"], 1e9), positive(f["latency_us"], 1e-6)};
+  LinkTier t{positive(f["bandwidth_gb_s"], 1e9), positive(f["latency_us"], 1e-6), {}};
+  if (!f["bandwidth_by_size"].present()) return t;
+  f["bandwidth_by_size"].array(1);
+  f["bandwidth_by_size"].for_each_element([&](const JsonField& p) {
+    p.array(2, 2);
+    const double bytes = positive(p[0], 1024);
+    ORIGAMI_CHECK(t.by_size.empty() || bytes > t.by_size.back().first, p.where(), ": sizes must ascend");
+    t.by_size.emplace_back(bytes, positive(p[1], 1e9));
+  });
+  return t;
 }
 
 // Measured GEMM rates: [gflop, tflops] pairs, both positive, each size once; ascending in size.
@@ -194,7 +215,9 @@ nlohmann::json Cluster::to_json() const {
   if (sms > 0) d["sms"] = sms;
   if (kernel_overhead > 0) d["kernel_overhead_us"] = kernel_overhead * 1e6;
   auto link = [](const LinkTier& t) {
-    return nlohmann::json{{"bandwidth_gb_s", t.bandwidth / 1e9}, {"latency_us", t.latency * 1e6}};
+    nlohmann::json j = {{"bandwidth_gb_s", t.bandwidth / 1e9}, {"latency_us", t.latency * 1e6}};
+    for (const auto& [bytes, rate] : t.by_size) j["bandwidth_by_size"].push_back({bytes / 1024, rate / 1e9});
+    return j;
   };
   nlohmann::json links = nlohmann::json::object();
   for (const auto& [name, t] : collectives) links[name] = link(t);

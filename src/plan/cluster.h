@@ -38,6 +38,10 @@
 //                    "send_recv": ..}}                       optional, within a node: the other collectives' own
 //                                                            rates (`origami profile` measures them; the tiers'
 //                                                            links are the all-reduce's)
+//    Each link or collective may add "bandwidth_by_size": [[KiB per message step, GB/s], ...], its
+//    bandwidth measured by message size (ascending; `origami profile` writes it: on a CPU messages that
+//    stay in the caches move several times faster than large ones); "bandwidth_gb_s" is then the
+//    largest message's.
 //
 // Units in the file are human ones (GB = 1e9 bytes, TFLOP/s, µs); the struct holds SI units.
 #pragma once
@@ -55,6 +59,11 @@ namespace origami {
 struct LinkTier {
   double bandwidth = 0;  // bytes/s one device sends (the bytes Comm counts)
   double latency = 0;    // seconds per message step
+  // Measured bandwidth by size: (bytes per message step, bytes/s), ascending (empty: `bandwidth`).
+  std::vector<std::pair<double, double>> by_size;
+  // The bandwidth of messages of `step_bytes` per step: by_size interpolated in log size, flat
+  // beyond its ends.
+  double bandwidth_at(double step_bytes) const;
 };
 
 // The compute rates of one element type: the device's, and under bf16 its "bf16" object's.
@@ -104,7 +113,7 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   // Seconds of a collective that sends `bytes` (as Comm counts them) in `steps` latency-bound
   // message steps, over the tier the group spans: within a node at the collective's own measured
   // rate ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv") where the file
-  // gives one, else at the tier's.
+  // gives one, else at the tier's; at the bandwidth of bytes/steps per step (steps 0: one message).
   double transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective = "all_reduce") const;
   // An all-to-all over `group` ranks of which `in_node` share the sender's node: each peer gets an
   // equal part of `bytes`, the ones in the node over its links and the rest across nodes, both at once.

@@ -194,6 +194,32 @@ TEST(Cluster, CollectivesAtTheirOwnRates) {
   EXPECT_FALSE(Cluster::from_json(single.to_json(), "again").inter_given);
 }
 
+// A collective's bandwidth by message size: each call at the rate of its bytes per step (interpolated
+// in log size, flat beyond the ends); a step count of 0 is one message of all the bytes.
+TEST(Cluster, CollectivesAtTheRateOfTheirMessageSize) {
+  nlohmann::json j = base();
+  j["collectives"] = {{"reduce_scatter", {{"bandwidth_gb_s", 1}, {"latency_us", 1},
+                                          {"bandwidth_by_size", {{1.0, 4.0}, {1024.0, 2.0}, {65536.0, 1.0}}}}}};
+  const Cluster c = Cluster::from_json(j, "c.json");
+  const LinkTier& rs = c.collectives.at("reduce_scatter");
+  EXPECT_DOUBLE_EQ(rs.bandwidth_at(100), 4e9);            // below the smallest: its rate
+  EXPECT_DOUBLE_EQ(rs.bandwidth_at(1024 * 1024), 2e9);    // 1 MiB: a measured point
+  EXPECT_NEAR(rs.bandwidth_at(8 * 1024 * 1024), 1.5e9, 1);  // 8 MiB: halfway in log size from 1 to 64 MiB
+  EXPECT_DOUBLE_EQ(rs.bandwidth_at(1e12), 1e9);           // beyond the largest: its rate
+  // 32 messages of 1 MiB (one step each), and one of 32 MiB.
+  const double mib = 1024 * 1024;
+  EXPECT_NEAR(c.transfer_seconds(32 * mib, 32, false, "reduce_scatter"), 32e-6 + 32 * mib / 2e9, 1e-15);
+  EXPECT_NEAR(c.transfer_seconds(32 * mib, 0, false, "reduce_scatter"), 32 * mib / rs.bandwidth_at(32 * mib), 1e-15);
+  EXPECT_EQ(Cluster::from_json(c.to_json(), "again").collectives.at("reduce_scatter").by_size, rs.by_size);
+  // Without sizes: the one bandwidth at every size.
+  EXPECT_EQ(c.intra.bandwidth_at(1), 2e11);
+  j["collectives"]["reduce_scatter"]["bandwidth_by_size"] = {{1024.0, 2.0}, {1024.0, 1.0}};
+  EXPECT_EQ(error_of(j), "c.json: field 'collectives.reduce_scatter.bandwidth_by_size[1]': sizes must ascend");
+  j["collectives"]["reduce_scatter"]["bandwidth_by_size"] = {{1024.0, 0.0}};
+  EXPECT_EQ(error_of(j), "c.json: field 'collectives.reduce_scatter.bandwidth_by_size[0][1]': expected a positive "
+                         "number, got 0.0");
+}
+
 TEST(Cluster, MistakesNameTheField) {
   nlohmann::json j = base();
   j["nodes"] = 0;
