@@ -41,7 +41,7 @@ double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, b
   std::vector<bf16> low;  // B's bf16 copy (a weight's), rounded once
   if (p == Precision::bf16) low.resize(Bm.size()), round_to_bf16(low.data(), Bm.data(), int64_t(Bm.size()));
   size_t i = 0;
-  return timed(world, seconds, 2 * int(copies), [&] {
+  return timed_best(world, seconds, 2 * int(copies), [&] {
     const size_t k = i++ % copies;
     const Mat<float> a{A.data() + k * a_n, s.ta ? s.M : s.K},
         b{Bm.data() + k * b_n, s.tb ? s.K : s.N, low.empty() ? nullptr : low.data() + k * b_n};
