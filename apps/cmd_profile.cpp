@@ -113,7 +113,8 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
 }
 
 // GEMMs in precision p: (FLOPs, rate) per shape in cache, equal FLOPs merged, into r's curve and peak;
-// each shape timed cold as well, the difference fitted as the rate its operands stream at.
+// each shape timed cold as well, the difference fitted as the rate its operands stream at (over the
+// shapes small enough to differ: a call whose operands alone fill 128 MiB reads memory in both).
 void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeRates& r) {
   const bool rank0 = world.rank() == 0;
   // The model's shapes at one row and at --micro-batch rows: a planner's layouts range between them
@@ -129,7 +130,7 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeR
   for (const GemmShape& s : shapes) {
     const double t = time_gemm(world, s, p, cmd.seconds), cold = time_gemm(world, s, p, cmd.seconds, true);
     rates[s.flops()].push_back(s.flops() / t);
-    streamed.emplace_back(element * s.elements(), cold - t);
+    if (cold_copies(s, p) > 1) streamed.emplace_back(element * s.elements(), cold - t);  // (else cold is hot)
     if (rank0) std::printf("  %6lld x %6lld x %6lld%s  %8.2f  %8.2f GFLOP/s\n", (long long)s.M, (long long)s.N,
                            (long long)s.K, s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", s.flops() / t / 1e9,
                            s.flops() / cold / 1e9);

@@ -67,10 +67,12 @@ double Cluster::overlap_of(const std::string& kind) const {
   return kind == "dp" || kind == "cp" ? comm_overlap : 0.0;
 }
 
-double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective) const {
+double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective,
+                                 double step_bytes) const {
   const auto own = collectives.find(collective);
   const LinkTier& t = inter_node ? inter : own != collectives.end() ? own->second : intra;
-  return steps * t.latency + bytes / t.bandwidth_at(steps > 0 ? bytes / steps : bytes);
+  if (step_bytes <= 0) step_bytes = steps > 0 ? bytes / steps : bytes;
+  return steps * t.latency + bytes / t.bandwidth_at(step_bytes);
 }
 
 double LinkTier::bandwidth_at(double step_bytes) const {
@@ -83,13 +85,14 @@ double LinkTier::bandwidth_at(double step_bytes) const {
   return lo->second + f * (hi->second - lo->second);
 }
 
-double Cluster::all_to_all_seconds(double bytes, int steps, int group, int in_node) const {
+double Cluster::all_to_all_seconds(double bytes, int calls, int group, int in_node) const {
   if (group <= 1) return 0;
-  if (in_node >= group) return transfer_seconds(bytes, steps, false, "all_to_all");
+  const double message = bytes / (double(std::max(calls, 1)) * (group - 1));  // to one peer in one call
+  if (in_node >= group) return transfer_seconds(bytes, calls, false, "all_to_all", message);
   const double local = bytes * double(in_node - 1) / double(group - 1),
                remote = bytes * double(group - in_node) / double(group - 1);
-  const double local_s = local > 0 ? transfer_seconds(local, 0, false, "all_to_all") : 0.0;
-  return std::max(local_s, transfer_seconds(remote, steps, true));
+  const double local_s = local > 0 ? transfer_seconds(local, 0, false, "all_to_all", message) : 0.0;
+  return std::max(local_s, transfer_seconds(remote, calls, true, "all_reduce", message));
 }
 
 namespace {

@@ -113,11 +113,14 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   // Seconds of a collective that sends `bytes` (as Comm counts them) in `steps` latency-bound
   // message steps, over the tier the group spans: within a node at the collective's own measured
   // rate ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv") where the file
-  // gives one, else at the tier's; at the bandwidth of bytes/steps per step (steps 0: one message).
-  double transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective = "all_reduce") const;
+  // gives one, else at the tier's; at the bandwidth of messages of `step_bytes` per step (0: bytes/steps,
+  // or with steps 0 one message of all the bytes).
+  double transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective = "all_reduce",
+                          double step_bytes = 0) const;
   // An all-to-all over `group` ranks of which `in_node` share the sender's node: each peer gets an
   // equal part of `bytes`, the ones in the node over its links and the rest across nodes, both at once.
-  double all_to_all_seconds(double bytes, int steps, int group, int in_node) const;
+  // `calls`: the all-to-alls `bytes` is the sum of (each sends group − 1 messages, one latency step).
+  double all_to_all_seconds(double bytes, int calls, int group, int in_node) const;
 
   // Errors name the file, the field and the rule.
   static Cluster from_json(const nlohmann::json& j, const std::string& source);

@@ -309,15 +309,19 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
     const double total = it->second;
     const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
-    // ZeRO-0 all-reduces; ZeRO-1, 2 and 3 reduce-scatter (and gather).
+    // ZeRO-0 all-reduces; ZeRO-1, 2 and 3 reduce-scatter (and gather). Every ring moves a bucket (in
+    // the reduction's element type; the whole reduction when it is smaller) in steps of 1/group of it,
+    // at that message size's rate.
     const std::string reduce = o.zero == 0 ? "all_reduce" : "reduce_scatter";
-    const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter, reduce),
-                 tail_s = cluster.transfer_seconds(tail, 0, inter, reduce),
-                 gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter, "all_gather") : 0.0;
+    const double wire_bucket = bucket * (o.grad_reduce_dtype == "bf16" ? 0.5 : 1.0);
+    const double step = std::min(total - gather, all_reduce_bytes(group, wire_bucket)) / (2 * (group - 1));
+    const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter, reduce, step),
+                 tail_s = cluster.transfer_seconds(tail, 0, inter, reduce, step),
+                 gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter, "all_gather", step) : 0.0;
     // FSSDP's exchanges block inside the MoE layers: nothing of them overlaps.
     const bool blocking = axes == "edp" && o.fssdp();
     const double hidden = blocking ? 0.0
-                                   : cluster.overlap_of("dp") * std::min(reduce_s - tail_s, window) +
+                                   : cluster.overlap_of("dp") * std::clamp(reduce_s - tail_s, 0.0, window) +
                                          cluster.overlap_of("param-gather") * std::min(gather_s, f);
     out.exposed_s[axes] = reduce_s + gather_s - hidden;
     after += out.exposed_s[axes];
@@ -333,7 +337,8 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
   }
   // ZeRO ≥ 2 returns the gradient buffer's pages outside the shards once each bucket is reduced, so
   // every micro-batch's backward writes them into fresh pages (the shards' own pages only in the first).
-  // FSSDP's experts accumulate in a resident staging area instead.
+  // FSSDP's experts accumulate in a resident staging area instead. (ZeRO-3 also returns each unit's
+  // gathered weights after use, and bf16 reductions their wire copy per bucket: not priced.)
   if (o.zero >= 2 && cluster.first_touch > 0) {
     const RankBuffers& held = buffers(o, mesh, out.memory_rank);
     double floats = double(micro) * double(held.dense.size - held.dense.shard) + double(held.dense.shard);

@@ -30,13 +30,17 @@ std::vector<GemmShape> default_gemm_shapes() {
   return out;
 }
 
+size_t cold_copies(const GemmShape& s, Precision p) {
+  const size_t call_bytes = size_t(4 * (s.M * s.K + s.K * s.N + 2 * s.M * s.N) + (p == Precision::bf16 ? 2 * s.K * s.N : 0));
+  return std::clamp<size_t>((size_t(128) << 20) / std::max<size_t>(call_bytes, 1), 1, 1024);
+}
+
 double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, bool cold) {
-  // Cold: the calls cycle over copies of the operands filling 128 MiB (four times a 32 MiB L3), as
-  // in a training step, where every other layer's weights, gradients and activations pass through
-  // the caches between two uses of one layer's. dW (ta) accumulates into C, as the layers' backward does.
+  // Cold: the calls cycle over cold_copies of the operands, as in a training step, where every other
+  // layer's weights, gradients and activations pass through the caches between two uses of one
+  // layer's. dW (ta) accumulates into C, as the layers' backward does.
   const size_t a_n = size_t(s.M * s.K), b_n = size_t(s.K * s.N), c_n = size_t(s.M * s.N);
-  const size_t call_bytes = 4 * (a_n + b_n + 2 * c_n) + (p == Precision::bf16 ? 2 * b_n : 0);
-  const size_t copies = cold ? std::clamp<size_t>((size_t(128) << 20) / std::max<size_t>(call_bytes, 1), 1, 64) : 1;
+  const size_t copies = cold ? cold_copies(s, p) : 1;
   std::vector<float> A(copies * a_n, 0.5f), Bm(copies * b_n, 0.25f), C(copies * c_n, 0.f);
   std::vector<bf16> low;  // B's bf16 copy (a weight's), rounded once
   if (p == Precision::bf16) low.resize(Bm.size()), round_to_bf16(low.data(), Bm.data(), int64_t(Bm.size()));

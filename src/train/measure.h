@@ -4,6 +4,7 @@
 // costs with it at start (`train --balance-costs measure`).
 #pragma once
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -61,6 +62,9 @@ std::vector<GemmShape> default_gemm_shapes();
 // C), the best of three trials of about seconds/3. cold: every call's operands come from memory, not
 // the caches.
 double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, bool cold = false);
+// The copies of its operands a cold call of shape s cycles over: together 128 MiB (four times a 32 MiB
+// L3), at most 1024; 1 for a call whose operands alone fill that, which runs from memory either way.
+size_t cold_copies(const GemmShape& s, Precision p);
 
 // Seconds per forward + backward of the attention core over one row of T tokens, H query and KV
 // key/value heads of D, in precision p: one causal sequence (doc_len 0), or documents of doc_len

@@ -4,7 +4,8 @@
      GEMM rate per distinct size of the model's layer GEMMs (forward, input and weight gradients of
      QKV, attention output, MLP and LM head) at one row and at --micro-batch rows, ascending in size,
      each positive and at most the peak; the operands' streaming rate, where the cold calls were
-     slower, and the first-touch rate positive; the attention rate, the memory and the link's
+     slower, and the first-touch rate positive; every collective's bandwidth by message size
+     (ascending sizes, positive rates); the attention rate, the memory and the link's
      bandwidth and latency positive; the table
      printed names every collective, and the file keeps the other four collectives' own rates;
      the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention's own, positive); the
@@ -52,6 +53,12 @@ def main():
             (d.get("gemm_streaming_gb_s", 1) > 0 and d.get("bf16", {}).get("gemm_streaming_gb_s", 1) > 0,
              "operands' streaming rates positive where measured: %s" % d.get("gemm_streaming_gb_s")),
             (d.get("first_touch_gb_s", 0) > 0, "first-touch rate positive: %s" % d.get("first_touch_gb_s")),
+            (all(len(x.get("bandwidth_by_size", [])) >= 4 and
+                 [p[0] for p in x["bandwidth_by_size"]] == sorted(p[0] for p in x["bandwidth_by_size"]) and
+                 all(p[1] > 0 for p in x["bandwidth_by_size"])
+                 for x in [c["intra_node"], *c.get("collectives", {}).values()]),
+             "every collective's bandwidth by message size, ascending and positive: %s" %
+             c["intra_node"].get("bandwidth_by_size")),
             (all(0 < g[1] <= d["peak_tflops"] * (1 + 1e-9) for g in gemm), "rates in (0, peak]: %s" % gemm),
             (d["attention_tflops"] > 0 and d["memory_gb"] > 0, "attention and memory positive: %s" % d),
             (c["intra_node"]["bandwidth_gb_s"] > 0 and c["intra_node"]["latency_us"] > 0, "link: %s" % c["intra_node"]),

@@ -266,6 +266,26 @@ TEST(CostModel, GradientReductionHidesBehindTheBackwardItOverlaps) {
   }
 }
 
+// A data-parallel ring moves a bucket in steps of 1/group of it, and both the reduction and its last
+// bucket are priced at that message size's rate: with a bandwidth that falls with size and gradients
+// that fit in one bucket (llama_tiny, 16 MiB buckets, DP2: steps of half the gradients), the tail is
+// the whole reduction less its latency, so only the latency hides, never more than the reduction.
+TEST(CostModel, DataParallelRingsAtTheirBucketsMessageSize) {
+  const ModelConfig cfg = config("llama_tiny");
+  Cluster c = cluster(4, false);
+  c.intra = {1e9, 1e-6, {{1024, 1e10}, {double(1 << 30), 1e9}}};
+  CostModel model(cfg, c, 2);
+  TrainOptions o;
+  o.data = "plan";
+  o.global_batch = 8, o.seq_len = 32, o.micro_batch = 1;
+  const Prediction p = model.predict(o);
+  const double total = p.comm_bytes.at("dp"), step = total / 2;
+  ASSERT_LT(total, all_reduce_bytes(2, 16.0 * 1024 * 1024));  // one bucket
+  const double reduce_s = 2e-6 + total / c.intra.bandwidth_at(step);
+  EXPECT_GT(c.intra.bandwidth_at(step), c.intra.bandwidth_at(total));  // not priced as one large message
+  EXPECT_NEAR(p.exposed_s.at("dp"), reduce_s - 2e-6, 1e-12);
+}
+
 // ZeRO-2 returns its gradient pages outside the shard after each bucket's reduction, so every one of
 // the 4 micro-batches writes them afresh (the shard's own pages only the first time): that many bytes
 // at the cluster's first-touch rate, added to the step. ZeRO-1 keeps its buffer; a cluster without
