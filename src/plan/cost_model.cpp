@@ -1,6 +1,7 @@
 #include "plan/cost_model.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 
 #include "core/error.h"
@@ -309,12 +310,11 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
     const double total = it->second;
     const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
     const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
-    // ZeRO-0 all-reduces; ZeRO-1, 2 and 3 reduce-scatter (and gather). Every ring moves a bucket (in
-    // the reduction's element type; the whole reduction when it is smaller) in steps of 1/group of it,
-    // at that message size's rate.
+    // ZeRO-0 all-reduces; ZeRO-1, 2 and 3 reduce-scatter (and gather). A bucket is reduced while
+    // backward streams the next layers through the caches: the reduction, its last bucket and the
+    // gather all move at the rate of messages beyond the caches, the largest the cluster measured.
     const std::string reduce = o.zero == 0 ? "all_reduce" : "reduce_scatter";
-    const double wire_bucket = bucket * (o.grad_reduce_dtype == "bf16" ? 0.5 : 1.0);
-    const double step = std::min(total - gather, all_reduce_bytes(group, wire_bucket)) / (2 * (group - 1));
+    const double step = std::numeric_limits<double>::infinity();
     const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter, reduce, step),
                  tail_s = cluster.transfer_seconds(tail, 0, inter, reduce, step),
                  gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter, "all_gather", step) : 0.0;
