@@ -8,20 +8,25 @@
 
 namespace origami {
 
+namespace {
+
+// A measured curve of (x, y) points, x ascending (not empty), at x: interpolated in log x, flat
+// beyond its ends.
+double interpolated(const std::vector<std::pair<double, double>>& curve, double x) {
+  if (x <= curve.front().first) return curve.front().second;
+  if (x >= curve.back().first) return curve.back().second;
+  const auto hi = std::lower_bound(curve.begin(), curve.end(), std::make_pair(x, 0.0));
+  const auto lo = hi - 1;
+  const double f = (std::log(x) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
+  return lo->second + f * (hi->second - lo->second);
+}
+
+}  // namespace
+
 double Cluster::gemm_rate(double M, double N, double K) const {
   const double flops = 2 * M * N * K, traffic = element_bytes * (M * K + K * N + M * N);
-  if (!gemm.empty()) {
-    double rate = gemm.front().second;  // in cache, interpolated in log FLOPs
-    if (flops >= gemm.back().first) {
-      rate = gemm.back().second;
-    } else if (flops > gemm.front().first) {
-      const auto hi = std::lower_bound(gemm.begin(), gemm.end(), std::make_pair(flops, 0.0));
-      const auto lo = hi - 1;
-      const double f = (std::log(flops) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
-      rate = lo->second + f * (hi->second - lo->second);
-    }
-    return flops / (flops / rate + (gemm_streaming > 0 ? traffic / gemm_streaming : 0));
-  }
+  if (!gemm.empty())  // in-cache rates, and the operands streamed
+    return flops / (flops / interpolated(gemm, flops) + (gemm_streaming > 0 ? traffic / gemm_streaming : 0));
   const double peak = peak_flops * (sms > 0 ? gemm_tile_share(M, N, sms) : 1.0);
   const double seconds = std::max(flops / peak, traffic / memory_bandwidth);
   return gemm_efficiency * flops / seconds;
@@ -76,13 +81,7 @@ double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const
 }
 
 double LinkTier::bandwidth_at(double step_bytes) const {
-  if (by_size.empty()) return bandwidth;
-  if (step_bytes <= by_size.front().first) return by_size.front().second;
-  if (step_bytes >= by_size.back().first) return by_size.back().second;
-  const auto hi = std::lower_bound(by_size.begin(), by_size.end(), std::make_pair(step_bytes, 0.0));
-  const auto lo = hi - 1;
-  const double f = (std::log(step_bytes) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
-  return lo->second + f * (hi->second - lo->second);
+  return by_size.empty() ? bandwidth : interpolated(by_size, step_bytes);
 }
 
 double Cluster::all_to_all_seconds(double bytes, int calls, int group, int in_node) const {
