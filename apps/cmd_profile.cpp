@@ -293,8 +293,7 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
   c.bf16->attention_flops = measure_attention(world, cmd, Precision::bf16);
   measure_memory_bandwidth(world, cmd.seconds, c);
   measure_first_touch(world, cmd.seconds, c);
-  c.intra = {1e-6, 1e12};  // one rank: no communication to measure; the planner never needs it
-  if (world.size() > 1) {
+  if (world.size() > 1) {  // (one rank: no link to measure, and the file has none)
     measure_collectives(world, cmd, c);
     measure_overlap(world, cmd.seconds, c);
   }

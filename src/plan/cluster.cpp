@@ -193,7 +193,11 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
                     x.where(), ": not one of dp, param-gather, cp, tp, ep, pp");
       c.overlap[kind] = x.number(NumberRange::between(0, 1));
     });
-  c.intra = link_of(f["intra_node"]);
+  // One device per node has no link within its node (a one-rank `origami profile` measures none).
+  ORIGAMI_CHECK(c.devices_per_node == 1 || f["intra_node"].present(), f["intra_node"].where(),
+                ": missing (a node of ", c.devices_per_node, " devices needs the link between them; profile on as "
+                "many ranks as a node has devices)");
+  if (f["intra_node"].present()) c.intra = link_of(f["intra_node"]);
   if (f["collectives"].present())
     f["collectives"].for_each_member([&](const std::string& name, const JsonField& x) {
       ORIGAMI_CHECK(name == "all_gather" || name == "reduce_scatter" || name == "all_to_all" || name == "send_recv",
@@ -223,9 +227,10 @@ nlohmann::json Cluster::to_json() const {
   };
   nlohmann::json links = nlohmann::json::object();
   for (const auto& [name, t] : collectives) links[name] = link(t);
-  nlohmann::json j = {{"name", name},  {"source", source},      {"nodes", nodes},   {"devices_per_node", devices_per_node},
-                      {"device", d},   {"intra_node", link(intra)}, {"comm_overlap", comm_overlap},
+  nlohmann::json j = {{"name", name},         {"source", source},   {"nodes", nodes},
+                      {"devices_per_node", devices_per_node}, {"device", d}, {"comm_overlap", comm_overlap},
                       {"overlap", overlap}, {"collectives", links}};
+  if (intra.bandwidth > 0) j["intra_node"] = link(intra);  // (none measured on one rank)
   if (inter_given || nodes > 1) j["inter_node"] = link(inter);  // (one node without it: none to join nodes with)
   return j;
 }

@@ -33,7 +33,9 @@
 //                                                            forward, TP/SP regions, the MoE dispatcher, pipeline
 //                                                            messages (default 0: blocking, as origami runs them)
 //    "intra_node": {"bandwidth_gb_s": .., "latency_us": ..},  per device, as Comm counts bytes (comm.h: a ring
-//    "inter_node": {"bandwidth_gb_s": .., "latency_us": ..},  all-reduce of S bytes over n sends 2(n−1)/n·S)
+//    "inter_node": {"bandwidth_gb_s": .., "latency_us": ..},  all-reduce of S bytes over n sends 2(n−1)/n·S);
+//                                                            intra_node may be absent with one device per node,
+//                                                            inter_node with one node
 //    "collectives": {"all_gather": {"bandwidth_gb_s", "latency_us"}, "reduce_scatter": .., "all_to_all": ..,
 //                    "send_recv": ..}}                       optional, within a node: the other collectives' own
 //                                                            rates (`origami profile` measures them; the tiers'

@@ -10,7 +10,8 @@
      printed names every collective, and the file keeps the other four collectives' own rates;
      the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention's own, positive); the
      planner reads the file and plans bf16 with it.
-  2. On one rank (no mpirun): one device, no collectives to measure.
+  2. On one rank (no mpirun): one device, no link or collectives measured, none written; the file
+     edited to two devices a node is refused by the planner (no link to price them with).
   3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
 """
 import json
@@ -83,10 +84,18 @@ def main():
 
     one = os.path.join(tmp, "one.json")
     rc, text, _ = h.run(0, ["profile", "--out", one, *QUICK], timeout=300)
-    ok = rc == 0 and json.load(open(one))["devices_per_node"] == 1
-    print("%-4s 1 rank: one device" % ("ok" if ok else "FAIL"))
+    ok = rc == 0 and json.load(open(one))["devices_per_node"] == 1 and "intra_node" not in json.load(open(one))
+    print("%-4s 1 rank: one device, no link" % ("ok" if ok else "FAIL"))
     if not ok:
         failures.append("profile on 1 rank: exit %s: %s" % (rc, text[-500:]))
+    else:  # a node of several devices made of it has no link to price their collectives with: refused
+        two = dict(json.load(open(one)), devices_per_node=2)
+        edited = os.path.join(tmp, "one_edited.json")
+        json.dump(two, open(edited, "w"))
+        _, _, failure = h.check_error("one-rank profile as 2 devices", 0,
+                                      ["plan", "--config", cfg, "--cluster", edited, "--global-batch", "4", "--seq-len", "32"],
+                                      lambda line: "'intra_node': missing (a node of 2 devices" in line)
+        failures += [failure] if failure else []
 
     for name, args, want in [("no --out", [], "--out FILE is required"),
                              ("--seconds 0", ["--out", one, "--seconds", "0"], "--seconds must be positive"),

@@ -262,6 +262,17 @@ TEST(Cluster, MistakesNameTheField) {
   j = base();
   j["devices_per_node"] = 2.5;
   EXPECT_EQ(error_of(j), "c.json: field 'devices_per_node': expected an integer in [1, 1024], got 2.5");
+  // A node of several devices needs the link between them; one device per node has none (a one-rank
+  // profile measures none, and writes none).
+  j = base();
+  j.erase("intra_node");
+  EXPECT_EQ(error_of(j), "c.json: field 'intra_node': missing (a node of 4 devices needs the link between them; "
+                         "profile on as many ranks as a node has devices)");
+  j["devices_per_node"] = 1;
+  const Cluster one = Cluster::from_json(j, "c.json");
+  EXPECT_EQ(one.intra.bandwidth, 0);
+  EXPECT_FALSE(one.to_json().contains("intra_node"));
+  EXPECT_EQ(Cluster::from_json(one.to_json(), "again").inter.bandwidth, 20e9);
 }
 
 }  // namespace
