@@ -7,7 +7,8 @@
 //               and in bf16 as training's matmul runs them (the weight's bf16 copy kept, the other
 //               operand rounded at the call, fp32 accumulation): the file's "bf16" rates. Each shape
 //               is timed in cache (the curve) and cold, its operands from memory as in a training
-//               step (the difference: the rate operands stream at, gemm_streaming_gb_s)
+//               step (the difference: the rate operands stream at, gemm_streaming_gb_s, and for the
+//               weight gradients, which add into C, gemm_streaming_accumulating_gb_s)
 //   attention   the attention core's forward + backward on one window (--seq-len, the model's heads),
 //               its rate by the causal FLOP convention (6·T²·H·D per window)
 //   collectives all-reduce, all-gather, reduce-scatter and all-to-all over all ranks, and a
@@ -123,14 +124,14 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeR
   if (cmd.cfg && cmd.micro_batch > 1)
     for (const GemmShape& s : model_gemm_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len)) shapes.push_back(s);
   std::map<double, std::vector<double>> rates;
-  std::vector<std::pair<double, double>> streamed;  // (operand bytes, cold − in-cache seconds)
+  std::vector<StreamedCall> streamed[2];  // calls that write C, that add into it (dW)
   const double element = p == Precision::bf16 ? 2 : 4;  // bytes, as the planner counts a GEMM's operands
   if (rank0) std::printf("%s GEMMs, %d rank%s x %d threads at once (per rank; in cache, then cold):\n",
                          precision_name(p), world.size(), world.size() > 1 ? "s" : "", num_threads());
   for (const GemmShape& s : shapes) {
     const double t = time_gemm(world, s, p, cmd.seconds), cold = time_gemm(world, s, p, cmd.seconds, true);
     rates[s.flops()].push_back(s.flops() / t);
-    if (cold_copies(s, p) > 1) streamed.emplace_back(element * s.elements(), cold - t);  // (else cold is hot)
+    if (cold_copies(s, p) > 1) streamed[s.ta].push_back({element * s.elements(), cold, t});  // (else cold is hot)
     if (rank0) std::printf("  %6lld x %6lld x %6lld%s  %8.2f  %8.2f GFLOP/s\n", (long long)s.M, (long long)s.N,
                            (long long)s.K, s.ta ? " (Aᵀ)" : s.tb ? " (Bᵀ)" : "     ", s.flops() / t / 1e9,
                            s.flops() / cold / 1e9);
@@ -141,8 +142,11 @@ void measure_gemms(Comm& world, const ProfileCommand& cmd, Precision p, ComputeR
     r.gemm.emplace_back(flops, sum / double(rs.size()));
     r.peak_flops = std::max(r.peak_flops, *std::max_element(rs.begin(), rs.end()));
   }
-  r.gemm_streaming = fit_streaming_rate(streamed);
-  if (rank0) std::printf("  operands stream at %.2f GB/s beyond the in-cache rates\n", r.gemm_streaming / 1e9);
+  r.gemm_streaming = fit_streaming_rate(streamed[0]);
+  r.gemm_streaming_accumulating = fit_streaming_rate(streamed[1]);
+  if (rank0)
+    std::printf("  operands stream at %.2f GB/s beyond the in-cache rates (%.2f GB/s into weight gradients)\n",
+                r.gemm_streaming / 1e9, r.gemm_streaming_accumulating / 1e9);
 }
 
 // Attention: one window of T, the model's heads (or 8 of 64), in precision p. Returns its FLOP/s.

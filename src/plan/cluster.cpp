@@ -23,18 +23,24 @@ double interpolated(const std::vector<std::pair<double, double>>& curve, double 
 
 }  // namespace
 
-double Cluster::gemm_rate(double M, double N, double K) const {
+double Cluster::gemm_rate(double M, double N, double K, bool accumulate) const {
   const double flops = 2 * M * N * K, traffic = element_bytes * (M * K + K * N + M * N);
-  if (!gemm.empty())  // in-cache rates, and the operands streamed
-    return flops / (flops / interpolated(gemm, flops) + (gemm_streaming > 0 ? traffic / gemm_streaming : 0));
+  if (!gemm.empty()) {  // in-cache rates, and the operands streamed
+    const double rate = accumulate && gemm_streaming_accumulating > 0 ? gemm_streaming_accumulating : gemm_streaming;
+    return flops / (flops / interpolated(gemm, flops) + (rate > 0 ? traffic / rate : 0));
+  }
   const double peak = peak_flops * (sms > 0 ? gemm_tile_share(M, N, sms) : 1.0);
   const double seconds = std::max(flops / peak, traffic / memory_bandwidth);
   return gemm_efficiency * flops / seconds;
 }
 
-double fit_streaming_rate(const std::vector<std::pair<double, double>>& bytes_and_extra_seconds) {
+double fit_streaming_rate(const std::vector<StreamedCall>& calls) {
+  // d/dx Σ ((extra − bytes·x) / cold)² = 0 for x = 1/r.
   double bb = 0, bt = 0;
-  for (const auto& [bytes, extra] : bytes_and_extra_seconds) bb += bytes * bytes, bt += bytes * extra;
+  for (const StreamedCall& c : calls) {
+    const double w = 1 / (c.cold_s * c.cold_s);
+    bb += w * c.bytes * c.bytes, bt += w * c.bytes * (c.cold_s - c.hot_s);
+  }
   return bt > 0 ? bb / bt : 0;
 }
 
@@ -141,10 +147,12 @@ ComputeRates rates_of(const JsonField& d, double memory_bandwidth) {
   if (d["gemm"].present()) {
     r.gemm = gemm_curve(d["gemm"]);
     r.gemm_streaming = d["gemm_streaming_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
+    r.gemm_streaming_accumulating = d["gemm_streaming_accumulating_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
     return r;
   }
-  ORIGAMI_CHECK(!d["gemm_streaming_gb_s"].present(), d["gemm_streaming_gb_s"].where(),
-                ": needs measured 'gemm' rates (the roofline counts operand traffic itself)");
+  for (const char* rate : {"gemm_streaming_gb_s", "gemm_streaming_accumulating_gb_s"})
+    ORIGAMI_CHECK(!d[rate].present(), d[rate].where(),
+                  ": needs measured 'gemm' rates (the roofline counts operand traffic itself)");
   ORIGAMI_CHECK(d["gemm_efficiency"].present(), d["gemm_efficiency"].where(),
                 ": missing (it is needed without measured 'gemm' rates)");
   ORIGAMI_CHECK(memory_bandwidth > 0, d.where(), ": 'gemm_efficiency' needs the device's memory_bandwidth_gb_s");
@@ -160,6 +168,7 @@ nlohmann::json rates_json(const ComputeRates& r) {
     d["gemm"] = nlohmann::json::array();
     for (const auto& [flops, rate] : r.gemm) d["gemm"].push_back({flops / 1e9, rate / 1e12});
     if (r.gemm_streaming > 0) d["gemm_streaming_gb_s"] = r.gemm_streaming / 1e9;
+    if (r.gemm_streaming_accumulating > 0) d["gemm_streaming_accumulating_gb_s"] = r.gemm_streaming_accumulating / 1e9;
   }
   return d;
 }

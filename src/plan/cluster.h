@@ -13,6 +13,8 @@
 //               "gemm_streaming_gb_s": ..,                   with them: the rate a call's operands stream from
 //                                                            memory at beyond the in-cache rates (M·K + K·N + M·N
 //                                                            elements; absent: operands cost nothing more)
+//               "gemm_streaming_accumulating_gb_s": ..,      the same for calls that add into C (weight
+//                                                            gradients: C is read and written; absent: the above)
 //               "first_touch_gb_s": ..,                      writing into pages returned to the system (ZeRO ≥ 2's
 //                                                            gradient buffer, refilled every micro-batch; absent:
 //                                                            not priced)
@@ -21,7 +23,7 @@
 //               "sms": ..,                                   GPU: streaming multiprocessors, for the GEMMs' tile and
 //                                                            wave quantization and attention's diagonal tiles
 //               "kernel_overhead_us": ..,                    what each kernel launch adds (default 0)
-//               "bf16": {"peak_tflops", "gemm_efficiency" or "gemm" (and "gemm_streaming_gb_s"),
+//               "bf16": {"peak_tflops", "gemm_efficiency" or "gemm" (and the streaming rates),
 //                        "attention_tflops"}},
 //                                                            the rates under --precision bf16 (absent: the ones above)
 //    "comm_overlap": ..,                                      the part of a transfer that proceeds while the device
@@ -74,6 +76,7 @@ struct ComputeRates {
   double gemm_efficiency = 1;         // of the roofline
   std::vector<std::pair<double, double>> gemm;  // (FLOPs of one GEMM, achieved FLOP/s), ascending
   double gemm_streaming = 0;          // bytes/s a measured curve's calls read operands from memory at (0: free)
+  double gemm_streaming_accumulating = 0;  // the same for calls that add into C (0: gemm_streaming)
   double attention_flops = 0;         // achieved FLOP/s of the attention core
 };
 
@@ -104,10 +107,10 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   double overlap_of(const std::string& kind) const;
   // Achieved FLOP/s of one GEMM of M×N×K (2·M·N·K FLOPs): from the measured curve (interpolated in
   // log FLOPs, flat beyond its ends; those are in-cache rates, so the call's operands, M·K + K·N + M·N
-  // elements, add their bytes over gemm_streaming), or the roofline of peak (on a GPU less its tile
-  // and wave quantization, gemm_tile_share) and memory bandwidth (the same traffic) times
-  // gemm_efficiency.
-  double gemm_rate(double M, double N, double K) const;
+  // elements, add their bytes over gemm_streaming, or gemm_streaming_accumulating for a call that adds
+  // into C), or the roofline of peak (on a GPU less its tile and wave quantization, gemm_tile_share)
+  // and memory bandwidth (the same traffic) times gemm_efficiency.
+  double gemm_rate(double M, double N, double K, bool accumulate = false) const;
   // Achieved FLOP/s of the attention core at sequence length T and head size D: attention_flops,
   // on a GPU less the causal diagonal's half-empty 128-row tiles, T / (T + 128), and the per-tile
   // softmax work that does not scale with D, (D / (D + 32)) relative to D = 128.
@@ -130,9 +133,15 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   nlohmann::json to_json() const;
 };
 
-// gemm_streaming from timings of the same calls in cache and cold: (operand bytes, cold − in-cache
-// seconds) per call, the least-squares rate through the origin; 0 when the cold calls are not slower.
-double fit_streaming_rate(const std::vector<std::pair<double, double>>& bytes_and_extra_seconds);
+// A streaming rate from timings of the same calls in cache and cold. Per call: its operand bytes, its
+// seconds cold and in cache. The rate r minimizes the relative error of the cold times predicted as
+// in-cache + bytes / r: Σ ((cold − hot − bytes/r) / cold)², so the calls whose operands weigh most
+// against their work (few rows) decide it, rather than the largest calls' small, noisy differences.
+// 0 when the cold calls are not slower.
+struct StreamedCall {
+  double bytes, cold_s, hot_s;
+};
+double fit_streaming_rate(const std::vector<StreamedCall>& calls);
 
 // The best share of a GPU's peak an output of M×N rows and columns can use: over cuBLAS's tile shapes
 // (NVIDIA, Matrix Multiplication Background User's Guide: tile and wave quantization), the useful part

@@ -39,14 +39,15 @@ std::vector<std::pair<std::string, double>> Prediction::breakdown() const {
 
 namespace {
 
-// Seconds of one GEMM y[M, N] = x[M, K]·W (2·M·N·K FLOPs) at the cluster's rate for its size.
-double gemm_s(const Cluster& c, double M, double N, double K) {
-  return M > 0 && N > 0 && K > 0 ? 2 * M * N * K / c.gemm_rate(M, N, K) : 0;
+// Seconds of one GEMM y[M, N] = x[M, K]·W (2·M·N·K FLOPs) at the cluster's rate for its size; a
+// weight gradient adds into its C (accumulate).
+double gemm_s(const Cluster& c, double M, double N, double K, bool accumulate = false) {
+  return M > 0 && N > 0 && K > 0 ? 2 * M * N * K / c.gemm_rate(M, N, K, accumulate) : 0;
 }
 // A linear layer of `rows` rows, in → out features: forward, and backward (input and weight gradients).
 using Pass = CostModel::Pass;
 Pass linear(const Cluster& c, double rows, double in, double out) {
-  return {gemm_s(c, rows, out, in), gemm_s(c, rows, in, out) + gemm_s(c, out, in, rows)};
+  return {gemm_s(c, rows, out, in), gemm_s(c, rows, in, out) + gemm_s(c, out, in, rows, true)};
 }
 
 // Whether the ranks of `rank`'s group along `axes` sit on more than one node.

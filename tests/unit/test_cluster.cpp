@@ -93,13 +93,24 @@ TEST(Cluster, OperandsStreamBeyondTheInCacheRates) {
   EXPECT_GT(c.gemm_rate(1024, 1024, 1024), c.gemm_rate(256, 1024, 1024) * 1.2);
   EXPECT_EQ(Cluster::from_json(c.to_json(), "again").gemm_streaming, 1e10);
   EXPECT_EQ(Cluster::from_json(c.to_json(), "again").bf16->gemm_streaming, 5e9);
+  // A weight gradient adds into C at its own rate where the file gives one, else at gemm_streaming.
+  EXPECT_EQ(c.gemm_rate(1024, 1024, 256, true), c.gemm_rate(1024, 1024, 256));
+  j["device"]["gemm_streaming_accumulating_gb_s"] = 2;
+  const Cluster acc = Cluster::from_json(j, "c.json");
+  EXPECT_NEAR(flops / acc.gemm_rate(1024, 1024, 256, true), flops / 1e12 + 4 * elements / 2e9, 1e-12);
+  EXPECT_NEAR(flops / acc.gemm_rate(1024, 1024, 256), flops / 1e12 + 4 * elements / 1e10, 1e-12);
+  EXPECT_EQ(Cluster::from_json(acc.to_json(), "again").gemm_streaming_accumulating, 2e9);
   j["device"].erase("gemm_streaming_gb_s");
+  j["device"].erase("gemm_streaming_accumulating_gb_s");
   EXPECT_NEAR(Cluster::from_json(j, "c.json").gemm_rate(256, 1024, 1024), 1e12, 1);  // absent: in cache
-  // The fit: extra seconds = bytes / rate through the origin; no slower cold calls, no term.
-  EXPECT_NEAR(fit_streaming_rate({{1e6, 1e-4}, {4e6, 4e-4}}), 1e10, 1);
-  EXPECT_NEAR(fit_streaming_rate({{1e6, 0.5e-4}, {1e6, 1.5e-4}}), 1e10, 1);
-  EXPECT_EQ(fit_streaming_rate({{1e6, -1e-4}, {1e6, 0.5e-4}}), 0);
+  // The fit: extra seconds = bytes / rate; no slower cold calls, no term.
+  EXPECT_NEAR(fit_streaming_rate({{1e6, 2e-4, 1e-4}, {4e6, 8e-4, 4e-4}}), 1e10, 1);
+  EXPECT_EQ(fit_streaming_rate({{1e6, 0.5e-4, 1.5e-4}, {1e6, 1e-4, 0.5e-4}}), 0);
   EXPECT_EQ(fit_streaming_rate({}), 0);
+  // Each call weighs by its relative error: a large call's 1e-5 s over 1e-2 (1e7 bytes: 1e12 B/s)
+  // hardly moves the rate that a small call's 1e-4 over 2e-4 sets (1e6 bytes: 1e10 B/s). A plain
+  // least squares in seconds would give 5.05e11 B/s, near the large call's.
+  EXPECT_NEAR(fit_streaming_rate({{1e6, 2e-4, 1e-4}, {1e7, 1e-2, 0.999e-2}}), 1.0396e10, 1e6);
 }
 
 TEST(Cluster, PrecisionRatesAndOverlapPerKind) {
