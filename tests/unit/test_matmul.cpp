@@ -121,6 +121,26 @@ TEST(Matmul, VaryingSizesShareOnePrimitiveWithinTheBound) {
   });
 }
 
+// A weight gradient large enough to be timed (2^24 multiply-adds or more), strided, adding into a C
+// that holds values: within the bound on whichever kernel its choice keeps (on a host without AMX
+// the cold timing keeps oneDNN's runtime-size kernel, gemm_bf16.cpp), the first call and the next.
+TEST(Matmul, TimedWeightGradientAddsIntoCWithinTheBound) {
+  on_every_path([] {
+    const int64_t M = 512, N = 384, K = 256, lda = M + 8, ldb = N + 8;
+    const std::vector<float> A = random_values(K * lda, 21), B = random_values(K * ldb, 22), C0 = random_values(M * N, 23);
+    const auto a = rounded(A), b = rounded(B), am = rounded(A, true), bm = rounded(B, true);
+    std::vector<double> want(C0.begin(), C0.end()), mag(C0.size());
+    for (size_t i = 0; i < mag.size(); ++i) mag[i] = std::fabs(C0[i]);
+    gemm<double>(true, false, M, N, K, 1.0, a.data(), lda, b.data(), ldb, 1.0, want.data(), N);
+    gemm<double>(true, false, M, N, K, 1.0, am.data(), lda, bm.data(), ldb, 1.0, mag.data(), N);
+    for (int call = 0; call < 2; ++call) {
+      std::vector<float> C = C0;
+      matmul<float>(Precision::bf16, true, false, M, N, K, 1.f, {A.data(), lda}, {B.data(), ldb}, 1.f, C.data(), N);
+      EXPECT_LE(worst_ratio(C, want, mag, K), 1.0) << "call " << call;
+    }
+  });
+}
+
 // fp32 is gemm<float> itself, bit for bit.
 TEST(Matmul, Fp32IsTheFloatGemm) {
   const int64_t M = 16, N = 24, K = 40;

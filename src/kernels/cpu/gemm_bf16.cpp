@@ -1,5 +1,6 @@
 #include "kernels/cpu/gemm_bf16.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -284,8 +285,47 @@ bool onednn_is_faster_on_a_layer_gemm() {
 // The key of a call whose M and K vary with the data: one choice and primitive for all of them.
 Shape varying_key(const Shape& s) { return {s.ta, s.tb, -1, s.N, -1, s.lda, s.ldb, s.ldc, s.alpha, s.beta}; }
 
+// Evicts [p, p + bytes) from every cache level.
+void flush_from_caches(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t i = 0; i < bytes; i += 64) _mm_clflush(c + i);
+  _mm_mfence();
+}
+
+// A weight gradient, C += op(A)·op(B) (beta ≠ 0), reads and writes its fp32 C, which in a training
+// step comes from memory: the layer's gradient was last touched a micro-batch earlier. There, on a
+// Zen 5 host (AVX512-BF16), oneDNN's fixed-size kernels (brg:avx512_core_bf16, whose sum post-op adds
+// into C) ran the dense layers' dW at 256 rows 1.5× slower than its runtime-size kernel (gemm:jit),
+// at 1024–2048 rows 1.1–1.25× slower, though both run at the same rate with C in the caches. So such
+// a call times both with its operands and a C of its size flushed from the caches before each run,
+// and keeps the fixed-size kernel only where it is 20% faster (AMX tiles would be): the preference
+// keeps runs from choosing differently near a tie. Only for a C of at most 2²² elements (its
+// scratch copy, 16 MiB, allocated for the timing); larger ones keep the fixed-size kernel (or run as
+// row blocks, row_block_rows).
+constexpr int64_t kColdTimedC = int64_t(1) << 22;
+
+void take_runtime_kernel_if_faster_cold(const Shape& s, const bf16* A, const bf16* B, Choice& c) {
+  if (s.beta == 0.f || s.M * s.N > kColdTimedC || c.onednn->runtime_mk) return;
+  std::string impl;
+  auto runtime = create_onednn(varying_key(s), &impl);
+  if (!runtime) return;
+  std::vector<float> C(size_t(s.M * s.ldc), 0.f);
+  const size_t a_bytes = size_t((s.ta ? s.K : s.M) * s.lda) * sizeof(bf16),
+               b_bytes = size_t((s.tb ? s.N : s.K) * s.ldb) * sizeof(bf16);
+  auto cold = [&](const OnednnMatmul& m) {
+    flush_from_caches(A, a_bytes), flush_from_caches(B, b_bytes), flush_from_caches(C.data(), C.size() * sizeof(float));
+    return seconds([&] { run_onednn(m, s, A, B, C.data()); });
+  };
+  double fixed = std::numeric_limits<double>::infinity(), runtime_s = fixed;
+  for (int run = 0; run < 3; ++run) fixed = std::min(fixed, cold(*c.onednn)), runtime_s = std::min(runtime_s, cold(*runtime));
+  if (fixed * 1.2 < runtime_s) return;
+  c.onednn = std::move(runtime);
+  c.onednn_impl = impl;
+}
+
 // The choice for key s (a call's shape, or a varying_key), made at its first call: sizes that vary,
-// and shapes too small to time, follow the layer-sized GEMM's timing; others are timed themselves.
+// and shapes too small to time, follow the layer-sized GEMM's timing; others are timed themselves
+// (a weight gradient also cold, take_runtime_kernel_if_faster_cold).
 Choice decide(const Shape& s, const bf16* A, const bf16* B) {
   std::string impl;
   Choice c{Bf16GemmPath::portable, create_onednn(s, &impl), impl, 0, std::nullopt};
@@ -295,6 +335,7 @@ Choice decide(const Shape& s, const bf16* A, const bf16* B) {
     c.path = Bf16GemmPath::onednn;
   else
     c.onednn.reset();
+  if (c.onednn && timed && mode() != Bf16GemmMode::onednn) take_runtime_kernel_if_faster_cold(s, A, B, c);
   if (const int64_t rows = row_block_rows(s); rows > 0 && c.onednn) {
     const int64_t last = s.M - (s.M - 1) / rows * rows;
     auto block = create_onednn(rows_of(s, rows), &impl);

@@ -26,6 +26,9 @@
 // a slab of at most 4M elements of C written to a scratch buffer, on constant operands: the speed
 // does not depend on the values) and oneDNN is kept unless the portable path is 20% faster (near ties, a fixed preference
 // keeps processes from choosing differently, which would change the last bits of their sums).
+// A weight gradient (beta ≠ 0, C of at most 2^22 elements) where oneDNN is kept is also timed cold, its
+// operands flushed from the caches as a training step finds them, on oneDNN's fixed-size kernel and on
+// its runtime-size one; the fixed-size one stays only where it is 20% faster (gemm_bf16.cpp).
 // Shapes under 2^24 multiply-adds (microseconds: timing them measures noise) take the choice timed
 // once for a GPT-2 projection at 512 tokens instead. Speed decides, not CPU flags: oneDNN's AVX512-BF16 kernels run at
 // half fp32 speed on an AMX host capped at that ISA, yet ~2× fp32 on Zen 4. The first call of a shape
