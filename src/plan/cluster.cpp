@@ -83,7 +83,9 @@ double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const
   const auto own = collectives.find(collective);
   const LinkTier& t = inter_node ? inter : own != collectives.end() ? own->second : intra;
   if (step_bytes <= 0) step_bytes = steps > 0 ? bytes / steps : bytes;
-  return steps * t.latency + bytes / t.bandwidth_at(step_bytes);
+  const double bandwidth = t.bandwidth_at(step_bytes);
+  ORIGAMI_ASSERT(bandwidth > 0);  // (a link the file has: the planner prices only the devices it describes)
+  return steps * t.latency + bytes / bandwidth;
 }
 
 double LinkTier::bandwidth_at(double step_bytes) const {

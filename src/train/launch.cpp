@@ -386,6 +386,11 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   const std::string progress = (std::filesystem::path(save) / ".launch").string();
   int world = o.np, pp = train.pp;
   const std::optional<Cluster> cluster = o.cluster.empty() ? std::nullopt : std::optional<Cluster>(Cluster::load(o.cluster));
+  // (ranks beyond a node's devices are priced over its link to other nodes, or within a node's: a
+  // one-rank profile has neither)
+  ORIGAMI_CHECK(!cluster || o.np <= cluster->devices_per_node || cluster->inter.bandwidth > 0, "--cluster ", o.cluster,
+                " gives no link between devices (a one-rank profile measures none), so it cannot price --np ", o.np,
+                " ranks; profile on as many ranks as the job has");
   double predicted_s = 0;
   std::string layout = make_plan(cfg, pinned, world).mesh.describe(cfg.is_moe());
   for (int attempt = 0;; ++attempt) {

@@ -246,7 +246,14 @@ def stop_runs(tmp, data):
                            *train_args(data, os.path.join(tmp, "nan.jsonl"), os.path.join(tmp, "nan_ck"))],
                        extra_env={"ORIGAMI_TEST_NAN_GRAD": "5:1"})
     check(rc == 3 and "restarting" not in out, "the non-finite stop ends the launch with exit 3, no restart (exit %s)" % rc)
+    one = json.load(open(os.path.join(h.ROOT, "configs", "clusters", "cpu-2core.json")))
+    one["devices_per_node"] = 1
+    one.pop("intra_node")
+    one_device = os.path.join(tmp, "one_device.json")
+    json.dump(one, open(one_device, "w"))
     for args, words in ((["launch", "--np", "2", "--", *train_args(data, metrics, "")[:-4]], "--save DIR"),
+                        (["launch", "--np", "2", "--shrink", "--cluster", one_device, "--", *args],
+                         "gives no link between devices (a one-rank profile measures none), so it cannot price --np 2"),
                         (["launch", "--", "train"], "--np N"),
                         (["launch", "--np", "2", "--", "generate"], "runs train")):
         ok, line, _ = h.check_error("launch: " + words, 0, args, lambda l, w=words: w in l)

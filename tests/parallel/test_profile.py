@@ -4,7 +4,7 @@
      GEMM rate per distinct size of the model's layer GEMMs (forward, input and weight gradients of
      QKV, attention output, MLP and LM head) at one row and at --micro-batch rows, ascending in size,
      each positive and at most the peak; the operands' streaming rate, where the cold calls were
-     slower, and the first-touch rate positive; every collective's bandwidth by message size
+     slower (and into weight gradients), and the first-touch rate positive; every collective's bandwidth by message size
      (ascending sizes, positive rates); the attention rate, the memory and the link's
      bandwidth and latency positive; the table
      printed names every collective, and the file keeps the other four collectives' own rates;
@@ -51,8 +51,10 @@ def main():
             (c["nodes"] == 1 and c["devices_per_node"] == 2, "one node of 2 devices: %s x %s" % (c["nodes"], c["devices_per_node"])),
             (len(sizes) == len(want) and all(abs(a - b * 1e-9) < 1e-9 * b * 1e-9 for a, b in zip(sizes, want)),
              "GEMM rates by distinct size, ascending, at 1 and 2 rows of 64: %s (want %s)" % (sizes, [w * 1e-9 for w in want])),
-            (d.get("gemm_streaming_gb_s", 1) > 0 and d.get("bf16", {}).get("gemm_streaming_gb_s", 1) > 0,
-             "operands' streaming rates positive where measured: %s" % d.get("gemm_streaming_gb_s")),
+            (all(x.get(k, 1) > 0 for x in (d, d.get("bf16", {}))
+                 for k in ("gemm_streaming_gb_s", "gemm_streaming_accumulating_gb_s")),
+             "operands' streaming rates (and into weight gradients) positive where measured: %s, %s" % (
+                 d.get("gemm_streaming_gb_s"), d.get("gemm_streaming_accumulating_gb_s"))),
             (d.get("first_touch_gb_s", 0) > 0, "first-touch rate positive: %s" % d.get("first_touch_gb_s")),
             (all(len(x.get("bandwidth_by_size", [])) >= 4 and
                  [p[0] for p in x["bandwidth_by_size"]] == sorted(p[0] for p in x["bandwidth_by_size"]) and

@@ -121,23 +121,28 @@ TEST(Matmul, VaryingSizesShareOnePrimitiveWithinTheBound) {
   });
 }
 
-// A weight gradient large enough to be timed (2^24 multiply-adds or more), strided, adding into a C
-// that holds values: within the bound on whichever kernel its choice keeps (on a host without AMX
-// the cold timing keeps oneDNN's runtime-size kernel, gemm_bf16.cpp), the first call and the next.
+// A weight gradient large enough to be timed (2^24 multiply-adds or more), adding into a C that
+// holds values: within the bound on whichever kernel its choice keeps (on a host without AMX the
+// cold timing keeps oneDNN's runtime-size kernel, gemm_bf16.cpp), the first call and the next; with
+// A in fp32 (rounded compactly at the call) and as a strided bf16 copy, which oneDNN reads in place.
 TEST(Matmul, TimedWeightGradientAddsIntoCWithinTheBound) {
   on_every_path([] {
     const int64_t M = 512, N = 384, K = 256, lda = M + 8, ldb = N + 8;
     const std::vector<float> A = random_values(K * lda, 21), B = random_values(K * ldb, 22), C0 = random_values(M * N, 23);
+    std::vector<bf16> A_low(A.size());
+    to_bf16(A_low.data(), A.data(), int64_t(A.size()));
     const auto a = rounded(A), b = rounded(B), am = rounded(A, true), bm = rounded(B, true);
     std::vector<double> want(C0.begin(), C0.end()), mag(C0.size());
     for (size_t i = 0; i < mag.size(); ++i) mag[i] = std::fabs(C0[i]);
     gemm<double>(true, false, M, N, K, 1.0, a.data(), lda, b.data(), ldb, 1.0, want.data(), N);
     gemm<double>(true, false, M, N, K, 1.0, am.data(), lda, bm.data(), ldb, 1.0, mag.data(), N);
-    for (int call = 0; call < 2; ++call) {
-      std::vector<float> C = C0;
-      matmul<float>(Precision::bf16, true, false, M, N, K, 1.f, {A.data(), lda}, {B.data(), ldb}, 1.f, C.data(), N);
-      EXPECT_LE(worst_ratio(C, want, mag, K), 1.0) << "call " << call;
-    }
+    for (bool copy : {false, true})
+      for (int call = 0; call < 2; ++call) {
+        std::vector<float> C = C0;
+        matmul<float>(Precision::bf16, true, false, M, N, K, 1.f, {A.data(), lda, copy ? A_low.data() : nullptr},
+                      {B.data(), ldb}, 1.f, C.data(), N);
+        EXPECT_LE(worst_ratio(C, want, mag, K), 1.0) << "call " << call << (copy ? ", strided bf16 A" : ", fp32 A");
+      }
   });
 }
 

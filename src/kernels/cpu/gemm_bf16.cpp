@@ -285,14 +285,20 @@ bool onednn_is_faster_on_a_layer_gemm() {
 // The key of a call whose M and K vary with the data: one choice and primitive for all of them.
 Shape varying_key(const Shape& s) { return {s.ta, s.tb, -1, s.N, -1, s.lda, s.ldb, s.ldc, s.alpha, s.beta}; }
 
-// Evicts [p, p + bytes) from every cache level.
+// Evicts the lines of [p, p + bytes) from every cache level.
 void flush_from_caches(const void* p, size_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t i = 0; i < bytes; i += 64) _mm_clflush(c + i);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); line < end; line += 64)
+    _mm_clflush(reinterpret_cast<const void*>(line));
   _mm_mfence();
 }
 
-// A weight gradient, C += op(A)·op(B) (beta ≠ 0), reads and writes its fp32 C, which in a training
+// Bytes from a stored matrix's first element to past its last: rows of `cols` at row stride `ld`.
+size_t stored_bytes(int64_t rows, int64_t cols, int64_t ld, size_t element) {
+  return size_t((rows - 1) * ld + cols) * element;
+}
+
+// A weight gradient, C += op(A)ᵀ·op(B) (ta, beta ≠ 0), reads and writes its fp32 C, which in a training
 // step comes from memory: the layer's gradient was last touched a micro-batch earlier. There, on a
 // Zen 5 host (AVX512-BF16), oneDNN's fixed-size kernels (brg:avx512_core_bf16, whose sum post-op adds
 // into C) ran the dense layers' dW at 256 rows 1.5× slower than its runtime-size kernel (gemm:jit),
@@ -301,17 +307,17 @@ void flush_from_caches(const void* p, size_t bytes) {
 // and keeps the fixed-size kernel only where it is 20% faster (AMX tiles would be): the preference
 // keeps runs from choosing differently near a tie. Only for a C of at most 2²² elements (its
 // scratch copy, 16 MiB, allocated for the timing); larger ones keep the fixed-size kernel (or run as
-// row blocks, row_block_rows).
+// row blocks, row_block_rows). Other accumulating calls find their C in the caches, and keep it.
 constexpr int64_t kColdTimedC = int64_t(1) << 22;
 
 void take_runtime_kernel_if_faster_cold(const Shape& s, const bf16* A, const bf16* B, Choice& c) {
-  if (s.beta == 0.f || s.M * s.N > kColdTimedC || c.onednn->runtime_mk) return;
+  if (!s.ta || s.beta == 0.f || s.M * s.ldc > kColdTimedC || c.onednn->runtime_mk) return;
   std::string impl;
   auto runtime = create_onednn(varying_key(s), &impl);
   if (!runtime) return;
   std::vector<float> C(size_t(s.M * s.ldc), 0.f);
-  const size_t a_bytes = size_t((s.ta ? s.K : s.M) * s.lda) * sizeof(bf16),
-               b_bytes = size_t((s.tb ? s.N : s.K) * s.ldb) * sizeof(bf16);
+  const size_t a_bytes = stored_bytes(s.K, s.M, s.lda, sizeof(bf16)),  // (ta: A stored [K, M])
+      b_bytes = stored_bytes(s.tb ? s.N : s.K, s.tb ? s.K : s.N, s.ldb, sizeof(bf16));
   auto cold = [&](const OnednnMatmul& m) {
     flush_from_caches(A, a_bytes), flush_from_caches(B, b_bytes), flush_from_caches(C.data(), C.size() * sizeof(float));
     return seconds([&] { run_onednn(m, s, A, B, C.data()); });

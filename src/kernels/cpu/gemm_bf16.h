@@ -12,7 +12,8 @@
 //     strides with padding), emulation on plain AVX-512; ONEDNN_MAX_CPU_ISA caps the choice, and below
 //     AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, or an AVX2-only CPU) oneDNN 2.6 creates no bf16 matmul.
 //     One primitive per (transposes, sizes, strides, alpha, beta), created at its first call and
-//     kept; it runs on the OpenMP pool of our loops (oneDNN's OpenMP build).
+//     kept (a fixed-size one, or for a weight gradient possibly a runtime-size one: below); it runs
+//     on the OpenMP pool of our loops (oneDNN's OpenMP build).
 //   portable: op(A) and op(B) widened (an fp32 operand: rounded to bf16's precision) to fp32 block by
 //     block into a per-thread scratch buffer reused
 //     across calls (16 MiB at most), each block pair multiplied by gemm<float>. Always available. Its
@@ -26,7 +27,7 @@
 // a slab of at most 4M elements of C written to a scratch buffer, on constant operands: the speed
 // does not depend on the values) and oneDNN is kept unless the portable path is 20% faster (near ties, a fixed preference
 // keeps processes from choosing differently, which would change the last bits of their sums).
-// A weight gradient (beta ≠ 0, C of at most 2^22 elements) where oneDNN is kept is also timed cold, its
+// A weight gradient (ta, beta ≠ 0, C of at most 2^22 elements) where oneDNN is kept is also timed cold, its
 // operands flushed from the caches as a training step finds them, on oneDNN's fixed-size kernel and on
 // its runtime-size one; the fixed-size one stays only where it is 20% faster (gemm_bf16.cpp).
 // Shapes under 2^24 multiply-adds (microseconds: timing them measures noise) take the choice timed
