@@ -96,11 +96,23 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   auto kernels = [&](double fwd, double bwd) {
     return terms & kKernels ? Pass{fwd * k.kernel_overhead, bwd * k.kernel_overhead} : Pass{};
   };
+  // origami's sequence parallelism with several rows a micro-batch (a CPU cluster: the runtime's own)
+  // reorders each gathered or reduce-scattered [N, C] fp32 activation between the rows' order and the
+  // shards' (TensorParallel::from_shards / to_shards: N·C read and written a copy). A block (attention,
+  // dense MLP) copies twice forward (its norm's gather, its exit) and three times backward (the kept
+  // norm output gathered again, the exit's and the entry's). Megatron's sequence-first activations
+  // (GPU clusters) need no reorder.
+  auto reorders = [&](double fwd, double bwd) {
+    if (!sp || o.micro_batch < 2 || k.sms > 0 || k.memory_bandwidth <= 0 || !(terms & kStreamed)) return Pass{};
+    const double copy = 2 * N * C * 4 / k.memory_bandwidth;
+    return Pass{fwd * copy, bwd * copy};
+  };
   LayerCosts l;
   l.attention_linears = gemms(N, C, (H + 2 * KV) * D);  // q|k|v
   l.attention_linears += gemms(N, H * D, C);            // attention output
   l.attention_linears += streamed((sp ? N / t : N) * 22 * C + N * 4 * (H + KV) * D);
   l.attention_linears += kernels(6, 12);
+  l.attention_linears += reorders(2, 3);
   if (terms & kAttention) l.attention_core = 6 * double(o.seq_len) * H * D * N / k.attention_rate(double(o.seq_len), D);
   if (cfg_.has_dense_layers()) {
     const double F = double(cfg_.ffn / t);
@@ -108,6 +120,7 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
     l.dense_mlp += gemms(N, F, C);
     l.dense_mlp += streamed(N * (cfg_.is_gpt2() ? 6 : 8) * F);
     l.dense_mlp += kernels(5, 8);
+    l.dense_mlp += reorders(2, 3);
   }
   if (cfg_.is_moe()) {
     // The router on this rank's share of the tokens; each local expert on the rows routed to it.
@@ -131,6 +144,8 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   l.head = gemms(N, C, V);
   l.head += streamed(N * 6 * V);
   l.head += kernels(4, 4);
+  l.head += reorders(1, 1);  // the final norm's gather and its backward's reduce-scatter (the embedding's
+                             // pair, on the first stage, is left out)
   return layers_.emplace(key, l).first->second;
 }
 

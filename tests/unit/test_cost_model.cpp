@@ -334,3 +334,25 @@ TEST(CostModel, WeightGradientsStreamAtTheAccumulatingRate) {
   const double bytes = double(cfg.num_layers) * layer + dw_bytes(C, V);
   EXPECT_NEAR(accumulating - plain, bytes * (1 / 2e9 - 1 / 1e10), 1e-9 * accumulating);
 }
+
+// origami's SP with several rows a micro-batch copies each gathered or reduce-scattered [N, C]
+// activation once more (rows' order to shards' and back): per layer 4 forward and 6 backward (two
+// blocks), and the final norm's pair, N·C floats read and written each, at the memory bandwidth. A
+// CPU cluster prices them; on a GPU cluster (Megatron's sequence-first layout) and with one row a
+// micro-batch there are none. llama_tiny, TP2 + SP, 2 micro-batches of 2 rows of 32 tokens.
+TEST(CostModel, SequenceParallelReordersItsActivationsOnACpu) {
+  const ModelConfig cfg = config("llama_tiny");
+  TrainOptions o;
+  o.data = "plan";
+  o.global_batch = 4, o.seq_len = 32, o.tp = 2, o.sequence_parallel = true;
+  for (const int64_t rows : {1, 2}) {
+    o.micro_batch = rows;
+    Cluster cpu = cluster(2, false), gpu = cpu;
+    gpu.sms = 108;
+    const double extra = CostModel(cfg, cpu, 2).predict(o).compute_parts.at("elementwise") -
+                         CostModel(cfg, gpu, 2).predict(o).compute_parts.at("elementwise");
+    const double N = double(rows) * 32, copy = 2 * N * double(cfg.hidden) * 4 / cpu.memory_bandwidth;
+    const double micro = double(o.global_batch / rows), copies = double(cfg.num_layers) * 10 + 2;
+    EXPECT_NEAR(extra, rows > 1 ? micro * copies * copy : 0.0, 1e-12) << rows << " rows";
+  }
+}
