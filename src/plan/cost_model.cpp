@@ -138,14 +138,15 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
       l.moe_mlp += gemms(N, Fs, C);
       l.moe_mlp += streamed(N * 8 * Fs);
       l.moe_mlp += kernels(5, 8);
+      l.moe_mlp += reorders(2, 3);  // (the shared expert runs as a dense MLP; the routed ones keep the shards)
     }
   }
   const double V = double((cfg_.vocab_size + t - 1) / t);
   l.head = gemms(N, C, V);
   l.head += streamed(N * 6 * V);
   l.head += kernels(4, 4);
-  l.head += reorders(1, 1);  // the final norm's gather and its backward's reduce-scatter (the embedding's
-                             // pair, on the first stage, is left out)
+  l.final_norm = reorders(1, 1);  // its gather and its backward's reduce-scatter (the embedding's pair, on the
+                                  // first stage, is left out)
   return layers_.emplace(key, l).first->second;
 }
 
@@ -190,13 +191,16 @@ std::vector<CostModel::StageCompute> CostModel::stage_compute(const TrainOptions
                   moe * l.moe_mlp.bwd + (layers - moe) * l.dense_mlp.bwd};
       attention += layers * l.attention_core;
     }
+    // Recomputation: the layers' forward (full) or the attention core's (selective) again in backward;
+    // the head's never.
+    const double recomputed = compute.fwd;
     if (part.head && !part.vocab_parallel()) compute += l.head;
-    // Recomputation: the layer's forward (full) or the attention core's (selective) again in backward.
+    if (part.head) compute += l.final_norm;
     // Vocabulary parallelism: every stage's output passes run 1/p of the LM head (the vocabulary
     // slices), apart from the forwards and backwards.
     StageCompute s{compute.fwd + attention / 3, compute.bwd + 2 * attention / 3, attention,
                    part.vocab_parallel() ? (l.head.fwd + l.head.bwd) / m.pp : 0.0};
-    if (rc == Recompute::full) s.bwd += compute.fwd + attention / 3;
+    if (rc == Recompute::full) s.bwd += recomputed + attention / 3;
     if (rc == Recompute::selective) s.bwd += attention / 3;
     out.push_back(s);
   }

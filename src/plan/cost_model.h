@@ -97,6 +97,7 @@ class CostModel {
   // core's forward + backward.
   struct LayerCosts {
     Pass attention_linears, dense_mlp, moe_mlp, head;
+    Pass final_norm;  // what the last stage's final norm adds to the head (SP's reorders), vocabulary parallel or not
     double attention_core = 0;
   };
   // The terms of compute, for the breakdown (a mask; kAll: the whole).

@@ -336,23 +336,33 @@ TEST(CostModel, WeightGradientsStreamAtTheAccumulatingRate) {
 }
 
 // origami's SP with several rows a micro-batch copies each gathered or reduce-scattered [N, C]
-// activation once more (rows' order to shards' and back): per layer 4 forward and 6 backward (two
-// blocks), and the final norm's pair, N·C floats read and written each, at the memory bandwidth. A
-// CPU cluster prices them; on a GPU cluster (Megatron's sequence-first layout) and with one row a
-// micro-batch there are none. llama_tiny, TP2 + SP, 2 micro-batches of 2 rows of 32 tokens.
+// activation once more (rows' order to shards' and back): per attention or dense MLP block (and a
+// qwen2_moe layer's shared expert) 2 forward and 3 backward, the final norm's 1 and 1, N·C floats
+// read and written each, at the memory bandwidth; full recomputation redoes the layers' forward
+// copies, not the head's. A CPU cluster prices them; on a GPU cluster (Megatron's sequence-first
+// layout) and with one row a micro-batch there are none. TP2 + SP, 2 micro-batches of 2 rows of 32
+// tokens (or 4 of one row); the forward and backward parts apart.
 TEST(CostModel, SequenceParallelReordersItsActivationsOnACpu) {
-  const ModelConfig cfg = config("llama_tiny");
-  TrainOptions o;
-  o.data = "plan";
-  o.global_batch = 4, o.seq_len = 32, o.tp = 2, o.sequence_parallel = true;
-  for (const int64_t rows : {1, 2}) {
-    o.micro_batch = rows;
-    Cluster cpu = cluster(2, false), gpu = cpu;
-    gpu.sms = 108;
-    const double extra = CostModel(cfg, cpu, 2).predict(o).compute_parts.at("elementwise") -
-                         CostModel(cfg, gpu, 2).predict(o).compute_parts.at("elementwise");
-    const double N = double(rows) * 32, copy = 2 * N * double(cfg.hidden) * 4 / cpu.memory_bandwidth;
-    const double micro = double(o.global_batch / rows), copies = double(cfg.num_layers) * 10 + 2;
-    EXPECT_NEAR(extra, rows > 1 ? micro * copies * copy : 0.0, 1e-12) << rows << " rows";
+  for (const char* name : {"llama_tiny", "qwen2_moe_8e"}) {
+    const ModelConfig cfg = config(name);
+    const double blocks = 2;  // per layer: attention, and the dense MLP or the shared expert
+    for (const char* recompute : {"none", "full"})
+      for (const int64_t rows : {1, 2}) {
+        TrainOptions o;
+        o.data = "plan";
+        o.global_batch = 4, o.seq_len = 32, o.tp = 2, o.sequence_parallel = true, o.micro_batch = rows;
+        o.recompute = recompute;
+        Cluster cpu = cluster(2, false), gpu = cpu;
+        gpu.sms = 108;
+        CostModel on_cpu(cfg, cpu, 2), on_gpu(cfg, gpu, 2);
+        const Prediction a = on_cpu.predict(o), b = on_gpu.predict(o);
+        const double extra = a.compute_parts.at("elementwise") - b.compute_parts.at("elementwise");
+        const double N = double(rows) * 32, copy = 2 * N * double(cfg.hidden) * 4 / cpu.memory_bandwidth;
+        const double micro = double(o.global_batch / rows), layers = double(cfg.num_layers);
+        const double fwd = layers * blocks * 2 + 1, bwd = layers * blocks * 3 + 1,
+                     again = std::string(recompute) == "full" ? layers * blocks * 2 : 0;
+        EXPECT_NEAR(extra, rows > 1 ? micro * (fwd + bwd + again) * copy : 0.0, 1e-12)
+            << name << ", recompute " << recompute << ", " << rows << " rows";
+      }
   }
 }
