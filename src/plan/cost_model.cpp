@@ -80,9 +80,11 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   // a third of it forward. Per token, stated counts: norms and residual adds 22·C (on N/TP tokens under
   // SP), RoPE on q and k 4·(H + KV)·D, the gated activation 8·F (GELU 6·F), the dispatcher's permute
   // and combine 8·C per routed row, the cross-entropy 6·V.
+  auto stream_s = [&](double elements) {
+    return k.memory_bandwidth > 0 && (terms & kStreamed) ? k.activation_bytes() * elements / k.memory_bandwidth : 0;
+  };
   auto streamed = [&](double elements) {
-    const double s =
-        k.memory_bandwidth > 0 && (terms & kStreamed) ? k.activation_bytes() * elements / k.memory_bandwidth : 0;
+    const double s = stream_s(elements);
     return Pass{s / 3, 2 * s / 3};
   };
   // A linear's GEMMs. Under bf16 on a CPU (rounds_operands) the passes that round their operands are
@@ -101,10 +103,10 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
   // shards' (TensorParallel::from_shards / to_shards: N·C read and written a copy). A block (attention,
   // dense MLP) copies twice forward (its norm's gather, its exit) and three times backward (the kept
   // norm output gathered again, the exit's and the entry's). Megatron's sequence-first activations
-  // (GPU clusters) need no reorder.
+  // (GPU clusters) need no reorder. (A CPU cluster's activations are 4 bytes in either precision.)
   auto reorders = [&](double fwd, double bwd) {
-    if (!sp || o.micro_batch < 2 || k.sms > 0 || k.memory_bandwidth <= 0 || !(terms & kStreamed)) return Pass{};
-    const double copy = 2 * N * C * 4 / k.memory_bandwidth;
+    if (!sp || o.micro_batch < 2 || k.sms > 0) return Pass{};
+    const double copy = stream_s(2 * N * C);
     return Pass{fwd * copy, bwd * copy};
   };
   LayerCosts l;
