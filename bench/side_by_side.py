@@ -47,6 +47,12 @@ CASES = {
                 "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": True},
     ),
+    # (a) at T = 1024: where activations, not weights, decide the peak memory.
+    "a1024": dict(
+        name="gpt2-124M B4 T1024 V50257",
+        B=4, T=1024,
+        config=None,  # (a)'s, filled in below
+    ),
     "b": dict(
         name="gpt2 L6 d384 B8 T256 V256",
         B=8, T=256,
@@ -66,6 +72,7 @@ CASES = {
                 "attention_dropout": 0.0},
     ),
 }
+CASES["a1024"]["config"] = CASES["a"]["config"]
 
 
 def dims(cfg):
@@ -476,7 +483,7 @@ def build_sgemm_peak(outdir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="a,b,c")
+    ap.add_argument("--cases", default="a,b,c", help="of a, b, c and a1024 ((a) at T = 1024)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=3, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of every run")
