@@ -2,10 +2,15 @@
 balance and under skew (a router bias that sends half of the assignments to experts 0 and 1).
 
     /usr/bin/python3 bench/fssdp_bench.py [--experts 16,64] [--ranks 2,4] [--steps 6] [--repeats 3]
-                                          [--single-copy cma] [--dir bench/runs/fssdp]
+        [--hidden 256] [--ffn 512] [--kv-heads 8] [--seq-len 128] [--micro-batch 8] [--precision fp32]
+        [--single-copy cma] [--dir bench/runs/fssdp]
 
-The model: 4 layers of hidden 256, 8 heads, experts of FFN 512, top-2, the byte vocabulary; one
-micro-batch of --micro-batch x 128 tokens per rank, fp32, one thread per rank. Each layout is EP over
+The model: 4 layers of hidden 256, 8 heads (--kv-heads of them for keys and values), experts of FFN
+512, top-2, the byte vocabulary; one micro-batch of --micro-batch x --seq-len tokens per rank, one
+thread per rank. What FSSDP moves is the experts' weights and gradients, what EP moves is token rows,
+so their ratio is set by the rows each expert gets on a rank (tokens x top-k / experts) and by how
+much of a step the experts are (Mixtral 8x7B: FFN 3.5 x hidden, 4 query heads per key-value head,
+about 0.9 of the matmul FLOPs in the experts). Each layout is EP over
 all ranks (--ep R), FSSDP (--expert-sharding fssdp) on R ranks of data parallelism (the dense part
 all-reduced either way), or FSSDP with --fssdp-keep (each expert gathered once a step). Skew:
 ORIGAMI_TEST_ROUTER_SKEW=B adds B to experts 0 and 1's selection scores; B is calibrated first (one rank, 1 step, bisection) so that about half of the routed assignments go to
@@ -24,22 +29,22 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parallel"))
 import harness as h  # noqa: E402
 
-SEQ = 128
 SINGLE_COPY = ["cma"]  # --single-copy
 
 
-def model(d, experts):
+def model(d, a, experts):
     return h.write_json(os.path.join(d, "mixtral_%de.json" % experts), h.load_config(
-        "mixtral_8e", hidden_size=256, intermediate_size=512, num_local_experts=experts, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ))
+        "mixtral_8e", hidden_size=a.hidden, intermediate_size=a.ffn, num_local_experts=experts, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq_len))
 
 
-def train(d, cfg, data, ranks, flags, steps, micro, skew, tag):
+def train(d, a, cfg, data, ranks, flags, steps, skew, tag):
     m = os.path.join(d, tag + ".jsonl")
     if os.path.exists(m):
         os.remove(m)
-    args = ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--micro-batch", str(micro),
-            "--global-batch", str(micro * max(ranks, 1)), "--seq-len", str(SEQ), "--threads", "1", "--quiet", "--metrics", m]
+    args = ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--micro-batch", str(a.micro_batch),
+            "--global-batch", str(a.micro_batch * max(ranks, 1)), "--seq-len", str(a.seq_len), "--threads", "1",
+            "--quiet", "--metrics", m, "--precision", a.precision]
     env = {"OMP_NUM_THREADS": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": SINGLE_COPY[0]}
     if skew:
         env["ORIGAMI_TEST_ROUTER_SKEW"] = repr(skew)
@@ -56,11 +61,11 @@ def skewed_share(rows):
     return sum(hot) / sum(tot)
 
 
-def calibrate(d, cfg, data, micro):
+def calibrate(d, a, cfg, data):
     lo, hi = 0.0, 1.0
     for _ in range(10):
         mid = (lo + hi) / 2
-        share = skewed_share(train(d, cfg, data, 0, [], 1, micro, mid, "calibrate"))
+        share = skewed_share(train(d, a, cfg, data, 0, [], 1, mid, "calibrate"))
         lo, hi = (mid, hi) if share < 0.5 else (lo, mid)
     return (lo + hi) / 2
 
@@ -72,6 +77,11 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512, help="each expert's FFN width")
+    ap.add_argument("--kv-heads", type=int, default=8, help="of 8 heads")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--single-copy", default="cma", help="Open MPI shared-memory single-copy mechanism for large "
                     "messages (cma: the receiver copies straight from the sender; none: through shared buffers)")
     ap.add_argument("--dir", default=os.path.join(h.ROOT, "bench", "runs", "fssdp"))
@@ -81,8 +91,8 @@ def main():
     data = h.prepare_data(a.dir, n_docs=2000)
     rows = []
     for E in map(int, a.experts.split(",")):
-        cfg = model(a.dir, E)
-        bias = calibrate(a.dir, cfg, data, a.micro_batch)
+        cfg = model(a.dir, a, E)
+        bias = calibrate(a.dir, a, cfg, data)
         for R in map(int, a.ranks.split(",")):
             for routing, skew in (("balanced", 0.0), ("skewed", bias)):
                 layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]),
@@ -90,7 +100,7 @@ def main():
                 runs = {name: [] for name, _ in layouts}
                 for rep in range(a.repeats):  # EP and FSSDP alternate, so drifts of the machine hit both
                     for name, flags in layouts:
-                        got = train(a.dir, cfg, data, R, flags, a.steps, a.micro_batch, skew, "run")
+                        got = train(a.dir, a, cfg, data, R, flags, a.steps, skew, "run")
                         runs[name].append((statistics.median(r["ms"] for r in got[2:]),
                                            statistics.median(r["expert_imbalance"] for r in got[2:]),
                                            statistics.median(sum(r["comm_bytes"].values()) for r in got[2:]),
