@@ -17,13 +17,14 @@ ORIGAMI_TEST_ROUTER_SKEW=B adds B to experts 0 and 1's selection scores; B is ca
 them. Per layout: the median over --repeats runs of the median step time of steps 3 onward (ms), the
 busiest rank's expert rows over the mean (expert_imbalance: under EP the rows an EP rank's experts
 compute, under FSSDP a rank's own), and the bytes rank 0 sends per step (all groups). The table ends
-with FSSDP's throughput over EP's (the last columns: step time of EP over FSSDP's).
+with FSSDP's throughput over EP's (step time of EP over FSSDP's), then a lone rank's step time (one
+process with one rank's work, all experts local, no communication; as fast as FSSDP could be, or a
+little faster: it has the machine's caches and memory to itself) and EP's over it, the most FSSDP
+could gain (where the ranks have a core each).
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parallel"))
@@ -93,6 +94,12 @@ def main():
     for E in map(int, a.experts.split(",")):
         cfg = model(a.dir, a, E)
         bias = calibrate(a.dir, a, cfg, data)
+        lone = {routing: statistics.median(
+                    statistics.median(r["ms"] for r in train(a.dir, a, cfg, data, 0, [], a.steps, skew, "run")[2:])
+                    for _ in range(a.repeats))
+                for routing, skew in (("balanced", 0.0), ("skewed", bias))}
+        print("%d experts: a lone rank (one process, no communication) %s" %
+              (E, ", ".join("%s %.0f ms" % kv for kv in lone.items())), flush=True)
         for R in map(int, a.ranks.split(",")):
             for routing, skew in (("balanced", 0.0), ("skewed", bias)):
                 layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]),
@@ -116,11 +123,12 @@ def main():
                 rows.append([E, R, routing + (" (B %.3f)" % skew if skew else ""), "%.0f" % ep[0], "%.0f" % fs[0],
                              "%.0f" % fk[0], "%.2f" % ep[1], "%.2f" % fs[1], "%.1f" % (ep[2] / 1e6),
                              "%.1f" % (fs[2] / 1e6), "%.1f" % (fk[2] / 1e6), "%.2f" % (ep[0] / fs[0]),
-                             "%.2f" % (ep[0] / fk[0])])
+                             "%.2f" % (ep[0] / fk[0]), "%.0f" % lone[routing],
+                             "%.2f" % (ep[0] / lone[routing]) if R <= (os.cpu_count() or 1) else "-"])
     print()
     print(h.fmt_table(["experts", "ranks", "routing", "EP ms", "FSSDP ms", "keep ms", "EP busiest/mean",
                        "FSSDP busiest/mean", "EP MB/step", "FSSDP MB/step", "keep MB/step", "FSSDP / EP",
-                       "keep / EP"], rows))
+                       "keep / EP", "lone rank ms", "EP / lone"], rows))
 
 
 if __name__ == "__main__":
