@@ -165,7 +165,7 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
               "fp32")
       .option("grad-reduce-dtype", "fp32|bf16", "the run's --grad-reduce-dtype: bf16 halves the gradient "
                                                 "reductions' bytes and adds their bf16 buffers to memory", "fp32")
-      .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean", "1.0")
+      .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean, call by call (a run's expert_sync_imbalance)", "1.0")
       .flag("json", "print a JSON list, best first (each with its step time's 'breakdown')")
       .flag("any-memory", "list layouts whatever memory they need (to time another trainer's published run, "
                           "whose memory differs from origami's); the memory column still says what origami needs")

@@ -15,7 +15,9 @@ micro-batch, recomputation):
     less the process's own memory before the run (the memory check's runtime part, rank 0's:
     `memory_bytes_per_rank[0]` less the predicted parts) — the whole process, allocator and MPI
     included.
-MoE layouts are predicted with a stated routing imbalance of 1.25 (IMBALANCE below).
+MoE layouts are predicted with a stated routing imbalance of 1.25 (IMBALANCE below); the MoE layouts'
+lines print the imbalance each run met (`expert_imbalance`, and `expert_sync_imbalance`, call by call,
+the figure `--imbalance` means; medians over the measured steps).
 Finally the planner's own choice (`origami plan` with nothing fixed) is run for each (model, ranks x
 threads) and compared with the best measured layout.
 
@@ -129,8 +131,13 @@ def measure(a, cfg, data, ranks, threads, precision, layout, tmp):
                           "--global-batch", str(G), "--seq-len", str(T), "--threads", str(threads), "--quiet",
                           "--metrics", metrics, "--precision", precision, *h.train_flags(layout)]))
     rows = h.read_metrics(metrics)
-    return {"ms": statistics.median(r["ms"] for r in rows[a.warmup:]), "rss": max(r["rss_peak_bytes"] for r in rows),
-            "rank0_total": rows[0]["memory_bytes_per_rank"][0], "act_peak": rows[0]["act_bytes_peak"][0]}
+    measured = rows[a.warmup:]
+    out = {"ms": statistics.median(r["ms"] for r in measured), "rss": max(r["rss_peak_bytes"] for r in rows),
+           "rank0_total": rows[0]["memory_bytes_per_rank"][0], "act_peak": rows[0]["act_bytes_peak"][0]}
+    if "expert_sync_imbalance" in rows[0]:  # MoE: the routing imbalance the run met, over the step and call by call
+        out["imbalance"] = statistics.median(r["expert_imbalance"] for r in measured)
+        out["sync_imbalance"] = statistics.median(r["expert_sync_imbalance"] for r in measured)
+    return out
 
 
 def pct(x):
@@ -186,14 +193,16 @@ def main():
                  "planner_choice": p["layout"] == choice["layout"], "predicted_s": p["step_time_s"],
                  "measured_s": m["ms"] / 1000, "predicted_memory": predicted_mem, "measured_memory": measured_mem,
                  "predicted_activations": stage0["activations"], "measured_activations": m["act_peak"],
-                 "dominant": p["dominant"]}
+                 "dominant": p["dominant"], "imbalance": m.get("imbalance"), "sync_imbalance": m.get("sync_imbalance")}
             r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
             r["memory_error"] = predicted_mem / measured_mem - 1
             results.append(r)
-            print("  %-58s predicted %6.3f s measured %6.3f s (%s); memory %7.1f MiB vs %7.1f MiB (%s)%s"
+            routing = "" if r["imbalance"] is None else \
+                "; imbalance %.2f (call by call %.2f)" % (r["imbalance"], r["sync_imbalance"])
+            print("  %-58s predicted %6.3f s measured %6.3f s (%s); memory %7.1f MiB vs %7.1f MiB (%s)%s%s"
                   % (p["layout"], r["predicted_s"], r["measured_s"], pct(r["time_error"]), predicted_mem / 2**20,
-                     measured_mem / 2**20, pct(r["memory_error"]), "  <- planner's choice" if r["planner_choice"] else ""),
-                  flush=True)
+                     measured_mem / 2**20, pct(r["memory_error"]), routing,
+                     "  <- planner's choice" if r["planner_choice"] else ""), flush=True)
     print("\n| model | ranks x threads | precision | layout | predicted s | measured s | error | predicted MiB | measured MiB | error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -371,6 +371,7 @@ void Model::reset_expert_counts() {
   expert_dropped_.assign(L, 0);
   expert_near_ties_.assign(L, 0);
   expert_rows_ = 0;
+  expert_call_rows_.clear();
   moe_layer_s_ = 0;
   dispatcher_.times() = {};
   global_counts_.assign(L, {});
@@ -850,6 +851,7 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
     expert_dropped_[size_t(l)] += a.moe->dropped;
     expert_near_ties_[size_t(l)] += a.moe->near_ties;
     expert_rows_ += a.moe->plan.rows;
+    expert_call_rows_.push_back(a.moe->plan.rows);
   }
 }
 

@@ -212,6 +212,9 @@ class Model {
   const std::vector<int64_t>& expert_dropped() const { return expert_dropped_; }
   const std::vector<int64_t>& expert_near_ties() const { return expert_near_ties_; }  // per layer (kNearTie)
   int64_t expert_rows() const { return expert_rows_; }
+  // Σ over the MoE forward calls since reset_expert_counts of the EP group's most expert-side rows
+  // (TokenDispatcher::busiest_rows). Collective over EP.
+  int64_t expert_busiest_rows() { return dispatcher_.busiest_rows(expert_call_rows_); }
   // Seconds this rank spent in its MoE layers (forward and backward, exchanges included) since the
   // last reset, and the dispatcher's share of them (DispatchTimes).
   double moe_layer_s() const { return moe_layer_s_; }
@@ -389,6 +392,7 @@ class Model {
   std::vector<int64_t> expert_dropped_;
   std::vector<int64_t> expert_near_ties_;
   int64_t expert_rows_ = 0;
+  std::vector<int64_t> expert_call_rows_;  // [MoE forward call]: its expert-side rows on this rank
   double moe_layer_s_ = 0;
   std::vector<std::vector<float>> router_bias_;            // [L][E] (aux-loss-free balancing)
   std::vector<GlobalCounts> global_counts_;                // [L] AuxLoss::global: the step's counts so far

@@ -57,6 +57,13 @@ void TokenDispatcher::plan(DispatchPlan& p, const int64_t* count_E, int64_t E) {
   for (size_t i = 0; i < p.counts.size(); ++i) p.expert_rows[i % size_t(El)] += p.counts[i], p.rows += p.counts[i];
 }
 
+int64_t TokenDispatcher::busiest_rows(std::vector<int64_t> rows) {
+  ep_->all_reduce(rows.data(), int64_t(rows.size()), ReduceOp::max);
+  int64_t sum = 0;
+  for (int64_t r : rows) sum += r;
+  return sum;
+}
+
 template <typename T>
 void TokenDispatcher::regroup(T* out, const T* in, const DispatchPlan& p, int64_t C, bool to_expert_order) const {
   const int64_t EP = ep(), ETP = etp(), El = int64_t(p.expert_rows.size());

@@ -79,6 +79,10 @@ class TokenDispatcher {
   void replica_counts(int64_t* counts, int64_t n);
   // count_E [E]: this rank's rows per expert (its rows are sorted by expert) → the exchange.
   void plan(DispatchPlan& p, const int64_t* count_E, int64_t E);
+  // rows [calls]: this rank's expert-side rows at each of its calls, in the order every EP peer made
+  // them → Σ over the calls of the EP group's most rows (each call's exchanges wait for its busiest
+  // rank). One all-reduce (max) over EP.
+  int64_t busiest_rows(std::vector<int64_t> rows);
   // in [Σ send, C]: this rank's rows sorted by expert → out [rows, C] grouped by local expert.
   template <typename T>
   void to_experts(T* out, const T* in, const DispatchPlan& p, int64_t C, DispatchBuffers<T>& buf);

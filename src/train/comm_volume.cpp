@@ -195,18 +195,20 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
     const double rows = N / double(t) * double(cfg.top_k) * (m.ep > 1 ? imbalance : 1.0);  // one EP rank: no skew
     const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = scatter_gather_bytes(m.etp, rows * double(C) * 4);
     const double exchanges = double(micro * moe_layers) * (forwards + 1) * 2;  // to the experts and back, per pass
-    add("ep", double(micro * moe_layers) * forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep);
+    // (and once a step, the metrics' max over EP of each forward call's rows: Model::expert_busiest_rows)
+    add("ep", double(micro * moe_layers) * forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep +
+                  all_reduce_bytes(m.ep, 8 * double(micro * moe_layers)));
     // Each ETP peer gathers the others' [EP][El] received counts.
     add("etp", double(micro * moe_layers) * forwards * scatter_gather_bytes(m.etp, 8 * double(m.ep * El)) +
                    exchanges * to_etp);
   }
 
   // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
-  // expert counts, dropped assignments and near ties, every rank's expert rows, every rank's CP pairs, under
+  // expert counts, dropped assignments and near ties, every rank's expert rows and busiest rows, every rank's CP pairs, under
   // ZeRO-3 or FSSDP every rank's gathered and reduced bytes, under FSSDP its expert gathers, 6 per stage
   // (7 under vocabulary parallelism: its passes' time),
   // under document batching every rank's busy time).
-  const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + 2 * cfg.num_layers + world : 0) +
+  const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + 2 * cfg.num_layers + 2.0 * world : 0) +
                          (c > 1 ? world : 0) + (o.zero == 3 || o.fssdp() ? 2.0 * world : 0) +
                          (o.fssdp() ? world : 0) + (part.vocab_parallel() ? 7.0 : 6.0) * p + (o.documents() ? world : 0);
   add("world", all_reduce_bytes(world, 16) + all_reduce_bytes(world, 8 * figures));

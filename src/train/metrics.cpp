@@ -73,6 +73,20 @@ double expert_imbalance(const std::vector<int64_t>& rows, const MeshShape& mesh)
   return imbalance;
 }
 
+// Call by call: Σ over a step's MoE calls of the EP group's most rows over Σ of its mean (the group's
+// rows over its size), the most over the EP groups. Each call's exchanges wait for its busiest rank,
+// so this, at least the step totals' figure, is what stretches a step.
+double expert_sync_imbalance(const std::vector<int64_t>& rows, const std::vector<int64_t>& busiest, const MeshShape& mesh) {
+  double imbalance = 1;
+  for (int r = 0; r < int(rows.size()); ++r) {
+    const std::vector<int> group = mesh.group(r, "ep");
+    double total = 0;
+    for (int g : group) total += double(rows[size_t(g)]);
+    if (total > 0) imbalance = std::max(imbalance, double(busiest[size_t(r)]) / (total / double(group.size())));
+  }
+  return imbalance;
+}
+
 }  // namespace
 
 void StepFigures::all_reduce(Comm& world) {
@@ -202,6 +216,7 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
   if (r.router_bias && !r.router_bias->empty()) row["router_bias"] = *r.router_bias;
   row["expert_rows"] = f.expert_rows;
   row["expert_imbalance"] = expert_imbalance(f.expert_rows, *run.mesh);
+  row["expert_sync_imbalance"] = expert_sync_imbalance(f.expert_rows, f.expert_busiest, *run.mesh);
   if (!f.expert_gathers.empty()) row["expert_gathers"] = f.expert_gathers;  // FSSDP
   const DispatchTimes& dt = r.dispatch;
   row["moe_times"] = {{"layer_s", r.moe_layer_s}, {"exchange_s", dt.exchange_s}, {"regroup_s", dt.regroup_s},

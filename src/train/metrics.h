@@ -40,6 +40,7 @@ struct StepFigures {
   std::vector<int64_t> expert_dropped;              // [layer]
   std::vector<int64_t> expert_near_ties;            // [layer] (layers/moe.h, kNearTie)
   std::vector<int64_t> expert_rows;                 // [rank], MoE only
+  std::vector<int64_t> expert_busiest;              // [rank], MoE only: Model::expert_busiest_rows
   std::vector<int64_t> cp_pairs;                    // [rank], CP only: the causal pairs each rank's attention computed
   // ZeRO-3 or FSSDP, [rank]: the bytes each rank sent gathering parameters and reducing gradients
   // (both parameter sets: DataParallel::traffic); FSSDP, [rank]: the experts each rank gathered (one
@@ -61,7 +62,7 @@ struct StepFigures {
   template <class F>
   void for_each_field(F&& f) {
     f(lm_loss), f(aux_loss), f(z_loss), f(cpu_s), f(stop);
-    f(expert_tokens), f(expert_dropped), f(expert_near_ties), f(expert_rows), f(cp_pairs);
+    f(expert_tokens), f(expert_dropped), f(expert_near_ties), f(expert_rows), f(expert_busiest), f(cp_pairs);
     f(gathered_bytes), f(reduced_bytes), f(expert_gathers);
     f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes), f(rss_peak), f(rank_busy_s), f(vocab_s);
   }

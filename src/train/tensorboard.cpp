@@ -122,7 +122,8 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const nlohmann::j
       {"loss", "train/loss"},          {"lm_loss", "train/lm_loss"},       {"lr", "train/lr"},
       {"grad_norm", "train/grad_norm"}, {"val_loss", "val/loss"},          {"tokens_per_s", "perf/tokens_per_s"},
       {"ms", "perf/step_ms"},          {"gflops", "perf/gflops"},          {"save_blocked_s", "perf/save_blocked_s"},
-      {"rss_peak_bytes", "memory/rss_peak_bytes"}, {"expert_imbalance", "moe/expert_imbalance"}};
+      {"rss_peak_bytes", "memory/rss_peak_bytes"}, {"expert_imbalance", "moe/expert_imbalance"},
+      {"expert_sync_imbalance", "moe/expert_sync_imbalance"}};
   std::vector<std::pair<std::string, float>> out;
   for (const auto& [key, tag] : kTags)
     if (row.contains(key) && row[key].is_number()) out.emplace_back(tag, row[key].get<float>());

@@ -45,7 +45,7 @@ std::string scalar_event(double wall_time, int64_t step, const std::vector<std::
 // train/grad_norm, train/update_skipped (1 on a skipped step), val/loss (a step that evaluated),
 // perf/tokens_per_s, perf/step_ms, perf/gflops, perf/save_blocked_s (when a save blocked),
 // memory/rss_peak_bytes, memory/predicted_bytes (the first row); MoE: train/aux_loss, train/z_loss,
-// moe/expert_imbalance.
+// moe/expert_imbalance, moe/expert_sync_imbalance.
 std::vector<std::pair<std::string, float>> tensorboard_scalars(const nlohmann::json& row);
 
 class TensorBoardWriter {

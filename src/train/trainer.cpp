@@ -766,7 +766,10 @@ StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop)
   f.expert_near_ties = model_.expert_near_ties();
   hooks_.log_routing(step + 1, model_.expert_counts());
   const size_t ranks = size_t(world_.size()), rank = size_t(world_.rank());
-  if (cfg_.is_moe()) f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();
+  if (cfg_.is_moe()) {
+    f.expert_rows.assign(ranks, 0), f.expert_rows[rank] = model_.expert_rows();
+    f.expert_busiest.assign(ranks, 0), f.expert_busiest[rank] = model_.expert_busiest_rows();
+  }
   if (cp().size() > 1) f.cp_pairs.assign(ranks, 0), f.cp_pairs[rank] = model_.cp_counters().pairs;
   if (o_.zero == 3 || o_.fssdp()) {
     f.gathered_bytes.assign(ranks, 0.0), f.reduced_bytes.assign(ranks, 0.0);

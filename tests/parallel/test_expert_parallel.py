@@ -17,7 +17,11 @@ test_layouts.py (20 AdamW steps, lr 1e-2 with warmup and cosine decay, clipping,
      ranks sent (all-to-all-v), all-gather this rank's received rows to the ETP peers and
      reduce-scatter the peers' rows (pairwise accounting, comm.h); plus the count exchanges
      (El int64 to each other EP rank, EP·El int64 gathered over ETP) once per forward (full
-     recomputation runs each forward, exchanges included, twice).
+     recomputation runs each forward, exchanges included, twice), and the metrics' all-reduce (max)
+     over EP of each forward call's rows (8 bytes a call). `expert_sync_imbalance`, every
+     step: with one micro-batch per rank, equal to the busiest EP rank's expert-side rows over the
+     mean, summed layer by layer, from the same counts (the most over the EP groups); with several
+     (the logs sum them) at least that.
   3. A checkpoint saved under EP4xPP2 (8 ranks, step 10; each rank writes its own shards) resumes
      (--resume) under EP1 (one rank) and EP2xETP2 and continues on the one-rank curve (steps 11-20
      within 1e-5); its `origami ckpt export` loads in transformers (no missing or unexpected
@@ -93,8 +97,31 @@ def expected_dispatch_bytes(routing, ranks, flags, cfg, micro):
             ep_rows += passes * (sent + back)
             etp_rows += passes * ((etp - 1) * peer[b0] + sum(peer) - peer[b0])
         calls = len(layers) * micro * (passes - 1)  # plan() once per forward of a layer
-        out[step] = (4 * C * ep_rows + 8 * (ep - 1) * El * calls, 4 * C * etp_rows + 8 * (etp - 1) * ep * El * calls)
+        busiest = 2 * (ep - 1) / ep * 8 * len(layers) * micro  # the metrics' max over EP, per forward call
+        out[step] = (4 * C * ep_rows + 8 * (ep - 1) * El * calls + busiest,
+                     4 * C * etp_rows + 8 * (etp - 1) * ep * El * calls)
     return out
+
+
+def expected_sync_imbalance(routing, ranks, flags, cfg, step):
+    """Σ over layers of the busiest EP rank's expert-side rows / Σ of the mean, the most over the EP
+    groups, from every rank's routed counts ([L][E], summed over its micro-batches). A rank's
+    expert-side rows are what its EP peers routed to its experts, gathered over its ETP peers."""
+    etp, ep, pp = flag(flags, "--etp"), flag(flags, "--ep"), flag(flags, "--pp")
+    El, per_stage = cfg["num_local_experts"] // ep, ranks // pp
+    rank_at = {coords(r, etp, ep, per_stage): r for r in range(ranks)}
+    worst = 1.0
+    for d in range(per_stage // (etp * ep)):
+        for s in range(pp):
+            sources = [rank_at[(b, a, d, s)] for b in range(etp) for a in range(ep)]
+            busiest = mean = 0
+            for l in range(len(routing[sources[0]][step])):
+                rows = [sum(routing[r][step][l][e] for r in sources for e in range(a * El, (a + 1) * El))
+                        for a in range(ep)]
+                busiest, mean = busiest + max(rows), mean + sum(rows) / ep  # (zeros: another stage's layer)
+            if mean:
+                worst = max(worst, busiest / mean)
+    return worst
 
 
 def read_routing(d, ranks):
@@ -152,7 +179,8 @@ def run_layouts(tmp, data, only):
             cfg = json.load(open(cfg_path))
             tp, pp = flag(flags, "--tp"), flag(flags, "--pp")
             micro = G // (tl.MICRO * (ranks // (tp * pp)))
-            exp = expected_dispatch_bytes(read_routing(rdir, ranks), ranks, flags, cfg, micro)
+            routing = read_routing(rdir, ranks)
+            exp = expected_dispatch_bytes(routing, ranks, flags, cfg, micro)
             for g in got:
                 e_ep, e_etp = exp[g["step"]]
                 cb = g.get("comm_bytes", {})
@@ -160,11 +188,18 @@ def run_layouts(tmp, data, only):
                     fails.append("step %d: comm_bytes ep %s etp %s, from the routed counts %d and %d" % (
                         g["step"], cb.get("ep", 0), cb.get("etp", 0), e_ep, e_etp))
                     break
+            for g in got:
+                want, have = expected_sync_imbalance(routing, ranks, flags, cfg, g["step"]), g["expert_sync_imbalance"]
+                if not (abs(have - want) <= 1e-9 * want if micro == 1 else have >= want - 1e-9):
+                    fails.append("step %d: expert_sync_imbalance %.6f, from the routed counts %s%.6f" % (
+                        g["step"], have, "" if micro == 1 else "at least ", want))
+                    break
         imb = max(g.get("expert_imbalance", 0) for g in got) if got else float("nan")
+        sync = max(g.get("expert_sync_imbalance", 0) for g in got) if got else float("nan")
         status = "ok" if not fails else "FAIL"
         print("%-4s %-36s %d ranks: loss %.1e, aux/z/lm %.1e, experts %s, params abs %.1e, comm ep/etp "
-              "checked %d steps, imbalance up to %.2f, %.1f s" % (status, name, ranks, w["loss"], w["aux"],
-                                                                   w["experts"], pa["abs"][0], len(got), imb, wall),
+              "checked %d steps, imbalance up to %.2f (call by call %.2f), %.1f s" % (
+                  status, name, ranks, w["loss"], w["aux"], w["experts"], pa["abs"][0], len(got), imb, sync, wall),
               flush=True)
         for x in fails[:5]:
             print("      " + x)

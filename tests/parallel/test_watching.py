@@ -26,7 +26,7 @@ TAGS = [("loss", "train/loss"), ("lm_loss", "train/lm_loss"), ("lr", "train/lr")
         ("val_loss", "val/loss"), ("tokens_per_s", "perf/tokens_per_s"), ("ms", "perf/step_ms"),
         ("gflops", "perf/gflops"), ("save_blocked_s", "perf/save_blocked_s"),
         ("rss_peak_bytes", "memory/rss_peak_bytes"), ("expert_imbalance", "moe/expert_imbalance"),
-        ("aux_loss", "train/aux_loss"), ("z_loss", "train/z_loss")]
+        ("expert_sync_imbalance", "moe/expert_sync_imbalance"), ("aux_loss", "train/aux_loss"), ("z_loss", "train/z_loss")]
 FAILS = []
 
 
@@ -88,7 +88,8 @@ def tensorboard_part(tmp, data):
     first = h.read_metrics(metrics)
     compare(read_events(tb), expected_scalars(first), "6 steps")
     tags = set(read_events(tb))
-    check({"train/loss", "val/loss", "moe/expert_imbalance", "train/aux_loss", "memory/predicted_bytes"} <= tags,
+    check({"train/loss", "val/loss", "moe/expert_imbalance", "moe/expert_sync_imbalance", "train/aux_loss",
+           "memory/predicted_bytes"} <= tags,
           "the MoE, validation and memory tags are written: %s" % sorted(tags))
 
     # A reader of a file cut inside its last record gets every record before it.

@@ -49,11 +49,13 @@ TEST(TensorBoard, ScalarsOfAMetricsRow) {
   EXPECT_EQ(find("train/aux_loss"), -1.0);  // dense: no router losses
   EXPECT_EQ(find("val/loss"), -1.0);        // no evaluation at this step
   nlohmann::json moe = dense;
-  moe["expert_imbalance"] = 1.25, moe["val_loss"] = 2.25, moe["skipped"] = "the loss is not finite";
+  moe["expert_imbalance"] = 1.25, moe["expert_sync_imbalance"] = 1.5, moe["val_loss"] = 2.25;
+  moe["skipped"] = "the loss is not finite";
   moe["memory_bytes"] = {{"total", 4096}};
   const auto m = tensorboard_scalars(moe);
-  EXPECT_EQ(m.size(), s.size() + 5);  // imbalance, aux, z, val, predicted memory
+  EXPECT_EQ(m.size(), s.size() + 6);  // the two imbalances, aux, z, val, predicted memory
   const std::string event = scalar_event(1.5, 3, m);
   EXPECT_NE(event.find("moe/expert_imbalance"), std::string::npos);
+  EXPECT_NE(event.find("moe/expert_sync_imbalance"), std::string::npos);
   EXPECT_EQ(event[0], 0x09);  // Event.wall_time: field 1, 64-bit
 }
