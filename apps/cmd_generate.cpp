@@ -73,6 +73,7 @@ int cmd_generate(int argc, char** argv) {
     window.assign(ids.end() - std::ptrdiff_t(T), ids.end());
     window.resize(padded + 1, 0);
     logits.resize(padded * size_t(cfg.vocab_size));
+    model.reset_expert_counts();  // MoE: the per-step routing figures (training's), which grow per call
     model.forward_backward(window.data(), 1, int64_t(padded), 1.f, false, logits.data());
     const float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
     const int32_t next = sample_token(last, int32_t(std::min<int64_t>(cfg.vocab_size, tok->vocab_size())), temperature,

@@ -5,8 +5,8 @@ balance and under skew (a router bias that sends half of the assignments to expe
         [--hidden 256] [--ffn 512] [--kv-heads 8] [--seq-len 128] [--micro-batch 8] [--precision fp32]
         [--single-copy cma] [--dir bench/runs/fssdp]
 
-The model: 4 layers of hidden 256, 8 heads (--kv-heads of them for keys and values), experts of FFN
-512, top-2, the byte vocabulary; one micro-batch of --micro-batch x --seq-len tokens per rank, one
+The model: 4 layers of hidden --hidden (256), 8 heads (--kv-heads of them for keys and values), experts
+of FFN --ffn (512), top-2, the byte vocabulary; one micro-batch of --micro-batch x --seq-len tokens per rank, one
 thread per rank. What FSSDP moves is the experts' weights and gradients, what EP moves is token rows,
 so their ratio is set by the rows each expert gets on a rank (tokens x top-k / experts) and by how
 much of a step the experts are (Mixtral 8x7B: FFN 3.5 x hidden, 4 query heads per key-value head,
@@ -19,7 +19,8 @@ busiest rank's expert rows over the mean (expert_imbalance: under EP the rows an
 compute, under FSSDP a rank's own), and the bytes rank 0 sends per step (all groups). The table ends
 with FSSDP's throughput over EP's (step time of EP over FSSDP's), then a lone rank's step time (one
 process with one rank's work, all experts local, no communication; as fast as FSSDP could be, or a
-little faster: it has the machine's caches and memory to itself) and EP's over it, the most FSSDP
+little faster: it has the machine's caches and memory to itself; its runs come first for each
+expert count, not alternated with the others) and EP's over it, the most FSSDP
 could gain (where the ranks have a core each).
 """
 import argparse
