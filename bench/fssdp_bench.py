@@ -9,8 +9,9 @@ The model: 4 layers of hidden --hidden (256), 8 heads (--kv-heads of them for ke
 of FFN --ffn (512), top-2, the byte vocabulary; one micro-batch of --micro-batch x --seq-len tokens per rank, one
 thread per rank. What FSSDP moves is the experts' weights and gradients, what EP moves is token rows,
 so their ratio is set by the rows each expert gets on a rank (tokens x top-k / experts) and by how
-much of a step the experts are (Mixtral 8x7B: FFN 3.5 x hidden, 4 query heads per key-value head,
-about 0.9 of the matmul FLOPs in the experts). Each layout is EP over
+much of a step the experts are (Mixtral's proportions, FFN 3.5 x hidden and 4 query heads per
+key-value head, put 0.86 of the weight GEMMs' FLOPs of the README's shape in the experts, about 0.8
+counting attention's scores). Each layout is EP over
 all ranks (--ep R), FSSDP (--expert-sharding fssdp) on R ranks of data parallelism (the dense part
 all-reduced either way), or FSSDP with --fssdp-keep (each expert gathered once a step). Skew:
 ORIGAMI_TEST_ROUTER_SKEW=B adds B to experts 0 and 1's selection scores; B is calibrated first (one rank, 1 step, bisection) so that about half of the routed assignments go to

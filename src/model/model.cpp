@@ -365,12 +365,15 @@ void Model::set_precision(Precision p) {
   if (&experts_ != &params_) experts_.keep_bf16_copy();
 }
 
+int64_t Model::expert_rows() const {
+  return std::accumulate(expert_call_rows_.begin(), expert_call_rows_.end(), int64_t(0));
+}
+
 void Model::reset_expert_counts() {
   const size_t L = cfg_.is_moe() ? size_t(cfg_.num_layers) : 0, E = size_t(cfg_.num_experts);
   expert_counts_.assign(L, std::vector<int64_t>(E, 0));
   expert_dropped_.assign(L, 0);
   expert_near_ties_.assign(L, 0);
-  expert_rows_ = 0;
   expert_call_rows_.clear();
   moe_layer_s_ = 0;
   dispatcher_.times() = {};
@@ -850,7 +853,6 @@ void Model::moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses*
     for (int64_t e = 0; e < c.num_experts; ++e) expert_counts_[size_t(l)][size_t(e)] += a.moe->routed_E[size_t(e)];
     expert_dropped_[size_t(l)] += a.moe->dropped;
     expert_near_ties_[size_t(l)] += a.moe->near_ties;
-    expert_rows_ += a.moe->plan.rows;
     expert_call_rows_.push_back(a.moe->plan.rows);
   }
 }

@@ -211,7 +211,8 @@ class Model {
   const std::vector<std::vector<int64_t>>& expert_counts() const { return expert_counts_; }
   const std::vector<int64_t>& expert_dropped() const { return expert_dropped_; }
   const std::vector<int64_t>& expert_near_ties() const { return expert_near_ties_; }  // per layer (kNearTie)
-  int64_t expert_rows() const { return expert_rows_; }
+  // Expert-side rows this rank computed since reset_expert_counts.
+  int64_t expert_rows() const;
   // Σ over the MoE forward calls since reset_expert_counts of the EP group's most expert-side rows
   // (TokenDispatcher::busiest_rows). Collective over EP.
   int64_t expert_busiest_rows() { return dispatcher_.busiest_rows(expert_call_rows_); }
@@ -391,7 +392,6 @@ class Model {
   std::vector<std::vector<int64_t>> expert_counts_;
   std::vector<int64_t> expert_dropped_;
   std::vector<int64_t> expert_near_ties_;
-  int64_t expert_rows_ = 0;
   std::vector<int64_t> expert_call_rows_;  // [MoE forward call]: its expert-side rows on this rank
   double moe_layer_s_ = 0;
   std::vector<std::vector<float>> router_bias_;            // [L][E] (aux-loss-free balancing)
