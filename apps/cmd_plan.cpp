@@ -6,6 +6,9 @@
 //                [--top K] [--json] [--out plan.json] [--plot FILE.png]
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <limits>
 #include <set>
@@ -135,7 +138,7 @@ struct PlanCommand {
   Cluster cluster;
   int devices = 0;
   int64_t global_batch = 0, seq_len = 0, top = 0;
-  double imbalance = 1;
+  RoutingSkew skew;  // --imbalance
   std::string layout;  // --layout as given (empty: none)
   Fixed fixed;         // its axes
   bool json = false, explain = false, any_memory = false;
@@ -143,6 +146,20 @@ struct PlanCommand {
   std::string precision;  // of the layer GEMMs: fp32 | bf16 (memory counts the bf16 weight copy and scratch)
   std::string grad_reduce_dtype;  // of the DP/EDP gradient reductions: fp32 | bf16 (their bytes and buffers)
 };
+
+// --imbalance: a number (every EP degree alike) or a run's metrics file (each EP degree from its routing).
+RoutingSkew parse_imbalance(const std::string& v, const ModelConfig& cfg) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (!v.empty() && *end == 0) {
+    ORIGAMI_CHECK(std::isfinite(x) && x >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ", v);
+    return RoutingSkew{x};
+  }
+  ORIGAMI_CHECK(std::filesystem::exists(v), "--imbalance must be a number (at least 1) or the metrics file of an MoE "
+                "run; '", v, "' is neither (no such file)");
+  ORIGAMI_CHECK(cfg.is_moe(), "--imbalance ", v, ": the model has no experts, so no routing to take from a run");
+  return routing_skew_from_metrics(v, cfg.num_experts);
+}
 
 // nullopt when --help was asked for (the help text is then already printed).
 std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
@@ -165,7 +182,10 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
               "fp32")
       .option("grad-reduce-dtype", "fp32|bf16", "the run's --grad-reduce-dtype: bf16 halves the gradient "
                                                 "reductions' bytes and adds their bf16 buffers to memory", "fp32")
-      .option("imbalance", "X", "MoE: the busiest EP rank's routed rows over the mean, call by call (a run's expert_sync_imbalance)", "1.0")
+      .option("imbalance", "X|FILE", "MoE: the busiest EP rank's routed rows over the mean, call by call (what a run's "
+                                     "expert_sync_imbalance measures): X for every EP degree, or a metrics file of an MoE "
+                                     "run of this model (any layout; a short run on one rank will do): each EP degree's "
+                                     "figure from its experts' token counts, the median of its steps", "1.0")
       .flag("json", "print a JSON list, best first (each with its step time's 'breakdown')")
       .flag("any-memory", "list layouts whatever memory they need (to time another trainer's published run, "
                           "whose memory differs from origami's); the memory column still says what origami needs")
@@ -200,9 +220,7 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   ORIGAMI_CHECK(cmd.seq_len <= cmd.cfg.max_positions, "--seq-len must be in [1, ", cmd.cfg.max_positions,
                 "] (the model's maximum positions), got ", cmd.seq_len);
   checked_num_parameters(cmd.cfg);
-  cmd.imbalance = a.number("imbalance");
-  ORIGAMI_CHECK(cmd.imbalance >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ",
-                cmd.imbalance);
+  cmd.skew = parse_imbalance(a.str("imbalance"), cmd.cfg);
   cmd.layout = a.str("layout");
   cmd.fixed = parse_layout(cmd.layout);
   cmd.json = a.on("json");
@@ -251,7 +269,7 @@ struct SearchResult {
 class LayoutSearch {
  public:
   explicit LayoutSearch(const PlanCommand& cmd)
-      : cmd_(cmd), model_(cmd.cfg, cmd.cluster, cmd.devices, 0, cmd.imbalance),
+      : cmd_(cmd), model_(cmd.cfg, cmd.cluster, cmd.devices, 0, cmd.skew),
         recompute_modes_(cmd.fixed.recompute.empty() ? std::vector<std::string>{"none", "selective", "full"}
                                                      : std::vector<std::string>{cmd.fixed.recompute}) {
     base_.global_batch = cmd.global_batch;
@@ -454,6 +472,7 @@ void print_json(const PlanCommand& cmd, const std::vector<Candidate>& found) {
   for (const Candidate& c : found) {
     nlohmann::json j = c.p.as_json();
     j["layout"] = layout_name(c.o, cmd.devices);
+    if (cmd.cfg.is_moe()) j["imbalance"] = cmd.skew.at(c.o.ep);  // what its expert rows were priced at
     list.push_back(j);
   }
   std::printf("%s\n", list.dump(2).c_str());
@@ -465,6 +484,7 @@ void print_table(const PlanCommand& cmd, const SearchResult& r) {
               "%lld fit (%.2f s)\n\n", cmd.cfg.model_type().c_str(), cmd.precision.c_str(), cmd.devices, cmd.cluster.name.c_str(),
               (long long)cmd.global_batch, (long long)cmd.seq_len, (long long)r.layouts, (long long)r.evaluated,
               (long long)cmd.top, (long long)r.accepted, (long long)r.fitting, r.search_s);
+  if (cmd.cfg.is_moe()) std::printf("routing imbalance (--imbalance): %s\n\n", cmd.skew.describe().c_str());
   std::printf("| layout | step s | tokens/s | MFU | memory per rank (largest) | compute s | bubble s | exposed comm s | dominant |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const Candidate& c : r.found) {

@@ -63,9 +63,9 @@ int in_node(const MeshShape& mesh, int rank, const std::string& axes, int per_no
 
 }  // namespace
 
-CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime, double imbalance)
+CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime, RoutingSkew skew)
     : cfg_(cfg), num_tensors_(int64_t(make_param_table(cfg).size())), cluster_(cluster), bf16_(cluster.at("bf16")),
-      devices_(devices), runtime_(runtime), imbalance_(imbalance) {}
+      devices_(devices), runtime_(runtime), skew_(std::move(skew)) {}
 
 const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const MeshDims& m, int terms) {
   const bool sp = o.sequence_parallel && m.tp > 1, bf16 = o.precision == "bf16";
@@ -128,7 +128,7 @@ const CostModel::LayerCosts& CostModel::layer_costs(const TrainOptions& o, const
     // The router on this rank's share of the tokens; each local expert on the rows routed to it.
     const double share = N / t, E = double(cfg_.num_experts), El = E / m.ep, Fe = double(cfg_.expert_ffn / m.etp);
     l.moe_mlp = gemms(share, C, E);
-    const double rows = share * double(cfg_.top_k) * m.etp * (m.ep > 1 ? imbalance_ : 1.0) / El;  // one EP rank: no skew
+    const double rows = share * double(cfg_.top_k) * m.etp * skew_.at(m.ep) / El;
     Pass expert = gemms(rows, C, 2 * Fe);
     expert += gemms(rows, Fe, C);
     expert += streamed(rows * 8 * (Fe + C));
@@ -414,7 +414,8 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const int rank = stage_ranks[size_t(s)];
     const double fwd = compute[size_t(s)].fwd, bwd = compute[size_t(s)].bwd, busy = fwd + bwd;
     // Blocking communication per micro-batch, from the stage rank's bytes per step.
-    const std::map<std::string, double> bytes = step_comm_bytes(cfg, o, devices, rank, buffers(o, mesh, rank), imbalance_);
+    const std::map<std::string, double> bytes =
+        step_comm_bytes(cfg, o, devices, rank, buffers(o, mesh, rank), skew_.at(m.ep));
     if (s == 0) out.comm_bytes = bytes;
     const std::map<std::string, double> exposed = stage_exposed(o, mesh, cluster, s, bytes, compute[size_t(s)].attention);
     double blocking = 0;

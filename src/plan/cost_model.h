@@ -19,7 +19,8 @@
 //             times for every stage: their fill and drain, (p − 1)/v of a micro-batch (what a replay
 //             of them gives), and under vocabulary parallelism replayed (replay_schedules) with its
 //             output passes placed as the executor places them (with_vocab_passes)
-// The MoE dispatcher's payload and expert rows assume evenly routed tokens times `imbalance`.
+// The MoE dispatcher's payload and expert rows assume evenly routed tokens times the routing skew at
+// the layout's EP degree (plan/routing_skew.h).
 #pragma once
 #include <limits>
 #include <map>
@@ -30,6 +31,7 @@
 #include "model/config.h"
 #include "model/params.h"
 #include "plan/cluster.h"
+#include "plan/routing_skew.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
 
@@ -58,7 +60,7 @@ struct Prediction {
 // One model on `devices` ranks of a cluster (ranks fill nodes in order). It keeps what layouts share —
 // each stage's parameter tables and buffer figures, per-layer GEMM times — so a search over many
 // layouts pays for each once. cfg: with the run's routing options; runtime: the per-rank process
-// memory to count (bytes); imbalance: the busiest EP rank's routed rows over the mean.
+// memory to count (bytes); skew: the busiest EP rank's routed rows over the mean at each EP degree.
 class CostModel {
  public:
   struct Pass {  // seconds of a forward and of its backward
@@ -69,7 +71,7 @@ class CostModel {
     }
   };
 
-  CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime = 0, double imbalance = 1.0);
+  CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime = 0, RoutingSkew skew = {});
 
   // Validates o (an Error as validate() words it) and predicts. When the neediest rank needs more
   // than memory_limit bytes only the memory is filled in, and fits is false.
@@ -125,7 +127,7 @@ class CostModel {
   Cluster cluster_, bf16_;  // as read (fp32), and at bf16
   int devices_;
   int64_t runtime_;
-  double imbalance_;
+  RoutingSkew skew_;
   std::map<std::tuple<int, int, std::vector<int>, bool>, Split> splits_;  // (pp, vpp, pp_layers, vocab)
   std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool, bool, int>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp, bf16, terms)
   std::map<std::tuple<int, int, std::vector<int>, int, int, int, bool>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank, vocab)

@@ -1,29 +1,15 @@
 #include "train/run_plot.h"
 
-#include <cmath>
 #include <filesystem>
-#include <limits>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
 #include "core/error.h"
-#include "core/files.h"
 #include "core/gnuplot.h"
+#include "train/metrics_file.h"
 
 namespace origami {
 
 namespace {
-
-// A number of the row, NaN where it is null (a non-finite value, written as null); Error naming the
-// line when the row lacks it.
-double number(const nlohmann::json& row, const char* key, const std::string& where) {
-  ORIGAMI_CHECK(row.contains(key), where, " has no \"", key, "\": not a metrics row of origami train");
-  const nlohmann::json& v = row[key];
-  if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
-  ORIGAMI_CHECK(v.is_number(), where, ": \"", key, "\" is not a number");
-  return v.get<double>();
-}
 
 const char* x_label(PlotX x) {
   switch (x) {
@@ -72,27 +58,19 @@ PlotX parse_plot_x(const std::string& s) {
 }
 
 RunCurves read_run_curves(const std::string& path, PlotX x) {
-  std::istringstream in(read_file_bytes(path));
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);)
-    if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
   RunCurves c;
   double seconds = 0;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    const std::string where = cat(path, ":", i + 1);
-    const nlohmann::json row = nlohmann::json::parse(lines[i], nullptr, false);
-    if (row.is_discarded() && i + 1 == lines.size()) break;  // a killed run's last line, cut short
-    ORIGAMI_CHECK(row.is_object(), where, " is not a JSON object: not a metrics file of origami train");
-    const double step = number(row, "step", where);
-    seconds += number(row, "ms", where) / 1000;
-    c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? step * number(row, "tokens", where) : seconds);
-    c.loss.push_back(number(row, "loss", where));
-    c.lr.push_back(number(row, "lr", where));
-    c.tokens_per_s.push_back(number(row, "tokens_per_s", where));
-    c.grad_norm.push_back(number(row, "grad_norm", where));
-    if (row.contains("val_loss")) c.val_x.push_back(c.x.back()), c.val_loss.push_back(number(row, "val_loss", where));
-    if (c.label.empty() && row.contains("layout") && row["layout"].is_string())
-      c.label = cat(std::filesystem::path(path).filename().string(), ": ", row["layout"].get<std::string>());
+  for (const MetricsRow& r : read_metrics_rows(path)) {
+    const double step = metrics_number(r, "step");
+    seconds += metrics_number(r, "ms") / 1000;
+    c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? step * metrics_number(r, "tokens") : seconds);
+    c.loss.push_back(metrics_number(r, "loss"));
+    c.lr.push_back(metrics_number(r, "lr"));
+    c.tokens_per_s.push_back(metrics_number(r, "tokens_per_s"));
+    c.grad_norm.push_back(metrics_number(r, "grad_norm"));
+    if (r.row.contains("val_loss")) c.val_x.push_back(c.x.back()), c.val_loss.push_back(metrics_number(r, "val_loss"));
+    if (c.label.empty() && r.row.contains("layout") && r.row["layout"].is_string())
+      c.label = cat(std::filesystem::path(path).filename().string(), ": ", r.row["layout"].get<std::string>());
   }
   ORIGAMI_CHECK(!c.x.empty(), "'", path, "' has no metrics rows");
   if (c.label.empty()) c.label = std::filesystem::path(path).filename().string();

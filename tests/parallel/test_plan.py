@@ -19,6 +19,11 @@ global batch 8, T 32:
   5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot (said before
      the search), with a gnuplot that fails, or with FILE in a missing directory it exits 1 with one
      error line, and leaves an existing FILE as it was and no FILE.tmp.
+  6. --imbalance FILE: an EP2 mixtral run's metrics (one micro-batch a rank) give EP2 the median of
+     the run's measured expert_sync_imbalance, exactly; a one-rank run's first step gives EP2 that
+     step's figure of the EP2 run (the same routing, unless a near tie went another way); the JSON
+     names the figure per layout, and a layout priced from the file is priced as with that figure
+     stated; a missing file and a file without routing are errors.
 """
 import json
 import os
@@ -30,6 +35,60 @@ import harness as h
 CLUSTER = os.path.join(h.ROOT, "configs", "clusters", "cpu-2core.json")
 FIELDS = ("layout", "step_time_s", "tokens_per_s", "mfu", "memory_bytes_per_rank", "comm_bytes")
 PARTS = ("weights", "gradients", "optimizer state", "activations", "workspace", "checkpoint")
+
+
+def check_imbalance_from_run(tmp, data):
+    """Section 6: plan --imbalance FILE against an EP2 run's measured figure."""
+    failures = []
+    cfg = os.path.join(h.CONFIGS, "mixtral_8e.json")
+    runs = {}
+    for name, ranks, layout in [("one", 1, "mb8"), ("ep2", 2, "ep2 mb4")]:
+        metrics = os.path.join(tmp, "routing_%s.jsonl" % name)
+        rc, text, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, "--steps", "5", "--global-batch", "8",
+                                    "--seq-len", "32", "--threads", "1", "--quiet", "--metrics", metrics,
+                                    *h.train_flags(layout)])
+        if rc != 0:
+            return ["--imbalance: the %s run failed: %s" % (name, text[-300:])]
+        runs[name] = h.read_metrics(metrics)
+    plan = ["plan", "--config", cfg, "--cluster", CLUSTER, "--global-batch", "8", "--seq-len", "32", "--json",
+            "--layout", "tp1 cp1 pp1 ep2 etp1 zero0 mb4 nosp", "--top", "1", "--imbalance"]
+
+    def planned(rows, name):  # the plan's EP2 layout priced from these metrics rows
+        path = os.path.join(tmp, "routing_%s_rows.jsonl" % name)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        rc, out, _ = h.run(0, plan + [path])
+        return json.loads(out)[0] if rc == 0 else {"error": out[-300:]}
+
+    # The EP2 run's own file: the median of its steps' measured figure, exactly.
+    ep2 = runs["ep2"]
+    measured = sorted(r["expert_sync_imbalance"] for r in ep2)[len(ep2) // 2]
+    got = planned(ep2, "ep2")
+    # The one-rank run's first step: the same routing as the EP2 run's (no update yet; a near tie, which
+    # the metrics count, could send a token elsewhere on another layout, and then they may differ).
+    ties = sum(runs["one"][0]["expert_near_ties"]) + sum(ep2[0]["expert_near_ties"])
+    first = planned(runs["one"][:1], "one")
+    rc, out, _ = h.run(0, plan + [repr(got.get("imbalance", 1.0))])
+    stated = json.loads(out)[0] if rc == 0 else {}
+    ok = measured > 1 and abs(got.get("imbalance", 0) - measured) <= 1e-12 * measured \
+        and (ties > 0 or first.get("imbalance") == ep2[0]["expert_sync_imbalance"]) \
+        and got.get("step_time_s") == stated.get("step_time_s")
+    print("%-4s --imbalance FILE: EP2 %s from the EP2 run's metrics (it measured %s), %s from a one-rank run's first "
+          "step (the EP2 run's: %s%s); stated alike: %s s vs %s s" % (
+              "ok" if ok else "FAIL", got.get("imbalance"), measured, first.get("imbalance"),
+              ep2[0]["expert_sync_imbalance"], ", near ties: not compared" if ties else "", got.get("step_time_s"),
+              stated.get("step_time_s")))
+    if not ok:
+        failures.append("--imbalance FILE: %s / %s / %s" % (got, first, stated))
+    dense = os.path.join(tmp, "dense.jsonl")
+    with open(dense, "w") as f:
+        f.write(json.dumps({"step": 1, "loss": 2.5}) + "\n")
+    for name, value, want in [("--imbalance, no such file", os.path.join(tmp, "missing.jsonl"),
+                               "--imbalance must be a number (at least 1) or the metrics file of an MoE run"),
+                              ("--imbalance, a dense run", dense, "no step has \"expert_tokens\"")]:
+        _, _, failure = h.check_error(name, 0, plan + [value], lambda line, want=want: want in line)
+        failures += [failure] if failure else []
+    return failures
 
 
 def main():
@@ -99,6 +158,7 @@ def main():
         print("%-4s %-10s train --plan runs %s" % ("ok" if ok else "FAIL", model, row.get("layout", text[-200:])))
         if not ok:
             failures.append("%s: train --plan: exit %s, layout %s: %s" % (model, rc, row.get("layout"), text[-300:]))
+    failures += check_imbalance_from_run(tmp, data)
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
     base = ["plan", "--config", cfg, "--global-batch", "8", "--seq-len", "32"]
     for name, args, want in [("no --cluster", base, "--cluster is required"),
