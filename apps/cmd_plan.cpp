@@ -40,7 +40,7 @@ constexpr int64_t kMaxTop = 1000;  // --top: the search keeps the best K, and a 
 constexpr int64_t kMaxDevices = int64_t(1) << 20;  // --nodes: a million devices, far beyond any cluster
 
 struct Fixed {
-  int tp = -1, cp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1, vocab = -1;
+  int tp = -1, cp = -1, dp = -1, ep = -1, etp = -1, pp = -1, vpp = -1, zero = -1, sp = -1, fssdp = -1, vocab = -1;
   int64_t mb = -1;
   std::string recompute, cp_comm;
   std::vector<int> pp_layers;  // pp-layers=N,N,...: layers of each virtual stage (empty: an even split)
@@ -68,15 +68,22 @@ Fixed parse_layout(const std::string& spec) {
       return std::stoll(digits);
     };
     if (w.rfind("recompute=", 0) == 0) f.recompute = w.substr(10), parse_recompute(f.recompute);
-    else if (w.rfind("cp-comm=", 0) == 0) f.cp_comm = w.substr(8), parse_cp_comm(f.cp_comm);
-    else if (w.rfind("pp-layers=", 0) == 0) {
+    else if (w.rfind("cp-comm=", 0) == 0) {
+      f.cp_comm = w.substr(8), parse_cp_comm(f.cp_comm);
+      ORIGAMI_CHECK(f.cp_comm != "a2a+p2p", "--layout: 'cp-comm=a2a+p2p' needs the all-to-all groups' size "
+                    "(train --cp-a2a-size), which plan does not search: plan cp-comm=p2p or cp-comm=a2a");
+    } else if (w.rfind("pp-layers=", 0) == 0) {
       std::istringstream list(w.substr(10));
+      int64_t layers = 0;
       for (std::string n; std::getline(list, n, ',');) {
-        ORIGAMI_CHECK(!n.empty() && n.size() < 10 && std::all_of(n.begin(), n.end(), is_digit) && std::stoll(n) >= 1,
-                      "--layout: '", w, "' needs positive layer counts separated by commas, got '", n, "'");
+        ORIGAMI_CHECK(!n.empty() && n.size() < 8 && std::all_of(n.begin(), n.end(), is_digit) && std::stoll(n) >= 1,
+                      "--layout: '", w, "' needs positive layer counts (below 10^7) separated by commas, got '", n, "'");
         f.pp_layers.push_back(int(std::stoll(n)));
+        layers += f.pp_layers.back();
+        ORIGAMI_CHECK(layers <= kMaxDegree, "--layout: '", w, "' adds up to more than ", kMaxDegree, " layers");
       }
-      ORIGAMI_CHECK(!f.pp_layers.empty(), "--layout: '", w, "' gives no layer counts");
+      ORIGAMI_CHECK(!f.pp_layers.empty() && w.back() != ',', "--layout: '", w,
+                    "' needs positive layer counts separated by commas");
     }
     else if (w == "sp") f.sp = 1;
     else if (w == "nosp") f.sp = 0;
@@ -87,12 +94,13 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("etp", 0) == 0) f.etp = int(number(3));
     else if (w.rfind("tp", 0) == 0) f.tp = int(number(2));
     else if (w.rfind("cp", 0) == 0) f.cp = int(number(2));
+    else if (w.rfind("dp", 0) == 0) f.dp = int(number(2));  // (derived from the others: a check, as the table prints it)
     else if (w.rfind("ep", 0) == 0) f.ep = int(number(2));
     else if (w.rfind("vpp", 0) == 0) f.vpp = int(number(3));
     else if (w.rfind("pp", 0) == 0) f.pp = int(number(2));
     else if (w.rfind("mb", 0) == 0) f.mb = number(2);
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
-    else fail("--layout: '", w, "' is not one of tpN cpN epN etpN ppN vppN zeroN mbN sp nosp fssdp nofssdp "
+    else fail("--layout: '", w, "' is not one of tpN cpN dpN epN etpN ppN vppN zeroN mbN sp nosp fssdp nofssdp "
                 "vocab novocab recompute=MODE cp-comm=MODE pp-layers=N,N,...");
   }
   ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
@@ -177,13 +185,14 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
       .option("top", "K", "layouts to print", "10")
       .option("nodes", "N", "size the cluster file's pod: N nodes of its devices_per_node (default: the file's nodes)")
       .option("precision", "fp32|bf16", "the run's --precision: bf16 GEMMs and attention at the cluster's bf16 rates "
-                                        "(its fp32 ones where it gives none), 2-byte activations, and the weights' bf16 "
-                                        "copy and the rounding scratch in each rank's memory",
+                                        "(its fp32 ones where it gives none), 2-byte activations on GPU clusters (4-byte "
+                                        "on CPU ones, as origami's CPU kernels keep them), and the weights' bf16 copy and "
+                                        "the rounding scratch in each rank's memory",
               "fp32")
       .option("grad-reduce-dtype", "fp32|bf16", "the run's --grad-reduce-dtype: bf16 halves the gradient "
                                                 "reductions' bytes and adds their bf16 buffers to memory", "fp32")
       .option("imbalance", "X|FILE", "MoE: the busiest EP rank's routed rows over the mean, call by call (what a run's "
-                                     "expert_sync_imbalance measures): X for every EP degree, or a metrics file of an MoE "
+                                     "expert_sync_imbalance measures): X for every EP degree (at most the degree), or a metrics file of an MoE "
                                      "run of this model (any layout; a short run on one rank will do): each EP degree's "
                                      "figure from its experts' token counts, the median of its steps", "1.0")
       .flag("json", "print a JSON list, best first (each with its step time's 'breakdown')")
@@ -289,7 +298,7 @@ class LayoutSearch {
   void add_shapes_of_mesh(int tp, int cp, int pp);
   void evaluate(const Shape& shape);
   TrainOptions options(const Shape& shape) const;
-  std::vector<int> zero_choices(int dp, int cp, int vocab) const;
+  std::vector<int> zero_choices(int dp, int cp, int edp, int vocab) const;
   std::vector<int> vocab_choices(int pp) const;
   void add_shapes_of_split(Shape shape, int dp, int stage);
   std::vector<int> sharding_choices(int ep, int edp) const;
@@ -315,8 +324,11 @@ TrainOptions LayoutSearch::options(const Shape& shape) const {
   return o;
 }
 
-std::vector<int> LayoutSearch::zero_choices(int dp, int cp, int vocab) const {
-  const std::vector<int> all = dp * cp == 1 ? std::vector<int>{0} : vocab ? std::vector<int>{0, 1} : std::vector<int>{0, 1, 2, 3};
+// ZeRO shards over DP x CP, and the experts' state over EDP: with neither above one rank, only ZeRO 0.
+std::vector<int> LayoutSearch::zero_choices(int dp, int cp, int edp, int vocab) const {
+  const std::vector<int> all = dp * cp == 1 && edp == 1 ? std::vector<int>{0}
+                               : vocab                  ? std::vector<int>{0, 1}
+                                                        : std::vector<int>{0, 1, 2, 3};
   return choices(cmd_.fixed.zero, all);  // (vocabulary parallelism takes ZeRO 0 and 1: a fixed 2 or 3 is refused)
 }
 
@@ -353,6 +365,7 @@ void LayoutSearch::add_shapes() {
     for (int cp : choices(fixed.cp, dev_div))
       for (int pp : choices(fixed.pp, dev_div)) {
         if (cmd_.devices % (int64_t(tp) * cp * pp) != 0 || pp > cfg.num_layers) continue;
+        if (fixed.dp >= 0 && cmd_.devices / (int64_t(tp) * cp * pp) != fixed.dp) continue;
         add_shapes_of_mesh(tp, cp, pp);
       }
 }
@@ -366,7 +379,7 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
   for (int vpp : choices(fixed.vpp, pp > 1 ? std::vector<int>{1, 2} : std::vector<int>{1}))
     for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
       for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
-        if (stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
+        if (int64_t(ep) * etp > stage || stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
         for (int vocab : vocab_choices(pp))
           add_shapes_of_split({tp, cp, pp, vpp, ep, etp, 0, 0, vocab, 0}, dp, stage);
       }
@@ -375,7 +388,7 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
 // The shapes of one mesh and split: every micro-batch and recomputation mode; a split whose layers do
 // not divide over its stages is refused with all of them.
 void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
-  const int64_t expansions = int64_t(zero_choices(dp, shape.cp, shape.vocab).size() *
+  const int64_t expansions = int64_t(zero_choices(dp, shape.cp, stage / (shape.ep * shape.etp), shape.vocab).size() *
                                      comm_choices(shape.tp, shape.cp).size() *
                                      sharding_choices(shape.ep, stage / (shape.ep * shape.etp)).size());
   const std::vector<int> mbs = choices(int(cmd_.fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1)));
@@ -425,7 +438,7 @@ void LayoutSearch::evaluate(const Shape& shape) {
   };
   SearchResult& r = result_;
   const int edp = cmd_.devices / shape.pp / (shape.ep * shape.etp);
-  for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp, shape.vocab))
+  for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp, edp, shape.vocab))
     for (const std::string& comm : comm_choices(shape.tp, shape.cp))
       for (int fssdp : sharding_choices(shape.ep, edp)) {
         Candidate c{options(shape), {}};
@@ -445,6 +458,28 @@ void LayoutSearch::evaluate(const Shape& shape) {
       }
 }
 
+// Why --layout leaves no layout to evaluate: the first rule its fixed axes break.
+std::string why_no_layout(const PlanCommand& cmd) {
+  const Fixed& f = cmd.fixed;
+  const ModelConfig& cfg = cmd.cfg;
+  const int n = cmd.devices;
+  auto divides = [](int64_t x, int64_t y) { return x >= 1 && y % x == 0; };
+  if (f.tp >= 0 && !(divides(f.tp, n) && divides(f.tp, cfg.num_heads) && divides(f.tp, cfg.num_kv_heads)))
+    return cat("tp", f.tp, ": TP must divide the devices (", n, ") and the model's ", cfg.num_heads, " heads and ",
+               cfg.num_kv_heads, " key-value heads");
+  if (f.cp >= 0 && !divides(f.cp, n)) return cat("cp", f.cp, ": CP must divide the devices (", n, ")");
+  if (f.pp >= 0 && !(divides(f.pp, n) && f.pp <= cfg.num_layers))
+    return cat("pp", f.pp, ": PP must divide the devices (", n, ") and be at most the model's ", cfg.num_layers, " layers");
+  if (f.dp >= 0 && !divides(f.dp, n)) return cat("dp", f.dp, ": DP must divide the devices (", n, ")");
+  if (!cfg.is_moe() && (f.ep > 1 || f.etp > 1 || f.fssdp == 1)) return "ep, etp and fssdp need an MoE model";
+  if (f.ep >= 0 && cfg.is_moe() && !divides(f.ep, cfg.num_experts))
+    return cat("ep", f.ep, ": EP must divide the model's ", cfg.num_experts, " experts");
+  if (f.vocab == 1 && f.pp == 1) return "vocab: vocabulary parallelism needs a pipeline (pp2 or more)";
+  if (f.fssdp == 1 && f.ep > 1) return cat("fssdp shards the experts over a stage's ranks instead of EP: ep", f.ep, " with it");
+  return cat("tp x cp x dp x pp must be the ", n, " devices, ep x etp must divide a stage's ranks, and fssdp needs more "
+             "than one rank beside them (EDP)");
+}
+
 // The search, timed; an Error when no layout is accepted or none fits.
 SearchResult search_layouts(const PlanCommand& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -459,6 +494,8 @@ SearchResult search_layouts(const PlanCommand& cmd) {
   SearchResult r = std::move(search.result());
   r.search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const bool with_layout = !cmd.layout.empty();
+  ORIGAMI_CHECK(r.evaluated > 0, "--layout '", cmd.layout, "' leaves no layout of ", cmd.devices, " devices: ",
+                why_no_layout(cmd));
   ORIGAMI_CHECK(r.accepted > 0, "the runtime accepts none of the ", r.evaluated, " layouts",
                 with_layout ? " of --layout '" + cmd.layout + "'" : "", "; the first refused: ", r.first_refusal);
   ORIGAMI_CHECK(!r.found.empty(), "none of the ", r.accepted, " layouts the runtime accepts",

@@ -213,7 +213,7 @@ const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& me
   const MeshDims& m = mesh.dims();
   const BufferKey key{m.tp, m.cp, m.dp, m.pp, m.ep, m.etp, o.vpp, o.bucket_mb,
                       (o.zero == 3 ? 1 : 0) + (o.fssdp() ? 2 : 0) + (o.precision == "bf16" ? 4 : 0) +
-                          (o.vocab_parallel ? 8 : 0),
+                          (o.vocab_parallel ? 8 : 0) + (o.zero >= 1 && o.precision == "bf16" ? 16 : 0),
                       rank,
                       o.mesh_order, o.pp_layers};
   const auto found = buffers_.find(key);

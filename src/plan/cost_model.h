@@ -132,7 +132,7 @@ class CostModel {
   std::map<std::tuple<int, int, int, int, int64_t, int64_t, bool, bool, int>, LayerCosts> layers_;  // (tp, cp, ep, etp, B, T, sp, bf16, terms)
   std::map<std::tuple<int, int, std::vector<int>, int, int, int, bool>, SplitTable> tables_;  // (pp, vpp, pp_layers, stage, ep, ep rank, vocab)
   // (tp, cp, dp, pp, ep, etp, vpp, bucket MiB, rank, mesh order, pp_layers)
-  using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16, 8: vocabulary parallelism), ...
+  using BufferKey = std::tuple<int, int, int, int, int, int, int, double, int, int, std::string, std::vector<int>>;  // ... bucket_mb, unit buckets (1: ZeRO-3, 2: FSSDP's experts, 4: bf16, 8: vocabulary parallelism, 16: ZeRO's bf16 copy buckets, TrainOptions::param_layout), ...
   std::map<BufferKey, RankBuffers> buffers_;
   std::map<std::tuple<int, int, int64_t, int, double, double>, double> makespans_;  // (schedule, p, m, v, b/f, vocab/f): makespan / f
 };

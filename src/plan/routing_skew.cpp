@@ -12,7 +12,7 @@ namespace origami {
 
 double RoutingSkew::at(int64_t ep) const {
   if (ep <= 1) return 1.0;
-  if (source.empty()) return stated;
+  if (source.empty()) return std::min(stated, double(ep));  // (no rank can get more than every row)
   const auto it = by_ep.find(ep);
   ORIGAMI_ASSERT(it != by_ep.end());  // (the runtime's validate() refuses an EP degree that does not divide the experts)
   return it->second;

@@ -17,7 +17,8 @@ struct RoutingSkew {
   std::string source;               // that file (empty: stated)
   int64_t steps = 0;                // the file's steps the figures are the median of
 
-  // 1 at EP1 (one rank holds every expert: no rank waits for another's rows).
+  // 1 at EP1 (one rank holds every expert: no rank waits for another's rows); a stated figure at most
+  // ep (the busiest rank cannot get more than every row).
   double at(int64_t ep) const;
   std::string describe() const;  // "1.25 (stated)" or "EP2 1.31, EP4 1.94 (FILE, median of N steps)"
 };

@@ -14,8 +14,10 @@ global batch 8, T 32:
      and agree as in 2);
      --out writes the best layout and its prediction, and
      `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
-  4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has)
-     exit 1 with one error line.
+  4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has,
+     --layout axes that leave no layout, each naming the rule, and degrees whose product overflows)
+     exit 1 with one error line. A bf16 mixtral layout with ZeRO over the experts' data-parallel ranks
+     only (TP2, EDP2) runs and agrees as in 2.
   5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot (said before
      the search), with a gnuplot that fails, or with FILE in a missing directory it exits 1 with one
      error line, and leaves an existing FILE as it was and no FILE.tmp.
@@ -112,6 +114,14 @@ def main():
             if not fssdp or not all(" fssdp " in " %s " % p["layout"] for p in fssdp):
                 failures.append("%s: --layout fssdp: exit %s: %s" % (model, rc, out[-300:]))
             plans += fssdp
+            # ZeRO where only the experts have data-parallel ranks (TP2 of the dense part, EDP2), in bf16:
+            # its copy buckets are buffers of their own.
+            rc, out, _ = h.run(0, base + ["--layout", "tp2 dp1 ep1 etp1 zero1 nofssdp", "--precision", "bf16", "--top",
+                                          "1", "--json"])
+            edp = json.loads(out) if rc == 0 else []
+            if not edp:
+                failures.append("%s: --layout \"tp2 dp1 ep1 etp1 zero1\": exit %s: %s" % (model, rc, out[-300:]))
+            plans += [dict(p, precision="bf16") for p in edp]
         # Vocabulary parallelism's best layouts (searched where there is a pipeline): bytes exact.
         rc, out, _ = h.run(0, base + ["--layout", "pp2 vocab", "--top", "2", "--json"])
         vocab = json.loads(out) if rc == 0 else []
@@ -122,7 +132,7 @@ def main():
             metrics = os.path.join(tmp, "m.jsonl")
             rc, text, _ = h.run(2, ["train", "--config", cfg, "--data", data, "--steps", "1", "--global-batch", "8",
                                     "--seq-len", "32", "--threads", "1", "--quiet", "--metrics", metrics,
-                                    *h.train_flags(p["layout"])])
+                                    "--precision", p.get("precision", "fp32"), *h.train_flags(p["layout"])])
             if rc != 0:
                 failures.append("%s %s: the runtime refused the planned layout: %s" % (model, p["layout"], text[-300:]))
                 continue
@@ -163,9 +173,26 @@ def main():
     base = ["plan", "--config", cfg, "--global-batch", "8", "--seq-len", "32"]
     for name, args, want in [("no --cluster", base, "--cluster is required"),
                              ("bad --layout", base + ["--cluster", CLUSTER, "--layout", "tp2 fast"], "'fast' is not one of"),
-                             ("too many devices", base + ["--cluster", CLUSTER, "--devices", "3"], "--devices must be in [1, 2]")]:
+                             ("too many devices", base + ["--cluster", CLUSTER, "--devices", "3"], "--devices must be in [1, 2]"),
+                             ("--layout tp3", base + ["--cluster", CLUSTER, "--layout", "tp3"],
+                              "leaves no layout of 2 devices: tp3: TP must divide the devices (2)"),
+                             ("--layout vocab pp1", base + ["--cluster", CLUSTER, "--layout", "vocab pp1"],
+                              "vocabulary parallelism needs a pipeline"),
+                             ("--layout fssdp on a dense model", base + ["--cluster", CLUSTER, "--layout", "fssdp"],
+                              "ep, etp and fssdp need an MoE model"),
+                             ("--layout dp4", base + ["--cluster", CLUSTER, "--layout", "dp4"], "dp4: DP must divide"),
+                             ("--layout a2a+p2p", base + ["--cluster", CLUSTER, "--layout", "cp2 cp-comm=a2a+p2p"],
+                              "which plan does not search"),
+                             ("--layout pp-layers=1,1,", base + ["--cluster", CLUSTER, "--layout", "pp-layers=1,1,"],
+                              "needs positive layer counts separated by commas")]:
         _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line)
         failures += [failure] if failure else []
+    # Degrees whose product overflows an int: an error, not a crash.
+    moe = ["plan", "--config", os.path.join(h.CONFIGS, "mixtral_8e.json"), "--cluster", CLUSTER, "--global-batch", "8",
+           "--seq-len", "32"]
+    _, _, failure = h.check_error("--layout ep65536 etp65536", 0, moe + ["--layout", "ep65536 etp65536"],
+                                  lambda line: "EP must divide the model's 8 experts" in line)
+    failures += [failure] if failure else []
     _, _, failure = h.check_error("plan for 2 devices on 1 rank", 0, ["train", "--config", cfg, "--data", data, "--plan",
                                   os.path.join(tmp, "plan.json"), "--steps", "1"],
                                   lambda line: "lays out 2 devices, and this job has 1 rank" in line)

@@ -41,18 +41,21 @@ std::vector<TrainOptions> layouts(const ModelConfig& cfg, int devices, int64_t G
         for (int vpp : {1, 2})
           for (int ep : cfg.is_moe() ? std::vector<int>{1, 2, 4} : std::vector<int>{1})
             for (int etp : cfg.is_moe() ? std::vector<int>{1, 2} : std::vector<int>{1})
-              for (int zero : {0, 1, 2})
+              for (int zero : {0, 1, 2, 3})
+                for (const char* precision : {"fp32", "bf16"})
                 for (int64_t mb : {1, 2})
                   for (const char* rc : {"none", "selective", "full"})
                     for (const char* comm : {"p2p", "a2a"})
-                      for (bool vocab : {false, true}) {
+                      for (bool vocab : {false, true})
+                      for (bool fssdp : cfg.is_moe() ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
                       if (devices % (tp * cp * pp) != 0 || (vocab && (pp == 1 || zero > 1))) continue;
+                      if (std::string(precision) == "bf16" && (mb == 2 || std::string(rc) != "none")) continue;  // (enough)
                       TrainOptions o;
                       o.data = "plan";
                       o.global_batch = G, o.seq_len = T;
                       o.tp = tp, o.cp = cp, o.pp = pp, o.vpp = vpp, o.ep = ep, o.etp = etp, o.zero = zero;
                       o.micro_batch = mb, o.recompute = rc, o.cp_comm = comm, o.sequence_parallel = tp > 1;
-                      o.vocab_parallel = vocab;
+                      o.vocab_parallel = vocab, o.precision = precision, o.expert_sharding = fssdp ? "fssdp" : "ep";
                       out.push_back(o);
                     }
   return out;
@@ -73,8 +76,8 @@ TEST(CostModel, KeptFiguresAndBoundHoldForEveryLayout) {
       }
       ++accepted;
       const std::string layout = cat(name, " tp", o.tp, " cp", o.cp, " pp", o.pp, " vpp", o.vpp, " ep", o.ep, " etp",
-                                     o.etp, " zero", o.zero, " mb", o.micro_batch, " ", o.recompute, " ", o.cp_comm,
-                                     o.vocab_parallel ? " vocab" : "");
+                                     o.etp, " zero", o.zero, " ", o.precision, " mb", o.micro_batch, " ", o.recompute, " ", o.cp_comm,
+                                     o.vocab_parallel ? " vocab" : "", " ", o.expert_sharding);
       EXPECT_LE(model.step_bound(o), p.step_s * (1 + 1e-12)) << layout;
       // The same memory and bytes as the runtime's functions give without the model's kept figures.
       const MeshShape mesh(devices, o.layout_dims(devices), o.mesh_order);

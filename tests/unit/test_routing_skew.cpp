@@ -58,6 +58,8 @@ TEST(RoutingSkew, MedianOverStepsForEveryDivisor) {
   EXPECT_NE(skew.describe().find("EP2 1.250, EP4 1.500 (from " + path + ", median of 3 steps)"), std::string::npos);
   EXPECT_DOUBLE_EQ(RoutingSkew{1.3}.at(4), 1.3);
   EXPECT_DOUBLE_EQ(RoutingSkew{1.3}.at(1), 1.0);
+  EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(2), 2.0);  // all of a layer's rows on one of two ranks: twice the mean
+  EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(4), 3.0);
   std::filesystem::remove(path);
 }
 
