@@ -306,36 +306,40 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   return exposed;
 }
 
-// After backward: the gradient buckets' tail (the last bucket of each set; of the other buckets what
-// the cluster does not overlap with the backward they can hide behind: the last micro-batch's, or
-// under ZeRO-2 and 3, which reduce every micro-batch, all of them), ZeRO-1/2's parameter gather (as
-// far as the cluster overlaps it with the next step's first forward), the tied embedding and the
-// world's reductions, ZeRO ≥ 2's gradient pages written afresh; then AdamW's pass over the owned
-// state. ZeRO-3's gathers, each unit's before its use with the next one prefetched, hide behind the
-// forwards and backwards like the reductions.
-// f, b: the busiest stage's forward and backward of one micro-batch. Adds each part to out.exposed_s.
-double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f,
-                                 double b, Prediction& out) {
+// One stage's gradient reductions after its backward, per key ("dp", "dp-cp", "edp"), from its
+// first rank's bytes of the step: the buckets' tail (the last bucket of each set; of the other buckets
+// what the cluster does not overlap with the backward they can hide behind: the last micro-batch's,
+// or under ZeRO-2 and 3, which reduce every micro-batch, all of them) and ZeRO-1/2's parameter gather
+// (as far as the cluster overlaps it with the next step's first forward). ZeRO-3's gathers, each
+// unit's before its use with the next one prefetched, hide behind the forwards and backwards like
+// the reductions. f, b: the busiest stage's forward and backward of one micro-batch.
+std::map<std::string, double> CostModel::gradient_exposed(const TrainOptions& o, const MeshShape& mesh,
+                                                          const Cluster& cluster, double f, double b, int rank,
+                                                          const std::map<std::string, double>& bytes) {
   const MeshDims& m = mesh.dims();
-  const int c = m.cp, v = o.vpp, devices = devices_, per_node = cluster.devices_per_node;
-  const int64_t micro = o.micro_batches(devices);
-  auto tier = [&](int rank, const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
-  double after = 0;
-  const double bucket = o.bucket_mb * 1024 * 1024;  // bytes of fp32 gradients per bucket
+  const int c = m.cp;
+  const int64_t micro = o.micro_batches(devices_);
+  std::map<std::string, double> exposed;
   const double window = (o.zero >= 2 ? double(micro) : 1.0) * (o.zero == 3 ? f + b : b);
+  const RankBuffers& held = buffers(o, mesh, rank);
   for (const char* key : {"dp", "dp-cp", "edp"}) {
-    const auto it = out.comm_bytes.find(key);
-    if (it == out.comm_bytes.end()) continue;
+    const auto it = bytes.find(key);
+    if (it == bytes.end()) continue;
     const std::string axes = key;
-    const int group = axes == "edp" ? m.edp : axes == "dp" ? m.dp : m.dp * c;
-    const bool inter = tier(0, axes == "edp" ? "edp" : "dp-cp");
+    const bool experts = axes == "edp";
+    const int group = experts ? m.edp : axes == "dp" ? m.dp : m.dp * c, zero = o.zero_of(experts);
+    const bool inter = spans_nodes(mesh, rank, experts ? "edp" : "dp-cp", cluster.devices_per_node);
     const double total = it->second;
-    const double gather = o.zero == 1 || o.zero == 2 ? total / (o.zero == 2 ? double(micro * v) + 1 : 2) : 0;
-    const double tail = std::min(total - gather, all_reduce_bytes(group, bucket));
+    const double gather = zero_gather_bytes(experts ? held.experts : held.dense, group, zero);
+    // The last bucket (--bucket-mb of fp32 gradients, sent as the wire type): all-reduced, or
+    // reduce-scattered under ZeRO.
+    const double last = o.bucket_mb * 1024 * 1024 / 4 * dtype_bytes(o.grad_reduce_wire());
+    const double tail = std::min(total - gather, zero == 0 ? all_reduce_bytes(group, last)
+                                                           : scatter_gather_bytes(group, last / group));
     // ZeRO-0 all-reduces; ZeRO-1, 2 and 3 reduce-scatter (and gather). A bucket is reduced while
     // backward streams the next layers through the caches: the reduction, its last bucket and the
     // gather all move at the rate of messages beyond the caches, the largest the cluster measured.
-    const std::string reduce = o.zero == 0 ? "all_reduce" : "reduce_scatter";
+    const std::string reduce = zero == 0 ? "all_reduce" : "reduce_scatter";
     const double step = std::numeric_limits<double>::infinity();
     const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter, reduce, step),
                  tail_s = cluster.transfer_seconds(tail, 0, inter, reduce, step),
@@ -345,9 +349,31 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
     const double hidden = blocking ? 0.0
                                    : cluster.overlap_of("dp") * std::clamp(reduce_s - tail_s, 0.0, window) +
                                          cluster.overlap_of("param-gather") * std::min(gather_s, f);
-    out.exposed_s[axes] = reduce_s + gather_s - hidden;
-    after += out.exposed_s[axes];
+    exposed[axes] = reduce_s + gather_s - hidden;
   }
+  return exposed;
+}
+
+// After backward: the slowest stage's gradient reductions (gradient_exposed), the tied embedding and
+// the world's reductions, ZeRO ≥ 2's gradient pages written afresh; then AdamW's pass over the owned
+// state. f, b: the busiest stage's forward and backward of one micro-batch; stage_bytes: each
+// stage's first rank's bytes of the step. Adds each part to out.exposed_s.
+double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f,
+                                 double b, const std::vector<std::map<std::string, double>>& stage_bytes,
+                                 Prediction& out) {
+  const int devices = devices_, per_node = cluster.devices_per_node;
+  const int64_t micro = o.micro_batches(devices);
+  auto tier = [&](int rank, const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
+  const std::vector<int> stage_ranks = mesh.group(0, "pp");
+  std::map<std::string, double> slowest;
+  double after = 0;
+  for (size_t s = 0; s < stage_ranks.size(); ++s) {
+    const std::map<std::string, double> exposed = gradient_exposed(o, mesh, cluster, f, b, stage_ranks[s], stage_bytes[s]);
+    double sum = 0;
+    for (const auto& [k, x] : exposed) sum += x;
+    if (s == 0 || sum > after) slowest = exposed, after = sum;
+  }
+  for (const auto& [k, x] : slowest) out.exposed_s[k] = x;
   for (const char* key : {"embedding", "world"}) {
     const auto it = out.comm_bytes.find(key);
     if (it == out.comm_bytes.end()) continue;
@@ -373,7 +399,7 @@ double CostModel::after_backward(const TrainOptions& o, const MeshShape& mesh, c
   // norm, and under bf16 the weight's 2-byte copy written: 32 bytes (34), and 3 kernels per tensor of the stage.
   if (cluster.memory_bandwidth > 0) {
     const double owned = double(out.memory.optimizer) / 8, bytes = owned * (o.precision == "bf16" ? 34 : 32);
-    const double tensors = double(num_tensors_) / m.pp;  // about the stage's share of them
+    const double tensors = double(num_tensors_) / mesh.dims().pp;  // about the stage's share of them
     out.exposed_s["optimizer"] = bytes / cluster.memory_bandwidth + 3 * tensors * cluster.kernel_overhead;
     after += out.exposed_s["optimizer"];
   }
@@ -410,6 +436,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
   double worst_f = 0, worst_b = 0, worst_vocab = 0, worst_compute = 0;
   int worst = 0;
   std::map<std::string, double> worst_exposed;
+  std::vector<std::map<std::string, double>> stage_bytes;
   for (int s = 0; s < p; ++s) {
     const int rank = stage_ranks[size_t(s)];
     const double fwd = compute[size_t(s)].fwd, bwd = compute[size_t(s)].bwd, busy = fwd + bwd;
@@ -417,6 +444,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     const std::map<std::string, double> bytes =
         step_comm_bytes(cfg, o, devices, rank, buffers(o, mesh, rank), skew_.at(m.ep));
     if (s == 0) out.comm_bytes = bytes;
+    stage_bytes.push_back(bytes);
     const std::map<std::string, double> exposed = stage_exposed(o, mesh, cluster, s, bytes, compute[size_t(s)].attention);
     double blocking = 0;
     for (const auto& [k, x] : exposed) blocking += x;
@@ -436,7 +464,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
     if (x > 0) out.exposed_s[k] = double(micro) * x;
   out.bubble_s = makespan - double(micro) * (worst_f + worst_b + worst_vocab);
 
-  const double after = after_backward(o, mesh, cluster, worst_f, worst_b, out);
+  const double after = after_backward(o, mesh, cluster, worst_f, worst_b, stage_bytes, out);
   out.step_s = makespan + after;
   out.tokens_per_s = double(G * T) / out.step_s;
   out.mfu = train_flops_per_token(cfg, T) * double(G * T) / (out.step_s * devices * cluster.peak_flops);

@@ -117,8 +117,10 @@ class CostModel {
   const Cluster& at(const TrainOptions& o) const { return o.precision == "bf16" ? bf16_ : cluster_; }
   std::map<std::string, double> stage_exposed(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster,
                                               int stage, const std::map<std::string, double>& bytes, double attention);
+  std::map<std::string, double> gradient_exposed(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster,
+                                                 double f, double b, int rank, const std::map<std::string, double>& bytes);
   double after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f, double b,
-                        Prediction& out);
+                        const std::vector<std::map<std::string, double>>& stage_bytes, Prediction& out);
   double makespan_units(const TrainOptions& o, int64_t micro, double backward, double vocab);
   const RankBuffers& buffers(const TrainOptions& o, const MeshShape& mesh, int rank);
 

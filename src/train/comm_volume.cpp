@@ -25,10 +25,20 @@ double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t 
   if (zero == 0) return all_reduce_bytes(group, g * padded);
   // every bucket, each rank its shard
   const double reduced = scatter_gather_bytes(group, g * padded / group);
-  const double copy = double(buffer.copy);  // ZeRO 1/2 under bf16: those buckets gather their bf16 copy
-  const double gathered = scatter_gather_bytes(group, (zero == 3 ? gathered_bytes : 4 * padded - 2 * copy) / group);
+  const double gathered =
+      zero == 3 ? scatter_gather_bytes(group, gathered_bytes / group) : zero_gather_bytes(buffer, group, zero);
   return double(zero >= 2 ? passes : 1) * reduced + gathered;
 }
+
+}  // namespace
+
+double zero_gather_bytes(const BufferFigures& buffer, int group, int zero) {
+  if (group == 1 || zero == 0 || zero == 3) return 0;
+  const double copy = double(buffer.copy);  // ZeRO 1/2 under bf16: those buckets gather their bf16 copy
+  return scatter_gather_bytes(group, (4 * double(buffer.buckets) - 2 * copy) / group);
+}
+
+namespace {
 
 // ZeRO-3: the bytes one stage gathers in a step (Model::on_weights): per micro-batch and chunk, each
 // layer's unit in forward and again in backward, the embedding's in forward (chunk 0), the head's

@@ -31,4 +31,9 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
 std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank,
                                               const RankBuffers& buffers, double imbalance = 1.0);
 
+// ZeRO-1/2's parameter all-gather in a step, the part of a parameter set's data-parallel bytes that is
+// not a gradient reduction (over `group` ranks; fp32 values but for the copy buckets' bf16 copy); 0
+// under ZeRO 0 and 3 (whose gathers are per unit, in the passes) and on one rank.
+double zero_gather_bytes(const BufferFigures& buffer, int group, int zero);
+
 }  // namespace origami

@@ -244,7 +244,9 @@ TEST(CostModel, Bf16ActivationsAreFp32OnACpuAndHalfOnAGpu) {
 // the last micro-batch's backward, ZeRO-2 during every one. With compute-bound GEMMs (a backward
 // twice its forward: 2/3 of a micro-batch's compute) and buckets of 64 KiB, the exposed part is the
 // whole reduction less min(reduction less its last bucket, the window), on a slow link (the window
-// binds) and a fast one (the reduction fits in it but for the last bucket).
+// binds) and a fast one (the reduction fits in it but for the last bucket). ZeRO-1/2's parameter
+// gather (fp32, the copy buckets' bf16 under --precision bf16) follows, and the last bucket moves as
+// the wire type (--grad-reduce-dtype): all-reduced, or reduce-scattered under ZeRO.
 TEST(CostModel, GradientReductionHidesBehindTheBackwardItOverlaps) {
   const ModelConfig cfg = config("llama_tiny");
   for (double bandwidth : {1e6, 1e12}) {
@@ -252,20 +254,27 @@ TEST(CostModel, GradientReductionHidesBehindTheBackwardItOverlaps) {
     c.memory_bandwidth = 1e18;  // GEMMs compute-bound, element-wise work free
     c.intra = {bandwidth, 1e-6};
     CostModel model(cfg, c, 2);
-    for (int zero : {0, 2}) {
-      TrainOptions o;
-      o.data = "plan";
-      o.global_batch = 8, o.seq_len = 32, o.micro_batch = 1, o.zero = zero, o.bucket_mb = 1.0 / 16;
-      const Prediction p = model.predict(o);
-      const double micro = 4, total = p.comm_bytes.at("dp");
-      const double gather = zero == 2 ? total / (micro + 1) : 0;  // ZeRO-2: per-micro-batch reduce-scatters, one gather
-      const double reduce_s = 2 * 1e-6 + (total - gather) / bandwidth;
-      const double tail_s = std::min(total - gather, all_reduce_bytes(2, o.bucket_mb * 1024 * 1024)) / bandwidth;
-      const double window = (zero == 2 ? micro : 1.0) * (2.0 / 3) * p.compute_s / micro;
-      const double gather_s = zero == 2 ? 1e-6 + gather / bandwidth : 0.0;
-      EXPECT_NEAR(p.exposed_s.at("dp"), reduce_s + gather_s - std::min(reduce_s - tail_s, window), 1e-9 * p.step_s)
-          << "bandwidth " << bandwidth << " zero " << zero;
-    }
+    for (int zero : {0, 1, 2})
+      for (const char* precision : {"fp32", "bf16"})
+        for (const char* wire : {"fp32", "bf16"}) {
+          TrainOptions o;
+          o.data = "plan";
+          o.global_batch = 8, o.seq_len = 32, o.micro_batch = zero == 1 ? 4 : 1, o.zero = zero, o.bucket_mb = 1.0 / 16;
+          o.precision = precision, o.grad_reduce_dtype = wire;
+          const Prediction p = model.predict(o);
+          const double micro = zero == 1 ? 1 : 4, total = p.comm_bytes.at("dp");
+          const RankBuffers held = rank_buffers(cfg, o, 2, 0);
+          const double gather = zero == 0 ? 0 : (4.0 * double(held.dense.buckets) - 2.0 * double(held.dense.copy)) / 2;
+          const double reduce_s = 2 * 1e-6 + (total - gather) / bandwidth;
+          const double bucket = o.bucket_mb * 1024 * 1024 * (std::string(wire) == "bf16" ? 0.5 : 1.0);
+          const double last = zero == 0 ? all_reduce_bytes(2, bucket) : scatter_gather_bytes(2, bucket / 2);
+          const double tail_s = std::min(total - gather, last) / bandwidth;
+          const double window = (zero == 2 ? micro : 1.0) * (2.0 / 3) * p.compute_s / micro;
+          const double gather_s = zero > 0 ? 1e-6 + gather / bandwidth : 0.0;
+          EXPECT_NEAR(p.exposed_s.at("dp"), reduce_s + gather_s - std::min(reduce_s - tail_s, window), 1e-9 * p.step_s)
+              << "bandwidth " << bandwidth << " zero " << zero << " " << precision << " wire " << wire;
+          if (zero > 0 && std::string(precision) == "bf16") EXPECT_GT(held.dense.copy, 0);  // (the case it tests)
+        }
   }
 }
 
@@ -368,4 +377,26 @@ TEST(CostModel, SequenceParallelReordersItsActivationsOnACpu) {
             << name << ", recompute " << recompute << ", " << rows << " rows";
       }
   }
+}
+
+// The step waits for the slowest stage's gradient reductions, not the first stage's: a 4-layer llama
+// (untied: its embedding and head the same size) split 1 + 3 and 3 + 1 over PP2 x DP2 on slow links
+// exposes the reduction of its 3-layer stage both ways, which sends more than twice the other's bytes
+// (the two differ by the head stage's final norm: 48 weights).
+TEST(CostModel, GradientReductionsOfTheSlowestStage) {
+  ModelConfig cfg = config("llama_tiny");
+  cfg.num_layers = 4;
+  Cluster c = cluster(4, false);
+  c.intra = {1e6, 1e-6};
+  CostModel model(cfg, c, 4);
+  std::vector<double> exposed;
+  for (const std::vector<int>& split : {std::vector<int>{1, 3}, std::vector<int>{3, 1}}) {
+    TrainOptions o;
+    o.data = "plan";
+    o.global_batch = 8, o.seq_len = 32, o.micro_batch = 1, o.pp = 2, o.pp_layers = split;
+    exposed.push_back(model.predict(o).exposed_s.at("dp"));
+    if (split[0] == 1)  // rank 2: the second stage's first rank (pp the slowest axis)
+      EXPECT_GT(step_comm_bytes(cfg, o, 4, 2).at("dp"), 2 * step_comm_bytes(cfg, o, 4, 0).at("dp"));
+  }
+  EXPECT_NEAR(exposed[0], exposed[1], 0.005 * exposed[1]);
 }
