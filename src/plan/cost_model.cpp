@@ -286,11 +286,27 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1), sp ? "gather+scatter" : "all_reduce");
   exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1), "all_reduce");
   // The dispatcher's exchanges are all-to-alls: the peers in the node over its links, the others
-  // across nodes at once; ETP's are ring collectives.
+  // across nodes at once; ETP's are ring collectives. Per MoE layer (comm_volume.cpp): the row counts
+  // in each forward (again in full recomputation's), and the rows to the experts and back in each
+  // forward and in backward.
+  int moe_layers = 0;
+  for (const LayerRange& r : part.chunks)
+    for (int64_t l = r.begin; l < r.end; ++l) moe_layers += cfg_.is_moe_layer(l) ? 1 : 0;
+  const int forwards = parse_recompute(o.recompute) == Recompute::full ? 2 : 1;
+  const int exchanges = moe_layers * (forwards + 2 * (forwards + 1));
   const auto dispatched = bytes.find("ep");
   const double dispatch = dispatched == bytes.end() ? 0.0
-      : cluster.all_to_all_seconds(dispatched->second / micro, int(layers) * 6, m.ep, in_node(mesh, rank, "ep", per_node));
-  exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", int(layers) * 6 * (m.etp - 1), "gather+scatter"));
+      : cluster.all_to_all_seconds(dispatched->second / micro, exchanges, m.ep, in_node(mesh, rank, "ep", per_node));
+  exposed["ep"] = ep_shown * (dispatch + per_micro("etp", "etp", exchanges * (m.etp - 1), "gather+scatter"));
+  // FSSDP's exchanges over EDP block inside each MoE layer (comm_volume.cpp, sparse_expert_bytes): per
+  // layer and micro-batch the needs exchanged before each gather and the reduction, a gather in each
+  // forward and in backward, and the reduction, each an all-to-all of run-time sizes.
+  if (o.fssdp()) {
+    const auto sparse = bytes.find("edp");
+    exposed["edp"] = sparse == bytes.end() ? 0.0
+        : cluster.all_to_all_seconds(sparse->second / micro, moe_layers * (2 * forwards + 4), m.edp,
+                                     in_node(mesh, rank, "edp", per_node));
+  }
   // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
   // all-to-all (a2a) sits before and after it.
   const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c, o.cp_a2a() == c ? "all_to_all" : "send_recv");
@@ -324,9 +340,9 @@ std::map<std::string, double> CostModel::gradient_exposed(const TrainOptions& o,
   const RankBuffers& held = buffers(o, mesh, rank);
   for (const char* key : {"dp", "dp-cp", "edp"}) {
     const auto it = bytes.find(key);
-    if (it == bytes.end()) continue;
     const std::string axes = key;
     const bool experts = axes == "edp";
+    if (it == bytes.end() || (experts && o.fssdp())) continue;  // (FSSDP's exchanges block in the layers: stage_exposed)
     const int group = experts ? m.edp : axes == "dp" ? m.dp : m.dp * c, zero = o.zero_of(experts);
     const bool inter = spans_nodes(mesh, rank, experts ? "edp" : "dp-cp", cluster.devices_per_node);
     const double total = it->second;
@@ -344,11 +360,8 @@ std::map<std::string, double> CostModel::gradient_exposed(const TrainOptions& o,
     const double reduce_s = cluster.transfer_seconds(total - gather, 2 * (group - 1), inter, reduce, step),
                  tail_s = cluster.transfer_seconds(tail, 0, inter, reduce, step),
                  gather_s = gather > 0 ? cluster.transfer_seconds(gather, group - 1, inter, "all_gather", step) : 0.0;
-    // FSSDP's exchanges block inside the MoE layers: nothing of them overlaps.
-    const bool blocking = axes == "edp" && o.fssdp();
-    const double hidden = blocking ? 0.0
-                                   : cluster.overlap_of("dp") * std::clamp(reduce_s - tail_s, 0.0, window) +
-                                         cluster.overlap_of("param-gather") * std::min(gather_s, f);
+    const double hidden = cluster.overlap_of("dp") * std::clamp(reduce_s - tail_s, 0.0, window) +
+                          cluster.overlap_of("param-gather") * std::min(gather_s, f);
     exposed[axes] = reduce_s + gather_s - hidden;
   }
   return exposed;

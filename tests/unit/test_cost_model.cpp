@@ -400,3 +400,23 @@ TEST(CostModel, GradientReductionsOfTheSlowestStage) {
   }
   EXPECT_NEAR(exposed[0], exposed[1], 0.005 * exposed[1]);
 }
+
+// FSSDP's exchanges block inside each MoE layer of every micro-batch (and so stretch a pipeline's
+// bubble like any blocking communication): all-to-alls of the step's `edp` bytes, per layer and
+// micro-batch the needs before each gather and the reduction, the gathers and the reduction — 6 calls
+// a layer, 8 under full recomputation. mixtral_8e (2 MoE layers) under DP2 FSSDP.
+TEST(CostModel, FssdpExchangesBlockInEachMoeLayer) {
+  const ModelConfig cfg = config("mixtral_8e");
+  Cluster c = cluster(4, false);
+  c.intra = {1e6, 1e-6};
+  CostModel model(cfg, c, 2);
+  for (const char* rc : {"none", "full"}) {
+    TrainOptions o;
+    o.data = "plan";
+    o.global_batch = 8, o.seq_len = 32, o.micro_batch = 2, o.expert_sharding = "fssdp", o.recompute = rc;
+    const Prediction p = model.predict(o);
+    const double micro = 2, calls = 2 * (std::string(rc) == "full" ? 8 : 6);
+    EXPECT_NEAR(p.exposed_s.at("edp"), micro * c.all_to_all_seconds(p.comm_bytes.at("edp") / micro, int(calls), 2, 2),
+                1e-12 * p.step_s) << rc;
+  }
+}
