@@ -249,6 +249,8 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
       if (o.documents())
         options.insert(options.end(), {{"tokens_per_step", "--tokens-per-step", std::to_string(o.tokens_per_step), "0"},
                                        {"seq_len", "--seq-len", std::to_string(o.seq_len), std::to_string(o.seq_len)}});
+      else  // (given: without it the run keeps the checkpoint's, with_checkpoint_step_size)
+        options.push_back({"global_batch", "--global-batch", std::to_string(o.global_batch), std::to_string(o.global_batch)});
       for (const auto& [key, flag, now, old] : options) {
         const nlohmann::json* v = was.contains(key) ? &was[key] : nullptr;
         const std::string before = v && v->is_string() ? v->get<std::string>() : v && v->is_number_integer() ? v->dump() : old;
@@ -287,12 +289,33 @@ struct Opened {
   TestHooks hooks;
 };
 
+// A resume replays the data position from the step, so it keeps the trained run's step size unless
+// one is given: its --global-batch (windows) or --tokens-per-step (documents), which default to
+// figures of the layout (micro-batch x DP) and would move the position under another layout.
+TrainOptions with_checkpoint_step_size(const TrainOptions& opts, const Comm& world) {
+  TrainOptions o = opts;
+  const bool docs = o.documents();
+  if (o.resume.empty() || o.fresh_start() || (docs ? o.tokens_per_step > 0 || o.global_batch > 0 : o.global_batch > 0))
+    return o;
+  const Checkpoint ck = Checkpoint::open(o.resume);
+  const nlohmann::json& st = ck.trainer_state();
+  const char* key = docs ? "tokens_per_step" : "global_batch";
+  if (!st.contains("options") || !st["options"].is_object() || !st["options"].contains(key)) return o;
+  const int64_t was = JsonField(st, o.resume + " (trainer state)")["options"][key].integer(1, kMaxBatch);
+  (docs ? o.tokens_per_step : o.global_batch) = was;
+  if (world.rank() == 0)
+    std::fprintf(stderr, "origami train: resuming with the checkpoint's %s %lld (%s not given: the data position "
+                 "is replayed from the step)\n", docs ? "tokens per step" : "global batch", (long long)was,
+                 docs ? "--tokens-per-step" : "--global-batch");
+  return o;
+}
+
 Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   std::optional<Plan> plan;
   Inputs in;
   TestHooks hooks;
   check_on_every_rank(world, "train", [&] {
-    plan.emplace(make_plan(cfg, opts, world.size()));
+    plan.emplace(make_plan(cfg, with_checkpoint_step_size(opts, world), world.size()));
     in = open_inputs(*plan);
     hooks = TestHooks::from_env(world.rank(), plan->model.is_moe());
     check_tile_gemm_env();

@@ -19,7 +19,8 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      In bf16 (llama), CP2xDP2 and DP2 ZeRO-1 stay within 1e-3 of the one-rank bf16 run (test_bf16_layouts.py's
      bound), which differs from the fp32 run.
   2. The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
-     losses (steps 11..20). The same on a blend of two datasets (0.6 / 0.4, shuffled), which also runs
+     losses (steps 11..20), also when --tokens-per-step is not given (the resume keeps the checkpoint's
+     N, not micro-batch x DP x L of its own layout). The same on a blend of two datasets (0.6 / 0.4, shuffled), which also runs
      under DP2 and CP2xDP2 with the one-rank losses and tokens per dataset.
   3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
      every step, and at most 1.05 on the steps' mean.
@@ -266,6 +267,21 @@ def check_resume(tmp, data, failures):
     if rc != 0 or "warning: resuming with --tokens-per-step '128'" not in out:
         failures.append("resume with another --tokens-per-step: exit %s, no warning naming it:\n%s" % (rc, out[-400:]))
     print("  %-4s resuming with another --tokens-per-step warns" % ("ok" if rc == 0 and "warning" in out else "FAIL"))
+    # Without --tokens-per-step, N is micro-batch x DP x L: a resume keeps the checkpoint's, and says so.
+    base = ["train", "--config", cfg, "--data", data, *COMMON[:-2], "--micro-batch", "2"]
+    runs = {}
+    for tag, ranks, flags in (("default N one rank", 0, ["--save", os.path.join(tmp, "ck_n"), "--save-every", "10"]),
+                              ("default N resumed DP2", 2, ["--resume", os.path.join(tmp, "ck_n", "step-10")])):
+        metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
+        rc, out, _ = h.run(ranks, base + flags + ["--metrics", metrics])
+        runs[tag] = (rc, out, h.read_metrics(metrics) if rc == 0 else [])
+    (rc1, _, one), (rc2, out2, resumed) = runs.values()
+    worst, fails = compare(one[10:], resumed) if rc1 == 0 and rc2 == 0 else (float("nan"), ["exit %s/%s" % (rc1, rc2)])
+    note = "resuming with the checkpoint's tokens per step %d" % (2 * L)
+    if fails or note not in out2:
+        failures.append("resume without --tokens-per-step under DP2: %s; note %s" % (fails[:3], note in out2))
+    print("  %-4s no --tokens-per-step: resumed under DP2 with the checkpoint's N = %d, steps 11..20 worst %.1e" % (
+        "ok" if not fails and note in out2 else "FAIL", 2 * L, worst))
 
 
 def check_blend(tmp, data, other, failures):
