@@ -61,9 +61,10 @@ void add_input_options(Args& a) {
                                 "\"W1 PREFIX1 W2 PREFIX2 ...\" (weights normalised; sample i from the dataset furthest "
                                 "below its share)")
       .option("eval-data", "PREFIX", "validation data (a prefix or a blend): its first --eval-iters x global-batch "
-                                     "windows, in order, give the validation loss")
+                                     "windows, in order (documents: its first --eval-iters steps of documents), give "
+                                     "the validation loss")
       .option("eval-every", "N", "evaluate every N steps, and after the last (0: after the last step only)", "0")
-      .option("eval-iters", "K", "global batches of validation windows per evaluation (default 10)")
+      .option("eval-iters", "K", "global batches of validation windows (documents: steps) per evaluation (default 10)")
       .option("attention-mask", "causal|document",
               "document: a token attends only to earlier tokens of its own document (the token after each "
               "end-of-document token starts one) and positions restart at 0 per document", "causal")
@@ -82,8 +83,9 @@ void add_input_options(Args& a) {
                                                      "seconds timed at start on this machine (measure), or seconds at "
                                                      "a cluster.json's GEMM and attention rates ('origami profile')",
               "flops")
-      .flag("static-cp", "documents with --cp C: every sequence over the CP group (default: each at the least of "
-                         "1, 2, 4 ... C ranks whose rows of degree x seq-len / C tokens hold it)")
+      .flag("static-cp", "documents with --cp C: every sequence over the CP group (default: each at the least degree "
+                         "whose rows of degree x seq-len / C tokens hold it, among 1, the powers of two that divide "
+                         "C, and C, or in a gap of a higher degree's rows)")
       .option("resume", "PATH", "continue a checkpoint saved under any layout: weights, optimizer state, step and data "
                                 "position (PATH: a --save directory, its newest committed step, or one step-N in it; "
                                 "the same directory as --save before it holds a checkpoint: start at step 0)")
@@ -130,7 +132,7 @@ void add_optimizer_options(Args& a) {
       .option("eps", "X", "AdamW epsilon", "1e-8")
       .option("grad-clip", "X", "clip the global gradient norm to X (0: off)", "1.0")
       .option("seed", "S", "seed for initialisation and data order", "1234")
-      .option("data-order", "sequential|shuffled", "order of training windows", "sequential");
+      .option("data-order", "sequential|shuffled", "order of training windows (documents: of documents)", "sequential");
 }
 
 void read_optimizer_options(const Args& a, TrainOptions& o) {
@@ -141,13 +143,14 @@ void read_optimizer_options(const Args& a, TrainOptions& o) {
   o.seq_len = a.integer("seq-len");
   if (a.has("micro-batch-tokens")) {
     const int64_t m = a.integer("micro-batch-tokens");
-    ORIGAMI_CHECK(!a.given("micro-batch"), "give --micro-batch-tokens or --micro-batch, not both");
+    ORIGAMI_CHECK(!a.given("micro-batch"), "give --micro-batch-tokens or --micro-batch, not both (",
+                  a.source("micro-batch"), ")");
     ORIGAMI_CHECK(o.seq_len >= 1 && m >= o.seq_len && m % o.seq_len == 0, "--micro-batch-tokens (", m,
                   ") must be a positive multiple of --seq-len (", o.seq_len, "): a micro-batch is rows of --seq-len");
     o.micro_batch = m / o.seq_len;
   }
-  ORIGAMI_CHECK(!a.has("global-batch") || a.str("batching") != "documents", "--global-batch counts windows; under "
-                "--batching documents a step is --tokens-per-step tokens");
+  ORIGAMI_CHECK(!a.has("global-batch") || a.str("batching") != "documents", a.source("global-batch"),
+                " counts windows; under --batching documents a step is --tokens-per-step tokens");
   o.lr.lr = a.number("lr");
   o.lr.min_lr = a.number("min-lr");
   o.lr.warmup = a.integer("warmup");

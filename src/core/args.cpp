@@ -128,6 +128,11 @@ double Args::number(const std::string& name) const {
   return x;
 }
 
+std::string Args::source(const std::string& name) const {
+  const Opt& o = get(name);
+  return o.origin.empty() ? cat("--", name) : o.origin;
+}
+
 void Args::bad_value(const std::string& name, const char* what) const {
   const Opt& o = get(name);
   if (!o.origin.empty()) fail(o.origin, ": expected ", what, ", got ", o.given);  // from a run-config or plan file

@@ -38,6 +38,8 @@ class Args {
   double number(const std::string& name) const;
   std::vector<int64_t> integers(const std::string& name) const;  // "5,6,6,5"
   bool on(const std::string& name) const;
+  // Where the value of `name` came from, for messages: "--name", or "FILE: field 'name'" from a file.
+  std::string source(const std::string& name) const;
   std::string help() const;
 
  private:

@@ -83,7 +83,7 @@ DataBlend::DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, Sampl
   for (size_t d = 0; d < parts.size(); ++d) {
     const std::string& prefix = parts[d].prefix;
     datasets_.push_back(std::make_unique<IndexedDataset>(IndexedDataset::open(prefix)));
-    samplers_.push_back(std::make_unique<WindowSampler>(*datasets_.back(), seq_len, order, seed));
+    if (seq_len > 0) samplers_.push_back(std::make_unique<WindowSampler>(*datasets_.back(), seq_len, order, seed));
     const std::string tok = prefix + ".tokenizer.json";
     const bool has = std::filesystem::exists(tok);
     nlohmann::json j = has ? parse_json_file(tok) : nlohmann::json();
@@ -110,6 +110,7 @@ int64_t DataBlend::num_windows() const {
 }
 
 std::string DataBlend::describe() const {
+  ORIGAMI_ASSERT(samplers_.size() == parts_.size());  // (windows)
   std::string out;
   for (size_t d = 0; d < parts_.size(); ++d) {
     if (d > 0) out += " + ";
@@ -156,6 +157,7 @@ void DataBlend::cover(int64_t first, int64_t n) {
 }
 
 void DataBlend::window(int64_t i, int32_t* out) {
+  ORIGAMI_ASSERT(samplers_.size() == parts_.size());  // (windows)
   ORIGAMI_CHECK(i >= 0, "sample index must be >= 0, got ", i);
   if (parts_.size() == 1) return samplers_[0]->window(i, out);
   cover(i, 1);

@@ -55,7 +55,9 @@ class BlendRule {
 class DataBlend {
  public:
   // Opens every dataset (IndexedDataset::open validates it) and checks that all share one tokenizer
-  // (PREFIX.tokenizer.json, or none): otherwise an Error naming the two that differ.
+  // (PREFIX.tokenizer.json, or none): otherwise an Error naming the two that differ. seq_len 0: the
+  // datasets alone, for document batching (data/documents.h), which reads no windows: a dataset
+  // shorter than a window is fine, and the window readers below are not to be called.
   DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, SampleOrder order, uint64_t seed,
             std::string_view option = "--data");
 

@@ -313,8 +313,10 @@ CpPacking pack_sequences_cp(const std::vector<int64_t>& lengths, int groups, int
   const int64_t short_len = row_len / cp;
   const std::vector<int> degrees = cp_degrees(cp);
   std::vector<size_t> level(lengths.size(), 0);  // each sequence at the least degree whose rows hold it
-  for (size_t i = 0; i < lengths.size(); ++i)
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    ORIGAMI_ASSERT(lengths[i] >= 1 && lengths[i] <= row_len);  // (pieces of at most L: the top degree holds it)
     while (lengths[i] > degrees[level[i]] * short_len) ++level[i];
+  }
   auto pack = [&] { return pack_at_levels(lengths, level, groups, cp, row_len, B, micro_multiple, balance, cost); };
   CpPacking best = pack();
   if (balance != Balance::flex) return best;

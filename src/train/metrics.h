@@ -126,7 +126,7 @@ struct StepReport {
   std::vector<int64_t> data_samples;         // the step's rows from each dataset (a blend)
   std::vector<int64_t> data_tokens;          // ... under document batching, the step's tokens from each
   double val_loss = std::numeric_limits<double>::quiet_NaN();
-  std::string skipped;  // what was not finite, when the update was skipped
+  std::string skipped;  // why the update was skipped: what was not finite, or no token to predict
   bool loss_spike = false;
   double save_blocked_s = 0;
   int64_t rss_peak_bytes = 0;

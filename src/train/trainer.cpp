@@ -98,7 +98,9 @@ SequenceCost flop_cost(const ModelConfig& cfg) {
 }
 
 // --balance-costs measure: a and b in seconds, timed on every rank at once (as the run will share the
-// cores), rank 0's figures on every rank (they decide the packing, which every rank computes alike).
+// cores), rank 0's figures on every rank (they size the estimated busy time the metrics report; the
+// placement itself depends on the lengths and FLOP weights alone, train/balance.h, so every rank
+// computes the same one).
 //   a  the FLOPs per token over the rate of the model's layer GEMMs on a micro-batch's local rows (at
 //      most 512; no dimension above 4096, so a large vocabulary's LM head is timed on a slice of it)
 //      plus the attention core's per-token part α
@@ -162,7 +164,8 @@ Inputs open_inputs(Plan& plan) {
   ModelConfig& cfg = plan.model;
   Inputs in;
   const std::vector<BlendPart> parts = parse_blend(o.data, "--data");
-  in.data.emplace(parts, o.seq_len, parse_sample_order(o.data_order), o.seed, "--data");
+  const int64_t windows = o.documents() ? 0 : o.seq_len;  // (document batching reads whole documents)
+  in.data.emplace(parts, windows, parse_sample_order(o.data_order), o.seed, "--data");
   const std::string& tokenizer_path = in.data->tokenizer_path();
   std::unique_ptr<Tokenizer> tok;
   if (!tokenizer_path.empty()) {
@@ -173,7 +176,7 @@ Inputs open_inputs(Plan& plan) {
   if (o.documents()) in.docs = document_batcher(*in.data, o, parse_sample_order(o.data_order));
   if (!o.eval_data.empty()) {
     // The validation windows (sequences), in order: the first eval_iters × G samples (steps), none read twice.
-    in.eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), o.seq_len, SampleOrder::sequential, o.seed,
+    in.eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), windows, SampleOrder::sequential, o.seed,
                          "--eval-data");
     in.data->require_same_tokenizer(*in.eval_data, cat("--data '", o.data, "' and --eval-data '", o.eval_data, "'"));
     if (!o.documents())
@@ -393,7 +396,9 @@ class Run {
     double lr;
     std::vector<int64_t> samples;  // the step's rows from each dataset
     int64_t micro = 0;             // micro-batches per DP rank
+    bool no_targets = false;       // document batching: every sequence of the step is one token (it predicts none)
     bool skip() const { return !grads.finite(); }
+    bool updated() const { return !skip() && !no_targets; }
   };
   void restore_router_bias();
   std::string describe_batch() const;
@@ -738,13 +743,14 @@ Run::Update Run::train(int64_t step) {
   mesh_.reset_bytes();
   model_.reset_attention_counters();
   Update up;
-  if (in_.data->parts().size() > 1) up.samples = in_.data->samples_per_dataset(step * G, G);
+  if (in_.data->parts().size() > 1 && !in_.docs) up.samples = in_.data->samples_per_dataset(step * G, G);
   if (embedding_comm_) embedding_comm_->reset_bytes();
   up.lr = lr_at(o_.lr, step);
   up.micro = plan_.micro_batches;
   if (in_.docs) {
     doc_step_ = read_sequences(*in_.docs, step);
     up.micro = doc_step_.micro_batches;
+    up.no_targets = doc_step_.predicted == 0;
     // With the micro-batches' weight 1/(micro·dp) below, the step's loss is the mean over its predicted tokens.
     model_.set_loss_tokens(double(std::max<int64_t>(1, doc_step_.predicted)) / double(up.micro * dp),
                            double(doc_step_.tokens) / double(up.micro * dp));
@@ -762,6 +768,7 @@ Run::Update Run::train(int64_t step) {
     ++skipped_;
     return up;
   }
+  if (up.no_targets) return up;  // nothing to learn from: no update (the step counts, as a skipped one)
   for (ParamSet* set : params_.sets()) {
     set->opt.step(set->params, up.lr, clip_coefficient(up.grads.norm, o_.grad_clip));
     set->dp.gather_params();  // and the GEMMs' bf16 copy of the updated weights
@@ -832,7 +839,7 @@ int Run::step(int64_t step, StopSignals& signals) {
   const Update up = train(step);
   StepFigures fig = figures(step, up, cpu0, signals.poll());
   // MoE: the aux-loss-free balancing's bias update from the step's load per expert over every rank.
-  if (cfg_.routing.bias_rate > 0 && !up.skip()) model_.update_router_bias(fig.expert_tokens);
+  if (cfg_.routing.bias_rate > 0 && up.updated()) model_.update_router_bias(fig.expert_tokens);
   StepReport r;
   r.step = step + 1, r.fig = &fig, r.lr = up.lr, r.grad_norm = up.grads.norm, r.data_samples = up.samples;
   if (in_.docs) r.data_tokens = doc_step_.dataset_tokens;
@@ -841,9 +848,15 @@ int Run::step(int64_t step, StopSignals& signals) {
   if (in_.docs) r.documents = &doc_step_;
   r.gflops = (in_.docs ? doc_step_.flops : flops_per_token_ * double(r.tokens)) / (r.ms / 1000.0) / 1e9;
   r.eta_s = run_timer_.ms() / 1000.0 / double(r.step - start_.step) * double(o_.steps - r.step);
-  if (rank0_) print_step_line(info_, r, up.skip());
-  if (rank0_ && o_.loss_spike_factor > 0 && !up.skip()) r.loss_spike = spikes_.check(r.step, fig.loss());
+  if (rank0_) print_step_line(info_, r, !up.updated());
+  if (rank0_ && o_.loss_spike_factor > 0 && up.updated()) r.loss_spike = spikes_.check(r.step, fig.loss());
   if (up.skip()) r.skipped = report_skip(up, fig.loss(), r.step);
+  if (up.no_targets) {
+    r.skipped = "no token to predict: every sequence of the step is one token long";
+    if (rank0_)
+      std::fprintf(stderr, "origami train: warning: step %lld: %s; no update (a --tokens-per-step above --seq-len "
+                   "leaves no such step unless every document is empty)\n", (long long)r.step, r.skipped.c_str());
+  }
   // Saves come before the step's metrics row, which records how long the loop was blocked.
   const bool too_many_skips = skipped_ > o_.max_skipped_steps;
   if (fig.stop && rank0_) std::printf("stopping on signal after step %lld\n", (long long)r.step);

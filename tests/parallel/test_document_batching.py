@@ -18,7 +18,9 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      Under CP2xDP2 fewer sequences run over the CP group than with --static-cp, and fewer cp bytes move.
      In bf16 (llama), CP2xDP2 and DP2 ZeRO-1 stay within 1e-3 of the one-rank bf16 run (test_bf16_layouts.py's
      bound), which differs from the fp32 run.
-  2. The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
+  2. (2c) A step whose sequences are all one token long (N = L) makes no update and says so; training
+     data shorter than one window trains.
+     The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
      losses (steps 11..20), also when --tokens-per-step is not given (the resume keeps the checkpoint's
      N, not micro-batch x DP x L of its own layout). The same on a blend of two datasets (0.6 / 0.4, shuffled), which also runs
      under DP2 and CP2xDP2 with the one-rank losses and tokens per dataset.
@@ -284,6 +286,65 @@ def check_resume(tmp, data, failures):
         "ok" if not fails and note in out2 else "FAIL", 2 * L, worst))
 
 
+def first_step_without_targets(lengths, L, N):
+    """The step rule (--data-order sequential): the first step whose sequences are all one token long."""
+    step, tokens, predicted = 1, 0, 0
+    for n in lengths:
+        for begin in range(0, n, L):
+            piece = min(L, n - begin)
+            if tokens + piece > N:
+                if predicted == 0:
+                    return step
+                step, tokens, predicted = step + 1, 0, 0
+            tokens, predicted = tokens + piece, predicted + piece - 1
+    return None
+
+
+def check_no_targets(tmp, data, failures):
+    """A step of one-token sequences only (N = L: a document of kL + 1 tokens leaves a last piece of one
+    token, and the next piece does not fit beside it) predicts nothing: no update, said in a warning
+    and in its metrics row ("skipped"), and the run goes on; AdamW has taken one step fewer."""
+    print("2c. a step with no token to predict (--tokens-per-step = --seq-len)")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    at = first_step_without_targets(document_lengths(data), L, L)
+    if at is None:
+        failures.append("no targets: the data has no step of one-token sequences at N = L")
+        return
+    save, metrics = os.path.join(tmp, "ck_no_targets"), os.path.join(tmp, "no_targets.jsonl")
+    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, *COMMON[2:-2], "--tokens-per-step", str(L),
+                           "--steps", str(at + 1), "--micro-batch", "1", "--save", save, "--metrics", metrics])
+    if rc != 0 or "warning: step %d: no token to predict" % at not in out:
+        failures.append("no targets: exit %s, no warning for step %d: %s" % (rc, at, out[-400:]))
+        return
+    rows = h.read_metrics(metrics)
+    with open(os.path.join(save, "step-%d" % (at + 1), "trainer_state.json")) as f:
+        adam_steps = json.load(f)["adam_steps"]
+    row = rows[at - 1]
+    ok = row["documents"]["predicted_tokens"] == 0 and "no token to predict" in row.get("skipped", "") and \
+        adam_steps == at and all("skipped" not in r for k, r in enumerate(rows) if k != at - 1)
+    if not ok:
+        failures.append("no targets: step %d: %s; adam steps %d of %d" % (at, row, adam_steps, at + 1))
+    print("  %-4s step %d of one-token sequences: no update (AdamW steps %d of %d), 'skipped' in its row" % (
+        "ok" if ok else "FAIL", at, adam_steps, at + 1))
+
+
+def check_short_data(tmp, failures):
+    """Training data shorter than one window of L: document batching reads whole documents (and goes
+    round the data again within a step), so it trains, where windows refuse it."""
+    tiny = h.prepare_data(tmp, "tiny", n_docs=2, seed=8, words=(1, 2))
+    tokens = sum(document_lengths(tiny))
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    metrics = os.path.join(tmp, "short_data.jsonl")
+    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", tiny, *COMMON[2:], "--steps", "2", "--micro-batch", "1",
+                           "--metrics", metrics])
+    rows = h.read_metrics(metrics) if rc == 0 else []
+    ok = tokens <= L and rc == 0 and len(rows) == 2 and rows[0]["tokens"] > tokens
+    if not ok:
+        failures.append("training data of %d tokens (L = %d): exit %s: %s" % (tokens, L, rc, out[-300:]))
+    print("  %-4s training data of %d tokens (under one window of %d) trains: %s tokens a step" % (
+        "ok" if ok else "FAIL", tokens, L, rows[0]["tokens"] if rows else "-"))
+
+
 def check_blend(tmp, data, other, failures):
     """A blend (0.6 / 0.4, shuffled orders): DP2 and CP2xDP2 give the one-rank run, tokens per dataset
     included, and its step-10 checkpoint resumed under DP2 continues it."""
@@ -444,6 +505,8 @@ def main():
     check_cp_degrees(check_layouts(tmp, data, failures), failures)
     check_bf16(tmp, data, failures)
     check_resume(tmp, data, failures)
+    check_no_targets(tmp, data, failures)
+    check_short_data(tmp, failures)
     other = h.prepare_data(tmp, "other", n_docs=100, seed=6, words=(1, 14))
     check_blend(tmp, data, other, failures)
     check_balance(tmp, data, failures)
