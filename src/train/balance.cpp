@@ -140,12 +140,20 @@ Packing pack_sequences(const std::vector<int64_t>& lengths, int ranks, int64_t r
   std::vector<int32_t> items(lengths.size());
   std::iota(items.begin(), items.end(), 0);
   for (const int64_t n : lengths) ORIGAMI_ASSERT(n >= 1 && n <= row_len);
-  Filling f = balance == Balance::none
-                  ? deal(lengths, items, size_t(ranks), row_len)
-                  : lpt_fewest_rows(lengths, items, size_t(ranks), row_len, 1.0, std::vector<double>(size_t(ranks), 0.0));
+  const std::vector<double> zero(size_t(ranks), 0.0);
+  Filling f = balance == Balance::none ? deal(lengths, items, size_t(ranks), row_len)
+                                       : lpt_fewest_rows(lengths, items, size_t(ranks), row_len, 1.0, zero);
   Packing p;
   for (const Rows& r : f.rows) p.rows = std::max<int64_t>(p.rows, int64_t(r.size()));
+  const int64_t fewest = p.rows;
   p.rows = round_up(std::max<int64_t>(1, p.rows), rows_multiple);
+  // The step runs the rounded-up rows anyway: LPT again with all of them to place into (more room to
+  // even the ranks), kept when its busiest rank is lighter.
+  Filling wider;
+  if (balance != Balance::none && p.rows > fewest &&
+      lpt(lengths, items, std::vector<int64_t>(size_t(ranks), p.rows), row_len, 1.0, zero, wider) &&
+      *std::max_element(wider.load.begin(), wider.load.end()) < *std::max_element(f.load.begin(), f.load.end()))
+    f = std::move(wider);
   double heaviest = 0;
   for (const int64_t n : lengths) heaviest = std::max(heaviest, double(n) * double(n));
   std::vector<double> attention;

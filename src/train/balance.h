@@ -9,7 +9,9 @@
 //   none  sequence i goes to worker i mod workers; each worker fills its rows in order (next fit).
 //   lpt   longest-processing-time first: the fewest rows per worker that hold the step, then each
 //         sequence, longest first, to the worker whose sum of n² is lowest among those with a row it
-//         fits in (the row that it fills best). The sums are of n² (over d under CP), not b·n²: b's
+//         fits in (the row that it fills best); when the step's rows round up to whole micro-batches
+//         (and pipeline multiples), LPT again into all of them, kept when its busiest rank is lighter
+//         (without CP). The sums are of n² (over d under CP), not b·n²: b's
 //         scale cancels, and sums of integers compare exactly, so the placement depends on the lengths
 //         alone, whatever costs were measured (a resumed run places as the first did).
 //   flex  (a CP degree per sequence only) lpt, with each sequence's degree chosen for balance, not

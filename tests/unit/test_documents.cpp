@@ -151,6 +151,19 @@ TEST(PackSequences, LptBalancesTheQuadraticCost) {
 // start, a cluster file's) place every sequence in the same row, with and without a CP degree per
 // sequence (flex weighs by the FLOP counts, passed apart), and only the reported costs differ. Equal sums of n² (4·16² = 32², and the random steps'
 // many small ones) make ties that sums of b·n² in floating point could break either way.
+// The step runs whole micro-batches: lengths {80, 45, 45, 10, 10, 10} on 2 ranks in rows of 100 fit one
+// row each (n² loads 6600 and 4150), but a micro-batch of 2 rows runs two anyway, and with two rows to
+// place into LPT evens them to 6400 and 4350, in as many micro-batches.
+TEST(PackSequences, LptUsesTheRowsTheMicroBatchesRun) {
+  const std::vector<int64_t> lengths = {80, 45, 45, 10, 10, 10};
+  const Packing one = pack_sequences(lengths, 2, 100, 1, Balance::lpt, SequenceCost{0, 1});
+  const Packing two = pack_sequences(lengths, 2, 100, 2, Balance::lpt, SequenceCost{0, 1});
+  EXPECT_EQ(one.rows, 1);
+  EXPECT_EQ(one.cost, (std::vector<double>{6600, 4150}));
+  EXPECT_EQ(two.rows, 2);
+  EXPECT_EQ(two.cost, (std::vector<double>{6400, 4350}));
+}
+
 TEST(PackSequences, PlacementIgnoresTheCoefficients) {
   std::vector<std::vector<int64_t>> steps = {{32, 16, 16, 16, 16, 3, 5, 4, 12, 9, 9, 1, 30, 7, 7, 20, 11}};
   uint64_t state = 7;
