@@ -15,9 +15,11 @@ micro-batch, recomputation):
     less the process's own memory before the run (the memory check's runtime part, rank 0's:
     `memory_bytes_per_rank[0]` less the predicted parts) — the whole process, allocator and MPI
     included.
-MoE layouts are predicted with a stated routing imbalance of 1.25 (IMBALANCE below); the MoE layouts'
-lines print the imbalance each run met (`expert_imbalance`, and `expert_sync_imbalance`, call by call,
-the figure `--imbalance` means; medians over the measured steps).
+MoE layouts are predicted with the routing imbalance of a one-rank run of the same steps (`origami
+plan --imbalance FILE`: each EP degree's figure from that run's token counts per expert; the run is
+timed by nothing), or with a stated one (--imbalance X); the MoE layouts' lines print the imbalance
+each run met (`expert_imbalance`, and `expert_sync_imbalance`, call by call, the figure `--imbalance`
+means; medians over the measured steps).
 Finally the planner's own choice (`origami plan` with nothing fixed) is run for each (model, ranks x
 threads) and compared with the best measured layout.
 
@@ -49,9 +51,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "parallel"))
 import harness as h  # noqa: E402
 
 T, G = 256, 8
-# The MoE runs' stated imbalance (--imbalance: the busiest EP rank's routed rows over the mean). These
-# runs' first steps route 1.1 to 1.4 times the mean to the busier rank (`expert_imbalance`).
-IMBALANCE = 1.25
 MODELS = {
     "dense": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 512,
               "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -123,6 +122,17 @@ def plan(cfg, cluster, ranks, precision, imbalance, layout=None):
     return json.loads(run(h.command(0, args)))[0]
 
 
+def routing_run(a, cfg, data, threads, precision, tmp):
+    """A one-rank run of the measured runs' steps, for `plan --imbalance FILE` (its metrics file)."""
+    metrics = os.path.join(tmp, "routing_%s.jsonl" % precision)
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    run(h.command(1, ["train", "--config", cfg, "--data", data, "--steps", str(a.warmup + a.steps), "--global-batch",
+                      str(G), "--seq-len", str(T), "--micro-batch", "4", "--threads", str(threads), "--quiet",
+                      "--metrics", metrics, "--precision", precision]))
+    return metrics
+
+
 def measure(a, cfg, data, ranks, threads, precision, layout, tmp):
     metrics = os.path.join(tmp, "m.jsonl")
     if os.path.exists(metrics):
@@ -152,6 +162,8 @@ def main():
     ap.add_argument("--only", choices=sorted(MODELS), help="one model")
     ap.add_argument("--ranks", type=int, choices=(1, 2), help="only the setups of this many ranks (2: 2 ranks x 1 thread)")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--imbalance", default="routing",
+                    help="MoE: 'routing' (from a one-rank run of the same steps, the default) or a stated X")
     ap.add_argument("--single-copy", choices=("cma", "none"), default="cma",
                     help="Open MPI's single-copy mechanism for large messages, profiles and runs alike (cma, as the "
                          "other benchmarks; none: what works in every container, as the tests)")
@@ -176,7 +188,9 @@ def main():
             print("\n%s, %d rank(s) x %d thread(s): profiled in %.0f s" % (model, ranks, threads, time.time() - t0),
                   flush=True)
         print("\n%s, %d rank(s) x %d thread(s), %s:" % (model, ranks, threads, precision), flush=True)
-        imbalance = IMBALANCE if MODELS[model].get("num_local_experts") else 1.0
+        imbalance = 1.0
+        if MODELS[model].get("num_local_experts"):
+            imbalance = a.imbalance if a.imbalance != "routing" else routing_run(a, cfg, data, threads, precision, tmp)
         predictions = {l: plan(cfg, cluster, ranks, precision, imbalance, l) for m, r, t, p, l in CASES
                        if (m, r, t, p) == (model, ranks, threads, precision)}
         choice = plan(cfg, cluster, ranks, precision, imbalance)  # the planner's own pick: measured too when not a case
@@ -193,12 +207,14 @@ def main():
                  "planner_choice": p["layout"] == choice["layout"], "predicted_s": p["step_time_s"],
                  "measured_s": m["ms"] / 1000, "predicted_memory": predicted_mem, "measured_memory": measured_mem,
                  "predicted_activations": stage0["activations"], "measured_activations": m["act_peak"],
-                 "dominant": p["dominant"], "imbalance": m.get("imbalance"), "sync_imbalance": m.get("sync_imbalance")}
+                 "dominant": p["dominant"], "imbalance": m.get("imbalance"), "sync_imbalance": m.get("sync_imbalance"),
+                 "priced_imbalance": p.get("imbalance")}
             r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
             r["memory_error"] = predicted_mem / measured_mem - 1
             results.append(r)
             routing = "" if r["imbalance"] is None else \
-                "; imbalance %.2f (call by call %.2f)" % (r["imbalance"], r["sync_imbalance"])
+                "; imbalance priced %.2f, met %.2f (call by call %.2f)" % (r["priced_imbalance"], r["imbalance"],
+                                                                           r["sync_imbalance"])
             print("  %-58s predicted %6.3f s measured %6.3f s (%s); memory %7.1f MiB vs %7.1f MiB (%s)%s%s"
                   % (p["layout"], r["predicted_s"], r["measured_s"], pct(r["time_error"]), predicted_mem / 2**20,
                      measured_mem / 2**20, pct(r["memory_error"]), routing,
