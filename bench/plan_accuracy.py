@@ -123,14 +123,18 @@ def plan(cfg, cluster, ranks, precision, imbalance, layout=None):
 
 
 def routing_run(a, cfg, data, threads, precision, tmp):
-    """A one-rank run of the measured runs' steps, for `plan --imbalance FILE` (its metrics file)."""
-    metrics = os.path.join(tmp, "routing_%s.jsonl" % precision)
+    """A one-rank run of the measured runs' steps, for `plan --imbalance FILE`: its metrics file without
+    the warm-up steps (as the measured figures are taken)."""
+    metrics = os.path.join(tmp, "routing_run_%s.jsonl" % precision)
     if os.path.exists(metrics):
         os.remove(metrics)
     run(h.command(1, ["train", "--config", cfg, "--data", data, "--steps", str(a.warmup + a.steps), "--global-batch",
                       str(G), "--seq-len", str(T), "--micro-batch", "4", "--threads", str(threads), "--quiet",
                       "--metrics", metrics, "--precision", precision]))
-    return metrics
+    measured = os.path.join(tmp, "routing_%s.jsonl" % precision)
+    with open(metrics) as f, open(measured, "w") as out:
+        out.writelines(f.readlines()[a.warmup:])
+    return measured
 
 
 def measure(a, cfg, data, ranks, threads, precision, layout, tmp):

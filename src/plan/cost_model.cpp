@@ -305,7 +305,9 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
     const auto sparse = bytes.find("edp");
     exposed["edp"] = sparse == bytes.end() ? 0.0
         : cluster.all_to_all_seconds(sparse->second / micro, moe_layers * (2 * forwards + 4), m.edp,
-                                     in_node(mesh, rank, "edp", per_node));
+                                     in_node(mesh, rank, "edp", per_node)) +
+              fssdp_staging_bytes(o, buffers(o, mesh, rank).experts, part, m.edp) / micro /
+                  std::max(cluster.memory_bandwidth, 1e-9);
   }
   // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
   // all-to-all (a2a) sits before and after it.
@@ -320,6 +322,30 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
                          : 2 * v * cluster.transfer_seconds(cluster.activation_bytes() * (sp ? N / t : N) * C, 1,
                                                             tier("pp"), "send_recv"));
   return exposed;
+}
+
+// FSSDP's passes over memory in a step on one rank (DataParallel::gather_experts, reduce_experts), per
+// MoE layer and micro-batch: each gather (every forward's and backward's; under keep, the step's
+// first) writes this rank's shard of the layer into the staging area for itself — a copy, 8 bytes an
+// element, or under bf16 a rounding, 6 — and under bf16 rounds it for each peer too; the reduction
+// adds its own and each peer's piece into its shard (12 bytes an element; 10 from a bf16 wire, whose
+// pieces it also rounds to send, 6) and clears the staged gradients (4). `experts`: the rank's
+// experts' buffer figures; n: EDP.
+double CostModel::fssdp_staging_bytes(const TrainOptions& o, const BufferFigures& experts, const ModelPart& part, int n) {
+  const bool bf16 = o.precision == "bf16", wire16 = dtype_bytes(o.grad_reduce_wire()) == 2;
+  const int64_t micro = o.micro_batches(devices_);
+  const int forwards = parse_recompute(o.recompute) == Recompute::full ? 2 : 1;
+  const double gathers = o.fssdp_keep ? 1.0 : double(micro * (forwards + 1));
+  double bytes = 0;
+  for (const LayerRange& r : part.chunks)
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      if (!cfg_.is_moe_layer(l)) continue;
+      const double data = double(experts.unit_data.at(l)), shard = double(experts.unit_shard_data.at(l));
+      const double gather = bf16 ? 6 * shard * n : 8 * shard;
+      const double reduce = (wire16 ? 10 : 12) * shard * n + (wire16 ? 6 * (data - shard) : 0) + 4 * data;
+      bytes += gathers * gather + double(micro) * reduce;
+    }
+  return bytes;
 }
 
 // One stage's gradient reductions after its backward, per key ("dp", "dp-cp", "edp"), from its

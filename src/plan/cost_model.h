@@ -117,6 +117,7 @@ class CostModel {
   const Cluster& at(const TrainOptions& o) const { return o.precision == "bf16" ? bf16_ : cluster_; }
   std::map<std::string, double> stage_exposed(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster,
                                               int stage, const std::map<std::string, double>& bytes, double attention);
+  double fssdp_staging_bytes(const TrainOptions& o, const BufferFigures& experts, const ModelPart& part, int n);
   std::map<std::string, double> gradient_exposed(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster,
                                                  double f, double b, int rank, const std::map<std::string, double>& bytes);
   double after_backward(const TrainOptions& o, const MeshShape& mesh, const Cluster& cluster, double f, double b,

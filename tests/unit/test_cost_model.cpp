@@ -404,7 +404,9 @@ TEST(CostModel, GradientReductionsOfTheSlowestStage) {
 // FSSDP's exchanges block inside each MoE layer of every micro-batch (and so stretch a pipeline's
 // bubble like any blocking communication): all-to-alls of the step's `edp` bytes, per layer and
 // micro-batch the needs before each gather and the reduction, the gathers and the reduction — 6 calls
-// a layer, 8 under full recomputation. mixtral_8e (2 MoE layers) under DP2 FSSDP.
+// a layer, 8 under full recomputation — and their passes over memory at the cluster's bandwidth (fp32:
+// each gather copies the rank's shard, 8 bytes an element; the reduction adds both ranks' pieces into
+// it, 12 each, and clears the staged layer, 4). mixtral_8e (2 MoE layers) under DP2 FSSDP.
 TEST(CostModel, FssdpExchangesBlockInEachMoeLayer) {
   const ModelConfig cfg = config("mixtral_8e");
   Cluster c = cluster(4, false);
@@ -416,7 +418,14 @@ TEST(CostModel, FssdpExchangesBlockInEachMoeLayer) {
     o.global_batch = 8, o.seq_len = 32, o.micro_batch = 2, o.expert_sharding = "fssdp", o.recompute = rc;
     const Prediction p = model.predict(o);
     const double micro = 2, calls = 2 * (std::string(rc) == "full" ? 8 : 6);
-    EXPECT_NEAR(p.exposed_s.at("edp"), micro * c.all_to_all_seconds(p.comm_bytes.at("edp") / micro, int(calls), 2, 2),
+    const BufferFigures held = rank_buffers(cfg, o, 2, 0).experts;
+    double staging = 0;
+    for (int64_t l : {0, 1}) {
+      const double data = double(held.unit_data.at(l)), shard = double(held.unit_shard_data.at(l));
+      staging += micro * ((std::string(rc) == "full" ? 3 : 2) * 8 * shard + 12 * shard * 2 + 4 * data);
+    }
+    EXPECT_NEAR(p.exposed_s.at("edp"),
+                micro * c.all_to_all_seconds(p.comm_bytes.at("edp") / micro, int(calls), 2, 2) + staging / c.memory_bandwidth,
                 1e-12 * p.step_s) << rc;
   }
 }
