@@ -88,6 +88,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w == "sp") f.sp = 1;
     else if (w == "nosp") f.sp = 0;
     else if (w == "fssdp") f.fssdp = 1;
+    else if (w == "fssdp-keep") f.fssdp = 2;
     else if (w == "nofssdp") f.fssdp = 0;
     else if (w == "vocab") f.vocab = 1;
     else if (w == "novocab") f.vocab = 0;
@@ -100,7 +101,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("pp", 0) == 0) f.pp = int(number(2));
     else if (w.rfind("mb", 0) == 0) f.mb = number(2);
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
-    else fail("--layout: '", w, "' is not one of tpN cpN dpN epN etpN ppN vppN zeroN mbN sp nosp fssdp nofssdp "
+    else fail("--layout: '", w, "' is not one of tpN cpN dpN epN etpN ppN vppN zeroN mbN sp nosp fssdp fssdp-keep nofssdp "
                 "vocab novocab recompute=MODE cp-comm=MODE pp-layers=N,N,...");
   }
   ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
@@ -126,7 +127,7 @@ std::string layout_name(const TrainOptions& o, int devices) {
   if (o.vpp > 1) s += cat(" vpp", o.vpp);
   if (o.vocab_parallel) s += " vocab";
   if (o.ep > 1 || o.etp > 1) s += cat(" ep", o.ep, " etp", o.etp);
-  if (o.fssdp()) s += " fssdp";
+  if (o.fssdp()) s += o.fssdp_keep ? " fssdp-keep" : " fssdp";
   s += cat(" zero", o.zero, " mb", o.micro_batch);
   if (o.sequence_parallel) s += " sp";
   if (o.cp > 1) s += " cp-comm=" + o.cp_comm;
@@ -338,12 +339,13 @@ std::vector<int> LayoutSearch::vocab_choices(int pp) const {
   return choices(cmd_.fixed.vocab, pp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0});
 }
 
-// FSSDP (1) beside EP (0) where the experts are not split over EP and EDP has several ranks (only
-// there, when --layout asks for fssdp).
+// The experts' sharding: EP (0), FSSDP (1) and FSSDP keeping what it gathers until the update (2),
+// FSSDP only where the experts are not split over EP and EDP has several ranks (only there, when
+// --layout asks for fssdp or fssdp-keep).
 std::vector<int> LayoutSearch::sharding_choices(int ep, int edp) const {
   const bool possible = cmd_.cfg.is_moe() && ep == 1 && edp > 1;
-  if (cmd_.fixed.fssdp == 1) return possible ? std::vector<int>{1} : std::vector<int>{};
-  return choices(cmd_.fixed.fssdp, possible ? std::vector<int>{0, 1} : std::vector<int>{0});
+  if (cmd_.fixed.fssdp >= 1) return possible ? std::vector<int>{cmd_.fixed.fssdp} : std::vector<int>{};
+  return choices(cmd_.fixed.fssdp, possible ? std::vector<int>{0, 1, 2} : std::vector<int>{0});
 }
 
 // The all-to-all splits a rank's heads over CP (Ulysses): offered when they divide.
@@ -442,7 +444,7 @@ void LayoutSearch::evaluate(const Shape& shape) {
     for (const std::string& comm : comm_choices(shape.tp, shape.cp))
       for (int fssdp : sharding_choices(shape.ep, edp)) {
         Candidate c{options(shape), {}};
-        c.o.zero = zero, c.o.cp_comm = comm, c.o.expert_sharding = fssdp ? "fssdp" : "ep";
+        c.o.zero = zero, c.o.cp_comm = comm, c.o.expert_sharding = fssdp ? "fssdp" : "ep", c.o.fssdp_keep = fssdp == 2;
         ++r.evaluated;
         try {
           c.p = model_.predict(c.o, cmd_.any_memory ? std::numeric_limits<double>::infinity() : cmd_.cluster.memory_bytes);
@@ -471,11 +473,11 @@ std::string why_no_layout(const PlanCommand& cmd) {
   if (f.pp >= 0 && !(divides(f.pp, n) && f.pp <= cfg.num_layers))
     return cat("pp", f.pp, ": PP must divide the devices (", n, ") and be at most the model's ", cfg.num_layers, " layers");
   if (f.dp >= 0 && !divides(f.dp, n)) return cat("dp", f.dp, ": DP must divide the devices (", n, ")");
-  if (!cfg.is_moe() && (f.ep > 1 || f.etp > 1 || f.fssdp == 1)) return "ep, etp and fssdp need an MoE model";
+  if (!cfg.is_moe() && (f.ep > 1 || f.etp > 1 || f.fssdp >= 1)) return "ep, etp and fssdp need an MoE model";
   if (f.ep >= 0 && cfg.is_moe() && !divides(f.ep, cfg.num_experts))
     return cat("ep", f.ep, ": EP must divide the model's ", cfg.num_experts, " experts");
   if (f.vocab == 1 && f.pp == 1) return "vocab: vocabulary parallelism needs a pipeline (pp2 or more)";
-  if (f.fssdp == 1 && f.ep > 1) return cat("fssdp shards the experts over a stage's ranks instead of EP: ep", f.ep, " with it");
+  if (f.fssdp >= 1 && f.ep > 1) return cat("fssdp shards the experts over a stage's ranks instead of EP: ep", f.ep, " with it");
   return cat("tp x cp x dp x pp must be the ", n, " devices, ep x etp must divide a stage's ranks, and fssdp needs more "
              "than one rank beside them (EDP)");
 }
@@ -550,7 +552,7 @@ void print_breakdowns(const PlanCommand& cmd, const std::vector<Candidate>& foun
 void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   const TrainOptions& b = best.o;
   nlohmann::json layout = {{"tp", b.tp}, {"cp", b.cp}, {"cp-comm", b.cp_comm}, {"ep", b.ep}, {"etp", b.etp},
-                                 {"expert-sharding", b.expert_sharding},
+                                 {"expert-sharding", b.expert_sharding}, {"fssdp-keep", b.fssdp_keep},
                                  {"pp", b.pp}, {"vpp", b.vpp}, {"vocab-parallel", b.vocab_parallel}, {"zero", b.zero},
                                  {"micro-batch", b.micro_batch},
                                  {"global-batch", b.global_batch}, {"seq-len", b.seq_len}, {"recompute", b.recompute},

@@ -116,7 +116,7 @@ WORDS = ("the quick brown fox jumps over lazy dog and cat while a bird sings of 
 
 def train_flags(layout):
     """`origami train` flags of a layout in `origami plan`'s words ("tp2 cp1 dp1 pp2 vpp2 ep2 etp1 zero1 mb2 sp
-    cp-comm=a2a recompute=full fssdp vocab"; nosp: no sequence parallelism; dp is derived, so dropped)."""
+    cp-comm=a2a recompute=full fssdp fssdp-keep vocab"; nosp: no sequence parallelism; dp is derived, so dropped)."""
     flags = []
     for w in layout.split():
         if w.startswith("recompute="):
@@ -127,6 +127,8 @@ def train_flags(layout):
             flags += ["--sequence-parallel"]
         elif w == "fssdp":
             flags += ["--expert-sharding", "fssdp"]
+        elif w == "fssdp-keep":
+            flags += ["--expert-sharding", "fssdp", "--fssdp-keep"]
         elif w == "vocab":
             flags += ["--vocab-parallel"]
         elif w not in ("nosp", "nofssdp", "novocab"):

@@ -10,8 +10,8 @@ global batch 8, T 32:
      (all but the measured process memory) equal the plan's for that rank's stage, and rank 0's
      bytes on every communicator equal the plan's (the MoE dispatcher's payloads excepted: they
      depend on the routing).
-  3. --layout fixes the axes it names (for mixtral, "fssdp"; for both, "pp2 vocab": those layouts run
-     and agree as in 2);
+  3. --layout fixes the axes it names (for mixtral, "fssdp" and "fssdp-keep"; for both, "pp2 vocab":
+     those layouts run and agree as in 2);
      --out writes the best layout and its prediction, and
      `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
   4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has,
@@ -109,11 +109,12 @@ def main():
         if not plans or any(f not in p for p in plans for f in FIELDS) or steps != sorted(steps):
             failures.append("%s: --json must list layouts best first with %s: %s" % (model, FIELDS, out[:300]))
         if model == "mixtral_8e":  # the best FSSDP layouts too (EP wins here); all experts reached: bytes exact
-            rc, out, _ = h.run(0, base + ["--layout", "fssdp", "--top", "2", "--json"])
-            fssdp = json.loads(out) if rc == 0 else []
-            if not fssdp or not all(" fssdp " in " %s " % p["layout"] for p in fssdp):
-                failures.append("%s: --layout fssdp: exit %s: %s" % (model, rc, out[-300:]))
-            plans += fssdp
+            for word in ("fssdp", "fssdp-keep"):  # (keep: what it gathers stays until the update)
+                rc, out, _ = h.run(0, base + ["--layout", word, "--top", "2", "--json"])
+                fssdp = json.loads(out) if rc == 0 else []
+                if not fssdp or not all(" %s " % word in " %s " % p["layout"] for p in fssdp):
+                    failures.append("%s: --layout %s: exit %s: %s" % (model, word, rc, out[-300:]))
+                plans += fssdp
             # ZeRO where only the experts have data-parallel ranks (TP2 of the dense part, EDP2), in bf16:
             # its copy buckets are buffers of their own.
             rc, out, _ = h.run(0, base + ["--layout", "tp2 dp1 ep1 etp1 zero1 nofssdp", "--precision", "bf16", "--top",

@@ -47,7 +47,7 @@ std::vector<TrainOptions> layouts(const ModelConfig& cfg, int devices, int64_t G
                   for (const char* rc : {"none", "selective", "full"})
                     for (const char* comm : {"p2p", "a2a"})
                       for (bool vocab : {false, true})
-                      for (bool fssdp : cfg.is_moe() ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+                      for (int fssdp : cfg.is_moe() ? std::vector<int>{0, 1, 2} : std::vector<int>{0}) {  // 2: keep
                       if (devices % (tp * cp * pp) != 0 || (vocab && (pp == 1 || zero > 1))) continue;
                       if (std::string(precision) == "bf16" && (mb == 2 || std::string(rc) != "none")) continue;  // (enough)
                       TrainOptions o;
@@ -56,6 +56,7 @@ std::vector<TrainOptions> layouts(const ModelConfig& cfg, int devices, int64_t G
                       o.tp = tp, o.cp = cp, o.pp = pp, o.vpp = vpp, o.ep = ep, o.etp = etp, o.zero = zero;
                       o.micro_batch = mb, o.recompute = rc, o.cp_comm = comm, o.sequence_parallel = tp > 1;
                       o.vocab_parallel = vocab, o.precision = precision, o.expert_sharding = fssdp ? "fssdp" : "ep";
+                      o.fssdp_keep = fssdp == 2;
                       out.push_back(o);
                     }
   return out;
@@ -77,7 +78,7 @@ TEST(CostModel, KeptFiguresAndBoundHoldForEveryLayout) {
       ++accepted;
       const std::string layout = cat(name, " tp", o.tp, " cp", o.cp, " pp", o.pp, " vpp", o.vpp, " ep", o.ep, " etp",
                                      o.etp, " zero", o.zero, " ", o.precision, " mb", o.micro_batch, " ", o.recompute, " ", o.cp_comm,
-                                     o.vocab_parallel ? " vocab" : "", " ", o.expert_sharding);
+                                     o.vocab_parallel ? " vocab" : "", " ", o.expert_sharding, o.fssdp_keep ? " keep" : "");
       EXPECT_LE(model.step_bound(o), p.step_s * (1 + 1e-12)) << layout;
       // The same memory and bytes as the runtime's functions give without the model's kept figures.
       const MeshShape mesh(devices, o.layout_dims(devices), o.mesh_order);
