@@ -167,7 +167,7 @@ RoutingSkew parse_imbalance(const std::string& v, const ModelConfig& cfg) {
   ORIGAMI_CHECK(std::filesystem::exists(v), "--imbalance must be a number (at least 1) or the metrics file of an MoE "
                 "run; '", v, "' is neither (no such file)");
   ORIGAMI_CHECK(cfg.is_moe(), "--imbalance ", v, ": the model has no experts, so no routing to take from a run");
-  return routing_skew_from_metrics(v, cfg.num_experts);
+  return routing_skew_from_metrics(v, cfg.num_layers, cfg.num_experts);
 }
 
 // nullopt when --help was asked for (the help text is then already printed).
@@ -382,6 +382,7 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
     for (int ep : choices(fixed.ep, cfg.is_moe() ? divisors(cfg.num_experts) : std::vector<int>{1}))
       for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
         if (int64_t(ep) * etp > stage || stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
+        if (cfg.is_moe() && cfg.num_experts % ep != 0) continue;            // (a fixed ep: each rank whole experts)
         for (int vocab : vocab_choices(pp))
           add_shapes_of_split({tp, cp, pp, vpp, ep, etp, 0, 0, vocab, 0}, dp, stage);
       }
@@ -477,7 +478,8 @@ std::string why_no_layout(const PlanCommand& cmd) {
   if (f.ep >= 0 && cfg.is_moe() && !divides(f.ep, cfg.num_experts))
     return cat("ep", f.ep, ": EP must divide the model's ", cfg.num_experts, " experts");
   if (f.vocab == 1 && f.pp == 1) return "vocab: vocabulary parallelism needs a pipeline (pp2 or more)";
-  if (f.fssdp >= 1 && f.ep > 1) return cat("fssdp shards the experts over a stage's ranks instead of EP: ep", f.ep, " with it");
+  if (f.fssdp >= 1 && f.ep > 1)
+    return cat("fssdp replaces EP (it shards the experts over a stage's ranks): drop ep", f.ep, " or give ep1");
   return cat("tp x cp x dp x pp must be the ", n, " devices, ep x etp must divide a stage's ranks, and fssdp needs more "
              "than one rank beside them (EDP)");
 }

@@ -302,10 +302,12 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   // layer and micro-batch the needs exchanged before each gather and the reduction, a gather in each
   // forward and in backward, and the reduction, each an all-to-all of run-time sizes.
   if (o.fssdp()) {
+    // (under keep only the step's first gathers move anything: the needs are exchanged every time)
+    const double gathers = o.fssdp_keep ? 1.0 / micro : forwards + 1;
+    const int calls = int(std::lround(moe_layers * (forwards + 3 + gathers)));
     const auto sparse = bytes.find("edp");
     exposed["edp"] = sparse == bytes.end() ? 0.0
-        : cluster.all_to_all_seconds(sparse->second / micro, moe_layers * (2 * forwards + 4), m.edp,
-                                     in_node(mesh, rank, "edp", per_node)) +
+        : cluster.all_to_all_seconds(sparse->second / micro, calls, m.edp, in_node(mesh, rank, "edp", per_node)) +
               fssdp_staging_bytes(o, buffers(o, mesh, rank).experts, part, m.edp) / micro /
                   std::max(cluster.memory_bandwidth, 1e-9);
   }
@@ -328,9 +330,9 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
 // MoE layer and micro-batch: each gather (every forward's and backward's; under keep, the step's
 // first) writes this rank's shard of the layer into the staging area for itself — a copy, 8 bytes an
 // element, or under bf16 a rounding, 6 — and under bf16 rounds it for each peer too; the reduction
-// adds its own and each peer's piece into its shard (12 bytes an element; 10 from a bf16 wire, whose
-// pieces it also rounds to send, 6) and clears the staged gradients (4). `experts`: the rank's
-// experts' buffer figures; n: EDP.
+// adds its own piece (fp32, 12 bytes an element) and each peer's (12; 10 from a bf16 wire, whose
+// pieces it also rounds to send, 6) into its shard and clears the staged gradients (4). `experts`:
+// the rank's experts' buffer figures; n: EDP.
 double CostModel::fssdp_staging_bytes(const TrainOptions& o, const BufferFigures& experts, const ModelPart& part, int n) {
   const bool bf16 = o.precision == "bf16", wire16 = dtype_bytes(o.grad_reduce_wire()) == 2;
   const int64_t micro = o.micro_batches(devices_);
@@ -342,7 +344,7 @@ double CostModel::fssdp_staging_bytes(const TrainOptions& o, const BufferFigures
       if (!cfg_.is_moe_layer(l)) continue;
       const double data = double(experts.unit_data.at(l)), shard = double(experts.unit_shard_data.at(l));
       const double gather = bf16 ? 6 * shard * n : 8 * shard;
-      const double reduce = (wire16 ? 10 : 12) * shard * n + (wire16 ? 6 * (data - shard) : 0) + 4 * data;
+      const double reduce = 12 * shard + (wire16 ? 10 : 12) * shard * (n - 1) + (wire16 ? 6 * (data - shard) : 0) + 4 * data;
       bytes += gathers * gather + double(micro) * reduce;
     }
   return bytes;
@@ -372,7 +374,9 @@ std::map<std::string, double> CostModel::gradient_exposed(const TrainOptions& o,
     const int group = experts ? m.edp : axes == "dp" ? m.dp : m.dp * c, zero = o.zero_of(experts);
     const bool inter = spans_nodes(mesh, rank, experts ? "edp" : "dp-cp", cluster.devices_per_node);
     const double total = it->second;
-    const double gather = zero_gather_bytes(experts ? held.experts : held.dense, group, zero);
+    // (with CP the dense gradients are "dp-cp"'s; "dp" then holds only a global aux loss's router counts)
+    const bool gradients = experts || axes == (c > 1 ? "dp-cp" : "dp");
+    const double gather = gradients ? zero_gather_bytes(experts ? held.experts : held.dense, group, zero) : 0.0;
     // The last bucket (--bucket-mb of fp32 gradients, sent as the wire type): all-reduced, or
     // reduce-scattered under ZeRO.
     const double last = o.bucket_mb * 1024 * 1024 / 4 * dtype_bytes(o.grad_reduce_wire());

@@ -14,13 +14,14 @@ double RoutingSkew::at(int64_t ep) const {
   if (ep <= 1) return 1.0;
   if (source.empty()) return std::min(stated, double(ep));  // (no rank can get more than every row)
   const auto it = by_ep.find(ep);
-  ORIGAMI_ASSERT(it != by_ep.end());  // (the runtime's validate() refuses an EP degree that does not divide the experts)
+  ORIGAMI_CHECK(it != by_ep.end(), "--imbalance ", source, ": no figure for EP", ep, ", which does not divide the experts");
   return it->second;
 }
 
 std::string RoutingSkew::describe() const {
   char buf[32];
   if (source.empty()) {
+    if (stated == 1) return "1 (even routing; --imbalance X or FILE prices a skew)";
     std::snprintf(buf, sizeof buf, "%.3g", stated);
     return cat(buf, " (stated)");
   }
@@ -51,9 +52,12 @@ double grouped_imbalance(const std::vector<std::vector<int64_t>>& tokens, int64_
 
 namespace {
 
-// One row's expert_tokens, checked: [layers][experts] counts, `experts` to a layer, some routed.
-std::vector<std::vector<int64_t>> step_tokens(const MetricsRow& r, int64_t experts) {
+// One row's expert_tokens, checked: [layers][experts] counts, some routed.
+std::vector<std::vector<int64_t>> step_tokens(const MetricsRow& r, int64_t layers, int64_t experts) {
   const JsonField field = JsonField(r.row, r.where)["expert_tokens"];
+  const size_t rows = field.array();
+  ORIGAMI_CHECK(int64_t(rows) == layers, field.where(), ": ", rows, rows == 1 ? " layer" : " layers",
+                ", where the model has ", layers, ": the metrics of a run of another model");
   std::vector<std::vector<int64_t>> tokens;
   int64_t routed = 0;
   field.for_each_element([&](const JsonField& layer) {
@@ -68,10 +72,10 @@ std::vector<std::vector<int64_t>> step_tokens(const MetricsRow& r, int64_t exper
 
 }  // namespace
 
-RoutingSkew routing_skew_from_metrics(const std::string& path, int64_t experts) {
+RoutingSkew routing_skew_from_metrics(const std::string& path, int64_t layers, int64_t experts) {
   std::vector<std::vector<std::vector<int64_t>>> steps;
   for (const MetricsRow& r : read_metrics_rows(path))
-    if (r.row.contains("expert_tokens")) steps.push_back(step_tokens(r, experts));
+    if (r.row.contains("expert_tokens")) steps.push_back(step_tokens(r, layers, experts));
   ORIGAMI_CHECK(!steps.empty(), "--imbalance ", path, ": no step has \"expert_tokens\" (the metrics file of an "
                 "MoE run of 'origami train --metrics' has it on every step)");
   RoutingSkew skew;

@@ -20,7 +20,7 @@ struct RoutingSkew {
   // 1 at EP1 (one rank holds every expert: no rank waits for another's rows); a stated figure at most
   // ep (the busiest rank cannot get more than every row).
   double at(int64_t ep) const;
-  std::string describe() const;  // "1.25 (stated)" or "EP2 1.31, EP4 1.94 (FILE, median of N steps)"
+  std::string describe() const;  // "1.25 (stated)", "1 (even routing)" or "EP2 1.31, EP4 1.94 (from FILE, ...)"
 };
 
 // One step's figure at EP degree ep. tokens[l][e]: the assignments routed to expert e in MoE layer l
@@ -33,7 +33,8 @@ double grouped_imbalance(const std::vector<std::vector<int64_t>>& tokens, int64_
 // degree above 1 that divides `experts`, the median over the file's steps of grouped_imbalance. With
 // several micro-batches a step, call by call the figure is higher than from the step's totals by the
 // calls' own spread. Error naming the file (or its line) when no step has `expert_tokens`, when a step
-// routed no tokens, or when a step's expert count is not `experts` (a run of another model).
-RoutingSkew routing_skew_from_metrics(const std::string& path, int64_t experts);
+// routed no tokens, or when a step's layer or expert count is not `layers` and `experts` (a run of
+// another model).
+RoutingSkew routing_skew_from_metrics(const std::string& path, int64_t layers, int64_t experts);
 
 }  // namespace origami

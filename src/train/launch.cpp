@@ -373,9 +373,15 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   ORIGAMI_CHECK(o.np >= 1 && o.min_np >= 1 && o.min_np <= o.np, "--np ", o.np, " and --min-np ", o.min_np,
                 ": need 1 <= --min-np <= --np");
   ORIGAMI_CHECK(o.max_restarts >= 0, "--max-restarts must not be negative, got ", o.max_restarts);
-  // The global batch is pinned: a default one would follow DP when the world shrinks.
-  TrainOptions pinned = train;
-  pinned.global_batch = make_plan(cfg, train, o.np).options.global_batch;
+  // The step size is pinned (--global-batch, or --tokens-per-step under document batching): a default
+  // one would follow DP when the world shrinks. A run that resumes keeps its checkpoint's.
+  TrainOptions first = train;
+  const std::string own = value_of(o.train_args, "--resume");
+  first.resume = own.empty() ? save : own;
+  const TrainOptions pinned = make_plan(cfg, with_checkpoint_step_size(first), o.np).options;
+  const bool docs = train.documents();
+  const std::string step_flag = docs ? "--tokens-per-step" : "--global-batch";
+  const std::string step_size = std::to_string(docs ? pinned.tokens_per_step : pinned.global_batch);
   Slots slots = read_hostfile(o.hostfile, o.np);
   ORIGAMI_CHECK(slots.total() >= o.np, "--hostfile ", o.hostfile, " has ", slots.total(), " slots, fewer than --np ", o.np);
   Events events(o.events);
@@ -397,16 +403,14 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     std::vector<std::string> args = job_command(mpirun, world, slots, progress);
     args.push_back(self);
     // The run's arguments; it resumes from its --save directory (the first attempt from its own
-    // --resume, if it gave one), with the pinned global batch and, once shrunk, DP re-derived.
-    std::vector<std::string> drop{"--resume", "--global-batch"};
+    // --resume, if it gave one), with the pinned step size and, once shrunk, DP re-derived.
+    std::vector<std::string> drop{"--resume", step_flag};
     if (world != o.np) drop.push_back("--dp");
     if (pp != train.pp) drop.insert(drop.end(), {"--pp", "--vpp", "--pp-layers", "--pp-schedule"});
     const std::vector<std::string> t = without(o.train_args, drop);
     args.insert(args.end(), t.begin(), t.end());
     if (pp != train.pp) args.insert(args.end(), {"--pp", std::to_string(pp)});
-    const std::string own = value_of(o.train_args, "--resume");
-    args.insert(args.end(), {"--resume", attempt == 0 && !own.empty() ? own : save, "--global-batch",
-                             std::to_string(pinned.global_batch)});
+    args.insert(args.end(), {"--resume", attempt == 0 && !own.empty() ? own : save, step_flag, step_size});
     const auto steps = std::filesystem::exists(save) ? committed_steps(save) : std::map<int64_t, std::string>{};
     const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
     nlohmann::json begin = {{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", world},

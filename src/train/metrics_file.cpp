@@ -10,12 +10,13 @@ namespace origami {
 
 std::vector<MetricsRow> read_metrics_rows(const std::string& path) {
   std::istringstream in(read_file_bytes(path));
-  std::vector<std::string> lines;
+  std::vector<std::pair<size_t, std::string>> lines;  // (line number, text) of the lines that are not blank
+  size_t number = 0;
   for (std::string line; std::getline(in, line);)
-    if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
+    if (++number, line.find_first_not_of(" \t\r") != std::string::npos) lines.emplace_back(number, line);
   std::vector<MetricsRow> rows;
   for (size_t i = 0; i < lines.size(); ++i) {
-    MetricsRow r{cat(path, ":", i + 1), nlohmann::json::parse(lines[i], nullptr, false)};
+    MetricsRow r{cat(path, ":", lines[i].first), nlohmann::json::parse(lines[i].second, nullptr, false)};
     if (r.row.is_discarded() && i + 1 == lines.size()) break;  // a killed run's last line, cut short
     ORIGAMI_CHECK(r.row.is_object(), r.where, " is not a JSON object: not a metrics file of origami train");
     rows.push_back(std::move(r));

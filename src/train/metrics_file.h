@@ -10,7 +10,7 @@
 namespace origami {
 
 struct MetricsRow {
-  std::string where;  // "FILE:LINE", for messages
+  std::string where;  // "FILE:LINE" (the file's own line number), for messages
   nlohmann::json row;
 };
 

@@ -63,6 +63,7 @@ RunCurves read_run_curves(const std::string& path, PlotX x) {
   for (const MetricsRow& r : read_metrics_rows(path)) {
     const double step = metrics_number(r, "step");
     seconds += metrics_number(r, "ms") / 1000;
+    if (r.row.contains("skipped")) continue;  // no update: its loss is not the model's (NaN, or no token)
     c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? step * metrics_number(r, "tokens") : seconds);
     c.loss.push_back(metrics_number(r, "loss"));
     c.lr.push_back(metrics_number(r, "lr"));

@@ -18,8 +18,9 @@ struct RunCurves {
   std::vector<double> val_x, val_loss;  // the steps that evaluated
 };
 
-// Reads a metrics file (one JSON object per line). A last line cut short (a killed run) is left
-// out; Error naming the file when it is missing or unreadable, has no rows, or has a line that is
+// Reads a metrics file (one JSON object per line). A last line cut short (a killed run) and the
+// steps whose update was skipped ("skipped": a non-finite step, or one with no token to predict) are
+// left out; Error naming the file when it is missing or unreadable, has no rows, or has a line that is
 // not a metrics row (naming the line).
 RunCurves read_run_curves(const std::string& metrics_path, PlotX x);
 

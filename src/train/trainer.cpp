@@ -292,33 +292,14 @@ struct Opened {
   TestHooks hooks;
 };
 
-// A resume replays the data position from the step, so it keeps the trained run's step size unless
-// one is given: its --global-batch (windows) or --tokens-per-step (documents), which default to
-// figures of the layout (micro-batch x DP) and would move the position under another layout.
-TrainOptions with_checkpoint_step_size(const TrainOptions& opts, const Comm& world) {
-  TrainOptions o = opts;
-  const bool docs = o.documents();
-  if (o.resume.empty() || o.fresh_start() || (docs ? o.tokens_per_step > 0 || o.global_batch > 0 : o.global_batch > 0))
-    return o;
-  const Checkpoint ck = Checkpoint::open(o.resume);
-  const nlohmann::json& st = ck.trainer_state();
-  const char* key = docs ? "tokens_per_step" : "global_batch";
-  if (!st.contains("options") || !st["options"].is_object() || !st["options"].contains(key)) return o;
-  const int64_t was = JsonField(st, o.resume + " (trainer state)")["options"][key].integer(1, kMaxBatch);
-  (docs ? o.tokens_per_step : o.global_batch) = was;
-  if (world.rank() == 0)
-    std::fprintf(stderr, "origami train: resuming with the checkpoint's %s %lld (%s not given: the data position "
-                 "is replayed from the step)\n", docs ? "tokens per step" : "global batch", (long long)was,
-                 docs ? "--tokens-per-step" : "--global-batch");
-  return o;
-}
-
 Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   std::optional<Plan> plan;
   Inputs in;
   TestHooks hooks;
   check_on_every_rank(world, "train", [&] {
-    plan.emplace(make_plan(cfg, with_checkpoint_step_size(opts, world), world.size()));
+    std::string note;
+    plan.emplace(make_plan(cfg, with_checkpoint_step_size(opts, &note), world.size()));
+    if (!note.empty() && world.rank() == 0) std::fprintf(stderr, "origami train: %s\n", note.c_str());
     in = open_inputs(*plan);
     hooks = TestHooks::from_env(world.rank(), plan->model.is_moe());
     check_tile_gemm_env();
@@ -768,7 +749,8 @@ Run::Update Run::train(int64_t step) {
     ++skipped_;
     return up;
   }
-  if (up.no_targets) return up;  // nothing to learn from: no update (the step counts, as a skipped one)
+  if (up.no_targets) return up;  // nothing to learn from: no update (the step still counts; not against
+                                 // --max-skipped-steps, which counts non-finite steps)
   for (ParamSet* set : params_.sets()) {
     set->opt.step(set->params, up.lr, clip_coefficient(up.grads.norm, o_.grad_clip));
     set->dp.gather_params();  // and the GEMMs' bf16 copy of the updated weights
@@ -851,7 +833,7 @@ int Run::step(int64_t step, StopSignals& signals) {
   if (rank0_) print_step_line(info_, r, !up.updated());
   if (rank0_ && o_.loss_spike_factor > 0 && up.updated()) r.loss_spike = spikes_.check(r.step, fig.loss());
   if (up.skip()) r.skipped = report_skip(up, fig.loss(), r.step);
-  if (up.no_targets) {
+  if (up.no_targets && !up.skip()) {
     r.skipped = "no token to predict: every sequence of the step is one token long";
     if (rank0_)
       std::fprintf(stderr, "origami train: warning: step %lld: %s; no update (a --tokens-per-step above --seq-len "
@@ -1047,6 +1029,28 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   }
   run.finish(exit_code);
   return exit_code;
+}
+
+TrainOptions with_checkpoint_step_size(const TrainOptions& opts, std::string* note) {
+  TrainOptions o = opts;
+  const bool docs = o.documents();
+  if (o.resume.empty() || o.fresh_start() || (docs ? o.tokens_per_step > 0 || o.global_batch > 0 : o.global_batch > 0))
+    return o;
+  const Checkpoint ck = Checkpoint::open(o.resume);
+  const nlohmann::json& st = ck.trainer_state();
+  const char* key = docs ? "tokens_per_step" : "global_batch";
+  if (!st.contains("options") || !st["options"].is_object()) return o;
+  const JsonField was(st["options"], o.resume + " (trainer state)");
+  // Only from a run of the same batching (a windows run records no tokens per step, a documents run
+  // a global batch it did not step by).
+  if (was["batching"].string_or("windows") != o.batching || !was[key].present()) return o;
+  const int64_t size = was[key].integer(0, kMaxBatch);
+  if (size == 0) return o;
+  (docs ? o.tokens_per_step : o.global_batch) = size;
+  if (note)
+    *note = cat("resuming with the checkpoint's ", docs ? "tokens per step " : "global batch ", size, " (",
+                docs ? "--tokens-per-step" : "--global-batch", " not given: the data position is replayed from the step)");
+  return o;
 }
 
 }  // namespace origami

@@ -162,4 +162,11 @@ constexpr int kExitNonFinite = 3;
 // (train/plan.h), in the order trainer.cpp lists above run_training.
 int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world);
 
+// A resume replays the data position from the step, so it keeps the trained run's step size unless
+// one is given: its --global-batch (windows) or --tokens-per-step (documents), which default to figures
+// of the layout (micro-batch x DP, x seq-len) and would move the position under another layout. o with
+// the checkpoint's size filled in (when o resumes a committed checkpoint of the same batching and gives
+// none); `note`, when not null, gets the line that says so (empty otherwise).
+TrainOptions with_checkpoint_step_size(const TrainOptions& o, std::string* note = nullptr);
+
 }  // namespace origami

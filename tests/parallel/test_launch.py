@@ -26,6 +26,8 @@ the last row of each step is the step as the run's result has it.
     after one failure event and no restart.
   - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the
     MTBF and the step time it prints, and the checkpoints are at exactly those steps.
+  - Under --batching documents the launch pins --tokens-per-step, and launched again without it keeps
+    the checkpoint's (not DP4's default).
 """
 import json
 import math
@@ -289,6 +291,28 @@ def auto_interval(tmp, data):
           "checkpoints %s" % (every, want, saved[:8]))
 
 
+def documents_run(tmp, data):
+    """Under --batching documents the launch pins --tokens-per-step (a --global-batch would be refused);
+    launched again on the same --save without it, the run keeps the checkpoint's 256 tokens a step, not
+    the default micro-batch x DP x seq-len (1 x 4 x 32 = 128)."""
+    save, metrics = os.path.join(tmp, "docs_ck"), os.path.join(tmp, "docs.jsonl")
+    base = [h.BIN, "launch", "--np", "4", "--backoff", "0.2", "--mpirun", MPIRUN, "--", "train", "--config",
+            os.path.join(h.CONFIGS, "gpt2_tiny.json"), "--data", data, "--batching", "documents", "--seq-len", "32",
+            "--micro-batch", "1", "--threads", "1", "--quiet", "--metrics", metrics, "--save", save]
+    outs = []
+    for flags in (["--tokens-per-step", "256", "--steps", "3"], ["--steps", "5"]):
+        p = subprocess.run(base + flags, capture_output=True, text=True, env=h.env(), timeout=300,
+                           stdin=subprocess.DEVNULL)
+        outs.append((p.returncode, p.stdout + p.stderr))
+    rows = h.read_metrics(metrics, tolerant=True) if os.path.exists(metrics) else []
+    check(all(rc == 0 for rc, _ in outs) and [r["step"] for r in rows] == [1, 2, 3, 4, 5] and
+          all(r["tokens"] <= 256 for r in rows) and all(r["tokens"] > 128 for r in rows[3:]) and
+          "resuming from" in outs[1][1],
+          "documents: launch pins --tokens-per-step, and a relaunch without it keeps the checkpoint's 256 "
+          "(steps %s, tokens %s, exits %s)" % ([r["step"] for r in rows], [r["tokens"] for r in rows],
+                                               [rc for rc, _ in outs]))
+
+
 def main():
     tmp = h.tmpdir("origami_launch_")
     try:
@@ -306,6 +330,7 @@ def main():
         stop_runs(tmp, data)
         restarts_exhausted(tmp, data)
         auto_interval(tmp, data)
+        documents_run(tmp, data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     h.report(FAILS, "launch restarts failed and hung jobs on the same loss curve")

@@ -21,8 +21,8 @@ global batch 8, T 32:
   5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot (said before
      the search), with a gnuplot that fails, or with FILE in a missing directory it exits 1 with one
      error line, and leaves an existing FILE as it was and no FILE.tmp.
-  6. --imbalance FILE: an EP2 mixtral run's metrics (one micro-batch a rank) give EP2 the median of
-     the run's measured expert_sync_imbalance, exactly; a one-rank run's first step gives EP2 that
+  6. --imbalance FILE: an EP2 mixtral run's metrics (one micro-batch a rank, one EP group) give EP2 the
+     median of the run's measured expert_sync_imbalance, exactly; a one-rank run's first step gives EP2 that
      step's figure of the EP2 run (the same routing, unless a near tie went another way); the JSON
      names the figure per layout, and a layout priced from the file is priced as with that figure
      stated; a missing file and a file without routing are errors.

@@ -403,30 +403,44 @@ TEST(CostModel, GradientReductionsOfTheSlowestStage) {
 }
 
 // FSSDP's exchanges block inside each MoE layer of every micro-batch (and so stretch a pipeline's
-// bubble like any blocking communication): all-to-alls of the step's `edp` bytes, per layer and
-// micro-batch the needs before each gather and the reduction, the gathers and the reduction — 6 calls
-// a layer, 8 under full recomputation — and their passes over memory at the cluster's bandwidth (fp32:
-// each gather copies the rank's shard, 8 bytes an element; the reduction adds both ranks' pieces into
-// it, 12 each, and clears the staged layer, 4). mixtral_8e (2 MoE layers) under DP2 FSSDP.
+// bubble like any blocking communication): all-to-alls of the step's `edp` bytes — per layer and
+// micro-batch the needs before each gather and the reduction, the gathers and the reduction: 6 calls
+// a layer, 8 under full recomputation; under keep only the step's first gather sends anything — and
+// their passes over memory at the cluster's bandwidth, per element of the rank's shard S of a layer
+// of D elements (DataParallel::gather_experts, reduce_experts): each gather copies S (8 bytes) or, in
+// bf16, rounds it for itself and for the peer (6 each); the reduction adds the own piece from fp32
+// (12) and the peer's (12, or 10 from a bf16 wire, whose sent piece of D - S is rounded first, 6), and
+// clears the staged layer (4 a D element). mixtral_8e (2 MoE layers) under DP2 FSSDP, 2 micro-batches.
 TEST(CostModel, FssdpExchangesBlockInEachMoeLayer) {
   const ModelConfig cfg = config("mixtral_8e");
   Cluster c = cluster(4, false);
   c.intra = {1e6, 1e-6};
   CostModel model(cfg, c, 2);
-  for (const char* rc : {"none", "full"}) {
+  struct Case {
+    const char* recompute;
+    const char* precision;
+    const char* wire;
+    bool keep;
+    double calls, gathers, gather_bytes, own_add, peer_add, send_round;  // per layer and micro-batch
+  };
+  for (const Case& k : {Case{"none", "fp32", "fp32", false, 6, 2, 8, 12, 12, 0},
+                        Case{"full", "fp32", "fp32", false, 8, 3, 8, 12, 12, 0},
+                        Case{"none", "bf16", "bf16", false, 6, 2, 12, 12, 10, 6},
+                        Case{"none", "fp32", "fp32", true, 4.5, 0.5, 8, 12, 12, 0}}) {
     TrainOptions o;
     o.data = "plan";
-    o.global_batch = 8, o.seq_len = 32, o.micro_batch = 2, o.expert_sharding = "fssdp", o.recompute = rc;
+    o.global_batch = 8, o.seq_len = 32, o.micro_batch = 2, o.expert_sharding = "fssdp", o.recompute = k.recompute;
+    o.precision = k.precision, o.grad_reduce_dtype = k.wire, o.fssdp_keep = k.keep;
     const Prediction p = model.predict(o);
-    const double micro = 2, calls = 2 * (std::string(rc) == "full" ? 8 : 6);
+    const double micro = 2;
     const BufferFigures held = rank_buffers(cfg, o, 2, 0).experts;
     double staging = 0;
     for (int64_t l : {0, 1}) {
-      const double data = double(held.unit_data.at(l)), shard = double(held.unit_shard_data.at(l));
-      staging += micro * ((std::string(rc) == "full" ? 3 : 2) * 8 * shard + 12 * shard * 2 + 4 * data);
+      const double D = double(held.unit_data.at(l)), S = double(held.unit_shard_data.at(l));
+      staging += micro * (k.gathers * k.gather_bytes * S + k.own_add * S + k.peer_add * S + k.send_round * (D - S) + 4 * D);
     }
-    EXPECT_NEAR(p.exposed_s.at("edp"),
-                micro * c.all_to_all_seconds(p.comm_bytes.at("edp") / micro, int(calls), 2, 2) + staging / c.memory_bandwidth,
-                1e-12 * p.step_s) << rc;
+    const double a2a = c.all_to_all_seconds(p.comm_bytes.at("edp") / micro, int(2 * k.calls), 2, 2);
+    EXPECT_NEAR(p.exposed_s.at("edp"), micro * a2a + staging / c.memory_bandwidth, 1e-12 * p.step_s)
+        << k.recompute << " " << k.precision << " wire " << k.wire << (k.keep ? " keep" : "");
   }
 }

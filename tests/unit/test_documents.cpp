@@ -147,10 +147,6 @@ TEST(PackSequences, LptBalancesTheQuadraticCost) {
   EXPECT_THROW(parse_balance("greedy"), Error);
 }
 
-// The placement depends on the lengths alone: costs of any scale (FLOP counts, seconds measured at
-// start, a cluster file's) place every sequence in the same row, with and without a CP degree per
-// sequence (flex weighs by the FLOP counts, passed apart), and only the reported costs differ. Equal sums of n² (4·16² = 32², and the random steps'
-// many small ones) make ties that sums of b·n² in floating point could break either way.
 // The step runs whole micro-batches: lengths {80, 45, 45, 10, 10, 10} on 2 ranks in rows of 100 fit one
 // row each (n² loads 6600 and 4150), but a micro-batch of 2 rows runs two anyway, and with two rows to
 // place into LPT evens them to 6400 and 4350, in as many micro-batches.
@@ -164,6 +160,10 @@ TEST(PackSequences, LptUsesTheRowsTheMicroBatchesRun) {
   EXPECT_EQ(two.cost, (std::vector<double>{6400, 4350}));
 }
 
+// The placement depends on the lengths alone: costs of any scale (FLOP counts, seconds measured at
+// start, a cluster file's) place every sequence in the same row, with and without a CP degree per
+// sequence (flex weighs by the FLOP counts, passed apart), and only the reported costs differ. Equal sums of n² (4·16² = 32², and the random steps'
+// many small ones) make ties that sums of b·n² in floating point could break either way.
 TEST(PackSequences, PlacementIgnoresTheCoefficients) {
   std::vector<std::vector<int64_t>> steps = {{32, 16, 16, 16, 16, 3, 5, 4, 12, 9, 9, 1, 30, 7, 7, 20, 11}};
   uint64_t state = 7;

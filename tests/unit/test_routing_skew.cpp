@@ -22,9 +22,9 @@ std::string write_metrics(const std::string& name, const std::string& text) {
   return path;
 }
 
-std::string error_of(const std::string& path, int64_t experts) {
+std::string error_of(const std::string& path, int64_t layers, int64_t experts) {
   try {
-    routing_skew_from_metrics(path, experts);
+    routing_skew_from_metrics(path, layers, experts);
   } catch (const Error& e) {
     return e.what();
   }
@@ -49,7 +49,7 @@ TEST(RoutingSkew, MedianOverStepsForEveryDivisor) {
   const std::string path = write_metrics("median",
       "{\"step\":1,\"expert_tokens\":[[3,3,1,1]]}\n\n{\"step\":2,\"expert_tokens\":[[2,2,2,2]]}\n"
       "{\"step\":3,\"loss\":1.0}\n{\"step\":4,\"expert_tokens\":[[5,0,1,2]]}\n{\"step\":5,\"expert_to");
-  const RoutingSkew skew = routing_skew_from_metrics(path, 4);
+  const RoutingSkew skew = routing_skew_from_metrics(path, 1, 4);
   EXPECT_EQ(skew.steps, 3);
   ASSERT_EQ(skew.by_ep.size(), 2u);  // EP2 and EP4
   EXPECT_DOUBLE_EQ(skew.at(2), 1.25);
@@ -60,21 +60,32 @@ TEST(RoutingSkew, MedianOverStepsForEveryDivisor) {
   EXPECT_DOUBLE_EQ(RoutingSkew{1.3}.at(1), 1.0);
   EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(2), 2.0);  // all of a layer's rows on one of two ranks: twice the mean
   EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(4), 3.0);
+  EXPECT_EQ(RoutingSkew{}.describe(), "1 (even routing; --imbalance X or FILE prices a skew)");
+  EXPECT_EQ(RoutingSkew{1.25}.describe(), "1.25 (stated)");
   std::filesystem::remove(path);
 }
 
 TEST(RoutingSkew, MistakesNameTheFile) {
   const std::string none = write_metrics("none", "{\"step\":1,\"loss\":2.5}\n");
-  EXPECT_NE(error_of(none, 8).find("--imbalance " + none + ": no step has \"expert_tokens\""), std::string::npos);
+  EXPECT_NE(error_of(none, 1, 8).find("--imbalance " + none + ": no step has \"expert_tokens\""), std::string::npos);
   const std::string other = write_metrics("other", "{\"step\":1,\"expert_tokens\":[[1,2,3,4]]}\n");
-  EXPECT_NE(error_of(other, 8).find(other + ":1: field 'expert_tokens[0]': 4 experts, where the model has 8"),
+  EXPECT_NE(error_of(other, 1, 8).find(other + ":1: field 'expert_tokens[0]': 4 experts, where the model has 8"),
             std::string::npos);
   const std::string empty = write_metrics("empty", "{\"step\":1,\"expert_tokens\":[[0,0],[0,0]]}\n");
-  EXPECT_NE(error_of(empty, 2).find("no token routed to any expert"), std::string::npos);
+  EXPECT_NE(error_of(empty, 2, 2).find("no token routed to any expert"), std::string::npos);
   const std::string negative = write_metrics("negative", "{\"step\":1,\"expert_tokens\":[[1,-2]]}\n");
-  EXPECT_NE(error_of(negative, 2).find("field 'expert_tokens[0][1]': expected"), std::string::npos);
-  const std::string text = write_metrics("text", "not json\n{\"step\":1}\n");
-  EXPECT_NE(error_of(text, 2).find(text + ":1 is not a JSON object"), std::string::npos);
-  EXPECT_NE(error_of("/nonexistent/m.jsonl", 2).find("/nonexistent/m.jsonl"), std::string::npos);
+  EXPECT_NE(error_of(negative, 1, 2).find("field 'expert_tokens[0][1]': expected"), std::string::npos);
+  const std::string text = write_metrics("text", "\n\nnot json\n{\"step\":1}\n");  // (its third line)
+  EXPECT_NE(error_of(text, 1, 2).find(text + ":3 is not a JSON object"), std::string::npos);
+  EXPECT_NE(error_of("/nonexistent/m.jsonl", 1, 2).find("/nonexistent/m.jsonl"), std::string::npos);
+  EXPECT_NE(error_of(other, 2, 4).find(other + ":1: field 'expert_tokens': 1 layer, where the model has 2"),
+            std::string::npos);
+  const RoutingSkew four = routing_skew_from_metrics(other, 1, 4);
+  try {  // an EP degree that does not divide the experts has no figure: an error naming it
+    four.at(3);
+    ADD_FAILURE() << "EP3 of 4 experts: no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no figure for EP3, which does not divide the experts"), std::string::npos);
+  }
   for (const std::string& p : {none, other, empty, negative, text}) std::filesystem::remove(p);
 }
