@@ -103,7 +103,7 @@ def main():
     check(written.get("pp-layers") == "8,24", f"the plan file carries the split for train --plan: {written}")
     check(w_uneven < 0.6 * w_even, f"pp-layers=8,24 should give the first stage fewer weights: {w_uneven} vs {w_even}")
     expect_error("pp-layers with a zero", ["plan", *split, "--layout", "pp2 pp-layers=0,32"],
-                 "--layout: 'pp-layers=0,32' needs positive layer counts separated by commas, got '0'")
+                 "--layout: 'pp-layers=0,32' needs positive layer counts (below 10^7) separated by commas, got '0'")
     huge = ["--config", cfg, "--cluster", H100, "--devices", "1", "--global-batch", "64", "--seq-len", "4096",
             "--layout", "tp1 cp1 pp1 zero0 mb64 recompute=none", "--top", "1"]
     out = run("plan", *huge, expect_ok=False)
