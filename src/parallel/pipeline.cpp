@@ -65,7 +65,8 @@ void Pipeline::set_microbatches(int microbatches) {
 void Pipeline::check_tags(int microbatches, int chunks) {
   ORIGAMI_CHECK(2 * int64_t(microbatches) * chunks <= 32767, "a pipeline with ", microbatches,
                 " micro-batches per step and ", chunks, " chunks per stage needs more MPI tags than the 32767 every MPI "
-                "library provides; use fewer micro-batches");
+                "library provides; use fewer micro-batches (a larger --micro-batch, a smaller --global-batch or "
+                "--tokens-per-step) or fewer chunks (--vpp)");
 }
 
 // Message tags: unique per (micro-batch, boundary between virtual stages b and b+1, direction) among

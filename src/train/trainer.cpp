@@ -249,10 +249,13 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
                                      {"data", "--data", o.data, ""},
                                      {"batching", "--batching", o.batching, "windows"},
                                      {"precision", "--precision", o.precision, "fp32"}};
-      if (o.documents())
+      // The step size, within one batching (across two, the batching's own warning says it all).
+      const bool same_batching = (was.contains("batching") && was["batching"].is_string()
+                                      ? was["batching"].get<std::string>() : std::string("windows")) == o.batching;
+      if (o.documents() && same_batching)
         options.insert(options.end(), {{"tokens_per_step", "--tokens-per-step", std::to_string(o.tokens_per_step), "0"},
                                        {"seq_len", "--seq-len", std::to_string(o.seq_len), std::to_string(o.seq_len)}});
-      else  // (given: without it the run keeps the checkpoint's, with_checkpoint_step_size)
+      else if (same_batching)  // (given: without it the run keeps the checkpoint's, with_checkpoint_step_size)
         options.push_back({"global_batch", "--global-batch", std::to_string(o.global_batch), std::to_string(o.global_batch)});
       for (const auto& [key, flag, now, old] : options) {
         const nlohmann::json* v = was.contains(key) ? &was[key] : nullptr;
