@@ -391,9 +391,9 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
 // The shapes of one mesh and split: every micro-batch and recomputation mode; a split whose layers do
 // not divide over its stages is refused with all of them.
 void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
-  const int64_t expansions = int64_t(zero_choices(dp, shape.cp, stage / (shape.ep * shape.etp), shape.vocab).size() *
-                                     comm_choices(shape.tp, shape.cp).size() *
-                                     sharding_choices(shape.ep, stage / (shape.ep * shape.etp)).size());
+  const int edp = stage / (shape.ep * shape.etp);
+  const int64_t expansions = int64_t(zero_choices(dp, shape.cp, edp, shape.vocab).size() *
+                                     comm_choices(shape.tp, shape.cp).size() * sharding_choices(shape.ep, edp).size());
   const std::vector<int> mbs = choices(int(cmd_.fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1)));
   const int64_t all = expansions * int64_t(mbs.size() * recompute_modes_.size());
   if (const std::string* why = model_.split_refusal(options(shape))) {  // its layers do not split over the stages

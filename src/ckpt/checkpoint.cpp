@@ -127,6 +127,11 @@ std::string Checkpoint::config_of(const std::string& path) {
   return fs::is_directory(p) && fs::exists(p / "config.json") ? (p / "config.json").string() : "";
 }
 
+nlohmann::json Checkpoint::trainer_state_of(const std::string& path) {
+  const fs::path state = resolve(path) / "trainer_state.json";
+  return fs::is_regular_file(state) ? read_json_file(state.string(), "trainer state") : nlohmann::json();
+}
+
 Checkpoint Checkpoint::open(const std::string& path) {
   Checkpoint ck;
   const fs::path p = resolve(path);

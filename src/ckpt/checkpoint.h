@@ -64,6 +64,9 @@ class Checkpoint {
   static bool committed_in(const std::string& dir);
   // The config.json that belongs to the checkpoint at `path` ("" for a bare weights file).
   static std::string config_of(const std::string& path);
+  // The trainer state (trainer_state.json) of the checkpoint at `path`, read without the rest of it
+  // (null when it has none).
+  static nlohmann::json trainer_state_of(const std::string& path);
 
   const std::string& path() const { return path_; }  // the resolved step directory, directory or file
   bool sharded() const { return !metadata_.is_null(); }  // the universal (per-rank files) form

@@ -61,6 +61,9 @@ int in_node(const MeshShape& mesh, int rank, const std::string& axes, int per_no
   return int(std::count_if(group.begin(), group.end(), [&](int r) { return r / per_node == rank / per_node; }));
 }
 
+// A layer's forward passes in a step per micro-batch: full recomputation runs it again before backward.
+int forward_passes(const TrainOptions& o) { return parse_recompute(o.recompute) == Recompute::full ? 2 : 1; }
+
 }  // namespace
 
 CostModel::CostModel(const ModelConfig& cfg, const Cluster& cluster, int devices, int64_t runtime, RoutingSkew skew)
@@ -290,9 +293,8 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   // in each forward (again in full recomputation's), and the rows to the experts and back in each
   // forward and in backward.
   int moe_layers = 0;
-  for (const LayerRange& r : part.chunks)
-    for (int64_t l = r.begin; l < r.end; ++l) moe_layers += cfg_.is_moe_layer(l) ? 1 : 0;
-  const int forwards = parse_recompute(o.recompute) == Recompute::full ? 2 : 1;
+  for (const LayerRange& r : part.chunks) moe_layers += int(cfg_.num_moe_layers(r.begin, r.end));
+  const int forwards = forward_passes(o);
   const int exchanges = moe_layers * (forwards + 2 * (forwards + 1));
   const auto dispatched = bytes.find("ep");
   const double dispatch = dispatched == bytes.end() ? 0.0
@@ -336,7 +338,7 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
 double CostModel::fssdp_staging_bytes(const TrainOptions& o, const BufferFigures& experts, const ModelPart& part, int n) {
   const bool bf16 = o.precision == "bf16", wire16 = dtype_bytes(o.grad_reduce_wire()) == 2;
   const int64_t micro = o.micro_batches(devices_);
-  const int forwards = parse_recompute(o.recompute) == Recompute::full ? 2 : 1;
+  const int forwards = forward_passes(o);
   const double gathers = o.fssdp_keep ? 1.0 : double(micro * (forwards + 1));
   double bytes = 0;
   for (const LayerRange& r : part.chunks)

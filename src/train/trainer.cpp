@@ -1039,10 +1039,9 @@ TrainOptions with_checkpoint_step_size(const TrainOptions& opts, std::string* no
   const bool docs = o.documents();
   if (o.resume.empty() || o.fresh_start() || (docs ? o.tokens_per_step > 0 || o.global_batch > 0 : o.global_batch > 0))
     return o;
-  const Checkpoint ck = Checkpoint::open(o.resume);
-  const nlohmann::json& st = ck.trainer_state();
+  const nlohmann::json st = Checkpoint::trainer_state_of(o.resume);  // (open_inputs opens the checkpoint itself)
   const char* key = docs ? "tokens_per_step" : "global_batch";
-  if (!st.contains("options") || !st["options"].is_object()) return o;
+  if (!st.is_object() || !st.contains("options") || !st["options"].is_object()) return o;
   const JsonField was(st["options"], o.resume + " (trainer state)");
   // Only from a run of the same batching (a windows run records no tokens per step, a documents run
   // a global batch it did not step by).
