@@ -359,9 +359,11 @@ void Checkpoint::read(StateKind kind, const ParamSpec& spec, int tp, int tp_rank
 
 void Checkpoint::read_weights(Params& params) {
   const ParamLayout& lay = params.layout();
-  for (size_t i = 0; i < params.table().size(); ++i)
-    read(StateKind::weight, params.table()[i], lay.tp, lay.tp_rank, 0, params.local_numel(i),
-         params.data() + params.offset(i));
+  for (const Segment& seg : params.held_segments()) {  // (ZeRO-3, FSSDP: the shards only)
+    const int64_t at = params.offset(seg.param);
+    read(StateKind::weight, params.table()[seg.param], lay.tp, lay.tp_rank, seg.begin - at, seg.end - at,
+         params.data() + seg.begin);
+  }
 }
 
 void Checkpoint::verify_checksums(int rank, int world) {

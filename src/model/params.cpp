@@ -204,6 +204,20 @@ bool gemm_weight(const ParamSpec& p) {
   return p.decays() && p.split.dim >= 0 && param_unit(p.name) != kEmbeddingUnit;
 }
 
+namespace {
+// The block the model reads a tensor in with its neighbours (Model's contiguity asserts): a layer's
+// q|k|v weights (and biases), an MLP's gate|up, a layer's routed experts [w1|w3|w2] x E; else the
+// tensor alone. No bucket boundary falls inside one, where a bucket's padding would part them.
+std::string fused_block(const std::string& name) {
+  if (const size_t at = name.find("experts."); at != std::string::npos) return name.substr(0, at + 8);
+  for (const char* part : {"q_proj.", "k_proj.", "v_proj."})
+    if (const size_t at = name.find(part); at != std::string::npos) return name.substr(0, at) + "qkv." + name.substr(at + 7);
+  for (const char* part : {"gate_proj.", "up_proj."})
+    if (const size_t at = name.find(part); at != std::string::npos) return name.substr(0, at) + "gate|up";
+  return name;
+}
+}  // namespace
+
 BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& layout) {
   ORIGAMI_ASSERT(layout.tp >= 1 && layout.dp >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp);
   // The order tensors are laid out in: the table's, but under copy_buckets each unit's (a run of the
@@ -218,18 +232,22 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
     while (b < order.size() && unit[b] == unit[a]) ++b;
     std::stable_partition(order.begin() + long(a), order.begin() + long(b), [&](size_t i) { return !copy[i]; });
   }
-  // Buckets from the end: a bucket closes once it holds bucket_floats (never splitting a tensor); a
-  // pp_shared tensor is a bucket of its own; under unit_buckets a bucket holds one unit's, under
-  // copy_buckets one kind's.
+  // Buckets from the end: a bucket closes once it holds bucket_floats (never splitting a tensor or a
+  // fused block); a pp_shared tensor is a bucket of its own; under unit_buckets a bucket holds one
+  // unit's, under copy_buckets one kind's.
   std::vector<size_t> first_of_bucket;  // position in `order` where each bucket starts, last bucket first
   Size filled = 0;
+  std::vector<uint8_t> block_starts(order.size(), 1);  // order[k] is the first tensor of its fused_block
+  std::string block, block_before;
+  for (size_t k = 0; k < order.size(); ++k, block_before = std::move(block))
+    block = fused_block(table[order[k]].name), block_starts[k] = k == 0 || block != block_before;
   for (size_t k = order.size(); k-- > 0;) {
     const ParamSpec& p = table[order[k]];
     const size_t i = order[k], next = k + 1 < order.size() ? order[k + 1] : i;
     const bool new_group = (layout.unit_buckets && unit[i] != unit[next]) || copy[i] != copy[next];
     if ((p.pp_shared || new_group) && filled > 0) first_of_bucket.push_back(k + 1), filled = 0;
     filled += p.local_numel(layout.tp);
-    if (k == 0 || p.pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats)) {
+    if (k == 0 || p.pp_shared || (layout.bucket_floats > 0 && filled >= layout.bucket_floats && block_starts[k])) {
       first_of_bucket.push_back(k);
       filled = 0;
     }
@@ -260,7 +278,8 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
 
 void Params::keep_bf16_copy() {
   low_ = ReleasablePages(2 * size_, "the bf16 copy of the weights");
-  refresh_bf16_copy();
+  if (held_.empty()) return refresh_bf16_copy();
+  for (const Range& r : held_) refresh_bf16_copy(r);
 }
 
 void Params::refresh_bf16_copy(Range r) {
@@ -313,20 +332,27 @@ float* Params::grad(const std::string& name) {
 
 void Params::init(uint64_t seed, int64_t num_layers) {
   const double std_normal = 0.02, std_scaled = 0.02 / std::sqrt(2.0 * double(num_layers));
+  std::vector<std::vector<Range>> held(table_.size());  // each tensor's held elements, local offsets
+  for (const Segment& seg : held_segments())
+    held[seg.param].push_back({seg.begin - offsets_[seg.param], seg.end - offsets_[seg.param]});
   for (size_t i = 0; i < table_.size(); ++i) {
     const ParamSpec& p = table_[i];
     float* w = data() + offsets_[i];
     const uint64_t key = hash_name(p.name);
     const double s = p.init == Init::normal ? std_normal : std_scaled;
     p.for_each_run(layout_.tp, layout_.tp_rank, [&](int64_t local, int64_t global, int64_t n) {
-      switch (p.init) {
-        case Init::zeros: std::fill(w + local, w + local + n, 0.f); break;
-        case Init::ones: std::fill(w + local, w + local + n, 1.f); break;
-        case Init::normal:
-        case Init::scaled_normal:
+      for (const Range& h : held[i]) {  // the run's part this rank holds: [b, e) of the local tensor
+        const int64_t b = std::max(local, h.begin), e = std::min(local + n, h.end), g = global + (b - local);
+        if (b >= e) continue;
+        switch (p.init) {
+          case Init::zeros: std::fill(w + b, w + e, 0.f); break;
+          case Init::ones: std::fill(w + b, w + e, 1.f); break;
+          case Init::normal:
+          case Init::scaled_normal:
 #pragma omp parallel for schedule(static)
-          for (int64_t j = 0; j < n; ++j) w[local + j] = float(s * normal01(seed, key, uint64_t(global + j)));
-          break;
+            for (int64_t j = 0; j < e - b; ++j) w[b + j] = float(s * normal01(seed, key, uint64_t(g + j)));
+            break;
+        }
       }
     });
   }

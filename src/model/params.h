@@ -204,6 +204,12 @@ class Params {
   // normal: N(0, 0.02²); scaled_normal: N(0, (0.02/√(2L))²) (GPT-2 residual projections).
   void init(uint64_t seed, int64_t num_layers);
   void zero_grad();
+  // ZeRO-3 and FSSDP keep only their shards of the values: from hold_only(shards) on, init(),
+  // keep_bf16_copy() and a checkpoint's read_weights fill those ranges alone, so that a rank never
+  // holds its whole stage (the rest reads as zeros until a gather fills it).
+  void hold_only(std::vector<Range> ranges) { held_ = std::move(ranges); }
+  // The segments the rank holds values of: those of hold_only's ranges, else every parameter's.
+  std::vector<Segment> held_segments() const { return segments(held_.empty() ? std::vector<Range>{{0, size_}} : held_); }
   // Mixed precision: a bf16 copy of the values (the GEMMs' weights), kept from keep_bf16_copy() on (made
   // then from the values) and kept equal to them by whoever changes them: AdamW writes the copy of
   // what it updates (its copy ranges), ZeRO's gathers call refresh_bf16_copy() on the ranges they
@@ -233,6 +239,7 @@ class Params {
   ReleasablePages data_;
   ReleasablePages low_;  // the bf16 copy (mixed precision), else none
   ReleasablePages grad_;
+  std::vector<Range> held_;  // hold_only's ranges (empty: everything)
 };
 
 template <typename Fn>

@@ -39,6 +39,7 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
   if (sparse)
     for (int r = 0; r < dp.size(); ++r) rank_shards_.push_back(bucket_shards(params.buckets(), dp.size(), r));
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
+  if (zero_ == 3) params.hold_only(shards_);  // from the start: an init or a load fills the shards alone
   // The bf16 copy the update writes: all it updates where that is every value (ZeRO 0, or one rank),
   // else the copy buckets' shards, which their gathers send as they are. The other buckets' copies
   // are rounded from the gathered values (gather_params, use_weights).

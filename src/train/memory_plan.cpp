@@ -1,6 +1,7 @@
 #include "train/memory_plan.h"
 
 #include <algorithm>
+#include <map>
 
 #include "core/checked.h"
 #include "core/memory.h"
@@ -95,6 +96,35 @@ void gathered_figures(BufferFigures& f, const std::vector<ParamSpec>& table, con
   f.gathered_held = std::max(f.gathered_held, held(f.head_gather, f.head_gather_copy));
 }
 
+// ZeRO >= 2's most gradient floats held in whole buckets (beside the shards), from a replay of backward:
+// each unit's pass writes its gradients (the pages of every bucket it overlaps), then announces them
+// (Model calls grads_ready at the unit's first offset), which starts each bucket beginning at or
+// above it in list order, each start completing the one in flight (DataParallel::start_bucket).
+// Where buckets hold several layers that is two buckets, one reducing and one being written; where a
+// layer spans several buckets, the whole layer and the bucket still reducing.
+int64_t gradient_buckets_held(const std::vector<ParamSpec>& table, const BufferPlan& plan) {
+  std::map<int64_t, int64_t> unit_begin;  // unit -> its first offset (a unit is one contiguous range)
+  for (size_t i = 0; i < table.size(); ++i) {
+    const auto [it, first] = unit_begin.emplace(param_unit(table[i].name), plan.offsets[i]);
+    if (!first) it->second = std::min(it->second, plan.offsets[i]);
+  }
+  std::vector<int64_t> begins;  // backward's order: from the end of the buffer
+  for (const auto& [unit, begin] : unit_begin) begins.push_back(begin);
+  std::sort(begins.rbegin(), begins.rend());
+  const std::vector<Range>& buckets = plan.buckets;  // listed from the end of the buffer
+  std::vector<int64_t> upto(buckets.size() + 1, 0);  // lengths of buckets [0, b)
+  for (size_t b = 0; b < buckets.size(); ++b) upto[b + 1] = upto[b] + (buckets[b].end - buckets[b].begin);
+  size_t idle = 0, written = 0;  // buckets [0, idle) started; [idle, written) written, not started
+  int64_t in_flight = 0, most = 0;
+  for (const int64_t begin : begins) {
+    while (written < buckets.size() && buckets[written].end > begin) ++written;
+    most = std::max(most, in_flight + upto[written] - upto[idle]);
+    for (; idle < buckets.size() && buckets[idle].begin >= begin; ++idle)
+      in_flight = buckets[idle].end - buckets[idle].begin;
+  }
+  return most;
+}
+
 RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables);
 }  // namespace
 
@@ -145,8 +175,6 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       const int64_t length = plan.buckets[b].end - plan.buckets[b].begin;
       f.buckets += length;
       f.largest = std::max(f.largest, length);
-      const int64_t next = b + 1 < shards.size() ? plan.buckets[b + 1].end - plan.buckets[b + 1].begin : 0;
-      f.largest_pair = std::max(f.largest_pair, length + next);
       f.data += plan.bucket_data[b];
       f.shard += shards[b].end - shards[b].begin;
       const int64_t shard_data = std::max<int64_t>(0, std::min(shards[b].end, data_end) - shards[b].begin);
@@ -154,6 +182,7 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       f.unit_data[plan.bucket_unit[b]] += plan.bucket_data[b];
       f.unit_shard_data[plan.bucket_unit[b]] += shard_data;
     }
+    f.largest_pair = gradient_buckets_held(table, plan);
     gathered_figures(f, table, plan, shards, dp_size, parse_precision(o.precision) == Precision::bf16);
     for (const auto& [unit, floats] : f.unit_floats) f.largest_unit = std::max(f.largest_unit, floats);
     if (!dense) return f;

@@ -54,8 +54,8 @@ struct BufferFigures {
   int64_t shard = 0;       // floats of this rank's shards of the buckets (ZeRO)
   int64_t shard_data = 0;  // tensor elements inside those shards
   int64_t largest = 0;      // floats of its largest bucket
-  int64_t largest_pair = 0; // of two consecutive buckets (the order gradients become final): ZeRO ≥ 2's
-                            // most resident, one reducing while backward writes the next
+  int64_t largest_pair = 0; // ZeRO ≥ 2's most floats of whole buckets resident beside the shards: the
+                            // one reducing and those backward is writing (a replay of backward)
   // ZeRO-3 (unit-aligned buckets): floats of the buckets of each unit (param_unit) and of its copy
   // buckets (ParamLayout::copy_buckets: gathered as bf16), of those the LM head's gather takes (the
   // head unit's and the tied embedding's), and of this rank's shards of the copy buckets (whose copy

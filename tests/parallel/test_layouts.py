@@ -87,6 +87,10 @@ LAYOUTS = [
     ("DP4 z3 (2 micro)", 4, ["--zero", "3"], 16),
     ("DP2xTP2+SP z3", 4, ["--tp", "2", "--sequence-parallel", "--zero", "3"], 8),
     ("DP2 z3 recompute full", 2, ["--zero", "3", "--recompute", "full"], 8),
+    # buckets smaller than a layer whose sizes DP5 does not divide: a bucket's padding must not part
+    # q|k|v, gate|up or a layer's experts, which the model reads as one block
+    ("DP5 z1 buckets inside layers", 5, ["--zero", "1", "--bucket-mb", "0.001"], 10),
+    ("DP5 z3 buckets inside layers", 5, ["--zero", "3", "--bucket-mb", "0.001"], 10),
     # the mesh order only renumbers ranks: dp varies fastest here
     ("DP2xTP2 dp-first order", 4, ["--tp", "2", "--mesh-order", "dp-tp-cp-ep-pp"], 8),
     # vocabulary 257 (the byte tokenizer's) is padded to a multiple of TP inside the shards; the
