@@ -33,6 +33,15 @@ std::string take_checkpoint(int& argc, char**& argv, Args& a) {
   return path;
 }
 
+// The checkpoint take_checkpoint found or --checkpoint gave: exactly one of them.
+std::string checkpoint_of(const std::string& first, const Args& a, const char* usage) {
+  ORIGAMI_CHECK(first.empty() || !a.has("checkpoint"), "two checkpoints given: '", first, "' and --checkpoint '",
+                a.str("checkpoint"), "'; give one");
+  const std::string path = first.empty() ? a.str("checkpoint") : first;
+  ORIGAMI_CHECK(!path.empty(), "give the checkpoint: ", usage);
+  return path;
+}
+
 std::string format_mb(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f MB", double(bytes) / 1e6);
@@ -44,8 +53,7 @@ int ckpt_info(int argc, char** argv) {
                       "bytes each rank wrote.");
   std::string path = take_checkpoint(argc, argv, a);
   if (!a.parse(argc, argv)) return 0;
-  if (path.empty()) path = a.str("checkpoint");
-  ORIGAMI_CHECK(!path.empty(), "give the checkpoint: origami ckpt info DIR");
+  path = checkpoint_of(path, a, "origami ckpt info DIR");
   Checkpoint ck = Checkpoint::open(path);
   const nlohmann::json& st = ck.trainer_state();
   std::printf("checkpoint %s\n", ck.path().c_str());
@@ -56,14 +64,15 @@ int ckpt_info(int argc, char** argv) {
   if (ck.sharded()) {
     const nlohmann::json& m = ck.metadata();
     const nlohmann::json& l = m["layout"];
-    std::printf("saved by: %d ranks, %s\n", l.value("world", 0), l.value("description", std::string("?")).c_str());
+    const int world = l.value("world", 0);
+    std::printf("saved by: %d rank%s, %s\n", world, world == 1 ? "" : "s", l.value("description", std::string("?")).c_str());
     int64_t total = 0;
     std::printf("bytes per rank:");
     for (const auto& f : m["files"]) {
       std::printf(" %s", format_mb(f["bytes"].get<int64_t>()).c_str());
       total += f["bytes"].get<int64_t>();
     }
-    std::printf(" (%s in %zu files)\n", format_mb(total).c_str(), m["files"].size());
+    std::printf(" (%s in %zu file%s)\n", format_mb(total).c_str(), m["files"].size(), m["files"].size() == 1 ? "" : "s");
     Size params = 0;  // checked (core/checked.h): the shapes are the file's
     std::printf("tensors (%zu):\n", m["tensors"].size());
     for (const auto& [name, t] : m["tensors"].items()) {
@@ -111,8 +120,7 @@ int ckpt_export(int argc, char** argv) {
               "nearest even; the checkpoint itself stays fp32)", "fp32")
       .flag("optimizer", "also write the AdamW moments and the trainer state");
   if (!a.parse(argc, argv)) return 0;
-  if (path.empty()) path = a.str("checkpoint");
-  ORIGAMI_CHECK(!path.empty(), "give the checkpoint: origami ckpt export DIR --hf OUT");
+  path = checkpoint_of(path, a, "origami ckpt export DIR --hf OUT");
   ORIGAMI_CHECK(a.has("hf"), "give the output directory: --hf OUT");
   const double gb = a.number("max-shard-gb");
   ORIGAMI_CHECK(gb > 0, "--max-shard-gb must be positive, got ", gb);

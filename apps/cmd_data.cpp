@@ -40,6 +40,7 @@ const char* kDataUsage =
     "  prepare    tokenize text files into PREFIX.bin / PREFIX.idx (Megatron's indexed dataset)\n"
     "             and PREFIX.tokenizer.json\n"
     "  info       check a dataset and print its counts\n"
+    "  decode     print a dataset's documents as text (its tokenizer's decode)\n"
     "\n"
     "'origami data <subcommand> --help' describes its options.\n";
 
@@ -206,6 +207,8 @@ int data_prepare(int argc, char** argv) {
   ORIGAMI_CHECK(args.integer("threads") >= 0, "--threads must not be negative, got ", args.integer("threads"));
   if (args.integer("threads") > 0) set_num_threads(int(args.integer("threads")));
   const std::string prefix = args.str("output");
+  ORIGAMI_CHECK(!prefix.empty() && prefix.back() != '/' && !fs::is_directory(prefix), "--output '", prefix,
+                "' is a directory: give a prefix such as DIR/NAME (it writes DIR/NAME.bin, .idx and .tokenizer.json)");
   fs::path out_dir = fs::path(prefix).parent_path();
   ORIGAMI_CHECK(out_dir.empty() || fs::is_directory(out_dir), "--output ", prefix, ": directory ",
                 out_dir.string(), " does not exist");

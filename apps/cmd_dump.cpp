@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "core/args.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
 #include "kernels/cpu/gemm.h"
@@ -45,6 +46,7 @@ int cmd_dump(int argc, char** argv) {
   TrainOptions routing;
   read_routing_options(a, routing, false);
   const ModelConfig model_cfg = load_model_config(config);
+  require_experts_for_given(a, model_cfg, false);
   routing.validate_routing(model_cfg);
   ModelConfig cfg = routing.with_routing(model_cfg);
   if (parse_attention_mask(a.str("attention-mask"))) {
@@ -53,14 +55,18 @@ int cmd_dump(int argc, char** argv) {
     cfg.document_eod = document_eod(cfg, tok.get(), a.str("data"));
   }
   const int64_t B = a.integer("micro-batch"), T = a.integer("seq-len"), step = a.integer("step");
-  ORIGAMI_CHECK(B > 0 && T > 0 && step >= 0, "--micro-batch and --seq-len must be positive and --step >= 0");
+  ORIGAMI_CHECK(B >= 1 && B <= kMaxBatch, "--micro-batch must be in [1, ", kMaxBatch, "], got ", B);
+  ORIGAMI_CHECK(T >= 1 && T <= cfg.max_positions, "--seq-len must be in [1, ", cfg.max_positions,
+                "] (the model's maximum positions), got ", T);
+  ORIGAMI_CHECK(step >= 0 && step <= INT64_MAX / B - 1, "--step must be in [0, ", INT64_MAX / B - 1,
+                "] (it reads windows step x B .. step x B + B - 1), got ", step);
   IndexedDataset ds = IndexedDataset::open(a.str("data"));
-  WindowSampler sampler(ds, T, parse_sample_order(a.str("data-order")), uint64_t(a.integer("seed")));
+  WindowSampler sampler(ds, T, parse_sample_order(a.str("data-order")), a.unsigned_integer("seed"));
   std::vector<int32_t> tokens(size_t(B * (T + 1)));
   for (int64_t r = 0; r < B; ++r) sampler.window(step * B + r, tokens.data() + r * (T + 1));
 
   Params params(make_param_table(cfg));
-  if (init.empty()) params.init(uint64_t(a.integer("seed")), cfg.num_layers);
+  if (init.empty()) params.init(a.unsigned_integer("seed"), cfg.num_layers);
   else {
     Checkpoint ck = Checkpoint::open(init);
     ck.bind(cfg);
@@ -68,7 +74,13 @@ int cmd_dump(int argc, char** argv) {
   }
   Model model(cfg, params);
   model.set_precision(parse_precision(a.str("precision")));
-  std::vector<float> logits(size_t(B * T * cfg.vocab_size));
+  std::vector<float> logits;
+  const double logit_bytes = 4.0 * double(B) * double(T) * double(cfg.vocab_size);
+  const AvailableMemory avail = available_memory();
+  ORIGAMI_CHECK(logit_bytes <= double(avail.bytes), "dump writes logits [B, T, V] of ", B, " x ", T, " x ",
+                cfg.vocab_size, " floats (", format_bytes(logit_bytes), "), more than the ", format_bytes(double(avail.bytes)),
+                " of memory available (", avail.source, "): lower --micro-batch or --seq-len");
+  logits.resize(size_t(B * T * cfg.vocab_size));
   params.zero_grad();
   const Losses l = model.forward_backward(tokens.data(), B, T, 1.f, true, logits.data());
 

@@ -20,7 +20,8 @@ int cmd_generate(int argc, char** argv) {
          "Sample a continuation of --prompt from a checkpoint written by 'origami train --save'\n"
          "(its tokenizer.json decodes the text).");
   a.option("checkpoint", "DIR", "checkpoint: a --save directory (its newest step), a step-N in it, or an exported one")
-      .option("prompt", "TEXT", "text to continue", "")
+      .option("prompt", "TEXT", "text to continue (empty: a new document); each token is predicted from the last "
+                                "max_position_embeddings tokens", "")
       .option("max-new-tokens", "N", "tokens to sample", "200")
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
       .option("top-k", "K", "sample among the K most likely tokens (0: all)", "40")
@@ -60,7 +61,7 @@ int cmd_generate(int argc, char** argv) {
   const size_t prompt_len = ids.size();
   std::fputs(a.str("prompt").c_str(), stdout);
   std::fflush(stdout);
-  const uint64_t seed = uint64_t(a.integer("seed"));
+  const uint64_t seed = a.unsigned_integer("seed");
   std::vector<float> logits;
   std::vector<int32_t> window;
   size_t printed = prompt_len;

@@ -44,10 +44,20 @@ int cmd_launch(int argc, char** argv) {
   o.events = a.str("events");
   o.step_timeout_s = a.number("step-timeout");
   o.backoff_s = a.number("backoff");
-  ORIGAMI_CHECK(o.step_timeout_s >= 0 && o.backoff_s >= 0, "--step-timeout and --backoff must not be negative");
+  ORIGAMI_CHECK(o.step_timeout_s >= 0, "--step-timeout must not be negative, got ", a.str("step-timeout"));
+  ORIGAMI_CHECK(o.backoff_s >= 0, "--backoff must not be negative, got ", a.str("backoff"));
   o.mpirun = a.str("mpirun");
+  ORIGAMI_CHECK(o.mpirun.find_first_not_of(" \t") != std::string::npos, "--mpirun is empty: give the launcher's "
+                "command, for example 'mpirun --oversubscribe'");
   o.cluster = a.str("cluster");
-  o.train_args.assign(argv + split + 1, argv + argc);
+  ORIGAMI_CHECK(o.cluster.empty() || o.shrink, "--cluster prices the worlds --shrink chooses between: give --shrink too");
+  // "--name=value" as two words: launch drops and replaces some options by name (--resume, --dp, ...).
+  for (int i = split + 1; i < argc; ++i) {
+    const std::string w = argv[i];
+    const size_t eq = w.find('=');
+    if (w.starts_with("--") && eq != std::string::npos) o.train_args.insert(o.train_args.end(), {w.substr(0, eq), w.substr(eq + 1)});
+    else o.train_args.push_back(w);
+  }
   ORIGAMI_CHECK(o.train_args[0] == "train", "origami launch runs train: '-- train ARGS...', not '-- ",
                 o.train_args[0], "'");
   // The run's options as train reads them (its errors now, before any rank starts).

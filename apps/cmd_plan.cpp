@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <limits>
+#include <map>
 #include <set>
 #include <tuple>
 #include <cstdio>
@@ -58,6 +59,7 @@ std::string join_layers(const std::vector<int>& layers) {
 Fixed parse_layout(const std::string& spec) {
   Fixed f;
   std::istringstream in(spec);
+  std::map<std::string, std::string> axis_word;  // each axis fixed once: "tp2 tp4" or "sp nosp" is a mistake
   for (std::string w; in >> w;) {
     auto number = [&](size_t skip, int64_t least = 1) {
       const std::string digits = w.substr(skip);
@@ -103,6 +105,12 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
     else fail("--layout: '", w, "' is not one of tpN cpN dpN epN etpN ppN vppN zeroN mbN sp nosp fssdp fssdp-keep nofssdp "
                 "vocab novocab recompute=MODE cp-comm=MODE pp-layers=N,N,...");
+    const size_t eq = w.find('=');  // the axis the (valid) word fixes: tp, sp, fssdp, recompute, ...
+    std::string axis = eq != std::string::npos ? w.substr(0, eq) : w.starts_with("no") ? w.substr(2) : w;
+    if (axis.starts_with("fssdp")) axis = "fssdp";
+    while (is_digit(axis.back())) axis.pop_back();
+    const auto [at, first] = axis_word.emplace(axis, w);
+    ORIGAMI_CHECK(first, "--layout: '", at->second, "' and '", w, "' both fix ", axis, ": give it once");
   }
   ORIGAMI_CHECK(f.zero == -1 || (f.zero >= 0 && f.zero <= 3), "--layout: zero must be 0, 1, 2 or 3, got ", f.zero);
   return f;
@@ -166,7 +174,6 @@ RoutingSkew parse_imbalance(const std::string& v, const ModelConfig& cfg) {
   }
   ORIGAMI_CHECK(std::filesystem::exists(v), "--imbalance must be a number (at least 1) or the metrics file of an MoE "
                 "run; '", v, "' is neither (no such file)");
-  ORIGAMI_CHECK(cfg.is_moe(), "--imbalance ", v, ": the model has no experts, so no routing to take from a run");
   return routing_skew_from_metrics(v, cfg.num_layers, cfg.num_experts);
 }
 
@@ -230,6 +237,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   ORIGAMI_CHECK(cmd.seq_len <= cmd.cfg.max_positions, "--seq-len must be in [1, ", cmd.cfg.max_positions,
                 "] (the model's maximum positions), got ", cmd.seq_len);
   checked_num_parameters(cmd.cfg);
+  ORIGAMI_CHECK(!a.given("imbalance") || cmd.cfg.is_moe(), "--imbalance prices the routing of experts, and this ",
+                cmd.cfg.model_type(), " model has none");
   cmd.skew = parse_imbalance(a.str("imbalance"), cmd.cfg);
   cmd.layout = a.str("layout");
   cmd.fixed = parse_layout(cmd.layout);
@@ -238,6 +247,10 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.any_memory = a.on("any-memory");
   cmd.out = a.str("out");
   cmd.plot = a.str("plot");
+  if (!cmd.out.empty()) require_writable_file(cmd.out, "--out");
+  ORIGAMI_CHECK(cmd.plot.empty() || cmd.plot.ends_with(".png"), "--plot '", cmd.plot, "': the plot is a PNG picture, so "
+                "FILE.png");
+  if (!cmd.plot.empty()) require_writable_file(cmd.plot, "--plot");
   cmd.precision = a.str("precision");
   parse_precision(cmd.precision);
   cmd.grad_reduce_dtype = a.str("grad-reduce-dtype");
@@ -367,6 +380,7 @@ void LayoutSearch::add_shapes() {
     for (int cp : choices(fixed.cp, dev_div))
       for (int pp : choices(fixed.pp, dev_div)) {
         if (cmd_.devices % (int64_t(tp) * cp * pp) != 0 || pp > cfg.num_layers) continue;
+        if ((fixed.sp == 1 && tp == 1) || (!fixed.cp_comm.empty() && cp == 1)) continue;  // (what the word needs)
         if (fixed.dp >= 0 && cmd_.devices / (int64_t(tp) * cp * pp) != fixed.dp) continue;
         add_shapes_of_mesh(tp, cp, pp);
       }
@@ -474,6 +488,8 @@ std::string why_no_layout(const PlanCommand& cmd) {
   if (f.pp >= 0 && !(divides(f.pp, n) && f.pp <= cfg.num_layers))
     return cat("pp", f.pp, ": PP must divide the devices (", n, ") and be at most the model's ", cfg.num_layers, " layers");
   if (f.dp >= 0 && !divides(f.dp, n)) return cat("dp", f.dp, ": DP must divide the devices (", n, ")");
+  if (f.sp == 1 && f.tp == 1) return "sp: sequence parallelism splits over TP: it needs tp2 or more";
+  if (!f.cp_comm.empty() && f.cp == 1) return cat("cp-comm=", f.cp_comm, ": CP's exchange needs cp2 or more");
   if (!cfg.is_moe() && (f.ep > 1 || f.etp > 1 || f.fssdp >= 1)) return "ep, etp and fssdp need an MoE model";
   if (f.ep >= 0 && cfg.is_moe() && !divides(f.ep, cfg.num_experts))
     return cat("ep", f.ep, ": EP must divide the model's ", cfg.num_experts, " experts");
@@ -561,6 +577,8 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
                                  {"sequence-parallel", b.sequence_parallel}, {"precision", b.precision},
                                  {"grad-reduce-dtype", b.grad_reduce_dtype}};
   if (!b.pp_layers.empty()) layout["pp-layers"] = join_layers(b.pp_layers);
+  if (!cmd.cfg.is_moe())  // (train refuses expert options for a model without experts)
+    for (const char* key : {"ep", "etp", "expert-sharding", "fssdp-keep"}) layout.erase(key);
   const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
                                {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
   write_file_atomically(cmd.out, plan.dump(2) + "\n");

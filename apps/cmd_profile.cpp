@@ -107,6 +107,7 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
     cmd.threads = int(threads);
     if (a.has("config")) cmd.cfg = load_model_config(a.str("config"));
     cmd.out = a.str("out");
+    if (world.rank() == 0) require_writable_file(cmd.out, "--out");  // (rank 0 writes it, after minutes of timing)
     cmd.name = a.str("name");
   });
   if (!parsed) return std::nullopt;

@@ -22,8 +22,8 @@ void add_precision_option(Args& a) {
 
 void add_routing_options(Args& a, bool train) {
   a.option("moe-aux-loss", "none|micro|seq|global",
-           "MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so far "
-           "(default: micro; seq under --batching documents)")
+           std::string("MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so "
+                       "far (default: micro") + (train ? "; seq under --batching documents)" : ")"))
       .option("moe-aux-loss-coef", "X", "its coefficient (default: the config's router_aux_loss_coef)")
       .option("moe-capacity-factor", "F", "drop assignments beyond ceil(F x tokens x top-k / experts) per expert "
                                           "(counted over the tokens a rank routes); 0: dropless", "0")
@@ -47,6 +47,20 @@ void read_routing_options(const Args& a, TrainOptions& o, bool train) {
   o.moe_pad_to_capacity = a.on("moe-pad-to-capacity");
   o.moe_router_score = a.str("moe-router-score");
   if (train) o.moe_router_bias_update_rate = a.number("moe-router-bias-update-rate");
+}
+
+void require_experts_for_given(const Args& a, const ModelConfig& cfg, bool train) {
+  if (cfg.is_moe()) return;
+  std::vector<std::string> given = {"moe-aux-loss", "moe-aux-loss-coef", "moe-capacity-factor", "moe-drop-policy",
+                                    "moe-router-score"};
+  if (train) given.insert(given.end(), {"moe-router-bias-update-rate", "expert-sharding"});
+  for (const std::string& name : given)
+    ORIGAMI_CHECK(!a.given(name), a.source(name), " is for a mixture-of-experts model, and this ", cfg.model_type(),
+                  " model has no experts");
+  for (const std::string& flag : train ? std::vector<std::string>{"moe-pad-to-capacity", "fssdp-keep"}
+                                       : std::vector<std::string>{"moe-pad-to-capacity"})
+    ORIGAMI_CHECK(!a.on(flag), a.source(flag), " is for a mixture-of-experts model, and this ", cfg.model_type(),
+                  " model has no experts");
 }
 
 namespace {
@@ -73,8 +87,8 @@ void add_input_options(Args& a) {
               "document (cut into pieces of at most --seq-len) is a sequence of its own, each step the next ones "
               "up to --tokens-per-step tokens, packed into rows and placed on the DP ranks by --balance", "windows")
       .option("tokens-per-step", "N", "documents: the most tokens a step takes (default: micro-batch x DP x seq-len)")
-      .option("micro-batch-tokens", "M", "documents: tokens per micro-batch, a multiple of --seq-len (sets --micro-batch "
-                                         "to M / seq-len)")
+      .option("micro-batch-tokens", "M", "tokens per micro-batch, a multiple of --seq-len: sets --micro-batch to "
+                                         "M / seq-len (either batching; the unit document batching thinks in)")
       .option("balance", "none|lpt|flex", "documents: sequences dealt round-robin to the DP ranks (none), or longest "
                                           "first to the rank with the least estimated work (lpt); with a CP degree "
                                           "per sequence, flex also raises a sequence's degree where that balances "
@@ -161,7 +175,7 @@ void read_optimizer_options(const Args& a, TrainOptions& o) {
   o.adam.beta2 = a.number("beta2");
   o.adam.eps = a.number("eps");
   o.grad_clip = a.number("grad-clip");
-  o.seed = uint64_t(a.integer("seed"));
+  o.seed = a.unsigned_integer("seed");
   o.data_order = a.str("data-order");
 }
 
@@ -198,6 +212,8 @@ void read_run_options(const Args& a, TrainOptions& o) {
   o.save_every_auto = a.str("save-every") == "auto";
   o.save_every = o.save_every_auto ? 0 : a.integer("save-every");
   o.mtbf_hours = a.number("mtbf-hours");
+  ORIGAMI_CHECK(!a.given("mtbf-hours") || o.save_every_auto, a.source("mtbf-hours"), " sizes --save-every auto's "
+                "interval, and --save-every is ", a.has("save-every") ? a.str("save-every") : "not given");
   o.keep_last = a.small_integer("keep-last");
   o.async_save = a.on("async-save");
   o.threads = a.small_integer("threads");
@@ -284,7 +300,12 @@ void fill_from_files(Args& a, const Comm& world) {
   }
   if (a.has("run-config")) {
     const nlohmann::json run_config = read_json_file(a.str("run-config"), "run config");
-    a.fill_from_json(JsonField(run_config, a.str("run-config")));
+    const JsonField fields(run_config, a.str("run-config"));
+    // Read before this file, they cannot come from it: an error, not a key that does nothing.
+    for (const char* key : {"run-config", "plan"})
+      ORIGAMI_CHECK(!fields[key].present(), fields[key].where(), ": names a file of options, which a run config cannot "
+                    "(it is read first): give --", key, " on the command line");
+    a.fill_from_json(fields);
   }
 }
 
@@ -321,6 +342,7 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
     read_parallel_options(a, o);
     read_routing_options(a, o, true);
     cmd.cfg = load_model_config(model_config_path(a, o));
+    require_experts_for_given(a, cmd.cfg, true);
   });
   if (!parsed) return std::nullopt;
   return cmd;

@@ -12,6 +12,9 @@ class Args;
 // The MoE routing options (--moe-*), shared by train and dump (`train` adds the bias update rate).
 void add_routing_options(Args& a, bool train);
 void read_routing_options(const Args& a, TrainOptions& o, bool train);
+// An error when a routing option (or, for train, an expert-parallel one) is given, even at its
+// default value, for a model without experts.
+void require_experts_for_given(const Args& a, const ModelConfig& cfg, bool train);
 // --precision fp32|bf16, shared by train, dump and generate.
 void add_precision_option(Args& a);
 

@@ -41,7 +41,7 @@ void usage(FILE* out) {
 int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+    return argc < 2 ? 1 : 0;  // (no command is a user mistake like any other: exit 1)
   }
   for (const auto& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
@@ -65,5 +65,5 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "origami: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
-  return 2;
+  return 1;
 }

@@ -80,15 +80,19 @@ fs::path resolve(const std::string& path) {
   ORIGAMI_CHECK(fs::exists(p), "checkpoint '", path, "' does not exist");
   if (fs::is_regular_file(p) || is_step_dir(p)) return p;
   ORIGAMI_CHECK(fs::is_directory(p), "checkpoint '", path, "' is neither a file nor a directory");
+  std::string latest;
   if (fs::exists(p / "latest")) {
-    std::string name = read_file_bytes((p / "latest").string());
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    if (is_step_dir(p / name)) return p / name;
+    latest = read_file_bytes((p / "latest").string());
+    while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) latest.pop_back();
+    if (is_step_dir(p / latest)) return p / latest;
     // `latest` names a step removed by hand: fall back to the newest committed step.
   }
   const auto steps = committed_steps(p.string());
   if (!steps.empty()) return fs::path(steps.rbegin()->second);
   if (fs::exists(p / "model.safetensors") || fs::exists(p / "model.safetensors.index.json")) return p;
+  if (fs::exists(p / "latest"))
+    fail("'", path, "' holds no checkpoint: its latest names '", latest, "', which is not a committed step (no ",
+         latest, "/metadata.json), and no other step-N is");
   fail("'", path, "' holds no checkpoint: no latest, no step-N/metadata.json, no model.safetensors and no "
        "model.safetensors.index.json");
 }
@@ -393,6 +397,11 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
   for (const char* f : {"model.safetensors", "model.safetensors.index.json"})
     ORIGAMI_CHECK(!fs::exists(fs::path(out) / f), "'", out, "' already holds model weights (", f,
                   "): export into a new directory");
+  // Nor into a checkpoint (a step or the --save root): its config.json and tokenizer would be replaced.
+  ORIGAMI_CHECK(!fs::exists(fs::path(out) / "metadata.json") && !Checkpoint::committed_in(out), "'", out,
+                "' is a checkpoint (",
+                fs::exists(fs::path(out) / "metadata.json") ? "a step of one" : "a --save directory",
+                "): export into a new directory");
   fs::create_directories(out);
   const std::vector<ParamSpec> table = make_param_table(cfg);
   // Shards of whole tensors in table order, each at most max_shard_bytes (a larger tensor alone).

@@ -81,6 +81,20 @@ CheckpointWriter::CheckpointWriter(Comm& world, std::string command, std::string
   std::ifstream latest(dir_ + "/latest");
   long long n = 0;
   if (std::string name; latest >> name && std::sscanf(name.c_str(), "step-%lld", &n) == 1) last_committed_ = n;
+  // The directory made and written into now, not at the first save after the steps before it.
+  check_on_every_rank(world_, command_, [&] {
+    if (world_.rank() != 0) return;
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    ORIGAMI_CHECK(!ec && fs::is_directory(dir_), "cannot create checkpoint directory '", dir_, "': ",
+                  ec ? ec.message() : "a file of that name is in the way");
+    const std::string probe = dir_ + "/.write-test";
+    std::ofstream f(probe);
+    const bool wrote = static_cast<bool>(f << "origami\n" << std::flush);
+    f.close();
+    fs::remove(probe, ec);
+    ORIGAMI_CHECK(wrote, "cannot write into checkpoint directory '", dir_, "'");
+  });
 }
 
 CheckpointWriter::~CheckpointWriter() {

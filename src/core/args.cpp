@@ -1,5 +1,6 @@
 #include "core/args.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -93,7 +94,18 @@ int64_t Args::integer(const std::string& name) const {
   char* end = nullptr;
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != 0 || errno == ERANGE) bad_value(name, "an integer");
+  if (v.empty() || *end != 0) bad_value(name, "an integer");
+  if (errno == ERANGE) bad_value(name, "an integer in [-9223372036854775808, 9223372036854775807]");
+  return x;
+}
+
+uint64_t Args::unsigned_integer(const std::string& name) const {
+  const std::string& v = get(name).value;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);  // (which would take "-1" as 2^64 - 1)
+  if (v.empty() || !std::isdigit(static_cast<unsigned char>(v[0])) || *end != 0 || errno == ERANGE)
+    bad_value(name, "an integer in [0, 18446744073709551615]");
   return x;
 }
 
@@ -147,7 +159,8 @@ std::string Args::help() const {
     if (left.size() < 30) left.resize(30, ' ');
     else left += "\n" + std::string(30, ' ');
     s += left + o.help;
-    if (!o.is_flag && !o.value.empty()) s += " (default " + o.value + ")";
+    // (a help text that says its default in words keeps them: "(default: all cores)", not also "(default 0)")
+    if (!o.is_flag && !o.value.empty() && o.help.find("(default") == std::string::npos) s += " (default " + o.value + ")";
     s += "\n";
   }
   s += "  --help                      show this help\n";

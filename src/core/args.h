@@ -34,6 +34,7 @@ class Args {
   bool given(const std::string& name) const;  // on the command line or from a file (not a default)
   std::string str(const std::string& name) const;
   int64_t integer(const std::string& name) const;  // Error outside 64-bit integers
+  uint64_t unsigned_integer(const std::string& name) const;  // Error outside [0, 2^64): seeds
   int small_integer(const std::string& name) const;  // Error outside [-2^31, 2^31): degrees, counts of threads
   double number(const std::string& name) const;
   std::vector<int64_t> integers(const std::string& name) const;  // "5,6,6,5"

@@ -58,6 +58,17 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
   sync_dir(std::filesystem::path(path).parent_path().string());
 }
 
+void require_writable_file(const std::string& path, const std::string& option) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  ORIGAMI_CHECK(!path.empty() && path.back() != '/' && !fs::is_directory(path, ec), option, " '", path,
+                "' is a directory: give a file name");
+  const fs::path dir = fs::path(path).parent_path();
+  ORIGAMI_CHECK(dir.empty() || fs::is_directory(dir, ec), option, " '", path, "': no directory '", dir.string(), "'");
+  ORIGAMI_CHECK(::access(dir.empty() ? "." : dir.c_str(), W_OK) == 0, option, " '", path, "': cannot write into '",
+                dir.empty() ? "." : dir.string(), "' (", std::strerror(errno), ")");
+}
+
 void sync_dir(const std::string& dir) {
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;

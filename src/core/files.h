@@ -14,6 +14,10 @@ std::string read_file_bytes(const std::string& path);
 // Error naming the file on any I/O failure (the temp file is removed; `path` is unchanged).
 void write_file_atomically(const std::string& path, std::string_view bytes);
 
+// An Error unless `path` can be written as a file (checked before long work, not after it): it is not
+// a directory, and it lies in an existing directory this process may write into. `option` names it.
+void require_writable_file(const std::string& path, const std::string& option);
+
 // Makes renames and new entries in `dir` durable (fsync of the directory; best effort).
 void sync_dir(const std::string& dir);
 

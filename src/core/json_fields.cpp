@@ -194,6 +194,17 @@ const JsonField& JsonField::object() const {
   return *this;
 }
 
+const JsonField& JsonField::only_keys(std::initializer_list<std::string_view> keys) const {
+  object();
+  for (auto it = value_->begin(); it != value_->end(); ++it) {
+    if (std::find(keys.begin(), keys.end(), std::string_view(it.key())) != keys.end()) continue;
+    std::string known;
+    for (std::string_view k : keys) known += (known.empty() ? "" : ", ") + std::string(k);
+    throw Error(cat(where(), ": unknown key '", it.key(), "' (the keys are ", known, ")"));
+  }
+  return *this;
+}
+
 size_t JsonField::array(size_t min_size, size_t max_size) const {
   const nlohmann::json& v = required();
   if (!v.is_array() || v.size() < min_size || v.size() > max_size) {

@@ -89,6 +89,9 @@ class JsonField {
   std::vector<int64_t> integers(int64_t lo, int64_t hi) const;
   // An object (returns this field) / an array of min_size..max_size elements (returns its size).
   const JsonField& object() const;
+  // An object whose every key is one of `keys` (returns this field): a misspelt key is an Error
+  // naming it, not a setting silently left at its default.
+  const JsonField& only_keys(std::initializer_list<std::string_view> keys) const;
   size_t array(size_t min_size = 0, size_t max_size = SIZE_MAX) const;
 
   // Optional reads: `dflt` when the field is absent or null, else as the required reads.

@@ -69,6 +69,7 @@ class DataBlend {
   const IndexedDataset& dataset(size_t d) const { return *datasets_[d]; }
   // PREFIX.tokenizer.json of the datasets ("" when they have none).
   const std::string& tokenizer_path() const { return tokenizer_path_; }
+  const nlohmann::json& tokenizer() const { return tokenizer_; }  // its contents (null when none)
   // An Error unless `other` was made with the same tokenizer (`what` names the two in the message).
   void require_same_tokenizer(const DataBlend& other, const std::string& what) const;
   // e.g. "fortunes: 1234 tokens, 40 windows of 128" or "0.7 a (…) + 0.3 b (…)".

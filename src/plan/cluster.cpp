@@ -113,7 +113,7 @@ double positive(const JsonField& f, double unit) { return f.number(NumberRange::
 // A link or collective: bandwidth and latency, and optionally the bandwidth by message size
 // ([KiB per step, GB/s] pairs, both positive, sizes ascending).
 LinkTier link_of(const JsonField& f) {
-  f.object();
+  f.only_keys({"bandwidth_gb_s", "latency_us", "bandwidth_by_size"});
   LinkTier t{positive(f["bandwidth_gb_s"], 1e9), positive(f["latency_us"], 1e-6), {}};
   if (!f["bandwidth_by_size"].present()) return t;
   f["bandwidth_by_size"].array(1);
@@ -179,13 +179,17 @@ nlohmann::json rates_json(const ComputeRates& r) {
 
 Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   const JsonField f(j, source);
+  f.only_keys({"name", "source", "nodes", "devices_per_node", "device", "comm_overlap", "overlap", "intra_node",
+               "inter_node", "collectives"});
   Cluster c;
   c.name = f["name"].string_or(source);
   c.source = f["source"].string_or("");
   c.nodes = int(f["nodes"].integer(1, kMaxNodes));
   c.devices_per_node = int(f["devices_per_node"].integer(1, kMaxDevicesPerNode));
   const JsonField d = f["device"];
-  d.object();
+  d.only_keys({"memory_gb", "memory_bandwidth_gb_s", "first_touch_gb_s", "bf16", "sms", "kernel_overhead_us",
+               "peak_tflops", "attention_tflops", "gemm", "gemm_streaming_gb_s", "gemm_streaming_accumulating_gb_s",
+               "gemm_efficiency"});
   c.memory_bytes = positive(d["memory_gb"], 1e9);
   if (!d["gemm"].present())
     ORIGAMI_CHECK(d["memory_bandwidth_gb_s"].present(), d["memory_bandwidth_gb_s"].where(),
@@ -193,7 +197,10 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   c.memory_bandwidth = d["memory_bandwidth_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
   c.first_touch = d["first_touch_gb_s"].number_or(0, NumberRange::positive()) * 1e9;
   static_cast<ComputeRates&>(c) = rates_of(d, c.memory_bandwidth);
-  if (d["bf16"].present()) c.bf16 = rates_of(d["bf16"].object(), c.memory_bandwidth);
+  if (d["bf16"].present())
+    c.bf16 = rates_of(d["bf16"].only_keys({"peak_tflops", "attention_tflops", "gemm", "gemm_streaming_gb_s",
+                                           "gemm_streaming_accumulating_gb_s", "gemm_efficiency"}),
+                      c.memory_bandwidth);
   c.sms = int(d["sms"].integer_or(0, 1, 1 << 16));  // (absent: 0, no tile model)
   c.kernel_overhead = d["kernel_overhead_us"].number_or(0, NumberRange::between(0, 1e6)) * 1e-6;  // up to a second
   c.comm_overlap = f["comm_overlap"].number_or(c.comm_overlap, NumberRange::between(0, 1));

@@ -507,7 +507,7 @@ Prediction CostModel::predict(const TrainOptions& options, double memory_limit) 
   out.compute_s = double(micro) * worst_compute;
   for (const auto& [k, x] : worst_exposed)
     if (x > 0) out.exposed_s[k] = double(micro) * x;
-  out.bubble_s = makespan - double(micro) * (worst_f + worst_b + worst_vocab);
+  out.bubble_s = std::max(0.0, makespan - double(micro) * (worst_f + worst_b + worst_vocab));  // (no -1e-17 from rounding)
 
   const double after = after_backward(o, mesh, cluster, worst_f, worst_b, stage_bytes, out);
   out.step_s = makespan + after;

@@ -316,12 +316,6 @@ std::vector<std::string> without(std::vector<std::string> args, const std::vecto
   return args;
 }
 
-std::string value_of(const std::vector<std::string>& args, const std::string& name) {
-  for (size_t i = 0; i + 1 < args.size(); ++i)
-    if (args[i] == name) return args[i + 1];
-  return "";
-}
-
 // A world a shrunk job restarts on: its size, pipeline stages, layout in words and, with a cluster,
 // the planner's predicted step time.
 struct World {
@@ -368,7 +362,7 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots,
 int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train) {
   ORIGAMI_CHECK(!o.train_args.empty() && o.train_args[0] == "train",
                 "give the training after '--': origami launch --np N -- train ARGS...");
-  const std::string save = value_of(o.train_args, "--save");
+  const std::string save = train.save;  // (from the command line or its --run-config)
   ORIGAMI_CHECK(!save.empty(), "origami launch restarts from the run's checkpoints: give --save DIR to train");
   ORIGAMI_CHECK(o.np >= 1 && o.min_np >= 1 && o.min_np <= o.np, "--np ", o.np, " and --min-np ", o.min_np,
                 ": need 1 <= --min-np <= --np");
@@ -376,7 +370,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   // The step size is pinned (--global-batch, or --tokens-per-step under document batching): a default
   // one would follow DP when the world shrinks. A run that resumes keeps its checkpoint's.
   TrainOptions first = train;
-  const std::string own = value_of(o.train_args, "--resume");
+  const std::string own = train.resume;
   first.resume = own.empty() ? save : own;
   const TrainOptions pinned = make_plan(cfg, with_checkpoint_step_size(first), o.np).options;
   const bool docs = train.documents();
@@ -417,7 +411,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                             {"layout", layout}, {"resumed_from", from}};
     if (predicted_s > 0) begin["predicted_step_s"] = predicted_s;
     events.write(begin);
-    std::printf("origami launch: %s %d ranks (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", world,
+    std::printf("origami launch: %s %d rank%s (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", world,
+                world == 1 ? "" : "s",
                 layout.c_str(), world != o.np ? cat(", shrunk from ", o.np).c_str() : "",
                 from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
     std::fflush(stdout);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -16,6 +17,7 @@
 #include "ckpt/checkpoint_writer.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "core/json_fields.h"
 #include "core/memory.h"
 #include "core/progress.h"
 #include "core/stop_signals.h"
@@ -197,6 +199,12 @@ Inputs open_inputs(Plan& plan) {
     ORIGAMI_CHECK(o.resume.empty() || in.checkpoint->has_optimizer(), "--resume '", o.resume, "' (",
                   in.checkpoint->path(), ") holds weights only, no optimizer state or step: start from it with "
                   "--init-from");
+    // A resumed run continues on the same token ids (a blend or --eval-data across tokenizers is refused alike).
+    const std::string saved = in.checkpoint->path() + "/tokenizer.json";
+    ORIGAMI_CHECK(o.resume.empty() || in.data->tokenizer().is_null() || !std::filesystem::exists(saved) ||
+                      parse_json_file(saved) == in.data->tokenizer(),
+                  "--resume '", o.resume, "' trained on another tokenizer (", saved, ") than --data's (",
+                  in.data->tokenizer_path(), "); to train its weights on this data, start from them with --init-from");
   }
   return in;
 }

@@ -296,7 +296,7 @@ def run_errors(tmp, data):
     dense = os.path.join(h.CONFIGS, "llama_tiny.json")
     return h.check_error_cases(data, [
         ("fssdp with --ep 2", MIXTRAL, 2, FSSDP + ["--ep", "2"], "needs --ep 1, got --ep 2"),
-        ("fssdp on a dense model", dense, 2, FSSDP, "this llama model has none"),
+        ("fssdp on a dense model", dense, 2, FSSDP, "this llama model has no experts"),
         ("an unknown sharding", MIXTRAL, 2, ["--expert-sharding", "zero"], "--expert-sharding 'zero' is not one of ep, fssdp"),
         ("--fssdp-keep without fssdp", MIXTRAL, 2, ["--fssdp-keep"], "--fssdp-keep keeps what --expert-sharding fssdp"),
     ])

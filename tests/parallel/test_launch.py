@@ -196,8 +196,8 @@ def shrink_pp_run(tmp, data):
     planned = {}
     for name, pp in (("PP2", 2), ("DP2", 1)):
         prc, pout, _ = h.run(0, ["plan", "--config", path, "--cluster", cluster, "--devices", "2", "--global-batch", "8",
-                                 "--seq-len", "32", "--layout", "tp1 cp1 ep1 etp1 pp%d vpp1 zero0 mb2 nosp recompute=none "
-                                 "cp-comm=p2p" % pp, "--json"])
+                                 "--seq-len", "32", "--layout", "tp1 cp1 ep1 etp1 pp%d vpp1 zero0 mb2 nosp recompute=none"
+                                 % pp, "--json"])
         try:
             planned[name] = json.loads(pout[pout.index("["):])[0]["step_time_s"]
         except (ValueError, KeyError, IndexError):

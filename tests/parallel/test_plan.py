@@ -219,7 +219,7 @@ def main():
             ("--plot without gnuplot", plot + [png], {"PATH": "/nonexistent"}, "--plot needs gnuplot (Debian: apt-get install gnuplot-nox"),
             ("--plot, gnuplot fails", plot + [png], {"PATH": fake}, "gnuplot failed: \"plot.gp\" line 3: unknown terminal"),
             ("--plot to a missing directory", plot + [os.path.join(tmp, "missing", "p.png")], None,
-             "cannot write %s.tmp (No such file or directory)" % os.path.join(tmp, "missing", "p.png"))]:
+             "no directory '%s'" % os.path.join(tmp, "missing"))]:  # (found before the search)
         _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line, extra_env=env)
         failures += [failure] if failure else []
     # Without gnuplot the command says so before it searches: nothing of a result is printed.

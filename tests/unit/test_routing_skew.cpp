@@ -62,6 +62,7 @@ TEST(RoutingSkew, MedianOverStepsForEveryDivisor) {
   EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(4), 3.0);
   EXPECT_EQ(RoutingSkew{}.describe(), "1 (even routing; --imbalance X or FILE prices a skew)");
   EXPECT_EQ(RoutingSkew{1.25}.describe(), "1.25 (stated)");
+  EXPECT_EQ(RoutingSkew{9}.describe(), "9 (stated; EPd below it at d: every row on one rank)");  // the cap said
   std::filesystem::remove(path);
 }
 

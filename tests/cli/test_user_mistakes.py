@@ -1,0 +1,194 @@
+"""User mistakes found by probing the commands as a user would (one rank each): each is one clear
+message and exit 1 before any long work, where before it lost work, did nothing silently or crashed
+late. Every case here failed before its fix:
+
+- `ckpt export --hf` into a checkpoint (a step or the --save root) replaced its config.json and
+  tokenizer.json; `train --save` somewhere unwritable trained every step, then failed at the save;
+- a run config naming another file of options ("plan", "run-config") was accepted and ignored; a
+  cluster file's misspelt key left its setting at the default;
+- `plan --layout` took the last of two words fixing one axis ("tp2 tp4", "sp nosp"), listed tp1
+  layouts for "sp" and cp1 ones for "cp-comm=a2a"; `--imbalance` was accepted for a dense model;
+- `--resume` onto data of another tokenizer only warned, and the checkpoint then decoded with it;
+- `dump --step` overflowed to a negative window; `--seed` past 2^63 was "not an integer" and -1 was
+  accepted; `profile --out`, `plan --plot` and `plot --out` failed only after their work;
+  `data prepare --output DIR/` wrote hidden files DIR/.bin; `plot --out x.svg` wrote PNG bytes;
+- a dangling `latest` was reported as "no latest"; `ckpt info` with two checkpoints took one;
+- routing options at their default value on a dense model, `--mtbf-hours` without `--save-every
+  auto` and `launch --cluster` without `--shrink` were accepted and did nothing; `launch` asked for
+  --save when given `--save=DIR`; `origami foo` exited 2 (every other mistake exits 1)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_util import LLAMA_TINY, ORIGAMI, byte_dataset, check, expect_error, run  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(ROOT, "configs", "clusters", "cpu-2core.json")
+GPT2 = {"model_type": "gpt2", "vocab_size": 257, "n_embd": 24, "n_layer": 2, "n_head": 4, "n_positions": 64}
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 257, "hidden_size": 24, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 64}
+
+
+def write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return path
+
+
+def main():
+    tmp = tempfile.mkdtemp()
+    try:
+        data = byte_dataset(tmp, 40)
+        llama, gpt2, moe = (write(os.path.join(tmp, n + ".json"), c)
+                            for n, c in (("llama", LLAMA_TINY), ("gpt2", GPT2), ("mixtral", MIXTRAL)))
+        short = ["--data", data, "--micro-batch", "2", "--seq-len", "16", "--threads", "1", "--quiet"]
+        ck = os.path.join(tmp, "ck")
+        run("train", "--config", llama, *short, "--steps", "2", "--save", ck)
+        step2 = os.path.join(ck, "step-2")
+
+        # Checkpoints and outputs.
+        for target in (step2, ck):
+            expect_error("ckpt export into a checkpoint (%s)" % os.path.basename(target),
+                         ["ckpt", "export", step2, "--hf", target],
+                         "'%s' is a checkpoint (%s): export into a new directory"
+                         % (target, "a --save directory" if target == ck else "a step of one"))
+        blocker = os.path.join(tmp, "a_file")
+        open(blocker, "w").close()
+        expect_error("--save under a file", ["train", "--config", llama, *short, "--steps", "50", "--save",
+                                             os.path.join(blocker, "ck")],
+                     "cannot create checkpoint directory '%s/ck': Not a directory" % blocker)
+        dangling = os.path.join(tmp, "dangling")
+        os.makedirs(dangling)
+        with open(os.path.join(dangling, "latest"), "w") as f:
+            f.write("step-99\n")
+        expect_error("a latest naming a removed step", ["ckpt", "info", dangling],
+                     "'%s' holds no checkpoint: its latest names 'step-99', which is not a committed step (no "
+                     "step-99/metadata.json), and no other step-N is" % dangling)
+        expect_error("ckpt info with two checkpoints", ["ckpt", "info", ck, "--checkpoint", step2],
+                     "two checkpoints given: '%s' and --checkpoint '%s'; give one" % (ck, step2))
+
+        # Resuming onto data of another tokenizer (a Hugging Face BPE file against the byte one).
+        other = os.path.join(tmp, "other")
+        tok = {"version": "1.0", "added_tokens": [{"id": 4, "content": "<eos>", "special": True}],
+               "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+               "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "d": 3}, "merges": []}}
+        text = os.path.join(tmp, "abcd.txt")
+        with open(text, "w") as f:
+            f.write("abcd " * 400)
+        run("data", "prepare", "--input", text, "--output", other, "--tokenizer", write(os.path.join(tmp, "t.json"), tok),
+            "--eod-token", "<eos>")
+        expect_error("--resume onto data of another tokenizer",
+                     ["train", "--resume", ck, "--data", other, "--micro-batch", "2", "--seq-len", "16", "--steps", "4"],
+                     "--resume '%s' trained on another tokenizer (%s/tokenizer.json) than --data's (%s.tokenizer.json); "
+                     "to train its weights on this data, start from them with --init-from" % (ck, step2, other))
+
+        # Files of options.
+        for key in ("plan", "run-config"):
+            rc = write(os.path.join(tmp, "rc_%s.json" % key), {key: "x.json", "steps": 2})
+            expect_error("a run config naming --%s" % key, ["train", "--config", llama, *short, "--run-config", rc],
+                         "%s: field '%s': names a file of options, which a run config cannot (it is read first): give "
+                         "--%s on the command line" % (rc, key, key))
+        bad = json.load(open(CLUSTER))
+        bad["device"]["kernel_overhead_usec"] = 500
+        bad_cluster = write(os.path.join(tmp, "cluster.json"), bad)
+        plan = ["plan", "--config", llama, "--devices", "2", "--global-batch", "8", "--seq-len", "16"]
+        expect_error("a cluster file's misspelt key", plan + ["--cluster", bad_cluster],
+                     "%s: field 'device': unknown key 'kernel_overhead_usec' (the keys are memory_gb, "
+                     "memory_bandwidth_gb_s, first_touch_gb_s, bf16, sms, kernel_overhead_us, peak_tflops, "
+                     "attention_tflops, gemm, gemm_streaming_gb_s, gemm_streaming_accumulating_gb_s, gemm_efficiency)"
+                     % bad_cluster)
+
+        # plan --layout and --imbalance.
+        plan += ["--cluster", CLUSTER]
+        for words, axis in (("tp2 tp1", "tp"), ("sp nosp", "sp"), ("zero1 zero3", "zero"),
+                            ("recompute=full recompute=none", "recompute"), ("fssdp nofssdp", "fssdp")):
+            first, second = words.split()
+            expect_error("--layout '%s'" % words, plan + ["--layout", words],
+                         "--layout: '%s' and '%s' both fix %s: give it once" % (first, second, axis))
+        expect_error("--layout 'sp tp1'", plan + ["--layout", "sp tp1"], "--layout 'sp tp1' leaves no layout of 2 "
+                     "devices: sp: sequence parallelism splits over TP: it needs tp2 or more")
+        expect_error("--layout 'cp-comm=a2a cp1'", plan + ["--layout", "cp-comm=a2a cp1"], "--layout 'cp-comm=a2a cp1' "
+                     "leaves no layout of 2 devices: cp-comm=a2a: CP's exchange needs cp2 or more")
+        p = run(*plan, "--layout", "sp", "--json")
+        layouts = [c["layout"] for c in json.loads(p.stdout[p.stdout.index("["):])]
+        check(layouts and all(" sp" in l and "tp1 " not in l for l in layouts),
+              "--layout sp lists only layouts with sequence parallelism: %s" % layouts)
+        print("ok   --layout sp lists only TP>1 layouts with sequence parallelism: %s" % layouts)
+        expect_error("--imbalance for a dense model", plan + ["--imbalance", "1.5"],
+                     "--imbalance prices the routing of experts, and this llama model has none")
+        p = run("plan", "--config", moe, "--devices", "8", "--global-batch", "8", "--seq-len", "16", "--cluster",
+                os.path.join(ROOT, "configs", "clusters", "dgx-h100.json"), "--imbalance", "9")
+        check("routing imbalance (--imbalance): 9 (stated; EPd below it at d: every row on one rank)" in p.stdout,
+              "a stated imbalance above 2 says it is capped:\n" + p.stdout[:600])
+        print("ok   a stated --imbalance 9 says EP degrees below it are priced at d")
+
+        # Checked before the work, not after it.
+        missing = os.path.join(tmp, "missing", "x")
+        expect_error("profile --out in a missing directory", ["profile", "--out", missing + ".json"],
+                     "--out '%s.json': no directory '%s'" % (missing, os.path.dirname(missing)))
+        expect_error("plan --plot in a missing directory", plan + ["--plot", missing + ".png"],
+                     "--plot '%s.png': no directory '%s'" % (missing, os.path.dirname(missing)))
+        expect_error("plan --plot x.svg", plan + ["--plot", os.path.join(tmp, "x.svg")],
+                     "--plot '%s': the plot is a PNG picture, so FILE.png" % os.path.join(tmp, "x.svg"))
+        metrics = os.path.join(tmp, "m.jsonl")
+        run("train", "--config", llama, *short, "--steps", "2", "--metrics", metrics)
+        expect_error("plot --out x.svg", ["plot", metrics, "--out", os.path.join(tmp, "x.svg")],
+                     "--out '%s': plot writes a PNG picture, so FILE.png" % os.path.join(tmp, "x.svg"))
+        os.makedirs(os.path.join(tmp, "d.png"))
+        expect_error("plot --out a directory", ["plot", metrics, "--out", tmp + "/d.png"],
+                     "--out '%s/d.png' is a directory: give a file name" % tmp)
+        expect_error("data prepare --output DIR/", ["data", "prepare", "--input", text, "--output", tmp + "/",
+                                                    "--tokenizer", "byte"],
+                     "--output '%s/' is a directory: give a prefix such as DIR/NAME (it writes DIR/NAME.bin, .idx and "
+                     ".tokenizer.json)" % tmp)
+        check(not os.path.exists(os.path.join(tmp, ".bin")), "data prepare --output DIR/ wrote no DIR/.bin")
+
+        # Numbers.
+        dump = ["dump", "--config", llama, "--data", data, "--out", os.path.join(tmp, "d.safetensors")]
+        expect_error("dump --step 2^63 - 1", dump + ["--step", "9223372036854775807"],
+                     "--step must be in [0, 4611686018427387902] (it reads windows step x B .. step x B + B - 1), "
+                     "got 9223372036854775807")
+        expect_error("dump --micro-batch 2^62", dump + ["--micro-batch", "4611686018427387904"],
+                     "--micro-batch must be in [1, 1073741824], got 4611686018427387904")
+        expect_error("--seed -1", ["train", "--config", llama, *short, "--seed", "-1"],
+                     "--seed must be an integer in [0, 18446744073709551615], got '-1'")
+        expect_error("--seed 2^64", ["train", "--config", llama, *short, "--seed", "18446744073709551616"],
+                     "--seed must be an integer in [0, 18446744073709551615], got '18446744073709551616'")
+        run("train", "--config", llama, *short, "--steps", "1", "--seed", "18446744073709551615")
+        print("ok   --seed 2^64 - 1 trains")
+
+        # Options that would do nothing.
+        for flags in (["--moe-aux-loss", "micro"], ["--moe-router-score", "softmax"], ["--expert-sharding", "ep"]):
+            expect_error("%s on a dense model" % " ".join(flags), ["train", "--config", gpt2, *short] + flags,
+                         "%s is for a mixture-of-experts model, and this gpt2 model has no experts" % flags[0])
+        expect_error("dump --moe-capacity-factor 0 on a dense model", dump + ["--moe-capacity-factor", "0"],
+                     "--moe-capacity-factor is for a mixture-of-experts model, and this llama model has no experts")
+        expect_error("--mtbf-hours without --save-every auto", ["train", "--config", llama, *short, "--mtbf-hours", "5"],
+                     "--mtbf-hours sizes --save-every auto's interval, and --save-every is 0")
+        expect_error("launch --cluster without --shrink", ["launch", "--np", "1", "--cluster", CLUSTER, "--", "train",
+                                                           "--config", llama, *short, "--save", ck],
+                     "--cluster prices the worlds --shrink chooses between: give --shrink too")
+        expect_error("launch --mpirun ''", ["launch", "--np", "1", "--mpirun", "", "--", "train", "--config", llama,
+                                            *short, "--save", ck],
+                     "--mpirun is empty: give the launcher's command, for example 'mpirun --oversubscribe'")
+        # launch reads --save=DIR as train does (it had asked for --save DIR).
+        saved = os.path.join(tmp, "launched")
+        run("launch", "--np", "1", "--mpirun", "mpirun --oversubscribe", "--", "train", "--config", llama, *short,
+            "--steps", "2", "--save=" + saved)
+        check(os.path.isdir(os.path.join(saved, "step-2")), "launch with --save=DIR saved step-2 there")
+        print("ok   launch -- train --save=DIR")
+        p = subprocess.run([ORIGAMI, "foo"], capture_output=True, text=True)
+        check(p.returncode == 1 and "unknown command 'foo'" in p.stderr, "origami foo: exit %d" % p.returncode)
+        print("ok   origami foo: exit 1, unknown command")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("all user-mistake checks passed")
+
+
+if __name__ == "__main__":
+    main()
