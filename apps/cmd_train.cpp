@@ -359,7 +359,8 @@ int train(int argc, char** argv, Comm& world) {
 
 // Under mpirun every rank runs this. Mistakes found before training starts are reported once, by
 // check_on_every_rank, and every rank exits 1; an error on one rank during training prints that rank's
-// message and aborts the whole job (MPI_Abort), so no rank is left waiting in a collective.
+// message and aborts the whole job (MPI_Abort) with exit code 2, so no rank is left waiting in a
+// collective and `origami launch` restarts it (an error on every rank, 1, it does not).
 int cmd_train(int argc, char** argv) {
   CommRuntime runtime(&argc, &argv);
   Comm& world = runtime.world();
@@ -375,7 +376,7 @@ int cmd_train(int argc, char** argv) {
     std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(),
                  oom ? "out of memory (in an allocation outside the checked buffers)" : e.what());
     std::fflush(stderr);
-    runtime.abort(1);
+    runtime.abort(2);  // (2: one rank failed; 1 means every rank reported a user error)
   }
 }
 

@@ -16,6 +16,7 @@
 
 #include "core/checksum.h"
 #include "core/error.h"
+#include "core/progress.h"
 #include "core/io.h"
 #include "core/json_fields.h"
 #include "kernels/cpu/bf16.h"
@@ -339,7 +340,8 @@ void write_all(TmpFile& tmp, const void* data, size_t len) {
   tmp.sum.update(data, len);
   tmp.written += len;
   while (len > 0) {
-    const ssize_t w = ::write(tmp.fd, p, std::min<size_t>(len, size_t(1) << 30));
+    const ssize_t w = ::write(tmp.fd, p, std::min<size_t>(len, size_t(1) << 28));
+    progress_alive();  // (origami launch's watchdog: a slow disk is not a hang)
     if (w < 0 && errno == EINTR) continue;
     ORIGAMI_CHECK(w > 0, "cannot write safetensors file ", quote_path(tmp.path), ": ",
                   w < 0 ? errno_text() : std::string("no progress"));

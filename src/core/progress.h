@@ -20,6 +20,9 @@ void progress_join(int world_rank);
 void progress_step_done(int64_t step);
 // `what` in the group `group`, e.g. ("all_reduce", "dp"); kept until the next note.
 void progress_entered(const char* what, const std::string& group);
+// Progress without a change of place: a long checkpoint write beats after every 256 MiB, so that the
+// watchdog does not take a slow disk for a hang (safe from any thread).
+void progress_alive();
 
 // Launcher side: the records of ranks 0 .. world-1 in dir (a rank that has not joined: pid 0).
 struct RankProgress {

@@ -113,7 +113,13 @@ struct JobEnd {
   int signal = 0;         // the signal that ended a failed rank (0: it exited)
   int64_t steps_done = 0; // the fewest steps any rank had completed
   double detected = 0;    // hung: when the watchdog saw it (Unix time)
+  bool stopped = false;   // the launcher got SIGINT or SIGTERM and passed it on to the job
 };
+
+// SIGINT / SIGTERM to the launcher: the count received, which run_job passes on to mpirun (the first
+// as SIGTERM, so every rank finishes its step, saves and exits 130; a second as SIGKILL).
+volatile std::sig_atomic_t stop_requests = 0;
+extern "C" void count_stop_request(int) { stop_requests = stop_requests + 1; }
 
 
 // The watchdog's clock: when the board last changed, and the steps' durations seen so far.
@@ -230,10 +236,12 @@ pid_t spawn_job(const std::vector<std::string>& argv, const std::string& progres
   return pid;
 }
 
-// Ends a hung job: every rank on the board, then mpirun.
+// Ends a hung job: every rank on the board that runs on this host (a pid names a process of its own
+// host only; mpirun ends the others), then mpirun.
 void kill_job(pid_t mpirun, const std::vector<RankProgress>& board) {
+  const std::string here = host_name();
   for (const RankProgress& r : board)
-    if (r.pid > 0) ::kill(pid_t(r.pid), SIGKILL);
+    if (r.pid > 0 && r.host == here) ::kill(pid_t(r.pid), SIGKILL);
   ::kill(mpirun, SIGTERM);
 }
 
@@ -255,7 +263,8 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
   OutputScanner scanner;
   Watchdog watchdog(timeout_s);
   std::vector<RankProgress> board;
-  int status = 0;
+  int status = 0, signalled = 0;
+  double killed_at = 0;  // when the watchdog ended the job: SIGKILL follows 10 s later
   for (bool open = true;;) {
     pollfd p{fd, POLLIN, 0};
     if (open && ::poll(&p, 1, 200) > 0) {
@@ -268,16 +277,26 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
     }
     board = read_progress(progress_dir, world);
     if (::waitpid(pid, &status, WNOHANG) == pid) break;
-    if (!end.hung && watchdog.stalled(board)) {
+    if (stop_requests > signalled) {  // the launcher was asked to stop: so is the job
+      signalled = int(stop_requests), end.stopped = true;
+      ::kill(pid, signalled == 1 ? SIGTERM : SIGKILL);
+    }
+    if (killed_at > 0 && unix_time_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
+    if (!end.hung && !end.stopped && watchdog.stalled(board)) {
       const std::vector<int> late = did_not_arrive(board);
       end.hung = true, end.why = hang_words(board, late, watchdog.timeout()), end.failed_ranks = late;
       end.detected = unix_time_s();
       for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
       std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", end.why.c_str());
       kill_job(pid, board);
+      killed_at = unix_time_s();
     }
   }
-  for (char buf[4096]; fd >= 0;) {  // what is left in the pipe
+  // What is left in the pipe, for at most 5 s (a process that inherited mpirun's output may hold it open).
+  for (const double until = unix_time_s() + 5; unix_time_s() < until;) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 200) <= 0) continue;
+    char buf[4096];
     const ssize_t n = ::read(fd, buf, sizeof buf);
     if (n <= 0) break;
     scanner.feed(buf, size_t(n), end);
@@ -319,7 +338,7 @@ std::vector<std::string> without(std::vector<std::string> args, const std::vecto
 // A world a shrunk job restarts on: its size, pipeline stages, layout in words and, with a cluster,
 // the planner's predicted step time.
 struct World {
-  int size = 0, pp = 1;
+  int size = 0, pp = 1, dp = 1;
   std::string layout;
   double predicted_s = 0;
 };
@@ -346,7 +365,7 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots,
           continue;
         }
         const double s = cluster ? CostModel(cfg, *cluster, w).predict(plan.options).step_s : 0;
-        fit.push_back({w, pp, plan.mesh.describe(cfg.is_moe()), s});
+        fit.push_back({w, pp, plan.mesh.degree("dp"), plan.mesh.describe(cfg.is_moe()), s});
       } catch (const Error& e) {
         if (pp == train.pp) why += cat("; ", w, " ranks: ", e.what());
       }
@@ -357,21 +376,61 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots,
   fail("--shrink: ", why);
 }
 
+// The training's words for an attempt on world `w`: it resumes from its --save directory once that
+// holds a step (before, from its own --resume or --init-from, if it gave one), with the pinned step
+// size (`step`: the flag and its value) and, once shrunk, DP and the stages re-derived.
+std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOptions& train, const World& w,
+                                       const std::pair<std::string, std::string>& step) {
+  const bool saved = std::filesystem::exists(train.save) && Checkpoint::committed_in(train.save);
+  const std::string start = saved || (train.resume.empty() && train.init_from.empty()) ? train.save : train.resume;
+  std::vector<std::string> drop{"--resume", step.first};
+  if (saved) drop.push_back("--init-from");
+  if (w.size != o.np) drop.push_back("--dp");
+  if (w.pp != train.pp) drop.insert(drop.end(), {"--pp", "--vpp", "--pp-layers", "--pp-schedule"});
+  std::vector<std::string> words = without(o.train_args, drop);
+  if (w.pp != train.pp) words.insert(words.end(), {"--pp", std::to_string(w.pp)});
+  if (w.size != o.np) words.insert(words.end(), {"--dp", std::to_string(w.dp)});  // (over a --run-config's dp)
+  if (!start.empty()) words.insert(words.end(), {"--resume", start});
+  words.insert(words.end(), {step.first, step.second});
+  return words;
+}
+
+// The start or restart event and line.
+void announce(Events& events, int attempt, const World& w, int np, const std::string& save) {
+  const auto steps = std::filesystem::exists(save) ? committed_steps(save) : std::map<int64_t, std::string>{};
+  const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
+  nlohmann::json begin = {{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", w.size},
+                          {"layout", w.layout}, {"resumed_from", from}};
+  if (w.predicted_s > 0) begin["predicted_step_s"] = w.predicted_s;
+  events.write(begin);
+  std::printf("origami launch: %s %d rank%s (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", w.size,
+              w.size == 1 ? "" : "s", w.layout.c_str(), w.size != np ? cat(", shrunk from ", np).c_str() : "",
+              from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train) {
+  struct sigaction on_stop {};
+  on_stop.sa_handler = count_stop_request;  // (no SA_RESTART: the job's poll returns to look at it)
+  ::sigaction(SIGINT, &on_stop, nullptr);
+  ::sigaction(SIGTERM, &on_stop, nullptr);
   ORIGAMI_CHECK(!o.train_args.empty() && o.train_args[0] == "train",
                 "give the training after '--': origami launch --np N -- train ARGS...");
   const std::string save = train.save;  // (from the command line or its --run-config)
   ORIGAMI_CHECK(!save.empty(), "origami launch restarts from the run's checkpoints: give --save DIR to train");
+  ORIGAMI_CHECK(!o.shrink || std::find(o.train_args.begin(), o.train_args.end(), "--plan") == o.train_args.end(),
+                "--shrink lays the job out again on fewer ranks, and train's --plan fixes a layout for ", o.np,
+                " devices: give its options instead, or no --shrink");
   ORIGAMI_CHECK(o.np >= 1 && o.min_np >= 1 && o.min_np <= o.np, "--np ", o.np, " and --min-np ", o.min_np,
                 ": need 1 <= --min-np <= --np");
   ORIGAMI_CHECK(o.max_restarts >= 0, "--max-restarts must not be negative, got ", o.max_restarts);
   // The step size is pinned (--global-batch, or --tokens-per-step under document batching): a default
   // one would follow DP when the world shrinks. A run that resumes keeps its checkpoint's.
   TrainOptions first = train;
-  const std::string own = train.resume;
-  first.resume = own.empty() ? save : own;
+  if (std::filesystem::exists(save) && Checkpoint::committed_in(save)) first.resume = save, first.init_from.clear();
+  else if (train.resume.empty() && train.init_from.empty()) first.resume = save;
   const TrainOptions pinned = make_plan(cfg, with_checkpoint_step_size(first), o.np).options;
   const bool docs = train.documents();
   const std::string step_flag = docs ? "--tokens-per-step" : "--global-batch";
@@ -384,46 +443,30 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   for (std::string w; words >> w;) mpirun.push_back(w);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string progress = (std::filesystem::path(save) / ".launch").string();
-  int world = o.np, pp = train.pp;
   const std::optional<Cluster> cluster = o.cluster.empty() ? std::nullopt : std::optional<Cluster>(Cluster::load(o.cluster));
   // (ranks beyond a node's devices are priced over its link to other nodes, or within a node's: a
   // one-rank profile has neither)
   ORIGAMI_CHECK(!cluster || o.np <= cluster->devices_per_node || cluster->inter.bandwidth > 0, "--cluster ", o.cluster,
                 " gives no link between devices (a one-rank profile measures none), so it cannot price --np ", o.np,
                 " ranks; profile on as many ranks as the job has");
-  double predicted_s = 0;
-  std::string layout = make_plan(cfg, pinned, world).mesh.describe(cfg.is_moe());
+  World w{o.np, train.pp, 1, make_plan(cfg, pinned, o.np).mesh.describe(cfg.is_moe()), 0};
   for (int attempt = 0;; ++attempt) {
-    std::vector<std::string> args = job_command(mpirun, world, slots, progress);
+    std::vector<std::string> args = job_command(mpirun, w.size, slots, progress);
     args.push_back(self);
-    // The run's arguments; it resumes from its --save directory (the first attempt from its own
-    // --resume, if it gave one), with the pinned step size and, once shrunk, DP re-derived.
-    std::vector<std::string> drop{"--resume", step_flag};
-    if (world != o.np) drop.push_back("--dp");
-    if (pp != train.pp) drop.insert(drop.end(), {"--pp", "--vpp", "--pp-layers", "--pp-schedule"});
-    const std::vector<std::string> t = without(o.train_args, drop);
-    args.insert(args.end(), t.begin(), t.end());
-    if (pp != train.pp) args.insert(args.end(), {"--pp", std::to_string(pp)});
-    args.insert(args.end(), {"--resume", attempt == 0 && !own.empty() ? own : save, step_flag, step_size});
-    const auto steps = std::filesystem::exists(save) ? committed_steps(save) : std::map<int64_t, std::string>{};
-    const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
-    nlohmann::json begin = {{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", world},
-                            {"layout", layout}, {"resumed_from", from}};
-    if (predicted_s > 0) begin["predicted_step_s"] = predicted_s;
-    events.write(begin);
-    std::printf("origami launch: %s %d rank%s (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", world,
-                world == 1 ? "" : "s",
-                layout.c_str(), world != o.np ? cat(", shrunk from ", o.np).c_str() : "",
-                from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
-    std::fflush(stdout);
-    const JobEnd end = run_job(args, world, progress, o.step_timeout_s);
-    if (end.code == 0 && !end.hung) {
-      events.write({{"event", "finish"}, {"restarts", attempt}, {"world", world}});
+    const std::vector<std::string> words = attempt_words(o, train, w, {step_flag, step_size});
+    args.insert(args.end(), words.begin(), words.end());
+    announce(events, attempt, w, o.np, save);
+    const JobEnd end = run_job(args, w.size, progress, o.step_timeout_s);
+    if (end.code == 0 && !end.hung && !end.stopped) {
+      events.write({{"event", "finish"}, {"restarts", attempt}, {"world", w.size}});
       return 0;
     }
-    if (!end.hung && (end.code == 1 || end.code == 3 || end.code == 130)) {
-      events.write({{"event", "stop"}, {"exit_code", end.code}, {"steps_done", end.steps_done}});
-      return end.code;  // a user error, the non-finite stop, a signal: not restarted
+    // A user error (every rank reported it: 1), the non-finite stop (3), a signal to the job (130) or
+    // to the launcher, which passed it on: not restarted. A failure on one rank (2) or a death is.
+    if (end.stopped || (!end.hung && (end.code == 1 || end.code == 3 || end.code == 130))) {
+      const int code = end.stopped ? 130 : end.code;
+      events.write({{"event", "stop"}, {"exit_code", code}, {"steps_done", end.steps_done}});
+      return code;
     }
     nlohmann::json failure = {{"event", end.hung ? "hang" : "failure"}, {"why", end.why},
                               {"ranks", end.failed_ranks}, {"hosts", end.failed_hosts}, {"steps_done", end.steps_done},
@@ -433,13 +476,13 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     events.write(failure);
     ORIGAMI_CHECK(attempt < o.max_restarts, "the job failed ", attempt + 1, " time", attempt ? "s" : "", " (", end.why,
                   "); --max-restarts ", o.max_restarts, " reached");
-    if (o.shrink) {
+    // (a hang where no rank stands out names every rank: then no slot is blamed, the world stays)
+    if (o.shrink && int(end.failed_ranks.size()) < w.size) {
       const int lost = std::max<int>(1, int(end.failed_ranks.size()));
       if (slots.hosts.empty()) slots.anonymous -= lost;
       for (const std::string& h : end.failed_hosts)
         std::erase_if(slots.hosts, [&](const auto& e) { return e.first == h; });
-      const World next = choose_world(cfg, pinned, std::min(world, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
-      world = next.size, pp = next.pp, layout = next.layout, predicted_s = next.predicted_s;
+      w = choose_world(cfg, pinned, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
     }
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);

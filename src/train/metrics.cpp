@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
 
@@ -223,13 +225,30 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
                       {"permute_s", dt.permute_s}};
 }
 
-MetricsFile::MetricsFile(const std::string& path, bool append, const char* what)
-    : out_(std::make_unique<std::ofstream>(path, append ? std::ios::app : std::ios::trunc)) {
+MetricsFile::MetricsFile(const std::string& path, bool append, const char* what) {
+  // A resume appends: a row a killed run left without its newline is cut first, so the next row
+  // starts a line of its own.
+  std::error_code ec;
+  if (append && std::filesystem::is_regular_file(path, ec)) {
+    std::ifstream in(path, std::ios::binary);
+    int64_t end = int64_t(std::filesystem::file_size(path, ec)), keep = 0;  // keep: the bytes up to the last newline
+    for (int64_t at = end; at > 0 && keep == 0;) {  // backwards, a block at a time
+      const int64_t from = std::max<int64_t>(0, at - 65536);
+      std::string block(size_t(at - from), '\0');
+      in.seekg(from).read(block.data(), std::streamsize(block.size()));
+      const size_t nl = block.find_last_of('\n');
+      if (nl != std::string::npos) keep = from + int64_t(nl) + 1;
+      at = from;
+    }
+    if (keep < end) std::filesystem::resize_file(path, uintmax_t(keep), ec);
+  }
+  out_ = std::make_unique<std::ofstream>(path, append ? std::ios::app : std::ios::trunc);
   ORIGAMI_CHECK(*out_, "cannot write ", what, " '", path, "'");
 }
 
 void MetricsFile::write(const nlohmann::json& row) {
-  *out_ << row.dump() << "\n";
+  const std::string line = row.dump() + "\n";  // one write: a kill leaves a whole row or a cut one
+  out_->write(line.data(), std::streamsize(line.size()));
   out_->flush();
 }
 

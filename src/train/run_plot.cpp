@@ -1,6 +1,7 @@
 #include "train/run_plot.h"
 
 #include <filesystem>
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -59,12 +60,18 @@ PlotX parse_plot_x(const std::string& s) {
 
 RunCurves read_run_curves(const std::string& path, PlotX x) {
   RunCurves c;
-  double seconds = 0;
-  for (const MetricsRow& r : read_metrics_rows(path)) {
-    const double step = metrics_number(r, "step");
+  const std::vector<MetricsRow> rows = read_metrics_rows(path);
+  // A resumed run appends from its checkpoint's step on: a step's last row is the run's (the rows a
+  // failed attempt wrote past its last save are not), and the axes count the run's steps only.
+  std::map<double, size_t> last;
+  for (size_t i = 0; i < rows.size(); ++i) last[metrics_number(rows[i], "step")] = i;
+  double seconds = 0, tokens = 0;
+  for (const auto& [step, i] : last) {
+    const MetricsRow& r = rows[i];
     seconds += metrics_number(r, "ms") / 1000;
+    tokens += metrics_number(r, "tokens");  // (a step's own: under document batching they differ)
     if (r.row.contains("skipped")) continue;  // no update: its loss is not the model's (NaN, or no token)
-    c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? step * metrics_number(r, "tokens") : seconds);
+    c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? tokens : seconds);
     c.loss.push_back(metrics_number(r, "loss"));
     c.lr.push_back(metrics_number(r, "lr"));
     c.tokens_per_s.push_back(metrics_number(r, "tokens_per_s"));

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
 #include <limits>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +20,13 @@ TestHooks TestHooks::from_env(int world_rank, bool moe) {
   if (const char* e = std::getenv("ORIGAMI_TEST_NAN_GRAD"))
     ORIGAMI_CHECK(std::sscanf(e, "%lld:%d", &h.nan_step_, &h.nan_rank_) == 2 && h.nan_step_ >= 1 && h.nan_rank_ >= 0,
                   "ORIGAMI_TEST_NAN_GRAD must be STEP:RANK (a step from 1, a world rank), got '", e, "'");
+  if (const char* e = std::getenv("ORIGAMI_TEST_FAIL")) {
+    char file[4096] = "";
+    ORIGAMI_CHECK(std::sscanf(e, "%lld:%d:%4095s", &h.fail_step_, &h.fail_rank_, file) == 3 && h.fail_step_ >= 1 &&
+                      h.fail_rank_ >= 0,
+                  "ORIGAMI_TEST_FAIL must be STEP:RANK:FILE (a step from 1, a world rank, a marker file), got '", e, "'");
+    h.fail_file_ = file;
+  }
   if (const char* e = std::getenv("ORIGAMI_TEST_ROUTER_SKEW")) {
     char* end = nullptr;
     h.skew_ = std::strtod(e, &end);
@@ -40,6 +49,12 @@ void TestHooks::poison_gradient(int64_t step, float* grad) {
   if (step != nan_step_ || nan_rank_ != rank_ || injected_) return;
   *grad = std::numeric_limits<float>::quiet_NaN();
   injected_ = true;
+}
+
+void TestHooks::fail_once(int64_t step) const {
+  if (step != fail_step_ || rank_ != fail_rank_ || std::filesystem::exists(fail_file_)) return;
+  std::ofstream(fail_file_) << "failed\n";
+  throw std::runtime_error(cat("test failure at step ", step, " (ORIGAMI_TEST_FAIL)"));
 }
 
 void TestHooks::log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts) {

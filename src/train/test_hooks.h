@@ -3,6 +3,9 @@
 //   ORIGAMI_TEST_NAN_GRAD=STEP:RANK  world rank RANK's gradient at the first parameter backward
 //       reaches in step STEP (from 1) becomes NaN, before any reduction — as a fault in one rank's
 //       backward would. The non-finite guard must stop every rank (tests/parallel/test_run_safety.py).
+//   ORIGAMI_TEST_FAIL=STEP:RANK:FILE  world rank RANK throws (an error on that rank alone) as step STEP
+//       (from 1) starts, unless FILE exists, which it creates first: a failure once, which `origami
+//       launch` must restart (tests/parallel/test_launch.py).
 //   ORIGAMI_TEST_ROUTING=DIR  every rank of a MoE run appends its own routed counts per step to
 //       DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently
 //       (tests/parallel/test_expert_parallel.py).
@@ -27,6 +30,8 @@ class TestHooks {
   std::string describe() const;
   // The gradient hook: makes *grad NaN once, in step `step` on the chosen rank.
   void poison_gradient(int64_t step, float* grad);
+  // As step `step` (from 1) starts: throws on the chosen rank, once (ORIGAMI_TEST_FAIL).
+  void fail_once(int64_t step) const;
   // After the step's routing: this rank's counts per layer and expert.
   void log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts);
   // At the start: the router skew added to the selection bias ([layers][experts], allocated if empty).
@@ -37,6 +42,9 @@ class TestHooks {
   long long nan_step_ = -1;
   int nan_rank_ = -1;
   bool injected_ = false;
+  long long fail_step_ = -1;
+  int fail_rank_ = -1;
+  std::string fail_file_;
   double skew_ = 0;
   std::shared_ptr<std::ofstream> routing_log_;
 };

@@ -827,6 +827,7 @@ std::string Run::report_skip(const Update& up, double loss, int64_t done) const 
 
 int Run::step(int64_t step, StopSignals& signals) {
   if (writer_) writer_->poll();  // commits an asynchronous save every rank has finished writing
+  hooks_.fail_once(step + 1);
   Timer step_timer;
   const double cpu0 = cpu_seconds();
   const Update up = train(step);

@@ -22,6 +22,8 @@ the last row of each step is the step as the run's result has it.
     finishes the run with the same curve.
   - A user error (a missing dataset, found on the ranks) and the non-finite stop (a NaN gradient
     injected at step 5) end the launch at once with exit 1 and 3: no restart, a "stop" event.
+  - An error on one rank alone (a test hook throws once on rank 1): the job aborts with exit 2 and
+    the launch restarts it on the same curve; `train --init-from` runs under launch.
   - --max-restarts 0 and a killed rank: the launch ends with exit 1 and says the limit was reached,
     after one failure event and no restart.
   - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the
@@ -75,7 +77,7 @@ def board(save, rank):
     return struct.unpack("<qq", head[8:24])
 
 
-def launch(tmp, tag, data, np_, extra, hit=None, timeout=300, config=None, extra_train=()):
+def launch(tmp, tag, data, np_, extra, hit=None, timeout=300, config=None, extra_train=(), env=None):
     """Starts origami launch; hit(save) is called while it runs (it injects the fault). Returns
     (exit code, output, every metrics row of each step in file order (one per attempt that ran it), events)."""
     save, metrics, events = (os.path.join(tmp, tag + s) for s in ("_ck", ".jsonl", "_events.jsonl"))
@@ -84,7 +86,7 @@ def launch(tmp, tag, data, np_, extra, hit=None, timeout=300, config=None, extra
         targs[targs.index("--config") + 1] = config
     cmd = [h.BIN, "launch", "--np", str(np_), "--backoff", "0.2", "--events", events, "--mpirun", MPIRUN, *extra,
            "--", *targs]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=h.env(),
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**h.env(), **(env or {})},
                          stdin=subprocess.DEVNULL)
     if hit:
         hit(save)
@@ -262,6 +264,26 @@ def stop_runs(tmp, data):
         check(ok, "launch refuses: %s" % line)
 
 
+def one_rank_failure(tmp, data, ref):
+    """An error on one rank alone (ORIGAMI_TEST_FAIL: rank 1 throws once as step 30 starts) aborts the
+    job with exit 2, which the launch restarts like a crash, on the same curve. Then a launch that
+    starts from another run's weights (--init-from) runs: before its first save the job starts from
+    them, after it from its own --save directory (it had added --resume beside --init-from)."""
+    marker = os.path.join(tmp, "failed_once")
+    rc, out, by_step, evs = launch(tmp, "onerank", data, 2, [], env={"ORIGAMI_TEST_FAIL": "30:1:" + marker})
+    names = [e["event"] for e in evs]
+    failure = next((e for e in evs if e["event"] == "failure"), {})
+    check(rc == 0 and names == ["start", "failure", "restart", "finish"] and failure.get("exit_code") == 2,
+          "an error on one rank (exit %s) is restarted: events %s, exit code %s" % (rc, names, failure.get("exit_code")))
+    same_curve(ref, by_step, "restarted after an error on one rank")
+    targs = train_args(data, os.path.join(tmp, "init.jsonl"), os.path.join(tmp, "init_ck"))
+    targs[targs.index("--steps") + 1] = "30"
+    rc, out, _ = h.run(0, ["launch", "--np", "2", "--backoff", "0.2", "--mpirun", MPIRUN, "--", *targs,
+                           "--init-from", os.path.join(tmp, "onerank_ck")])
+    check(rc == 0 and os.path.isdir(os.path.join(tmp, "init_ck", "step-30")),
+          "launch -- train --init-from: runs to its last step (exit %s) %s" % (rc, out[-300:] if rc else ""))
+
+
 def restarts_exhausted(tmp, data):
     def hit(save):
         if wait_for_step(save, 0, 30) is not None:
@@ -329,6 +351,7 @@ def main():
         hang_run(tmp, data, ref)
         stop_runs(tmp, data)
         restarts_exhausted(tmp, data)
+        one_rank_failure(tmp, data, ref)
         auto_interval(tmp, data)
         documents_run(tmp, data)
     finally:

@@ -2,10 +2,11 @@
 
 TensorBoard, read by TensorBoard's own EventAccumulator (PyPI tensorboard):
   - a MoE run with validation every 2 steps, 6 steps, saving at 4 and 6, then resumed from step 4 to 8
-    with the same --tensorboard DIR after the event file's last record was cut short (as a kill
-    mid-write leaves it): every tag holds exactly the scalars of the metrics file, step by step,
-    where the resumed run's rows replace the first run's steps 5-6 (its SessionLog START purges them);
-    one event file (the resume appended to it);
+    with the same --tensorboard DIR after the event file's last record and the metrics file's last row
+    were cut short (as a kill mid-write leaves them): the cut row is dropped, every tag holds exactly
+    the scalars of the metrics file, step by step, where the resumed run's rows replace the first
+    run's steps 5-6 (its SessionLog START purges them); one event file (the resume appended to it);
+    `origami plot` of that metrics file draws 8 steps, each once;
   - a copy of an event file cut inside its last record reads up to that record;
   - the tags are those of src/train/tensorboard.h, the MoE ones included.
 `origami plot`: two layouts of one model (one rank and DP2, its metrics written by mpirun) drawn into
@@ -104,13 +105,20 @@ def tensorboard_part(tmp, data):
     # TensorBoard shows steps 1-4 of the first run and 5-8 of the resumed one.
     with open(event_file, "r+b") as f:
         f.truncate(size - 7)
+    with open(metrics, "a") as f:  # and the metrics row it was writing, without its newline
+        f.write('{"step": 7, "loss": 1.')
     rc, out, _ = h.run(0, common + ["--steps", "8", "--resume", os.path.join(ck, "step-4")])
     if not check(rc == 0, "resumed from step 4 to 8 (exit %s) %s" % (rc, out[-300:] if rc else "")):
         return
     check(os.listdir(tb) == files, "the resume appended to the one event file: %s" % os.listdir(tb))
     rows = h.read_metrics(metrics)
-    check([r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], "metrics steps %s" % [r["step"] for r in rows])
+    check([r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], "metrics steps %s (the cut row dropped)"
+          % [r["step"] for r in rows])
     compare(read_events(tb), expected_scalars(rows), "after the resume")
+    # plot draws the run's steps: the resumed rows of steps 5 and 6 replace the first attempt's
+    png = os.path.join(tmp, "resumed.png")
+    rc, out, _ = h.run(0, ["plot", metrics, "--out", png])
+    check(rc == 0 and "1 run, 8 steps" in out, "plot of the resumed run: its 8 steps, each once: %s" % out.strip()[-200:])
 
 
 def plot_part(tmp, data):
