@@ -276,7 +276,11 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   o.pp_schedule = a.str("pp-schedule");
   o.vocab_parallel = a.on("vocab-parallel");
   if (a.has("pp-layers"))
-    for (int64_t n : a.integers("pp-layers")) o.pp_layers.push_back(int(n));
+    for (int64_t n : a.integers("pp-layers")) {
+      ORIGAMI_CHECK(n >= 1 && n <= ModelLimits::layers, "--pp-layers: every stage needs 1 to ",
+                    ModelLimits::layers, " layers (the most a model has), got ", n);
+      o.pp_layers.push_back(int(n));
+    }
   o.recompute = a.str("recompute");
   o.cp = a.small_integer("cp");
   o.cp_comm = a.str("cp-comm");

@@ -153,6 +153,19 @@ int64_t workspace_bytes(const ModelConfig& c, const ActivationShape& a, const Mo
   return (ScratchSizes(c, a, head).bytes() + tp_region + bf16_scratch_bytes(c, s, a, head)).get();
 }
 
+std::vector<int> slot_classes(const ModelConfig& cfg, const std::vector<LayerRange>& chunks) {
+  std::vector<std::vector<bool>> shapes;  // each class's layers: MoE or not
+  std::vector<int> out;
+  for (const LayerRange& r : chunks) {
+    std::vector<bool> shape;
+    for (int l = r.begin; l < r.end; ++l) shape.push_back(cfg.is_moe_layer(l));
+    const auto it = std::find(shapes.begin(), shapes.end(), shape);
+    out.push_back(int(it - shapes.begin()));
+    if (it == shapes.end()) shapes.push_back(std::move(shape));
+  }
+  return out;
+}
+
 int64_t slot_bytes(const ModelConfig& c, const ActivationShape& a, LayerRange r) {
   const LocalSizes s(c, a);
   const Size layers = r.end - r.begin, moe_layers = c.num_moe_layers(r.begin, r.end);
@@ -348,6 +361,7 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
   expert_begin_ = begins(experts_, &experts_ != &params_ ? &WeightUnit::experts : nullptr);  // a dense model: one buffer
   for (int64_t l = cfg.num_layers - 1, above = experts_.size(); l >= 0; --l)  // a layer without experts: as above it
     above = expert_begin_[size_t(l)] = std::min(expert_begin_[size_t(l)], above);
+  slot_class_ = slot_classes(cfg, part_.chunks);
   free_.resize(part_.chunks.size());
   reset_expert_counts();
   if (cfg.routing.bias_rate > 0)
@@ -466,7 +480,7 @@ void Model::set_batch(int64_t B, int64_t T) {
   if (recompute_ == Recompute::full) size_slot(*recomputed_, 0, -1, 1, 1, rebuilt);
   if (recompute_ == Recompute::selective) size_slot(*recomputed_, 0, -1, 0, 1, rebuilt);
   recompute_bytes_ = recomputed_->bytes();
-  live_bytes_ = 0;
+  held_bytes_ = 0;
   peak_bytes_ = act_bytes();
   Scratch& s = *scratch_;
   const ScratchSizes n(cfg_, activation_shape(), part_.head || part_.vocab_parallel());
@@ -979,13 +993,16 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
   const LayerRange r = part_.chunks[size_t(chunk)];
   const int64_t Lc = r.end - r.begin, NlC = tp_.local_tokens(B_ * T_) * cfg_.hidden;
   std::unique_ptr<Slot> slot;
-  if (!free_[size_t(chunk)].empty()) {
-    slot = std::move(free_[size_t(chunk)].back());
-    free_[size_t(chunk)].pop_back();
+  std::vector<std::unique_ptr<Slot>>& pool = free_[size_t(slot_class_[size_t(chunk)])];
+  if (!pool.empty()) {
+    slot = std::move(pool.back());
+    pool.pop_back();
   } else {
     slot = std::make_unique<Slot>();
     const int64_t kept = recompute_ == Recompute::full ? 0 : Lc;
     size_slot(*slot, Lc + 1, r.begin, kept, recompute_ == Recompute::none ? Lc : 0, slot_bytes(cfg_, activation_shape(), r));
+    held_bytes_ += slot->bytes();
+    peak_bytes_ = std::max(peak_bytes_, act_bytes());
   }
   float* resid = slot->resid.data();
   if (Lc > 0) use_weights(WeightUse::prefetch, units_[size_t(r.begin)]);
@@ -1005,8 +1022,6 @@ Losses Model::forward(int mb, int chunk, const int32_t* tokens, const float* inp
     use_weights(WeightUse::done, units_[size_t(l)]);
     if (progress_) progress_();
   }
-  live_bytes_ += slot->bytes();
-  peak_bytes_ = std::max(peak_bytes_, act_bytes());
   live_[{mb, chunk}] = std::move(slot);
   return out;
 }
@@ -1019,8 +1034,7 @@ const float* Model::output(int mb, int chunk) const {
 
 void Model::release(int mb, int chunk) {
   auto it = live_.find({mb, chunk});
-  live_bytes_ -= it->second->bytes();
-  free_[size_t(chunk)].push_back(std::move(it->second));
+  free_[size_t(slot_class_[size_t(chunk)])].push_back(std::move(it->second));
   live_.erase(it);
 }
 

@@ -93,6 +93,11 @@ struct ActivationShape {
   int64_t local_tokens() const { return sp ? B * T / tp : B * T; }  // Nl, outside TP regions
 };
 int64_t slot_bytes(const ModelConfig& cfg, const ActivationShape& a, LayerRange layers);
+// Which chunks' activation slots are interchangeable (one pool): chunks of as many layers with MoE
+// layers at the same places share a class, numbered from 0 in chunk order. An interleaved stage's
+// chunks of an even split are one class, so a slot a backward frees serves the next forward of any
+// chunk, and the stage holds what the schedule has in flight at once (schedule_activation_peak).
+std::vector<int> slot_classes(const ModelConfig& cfg, const std::vector<LayerRange>& chunks);
 int64_t recompute_bytes(const ModelConfig& cfg, const ActivationShape& a);
 // Work buffers of a stage's model for a batch (not kept across calls: backward gradients of the
 // activations, the LM head's logits chunk, MoE backward buffers, SP region buffers), allocated once
@@ -174,8 +179,9 @@ class Model {
   Losses forward_only(int mb, int chunk, const int32_t* tokens, const float* input, float* output_copy,
                       float* logits_BTV = nullptr);
 
-  // Bytes of activations kept now (live slots + the recomputation buffer), and the most since reset.
-  int64_t act_bytes() const { return live_bytes_ + recompute_bytes_; }
+  // Bytes of activations held now (the slots out and those pooled for reuse, and the recomputation
+  // buffer), and the most since reset.
+  int64_t act_bytes() const { return held_bytes_ + recompute_bytes_; }
   int64_t act_bytes_peak() const { return peak_bytes_; }
   void reset_act_peak() { peak_bytes_ = act_bytes(); }
   ActivationShape activation_shape() const;
@@ -385,10 +391,11 @@ class Model {
   std::function<void()> progress_;
   RopeTable rope_;
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> live_;  // (micro-batch, chunk) → slot
-  std::vector<std::vector<std::unique_ptr<Slot>>> free_;       // per chunk: released slots, reused
+  std::vector<std::vector<std::unique_ptr<Slot>>> free_;       // per slot class: released slots, reused
+  std::vector<int> slot_class_;                                // each chunk's (slot_classes)
   std::unique_ptr<Slot> recomputed_;                           // one layer's recomputed buffers
   std::unique_ptr<Scratch> scratch_;                           // backward work buffers
-  int64_t live_bytes_ = 0, recompute_bytes_ = 0, peak_bytes_ = 0;
+  int64_t held_bytes_ = 0, recompute_bytes_ = 0, peak_bytes_ = 0;
   std::vector<std::vector<int64_t>> expert_counts_;
   std::vector<int64_t> expert_dropped_;
   std::vector<int64_t> expert_near_ties_;

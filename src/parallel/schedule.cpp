@@ -480,13 +480,20 @@ std::vector<Action> stage_actions(ScheduleKind kind, int stages, int stage, int 
 
 namespace origami {
 
-int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes) {
-  Size live = 0, peak = 0;  // checked (core/checked.h)
+int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes,
+                                 const std::vector<int>& slot_class) {
+  ORIGAMI_ASSERT(slot_class.size() == slot_bytes.size());
+  const size_t classes = size_t(*std::max_element(slot_class.begin(), slot_class.end())) + 1;
+  std::vector<int64_t> out(classes, 0), most(classes, 0), bytes(classes, 0);
   for (const Action& a : actions) {
-    if (a.type == ActionType::forward) peak = std::max(peak, live += slot_bytes.at(size_t(a.chunk)));
-    if (a.type == ActionType::backward) live -= slot_bytes.at(size_t(a.chunk));
+    const size_t k = size_t(slot_class.at(size_t(a.chunk)));
+    bytes[k] = slot_bytes[size_t(a.chunk)];
+    if (a.type == ActionType::forward) most[k] = std::max(most[k], ++out[k]);
+    if (a.type == ActionType::backward) --out[k];
   }
-  return peak.get();
+  Size held = 0;  // checked (core/checked.h)
+  for (size_t k = 0; k < classes; ++k) held += Size(most[k]) * bytes[k];
+  return held.get();
 }
 
 std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks, const std::vector<int>& sizes) {
@@ -503,10 +510,10 @@ std::vector<LayerRange> partition_layers(int num_layers, int stages, int chunks,
   ORIGAMI_CHECK(int(n.size()) == parts, "--pp-layers lists ", n.size(), " stage sizes but the pipeline has ", parts,
                 " (virtual) stages");
   std::vector<LayerRange> out;
-  int at = 0;
+  int64_t at = 0;  // (a sum of ints; the ranges are used only once it is the model's layers)
   for (int k : n) {
     ORIGAMI_CHECK(k >= 1, "--pp-layers: every stage needs at least one layer, got ", k);
-    out.push_back({at, at + k});
+    out.push_back({int(at), int(at + k)});
     at += k;
   }
   ORIGAMI_CHECK(at == num_layers, "--pp-layers sums to ", at, " layers but the model has ", num_layers);

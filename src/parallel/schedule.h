@@ -128,9 +128,12 @@ std::vector<std::vector<Action>> with_vocab_passes(const std::vector<std::vector
 // One stage's list as the executor runs it: make_schedule's, with the vocabulary passes when `vocab`.
 std::vector<Action> stage_actions(ScheduleKind kind, int stages, int stage, int microbatches, int chunks, bool vocab);
 
-// Activation bytes a stage keeps at its peak over one step: replays its action list, the forward of
-// chunk c adding slot_bytes[c] and that pair's backward releasing them (model.h: slot_bytes()).
-int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes);
+// Activation bytes a stage holds over one step: replays its action list, the forward of chunk c
+// taking a slot of slot_bytes[c] and that pair's backward returning it to its pool. Chunks of one
+// slot_class (model.h: slot_classes; equal slot_bytes) share a pool, each pool keeping the most slots
+// it ever had out at once: the sum over the pools. (One class: the peak of what is in flight.)
+int64_t schedule_activation_peak(const std::vector<Action>& actions, const std::vector<int64_t>& slot_bytes,
+                                 const std::vector<int>& slot_class);
 
 }  // namespace origami
 

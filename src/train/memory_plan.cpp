@@ -281,7 +281,8 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   std::vector<int64_t> chunk_bytes;
   for (const LayerRange& r : part.chunks) chunk_bytes.push_back(slot_bytes(cfg, shape, r));
   const int micro = int(o.micro_batches(world_size));
-  m.activations = (schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes) +
+  m.activations = (schedule_activation_peak(make_schedule(o.schedule_kind(), pp, stage, micro, o.vpp), chunk_bytes,
+                                            slot_classes(cfg, part.chunks)) +
                    Size(recompute_bytes(cfg, shape))).get();
 
   // Workspace: the model's work buffers, pipeline messages of [Nl, C] (and vocabulary parallelism's
@@ -307,8 +308,10 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
           ? Size(Pipeline::vocab_bytes(stage_actions(o.schedule_kind(), pp, stage, micro, o.vpp, true), pp, stage, o.vpp,
                                        (Size(Nl) * cfg.hidden).get(), (Size(shape.B) * shape.T * cfg.hidden).get()))
           : Size(0);
+  // The step's token rows: T + 1 int32s, or under document batching inputs and targets (row_stride).
+  const Size row_ints = o.documents() ? 2 * Size(o.seq_len) : Size(o.seq_len) + 1;
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
-                 vocab + 4 * Size(micro) * o.micro_batch * (Size(o.seq_len) + 1) + sampler + scratch).get();
+                 vocab + 4 * Size(micro) * o.micro_batch * row_ints + sampler + scratch).get();
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.

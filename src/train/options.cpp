@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <numeric>
 #include <tuple>
 
 #include "ckpt/checkpoint.h"
@@ -161,6 +162,13 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                   " ranks: the heads must be a multiple of ", A);
     ORIGAMI_CHECK(kv % A == 0 || A % kv == 0, "--cp-comm ", cp_comm, " over ", A, " ranks: each rank's key/value heads (",
                   kv, ") must be a multiple of ", A, " or divide it (then they are replicated)");
+    // A CP degree per sequence: a subgroup of d ranks exchanges heads over gcd(A, d) of them, the same rule.
+    for (const int d : cp_per_sequence() ? cp_degrees(cp) : std::vector<int>{}) {
+      const int64_t a = std::gcd(int64_t(A), int64_t(d));
+      ORIGAMI_CHECK(kv % a == 0 || a % kv == 0, "--cp-comm ", cp_comm, " with a CP degree per sequence: the degree ", d,
+                    " subgroups exchange heads over ", a, " ranks, and each rank's key/value heads (", kv, ") are "
+                    "neither a multiple of ", a, " nor divide it; give --static-cp or another --cp");
+    }
   }
   const MeshDims dims = layout_dims(world_size);
   MeshShape(world_size, dims, mesh_order);  // validates the world size and the order

@@ -491,6 +491,14 @@ def check_mistakes(data, other, failures):
     _, _, failure = h.check_error("micro-batch tokens", 2, args + ["--micro-batch-tokens", "20"],
                                   lambda line: "--micro-batch-tokens (20)" in line and "multiple of --seq-len (16)" in line)
     failures += [failure] if failure else []
+    # A CP degree per sequence with the all-to-all: the degree-2 subgroups of CP6 exchange heads over 2
+    # ranks, which 3 key/value heads fit neither way (it had computed attention with the wrong kv heads).
+    kv3 = h.write_json(os.path.join(os.path.dirname(data), "llama_kv3.json"),
+                       h.load_config("llama_tiny", hidden_size=48, num_attention_heads=12, num_key_value_heads=3))
+    _, _, failure = h.check_error("a2a degree whose heads do not fit", 6, [
+        "train", "--config", kv3, "--data", data, "--steps", "1", "--seq-len", "24", "--tokens-per-step", "48", *docs,
+        "--cp", "6", "--cp-comm", "a2a"], lambda line: "the degree 2 subgroups exchange heads over 2 ranks" in line)
+    failures += [failure] if failure else []
 
 
 def main():

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/model.h"
 #include "model/params.h"
 
 using namespace origami;
@@ -185,4 +186,15 @@ TEST(VocabParallelTable, SlicesCoverTheVocabularyOnce) {
         EXPECT_EQ(std::count(count.begin(), count.end(), 1), int64_t(count.size())) << n << " tp " << tp;
     }
   }
+}
+
+// Interleaved stages share one activation pool across chunks of the same shape (Model's free slots,
+// schedule_activation_peak's pools): an even split is one class; a chunk of other length or other
+// MoE layers is a class of its own.
+TEST(SlotClasses, ChunksOfOneShapeShareAPool) {
+  ModelConfig cfg = config("mixtral_tiny");
+  EXPECT_EQ(slot_classes(cfg, {{0, 1}, {2, 3}}), (std::vector<int>{0, 0}));
+  EXPECT_EQ(slot_classes(cfg, {{0, 1}, {1, 3}, {3, 4}}), (std::vector<int>{0, 1, 0}));
+  cfg.sparse_step = 2;  // layers 1 and 3 MoE: [0, 2) and [2, 4) alike, [1, 3) not
+  EXPECT_EQ(slot_classes(cfg, {{0, 2}, {2, 4}, {1, 3}}), (std::vector<int>{0, 0, 1}));
 }
