@@ -313,6 +313,22 @@ void fill_from_files(Args& a, const Comm& world) {
   }
 }
 
+// Every rank starts from the same step: rank 0 resolves a --save directory (a run still saving into
+// it may commit a newer step while the ranks start) to the step it holds, and the others take it.
+void pin_checkpoint_step(TrainOptions& o, Comm& world) {
+  for (std::string* from : {&o.resume, &o.init_from}) {
+    std::vector<char> step(4096, 0);  // (a path; PATH_MAX)
+    check_on_every_rank(world, "train", [&] {
+      if (world.rank() != 0 || from->empty() || !Checkpoint::committed_in(*from)) return;
+      const std::string s = Checkpoint::resolved(*from);
+      ORIGAMI_CHECK(s.size() < step.size(), "checkpoint path '", s, "' is longer than ", step.size() - 1, " bytes");
+      std::copy(s.begin(), s.end(), step.begin());
+    });
+    world.broadcast(step.data(), int64_t(step.size() / 4), DType::i32, 0);  // (the bytes, as 1024 int32s)
+    if (step[0] != 0) *from = step.data();
+  }
+}
+
 // --config, else the config.json of the checkpoint the run resumes or starts from.
 std::string model_config_path(const Args& a, const TrainOptions& o) {
   std::string config = a.str("config");
@@ -345,10 +361,13 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
     read_run_options(a, o);
     read_parallel_options(a, o);
     read_routing_options(a, o, true);
-    cmd.cfg = load_model_config(model_config_path(a, o));
-    require_experts_for_given(a, cmd.cfg, true);
   });
   if (!parsed) return std::nullopt;
+  pin_checkpoint_step(cmd.options, world);
+  check_on_every_rank(world, "train", [&] {
+    cmd.cfg = load_model_config(model_config_path(a, cmd.options));
+    require_experts_for_given(a, cmd.cfg, true);
+  });
   return cmd;
 }
 

@@ -122,6 +122,8 @@ void copy_elements(const SafetensorsFile& f, const TensorInfo& t, int64_t at, in
 
 }  // namespace
 
+std::string Checkpoint::resolved(const std::string& path) { return resolve(path).string(); }
+
 bool Checkpoint::committed_in(const std::string& dir) {
   return fs::is_directory(dir) && (fs::exists(fs::path(dir) / "latest") || !committed_steps(dir).empty());
 }

@@ -62,6 +62,8 @@ class Checkpoint {
   static Checkpoint open(const std::string& path);
   // Whether the --save directory `dir` holds a committed checkpoint (latest, or a step-N).
   static bool committed_in(const std::string& dir);
+  // What `path` names now: a --save directory's newest committed step (DIR/step-N), else `path`.
+  static std::string resolved(const std::string& path);
   // The config.json that belongs to the checkpoint at `path` ("" for a bare weights file).
   static std::string config_of(const std::string& path);
   // The trainer state (trainer_state.json) of the checkpoint at `path`, read without the rest of it

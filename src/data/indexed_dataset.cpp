@@ -71,7 +71,9 @@ void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
 
 void IndexedDatasetWriter::finish() {
   ORIGAMI_CHECK(!finished_, prefix_, ": finish called twice");
-  int rc = std::fclose(bin_);
+  // On disk before it is renamed (EINVAL: a file system without fsync).
+  int rc = std::fflush(bin_) == 0 && (::fsync(fileno(bin_)) == 0 || errno == EINVAL) ? 0 : -1;
+  rc = std::fclose(bin_) == 0 ? rc : -1;
   bin_ = nullptr;
   ORIGAMI_CHECK(rc == 0, bin_tmp_, ": write failed on close (", std::strerror(errno), ")");
 
@@ -94,6 +96,9 @@ void IndexedDatasetWriter::finish() {
   for (int64_t d = 0; d <= int64_t(S); ++d) put(&d, 8);
   write_file_atomically(idx_tmp_, idx);  // lands at idx_tmp_, renamed below with the .bin
 
+  // An older dataset at the prefix loses its index first: a crash between the renames leaves a .bin
+  // without an index (refused), never the new .bin paired with the old index.
+  std::remove((prefix_ + ".idx").c_str());
   rename_file(bin_tmp_, prefix_ + ".bin");
   rename_file(idx_tmp_, prefix_ + ".idx");
   finished_ = true;

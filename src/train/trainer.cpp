@@ -89,6 +89,7 @@ struct Inputs {
   std::optional<DocumentBatcher> docs, eval_docs;  // --batching documents: their sequences, step by step
   std::optional<Checkpoint> checkpoint;      // --resume or --init-from
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
+  std::string tokenizer_bytes;               // the data's tokenizer file as the run read it ("" if none), for its saves
 };
 
 // The balancer's FLOP-count estimate: 6 per matmul parameter and token (a), and the attention's
@@ -171,6 +172,7 @@ Inputs open_inputs(Plan& plan) {
   const std::string& tokenizer_path = in.data->tokenizer_path();
   std::unique_ptr<Tokenizer> tok;
   if (!tokenizer_path.empty()) {
+    in.tokenizer_bytes = read_file_bytes(tokenizer_path);  // (read once: the file may change during the run)
     tok = load_tokenizer_file(tokenizer_path);
     ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                   tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
@@ -218,6 +220,40 @@ struct StartState {
   std::string checkpoint;                       // the checkpoint's path ("" at step 0)
 };
 
+// A resume continues the run: options that change what it learns from, or in what order, are worth a
+// word when changed (stderr, rank 0). `was`: the checkpoint's options (TrainOptions::as_json).
+void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, const std::string& path) {
+  // (key, flag, value now, value of a checkpoint written before the key existed; null: none)
+  using Option = std::tuple<const char*, const char*, nlohmann::json, nlohmann::json>;
+  std::vector<Option> options = {
+      {"attention_mask", "--attention-mask", o.attention_mask, "causal"}, {"data", "--data", o.data, ""},
+      {"batching", "--batching", o.batching, "windows"}, {"precision", "--precision", o.precision, "fp32"},
+      // the learning rate and the data order: the steps from here are not the uninterrupted run's
+      {"lr", "--lr", o.lr.lr, nullptr}, {"min_lr", "--min-lr", o.lr.min_lr, nullptr},
+      {"warmup", "--warmup", o.lr.warmup, nullptr},
+      {"lr_schedule", "--lr-schedule", o.lr.schedule == LrSchedule::cosine ? "cosine" : "constant", nullptr},
+      {"seed", "--seed", o.seed, nullptr}, {"data_order", "--data-order", o.data_order, nullptr}};
+  if (o.lr.schedule == LrSchedule::cosine)  // the cosine spans --steps
+    options.push_back({"steps", "--steps (the cosine schedule's length)", o.steps, nullptr});
+  // The step size, within one batching (across two, the batching's own warning says it all); the data
+  // position is replayed from the step, under document batching from N and L too.
+  const bool same_batching = (was.contains("batching") && was["batching"].is_string()
+                                  ? was["batching"].get<std::string>() : std::string("windows")) == o.batching;
+  if (o.documents() && same_batching)
+    options.insert(options.end(), {{"tokens_per_step", "--tokens-per-step", o.tokens_per_step, 0},
+                                   {"seq_len", "--seq-len", o.seq_len, o.seq_len}});
+  else if (same_batching)  // (given: without it the run keeps the checkpoint's, with_checkpoint_step_size)
+    options.insert(options.end(), {{"global_batch", "--global-batch", o.global_batch, o.global_batch},
+                                   {"seq_len", "--seq-len", o.seq_len, o.seq_len}});
+  auto text = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+  for (const auto& [key, flag, now, old] : options) {
+    const nlohmann::json before = was.contains(key) ? was[key] : old;
+    if (!before.is_null() && before != now)
+      std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
+                   text(now).c_str(), path.c_str(), text(before).c_str());
+  }
+}
+
 // The checkpoint is unmapped once read: a later --keep-last removal of that step then frees its disk space.
 StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const Plan& plan, Comm& world) {
   const TrainOptions& o = plan.options;
@@ -247,32 +283,8 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
       set->opt.set_steps_taken(ck->state().adam_steps);
     }
     start.step = ck->state().step;
-    // A resume continues the run: options that change what it learns from are worth a word when changed.
-    if (world.rank() == 0 && st.contains("options") && st["options"].is_object()) {
-      const nlohmann::json& was = st["options"];
-      // (key, flag, value now, value of a checkpoint written before the key existed). The data position
-      // is replayed from the step: under document batching it also depends on N and L.
-      using Option = std::tuple<const char*, const char*, std::string, std::string>;
-      std::vector<Option> options = {{"attention_mask", "--attention-mask", o.attention_mask, "causal"},
-                                     {"data", "--data", o.data, ""},
-                                     {"batching", "--batching", o.batching, "windows"},
-                                     {"precision", "--precision", o.precision, "fp32"}};
-      // The step size, within one batching (across two, the batching's own warning says it all).
-      const bool same_batching = (was.contains("batching") && was["batching"].is_string()
-                                      ? was["batching"].get<std::string>() : std::string("windows")) == o.batching;
-      if (o.documents() && same_batching)
-        options.insert(options.end(), {{"tokens_per_step", "--tokens-per-step", std::to_string(o.tokens_per_step), "0"},
-                                       {"seq_len", "--seq-len", std::to_string(o.seq_len), std::to_string(o.seq_len)}});
-      else if (same_batching)  // (given: without it the run keeps the checkpoint's, with_checkpoint_step_size)
-        options.push_back({"global_batch", "--global-batch", std::to_string(o.global_batch), std::to_string(o.global_batch)});
-      for (const auto& [key, flag, now, old] : options) {
-        const nlohmann::json* v = was.contains(key) ? &was[key] : nullptr;
-        const std::string before = v && v->is_string() ? v->get<std::string>() : v && v->is_number_integer() ? v->dump() : old;
-        if (before != now)
-          std::fprintf(stderr, "origami train: warning: resuming with %s '%s'; '%s' trained with '%s'\n", flag,
-                       now.c_str(), ck->path().c_str(), before.c_str());
-      }
-    }
+    if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
+      warn_changed_options(st["options"], o, ck->path());
     start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,
                   "; ask for more --steps to continue");
@@ -329,10 +341,11 @@ MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   int32_t tiles = int32_t(tile_gemm_library());
   world.broadcast(&tiles, 1, DType::i32, 0);
   set_tile_gemm_library(TileGemm(tiles));
-  if (plan.precision == Precision::bf16) {  // and its bf16 tiles' path
-    int32_t bf16 = int32_t(bf16_tiles());
-    world.broadcast(&bf16, 1, DType::i32, 0);
-    set_bf16_tiles(Bf16Tiles(bf16));
+  if (plan.precision == Precision::bf16) {  // and its bf16 tiles' and small GEMMs' paths
+    int32_t paths[2] = {int32_t(bf16_tiles()), int32_t(bf16_small_gemms_onednn())};
+    world.broadcast(paths, 2, DType::i32, 0);
+    set_bf16_tiles(Bf16Tiles(paths[0]));
+    set_bf16_small_gemms_onednn(paths[1] != 0);
   }
   const int64_t data_bytes =
       in.data->bytes(o.global_batch) + (in.eval_data ? in.eval_data->bytes(o.eval_iters * o.global_batch) : 0) +
@@ -592,6 +605,11 @@ void Run::print_startup() const {
   if (plan_.options.grad_reduce_wire() == DType::bf16 && !reduces_in_bf16(plan_))
     std::fprintf(stderr, "origami train: warning: --grad-reduce-dtype bf16 changes nothing here: no DP, CP or EDP "
                  "group has more than one rank, so no gradient is reduced\n");
+  // Options this layout gives nothing to do: accepted (a run config may serve several layouts), and said.
+  for (const auto& [idle, what] : {std::pair{o_.sequence_parallel && tp_.size() == 1, "--sequence-parallel (--tp is 1)"},
+                                   std::pair{o_.cp_comm != "p2p" && o_.cp == 1, "--cp-comm (--cp is 1)"},
+                                   std::pair{!o_.pp_schedule.empty() && pp_.size() == 1, "--pp-schedule (--pp is 1)"}})
+    if (idle) std::fprintf(stderr, "origami train: warning: %s changes nothing here\n", what);
   if (cfg_.document_eod >= 0)
     std::printf("attention within documents: token %d ends a document (positions restart after it)\n", cfg_.document_eod);
   const std::string& ck = start_.checkpoint;
@@ -941,7 +959,7 @@ double Run::save(int64_t steps_done) {
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     files["trainer_state.json"] = st.dump(2) + "\n";
     files["config.json"] = cfg_.raw.dump(2) + "\n";
-    if (!in_.data->tokenizer_path().empty()) files["tokenizer.json"] = read_file_bytes(in_.data->tokenizer_path());
+    if (!in_.tokenizer_bytes.empty()) files["tokenizer.json"] = in_.tokenizer_bytes;
   }
   const MeshDims& dims = plan_.mesh.dims();
   const nlohmann::json layout = {{"world", world_.size()}, {"tp", dims.tp}, {"cp", dims.cp}, {"dp", dims.dp},

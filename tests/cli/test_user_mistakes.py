@@ -8,7 +8,8 @@ late. Every case here failed before its fix:
   cluster file's misspelt key left its setting at the default;
 - `plan --layout` took the last of two words fixing one axis ("tp2 tp4", "sp nosp"), listed tp1
   layouts for "sp" and cp1 ones for "cp-comm=a2a"; `--imbalance` was accepted for a dense model;
-- `--resume` onto data of another tokenizer only warned, and the checkpoint then decoded with it;
+- `--resume` onto data of another tokenizer only warned, and the checkpoint then decoded with it; a
+  resume with another --steps (cosine), --lr, --seed or data order changed the run without a word;
 - `dump --step` overflowed to a negative window; `--seed` past 2^63 was "not an integer" and -1 was
   accepted; `profile --out`, `plan --plot` and `plot --out` failed only after their work;
   `data prepare --output DIR/` wrote hidden files DIR/.bin; `plot --out x.svg` wrote PNG bytes;
@@ -85,7 +86,15 @@ def main():
         expect_error("--resume onto data of another tokenizer",
                      ["train", "--resume", ck, "--data", other, "--micro-batch", "2", "--seq-len", "16", "--steps", "4"],
                      "--resume '%s' trained on another tokenizer (%s/tokenizer.json) than --data's (%s.tokenizer.json); "
-                     "to train its weights on this data, start from them with --init-from" % (ck, step2, other))
+                     "to train its weights on this data, start from them with --init-from" % (step2, step2, other))
+
+        # A resume that changes the learning rate's course or the data order says so (it still runs).
+        p = run("train", "--resume", ck, *short, "--steps", "4", "--seed", "9", "--lr", "1e-3")
+        for flag, now, before in (("--steps (the cosine schedule's length)", "4", "2"), ("--seed", "9", "1234"),
+                                  ("--lr", "0.001", "0.0003")):
+            want = "warning: resuming with %s '%s'; '%s' trained with '%s'" % (flag, now, step2, before)
+            check(want in p.stderr, "resume warns of %s:\n%s" % (flag, p.stderr))
+        print("ok   resuming with another --steps (cosine), --seed and --lr warns of each")
 
         # Files of options.
         for key in ("plan", "run-config"):

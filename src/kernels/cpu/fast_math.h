@@ -2,7 +2,7 @@
 // and tanhf are scalar calls; this branch-free version lets the compiler use SIMD lanes.
 // Accuracy: relative error below 2e-7 over the clamped range (Cephes' expf polynomial on
 // r = x − n·ln2, |r| ≤ ln2/2, then scaling by 2ⁿ through the exponent bits). Inputs are clamped
-// to [−87.3, 88.7], so exp(−∞) gives ~1e-38 rather than 0 — harmless where it is used.
+// to [−87.3, 88.37], so exp(−∞) gives ~1e-38 rather than 0 — harmless where it is used.
 // The double versions are plain libm, so finite-difference tests see exact math.
 #pragma once
 #include <cmath>
@@ -24,7 +24,8 @@ inline float pow2(float n) {
 }
 
 inline float exp_fast(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  // (above 127.5·ln2 = 88.376, n would round to 128, whose 2^n is infinity: clamped below it)
+  x = x < -87.3f ? -87.3f : (x > 88.37f ? 88.37f : x);
   // Round to nearest by the 1.5·2²³ trick: plain arithmetic, so the loop vectorises
   // (std::floor does not without -fno-trapping-math).
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -36,7 +37,7 @@ inline float exp_fast(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
-  return y * pow2(n);  // n ∈ [−126, 128]; a NaN x gives NaN through y
+  return y * pow2(n);  // n ∈ [−126, 127]; a NaN x gives NaN through y
 }
 inline double exp_fast(double x) { return std::exp(x); }
 

@@ -274,12 +274,21 @@ struct LayerGemmOperands {
   std::vector<bf16> b = std::vector<bf16>(size_t(kLayerGemm.K * kLayerGemm.N), to_bf16(0.02f));
 };
 
+// The small shapes' path: -1 until timed (or agreed), then 1 for oneDNN's, 0 for the portable one.
+std::atomic<int>& small_shapes_onednn() {
+  static std::atomic<int> choice{-1};
+  return choice;
+}
+
 bool onednn_is_faster_on_a_layer_gemm() {
-  static const bool faster = [] {
+  std::atomic<int>& choice = small_shapes_onednn();
+  if (choice.load() < 0) {
+    static std::mutex timing;
+    std::lock_guard<std::mutex> lock(timing);
     const LayerGemmOperands ops;
-    return onednn_is_faster(kLayerGemm, ops.a.data(), ops.b.data());
-  }();
-  return faster;
+    if (choice.load() < 0) choice = onednn_is_faster(kLayerGemm, ops.a.data(), ops.b.data()) ? 1 : 0;
+  }
+  return choice.load() == 1;
 }
 
 // The key of a call whose M and K vary with the data: one choice and primitive for all of them.
@@ -572,6 +581,12 @@ void tile_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alp
   }
   if (it->second) it->second->run(A, B, C);
   else portable_gemm(s, {A, lda}, {B, ldb}, C);
+}
+
+bool bf16_small_gemms_onednn() { return mode() == Bf16GemmMode::automatic && onednn_is_faster_on_a_layer_gemm(); }
+
+void set_bf16_small_gemms_onednn(bool onednn) {
+  if (mode() == Bf16GemmMode::automatic) small_shapes_onednn() = onednn ? 1 : 0;
 }
 
 Bf16Tiles bf16_tiles() { return tile_choice().path; }

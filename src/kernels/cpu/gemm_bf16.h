@@ -96,6 +96,13 @@ void tile_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
 // takes fp32 tiles, =onednn oneDNN's wherever it creates a primitive; auto (the default) times
 // attention's two forward products (64 queries, 256 keys, head dim 64) on every thread at once
 // through both and keeps oneDNN's where they are 1.2× faster. Call it first outside a parallel region.
+// The path of the GEMMs below 2^24 multiply-adds, whose own timing would be noise: the one timed for
+// a layer-sized GEMM (512 x 768 x 768) under ORIGAMI_BF16_GEMM=auto. A job takes rank 0's
+// (set_bf16_small_gemms_onednn), so that its processes sum these products in one order; a shape
+// oneDNN cannot run takes the portable path whatever the choice.
+bool bf16_small_gemms_onednn();
+void set_bf16_small_gemms_onednn(bool onednn);
+
 enum class Bf16Tiles { fp32, onednn };
 Bf16Tiles bf16_tiles();
 // Replaces the choice (a job takes rank 0's, one summation order for all its processes); oneDNN's
