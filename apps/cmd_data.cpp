@@ -237,11 +237,14 @@ int data_prepare(int argc, char** argv) {
     Timer t;
     std::string error;
     const int32_t eod = tokenizer->eod();
+    // A post-processor that closes every sequence with the eod ("<s> $A </s>") closes the document.
+    const std::vector<int32_t> closing = tokenizer->encode(""), open = tokenizer->encode_to_continue("");
+    const bool closed_by_template = closing.size() > open.size() && closing.back() == eod;
 #pragma omp parallel for schedule(dynamic, 16)
     for (size_t i = 0; i < docs.size(); ++i) {
       try {
         ids[i] = tokenizer->encode(docs[i]);
-        ids[i].push_back(eod);
+        if (!closed_by_template) ids[i].push_back(eod);
       } catch (const std::exception& e) {
 #pragma omp critical
         if (error.empty()) error = e.what();
@@ -305,6 +308,7 @@ int data_info(int argc, char** argv) {
       const uint64_t n = std::min<uint64_t>(buf.size(), ds.num_tokens() - first);
       ds.read_tokens(first, n, buf.data());
       for (uint64_t k = 0; k < n; ++k) {
+        ORIGAMI_CHECK(buf[k] >= 0, prefix, ".bin: token ", buf[k], " at position ", first + k, " is negative");
         if (size_t(buf[k]) >= freq.size()) freq.resize(size_t(buf[k]) + 1, 0);
         ++freq[size_t(buf[k])];
       }

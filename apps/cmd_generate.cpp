@@ -1,6 +1,8 @@
 // origami generate: sample text from a checkpoint directory.
 #include <cmath>
 #include <cstdio>
+#include <limits>
+#include <algorithm>
 
 #include "ckpt/checkpoint.h"
 #include "commands.h"
@@ -56,10 +58,10 @@ int cmd_generate(int argc, char** argv) {
       context = std::min<int64_t>(context, st["options"]["seq_len"].get<int64_t>());
   }
 
-  std::vector<int32_t> ids = tok->encode(a.str("prompt"));
+  std::vector<int32_t> ids = tok->encode_to_continue(a.str("prompt"));
   if (ids.empty()) ids.push_back(tok->eod());  // an empty prompt starts a new document
   const size_t prompt_len = ids.size();
-  std::fputs(a.str("prompt").c_str(), stdout);
+  std::fwrite(a.str("prompt").data(), 1, a.str("prompt").size(), stdout);
   std::fflush(stdout);
   const uint64_t seed = a.unsigned_integer("seed");
   std::vector<float> logits;
@@ -76,14 +78,16 @@ int cmd_generate(int argc, char** argv) {
     logits.resize(padded * size_t(cfg.vocab_size));
     model.reset_expert_counts();  // MoE: the per-step routing figures (training's), which grow per call
     model.forward_backward(window.data(), 1, int64_t(padded), 1.f, false, logits.data());
-    const float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
+    float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
+    for (int32_t v = 0; v < std::min<int32_t>(int32_t(cfg.vocab_size), tok->vocab_size()); ++v)
+      if (!tok->has_token(v)) last[v] = -std::numeric_limits<float>::infinity();  // (ids the vocabulary skips)
     const int32_t next = sample_token(last, int32_t(std::min<int64_t>(cfg.vocab_size, tok->vocab_size())), temperature,
                                       int32_t(top_k), uniform01(seed, 0x9e3779b9, uint64_t(i)));
     if (next == tok->eod() && a.on("stop-at-eod")) break;
     ids.push_back(next);
     // Print whole decoded tokens as they come (the decoder handles multi-byte characters at the end).
     std::string text = tok->decode(std::span<const int32_t>(ids.data() + printed, ids.size() - printed));
-    std::fputs(text.c_str(), stdout);
+    std::fwrite(text.data(), 1, text.size(), stdout);  // (a token may decode to a 0 byte)
     std::fflush(stdout);
     printed = ids.size();
   }

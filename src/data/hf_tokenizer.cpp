@@ -89,18 +89,19 @@ class HfRegex {
   HfRegex& operator=(const HfRegex&) = delete;
 
   // Calls f(start, end) for each match, left to right, not overlapping (an empty match advances
-  // one character).
+  // one character). As Hugging Face's (Oniguruma's find_iter, Rust regex's), an empty match where
+  // the previous match ended is not one: "a*" on "ab" matches "a" and the empty end, not also at 1.
   template <typename F>
   void for_each_match(std::string_view text, F&& f) const {
     thread_local MatchState st;
-    PCRE2_SIZE pos = 0;
+    PCRE2_SIZE pos = 0, last_end = PCRE2_UNSET;
     const auto* s = reinterpret_cast<PCRE2_SPTR>(text.data());
     while (pos <= text.size()) {
       int rc = pcre2_match(code_, s, text.size(), pos, 0, st.data, st.context);
       if (rc == PCRE2_ERROR_NOMATCH) return;
       if (rc < 0) fail_match(rc);
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.data);
-      f(size_t(ov[0]), size_t(ov[1]));
+      if (ov[1] > ov[0] || ov[0] != last_end) f(size_t(ov[0]), size_t(ov[1])), last_end = ov[1];
       if (ov[1] > ov[0]) {
         pos = ov[1];
       } else {
@@ -932,6 +933,12 @@ std::vector<int32_t> HfTokenizer::encode(std::string_view text) const {
     }, push_id);
   }, push_id);
   out.insert(out.end(), suffix_ids_.begin(), suffix_ids_.end());
+  return out;
+}
+
+std::vector<int32_t> HfTokenizer::encode_to_continue(std::string_view text) const {
+  std::vector<int32_t> out = encode(text);
+  out.resize(out.size() - suffix_ids_.size());
   return out;
 }
 

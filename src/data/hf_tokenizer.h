@@ -43,12 +43,14 @@ class HfTokenizer final : public Tokenizer {
 
   // Thread-safe: the piece cache is per thread, PCRE2 match data per thread.
   std::vector<int32_t> encode(std::string_view text) const override;
+  std::vector<int32_t> encode_to_continue(std::string_view text) const override;
   // Each token's text through the decoder's per-token steps, concatenated (no leading-space strip,
   // invalid UTF-8 kept as bytes): the form `generate` prints token by token.
   std::string decode(std::span<const int32_t> ids) const override;
   // The library's `decode(ids, skip_special_tokens=skip_special)`.
   std::string decode_text(std::span<const int32_t> ids, bool skip_special = false) const override;
   int32_t vocab_size() const override { return int32_t(id_token_.size()); }
+  bool has_token(int32_t id) const override { return id >= 0 && id < vocab_size() && id_valid_[size_t(id)]; }
   int32_t eod() const override { return eod_; }
   std::string name() const override { return "huggingface-bpe"; }
   nlohmann::json to_json() const override;

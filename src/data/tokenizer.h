@@ -35,6 +35,9 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // The ids a continuation follows (generate's prompt): encode's without a post-processor's closing
+  // tokens (a template "<s> $A </s>" would end the prompt as a document).
+  virtual std::vector<int32_t> encode_to_continue(std::string_view text) const { return encode(text); }
   // Bytes of the tokens, concatenated (may be invalid UTF-8 when a multi-byte character is cut).
   // An id outside [0, vocab_size()) or with no token is an Error naming it.
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
@@ -44,6 +47,8 @@ class Tokenizer {
   // skip_special.
   virtual std::string decode_text(std::span<const int32_t> ids, bool skip_special = false) const;
   virtual int32_t vocab_size() const = 0;  // one past the largest id
+  // Whether `id` has a token (a vocabulary may skip ids; decode refuses those).
+  virtual bool has_token(int32_t id) const { return id >= 0 && id < vocab_size(); }
   virtual int32_t eod() const = 0;         // end-of-document id, appended after each document
   virtual std::string name() const = 0;    // "byte", "gpt2" or "huggingface-bpe", for messages
   virtual nlohmann::json to_json() const = 0;
@@ -87,6 +92,7 @@ class Gpt2BpeTokenizer final : public Tokenizer {
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(std::span<const int32_t> ids) const override;
   int32_t vocab_size() const override { return int32_t(id_bytes_.size()); }
+  bool has_token(int32_t id) const override { return id >= 0 && id < vocab_size() && id_valid_[size_t(id)]; }
   int32_t eod() const override { return eod_; }
   std::string name() const override { return "gpt2"; }
   nlohmann::json to_json() const override;

@@ -20,7 +20,10 @@ marks, digit runs, runs of spaces and tabs, CRLF, Unicode spaces, the special to
       gives the same tokens;
   (d) unsupported components and a missing end-of-document token exit 1 with one message naming them;
   (e) end to end with the llama3 file: train (document masking at its eod) with --save, `generate` from
-      the checkpoint, and `ckpt export --hf` writing the Hub file that the library loads.
+      the checkpoint, and `ckpt export --hf` writing the Hub file that the library loads;
+  (f) a RobertaProcessing file, whose post-processor closes each sequence with the eod </s>: the
+      documents are the library's ids (one </s> each, not a second appended), with a Split(a*,
+      merged_with_next) pre-tokenizer whose empty matches right after a match the library skips.
 
 Run by ctest with ORIGAMI_BIN (build/origami); exits non-zero on the first failed check.
 """
@@ -347,6 +350,34 @@ def main():
         exported = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
         check(exported.encode(docs[0]).ids == expected_llama3[0][:-1], "the exported tokenizer encodes differently")
         print("ok   llama3 end to end: train (document masking at its eod), generate, ckpt export --hf", flush=True)
+
+        # (f) RoBERTa's post-processor closes every sequence with </s>, the eod: a document ends with
+        # one eod, not two; and a Split whose regex matches empty right after a match (MergedWithNext,
+        # "a*"), where the library reports no empty match, splits as the library does.
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex("a*"), behavior="merged_with_next", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        j = train(tok, train_docs[:2000], 600, ["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        ids = {t: j["model"]["vocab"][t] for t in ("<s>", "</s>")}
+        j["post_processor"] = {"type": "RobertaProcessing", "sep": ["</s>", ids["</s>"]], "cls": ["<s>", ids["<s>"]],
+                               "trim_offsets": False, "add_prefix_space": False}
+        path = os.path.join(tmp, "roberta.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(j, f, ensure_ascii=False)
+        tok = Tokenizer.from_file(path)
+        some = docs[:2000] + ["ab\n", "aab\n", "baa\n", "a\n", "b a  a\n"]
+        write_fortune(os.path.join(tmp, "roberta.txt"), some)
+        run("data", "prepare", "--input", os.path.join(tmp, "roberta.txt"), "--output", os.path.join(tmp, "roberta"),
+            "--tokenizer", path, "--eod-token", "</s>", "--split", "fortune")
+        expected = [e.ids for e in tok.encode_batch(some)]
+        check(all(e[0] == ids["<s>"] and e[-1] == ids["</s>"] for e in expected),
+              "the library's RoBERTa encodings are <s> ... </s>")
+        compare_ids("roberta (post-processor closing with the eod; Split a* merged_with_next)", some,
+                    read_dataset(os.path.join(tmp, "roberta")), expected)
+        print("ok   RobertaProcessing: each document ends with one </s>; Split(a*, merged_with_next) as the library",
+              flush=True)
 
         # --eod-token overrides the default; a token the file lacks is an error.
         gpt2 = os.path.join(tmp, "gpt2", "tokenizer.json")
