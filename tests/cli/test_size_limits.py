@@ -116,8 +116,8 @@ def planner_and_options(tmp, data):
     train = ["train", "--config", config(tmp, "opts", LLAMA), "--data", data, "--seq-len", "32"]
     for flag, value, message in [("--tp", "4294967298", "--tp must be an integer in [-2147483648, 2147483647], got "
                                   "'4294967298'"),
-                                 ("--steps", "99999999999999999999", "--steps must be an integer, got "
-                                  "'99999999999999999999'"),
+                                 ("--steps", "99999999999999999999", "--steps must be an integer in "
+                                  "[-9223372036854775808, 9223372036854775807], got '99999999999999999999'"),
                                  ("--steps", str(2**40), "--steps must be at most 4294967296, got 1099511627776"),
                                  ("--lr", "inf", "--lr must be a number, got 'inf'")]:
         expect_error(f"{flag} {value}", train + [flag, value], message)

@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_util import LLAMA_TINY, ORIGAMI, byte_dataset, check, expect_error, run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# launch runs mpirun (as root here, in CI's containers)
+os.environ.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_WAIT_POLICY": "passive"})
 CLUSTER = os.path.join(ROOT, "configs", "clusters", "cpu-2core.json")
 GPT2 = {"model_type": "gpt2", "vocab_size": 257, "n_embd": 24, "n_layer": 2, "n_head": 4, "n_positions": 64}
 MIXTRAL = {"model_type": "mixtral", "vocab_size": 257, "hidden_size": 24, "num_hidden_layers": 2,
