@@ -248,9 +248,7 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.out = a.str("out");
   cmd.plot = a.str("plot");
   if (!cmd.out.empty()) require_writable_file(cmd.out, "--out");
-  ORIGAMI_CHECK(cmd.plot.empty() || cmd.plot.ends_with(".png"), "--plot '", cmd.plot, "': the plot is a PNG picture, so "
-                "FILE.png");
-  if (!cmd.plot.empty()) require_writable_file(cmd.plot, "--plot");
+  if (!cmd.plot.empty()) require_png_output(cmd.plot, "--plot", "the plot is");
   cmd.precision = a.str("precision");
   parse_precision(cmd.precision);
   cmd.grad_reduce_dtype = a.str("grad-reduce-dtype");

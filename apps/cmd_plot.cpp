@@ -6,7 +6,6 @@
 #include "commands.h"
 #include "core/args.h"
 #include "core/error.h"
-#include "core/files.h"
 #include "core/gnuplot.h"
 #include "train/run_plot.h"
 
@@ -29,8 +28,7 @@ int cmd_plot(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(!files.empty(), "give one or more metrics files: origami plot RUN.jsonl [MORE.jsonl ...] --out FILE.png");
   ORIGAMI_CHECK(a.has("out"), "give the picture to write: --out FILE.png");
-  ORIGAMI_CHECK(a.str("out").ends_with(".png"), "--out '", a.str("out"), "': plot writes a PNG picture, so FILE.png");
-  require_writable_file(a.str("out"), "--out");
+  require_png_output(a.str("out"), "--out", "plot writes");
   const PlotX x = parse_plot_x(a.str("x"));
   require_gnuplot("plot");
   std::vector<RunCurves> runs;

@@ -84,6 +84,11 @@ void require_gnuplot(const std::string& who) {
   fail(no_gnuplot(who));
 }
 
+void require_png_output(const std::string& png_path, const std::string& option, const std::string& what) {
+  ORIGAMI_CHECK(png_path.ends_with(".png"), option, " '", png_path, "': ", what, " a PNG picture, so FILE.png");
+  require_writable_file(png_path, option);
+}
+
 void render_png(const std::string& script, const std::string& png_path, const std::string& who) {
   const TempDir dir(who);
   const std::string script_path = dir.path + "/plot.gp";

@@ -9,6 +9,10 @@ namespace origami {
 // ("--plot", "plot"), which asks before its work, not after it.
 void require_gnuplot(const std::string& who);
 
+// Error unless `png_path`, given as `option`, names a PNG file this process can write (a .png name,
+// require_writable_file), before any work: "OPTION 'PATH': WHAT a PNG picture, so FILE.png".
+void require_png_output(const std::string& png_path, const std::string& option, const std::string& what);
+
 // Runs the gnuplot `script` (which must not set an output: the PNG is its standard output) and
 // replaces `png_path` with the picture atomically (written to png_path + ".tmp", then renamed).
 // Error when gnuplot is not installed, when it fails (its last error line), or when png_path cannot

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/json_fields.h"
 
 namespace origami {
@@ -86,9 +87,10 @@ DataBlend::DataBlend(const std::vector<BlendPart>& parts, int64_t seq_len, Sampl
     if (seq_len > 0) samplers_.push_back(std::make_unique<WindowSampler>(*datasets_.back(), seq_len, order, seed));
     const std::string tok = prefix + ".tokenizer.json";
     const bool has = std::filesystem::exists(tok);
-    nlohmann::json j = has ? parse_json_file(tok) : nlohmann::json();
+    std::string bytes = has ? read_file_bytes(tok) : std::string();
+    nlohmann::json j = has ? parse_json(bytes, tok) : nlohmann::json();
     if (d == 0) {
-      tokenizer_path_ = has ? tok : "", tokenizer_ = std::move(j);
+      tokenizer_path_ = has ? tok : "", tokenizer_ = std::move(j), tokenizer_bytes_ = std::move(bytes);
       continue;
     }
     ORIGAMI_CHECK(j == tokenizer_, option, ": datasets '", parts[0].prefix, "' and '", prefix,

@@ -70,6 +70,9 @@ class DataBlend {
   // PREFIX.tokenizer.json of the datasets ("" when they have none).
   const std::string& tokenizer_path() const { return tokenizer_path_; }
   const nlohmann::json& tokenizer() const { return tokenizer_; }  // its contents (null when none)
+  // The file as read when the blend opened ("" when none): what a checkpoint of the run records,
+  // whatever happens to the file during the run.
+  const std::string& tokenizer_bytes() const { return tokenizer_bytes_; }
   // An Error unless `other` was made with the same tokenizer (`what` names the two in the message).
   void require_same_tokenizer(const DataBlend& other, const std::string& what) const;
   // e.g. "fortunes: 1234 tokens, 40 windows of 128" or "0.7 a (…) + 0.3 b (…)".
@@ -98,6 +101,7 @@ class DataBlend {
   std::vector<std::unique_ptr<WindowSampler>> samplers_;
   std::string tokenizer_path_;
   nlohmann::json tokenizer_;  // its contents (null when none)
+  std::string tokenizer_bytes_;
   BlendRule rule_;                    // stands after the last sample of choices_
   int64_t first_ = 0;
   std::vector<BlendChoice> choices_;  // of samples first_, first_ + 1, ...

@@ -376,15 +376,20 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots,
   fail("--shrink: ", why);
 }
 
-// The training's words for an attempt on world `w`: it resumes from its --save directory once that
-// holds a step (before, from its own --resume or --init-from, if it gave one), with the pinned step
-// size (`step`: the flag and its value) and, once shrunk, DP and the stages re-derived.
+// The --resume of an attempt: the --save directory once that holds a step, or when the run gave no
+// start of its own; before, the run's own --resume ("" under --init-from, which then stays).
+std::string attempt_resume(const TrainOptions& train) {
+  return Checkpoint::committed_in(train.save) || (train.resume.empty() && train.init_from.empty()) ? train.save
+                                                                                                   : train.resume;
+}
+
+// The training's words for an attempt on world `w`: from attempt_resume, with the pinned step size
+// (`step`: the flag and its value) and, once shrunk, DP and the stages re-derived.
 std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOptions& train, const World& w,
                                        const std::pair<std::string, std::string>& step) {
-  const bool saved = std::filesystem::exists(train.save) && Checkpoint::committed_in(train.save);
-  const std::string start = saved || (train.resume.empty() && train.init_from.empty()) ? train.save : train.resume;
+  const std::string start = attempt_resume(train);
   std::vector<std::string> drop{"--resume", step.first};
-  if (saved) drop.push_back("--init-from");
+  if (start == train.save) drop.push_back("--init-from");  // (the run's own checkpoints from here)
   if (w.size != o.np) drop.push_back("--dp");
   if (w.pp != train.pp) drop.insert(drop.end(), {"--pp", "--vpp", "--pp-layers", "--pp-schedule"});
   std::vector<std::string> words = without(o.train_args, drop);
@@ -429,8 +434,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   // The step size is pinned (--global-batch, or --tokens-per-step under document batching): a default
   // one would follow DP when the world shrinks. A run that resumes keeps its checkpoint's.
   TrainOptions first = train;
-  if (std::filesystem::exists(save) && Checkpoint::committed_in(save)) first.resume = save, first.init_from.clear();
-  else if (train.resume.empty() && train.init_from.empty()) first.resume = save;
+  first.resume = attempt_resume(train);
+  if (first.resume == save) first.init_from.clear();
   const TrainOptions pinned = make_plan(cfg, with_checkpoint_step_size(first), o.np).options;
   const bool docs = train.documents();
   const std::string step_flag = docs ? "--tokens-per-step" : "--global-batch";

@@ -89,7 +89,6 @@ struct Inputs {
   std::optional<DocumentBatcher> docs, eval_docs;  // --batching documents: their sequences, step by step
   std::optional<Checkpoint> checkpoint;      // --resume or --init-from
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
-  std::string tokenizer_bytes;               // the data's tokenizer file as the run read it ("" if none), for its saves
 };
 
 // The balancer's FLOP-count estimate: 6 per matmul parameter and token (a), and the attention's
@@ -172,7 +171,6 @@ Inputs open_inputs(Plan& plan) {
   const std::string& tokenizer_path = in.data->tokenizer_path();
   std::unique_ptr<Tokenizer> tok;
   if (!tokenizer_path.empty()) {
-    in.tokenizer_bytes = read_file_bytes(tokenizer_path);  // (read once: the file may change during the run)
     tok = load_tokenizer_file(tokenizer_path);
     ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                   tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
@@ -342,7 +340,8 @@ MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   world.broadcast(&tiles, 1, DType::i32, 0);
   set_tile_gemm_library(TileGemm(tiles));
   if (plan.precision == Precision::bf16) {  // and its bf16 tiles' and small GEMMs' paths
-    int32_t paths[2] = {int32_t(bf16_tiles()), int32_t(bf16_small_gemms_onednn())};
+    // (the small GEMMs' layer-sized timing on rank 0 alone: the others take its answer untimed)
+    int32_t paths[2] = {int32_t(bf16_tiles()), int32_t(world.rank() == 0 && bf16_small_gemms_onednn())};
     world.broadcast(paths, 2, DType::i32, 0);
     set_bf16_tiles(Bf16Tiles(paths[0]));
     set_bf16_small_gemms_onednn(paths[1] != 0);
@@ -959,7 +958,7 @@ double Run::save(int64_t steps_done) {
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     files["trainer_state.json"] = st.dump(2) + "\n";
     files["config.json"] = cfg_.raw.dump(2) + "\n";
-    if (!in_.tokenizer_bytes.empty()) files["tokenizer.json"] = in_.tokenizer_bytes;
+    if (!in_.data->tokenizer_bytes().empty()) files["tokenizer.json"] = in_.data->tokenizer_bytes();
   }
   const MeshDims& dims = plan_.mesh.dims();
   const nlohmann::json layout = {{"world", world_.size()}, {"tp", dims.tp}, {"cp", dims.cp}, {"dp", dims.dp},
