@@ -60,8 +60,11 @@ const char* aux_loss_name(AuxLoss a) {
 
 int64_t MoeRouting::capacity(int64_t N, int64_t K, int64_t E) const {
   if (capacity_factor <= 0) return 0;
-  // ceil in exact arithmetic where factor·N·K/E is an integer (1e-9 absorbs the rounding of the product)
-  return std::max<int64_t>(1, int64_t(std::ceil(capacity_factor * double(N * K) / double(E) - 1e-9)));
+  // ceil in exact arithmetic where factor·N·K/E is an integer (1e-9 absorbs the rounding of the product);
+  // at most N, the most an expert can be sent (a token picks an expert once): a larger factor drops nothing
+  // more and would only pad (and, as a double, could overflow the integer)
+  const double cap = std::ceil(capacity_factor * double(N * K) / double(E) - 1e-9);
+  return std::max<int64_t>(1, cap >= double(N) ? N : int64_t(cap));
 }
 
 bool ModelConfig::is_moe_layer(int64_t l) const {
@@ -207,7 +210,8 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
     r["sliding_window"], r["max_window_layers"];  // used only with use_sliding_window
   }
   if (c.is_moe()) {
-    c.top_k = dimension(r, "num_experts_per_tok", 2, c.num_experts);
+    // Hugging Face's defaults: Mixtral routes each token to 2 experts, Qwen2-MoE to 4
+    c.top_k = dimension(r, "num_experts_per_tok", c.type == ModelType::qwen2_moe ? 4 : 2, c.num_experts);
     c.routing.aux_coef = r["router_aux_loss_coef"].number_or(0.001, NumberRange::at_least(0));
     c.routing.z_coef = r["router_z_loss_coef"].number_or(0.0, NumberRange::at_least(0));
     r.require_zero("router_jitter_noise", "router jitter is not implemented");

@@ -214,6 +214,7 @@ void ContextParallel::forward(float* out, float* lse, float* qkv_h, float* out_h
                               const int32_t* doc) {
   if (size_ == 1) {  // the whole sequence
     counters_.tiles += attention_forward(out, lse, qkv, s.B, s.Tl, s.H, s.KV, s.D, doc, s.precision);
+    counters_.pairs += s.B * s.H * s.Tl * (s.Tl + 1) / 2;
     return;
   }
   const int A = s.a2a, R = s.rings(), group = rank_ / A;

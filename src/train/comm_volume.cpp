@@ -98,6 +98,52 @@ double pipeline_bytes(const ModelPart& part, int p, int v, int stage, double N, 
   return double(micro) * bytes;
 }
 
+// A step's micro-batches as the MoE layers see them: B rows each, N tokens on this rank, each MoE
+// layer's forward run `forwards` times (2 under full recomputation), at CP degrees `degree_micro`.
+struct MoeStep {
+  int64_t B, micro;
+  int forwards;
+  double N, imbalance;
+  const std::vector<std::pair<int, int64_t>>& degree_micro;  // (CP degree, micro-batches)
+};
+
+// The router's counts, per MoE layer and forward (micro-batch aux loss: E counts over the tokens'
+// group TP × CP; per-sequence: B·E; global: E over that group and E over DP, except in the
+// recomputed forward, which reuses them), and the dispatcher: each forward's row-count exchange
+// (all-to-all of E/EP counts over EP, all-gather over ETP), then the rows to the experts and back,
+// forward and backward.
+void add_moe_bytes(std::map<std::string, double>& out, const ModelConfig& cfg, const ModelPart& part, const MeshDims& m,
+                   const MoeStep& st) {
+  auto add = [&](const std::string& key, double bytes) {
+    if (bytes > 0) out[key] += bytes;
+  };
+  const int t = m.tp, c = m.cp;
+  const int64_t E = cfg.num_experts, C = cfg.hidden, El = E / m.ep;
+  int64_t moe_layers = 0;
+  for (const LayerRange& r : part.chunks) moe_layers += cfg.num_moe_layers(r.begin, r.end);
+  const double passes = double(st.micro * moe_layers);  // MoE layer passes a step (each forward and backward)
+  const AuxLoss aux = cfg.routing.aux;
+  // (Under document batching `seq` counts the micro-batch's sequences × E over TP and the micro-batch's
+  // CP subgroup of d ranks, the sequences known only per step: B·E here, an estimate.)
+  const double counts = aux == AuxLoss::none ? 0 : aux == AuxLoss::seq ? double(st.B * E) : double(E);
+  const int counted = aux == AuxLoss::global ? 1 : st.forwards;
+  for (const auto& [d, count] : st.degree_micro)
+    add(c > 1 ? "tp-cp" : "tp", double(count * moe_layers) * counted * all_reduce_bytes(t * d, 8 * counts));
+  if (aux == AuxLoss::global) add("dp", passes * all_reduce_bytes(m.dp, 8 * double(E)));
+  // Rows this rank routes (its share of the TP group's tokens, K each) and, evenly spread, the part
+  // of them that leaves for other EP ranks; an ETP peer's rows go to its ETP − 1 peers.
+  // With a capacity, at most E·cap rows; padded to it, exactly E·cap whatever the routing.
+  double rows = st.N / double(t) * double(cfg.top_k) * (m.ep > 1 ? st.imbalance : 1.0);  // one EP rank: no skew
+  if (const int64_t cap = cfg.routing.capacity(int64_t(st.N) / t, cfg.top_k, E); cap > 0)
+    rows = cfg.routing.pad ? double(E * cap) : std::min(rows, double(E * cap));
+  const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = scatter_gather_bytes(m.etp, rows * double(C) * 4);
+  const double exchanges = passes * (st.forwards + 1) * 2;  // to the experts and back, per pass
+  // (and once a step, the metrics' max over EP of each forward call's rows: Model::expert_busiest_rows)
+  add("ep", passes * st.forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep + all_reduce_bytes(m.ep, 8 * passes));
+  // Each ETP peer gathers the others' [EP][El] received counts.
+  add("etp", passes * st.forwards * scatter_gather_bytes(m.etp, 8 * double(m.ep * El)) + exchanges * to_etp);
+}
+
 }  // namespace
 
 std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const TrainOptions& o, int world, int rank,
@@ -167,10 +213,10 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
   // recomputation) and backward.
   // Under a CP degree per sequence, rank 0's micro-batches at degree d exchange over its d ranks (the
   // same local shape, all-to-all groups of gcd(A, d)).
+  std::vector<std::pair<int, int64_t>> degree_micro = o.step_degree_micro_batches;  // (CP degree, micro-batches)
+  if (degree_micro.empty()) degree_micro = {{c, micro}};
   if (c > 1) {
-    std::vector<std::pair<int, int64_t>> at = o.step_degree_micro_batches;
-    if (at.empty()) at = {{c, micro}};
-    for (const auto& [d, count] : at) {
+    for (const auto& [d, count] : degree_micro) {
       const CpShape s{B, o.seq_len / c, cfg.num_heads / t, cfg.num_kv_heads / t, cfg.head_dim, d, std::gcd(o.cp_a2a(), d)};
       if (d > 1)
         add("cp", double(count) * double(part.num_layers()) *
@@ -180,38 +226,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
 
   if (p > 1) add("pp", pipeline_bytes(part, p, v, stage, N, sp ? N / t : N, C, micro));
 
-  // The router's counts, per MoE layer and forward (micro-batch aux loss: E counts over the tokens'
-  // group TP × CP; per-sequence: B·E; global: E over that group and E over DP, except in the
-  // recomputed forward, which reuses them), and the dispatcher: each forward's row-count exchange
-  // (all-to-all of E/EP counts over EP, all-gather over ETP), then the rows to the experts and back,
-  // forward and backward.
-  if (cfg.is_moe()) {
-    const int64_t moe_layers = [&] {
-      int64_t n = 0;
-      for (const LayerRange& r : part.chunks) n += cfg.num_moe_layers(r.begin, r.end);
-      return n;
-    }();
-    const int tokens = t * c;
-    const AuxLoss aux = cfg.routing.aux;
-    // (Under document batching `seq` counts the micro-batch's sequences × E over TP and its CP subgroup,
-    // known only per step: B·E here, a lower bound when rows hold several sequences.)
-    const double counts = aux == AuxLoss::none ? 0 : aux == AuxLoss::seq ? double(B * E) : double(E);
-    const int counted = aux == AuxLoss::global ? 1 : forwards;
-    add(c > 1 ? "tp-cp" : "tp", double(micro * moe_layers) * counted * all_reduce_bytes(tokens, 8 * counts));
-    if (aux == AuxLoss::global) add("dp", double(micro * moe_layers) * all_reduce_bytes(m.dp, 8 * double(E)));
-    const int64_t El = E / m.ep;
-    // Rows this rank routes (its share of the TP group's tokens, K each) and, evenly spread, the part
-    // of them that leaves for other EP ranks; an ETP peer's rows go to its ETP − 1 peers.
-    const double rows = N / double(t) * double(cfg.top_k) * (m.ep > 1 ? imbalance : 1.0);  // one EP rank: no skew
-    const double to_ep = rows * double(m.ep - 1) / m.ep * double(C) * 4, to_etp = scatter_gather_bytes(m.etp, rows * double(C) * 4);
-    const double exchanges = double(micro * moe_layers) * (forwards + 1) * 2;  // to the experts and back, per pass
-    // (and once a step, the metrics' max over EP of each forward call's rows: Model::expert_busiest_rows)
-    add("ep", double(micro * moe_layers) * forwards * double(m.ep - 1) * double(El) * 8 + exchanges * to_ep +
-                  all_reduce_bytes(m.ep, 8 * double(micro * moe_layers)));
-    // Each ETP peer gathers the others' [EP][El] received counts.
-    add("etp", double(micro * moe_layers) * forwards * scatter_gather_bytes(m.etp, 8 * double(m.ep * El)) +
-                   exchanges * to_etp);
-  }
+  if (cfg.is_moe()) add_moe_bytes(out, cfg, part, m, {B, micro, forwards, N, imbalance, degree_micro});
 
   // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
   // expert counts, dropped assignments and near ties, every rank's expert rows and busiest rows, every rank's CP pairs, under

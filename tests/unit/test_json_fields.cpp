@@ -284,3 +284,32 @@ TEST(JsonFields, ModelConfigLimitsAndTypes) {
   EXPECT_EQ(error_of([&] { origami::parse_model_config(missing_type, "config.json"); }),
             "config.json: field 'model_type': missing");
 }
+
+// A capacity: ceil(factor·N·K/E), at least 1, at most N (an expert is sent each token at most once),
+// so a huge factor pads to N rows rather than overflowing into a capacity of 1.
+TEST(ModelConfig, MoeCapacityBounds) {
+  origami::MoeRouting r;
+  EXPECT_EQ(r.capacity(64, 2, 8), 0);  // dropless
+  r.capacity_factor = 1.0;
+  EXPECT_EQ(r.capacity(64, 2, 8), 16);
+  r.capacity_factor = 1.1;
+  EXPECT_EQ(r.capacity(64, 2, 8), 18);
+  r.capacity_factor = 0.001;
+  EXPECT_EQ(r.capacity(64, 2, 8), 1);
+  r.capacity_factor = 8.0;
+  EXPECT_EQ(r.capacity(64, 2, 8), 64);
+  r.capacity_factor = 1e30;
+  EXPECT_EQ(r.capacity(64, 2, 8), 64);
+}
+
+// Without num_experts_per_tok, Hugging Face's defaults: Mixtral routes each token to 2 experts,
+// Qwen2-MoE to 4.
+TEST(ModelConfig, TopKDefaults) {
+  json cfg = {{"hidden_size", 48},       {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+              {"intermediate_size", 40}, {"num_hidden_layers", 2},   {"vocab_size", 257},
+              {"max_position_embeddings", 64}};
+  cfg["model_type"] = "mixtral";
+  EXPECT_EQ(origami::parse_model_config(cfg, "config.json").top_k, 2);
+  cfg["model_type"] = "qwen2_moe";
+  EXPECT_EQ(origami::parse_model_config(cfg, "config.json").top_k, 4);
+}
