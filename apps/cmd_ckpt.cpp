@@ -107,6 +107,25 @@ int ckpt_info(int argc, char** argv) {
   return 0;
 }
 
+// What a Hugging Face config cannot say about how the run routed: transformers would run these
+// weights as another model. Said, not refused: the export still resumes under origami, and the
+// weights are the run's.
+void warn_routing_not_exported(const Checkpoint& ck, const ModelConfig& cfg) {
+  if (!cfg.is_moe()) return;
+  if (const std::string score = ck.trained_option("moe_router_score", "softmax"); score != "softmax")
+    std::fprintf(stderr, "origami ckpt export: warning: the run scored its routers with %s "
+                         "(--moe-router-score); Hugging Face's %s scores with softmax, so transformers will route "
+                         "these weights differently ('origami generate' routes as trained)\n",
+                 score.c_str(), cfg.model_type().c_str());
+  bool biased = false;
+  for (const auto& layer : ck.state().router_bias)
+    for (float b : layer) biased = biased || b != 0;
+  if (biased)
+    std::fprintf(stderr, "origami ckpt export: warning: the run learned router selection biases "
+                         "(--moe-router-bias-update-rate); a Hugging Face config has no place for them, so "
+                         "transformers will select experts without them ('origami generate' uses them)\n");
+}
+
 int ckpt_export(int argc, char** argv) {
   Args a("ckpt export", "Write a Hugging Face model directory from any checkpoint: config.json, model.safetensors\n"
                         "(or shards with model.safetensors.index.json above --max-shard-gb, the Hub's layout) and\n"
@@ -130,6 +149,7 @@ int ckpt_export(int argc, char** argv) {
   const ModelConfig cfg = load_model_config(ck.config_path());
   ck.bind(cfg);
   ck.verify_checksums(0, 1);  // a damaged shard is refused, not exported
+  warn_routing_not_exported(ck, cfg);
   const int files = export_checkpoint(ck, cfg, a.str("hf"), int64_t(gb * 1e9), a.on("optimizer"), dtype);
   std::printf("exported %s to %s (%d weights file%s%s%s)\n", ck.path().c_str(), a.str("hf").c_str(), files,
               files == 1 ? "" : "s", dtype == ExportDtype::bf16 ? ", bf16" : "", a.on("optimizer") ? ", optimizer state" : "");

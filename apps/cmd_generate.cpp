@@ -26,7 +26,7 @@ int cmd_generate(int argc, char** argv) {
                                 "max_position_embeddings tokens", "")
       .option("max-new-tokens", "N", "tokens to sample", "200")
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
-      .option("top-k", "K", "sample among the K most likely tokens (0: all)", "40")
+      .option("top-k", "K", "sample among the K most likely tokens (0, or K beyond the vocabulary: all)", "40")
       .option("seed", "S", "sampling seed", "1")
       .option("threads", "N", "threads (default: all cores)", "0")
       .flag("stop-at-eod", "stop at the end-of-document token");
@@ -43,12 +43,21 @@ int cmd_generate(int argc, char** argv) {
 
   ORIGAMI_CHECK(!ck.config_path().empty() && !ck.tokenizer_path().empty(), "checkpoint '", ck.path(),
                 "' needs config.json and tokenizer.json (train on data with a tokenizer)");
-  const ModelConfig cfg = load_model_config(ck.config_path());
+  ModelConfig cfg = load_model_config(ck.config_path());
   auto tok = load_tokenizer_file(ck.tokenizer_path());
+  // What the run trained beyond config.json: its routers' score and learned selection biases, and
+  // attention that stops at each end of document (positions starting again after it).
+  if (cfg.is_moe()) cfg.routing.score = parse_router_score(ck.trained_option("moe_router_score", "softmax"));
+  if (parse_attention_mask(ck.trained_option("attention_mask", "causal"))) cfg.document_eod = tok->eod();
   Params params(make_param_table(cfg));
   ck.bind(cfg);
   ck.read_weights(params);
   Model model(cfg, params);
+  if (const auto& bias = ck.state().router_bias; !bias.empty()) {
+    ORIGAMI_CHECK(bias.size() == size_t(cfg.num_layers) && bias[0].size() == size_t(cfg.num_experts), "'", ck.path(),
+                  "/trainer_state.json': router_bias is not [layers][experts] of this model");
+    model.router_bias() = bias;
+  }
   const Precision precision = parse_precision(a.str("precision"));
   model.set_precision(precision);
   // Positions beyond the training sequence length were never trained: slide a window of that size.
@@ -81,8 +90,9 @@ int cmd_generate(int argc, char** argv) {
     float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
     for (int32_t v = 0; v < std::min<int32_t>(int32_t(cfg.vocab_size), tok->vocab_size()); ++v)
       if (!tok->has_token(v)) last[v] = -std::numeric_limits<float>::infinity();  // (ids the vocabulary skips)
-    const int32_t next = sample_token(last, int32_t(std::min<int64_t>(cfg.vocab_size, tok->vocab_size())), temperature,
-                                      int32_t(top_k), uniform01(seed, 0x9e3779b9, uint64_t(i)));
+    const int64_t vocab = std::min<int64_t>(cfg.vocab_size, tok->vocab_size());
+    const int32_t next = sample_token(last, int32_t(vocab), temperature, int32_t(std::min(top_k, vocab)),
+                                      uniform01(seed, 0x9e3779b9, uint64_t(i)));
     if (next == tok->eod() && a.on("stop-at-eod")) break;
     ids.push_back(next);
     // Print whole decoded tokens as they come (the decoder handles multi-byte characters at the end).

@@ -2,7 +2,7 @@
 //
 // Under mpirun every rank takes part, as in a training run on the same ranks:
 //   GEMMs       each shape is timed on every rank at once (each with its share of the cores), the
-//               rate per rank the mean over ranks; shapes are the model's layer GEMMs (--config) at
+//               rate per rank the slowest rank's; shapes are the model's layer GEMMs (--config) at
 //               one row and at --micro-batch rows, or squares and slabs from 128 to 2048; in fp32,
 //               and in bf16 as training's matmul runs them (the weight's bf16 copy kept, the other
 //               operand rounded at the call, fp32 accumulation): the file's "bf16" rates. Each shape

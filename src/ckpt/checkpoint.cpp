@@ -192,6 +192,12 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
     });
 }
 
+std::string Checkpoint::trained_option(const std::string& key, const std::string& fallback) const {
+  if (!trainer_state_.is_object() || !trainer_state_.contains("options")) return fallback;
+  const nlohmann::json& o = trainer_state_["options"];
+  return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : fallback;
+}
+
 void Checkpoint::read_index(const std::string& index_path) {
   const nlohmann::json idx = read_json_file(index_path, "safetensors index");
   std::set<std::string> shards;

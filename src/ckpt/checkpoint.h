@@ -83,6 +83,9 @@ class Checkpoint {
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
   };
   const TrainerState& state() const { return state_; }
+  // One of the training run's options (trainer_state.json's "options", as `train` wrote them), or
+  // `fallback` where the checkpoint has none or the option is not a string.
+  std::string trained_option(const std::string& key, const std::string& fallback) const;
   const nlohmann::json& metadata() const { return metadata_; }  // null unless sharded()
 
   // Checks the checkpoint against the model: every tensor present with the config's shape, none

@@ -8,7 +8,9 @@ namespace origami {
 std::vector<GemmShape> model_gemm_shapes(const ModelConfig& c, int64_t B, int64_t T) {
   const int64_t N = B * T, C = c.hidden, S = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
   const int64_t HD = c.num_heads * c.head_dim;
-  const int64_t F = c.is_moe() ? c.expert_ffn : c.ffn, rows = c.is_moe() ? N * c.top_k / c.num_experts : N;
+  // an expert's rows, evenly routed (at least one: a row per expert where N·K < E)
+  const int64_t F = c.is_moe() ? c.expert_ffn : c.ffn,
+                rows = c.is_moe() ? std::max<int64_t>(1, (N * c.top_k + c.num_experts - 1) / c.num_experts) : N;
   std::vector<GemmShape> out;
   auto linear = [&](int64_t n, int64_t in, int64_t o) {
     out.push_back({n, o, in, false, true});   // y = x·Wᵀ

@@ -155,7 +155,7 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
   if (!r.data_samples.empty()) j["data_samples"] = r.data_samples;
   if (!r.data_tokens.empty()) j["data_tokens"] = r.data_tokens;
   if (r.documents) add_documents_group(j, r);
-  if (!std::isnan(r.val_loss)) j["val_loss"] = r.val_loss;  // the validation group: a step that evaluated
+  if (r.val_loss) j["val_loss"] = *r.val_loss;  // the validation group: a step that evaluated (NaN: null)
   if (!r.skipped.empty()) j["skipped"] = r.skipped;
   if (r.loss_spike) j["loss_spike"] = true;
   if (r.save_blocked_s > 0) j["save_blocked_s"] = r.save_blocked_s;

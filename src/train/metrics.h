@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -125,7 +126,7 @@ struct StepReport {
   int64_t attention_tiles = 0;               // rank 0's forward score tiles (fewer under document masking)
   std::vector<int64_t> data_samples;         // the step's rows from each dataset (a blend)
   std::vector<int64_t> data_tokens;          // ... under document batching, the step's tokens from each
-  double val_loss = std::numeric_limits<double>::quiet_NaN();
+  std::optional<double> val_loss;  // a step that evaluated (NaN where the validation loss was not finite)
   std::string skipped;  // why the update was skipped: what was not finite, or no token to predict
   bool loss_spike = false;
   double save_blocked_s = 0;

@@ -136,35 +136,39 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const nlohmann::j
   return out;
 }
 
-TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t resumed_at) {
+TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t start_step) {
+  size_t kept = 0;  // bytes of intact records in the file appended to
   try {
     std::filesystem::create_directories(dir);
-    if (resumed_at >= 0) path_ = newest_event_file(dir);
+    if (start_step > 0) path_ = newest_event_file(dir);
     if (!path_.empty()) {  // keep the intact records only: a record cut short by a kill would hide all after it
       const std::string bytes = read_file_bytes(path_);
-      const size_t keep = intact_records(bytes);
-      if (keep < bytes.size()) std::filesystem::resize_file(path_, keep);
+      kept = intact_records(bytes);
+      if (kept < bytes.size()) std::filesystem::resize_file(path_, kept);
     }
   } catch (const std::filesystem::filesystem_error& e) {
     fail("--tensorboard ", dir, ": ", filesystem_words(e));
   }
-  const bool resumed = !path_.empty();
-  if (!resumed) {
+  if (path_.empty()) {
     const std::string host = host_name();
     path_ = (std::filesystem::path(dir) / cat("events.out.tfevents.", int64_t(unix_time_s()), ".", host)).string();
   }
-  out_ = std::make_unique<std::ofstream>(path_, std::ios::binary | (resumed ? std::ios::app : std::ios::trunc));
+  out_ = std::make_unique<std::ofstream>(path_, std::ios::binary | (kept > 0 ? std::ios::app : std::ios::trunc));
   ORIGAMI_CHECK(*out_, "--tensorboard: cannot write '", path_, "'");
-  std::string first = event_head(unix_time_s(), resumed ? resumed_at + 1 : 0);
-  if (resumed) {
-    std::string log;  // SessionLog{status: START}
-    put_key(log, 1, 0);
-    put_varint(log, 1);
-    put_bytes(first, 7, log);
-  } else {
-    put_bytes(first, 3, "brain.Event:2");
+  if (kept == 0) {  // a file starts with its version (without it TensorBoard ignores the START below)
+    std::string version = event_head(unix_time_s(), 0);
+    put_bytes(version, 3, "brain.Event:2");
+    append(version);
   }
-  append(first);
+  // SessionLog{status: START} at the run's first step: TensorBoard drops what any file of DIR holds
+  // from that step on — the steps a resumed run replays, or all of an earlier attempt restarted from
+  // step 0 — as the metrics file drops them.
+  std::string log;
+  put_key(log, 1, 0);
+  put_varint(log, 1);
+  std::string start = event_head(unix_time_s(), start_step + 1);
+  put_bytes(start, 7, log);
+  append(start);
 }
 
 void TensorBoardWriter::write(const nlohmann::json& row) {

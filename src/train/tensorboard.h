@@ -51,9 +51,10 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const nlohmann::j
 class TensorBoardWriter {
  public:
   TensorBoardWriter() = default;
-  // Creates DIR if needed. `resumed_at` (≥ 0): the run resumes after that step and appends to DIR's
-  // newest event file; -1: a new file. Error naming DIR or the file when they cannot be written.
-  TensorBoardWriter(const std::string& dir, int64_t resumed_at);
+  // Creates DIR if needed. The run continues after `start_step`: above 0 it appends to DIR's newest
+  // event file, at 0 it starts a new one; either way a START event at start_step + 1 hides what DIR's
+  // files hold from there on. Error naming DIR or the file when they cannot be written.
+  TensorBoardWriter(const std::string& dir, int64_t start_step);
   explicit operator bool() const { return bool(out_); }
   const std::string& path() const { return path_; }
   // The scalars of one metrics row as one event at its step; flushed.

@@ -517,7 +517,7 @@ Run::Run(Opened opened, Comm& world)
   flops_per_token_ = train_flops_per_token(cfg_, o_.seq_len);
   if (o_.documents()) sequence_cost_ = sequence_cost(world_, cfg_, o_);
   if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
-  if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step > 0 ? start_.step : -1);
+  if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step);
   if (rank0_) print_startup();
   open_writer();
   if (!o_.documents()) size_rows(plan_.micro_batches);
@@ -881,7 +881,7 @@ int Run::step(int64_t step, StopSignals& signals) {
   if (in_.eval_data && !too_many_skips && (r.step == o_.steps || (o_.eval_every > 0 && r.step % o_.eval_every == 0))) {
     Timer eval_timer;
     r.val_loss = evaluate();
-    if (rank0_) print_eval_line(info_, r.step, r.val_loss, eval_timer.ms());
+    if (rank0_) print_eval_line(info_, r.step, *r.val_loss, eval_timer.ms());
   }
   if (metrics_ || tensorboard_) write_metrics(r);
   return exit_code(r, too_many_skips);

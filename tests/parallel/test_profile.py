@@ -12,6 +12,8 @@
      planner reads the file and plans bf16 with it.
   2. On one rank (no mpirun): one device, no link or collectives measured, none written; the file
      edited to two devices a node is refused by the planner (no link to price them with).
+     A MoE model with fewer routed rows than experts (2 tokens, top-2, 8 experts) profiles too, every
+     GEMM point positive.
   3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
 """
 import json
@@ -98,6 +100,17 @@ def main():
                                       ["plan", "--config", cfg, "--cluster", edited, "--global-batch", "4", "--seq-len", "32"],
                                       lambda line: "'intra_node': missing (a node of 2 devices" in line)
         failures += [failure] if failure else []
+
+    # A MoE model whose micro-batch routes fewer rows than it has experts (2 tokens x top-2 < 8 experts):
+    # each expert's GEMMs are timed on one row (zero rows stopped the job on an internal assert).
+    few = os.path.join(tmp, "few_rows.json")
+    rc, text, _ = h.run(0, ["profile", "--out", few, "--config", os.path.join(h.CONFIGS, "mixtral_8e.json"),
+                            "--seconds", "0.01", "--seq-len", "2", "--micro-batch", "1", "--threads", "1"], timeout=300)
+    dev = json.load(open(few))["device"] if rc == 0 else {}
+    ok = rc == 0 and all(f > 0 and r > 0 for f, r in dev["gemm"] + dev["bf16"]["gemm"])
+    print("%-4s 1 rank: mixtral with 2 tokens a micro-batch (fewer expert rows than experts)" % ("ok" if ok else "FAIL"))
+    if not ok:
+        failures.append("profile of mixtral_8e at --seq-len 2: exit %s: %s" % (rc, text[-500:]))
 
     for name, args, want in [("no --out", [], "--out FILE is required"),
                              ("--seconds 0", ["--out", one, "--seconds", "0"], "--seconds must be positive"),

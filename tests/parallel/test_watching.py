@@ -6,7 +6,9 @@ TensorBoard, read by TensorBoard's own EventAccumulator (PyPI tensorboard):
     were cut short (as a kill mid-write leaves them): the cut row is dropped, every tag holds exactly
     the scalars of the metrics file, step by step, where the resumed run's rows replace the first
     run's steps 5-6 (its SessionLog START purges them); one event file (the resume appended to it);
-    `origami plot` of that metrics file draws 8 steps, each once;
+    `origami plot` of that metrics file draws 8 steps, each once; then the run again from step 0 for 2
+    steps, a second event file beside the first: TensorBoard shows only its 2 steps (the START at
+    step 1 hides the earlier file's), as the metrics file holds only them;
   - a copy of an event file cut inside its last record reads up to that record;
   - the tags are those of src/train/tensorboard.h, the MoE ones included.
 `origami plot`: two layouts of one model (one rank and DP2, its metrics written by mpirun) drawn into
@@ -18,6 +20,7 @@ import os
 import shutil
 import struct
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
@@ -63,7 +66,8 @@ def read_events(path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(path)
     ea.Reload()
-    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+    events = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+    return {tag: e for tag, e in events.items() if e}  # (a tag whose events were all purged stays listed, empty)
 
 
 def compare(got, want, what):
@@ -119,6 +123,16 @@ def tensorboard_part(tmp, data):
     png = os.path.join(tmp, "resumed.png")
     rc, out, _ = h.run(0, ["plot", metrics, "--out", png])
     check(rc == 0 and "1 run, 8 steps" in out, "plot of the resumed run: its 8 steps, each once: %s" % out.strip()[-200:])
+
+    # Run again from step 0 (as a launch restarts an attempt that failed before its first save): the
+    # metrics file starts over, and so does what TensorBoard shows, though the old file stays beside it.
+    time.sleep(1.1)  # (a new event file's name holds the second it was made in)
+    rc, out, _ = h.run(0, common[:-4] + ["--steps", "2"])
+    rows = h.read_metrics(metrics)
+    if check(rc == 0 and [r["step"] for r in rows] == [1, 2], "rerun from step 0: metrics steps %s (exit %s)"
+             % ([r["step"] for r in rows], rc)):
+        check(len(os.listdir(tb)) == 2, "the rerun wrote a second event file: %s" % os.listdir(tb))
+        compare(read_events(tb), expected_scalars(rows), "after a rerun from step 0")
 
 
 def plot_part(tmp, data):

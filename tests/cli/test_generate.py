@@ -1,0 +1,92 @@
+"""`origami generate` runs the model as the run trained it, from the checkpoint's own record of the run
+(trainer_state.json), not from config.json alone:
+  - a mixtral trained with sigmoid router scores (--moe-router-score sigmoid) and aux-loss-free balancing
+    (--moe-router-bias-update-rate: learned selection biases) samples the same text from a copy of its
+    checkpoint, and other text from a copy whose record says softmax, or has no biases (before the fix
+    both edits changed nothing: generate routed with softmax and no biases whatever the run did);
+  - a llama trained with --attention-mask document, generating from an empty prompt (a new document after
+    the end-of-document token), samples other text from a copy whose record says causal;
+  - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
+  - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
+    scores and the biases (a Hugging Face config holds neither).
+Sampling is at temperature 1 with a fixed seed on one thread, so any change of the logits shows in the text.
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_util import LLAMA_TINY, byte_dataset, check, run  # noqa: E402
+
+ROOT = os.environ.get("ORIGAMI_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+MIXTRAL = os.path.join(ROOT, "tests", "parallel", "configs", "mixtral_8e.json")
+
+
+def edited(ck, dst, change):
+    """A copy of checkpoint step directory `ck` whose trainer_state.json `change` edits."""
+    shutil.copytree(ck, dst)
+    path = os.path.join(dst, "trainer_state.json")
+    state = json.load(open(path))
+    change(state)
+    json.dump(state, open(path, "w"))
+    return dst
+
+
+def sample(ck, prompt, *extra):
+    return run("generate", "--checkpoint", ck, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "1",
+               "--top-k", "0", "--seed", "3", "--threads", "1", *extra).stdout
+
+
+def train(tmp, name, config, data, *flags):
+    save = os.path.join(tmp, name)
+    run("train", "--config", config, "--data", data, "--seq-len", "32", "--micro-batch", "4", "--steps", "30",
+        "--lr", "1e-2", "--threads", "1", "--quiet", "--save", save, *flags)
+    return os.path.join(save, "step-30")
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="origami_generate_")
+    try:
+        data = byte_dataset(tmp, 200)
+        moe = train(tmp, "moe", MIXTRAL, data, "--moe-aux-loss", "none", "--moe-router-score", "sigmoid",
+                    "--moe-router-bias-update-rate", "0.05")
+        state = json.load(open(os.path.join(moe, "trainer_state.json")))
+        check(state["options"]["moe_router_score"] == "sigmoid" and any(b != 0 for row in state["router_bias"] for b in row),
+              "the mixtral checkpoint records sigmoid scores and non-zero router biases")
+        prompt = "fortune number 7"
+        text = sample(moe, prompt)
+        same = sample(edited(moe, os.path.join(tmp, "same"), lambda s: None), prompt)
+        softmax = sample(edited(moe, os.path.join(tmp, "softmax"),
+                                lambda s: s["options"].update(moe_router_score="softmax")), prompt)
+        no_bias = sample(edited(moe, os.path.join(tmp, "no_bias"), lambda s: s.pop("router_bias")), prompt)
+        check(text == same, f"an unchanged copy samples the same text:\n{text!r}\n{same!r}")
+        check(softmax != text, f"a record of softmax scores samples other text (the routers' score is read): {text!r}")
+        check(no_bias != text, f"a record without biases samples other text (the biases are read): {text!r}")
+        print("ok   generate routes as trained: sigmoid scores and the learned selection biases")
+
+        top = [run("generate", "--checkpoint", moe, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "1",
+                   "--top-k", k, "--seed", "3", "--threads", "1").stdout for k in ("0", "257", "4294967297")]
+        check(top[0] == top[1] == top[2], f"--top-k 0, 257 (the vocabulary) and 4294967297 sample alike: {top}")
+        print("ok   --top-k beyond the vocabulary (and beyond 32 bits) samples among all tokens")
+
+        err = run("ckpt", "export", moe, "--hf", os.path.join(tmp, "hf")).stderr
+        check("warning: the run scored its routers with sigmoid" in err and "learned router selection biases" in err,
+              f"ckpt export --hf says the export routes otherwise under transformers: {err!r}")
+        print("ok   ckpt export --hf warns that transformers routes without the sigmoid scores and biases")
+
+        cfg = os.path.join(tmp, "llama.json")
+        json.dump(LLAMA_TINY, open(cfg, "w"))
+        doc = train(tmp, "doc", cfg, data, "--attention-mask", "document")
+        text = sample(doc, "")
+        causal = sample(edited(doc, os.path.join(tmp, "causal"), lambda s: s["options"].update(attention_mask="causal")), "")
+        check(causal != text, f"a record of causal attention samples other text (document masking is read): {text!r}")
+        print("ok   generate masks documents as trained")
+    finally:
+        shutil.rmtree(tmp)
+    print("generate runs the model as the run trained it")
+
+
+if __name__ == "__main__":
+    main()
