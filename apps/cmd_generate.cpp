@@ -24,6 +24,7 @@ int cmd_generate(int argc, char** argv) {
   a.option("checkpoint", "DIR", "checkpoint: a --save directory (its newest step), a step-N in it, or an exported one")
       .option("prompt", "TEXT", "text to continue (empty: a new document); each token is predicted from the last "
                                 "max_position_embeddings tokens", "")
+      .allow_empty()
       .option("max-new-tokens", "N", "tokens to sample", "200")
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
       .option("top-k", "K", "sample among the K most likely tokens (0, or K beyond the vocabulary: all)", "40")

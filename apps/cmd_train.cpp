@@ -137,8 +137,9 @@ void add_optimizer_options(Args& a) {
       .option("global-batch", "G", "rows per optimizer step, a multiple of B x DP (default: B x DP)", "")
       .option("seq-len", "T", "tokens per row", "128")
       .option("lr", "X", "peak learning rate", "3e-4")
-      .option("min-lr", "X", "final learning rate of the cosine schedule", "0")
-      .option("warmup", "N", "linear warmup steps", "0")
+      .option("min-lr", "X", "the cosine schedule's floor: step s of S after W warmup steps runs at "
+              "min + (lr - min)(1 + cos(pi (s - W) / (S - W)))/2, counting s from 0 (the last step stays above it)", "0")
+      .option("warmup", "N", "linear warmup steps: step s (from 0) runs at lr (s + 1) / N", "0")
       .option("lr-schedule", "constant|cosine", "learning-rate schedule after warmup", "cosine")
       .option("weight-decay", "X", "AdamW weight decay (matrices only)", "0.1")
       .option("beta1", "X", "AdamW beta1", "0.9")

@@ -19,13 +19,20 @@ Args::Args(std::string command, std::string summary)
 Args& Args::option(const std::string& name, const std::string& metavar, const std::string& help,
                    const std::string& default_value) {
   order_.push_back(name);
-  opts_[name] = Opt{metavar, help, default_value, false, false, "", ""};
+  Opt& o = opts_[name] = Opt{};
+  o.metavar = metavar, o.help = help, o.value = default_value;
+  return *this;
+}
+
+Args& Args::allow_empty() {
+  opts_[order_.back()].empty_ok = true;
   return *this;
 }
 
 Args& Args::flag(const std::string& name, const std::string& help) {
   order_.push_back(name);
-  opts_[name] = Opt{"", help, "", true, false, "", ""};
+  Opt& o = opts_[name] = Opt{};
+  o.help = help, o.is_flag = true;
   return *this;
 }
 
@@ -55,6 +62,8 @@ bool Args::parse(int argc, char** argv) {
       ORIGAMI_CHECK(i + 1 < argc, "--", name, " needs a value (", o.metavar, ")");
       value = argv[++i];
     }
+    ORIGAMI_CHECK(o.is_flag || o.empty_ok || !value.empty(), "--", name, " needs a value (", o.metavar,
+                  "), got an empty one");
     o.value = value;
     o.set = true;
   }
@@ -69,7 +78,8 @@ void Args::fill_from_json(const JsonField& obj) {
     Opt& o = it->second;
     if (o.set) return;  // flags win
     if (o.is_flag) o.value = val.boolean() ? "1" : "";
-    else if (val.present() && val.json().is_string()) o.value = val.string();
+    else if (val.present() && val.json().is_string() && (o.empty_ok || !val.string().empty())) o.value = val.string();
+    else if (val.present() && val.json().is_string()) val.fail_expected("a non-empty string");
     else if (val.present() && val.json().is_number()) o.value = val.json().dump();
     else val.fail_expected("a string or a number");
     o.origin = val.where();

@@ -20,6 +20,10 @@ class Args {
   // An option taking a value. An empty default means "unset" unless given.
   Args& option(const std::string& name, const std::string& metavar, const std::string& help,
                const std::string& default_value = "");
+  // The option declared last takes an empty value as a value (generate's --prompt ""). Any other
+  // option given an empty value ("--resume=", "--resume \"$UNSET\"", a file's "resume": "") is an
+  // Error: it would otherwise read as not given.
+  Args& allow_empty();
   // A boolean switch.
   Args& flag(const std::string& name, const std::string& help);
 
@@ -46,7 +50,7 @@ class Args {
  private:
   struct Opt {
     std::string metavar, help, value;
-    bool is_flag = false, set = false;
+    bool is_flag = false, set = false, empty_ok = false;
     std::string origin, given;  // a value from a file: "FILE: field 'NAME'" and the value as the file gives it
   };
   const Opt& get(const std::string& name) const;

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/error.h"
@@ -14,10 +15,10 @@
 namespace origami {
 
 std::string read_file_bytes(const std::string& path) {
-  std::error_code ec;
-  auto status = std::filesystem::status(path, ec);
-  ORIGAMI_CHECK(std::filesystem::exists(status), path, ": no such file");
-  ORIGAMI_CHECK(std::filesystem::is_regular_file(status), path, ": not a regular file");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)  // the system's reason: a name too long, a file where a directory should be, ...
+    fail(path, ": ", errno == ENOENT ? std::string("no such file") : std::string(std::strerror(errno)));
+  ORIGAMI_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
   std::ifstream in(path, std::ios::binary);
   ORIGAMI_CHECK(in, path, ": cannot open for reading (", std::strerror(errno), ")");
   std::string bytes;
@@ -54,8 +55,17 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
     ::unlink(tmp.c_str());
     fail(tmp, ": write failed (", err, ")");
   }
-  rename_file(tmp, path);
+  rename_or_remove(tmp, path);
   sync_dir(std::filesystem::path(path).parent_path().string());
+}
+
+void rename_or_remove(const std::string& tmp, const std::string& path) {
+  try {
+    rename_file(tmp, path);
+  } catch (const Error&) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
 }
 
 void require_writable_file(const std::string& path, const std::string& option) {

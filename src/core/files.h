@@ -23,6 +23,8 @@ void sync_dir(const std::string& dir);
 
 // Renames `from` to `to` (replacing `to`); Error naming both on failure.
 void rename_file(const std::string& from, const std::string& to);
+// The same for a temporary file written in `to`'s place: removed when the rename fails.
+void rename_or_remove(const std::string& tmp, const std::string& to);
 
 // The words of a std::filesystem error: the path it concerns and the system's reason ("'P': File name
 // too long"). Such an error is always about a path a user gave (a blend prefix, a checkpoint's

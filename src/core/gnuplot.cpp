@@ -96,9 +96,15 @@ void render_png(const std::string& script, const std::string& png_path, const st
   // Opened here, not by gnuplot: an unwritable place is reported as such, and the path never enters
   // the script.
   const std::string tmp = png_path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   ORIGAMI_CHECK(fd >= 0, who, " ", png_path, ": cannot write ", tmp, " (", std::strerror(errno),
                 "); the directory must exist and be writable");
+  if (fd <= 2) {  // (standard input, output or error closed): gnuplot's own 0, 1 and 2 are set before its output
+    const int moved = ::fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    ::close(fd);
+    ORIGAMI_CHECK(moved >= 0, who, ": cannot move the output's descriptor (", std::strerror(errno), ")");
+    fd = moved;
+  }
   try {
     run_gnuplot(script_path, fd, dir.path + "/stderr.txt", who);
     struct stat st {};
@@ -111,7 +117,7 @@ void render_png(const std::string& script, const std::string& png_path, const st
     throw;
   }
   ::close(fd);
-  rename_file(tmp, png_path);
+  rename_or_remove(tmp, png_path);
   sync_dir(std::filesystem::path(png_path).parent_path().string());
 }
 

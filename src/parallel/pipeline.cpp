@@ -46,7 +46,7 @@ int64_t Pipeline::vocab_bytes(const std::vector<Action>& actions, int stages, in
 
 void Pipeline::set_microbatches(int microbatches) {
   if (microbatches == microbatches_) return;
-  check_tags(microbatches, chunks_);
+  check_tags(pp_.size(), microbatches, chunks_);
   microbatches_ = microbatches;
   actions_ = stage_actions(kind_, pp_.size(), pp_.rank(), microbatches, chunks_, vocab_);
   // A backward is final when no later backward of the same chunk follows; finals in decreasing chunk order.
@@ -62,8 +62,8 @@ void Pipeline::set_microbatches(int microbatches) {
     }
 }
 
-void Pipeline::check_tags(int microbatches, int chunks) {
-  ORIGAMI_CHECK(2 * int64_t(microbatches) * chunks <= 32767, "a pipeline with ", microbatches,
+void Pipeline::check_tags(int stages, int64_t microbatches, int chunks) {
+  ORIGAMI_CHECK(stages == 1 || 2 * microbatches * chunks <= 32767, "a pipeline with ", microbatches,
                 " micro-batches per step and ", chunks, " chunks per stage needs more MPI tags than the 32767 every MPI "
                 "library provides; use fewer micro-batches (a larger --micro-batch, a smaller --global-batch or "
                 "--tokens-per-step) or fewer chunks (--vpp)");
@@ -306,7 +306,7 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
 }
 
 Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T) {
-  check_tags(int(tokens.size()), chunks_);
+  check_tags(pp_.size(), int64_t(tokens.size()), chunks_);
   model_.set_batch(B, T);
   const ActivationShape shape = model_.activation_shape();
   const int64_t n = shape.local_tokens() * model_.config().hidden;  // floats per message

@@ -74,8 +74,8 @@ class Pipeline {
                              int64_t full);
 
   // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
-  // (one per micro-batch, chunk and direction: tag()).
-  static void check_tags(int microbatches, int chunks);
+  // (one per micro-batch, chunk and direction: tag()); one stage sends no messages.
+  static void check_tags(int stages, int64_t microbatches, int chunks);
   // The tag of micro-batch `microbatch`'s message over the boundary between virtual stages
   // `boundary` and `boundary` + 1, forward or backward, in a pipeline of `stages` × `chunks`.
   static int message_tag(int microbatch, int boundary, bool backward, int stages, int chunks);

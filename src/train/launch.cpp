@@ -343,14 +343,29 @@ struct World {
   double predicted_s = 0;
 };
 
-// The largest world in [min_np, slots] with a valid layout that fits this node's memory: DP re-derived
-// from the world, TP, CP and EP and the global batch kept (accumulation takes up the rest), and the
-// run's PP or fewer stages (an even split, no interleaving). With a cluster description the planner's
-// cost model picks the fastest of those; without, the most stages.
-World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots, int min_np, const Cluster* cluster) {
+// The most memory one node's ranks of a world of w need: mpirun fills the hostfile's hosts in order, slot
+// by slot (without one, every rank is on this node).
+double node_need(const ModelConfig& cfg, const TrainOptions& o, int w, const Slots& slots) {
+  double most = 0, node = 0;
+  size_t host = 0;
+  int left = slots.hosts.empty() ? w : slots.hosts[0].second;  // this host's slots not yet filled
+  for (int r = 0; r < w; ++r) {
+    if (left == 0 && host + 1 < slots.hosts.size()) most = std::max(most, node), node = 0, left = slots.hosts[++host].second;
+    node += double(rank_memory(cfg, o, w, r, 0, 0).total()), --left;
+  }
+  return std::max(most, node);
+}
+
+// The largest world in [min_np, most] with a valid layout whose ranks on each node fit this node's
+// memory (the launcher's node standing for every node; each run checks its own nodes at start): DP
+// re-derived from the world, TP, CP and EP and the global batch kept (accumulation takes up the rest),
+// and the run's PP or fewer stages (an even split, no interleaving). With a cluster description the
+// planner's cost model picks the fastest of those; without, the most stages.
+World choose_world(const ModelConfig& cfg, const TrainOptions& train, const Slots& slots, int most, int min_np,
+                   const Cluster* cluster) {
   const int64_t available = available_memory().bytes;
-  std::string why = "no world from " + std::to_string(slots) + " down to --min-np " + std::to_string(min_np);
-  for (int w = slots; w >= min_np; --w) {
+  std::string why = "no world from " + std::to_string(most) + " down to --min-np " + std::to_string(min_np);
+  for (int w = most; w >= min_np; --w) {
     std::vector<World> fit;
     for (int pp = train.pp; pp >= 1; --pp) {
       TrainOptions o = train;
@@ -358,10 +373,10 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, int slots,
       if (pp != train.pp) o.vpp = 1, o.pp_layers.clear(), o.pp_schedule.clear();
       try {
         const Plan plan = make_plan(cfg, o, w);
-        int64_t need = 0;
-        for (int r = 0; r < w; ++r) need += rank_memory(cfg, plan.options, w, r, 0, 0).total();
-        if (need > available) {
-          why += cat("; ", w, " ranks (PP", pp, ") need ", format_bytes(double(need)), " of ", format_bytes(double(available)));
+        const double need = node_need(cfg, plan.options, w, slots);
+        if (need > double(available)) {
+          why += cat("; ", w, " ranks (PP", pp, ") need ", format_bytes(need), slots.hosts.size() > 1 ? " on a node" : "",
+                     " of ", format_bytes(double(available)));
           continue;
         }
         const double s = cluster ? CostModel(cfg, *cluster, w).predict(plan.options).step_s : 0;
@@ -487,7 +502,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
       if (slots.hosts.empty()) slots.anonymous -= lost;
       for (const std::string& h : end.failed_hosts)
         std::erase_if(slots.hosts, [&](const auto& e) { return e.first == h; });
-      w = choose_world(cfg, pinned, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
+      w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
     }
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);

@@ -316,6 +316,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.
   if (!o.save.empty() && o.async_save) m.checkpoint = (3 * 4 * (Size(buffers.dense.shard) + buffers.experts.shard)).get();
+  (void)m.total();  // (each part fits in 64 bits; here their sum must too, or the error names the inputs)
   return m;
 }
 

@@ -1,6 +1,7 @@
 // TrainOptions: the options' rules (validate), what they derive (the layout's degrees, the buffer
 // and activation shapes, the schedule) and the end-of-document id of --attention-mask document.
 #include <algorithm>
+#include <cfloat>
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
@@ -88,6 +89,27 @@ ModelConfig TrainOptions::with_routing(const ModelConfig& cfg) const {
   return c;
 }
 
+// The learning-rate schedule, AdamW and clipping.
+void TrainOptions::validate_optimizer() const {
+  ORIGAMI_CHECK(lr.lr >= 0, "--lr must not be negative, got ", lr.lr);
+  ORIGAMI_CHECK(lr.min_lr >= 0 && lr.min_lr <= lr.lr, "--min-lr must be in [0, --lr], got ", lr.min_lr);
+  ORIGAMI_CHECK(lr.warmup >= 0, "--warmup must not be negative, got ", lr.warmup);
+  ORIGAMI_CHECK(adam.weight_decay >= 0, "--weight-decay must not be negative, got ", adam.weight_decay);
+  // (AdamW runs in float: a beta within 2^-25 of 1 rounds to 1, and its moment would stop updating;
+  // an eps below the smallest normal float becomes 0, and 0/0 where a gradient and its moments are 0)
+  auto digits = [](double x) {  // (the default 6 digits would print 0.99999999 as 1)
+    char s[32];
+    std::snprintf(s, sizeof s, "%.10g", x);
+    return std::string(s);
+  };
+  ORIGAMI_CHECK(adam.beta1 >= 0 && float(adam.beta1) < 1 && adam.beta2 >= 0 && float(adam.beta2) < 1,
+                "--beta1 and --beta2 must be in [0, 0.99999994] (below 1 as 32-bit floats), got ", digits(adam.beta1),
+                " and ", digits(adam.beta2));
+  ORIGAMI_CHECK(adam.eps >= FLT_MIN, "--eps must be at least 1.18e-38 (the smallest normal 32-bit float), got ",
+                adam.eps);
+  ORIGAMI_CHECK(grad_clip >= 0, "--grad-clip must not be negative (0 disables clipping), got ", grad_clip);
+}
+
 void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   validate_routing(cfg);
   ORIGAMI_CHECK(!data.empty(), "no training data: give --data PREFIX (made by 'origami data prepare')");
@@ -111,14 +133,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   validate_documents(cfg);
   ORIGAMI_CHECK(seq_len > 0 && seq_len <= cfg.max_positions, "--seq-len must be in [1, ", cfg.max_positions,
                 "] (the model's maximum positions), got ", seq_len);
-  ORIGAMI_CHECK(lr.lr >= 0, "--lr must not be negative, got ", lr.lr);
-  ORIGAMI_CHECK(lr.min_lr >= 0 && lr.min_lr <= lr.lr, "--min-lr must be in [0, --lr], got ", lr.min_lr);
-  ORIGAMI_CHECK(lr.warmup >= 0, "--warmup must not be negative, got ", lr.warmup);
-  ORIGAMI_CHECK(adam.weight_decay >= 0, "--weight-decay must not be negative, got ", adam.weight_decay);
-  ORIGAMI_CHECK(adam.beta1 >= 0 && adam.beta1 < 1 && adam.beta2 >= 0 && adam.beta2 < 1,
-                "--beta1 and --beta2 must be in [0, 1), got ", adam.beta1, " and ", adam.beta2);
-  ORIGAMI_CHECK(adam.eps > 0, "--eps must be positive, got ", adam.eps);
-  ORIGAMI_CHECK(grad_clip >= 0, "--grad-clip must not be negative (0 disables clipping), got ", grad_clip);
+  validate_optimizer();
   ORIGAMI_CHECK(save_every >= 0, "--save-every must not be negative, got ", save_every);
   ORIGAMI_CHECK((save_every == 0 && !save_every_auto) || !save.empty(), "--save-every needs --save DIR");
   ORIGAMI_CHECK(mtbf_hours > 0 && std::isfinite(mtbf_hours), "--mtbf-hours must be positive, got ", mtbf_hours);
@@ -193,8 +208,11 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 ") = ", m, ") to be a multiple of --pp (", pp, ")");
   ORIGAMI_CHECK(vpp == 1 || kind == ScheduleKind::interleaved, "--vpp ", vpp, " needs --pp-schedule interleaved, got ",
                 schedule_kind_name(kind));
+  // (the schedule holds an action per micro-batch and pass: a bound far above any real accumulation)
+  ORIGAMI_CHECK(m <= (int64_t(1) << 20), "a step of ", m, " micro-batches a rank", documents() ? " (at most)" : "",
+                " is more than 1048576: use a larger --micro-batch", documents() ? " or fewer --tokens-per-step" : "");
   check_schedule(kind, pp, int(m), vpp);
-  Pipeline::check_tags(int(m), vpp);
+  Pipeline::check_tags(pp, m, vpp);
   ORIGAMI_CHECK(!vocab_parallel || pp >= 2, "--vocab-parallel splits the vocabulary over the pipeline stages and "
                 "needs --pp >= 2, got --pp ", pp, " (tensor parallelism alone already splits it)");
   ORIGAMI_CHECK(!vocab_parallel || zero <= 1, "--vocab-parallel works with --zero 0 or 1, got --zero ", zero,

@@ -426,7 +426,7 @@ class Run {
   double non_finite_sets() const;
   std::vector<SavePiece> owned_pieces();
   void write_metrics(StepReport& r);
-  int exit_code(const StepReport& r, bool too_many_skips) const;
+  int exit_code(const StepReport& r, bool too_many_skips, bool broken) const;
 
   Comm& world_;
   // 1. Plan and inputs (and the test hooks).
@@ -868,8 +868,11 @@ int Run::step(int64_t step, StopSignals& signals) {
       std::fprintf(stderr, "origami train: warning: step %lld: %s; no update (a --tokens-per-step above --seq-len "
                    "leaves no such step unless every document is empty)\n", (long long)r.step, r.skipped.c_str());
   }
+  // A skip right after an update: if that update made the weights or moments non-finite (from finite
+  // gradients: an --lr or --eps out of scale), no later step can recover (a skip keeps the weights).
+  const bool broken = up.skip() && last_update_ == step && world_.all_reduce_value(non_finite_sets()) > 0;
   // Saves come before the step's metrics row, which records how long the loop was blocked.
-  const bool too_many_skips = skipped_ > o_.max_skipped_steps;
+  const bool too_many_skips = skipped_ > o_.max_skipped_steps || broken;
   if (fig.stop && rank0_) std::printf("stopping on signal after step %lld\n", (long long)r.step);
   if (o_.save_every_auto && save_every_ == 0) step_ms_.push_back(r.ms);
   if (writer_ && !too_many_skips && (fig.stop || r.step == o_.steps || save_due(r.step))) {
@@ -884,7 +887,7 @@ int Run::step(int64_t step, StopSignals& signals) {
     if (rank0_) print_eval_line(info_, r.step, *r.val_loss, eval_timer.ms());
   }
   if (metrics_ || tensorboard_) write_metrics(r);
-  return exit_code(r, too_many_skips);
+  return exit_code(r, too_many_skips, broken);
 }
 
 // The step's communication and attention figures on this rank (rank 0's are reported).
@@ -1005,7 +1008,15 @@ void Run::write_metrics(StepReport& r) {
 
 // Every rank takes the same branch: `skipped_` comes from the norm's all-reduce, the stop flag and the
 // save's result from all-reduces too.
-int Run::exit_code(const StepReport& r, bool too_many_skips) const {
+int Run::exit_code(const StepReport& r, bool too_many_skips, bool broken) const {
+  if (broken) {
+    if (rank0_)
+      std::fprintf(stderr, "origami train: error: step %lld: the update of step %lld made the weights or AdamW moments "
+                   "non-finite (its gradients were finite: --lr, --eps or --beta1/--beta2 out of scale?); stopping "
+                   "without saving%s\n", (long long)r.step, (long long)last_update_,
+                   last_saved_ >= 0 ? cat(" (", o_.save, " holds step ", last_saved_, ")").c_str() : "");
+    return kExitNonFinite;
+  }
   if (too_many_skips) {
     if (rank0_) {
       std::fprintf(stderr, "origami train: error: step %lld: %s; %lld skipped step%s exceed%s --max-skipped-steps %lld: "

@@ -121,6 +121,7 @@ struct TrainOptions {
   void validate(const ModelConfig& cfg, int world_size) const;
   void check_limits() const;  // the kMax* bounds above (validate() calls it)
   void validate_experts(const ModelConfig& cfg, int world_size) const;  // the MoE mesh and expert sharding
+  void validate_optimizer() const;  // the learning-rate schedule, AdamW and clipping
   MeshDims layout_dims(int world_size) const;  // dp (and edp) derived from the world size
   int cp_a2a() const;  // the all-to-all group size A: 1 for p2p, cp for a2a
   DType grad_reduce_wire() const;  // --grad-reduce-dtype as the reductions' element type

@@ -13,6 +13,14 @@ late. Every case here failed before its fix:
 - `dump --step` overflowed to a negative window; `--seed` past 2^63 was "not an integer" and -1 was
   accepted; `profile --out`, `plan --plot` and `plot --out` failed only after their work;
   `data prepare --output DIR/` wrote hidden files DIR/.bin; `plot --out x.svg` wrote PNG bytes;
+- an empty value (`--resume=`, `--resume "$UNSET"`, a run config's `"resume": ""`) read as not given:
+  a new run started from step 0 (and saved over the old run's steps), `--save=` saved nothing;
+- `plot` with standard input closed wrote its PNG to /dev/null; a path that cannot be looked up (a name
+  too long, a file where a directory should be) was "no such file"; one pipeline stage refused more
+  than 16383 micro-batches a step (an MPI tag limit it does not use), and a document step bounded at
+  2^31 micro-batches wrapped to a negative count;
+- `--beta2 0.99999999` (1 as a float: the second moment never grew, the loss went to 4e7) and
+  `--eps 1e-50` (0 as a float: NaN weights) were accepted;
 - a dangling `latest` was reported as "no latest"; `ckpt info` with two checkpoints took one;
 - routing options at their default value on a dense model, `--mtbf-hours` without `--save-every
   auto` and `launch --cluster` without `--shrink` were accepted and did nothing; `launch` asked for
@@ -98,6 +106,21 @@ def main():
             check(want in p.stderr, "resume warns of %s:\n%s" % (flag, p.stderr))
         print("ok   resuming with another --steps (cosine), --seed and --lr warns of each")
 
+        # An empty value read as "not given": `--resume "$CKPT"` with CKPT unset started a new run from
+        # step 0 (and saved over the old run's directory), `--save=` saved nothing.
+        for args, name, meta in ((["--resume="], "resume", "PATH"), (["--resume", ""], "resume", "PATH"),
+                                 (["--save="], "save", "DIR")):
+            expect_error("train %s" % " ".join(repr(a) for a in args), ["train", "--config", llama, *short, *args],
+                         "--%s needs a value (%s), got an empty one" % (name, meta))
+        # AdamW runs in float: a beta that rounds to 1 stopped its moment, an eps that rounds to 0 made NaN weights.
+        expect_error("--beta2 0.99999999", ["train", "--config", llama, *short, "--beta2", "0.99999999"],
+                     "--beta1 and --beta2 must be in [0, 0.99999994] (below 1 as 32-bit floats), got 0.9 and 0.99999999")
+        expect_error("--eps 1e-50", ["train", "--config", llama, *short, "--eps", "1e-50"],
+                     "--eps must be at least 1.18e-38 (the smallest normal 32-bit float), got 1e-50")
+        rc = write(os.path.join(tmp, "rc_empty.json"), {"resume": "", "steps": 2})
+        expect_error("a run config's empty \"resume\"", ["train", "--config", llama, *short, "--run-config", rc],
+                     "%s: field 'resume': expected a non-empty string, got \"\"" % rc)
+
         # Files of options.
         for key in ("plan", "run-config"):
             rc = write(os.path.join(tmp, "rc_%s.json" % key), {key: "x.json", "steps": 2})
@@ -150,6 +173,24 @@ def main():
         run("train", "--config", llama, *short, "--steps", "2", "--metrics", metrics)
         expect_error("plot --out x.svg", ["plot", metrics, "--out", os.path.join(tmp, "x.svg")],
                      "--out '%s': plot writes a PNG picture, so FILE.png" % os.path.join(tmp, "x.svg"))
+        # With standard input closed the PNG's descriptor was 0, and gnuplot's /dev/null input replaced it.
+        png = os.path.join(tmp, "closed_stdin.png")
+        p = subprocess.run([ORIGAMI, "plot", metrics, "--out", png], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, preexec_fn=lambda: os.close(0))
+        check(p.returncode == 0 and os.path.getsize(png) > 1000, "plot with standard input closed: exit %d, %s"
+              % (p.returncode, p.stderr.strip()))
+        print("ok   plot with standard input closed writes its PNG")
+        # A path that cannot be looked up says why (it said "no such file" for every reason).
+        expect_error("--config under a file", ["train", "--config", os.path.join(metrics, "x.json"), *short],
+                     "%s/x.json: Not a directory" % metrics)
+        # Accumulation over more than the 16383 micro-batches a pipeline's MPI tags allow needs no tags on one
+        # stage (it was refused); a bound on micro-batches a step remains.
+        run("train", "--config", llama, *short, "--steps", "1", "--micro-batch", "1", "--global-batch", "16400")
+        print("ok   one stage accumulates 16400 micro-batches a step")
+        expect_error("a document step of 2^30 tokens in rows of 1", ["train", "--config", llama, *short, "--seq-len", "1",
+                     "--batching", "documents", "--tokens-per-step", "1073741824", "--balance", "none"],
+                     "a step of 1073741825 micro-batches a rank (at most) is more than 1048576: use a larger "
+                     "--micro-batch or fewer --tokens-per-step")
         os.makedirs(os.path.join(tmp, "d.png"))
         expect_error("plot --out a directory", ["plot", metrics, "--out", tmp + "/d.png"],
                      "--out '%s/d.png' is a directory: give a file name" % tmp)
@@ -186,6 +227,9 @@ def main():
                      "--cluster prices the worlds --shrink chooses between: give --shrink too")
         expect_error("launch --mpirun ''", ["launch", "--np", "1", "--mpirun", "", "--", "train", "--config", llama,
                                             *short, "--save", ck],
+                     "--mpirun needs a value (COMMAND), got an empty one")
+        expect_error("launch --mpirun ' '", ["launch", "--np", "1", "--mpirun", " ", "--", "train", "--config", llama,
+                                             *short, "--save", ck],
                      "--mpirun is empty: give the launcher's command, for example 'mpirun --oversubscribe'")
         # launch reads --save=DIR as train does (it had asked for --save DIR).
         saved = os.path.join(tmp, "launched")

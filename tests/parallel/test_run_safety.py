@@ -11,6 +11,9 @@
       step.
     - `--lr 1e9 --max-skipped-steps 3`: steps 2, 3, 4 are skipped and reported (three warnings, three
       "skipped" metrics rows), step 5 ends the run with exit 3 on every rank.
+    - `--lr 1e38 --max-skipped-steps 3` (TP2): step 1's update makes the weights NaN; step 2 is skipped
+      and, the weights found non-finite, ends the run (exit 3, one error naming step 1's update), since
+      no later step could recover.
     - `--lr 1e39`: the gradients are finite but the update overflows float: the save after it is
       refused on every rank (exit 3), nothing is committed: no DIR/latest, no step-N directory.
     - ORIGAMI_TEST_NAN_GRAD=STEP:RANK (test-only) makes one rank's gradient NaN before any reduction.
@@ -121,6 +124,20 @@ def part_a(tmp, data):
           "step 5 ends the run: %r" % errors)
     check([r["step"] for r in rows if "skipped" in r] == [2, 3, 4, 5] and rows[-1]["step"] == 5,
           "metrics rows 2-5 marked skipped, none after 5: %s" % [(r["step"], "skipped" in r) for r in rows])
+
+    # An update that makes the weights non-finite (--lr 1e38: lr / (1 - beta1) overflows float) stops the
+    # run at the next step, whose loss it makes NaN, whatever --max-skipped-steps allows: a skip keeps the
+    # broken weights, so no later step could recover (before, steps 2-4 were skipped and the run exited 0).
+    mpath = os.path.join(tmp, "broken.jsonl")
+    rc, out, codes, _ = h.run_wrapped(tmp, "broken", 2, train_args(cfg, data, 4, "--lr", "1e38", "--tp", "2", "--metrics",
+                                                                 mpath, "--max-skipped-steps", "3"))
+    errors = [l for l in out.splitlines() if "error:" in l]
+    rows = h.read_metrics(mpath)
+    check(rc == 3 and own_exits_ok(codes) and len(errors) == 1
+          and "step 2: the update of step 1 made the weights or AdamW moments non-finite" in errors[0]
+          and [r["step"] for r in rows] == [1, 2],
+          "--lr 1e38 --max-skipped-steps 3: exit %s (ranks %s) at step 2, metrics steps %s: %r"
+          % (rc, codes, [r["step"] for r in rows], errors))
 
     # Finite gradients, but an update that overflows the weights (--lr 1e39 exceeds float): the save
     # after it refuses, on every rank, and commits nothing: no latest, no step-N.

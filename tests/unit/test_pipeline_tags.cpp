@@ -32,8 +32,10 @@ TEST(PipelineTags, UniqueBetweenEachPairOfRanks) {
 }
 
 TEST(PipelineTags, CheckedAgainstMpisLimitWhateverTheStages) {
-  Pipeline::check_tags(280, 3);  // 35 stages or 350: 2 · 280 · 3 tags
-  Pipeline::check_tags(16383, 1);
-  EXPECT_THROW(Pipeline::check_tags(16384, 1), Error);
-  EXPECT_THROW(Pipeline::check_tags(5462, 3), Error);
+  Pipeline::check_tags(35, 280, 3);  // 35 stages or 350: 2 · 280 · 3 tags
+  Pipeline::check_tags(350, 280, 3);
+  Pipeline::check_tags(2, 16383, 1);
+  EXPECT_THROW(Pipeline::check_tags(2, 16384, 1), Error);
+  EXPECT_THROW(Pipeline::check_tags(4, 5462, 3), Error);
+  Pipeline::check_tags(1, 100000, 1);  // one stage: no messages, any accumulation
 }
