@@ -3,7 +3,9 @@
 #include <filesystem>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -19,16 +21,31 @@ int64_t dtype_bytes(DType t) {
   return 0;
 }
 
+namespace {
+// A wait where nothing may throw (a destructor, a move): an MPI error there ends this rank with the
+// message and exit 2, as an error during training does (cmd_train aborts the job with 2, which
+// `origami launch` restarts), not with std::terminate's abort.
+void wait_or_exit(Request::Impl& impl) noexcept {
+  try {
+    impl.wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "origami: error: %s\n", e.what());
+    std::fflush(stderr);
+    std::_Exit(2);
+  }
+}
+}  // namespace
+
 Request& Request::operator=(Request&& o) noexcept {
   if (this != &o) {
-    if (impl_) impl_->wait();
+    if (impl_) wait_or_exit(*impl_);
     impl_ = std::move(o.impl_);
   }
   return *this;
 }
 
 Request::~Request() {
-  if (impl_) impl_->wait();
+  if (impl_) wait_or_exit(*impl_);
 }
 
 bool Request::test() {

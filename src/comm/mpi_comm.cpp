@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -73,23 +77,92 @@ int mpi_count(int64_t count) {
   return int(count);
 }
 
-class MpiRequest final : public Request::Impl {
+// MPI's counts and displacements are ints (Open MPI 4 has no MPI-4 large-count calls), so a transfer
+// of more elements goes in pieces of at most max_count(): INT_MAX, or what ORIGAMI_TEST_MPI_MAX_COUNT
+// says (tests run whole layouts through the pieces with a small one).
+int64_t max_count() {
+  static const int64_t most = [] {
+    const char* v = std::getenv("ORIGAMI_TEST_MPI_MAX_COUNT");
+    return v != nullptr ? std::clamp<int64_t>(std::atoll(v), 1, INT_MAX) : int64_t(INT_MAX);
+  }();
+  return most;
+}
+
+// f(at, n) over the pieces of [0, count): at least one call (a collective of 0 elements is still one).
+template <typename F>
+void in_pieces(int64_t count, F&& f) {
+  const int64_t most = max_count();
+  for (int64_t at = 0; at == 0 || at < count; at += most) f(at, int(std::min(most, count - at)));
+}
+
+char* at_element(void* p, int64_t i, DType t) { return static_cast<char*>(p) + i * dtype_bytes(t); }
+const char* at_element(const void* p, int64_t i, DType t) { return static_cast<const char*>(p) + i * dtype_bytes(t); }
+
+// A non-blocking call's MPI requests (one per piece), and what runs once they are all done.
+class MpiRequests final : public Request::Impl {
  public:
-  MPI_Request req = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> reqs;
+  std::function<void()> then;
   bool test() override {
     int done = 0;
-    CHECK_MPI(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+    CHECK_MPI(MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
+    if (done != 0) finish();
     return done != 0;
   }
-  void wait() override { CHECK_MPI(MPI_Wait(&req, MPI_STATUS_IGNORE)); }
+  void wait() override {
+    CHECK_MPI(MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
+    finish();
+  }
+
+ private:
+  void finish() {
+    if (then) std::exchange(then, nullptr)();
+  }
 };
 
-template <typename Start>
-Request start(Start&& s) {
-  auto r = std::make_unique<MpiRequest>();
-  s(&r->req);
+// post(requests) starts the call's pieces, each adding its MPI_Request.
+template <typename Post>
+Request start(Post&& post, std::function<void()> then = nullptr) {
+  auto r = std::make_unique<MpiRequests>();
+  post(r->reqs);
+  r->then = std::move(then);
   return Request(std::move(r));
 }
+template <typename Post>
+Request start_one(Post&& post) {
+  return start([&](std::vector<MPI_Request>& reqs) { post(&reqs.emplace_back(MPI_REQUEST_NULL)); });
+}
+
+// Counts and displacements of a v-collective in units of their greatest common divisor g when they
+// exceed max_count(): the token dispatcher's are rows of C values, so they fit ints up to 2^31 rows.
+// The unit type is freed when this goes.
+struct Units {
+  MPI_Datatype type;
+  int64_t g = 1;
+  bool owned = false;
+  Units(DType t, std::initializer_list<const std::vector<int64_t>*> lists) : type(mpi_type(t)) {
+    int64_t common = 0, most = 0;  // the gcd of every count; the largest list's total (its last displacement's end)
+    for (const std::vector<int64_t>* l : lists) {
+      int64_t total = 0;
+      for (int64_t c : *l) common = std::gcd(common, c), total += c;
+      most = std::max(most, total);
+    }
+    if (most <= max_count() || common <= 1) return;  // in elements
+    g = common;
+    CHECK_MPI(MPI_Type_contiguous(mpi_count(g), mpi_type(t), &type));
+    CHECK_MPI(MPI_Type_commit(&type));
+    owned = true;
+  }
+  ~Units() {
+    if (owned) MPI_Type_free(&type);
+  }
+  // counts (elements) → counts and displacements in units
+  void convert(const std::vector<int64_t>& counts, std::vector<int>& c, std::vector<int>& d) const {
+    c.resize(counts.size()), d.resize(counts.size());
+    int64_t at = 0;
+    for (size_t r = 0; r < counts.size(); ++r) c[r] = mpi_count(counts[r] / g), d[r] = mpi_count(at / g), at += counts[r];
+  }
+};
 
 class MpiComm final : public Comm {
  public:
@@ -104,73 +177,124 @@ class MpiComm final : public Comm {
     progress_entered("all_reduce", name());
     count_all_reduce(count, t);
     if (size() == 1) return {};
-    return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, mpi_count(count), mpi_type(t), mpi_op(op, t), comm_, r));
+    return start([&](std::vector<MPI_Request>& reqs) {
+      in_pieces(count, [&](int64_t at, int n) {
+        CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, at_element(buf, at, t), n, mpi_type(t), mpi_op(op, t), comm_,
+                                 &reqs.emplace_back(MPI_REQUEST_NULL)));
+      });
     });
   }
   Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) override {
     progress_entered("reduce_scatter", name());
     count_scatter_gather(count, t);
-    return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Ireduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, mpi_count(count), mpi_type(t),
-                                          mpi_op(op, t), comm_, r));
-    });
+    if (count <= max_count())
+      return start_one([&](MPI_Request* r) {
+        CHECK_MPI(MPI_Ireduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, mpi_count(count), mpi_type(t),
+                                            mpi_op(op, t), comm_, r));
+      });
+    // Larger blocks: each rank's block reduced onto it in pieces. In place (in == out), a rank's sum
+    // lands in its own block and moves to the buffer's start once every piece is done.
+    const bool in_place = in == out;
+    return start(
+        [&](std::vector<MPI_Request>& reqs) {
+          for (int r = 0; r < size(); ++r)
+            in_pieces(count, [&](int64_t at, int n) {
+              const char* src = at_element(in, int64_t(r) * count + at, t);
+              const bool mine = r == rank();
+              void* dst = mine ? (in_place ? const_cast<char*>(src) : at_element(out, at, t)) : nullptr;
+              CHECK_MPI(MPI_Ireduce(mine && in_place ? MPI_IN_PLACE : src, dst, n, mpi_type(t), mpi_op(op, t), r, comm_,
+                                    &reqs.emplace_back(MPI_REQUEST_NULL)));
+            });
+        },
+        in_place && rank() > 0 ? std::function<void()>([=, this] {
+          std::memmove(out, at_element(out, int64_t(rank()) * count, t), size_t(count * dtype_bytes(t)));
+        })
+                               : nullptr);
   }
   Request iall_gather(void* out, const void* in, int64_t count, DType t) override {
     progress_entered("all_gather", name());
     count_scatter_gather(count, t);
     // In place when this rank's block already sits at its position in `out`.
-    const bool in_place = in == static_cast<const char*>(out) + int64_t(rank()) * count * dtype_bytes(t);
-    return start([&](MPI_Request* r) {
-      CHECK_MPI(MPI_Iallgather(in_place ? MPI_IN_PLACE : in, mpi_count(count), mpi_type(t), out, mpi_count(count),
-                               mpi_type(t), comm_, r));
+    char* mine = at_element(out, int64_t(rank()) * count, t);
+    const bool in_place = in == mine;
+    if (count <= max_count())
+      return start_one([&](MPI_Request* r) {
+        CHECK_MPI(MPI_Iallgather(in_place ? MPI_IN_PLACE : in, mpi_count(count), mpi_type(t), out, mpi_count(count),
+                                 mpi_type(t), comm_, r));
+      });
+    // Larger blocks: each rank broadcasts its own, in pieces.
+    if (!in_place) std::memcpy(mine, in, size_t(count * dtype_bytes(t)));
+    return start([&](std::vector<MPI_Request>& reqs) {
+      for (int r = 0; r < size(); ++r)
+        in_pieces(count, [&](int64_t at, int n) {
+          CHECK_MPI(MPI_Ibcast(at_element(out, int64_t(r) * count + at, t), n, mpi_type(t), r, comm_,
+                               &reqs.emplace_back(MPI_REQUEST_NULL)));
+        });
     });
   }
+  // Point to point in pieces of one tag: MPI keeps their order between two ranks (the receiver posts
+  // the sender's count).
   Request isend(const void* buf, int64_t count, DType t, int dest, int tag) override {
     progress_entered("send", name());
     count_bytes(double(count * dtype_bytes(t)));
-    return start([&](MPI_Request* r) { CHECK_MPI(MPI_Isend(buf, mpi_count(count), mpi_type(t), dest, tag, comm_, r)); });
+    return start([&](std::vector<MPI_Request>& reqs) {
+      in_pieces(count, [&](int64_t at, int n) {
+        CHECK_MPI(MPI_Isend(at_element(buf, at, t), n, mpi_type(t), dest, tag, comm_, &reqs.emplace_back(MPI_REQUEST_NULL)));
+      });
+    });
   }
   Request irecv(void* buf, int64_t count, DType t, int src, int tag) override {
     progress_entered("recv", name());
-    return start([&](MPI_Request* r) { CHECK_MPI(MPI_Irecv(buf, mpi_count(count), mpi_type(t), src, tag, comm_, r)); });
+    return start([&](std::vector<MPI_Request>& reqs) {
+      in_pieces(count, [&](int64_t at, int n) {
+        CHECK_MPI(MPI_Irecv(at_element(buf, at, t), n, mpi_type(t), src, tag, comm_, &reqs.emplace_back(MPI_REQUEST_NULL)));
+      });
+    });
   }
   void all_to_allv(void* out, const int64_t* recv_counts, const void* in, const int64_t* send_counts, DType t) override {
     progress_entered("all_to_all", name());
-    const size_t n = size_t(size());
-    std::vector<int> sc(n), sd(n), rc(n), rd(n);
-    int64_t so = 0, ro = 0, others = 0;
-    for (size_t r = 0; r < n; ++r) {
-      sc[r] = mpi_count(send_counts[r]), sd[r] = mpi_count(so), so += send_counts[r];
-      rc[r] = mpi_count(recv_counts[r]), rd[r] = mpi_count(ro), ro += recv_counts[r];
-      if (int(r) != rank()) others += send_counts[r];
-    }
+    const std::vector<int64_t> sent(send_counts, send_counts + size()), received(recv_counts, recv_counts + size());
+    int64_t others = 0;
+    for (int r = 0; r < size(); ++r) others += r != rank() ? sent[size_t(r)] : 0;
     count_bytes(double(others * dtype_bytes(t)));
-    CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), mpi_type(t), out, rc.data(), rd.data(), mpi_type(t), comm_));
+    const Units u(t, {&sent, &received});
+    std::vector<int> sc, sd, rc, rd;
+    u.convert(sent, sc, sd), u.convert(received, rc, rd);
+    CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), u.type, out, rc.data(), rd.data(), u.type, comm_));
   }
   void all_gather_v(void* out, const void* in, const int64_t* counts, DType t) override {
     progress_entered("all_gather_v", name());
     count_gather_v(counts, t);
-    std::vector<int> c(static_cast<size_t>(size())), d(static_cast<size_t>(size()));
-    int64_t at = 0;
-    for (size_t r = 0; r < c.size(); ++r) c[r] = mpi_count(counts[r]), d[r] = mpi_count(at), at += counts[r];
-    const bool in_place = in == static_cast<const char*>(out) + d[size_t(rank())] * dtype_bytes(t);
-    CHECK_MPI(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in, c[size_t(rank())], mpi_type(t), out, c.data(), d.data(),
-                             mpi_type(t), comm_));
+    const std::vector<int64_t> each(counts, counts + size());
+    const Units u(t, {&each});
+    std::vector<int> c, d;
+    u.convert(each, c, d);
+    const bool in_place = in == at_element(out, int64_t(d[size_t(rank())]) * u.g, t);
+    CHECK_MPI(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in, c[size_t(rank())], u.type, out, c.data(), d.data(), u.type,
+                             comm_));
   }
   void reduce_scatter_v(void* out, const void* in, const int64_t* counts, DType t, ReduceOp op) override {
     progress_entered("reduce_scatter_v", name());
     count_scatter_v(counts, t);
-    std::vector<int> c(static_cast<size_t>(size()));
-    int64_t total = 0;
-    for (size_t r = 0; r < c.size(); ++r) c[r] = mpi_count(counts[r]), total += counts[r];
-    mpi_count(total);  // displacements are ints too
-    CHECK_MPI(MPI_Reduce_scatter(in, out, c.data(), mpi_type(t), mpi_op(op, t), comm_));
+    std::vector<int64_t> at(size_t(size()) + 1, 0);  // each rank's block's start in `in`
+    for (int r = 0; r < size(); ++r) at[size_t(r) + 1] = at[size_t(r)] + counts[r];
+    if (at.back() <= max_count()) {
+      std::vector<int> c(static_cast<size_t>(size()));
+      for (size_t r = 0; r < c.size(); ++r) c[r] = mpi_count(counts[r]);
+      CHECK_MPI(MPI_Reduce_scatter(in, out, c.data(), mpi_type(t), mpi_op(op, t), comm_));
+      return;
+    }
+    // Larger: each rank's block reduced onto it, in pieces (a reduction needs the base type, not a unit).
+    for (int r = 0; r < size(); ++r)
+      in_pieces(counts[r], [&](int64_t off, int n) {
+        CHECK_MPI(MPI_Reduce(at_element(in, at[size_t(r)] + off, t), r == rank() ? at_element(out, off, t) : nullptr, n,
+                             mpi_type(t), mpi_op(op, t), r, comm_));
+      });
   }
   void broadcast(void* buf, int64_t count, DType t, int root) override {
     progress_entered("broadcast", name());
     if (rank() == root) count_bytes(double(count * dtype_bytes(t)));
-    CHECK_MPI(MPI_Bcast(buf, mpi_count(count), mpi_type(t), root, comm_));
+    in_pieces(count, [&](int64_t at, int n) { CHECK_MPI(MPI_Bcast(at_element(buf, at, t), n, mpi_type(t), root, comm_)); });
   }
   void barrier() override {
     progress_entered("barrier", name());
