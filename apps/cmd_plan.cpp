@@ -170,7 +170,9 @@ RoutingSkew parse_imbalance(const std::string& v, const ModelConfig& cfg) {
   const double x = std::strtod(v.c_str(), &end);
   if (!v.empty() && *end == 0) {
     ORIGAMI_CHECK(std::isfinite(x) && x >= 1, "--imbalance is the busiest rank's rows over the mean: at least 1, got ", v);
-    return RoutingSkew{x};
+    RoutingSkew s{x};
+    s.experts = cfg.num_experts, s.top_k = cfg.top_k;
+    return s;
   }
   ORIGAMI_CHECK(std::filesystem::exists(v), "--imbalance must be a number (at least 1) or the metrics file of an MoE "
                 "run; '", v, "' is neither (no such file)");
@@ -274,6 +276,7 @@ struct Shape {
   int tp, cp, pp, vpp, ep, etp, mb, recompute;  // recompute: index into LayoutSearch's recompute_modes
   int vocab;                                    // vocabulary parallelism (1) or not
   double bound;
+  int sp = 0;                                   // sequence parallelism (1) or not
 };
 
 // What a search found: the best layouts that fit, best first, and how many it counted.
@@ -300,7 +303,9 @@ class LayoutSearch {
     base_.data = "plan";  // not read: validate() only asks that there is one
   }
 
-  void add_shapes();
+  // First with `counting` (the meshes and splits only, nothing sized: work() before anything is built),
+  // then to build the shapes.
+  void add_shapes(bool counting);
   double work() const;
   void evaluate_shapes();
   SearchResult& result() { return result_; }
@@ -311,6 +316,7 @@ class LayoutSearch {
   void evaluate(const Shape& shape);
   TrainOptions options(const Shape& shape) const;
   std::vector<int> zero_choices(int dp, int cp, int edp, int vocab) const;
+  int expert_dp(int stage, const Shape& shape) const;
   std::vector<int> vocab_choices(int pp) const;
   void add_shapes_of_split(Shape shape, int dp, int stage);
   std::vector<int> sharding_choices(int ep, int edp) const;
@@ -322,6 +328,9 @@ class LayoutSearch {
   TrainOptions base_;
   std::vector<Shape> shapes_;
   SearchResult result_;
+  bool counting_ = false;
+  int64_t meshes_ = 0;                            // TP, CP, PP, VPP, EP, ETP combinations (DP follows)
+  std::set<std::tuple<int, int, int>> splits_;  // (pp, vpp, ep)
 };
 
 TrainOptions LayoutSearch::options(const Shape& shape) const {
@@ -331,9 +340,13 @@ TrainOptions LayoutSearch::options(const Shape& shape) const {
   o.recompute = recompute_modes_[size_t(shape.recompute)];
   o.vocab_parallel = shape.vocab == 1;
   o.pp_layers = cmd_.fixed.pp_layers;
-  const int sp = cmd_.fixed.sp;
-  o.sequence_parallel = sp >= 0 ? sp == 1 && shape.tp > 1 : shape.tp > 1;
+  o.sequence_parallel = shape.sp == 1;
   return o;
+}
+
+// The experts' data-parallel ranks of a stage of `stage` ranks (1 for a dense model: no experts to shard).
+int LayoutSearch::expert_dp(int stage, const Shape& shape) const {
+  return cmd_.cfg.is_moe() ? stage / (shape.ep * shape.etp) : 1;
 }
 
 // ZeRO shards over DP x CP, and the experts' state over EDP: with neither above one rank, only ZeRO 0.
@@ -366,7 +379,8 @@ std::vector<std::string> LayoutSearch::comm_choices(int tp, int cp) const {
                                                        : std::vector<std::string>{"p2p"};
 }
 
-void LayoutSearch::add_shapes() {
+void LayoutSearch::add_shapes(bool counting) {
+  counting_ = counting, meshes_ = 0, splits_.clear();
   const ModelConfig& cfg = cmd_.cfg;
   const Fixed& fixed = cmd_.fixed;
   // TP splits the heads (validate() refuses any other degree, and would be asked a million times).
@@ -395,15 +409,18 @@ void LayoutSearch::add_shapes_of_mesh(int tp, int cp, int pp) {
       for (int etp : choices(fixed.etp, cfg.is_moe() ? divisors(stage) : std::vector<int>{1})) {
         if (int64_t(ep) * etp > stage || stage % (ep * etp) != 0) continue;  // the experts' mesh must cover a stage's ranks
         if (cfg.is_moe() && cfg.num_experts % ep != 0) continue;            // (a fixed ep: each rank whole experts)
+        ++meshes_, splits_.insert({pp, vpp, ep});
+        if (counting_) continue;
         for (int vocab : vocab_choices(pp))
-          add_shapes_of_split({tp, cp, pp, vpp, ep, etp, 0, 0, vocab, 0}, dp, stage);
+          for (int sp : choices(fixed.sp, tp > 1 ? std::vector<int>{1, 0} : std::vector<int>{0}))
+            add_shapes_of_split({tp, cp, pp, vpp, ep, etp, 0, 0, vocab, 0, sp}, dp, stage);
       }
 }
 
 // The shapes of one mesh and split: every micro-batch and recomputation mode; a split whose layers do
 // not divide over its stages is refused with all of them.
 void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
-  const int edp = stage / (shape.ep * shape.etp);
+  const int edp = expert_dp(stage, shape);
   const int64_t expansions = int64_t(zero_choices(dp, shape.cp, edp, shape.vocab).size() *
                                      comm_choices(shape.tp, shape.cp).size() * sharding_choices(shape.ep, edp).size());
   const std::vector<int> mbs = choices(int(cmd_.fixed.mb), divisors(std::max<int64_t>(cmd_.global_batch / dp, 1)));
@@ -427,12 +444,9 @@ void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
 // of a (pipeline, EP) split visits the model's tensors once per stage. Deep or wide models multiply
 // it (10^4 layers: 10^5 tensors per mesh), so the search is bounded in this work, not in the values.
 double LayoutSearch::work() const {
-  std::set<std::tuple<int, int, int, int, int, int>> meshes;  // tp, cp, pp, vpp, ep, etp (DP follows)
-  std::set<std::tuple<int, int, int>> splits;                 // pp, vpp, ep
-  for (const Shape& s : shapes_) meshes.insert({s.tp, s.cp, s.pp, s.vpp, s.ep, s.etp}), splits.insert({s.pp, s.vpp, s.ep});
   double stages = 0;
-  for (const auto& [pp, vpp, ep] : splits) stages += pp;
-  return double(model_.num_tensors()) * (double(meshes.size()) + stages);
+  for (const auto& [pp, vpp, ep] : splits_) stages += pp;
+  return double(model_.num_tensors()) * (double(meshes_) + stages);
 }
 
 // Best bound first; a layout whose bound is above the K-th best prediction cannot enter the list,
@@ -452,7 +466,7 @@ void LayoutSearch::evaluate(const Shape& shape) {
     return x.p.step_s != y.p.step_s ? x.p.step_s < y.p.step_s : x.p.memory.total() < y.p.memory.total();
   };
   SearchResult& r = result_;
-  const int edp = cmd_.devices / shape.pp / (shape.ep * shape.etp);
+  const int edp = expert_dp(cmd_.devices / shape.pp, shape);
   for (int zero : zero_choices(cmd_.devices / (shape.tp * shape.cp * shape.pp), shape.cp, edp, shape.vocab))
     for (const std::string& comm : comm_choices(shape.tp, shape.cp))
       for (int fssdp : sharding_choices(shape.ep, edp)) {
@@ -486,12 +500,21 @@ std::string why_no_layout(const PlanCommand& cmd) {
   if (f.pp >= 0 && !(divides(f.pp, n) && f.pp <= cfg.num_layers))
     return cat("pp", f.pp, ": PP must divide the devices (", n, ") and be at most the model's ", cfg.num_layers, " layers");
   if (f.dp >= 0 && !divides(f.dp, n)) return cat("dp", f.dp, ": DP must divide the devices (", n, ")");
-  if (f.sp == 1 && f.tp == 1) return "sp: sequence parallelism splits over TP: it needs tp2 or more";
+  // (a degree above 1 the devices allow, where the word does not fix it)
+  auto some_above_one = [&](int fixed, int limit) {
+    if (fixed >= 0) return fixed > 1;
+    for (int d = 2; d <= std::min(n, limit); ++d)
+      if (n % d == 0) return true;
+    return false;
+  };
+  if (f.sp == 1 && !some_above_one(f.tp, int(std::min<int64_t>(cfg.num_heads, INT32_MAX))))
+    return "sp: sequence parallelism splits over TP: it needs tp2 or more";
   if (!f.cp_comm.empty() && f.cp == 1) return cat("cp-comm=", f.cp_comm, ": CP's exchange needs cp2 or more");
   if (!cfg.is_moe() && (f.ep > 1 || f.etp > 1 || f.fssdp >= 1)) return "ep, etp and fssdp need an MoE model";
   if (f.ep >= 0 && cfg.is_moe() && !divides(f.ep, cfg.num_experts))
     return cat("ep", f.ep, ": EP must divide the model's ", cfg.num_experts, " experts");
-  if (f.vocab == 1 && f.pp == 1) return "vocab: vocabulary parallelism needs a pipeline (pp2 or more)";
+  if (f.vocab == 1 && !some_above_one(f.pp, int(std::min<int64_t>(cfg.num_layers, INT32_MAX))))
+    return "vocab: vocabulary parallelism needs a pipeline (pp2 or more)";
   if (f.fssdp >= 1 && f.ep > 1)
     return cat("fssdp replaces EP (it shards the experts over a stage's ranks): drop ep", f.ep, " or give ep1");
   return cat("tp x cp x dp x pp must be the ", n, " devices, ep x etp must divide a stage's ranks, and fssdp needs more "
@@ -502,12 +525,13 @@ std::string why_no_layout(const PlanCommand& cmd) {
 SearchResult search_layouts(const PlanCommand& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
   LayoutSearch search(cmd);
-  search.add_shapes();
+  search.add_shapes(true);
   const double work = search.work();
   ORIGAMI_CHECK(work <= kMaxSearchWork, "this search would size about ", std::setprecision(2), work, " tensors (",
                 cmd.cfg.model_type(), " with ", search.num_tensors(), " tensors, over every layout of ", cmd.devices,
                 " devices); the limit is ", kMaxSearchWork, ": fix axes with --layout (for example \"pp8 ep8\") or plan "
                 "fewer --devices");
+  search.add_shapes(false);
   search.evaluate_shapes();
   SearchResult r = std::move(search.result());
   r.search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -518,7 +542,7 @@ SearchResult search_layouts(const PlanCommand& cmd) {
                 with_layout ? " of --layout '" + cmd.layout + "'" : "", "; the first refused: ", r.first_refusal);
   ORIGAMI_CHECK(!r.found.empty(), "none of the ", r.accepted, " layouts the runtime accepts",
                 with_layout ? " with --layout '" + cmd.layout + "'" : "", " fits in ", format_bytes(cmd.cluster.memory_bytes),
-                " per device; more devices, a smaller --global-batch or --seq-len, or a cluster with more memory");
+                " per device; more devices, a shorter --seq-len, fewer axes fixed by --layout, or a cluster with more memory");
   return r;
 }
 

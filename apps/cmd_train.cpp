@@ -301,7 +301,14 @@ void fill_from_files(Args& a, const Comm& world) {
     const int64_t devices = fields["devices"].integer(1, JsonField::kNoLimit);
     ORIGAMI_CHECK(devices == world.size(), "--plan ", a.str("plan"), " lays out ", devices,
                   " devices, and this job has ", world.size(), " rank", world.size() == 1 ? "" : "s");
-    a.fill_from_json(fields["layout"]);
+    // The plan's batch in windows gives way to a command line that sizes steps otherwise: rows by
+    // --micro-batch-tokens, or whole documents (--batching documents, where --global-batch is refused).
+    nlohmann::json kept = plan;
+    if (kept.contains("layout") && kept["layout"].is_object()) {
+      if (a.given("micro-batch-tokens")) kept["layout"].erase("micro-batch");
+      if (a.given("batching") && a.str("batching") == "documents") kept["layout"].erase("global-batch");
+    }
+    a.fill_from_json(JsonField(kept, a.str("plan"))["layout"]);
   }
   if (a.has("run-config")) {
     const nlohmann::json run_config = read_json_file(a.str("run-config"), "run config");

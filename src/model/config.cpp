@@ -173,17 +173,30 @@ void parse_gpt2(Reader& r, ModelConfig& c, const std::string& src) {
   r.require_false("reorder_and_upcast_attn", "mixed-precision attention reordering");
 }
 
+// A field a config leaves out takes its Hugging Face default for the model type (LlamaConfig,
+// MixtralConfig, Qwen2MoeConfig), so that the exported config means the same model to transformers.
+struct LlamaLikeDefaults {
+  int64_t vocab, hidden, layers, heads, kv_heads, ffn, positions;  // kv_heads 0: as many as the heads
+  double norm_eps, rope_theta;
+};
+
+LlamaLikeDefaults llama_like_defaults(ModelType t) {
+  if (t == ModelType::mixtral) return {32000, 4096, 32, 32, 8, 14336, 131072, 1e-5, 1e6};
+  if (t == ModelType::qwen2_moe) return {151936, 2048, 24, 16, 16, 5632, 32768, 1e-6, 10000.0};
+  return {32000, 4096, 32, 32, 0, 11008, 2048, 1e-6, 10000.0};
+}
+
 void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
-  c.vocab_size = dimension(r, "vocab_size", 32000, ModelLimits::vocab);
-  c.hidden = dimension(r, "hidden_size", 4096, ModelLimits::hidden);
-  c.num_layers = dimension(r, "num_hidden_layers", 32, ModelLimits::layers);
-  c.num_heads = dimension(r, "num_attention_heads", 32, ModelLimits::heads);
-  c.num_kv_heads = dimension(r, "num_key_value_heads", c.num_heads, c.num_heads);
-  c.ffn = dimension(r, "intermediate_size",
-                    c.type == ModelType::mixtral ? 14336 : c.type == ModelType::qwen2_moe ? 5632 : 11008, ModelLimits::ffn);
-  c.max_positions = dimension(r, "max_position_embeddings", 2048, ModelLimits::positions);
-  c.norm_eps = r["rms_norm_eps"].number_or(1e-6, NumberRange::positive());
-  c.rope_theta = r["rope_theta"].number_or(10000.0, NumberRange::positive());
+  const LlamaLikeDefaults d = llama_like_defaults(c.type);
+  c.vocab_size = dimension(r, "vocab_size", d.vocab, ModelLimits::vocab);
+  c.hidden = dimension(r, "hidden_size", d.hidden, ModelLimits::hidden);
+  c.num_layers = dimension(r, "num_hidden_layers", d.layers, ModelLimits::layers);
+  c.num_heads = dimension(r, "num_attention_heads", d.heads, ModelLimits::heads);
+  c.num_kv_heads = dimension(r, "num_key_value_heads", d.kv_heads > 0 ? d.kv_heads : c.num_heads, c.num_heads);
+  c.ffn = dimension(r, "intermediate_size", d.ffn, ModelLimits::ffn);
+  c.max_positions = dimension(r, "max_position_embeddings", d.positions, ModelLimits::positions);
+  c.norm_eps = r["rms_norm_eps"].number_or(d.norm_eps, NumberRange::positive());
+  c.rope_theta = r["rope_theta"].number_or(d.rope_theta, NumberRange::positive());
   c.tied_embeddings = r["tie_word_embeddings"].boolean_or(false);
   c.head_dim = r["head_dim"].integer_or(0, 1, ModelLimits::hidden);
   r.require_value("hidden_act", "silu", "the MLP is SwiGLU");

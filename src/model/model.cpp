@@ -263,7 +263,9 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
   const int64_t t = tp_.size();
   ORIGAMI_ASSERT(experts_.layout().tp == dispatcher_.etp() && (!cfg.is_moe() || cfg.expert_ffn % dispatcher_.etp() == 0));
   ORIGAMI_ASSERT(params.layout().tp == t && params.layout().tp_rank == tp_.rank());
-  ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && cfg.ffn % t == 0 && cfg.shared_ffn % t == 0);
+  // (the dense FFN exists in dense layers only: a model of MoE layers alone splits its experts by ETP)
+  ORIGAMI_ASSERT(cfg.num_heads % t == 0 && cfg.num_kv_heads % t == 0 && (!cfg.has_dense_layers() || cfg.ffn % t == 0) &&
+                 cfg.shared_ffn % t == 0);
   Hl_ = cfg.num_heads / t, KVl_ = cfg.num_kv_heads / t, Fl_ = cfg.ffn / t;
   // Rows per rank of the vocabulary padded to a multiple of t (vocabulary parallelism: of t·stages).
   const int64_t ways = t * part_.vocab_stages;
@@ -340,7 +342,6 @@ Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPar
     if (cfg.is_gpt2()) lnf_b_ = need("ln_f.bias");
     head_begin_ = lnf_w_;  // final norm and (untied) LM head: the end of the buffer
   }
-  if (!cfg.is_gpt2()) rope_ = RopeTable(cfg.max_positions, cfg.head_dim, cfg.rope_theta);
   // Where each layer's parameters start in the buffer (for the gradient-ready hook), and each unit's
   // ranges (for ZeRO-3's gathers): tensors grouped by param_unit.
   units_.resize(size_t(cfg.num_layers));
@@ -464,6 +465,9 @@ void Model::set_batch(int64_t B, int64_t T) {
                 cfg_.max_positions, ")");
   const int c = cp_.size();
   ORIGAMI_ASSERT(live_.empty() && (c == 1 || T % (2 * c) == 0) && (!tp_.sp() || T / c % tp_.size() == 0));
+  // RoPE's angles for the positions the rows can hold (below T): grown to the longest rows seen, not
+  // made for max_position_embeddings (16 bytes a position and frequency, 17 GB at 2^24 x 128)
+  if (!cfg_.is_gpt2() && rope_.max_T < T) rope_ = RopeTable(T, cfg_.head_dim, cfg_.rope_theta);
   B_ = B, T_ = T / c;
   positions_.resize(size_t(T_));
   for (int64_t t = 0; t < T_; ++t) positions_[size_t(t)] = c == 1 ? t : cp_.position(t, T_);

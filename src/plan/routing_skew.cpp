@@ -12,7 +12,10 @@ namespace origami {
 
 double RoutingSkew::at(int64_t ep) const {
   if (ep <= 1) return 1.0;
-  if (source.empty()) return std::min(stated, double(ep));  // (no rank can get more than every row)
+  if (source.empty()) {
+    const double most = experts > 0 ? double(ep) * double(std::min(top_k, experts / ep)) / double(top_k) : double(ep);
+    return std::min(stated, most);
+  }
   const auto it = by_ep.find(ep);
   ORIGAMI_CHECK(it != by_ep.end(), "--imbalance ", source, ": no figure for EP", ep, ", which does not divide the experts");
   return it->second;

@@ -16,9 +16,10 @@ struct RoutingSkew {
   std::map<int64_t, double> by_ep;  // --imbalance FILE: each EP degree above 1 that divides the experts
   std::string source;               // that file (empty: stated)
   int64_t steps = 0;                // the file's steps the figures are the median of
+  int64_t experts = 0, top_k = 1;   // the model's E and k (0: not known; a stated figure is then capped at ep)
 
   // 1 at EP1 (one rank holds every expert: no rank waits for another's rows); a stated figure at most
-  // ep (the busiest rank cannot get more than every row).
+  // ep·min(k, E/ep)/k: a rank's E/ep experts get at most min(k, E/ep) of a token's k assignments.
   double at(int64_t ep) const;
   std::string describe() const;  // "1.25 (stated)", "1 (even routing)" or "EP2 1.31, EP4 1.94 (from FILE, ...)"
 };

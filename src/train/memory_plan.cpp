@@ -310,8 +310,10 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
           : Size(0);
   // The step's token rows: T + 1 int32s, or under document batching inputs and targets (row_stride).
   const Size row_ints = o.documents() ? 2 * Size(o.seq_len) : Size(o.seq_len) + 1;
+  // RoPE's cos and sin tables: doubles for seq_len positions × head_dim / 2 frequencies (model/layers/rope.h)
+  const Size rope = cfg.is_gpt2() ? Size(0) : 16 * Size(o.seq_len) * (cfg.head_dim / 2);
   m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
-                 vocab + 4 * Size(micro) * o.micro_batch * row_ints + sampler + scratch).get();
+                 vocab + 4 * Size(micro) * o.micro_batch * row_ints + sampler + scratch + rope).get();
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first
   // copies them (weights and both moments of its bucket shards) to a host buffer.

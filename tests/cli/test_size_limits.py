@@ -99,7 +99,13 @@ def planner_and_options(tmp, data):
         mixtral = json.load(f)
     deep = config(tmp, "deep_mixtral", mixtral, num_hidden_layers=10000)
     expect_error("a 10^4-layer Mixtral on 64 H100s: bounded in work", plan(deep),
-                 "this search would size about 6e+08 tensors (mixtral with 310003 tensors, over every layout of 64 "
+                 "this search would size about 7.1e+08 tensors (mixtral with 310003 tensors, over every layout of 64 "
+                 "devices); the limit is 5e+07: fix axes with --layout (for example \"pp8 ep8\") or plan fewer --devices")
+    # A device count of many divisors: counted before any layout is built (the shapes of 40320 devices
+    # had taken 12.8 s and 8 GB before this refusal, 720720 devices longer still).
+    expect_error("Mixtral on 5040 nodes of 8 H100s: bounded in work before building", ["plan", "--config", MIXTRAL,
+                 "--cluster", H100, "--nodes", "5040", "--global-batch", "7680", "--seq-len", "4096", "--top", "1"],
+                 "this search would size about 9.5e+08 tensors (mixtral with 995 tensors, over every layout of 40320 "
                  "devices); the limit is 5e+07: fix axes with --layout (for example \"pp8 ep8\") or plan fewer --devices")
     expect_error("--global-batch 10^12 (was a hang)", plan(MIXTRAL, batch="1000000000000"),
                  "--global-batch must be at most 1073741824 (as in 'origami train'), got 1000000000000")

@@ -19,6 +19,10 @@ late. Every case here failed before its fix:
   too long, a file where a directory should be) was "no such file"; one pipeline stage refused more
   than 16383 micro-batches a step (an MPI tag limit it does not use), and a document step bounded at
   2^31 micro-batches wrapped to a negative count;
+- `plan` never tried TP without sequence parallelism (so a --seq-len TP does not divide lost every TP
+  layout), listed a dense model's dp1 layouts once per ZeRO stage, said "no layout" without the
+  reason for `vocab` on one device; `train --plan` refused `--batching documents` and
+  `--micro-batch-tokens` given beside it;
 - `--beta2 0.99999999` (1 as a float: the second moment never grew, the loss went to 4e7) and
   `--eps 1e-50` (0 as a float: NaN weights) were accepted;
 - a dangling `latest` was reported as "no latest"; `ckpt info` with two checkpoints took one;
@@ -153,6 +157,27 @@ def main():
         check(layouts and all(" sp" in l and "tp1 " not in l for l in layouts),
               "--layout sp lists only layouts with sequence parallelism: %s" % layouts)
         print("ok   --layout sp lists only TP>1 layouts with sequence parallelism: %s" % layouts)
+        # Without sp/nosp the search tries TP both with and without sequence parallelism: a --seq-len TP does
+        # not divide refused every TP layout (SP's rule), though train accepts --tp 2 without SP.
+        p = run("plan", "--config", gpt2, "--devices", "2", "--global-batch", "8", "--seq-len", "63", "--cluster",
+                CLUSTER, "--layout", "tp2", "--json")
+        layouts = [c["layout"] for c in json.loads(p.stdout[p.stdout.index("["):])]
+        check(layouts and all(l.startswith("tp2 ") and " sp" not in l for l in layouts)
+              and len(set(layouts)) == len(layouts),
+              "--layout tp2 at --seq-len 63 lists TP2 layouts without SP, none twice (a dense model's dp1 layouts "
+              "had zero0-3 copies): %s" % layouts)
+        print("ok   plan tries TP without sequence parallelism: %s" % layouts[:2])
+        expect_error("--layout vocab on one device", ["plan", "--config", llama, "--devices", "1", "--global-batch", "8",
+                     "--seq-len", "16", "--cluster", CLUSTER, "--layout", "vocab"], "--layout 'vocab' leaves no layout "
+                     "of 1 devices: vocab: vocabulary parallelism needs a pipeline (pp2 or more)")
+        # A plan's batch in windows gives way to --micro-batch-tokens and --batching documents given with it.
+        plan1 = os.path.join(tmp, "plan1.json")
+        run("plan", "--config", llama, "--devices", "1", "--global-batch", "4", "--seq-len", "16", "--cluster", CLUSTER,
+            "--out", plan1)
+        for extra in ([], ["--micro-batch-tokens", "32"]):
+            run("train", "--config", llama, "--data", data, "--seq-len", "16", "--threads", "1", "--quiet", "--plan",
+                plan1, "--steps", "1", "--batching", "documents", "--tokens-per-step", "64", *extra)
+        print("ok   train --plan with --batching documents and --micro-batch-tokens")
         expect_error("--imbalance for a dense model", plan + ["--imbalance", "1.5"],
                      "--imbalance prices the routing of experts, and this llama model has none")
         p = run("plan", "--config", moe, "--devices", "8", "--global-batch", "8", "--seq-len", "16", "--cluster",

@@ -47,13 +47,23 @@ def model_type(cfg):
     return mt
 
 
+# Hugging Face's defaults for fields a llama-like config leaves out: (kv heads or None for as many as the
+# heads, rms_norm_eps, rope_theta) of LlamaConfig, MixtralConfig and Qwen2MoeConfig.
+_LLAMA_LIKE_DEFAULTS = {"llama": (None, 1e-6, 10000.0), "mixtral": (8, 1e-5, 1e6), "qwen2_moe": (16, 1e-6, 10000.0)}
+
+
+def _default(cfg, key):
+    kv, eps, theta = _LLAMA_LIKE_DEFAULTS[model_type(cfg)]
+    return cfg.get(key, {"num_key_value_heads": kv, "rms_norm_eps": eps, "rope_theta": theta}[key])
+
+
 def _dims(cfg):
     """(C, H, KV, D, L) for any supported model type."""
     if model_type(cfg) == "gpt2":
         C, H = cfg["n_embd"], cfg["n_head"]
         return C, H, H, C // H, cfg["n_layer"]
     C, H = cfg["hidden_size"], cfg["num_attention_heads"]
-    KV = cfg.get("num_key_value_heads") or H
+    KV = _default(cfg, "num_key_value_heads") or H
     D = cfg.get("head_dim") or C // H
     return C, H, KV, D, cfg["num_hidden_layers"]
 
@@ -648,9 +658,9 @@ def _moe(cfg, P, p, h_BTC, opts=None, bias_E=None):
 def _llama_forward(cfg, P, tok_BT, opts=None, router_bias=None, eod=None):
     B, T = tok_BT.shape
     C, H, KV, D, L = _dims(cfg)
-    eps = cfg.get("rms_norm_eps", 1e-6)
+    eps = _default(cfg, "rms_norm_eps")
     x = P["model.embed_tokens.weight"][tok_BT]
-    cos, sin = rope_cos_sin(T, D, cfg.get("rope_theta", 10000.0), x.dtype)
+    cos, sin = rope_cos_sin(T, D, _default(cfg, "rope_theta"), x.dtype)
     doc = None
     if eod is not None:  # per-token positions: tables [B, 1, T, D] broadcast over heads
         doc, pos = document_layout(tok_BT, eod)

@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -300,6 +301,24 @@ TEST(ModelConfig, MoeCapacityBounds) {
   EXPECT_EQ(r.capacity(64, 2, 8), 64);
   r.capacity_factor = 1e30;
   EXPECT_EQ(r.capacity(64, 2, 8), 64);
+}
+
+// Fields a config leaves out take the model type's Hugging Face defaults (MixtralConfig, Qwen2MoeConfig,
+// LlamaConfig), so that an exported config means the same model to transformers.
+TEST(ModelConfig, DefaultsOfTheModelType) {
+  json cfg = {{"hidden_size", 64}, {"num_attention_heads", 16}, {"intermediate_size", 40}, {"num_hidden_layers", 2},
+              {"vocab_size", 257}};
+  // (model_type, kv heads, max positions, rms_norm_eps, rope_theta)
+  const std::tuple<const char*, int64_t, int64_t, double, double> expected[] = {
+      {"mixtral", 8, 131072, 1e-5, 1e6}, {"qwen2_moe", 16, 32768, 1e-6, 1e4}, {"llama", 16, 2048, 1e-6, 1e4}};
+  for (const auto& [type, kv, positions, eps, theta] : expected) {
+    cfg["model_type"] = type;
+    const origami::ModelConfig c = origami::parse_model_config(cfg, "config.json");
+    EXPECT_EQ(c.num_kv_heads, kv) << type;
+    EXPECT_EQ(c.max_positions, positions) << type;
+    EXPECT_DOUBLE_EQ(c.norm_eps, eps) << type;
+    EXPECT_DOUBLE_EQ(c.rope_theta, theta) << type;
+  }
 }
 
 // Without num_experts_per_tok, Hugging Face's defaults: Mixtral routes each token to 2 experts,

@@ -60,6 +60,12 @@ TEST(RoutingSkew, MedianOverStepsForEveryDivisor) {
   EXPECT_DOUBLE_EQ(RoutingSkew{1.3}.at(1), 1.0);
   EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(2), 2.0);  // all of a layer's rows on one of two ranks: twice the mean
   EXPECT_DOUBLE_EQ(RoutingSkew{3.0}.at(4), 3.0);
+  // With the model known: a rank's E/ep experts get at most min(k, E/ep) of a token's k assignments.
+  RoutingSkew mixtral{8.0};  // 8 experts, top-2
+  mixtral.experts = 8, mixtral.top_k = 2;
+  EXPECT_DOUBLE_EQ(mixtral.at(8), 4.0);  // one expert a rank: at most one of a token's 2 assignments
+  EXPECT_DOUBLE_EQ(mixtral.at(4), 4.0);  // two experts a rank: both, all the rows over 4 ranks
+  EXPECT_DOUBLE_EQ(mixtral.at(2), 2.0);
   EXPECT_EQ(RoutingSkew{}.describe(), "1 (even routing; --imbalance X or FILE prices a skew)");
   EXPECT_EQ(RoutingSkew{1.25}.describe(), "1.25 (stated)");
   EXPECT_EQ(RoutingSkew{9}.describe(), "9 (stated; EPd below it at d: every row on one rank)");  // the cap said
