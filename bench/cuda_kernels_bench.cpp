@@ -55,6 +55,9 @@ int main() {
   const int64_t B = 8, T = 1024, N = B * T, C = 768, H = 12, D = 64, V = 50257;
   auto x = random_buffer(size_t(N * 4 * C), 1.f), w = random_buffer(size_t(4 * C * C), 0.02f);
   auto y = random_buffer(size_t(N * 4 * C), 1.f);
+  // The backward's outputs in buffers of their own: dx written over x, or dW added into w, would change
+  // the operands from call to call (and overflow them).
+  auto dx = random_buffer(size_t(N * C), 1.f), dw = random_buffer(size_t(4 * C * C), 0.02f);
   // bf16 copies of the weight and of the input activation, as a bf16 run keeps them
   cuda::Buffer<bf16> w_low(size_t(4 * C * C)), x_low(size_t(N * C));
   cuda::round_to_bf16(w_low.data(), w.data(), 4 * C * C);
@@ -66,7 +69,7 @@ int main() {
     report((std::string("MLP up GEMM 8192x3072x768 ") + precision_name(p)).c_str(),
            median_ms([&] { cuda::linear_forward(y.data(), X, W, nullptr, N, C, 4 * C, false); }), flops);
     report((std::string("MLP up backward (dx, dW) ") + precision_name(p)).c_str(),
-           median_ms([&] { cuda::linear_backward(x.data(), w.data(), nullptr, y.data(), X, W, N, C, 4 * C, false); }),
+           median_ms([&] { cuda::linear_backward(dx.data(), dw.data(), nullptr, y.data(), X, W, N, C, 4 * C, false); }),
            2 * flops);
   }
   {
@@ -128,12 +131,13 @@ int main() {
     }
   }
   {
-    auto mean = random_buffer(size_t(N), 1.f), rstd = random_buffer(size_t(N), 1.f);
+    auto mean = random_buffer(size_t(N), 1.f), rstd = random_buffer(size_t(N), 1.f);  // (the forward writes both)
     auto g = random_buffer(size_t(C), 1.f), b = random_buffer(size_t(C), 1.f);
+    auto dg = random_buffer(size_t(C), 1.f), db = random_buffer(size_t(C), 1.f);
     const double ms = median_ms([&] {
       cuda::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, 1e-5);
-      cuda::layernorm_backward(x.data(), g.data(), b.data(), y.data(), x.data(), g.data(), mean.data(), rstd.data(), N,
-                               C);
+      cuda::layernorm_backward(dx.data(), dg.data(), db.data(), y.data(), x.data(), g.data(), mean.data(), rstd.data(),
+                               N, C);
     });
     std::printf("%-40s %9.3f ms  %8.1f GB/s\n", "LayerNorm fwd+bwd 8192x768", ms, 7.0 * N * C * 4 / ms * 1e-6);
   }

@@ -101,8 +101,10 @@ TEST_F(Cuda, Bf16MatmulReadsTheWeightsCopy) {
   EXPECT_CLOSE(down(dC), C2, 1e-5);
 }
 
+// (N = 1000 rows: the weight and bias gradients' column sums run in several chunks of rows)
 TEST_F(Cuda, LinearForwardBackwardBothLayouts) {
-  const int64_t N = 45, in = 48, out = 40;
+  const int64_t in = 48, out = 40;
+  for (int64_t N : {45, 1000})
   for (Precision p : {Precision::fp32, Precision::bf16})
     for (WeightLayout lay : {WeightLayout::out_in, WeightLayout::in_out}) {
       const Vec x = random(static_cast<size_t>(N * in), 6), w = random(static_cast<size_t>(in * out), 7, 0.2f),
@@ -128,8 +130,7 @@ TEST_F(Cuda, LinearForwardBackwardBothLayouts) {
     }
 }
 
-TEST_F(Cuda, Norms) {
-  const int64_t N = 33, C = 300;
+void check_norms(int64_t N, int64_t C) {
   const Vec x = random(static_cast<size_t>(N * C), 10, 2.f), w = random(static_cast<size_t>(C), 11),
             b = random(static_cast<size_t>(C), 12);
   const Vec dy = random(static_cast<size_t>(N * C), 13);
@@ -163,6 +164,10 @@ TEST_F(Cuda, Norms) {
     EXPECT_CLOSE(down(gdx), dx, kFp32);
     EXPECT_CLOSE(down(gdw), dw, kFp32);
   }
+}
+
+TEST_F(Cuda, Norms) {
+  for (int64_t N : {33, 1000}) check_norms(N, 300);  // (1000 rows: dw and db summed in several chunks)
 }
 
 TEST_F(Cuda, Activations) {
@@ -464,8 +469,7 @@ TEST_F(Cuda, MoeSigmoid) { check_moe(RouterScore::sigmoid, true, Precision::fp32
 TEST_F(Cuda, MoeBf16Experts) { check_moe(RouterScore::softmax, true, Precision::bf16); }
 
 // More rows than one chunk of 2^28 logits holds: two chunks.
-TEST_F(Cuda, LmHeadInChunks) {
-  const int64_t N = 5500, C = 8, V = 50000;
+void check_lm_head_chunks(int64_t N, int64_t C, int64_t V) {
   const Vec x = random(static_cast<size_t>(N * C), 50), w = random(static_cast<size_t>(V * C), 51, 0.3f);
   std::vector<int32_t> tg(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n) tg[size_t(n)] = int32_t((n * 7919) % V);
@@ -481,6 +485,11 @@ TEST_F(Cuda, LmHeadInChunks) {
   EXPECT_NEAR(gloss, loss, kFp32 * std::fabs(loss));
   EXPECT_CLOSE(down(gdx), dx, kFp32);
   EXPECT_CLOSE(down(gdw), dw, kFp32);
+}
+
+// V = 50257 (GPT-2's, odd): the scratch's losses start 8-byte aligned after an odd count of logits.
+TEST_F(Cuda, LmHeadInChunks) {
+  for (int64_t V : {50000, 50257}) check_lm_head_chunks(5500, 8, V);
 }
 
 TEST_F(Cuda, MoeWithNoTokens) {
@@ -516,6 +525,11 @@ TEST_F(Cuda, AdamWUpdateAndSumSquares) {
   double ss = 0;
   for (float x : g) ss += double(x) * x;
   EXPECT_NEAR(cuda::sum_squares(gg.data(), n), ss, 1e-12 * ss);
+  // Beyond one pass of the grid (264 blocks of 256 threads): each thread's strided loop runs several times.
+  const Vec big = random(size_t(1) << 20, 28);
+  double big_ss = 0;
+  for (float x : big) big_ss += double(x) * x;
+  EXPECT_NEAR(cuda::sum_squares(up(big).data(), int64_t(big.size())), big_ss, 1e-12 * big_ss);
 }
 
 }  // namespace
