@@ -11,7 +11,7 @@ test_layouts.py (20 AdamW steps, lr 1e-2 with warmup and cosine decay, clipping,
      issue names: EP2, EP4, EP8, EP2xETP2, TP2 attention with EP2 ETP1 (EP spans TP), TP2xDP2
      attention with EP4 (EP spans TP and DP), EP2xPP2, EP2 x TP2+SP x PP2 (8 ranks), EP4 with
      ZeRO-1 and ZeRO-2, EP2 with full recomputation; 6 experts top-3 under EP2, EP3 and EP2xETP2, and
-     TP3 on a model whose FFN (56) TP3 does not divide, which has MoE layers only (it stopped on an
+     TP2 on a model whose FFN (57) TP2 does not divide, which has MoE layers only (it stopped on an
      internal assert).
   2. comm_bytes.ep and .etp of rank 0, every step, equal the count derived here from every rank's
      routed counts (ORIGAMI_TEST_ROUTING makes each rank log them): per call (layer, micro-batch)
@@ -44,7 +44,7 @@ import test_layouts as tl  # noqa: E402
 
 CFG8 = os.path.join(h.CONFIGS, "mixtral_8e.json")
 CFG6 = os.path.join(h.CONFIGS, "mixtral_6e_top3.json")
-CFG_TP3 = os.path.join(h.CONFIGS, "mixtral_6h_tp3.json")  # 6 heads (3 kv), FFN 56: no dense layer for TP3 to split
+CFG_FFN57 = os.path.join(h.CONFIGS, "mixtral_ffn57.json")  # FFN 57, which TP2 does not divide: MoE layers only
 
 # name, config, ranks, flags, global batch
 LAYOUTS = [
@@ -63,7 +63,7 @@ LAYOUTS = [
     ("6e top-3 EP2", CFG6, 2, ["--ep", "2"], 8),
     ("6e top-3 EP3", CFG6, 3, ["--ep", "3"], 12),
     ("6e top-3 EP2xETP2", CFG6, 4, ["--ep", "2", "--etp", "2"], 8),
-    ("TP3 attn, FFN 56 (MoE layers only)", CFG_TP3, 3, ["--tp", "3"], 12),
+    ("TP2 attn with FFN 57 (MoE layers only)", CFG_FFN57, 2, ["--tp", "2"], 8),
 ]
 
 
