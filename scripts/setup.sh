@@ -43,9 +43,12 @@ fi
 PY=/usr/bin/python3
 # lizard: the test command's check that no function is over 120 lines or complexity 50.
 # tensorboard: its own reader checks the event files of `origami train --tensorboard`.
-if ! $PY -c "import transformers, tokenizers, safetensors, lizard, tensorboard" 2>/dev/null; then
+# Their dependencies are pinned too (scripts/pip-constraints.txt).
+imports="import transformers, tokenizers, safetensors, lizard, tensorboard"
+if ! $PY -c "$imports" 2>/dev/null; then
   echo "setup: installing test-only Python packages from PyPI"
-  $PY -m pip install -q --break-system-packages --no-warn-script-location \
+  $PY -m pip install -q --break-system-packages --no-warn-script-location -c "$(dirname "$0")/pip-constraints.txt" \
     "transformers==4.46.3" "tokenizers==0.20.3" "safetensors==0.4.5" "lizard==1.17.31" "tensorboard==2.18.0"
+  $PY -c "$imports"  # (installed but broken: the import error is shown here, and setup fails)
 fi
 echo "setup: ok"

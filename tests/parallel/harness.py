@@ -62,6 +62,13 @@ def run(np_, args, timeout=300, binary=None, extra_env=None):
         return None, out + err + "\n[timed out after %ds]" % timeout, time.time() - t0
 
 
+def why(rc, out, n=600):
+    """A failed run in words: "exit RC: " and origami's own error lines, else the output's last n characters
+    (mpirun's closing text would otherwise hide the message)."""
+    errors = [l for l in out.splitlines() if "error" in l.lower() and "mpirun" not in l.lower()]
+    return "exit %s: %s" % (rc, " | ".join(errors)[:n] if errors else out[-n:])
+
+
 def check_error(name, np_, args, names_rule, timeout=60, extra_env=None):
     """One user mistake on np_ ranks: the job exits 1 with exactly one "error:" line (every rank
     exits, one speaks), and names_rule(line) holds (it names the value and the rule). Prints an
@@ -87,13 +94,18 @@ def check_error_cases(data, cases):
     return failures
 
 
+_TMPDIRS = []  # made by tmpdir(): removed when the test passes, kept (to look into) when it fails
+
+
 def report(failures, success):
-    """A test's end: the failures and exit 1, or the success line."""
+    """A test's end: the failures and exit 1, or the success line (and its temporary directories removed)."""
     if failures:
         print("\nFAILED:")
         for x in failures:
             print("  " + x)
         sys.exit(1)
+    for d in _TMPDIRS:
+        shutil.rmtree(d, ignore_errors=True)
     print("\n" + success)
 
 
@@ -274,7 +286,9 @@ def export_checkpoint(ck, out=None, optimizer=True, timeout=300):
 
 
 def tmpdir(prefix="origami_par_"):
-    return tempfile.mkdtemp(prefix=prefix)
+    d = tempfile.mkdtemp(prefix=prefix)
+    _TMPDIRS.append(d)
+    return d
 
 
 def fmt_table(header, rows):

@@ -83,7 +83,7 @@ def run(tmp, tag, cfg, data, ranks, flags):
     rc, out, wall = h.run(ranks, args + flags, timeout=240)
     shutil.rmtree(ck, ignore_errors=True)
     if rc != 0:
-        return None, "exit %s: %s" % (rc, out[-600:]), wall
+        return None, h.why(rc, out, 600), wall
     return h.read_metrics(mpath), None, wall
 
 

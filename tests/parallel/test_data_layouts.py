@@ -56,7 +56,7 @@ def train(tmp, tag, ranks, cfg, data, flags, seq=32):
     rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(seq), *COMMON, *flags,
                                   "--metrics", metrics])
     if rc != 0:
-        return None, "exit %s: %s" % (rc, out[-600:])
+        return None, h.why(rc, out, 600)
     return h.read_metrics(metrics), None
 
 

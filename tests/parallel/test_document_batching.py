@@ -95,7 +95,7 @@ def train(tmp, tag, ranks, cfg, data, flags):
     rows = [] if "--micro-batch" in flags else ["--micro-batch", "1"]
     rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *rows, *flags, "--metrics", metrics])
     if rc != 0:
-        return None, "exit %s: %s" % (rc, out[-600:])
+        return None, h.why(rc, out, 600)
     return h.read_metrics(metrics), None
 
 

@@ -162,7 +162,7 @@ def run_layouts(tmp, data, only):
         del os.environ["ORIGAMI_TEST_ROUTING"]
         fails = []
         if rc != 0:
-            fails.append("exit %s: %s" % (rc, out[-600:]))
+            fails.append(h.why(rc, out, 600))
             got = []
         else:
             got = h.read_metrics(mpath)

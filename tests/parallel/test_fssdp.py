@@ -185,7 +185,7 @@ def run_layouts(tmp, data, only):
         os.makedirs(rdir, exist_ok=True)
         rc, out, wall = h.run(ranks, train_args(cfg_path, data, G, mpath, ck, flags + FSSDP), timeout=300,
                               extra_env={"ORIGAMI_TEST_ROUTING": rdir})
-        fails = [] if rc == 0 else ["exit %s: %s" % (rc, out[-600:])]
+        fails = [] if rc == 0 else [h.why(rc, out, 600)]
         got = h.read_metrics(mpath) if rc == 0 else []
         ref_metrics, ref_ck = refs[key]
         w, f = tl.compare_run(ref_metrics, got, True, G)

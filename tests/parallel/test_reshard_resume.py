@@ -16,17 +16,15 @@ import subprocess
 import sys
 import tempfile
 
+import harness as h  # noqa: E402  (the MPI settings every parallel test runs with)
+
 BIN = os.environ["ORIGAMI_BIN"]
 ROOT = os.environ["ORIGAMI_ROOT"]
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "OMP_WAIT_POLICY": "passive", "OMP_NUM_THREADS": "1"}
 
 
 def train(ranks, *args, env=None):
-    cmd = [BIN, "train", *args]
-    if ranks > 1:
-        cmd = ["mpirun", "--oversubscribe", "-np", str(ranks), *cmd]
-    p = subprocess.run(cmd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=300,
+    cmd = h.command(ranks if ranks > 1 else 0, ["train", *args])
+    p = subprocess.run(cmd, env={**h.env(), **(env or {})}, capture_output=True, text=True, timeout=300,
                        stdin=subprocess.DEVNULL)
     if p.returncode != 0:
         sys.exit(f"FAIL: {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")

@@ -101,7 +101,7 @@ def run_cases(tmp, data, only):
         extra = ["--pp-layers", "2,2"] if variant == "qwen2_moe" and "--pp" in flags else []
         rc, out, wall = h.run(ranks, train_args(cfg, data, mpath, ck) + flags + extra + VARIANTS[variant],
                               timeout=300)
-        fails = [] if rc == 0 else ["exit %s: %s" % (rc, out[-600:])]
+        fails = [] if rc == 0 else [h.why(rc, out, 600)]
         got = h.read_metrics(mpath) if rc == 0 else []
         ref_metrics, ref_ck = refs[key]
         w, f = tl.compare_run(ref_metrics, got, True, G)

@@ -99,7 +99,7 @@ def resumes(data, cfg_path, tmp):
 
     def train(ranks, a):
         rc, out, _ = h.run(ranks, a, timeout=240)
-        return None if rc == 0 else "exit %s: %s" % (rc, out[-400:])
+        return None if rc == 0 else h.why(rc, out, 400)
 
     full = os.path.join(tmp, "r_full.jsonl")
     failures = [f for f in [train(0, args(6, full))] if f]
@@ -185,7 +185,7 @@ def main():
                                       flags + ["--vocab-parallel"], timeout=240)
                 fails, got = [], []
                 if rc != 0:
-                    fails.append("exit %s: %s" % (rc, out[-600:]))
+                    fails.append(h.why(rc, out, 600))
                 else:
                     got = h.read_metrics(mpath)
                 w, f = tl.compare_run(ref, got, model != "gpt2" and model != "llama", G)
