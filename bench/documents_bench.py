@@ -99,8 +99,15 @@ def run_once(tmp, args, cfg, data, ranks, label, flags):
             "est": statistics.median(d["busy_estimated_max_over_mean"] for d in docs) if docs[0] else None,
             "bound": statistics.median(d["busy_estimated_bound"] for d in docs) if docs[0] else None,
             "measured": statistics.median(d["busy_max_over_mean"] for d in docs) if docs[0] else None,
-            "ms": "%.0f / %.0f" % tuple(statistics.median(statistics.mean(d[k]) for d in docs) for k in (
-                "busy_estimated_ms", "busy_ms")) if docs[0] and "busy_estimated_ms" in docs[0] else ""}
+            "ms": tuple(statistics.median(statistics.mean(d[k]) for d in docs) for k in (
+                "busy_estimated_ms", "busy_ms")) if docs[0] and "busy_estimated_ms" in docs[0] else None}
+
+
+def busy_ms(rounds):
+    """The estimated and measured busy ms per rank, each the median over the rounds ("" without costs in ms)."""
+    if rounds[0]["ms"] is None:
+        return ""
+    return "%.0f / %.0f" % tuple(statistics.median(r["ms"][i] for r in rounds) for i in (0, 1))
 
 
 def main():
@@ -137,7 +144,7 @@ def main():
             tok_s = statistics.median(r["tok_s"] for r in rs)
             fmt = lambda key: "%.3f" % statistics.median(r[key] for r in rs) if rs[0][key] is not None else ""
             table.append((ranks, label, "%.0f" % tok_s, "%.2fx" % (tok_s / base), fmt("rows"), fmt("est"),
-                          fmt("bound"), fmt("measured"), rs[len(rs) // 2]["ms"]))
+                          fmt("bound"), fmt("measured"), busy_ms(rs)))
         for c in [c for c in ([2, 4] if ranks >= 4 else [2]) if "(v) balanced, static CP%d" % c in results]:
             iv, flex, v = (statistics.median(r["tok_s"] for r in results[k % c]) if k % c in results else 0
                            for k in ("(iv) balanced, CP%d per sequence", "(iv') flex, CP%d per sequence",

@@ -96,6 +96,11 @@ CASES = [
     ("moe", 2, 1, "bf16", "tp1 cp1 ep1 etp1 pp1 vpp1 zero0 mb4 nosp"),
     ("moe", 2, 1, "bf16", "tp2 cp1 ep1 etp2 pp1 vpp1 zero0 mb4 sp"),
 ]
+# Every case fixes the axes its words leave open, so that the planner prices the layout the run
+# measures: recomputation off, no vocabulary parallelism, the experts sharded by EP (not FSSDP).
+CASES = [(m, r, t, p, l + "".join(" " + w for w, given in (("recompute=none", "recompute=" in l), ("novocab", "vocab" in l),
+                                                          ("nofssdp", m != "moe" or "fssdp" in l)) if not given))
+         for m, r, t, p, l in CASES]
 PARTS = ("weights", "gradients", "optimizer state", "activations", "workspace", "checkpoint")
 
 
@@ -201,7 +206,8 @@ def main():
         if choice["layout"] not in {p["layout"] for p in predictions.values()}:
             predictions[choice["layout"]] = choice
         for layout, p in predictions.items():
-            runs = [measure(a, cfg, data, ranks, threads, precision, layout, tmp) for _ in range(a.rounds)]
+            # (the layout the planner priced, in its words: what the run measures)
+            runs = [measure(a, cfg, data, ranks, threads, precision, p["layout"], tmp) for _ in range(a.rounds)]
             m = sorted(runs, key=lambda r: r["ms"])[len(runs) // 2]
             stage0 = p["memory_bytes_per_stage"][0]
             predicted_mem = sum(stage0[k] for k in PARTS)

@@ -657,7 +657,8 @@ def main():
     print("FLOPs/token = 6*N_matmul_active + 6*L*T*d (causal attention); medians over %d rounds of %d measured steps"
           % (a.rounds, a.steps_per_round))
     print("host: %s; %s" % (host_isa(), bf16_path))
-    hdr = ("case", "origami fp32 tok/s", "origami bf16 tok/s", "bf16 / fp32", "fastest PyTorch tok/s",
+    hdr = ("case", "origami fp32 tok/s", "fp32 GFLOP/s (% of SGEMM peak)", "origami bf16 tok/s", "bf16 / fp32",
+           "fastest PyTorch tok/s",
            "bf16 / PyTorch", "bf16 GFLOP/s", "RSS fp32", "RSS bf16", "RSS PyTorch", "fastest PyTorch setting",
            "bf16-portable step time over fp32")
     pol_of = lambda lab: "PASSIVE" if lab.endswith("PASSIVE") else ("ACTIVE" if lab.endswith("ACTIVE") else "default")
@@ -674,7 +675,8 @@ def main():
         results[c]["fastest_torch"] = tlab
         tps = lambda v: v["tokens_per_s"] if v else float("nan")
         tp = tlab[len("torch["):tlab.index("]")]
-        rows.append(("(%s) %s" % (c, results[c]["name"]), "%.0f" % tps(o32), "%.0f" % tps(o16),
+        rows.append(("(%s) %s" % (c, results[c]["name"]), "%.0f" % tps(o32),
+                     "%.1f (%.0f%%)" % (o32["gflops"], 100 * o32["gflops"] / peak) if o32 else "-", "%.0f" % tps(o16),
                      "%.2fx" % (tps(o16) / tps(o32)), "%.0f" % tps(t), "%.2fx" % (tps(o16) / tps(t)),
                      "%.1f" % (o16["gflops"] if o16 else float("nan")),
                      *("%.0f MiB" % (v["rss_mib"] if v else float("nan")) for v in (o32, o16, t)),
