@@ -49,16 +49,16 @@ int cmd_generate(int argc, char** argv) {
   // What the run trained beyond config.json: its routers' score and learned selection biases, and
   // attention that stops at each end of document (positions starting again after it).
   if (cfg.is_moe()) cfg.routing.score = parse_router_score(ck.trained_option("moe_router_score", "softmax"));
-  if (parse_attention_mask(ck.trained_option("attention_mask", "causal"))) cfg.document_eod = tok->eod();
+  // (document batching trains each document alone, positions from 0: after an end of document as well)
+  if (parse_attention_mask(ck.trained_option("attention_mask", "causal")) ||
+      ck.trained_option("batching", "windows") == "documents")
+    cfg.document_eod = tok->eod();
   Params params(make_param_table(cfg));
   ck.bind(cfg);
   ck.read_weights(params);
   Model model(cfg, params);
-  if (const auto& bias = ck.state().router_bias; !bias.empty()) {
-    ORIGAMI_CHECK(bias.size() == size_t(cfg.num_layers) && bias[0].size() == size_t(cfg.num_experts), "'", ck.path(),
-                  "/trainer_state.json': router_bias is not [layers][experts] of this model");
-    model.router_bias() = bias;
-  }
+  if (!ck.state().router_bias.empty())
+    model.set_router_bias(ck.state().router_bias, cat("'", ck.path(), "/trainer_state.json'"));
   const Precision precision = parse_precision(a.str("precision"));
   model.set_precision(precision);
   // Positions beyond the training sequence length were never trained: slide a window of that size.

@@ -79,7 +79,8 @@ int mpi_count(int64_t count) {
 
 // MPI's counts and displacements are ints (Open MPI 4 has no MPI-4 large-count calls), so a transfer
 // of more elements goes in pieces of at most max_count(): INT_MAX, or what ORIGAMI_TEST_MPI_MAX_COUNT
-// says (tests run whole layouts through the pieces with a small one).
+// says (tests run whole layouts through the pieces with a small one; every rank must see the same
+// value — mpirun passes it to local ranks, remote ones need -x — or their calls would differ).
 int64_t max_count() {
   static const int64_t most = [] {
     const char* v = std::getenv("ORIGAMI_TEST_MPI_MAX_COUNT");
@@ -149,6 +150,8 @@ struct Units {
     }
     if (most <= max_count() || common <= 1) return;  // in elements
     g = common;
+    for (int64_t k = (g + INT_MAX - 1) / INT_MAX; g > INT_MAX && k <= (int64_t(1) << 20); ++k)  // a unit that fits an int
+      if (common % k == 0) g = common / k;
     CHECK_MPI(MPI_Type_contiguous(mpi_count(g), mpi_type(t), &type));
     CHECK_MPI(MPI_Type_commit(&type));
     owned = true;
@@ -187,7 +190,8 @@ class MpiComm final : public Comm {
   Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) override {
     progress_entered("reduce_scatter", name());
     count_scatter_gather(count, t);
-    if (count <= max_count())
+    // (the library works on the whole buffer, size() blocks, in int arithmetic: the total decides)
+    if (int64_t(size()) * count <= max_count())
       return start_one([&](MPI_Request* r) {
         CHECK_MPI(MPI_Ireduce_scatter_block(in == out ? MPI_IN_PLACE : in, out, mpi_count(count), mpi_type(t),
                                             mpi_op(op, t), comm_, r));
@@ -217,7 +221,7 @@ class MpiComm final : public Comm {
     // In place when this rank's block already sits at its position in `out`.
     char* mine = at_element(out, int64_t(rank()) * count, t);
     const bool in_place = in == mine;
-    if (count <= max_count())
+    if (int64_t(size()) * count <= max_count())  // (the whole buffer's offsets are ints too)
       return start_one([&](MPI_Request* r) {
         CHECK_MPI(MPI_Iallgather(in_place ? MPI_IN_PLACE : in, mpi_count(count), mpi_type(t), out, mpi_count(count),
                                  mpi_type(t), comm_, r));

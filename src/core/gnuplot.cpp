@@ -101,8 +101,10 @@ void render_png(const std::string& script, const std::string& png_path, const st
                 "); the directory must exist and be writable");
   if (fd <= 2) {  // (standard input, output or error closed): gnuplot's own 0, 1 and 2 are set before its output
     const int moved = ::fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    const int err = errno;
     ::close(fd);
-    ORIGAMI_CHECK(moved >= 0, who, ": cannot move the output's descriptor (", std::strerror(errno), ")");
+    if (moved < 0) ::unlink(tmp.c_str());
+    ORIGAMI_CHECK(moved >= 0, who, ": cannot move the output's descriptor (", std::strerror(err), ")");
     fd = moved;
   }
   try {

@@ -249,6 +249,20 @@ void check_eos_token_id(Reader& r) {
   else if (f.present()) f.integer(INT32_MIN, INT32_MAX);
 }
 
+// The values the fields a llama-like config left out took, written into the config it keeps (what a
+// checkpoint saves and an export writes): they then mean the same model to a reader with other defaults.
+void record_defaults(ModelConfig& c) {
+  if (c.is_gpt2()) return;
+  auto put = [&](const char* key, const nlohmann::json& value) {
+    if (!c.raw.contains(key) || c.raw[key].is_null()) c.raw[key] = value;
+  };
+  put("num_key_value_heads", c.num_kv_heads);
+  put("rms_norm_eps", c.norm_eps);
+  put("rope_theta", c.rope_theta);
+  put("max_position_embeddings", c.max_positions);
+  if (c.is_moe()) put("num_experts_per_tok", c.top_k);
+}
+
 }  // namespace
 
 ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) {
@@ -275,6 +289,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
                 c.is_moe() ? cat(" x (16 + 3 x ", c.num_experts, " experts)") : std::string(" x 16"), " = ", tensors,
                 " tensors is more than origami's parameter table holds (", ModelLimits::tensors, ")");
   r.warn_unknown();
+  record_defaults(c);
   return c;
 }
 

@@ -396,6 +396,12 @@ void Model::reset_expert_counts() {
   global_frac_.clear();
 }
 
+void Model::set_router_bias(std::vector<std::vector<float>> bias, const std::string& where) {
+  ORIGAMI_CHECK(bias.size() == size_t(cfg_.num_layers) && !bias.empty() && bias[0].size() == size_t(cfg_.num_experts),
+                where, ": router_bias is not [layers][experts] of this model");
+  router_bias_ = std::move(bias);
+}
+
 void Model::update_router_bias(const std::vector<std::vector<int64_t>>& load) {
   const double rate = cfg_.routing.bias_rate;
   for (size_t l = 0; l < router_bias_.size(); ++l) {

@@ -231,6 +231,8 @@ class Model {
   // ([L][E]; empty when off), and its update after a step from the step's load, [L][E] tokens per
   // expert summed over every rank: b_e += rate·sign(mean load − load_e).
   std::vector<std::vector<float>>& router_bias() { return router_bias_; }
+  // A checkpoint's router biases ([layers][experts] of this model, else an Error naming `where`).
+  void set_router_bias(std::vector<std::vector<float>> bias, const std::string& where);
   void update_router_bias(const std::vector<std::vector<int64_t>>& load);
   const ModelConfig& config() const { return cfg_; }
   // The precision of the layer GEMMs (kernels/cpu/matmul.h). bf16 makes the parameter buffers keep

@@ -26,8 +26,8 @@ std::string RoutingSkew::describe() const {
   if (source.empty()) {
     if (stated == 1) return "1 (even routing; --imbalance X or FILE prices a skew)";
     std::snprintf(buf, sizeof buf, "%.3g", stated);
-    // Above 2 some EP degree d < X prices d instead: all its rows on one rank.
-    return cat(buf, stated > 2 ? " (stated; EPd below it at d: every row on one rank)" : " (stated)");
+    // Some EP degree d may price less: at most d·min(k, E/d)/k, all of a layer's rows its experts can get.
+    return cat(buf, stated > 2 ? " (stated; EPd at most d·min(k, E/d)/k: every row its experts can get)" : " (stated)");
   }
   std::string s;
   for (const auto& [ep, x] : by_ep) {

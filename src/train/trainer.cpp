@@ -528,10 +528,7 @@ Run::Run(Opened opened, Comm& world)
 // A resumed run routes with the biases it saved (and updates them with a rate).
 void Run::restore_router_bias() {
   if (start_.router_bias.empty()) return;
-  ORIGAMI_CHECK(start_.router_bias.size() == size_t(cfg_.num_layers) &&
-                    start_.router_bias[0].size() == size_t(cfg_.num_experts),
-                "'", start_.checkpoint, "/trainer_state.json': router_bias is not [layers][experts] of this model");
-  model_.router_bias() = start_.router_bias;
+  model_.set_router_bias(start_.router_bias, cat("'", start_.checkpoint, "/trainer_state.json'"));
 }
 
 // How a step is made: windows (the global batch) or packed documents.

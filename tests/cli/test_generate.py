@@ -5,7 +5,8 @@
     checkpoint, and other text from a copy whose record says softmax, or has no biases (before the fix
     both edits changed nothing: generate routed with softmax and no biases whatever the run did);
   - a llama trained with --attention-mask document, generating from an empty prompt (a new document after
-    the end-of-document token), samples other text from a copy whose record says causal;
+    the end-of-document token), samples other text from a copy whose record says causal; so does one
+    trained with --batching documents (each document alone) against a record of windows;
   - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
   - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
     scores and the biases (a Hugging Face config holds neither).
@@ -82,7 +83,11 @@ def main():
         text = sample(doc, "")
         causal = sample(edited(doc, os.path.join(tmp, "causal"), lambda s: s["options"].update(attention_mask="causal")), "")
         check(causal != text, f"a record of causal attention samples other text (document masking is read): {text!r}")
-        print("ok   generate masks documents as trained")
+        packed = train(tmp, "packed", cfg, data, "--batching", "documents", "--tokens-per-step", "128")
+        text = sample(packed, "")
+        windows = sample(edited(packed, os.path.join(tmp, "windows"), lambda s: s["options"].update(batching="windows")), "")
+        check(windows != text, f"document batching (each document alone) is read as well: {text!r}")
+        print("ok   generate masks documents as trained (--attention-mask document, --batching documents)")
     finally:
         shutil.rmtree(tmp)
     print("generate runs the model as the run trained it")

@@ -182,9 +182,9 @@ def main():
                      "--imbalance prices the routing of experts, and this llama model has none")
         p = run("plan", "--config", moe, "--devices", "8", "--global-batch", "8", "--seq-len", "16", "--cluster",
                 os.path.join(ROOT, "configs", "clusters", "dgx-h100.json"), "--imbalance", "9")
-        check("routing imbalance (--imbalance): 9 (stated; EPd below it at d: every row on one rank)" in p.stdout,
-              "a stated imbalance above 2 says it is capped:\n" + p.stdout[:600])
-        print("ok   a stated --imbalance 9 says EP degrees below it are priced at d")
+        check("routing imbalance (--imbalance): 9 (stated; EPd at most d·min(k, E/d)/k: every row its experts can get)"
+              in p.stdout, "a stated imbalance above 2 says it is capped:\n" + p.stdout[:600])
+        print("ok   a stated --imbalance 9 says each EP degree is capped at the rows its experts can get")
 
         # Checked before the work, not after it.
         missing = os.path.join(tmp, "missing", "x")

@@ -318,6 +318,11 @@ TEST(ModelConfig, DefaultsOfTheModelType) {
     EXPECT_EQ(c.max_positions, positions) << type;
     EXPECT_DOUBLE_EQ(c.norm_eps, eps) << type;
     EXPECT_DOUBLE_EQ(c.rope_theta, theta) << type;
+    // and what they took is written into the config a checkpoint keeps
+    EXPECT_EQ(c.raw.at("num_key_value_heads").get<int64_t>(), kv) << type;
+    EXPECT_DOUBLE_EQ(c.raw.at("rope_theta").get<double>(), theta) << type;
+    EXPECT_DOUBLE_EQ(c.raw.at("rms_norm_eps").get<double>(), eps) << type;
+    EXPECT_EQ(c.raw.at("max_position_embeddings").get<int64_t>(), positions) << type;
   }
 }
 

@@ -68,7 +68,7 @@ TEST(RoutingSkew, MedianOverStepsForEveryDivisor) {
   EXPECT_DOUBLE_EQ(mixtral.at(2), 2.0);
   EXPECT_EQ(RoutingSkew{}.describe(), "1 (even routing; --imbalance X or FILE prices a skew)");
   EXPECT_EQ(RoutingSkew{1.25}.describe(), "1.25 (stated)");
-  EXPECT_EQ(RoutingSkew{9}.describe(), "9 (stated; EPd below it at d: every row on one rank)");  // the cap said
+  EXPECT_EQ(RoutingSkew{9}.describe(), "9 (stated; EPd at most d·min(k, E/d)/k: every row its experts can get)");  // the cap said
   std::filesystem::remove(path);
 }
 
