@@ -74,6 +74,11 @@ int cmd_generate(int argc, char** argv) {
   std::fwrite(a.str("prompt").data(), 1, a.str("prompt").size(), stdout);
   std::fflush(stdout);
   const uint64_t seed = a.unsigned_integer("seed");
+  // The ids sampled from, and those among them the vocabulary skips (never drawn): found once.
+  const int64_t vocab = std::min<int64_t>(cfg.vocab_size, tok->vocab_size());
+  std::vector<int32_t> skipped;
+  for (int32_t v = 0; v < int32_t(vocab); ++v)
+    if (!tok->has_token(v)) skipped.push_back(v);
   std::vector<float> logits;
   std::vector<int32_t> window;
   size_t printed = prompt_len;
@@ -89,9 +94,7 @@ int cmd_generate(int argc, char** argv) {
     model.reset_expert_counts();  // MoE: the per-step routing figures (training's), which grow per call
     model.forward_backward(window.data(), 1, int64_t(padded), 1.f, false, logits.data());
     float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
-    for (int32_t v = 0; v < std::min<int32_t>(int32_t(cfg.vocab_size), tok->vocab_size()); ++v)
-      if (!tok->has_token(v)) last[v] = -std::numeric_limits<float>::infinity();  // (ids the vocabulary skips)
-    const int64_t vocab = std::min<int64_t>(cfg.vocab_size, tok->vocab_size());
+    for (int32_t v : skipped) last[v] = -std::numeric_limits<float>::infinity();
     const int32_t next = sample_token(last, int32_t(vocab), temperature, int32_t(std::min(top_k, vocab)),
                                       uniform01(seed, 0x9e3779b9, uint64_t(i)));
     if (next == tok->eod() && a.on("stop-at-eod")) break;
