@@ -133,6 +133,13 @@ template <typename Post>
 Request start_one(Post&& post) {
   return start([&](std::vector<MPI_Request>& reqs) { post(&reqs.emplace_back(MPI_REQUEST_NULL)); });
 }
+// One call over [0, count) in pieces: post(at, n, request) starts the piece of n elements at `at`.
+template <typename Post>
+Request start_pieces(int64_t count, Post&& post) {
+  return start([&](std::vector<MPI_Request>& reqs) {
+    in_pieces(count, [&](int64_t at, int n) { post(at, n, &reqs.emplace_back(MPI_REQUEST_NULL)); });
+  });
+}
 
 // Counts and displacements of a v-collective in units of their greatest common divisor g when they
 // exceed max_count(): the token dispatcher's are rows of C values, so they fit ints up to 2^31 rows.
@@ -150,7 +157,8 @@ struct Units {
     }
     if (most <= max_count() || common <= 1) return;  // in elements
     g = common;
-    for (int64_t k = (g + INT_MAX - 1) / INT_MAX; g > INT_MAX && k <= (int64_t(1) << 20); ++k)  // a unit that fits an int
+    // (a unit that fits an int: the gcd divided by its least divisor that brings it there)
+    for (int64_t k = (g + INT_MAX - 1) / INT_MAX; g > INT_MAX && k <= (int64_t(1) << 20); ++k)
       if (common % k == 0) g = common / k;
     CHECK_MPI(MPI_Type_contiguous(mpi_count(g), mpi_type(t), &type));
     CHECK_MPI(MPI_Type_commit(&type));
@@ -163,7 +171,8 @@ struct Units {
   void convert(const std::vector<int64_t>& counts, std::vector<int>& c, std::vector<int>& d) const {
     c.resize(counts.size()), d.resize(counts.size());
     int64_t at = 0;
-    for (size_t r = 0; r < counts.size(); ++r) c[r] = mpi_count(counts[r] / g), d[r] = mpi_count(at / g), at += counts[r];
+    for (size_t r = 0; r < counts.size(); ++r)
+      c[r] = mpi_count(counts[r] / g), d[r] = mpi_count(at / g), at += counts[r];
   }
 };
 
@@ -180,11 +189,8 @@ class MpiComm final : public Comm {
     progress_entered("all_reduce", name());
     count_all_reduce(count, t);
     if (size() == 1) return {};
-    return start([&](std::vector<MPI_Request>& reqs) {
-      in_pieces(count, [&](int64_t at, int n) {
-        CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, at_element(buf, at, t), n, mpi_type(t), mpi_op(op, t), comm_,
-                                 &reqs.emplace_back(MPI_REQUEST_NULL)));
-      });
+    return start_pieces(count, [&](int64_t at, int n, MPI_Request* r) {
+      CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, at_element(buf, at, t), n, mpi_type(t), mpi_op(op, t), comm_, r));
     });
   }
   Request ireduce_scatter(void* out, const void* in, int64_t count, DType t, ReduceOp op) override {
@@ -241,18 +247,14 @@ class MpiComm final : public Comm {
   Request isend(const void* buf, int64_t count, DType t, int dest, int tag) override {
     progress_entered("send", name());
     count_bytes(double(count * dtype_bytes(t)));
-    return start([&](std::vector<MPI_Request>& reqs) {
-      in_pieces(count, [&](int64_t at, int n) {
-        CHECK_MPI(MPI_Isend(at_element(buf, at, t), n, mpi_type(t), dest, tag, comm_, &reqs.emplace_back(MPI_REQUEST_NULL)));
-      });
+    return start_pieces(count, [&](int64_t at, int n, MPI_Request* r) {
+      CHECK_MPI(MPI_Isend(at_element(buf, at, t), n, mpi_type(t), dest, tag, comm_, r));
     });
   }
   Request irecv(void* buf, int64_t count, DType t, int src, int tag) override {
     progress_entered("recv", name());
-    return start([&](std::vector<MPI_Request>& reqs) {
-      in_pieces(count, [&](int64_t at, int n) {
-        CHECK_MPI(MPI_Irecv(at_element(buf, at, t), n, mpi_type(t), src, tag, comm_, &reqs.emplace_back(MPI_REQUEST_NULL)));
-      });
+    return start_pieces(count, [&](int64_t at, int n, MPI_Request* r) {
+      CHECK_MPI(MPI_Irecv(at_element(buf, at, t), n, mpi_type(t), src, tag, comm_, r));
     });
   }
   void all_to_allv(void* out, const int64_t* recv_counts, const void* in, const int64_t* send_counts, DType t) override {
@@ -298,7 +300,9 @@ class MpiComm final : public Comm {
   void broadcast(void* buf, int64_t count, DType t, int root) override {
     progress_entered("broadcast", name());
     if (rank() == root) count_bytes(double(count * dtype_bytes(t)));
-    in_pieces(count, [&](int64_t at, int n) { CHECK_MPI(MPI_Bcast(at_element(buf, at, t), n, mpi_type(t), root, comm_)); });
+    in_pieces(count, [&](int64_t at, int n) {
+      CHECK_MPI(MPI_Bcast(at_element(buf, at, t), n, mpi_type(t), root, comm_));
+    });
   }
   void barrier() override {
     progress_entered("barrier", name());
