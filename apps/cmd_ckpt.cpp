@@ -115,7 +115,8 @@ void warn_routing_not_exported(const Checkpoint& ck, const ModelConfig& cfg) {
   if (const std::string score = ck.trained_option("moe_router_score", "softmax"); score != "softmax")
     std::fprintf(stderr, "origami ckpt export: warning: the run scored its routers with %s "
                          "(--moe-router-score); Hugging Face's %s scores with softmax, so transformers will route "
-                         "these weights differently ('origami generate' of the checkpoint, or of an export with --optimizer, routes as trained)\n",
+                         "these weights differently ('origami generate' of the checkpoint, or of an export with "
+                         "--optimizer, routes as trained)\n",
                  score.c_str(), cfg.model_type().c_str());
   bool biased = false;
   for (const auto& layer : ck.state().router_bias)
@@ -123,8 +124,8 @@ void warn_routing_not_exported(const Checkpoint& ck, const ModelConfig& cfg) {
   if (biased)
     std::fprintf(stderr, "origami ckpt export: warning: the run learned router selection biases "
                          "(--moe-router-bias-update-rate); a Hugging Face config has no place for them, so "
-                         "transformers will select experts without them ('origami generate' of the checkpoint, or of an export with "
-                         "--optimizer, uses them)\n");
+                         "transformers will select experts without them ('origami generate' of the checkpoint, or of "
+                         "an export with --optimizer, uses them)\n");
 }
 
 int ckpt_export(int argc, char** argv) {

@@ -202,7 +202,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
       .option("grad-reduce-dtype", "fp32|bf16", "the run's --grad-reduce-dtype: bf16 halves the gradient "
                                                 "reductions' bytes and adds their bf16 buffers to memory", "fp32")
       .option("imbalance", "X|FILE", "MoE: the busiest EP rank's routed rows over the mean, call by call (what a run's "
-                                     "expert_sync_imbalance measures): X for every EP degree (at most d·min(k, E/d)/k at EPd: all the rows its experts can get), or a metrics file of an MoE "
+                                     "expert_sync_imbalance measures): X for every EP degree (at most d·min(k, E/d)/k at EPd: all "
+                                     "the rows its experts can get), or a metrics file of an MoE "
                                      "run of this model (any layout; a short run on one rank will do): each EP degree's "
                                      "figure from its experts' token counts, the median of its steps", "1.0")
       .flag("json", "print a JSON list, best first (each with its step time's 'breakdown')")

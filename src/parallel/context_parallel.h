@@ -72,8 +72,9 @@ struct CpShape {
 // Since the last reset: the time the ring's transfers took (posted to done, as the executor saw it
 // between blocks) and the part of it spent waiting (not hidden behind compute); the causal (query,
 // key) pairs of this rank's forward blocks, summed over heads and batch rows (the load balance: equal
-// on every CP rank under static CP; a sequence a rank runs alone, at degree 1, counts there whole); and the score tiles its forward attention computed (attention.h: fewer than
-// the causal ones under document masking). Also kept without CP.
+// on every CP rank under static CP; a sequence a rank runs alone, at degree 1, counts there whole);
+// and the score tiles its forward attention computed (attention.h: fewer than the causal ones under
+// document masking). Also kept without CP.
 struct CpCounters {
   double transfer_s = 0, wait_s = 0;
   int64_t pairs = 0, tiles = 0;

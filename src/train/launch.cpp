@@ -350,7 +350,8 @@ double node_need(const ModelConfig& cfg, const TrainOptions& o, int w, const Slo
   size_t host = 0;
   int left = slots.hosts.empty() ? w : slots.hosts[0].second;  // this host's slots not yet filled
   for (int r = 0; r < w; ++r) {
-    if (left == 0 && host + 1 < slots.hosts.size()) most = std::max(most, node), node = 0, left = slots.hosts[++host].second;
+    if (left == 0 && host + 1 < slots.hosts.size())  // the next host
+      most = std::max(most, node), node = 0, left = slots.hosts[++host].second;
     node += double(rank_memory(cfg, o, w, r, 0, 0).total()), --left;
   }
   return std::max(most, node);

@@ -76,7 +76,8 @@ RunCurves read_run_curves(const std::string& path, PlotX x) {
     c.lr.push_back(metrics_number(r, "lr"));
     c.tokens_per_s.push_back(metrics_number(r, "tokens_per_s"));
     c.grad_norm.push_back(metrics_number(r, "grad_norm"));
-    if (r.row.contains("val_loss") && r.row["val_loss"].is_number()) c.val_x.push_back(c.x.back()), c.val_loss.push_back(metrics_number(r, "val_loss"));
+    if (r.row.contains("val_loss") && r.row["val_loss"].is_number())  // (a NaN validation loss is null)
+      c.val_x.push_back(c.x.back()), c.val_loss.push_back(metrics_number(r, "val_loss"));
     if (c.label.empty() && r.row.contains("layout") && r.row["layout"].is_string())
       c.label = cat(std::filesystem::path(path).filename().string(), ": ", r.row["layout"].get<std::string>());
   }
