@@ -87,6 +87,25 @@ TEST_F(Cuda, MatmulEveryTransposeStrided) {
       }
 }
 
+// An empty inner dimension leaves C = beta·C (beta 0: zeros, whatever C held), in both precisions.
+TEST_F(Cuda, MatmulWithNoInnerDimensionScalesC) {
+  const int64_t M = 5, N = 7, ldc = N + 2;
+  for (Precision p : {Precision::fp32, Precision::bf16})
+    for (float beta : {0.f, 0.5f}) {
+      Vec C = random(static_cast<size_t>(M * ldc), 6);
+      C[3] = std::nanf("");
+      auto dC = up(C);
+      const Vec none(1);
+      auto dNone = up(none);
+      matmul<float>(p, false, false, M, N, 0, 1.f, {none.data(), 1}, {none.data(), N}, beta, C.data(), ldc);
+      cuda::matmul(p, false, false, M, N, 0, 1.f, {dNone.data(), 1}, {dNone.data(), N}, beta, dC.data(), ldc);
+      const Vec got = down(dC);
+      for (size_t i = 0; i < C.size(); ++i)
+        if (!std::isnan(C[i])) EXPECT_EQ(got[i], C[i]) << precision_name(p) << " beta " << beta << " at " << i;
+      EXPECT_EQ(std::isnan(got[3]), beta != 0.f) << precision_name(p) << " beta " << beta;
+    }
+}
+
 TEST_F(Cuda, Bf16MatmulReadsTheWeightsCopy) {
   const int64_t M = 16, N = 24, K = 32;
   const Vec A = random(static_cast<size_t>(M * K), 4), W = random(static_cast<size_t>(N * K), 5);

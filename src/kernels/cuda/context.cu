@@ -199,11 +199,23 @@ Rounded rounded(Mat<float> m, int64_t rows, int64_t cols, Buffer<bf16>& scratch)
   check_launch("bf16 operand rounding");
   return {scratch.data(), cols};
 }
+// C = beta * C over [rows, cols] with stride ld: the whole product when K is 0 (cuBLASLt takes no
+// empty inner dimension). beta 0 writes zeros, so NaN in C does not survive, as in BLAS.
+__global__ void scale_rows(float* C, int64_t rows, int64_t cols, int64_t ld, float beta) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * cols) return;
+  float& c = C[i / cols * ld + i % cols];
+  c = beta == 0.f ? 0.f : beta * c;
+}
 }  // namespace
 
 void matmul(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Mat<float> A, Mat<float> B,
             float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0 || (K == 0 && beta == 1.f)) return;  // nothing to add
+  if (K == 0) {
+    scale_rows<<<blocks_for(M * N, 256), 256, 0, cu_stream()>>>(C, M, N, ldc, beta);
+    return check_launch("matmul with K = 0");
+  }
   const void *a = A.v, *b = B.v;
   int64_t lda = A.ld, ldb = B.ld;
   static auto& a_low = *new Buffer<bf16>;  // rounding scratch (grown(): common.cuh)
