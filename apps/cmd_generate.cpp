@@ -62,11 +62,7 @@ int cmd_generate(int argc, char** argv) {
   const Precision precision = parse_precision(a.str("precision"));
   model.set_precision(precision);
   // Positions beyond the training sequence length were never trained: slide a window of that size.
-  int64_t context = cfg.max_positions;
-  if (const nlohmann::json& st = ck.trainer_state(); !st.is_null()) {
-    if (st.contains("options") && st["options"].contains("seq_len") && st["options"]["seq_len"].is_number_integer())
-      context = std::min<int64_t>(context, st["options"]["seq_len"].get<int64_t>());
-  }
+  const int64_t context = std::min(cfg.max_positions, ck.trained_integer("seq_len", cfg.max_positions));
 
   std::vector<int32_t> ids = tok->encode_to_continue(a.str("prompt"));
   if (ids.empty()) ids.push_back(tok->eod());  // an empty prompt starts a new document

@@ -192,10 +192,21 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
     });
 }
 
-std::string Checkpoint::trained_option(const std::string& key, const std::string& fallback) const {
-  if (!trainer_state_.is_object() || !trainer_state_.contains("options")) return fallback;
+// trainer_state.json's options[key], or null where the checkpoint has none.
+const nlohmann::json* Checkpoint::trained(const std::string& key) const {
+  if (!trainer_state_.is_object() || !trainer_state_.contains("options")) return nullptr;
   const nlohmann::json& o = trainer_state_["options"];
-  return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : fallback;
+  return o.is_object() && o.contains(key) ? &o[key] : nullptr;
+}
+
+std::string Checkpoint::trained_option(const std::string& key, const std::string& fallback) const {
+  const nlohmann::json* v = trained(key);
+  return v && v->is_string() ? v->get<std::string>() : fallback;
+}
+
+int64_t Checkpoint::trained_integer(const std::string& key, int64_t fallback) const {
+  const nlohmann::json* v = trained(key);
+  return v && v->is_number_integer() ? v->get<int64_t>() : fallback;
 }
 
 void Checkpoint::read_index(const std::string& index_path) {

@@ -86,6 +86,7 @@ class Checkpoint {
   // One of the training run's options (trainer_state.json's "options", as `train` wrote them), or
   // `fallback` where the checkpoint has none or the option is not a string.
   std::string trained_option(const std::string& key, const std::string& fallback) const;
+  int64_t trained_integer(const std::string& key, int64_t fallback) const;  // the same for an integer
   const nlohmann::json& metadata() const { return metadata_; }  // null unless sharded()
 
   // Checks the checkpoint against the model: every tensor present with the config's shape, none
@@ -100,6 +101,7 @@ class Checkpoint {
   void verify_checksums(int rank, int world);
 
  private:
+  const nlohmann::json* trained(const std::string& key) const;
   struct Piece {
     size_t file;
     std::string key;  // the tensor's name in that file

@@ -67,6 +67,11 @@ def main():
         check(no_bias != text, f"a record without biases samples other text (the biases are read): {text!r}")
         print("ok   generate routes as trained: sigmoid scores and the learned selection biases")
 
+        # 16 prompt tokens and 60 new ones pass the 32 trained positions: the window slides at seq_len
+        short = sample(edited(moe, os.path.join(tmp, "short"), lambda s: s["options"].update(seq_len=8)), prompt)
+        check(short != text, f"a record of --seq-len 8 samples other text (the trained length is read): {text!r}")
+        print("ok   generate slides a window of the trained sequence length")
+
         top = [run("generate", "--checkpoint", moe, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "1",
                    "--top-k", k, "--seed", "3", "--threads", "1").stdout for k in ("0", "257", "4294967297")]
         check(top[0] == top[1] == top[2], f"--top-k 0, 257 (the vocabulary) and 4294967297 sample alike: {top}")
