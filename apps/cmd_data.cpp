@@ -15,8 +15,10 @@
 #include <deque>
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "commands.h"
@@ -109,13 +111,24 @@ void split_documents(std::string_view text, const std::string& split, Emit&& emi
   }
 }
 
+// The files `data prepare` writes at `prefix` (and their temporary names), as canonical paths.
+std::set<fs::path> output_files(const std::string& prefix) {
+  std::set<fs::path> out;
+  for (const char* suffix : {".bin", ".idx", ".tokenizer.json"})
+    for (const char* tmp : {"", ".tmp"}) out.insert(fs::weakly_canonical(prefix + suffix + tmp));
+  return out;
+}
+
 // The input files: FILE itself, or DIR's regular files (recursively, sorted by path). In a
-// directory, hidden entries, symbolic links and fortune's companions X.dat / X.u8 of a file X
-// are skipped.
-std::vector<std::string> collect_input_files(const std::string& input) {
+// directory, hidden entries, symbolic links, fortune's companions X.dat / X.u8 of a file X and
+// the files of the --output prefix (an earlier run's dataset in the input directory) are skipped.
+std::vector<std::string> collect_input_files(const std::string& input, const std::string& prefix) {
   std::error_code ec;
   auto st = fs::status(input, ec);
   ORIGAMI_CHECK(fs::exists(st), "--input ", input, ": no such file or directory");
+  const std::set<fs::path> outputs = output_files(prefix);
+  const auto is_output = [&](const fs::path& p) { return outputs.count(fs::weakly_canonical(p)) > 0; };
+  ORIGAMI_CHECK(!is_output(input), "--input ", input, " is one of the files --output ", prefix, " writes");
   if (fs::is_regular_file(st)) return {input};
   ORIGAMI_CHECK(fs::is_directory(st), "--input ", input, ": neither a regular file nor a directory");
   std::vector<std::string> files;
@@ -132,6 +145,7 @@ std::vector<std::string> collect_input_files(const std::string& input) {
     if (it->is_symlink() || !it->is_regular_file()) continue;
     std::string ext = p.extension().string();
     if ((ext == ".dat" || ext == ".u8") && fs::is_regular_file(p.parent_path() / p.stem())) continue;
+    if (is_output(p)) continue;
     files.push_back(p.string());
   }
   std::sort(files.begin(), files.end());
@@ -213,7 +227,7 @@ int data_prepare(int argc, char** argv) {
   ORIGAMI_CHECK(out_dir.empty() || fs::is_directory(out_dir), "--output ", prefix, ": directory ",
                 out_dir.string(), " does not exist");
 
-  std::vector<std::string> files = collect_input_files(args.str("input"));
+  std::vector<std::string> files = collect_input_files(args.str("input"), prefix);
   std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(args);
   const TokenDtype dtype = token_dtype_for_vocab(tokenizer->vocab_size());
 
@@ -274,6 +288,9 @@ int data_prepare(int argc, char** argv) {
   progress.finish(num_bytes, writer.num_documents());
   ORIGAMI_CHECK(writer.num_documents() > 0, "--input ", args.str("input"),
                 ": no documents found (every document was empty or whitespace)");
+  // An older dataset's tokenizer goes first: a failure between the two leaves the new dataset without
+  // a tokenizer file, never paired with the old one.
+  std::remove((prefix + ".tokenizer.json").c_str());
   writer.finish();
   save_tokenizer_file(*tokenizer, prefix + ".tokenizer.json");
   double total_s = timer.ms() / 1e3, encode_s = std::max(encode_ms / 1e3, 1e-9);
@@ -302,17 +319,26 @@ int data_info(int argc, char** argv) {
   // Unigram entropy in nats: the loss of a model that knows only token frequencies, the
   // baseline a trained model's loss must fall well below.
   {
+    // Counted in a table up to 2^22 ids (any real vocabulary) and in a map above: a corrupt id near
+    // 2^31 must not allocate its value's worth of counters.
+    constexpr int32_t kTable = 1 << 22;
     std::vector<uint64_t> freq;
+    std::unordered_map<int32_t, uint64_t> large;
     std::vector<int32_t> buf(1 << 16);
     for (uint64_t first = 0; first < ds.num_tokens(); first += buf.size()) {
       const uint64_t n = std::min<uint64_t>(buf.size(), ds.num_tokens() - first);
       ds.read_tokens(first, n, buf.data());
       for (uint64_t k = 0; k < n; ++k) {
         ORIGAMI_CHECK(buf[k] >= 0, prefix, ".bin: token ", buf[k], " at position ", first + k, " is negative");
+        if (buf[k] >= kTable) {
+          ++large[buf[k]];
+          continue;
+        }
         if (size_t(buf[k]) >= freq.size()) freq.resize(size_t(buf[k]) + 1, 0);
         ++freq[size_t(buf[k])];
       }
     }
+    for (const auto& entry : large) freq.push_back(entry.second);
     double h = 0;
     for (uint64_t f : freq)
       if (f) h -= double(f) / double(ds.num_tokens()) * std::log(double(f) / double(ds.num_tokens()));

@@ -14,6 +14,7 @@ Run by ctest with ORIGAMI_BIN (build/origami); exits non-zero on the first faile
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +22,7 @@ import time
 from tokenizers import ByteLevelBPETokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import check, fail, run  # noqa: E402
+from cli_util import ORIGAMI, check, fail, run  # noqa: E402
 
 FORTUNES = "/usr/share/games/fortunes"
 EOT = "<|endoftext|>"
@@ -258,6 +259,30 @@ def main():
         os.remove(d + ".bin")
         expect_error(["data", "info", "--data", d], d + ".bin", "no such file")
         expect_error(["data", "info", "--data", os.path.join(tmp, "nothing")], os.path.join(tmp, "nothing") + ".idx")
+
+        # A token id near 2^31 (a corrupt or foreign dataset) is counted without 2^31 counters: data info
+        # runs in a 1 GiB address space.
+        d = damaged("large_id", lambda raw: raw)
+        with open(d + ".idx", "wb") as f:  # one int32 document of 5 tokens, in Megatron's layout
+            f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + bytes([4]) + struct.pack("<QQ", 1, 2))
+            f.write(struct.pack("<i", 5) + struct.pack("<q", 0) + struct.pack("<qq", 0, 1))
+        open(d + ".bin", "wb").write(struct.pack("<5i", 1, 2, 3, 2000000000, 2))
+        p = subprocess.run(["bash", "-c", 'ulimit -v 1048576 && exec "$0" data info --data "$1"', ORIGAMI, d],
+                           capture_output=True, text=True)
+        check(p.returncode == 0 and "5 tokens" in p.stdout and "unigram entropy: 1.3322" in p.stdout,
+              f"data info of a dataset holding token 2000000000:\n{p.stdout}{p.stderr}")
+
+        # A rerun whose --output lies in its --input directory reads the documents, not its own files.
+        again = os.path.join(tmp, "again")
+        os.mkdir(again)
+        open(os.path.join(again, "a.txt"), "w").write("alpha beta\n")
+        for _ in range(2):
+            p = run("data", "prepare", "--input", again, "--output", os.path.join(again, "corpus"), "--tokenizer", "byte",
+                    "--split", "file")
+            check("prepared 1 file, 1 documents, 12 tokens" in p.stdout, f"a rerun in the input directory:\n{p.stdout}")
+        check_dataset(os.path.join(again, "corpus"), [list(b"alpha beta\n") + [256]], dtype_code=8)
+        expect_error(["data", "prepare", "--input", os.path.join(again, "corpus.bin"), "--output",
+                      os.path.join(again, "corpus")], "corpus.bin is one of the files --output")
         print("ok")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
