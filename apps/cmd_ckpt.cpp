@@ -144,7 +144,7 @@ int ckpt_export(int argc, char** argv) {
   path = checkpoint_of(path, a, "origami ckpt export DIR --hf OUT");
   ORIGAMI_CHECK(a.has("hf"), "give the output directory: --hf OUT");
   const double gb = a.number("max-shard-gb");
-  ORIGAMI_CHECK(gb > 0, "--max-shard-gb must be positive, got ", gb);
+  ORIGAMI_CHECK(gb > 0 && gb <= 9e9, "--max-shard-gb must be positive and at most 9e9 (bytes in 64 bits), got ", gb);
   const ExportDtype dtype = parse_export_dtype(a.str("dtype"));
   Checkpoint ck = Checkpoint::open(path);
   ORIGAMI_CHECK(!ck.config_path().empty(), "'", ck.path(), "' has no config.json beside it");

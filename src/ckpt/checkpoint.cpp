@@ -128,6 +128,12 @@ bool Checkpoint::committed_in(const std::string& dir) {
   return fs::is_directory(dir) && (fs::exists(fs::path(dir) / "latest") || !committed_steps(dir).empty());
 }
 
+bool Checkpoint::is_checkpoint(const std::string& path) {
+  const fs::path p(path);
+  return fs::is_regular_file(p) || is_step_dir(p) || fs::exists(p / "model.safetensors") ||
+         fs::exists(p / "model.safetensors.index.json");
+}
+
 std::string Checkpoint::config_of(const std::string& path) {
   const fs::path p = resolve(path);
   return fs::is_directory(p) && fs::exists(p / "config.json") ? (p / "config.json").string() : "";

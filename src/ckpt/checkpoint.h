@@ -62,6 +62,8 @@ class Checkpoint {
   static Checkpoint open(const std::string& path);
   // Whether the --save directory `dir` holds a committed checkpoint (latest, or a step-N).
   static bool committed_in(const std::string& dir);
+  // Whether `path` is itself one checkpoint: a step, an export, a Hugging Face directory or a file.
+  static bool is_checkpoint(const std::string& path);
   // What `path` names now: a --save directory's newest committed step (DIR/step-N), else `path`.
   static std::string resolved(const std::string& path);
   // The config.json that belongs to the checkpoint at `path` ("" for a bare weights file).

@@ -52,11 +52,12 @@ std::string errno_text() { return std::strerror(errno); }
 
 std::string quote_path(const std::string& path) { return cat("'", path, "'"); }
 
-// numel of a shape in uint64, false on overflow.
+// numel of a shape in uint64, false on overflow: of every partial product past INT64_MAX too, which
+// TensorInfo::numel() forms in int64 ([2^62, 3, 0] has 0 elements, but not on the way).
 bool checked_numel(const std::vector<int64_t>& shape, uint64_t* out) {
   uint64_t n = 1;
   for (int64_t d : shape) {
-    if (d < 0 || __builtin_mul_overflow(n, uint64_t(d), &n)) return false;
+    if (d < 0 || __builtin_mul_overflow(n, uint64_t(d), &n) || n > uint64_t(INT64_MAX)) return false;
   }
   *out = n;
   return true;

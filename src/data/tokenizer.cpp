@@ -285,10 +285,15 @@ std::string tokenizer_file_for_hf_export(const std::string& path) {
   std::string bytes = read_file_bytes(path);
   ORIGAMI_CHECK(json_depth(bytes) <= kMaxJsonDepth, "tokenizer file '", path, "' nests arrays and objects more than ",
                 kMaxJsonDepth, " levels deep");
-  nlohmann::json j = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
-  if (j.is_object() && j.contains("type") && j["type"] == "huggingface" && j.contains("tokenizer"))
-    return j["tokenizer"].dump(2) + "\n";
-  return bytes;
+  const nlohmann::json j = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json& inner = unwrapped_tokenizer(j);
+  return &inner == &j ? bytes : inner.dump(2) + "\n";
+}
+
+const nlohmann::json& unwrapped_tokenizer(const nlohmann::json& file) {
+  if (file.is_object() && file.contains("type") && file["type"] == "huggingface" && file.contains("tokenizer"))
+    return file["tokenizer"];
+  return file;
 }
 
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path) {

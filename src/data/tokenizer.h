@@ -127,6 +127,9 @@ std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const st
 // The tokenizer.json to put into a Hugging Face model export: a huggingface tokenizer file's inner
 // Hugging Face file (what `transformers` loads), any other tokenizer file as it is.
 std::string tokenizer_file_for_hf_export(const std::string& path);
+// The Hugging Face file a huggingface tokenizer file wraps, any other tokenizer file as it is: equal
+// for a dataset's tokenizer file and the tokenizer.json of its run's export (same token ids).
+const nlohmann::json& unwrapped_tokenizer(const nlohmann::json& file);
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic
 
 }  // namespace origami

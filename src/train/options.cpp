@@ -36,8 +36,29 @@ int32_t document_eod(const ModelConfig& cfg, const Tokenizer* tokenizer, const s
   return eod;
 }
 
+namespace {
+// Whether two paths name one directory, however spelled (s9, s9/, ./s9), before it exists too.
+bool same_dir(const std::string& a, const std::string& b) {
+  const auto norm = [](const std::string& p) {
+    const std::filesystem::path n = std::filesystem::weakly_canonical(std::filesystem::absolute(p));
+    return n.has_filename() ? n : n.parent_path();
+  };
+  return norm(a) == norm(b);
+}
+}  // namespace
+
 bool TrainOptions::fresh_start() const {
-  return !resume.empty() && resume == save && !Checkpoint::committed_in(resume);
+  return !resume.empty() && !save.empty() && same_dir(resume, save) && !Checkpoint::committed_in(resume) &&
+         !Checkpoint::is_checkpoint(resume);
+}
+
+void TrainOptions::check_save_dir() const {
+  if (save.empty()) return;
+  ORIGAMI_CHECK(!Checkpoint::is_checkpoint(save), "--save '", save, "' is a checkpoint, not a run's directory: save "
+                "into a directory of step-N checkpoints (a new one, or the run's own --save)");
+  ORIGAMI_CHECK(!resume.empty() || !Checkpoint::committed_in(save), "--save '", save, "' holds another run's "
+                "checkpoints (", Checkpoint::resolved(save), "), whose steps this run would replace: continue it with "
+                "--resume ", save, ", or save elsewhere");
 }
 
 nlohmann::json TrainOptions::as_json() const {

@@ -191,6 +191,7 @@ Inputs open_inputs(Plan& plan) {
   }
   if (parse_attention_mask(o.attention_mask)) cfg.document_eod = document_eod(cfg, tok.get(), parts[0].prefix);
   cfg.packed_sequences = o.documents();
+  o.check_save_dir();
   in.fresh_start = o.fresh_start();
   const std::string& from = o.resume.empty() ? o.init_from : o.resume;
   if (!from.empty() && !in.fresh_start) {  // the checkpoint to start from, checked against the model
@@ -202,7 +203,7 @@ Inputs open_inputs(Plan& plan) {
     // A resumed run continues on the same token ids (a blend or --eval-data across tokenizers is refused alike).
     const std::string saved = in.checkpoint->path() + "/tokenizer.json";
     ORIGAMI_CHECK(o.resume.empty() || in.data->tokenizer().is_null() || !std::filesystem::exists(saved) ||
-                      parse_json_file(saved) == in.data->tokenizer(),
+                      unwrapped_tokenizer(parse_json_file(saved)) == unwrapped_tokenizer(in.data->tokenizer()),
                   "--resume '", o.resume, "' trained on another tokenizer (", saved, ") than --data's (",
                   in.data->tokenizer_path(), "); to train its weights on this data, start from them with --init-from");
   }

@@ -112,6 +112,9 @@ struct TrainOptions {
   // A job restarted with the same --resume and --save directory starts at step 0 the first time,
   // while that directory holds no checkpoint yet.
   bool fresh_start() const;
+  // Error unless --save can hold this run's steps: not a checkpoint itself, and, for a run that does
+  // not resume, not holding another run's steps (its first save would replace them).
+  void check_save_dir() const;
   nlohmann::json as_json() const;
   // Error naming the value and the rule, for the routing options alone (also used by 'origami dump').
   void validate_routing(const ModelConfig& cfg) const;

@@ -102,6 +102,33 @@ def main():
                      "--resume '%s' trained on another tokenizer (%s/tokenizer.json) than --data's (%s.tokenizer.json); "
                      "to train its weights on this data, start from them with --init-from" % (step2, step2, other))
 
+        # ...and onto its own data from an --optimizer export, whose tokenizer.json is the Hub file
+        # itself (the dataset's wraps it): the same token ids, so it resumes.
+        run("train", "--config", llama, *short, "--data", other, "--steps", "2", "--save", os.path.join(tmp, "hub"))
+        hub_export = os.path.join(tmp, "hub_export")
+        run("ckpt", "export", os.path.join(tmp, "hub"), "--hf", hub_export, "--optimizer")
+        run("train", "--resume", hub_export, *short, "--data", other, "--steps", "3")
+        print("ok   an --optimizer export of a run on a Hub tokenizer resumes on its data")
+
+        # --save into another run's steps: a run that does not resume would replace them; a checkpoint
+        # (a step, an export) is no run directory, and its resume started from step 0 before.
+        expect_error("--save into another run's directory", ["train", "--config", llama, *short, "--steps", "2",
+                                                              "--save", ck],
+                     "--save '%s' holds another run's checkpoints (%s), whose steps this run would replace: continue "
+                     "it with --resume %s, or save elsewhere" % (ck, step2, ck))
+        for target in (step2, hub_export):
+            expect_error("--resume and --save a checkpoint (%s)" % os.path.basename(target),
+                         ["train", *short, "--steps", "3", "--resume", target, "--save", target],
+                         "--save '%s' is a checkpoint, not a run's directory: save into a directory of step-N "
+                         "checkpoints (a new one, or the run's own --save)" % target)
+        first = os.path.join(tmp, "first")
+        p = run("train", "--config", llama, *short, "--steps", "2", "--resume", first, "--save", first + "/")
+        check("no checkpoint in '%s' yet: starting at step 0" % first in p.stdout,
+              "--resume DIR --save DIR/ starts the run the first time:\n" + p.stdout + p.stderr)
+        expect_error("ckpt export --max-shard-gb 1e300", ["ckpt", "export", step2, "--hf", os.path.join(tmp, "big"),
+                                                          "--max-shard-gb", "1e300"],
+                     "--max-shard-gb must be positive and at most 9e9 (bytes in 64 bits), got 1e+300")
+
         # A resume that changes the learning rate's course or the data order says so (it still runs).
         p = run("train", "--resume", ck, *short, "--steps", "4", "--seed", "9", "--lr", "1e-3")
         for flag, now, before in (("--steps (the cosine schedule's length)", "4", "2"), ("--seed", "9", "1234"),

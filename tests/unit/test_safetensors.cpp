@@ -317,6 +317,9 @@ TEST_F(Safetensors, RejectsBrokenFiles) {
                     "tensor 'w': data_offsets [0,8] span 8 bytes but shape [2] of F16 needs 4");
   expect_open_error(write_raw("overflow", R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8),
                     "overflows");
+  // 0 elements, but 2^62 x 3 on the way past int64 (numel() forms it in int64)
+  expect_open_error(write_raw("partial_overflow", R"({"w":{"dtype":"F32","shape":[4611686018427387904,3,0],"data_offsets":[0,0]}})", 0),
+                    "overflows");
   expect_open_error(write_raw("overlap", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                                          R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
                     "tensor 'b' [4, 12) overlaps tensor 'a' [0, 8)");
