@@ -12,16 +12,16 @@ std::vector<GemmShape> model_gemm_shapes(const ModelConfig& c, int64_t B, int64_
   const int64_t F = c.is_moe() ? c.expert_ffn : c.ffn,
                 rows = c.is_moe() ? std::max<int64_t>(1, (N * c.top_k + c.num_experts - 1) / c.num_experts) : N;
   std::vector<GemmShape> out;
-  auto linear = [&](int64_t n, int64_t in, int64_t o) {
-    out.push_back({n, o, in, false, true});   // y = x·Wᵀ
-    out.push_back({n, in, o, false, false});  // dx = dy·W
-    out.push_back({o, in, n, true, false});   // dW = dyᵀ·x
+  auto linear = [&](int64_t n, int64_t in, int64_t o, bool expert) {
+    out.push_back({n, o, in, false, true, expert});   // y = x·Wᵀ
+    out.push_back({n, in, o, false, false, expert});  // dx = dy·W
+    out.push_back({o, in, n, true, false, expert});   // dW = dyᵀ·x
   };
-  linear(N, C, S);
-  linear(N, HD, C);
-  linear(rows, C, 2 * F);
-  linear(rows, F, C);
-  linear(N, C, c.vocab_size);
+  linear(N, C, S, false);
+  linear(N, HD, C, false);
+  linear(rows, C, 2 * F, c.is_moe());
+  linear(rows, F, C, c.is_moe());
+  linear(N, C, c.vocab_size, false);
   return out;
 }
 
@@ -51,7 +51,8 @@ double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, b
     const size_t k = i++ % copies;
     const Mat<float> a{A.data() + k * a_n, s.ta ? s.M : s.K},
         b{Bm.data() + k * b_n, s.tb ? s.K : s.N, low.empty() ? nullptr : low.data() + k * b_n};
-    matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, s.ta ? 1.f : 0.f, C.data() + k * c_n, s.N);
+    matmul<float>(p, s.ta, s.tb, s.M, s.N, s.K, 1.f, a, b, s.ta ? 1.f : 0.f, C.data() + k * c_n, s.N,
+                  s.varying ? Sizes::varying : Sizes::fixed);
   });
 }
 

@@ -46,6 +46,7 @@ double timed_best(Comm& world, double seconds, int min_calls, Fn&& fn, int trial
 struct GemmShape {
   int64_t M, N, K;
   bool ta, tb;
+  bool varying = false;  // an expert's: M or K set by the routing, so matmul's Sizes::varying path
   double flops() const { return 2.0 * double(M) * double(N) * double(K); }
   double elements() const { return double(M) * double(K) + double(K) * double(N) + double(M) * double(N); }  // operands
 };

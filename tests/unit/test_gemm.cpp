@@ -139,3 +139,29 @@ TEST(Gemm, FloatRejectsALeadingDimensionTooSmall) {  // oneDNN would leave C unt
   std::vector<float> A(16, 1.f), B(16, 1.f), C(16, -3.f);
   EXPECT_THROW(gemm<float>(false, false, 4, 4, 4, 1.f, A.data(), 2, B.data(), 4, 0.f, C.data(), 4), Error);
 }
+
+// K = 0 leaves C = beta·C on every path (oneDNN's sgemm alone would leave C unchanged): beta 0
+// writes zeros over a NaN, beta 0.5 halves, outside a parallel region and in a team of 2's tiles.
+TEST(Gemm, NoInnerDimensionScalesC) {
+  set_num_threads(2);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int team : {1, 2})
+    for (TileGemm lib : {TileGemm::openblas, TileGemm::onednn}) {
+      const TileGemm chosen = tile_gemm_library();
+      set_tile_gemm_library(lib);
+      std::vector<std::array<float, 6>> got(static_cast<size_t>(team));
+#pragma omp parallel num_threads(team)
+      {
+        std::array<float, 6>& C = got[size_t(omp_get_thread_num())];
+        C = {nan, 2.f, -7.f, 3.f, 4.f, 9.f};  // [2, 2] with row stride 3 (9 is outside)
+        gemm<float>(false, false, 2, 2, 0, 1.f, nullptr, 1, nullptr, 2, 0.f, C.data(), 3);
+        C[0] = 3.f;
+        gemm<float>(false, false, 2, 2, 0, 1.f, nullptr, 1, nullptr, 2, 0.5f, C.data(), 3);
+      }
+      set_tile_gemm_library(chosen);
+      for (const auto& C : got) EXPECT_EQ(C, (std::array<float, 6>{1.5f, 0.f, -7.f, 0.f, 0.f, 9.f})) << team;
+    }
+  std::vector<double> D = {4., 8.};
+  gemm<double>(false, false, 1, 2, 0, 1., nullptr, 1, nullptr, 2, 0.25, D.data(), 2);
+  EXPECT_EQ(D, (std::vector<double>{1., 2.}));
+}

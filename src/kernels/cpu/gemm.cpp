@@ -104,10 +104,19 @@ std::string describe_tile_gemm() {
              c.agreed ? "; rank 0's choice" : "", ")");
 }
 
+template <typename T>
+void scale_matrix(int64_t M, int64_t N, T beta, T* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
+}
+template void scale_matrix<float>(int64_t, int64_t, float, float*, int64_t);
+template void scale_matrix<double>(int64_t, int64_t, double, double*, int64_t);
+
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  if (K == 0) return scale_matrix(M, N, beta, C, ldc);
   // A per-thread tile (attention) on the library timed faster for tiles; a whole GEMM, and a tile of
   // a team of one (not in an active region: --threads 1), on oneDNN, whatever the timing.
   if (omp_in_parallel()) {
@@ -122,6 +131,7 @@ template <>
 void gemm<double>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const double* A,
                   int64_t lda, const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  if (K == 0) return scale_matrix(M, N, beta, C, ldc);
   cblas_dgemm(CblasRowMajor, op(ta), op(tb), int(M), int(N), int(K), alpha, A, int(lda), B, int(ldb),
               beta, C, int(ldc));
 }

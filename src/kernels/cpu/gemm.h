@@ -22,6 +22,11 @@ template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
           int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
+// C = beta·C over [M, N] with row stride ldc (beta 0 writes zeros: NaN in C does not survive, as in
+// BLAS). A GEMM with K = 0 is this; every path does it itself, since oneDNN's sgemm leaves C unchanged.
+template <typename T>
+void scale_matrix(int64_t M, int64_t N, T beta, T* C, int64_t ldc);
+
 // Sets the thread count of OpenMP (our loops, oneDNN) and OpenBLAS: one pool.
 void set_num_threads(int n);
 int num_threads();

@@ -407,12 +407,6 @@ const bf16* low_values(const Bf16Operand& X, int64_t rows, int64_t cols, int slo
 
 thread_local Bf16GemmPath last_path = Bf16GemmPath::portable;
 
-// K = 0: no products, C = beta·C (beta 0 writes zeros whatever C held).
-void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
-}
-
 // "AMX", "AVX512-BF16" or "AVX-512", from the implementation's name where it says, else from the
 // ISA oneDNN runs at (gemm:jit's bf16 kernels use AVX512-BF16 instructions where the CPU has them).
 std::string isa_of(const std::string& impl) {
@@ -430,7 +424,7 @@ void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B,
   ORIGAMI_ASSERT(s.lda >= std::max<int64_t>(1, s.ta ? s.M : s.K) && s.ldb >= std::max<int64_t>(1, s.tb ? s.K : s.N) &&
                  s.ldc >= std::max<int64_t>(1, s.N));
   last_path = Bf16GemmPath::portable;
-  if (s.K == 0) return scale_c(s.M, s.N, s.beta, C, s.ldc);
+  if (s.K == 0) return scale_matrix(s.M, s.N, s.beta, C, s.ldc);
   if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
   const int64_t a_rows = s.ta ? s.K : s.M, a_cols = s.ta ? s.M : s.K;  // as stored
   const int64_t b_rows = s.tb ? s.N : s.K, b_cols = s.tb ? s.K : s.N;
@@ -568,7 +562,7 @@ void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float 
 void tile_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                     const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (K == 0) return scale_c(M, N, beta, C, ldc);
+  if (K == 0) return scale_matrix(M, N, beta, C, ldc);
   const Shape s{ta, tb, M, N, K, lda, ldb, ldc, alpha, beta};
   // This thread's primitive per shape (no lock); none where oneDNN offers only its reference loops
   // for a shape (bf16_tiles() checked one): that shape takes the portable path.
@@ -619,6 +613,7 @@ void set_bf16_gemm_mode(Bf16GemmMode m) {
   mode() = m;
   c.by_shape.clear();
   tile_choice_slot().reset();
+  small_shapes_onednn() = -1;
 }
 
 Bf16GemmMode bf16_gemm_mode() { return mode(); }
