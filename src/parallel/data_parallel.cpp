@@ -28,7 +28,7 @@ void pieces_in(const ExpertBlocks& x, int64_t j, const std::vector<Range>& shard
 }  // namespace
 
 DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding,
-                           DType wire, bool sparse, bool keep)
+                           DType wire, bool sparse, bool keep, const std::vector<LayerRange>& chunks)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
       sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32), sparse_(sparse),
       keep_(sparse && keep) {
@@ -53,6 +53,11 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
   held_.assign(params.buckets().size(), 0);
   gathered_.assign(params.buckets().size(), 0);
   started_.assign(params.buckets().size(), kIdle);
+  if (zero_ >= 2 && !sparse && chunks.size() > 1) {
+    std::vector<Range> tensors;
+    for (size_t i = 0; i < params.table().size(); ++i) tensors.push_back({params.offset(i), params.offset(i) + params.local_numel(i)});
+    pass_buckets_ = pass_buckets(params.table(), tensors, params.buckets(), chunks);
+  }
   const std::vector<ParamSpec>& table = params.table();
   for (const Segment& seg : params.segments(owned_)) {
     const TpSplit& split = table[seg.param].split;
@@ -107,8 +112,26 @@ void DataParallel::begin_step() {
   std::fill(started_.begin(), started_.end(), kIdle);
 }
 
-void DataParallel::begin_backward(bool final) {
-  if (zero_ >= 2) std::fill(started_.begin(), started_.end(), kIdle);  // every pass reduces every bucket
+std::vector<std::vector<char>> pass_buckets(const std::vector<ParamSpec>& table, const std::vector<Range>& tensors,
+                                            const std::vector<Range>& buckets, const std::vector<LayerRange>& chunks) {
+  std::vector<std::vector<char>> out(chunks.size(), std::vector<char>(buckets.size(), 0));
+  for (size_t i = 0; i < table.size(); ++i) {
+    const int64_t unit = param_unit(table[i].name);
+    const Range t = tensors[i];
+    // The buckets are listed from the end of the buffer: those from the first beginning before t ends.
+    const auto first = std::partition_point(buckets.begin(), buckets.end(), [&](const Range& b) { return b.begin >= t.end; });
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      if (unit >= 0 && (unit < chunks[c].begin || unit >= chunks[c].end)) continue;
+      for (auto b = first; b != buckets.end() && b->end > t.begin; ++b) out[c][size_t(b - buckets.begin())] = 1;
+    }
+  }
+  return out;
+}
+
+void DataParallel::begin_backward(bool final, int chunk) {
+  if (zero_ >= 2)  // the pass's buckets; the others' (none written) wait for their own chunk's pass
+    for (size_t b = 0; b < started_.size(); ++b)
+      started_[b] = pass_buckets_.empty() || pass_buckets_[size_t(chunk)][b] ? kIdle : kDone;
   armed_ = !sparse_ && (zero_ >= 2 || final);  // FSSDP reduces in reduce_experts
 }
 

@@ -76,6 +76,14 @@ namespace origami {
 // (bucket lengths are multiples of dp, see plan_buffer).
 std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int dp_rank);
 
+// The buckets each chunk's backward pass writes ([chunk][bucket] = 1), from each tensor's buffer
+// range: a layer's tensors in the pass of the chunk holding the layer; any other tensor (embedding,
+// final norm and head, the tied embedding's copy, vocabulary slices) in passes that depend on the
+// stage and schedule, so its buckets count as every pass's. ZeRO ≥ 2 reduces a pass's buckets alone:
+// under interleaving the other chunks' buckets hold zeros (DataParallel::begin_backward).
+std::vector<std::vector<char>> pass_buckets(const std::vector<ParamSpec>& table, const std::vector<Range>& tensors,
+                                            const std::vector<Range>& buckets, const std::vector<LayerRange>& chunks);
+
 class DataParallel {
  public:
   // dp: data-parallel group; tp: tensor-parallel group (TP-partial gradients are reduced over it:
@@ -84,8 +92,10 @@ class DataParallel {
   // tensor (the tied embedding), else null.
   // wire: the element type of the DP reduction, DType::f32 or DType::bf16 (--grad-reduce-dtype).
   // sparse: FSSDP (zero_stage must be 3); keep: FSSDP keeps what it gathered until the step's update.
+  // chunks: the stage's chunks of layers (pass_buckets; empty: every pass writes every bucket).
   DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr,
-               DType wire = DType::f32, bool sparse = false, bool keep = false);
+               DType wire = DType::f32, bool sparse = false, bool keep = false,
+               const std::vector<LayerRange>& chunks = {});
 
   int zero_stage() const { return zero_; }
   // The buffer ranges this rank updates: everything (ZeRO 0) or its shard of each bucket.
@@ -98,10 +108,11 @@ class DataParallel {
   //   begin_step(); { begin_backward(final); <backward: the model calls grads_ready> end_backward(); }...
   //   finish_gradients({sets}); <optimizer>; gather_params()
   void begin_step();
-  // Before a backward pass. `final`: no later backward of this step writes the gradients this one
-  // writes (the last micro-batch; under interleaving, the chunk's last). ZeRO 0/1 reduce during final
-  // passes only; ZeRO-2 after every pass, its gradient buffer holding one pass's gradients.
-  void begin_backward(bool final);
+  // Before a backward pass of `chunk`. `final`: no later backward of this step writes the gradients
+  // this one writes (the last micro-batch; under interleaving, the chunk's last). ZeRO 0/1 reduce
+  // during final passes only; ZeRO ≥ 2 after every pass the buckets it writes (pass_buckets), its
+  // gradient buffer holding one pass's gradients.
+  void begin_backward(bool final, int chunk = 0);
   // The model's gradients-ready hook: starts the reduction of every armed bucket at offsets ≥ offset.
   void grads_ready(int64_t offset);
   // After a backward pass (ZeRO-2: reduces what is left and waits, then releases the buffer).
@@ -180,6 +191,7 @@ class DataParallel {
   ReleasablePages low_;              // wire bf16: the gradient buffer rounded, each bucket's range returned
                                      // once its reduction is complete
   std::vector<Request> pending_;     // per bucket
+  std::vector<std::vector<char>> pass_buckets_;  // [chunk][bucket]: written by the chunk's pass (ZeRO ≥ 2)
   enum : uint8_t { kIdle, kInFlight, kDone };
   std::vector<uint8_t> started_;     // per bucket, this pass
   // ZeRO-3, per bucket: its all-gather, the units using it, whether its values are all present.

@@ -164,7 +164,7 @@ class Pipeline::Step {
       timed_wait(f->second->req);
       fwd_sends_.erase(f);
     }
-    for (DataParallel* d : pipe_.dp_) d->begin_backward(pipe_.final_[i]);
+    for (DataParallel* d : pipe_.dp_) d->begin_backward(pipe_.final_[i], a.chunk);
     const double c0 = now();
     out_ += pipe_.model_.backward(a.microbatch, a.chunk, tok, d_out ? d_out->buf.data() : nullptr, loss_scale_);
     pipe_.times_.busy += now() - c0;

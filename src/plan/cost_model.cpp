@@ -224,11 +224,11 @@ const RankBuffers& CostModel::buffers(const TrainOptions& o, const MeshShape& me
   // The stage's tables, cut for this rank's EP rank.
   const int stage = mesh.coord(rank, "pp"), ep_rank = mesh.coord(rank, "ep");
   const auto table_key = std::make_tuple(m.pp, o.vpp, o.pp_layers, stage, m.ep, ep_rank, o.vocab_parallel);
+  const ModelPart part = stage_parts(o, m.pp)[size_t(stage)];
   auto table = tables_.find(table_key);
   if (table == tables_.end())
-    table = tables_.emplace(table_key, split_experts(make_param_table(cfg_, stage_parts(o, m.pp)[size_t(stage)]),
-                                                     cfg_.num_experts, m.ep, ep_rank)).first;
-  return buffers_.emplace(key, rank_buffers(o, devices_, rank, table->second)).first->second;
+    table = tables_.emplace(table_key, split_experts(make_param_table(cfg_, part), cfg_.num_experts, m.ep, ep_rank)).first;
+  return buffers_.emplace(key, rank_buffers(o, devices_, rank, table->second, part.chunks)).first->second;
 }
 
 // The schedule with the busiest stage's times on every stage. Its makespan scales with them: in units

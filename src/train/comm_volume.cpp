@@ -15,19 +15,23 @@ namespace {
 
 // One parameter set's data-parallel traffic over a group of `group` ranks (data_parallel.h): ZeRO 0
 // all-reduces every bucket once a step, ZeRO 1 reduce-scatters them once and all-gathers the
-// parameters, ZeRO 2 and 3 reduce-scatter after each of the step's `passes` backward passes; ZeRO 3
-// gathers `gathered` bytes of parameters in the step instead (unit_gathers). Gradients travel as
-// `wire` (--grad-reduce-dtype), the parameters ZeRO-1/2 gather as fp32 but for the copy buckets'
-// bf16 copy (ParamLayout::copy_buckets).
-double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t passes, DType wire,
+// parameters, ZeRO 2 and 3 reduce-scatter after each backward pass (`micro` per chunk) the buckets
+// that pass writes (BufferFigures::pass_buckets); ZeRO 3 gathers `gathered` bytes of parameters in
+// the step instead (unit_gathers). Gradients travel as `wire` (--grad-reduce-dtype), the parameters
+// ZeRO-1/2 gather as fp32 but for the copy buckets' bf16 copy (ParamLayout::copy_buckets).
+double gradient_bytes(const BufferFigures& buffer, int group, int zero, int64_t micro, DType wire,
                       double gathered_bytes) {
   const double padded = double(buffer.buckets), g = double(group > 1 ? dtype_bytes(wire) : 4);
   if (zero == 0) return all_reduce_bytes(group, g * padded);
-  // every bucket, each rank its shard
-  const double reduced = scatter_gather_bytes(group, g * padded / group);
+  // each rank its shard of the buckets reduced
+  double reduced = scatter_gather_bytes(group, g * padded / group);
+  if (zero >= 2) {
+    reduced = 0;
+    for (int64_t floats : buffer.pass_buckets) reduced += double(micro) * scatter_gather_bytes(group, g * double(floats) / group);
+  }
   const double gathered =
       zero == 3 ? scatter_gather_bytes(group, gathered_bytes / group) : zero_gather_bytes(buffer, group, zero);
-  return double(zero >= 2 ? passes : 1) * reduced + gathered;
+  return reduced + gathered;
 }
 
 }  // namespace
@@ -192,8 +196,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
 
   // Gradients: the dense buffer over DP × CP, the experts' over EDP; TP-partial gradients over TP.
   const int grad_group = m.dp * c;
-  const int64_t passes = micro * int64_t(part.chunks.size());
-  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, passes, o.grad_reduce_wire(),
+  add(c > 1 ? "dp-cp" : "dp", gradient_bytes(buffers.dense, grad_group, o.zero, micro, o.grad_reduce_wire(),
                                               unit_gathers(buffers.dense, part, micro, false)));
   total_tp += all_reduce_bytes(t, 4 * double(buffers.tp_partial(o.zero, t, o.sequence_parallel)));
   add("tp", total_tp);
@@ -202,7 +205,7 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
                                    parse_precision(o.precision) == Precision::bf16 ? 2 : 4,
                                    double(dtype_bytes(o.grad_reduce_wire())), o.fssdp_keep));
   else if (buffers.experts.size > 0)
-    add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, passes, o.grad_reduce_wire(),
+    add("edp", gradient_bytes(buffers.experts, m.edp, o.zero, micro, o.grad_reduce_wire(),
                               unit_gathers(buffers.experts, part, micro, true)));
   // The tied embedding's bucket (its DP shard under ZeRO) summed over the first and last stage.
   if (p > 1 && (stage == 0 || stage == p - 1))

@@ -125,7 +125,8 @@ int64_t gradient_buckets_held(const std::vector<ParamSpec>& table, const BufferP
   return most;
 }
 
-RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables);
+RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables,
+                       const std::vector<LayerRange>& chunks);
 }  // namespace
 
 std::string size_inputs(const ModelConfig& c, const TrainOptions* o) {
@@ -150,13 +151,15 @@ RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& options, in
   // The table is large for deep models (the memory check must answer within a second): moved, not copied.
   return size_error("the parameter buffer", size_inputs(cfg), [&] {
     return buffers_of(o, world_size, rank,
-                      split_experts(make_param_table(cfg, part), cfg.num_experts, mesh.degree("ep"), mesh.coord(rank, "ep")));
+                      split_experts(make_param_table(cfg, part), cfg.num_experts, mesh.degree("ep"), mesh.coord(rank, "ep")),
+                      part.chunks);
   });
 }
 
 namespace {
 
-RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables) {
+RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, const SplitTable& tables,
+                       const std::vector<LayerRange>& chunks) {
   const TrainOptions o = options.resolved(world_size);
   const MeshShape mesh(world_size, o.layout_dims(world_size), o.mesh_order);
   // Dense gradients and ZeRO shards span DP x CP (the trainer's dp-cp group).
@@ -183,6 +186,13 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       f.unit_shard_data[plan.bucket_unit[b]] += shard_data;
     }
     f.largest_pair = gradient_buckets_held(table, plan);
+    std::vector<Range> tensors;
+    for (size_t i = 0; i < table.size(); ++i) tensors.push_back({plan.offsets[i], plan.offsets[i] + table[i].local_numel(tp_size)});
+    for (const std::vector<char>& written : pass_buckets(table, tensors, plan.buckets, chunks)) {
+      f.pass_buckets.push_back(0);
+      for (size_t b = 0; b < written.size(); ++b)
+        if (written[b]) f.pass_buckets.back() += plan.buckets[b].end - plan.buckets[b].begin;
+    }
     gathered_figures(f, table, plan, shards, dp_size, parse_precision(o.precision) == Precision::bf16);
     for (const auto& [unit, floats] : f.unit_floats) f.largest_unit = std::max(f.largest_unit, floats);
     if (!dense) return f;
@@ -218,9 +228,10 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
 
 }  // namespace
 
-RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables) {
+RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables,
+                         const std::vector<LayerRange>& chunks) {
   return size_error("the parameter buffer of this layout", "the sum of its tensors' elements",
-                    [&] { return buffers_of(o, world_size, rank, tables); });
+                    [&] { return buffers_of(o, world_size, rank, tables, chunks); });
 }
 
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime,

@@ -54,6 +54,7 @@ struct BufferFigures {
   int64_t shard = 0;       // floats of this rank's shards of the buckets (ZeRO)
   int64_t shard_data = 0;  // tensor elements inside those shards
   int64_t largest = 0;      // floats of its largest bucket
+  std::vector<int64_t> pass_buckets;  // per chunk: floats of the buckets its backward pass writes (pass_buckets)
   int64_t largest_pair = 0; // ZeRO ≥ 2's most floats of whole buckets resident beside the shards: the
                             // one reducing and those backward is writing (a replay of backward)
   // ZeRO-3 (unit-aligned buckets): floats of the buckets of each unit (param_unit) and of its copy
@@ -92,7 +93,8 @@ struct RankBuffers {
 // planner keeps them per stage); the first form builds them. The figures do not depend on the ZeRO
 // stage or SP. Throws Error for an invalid layout, and naming size_inputs for a size that overflows.
 RankBuffers rank_buffers(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank);
-RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables);
+RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const SplitTable& tables,
+                         const std::vector<LayerRange>& chunks);
 
 // The inputs that size a run, in words, for the error when a size overflows 64-bit arithmetic
 // (core/checked.h): the model's dimensions and, given options, --micro-batch and --seq-len.

@@ -56,10 +56,10 @@ struct ParamSet {
   DataParallel dp;
   AdamW opt;
   ParamSet(std::vector<ParamSpec> table, const TrainOptions& o, Comm& dp_group, Comm& tp_group, bool sequence_parallel,
-           Comm* embedding, bool experts)
+           Comm* embedding, bool experts, const std::vector<LayerRange>& chunks)
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size(), experts)),
         dp(params, dp_group, tp_group, o.zero_of(experts), sequence_parallel, embedding, o.grad_reduce_wire(),
-           experts && o.fssdp(), o.fssdp_keep),
+           experts && o.fssdp(), o.fssdp_keep, chunks),
         opt(params, o.adam, dp.owned(), dp.copy_written_by_update()) {}
 };
 
@@ -71,13 +71,15 @@ struct StageParams {
   StageParams(const Plan& plan, const ModelPart& part, Mesh& mesh, Comm* embedding)
       : StageParams(split_experts(make_param_table(plan.model, part), plan.model.num_experts, mesh.comm("ep").size(),
                                   mesh.comm("ep").rank()),
-                    plan.options, mesh, part.embedding != part.head ? embedding : nullptr) {}
+                    plan.options, mesh, part.embedding != part.head ? embedding : nullptr, part.chunks) {}
   std::array<ParamSet*, 2> sets() { return {&dense, &experts}; }
 
  private:
-  StageParams(SplitTable tables, const TrainOptions& o, Mesh& mesh, Comm* embedding)
-      : dense(std::move(tables.dense), o, mesh.comm("dp-cp"), mesh.comm("tp"), o.sequence_parallel, embedding, false),
-        experts(std::move(tables.experts), o, mesh.comm("edp"), mesh.comm("etp"), false, nullptr, true) {}
+  StageParams(SplitTable tables, const TrainOptions& o, Mesh& mesh, Comm* embedding,
+              const std::vector<LayerRange>& chunks)
+      : dense(std::move(tables.dense), o, mesh.comm("dp-cp"), mesh.comm("tp"), o.sequence_parallel, embedding, false,
+              chunks),
+        experts(std::move(tables.experts), o, mesh.comm("edp"), mesh.comm("etp"), false, nullptr, true, chunks) {}
 };
 
 // The run's inputs, opened on every rank and checked before any communication: the training data

@@ -41,6 +41,11 @@ CASES = [
     ("gpt2_tiny", 2, ["--pp", "2"]),
     ("llama_tiny", 2, ["--pp", "2", "--pp-layers", "1,1"]),
     ("gpt2_4l", 2, ["--pp", "2", "--vpp", "2", "--zero", "1"]),
+    # ZeRO-2/3 under interleaving: each chunk's backward reduces the buckets it writes (its layers') and
+    # those of the embedding and head, not the other chunks' (zeros).
+    ("gpt2_4l", 4, ["--pp", "2", "--dp", "2", "--zero", "3"]),
+    ("gpt2_4l", 4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--zero", "3"]),
+    ("gpt2_4l", 4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--zero", "2"]),
     ("llama_gqa2", 2, ["--cp", "2"]),
     ("llama_gqa2", 2, ["--cp", "2", "--cp-comm", "a2a"]),
     ("llama_gqa2", 4, ["--cp", "4", "--cp-comm", "a2a+p2p", "--cp-a2a-size", "2"]),
@@ -91,7 +96,7 @@ def main():
     gpt2_4l = h.load_config("gpt2_tiny")
     gpt2_4l["n_layer"] = 4
     h.write_json(os.path.join(tmp, "gpt2_4l.json"), gpt2_4l)
-    sent, gathered = {}, {}  # layout name -> comm_bytes, rank 0's gathered_bytes
+    sent, gathered, reduced = {}, {}, {}  # layout name -> comm_bytes, rank 0's gathered_bytes and reduced_bytes
     for model, ranks, flags in CASES:
         cfg = os.path.join(tmp if model == "gpt2_4l" else h.CONFIGS, model + ".json")
         metrics = os.path.join(tmp, "m.jsonl")
@@ -106,6 +111,7 @@ def main():
         got, want = row["comm_bytes"], row.get("comm_bytes_predicted", {})
         sent[name] = got
         gathered[name] = row.get("gathered_bytes", [None])[0]
+        reduced[name] = row.get("reduced_bytes", [None])[0]
         bad = []
         for axis in sorted(set(got) | set(want)):
             g, w = got.get(axis, 0), want.get(axis, 0)
@@ -121,6 +127,13 @@ def main():
         failures += ["%s: %s" % (name, b) for b in bad]
         print("%-4s %-75s %s" % ("FAIL" if bad else "ok", name, "; ".join(bad) or
                                  " ".join("%s %d" % (k, v) for k, v in sorted(got.items()))), flush=True)
+    # Two chunks a stage reduce the layers' gradients no more often than one (each once per micro-batch):
+    # only the embedding's and head's buckets go twice. Reducing every bucket in every pass sent twice.
+    one, two = (reduced.get("gpt2_4l --pp 2%s --dp 2 --zero 3" % v) for v in ("", " --vpp 2"))
+    if not one or not two or two >= 1.5 * one:
+        failures.append("ZeRO-3 PP2 x DP2: rank 0 reduced %s bytes a step with --vpp 2, %s without: expected under "
+                        "1.5 times" % (two, one))
+    print("ZeRO-3 PP2 x DP2 gradients reduced by rank 0: %s bytes, %s with --vpp 2" % (one, two))
     # bf16 gradients are half the bytes of fp32 ones: llama DP2's all-reduce, measured.
     half, full = sent.get("llama_tiny --grad-reduce-dtype bf16", {}), sent.get("llama_tiny DP2", {})
     if not full.get("dp") or 2 * half.get("dp", 0) != full["dp"]:
