@@ -175,7 +175,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   // Layout.
   parse_recompute(recompute);
   ORIGAMI_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
-  ORIGAMI_CHECK(bucket_mb > 0, "--bucket-mb must be positive, got ", bucket_mb);
+  ORIGAMI_CHECK(bucket_mb * 1024 * 1024 >= 4, "--bucket-mb must hold one float (at least 3.82e-06 MiB), got ",
+                bucket_mb);
   validate_experts(cfg, world_size);
   // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP
   // (and by TP for MoE layers' shares); heads over the all-to-all group.

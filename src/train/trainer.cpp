@@ -875,11 +875,11 @@ int Run::step(int64_t step, StopSignals& signals) {
   const bool too_many_skips = skipped_ > o_.max_skipped_steps || broken;
   if (fig.stop && rank0_) std::printf("stopping on signal after step %lld\n", (long long)r.step);
   if (o_.save_every_auto && save_every_ == 0) step_ms_.push_back(r.ms);
+  take_measurements(r);  // (before a save, whose exchanges over the world are not the step's)
   if (writer_ && !too_many_skips && (fig.stop || r.step == o_.steps || save_due(r.step))) {
     r.save_blocked_s = save(r.step);
     if (o_.save_every_auto && save_every_ == 0) plan_save_interval(r.save_blocked_s);
   }
-  take_measurements(r);
   // Validation after the step's own figures are taken (its forwards would add to them).
   if (in_.eval_data && !too_many_skips && (r.step == o_.steps || (o_.eval_every > 0 && r.step % o_.eval_every == 0))) {
     Timer eval_timer;

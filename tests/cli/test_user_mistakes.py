@@ -125,6 +125,8 @@ def main():
         p = run("train", "--config", llama, *short, "--steps", "2", "--resume", first, "--save", first + "/")
         check("no checkpoint in '%s' yet: starting at step 0" % first in p.stdout,
               "--resume DIR --save DIR/ starts the run the first time:\n" + p.stdout + p.stderr)
+        expect_error("--bucket-mb below one float", ["train", "--config", llama, *short, "--bucket-mb", "1e-7"],
+                     "--bucket-mb must hold one float (at least 3.82e-06 MiB), got 1e-07")
         expect_error("ckpt export --max-shard-gb 1e300", ["ckpt", "export", step2, "--hf", os.path.join(tmp, "big"),
                                                           "--max-shard-gb", "1e300"],
                      "--max-shard-gb must be positive and at most 9e9 (bytes in 64 bits), got 1e+300")

@@ -127,6 +127,16 @@ def main():
         failures += ["%s: %s" % (name, b) for b in bad]
         print("%-4s %-75s %s" % ("FAIL" if bad else "ok", name, "; ".join(bad) or
                                  " ".join("%s %d" % (k, v) for k, v in sorted(got.items()))), flush=True)
+    # A step that saves a checkpoint: the save's own exchanges (over the world) are not the step's.
+    metrics = os.path.join(tmp, "saving.jsonl")
+    rc, out, _ = h.run(2, ["train", "--config", os.path.join(h.CONFIGS, "llama_tiny.json"), "--data", data, "--steps", "2",
+                           "--seq-len", "32", "--micro-batch", "2", "--threads", "1", "--quiet", "--metrics", metrics,
+                           "--save", os.path.join(tmp, "ck"), "--save-every", "1"])
+    rows_saving = h.read_metrics(metrics) if rc == 0 else []
+    predicted = rows_saving[0].get("comm_bytes_predicted") if rows_saving else None  # (in the first row)
+    if len(rows_saving) != 2 or any(r["comm_bytes"] != predicted for r in rows_saving):
+        failures.append("DP2 saving every step: comm_bytes %s, predicted %s (exit %s)" % (
+            [r["comm_bytes"] for r in rows_saving], predicted, rc))
     # Two chunks a stage reduce the layers' gradients no more often than one (each once per micro-batch):
     # only the embedding's and head's buckets go twice. Reducing every bucket in every pass sent twice.
     one, two = (reduced.get("gpt2_4l --pp 2%s --dp 2 --zero 3" % v) for v in ("", " --vpp 2"))
