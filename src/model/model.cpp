@@ -377,7 +377,8 @@ void Model::set_precision(Precision p) {
   B_ = 0;  // the slots' buffers depend on it: the next set_batch sizes them anew
   if (p != Precision::bf16) return;
   params_.keep_bf16_copy();
-  if (&experts_ != &params_) experts_.keep_bf16_copy();
+  // (FSSDP's experts, gathered through experts_fn_, stage their own bf16 values: none reads a copy)
+  if (&experts_ != &params_ && !experts_fn_) experts_.keep_bf16_copy();
 }
 
 int64_t Model::expert_rows() const {

@@ -236,7 +236,8 @@ class Model {
   void update_router_bias(const std::vector<std::vector<int64_t>>& load);
   const ModelConfig& config() const { return cfg_; }
   // The precision of the layer GEMMs (kernels/cpu/matmul.h). bf16 makes the parameter buffers keep
-  // their bf16 copies (made now from the values, then kept by the update and the gathers: params.h) and
+  // their bf16 copies (made now from the values, then kept by the update and the gathers: params.h;
+  // not the experts' under FSSDP, whose gathers stage bf16 values: call it after on_experts) and
   // the dense MLPs' activations (up-projection output, down-projection input) be kept in bf16.
   // Between steps only (no activations kept).
   void set_precision(Precision p);

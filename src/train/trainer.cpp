@@ -496,7 +496,6 @@ Run::Run(Opened opened, Comm& world)
                 o_.vpp) {
   restore_router_bias();
   hooks_.skew_router(model_.router_bias(), cfg_.num_layers, cfg_.num_experts);
-  model_.set_precision(plan_.precision);
   model_.on_grads_ready([this](int64_t offset, int64_t expert_offset) {
     hooks_.poison_gradient(current_step_, params_.dense.params.grad() + offset);
     params_.dense.dp.grads_ready(offset);
@@ -514,6 +513,7 @@ Run::Run(Opened opened, Comm& world)
       dp.reduce_experts(x, need);
       return ExpertPlace{};
     });
+  model_.set_precision(plan_.precision);  // (after on_experts: FSSDP's experts keep no bf16 copy)
   if (o_.cp_per_sequence() && cp().size() > 1) model_.set_cp_levels(cp_levels());
   info_ = {describe_layout(plan_, cp()), o_.steps, o_.documents() ? o_.tokens_per_step : o_.global_batch * o_.seq_len,
            cfg_.is_moe(), o_.quiet, &plan_.mesh};
