@@ -123,6 +123,19 @@ std::string DataBlend::describe() const {
   return out;
 }
 
+std::vector<std::string> DataBlend::shared_datasets(const DataBlend& other) const {
+  std::vector<std::string> out;
+  for (const BlendPart& o : other.parts())
+    for (const BlendPart& p : parts_) {
+      std::error_code ec;  // (both opened: an error here would be a file gone since)
+      if (std::filesystem::equivalent(o.prefix + ".bin", p.prefix + ".bin", ec)) {
+        out.push_back(o.prefix);
+        break;
+      }
+    }
+  return out;
+}
+
 void DataBlend::require_same_tokenizer(const DataBlend& other, const std::string& what) const {
   ORIGAMI_CHECK(tokenizer_ == other.tokenizer_, what, " were made with different tokenizers (",
                 tokenizer_path_.empty() ? "none" : tokenizer_path_, " vs ",

@@ -75,6 +75,9 @@ class DataBlend {
   const std::string& tokenizer_bytes() const { return tokenizer_bytes_; }
   // An Error unless `other` was made with the same tokenizer (`what` names the two in the message).
   void require_same_tokenizer(const DataBlend& other, const std::string& what) const;
+  // The prefixes of `other` whose data this blend reads too (the same .bin, however the path is spelled):
+  // validation data that is also training data.
+  std::vector<std::string> shared_datasets(const DataBlend& other) const;
   // e.g. "fortunes: 1234 tokens, 40 windows of 128" or "0.7 a (…) + 0.3 b (…)".
   std::string describe() const;
   // Memory the samplers take (the shuffled orders' permutations) and the blend's choices for `span`

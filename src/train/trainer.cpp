@@ -255,6 +255,29 @@ void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, cons
   }
 }
 
+// Each dataset of a blend with its tokens and documents, kept in trainer_state.json: a resume tells a
+// dataset prepared again at the same prefix, on which the data position replayed from the step reads
+// other data.
+nlohmann::json data_sizes(const DataBlend& data) {
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t d = 0; d < data.parts().size(); ++d)
+    out.push_back({{"prefix", data.parts()[d].prefix}, {"tokens", data.dataset(d).num_tokens()},
+                   {"documents", data.dataset(d).num_documents()}});
+  return out;
+}
+
+void warn_changed_data(const nlohmann::json& was, const DataBlend& data, const std::string& path) {
+  const nlohmann::json now = data_sizes(data);
+  if (!was.is_array() || was.size() != now.size()) return;  // (another --data: warn_changed_options says so)
+  for (size_t d = 0; d < now.size(); ++d)
+    if (was[d].value("prefix", "") == now[d]["prefix"] && was[d] != now[d])
+      std::fprintf(stderr, "origami train: warning: resuming on data '%s' of %s tokens and %s documents; '%s' "
+                   "trained on %s tokens and %s documents there: the data position replayed from its step reads "
+                   "other data\n", now[d]["prefix"].get<std::string>().c_str(), now[d]["tokens"].dump().c_str(),
+                   now[d]["documents"].dump().c_str(), path.c_str(), was[d].value("tokens", nlohmann::json()).dump().c_str(),
+                   was[d].value("documents", nlohmann::json()).dump().c_str());
+}
+
 // The checkpoint is unmapped once read: a later --keep-last removal of that step then frees its disk space.
 StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const Plan& plan, Comm& world) {
   const TrainOptions& o = plan.options;
@@ -286,6 +309,8 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     start.step = ck->state().step;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
       warn_changed_options(st["options"], o, ck->path());
+    if (world.rank() == 0 && st.contains("data_sizes") && !o.resume.empty())
+      warn_changed_data(st["data_sizes"], *in.data, ck->path());
     start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,
                   "; ask for more --steps to continue");
@@ -597,6 +622,10 @@ void Run::print_startup() const {
                 in_.eval_docs ? cat("its first ", o_.eval_iters, " steps of documents").c_str()
                               : cat(o_.eval_iters * G, " windows (", o_.eval_iters, " x global batch)").c_str(),
                 o_.eval_every > 0 ? cat("every ", o_.eval_every, " steps and after the last").c_str() : "after the last step");
+  if (in_.eval_data)
+    for (const std::string& shared : in_.data->shared_datasets(*in_.eval_data))
+      std::fprintf(stderr, "origami train: warning: --eval-data '%s' is also training data (--data): its validation "
+                   "loss measures text the model trains on\n", shared.c_str());
   std::printf("%s\n", describe_tile_gemm().c_str());
   if (plan_.precision == Precision::bf16)
     std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
@@ -959,6 +988,7 @@ double Run::save(int64_t steps_done) {
   if (rank0_) {
     nlohmann::json st = {{"step", steps_done}, {"adam_steps", params_.dense.opt.steps_taken()}, {"options", o_.as_json()}};
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
+    st["data_sizes"] = data_sizes(*in_.data);
     files["trainer_state.json"] = st.dump(2) + "\n";
     files["config.json"] = cfg_.raw.dump(2) + "\n";
     if (!in_.data->tokenizer_bytes().empty()) files["tokenizer.json"] = in_.data->tokenizer_bytes();

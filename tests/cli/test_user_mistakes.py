@@ -139,6 +139,25 @@ def main():
             check(want in p.stderr, "resume warns of %s:\n%s" % (flag, p.stderr))
         print("ok   resuming with another --steps (cosine), --seed and --lr warns of each")
 
+        # A dataset prepared again at the same prefix: the data position replayed from the step reads other data.
+        redo = byte_dataset(tmp, 40, "redo")
+        redo_ck = os.path.join(tmp, "redo_ck")
+        run("train", "--config", llama, *short, "--data", redo, "--steps", "2", "--save", redo_ck)
+        p = run("train", "--resume", redo_ck, *short, "--data", redo, "--steps", "3")
+        check("trained on" not in p.stderr, "a resume on the same data warns of nothing:\n" + p.stderr)
+        byte_dataset(tmp, 30, "redo")
+        p = run("train", "--resume", redo_ck, *short, "--data", redo, "--steps", "3")
+        want = ("warning: resuming on data '%s' of 1940 tokens and 30 documents; '%s' trained on 2590 tokens and 40 "
+                "documents there" % (redo, os.path.join(redo_ck, "step-2")))
+        check(want in p.stderr, "a resume on data prepared again warns:\n" + p.stderr)
+        print("ok   resuming on a dataset prepared again at the same prefix warns")
+        p = run("train", "--config", llama, *short, "--steps", "1", "--eval-data", "./" + os.path.relpath(data))
+        check("warning: --eval-data './%s' is also training data (--data)" % os.path.relpath(data) in p.stderr,
+              "validation data that is training data warns:\n" + p.stderr)
+        p = run("train", "--config", llama, *short, "--steps", "1", "--eval-data", redo)
+        check("is also training data" not in p.stderr, "validation data of its own warns of nothing:\n" + p.stderr)
+        print("ok   --eval-data that is also --data warns")
+
         # An empty value read as "not given": `--resume "$CKPT"` with CKPT unset started a new run from
         # step 0 (and saved over the old run's directory), `--save=` saved nothing.
         for args, name, meta in ((["--resume="], "resume", "PATH"), (["--resume", ""], "resume", "PATH"),
