@@ -281,19 +281,51 @@ std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const st
   return from_json(parse_json_file(path), path, eod_token, dir.empty() ? "." : dir);
 }
 
+namespace {
+
+// The Hub form of a byte-level BPE (GPT-2's pre-tokenizer and decoder) of `vocab` and `merges`, its end
+// of text a special token. split_words: GPT-2's word-splitting regex (the byte tokenizer has none).
+nlohmann::json hub_byte_level_bpe(const nlohmann::json& vocab, const nlohmann::json& merges, int32_t eod, bool split_words) {
+  const nlohmann::json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", split_words}};
+  const nlohmann::json end = {{"id", eod}, {"content", kEndOfText}, {"single_word", false}, {"lstrip", false},
+                              {"rstrip", false}, {"normalized", false}, {"special", true}};
+  const nlohmann::json model = {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                                {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+                                {"fuse_unk", false}, {"byte_fallback", false}, {"vocab", vocab}, {"merges", merges}};
+  return {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", {end}},
+          {"normalizer", nullptr}, {"pre_tokenizer", byte_level}, {"post_processor", nullptr},
+          {"decoder", byte_level}, {"model", model}};
+}
+
+}  // namespace
+
+nlohmann::json hub_tokenizer(const nlohmann::json& file) {
+  const nlohmann::json type = file.is_object() ? file.value("type", nlohmann::json()) : nlohmann::json();
+  if (type == "huggingface" && file.contains("tokenizer")) return file["tokenizer"];
+  if (type == "byte") {  // ids 0-255 the bytes, 256 the end of text
+    nlohmann::json vocab = nlohmann::json::object();
+    for (int b = 0; b < 256; ++b) {
+      std::string symbol;
+      append_utf8(symbol, gpt2_byte_to_unicode()[size_t(b)]);
+      vocab[symbol] = b;
+    }
+    return hub_byte_level_bpe(vocab, nlohmann::json::array(), 256, false);
+  }
+  const nlohmann::json* vocab = type == "gpt2" && file.contains("vocab") ? &file["vocab"] : nullptr;
+  if (vocab && vocab->is_object() && vocab->contains(kEndOfText) && (*vocab)[std::string(kEndOfText)].is_number_integer() &&
+      file.contains("merges"))
+    return hub_byte_level_bpe(*vocab, file["merges"], (*vocab)[std::string(kEndOfText)].get<int32_t>(), true);
+  return file;
+}
+
 std::string tokenizer_file_for_hf_export(const std::string& path) {
-  std::string bytes = read_file_bytes(path);
+  const std::string bytes = read_file_bytes(path);
   ORIGAMI_CHECK(json_depth(bytes) <= kMaxJsonDepth, "tokenizer file '", path, "' nests arrays and objects more than ",
                 kMaxJsonDepth, " levels deep");
   const nlohmann::json j = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
-  const nlohmann::json& inner = unwrapped_tokenizer(j);
-  return &inner == &j ? bytes : inner.dump(2) + "\n";
-}
-
-const nlohmann::json& unwrapped_tokenizer(const nlohmann::json& file) {
-  if (file.is_object() && file.contains("type") && file["type"] == "huggingface" && file.contains("tokenizer"))
-    return file["tokenizer"];
-  return file;
+  const nlohmann::json hub = hub_tokenizer(j);
+  return hub == j ? bytes : hub.dump(2) + "\n";
 }
 
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path) {

@@ -124,12 +124,13 @@ std::unique_ptr<Tokenizer> tokenizer_from_json(const nlohmann::json& j,
 // As tokenizer_from_json; for a plain Hugging Face file the default end-of-document token may
 // come from a tokenizer_config.json beside it (see HfTokenizer::default_eod_token).
 std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const std::string& eod_token = "");
-// The tokenizer.json to put into a Hugging Face model export: a huggingface tokenizer file's inner
-// Hugging Face file (what `transformers` loads), any other tokenizer file as it is.
+// A tokenizer file in the Hub's form (what `transformers` and `tokenizers` load): a huggingface
+// file's inner Hub file; the byte and gpt2 tokenizers as the byte-level BPE they are (the byte one
+// without merges or word splitting), "<|endoftext|>" a special token; any other JSON as it is. Equal
+// for a dataset's tokenizer file and the tokenizer.json of its run's export: the same token ids.
+nlohmann::json hub_tokenizer(const nlohmann::json& file);
+// The tokenizer.json of a Hugging Face model export: hub_tokenizer of the file at `path`.
 std::string tokenizer_file_for_hf_export(const std::string& path);
-// The Hugging Face file a huggingface tokenizer file wraps, any other tokenizer file as it is: equal
-// for a dataset's tokenizer file and the tokenizer.json of its run's export (same token ids).
-const nlohmann::json& unwrapped_tokenizer(const nlohmann::json& file);
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic
 
 }  // namespace origami

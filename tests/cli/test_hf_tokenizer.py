@@ -351,6 +351,47 @@ def main():
         check(exported.encode(docs[0]).ids == expected_llama3[0][:-1], "the exported tokenizer encodes differently")
         print("ok   llama3 end to end: train (document masking at its eod), generate, ckpt export --hf", flush=True)
 
+        # (g) origami's own tokenizers exported as the byte-level BPE they are: the library loads the
+        # export's tokenizer.json and encodes and decodes every document as origami stored it; an
+        # --optimizer export resumes on the data (the tokenizers compared in the Hub form).
+        plain = Tokenizer(models.BPE())
+        plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        plain.decoder = decoders.ByteLevel()
+        pj = train(plain, train_docs[:2000], 600, ["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_json, merges_txt = os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt")
+        json.dump(pj["model"]["vocab"], open(vocab_json, "w", encoding="utf-8"), ensure_ascii=False)
+        with open(merges_txt, "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n" + "".join((m if isinstance(m, str) else " ".join(m)) + "\n" for m in pj["model"]["merges"]))
+        # (origami's byte and gpt2 tokenizers read "<|endoftext|>" in a text as text; the library, like
+        # transformers' GPT-2, as the special token: documents holding it are left out)
+        some = [d for d in docs[:3000] if "<|endoftext|>" not in d]
+        few = os.path.join(tmp, "few.txt")
+        write_fortune(few, some)
+        for name, flags in (("byte", ["--tokenizer", "byte"]),
+                            ("gpt2", ["--tokenizer", "gpt2", "--vocab", vocab_json, "--merges", merges_txt])):
+            prefix = os.path.join(tmp, name + "_own")
+            run("data", "prepare", "--input", few, "--output", prefix, "--split", "fortune", *flags)
+            stored = read_dataset(prefix)
+            own_vocab = 257 if name == "byte" else len(pj["model"]["vocab"])
+            cfg = os.path.join(tmp, name + "_model.json")
+            with open(cfg, "w") as f:
+                json.dump({"model_type": "llama", "vocab_size": own_vocab, "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}, f)
+            ck, out = os.path.join(tmp, name + "_own_ck"), os.path.join(tmp, name + "_own_hf")
+            run("train", "--config", cfg, "--data", prefix, "--steps", "1", "--seq-len", "32", "--micro-batch", "2",
+                "--save", ck, "--threads", "2", "--quiet")
+            run("ckpt", "export", ck, "--hf", out, "--optimizer")
+            exported = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+            eod = exported.token_to_id("<|endoftext|>")
+            check(eod == (256 if name == "byte" else pj["model"]["vocab"]["<|endoftext|>"]), f"{name}: eod {eod}")
+            compare_ids(name + " export", some, stored, [e.ids + [eod] for e in exported.encode_batch(some)])
+            compare_text(name + " export", some, [exported.decode(ids[:-1]) for ids in stored], some, "decodes")
+            run("train", "--resume", out, "--data", prefix, "--steps", "2", "--seq-len", "32", "--micro-batch", "2",
+                "--threads", "2", "--quiet")
+        print("ok   byte and gpt2 tokenizers exported as Hub files: the library encodes and decodes as origami, "
+              "and an --optimizer export resumes on the data", flush=True)
+
         # (f) RoBERTa's post-processor closes every sequence with </s>, the eod: a document ends with
         # one eod, not two; and a Split whose regex matches empty right after a match (MergedWithNext,
         # "a*"), where the library reports no empty match, splits as the library does.
