@@ -28,10 +28,10 @@ void pieces_in(const ExpertBlocks& x, int64_t j, const std::vector<Range>& shard
 }  // namespace
 
 DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding,
-                           DType wire, bool sparse, bool keep, const std::vector<LayerRange>& chunks)
+                           DType wire, bool sparse, bool keep, bool bf16, const std::vector<LayerRange>& chunks)
     : params_(params), dp_(dp), tp_(tp), embedding_(embedding), zero_(zero_stage),
       sp_(sequence_parallel && tp.size() > 1), wire_(dp.size() > 1 ? wire : DType::f32), sparse_(sparse),
-      keep_(sparse && keep) {
+      keep_(sparse && keep), stage_bf16_(sparse && bf16) {
   ORIGAMI_CHECK(zero_ >= 0 && zero_ <= 3, "--zero must be 0, 1, 2 or 3, got ", zero_);
   ORIGAMI_ASSERT(wire == DType::f32 || wire == DType::bf16);
   ORIGAMI_ASSERT(params.layout().dp == dp.size() && (!sparse || zero_ == 3));
@@ -413,7 +413,7 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
   const int64_t at = keep_ ? 0 : x.begin;
   const size_t floats = size_t(keep_ ? params_.size() : x.count * x.block);
   const float* w = params_.data();
-  if (params_.bf16_copy() == nullptr) {
+  if (!stage_bf16_) {
     if (stage_values_.size() < floats) stage_values_.resize(floats);
     float* v = stage_values_.data() - at;
     own_pieces(x, want, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });

@@ -91,10 +91,12 @@ class DataParallel {
   // embedding: the first and last pipeline stage of this rank's pipeline when it holds a pp_shared
   // tensor (the tied embedding), else null.
   // wire: the element type of the DP reduction, DType::f32 or DType::bf16 (--grad-reduce-dtype).
-  // sparse: FSSDP (zero_stage must be 3); keep: FSSDP keeps what it gathered until the step's update.
+  // sparse: FSSDP (zero_stage must be 3); keep: FSSDP keeps what it gathered until the step's update;
+  // bf16: FSSDP's gathers stage the values the GEMMs read as bf16 (under --precision bf16; the
+  // experts keep no bf16 copy of their own: Model::set_precision).
   // chunks: the stage's chunks of layers (pass_buckets; empty: every pass writes every bucket).
   DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, bool sequence_parallel, Comm* embedding = nullptr,
-               DType wire = DType::f32, bool sparse = false, bool keep = false,
+               DType wire = DType::f32, bool sparse = false, bool keep = false, bool bf16 = false,
                const std::vector<LayerRange>& chunks = {});
 
   int zero_stage() const { return zero_; }
@@ -207,6 +209,7 @@ class DataParallel {
   // offset), the blocks staged since begin_step.
   void exchange_needs(const std::vector<int32_t>& need);  // → needs_
   bool sparse_, keep_;
+  bool stage_bf16_;  // FSSDP: gathers stage bf16 values
   std::vector<std::vector<Range>> rank_shards_;
   std::vector<int32_t> needs_;
   std::map<int64_t, std::vector<int32_t>> kept_;

@@ -59,7 +59,7 @@ struct ParamSet {
            Comm* embedding, bool experts, const std::vector<LayerRange>& chunks)
       : params(std::move(table), o.param_layout(tp_group.size(), tp_group.rank(), dp_group.size(), experts)),
         dp(params, dp_group, tp_group, o.zero_of(experts), sequence_parallel, embedding, o.grad_reduce_wire(),
-           experts && o.fssdp(), o.fssdp_keep, chunks),
+           experts && o.fssdp(), o.fssdp_keep, parse_precision(o.precision) == Precision::bf16, chunks),
         opt(params, o.adam, dp.owned(), dp.copy_written_by_update()) {}
 };
 

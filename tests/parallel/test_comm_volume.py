@@ -74,6 +74,9 @@ CASES = [
     ("llama_tiny", 2, ["--zero", "1", "--precision", "bf16"]),
     ("gpt2_tiny", 4, ["--pp", "2", "--dp", "2", "--zero", "2", "--precision", "bf16"]),
     ("mixtral_8e", 4, ["--ep", "2", "--zero", "1", "--precision", "bf16"]),
+    # FSSDP under bf16 gathers the experts' values as bf16 (2 bytes each), fp32 otherwise.
+    ("mixtral_8e", 2, ["--expert-sharding", "fssdp", "--zero", "3"]),
+    ("mixtral_8e", 2, ["--expert-sharding", "fssdp", "--zero", "3", "--precision", "bf16"]),
     # Padded to a capacity, every expert receives exactly its capacity in rows: the dispatcher's bytes are exact.
     ("mixtral_8e", 2, ["--ep", "2", "--moe-capacity-factor", "2", "--moe-pad-to-capacity"]),
     ("mixtral_8e", 4, ["--ep", "2", "--etp", "2", "--moe-capacity-factor", "1.5", "--moe-pad-to-capacity"]),
