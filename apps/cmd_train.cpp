@@ -192,6 +192,8 @@ void add_run_options(Args& a) {
       .option("keep-last", "K", "keep the K newest checkpoints in DIR, older ones removed after a newer one commits (0: all)",
               "0")
       .flag("async-save", "write checkpoints from a background thread while training goes on")
+      .flag("overwrite-save", "let a run that does not --resume save into a --save DIR holding another run's "
+                              "checkpoints (each step it saves replaces that run's; without it: an error)")
       .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
       .flag("quiet", "print every 50th step only")
       .flag("verbose", "print every rank's memory breakdown at startup")
@@ -217,6 +219,7 @@ void read_run_options(const Args& a, TrainOptions& o) {
                 "interval, and --save-every is ", a.has("save-every") ? a.str("save-every") : "not given");
   o.keep_last = a.small_integer("keep-last");
   o.async_save = a.on("async-save");
+  o.overwrite_save = a.on("overwrite-save");
   o.threads = a.small_integer("threads");
   o.precision = a.str("precision");
   o.quiet = a.on("quiet");

@@ -17,7 +17,9 @@ ninja -C build origami
 mkdir -p runs/demo
 build/origami data prepare --input /usr/share/games/fortunes --output runs/demo/fortunes --tokenizer byte
 build/origami data info --data runs/demo/fortunes
-rm -rf runs/demo/tensorboard  # a fresh run, one event file (an earlier run's would stay beside it, hidden)
+# A fresh run: one event file (an earlier run's would stay beside it, hidden), and a checkpoint
+# directory of its own (train refuses to save over another run's steps without --resume).
+rm -rf runs/demo/tensorboard runs/demo/checkpoint
 build/origami train --config configs/demo_gpt2.json --data runs/demo/fortunes \
   --steps "$STEPS" --micro-batch 16 --seq-len 128 --lr 2e-3 --min-lr 2e-4 --warmup 100 \
   --lr-schedule cosine --weight-decay 0.1 --grad-clip 1.0 --data-order shuffled --threads 2 \

@@ -319,6 +319,12 @@ nlohmann::json hub_tokenizer(const nlohmann::json& file) {
   return file;
 }
 
+bool same_tokenizer_file(const nlohmann::json& checkpoint_file, const nlohmann::json& dataset_file) {
+  if (checkpoint_file == dataset_file) return true;
+  const bool hub = checkpoint_file.is_object() && !checkpoint_file.contains("type");  // (origami's files name theirs)
+  return hub && checkpoint_file == hub_tokenizer(dataset_file);
+}
+
 std::string tokenizer_file_for_hf_export(const std::string& path) {
   const std::string bytes = read_file_bytes(path);
   ORIGAMI_CHECK(json_depth(bytes) <= kMaxJsonDepth, "tokenizer file '", path, "' nests arrays and objects more than ",

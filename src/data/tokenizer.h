@@ -129,6 +129,9 @@ std::unique_ptr<Tokenizer> load_tokenizer_file(const std::string& path, const st
 // without merges or word splitting), "<|endoftext|>" a special token; any other JSON as it is. Equal
 // for a dataset's tokenizer file and the tokenizer.json of its run's export: the same token ids.
 nlohmann::json hub_tokenizer(const nlohmann::json& file);
+// Whether a checkpoint's tokenizer.json was made from a dataset's tokenizer file: the same file (the
+// end-of-document choice included), or for a Hugging Face export (a Hub file) the dataset's Hub form.
+bool same_tokenizer_file(const nlohmann::json& checkpoint_file, const nlohmann::json& dataset_file);
 // The tokenizer.json of a Hugging Face model export: hub_tokenizer of the file at `path`.
 std::string tokenizer_file_for_hf_export(const std::string& path);
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic

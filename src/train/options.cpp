@@ -54,11 +54,13 @@ bool TrainOptions::fresh_start() const {
 
 void TrainOptions::check_save_dir() const {
   if (save.empty()) return;
+  ORIGAMI_CHECK(!std::filesystem::is_regular_file(save), "--save '", save, "' is a file: give a directory (it "
+                "writes DIR/step-N checkpoints)");
   ORIGAMI_CHECK(!Checkpoint::is_checkpoint(save), "--save '", save, "' is a checkpoint, not a run's directory: save "
                 "into a directory of step-N checkpoints (a new one, or the run's own --save)");
-  ORIGAMI_CHECK(!resume.empty() || !Checkpoint::committed_in(save), "--save '", save, "' holds another run's "
-                "checkpoints (", Checkpoint::resolved(save), "), whose steps this run would replace: continue it with "
-                "--resume ", save, ", or save elsewhere");
+  ORIGAMI_CHECK(!resume.empty() || overwrite_save || !Checkpoint::committed_in(save), "--save '", save, "' holds "
+                "another run's checkpoints (", Checkpoint::resolved(save), "), whose steps this run would replace: "
+                "continue it with --resume ", save, ", save elsewhere, or replace them with --overwrite-save");
 }
 
 nlohmann::json TrainOptions::as_json() const {
@@ -175,8 +177,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   // Layout.
   parse_recompute(recompute);
   ORIGAMI_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
-  ORIGAMI_CHECK(bucket_mb * 1024 * 1024 >= 4, "--bucket-mb must hold one float (at least 3.82e-06 MiB), got ",
-                bucket_mb);
+  ORIGAMI_CHECK(bucket_mb * 1024 * 1024 >= 4, "--bucket-mb must hold one float (at least 4 bytes: 3.815e-06 MiB), "
+                "got ", bucket_mb);
   validate_experts(cfg, world_size);
   // Context parallelism: 2·CP load-balanced chunks per sequence, each rank's cut again by TP under SP
   // (and by TP for MoE layers' shares); heads over the all-to-all group.

@@ -205,7 +205,7 @@ Inputs open_inputs(Plan& plan) {
     // A resumed run continues on the same token ids (a blend or --eval-data across tokenizers is refused alike).
     const std::string saved = in.checkpoint->path() + "/tokenizer.json";
     ORIGAMI_CHECK(o.resume.empty() || in.data->tokenizer().is_null() || !std::filesystem::exists(saved) ||
-                      hub_tokenizer(parse_json_file(saved)) == hub_tokenizer(in.data->tokenizer()),
+                      same_tokenizer_file(parse_json_file(saved), in.data->tokenizer()),
                   "--resume '", o.resume, "' trained on another tokenizer (", saved, ") than --data's (",
                   in.data->tokenizer_path(), "); to train its weights on this data, start from them with --init-from");
   }

@@ -75,6 +75,7 @@ struct TrainOptions {
   double mtbf_hours = 24;      // the mean time between failures --save-every auto assumes
   int keep_last = 0;           // committed checkpoints kept in --save (0: all)
   bool async_save = false;     // write checkpoints from a background thread while training goes on
+  bool overwrite_save = false;  // a run that does not resume may replace the steps --save holds
   int threads = 0;             // 0: all cores
   bool quiet = false;          // no per-step lines (progress only)
   bool verbose = false;        // also print the memory breakdown per rank at startup
@@ -113,7 +114,7 @@ struct TrainOptions {
   // while that directory holds no checkpoint yet.
   bool fresh_start() const;
   // Error unless --save can hold this run's steps: not a checkpoint itself, and, for a run that does
-  // not resume, not holding another run's steps (its first save would replace them).
+  // not resume, not holding another run's steps (its saves would replace them) unless overwrite_save.
   void check_save_dir() const;
   nlohmann::json as_json() const;
   // Error naming the value and the rule, for the routing options alone (also used by 'origami dump').

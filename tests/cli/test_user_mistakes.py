@@ -25,6 +25,14 @@ late. Every case here failed before its fix:
   `--micro-batch-tokens` given beside it;
 - `--beta2 0.99999999` (1 as a float: the second moment never grew, the loss went to 4e7) and
   `--eps 1e-50` (0 as a float: NaN weights) were accepted;
+- `train --save DIR` without --resume, into a DIR an earlier run filled, replaced that run's steps
+  without a word (now an error unless --overwrite-save); `--resume X --save X` with X an export or a
+  step (not a run's directory) started again from step 0 and saved inside it; `--save DIR/` against
+  `--resume DIR` failed the first time; `--save` a file; an --optimizer export of a run on a Hub
+  tokenizer could not be resumed on its data, while the same Hub file with another end-of-document
+  token could; a resume on a dataset prepared again at the same prefix, and `--eval-data` that is
+  `--data`, said nothing; `--bucket-mb` below one float silently became one bucket of everything;
+  `ckpt export --max-shard-gb 1e300` overflowed to one tensor per file;
 - a dangling `latest` was reported as "no latest"; `ckpt info` with two checkpoints took one;
 - routing options at their default value on a dense model, `--mtbf-hours` without `--save-every
   auto` and `launch --cluster` without `--shrink` were accepted and did nothing; `launch` asked for
@@ -109,13 +117,22 @@ def main():
         run("ckpt", "export", os.path.join(tmp, "hub"), "--hf", hub_export, "--optimizer")
         run("train", "--resume", hub_export, *short, "--data", other, "--steps", "3")
         print("ok   an --optimizer export of a run on a Hub tokenizer resumes on its data")
+        # The same Hub file with another end-of-document token is another tokenizer.
+        other_eod = os.path.join(tmp, "other_eod")
+        run("data", "prepare", "--input", text, "--output", other_eod, "--tokenizer", os.path.join(tmp, "t.json"),
+            "--eod-token", "a")
+        hub2 = os.path.join(tmp, "hub", "step-2")
+        expect_error("--resume onto data of another end-of-document token",
+                     ["train", "--resume", os.path.join(tmp, "hub"), *short, "--data", other_eod, "--steps", "4"],
+                     "--resume '%s' trained on another tokenizer (%s/tokenizer.json) than --data's (%s.tokenizer.json); "
+                     "to train its weights on this data, start from them with --init-from" % (hub2, hub2, other_eod))
 
         # --save into another run's steps: a run that does not resume would replace them; a checkpoint
         # (a step, an export) is no run directory, and its resume started from step 0 before.
         expect_error("--save into another run's directory", ["train", "--config", llama, *short, "--steps", "2",
                                                               "--save", ck],
                      "--save '%s' holds another run's checkpoints (%s), whose steps this run would replace: continue "
-                     "it with --resume %s, or save elsewhere" % (ck, step2, ck))
+                     "it with --resume %s, save elsewhere, or replace them with --overwrite-save" % (ck, step2, ck))
         for target in (step2, hub_export):
             expect_error("--resume and --save a checkpoint (%s)" % os.path.basename(target),
                          ["train", *short, "--steps", "3", "--resume", target, "--save", target],
@@ -126,7 +143,9 @@ def main():
         check("no checkpoint in '%s' yet: starting at step 0" % first in p.stdout,
               "--resume DIR --save DIR/ starts the run the first time:\n" + p.stdout + p.stderr)
         expect_error("--bucket-mb below one float", ["train", "--config", llama, *short, "--bucket-mb", "1e-7"],
-                     "--bucket-mb must hold one float (at least 3.82e-06 MiB), got 1e-07")
+                     "--bucket-mb must hold one float (at least 4 bytes: 3.815e-06 MiB), got 1e-07")
+        expect_error("--save a file", ["train", "--config", llama, *short, "--save", blocker],
+                     "--save '%s' is a file: give a directory (it writes DIR/step-N checkpoints)" % blocker)
         expect_error("ckpt export --max-shard-gb 1e300", ["ckpt", "export", step2, "--hf", os.path.join(tmp, "big"),
                                                           "--max-shard-gb", "1e300"],
                      "--max-shard-gb must be positive and at most 9e9 (bytes in 64 bits), got 1e+300")

@@ -310,7 +310,8 @@ def async_and_keep(tmp, cfg, data, ref):
 
 
 def rerun_same_dir(tmp, cfg, data):
-    """A second run saving into a directory an earlier run filled: the same step is replaced whole
+    """A second run saving into a directory an earlier run filled (--overwrite-save; without it an error):
+    the same step is replaced whole
     (the directories are exchanged atomically), --keep-last removes only older steps up to the new
     one (a higher step of the earlier run stays), and ckpt export refuses a directory with weights."""
     ck = os.path.join(tmp, "rerun_ck")
@@ -318,7 +319,7 @@ def rerun_same_dir(tmp, cfg, data):
     second = base(cfg, data, 5, os.path.join(tmp, "rerun2.jsonl"))
     second[second.index("--seed") + 1] = "6"
     r1 = h.run(0, first)
-    r2 = h.run(0, second + ["--save", ck, "--save-every", "1", "--keep-last", "2"])
+    r2 = h.run(0, second + ["--save", ck, "--save-every", "1", "--keep-last", "2", "--overwrite-save"])
     steps = sorted(d for d in os.listdir(ck) if d.startswith("step-")) if r1[0] == 0 and r2[0] == 0 else []
     leftovers = [d for d in os.listdir(ck) if d.startswith(".")] if os.path.isdir(ck) else []
     seed = json.load(open(os.path.join(ck, "step-4", "trainer_state.json")))["options"]["seed"] if steps else None
