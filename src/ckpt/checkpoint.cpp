@@ -196,6 +196,10 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
       biases.reserve(n);
       row.for_each_element([&](const JsonField& b) { biases.push_back(float(b.number(a_float))); });
     });
+  if (st["data_sizes"].present())
+    st["data_sizes"].for_each_element([&](const JsonField& d) {
+      state_.data_sizes.emplace_back(d["tokens"].integer(0, JsonField::kNoLimit), d["documents"].integer(0, JsonField::kNoLimit));
+    });
 }
 
 // trainer_state.json's options[key], or null where the checkpoint has none.

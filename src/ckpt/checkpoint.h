@@ -83,6 +83,7 @@ class Checkpoint {
   struct TrainerState {
     int64_t step = 0, adam_steps = 0;
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
+    std::vector<std::pair<int64_t, int64_t>> data_sizes;  // per dataset of --data: tokens, documents (empty: none saved)
   };
   const TrainerState& state() const { return state_; }
   // One of the training run's options (trainer_state.json's "options", as `train` wrote them), or

@@ -266,16 +266,19 @@ nlohmann::json data_sizes(const DataBlend& data) {
   return out;
 }
 
-void warn_changed_data(const nlohmann::json& was, const DataBlend& data, const std::string& path) {
-  const nlohmann::json now = data_sizes(data);
-  if (!was.is_array() || was.size() != now.size()) return;  // (another --data: warn_changed_options says so)
-  for (size_t d = 0; d < now.size(); ++d)
-    if (was[d].value("prefix", "") == now[d]["prefix"] && was[d] != now[d])
-      std::fprintf(stderr, "origami train: warning: resuming on data '%s' of %s tokens and %s documents; '%s' "
-                   "trained on %s tokens and %s documents there: the data position replayed from its step reads "
-                   "other data\n", now[d]["prefix"].get<std::string>().c_str(), now[d]["tokens"].dump().c_str(),
-                   now[d]["documents"].dump().c_str(), path.c_str(), was[d].value("tokens", nlohmann::json()).dump().c_str(),
-                   was[d].value("documents", nlohmann::json()).dump().c_str());
+// Dataset by dataset of the blend (its position, however its prefix is spelled); a blend of another
+// size is another --data, which warn_changed_options names.
+void warn_changed_data(const std::vector<std::pair<int64_t, int64_t>>& was, const DataBlend& data,
+                       const std::string& path) {
+  if (was.size() != data.parts().size()) return;
+  for (size_t d = 0; d < was.size(); ++d) {
+    const auto now = std::pair{int64_t(data.dataset(d).num_tokens()), int64_t(data.dataset(d).num_documents())};
+    if (now != was[d])
+      std::fprintf(stderr, "origami train: warning: resuming on data '%s' of %lld tokens and %lld documents; '%s' "
+                   "trained on %lld tokens and %lld documents there: the data position replayed from its step "
+                   "reads other data\n", data.parts()[d].prefix.c_str(), (long long)now.first, (long long)now.second,
+                   path.c_str(), (long long)was[d].first, (long long)was[d].second);
+  }
 }
 
 // The checkpoint is unmapped once read: a later --keep-last removal of that step then frees its disk space.
@@ -309,8 +312,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     start.step = ck->state().step;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
       warn_changed_options(st["options"], o, ck->path());
-    if (world.rank() == 0 && st.contains("data_sizes") && !o.resume.empty())
-      warn_changed_data(st["data_sizes"], *in.data, ck->path());
+    if (world.rank() == 0 && !o.resume.empty()) warn_changed_data(ck->state().data_sizes, *in.data, ck->path());
     start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,
                   "; ask for more --steps to continue");

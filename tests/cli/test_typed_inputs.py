@@ -142,6 +142,12 @@ def main():
         state = damaged("trainer_state.json", lambda s: s.update(router_bias=[[0.5, "b"]]))
         expect_error("trainer_state.json: router_bias[0][1] \"b\"", ["train", "--resume", ck, *common, "--steps", "4"],
                      f"{state}: field 'router_bias[0][1]': expected a number in [-3.40282e+38, 3.40282e+38], got \"b\"")
+        state = damaged("trainer_state.json", lambda s: s.update(data_sizes=[1]))
+        expect_error("trainer_state.json: data_sizes [1]", ["train", "--resume", ck, *common, "--steps", "4"],
+                     f"{state}: field 'data_sizes[0]': expected an object, got 1")
+        state = damaged("trainer_state.json", lambda s: s["data_sizes"][0].update(tokens=-3))
+        expect_error("trainer_state.json: data_sizes[0].tokens -3", ["train", "--resume", ck, *common, "--steps", "4"],
+                     f"{state}: field 'data_sizes[0].tokens': expected a non-negative integer, got -3")
         state = damaged("trainer_state.json", lambda s: s["options"].update(seq_len=0))
         expect_error("trainer_state.json: options.seq_len 0 under generate",
                      ["generate", "--checkpoint", ck, "--prompt", "fortune", "--max-new-tokens", "2"],
