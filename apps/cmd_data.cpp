@@ -288,10 +288,9 @@ int data_prepare(int argc, char** argv) {
   progress.finish(num_bytes, writer.num_documents());
   ORIGAMI_CHECK(writer.num_documents() > 0, "--input ", args.str("input"),
                 ": no documents found (every document was empty or whitespace)");
-  // An older dataset's tokenizer goes first: a failure between the two leaves the new dataset without
-  // a tokenizer file, never paired with the old one.
-  std::remove((prefix + ".tokenizer.json").c_str());
-  writer.finish();
+  // An older dataset's tokenizer goes with its index: a failure before the new one is written leaves
+  // the new dataset without a tokenizer file, never paired with the old one.
+  writer.finish({prefix + ".tokenizer.json"});
   save_tokenizer_file(*tokenizer, prefix + ".tokenizer.json");
   double total_s = timer.ms() / 1e3, encode_s = std::max(encode_ms / 1e3, 1e-9);
 

@@ -69,7 +69,7 @@ void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
   num_tokens_ += tokens.size();
 }
 
-void IndexedDatasetWriter::finish() {
+void IndexedDatasetWriter::finish(const std::vector<std::string>& companions) {
   ORIGAMI_CHECK(!finished_, prefix_, ": finish called twice");
   // On disk before it is renamed (EINVAL: a file system without fsync).
   int rc = std::fflush(bin_) == 0 && (::fsync(fileno(bin_)) == 0 || errno == EINVAL) ? 0 : -1;
@@ -96,9 +96,10 @@ void IndexedDatasetWriter::finish() {
   for (int64_t d = 0; d <= int64_t(S); ++d) put(&d, 8);
   write_file_atomically(idx_tmp_, idx);  // lands at idx_tmp_, renamed below with the .bin
 
-  // An older dataset at the prefix loses its index first: a crash between the renames leaves a .bin
-  // without an index (refused), never the new .bin paired with the old index.
+  // An older dataset at the prefix loses its index (and companions) first: a crash between the renames
+  // leaves a .bin without an index (refused), never the new .bin paired with the old index.
   std::remove((prefix_ + ".idx").c_str());
+  for (const std::string& c : companions) std::remove(c.c_str());
   rename_file(bin_tmp_, prefix_ + ".bin");
   rename_file(idx_tmp_, prefix_ + ".idx");
   finished_ = true;

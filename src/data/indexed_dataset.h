@@ -47,7 +47,9 @@ class IndexedDatasetWriter {
 
   // Appends one document (one sequence). A token outside the dtype's range is an Error.
   void add_document(std::span<const int32_t> tokens);
-  void finish();
+  // Writes the index and renames both files into place. `companions`: files of an older dataset at
+  // the prefix that belong with its index (its tokenizer file), removed with it.
+  void finish(const std::vector<std::string>& companions = {});
 
   uint64_t num_documents() const { return sequence_lengths_.size(); }
   uint64_t num_tokens() const { return num_tokens_; }

@@ -268,7 +268,7 @@ def main():
             f.write(struct.pack("<i", 5) + struct.pack("<q", 0) + struct.pack("<qq", 0, 1))
         open(d + ".bin", "wb").write(struct.pack("<5i", 1, 2, 3, 2000000000, 2))
         p = subprocess.run(["bash", "-c", 'ulimit -v 1048576 && exec "$0" data info --data "$1"', ORIGAMI, d],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, timeout=120)
         check(p.returncode == 0 and "5 tokens" in p.stdout and "unigram entropy: 1.3322" in p.stdout,
               f"data info of a dataset holding token 2000000000:\n{p.stdout}{p.stderr}")
 
