@@ -57,6 +57,8 @@ def main():
                 print("ok   %s %s: %s | losses %s" % (precision, library, line[0],
                                                         " ".join("%.6f" % x for x in losses[library])))
             rtol = 1e-5 if precision == "fp32" else 1e-3
+            check(len(losses["openblas"]) == len(losses["onednn"]) == 4,
+                  "%s: 4 steps each, got %s" % (precision, {k: len(v) for k, v in losses.items()}))
             for a, b in zip(losses["openblas"], losses["onednn"]):
                 check(abs(a - b) <= rtol * abs(a), "%s: OpenBLAS and oneDNN tiles disagree: %s against %s"
                       % (precision, losses["openblas"], losses["onednn"]))

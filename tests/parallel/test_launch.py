@@ -282,6 +282,12 @@ def one_rank_failure(tmp, data, ref):
                            "--init-from", os.path.join(tmp, "onerank_ck")])
     check(rc == 0 and os.path.isdir(os.path.join(tmp, "init_ck", "step-30")),
           "launch -- train --init-from: runs to its last step (exit %s) %s" % (rc, out[-300:] if rc else ""))
+    # It starts from the trained weights: its first loss is far below a fresh model's (the reference's
+    # step 1), nearer the trained curve's end.
+    first = h.read_metrics(os.path.join(tmp, "init.jsonl"))[0]["loss"]
+    check(first < (ref[1] + ref[max(ref)]) / 2,
+          "launch -- train --init-from starts from the weights: step 1 loss %.4f (fresh %.4f, trained %.4f)"
+          % (first, ref[1], ref[max(ref)]))
 
 
 def restarts_exhausted(tmp, data):

@@ -351,6 +351,13 @@ def main():
                 for deg, lab in ((tp, "TP"), (dp, "DP")):
                     if rc == 0 and got and deg > 1 and ("%s%d" % (lab, deg)) not in lay:
                         fails.append("layout string %r does not name %s%d" % (lay, lab, deg))
+                # ...and the options that give the same losses when dropped: SP, the ZeRO stage, recomputation
+                words = (["+SP"] if "--sequence-parallel" in flags else []) + \
+                        (["ZeRO-" + flags[flags.index("--zero") + 1]] if "--zero" in flags and dp > 1 else []) + \
+                        (["recompute " + flags[flags.index("--recompute") + 1]] if "--recompute" in flags else [])
+                for word in words:
+                    if rc == 0 and got and word not in lay:
+                        fails.append("layout string %r does not name %s" % (lay, word))
                 ck_dev = {}
                 if rc == 0 and w["flip"] is None:
                     ck_dev, f = compare_checkpoint(ref_ck, ck)

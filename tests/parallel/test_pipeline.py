@@ -148,6 +148,12 @@ def main():
                     want_bytes = expected_pp_bytes(flags, ranks, C)
                     act = "-"
                     fails += check_steps(got, "PP%d" % pp, want_bytes)
+                    # The schedule and the split asked for, not the defaults (1F1B, even layers) that
+                    # would give the same losses and bytes.
+                    if "--pp-schedule" in flags and got and flags[flags.index("--pp-schedule") + 1] not in got[0]["layout"]:
+                        fails.append("layout string %r does not name the schedule" % got[0]["layout"])
+                    if "--pp-layers" in flags and rc == 0 and "pipeline stages (layers per chunk): 0: [0,1) 1: [1,4)" not in out:
+                        fails.append("the startup lines do not give stages [0,1) and [1,4)")
                     if got:
                         act = "/".join("%.0fk" % (b / 1024) for b in got[-1]["act_bytes_peak"])
                         peaks[mode] = got[-1]["act_bytes_computed"][0]

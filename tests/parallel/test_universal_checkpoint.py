@@ -63,7 +63,8 @@ def losses(path, tolerant=False):
 
 
 def worst(ref, got, steps):
-    return max((abs(ref[s] - got.get(s, float("nan"))) / abs(ref[s]) for s in steps), default=0.0)
+    """The largest relative loss difference over `steps`: infinite where `got` lacks one of them."""
+    return max((abs(ref[s] - got[s]) / abs(ref[s]) if s in got else float("inf") for s in steps), default=0.0)
 
 
 def reshard_matrix(tmp, name, cfg, data):

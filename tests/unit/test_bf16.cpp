@@ -26,6 +26,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -473,4 +474,20 @@ TEST(GemmBf16, DescribesThePath) {
   set_bf16_gemm_mode(Bf16GemmMode::portable);
   EXPECT_EQ(describe_bf16_gemm(), "bf16 GEMM: portable (forced by ORIGAMI_BF16_GEMM=portable)");
   set_bf16_gemm_mode(Bf16GemmMode::automatic);
+}
+
+// The caps of tests/CMakeLists.txt's isa_cap runs take effect (else those runs repeat the host's own
+// paths and prove nothing about the lower ones): under AVX2 oneDNN 2.6 has no bf16 matmul, so the GEMMs
+// are portable; under AVX512_CORE_BF16 no oneDNN kernel is AMX's. Skipped outside those runs.
+TEST(GemmBf16, TheIsaCapOfThisRunApplies) {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  const std::string isa = cap ? cap : "";
+  if (isa != "AVX2" && isa != "AVX512_CORE_BF16") GTEST_SKIP() << "run by the isa_cap tests";
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+  const std::string described = describe_bf16_gemm();
+  if (isa == "AVX2") {
+    EXPECT_TRUE(bf16_gemm_always_portable());
+    EXPECT_NE(described.find("oneDNN has no bf16 matmul here"), std::string::npos) << described;
+  }
+  EXPECT_EQ(described.find("AMX"), std::string::npos) << described;
 }

@@ -78,14 +78,17 @@ void check_split(int dim, int parts, bool pad, int tp, int64_t R, int64_t K) {
     for (int64_t b : {int64_t(0), n / 3, n / 2})
       for (int64_t e : {n / 2 + 1, n - 1, n}) {
         if (e <= b) continue;
-        int64_t last = -1;
+        int64_t last = -1, covered = 0, held = 0;  // held: the piece's elements that are not padding
         for (const ShardRun& run : shard_runs(p, tp, r, b, e)) {
           EXPECT_GE(run.local, 0);
           EXPECT_LE(run.local + run.n, e - b);
           EXPECT_GT(run.global, last);  // ascending in the global offset
           last = run.global + run.n - 1;
+          covered += run.n;
           for (int64_t i = 0; i < run.n; ++i) EXPECT_EQ(global_of[size_t(b + run.local + i)], run.global + i);
         }
+        for (int64_t i = b; i < e; ++i) held += global_of[size_t(i)] >= 0;
+        EXPECT_EQ(covered, held) << "piece [" << b << ", " << e << ") of rank " << r;  // every one, once
       }
   }
   for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "global element " << i;
