@@ -1,4 +1,5 @@
 // origami launch: a training job that restarts itself from its checkpoints (train/launch.h).
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -66,6 +67,12 @@ int cmd_launch(int argc, char** argv) {
   const auto local = make_local_comm();
   const std::optional<TrainCommand> cmd = parse_train_options(int(targs.size()), targs.data(), *local);
   if (!cmd) return 0;
+  // Launch replaces the run's start on its command line once the run resumes its own --save: a start
+  // in its --run-config would stay beside that --resume (train refuses both) on every restart.
+  for (const auto& [flag, value] : {std::pair{"--resume", &cmd->options.resume}, {"--init-from", &cmd->options.init_from}})
+    ORIGAMI_CHECK(value->empty() || std::find(o.train_args.begin(), o.train_args.end(), flag) != o.train_args.end(),
+                  "the run config gives ", flag + 2, ": under origami launch give ", flag, " on train's command line, "
+                  "which launch replaces when it restarts from the run's own checkpoints");
   return run_launch(o, cmd->cfg, cmd->options);
 }
 

@@ -279,7 +279,10 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
     if (::waitpid(pid, &status, WNOHANG) == pid) break;
     if (stop_requests > signalled) {  // the launcher was asked to stop: so is the job
       signalled = int(stop_requests), end.stopped = true;
-      ::kill(pid, signalled == 1 ? SIGTERM : SIGKILL);
+      // Once politely (the ranks save and stop); a second request kills this host's ranks too (a hung
+      // job's would outlive mpirun) and mpirun 10 s later, as the watchdog does.
+      if (signalled == 1) ::kill(pid, SIGTERM);
+      else if (killed_at == 0) kill_job(pid, board), killed_at = unix_time_s();
     }
     if (killed_at > 0 && unix_time_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
     if (!end.hung && !end.stopped && watchdog.stalled(board)) {
@@ -292,6 +295,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       killed_at = unix_time_s();
     }
   }
+  end.stopped = end.stopped || stop_requests > 0;  // (a request as mpirun exited, before the loop saw it)
   // What is left in the pipe, for at most 5 s (a process that inherited mpirun's output may hold it open).
   for (const double until = unix_time_s() + 5; unix_time_s() < until;) {
     pollfd p{fd, POLLIN, 0};
@@ -392,18 +396,34 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, const Slot
   fail("--shrink: ", why);
 }
 
-// The --resume of an attempt: the --save directory once that holds a step, or when the run gave no
-// start of its own; before, the run's own --resume ("" under --init-from, which then stays).
-std::string attempt_resume(const TrainOptions& train) {
-  return Checkpoint::committed_in(train.save) || (train.resume.empty() && train.init_from.empty()) ? train.save
-                                                                                                   : train.resume;
+// What DIR/latest names and when that step was committed: it changes when this launch saves.
+struct SaveMark {
+  std::string step;
+  std::filesystem::file_time_type when{};
+  bool operator==(const SaveMark&) const = default;
+};
+
+SaveMark save_mark(const std::string& save) {
+  if (!Checkpoint::committed_in(save)) return {};
+  const std::string step = Checkpoint::resolved(save);
+  std::error_code ec;  // (a step removed meanwhile: its time stays unknown, and the path tells)
+  return {step, std::filesystem::last_write_time(std::filesystem::path(step) / "metadata.json", ec)};
+}
+
+// The --resume of an attempt: the --save directory once this launch saved there; before, the run's own
+// start — its --resume, or its --init-from ("", which then stays) —, or without one the --save
+// directory (continued when it holds steps, unless --overwrite-save: a new run, "", over them).
+std::string attempt_resume(const TrainOptions& train, bool saved) {
+  if (saved) return train.save;
+  if (!train.resume.empty() || !train.init_from.empty()) return train.resume;
+  return train.overwrite_save && Checkpoint::committed_in(train.save) ? "" : train.save;
 }
 
 // The training's words for an attempt on world `w`: from attempt_resume, with the pinned step size
 // (`step`: the flag and its value) and, once shrunk, DP and the stages re-derived.
-std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOptions& train, const World& w,
+std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOptions& train, bool saved, const World& w,
                                        const std::pair<std::string, std::string>& step) {
-  const std::string start = attempt_resume(train);
+  const std::string start = attempt_resume(train, saved);
   std::vector<std::string> drop{"--resume", step.first};
   if (start == train.save) drop.push_back("--init-from");  // (the run's own checkpoints from here)
   if (w.size != o.np) drop.push_back("--dp");
@@ -450,8 +470,9 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   // The step size is pinned (--global-batch, or --tokens-per-step under document batching): a default
   // one would follow DP when the world shrinks. A run that resumes keeps its checkpoint's.
   TrainOptions first = train;
-  first.resume = attempt_resume(train);
+  first.resume = attempt_resume(train, false);
   if (first.resume == save) first.init_from.clear();
+  const SaveMark before = save_mark(save);  // (a later one: this launch saved)
   const TrainOptions pinned = make_plan(cfg, with_checkpoint_step_size(first), o.np).options;
   const bool docs = train.documents();
   const std::string step_flag = docs ? "--tokens-per-step" : "--global-batch";
@@ -474,7 +495,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   for (int attempt = 0;; ++attempt) {
     std::vector<std::string> args = job_command(mpirun, w.size, slots, progress);
     args.push_back(self);
-    const std::vector<std::string> words = attempt_words(o, train, w, {step_flag, step_size});
+    const std::vector<std::string> words = attempt_words(o, train, save_mark(save) != before, w, {step_flag, step_size});
     args.insert(args.end(), words.begin(), words.end());
     announce(events, attempt, w, o.np, save);
     const JobEnd end = run_job(args, w.size, progress, o.step_timeout_s);
@@ -495,6 +516,14 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     if (end.signal) failure["signal"] = end.signal;
     if (end.hung) failure["detected"] = end.detected;  // the job's teardown comes after it
     events.write(failure);
+    // The run had saved its last step (the failure came after: a final evaluation, the teardown):
+    // done, as a restart would only be told the checkpoint is already at --steps.
+    if (const SaveMark now = save_mark(save); now != before && Checkpoint::open(now.step).state().step >= train.steps) {
+      std::fprintf(stderr, "origami launch: %s after the run saved its last step (%s): done\n", end.why.c_str(),
+                   now.step.c_str());
+      events.write({{"event", "finish"}, {"restarts", attempt}, {"world", w.size}, {"after_failure", end.why}});
+      return 0;
+    }
     ORIGAMI_CHECK(attempt < o.max_restarts, "the job failed ", attempt + 1, " time", attempt ? "s" : "", " (", end.why,
                   "); --max-restarts ", o.max_restarts, " reached");
     // (a hang where no rank stands out names every rank: then no slot is blamed, the world stays)
@@ -507,7 +536,13 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     }
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);
-    std::this_thread::sleep_for(std::chrono::duration<double>(o.backoff_s));
+    // The backoff, cut short by a stop request (the signal does not end a sleep_for).
+    for (const double until = unix_time_s() + o.backoff_s; unix_time_s() < until && stop_requests == 0;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (stop_requests > 0) {
+      events.write({{"event", "stop"}, {"exit_code", 130}, {"steps_done", end.steps_done}});
+      return 130;
+    }
   }
 }
 

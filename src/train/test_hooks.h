@@ -4,8 +4,9 @@
 //       reaches in step STEP (from 1) becomes NaN, before any reduction — as a fault in one rank's
 //       backward would. The non-finite guard must stop every rank (tests/parallel/test_run_safety.py).
 //   ORIGAMI_TEST_FAIL=STEP:RANK:FILE  world rank RANK throws (an error on that rank alone) as step STEP
-//       (from 1) starts, unless FILE exists, which it creates first: a failure once, which `origami
-//       launch` must restart (tests/parallel/test_launch.py).
+//       (from 1) starts — STEP = --steps + 1: after the last step and its save —, unless FILE exists,
+//       which it creates first: a failure once, which `origami launch` must restart, or end after the
+//       last save (tests/parallel/test_launch.py).
 //   ORIGAMI_TEST_ROUTING=DIR  every rank of a MoE run appends its own routed counts per step to
 //       DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently
 //       (tests/parallel/test_expert_parallel.py).

@@ -1067,6 +1067,7 @@ int Run::exit_code(const StepReport& r, bool too_many_skips, bool broken) const 
 
 void Run::finish(int exit_code) {
   if (writer_) writer_->finish();  // an asynchronous save still being written is committed before exit
+  if (exit_code == 0) hooks_.fail_once(o_.steps + 1);  // (a failure after the last step's save: its step is --steps + 1)
   if (rank0_ && skipped_ > 0 && exit_code != kExitNonFinite)
     std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm\n",
                  (long long)skipped_, skipped_ == 1 ? " was" : "s were");

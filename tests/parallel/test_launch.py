@@ -113,16 +113,16 @@ def wait_for_step(save, rank, step, limit=60):
     return None
 
 
-def same_curve(ref, by_step, what, relative=False):
-    """Every attempt's row of every step within ATOL of the reference (relative: ATOL·|loss|)."""
+def same_curve(ref, by_step, what, relative=False, first=1):
+    """Every attempt's row of every step from `first` within ATOL of the reference (relative: ATOL·|loss|)."""
     def off(r, s):
         return abs(r["loss"] - ref[s]) > ATOL * (abs(ref[s]) if relative else 1)
-    bad = [s for s in range(1, STEPS + 1) if s not in by_step or any(off(r, s) for r in by_step[s])]
+    bad = [s for s in range(first, STEPS + 1) if s not in by_step or any(off(r, s) for r in by_step[s])]
     worst = max((abs(r["loss"] - ref[s]) for s in by_step if s in ref for r in by_step[s]), default=0)
     rows = sum(len(v) for v in by_step.values())
     return check(not bad, "%s: all %d steps' losses (%d rows over the attempts) equal the uninterrupted one-rank "
                  "run's within %g%s (largest difference %.1e)%s" % (
-                     what, STEPS, rows, ATOL, " relative" if relative else "", worst,
+                     what, STEPS + 1 - first, rows, ATOL, " relative" if relative else "", worst,
                      " (differ at steps %s)" % bad[:5] if bad else ""))
 
 
@@ -236,6 +236,77 @@ def hang_run(tmp, data, ref):
     same_curve(ref, by_step, "after the hang")
 
 
+def alive(pid):
+    try:
+        return open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_hung(tmp, data):
+    """Two stop requests to the launcher of a hung job (rank 1 stopped): the first asks the ranks to save
+    and stop, which the hung one cannot; the second kills this host's ranks, not mpirun alone (the hung
+    ranks outlived it), and the launch exits 130."""
+    save = os.path.join(tmp, "stophung_ck")
+    p = subprocess.Popen([h.BIN, "launch", "--np", "2", "--backoff", "0.2", "--mpirun", MPIRUN, "--",
+                          *train_args(data, os.path.join(tmp, "stophung.jsonl"), save)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=h.env(), stdin=subprocess.DEVNULL)
+    pids = [wait_for_step(save, r, 50) for r in (0, 1)]
+    if None not in pids:
+        os.kill(pids[1], signal.SIGSTOP)
+        p.send_signal(signal.SIGINT)
+        time.sleep(1)
+        p.send_signal(signal.SIGINT)
+    try:
+        out = p.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out = p.communicate()[0] + "\n[timed out]"
+    time.sleep(0.5)
+    left = [pid for pid in pids if pid is not None and alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    check(None not in pids and p.returncode == 130 and not left, "two stop requests to the launch of a hung job: exit %s, "
+          "ranks left %s %s" % (p.returncode, left, out[-300:] if p.returncode != 130 else ""))
+
+
+def stop_in_backoff(tmp, data):
+    """A stop request while the launch waits to restart a failed job ends it there (exit 130, no
+    restart): before, the wait ran out, the job was started again and then stopped."""
+    events = os.path.join(tmp, "backoff_events.jsonl")
+    p = subprocess.Popen([h.BIN, "launch", "--np", "2", "--backoff", "30", "--events", events, "--mpirun", MPIRUN, "--",
+                          *train_args(data, os.path.join(tmp, "backoff.jsonl"), os.path.join(tmp, "backoff_ck"))],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                         env={**h.env(), "ORIGAMI_TEST_FAIL": "5:1:" + os.path.join(tmp, "backoff_failed")})
+    def names():
+        return [json.loads(l)["event"] for l in open(events)] if os.path.exists(events) else []
+    t0 = time.time()
+    while "failure" not in names() and time.time() - t0 < 60:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    t1 = time.time()
+    try:
+        out = p.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out = p.communicate()[0] + "\n[timed out]"
+    waited = time.time() - t1
+    check(p.returncode == 130 and names() == ["start", "failure", "stop"] and waited < 10,
+          "a stop request in the restart's backoff: exit %s after %.1f s, events %s %s" % (
+              p.returncode, waited, names(), out[-300:] if p.returncode != 130 else ""))
+
+
+def failed_after_last_save(tmp, data, ref):
+    """A failure after the run saved its last step (ORIGAMI_TEST_FAIL at --steps + 1: as the run ends):
+    the launch is done (exit 0), where a restart would only be told the checkpoint is at --steps."""
+    rc, out, by_step, evs = launch(tmp, "afterlast", data, 2, [],
+                                   env={"ORIGAMI_TEST_FAIL": "%d:1:%s" % (STEPS + 1, os.path.join(tmp, "afterlast_once"))})
+    names = [e["event"] for e in evs]
+    check(rc == 0 and names == ["start", "failure", "finish"] and "after_failure" in evs[-1],
+          "a failure after the last step's save ends the launch with exit %s, events %s %s" % (rc, names, out[-300:] if rc else ""))
+    same_curve(ref, by_step, "failed after its last save")
+
+
 def stop_runs(tmp, data):
     save, metrics = os.path.join(tmp, "stop_ck"), os.path.join(tmp, "stop.jsonl")
     args = train_args(data, metrics, save)
@@ -288,6 +359,31 @@ def one_rank_failure(tmp, data, ref):
     check(first < (ref[1] + ref[max(ref)]) / 2,
           "launch -- train --init-from starts from the weights: step 1 loss %.4f (fresh %.4f, trained %.4f)"
           % (first, ref[1], ref[max(ref)]))
+
+
+def own_start(tmp, data, ref):
+    """The run's own start, over a --save directory an earlier run filled: --overwrite-save starts a new
+    run from step 1 and a --resume of an earlier step rolls back to it (launch continued the directory's
+    latest step in both); a run config giving the start is refused (its restarts kept it beside launch's
+    --resume)."""
+    for tag, extra in (("overwrite", ["--overwrite-save"]), ("rollback", None)):
+        save = os.path.join(tmp, tag + "_ck")
+        rc, out, _ = h.run(0, train_args(data, os.path.join(tmp, tag + "_first.jsonl"), save))
+        if not check(rc == 0, "%s: the earlier run into %s %s" % (tag, save, out[-300:] if rc else "")):
+            continue
+        extra = extra or ["--resume", os.path.join(save, "step-%d" % SAVE_EVERY)]
+        rc, out, by_step, _ = launch(tmp, tag, data, 2, [], extra_train=extra)
+        first = min(by_step, default=None)
+        want = 1 if tag == "overwrite" else SAVE_EVERY + 1
+        check(rc == 0 and first == want, "launch -- train %s over a filled --save starts at step %d (exit %s, first "
+              "step %s) %s" % (" ".join(extra), want, rc, first, out[-300:] if rc else ""))
+        same_curve(ref, by_step, tag, first=want)
+    rc_file = h.write_json(os.path.join(tmp, "rc_init.json"), {"init-from": os.path.join(tmp, "overwrite_ck")})
+    rc, out, _ = h.run(0, ["launch", "--np", "2", "--mpirun", MPIRUN, "--", *train_args(data, os.path.join(tmp, "x.jsonl"),
+                                                                                     os.path.join(tmp, "x_ck")),
+                           "--run-config", rc_file])
+    check(rc == 1 and "the run config gives init-from: under origami launch give --init-from on train's command "
+          "line" in out, "launch refuses a run config giving the run's start (exit %s) %s" % (rc, out[-300:]))
 
 
 def restarts_exhausted(tmp, data):
@@ -357,6 +453,10 @@ def main():
         hang_run(tmp, data, ref)
         stop_runs(tmp, data)
         restarts_exhausted(tmp, data)
+        own_start(tmp, data, ref)
+        stop_hung(tmp, data)
+        stop_in_backoff(tmp, data)
+        failed_after_last_save(tmp, data, ref)
         one_rank_failure(tmp, data, ref)
         auto_interval(tmp, data)
         documents_run(tmp, data)
