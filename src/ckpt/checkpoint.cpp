@@ -10,6 +10,7 @@
 #include "core/checksum.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "core/progress.h"
 #include "core/io.h"
 #include "data/tokenizer.h"
 
@@ -353,6 +354,7 @@ void Checkpoint::bind(const ModelConfig& cfg) {
 }
 
 void Checkpoint::read(StateKind kind, const ParamSpec& spec, int tp, int tp_rank, int64_t begin, int64_t end, float* dst) {
+  progress_alive();  // (origami launch's watchdog: reading a large checkpoint is not a hang)
   auto it = tensors_.find(spec.name);
   ORIGAMI_ASSERT(it != tensors_.end());  // bind() checked
   const Entry& e = it->second;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/progress.h"
 
 namespace origami {
 
@@ -65,7 +66,10 @@ std::string file_checksum(const std::string& path) {
   std::vector<char> buf(size_t(16) << 20);
   Checksum sum;
   size_t got;
-  while ((got = std::fread(buf.data(), 1, buf.size(), f)) > 0) sum.update(buf.data(), got);
+  while ((got = std::fread(buf.data(), 1, buf.size(), f)) > 0) {
+    sum.update(buf.data(), got);
+    progress_alive();  // (origami launch's watchdog: a resume reading a large checkpoint is not a hang)
+  }
   const bool failed = std::ferror(f) != 0;
   std::fclose(f);
   ORIGAMI_CHECK(!failed, "cannot read '", path, "': read error");
