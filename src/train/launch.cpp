@@ -324,8 +324,11 @@ std::vector<std::string> job_command(const std::vector<std::string>& mpirun, int
   std::string text;
   for (const auto& [host, n] : slots.hosts) text += cat(host, " slots=", n, "\n");
   const std::string path = progress + ".hosts";
+  std::filesystem::create_directories(std::filesystem::path(progress).parent_path());  // (--save, before its first save)
   write_file_atomically(path, text);
-  args.insert(args.end(), {"--hostfile", path});
+  // Open MPI passes the environment to the ranks on this host only: the board's directory (absolute,
+  // under --save, which every host must share) is exported to the others by name.
+  args.insert(args.end(), {"--hostfile", path, "-x", "ORIGAMI_PROGRESS_DIR"});
   return args;
 }
 
@@ -484,7 +487,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   std::istringstream words(o.mpirun);
   for (std::string w; words >> w;) mpirun.push_back(w);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  const std::string progress = (std::filesystem::path(save) / ".launch").string();
+  const std::string progress = (std::filesystem::absolute(save) / ".launch").string();
   const std::optional<Cluster> cluster = o.cluster.empty() ? std::nullopt : std::optional<Cluster>(Cluster::load(o.cluster));
   // (ranks beyond a node's devices are priced over its link to other nodes, or within a node's: a
   // one-rank profile has neither)

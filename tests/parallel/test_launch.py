@@ -270,6 +270,26 @@ def stop_hung(tmp, data):
           "ranks left %s %s" % (p.returncode, left, out[-300:] if p.returncode != 130 else ""))
 
 
+def hostfile_run(tmp, data, ref):
+    """--hostfile: the job runs on its hosts' slots (this host's, here) from a new --save directory (the
+    shrinkable copy of the hostfile is written there: before, into a directory not yet made, so the
+    launch failed at once), and the watchdog still sees every rank."""
+    hosts = os.path.join(tmp, "hosts")
+    with open(hosts, "w") as f:
+        f.write("localhost slots=2\n")
+
+    def hit(save):
+        pid = wait_for_step(save, 1, 100)
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+    rc, out, by_step, evs = launch(tmp, "hostfile", data, 2, ["--hostfile", hosts, "--step-timeout", "3"], hit)
+    hangs = [e for e in evs if e["event"] == "hang"]
+    check(rc == 0 and len(hangs) == 1 and hangs[0]["ranks"] == [1],
+          "--hostfile: the job runs, the watchdog names the stopped rank 1 (%s), exit %s %s" % (
+              hangs[0]["ranks"] if hangs else None, rc, out[-300:] if rc else ""))
+    same_curve(ref, by_step, "--hostfile after the hang")
+
+
 def stop_in_backoff(tmp, data):
     """A stop request while the launch waits to restart a failed job ends it there (exit 130, no
     restart): before, the wait ran out, the job was started again and then stopped."""
@@ -456,6 +476,7 @@ def main():
         own_start(tmp, data, ref)
         stop_hung(tmp, data)
         stop_in_backoff(tmp, data)
+        hostfile_run(tmp, data, ref)
         failed_after_last_save(tmp, data, ref)
         one_rank_failure(tmp, data, ref)
         auto_interval(tmp, data)
