@@ -73,6 +73,13 @@ int cmd_launch(int argc, char** argv) {
     ORIGAMI_CHECK(value->empty() || std::find(o.train_args.begin(), o.train_args.end(), flag) != o.train_args.end(),
                   "the run config gives ", flag + 2, ": under origami launch give ", flag, " on train's command line, "
                   "which launch replaces when it restarts from the run's own checkpoints");
+  // --shrink re-derives the stages on the command line, where a run config's split would stay.
+  const TrainOptions& t = cmd->options;
+  for (const auto& [flag, set] : {std::pair{"--vpp", t.vpp != 1}, {"--pp-layers", !t.pp_layers.empty()},
+                                  {"--pp-schedule", !t.pp_schedule.empty()}})
+    ORIGAMI_CHECK(!o.shrink || !set || std::find(o.train_args.begin(), o.train_args.end(), flag) != o.train_args.end(),
+                  "the run config gives ", flag + 2, ": under --shrink give ", flag, " on train's command line, "
+                  "which launch drops when it re-derives the pipeline stages");
   return run_launch(o, cmd->cfg, cmd->options);
 }
 

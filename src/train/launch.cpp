@@ -464,6 +464,8 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                 "give the training after '--': origami launch --np N -- train ARGS...");
   const std::string save = train.save;  // (from the command line or its --run-config)
   ORIGAMI_CHECK(!save.empty(), "origami launch restarts from the run's checkpoints: give --save DIR to train");
+  ORIGAMI_CHECK(!std::filesystem::is_regular_file(save) && !Checkpoint::is_checkpoint(save), "--save '", save,
+                "' is a file or a checkpoint: give the run's directory (it holds DIR/step-N checkpoints)");
   ORIGAMI_CHECK(!o.shrink || std::find(o.train_args.begin(), o.train_args.end(), "--plan") == o.train_args.end(),
                 "--shrink lays the job out again on fewer ranks, and train's --plan fixes a layout for ", o.np,
                 " devices: give its options instead, or no --shrink");

@@ -350,6 +350,12 @@ def stop_runs(tmp, data):
                         (["launch", "--np", "2", "--shrink", "--cluster", one_device, "--", *args],
                          "gives no link between devices (a one-rank profile measures none), so it cannot price --np 2"),
                         (["launch", "--", "train"], "--np N"),
+                        (["launch", "--np", "2", "--shrink", "--", *args[:args.index("--data")],
+                          "--data", data, *args[args.index("--data") + 2:], "--run-config",
+                          h.write_json(os.path.join(tmp, "rc_gpipe.json"), {"pp": 2, "pp-schedule": "gpipe"})],
+                         "the run config gives pp-schedule: under --shrink give --pp-schedule on train's command line"),
+                        (["launch", "--np", "2", "--", *train_args(data, metrics, os.path.join(tmp, "rc_gpipe.json"))],
+                         "is a file or a checkpoint: give the run's directory"),
                         (["launch", "--np", "2", "--", "generate"], "runs train")):
         ok, line, _ = h.check_error("launch: " + words, 0, args, lambda l, w=words: w in l)
         check(ok, "launch refuses: %s" % line)
