@@ -440,16 +440,17 @@ std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOption
 }
 
 // The start or restart event and line.
-void announce(Events& events, int attempt, const World& w, int np, const std::string& save) {
-  const auto steps = std::filesystem::exists(save) ? committed_steps(save) : std::map<int64_t, std::string>{};
-  const int64_t from = steps.empty() ? 0 : steps.rbegin()->first;
+// `start`: the attempt's --resume ("" or a directory without a step: from step 0).
+void announce(Events& events, int attempt, const World& w, int np, const std::string& start) {
+  const bool resumes = !start.empty() && (Checkpoint::committed_in(start) || Checkpoint::is_checkpoint(start));
+  const int64_t from = resumes ? Checkpoint::open(start).state().step : 0;
   nlohmann::json begin = {{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", w.size},
                           {"layout", w.layout}, {"resumed_from", from}};
   if (w.predicted_s > 0) begin["predicted_step_s"] = w.predicted_s;
   events.write(begin);
   std::printf("origami launch: %s %d rank%s (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", w.size,
               w.size == 1 ? "" : "s", w.layout.c_str(), w.size != np ? cat(", shrunk from ", np).c_str() : "",
-              from > 0 ? cat(", from step ", from, " of ", save).c_str() : "");
+              from > 0 ? cat(", from step ", from, " of ", start).c_str() : "");
   std::fflush(stdout);
 }
 
@@ -502,7 +503,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     args.push_back(self);
     const std::vector<std::string> words = attempt_words(o, train, save_mark(save) != before, w, {step_flag, step_size});
     args.insert(args.end(), words.begin(), words.end());
-    announce(events, attempt, w, o.np, save);
+    announce(events, attempt, w, o.np, attempt_resume(train, save_mark(save) != before));
     const JobEnd end = run_job(args, w.size, progress, o.step_timeout_s);
     if (end.code == 0 && !end.hung && !end.stopped) {
       events.write({{"event", "finish"}, {"restarts", attempt}, {"world", w.size}});

@@ -156,6 +156,11 @@ def check_layouts(tmp, data, failures):
                 continue
             runs[(model, name)] = got
             worst, fails = compare(ref, got, moe)
+            # the layout ran as asked (a degree dropped would give the one-rank losses too)
+            for flag in ("--tp", "--cp", "--pp", "--ep"):
+                word = "%s%s" % (flag[2:].upper(), flags[flags.index(flag) + 1]) if flag in flags else None
+                if word and got and word not in got[0].get("layout", ""):
+                    fails.append("layout string %r does not name %s" % (got[0].get("layout"), word))
             failures += ["%s %s: %s" % (model, name, f) for f in fails[:3]]
             rows.append((model, name, "%.1e" % worst, "ok" if not fails else "FAIL"))
             print("  %-4s %-11s %-22s worst %.1e" % ("ok" if not fails else "FAIL", model, name, worst), flush=True)

@@ -398,11 +398,13 @@ def own_start(tmp, data, ref):
         if not check(rc == 0, "%s: the earlier run into %s %s" % (tag, save, out[-300:] if rc else "")):
             continue
         extra = extra or ["--resume", os.path.join(save, "step-%d" % SAVE_EVERY)]
-        rc, out, by_step, _ = launch(tmp, tag, data, 2, [], extra_train=extra)
+        rc, out, by_step, evs = launch(tmp, tag, data, 2, [], extra_train=extra)
         first = min(by_step, default=None)
         want = 1 if tag == "overwrite" else SAVE_EVERY + 1
-        check(rc == 0 and first == want, "launch -- train %s over a filled --save starts at step %d (exit %s, first "
-              "step %s) %s" % (" ".join(extra), want, rc, first, out[-300:] if rc else ""))
+        said = evs[0].get("resumed_from") if evs else None
+        check(rc == 0 and first == want and said == want - 1, "launch -- train %s over a filled --save starts at step "
+              "%d (exit %s, first step %s, start event's resumed_from %s) %s" % (" ".join(extra), want, rc, first, said,
+                                                                              out[-300:] if rc else ""))
         same_curve(ref, by_step, tag, first=want)
     rc_file = h.write_json(os.path.join(tmp, "rc_init.json"), {"init-from": os.path.join(tmp, "overwrite_ck")})
     rc, out, _ = h.run(0, ["launch", "--np", "2", "--mpirun", MPIRUN, "--", *train_args(data, os.path.join(tmp, "x.jsonl"),
