@@ -15,13 +15,16 @@ int cmd_launch(int argc, char** argv) {
   Args a("launch",
          "origami launch [options] -- train ARGS...\n\n"
          "Run `origami train ARGS` under mpirun and watch it: when a rank is killed or crashes, MPI fails or the\n"
-         "job hangs, start it again from the latest checkpoint of its --save directory, with the same global\n"
-         "batch (the same loss curve). A user error (exit 1), the non-finite stop (3) and a stop by signal (130)\n"
-         "end the launch with that code.");
+         "job hangs, start it again with the same global batch (the same loss curve): from the run's own --resume\n"
+         "or --init-from until the job first saves (give them on train's command line, not in a --run-config),\n"
+         "then from the latest checkpoint of its --save directory (a run's directory, not a file or checkpoint).\n"
+         "A user error (exit 1), the non-finite stop (3) and a stop by signal (130) end the launch with that\n"
+         "code; a failure after the last step's save ends it as done (0).");
   a.option("np", "N", "ranks")
       .option("min-np", "M", "with --shrink, the fewest ranks to go on with", "1")
       .flag("shrink", "do not use a failed rank's slot (with --hostfile, its host) again: restart on the largest "
-                      "world left whose layout (DP re-derived) is valid and fits")
+                      "world left whose layout (DP re-derived, fewer pipeline stages where needed) is valid and fits; "
+                      "--vpp, --pp-layers and --pp-schedule then go on train's command line, not in a run config")
       .option("cluster", "FILE", "with --shrink: a cluster.json (see origami plan) whose cost model picks the fastest "
                                  "layout of the smaller world")
       .option("max-restarts", "R", "restarts before giving up", "3")

@@ -185,7 +185,9 @@ void add_run_options(Args& a) {
   a.option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
       .option("tensorboard", "DIR", "write each step's scalars (loss, lr, grad norm, speed, memory) as TensorBoard "
                                     "events to DIR (a resumed run appends to its newest event file)")
-      .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest)")
+      .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest); "
+                             "DIR is a run's directory, never a file or a checkpoint, and a run without --resume "
+                             "refuses one holding another run's steps unless --overwrite-save")
       .option("save-every", "N|auto", "also save every N steps; auto: save after 10 steps, then every "
                                       "sqrt(2 x save time x MTBF) / step time steps (Young's interval)", "0")
       .option("mtbf-hours", "H", "the mean time between failures --save-every auto plans for", "24")

@@ -8,6 +8,9 @@
 (b) the .idx is parsed here, from Megatron's layout, and every field is checked.
 (c) user mistakes (missing input, truncated or corrupt .idx, bad tokenizer files) fail with a
     non-zero exit and a message naming the file.
+(d) data info of a dataset holding token 2000000000 runs in a 1 GiB address space; a rerun whose
+    --output lies in its --input directory reads only the documents, and an --input naming one of
+    --output's files is refused.
 
 Run by ctest with ORIGAMI_BIN (build/origami); exits non-zero on the first failed assert.
 """

@@ -7,6 +7,7 @@
   - a llama trained with --attention-mask document, generating from an empty prompt (a new document after
     the end-of-document token), samples other text from a copy whose record says causal; so does one
     trained with --batching documents (each document alone) against a record of windows;
+  - a copy whose record says --seq-len 8 samples other text (the window slides at the trained length);
   - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
   - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
     scores and the biases (a Hugging Face config holds neither).

@@ -23,7 +23,10 @@ marks, digit runs, runs of spaces and tabs, CRLF, Unicode spaces, the special to
       the checkpoint, and `ckpt export --hf` writing the Hub file that the library loads;
   (f) a RobertaProcessing file, whose post-processor closes each sequence with the eod </s>: the
       documents are the library's ids (one </s> each, not a second appended), with a Split(a*,
-      merged_with_next) pre-tokenizer whose empty matches right after a match the library skips.
+      merged_with_next) pre-tokenizer whose empty matches right after a match the library skips;
+  (g) origami's byte and gpt2 tokenizers exported by `ckpt export --hf` load in the library as the
+      byte-level BPE they are and encode and decode 3000 documents as origami stored them; an
+      --optimizer export resumes on the data.
 
 Run by ctest with ORIGAMI_BIN (build/origami); exits non-zero on the first failed check.
 """

@@ -4,7 +4,7 @@ reproduced by TP2, TP2+SP, DP2 ZeRO-1, PP2, CP2 (ring and all-to-all), EP2 (MoE 
 PP2 and PP2xDP2 ZeRO-1 with --vocab-parallel (the LM head's slices read their bf16 copy, ZeRO-1 keeping
 only its shard of the head's fp32 values; the embedding slices are looked up in fp32) and
 TP2xPP2 and DP2 ZeRO-3 (each unit's bf16 copy rounded from its gathered values), DP2 FSSDP for mixtral
-(its experts gathered as bf16 straight into the copy, kept or not, gradients reduced in bf16); and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
+(its experts' gathers staging bf16 values, kept or not — the experts keep no bf16 copy — gradients reduced in bf16); and by DP2 ZeRO-2 with the gradients reduced in bf16 (--grad-reduce-dtype bf16: each rank's
 gradients rounded to bf16 and summed in bf16 after every micro-batch, then accumulated in fp32 — a
 further 2^-8 relative per element, once per pass; measured 4e-5 (gpt2, llama) to 4e-4 (mixtral) of the
 loss, within the same bound). Its layout string must also name "grad-reduce bf16".
@@ -16,6 +16,9 @@ test_layouts.py's settings but the learning rate (lr 3e-3 cosine to 3e-4, weight
     bound: a layout changes fp32 summation orders, and a rounding to bf16 can turn a last-bit
     difference into one bf16 step, 2^-8 relative, of a single element — far below 1e-3 of the loss);
   - the metrics' layout string names bf16;
+  - step 1's loss and gradient norm (the loss alone under --grad-reduce-dtype bf16), from the same
+    weights, lie nearer the one-rank bf16 run's than a tenth of their distance from fp32's (a layout
+    whose GEMMs ran in fp32 would pass the 1e-3 bound);
   - the one-rank bf16 run differs from the one-rank fp32 run by more than 1e-4 relative at some step,
     in the loss or the gradient norm (else --precision would have been ignored, and the comparisons
     above would prove nothing about bf16).

@@ -20,7 +20,11 @@ dense layers): TP2, EP2, EP2×ETP2 over 4, TP2×CP2, aux loss per sequence, glob
 reduced in bf16 (--grad-reduce-dtype bf16): DP2 with ZeRO 0 and 2, and mixtral EP2 over 4 ranks with
 ZeRO-1 (dense gradients over DP4, experts' over EDP2); ZeRO-3 under --precision bf16 (GEMM weights
 gathered as their bf16 copy): DP2, PP2×DP2 with gpt2's tied embedding, mixtral EP2 over 4 ranks; and
-ZeRO-1/2 under bf16 (the updated GEMM weights all-gathered as bf16): DP2, PP2×DP2 ZeRO-2, mixtral EP2.
+ZeRO-1/2 under bf16 (the updated GEMM weights all-gathered as bf16): DP2, PP2×DP2 ZeRO-2, mixtral EP2;
+PP2×DP2 ZeRO-3 and PP2 interleaved×DP2 under ZeRO-2 and 3 (each chunk's backward reduces the buckets it
+writes); mixtral FSSDP in fp32 and bf16 (the experts' values gathered as bf16). Also: a DP2 run saving
+every step keeps its comm_bytes equal to the prediction (the save's exchanges are not the step's), and
+ZeRO-3 PP2×DP2 with --vpp 2 reduces under 1.5 times the gradient bytes it reduces without.
 """
 import os
 

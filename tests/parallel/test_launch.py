@@ -23,7 +23,14 @@ the last row of each step is the step as the run's result has it.
   - A user error (a missing dataset, found on the ranks) and the non-finite stop (a NaN gradient
     injected at step 5) end the launch at once with exit 1 and 3: no restart, a "stop" event.
   - An error on one rank alone (a test hook throws once on rank 1): the job aborts with exit 2 and
-    the launch restarts it on the same curve; `train --init-from` runs under launch.
+    the launch restarts it on the same curve; `train --init-from` runs under launch, from the weights.
+  - The run's own start over a --save directory an earlier run filled: --overwrite-save starts at step
+    1 and a --resume of an earlier step rolls back to it (the start event's resumed_from says so); a
+    run config giving --init-from is refused, and so are --shrink with a run config's --pp-schedule and
+    a --save that is a file.
+  - Two stop requests to a hung job kill this host's ranks (exit 130); a stop request during the
+    backoff ends the launch without restarting; a failure after the last step's save ends it with 0.
+  - --hostfile from a new --save directory, with the watchdog naming a stopped rank.
   - --max-restarts 0 and a killed rank: the launch ends with exit 1 and says the limit was reached,
     after one failure event and no restart.
   - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the

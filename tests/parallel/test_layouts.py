@@ -25,7 +25,8 @@ Asserted for every (model, layout), against the one-rank run with the same --glo
     the summation order differs; Adam is invariant to the scale of a tensor's gradient, so this —
     and the optimizer moments below — is what catches a gradient reduced over too few or too many
     ranks). Later steps' grad_norm is reported, not asserted (see "float noise" below);
-  - tokens == global batch · seq-len; the metrics' "layout" string names the degrees (TP2, DP2);
+  - tokens == global batch · seq-len; the metrics' "layout" string names the degrees (TP2, DP2) and
+    the options that would give the same losses if dropped (+SP, the ZeRO stage, recompute);
   - the --save checkpoint (every rank writes its own shards under DIR/step-20; read through
     `origami ckpt export --optimizer`, which assembles the global tensors): the same tensor names
     and global shapes as the one-rank checkpoint's export in model.safetensors and

@@ -11,7 +11,8 @@ Asserted for every (model, layout, recompute), against the one-rank run:
   near-tie flip (test_layouts.near_tie_flip)),
     step-1 grad norm within 1e-5, final parameters elementwise within 1e-5, Adam moments within 1e-3
     of their max (test_layouts.compare_run / compare_checkpoint);
-  - the metrics' layout string names PP<p>;
+  - the metrics' layout string names PP<p> (and a --pp-schedule given), and a --pp-layers split shows
+    in the startup line of the stages (dropped, either would give the same losses and bytes);
   - activation memory: every step, every stage, the measured peak ("act_bytes_peak": the bytes of
     the model's activation slots alive at once plus its recomputation buffer) equals the computed
     one ("act_bytes_computed": model.h slot_bytes() × the schedule replayed by

@@ -13,7 +13,8 @@
 - Memory: rank 0's peak RSS with a save is within a quarter of the model's full state of the run
   without one (gathering on rank 0 would add several full states).
 - --async-save gives the same curve and checkpoints; --keep-last K keeps the K newest; a rerun into
-  the same directory replaces a step whole and leaves the earlier run's higher steps alone.
+  the same directory (--overwrite-save) replaces a step whole and leaves the earlier run's higher steps
+  alone.
 - transformers loads the export of a qwen2_moe saved under EP2 x PP2 (sharded index) with the logits
   origami computes from the sharded checkpoint.
 """
