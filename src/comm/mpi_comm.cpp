@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -89,10 +90,14 @@ int64_t max_count() {
   return most;
 }
 
+// The transfers that went in pieces or in units (mpi_transfers_in_pieces).
+std::atomic<int64_t> transfers_in_pieces{0};
+
 // f(at, n) over the pieces of [0, count): at least one call (a collective of 0 elements is still one).
 template <typename F>
 void in_pieces(int64_t count, F&& f) {
   const int64_t most = max_count();
+  if (count > most) ++transfers_in_pieces;
   for (int64_t at = 0; at == 0 || at < count; at += most) f(at, int(std::min(most, count - at)));
 }
 
@@ -156,6 +161,7 @@ struct Units {
       most = std::max(most, total);
     }
     if (most <= max_count() || common <= 1) return;  // in elements
+    ++transfers_in_pieces;
     g = common;
     // (a unit that fits an int: the gcd divided by its least divisor that brings it there)
     for (int64_t k = (g + INT_MAX - 1) / INT_MAX; g > INT_MAX && k <= (int64_t(1) << 20); ++k)
@@ -204,6 +210,7 @@ class MpiComm final : public Comm {
       });
     // Larger blocks: each rank's block reduced onto it in pieces. In place (in == out), a rank's sum
     // lands in its own block and moves to the buffer's start once every piece is done.
+    ++transfers_in_pieces;
     const bool in_place = in == out;
     return start(
         [&](std::vector<MPI_Request>& reqs) {
@@ -233,6 +240,7 @@ class MpiComm final : public Comm {
                                  mpi_type(t), comm_, r));
       });
     // Larger blocks: each rank broadcasts its own, in pieces.
+    ++transfers_in_pieces;
     if (!in_place) std::memcpy(mine, in, size_t(count * dtype_bytes(t)));
     return start([&](std::vector<MPI_Request>& reqs) {
       for (int r = 0; r < size(); ++r)
@@ -291,6 +299,7 @@ class MpiComm final : public Comm {
       return;
     }
     // Larger: each rank's block reduced onto it, in pieces (a reduction needs the base type, not a unit).
+    ++transfers_in_pieces;
     for (int r = 0; r < size(); ++r)
       in_pieces(counts[r], [&](int64_t off, int n) {
         CHECK_MPI(MPI_Reduce(at_element(in, at[size_t(r)] + off, t), r == rank() ? at_element(out, off, t) : nullptr, n,
@@ -361,5 +370,7 @@ void CommRuntime::abort(int code) {
   if (mpi_) MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);
 }
+
+int64_t mpi_transfers_in_pieces() { return transfers_in_pieces.load(); }
 
 }  // namespace origami

@@ -28,4 +28,8 @@ class CommRuntime {
 // True when an MPI launcher started this process.
 bool launched_by_mpi();
 
+// Since start: this process's transfers past MPI's int count limit (max_count(): INT_MAX, or
+// ORIGAMI_TEST_MPI_MAX_COUNT) that went in pieces or in units of their counts' gcd.
+int64_t mpi_transfers_in_pieces();
+
 }  // namespace origami

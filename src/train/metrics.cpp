@@ -189,6 +189,7 @@ void add_cp_group(nlohmann::json& row, const StepReport& r) {
   if (r.cp)
     row["cp"] = {{"ring_s", r.cp->transfer_s}, {"ring_wait_s", r.cp->wait_s}, {"pairs", r.fig->cp_pairs}};
   row["attention_tiles"] = r.attention_tiles;
+  if (r.transfers_in_pieces > 0) row["mpi_transfers_in_pieces"] = r.transfers_in_pieces;  // (past MPI's int counts)
 }
 
 // The first row of a run: the memory check's figures (the neediest rank's parts, every rank's total)

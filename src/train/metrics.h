@@ -124,6 +124,7 @@ struct StepReport {
   std::map<std::string, double> comm_bytes;  // per communicator (the mesh axes, cp, the tied embedding's group)
   const CpCounters* cp = nullptr;            // under CP: rank 0's counters (tiles are reported in any case)
   int64_t attention_tiles = 0;               // rank 0's forward score tiles (fewer under document masking)
+  int64_t transfers_in_pieces = 0;           // rank 0's MPI transfers in pieces since start (mpi_comm.h)
   std::vector<int64_t> data_samples;         // the step's rows from each dataset (a blend)
   std::vector<int64_t> data_tokens;          // ... under document batching, the step's tokens from each
   std::optional<double> val_loss;  // a step that evaluated (NaN where the validation loss was not finite)

@@ -14,6 +14,7 @@
 #include <sys/resource.h>
 
 #include "ckpt/checkpoint.h"
+#include "comm/mpi_comm.h"
 #include "ckpt/checkpoint_writer.h"
 #include "core/error.h"
 #include "core/files.h"
@@ -928,6 +929,7 @@ void Run::take_measurements(StepReport& r) {
   if (model_.level_token_bytes() > 0) r.comm_bytes["tp-cp"] += model_.level_token_bytes();  // the subgroups' MoE counts
   if (embedding_comm_ && embedding_comm_->bytes_sent() > 0) r.comm_bytes["embedding"] = embedding_comm_->bytes_sent();
   r.attention_tiles = model_.attention_tiles();
+  r.transfers_in_pieces = mpi_transfers_in_pieces();
   r.dispatch = model_.dispatch_times();
   r.moe_layer_s = model_.moe_layer_s();
   r.router_bias = &model_.router_bias();
