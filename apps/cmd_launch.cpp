@@ -70,19 +70,20 @@ int cmd_launch(int argc, char** argv) {
   const auto local = make_local_comm();
   const std::optional<TrainCommand> cmd = parse_train_options(int(targs.size()), targs.data(), *local);
   if (!cmd) return 0;
-  // Launch replaces the run's start on its command line once the run resumes its own --save: a start
-  // in its --run-config would stay beside that --resume (train refuses both) on every restart.
-  for (const auto& [flag, value] : {std::pair{"--resume", &cmd->options.resume}, {"--init-from", &cmd->options.init_from}})
-    ORIGAMI_CHECK(value->empty() || std::find(o.train_args.begin(), o.train_args.end(), flag) != o.train_args.end(),
-                  "the run config gives ", flag + 2, ": under origami launch give ", flag, " on train's command line, "
-                  "which launch replaces when it restarts from the run's own checkpoints");
-  // --shrink re-derives the stages on the command line, where a run config's split would stay.
+  // Options launch rewrites on the command line, where a run config's value would stay beside launch's:
+  // the run's start (replaced by --resume SAVE once the run resumes its own checkpoints; train refuses
+  // both) and, under --shrink, the stages it re-derives.
   const TrainOptions& t = cmd->options;
+  const auto on_line = [&](const char* flag) {
+    return std::find(o.train_args.begin(), o.train_args.end(), flag) != o.train_args.end();
+  };
+  for (const auto& [flag, set] : {std::pair{"--resume", !t.resume.empty()}, {"--init-from", !t.init_from.empty()}})
+    ORIGAMI_CHECK(!set || on_line(flag), "the run config gives ", flag + 2, ": under origami launch give ", flag,
+                  " on train's command line, which launch replaces when it restarts from the run's own checkpoints");
   for (const auto& [flag, set] : {std::pair{"--vpp", t.vpp != 1}, {"--pp-layers", !t.pp_layers.empty()},
                                   {"--pp-schedule", !t.pp_schedule.empty()}})
-    ORIGAMI_CHECK(!o.shrink || !set || std::find(o.train_args.begin(), o.train_args.end(), flag) != o.train_args.end(),
-                  "the run config gives ", flag + 2, ": under --shrink give ", flag, " on train's command line, "
-                  "which launch drops when it re-derives the pipeline stages");
+    ORIGAMI_CHECK(!o.shrink || !set || on_line(flag), "the run config gives ", flag + 2, ": under --shrink give ", flag,
+                  " on train's command line, which launch drops when it re-derives the pipeline stages");
   return run_launch(o, cmd->cfg, cmd->options);
 }
 

@@ -193,6 +193,7 @@ class Params {
   float* grad() { return static_cast<float*>(grad_.data()); }
   const float* grad() const { return static_cast<const float*>(grad_.data()); }
   int64_t offset(size_t i) const { return offsets_[i]; }
+  const std::vector<int64_t>& offsets() const { return offsets_; }  // per table entry
   int64_t local_numel(size_t i) const { return table_[i].local_numel(layout_.tp); }
   // Index of a parameter by name, or -1.
   int64_t index(const std::string& name) const;

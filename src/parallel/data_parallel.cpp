@@ -53,11 +53,8 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
   held_.assign(params.buckets().size(), 0);
   gathered_.assign(params.buckets().size(), 0);
   started_.assign(params.buckets().size(), kIdle);
-  if (zero_ >= 2 && !sparse && chunks.size() > 1) {
-    std::vector<Range> tensors;
-    for (size_t i = 0; i < params.table().size(); ++i) tensors.push_back({params.offset(i), params.offset(i) + params.local_numel(i)});
-    pass_buckets_ = pass_buckets(params.table(), tensors, params.buckets(), chunks);
-  }
+  if (zero_ >= 2 && !sparse && chunks.size() > 1)
+    pass_buckets_ = pass_buckets(params.table(), params.offsets(), params.layout().tp, params.buckets(), chunks);
   const std::vector<ParamSpec>& table = params.table();
   for (const Segment& seg : params.segments(owned_)) {
     const TpSplit& split = table[seg.param].split;
@@ -112,12 +109,13 @@ void DataParallel::begin_step() {
   std::fill(started_.begin(), started_.end(), kIdle);
 }
 
-std::vector<std::vector<char>> pass_buckets(const std::vector<ParamSpec>& table, const std::vector<Range>& tensors,
-                                            const std::vector<Range>& buckets, const std::vector<LayerRange>& chunks) {
+std::vector<std::vector<char>> pass_buckets(const std::vector<ParamSpec>& table, const std::vector<int64_t>& offsets,
+                                            int tp, const std::vector<Range>& buckets,
+                                            const std::vector<LayerRange>& chunks) {
   std::vector<std::vector<char>> out(chunks.size(), std::vector<char>(buckets.size(), 0));
   for (size_t i = 0; i < table.size(); ++i) {
     const int64_t unit = param_unit(table[i].name);
-    const Range t = tensors[i];
+    const Range t{offsets[i], offsets[i] + table[i].local_numel(tp)};
     // The buckets are listed from the end of the buffer: those from the first beginning before t ends.
     const auto first = std::partition_point(buckets.begin(), buckets.end(), [&](const Range& b) { return b.begin >= t.end; });
     for (size_t c = 0; c < chunks.size(); ++c) {

@@ -77,12 +77,13 @@ namespace origami {
 std::vector<Range> bucket_shards(const std::vector<Range>& buckets, int dp, int dp_rank);
 
 // The buckets each chunk's backward pass writes ([chunk][bucket] = 1), from each tensor's buffer
-// range: a layer's tensors in the pass of the chunk holding the layer; any other tensor (embedding,
+// range (its offset, its TP shard's length): a layer's tensors in the pass of the chunk holding the layer; any other tensor (embedding,
 // final norm and head, the tied embedding's copy, vocabulary slices) in passes that depend on the
 // stage and schedule, so its buckets count as every pass's. ZeRO ≥ 2 reduces a pass's buckets alone:
 // under interleaving the other chunks' buckets hold zeros (DataParallel::begin_backward).
-std::vector<std::vector<char>> pass_buckets(const std::vector<ParamSpec>& table, const std::vector<Range>& tensors,
-                                            const std::vector<Range>& buckets, const std::vector<LayerRange>& chunks);
+std::vector<std::vector<char>> pass_buckets(const std::vector<ParamSpec>& table, const std::vector<int64_t>& offsets,
+                                            int tp, const std::vector<Range>& buckets,
+                                            const std::vector<LayerRange>& chunks);
 
 class DataParallel {
  public:

@@ -422,11 +422,10 @@ std::string attempt_resume(const TrainOptions& train, bool saved) {
   return train.overwrite_save && Checkpoint::committed_in(train.save) ? "" : train.save;
 }
 
-// The training's words for an attempt on world `w`: from attempt_resume, with the pinned step size
+// The training's words for an attempt on world `w`: from `start` (attempt_resume), with the pinned step size
 // (`step`: the flag and its value) and, once shrunk, DP and the stages re-derived.
-std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOptions& train, bool saved, const World& w,
-                                       const std::pair<std::string, std::string>& step) {
-  const std::string start = attempt_resume(train, saved);
+std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOptions& train, const std::string& start,
+                                       const World& w, const std::pair<std::string, std::string>& step) {
   std::vector<std::string> drop{"--resume", step.first};
   if (start == train.save) drop.push_back("--init-from");  // (the run's own checkpoints from here)
   if (w.size != o.np) drop.push_back("--dp");
@@ -465,7 +464,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                 "give the training after '--': origami launch --np N -- train ARGS...");
   const std::string save = train.save;  // (from the command line or its --run-config)
   ORIGAMI_CHECK(!save.empty(), "origami launch restarts from the run's checkpoints: give --save DIR to train");
-  ORIGAMI_CHECK(!std::filesystem::is_regular_file(save) && !Checkpoint::is_checkpoint(save), "--save '", save,
+  ORIGAMI_CHECK(!Checkpoint::is_checkpoint(save), "--save '", save,  // (a regular file is one too)
                 "' is a file or a checkpoint: give the run's directory (it holds DIR/step-N checkpoints)");
   ORIGAMI_CHECK(!o.shrink || std::find(o.train_args.begin(), o.train_args.end(), "--plan") == o.train_args.end(),
                 "--shrink lays the job out again on fewer ranks, and train's --plan fixes a layout for ", o.np,
@@ -501,9 +500,10 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   for (int attempt = 0;; ++attempt) {
     std::vector<std::string> args = job_command(mpirun, w.size, slots, progress);
     args.push_back(self);
-    const std::vector<std::string> words = attempt_words(o, train, save_mark(save) != before, w, {step_flag, step_size});
+    const std::string start = attempt_resume(train, save_mark(save) != before);
+    const std::vector<std::string> words = attempt_words(o, train, start, w, {step_flag, step_size});
     args.insert(args.end(), words.begin(), words.end());
-    announce(events, attempt, w, o.np, attempt_resume(train, save_mark(save) != before));
+    announce(events, attempt, w, o.np, start);
     const JobEnd end = run_job(args, w.size, progress, o.step_timeout_s);
     if (end.code == 0 && !end.hung && !end.stopped) {
       events.write({{"event", "finish"}, {"restarts", attempt}, {"world", w.size}});

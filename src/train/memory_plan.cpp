@@ -186,9 +186,7 @@ RankBuffers buffers_of(const TrainOptions& options, int world_size, int rank, co
       f.unit_shard_data[plan.bucket_unit[b]] += shard_data;
     }
     f.largest_pair = gradient_buckets_held(table, plan);
-    std::vector<Range> tensors;
-    for (size_t i = 0; i < table.size(); ++i) tensors.push_back({plan.offsets[i], plan.offsets[i] + table[i].local_numel(tp_size)});
-    for (const std::vector<char>& written : pass_buckets(table, tensors, plan.buckets, chunks)) {
+    for (const std::vector<char>& written : pass_buckets(table, plan.offsets, tp_size, plan.buckets, chunks)) {
       f.pass_buckets.push_back(0);
       for (size_t b = 0; b < written.size(); ++b)
         if (written[b]) f.pass_buckets.back() += plan.buckets[b].end - plan.buckets[b].begin;
