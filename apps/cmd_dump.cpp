@@ -41,7 +41,7 @@ int cmd_dump(int argc, char** argv) {
   std::string init = a.str("init-from"), config = a.str("config");
   if (config.empty() && !init.empty()) config = Checkpoint::config_of(init);
   ORIGAMI_CHECK(!config.empty(), "give --config config.json");
-  if (a.integer("threads") > 0) set_num_threads(a.small_integer("threads"));
+  if (const int threads = threads_option(a)) set_num_threads(threads);
 
   TrainOptions routing;
   read_routing_options(a, routing, false);
@@ -60,6 +60,12 @@ int cmd_dump(int argc, char** argv) {
                 "] (the model's maximum positions), got ", T);
   ORIGAMI_CHECK(step >= 0 && step <= INT64_MAX / B - 1, "--step must be in [0, ", INT64_MAX / B - 1,
                 "] (it reads windows step x B .. step x B + B - 1), got ", step);
+  // (checked before anything is read or allocated: the logits are the largest buffer, V times the tokens)
+  const double logit_bytes = 4.0 * double(B) * double(T) * double(cfg.vocab_size);
+  const AvailableMemory avail = available_memory();
+  ORIGAMI_CHECK(logit_bytes <= double(avail.bytes), "dump writes logits [B, T, V] of ", B, " x ", T, " x ",
+                cfg.vocab_size, " floats (", format_bytes(logit_bytes), "), more than the ", format_bytes(double(avail.bytes)),
+                " of memory available (", avail.source, "): lower --micro-batch or --seq-len");
   IndexedDataset ds = IndexedDataset::open(a.str("data"));
   WindowSampler sampler(ds, T, parse_sample_order(a.str("data-order")), a.unsigned_integer("seed"));
   std::vector<int32_t> tokens(size_t(B * (T + 1)));
@@ -74,13 +80,7 @@ int cmd_dump(int argc, char** argv) {
   }
   Model model(cfg, params);
   model.set_precision(parse_precision(a.str("precision")));
-  std::vector<float> logits;
-  const double logit_bytes = 4.0 * double(B) * double(T) * double(cfg.vocab_size);
-  const AvailableMemory avail = available_memory();
-  ORIGAMI_CHECK(logit_bytes <= double(avail.bytes), "dump writes logits [B, T, V] of ", B, " x ", T, " x ",
-                cfg.vocab_size, " floats (", format_bytes(logit_bytes), "), more than the ", format_bytes(double(avail.bytes)),
-                " of memory available (", avail.source, "): lower --micro-batch or --seq-len");
-  logits.resize(size_t(B * T * cfg.vocab_size));
+  std::vector<float> logits(size_t(B * T * cfg.vocab_size));
   params.zero_grad();
   const Losses l = model.forward_backward(tokens.data(), B, T, 1.f, true, logits.data());
 

@@ -23,7 +23,8 @@ int cmd_generate(int argc, char** argv) {
          "(its tokenizer.json decodes the text).");
   a.option("checkpoint", "DIR", "checkpoint: a --save directory (its newest step), a step-N in it, or an exported one")
       .option("prompt", "TEXT", "text to continue (empty: a new document); each token is predicted from the last "
-                                "max_position_embeddings tokens", "")
+                                "--seq-len tokens the checkpoint trained at (at most the config's "
+                                "max_position_embeddings)", "")
       .allow_empty()
       .option("max-new-tokens", "N", "tokens to sample", "200")
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
@@ -40,7 +41,7 @@ int cmd_generate(int argc, char** argv) {
   ORIGAMI_CHECK(max_new >= 0, "--max-new-tokens must not be negative, got ", max_new);
   ORIGAMI_CHECK(temperature >= 0, "--temperature must not be negative, got ", temperature);
   ORIGAMI_CHECK(top_k >= 0, "--top-k must not be negative, got ", top_k);
-  if (a.integer("threads") > 0) set_num_threads(a.small_integer("threads"));
+  if (const int threads = threads_option(a)) set_num_threads(threads);
 
   ORIGAMI_CHECK(!ck.config_path().empty() && !ck.tokenizer_path().empty(), "checkpoint '", ck.path(),
                 "' needs config.json and tokenizer.json (train on data with a tokenizer)");

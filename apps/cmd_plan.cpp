@@ -69,9 +69,17 @@ Fixed parse_layout(const std::string& spec) {
                     "'");
       return std::stoll(digits);
     };
-    if (w.rfind("recompute=", 0) == 0) f.recompute = w.substr(10), parse_recompute(f.recompute);
+    auto mode = [&](size_t skip, const auto& parse) {  // the word's MODE, checked by train's own rule
+      try {
+        parse(w.substr(skip));
+      } catch (const Error& e) {
+        fail("--layout: '", w, "': ", e.what());
+      }
+      return w.substr(skip);
+    };
+    if (w.rfind("recompute=", 0) == 0) f.recompute = mode(10, parse_recompute);
     else if (w.rfind("cp-comm=", 0) == 0) {
-      f.cp_comm = w.substr(8), parse_cp_comm(f.cp_comm);
+      f.cp_comm = mode(8, parse_cp_comm);
       ORIGAMI_CHECK(f.cp_comm != "a2a+p2p", "--layout: 'cp-comm=a2a+p2p' needs the all-to-all groups' size "
                     "(train --cp-a2a-size), which plan does not search: plan cp-comm=p2p or cp-comm=a2a");
     } else if (w.rfind("pp-layers=", 0) == 0) {
@@ -232,8 +240,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
                 cmd.cluster.devices(), "] (the cluster's devices: ", cmd.cluster.nodes, " node", cmd.cluster.nodes > 1 ? "s" : "",
                 " of ", cmd.cluster.devices_per_node, "; --nodes N sizes the pod), got ", cmd.devices);
   cmd.global_batch = a.integer("global-batch"), cmd.seq_len = a.integer("seq-len"), cmd.top = a.integer("top");
-  ORIGAMI_CHECK(cmd.global_batch >= 1 && cmd.seq_len >= 1 && cmd.top >= 1,
-                "--global-batch, --seq-len and --top must be positive");
+  for (const auto& [flag, v] : {std::pair{"--global-batch", cmd.global_batch}, {"--seq-len", cmd.seq_len}, {"--top", cmd.top}})
+    ORIGAMI_CHECK(v >= 1, flag, " must be positive, got ", v);
   ORIGAMI_CHECK(cmd.top <= kMaxTop, "--top must be at most ", kMaxTop, ", got ", cmd.top);
   ORIGAMI_CHECK(cmd.global_batch <= kMaxBatch, "--global-batch must be at most ", kMaxBatch, " (as in 'origami train'), got ",
                 cmd.global_batch);

@@ -102,9 +102,7 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
     cmd.seconds = a.number("seconds"), cmd.max_mb = a.number("max-mb");
     ORIGAMI_CHECK(cmd.seconds > 0 && cmd.max_mb >= 0.004, "--seconds must be positive and --max-mb at "
                   "least 0.004 (4 KiB), got ", cmd.seconds, " and ", cmd.max_mb);
-    const int64_t threads = a.integer("threads");
-    ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
-    cmd.threads = int(threads);
+    cmd.threads = threads_option(a);
     if (a.has("config")) cmd.cfg = load_model_config(a.str("config"));
     cmd.out = a.str("out");
     if (world.rank() == 0) require_writable_file(cmd.out, "--out");  // (rank 0 writes it, after minutes of timing)

@@ -20,6 +20,13 @@ void add_precision_option(Args& a) {
            "accumulation (master weights, gradients and optimizer state stay fp32)", "fp32");
 }
 
+int threads_option(const Args& a) {
+  const int64_t threads = a.integer("threads");
+  ORIGAMI_CHECK(threads >= 0 && threads <= kMaxThreads, "--threads must be in [0, ", kMaxThreads,
+                "] (0: all cores), got ", threads);
+  return int(threads);
+}
+
 void add_routing_options(Args& a, bool train) {
   a.option("moe-aux-loss", "none|micro|seq|global",
            std::string("MoE load-balancing loss: f_e over each micro-batch, per sequence, or over the global batch so "

@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 #include <tuple>
 
@@ -256,7 +257,8 @@ void TrainOptions::validate_experts(const ModelConfig& cfg, int world_size) cons
     ORIGAMI_CHECK(cfg.num_experts % ep == 0, "--ep ", ep, " must divide the number of experts (", cfg.num_experts, ")");
     ORIGAMI_CHECK(cfg.expert_ffn % etp == 0, "--etp ", etp, " must divide the expert FFN features (", cfg.expert_ffn, ")");
     const int stage_ranks = world_size % pp == 0 ? world_size / pp : 0;
-    ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % (ep * etp) == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep * etp,
+    const int64_t ep_etp = int64_t(ep) * etp;  // each up to kMaxDegree: the product overflows an int
+    ORIGAMI_CHECK(stage_ranks > 0 && stage_ranks % ep_etp == 0, "--ep x --etp (", ep, " x ", etp, " = ", ep_etp,
                   ") must divide the ranks of a pipeline stage (", world_size, " ranks / --pp ", pp, " = ",
                   world_size / pp, "): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP");
     ORIGAMI_CHECK(tp == 1 || cp > 1 || seq_len % tp == 0, "MoE layers route each TP rank's sequence shard: --seq-len (",
@@ -279,8 +281,9 @@ void TrainOptions::check_limits() const {
   ORIGAMI_CHECK(eval_data.empty() || eval_iters <= kMaxBatch / global_batch, "--eval-iters x global batch (", eval_iters,
                 " x ", global_batch, ") must be at most ", kMaxBatch, " windows; lower --eval-iters");
   for (const auto& [flag, v] : {std::pair{"--tp", tp}, {"--cp", cp}, {"--pp", pp}, {"--vpp", vpp}, {"--dp", dp},
-                                {"--ep", ep}, {"--etp", etp}, {"--cp-a2a-size", cp_a2a_size}, {"--threads", threads}})
+                                {"--ep", ep}, {"--etp", etp}, {"--cp-a2a-size", cp_a2a_size}})
     ORIGAMI_CHECK(v <= kMaxDegree, flag, " must be at most ", kMaxDegree, ", got ", v);
+  ORIGAMI_CHECK(threads <= kMaxThreads, "--threads must be at most ", kMaxThreads, ", got ", threads);
   ORIGAMI_CHECK(bucket_mb <= kMaxBucketMb, "--bucket-mb must be at most ", kMaxBucketMb, ", got ", bucket_mb);
   ORIGAMI_CHECK(memory_limit_gb <= kMaxMemoryGb, "--memory-limit-gb must be at most ", kMaxMemoryGb, ", got ",
                 memory_limit_gb);
@@ -361,9 +364,11 @@ std::string TrainOptions::aux_loss() const {
 
 TrainOptions TrainOptions::resolved(int world_size) const {
   TrainOptions r = *this;
-  if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0)  // DP only: validate() names MoE mistakes
+  // Only from values validate() accepts (it names the others), so the products cannot overflow.
+  if (r.global_batch == 0 && tp >= 1 && cp >= 1 && pp >= 1 && dp >= 0 && micro_batch <= kMaxBatch)  // DP only: validate() names MoE mistakes
     r.global_batch = r.micro_batch * MeshShape::derive(world_size, {tp, cp, dp, pp, 1, 1, 0}).dp;
-  if (r.tokens_per_step == 0 && r.batching == "documents" && r.global_batch > 0 && r.seq_len > 0)
+  if (r.tokens_per_step == 0 && r.batching == "documents" && r.global_batch > 0 && r.global_batch <= kMaxBatch &&
+      r.seq_len > 0 && r.seq_len <= std::numeric_limits<int64_t>::max() / r.global_batch)
     r.tokens_per_step = r.global_batch * r.seq_len;
   return r;
 }

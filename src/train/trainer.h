@@ -35,7 +35,8 @@ namespace origami {
 // row's index over the run, bucket sizes — stays inside 64-bit arithmetic.
 constexpr int64_t kMaxSteps = int64_t(1) << 32;        // --steps, --eval-every, --save-every
 constexpr int64_t kMaxBatch = int64_t(1) << 30;        // --micro-batch, --global-batch, --eval-iters x global batch
-constexpr int kMaxDegree = 1 << 20;                    // every parallel degree, --threads
+constexpr int kMaxDegree = 1 << 20;                    // every parallel degree
+constexpr int kMaxThreads = 4096;                      // --threads of every command (OpenMP starts them all)
 constexpr double kMaxBucketMb = double(1 << 20);       // --bucket-mb
 constexpr double kMaxMemoryGb = double(1 << 30);       // --memory-limit-gb
 

@@ -13,7 +13,10 @@ within a second — never a crash, a hang, a wrapped size or a silent truncation
 - The planner bounded in work: a 10^4-layer Mixtral on 64 H100s is refused in well under a second,
   naming the axes to fix; --global-batch 10^12 (a divisor loop to 10^12) is refused.
 - Options: an integer beyond 64 bits, a degree beyond 32 bits (once truncated), a step count beyond
-  kMaxSteps, a non-finite number, a --layout degree beyond kMaxDegree.
+  kMaxSteps, a non-finite number, a --layout degree beyond kMaxDegree; --ep x --etp beyond 32 bits (a
+  SIGFPE), --threads out of [0, 4096] in every command (dump and generate took -4 as "all cores"),
+  dump's logits refused before its tokens are allocated, plan's zero sizes and an empty --layout mode
+  named.
 - Inputs shaped to break the readers: JSON nested 200000 deep (a stack overflow), a path component
   longer than the system's limit (a bare filesystem exception); a cluster file whose device count
   overflowed an int; and a blend whose weights sum to
@@ -127,6 +130,27 @@ def planner_and_options(tmp, data):
                                  ("--steps", str(2**40), "--steps must be at most 4294967296, got 1099511627776"),
                                  ("--lr", "inf", "--lr must be a number, got 'inf'")]:
         expect_error(f"{flag} {value}", train + [flag, value], message)
+    # --ep x --etp was an int product: 2^16 x 2^16 wrapped to 0 (a SIGFPE in the divisibility check).
+    wide_moe = config(tmp, "wide_moe", {**LLAMA, "model_type": "mixtral", "num_local_experts": 65536,
+                                        "num_experts_per_tok": 2, "intermediate_size": 65536})
+    expect_error("--ep 65536 --etp 65536 (was a SIGFPE)", ["train", "--config", wide_moe, "--data", data, "--seq-len",
+                 "16", "--micro-batch", "1", "--ep", "65536", "--etp", "65536"],
+                 "--ep x --etp (65536 x 65536 = 4294967296) must divide the ranks of a pipeline stage (1 ranks / --pp 1 "
+                 "= 1): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP")
+    # --threads: one rule for every command (dump and generate took a negative count as "all cores").
+    dump = ["dump", "--config", config(tmp, "dump", LLAMA), "--data", data, "--out", os.path.join(tmp, "d.safetensors")]
+    expect_error("dump --threads -4 (was all cores)", dump + ["--threads", "-4"],
+                 "--threads must be in [0, 4096] (0: all cores), got -4")
+    expect_error("train --threads 5000 (an OpenMP team of that many at start)", train + ["--threads", "5000"],
+                 "--threads must be at most 4096, got 5000")
+    # dump's logits are checked against the memory before the tokens and weights are allocated.
+    p = run(*dump, "--micro-batch", "1073741824", "--seq-len", "64", expect_ok=False)
+    check(p.returncode == 1 and "error: dump writes logits [B, T, V] of 1073741824 x 64 x 257 floats" in p.stderr,
+          f"dump --micro-batch 2^30: expected the logits' memory refused, got exit {p.returncode}:\n{p.stderr}")
+    print("ok   dump --micro-batch 2^30: the logits refused before anything is allocated")
+    expect_error("plan --global-batch 0", plan(MIXTRAL, batch="0"), "--global-batch must be positive, got 0")
+    expect_error("plan --layout recompute=", plan(MIXTRAL, "--layout", "recompute="),
+                 "--layout: 'recompute=': --recompute must be none, selective or full, got ''")
 
 
 def reader_shapes(tmp, data):
