@@ -413,43 +413,44 @@ ExpertPlace DataParallel::gather_experts(const ExpertBlocks& x, const std::vecto
   const float* w = params_.data();
   if (!stage_bf16_) {
     if (stage_values_.size() < floats) stage_values_.resize(floats);
-    float* v = stage_values_.data() - at;
-    own_pieces(x, want, [&](int64_t lo, int64_t hi) { std::memcpy(v + lo, w + lo, size_t(hi - lo) * sizeof(float)); });
+    float* v = stage_values_.data();  // position lo is staged at v + (lo - at)
+    own_pieces(x, want, [&](int64_t lo, int64_t hi) { std::memcpy(v + (lo - at), w + lo, size_t(hi - lo) * sizeof(float)); });
     traffic_.gathered_bytes += sparse_exchange<float>(
-        x, false, [w](int64_t lo, int64_t, float*) { return w + lo; }, [v](int64_t lo, int64_t, float*) { return v + lo; },
-        [](int64_t, int64_t, const float*) {});
-    return {v + x.begin, nullptr, stage_grads_.data()};
+        x, false, [w](int64_t lo, int64_t, float*) { return w + lo; },
+        [v, at](int64_t lo, int64_t, float*) { return v + (lo - at); }, [](int64_t, int64_t, const float*) {});
+    return {v + (x.begin - at), nullptr, stage_grads_.data()};
   }
   // bf16 GEMMs read only the copy: the pieces travel as bf16 into it, this rank's own rounded from its shard.
   if (stage_low_.size() < floats) stage_low_.resize(floats);
-  bf16* low = stage_low_.data() - at;
-  own_pieces(x, want, [&](int64_t lo, int64_t hi) { round_to_bf16(low + lo, w + lo, hi - lo); });
+  bf16* low = stage_low_.data();  // position lo is staged at low + (lo - at)
+  own_pieces(x, want, [&](int64_t lo, int64_t hi) { round_to_bf16(low + (lo - at), w + lo, hi - lo); });
   traffic_.gathered_bytes += sparse_exchange<bf16>(
       x, false,
       [w](int64_t lo, int64_t hi, bf16* scratch) {
         round_to_bf16(scratch, w + lo, hi - lo);
         return scratch;
       },
-      [low](int64_t lo, int64_t, bf16*) { return low + lo; }, [](int64_t, int64_t, const bf16*) {});
-  return {nullptr, low + x.begin, stage_grads_.data()};
+      [low, at](int64_t lo, int64_t, bf16*) { return low + (lo - at); }, [](int64_t, int64_t, const bf16*) {});
+  return {nullptr, low + (x.begin - at), stage_grads_.data()};
 }
 
 void DataParallel::reduce_experts(const ExpertBlocks& x, const std::vector<int32_t>& need) {
   ORIGAMI_ASSERT(sparse_ && int64_t(need.size()) == x.count);
   exchange_needs(need);
   float* g = params_.grad();
-  float* staged = stage_grads_.data() - x.begin;
+  const float* staged = stage_grads_.data();  // position lo's gradient is at staged + (lo - begin)
+  const int64_t begin = x.begin;
   auto add = [g](int64_t lo, int64_t hi, const float* in) {
 #pragma omp simd
     for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += in[i];
   };
-  own_pieces(x, need, [&](int64_t lo, int64_t hi) { add(lo, hi, staged + lo); });
+  own_pieces(x, need, [&](int64_t lo, int64_t hi) { add(lo, hi, staged + (lo - begin)); });
   auto land = [](int64_t, int64_t, auto* scratch) { return scratch; };  // received pieces are added
   if (wire_ == DType::bf16) {
     traffic_.reduced_bytes += sparse_exchange<bf16>(
         x, true,
-        [staged](int64_t lo, int64_t hi, bf16* scratch) {
-          round_to_bf16(scratch, staged + lo, hi - lo);
+        [staged, begin](int64_t lo, int64_t hi, bf16* scratch) {
+          round_to_bf16(scratch, staged + (lo - begin), hi - lo);
           return scratch;
         },
         land,
@@ -457,8 +458,8 @@ void DataParallel::reduce_experts(const ExpertBlocks& x, const std::vector<int32
           for (int64_t i = 0; i < hi - lo; ++i) g[lo + i] += to_float(in[i]);
         });
   } else {
-    traffic_.reduced_bytes += sparse_exchange<float>(x, true, [staged](int64_t lo, int64_t, float*) { return staged + lo; },
-                                                      land, add);
+    traffic_.reduced_bytes += sparse_exchange<float>(
+        x, true, [staged, begin](int64_t lo, int64_t, float*) { return staged + (lo - begin); }, land, add);
   }
   for (int64_t j = 0; j < x.count; ++j)  // the staged gradients start from zero at the next backward
     if (need[size_t(j)]) std::fill_n(stage_grads_.data() + j * x.block, x.block, 0.f);

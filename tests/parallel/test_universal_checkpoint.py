@@ -200,7 +200,9 @@ def kill_tests(tmp, cfg, data):
         ok, latest, detail = committed_ok(ck)
         if not ok:
             bad.append("after kill %d: %s" % (i, detail))
-    check(not bad and resumed_checked >= 15,
+    # (kills_in_save: about 13 of the 20 land while a save's temporary directory exists; none would leave
+    # the atomic commit untested)
+    check(not bad and resumed_checked >= 15 and kills_in_save >= 1,
           "kill -9 of one rank at random moments of 20 runs saving every step (%d kills while a save's temporary "
           "directory existed): each time DIR/latest names a whole checkpoint and the next run resumes it on the same "
           "curve (%d resumes, %d steps compared)" % (kills_in_save, resumed_checked, len(seen)), "; ".join(bad[:3]))

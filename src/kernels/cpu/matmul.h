@@ -52,7 +52,9 @@ struct Weights : Operand<T> {
   Weights() = default;
   Weights(const T* values) : Operand<T>(values) {}  // NOLINT: implicit, a bare pointer is an fp32 weight
   Weights(const T* values, const bf16* copy, Precision precision) : Operand<T>(values, copy), p(precision) {}
-  Weights at(int64_t offset) const { return {this->v + offset, this->low ? this->low + offset : nullptr, p}; }
+  Weights at(int64_t offset) const {  // (a side that is absent stays null: FSSDP's bf16 staging has no values)
+    return {this->v ? this->v + offset : nullptr, this->low ? this->low + offset : nullptr, p};
+  }
 };
 
 // A parameter type that template deduction skips, so a bare pointer converts to Weights<T>.
