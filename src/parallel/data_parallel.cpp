@@ -360,21 +360,28 @@ double DataParallel::sparse_exchange(const ExpertBlocks& x, bool to_owners, Src&
     for (const auto& [r, run] : runs) n += run.end - run.begin;
     return size_t(n);
   };
-  if (scratch_out_.size() < total(sends) * sizeof(T)) scratch_out_.resize(total(sends) * sizeof(T));
-  if (scratch_in_.size() < total(recvs) * sizeof(T)) scratch_in_.resize(total(recvs) * sizeof(T));
-  T* scratch_in = reinterpret_cast<T*>(scratch_in_.data());
-  T* scratch_out = reinterpret_cast<T*>(scratch_out_.data());
+  constexpr bool convert_sends = std::is_same_v<T, bf16>;  // (see the declaration)
+  const bool land_in_scratch = to_owners;
+  if (convert_sends && scratch_out_.size() < total(sends) * sizeof(T)) scratch_out_.resize(total(sends) * sizeof(T));
+  if (land_in_scratch && scratch_in_.size() < total(recvs) * sizeof(T)) scratch_in_.resize(total(recvs) * sizeof(T));
+  // Each run's scratch: at its offset into the run list's elements, or null where there is none.
+  auto scratch_at = [](std::vector<char>& bytes, bool used, int64_t offset) {
+    return used ? reinterpret_cast<T*>(bytes.data()) + offset : nullptr;
+  };
   std::vector<Request> pending;
   std::vector<T*> landed;
+  int64_t offset = 0;
   for (const auto& [r, run] : recvs) {  // every receive is posted before any send
-    landed.push_back(dst(run.begin, run.end, scratch_in));
+    landed.push_back(dst(run.begin, run.end, scratch_at(scratch_in_, land_in_scratch, offset)));
     pending.push_back(dp_.irecv(landed.back(), run.end - run.begin, t, r, kTag));
-    scratch_in += run.end - run.begin;
+    offset += run.end - run.begin;
   }
   const double before = dp_.bytes_sent();
+  offset = 0;
   for (const auto& [r, run] : sends) {
-    pending.push_back(dp_.isend(src(run.begin, run.end, scratch_out), run.end - run.begin, t, r, kTag));
-    scratch_out += run.end - run.begin;
+    pending.push_back(dp_.isend(src(run.begin, run.end, scratch_at(scratch_out_, convert_sends, offset)),
+                                run.end - run.begin, t, r, kTag));
+    offset += run.end - run.begin;
   }
   for (Request& q : pending) q.wait();
   for (size_t i = 0; i < recvs.size(); ++i) done(recvs[i].second.begin, recvs[i].second.end, landed[i]);

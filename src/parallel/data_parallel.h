@@ -172,6 +172,9 @@ class DataParallel {
   // they are stored): src(begin, end, scratch) gives a run's elements to send (where they are, or
   // converted into scratch); dst(begin, end, scratch) where a received run lands (its place, or
   // scratch), and done(begin, end, landed) consumes it once everything has arrived. Returns the bytes sent.
+  // Scratch exists only where the callers use it (the memory plan counts the same): sends in bf16
+  // (values rounded from the fp32 shard, gradients rounded to the wire type) and the receives of a
+  // reduction (added after all arrive); elsewhere src and dst get a null scratch pointer.
   template <typename T, typename Src, typename Dst, typename Done>
   double sparse_exchange(const ExpertBlocks& x, bool to_owners, Src&& src, Dst&& dst, Done&& done);
   // Calls fn(begin, end) for the pieces of this rank's shards inside the blocks `need` marks.

@@ -304,11 +304,14 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   // so this counts one copy on every rank: the neediest within a few percent on 2 ranks, others high.
   // The copy is in the reduction's element type.
   const int64_t Nl = shape.local_tokens();
-  // FSSDP's exchanges are blocking: the scratch of the runs they convert on the way (values to bf16,
-  // gradients to the wire type, received gradients before they are added), 4 bytes an element at
-  // most, at most one layer's experts each way.
+  // FSSDP's exchanges are blocking: the scratch of the runs they convert on the way (DataParallel::
+  // sparse_exchange): sends in bf16 (values gathered as bf16, gradients reduced as bf16), and a
+  // reduction's received gradients, before they are added, in the wire type; each at most the other
+  // ranks' shares of one layer's experts.
   auto posted = [&](const BufferFigures& f, bool experts) { return Size(o.zero_of(experts) >= 2 ? f.largest : f.buckets); };
-  const Size exchanges = o.fssdp() && edp > 1 ? 2 * 4 * Size(buffers.experts.largest_unit) * (edp - 1) / edp : Size(0);
+  const int64_t exchange_bytes = (bf16 || bf16_wire ? 2 : 0) + dtype_bytes(o.grad_reduce_wire());
+  const Size exchanges =
+      o.fssdp() && edp > 1 ? exchange_bytes * Size(buffers.experts.largest_unit) * (edp - 1) / edp : Size(0);
   const Size scratch = dtype_bytes(o.grad_reduce_wire()) * ((dp_cp > 1 ? posted(buffers.dense, false) : Size(0)) +
                                                             (edp > 1 && !o.fssdp() ? posted(buffers.experts, true) : Size(0))) +
                        exchanges;
