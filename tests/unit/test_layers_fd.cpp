@@ -1024,6 +1024,20 @@ TEST(LmHeadFd, ShardOfPaddingOnlyAddsNothing) {
     EXPECT_EQ(padding_stats[size_t(3 * r + 1)], 0.f);
     for (int64_t k = 0; k < 3; ++k) EXPECT_EQ(merged[size_t(3 * r + k)], real_stats[size_t(3 * r + k)]) << r << " " << k;
   }
+  // A stage whose whole slice is padding merges its TP shards first (--tp 2 --pp 4 --vocab-parallel
+  // with vocab_size 10): padding with padding stays padding, not NaN, and then adds nothing.
+  std::vector<float> two_paddings = padding_stats, stage(size_t(3 * N)), all(size_t(3 * N));
+  two_paddings.insert(two_paddings.end(), padding_stats.begin(), padding_stats.end());
+  merge_vocab_stats(stage.data(), two_paddings.data(), 2, N);
+  std::vector<float> stages = real_stats;
+  stages.insert(stages.end(), stage.begin(), stage.end());
+  merge_vocab_stats(all.data(), stages.data(), 2, N);
+  for (int64_t r = 0; r < N; ++r) {
+    EXPECT_EQ(stage[size_t(3 * r)], -std::numeric_limits<float>::infinity());
+    EXPECT_EQ(stage[size_t(3 * r + 1)], 0.f);
+    EXPECT_EQ(stage[size_t(3 * r + 2)], 0.f);
+    for (int64_t k = 0; k < 3; ++k) EXPECT_EQ(all[size_t(3 * r + k)], real_stats[size_t(3 * r + k)]) << r << " " << k;
+  }
 }
 
 // The head processes rows in chunks of ⌊8M / V⌋; with a large vocabulary the chunking is exercised.

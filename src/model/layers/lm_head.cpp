@@ -18,7 +18,9 @@ void merge_vocab_stats(T* out, const T* stats, int64_t k, int64_t n) {
     double sum = 0, tgt = 0;
     for (int64_t j = 0; j < k; ++j) {
       const T* s = stats + (j * n + r) * 3;
-      sum += double(s[1]) * std::exp(double(s[0] - m));
+      // A shard of padding only (max −∞, Σ 0) adds nothing; where every shard is (a whole stage's
+      // slice under vocabulary parallelism merged over TP), s[0] − m would be −∞ − (−∞), NaN.
+      if (s[0] != -std::numeric_limits<T>::infinity()) sum += double(s[1]) * std::exp(double(s[0] - m));
       tgt += double(s[2]);
     }
     out[r * 3] = m, out[r * 3 + 1] = T(sum), out[r * 3 + 2] = T(tgt);
