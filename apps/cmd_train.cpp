@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "core/args.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/io.h"
 #include "core/json_fields.h"
 #include "train/trainer.h"
@@ -189,7 +190,8 @@ void read_optimizer_options(const Args& a, TrainOptions& o) {
 
 // What the run writes, how it reports, and its limits.
 void add_run_options(Args& a) {
-  a.option("metrics", "FILE", "append one JSON object per step to FILE (JSONL)")
+  a.option("metrics", "FILE", "write one JSON object per step to FILE (JSONL): a run from step 0 starts it over, a "
+                             "resumed run appends after its checkpoint's step (dropping rows of later steps)")
       .option("tensorboard", "DIR", "write each step's scalars (loss, lr, grad norm, speed, memory) as TensorBoard "
                                     "events to DIR (a resumed run appends to its newest event file)")
       .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest); "
@@ -381,6 +383,10 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
     read_run_options(a, o);
     read_parallel_options(a, o);
     read_routing_options(a, o, true);
+    // Rank 0 writes these: checked there before anything starts (a mistake found once the model is
+    // built would be one rank's failure, which origami launch would retry).
+    if (world.rank() == 0 && !o.metrics.empty()) require_writable_file(o.metrics, a.source("metrics"));
+    if (world.rank() == 0 && !o.tensorboard.empty()) require_writable_dir(o.tensorboard, a.source("tensorboard"));
   });
   if (!parsed) return std::nullopt;
   pin_checkpoint_step(cmd.options, world);

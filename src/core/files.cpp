@@ -79,6 +79,17 @@ void require_writable_file(const std::string& path, const std::string& option) {
                 dir.empty() ? "." : dir.string(), "' (", std::strerror(errno), ")");
 }
 
+void require_writable_dir(const std::string& path, const std::string& option) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  ORIGAMI_CHECK(!path.empty(), option, " needs a directory, got ''");
+  fs::path dir = fs::absolute(path, ec);
+  while (!fs::exists(dir, ec) && dir.has_parent_path() && dir.parent_path() != dir) dir = dir.parent_path();
+  ORIGAMI_CHECK(fs::is_directory(dir, ec), option, " '", path, "': '", dir.string(), "' is not a directory");
+  ORIGAMI_CHECK(::access(dir.c_str(), W_OK) == 0, option, " '", path, "': cannot write into '", dir.string(), "' (",
+                std::strerror(errno), ")");
+}
+
 void sync_dir(const std::string& dir) {
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace origami {
 
@@ -226,7 +228,30 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
                       {"permute_s", dt.permute_s}};
 }
 
-MetricsFile::MetricsFile(const std::string& path, bool append, const char* what) {
+namespace {
+
+// Rewrites the file without its rows of a step beyond last_step (lines that are not such rows stay).
+void drop_rows_after(const std::string& path, int64_t last_step) {
+  const std::string bytes = read_file_bytes(path);
+  std::string kept;
+  bool dropped = false;
+  for (size_t at = 0; at < bytes.size();) {
+    const size_t end = std::min(bytes.find('\n', at), bytes.size() - 1) + 1;
+    const std::string_view line(bytes.data() + at, end - at);
+    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+    const bool later = row.is_object() && row.contains("step") && row["step"].is_number_integer() &&
+                       row["step"].get<int64_t>() > last_step;
+    if (later) dropped = true;
+    else kept.append(line);
+    at = end;
+  }
+  if (dropped) write_file_atomically(path, kept);
+}
+
+}  // namespace
+
+MetricsFile::MetricsFile(const std::string& path, bool append, const char* what, int64_t last_step)
+    : path_(path), what_(what) {
   // A resume appends: a row a killed run left without its newline is cut first, so the next row
   // starts a line of its own.
   std::error_code ec;
@@ -242,6 +267,7 @@ MetricsFile::MetricsFile(const std::string& path, bool append, const char* what)
       at = from;
     }
     if (keep < end) std::filesystem::resize_file(path, uintmax_t(keep), ec);
+    if (last_step >= 0) drop_rows_after(path, last_step);
   }
   out_ = std::make_unique<std::ofstream>(path, append ? std::ios::app : std::ios::trunc);
   ORIGAMI_CHECK(*out_, "cannot write ", what, " '", path, "'");
@@ -251,6 +277,7 @@ void MetricsFile::write(const nlohmann::json& row) {
   const std::string line = row.dump() + "\n";  // one write: a kill leaves a whole row or a cut one
   out_->write(line.data(), std::streamsize(line.size()));
   out_->flush();
+  ORIGAMI_CHECK(*out_, "writing ", what_, " '", path_, "' failed (", std::strerror(errno), ")");
 }
 
 }  // namespace origami

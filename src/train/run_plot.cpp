@@ -40,7 +40,9 @@ void write_data(std::ostringstream& s, const std::vector<RunCurves>& runs) {
 void write_panel(std::ostringstream& s, const std::vector<RunCurves>& runs, const char* title, int col, bool loss) {
   s << "set title '" << title << "'\n" << (loss ? "set logscale y\n" : "unset logscale y\n") << "plot";
   for (size_t i = 0; i < runs.size(); ++i) {
-    s << (i ? ", \\\n    " : " ") << "$run" << i << " using 1:" << col << " with lines lw 2 lc rgb '"
+    s << (i ? ", \\\n    " : " ") << "$run" << i << " using 1:" << col
+      << (runs[i].x.size() > 1 ? " with lines lw 2" : " with points pt 7")  // (one point draws no line)
+      << " lc rgb '"
       << series_colour(i) << "' " << (loss ? "title " + gnuplot_quoted(runs[i].label) : std::string("notitle"));
     if (loss && !runs[i].val_x.empty())
       s << ", \\\n    $val" << i << " using 1:2 with points pt 7 ps 1.2 lc rgb '" << series_colour(i) << "' title "
@@ -70,14 +72,16 @@ RunCurves read_run_curves(const std::string& path, PlotX x) {
     const MetricsRow& r = rows[i];
     seconds += metrics_number(r, "ms") / 1000;
     tokens += metrics_number(r, "tokens");  // (a step's own: under document batching they differ)
+    const double at = x == PlotX::step ? step : x == PlotX::tokens ? tokens : seconds;
+    // (validation after a skipped step measured the model as the step left it, which is the model's)
+    if (r.row.contains("val_loss") && r.row["val_loss"].is_number())  // (a NaN validation loss is null)
+      c.val_x.push_back(at), c.val_loss.push_back(metrics_number(r, "val_loss"));
     if (r.row.contains("skipped")) continue;  // no update: its loss is not the model's (NaN, or no token)
-    c.x.push_back(x == PlotX::step ? step : x == PlotX::tokens ? tokens : seconds);
+    c.x.push_back(at);
     c.loss.push_back(metrics_number(r, "loss"));
     c.lr.push_back(metrics_number(r, "lr"));
     c.tokens_per_s.push_back(metrics_number(r, "tokens_per_s"));
     c.grad_norm.push_back(metrics_number(r, "grad_norm"));
-    if (r.row.contains("val_loss") && r.row["val_loss"].is_number())  // (a NaN validation loss is null)
-      c.val_x.push_back(c.x.back()), c.val_loss.push_back(metrics_number(r, "val_loss"));
     if (c.label.empty() && r.row.contains("layout") && r.row["layout"].is_string())
       c.label = cat(std::filesystem::path(path).filename().string(), ": ", r.row["layout"].get<std::string>());
   }

@@ -547,7 +547,7 @@ Run::Run(Opened opened, Comm& world)
            cfg_.is_moe(), o_.quiet, &plan_.mesh};
   flops_per_token_ = train_flops_per_token(cfg_, o_.seq_len);
   if (o_.documents()) sequence_cost_ = sequence_cost(world_, cfg_, o_);
-  if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0);
+  if (rank0_ && !o_.metrics.empty()) metrics_ = MetricsFile(o_.metrics, start_.step > 0, "metrics file", start_.step);
   if (rank0_ && !o_.tensorboard.empty()) tensorboard_ = TensorBoardWriter(o_.tensorboard, start_.step);
   if (rank0_) print_startup();
   open_writer();

@@ -261,8 +261,14 @@ def main():
                      "--plot '%s.png': no directory '%s'" % (missing, os.path.dirname(missing)))
         expect_error("plan --plot x.svg", plan + ["--plot", os.path.join(tmp, "x.svg")],
                      "--plot '%s': the plot is a PNG picture, so FILE.png" % os.path.join(tmp, "x.svg"))
+        # train's outputs on rank 0, checked with the options (found once the model was built they were one
+        # rank's failure, exit 2, which origami launch restarted).
+        expect_error("train --metrics in a missing directory", ["train", "--config", llama, *short, "--metrics",
+                     missing + ".jsonl"], "--metrics '%s.jsonl': no directory '%s'" % (missing, os.path.dirname(missing)))
         metrics = os.path.join(tmp, "m.jsonl")
         run("train", "--config", llama, *short, "--steps", "2", "--metrics", metrics)
+        expect_error("train --tensorboard under a file", ["train", "--config", llama, *short, "--tensorboard",
+                     os.path.join(metrics, "tb")], "--tensorboard '%s/tb': '%s' is not a directory" % (metrics, metrics))
         expect_error("plot --out x.svg", ["plot", metrics, "--out", os.path.join(tmp, "x.svg")],
                      "--out '%s': plot writes a PNG picture, so FILE.png" % os.path.join(tmp, "x.svg"))
         # With standard input closed the PNG's descriptor was 0, and gnuplot's /dev/null input replaced it.

@@ -3,9 +3,11 @@
 TensorBoard, read by TensorBoard's own EventAccumulator (PyPI tensorboard):
   - a MoE run with validation every 2 steps, 6 steps, saving at 4 and 6, then resumed from step 4 to 8
     with the same --tensorboard DIR after the event file's last record and the metrics file's last row
-    were cut short (as a kill mid-write leaves them): the cut row is dropped, every tag holds exactly
-    the scalars of the metrics file, step by step, where the resumed run's rows replace the first
-    run's steps 5-6 (its SessionLog START purges them); one event file (the resume appended to it);
+    were cut short (as a kill mid-write leaves them): the cut row is dropped, and so are the metrics
+    rows of steps 5-6 the first run wrote past the checkpoint (the resumed run writes its own), so
+    the file holds steps 1-8 once each; every tag holds exactly the scalars of the metrics file, step
+    by step (TensorBoard's SessionLog START purges the first run's 5-6); one event file (the resume
+    appended to it);
     `origami plot` of that metrics file draws 8 steps, each once; then the run again from step 0 for 2
     steps, a second event file beside the first: TensorBoard shows only its 2 steps (the START at
     step 1 hides the earlier file's), as the metrics file holds only them;
@@ -116,8 +118,9 @@ def tensorboard_part(tmp, data):
         return
     check(os.listdir(tb) == files, "the resume appended to the one event file: %s" % os.listdir(tb))
     rows = h.read_metrics(metrics)
-    check([r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], "metrics steps %s (the cut row dropped)"
-          % [r["step"] for r in rows])
+    check([r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8],
+          "metrics steps %s: the cut row and the first run's steps past the checkpoint dropped, the resumed "
+          "run's rows after step 4" % [r["step"] for r in rows])
     compare(read_events(tb), expected_scalars(rows), "after the resume")
     # plot draws the run's steps: the resumed rows of steps 5 and 6 replace the first attempt's
     png = os.path.join(tmp, "resumed.png")
