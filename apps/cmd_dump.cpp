@@ -60,7 +60,7 @@ int cmd_dump(int argc, char** argv) {
                 "] (the model's maximum positions), got ", T);
   ORIGAMI_CHECK(step >= 0 && step <= INT64_MAX / B - 1, "--step must be in [0, ", INT64_MAX / B - 1,
                 "] (it reads windows step x B .. step x B + B - 1), got ", step);
-  // (checked before anything is read or allocated: the logits are the largest buffer, V times the tokens)
+  // (checked before the tokens, V times smaller, are read and the weights allocated; the weights are counted by none)
   const double logit_bytes = 4.0 * double(B) * double(T) * double(cfg.vocab_size);
   const AvailableMemory avail = available_memory();
   ORIGAMI_CHECK(logit_bytes <= double(avail.bytes), "dump writes logits [B, T, V] of ", B, " x ", T, " x ",

@@ -23,8 +23,7 @@ void add_precision_option(Args& a) {
 
 int threads_option(const Args& a) {
   const int64_t threads = a.integer("threads");
-  ORIGAMI_CHECK(threads >= 0 && threads <= kMaxThreads, "--threads must be in [0, ", kMaxThreads,
-                "] (0: all cores), got ", threads);
+  check_thread_count(threads);
   return int(threads);
 }
 

@@ -17,7 +17,7 @@ void read_routing_options(const Args& a, TrainOptions& o, bool train);
 void require_experts_for_given(const Args& a, const ModelConfig& cfg, bool train);
 // --precision fp32|bf16, shared by train, dump and generate.
 void add_precision_option(Args& a);
-// --threads N of data, dump, generate and profile, checked: 0 (all cores) to kMaxThreads.
+// --threads N of data, dump, generate and profile, checked as train's (check_thread_count).
 int threads_option(const Args& a);
 
 // The options of `origami train`, read and checked on every rank of `world`; the model config loaded.

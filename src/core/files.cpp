@@ -77,6 +77,8 @@ void require_writable_file(const std::string& path, const std::string& option) {
   ORIGAMI_CHECK(dir.empty() || fs::is_directory(dir, ec), option, " '", path, "': no directory '", dir.string(), "'");
   ORIGAMI_CHECK(::access(dir.empty() ? "." : dir.c_str(), W_OK) == 0, option, " '", path, "': cannot write into '",
                 dir.empty() ? "." : dir.string(), "' (", std::strerror(errno), ")");
+  ORIGAMI_CHECK(!fs::exists(path, ec) || ::access(path.c_str(), W_OK) == 0, option, " '", path, "': cannot write it (",
+                std::strerror(errno), ")");
 }
 
 void require_writable_dir(const std::string& path, const std::string& option) {

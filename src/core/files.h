@@ -15,7 +15,8 @@ std::string read_file_bytes(const std::string& path);
 void write_file_atomically(const std::string& path, std::string_view bytes);
 
 // An Error unless `path` can be written as a file (checked before long work, not after it): it is not
-// a directory, and it lies in an existing directory this process may write into. `option` names it.
+// a directory, it lies in an existing directory this process may write into, and where it exists this
+// process may write it. `option` names it.
 void require_writable_file(const std::string& path, const std::string& option);
 // The same for a directory the command will create or write into: `path` is one, or its nearest
 // existing ancestor is a writable directory.

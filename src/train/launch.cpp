@@ -48,16 +48,22 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 // --events: one JSON object per line (appended, flushed), each with its wall-clock time.
 class Events {
  public:
-  explicit Events(const std::string& path) {
+  explicit Events(const std::string& path) : path_(path) {
     if (!path.empty()) file_ = MetricsFile(path, true, "--events file");
   }
+  // A failed write (a full disk) warns once and ends the log, not the launch: the job's outcome does
+  // not depend on it.
   void write(nlohmann::json e) {
     if (!file_) return;
     e["time"] = unix_time_s();
-    file_.write(e);
+    if (file_.write(e)) return;
+    std::fprintf(stderr, "origami launch: warning: writing the --events file '%s' failed; no more events are written\n",
+                 path_.c_str());
+    file_ = MetricsFile();
   }
 
  private:
+  std::string path_;
   MetricsFile file_;
 };
 

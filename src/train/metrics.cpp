@@ -3,12 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
 #include "core/error.h"
-#include "core/files.h"
 
 namespace origami {
 
@@ -230,28 +229,31 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
 
 namespace {
 
-// Rewrites the file without its rows of a step beyond last_step (lines that are not such rows stay).
-void drop_rows_after(const std::string& path, int64_t last_step) {
-  const std::string bytes = read_file_bytes(path);
-  std::string kept;
-  bool dropped = false;
-  for (size_t at = 0; at < bytes.size();) {
-    const size_t end = std::min(bytes.find('\n', at), bytes.size() - 1) + 1;
-    const std::string_view line(bytes.data() + at, end - at);
-    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
-    const bool later = row.is_object() && row.contains("step") && row["step"].is_number_integer() &&
-                       row["step"].get<int64_t>() > last_step;
-    if (later) dropped = true;
-    else kept.append(line);
-    at = end;
-  }
-  if (dropped) write_file_atomically(path, kept);
+// The step of one of origami's rows ({"...","step":N,...}, keys written sorted), or -1.
+int64_t row_step(const std::string& line) {
+  const size_t at = line.find("\"step\":");
+  if (at == std::string::npos) return -1;
+  char* end = nullptr;
+  const long long step = std::strtoll(line.c_str() + at + 7, &end, 10);
+  return end == line.c_str() + at + 7 ? -1 : int64_t(step);
+}
+
+// Cuts the file before its first row of a step past last_step: rows are written in step order, so
+// what follows is the dead attempt's (or the later run's) too. In place: a link stays a link.
+void cut_rows_after(const std::string& path, int64_t last_step) {
+  std::ifstream in(path, std::ios::binary);
+  int64_t offset = 0;
+  for (std::string line; std::getline(in, line); offset += int64_t(line.size()) + 1)
+    if (row_step(line) > last_step) {
+      in.close();
+      std::filesystem::resize_file(path, uintmax_t(offset));
+      return;
+    }
 }
 
 }  // namespace
 
-MetricsFile::MetricsFile(const std::string& path, bool append, const char* what, int64_t last_step)
-    : path_(path), what_(what) {
+MetricsFile::MetricsFile(const std::string& path, bool append, const char* what, int64_t last_step) {
   // A resume appends: a row a killed run left without its newline is cut first, so the next row
   // starts a line of its own.
   std::error_code ec;
@@ -267,17 +269,17 @@ MetricsFile::MetricsFile(const std::string& path, bool append, const char* what,
       at = from;
     }
     if (keep < end) std::filesystem::resize_file(path, uintmax_t(keep), ec);
-    if (last_step >= 0) drop_rows_after(path, last_step);
+    if (last_step >= 0) cut_rows_after(path, last_step);
   }
   out_ = std::make_unique<std::ofstream>(path, append ? std::ios::app : std::ios::trunc);
   ORIGAMI_CHECK(*out_, "cannot write ", what, " '", path, "'");
 }
 
-void MetricsFile::write(const nlohmann::json& row) {
+bool MetricsFile::write(const nlohmann::json& row) {
   const std::string line = row.dump() + "\n";  // one write: a kill leaves a whole row or a cut one
   out_->write(line.data(), std::streamsize(line.size()));
   out_->flush();
-  ORIGAMI_CHECK(*out_, "writing ", what_, " '", path_, "' failed (", std::strerror(errno), ")");
+  return bool(*out_);
 }
 
 }  // namespace origami

@@ -160,15 +160,14 @@ void add_moe_group(nlohmann::json& row, const RunInfo& run, const StepReport& r)
 class MetricsFile {
  public:
   MetricsFile() = default;
-  // Error when it cannot be written. Appending, rows past `last_step` (when ≥ 0) are dropped first: a
-  // resumed run's file keeps only the steps its checkpoint reached, not those of the attempt that died.
+  // Error when it cannot be written. Appending, the file is cut (in place) before its first row of a
+  // step past `last_step` (when ≥ 0): a resumed run's file keeps only the steps its checkpoint
+  // reached, not those an attempt that died, or a run resumed from an earlier step, wrote there.
   MetricsFile(const std::string& path, bool append, const char* what = "metrics file", int64_t last_step = -1);
   explicit operator bool() const { return bool(out_); }
-  void write(const nlohmann::json& row);  // Error when the write fails (a full disk)
+  bool write(const nlohmann::json& row);  // false when the write failed (a full disk)
 
  private:
-  std::string path_;
-  const char* what_ = "";
   std::unique_ptr<std::ofstream> out_;
 };
 

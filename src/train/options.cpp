@@ -166,7 +166,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 " needs --save DIR");
   ORIGAMI_CHECK(init_from.empty() || resume.empty(), "--init-from (weights only) and --resume (weights, optimizer "
                 "and step) exclude each other; give one");
-  ORIGAMI_CHECK(threads >= 0, "--threads must not be negative, got ", threads);
+  check_thread_count(threads);
   ORIGAMI_CHECK(max_skipped_steps >= 0, "--max-skipped-steps must not be negative, got ", max_skipped_steps);
   ORIGAMI_CHECK(loss_spike_factor == 0 || loss_spike_factor > 1,
                 "--loss-spike-factor must be 0 (off) or above 1, got ", loss_spike_factor);
@@ -272,6 +272,11 @@ void TrainOptions::validate_experts(const ModelConfig& cfg, int world_size) cons
                 "the experts: it shards every expert over the stage's ranks and needs --ep 1, got --ep ", ep);
 }
 
+void check_thread_count(int64_t threads) {
+  ORIGAMI_CHECK(threads >= 0 && threads <= kMaxThreads, "--threads must be in [0, ", kMaxThreads,
+                "] (0: all cores), got ", threads);
+}
+
 // Upper bounds (kMax* in trainer.h), after the lower ones validate() checks with their own words.
 void TrainOptions::check_limits() const {
   for (const auto& [flag, v, most] : {std::tuple{"--steps", steps, kMaxSteps}, {"--eval-every", eval_every, kMaxSteps},
@@ -283,7 +288,6 @@ void TrainOptions::check_limits() const {
   for (const auto& [flag, v] : {std::pair{"--tp", tp}, {"--cp", cp}, {"--pp", pp}, {"--vpp", vpp}, {"--dp", dp},
                                 {"--ep", ep}, {"--etp", etp}, {"--cp-a2a-size", cp_a2a_size}})
     ORIGAMI_CHECK(v <= kMaxDegree, flag, " must be at most ", kMaxDegree, ", got ", v);
-  ORIGAMI_CHECK(threads <= kMaxThreads, "--threads must be at most ", kMaxThreads, ", got ", threads);
   ORIGAMI_CHECK(bucket_mb <= kMaxBucketMb, "--bucket-mb must be at most ", kMaxBucketMb, ", got ", bucket_mb);
   ORIGAMI_CHECK(memory_limit_gb <= kMaxMemoryGb, "--memory-limit-gb must be at most ", kMaxMemoryGb, ", got ",
                 memory_limit_gb);

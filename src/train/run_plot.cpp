@@ -63,8 +63,8 @@ PlotX parse_plot_x(const std::string& s) {
 RunCurves read_run_curves(const std::string& path, PlotX x) {
   RunCurves c;
   const std::vector<MetricsRow> rows = read_metrics_rows(path);
-  // A resumed run appends from its checkpoint's step on: a step's last row is the run's (the rows a
-  // failed attempt wrote past its last save are not), and the axes count the run's steps only.
+  // A resumed run cuts the rows past its checkpoint's step before it appends (MetricsFile), so a step
+  // has one row; files written before that rule can hold a step twice, and its last row is the run's.
   std::map<double, size_t> last;
   for (size_t i = 0; i < rows.size(); ++i) last[metrics_number(rows[i], "step")] = i;
   double seconds = 0, tokens = 0;

@@ -1036,7 +1036,7 @@ void Run::write_metrics(StepReport& r) {
     r.comm_predicted = step_comm_bytes(cfg_, step, world_.size(), 0);
   }
   const nlohmann::json row = metrics_row(info_, r);
-  if (metrics_) metrics_.write(row);
+  ORIGAMI_CHECK(!metrics_ || metrics_.write(row), "writing the metrics file '", o_.metrics, "' failed (a full disk?)");
   if (tensorboard_) tensorboard_.write(row);
 }
 

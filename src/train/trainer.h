@@ -37,6 +37,8 @@ constexpr int64_t kMaxSteps = int64_t(1) << 32;        // --steps, --eval-every,
 constexpr int64_t kMaxBatch = int64_t(1) << 30;        // --micro-batch, --global-batch, --eval-iters x global batch
 constexpr int kMaxDegree = 1 << 20;                    // every parallel degree
 constexpr int kMaxThreads = 4096;                      // --threads of every command (OpenMP starts them all)
+// --threads of every command: 0 (all cores) to kMaxThreads, else an Error naming the value and the rule.
+void check_thread_count(int64_t threads);
 constexpr double kMaxBucketMb = double(1 << 20);       // --bucket-mb
 constexpr double kMaxMemoryGb = double(1 << 30);       // --memory-limit-gb
 

@@ -142,7 +142,7 @@ def planner_and_options(tmp, data):
     expect_error("dump --threads -4 (was all cores)", dump + ["--threads", "-4"],
                  "--threads must be in [0, 4096] (0: all cores), got -4")
     expect_error("train --threads 5000 (an OpenMP team of that many at start)", train + ["--threads", "5000"],
-                 "--threads must be at most 4096, got 5000")
+                 "--threads must be in [0, 4096] (0: all cores), got 5000")
     # dump's logits are checked against the memory before the tokens and weights are allocated.
     p = run(*dump, "--micro-batch", "1073741824", "--seq-len", "64", expect_ok=False)
     check(p.returncode == 1 and "error: dump writes logits [B, T, V] of 1073741824 x 64 x 257 floats" in p.stderr,

@@ -5,13 +5,12 @@ falls from 5.5 to 1.7), saving every 25 steps; the reference is the uninterrupte
 test_layouts.py's lr 1e-2 a tiny model's 400 steps amplify the layouts' fp32 summation orders into
 10% apart by step 135, whatever the launcher does; at 1e-3 DP4 and DP2 stay within 1.3e-7 of one
 rank over all 400 steps.) A launched run's
-metrics file holds the first attempt's steps and then, from the checkpoint it resumed, the restart's:
-the last row of each step is the step as the run's result has it.
+metrics file holds each step once: a restart, resuming a checkpoint, cuts the rows an attempt wrote
+past it and writes its own.
   - Ten 4-rank runs, each with one rank (chosen at random) killed with SIGKILL once the job passed a
     random step: every run finishes (exit 0, one failure event naming the rank and the signal, one
-    restart from a saved step at or before the kill, a finish event); every step's loss, in every
-    attempt that ran it (the first attempt's rows of the steps the restart replays too), equals the
-    one-rank run's within 1e-5 absolute (so no data row was skipped or read twice: a step's windows
+    restart from a saved step at or before the kill, a finish event); every step's loss (the steps
+    the restart replays as it ran them) equals the one-rank run's within 1e-5 absolute (so no data row was skipped or read twice: a step's windows
     are its data, and another window moves a loss by far more).
   - --shrink --min-np 2: 4 ranks, one killed: the restart runs on 2 (3 cannot split the global batch
     of 8 into micro-batches of 2), the events name the new world and layout, the same curve; and from
@@ -86,7 +85,8 @@ def board(save, rank):
 
 def launch(tmp, tag, data, np_, extra, hit=None, timeout=300, config=None, extra_train=(), env=None):
     """Starts origami launch; hit(save) is called while it runs (it injects the fault). Returns
-    (exit code, output, every metrics row of each step in file order (one per attempt that ran it), events)."""
+    (exit code, output, the metrics rows of each step in file order (one: a restart cuts what an attempt
+    wrote past its checkpoint), events)."""
     save, metrics, events = (os.path.join(tmp, tag + s) for s in ("_ck", ".jsonl", "_events.jsonl"))
     targs = train_args(data, metrics, save) + list(extra_train)
     if config:
@@ -121,13 +121,15 @@ def wait_for_step(save, rank, step, limit=60):
 
 
 def same_curve(ref, by_step, what, relative=False, first=1):
-    """Every attempt's row of every step from `first` within ATOL of the reference (relative: ATOL·|loss|)."""
+    """Each step from `first` has one row, within ATOL of the reference (relative: ATOL·|loss|)."""
     def off(r, s):
         return abs(r["loss"] - ref[s]) > ATOL * (abs(ref[s]) if relative else 1)
     bad = [s for s in range(first, STEPS + 1) if s not in by_step or any(off(r, s) for r in by_step[s])]
     worst = max((abs(r["loss"] - ref[s]) for s in by_step if s in ref for r in by_step[s]), default=0)
     rows = sum(len(v) for v in by_step.values())
-    return check(not bad, "%s: all %d steps' losses (%d rows over the attempts) equal the uninterrupted one-rank "
+    twice = [s for s, v in by_step.items() if len(v) > 1]  # (a restart cuts the rows past its checkpoint)
+    bad += ["%d twice" % s for s in twice[:3]]
+    return check(not bad, "%s: all %d steps' losses (%d rows, one a step) equal the uninterrupted one-rank "
                  "run's within %g%s (largest difference %.1e)%s" % (
                      what, STEPS + 1 - first, rows, ATOL, " relative" if relative else "", worst,
                      " (differ at steps %s)" % bad[:5] if bad else ""))

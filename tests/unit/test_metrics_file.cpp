@@ -2,6 +2,8 @@
 // it (train/run_plot.h read_run_curves). (tests/parallel/test_watching.py runs a real resume.)
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -15,25 +17,31 @@ using namespace origami;
 namespace {
 
 std::string temp_file(const std::string& name, const std::string& text) {
-  const std::string path = (std::filesystem::temp_directory_path() / ("origami_metrics_" + name)).string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("origami_metrics_" + std::to_string(::getpid()) + "_" + name)).string();
   std::ofstream(path, std::ios::trunc) << text;
   return path;
 }
 
 }  // namespace
 
-// A resume from step 2: the dead attempt's rows of steps 3-4 and its cut last row go; earlier rows and
-// lines that are not step rows stay, byte for byte.
+// A resume from step 2: the file is cut before the dead attempt's first row past it (step 3), its cut
+// last row with the rest; what came before stays byte for byte, and the file stays where a link points.
 TEST(MetricsFile, AResumeDropsTheRowsPastItsCheckpoint) {
   const std::string path = temp_file("resume.jsonl", "{\"step\": 1, \"loss\": 5.0}\n{\"step\": 2, \"loss\": 4.0}\n"
                                                      "{\"note\": \"kept\"}\n{\"step\": 3, \"loss\": 3.0}\n"
                                                      "{\"step\": 4, \"loss\": 2.0}\n{\"step\": 5, \"lo");
+  const std::string link = path + ".link";
+  std::filesystem::remove(link);
+  std::filesystem::create_symlink(path, link);
   {
-    MetricsFile f(path, true, "metrics file", 2);
-    f.write({{"step", 3}, {"loss", 3.5}});
+    MetricsFile f(link, true, "metrics file", 2);
+    EXPECT_TRUE(f.write({{"step", 3}, {"loss", 3.5}}));
   }
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
   EXPECT_EQ(read_file_bytes(path), "{\"step\": 1, \"loss\": 5.0}\n{\"step\": 2, \"loss\": 4.0}\n{\"note\": \"kept\"}\n"
                                    "{\"loss\":3.5,\"step\":3}\n");
+  std::filesystem::remove(link);
   std::filesystem::remove(path);
 }
 
