@@ -31,7 +31,8 @@ int cmd_generate(int argc, char** argv) {
       .option("top-k", "K", "sample among the K most likely tokens (0, or K beyond the vocabulary: all)", "40")
       .option("seed", "S", "sampling seed", "1")
       .option("threads", "N", "threads (default: all cores)", "0")
-      .flag("stop-at-eod", "stop at the end-of-document token");
+      .flag("stop-at-eod", "stop at the end-of-document token (always, for a checkpoint trained with --batching "
+                           "documents: nothing after it was trained)");
   add_precision_option(a);
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
@@ -51,9 +52,8 @@ int cmd_generate(int argc, char** argv) {
   // attention that stops at each end of document (positions starting again after it).
   if (cfg.is_moe()) cfg.routing.score = parse_router_score(ck.trained_option("moe_router_score", "softmax"));
   // (document batching trains each document alone, positions from 0: after an end of document as well)
-  if (parse_attention_mask(ck.trained_option("attention_mask", "causal")) ||
-      ck.trained_option("batching", "windows") == "documents")
-    cfg.document_eod = tok->eod();
+  const bool whole_documents = ck.trained_option("batching", "windows") == "documents";
+  if (parse_attention_mask(ck.trained_option("attention_mask", "causal")) || whole_documents) cfg.document_eod = tok->eod();
   Params params(make_param_table(cfg));
   ck.bind(cfg);
   ck.read_weights(params);
@@ -66,6 +66,10 @@ int cmd_generate(int argc, char** argv) {
   const int64_t context = std::min(cfg.max_positions, ck.trained_integer("seq_len", cfg.max_positions));
 
   std::vector<int32_t> ids = tok->encode_to_continue(a.str("prompt"));
+  // Trained on whole documents, each ending at its end-of-document token, a model never predicted a
+  // document's first token, nor anything after an end of document: it gets a start, and stops there.
+  ORIGAMI_CHECK(!ids.empty() || !whole_documents, "'", ck.path(), "' trained on whole documents (--batching documents), "
+                "which never predicts a document's first token: give --prompt with the start of the text");
   if (ids.empty()) ids.push_back(tok->eod());  // an empty prompt starts a new document
   const size_t prompt_len = ids.size();
   std::fwrite(a.str("prompt").data(), 1, a.str("prompt").size(), stdout);
@@ -94,7 +98,7 @@ int cmd_generate(int argc, char** argv) {
     for (int32_t v : skipped) last[v] = -std::numeric_limits<float>::infinity();
     const int32_t next = sample_token(last, int32_t(vocab), temperature, int32_t(std::min(top_k, vocab)),
                                       uniform01(seed, 0x9e3779b9, uint64_t(i)));
-    if (next == tok->eod() && a.on("stop-at-eod")) break;
+    if (next == tok->eod() && (a.on("stop-at-eod") || whole_documents)) break;
     ids.push_back(next);
     // Print whole decoded tokens as they come (the decoder handles multi-byte characters at the end).
     std::string text = tok->decode(std::span<const int32_t>(ids.data() + printed, ids.size() - printed));

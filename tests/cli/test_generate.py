@@ -6,7 +6,9 @@
     both edits changed nothing: generate routed with softmax and no biases whatever the run did);
   - a llama trained with --attention-mask document, generating from an empty prompt (a new document after
     the end-of-document token), samples other text from a copy whose record says causal; so does one
-    trained with --batching documents (each document alone) against a record of windows;
+    trained with --batching documents (each document alone) refuses an empty prompt (its model never
+    predicted a document's first token), which a record of windows accepts, and stops at the end of a
+    document;
   - a copy whose record says --seq-len 8 samples other text (the window slides at the trained length);
   - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
   - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
@@ -20,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import LLAMA_TINY, byte_dataset, check, run  # noqa: E402
+from cli_util import LLAMA_TINY, byte_dataset, check, expect_error, run  # noqa: E402
 
 ROOT = os.environ.get("ORIGAMI_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
 MIXTRAL = os.path.join(ROOT, "tests", "parallel", "configs", "mixtral_8e.json")
@@ -90,9 +92,16 @@ def main():
         causal = sample(edited(doc, os.path.join(tmp, "causal"), lambda s: s["options"].update(attention_mask="causal")), "")
         check(causal != text, f"a record of causal attention samples other text (document masking is read): {text!r}")
         packed = train(tmp, "packed", cfg, data, "--batching", "documents", "--tokens-per-step", "128")
-        text = sample(packed, "")
+        # Whole documents never predict a document's first token: an empty prompt is refused (the record
+        # of windows samples from it), and generation ends at the first end of document.
+        expect_error("generate from an empty prompt on a --batching documents checkpoint",
+                     ["generate", "--checkpoint", packed, "--prompt", ""],
+                     f"'{packed}' trained on whole documents (--batching documents), which never predicts a "
+                     "document's first token: give --prompt with the start of the text")
         windows = sample(edited(packed, os.path.join(tmp, "windows"), lambda s: s["options"].update(batching="windows")), "")
-        check(windows != text, f"document batching (each document alone) is read as well: {text!r}")
+        check(len(windows) > 0, "the same weights with a record of windows sample from an empty prompt")
+        text = sample(packed, "fortune", "--max-new-tokens", "400")
+        check(0 < len(text) < len("fortune") + 400, f"generation on whole documents stops at the end of one: {text!r}")
         print("ok   generate masks documents as trained (--attention-mask document, --batching documents)")
     finally:
         shutil.rmtree(tmp)
