@@ -96,6 +96,8 @@ int cmd_generate(int argc, char** argv) {
     model.forward_backward(window.data(), 1, int64_t(padded), 1.f, false, logits.data());
     float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
     for (int32_t v : skipped) last[v] = -std::numeric_limits<float>::infinity();
+    ORIGAMI_CHECK(std::any_of(last, last + vocab, [](float l) { return std::isfinite(l); }), "the model's logits are "
+                  "not finite at token ", ids.size(), " ('", ck.path(), "' holds weights of a run that diverged?)");
     const int32_t next = sample_token(last, int32_t(vocab), temperature, int32_t(std::min(top_k, vocab)),
                                       uniform01(seed, 0x9e3779b9, uint64_t(i)));
     if (next == tok->eod() && (a.on("stop-at-eod") || whole_documents)) break;

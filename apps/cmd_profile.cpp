@@ -46,6 +46,8 @@
 namespace origami {
 namespace {
 
+constexpr double kMaxMessageMb = 65536;  // --max-mb: the largest message a collective is timed with
+
 // seconds = steps·latency + bytes/bandwidth from the points (bytes, seconds), smallest first: the
 // latency from the smallest message (its transfer time removed at the bandwidth of the largest),
 // the bandwidth from the largest with its latency removed; and each point's own bandwidth, its
@@ -100,13 +102,19 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
     ORIGAMI_CHECK(cmd.micro_batch > 0 && cmd.seq_len > 0, "--micro-batch and --seq-len must be "
                   "positive, got ", cmd.micro_batch, " and ", cmd.seq_len);
     cmd.seconds = a.number("seconds"), cmd.max_mb = a.number("max-mb");
-    ORIGAMI_CHECK(cmd.seconds > 0 && cmd.max_mb >= 0.004, "--seconds must be positive and --max-mb at "
-                  "least 0.004 (4 KiB), got ", cmd.seconds, " and ", cmd.max_mb);
+    ORIGAMI_CHECK(cmd.seconds > 0, "--seconds must be positive, got ", cmd.seconds);
+    ORIGAMI_CHECK(cmd.max_mb >= 0.004 && cmd.max_mb <= kMaxMessageMb, "--max-mb must be in [0.004, ", kMaxMessageMb,
+                  "] (4 KiB to 64 GiB), got ", cmd.max_mb);
     cmd.threads = threads_option(a);
     if (a.has("config")) cmd.cfg = load_model_config(a.str("config"));
     cmd.out = a.str("out");
     if (world.rank() == 0) require_writable_file(cmd.out, "--out");  // (rank 0 writes it, after minutes of timing)
     cmd.name = a.str("name");
+    try {  // (it goes into the JSON file, written after minutes of timing)
+      (void)nlohmann::json(cmd.name).dump();
+    } catch (const nlohmann::json::exception&) {
+      fail("--name must be UTF-8 text, got bytes that are not");
+    }
   });
   if (!parsed) return std::nullopt;
   return cmd;

@@ -16,7 +16,7 @@ within a second — never a crash, a hang, a wrapped size or a silent truncation
   kMaxSteps, a non-finite number, a --layout degree beyond kMaxDegree; --ep x --etp beyond 32 bits (a
   SIGFPE), --threads out of [0, 4096] in every command (dump and generate took -4 as "all cores"),
   dump's logits refused before its tokens are allocated, plan's zero sizes and an empty --layout mode
-  named.
+  named, profile's --max-mb beyond 64 GiB and a --name that is not UTF-8 refused before the timing.
 - Inputs shaped to break the readers: JSON nested 200000 deep (a stack overflow), a path component
   longer than the system's limit (a bare filesystem exception); a cluster file whose device count
   overflowed an int; and a blend whose weights sum to
@@ -149,6 +149,13 @@ def planner_and_options(tmp, data):
           f"dump --micro-batch 2^30: expected the logits' memory refused, got exit {p.returncode}:\n{p.stderr}")
     print("ok   dump --micro-batch 2^30: the logits refused before anything is allocated")
     expect_error("plan --global-batch 0", plan(MIXTRAL, batch="0"), "--global-batch must be positive, got 0")
+    # profile: checked before its minutes of timing (--max-mb 1e20 overflowed a size; a --name that is not
+    # UTF-8 threw from the JSON writer at the end, the file unwritten)
+    profile = ["profile", "--out", os.path.join(tmp, "p.json")]
+    expect_error("profile --max-mb 1e20", profile + ["--max-mb", "1e20"],
+                 "--max-mb must be in [0.004, 65536] (4 KiB to 64 GiB), got 1e+20")
+    expect_error("profile --name of Latin-1 bytes", profile + ["--name", "caf\udce9"],
+                 "--name must be UTF-8 text, got bytes that are not")
     expect_error("plan --layout recompute=", plan(MIXTRAL, "--layout", "recompute="),
                  "--layout: 'recompute=': --recompute must be none, selective or full, got ''")
 
