@@ -468,8 +468,11 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
   nlohmann::json hf_config = cfg.raw;
   hf_config["torch_dtype"] = bf16 ? "bfloat16" : "float32";  // what from_pretrained(torch_dtype="auto") builds
   write_file_atomically(out + "/config.json", hf_config.dump(2) + "\n");
-  if (const std::string tok = ck.tokenizer_path(); !tok.empty())
+  if (const std::string tok = ck.tokenizer_path(); !tok.empty()) {
     write_file_atomically(out + "/tokenizer.json", tokenizer_file_for_hf_export(tok));
+    if (const std::string config = tokenizer_config_for_hf_export(tok); !config.empty())
+      write_file_atomically(out + "/tokenizer_config.json", config);
+  }
   if (optimizer) {
     std::vector<std::vector<float>> bufs;
     std::vector<TensorWrite> writes;

@@ -334,6 +334,16 @@ std::string tokenizer_file_for_hf_export(const std::string& path) {
   return hub == j ? bytes : hub.dump(2) + "\n";
 }
 
+std::string tokenizer_config_for_hf_export(const std::string& path) {
+  const nlohmann::json j = nlohmann::json::parse(read_file_bytes(path), nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json type = j.is_object() ? j.value("type", nlohmann::json()) : nlohmann::json();
+  std::string eod;
+  if (type == "huggingface" && j.contains("eod_token") && j["eod_token"].is_string()) eod = j["eod_token"];
+  if (type == "byte" || type == "gpt2") eod = kEndOfText;
+  if (eod.empty()) return "";
+  return nlohmann::json({{"tokenizer_class", "PreTrainedTokenizerFast"}, {"eos_token", eod}}).dump(2) + "\n";
+}
+
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path) {
   write_file_atomically(path, tokenizer.to_json().dump() + "\n");
 }

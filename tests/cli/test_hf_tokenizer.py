@@ -19,7 +19,8 @@ marks, digit runs, runs of spaces and tabs, CRLF, Unicode spaces, the special to
   (c) PREFIX.tokenizer.json records the file verbatim and the eod choice, and re-preparing with it
       gives the same tokens;
   (d) unsupported components and a missing end-of-document token exit 1 with one message naming them;
-  (e) end to end with the llama3 file: train (document masking at its eod) with --save, `generate` from
+  (e) end to end with the llama3 file (the export's tokenizer_config.json naming its eod): train (document
+      masking at its eod) with --save, `generate` from
       the checkpoint, and `ckpt export --hf` writing the Hub file that the library loads;
   (f) a RobertaProcessing file, whose post-processor closes each sequence with the eod </s>: the
       documents are the library's ids (one </s> each, not a second appended), with a Split(a*,
@@ -352,6 +353,11 @@ def main():
               "ckpt export --hf did not write the Hub tokenizer.json itself")
         exported = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
         check(exported.encode(docs[0]).ids == expected_llama3[0][:-1], "the exported tokenizer encodes differently")
+        # The Hub file alone does not say which token ends a document: the export's tokenizer_config.json
+        # names the run's (what generate on the export and transformers' AutoTokenizer read).
+        tok_config = json.load(open(os.path.join(out, "tokenizer_config.json"), encoding="utf-8"))
+        check(tok_config == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end_of_text|>"},
+              f"the export's tokenizer_config.json names the run's end of document: {tok_config}")
         print("ok   llama3 end to end: train (document masking at its eod), generate, ckpt export --hf", flush=True)
 
         # (g) origami's own tokenizers exported as the byte-level BPE they are: the library loads the

@@ -143,8 +143,8 @@ def main():
         resumes_equal(exp, "part3.jsonl", "resumed from the single-file export equals the uninterrupted one")
         hf = os.path.join(tmp, "hf")
         run("ckpt", "export", ck, "--hf", hf, contains="exported")
-        check(sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json"],
-              f"export without --optimizer: weights, config and tokenizer only: {sorted(os.listdir(hf))}")
+        check(sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"],
+              f"export without --optimizer: weights, config and tokenizer (with its eos) only: {sorted(os.listdir(hf))}")
 
         # --init-from CKPT: the checkpoint's weights only, a new run from step 1 (the schedule's
         # step-1 learning rate, fresh AdamW). One step on one micro-batch: its loss is that of the
