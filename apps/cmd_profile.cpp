@@ -277,9 +277,9 @@ void measure_overlap(Comm& world, double seconds, Cluster& c) {
                 tg * 1e3, tc * 1e3, tb * 1e3, 100 * c.comm_overlap);
 }
 
-// The node's memory, shared by its ranks, and where every figure of the file comes from.
-void describe_node(const Comm& world, Cluster& c) {
-  const AvailableMemory avail = available_memory();
+// The node's memory (`avail`, taken before the timing's buffers held any), shared by its ranks, and
+// where every figure of the file comes from.
+void describe_node(const Comm& world, const AvailableMemory& avail, Cluster& c) {
   c.memory_bytes = double(avail.bytes) / world.size();
   c.source = cat("measured by 'origami profile' on ", world.size(), " rank", world.size() > 1 ? "s" : "", " x ",
                  num_threads(), " threads: GEMM rates per rank with every rank running (peak: the best of them), the "
@@ -290,6 +290,9 @@ void describe_node(const Comm& world, Cluster& c) {
 }
 
 int run_profile(Comm& world, const ProfileCommand& cmd) {
+  const AvailableMemory avail = available_memory();
+  ORIGAMI_CHECK(avail.bytes > 0, "no memory is available to this process (", avail.source, "): a cluster file "
+                "of 0 bytes a device would plan nothing; free some and profile again");
   if (cmd.threads > 0) set_num_threads(cmd.threads);
   warm_up_gemm();
   Cluster c;
@@ -310,7 +313,7 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
     measure_overlap(world, cmd.seconds, c);
   }
   c.inter = c.intra;
-  describe_node(world, c);
+  describe_node(world, avail, c);
   if (world.rank() == 0) {
     write_file_atomically(cmd.out, c.to_json().dump(2) + "\n");
     std::printf("peak %.2f GFLOP/s per rank (best GEMM); wrote %s\n", c.peak_flops / 1e9, cmd.out.c_str());
