@@ -283,8 +283,12 @@ void TrainOptions::check_limits() const {
                                       {"--save-every", save_every, kMaxSteps}, {"--micro-batch", micro_batch, kMaxBatch},
                                       {"--global-batch", global_batch, kMaxBatch}})
     ORIGAMI_CHECK(v <= most, flag, " must be at most ", most, ", got ", v);
-  ORIGAMI_CHECK(eval_data.empty() || eval_iters <= kMaxBatch / global_batch, "--eval-iters x global batch (", eval_iters,
-                " x ", global_batch, ") must be at most ", kMaxBatch, " windows; lower --eval-iters");
+  if (documents())  // (an evaluation is --eval-iters steps of documents, no windows)
+    ORIGAMI_CHECK(eval_data.empty() || eval_iters <= kMaxSteps, "--eval-iters must be at most ", kMaxSteps,
+                  " steps of documents, got ", eval_iters);
+  else
+    ORIGAMI_CHECK(eval_data.empty() || eval_iters <= kMaxBatch / global_batch, "--eval-iters x global batch (",
+                  eval_iters, " x ", global_batch, ") must be at most ", kMaxBatch, " windows; lower --eval-iters");
   for (const auto& [flag, v] : {std::pair{"--tp", tp}, {"--cp", cp}, {"--pp", pp}, {"--vpp", vpp}, {"--dp", dp},
                                 {"--ep", ep}, {"--etp", etp}, {"--cp-a2a-size", cp_a2a_size}})
     ORIGAMI_CHECK(v <= kMaxDegree, flag, " must be at most ", kMaxDegree, ", got ", v);

@@ -137,6 +137,10 @@ def planner_and_options(tmp, data):
                  "16", "--micro-batch", "1", "--ep", "65536", "--etp", "65536"],
                  "--ep x --etp (65536 x 65536 = 4294967296) must divide the ranks of a pipeline stage (1 ranks / --pp 1 "
                  "= 1): the experts' mesh ETP x EP x EDP covers the same ranks as TP x CP x DP")
+    # --eval-iters under document batching counts steps of documents (its message spoke of windows)
+    expect_error("--eval-iters 2^40 under --batching documents", train + ["--batching", "documents", "--tokens-per-step",
+                 "256", "--eval-data", data, "--eval-iters", str(2**40)],
+                 "--eval-iters must be at most 4294967296 steps of documents, got 1099511627776")
     # --threads: one rule for every command (dump and generate took a negative count as "all cores").
     dump = ["dump", "--config", config(tmp, "dump", LLAMA), "--data", data, "--out", os.path.join(tmp, "d.safetensors")]
     expect_error("dump --threads -4 (was all cores)", dump + ["--threads", "-4"],
