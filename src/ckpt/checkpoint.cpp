@@ -469,9 +469,9 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
   hf_config["torch_dtype"] = bf16 ? "bfloat16" : "float32";  // what from_pretrained(torch_dtype="auto") builds
   write_file_atomically(out + "/config.json", hf_config.dump(2) + "\n");
   if (const std::string tok = ck.tokenizer_path(); !tok.empty()) {
-    write_file_atomically(out + "/tokenizer.json", tokenizer_file_for_hf_export(tok));
-    if (const std::string config = tokenizer_config_for_hf_export(tok); !config.empty())
-      write_file_atomically(out + "/tokenizer_config.json", config);
+    const HfExportTokenizer files = tokenizer_files_for_hf_export(tok);
+    write_file_atomically(out + "/tokenizer.json", files.tokenizer_json);
+    if (!files.tokenizer_config.empty()) write_file_atomically(out + "/tokenizer_config.json", files.tokenizer_config);
   }
   if (optimizer) {
     std::vector<std::vector<float>> bufs;

@@ -325,23 +325,21 @@ bool same_tokenizer_file(const nlohmann::json& checkpoint_file, const nlohmann::
   return hub && checkpoint_file == hub_tokenizer(dataset_file);
 }
 
-std::string tokenizer_file_for_hf_export(const std::string& path) {
+HfExportTokenizer tokenizer_files_for_hf_export(const std::string& path) {
   const std::string bytes = read_file_bytes(path);
   ORIGAMI_CHECK(json_depth(bytes) <= kMaxJsonDepth, "tokenizer file '", path, "' nests arrays and objects more than ",
                 kMaxJsonDepth, " levels deep");
   const nlohmann::json j = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
   const nlohmann::json hub = hub_tokenizer(j);
-  return hub == j ? bytes : hub.dump(2) + "\n";
-}
-
-std::string tokenizer_config_for_hf_export(const std::string& path) {
-  const nlohmann::json j = nlohmann::json::parse(read_file_bytes(path), nullptr, /*allow_exceptions=*/false);
+  HfExportTokenizer out{hub == j ? bytes : hub.dump(2) + "\n", ""};
   const nlohmann::json type = j.is_object() ? j.value("type", nlohmann::json()) : nlohmann::json();
   std::string eod;
   if (type == "huggingface" && j.contains("eod_token") && j["eod_token"].is_string()) eod = j["eod_token"];
   if (type == "byte" || type == "gpt2") eod = kEndOfText;
-  if (eod.empty()) return "";
-  return nlohmann::json({{"tokenizer_class", "PreTrainedTokenizerFast"}, {"eos_token", eod}}).dump(2) + "\n";
+  if (!eod.empty())
+    out.tokenizer_config =
+        nlohmann::json({{"tokenizer_class", "PreTrainedTokenizerFast"}, {"eos_token", eod}}).dump(2) + "\n";
+  return out;
 }
 
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path) {

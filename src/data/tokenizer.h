@@ -132,13 +132,15 @@ nlohmann::json hub_tokenizer(const nlohmann::json& file);
 // Whether a checkpoint's tokenizer.json was made from a dataset's tokenizer file: the same file (the
 // end-of-document choice included), or for a Hugging Face export (a Hub file) the dataset's Hub form.
 bool same_tokenizer_file(const nlohmann::json& checkpoint_file, const nlohmann::json& dataset_file);
-// The tokenizer.json of a Hugging Face model export: hub_tokenizer of the file at `path`.
-std::string tokenizer_file_for_hf_export(const std::string& path);
-// The tokenizer_config.json beside it, where origami's file names the end-of-document token (a
-// huggingface file's chosen one, "<|endoftext|>" for byte and gpt2), else "": the Hub file alone does
-// not say which token ends a document, and `generate` (HfTokenizer::default_eod_token) and
-// transformers' AutoTokenizer read it there.
-std::string tokenizer_config_for_hf_export(const std::string& path);
+// The tokenizer files of a Hugging Face model export, from origami's tokenizer file at `path`:
+// tokenizer.json, hub_tokenizer of it; and tokenizer_config.json where origami's file names the
+// end-of-document token (a huggingface file's chosen one, "<|endoftext|>" for byte and gpt2), else
+// "": the Hub file alone does not say which token ends a document, and `generate`
+// (HfTokenizer::default_eod_token) and transformers' AutoTokenizer read it there.
+struct HfExportTokenizer {
+  std::string tokenizer_json, tokenizer_config;
+};
+HfExportTokenizer tokenizer_files_for_hf_export(const std::string& path);
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic
 
 }  // namespace origami

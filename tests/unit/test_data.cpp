@@ -279,7 +279,7 @@ TEST(DataHfTokenizer, FilesAndErrors) {
   EXPECT_EQ(load_tokenizer_file(dir / "tokenizer.json", "<unk>")->eod(), 0);
   // The export of a huggingface tokenizer file is the inner Hugging Face file.
   save_tokenizer_file(*load_tokenizer_file(dir / "tokenizer.json"), dir / "saved.json");
-  EXPECT_EQ(nlohmann::json::parse(tokenizer_file_for_hf_export(dir / "saved.json")), j);
+  EXPECT_EQ(nlohmann::json::parse(tokenizer_files_for_hf_export(dir / "saved.json").tokenizer_json), j);
   EXPECT_EQ(load_tokenizer_file(dir / "saved.json")->eod(), 1);
   auto bad = j;
   bad["model"]["type"] = "WordPiece";
