@@ -203,7 +203,9 @@ int data_prepare(int argc, char** argv) {
   Args args("data prepare", kPrepareSummary);
   args.option("input", "FILE|DIR", "text file, or directory of text files (recursive, sorted)")
       .option("output", "PREFIX", "output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json")
-      .option("tokenizer", "NAME", "byte, gpt2 (needs --vocab and --merges) or a tokenizer .json file", "byte")
+      .option("tokenizer", "NAME",
+              "byte (the UTF-8 bytes, and the text <|endoftext|> as the end-of-document token 256), gpt2 (needs "
+              "--vocab and --merges) or a tokenizer .json file", "byte")
       .option("vocab", "FILE", "Hugging Face vocab.json of a GPT-2 byte-level BPE")
       .option("merges", "FILE", "Hugging Face merges.txt of a GPT-2 byte-level BPE")
       .option("eod-token", "TEXT", "end-of-document token of a Hugging Face tokenizer file (see above)")

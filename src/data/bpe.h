@@ -176,7 +176,7 @@ class BpeMerges {
 // Encoded pieces, keyed by their bytes, in a cache private to the calling thread (so encoding on
 // many threads takes no lock). Each thread keeps the pieces of the last PieceCache it served; a
 // thread that alternates between tokenizers starts over at each switch. A cache holds at most
-// 2^20 pieces and is cleared when full; pieces longer than kMaxPiece bytes are not cached.
+// 2^20 pieces in 64 MiB and is cleared when full; pieces longer than kMaxPiece bytes are not cached.
 // The table is flat (open addressing, growing; keys and ids in one arena): lookups are cache-miss bound.
 class PieceCache {
  public:

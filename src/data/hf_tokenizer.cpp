@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -100,14 +101,17 @@ class HfRegex {
       int rc = pcre2_match(code_, s, text.size(), pos, 0, st.data, st.context);
       if (rc == PCRE2_ERROR_NOMATCH) return;
       if (rc < 0) fail_match(rc);
+      // The match's bounds are copied before f runs: f may match another regex (the next Split of a
+      // Sequence), which reuses this thread's match data.
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.data);
-      if (ov[1] > ov[0] || ov[0] != last_end) f(size_t(ov[0]), size_t(ov[1])), last_end = ov[1];
-      if (ov[1] > ov[0]) {
-        pos = ov[1];
+      const PCRE2_SIZE start = ov[0], end = ov[1];
+      if (end > start || start != last_end) f(size_t(start), size_t(end)), last_end = end;
+      if (end > start) {
+        pos = end;
       } else {
-        if (ov[1] >= text.size()) return;
+        if (end >= text.size()) return;
         char32_t cp;
-        pos = ov[1] + size_t(next_code_point(text, ov[1], cp));
+        pos = end + size_t(next_code_point(text, end, cp));
       }
     }
   }
@@ -352,6 +356,7 @@ HfTokenizer::HfTokenizer(const JsonField& hf, const std::string& eod_token) : hf
   read_added_tokens(hf);
   for (const auto& t : added_) max_id = std::max(max_id, t.id);
   ORIGAMI_CHECK(max_id >= 0, source, ": the vocabulary is empty");
+  check_id_density(max_id, vocab_.size() + added_.size(), source);
 
   for (const JsonField& j : component_steps(hf, "normalizer")) norm_.push_back(make_normalizer(j));
   const std::vector<JsonField> pre_steps = component_steps(hf, "pre_tokenizer");
@@ -915,6 +920,10 @@ void HfTokenizer::encode_word(std::string_view word, std::vector<int32_t>& out) 
 }
 
 std::vector<int32_t> HfTokenizer::encode(std::string_view text) const {
+  // (ICU's normalizer and the BPE's symbol list index a text with 32-bit ints)
+  ORIGAMI_CHECK(text.size() <= size_t(std::numeric_limits<int32_t>::max()), "a document of ", text.size(),
+                " bytes: a Hugging Face tokenizer encodes at most 2147483647 bytes (2 GiB) per document; split the "
+                "input into smaller documents (data prepare --split)");
   std::vector<int32_t> out(prefix_ids_);
   out.reserve(text.size() / 3 + prefix_ids_.size() + suffix_ids_.size() + 1);
   auto emit = [&](std::string_view word) { encode_word(word, out); };

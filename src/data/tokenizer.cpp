@@ -35,12 +35,30 @@ std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   return pieces;
 }
 
+void check_id_density(int64_t max_id, size_t tokens, const std::string& source) {
+  const int64_t limit = 4 * int64_t(tokens) + 65536;
+  ORIGAMI_CHECK(max_id < limit, source, ": the largest token id, ", max_id, ", is far beyond the ", tokens,
+                " tokens the file defines (a vocabulary's ids run from 0 with few gaps; the id tables have an "
+                "entry for every id up to the largest, so it must be below 4 x tokens + 65536 = ", limit, ")");
+}
+
 // ---------------------------------------------------------------------------------------------
 // ByteTokenizer
 
+// A literal "<|endoftext|>" in the text is the end-of-document token, as in the gpt2 tokenizer and in
+// the Hub file `ckpt export --hf` writes for this one (where it is an added token, which the library
+// matches in any text): the export encodes a text to the ids training read.
 std::vector<int32_t> ByteTokenizer::encode(std::string_view text) const {
-  std::vector<int32_t> ids(text.size());
-  for (size_t i = 0; i < text.size(); ++i) ids[i] = int32_t(static_cast<unsigned char>(text[i]));
+  std::vector<int32_t> ids;
+  ids.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    if (text.compare(i, kEndOfText.size(), kEndOfText) == 0) {
+      ids.push_back(eod());
+      i += kEndOfText.size();
+    } else {
+      ids.push_back(int32_t(static_cast<unsigned char>(text[i++])));
+    }
+  }
   return ids;
 }
 
@@ -74,6 +92,7 @@ Gpt2BpeTokenizer::Gpt2BpeTokenizer(const std::vector<std::pair<std::string, int3
     max_id = std::max(max_id, id);
   }
   ORIGAMI_CHECK(max_id < (1 << 28), source, ": token id ", max_id, " is implausibly large (limit 2^28)");
+  check_id_density(max_id, vocab.size(), source);
   id_bytes_.assign(size_t(max_id) + 1, {});
   id_valid_.assign(size_t(max_id) + 1, false);
 

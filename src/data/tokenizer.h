@@ -54,7 +54,11 @@ class Tokenizer {
   virtual nlohmann::json to_json() const = 0;
 };
 
-// Bytes as tokens. decode(eod) gives the text "<|endoftext|>".
+// Refuses a vocabulary whose largest id is far above its number of tokens (`tokens`), whose dense
+// id-to-token tables would take gigabytes for a small file.
+void check_id_density(int64_t max_id, size_t tokens, const std::string& source);
+
+// Bytes as tokens, and the text "<|endoftext|>" as the end-of-document token (256) both ways.
 class ByteTokenizer final : public Tokenizer {
  public:
   std::vector<int32_t> encode(std::string_view text) const override;

@@ -4,7 +4,8 @@
 (a) token ids: a ByteLevel BPE trained with Hugging Face `tokenizers` on fortunes files (plus a file
     of non-ASCII text and odd whitespace); origami's gpt2 tokenizer, fed its vocab.json/merges.txt,
     must store exactly HF's ids for every document, each followed by <|endoftext|>. The byte
-    tokenizer must store the raw bytes followed by 256.
+    tokenizer must store the raw bytes followed by 256 (a literal <|endoftext|> in the text is 256 too, as
+    in the gpt2 tokenizer and in the Hub file `ckpt export --hf` writes for it).
 (b) the .idx is parsed here, from Megatron's layout, and every field is checked.
 (c) user mistakes (missing input, truncated or corrupt .idx, bad tokenizer files) fail with a
     non-zero exit and a message naming the file.
@@ -29,6 +30,14 @@ from cli_util import ORIGAMI, check, fail, run  # noqa: E402
 
 FORTUNES = "/usr/share/games/fortunes"
 EOT = "<|endoftext|>"
+
+
+def byte_ids(text):
+    """The byte tokenizer's ids: the UTF-8 bytes, each literal <|endoftext|> as 256."""
+    ids = []
+    for i, part in enumerate(text.split(EOT)):
+        ids += ([256] if i else []) + list(part.encode("utf-8"))
+    return ids
 
 # Documents meant to trip a hand-written pre-tokenizer: scripts, marks, numbers of other systems,
 # Unicode whitespace, contractions, runs of spaces, CRLF, control characters, a literal special token.
@@ -201,7 +210,7 @@ def main():
         # ---- (a) byte tokenizer: raw bytes + 256; --split line
         prefix_b = os.path.join(tmp, "ds_byte")
         run("data", "prepare", "--input", corpus, "--output", prefix_b)
-        check_dataset(prefix_b, [list(d.encode("utf-8")) + [256] for d in docs], dtype_code=8)
+        check_dataset(prefix_b, [byte_ids(d) + [256] for d in docs], dtype_code=8)
         check(json.load(open(prefix_b + ".tokenizer.json")) == {"type": "byte"}, "byte tokenizer.json")
         prefix_l = os.path.join(tmp, "ds_line")
         run("data", "prepare", "--input", os.path.join(corpus, "sub", "plain.txt"), "--output", prefix_l,

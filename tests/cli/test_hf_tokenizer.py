@@ -1,13 +1,14 @@
 #!/usr/bin/python3
 """`origami data prepare --tokenizer FILE.json` on Hugging Face `tokenizers` files, against the library.
 
-Four files are built here with `tokenizers` (nothing downloaded), one per family origami reads, each
+Six files are built here with `tokenizers` (nothing downloaded), one per family origami reads, each
 trained on a synthetic corpus:
   gpt2    ByteLevel pre-tokenizer/decoder, <|endoftext|>; added tokens with lstrip/rstrip and single_word
   llama3  Split(Llama-3 regex, Isolated) + ByteLevel(use_regex=false), ignore_merges, merges as pairs,
           TemplateProcessing with <|begin_of_text|>, eod <|end_of_text|>
   qwen2   NFC normalizer + Split(Qwen2 regex) + ByteLevel, no BOS, a normalized added token,
           eod from a tokenizer_config.json beside the file
+  deepseek3  three Isolated Splits in a row (digits, CJK, words) + ByteLevel(use_regex=false), as DeepSeek-V3
   llama2  Prepend/Replace normalizer, byte_fallback BPE with the 256 <0xNN> tokens, <unk> (fused),
           decoder Replace/ByteFallback/Fuse/Strip, TemplateProcessing with <s>, eod </s>
           (and the older layout: Metaspace pre-tokenizer and decoder instead of the normalizer)
@@ -50,6 +51,8 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+DEEPSEEK3_REGEX = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+                   r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_DOCS = 50_000
 
 
@@ -185,6 +188,21 @@ def build_qwen2(train_docs):
     return j
 
 
+def build_deepseek3(train_docs):
+    # DeepSeek-V3's chain of three Isolated Splits (digits, CJK, then words and punctuation) before
+    # ByteLevel: each Split's matches are split again by the next.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(DEEPSEEK3_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return train(tok, train_docs, 2200, ["<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+                                         "<\uff5cend\u2581of\u2581sentence\uff5c>"],
+                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+
 def build_llama2(train_docs):
     # SentencePiece-like training (words start with ▁), then Llama-2's tokenizer.json layout:
     # <unk> <s> </s>, the 256 byte tokens, then the learned vocabulary.
@@ -273,6 +291,8 @@ def main():
         families = [("gpt2", build_gpt2, "<|endoftext|>", None, None),
                     ("llama3", build_llama3, "<|end_of_text|>", None, None),
                     ("qwen2", build_qwen2, "<|im_end|>", "<|im_end|>", None),
+                    ("deepseek3", build_deepseek3, "<\uff5cend\u2581of\u2581sentence\uff5c>",
+                     "<\uff5cend\u2581of\u2581sentence\uff5c>", None),
                     ("llama2", build_llama2, "</s>", None, None),
                     ("llama2-metaspace", build_llama2_metaspace, "</s>", None, None)]
         for name, build, eod_token, config_eos, _ in families:

@@ -331,8 +331,10 @@ def failed_after_last_save(tmp, data, ref):
     rc, out, by_step, evs = launch(tmp, "afterlast", data, 2, [],
                                    env={"ORIGAMI_TEST_FAIL": "%d:1:%s" % (STEPS + 1, os.path.join(tmp, "afterlast_once"))})
     names = [e["event"] for e in evs]
-    check(rc == 0 and names == ["start", "failure", "finish"] and "after_failure" in evs[-1],
-          "a failure after the last step's save ends the launch with exit %s, events %s %s" % (rc, names, out[-300:] if rc else ""))
+    ok = rc == 0 and names == ["start", "failure", "finish"] and "after_failure" in evs[-1]
+    check(ok, "a failure after the last step's save ends the launch with exit %s, events %s" % (rc, names))
+    if not ok:  # what the launcher saw (a hang event's words name where each rank was)
+        print(json.dumps(evs, indent=1) + "\n" + out[-3000:], flush=True)
     same_curve(ref, by_step, "failed after its last save")
 
 

@@ -83,6 +83,10 @@ TEST(DataByteTokenizer, RoundTripsEveryByte) {
   EXPECT_EQ(tok.eod(), 256);
   std::vector<int32_t> eod{256};
   EXPECT_EQ(tok.decode(eod), "<|endoftext|>");
+  // The literal text of the end of document is that token (as in the gpt2 tokenizer and the Hub export).
+  EXPECT_EQ(tok.encode("a<|endoftext|>b<|endoftext"), (std::vector<int32_t>{97, 256, 98, 60, 124, 101, 110, 100,
+                                                                              111, 102, 116, 101, 120, 116}));
+  EXPECT_EQ(tok.decode(tok.encode("x<|endoftext|>")), "x<|endoftext|>");
   std::vector<int32_t> bad{257};
   expect_error([&] { tok.decode(bad); }, {"257", "[0, 257)"});
   EXPECT_EQ(tok.to_json(), nlohmann::json({{"type", "byte"}}));
@@ -296,6 +300,40 @@ TEST(DataHfTokenizer, FilesAndErrors) {
   expect_error([&] { tokenizer_from_json(bad, "t.json"); }, {"t.json", "--eod-token"});
   expect_error([&] { tokenizer_from_json(j, "t.json", "<none>"); }, {"t.json", "'<none>'"});
   expect_error([&] { tokenizer_from_json(ByteTokenizer().to_json(), "b.json", "</s>"); }, {"b.json", "--eod-token"});
+}
+
+// Byte-level BPE with merges "b Ġ", "a b", "1 2" after Split(\\d+) and Split([a-z]+), both Isolated (as
+// DeepSeek-V3's file chains three): the inner Split's matches must not move the outer one's position.
+// The expected ids are the `tokenizers` library's.
+TEST(DataHfTokenizer, ChainedIsolatedSplits) {
+  nlohmann::json j = hub_tokenizer({{"type", "byte"}});
+  j["model"]["vocab"]["ab"] = 257;
+  j["model"]["vocab"]["12"] = 258;
+  j["model"]["vocab"]["b\u0120"] = 259;
+  j["model"]["merges"] = {"b \u0120", "a b", "1 2"};
+  auto split = [](const char* regex) {
+    return nlohmann::json{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}};
+  };
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {split("\\d+"), split("[a-z]+"),
+                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}};
+  auto tok = tokenizer_from_json(j, "chain.json");
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(tok->encode("ab 12"), (V{257, 32, 258}));
+  EXPECT_EQ(tok->encode("ab 12 cd34ef 5"), (V{257, 32, 258, 32, 99, 100, 51, 52, 101, 102, 32, 53}));
+  EXPECT_EQ(tok->encode("x1y22ab b "), (V{120, 49, 121, 50, 50, 257, 32, 98, 32}));
+}
+
+TEST(DataHfTokenizer, SizeLimits) {
+  // A vocabulary whose ids leave a vast gap would size the id tables by the largest (2^28: ~16 GiB).
+  auto j = tiny_llama2_json();
+  j["model"]["vocab"]["far"] = (1 << 28) - 1;
+  expect_error([&] { tokenizer_from_json(j, "sparse.json"); }, {"sparse.json", "268435455", "4 x tokens + 65536"});
+  // A document of 2^31 bytes is refused, not cut (ICU and the BPE index with 32-bit ints).
+  auto tok = tokenizer_from_json(tiny_llama2_json(), "tiny.json");
+  const std::string big(size_t(1) << 31, 'h');
+  expect_error([&] { tok->encode(big); }, {"2147483648 bytes", "--split"});
 }
 
 TEST(DataGpt2Bpe, EncodesOnManyThreads) {
