@@ -9,6 +9,8 @@
     trained with --batching documents (each document alone) refuses an empty prompt (its model never
     predicted a document's first token), which a record of windows accepts, and stops at the end of a
     document;
+  - a prompt that encodes to no token (a tokenizer of letters without an unknown token given "123") is
+    an error, not a generation from nothing;
   - a copy whose record says --seq-len 8 samples other text (the window slides at the trained length);
   - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
   - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
@@ -103,6 +105,19 @@ def main():
         text = sample(packed, "fortune", "--max-new-tokens", "400")
         check(0 < len(text) < len("fortune") + 400, f"generation on whole documents stops at the end of one: {text!r}")
         print("ok   generate masks documents as trained (--attention-mask document, --batching documents)")
+
+        # A prompt whose characters the tokenizer drops (a vocabulary of letters, no unknown token, no
+        # byte fallback, as the library encodes) is an error, not a generation from nothing.
+        letters = edited(doc, os.path.join(tmp, "letters"), lambda s: None)
+        vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}
+        vocab["</s>"] = len(vocab)
+        json.dump({"version": "1.0", "added_tokens": [{"id": vocab["</s>"], "content": "</s>", "special": True}],
+                   "model": {"type": "BPE", "vocab": vocab, "merges": []}},
+                  open(os.path.join(letters, "tokenizer.json"), "w"))
+        check("a" in sample(letters, "a"), "a tokenizer of letters generates from the prompt 'a'")
+        expect_error("a prompt that encodes to no token", ["generate", "--checkpoint", letters, "--prompt", "123"],
+                     "--prompt '123' encodes to no token: the checkpoint's tokenizer drops its characters (not in its "
+                     "vocabulary, which has no unknown token or byte fallback)")
     finally:
         shutil.rmtree(tmp)
     print("generate runs the model as the run trained it")
