@@ -93,9 +93,25 @@ int ckpt_info(int argc, char** argv) {
     std::printf("parameters: %lld\n", (long long)params.get());
     return 0;
   }
-  // The other forms: what the file headers say.
+  // The other forms: what the file headers say, checked against the config where there is one.
   std::string cfg_path = ck.config_path();
-  ORIGAMI_CHECK(!cfg_path.empty(), "'", ck.path(), "' has no config.json beside it: nothing more to show");
+  if (cfg_path.empty()) {  // a bare .safetensors file
+    const auto shapes = ck.weight_shapes();
+    std::printf("tensors (%zu; no config.json to check them against):\n", shapes.size());
+    Size elements = 0;
+    for (const auto& [name, shape] : shapes) {
+      std::string s = "[";
+      for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? ", " : "", shape[i]);
+      std::printf("  %-48s %s\n", name.c_str(), (s + "]").c_str());
+      elements = size_error(cat("'", ck.path(), "': the element count"), cat("tensor ", name, " of shape ", s, "]"), [&] {
+        Size n = 1;
+        for (int64_t d : shape) n *= d;
+        return elements + n;
+      });
+    }
+    std::printf("elements: %lld\n", (long long)elements.get());
+    return 0;
+  }
   const ModelConfig cfg = load_model_config(cfg_path);
   ck.bind(cfg);
   for (const ParamSpec& p : make_param_table(cfg)) {

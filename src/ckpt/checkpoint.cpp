@@ -44,10 +44,11 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return r + "]";
 }
 
-// Tensors Hugging Face GPT-2 files may hold that are not parameters.
+// Tensors Hugging Face files may hold that are not parameters: GPT-2's attention masks, RoPE's
+// inverse frequencies (older llama-family conversions save the buffer), a tied lm_head.
 bool ignorable(const ModelConfig& cfg, const std::string& name) {
   if (cfg.is_gpt2()) return name.ends_with("attn.bias") || name.ends_with("attn.masked_bias") || name == "lm_head.weight";
-  return cfg.tied_embeddings && name == "lm_head.weight";
+  return name.ends_with("rotary_emb.inv_freq") || (cfg.tied_embeddings && name == "lm_head.weight");
 }
 
 std::string canonical_name(const ModelConfig& cfg, const std::string& name) {
@@ -302,6 +303,13 @@ void Checkpoint::add_file_tensors(const std::string& file_path, const std::strin
     if (kind == StateKind::weight) e.shape = t.shape;
     e.pieces[int(kind)].push_back({at, t.name, 1, 0, 0, t.numel()});
   }
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Checkpoint::weight_shapes() const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& [name, e] : tensors_)
+    if (!e.pieces[int(StateKind::weight)].empty()) out.emplace_back(name, e.shape);
+  return out;
 }
 
 std::string Checkpoint::config_path() const {

@@ -91,9 +91,12 @@ class Checkpoint {
   std::string trained_option(const std::string& key, const std::string& fallback) const;
   int64_t trained_integer(const std::string& key, int64_t fallback) const;  // the same for an integer
   const nlohmann::json& metadata() const { return metadata_; }  // null unless sharded()
+  // Every weight tensor's name (as stored) and shape, in name order: what a file's headers say.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> weight_shapes() const;
 
   // Checks the checkpoint against the model: every tensor present with the config's shape, none
-  // unknown (gpt2's "transformer." prefix, attention-mask buffers and a tied lm_head are accepted).
+  // unknown (gpt2's "transformer." prefix, attention-mask buffers, RoPE's inv_freq buffers and a tied
+  // lm_head are accepted).
   void bind(const ModelConfig& cfg);
   // Copies elements [begin, end) of TP rank tp_rank's shard of `spec` split over `tp` ranks from the
   // pieces of `kind` into dst[0 .. end − begin). Error when a piece is missing or damaged.

@@ -1,10 +1,6 @@
 #include "ckpt/checkpoint_writer.h"
 
-#include <fcntl.h>
-#include <stdio.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -240,13 +236,10 @@ void CheckpointWriter::commit() {
       for (const auto& [name, bytes] : files_) write_file_atomically(tmp + "/" + name, bytes);
       write_file_atomically(tmp + "/metadata.json", meta.dump(1) + "\n");  // last: its presence marks a whole step
       sync_dir(tmp);
-      // Commit: one rename makes the step visible (the same step saved again, by a rerun: the two
-      // directories are exchanged atomically, so step-N is always whole), then `latest` names it.
+      // Commit: one rename makes the step visible (the same step saved again, by a rerun: replace_dir,
+      // atomic where the file system can exchange names), then `latest` names it.
       if (fs::exists(final_dir)) {
-        ORIGAMI_CHECK(::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0,
-                      "cannot replace '", final_dir, "' (saved again): ", std::strerror(errno));
-        std::error_code ec;
-        fs::remove_all(tmp, ec);  // now the old step
+        replace_dir(tmp, final_dir);
       } else {
         std::error_code ec;
         fs::rename(tmp, final_dir, ec);

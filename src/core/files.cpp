@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/progress.h"
 
 namespace origami {
 
@@ -35,6 +36,29 @@ void rename_file(const std::string& from, const std::string& to) {
                 std::strerror(errno), ")");
 }
 
+void replace_dir(const std::string& from, const std::string& to, bool exchange) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (exchange && ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(from, ec);  // now the old directory
+    return;
+  }
+  ORIGAMI_CHECK(!exchange || errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, "cannot replace '", to,
+                "' with '", from, "': ", std::strerror(errno));
+  const fs::path target(to);
+  const std::string aside = (target.parent_path() / ("." + target.filename().string() + ".old")).string();
+  fs::remove_all(aside, ec);  // (left by a crash in a replacement before)
+  rename_file(to, aside);
+  try {
+    rename_file(from, to);
+  } catch (const Error&) {
+    std::rename(aside.c_str(), to.c_str());  // the old directory back in its place
+    throw;
+  }
+  sync_dir(target.parent_path().string());
+  fs::remove_all(aside, ec);
+}
+
 void write_file_atomically(const std::string& path, std::string_view bytes) {
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -50,6 +74,7 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
   }
   // On disk before the rename, so that after a crash `path` is the old file or the whole new one.
   if (err.empty() && ::fsync(fd) != 0 && errno != EINVAL) err = std::strerror(errno);
+  progress_alive();  // (a busy disk's fsync can take seconds: under origami launch, not a hang)
   if (::close(fd) != 0 && err.empty()) err = std::strerror(errno);
   if (!err.empty()) {
     ::unlink(tmp.c_str());
@@ -96,6 +121,7 @@ void sync_dir(const std::string& dir) {
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;
   ::fsync(fd);  // best effort: not every file system can sync a directory
+  progress_alive();
   ::close(fd);
 }
 

@@ -30,6 +30,13 @@ void rename_file(const std::string& from, const std::string& to);
 // The same for a temporary file written in `to`'s place: removed when the rename fails.
 void rename_or_remove(const std::string& tmp, const std::string& to);
 
+// Puts directory `from` in the place of the existing directory `to` (in the same parent) and removes
+// the old one: atomically where the file system exchanges two names (renameat2 RENAME_EXCHANGE: `to`
+// is always whole), else (NFS, CephFS and Lustre clients refuse the flag, as `exchange` false does)
+// by moving `to` aside to .NAME.old and `from` into its place, where a crash between the two leaves
+// no `to`. Error naming both on failure.
+void replace_dir(const std::string& from, const std::string& to, bool exchange = true);
+
 // The words of a std::filesystem error: the path it concerns and the system's reason ("'P': File name
 // too long"). Such an error is always about a path a user gave (a blend prefix, a checkpoint's
 // `latest`), so it is reported as a user mistake, not as an unexpected library exception.

@@ -39,12 +39,16 @@ int32_t document_eod(const ModelConfig& cfg, const Tokenizer* tokenizer, const s
 
 namespace {
 // Whether two paths name one directory, however spelled (s9, s9/, ./s9), before it exists too.
-bool same_dir(const std::string& a, const std::string& b) {
-  const auto norm = [](const std::string& p) {
-    const std::filesystem::path n = std::filesystem::weakly_canonical(std::filesystem::absolute(p));
-    return n.has_filename() ? n : n.parent_path();
-  };
-  return norm(a) == norm(b);
+std::filesystem::path normal_dir(const std::string& p) {
+  const std::filesystem::path n = std::filesystem::weakly_canonical(std::filesystem::absolute(p));
+  return n.has_filename() ? n : n.parent_path();
+}
+
+bool same_dir(const std::string& a, const std::string& b) { return normal_dir(a) == normal_dir(b); }
+
+// Whether `resume` is the run directory `save` or one of its steps (DIR/step-N).
+bool resumes_from(const std::string& resume, const std::string& save) {
+  return !resume.empty() && (same_dir(resume, save) || normal_dir(resume).parent_path() == normal_dir(save));
 }
 }  // namespace
 
@@ -59,7 +63,8 @@ void TrainOptions::check_save_dir() const {
                 "writes DIR/step-N checkpoints)");
   ORIGAMI_CHECK(!Checkpoint::is_checkpoint(save), "--save '", save, "' is a checkpoint, not a run's directory: save "
                 "into a directory of step-N checkpoints (a new one, or the run's own --save)");
-  ORIGAMI_CHECK(!resume.empty() || overwrite_save || !Checkpoint::committed_in(save), "--save '", save, "' holds "
+  // (a run continuing from this directory's own steps saves into it; one from elsewhere would replace them)
+  ORIGAMI_CHECK(resumes_from(resume, save) || overwrite_save || !Checkpoint::committed_in(save), "--save '", save, "' holds "
                 "another run's checkpoints (", Checkpoint::resolved(save), "), whose steps this run would replace: "
                 "continue it with --resume ", save, ", save elsewhere, or replace them with --overwrite-save");
 }

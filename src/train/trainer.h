@@ -117,7 +117,8 @@ struct TrainOptions {
   // while that directory holds no checkpoint yet.
   bool fresh_start() const;
   // Error unless --save can hold this run's steps: not a checkpoint itself, and, for a run that does
-  // not resume, not holding another run's steps (its saves would replace them) unless overwrite_save.
+  // not resume from it (the directory or one of its steps), not holding another run's steps (its saves
+  // would replace them) unless overwrite_save.
   void check_save_dir() const;
   nlohmann::json as_json() const;
   // Error naming the value and the rule, for the routing options alone (also used by 'origami dump').
@@ -164,8 +165,15 @@ int32_t document_eod(const ModelConfig& cfg, const Tokenizer* tokenizer, const s
 // saved after the last finite update). Errors exit 1.
 constexpr int kExitSignal = 130;
 constexpr int kExitNonFinite = 3;
+// The exit code of an error on some ranks alone (which `origami launch` restarts; 1, an error on every
+// rank before training, it does not).
+constexpr int kExitRankFailed = 2;
 
-// Returns the process exit code (0, kExitSignal or kExitNonFinite). Collective over `world`: every
+// Prints a rank's own error during training: "origami train: error (rank R of N): what".
+void report_rank_error(const Comm& world, const std::exception& e);
+
+// Returns the process exit code (0, kExitSignal, kExitNonFinite, or kExitRankFailed where the end of the
+// run, after its last step, failed on some rank: that rank reports it). Collective over `world`: every
 // rank calls it with the same arguments. The run is built from make_plan(cfg, opts, world size)
 // (train/plan.h), in the order trainer.cpp lists above run_training.
 int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world);

@@ -1,13 +1,20 @@
-// Universal checkpoints' building blocks: the checksum, and shard_runs (where a piece's elements lie
-// in the global tensor), on which every reshard depends.
+// Universal checkpoints' building blocks: the checksum, shard_runs (where a piece's elements lie in
+// the global tensor), on which every reshard depends, and replace_dir, by which a step saved again
+// takes the old one's place.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "ckpt/checkpoint.h"
 #include "core/checksum.h"
+#include "core/error.h"
+#include "core/files.h"
 
 using origami::Checksum;
 using origami::ParamSpec;
@@ -99,3 +106,32 @@ TEST(ShardRuns, ColumnSplit) { check_split(1, 1, false, 4, 6, 8); }
 TEST(ShardRuns, FusedBlocksSplitEach) { check_split(1, 3, false, 2, 4, 12); }
 TEST(ShardRuns, PaddedVocabulary) { check_split(0, 1, true, 4, 257, 3); }
 TEST(ShardRuns, Replicated) { check_split(-1, 1, false, 2, 3, 4); }
+
+// Both ways of replacing a step directory: the atomic exchange (local file systems) and the two
+// renames that file systems without RENAME_EXCHANGE (NFS, CephFS, Lustre) get: the new contents in
+// the old name, nothing else left; a missing source is an error naming it, and the old directory stays.
+TEST(ReplaceDir, ExchangeAndTwoRenames) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("origami_test_replace_" + std::to_string(::getpid()));
+  for (bool exchange : {true, false}) {
+    fs::remove_all(root);
+    fs::create_directories(root / "step-4");
+    fs::create_directories(root / ".tmp-step-4");
+    std::ofstream(root / "step-4" / "old") << "old";
+    std::ofstream(root / ".tmp-step-4" / "new") << "new";
+    origami::replace_dir((root / ".tmp-step-4").string(), (root / "step-4").string(), exchange);
+    EXPECT_TRUE(fs::exists(root / "step-4" / "new")) << exchange;
+    EXPECT_FALSE(fs::exists(root / "step-4" / "old")) << exchange;
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(root)) names.push_back(e.path().filename().string());
+    EXPECT_EQ(names, std::vector<std::string>{"step-4"}) << exchange;
+    try {
+      origami::replace_dir((root / "missing").string(), (root / "step-4").string(), exchange);
+      ADD_FAILURE() << "no error for a missing source";
+    } catch (const origami::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("missing"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(fs::exists(root / "step-4" / "new")) << "a failed replacement keeps the directory, " << exchange;
+  }
+  fs::remove_all(root);
+}
