@@ -420,11 +420,8 @@ int cmd_train(int argc, char** argv) {
     throw;
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
-    const bool oom = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
-    std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(),
-                 oom ? "out of memory (in an allocation outside the checked buffers)" : e.what());
-    std::fflush(stderr);
-    runtime.abort(2);  // (2: one rank failed; 1 means every rank reported a user error)
+    report_rank_error(world, e);
+    runtime.abort(kExitRankFailed);  // (1 means every rank reported a user error)
   }
 }
 

@@ -363,10 +363,12 @@ CommRuntime::~CommRuntime() {
   world_.reset();
   if (!mpi_) return;
   MPI_Op_free(&bf16_sum);
+  progress_entered("MPI_Finalize", "world");  // (what a watchdog's message names if it stalls)
   MPI_Finalize();
 }
 
 void CommRuntime::abort(int code) {
+  progress_entered("MPI_Abort", "world");
   if (mpi_) MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);
 }

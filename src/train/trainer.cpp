@@ -1102,8 +1102,25 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     exit_code = run.step(step, stop_signals);
     progress_step_done(step + 1);
   }
-  run.finish(exit_code);
-  return exit_code;
+  // The end is agreed: where finishing fails on one rank alone (after the last step), that rank does
+  // not abort the job while the others are in MPI_Finalize (a race in which Open MPI can stall until
+  // the launcher's watchdog); every rank learns of it and they exit together with kExitRankFailed.
+  int32_t failed = 0;
+  try {
+    run.finish(exit_code);
+  } catch (const std::exception& e) {
+    if (world.size() == 1) throw;  // (no peers to tell: the command's own error path)
+    report_rank_error(world, e);
+    failed = 1;
+  }
+  return world.all_reduce_value(failed, ReduceOp::max) ? kExitRankFailed : exit_code;
+}
+
+void report_rank_error(const Comm& world, const std::exception& e) {
+  const bool oom = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
+  std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(),
+               oom ? "out of memory (in an allocation outside the checked buffers)" : e.what());
+  std::fflush(stderr);
 }
 
 TrainOptions with_checkpoint_step_size(const TrainOptions& opts, std::string* note) {
