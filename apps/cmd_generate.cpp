@@ -66,9 +66,10 @@ int cmd_generate(int argc, char** argv) {
   const int64_t context = std::min(cfg.max_positions, ck.trained_integer("seq_len", cfg.max_positions));
 
   std::vector<int32_t> ids = tok->encode_to_continue(a.str("prompt"));
-  ORIGAMI_CHECK(!ids.empty() || a.str("prompt").empty(), "--prompt '", a.str("prompt"), "' encodes to no token: the ",
-                "checkpoint's tokenizer drops its characters (not in its vocabulary, which has no unknown token or byte "
-                "fallback)");
+  // (an empty text encodes to the tokenizer's own start, <s> under a template: only that is nothing)
+  ORIGAMI_CHECK(a.str("prompt").empty() || ids != tok->encode_to_continue(""), "--prompt '", a.str("prompt"),
+                "' encodes to no token: the checkpoint's tokenizer drops its characters (not in its vocabulary, which "
+                "has no unknown token or byte fallback, or removed by its normalizer)");
   // Trained on whole documents, each ending at its end-of-document token, a model never predicted a
   // document's first token, nor anything after an end of document: it gets a start, and stops there.
   ORIGAMI_CHECK(!ids.empty() || !whole_documents, "'", ck.path(), "' trained on whole documents (--batching documents), "

@@ -1,5 +1,6 @@
 // origami train: train a model from a Hugging Face config.json on a prepared dataset.
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_writer.h"
 #include <cstdio>
 #include <new>
 #include <optional>
@@ -194,16 +195,16 @@ void add_run_options(Args& a) {
       .option("tensorboard", "DIR", "write each step's scalars (loss, lr, grad norm, speed, memory) as TensorBoard "
                                     "events to DIR (a resumed run appends to its newest event file)")
       .option("save", "DIR", "write checkpoints to DIR/step-N (every rank its own shards; DIR/latest names the newest); "
-                             "DIR is a run's directory, never a file or a checkpoint, and a run without --resume "
-                             "refuses one holding another run's steps unless --overwrite-save")
+                             "DIR is a run's directory, never a file or a checkpoint, and a run that does not --resume "
+                             "DIR (or one of its steps) refuses one holding another run's steps unless --overwrite-save")
       .option("save-every", "N|auto", "also save every N steps; auto: save after 10 steps, then every "
                                       "sqrt(2 x save time x MTBF) / step time steps (Young's interval)", "0")
       .option("mtbf-hours", "H", "the mean time between failures --save-every auto plans for", "24")
       .option("keep-last", "K", "keep the K newest checkpoints in DIR, older ones removed after a newer one commits (0: all)",
               "0")
       .flag("async-save", "write checkpoints from a background thread while training goes on")
-      .flag("overwrite-save", "let a run that does not --resume save into a --save DIR holding another run's "
-                              "checkpoints (each step it saves replaces that run's; without it: an error)")
+      .flag("overwrite-save", "let a run that does not --resume DIR save into a --save DIR holding another "
+                              "run's checkpoints (each step it saves replaces that run's; without it: an error)")
       .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
       .flag("quiet", "print every 50th step only")
       .flag("verbose", "print every rank's memory breakdown at startup")
@@ -337,6 +338,10 @@ void fill_from_files(Args& a, const Comm& world) {
 // Every rank starts from the same step: rank 0 resolves a --save directory (a run still saving into
 // it may commit a newer step while the ranks start) to the step it holds, and the others take it.
 void pin_checkpoint_step(TrainOptions& o, Comm& world) {
+  // First a step that a crash left out of sight in --save (ckpt/checkpoint_writer.h) is put back.
+  check_on_every_rank(world, "train", [&] {
+    if (world.rank() == 0 && !o.save.empty() && std::filesystem::is_directory(o.save)) restore_replaced_steps(o.save);
+  });
   for (std::string* from : {&o.resume, &o.init_from}) {
     std::vector<char> step(4096, 0);  // (a path; PATH_MAX)
     check_on_every_rank(world, "train", [&] {

@@ -103,6 +103,18 @@ void CheckpointWriter::reserve(int64_t floats) {
 
 std::string CheckpointWriter::tmp_dir(int64_t step) const { return cat(dir_, "/.step-", step, ".tmp"); }
 
+void restore_replaced_steps(const std::string& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (!n.starts_with(".step-") || !n.ends_with(".old")) continue;
+    const std::string step = n.substr(1, n.size() - 5);  // "step-N"
+    const fs::path target = fs::path(dir) / step, fresh = fs::path(dir) / ("." + step + ".tmp");
+    if (fs::exists(target)) continue;
+    rename_file(fs::exists(fresh / "metadata.json") ? fresh.string() : it->path().string(), target.string());
+  }
+}
+
 double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces,
                               const std::map<std::string, std::string>& files, const nlohmann::json& layout) {
   Timer blocked;
@@ -114,6 +126,7 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
     std::error_code ec;
     fs::create_directories(dir_, ec);
     ORIGAMI_CHECK(!ec, "cannot create checkpoint directory '", dir_, "': ", ec.message());
+    restore_replaced_steps(dir_);
     for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string n = it->path().filename().string();
       std::error_code rm;

@@ -708,6 +708,9 @@ void HfTokenizer::normalize(std::string& s) const {
     switch (st.kind) {
       case NormStep::unicode: {
         if (is_ascii(s)) break;
+        ORIGAMI_CHECK(s.size() <= size_t(std::numeric_limits<int32_t>::max()), "a document of ", s.size(),
+                      " bytes after the normalizer's earlier steps: Unicode normalization takes at most 2147483647 "
+                      "bytes (2 GiB) per document; split the input into smaller documents (data prepare --split)");
         std::string out;
         icu::StringByteSink<std::string> sink(&out);
         UErrorCode status = U_ZERO_ERROR;

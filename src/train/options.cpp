@@ -48,7 +48,12 @@ bool same_dir(const std::string& a, const std::string& b) { return normal_dir(a)
 
 // Whether `resume` is the run directory `save` or one of its steps (DIR/step-N).
 bool resumes_from(const std::string& resume, const std::string& save) {
-  return !resume.empty() && (same_dir(resume, save) || normal_dir(resume).parent_path() == normal_dir(save));
+  if (resume.empty()) return false;
+  const std::filesystem::path r = normal_dir(resume);
+  const std::string name = r.filename().string();
+  const bool step = name.starts_with("step-") && name.size() > 5 &&
+                    name.find_first_not_of("0123456789", 5) == std::string::npos;
+  return same_dir(resume, save) || (step && r.parent_path() == normal_dir(save));
 }
 }  // namespace
 
@@ -65,8 +70,10 @@ void TrainOptions::check_save_dir() const {
                 "into a directory of step-N checkpoints (a new one, or the run's own --save)");
   // (a run continuing from this directory's own steps saves into it; one from elsewhere would replace them)
   ORIGAMI_CHECK(resumes_from(resume, save) || overwrite_save || !Checkpoint::committed_in(save), "--save '", save, "' holds "
-                "another run's checkpoints (", Checkpoint::resolved(save), "), whose steps this run would replace: "
-                "continue it with --resume ", save, ", save elsewhere, or replace them with --overwrite-save");
+                "another run's checkpoints (", Checkpoint::resolved(save), "), whose steps this run",
+                resume.empty() ? "" : cat(" (resuming '", resume, "', not that directory or one of its steps)"),
+                " would replace: continue it with --resume ", save, ", save elsewhere, or replace them with "
+                "--overwrite-save");
 }
 
 nlohmann::json TrainOptions::as_json() const {

@@ -421,7 +421,10 @@ class Run {
   int64_t start_step() const { return start_.step; }
   // One step (step + 1 steps done after it): 0 to go on, else the run's exit code.
   int step(int64_t step, StopSignals& signals);
-  // After the loop: an asynchronous save still being written is committed; the skipped steps' warning.
+  // After the loop: an asynchronous save still being written is committed (collective).
+  void finish_saving();
+  // Then, after the last collective: the skipped steps' warning (and the test hook of a failure as
+  // step --steps + 1).
   void finish(int exit_code);
 
  private:
@@ -1067,8 +1070,11 @@ int Run::exit_code(const StepReport& r, bool too_many_skips, bool broken) const 
   return 0;
 }
 
-void Run::finish(int exit_code) {
+void Run::finish_saving() {
   if (writer_) writer_->finish();  // an asynchronous save still being written is committed before exit
+}
+
+void Run::finish(int exit_code) {
   if (exit_code == 0) hooks_.fail_once(o_.steps + 1);  // (a failure after the last step's save: its step is --steps + 1)
   if (rank0_ && skipped_ > 0 && exit_code != kExitNonFinite)
     std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm\n",
@@ -1102,12 +1108,15 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     exit_code = run.step(step, stop_signals);
     progress_step_done(step + 1);
   }
-  // The end is agreed: where finishing fails on one rank alone (after the last step), that rank does
-  // not abort the job while the others are in MPI_Finalize (a race in which Open MPI can stall until
-  // the launcher's watchdog); every rank learns of it and they exit together with kExitRankFailed.
+  run.finish_saving();  // collective (the last save's commit): an error there ends the job as in a step
+  // After the last collective the end is agreed: where finishing fails on one rank alone, that rank
+  // does not abort the job while the others are in MPI_Finalize (a race in which Open MPI can stall
+  // until the launcher's watchdog); every rank learns of it and they exit together with kExitRankFailed.
   int32_t failed = 0;
   try {
     run.finish(exit_code);
+  } catch (const ErrorReported&) {
+    throw;  // (reported once, on every rank)
   } catch (const std::exception& e) {
     if (world.size() == 1) throw;  // (no peers to tell: the command's own error path)
     report_rank_error(world, e);

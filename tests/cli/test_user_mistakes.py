@@ -136,8 +136,9 @@ def main():
         # Resuming another checkpoint (not one of --save's own steps) would replace them too.
         expect_error("--resume elsewhere and --save into another run's directory",
                      ["train", *short, "--steps", "3", "--resume", hub_export, "--save", ck],
-                     "--save '%s' holds another run's checkpoints (%s), whose steps this run would replace: continue "
-                     "it with --resume %s, save elsewhere, or replace them with --overwrite-save" % (ck, step2, ck))
+                     "--save '%s' holds another run's checkpoints (%s), whose steps this run (resuming '%s', not that "
+                     "directory or one of its steps) would replace: continue it with --resume %s, save elsewhere, or "
+                     "replace them with --overwrite-save" % (ck, step2, hub_export, ck))
         for target in (step2, hub_export):
             expect_error("--resume and --save a checkpoint (%s)" % os.path.basename(target),
                          ["train", *short, "--steps", "3", "--resume", target, "--save", target],

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_writer.h"
 #include "core/checksum.h"
 #include "core/error.h"
 #include "core/files.h"
@@ -132,6 +133,29 @@ TEST(ReplaceDir, ExchangeAndTwoRenames) {
       EXPECT_NE(std::string(e.what()).find("missing"), std::string::npos) << e.what();
     }
     EXPECT_TRUE(fs::exists(root / "step-4" / "new")) << "a failed replacement keeps the directory, " << exchange;
+  }
+  fs::remove_all(root);
+}
+
+// A crash between replace_dir's two renames leaves .step-N.old (the old step) and .step-N.tmp (the
+// new one) and no step-N: the new one comes back where its metadata.json shows it whole, else the old.
+TEST(ReplaceDir, ACrashBetweenTheRenamesIsRepaired) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("origami_test_restore_" + std::to_string(::getpid()));
+  for (bool new_whole : {true, false}) {
+    fs::remove_all(root);
+    fs::create_directories(root / ".step-4.old");
+    fs::create_directories(root / ".step-4.tmp");
+    fs::create_directories(root / "step-2");
+    std::ofstream(root / ".step-4.old" / "metadata.json") << "old";
+    if (new_whole) std::ofstream(root / ".step-4.tmp" / "metadata.json") << "new";
+    origami::restore_replaced_steps(root.string());
+    std::string got;
+    std::ifstream(root / "step-4" / "metadata.json") >> got;
+    EXPECT_EQ(got, new_whole ? "new" : "old");
+    EXPECT_TRUE(fs::exists(root / "step-2"));
+    origami::restore_replaced_steps(root.string());  // nothing left to do: no change, no error
+    EXPECT_TRUE(fs::exists(root / "step-4" / "metadata.json"));
   }
   fs::remove_all(root);
 }
