@@ -116,7 +116,7 @@ void split_documents(std::string_view text, const std::string& split, Emit&& emi
 std::set<fs::path> output_files(const std::string& prefix) {
   std::set<fs::path> out;
   for (const char* suffix : {".bin", ".idx", ".tokenizer.json"})
-    for (const char* tmp : {"", ".tmp"}) out.insert(fs::weakly_canonical(prefix + suffix + tmp));
+    for (const char* tmp : {"", ".tmp", ".tmp.tmp"}) out.insert(fs::weakly_canonical(prefix + suffix + tmp));
   return out;
 }
 
@@ -225,6 +225,12 @@ int data_prepare(int argc, char** argv) {
   const std::string prefix = args.str("output");
   ORIGAMI_CHECK(!prefix.empty() && prefix.back() != '/' && !fs::is_directory(prefix), "--output '", prefix,
                 "' is a directory: give a prefix such as DIR/NAME (it writes DIR/NAME.bin, .idx and .tokenizer.json)");
+  ORIGAMI_CHECK(!prefix.ends_with(".bin") && !prefix.ends_with(".idx"), "--output '", prefix, "' ends in ",
+                prefix.substr(prefix.size() - 4), ": give the prefix without it (it writes PREFIX.bin, .idx and "
+                ".tokenizer.json)");
+  for (const char* suffix : {".bin", ".idx", ".tokenizer.json"})  // (checked before the work, not at its end)
+    ORIGAMI_CHECK(!fs::is_directory(prefix + suffix), "--output '", prefix, "': '", prefix + suffix,
+                  "' is a directory, where the dataset's file goes");
   fs::path out_dir = fs::path(prefix).parent_path();
   ORIGAMI_CHECK(out_dir.empty() || fs::is_directory(out_dir), "--output ", prefix, ": directory ",
                 out_dir.string(), " does not exist");
@@ -290,10 +296,7 @@ int data_prepare(int argc, char** argv) {
   progress.finish(num_bytes, writer.num_documents());
   ORIGAMI_CHECK(writer.num_documents() > 0, "--input ", args.str("input"),
                 ": no documents found (every document was empty or whitespace)");
-  // An older dataset's tokenizer goes with its index: a failure before the new one is written leaves
-  // the new dataset without a tokenizer file, never paired with the old one.
-  writer.finish({prefix + ".tokenizer.json"});
-  save_tokenizer_file(*tokenizer, prefix + ".tokenizer.json");
+  writer.finish({{".tokenizer.json", tokenizer_file_text(*tokenizer)}});
   double total_s = timer.ms() / 1e3, encode_s = std::max(encode_ms / 1e3, 1e-9);
 
   std::printf("prepared %zu file%s, %llu documents, %llu tokens (%.3f tokens/byte)\n", files.size(),

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -24,7 +25,7 @@ std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view optio
   ORIGAMI_CHECK(fields.size() % 2 == 0, option, " \"", spec, "\" has ", fields.size(),
                 " fields: a blend is weights and prefixes in turn (\"W1 PREFIX1 W2 PREFIX2 ...\")");
   std::vector<BlendPart> parts;
-  std::set<std::string> seen;
+  std::map<std::string, std::string> seen;  // the .bin's path, resolved (links too) -> the prefix as given
   double total = 0, most = 0;
   for (size_t k = 0; k < fields.size(); k += 2) {
     double w = 0;
@@ -36,8 +37,12 @@ std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view optio
     }
     ORIGAMI_CHECK(used == fields[k].size() && std::isfinite(w) && w > 0, option, ": weight '", fields[k],
                   "' (before '", fields[k + 1], "') must be a positive number; a blend is \"W1 PREFIX1 W2 PREFIX2 ...\"");
-    ORIGAMI_CHECK(seen.insert(fields[k + 1]).second, option, ": dataset '", fields[k + 1],
-                  "' is given twice; give it once with the sum of its weights");
+    std::error_code ec;
+    const std::string file = std::filesystem::weakly_canonical(std::filesystem::absolute(fields[k + 1] + ".bin"), ec).string();
+    const auto [at, fresh] = seen.emplace(ec ? fields[k + 1] : file, fields[k + 1]);
+    ORIGAMI_CHECK(fresh, option, ": dataset '", fields[k + 1], "' is given twice",
+                  at->second == fields[k + 1] ? "" : cat(" (also as '", at->second, "')"),
+                  "; give it once with the sum of its weights");
     parts.push_back({w, fields[k + 1]});
     total += w, most = std::max(most, w);
   }

@@ -41,6 +41,7 @@ IndexedDatasetWriter::~IndexedDatasetWriter() {
   if (!finished_) {
     std::remove(bin_tmp_.c_str());
     std::remove(idx_tmp_.c_str());
+    for (const std::string& t : companion_tmps_) std::remove(t.c_str());
   }
 }
 
@@ -69,7 +70,7 @@ void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
   num_tokens_ += tokens.size();
 }
 
-void IndexedDatasetWriter::finish(const std::vector<std::string>& companions) {
+void IndexedDatasetWriter::finish(const std::map<std::string, std::string>& companions) {
   ORIGAMI_CHECK(!finished_, prefix_, ": finish called twice");
   // On disk before it is renamed (EINVAL: a file system without fsync).
   int rc = std::fflush(bin_) == 0 && (::fsync(fileno(bin_)) == 0 || errno == EINVAL) ? 0 : -1;
@@ -95,11 +96,15 @@ void IndexedDatasetWriter::finish(const std::vector<std::string>& companions) {
   }
   for (int64_t d = 0; d <= int64_t(S); ++d) put(&d, 8);
   write_file_atomically(idx_tmp_, idx);  // lands at idx_tmp_, renamed below with the .bin
+  for (const auto& [suffix, bytes] : companions) {
+    companion_tmps_.push_back(prefix_ + suffix + ".tmp");
+    write_file_atomically(companion_tmps_.back(), bytes);
+  }
 
-  // An older dataset at the prefix loses its index (and companions) first: a crash between the renames
-  // leaves a .bin without an index (refused), never the new .bin paired with the old index.
+  // An older dataset at the prefix loses its index first: a crash between the renames leaves a .bin
+  // without an index (refused), never the new .bin paired with the old index.
   std::remove((prefix_ + ".idx").c_str());
-  for (const std::string& c : companions) std::remove(c.c_str());
+  for (const auto& [suffix, bytes] : companions) rename_file(prefix_ + suffix + ".tmp", prefix_ + suffix);
   rename_file(bin_tmp_, prefix_ + ".bin");
   rename_file(idx_tmp_, prefix_ + ".idx");
   finished_ = true;

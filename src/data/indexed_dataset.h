@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <span>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,15 +48,18 @@ class IndexedDatasetWriter {
 
   // Appends one document (one sequence). A token outside the dtype's range is an Error.
   void add_document(std::span<const int32_t> tokens);
-  // Writes the index and renames both files into place. `companions`: files of an older dataset at
-  // the prefix that belong with its index (its tokenizer file), removed with it.
-  void finish(const std::vector<std::string>& companions = {});
+  // Writes the index and the companion files (suffix -> contents: ".tokenizer.json") and renames
+  // them into place after an older dataset's index is removed: the companions, then PREFIX.bin, and
+  // PREFIX.idx last, so an index is never beside another dataset's .bin or companion, and a dataset
+  // with an index has its companions.
+  void finish(const std::map<std::string, std::string>& companions = {});
 
   uint64_t num_documents() const { return sequence_lengths_.size(); }
   uint64_t num_tokens() const { return num_tokens_; }
 
  private:
   std::string prefix_, bin_tmp_, idx_tmp_;
+  std::vector<std::string> companion_tmps_;  // removed with the others when finish() does not end
   TokenDtype dtype_;
   std::FILE* bin_ = nullptr;
   std::vector<int32_t> sequence_lengths_;

@@ -361,8 +361,10 @@ HfExportTokenizer tokenizer_files_for_hf_export(const std::string& path) {
   return out;
 }
 
+std::string tokenizer_file_text(const Tokenizer& tokenizer) { return tokenizer.to_json().dump() + "\n"; }
+
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path) {
-  write_file_atomically(path, tokenizer.to_json().dump() + "\n");
+  write_file_atomically(path, tokenizer_file_text(tokenizer));
 }
 
 }  // namespace origami

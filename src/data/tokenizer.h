@@ -146,5 +146,6 @@ struct HfExportTokenizer {
 };
 HfExportTokenizer tokenizer_files_for_hf_export(const std::string& path);
 void save_tokenizer_file(const Tokenizer& tokenizer, const std::string& path);  // atomic
+std::string tokenizer_file_text(const Tokenizer& tokenizer);                     // what it writes
 
 }  // namespace origami

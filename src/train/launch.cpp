@@ -191,15 +191,18 @@ std::vector<int> did_not_arrive(const std::vector<RankProgress>& board) {
   return behind;
 }
 
-// Forwards the job's output and finds Open MPI's report of a rank that died:
+// Forwards the job's output and finds Open MPI's report of a rank that died (until the watchdog
+// ends a hung job: then the ranks it killed are reported by it, not as failures):
 // "mpirun noticed that process rank R with PID P on node H exited on signal S (...)".
 class OutputScanner {
  public:
   void feed(const char* data, size_t n, JobEnd& end) {
-    if (std::fwrite(data, 1, n, stdout) != n) return;
+    std::fwrite(data, 1, n, stdout);  // (output that cannot be shown is still read for the reports)
     std::fflush(stdout);
     pending_.append(data, n);
     for (size_t nl; (nl = pending_.find('\n')) != std::string::npos; pending_.erase(0, nl + 1)) {
+      // Once the watchdog ended the job, the ranks it killed itself are no failures to report.
+      if (end.hung) continue;
       static const std::regex died(R"(process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+))");
       std::smatch m;
       const std::string line = pending_.substr(0, nl);

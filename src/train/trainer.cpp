@@ -344,6 +344,28 @@ struct Opened {
   TestHooks hooks;
 };
 
+// Every rank opened the datasets on its own (a node-local copy each, perhaps): they must hold the same
+// tokens and documents as rank 0's, else the ranks would train on different data or, under document
+// batching, pack their steps differently and stop matching each other's collectives.
+void require_same_data(const Inputs& in, Comm& world) {
+  std::vector<std::pair<const DataBlend*, const char*>> blends = {{&*in.data, "--data"}};
+  if (in.eval_data) blends.push_back({&*in.eval_data, "--eval-data"});
+  std::vector<int64_t> mine;
+  for (const auto& [blend, option] : blends)
+    for (size_t d = 0; d < blend->parts().size(); ++d)
+      mine.insert(mine.end(), {int64_t(blend->dataset(d).num_tokens()), int64_t(blend->dataset(d).num_documents())});
+  std::vector<int64_t> first = mine;
+  world.broadcast(first.data(), int64_t(first.size()), DType::i64, 0);
+  check_on_every_rank(world, "train", [&] {
+    size_t at = 0;
+    for (const auto& [blend, option] : blends)
+      for (size_t d = 0; d < blend->parts().size(); ++d, at += 2)
+        ORIGAMI_CHECK(mine[at] == first[at] && mine[at + 1] == first[at + 1], option, ": rank ", world.rank(),
+                      "'s copy of '", blend->parts()[d].prefix, "' holds ", mine[at], " tokens in ", mine[at + 1],
+                      " documents, rank 0's ", first[at], " in ", first[at + 1], ": every rank must read the same data");
+  });
+}
+
 Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   std::optional<Plan> plan;
   Inputs in;
@@ -357,6 +379,7 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
     check_tile_gemm_env();
     check_bf16_gemm_env();
   });
+  require_same_data(in, world);
   return {std::move(*plan), std::move(in), std::move(hooks)};
 }
 
@@ -951,12 +974,14 @@ double Run::evaluate() {
     for (int64_t k = 0; k < o_.eval_iters; ++k) {
       predicted += read_sequences(*in_.eval_docs, k).predicted;
       sum += pipeline_.evaluate(micro_tokens_, o_.micro_batch, o_.seq_len).lm_loss;
+      progress_alive();  // (without TP or PP an evaluation has no collective until its end: not a hang)
     }
     return world_.all_reduce_value(tp_.rank() == 0 ? sum : 0.0) / double(std::max<int64_t>(1, predicted));
   }
   for (int64_t k = 0; k < o_.eval_iters; ++k) {
     read_rows(*in_.eval_data, k * G + dp_.rank() * (G / dp));
     sum += pipeline_.evaluate(micro_tokens_, o_.micro_batch, o_.seq_len).lm_loss;
+    progress_alive();
   }
   return world_.all_reduce_value(tp_.rank() == 0 ? sum / double(plan_.micro_batches * dp * o_.eval_iters) : 0.0);
 }

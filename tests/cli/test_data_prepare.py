@@ -288,13 +288,23 @@ def main():
         again = os.path.join(tmp, "again")
         os.mkdir(again)
         open(os.path.join(again, "a.txt"), "w").write("alpha beta\n")
-        for _ in range(2):
+        for k in range(2):
+            if k:  # (and not the temporary index a crash while it was written would leave)
+                open(os.path.join(again, "corpus.idx.tmp.tmp"), "wb").write(b"MMIDIDX\x00\x00 half an index")
             p = run("data", "prepare", "--input", again, "--output", os.path.join(again, "corpus"), "--tokenizer", "byte",
                     "--split", "file")
             check("prepared 1 file, 1 documents, 12 tokens" in p.stdout, f"a rerun in the input directory:\n{p.stdout}")
         check_dataset(os.path.join(again, "corpus"), [list(b"alpha beta\n") + [256]], dtype_code=8)
         expect_error(["data", "prepare", "--input", os.path.join(again, "corpus.bin"), "--output",
                       os.path.join(again, "corpus")], "corpus.bin is one of the files --output")
+        # An --output naming a file rather than the prefix, and a dataset file's place taken by a
+        # directory, are refused before the work (the dataset there stays whole).
+        expect_error(["data", "prepare", "--input", again, "--output", os.path.join(again, "corpus.bin")],
+                     "ends in .bin: give the prefix without it")
+        os.mkdir(os.path.join(again, "other.idx"))
+        expect_error(["data", "prepare", "--input", os.path.join(again, "a.txt"), "--output", os.path.join(again, "other")],
+                     "other.idx' is a directory, where the dataset's file goes")
+        check_dataset(os.path.join(again, "corpus"), [list(b"alpha beta\n") + [256]], dtype_code=8)
         print("ok")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,9 +18,11 @@ several documents and many windows cut one; validation data of the same kind (an
      the same rows and losses (steps 5..8); resuming it with other --data or --attention-mask warns.
   3. Mistakes: --eval-every or --eval-iters without --eval-data, an unknown --attention-mask, a blend
      with an odd number of fields, a blend of datasets made with different tokenizers, and more
-     validation windows than the data has: one error line each, exit 1, on every rank.
+     validation windows than the data has, and two ranks whose copies of --data differ (each rank
+     opens it itself): one error line each, exit 1, on every rank.
 """
 import os
+import subprocess
 
 import harness as h
 import test_layouts as tl
@@ -87,6 +89,27 @@ def compare(ref, got, moe):
         if moe and g.get("expert_tokens") != r.get("expert_tokens"):
             fails.append("step %d: expert_tokens differ" % r["step"])
     return worst, fails
+
+
+def different_copies(tmp, cfg, data, other):
+    """Each rank opens --data itself: two ranks whose working directories hold different datasets under
+    the relative prefix 'corpus' (node-local copies that differ) stop at start with one error naming it."""
+    ranks = []
+    for r, src in enumerate((data, other)):
+        d = os.path.join(tmp, "copy%d" % r)
+        os.makedirs(d)
+        for ext in (".bin", ".idx", ".tokenizer.json"):
+            os.link(src + ext, os.path.join(d, "corpus" + ext))
+        ranks += ([":"] if r else []) + ["-np", "1", "--wdir", d, h.BIN, "train", "--config", cfg, "--data", "corpus",
+                                        "--steps", "1", "--seq-len", "16", "--micro-batch", "2"]
+    p = subprocess.run([h.MPIRUN, "--oversubscribe", "--bind-to", "none", *ranks], capture_output=True, text=True,
+                       timeout=120, env=h.env(), stdin=subprocess.DEVNULL)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if "error:" in l]
+    ok = p.returncode == 1 and len(lines) == 1 and "rank 1's copy of 'corpus' holds" in lines[0] and \
+        "every rank must read the same data" in lines[0]
+    print("%-4s error: ranks reading different copies of --data: exit %s: %s" % ("ok" if ok else "FAIL", p.returncode,
+                                                                              lines[:1] or (p.stdout + p.stderr)[-300:]))
+    return [] if ok else ["ranks reading different copies of --data: exit %s, %s" % (p.returncode, lines)]
 
 
 def main():
@@ -184,6 +207,7 @@ def main():
     failures += h.check_error_cases(data, [
         ("blend of two tokenizers", cfg, 2, ["--data", "0.5 %s 0.5 %s" % (data, renamed)], "different tokenizers"),
     ])
+    failures += different_copies(tmp, cfg, data, other)
     print("\n" + h.fmt_table(["model", "layout", "worst relative deviation", ""], rows))
     h.report(failures, "document masking, validation and blends: every layout gives the one-rank run")
 

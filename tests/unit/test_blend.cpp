@@ -75,6 +75,9 @@ TEST(DataBlend, ParsesSpecsAndNamesMistakes) {
   EXPECT_NE(error_of("-1 a 2 b").find("weight '-1'"), std::string::npos);
   EXPECT_NE(error_of("0 a 2 b").find("must be a positive number"), std::string::npos);
   EXPECT_NE(error_of("1 a 2 a").find("'a' is given twice"), std::string::npos);
+  // The same dataset spelled another way (each window would be read twice in a row) is the same.
+  EXPECT_NE(error_of("1 a 2 ./a").find("'./a' is given twice (also as 'a')"), std::string::npos) << error_of("1 a 2 ./a");
+  EXPECT_NE(error_of("1 d/../a 2 a").find("'a' is given twice (also as 'd/../a')"), std::string::npos);
   EXPECT_NE(error_of("  ").find("is empty"), std::string::npos);
   // An existing dataset whose prefix holds whitespace is that dataset, not a blend.
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "origami_blend_spaces";
