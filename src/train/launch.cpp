@@ -44,6 +44,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+// Seconds on the steady clock, for the launcher's own waits (a step of the wall clock, NTP's, does not
+// stretch or cut a backoff or the SIGKILL that follows a kill); events keep unix_time_s.
+double steady_s() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
 
 // --events: one JSON object per line (appended, flushed), each with its wall-clock time.
 class Events {
@@ -291,9 +294,9 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       // Once politely (the ranks save and stop); a second request kills this host's ranks too (a hung
       // job's would outlive mpirun) and mpirun 10 s later, as the watchdog does.
       if (signalled == 1) ::kill(pid, SIGTERM);
-      else if (killed_at == 0) kill_job(pid, board), killed_at = unix_time_s();
+      else if (killed_at == 0) kill_job(pid, board), killed_at = steady_s();
     }
-    if (killed_at > 0 && unix_time_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
+    if (killed_at > 0 && steady_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
     if (!end.hung && !end.stopped && watchdog.stalled(board)) {
       const std::vector<int> late = did_not_arrive(board);
       end.hung = true, end.why = hang_words(board, late, watchdog.timeout()), end.failed_ranks = late;
@@ -301,12 +304,12 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
       std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", end.why.c_str());
       kill_job(pid, board);
-      killed_at = unix_time_s();
+      killed_at = steady_s();
     }
   }
   end.stopped = end.stopped || stop_requests > 0;  // (a request as mpirun exited, before the loop saw it)
   // What is left in the pipe, for at most 5 s (a process that inherited mpirun's output may hold it open).
-  for (const double until = unix_time_s() + 5; unix_time_s() < until;) {
+  for (const double until = steady_s() + 5; steady_s() < until;) {
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, 200) <= 0) continue;
     char buf[4096];
@@ -437,11 +440,13 @@ std::vector<std::string> attempt_words(const LaunchOptions& o, const TrainOption
                                        const World& w, const std::pair<std::string, std::string>& step) {
   std::vector<std::string> drop{"--resume", step.first};
   if (start == train.save) drop.push_back("--init-from");  // (the run's own checkpoints from here)
-  if (w.size != o.np) drop.push_back("--dp");
+  // DP follows a new world size, and new stages on the same world too (a user's --dp would not fit).
+  const bool new_dp = w.size != o.np || w.pp != train.pp;
+  if (new_dp) drop.push_back("--dp");
   if (w.pp != train.pp) drop.insert(drop.end(), {"--pp", "--vpp", "--pp-layers", "--pp-schedule"});
   std::vector<std::string> words = without(o.train_args, drop);
   if (w.pp != train.pp) words.insert(words.end(), {"--pp", std::to_string(w.pp)});
-  if (w.size != o.np) words.insert(words.end(), {"--dp", std::to_string(w.dp)});  // (over a --run-config's dp)
+  if (new_dp) words.insert(words.end(), {"--dp", std::to_string(w.dp)});  // (over a --run-config's dp)
   if (!start.empty()) words.insert(words.end(), {"--resume", start});
   words.insert(words.end(), {step.first, step.second});
   return words;
@@ -552,7 +557,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);
     // The backoff, cut short by a stop request (the signal does not end a sleep_for).
-    for (const double until = unix_time_s() + o.backoff_s; unix_time_s() < until && stop_requests == 0;)
+    for (const double until = steady_s() + o.backoff_s; steady_s() < until && stop_requests == 0;)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     if (stop_requests > 0) {
       events.write({{"event", "stop"}, {"exit_code", 130}, {"steps_done", end.steps_done}});
