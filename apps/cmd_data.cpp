@@ -57,7 +57,7 @@ const char* kPrepareSummary =
     "  fortune  records separated by lines holding only '%' (the fortune(6) format)\n"
     "  file     the whole file is one document\n"
     "  line     each line (without its line break) is one document\n"
-    "  auto     fortune for a file that has a '%' line, else file\n"
+    "  auto     fortune for a file that has a '%' line, else file (a warning for a file over 16 MiB)\n"
     "Documents that are empty or only whitespace are skipped.\n"
     "\n"
     "--tokenizer FILE.json takes origami's own tokenizer JSON (what prepare writes as PREFIX.tokenizer.json)\n"
@@ -66,6 +66,8 @@ const char* kPrepareSummary =
     "Its end-of-document token is --eod-token, else the eos_token of a tokenizer_config.json beside the\n"
     "file, else whichever of <|endoftext|>, <|end_of_text|>, </s> the file has.\n"
     "Documents are encoded on all threads (--threads); inputs over 32 MB show progress on stderr.";
+
+constexpr size_t kWholeFileWarnBytes = size_t(16) << 20;  // (16 MiB)
 
 bool is_blank(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); });
@@ -284,6 +286,11 @@ int data_prepare(int argc, char** argv) {
   for (const auto& file : files) {
     texts.push_back(read_file_bytes(file));
     const std::string& text = texts.back();
+    // A large file taken whole under auto is more often one document per line than one document.
+    if (split == "auto" && text.size() > kWholeFileWarnBytes && !has_fortune_separator(text))
+      std::fprintf(stderr, "origami data: warning: %s (%.0f MB) has no '%%' line, so --split auto takes it as one "
+                   "document (one end-of-document token, encoded on one thread); --split line makes each line one\n",
+                   file.c_str(), double(text.size()) / 1e6);
     split_documents(text, split, [&](std::string_view doc) {
       docs.push_back(doc);
       batch_bytes += doc.size();

@@ -9,7 +9,8 @@
 (b) the .idx is parsed here, from Megatron's layout, and every field is checked.
 (c) user mistakes (missing input, truncated or corrupt .idx, bad tokenizer files) fail with a
     non-zero exit and a message naming the file.
-(d) data info of a dataset holding token 2000000000 runs in a 1 GiB address space; a rerun whose
+(d) data info of a dataset holding token 2000000000 runs in a 1 GiB address space; a file over 16 MiB
+    that --split auto takes as one document gets a warning; a rerun whose
     --output lies in its --input directory reads only the documents, and an --input naming one of
     --output's files is refused.
 
@@ -305,6 +306,17 @@ def main():
         expect_error(["data", "prepare", "--input", os.path.join(again, "a.txt"), "--output", os.path.join(again, "other")],
                      "other.idx' is a directory, where the dataset's file goes")
         check_dataset(os.path.join(again, "corpus"), [list(b"alpha beta\n") + [256]], dtype_code=8)
+
+        # A file over 16 MiB without a '%' line, which --split auto takes whole, gets a warning naming
+        # --split line (more often a document per line than one document); --split line none.
+        lines = os.path.join(tmp, "lines.txt")
+        with open(lines, "w") as f:
+            f.writelines("line %d of a file of one document per line\n" % i for i in range(400000))
+        p = run("data", "prepare", "--input", lines, "--output", os.path.join(tmp, "lines_auto"))
+        check("prepared 1 file, 1 documents" in p.stdout and "has no '%' line, so --split auto takes it as one document"
+              in p.stderr and "--split line makes each line one" in p.stderr, f"auto on a large file:\n{p.stderr}")
+        p = run("data", "prepare", "--input", lines, "--output", os.path.join(tmp, "lines_line"), "--split", "line")
+        check("400000 documents" in p.stdout and "warning" not in p.stderr, f"--split line:\n{p.stdout}{p.stderr}")
         print("ok")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
