@@ -48,6 +48,28 @@ std::string format_mb(int64_t bytes) {
   return buf;
 }
 
+// total plus the elements of a tensor of `shape` (the file's: a sum past 64 bits is an Error naming it).
+Size add_elements(Size total, const Checkpoint& ck, const char* what, const std::string& name,
+                  const std::vector<int64_t>& shape) {
+  return size_error(cat("'", ck.path(), "': the ", what), cat("tensor ", name, " of shape ", shape_str(shape)), [&] {
+    Size n = 1;
+    for (int64_t d : shape) n *= d;
+    return total + n;
+  });
+}
+
+// ckpt info of a bare .safetensors file: its tensors, with no config to check them against.
+void print_file_tensors(const Checkpoint& ck) {
+  const auto shapes = ck.weight_shapes();
+  std::printf("tensors (%zu; no config.json to check them against):\n", shapes.size());
+  Size elements = 0;
+  for (const auto& [name, shape] : shapes) {
+    std::printf("  %-48s %s\n", name.c_str(), shape_str(shape).c_str());
+    elements = add_elements(elements, ck, "element count", name, shape);
+  }
+  std::printf("elements: %lld\n", (long long)elements.get());
+}
+
 int ckpt_info(int argc, char** argv) {
   Args a("ckpt info", "Print a checkpoint's step, the layout that saved it, every tensor's global shape and the\n"
                       "bytes each rank wrote.");
@@ -77,17 +99,11 @@ int ckpt_info(int argc, char** argv) {
     std::printf("tensors (%zu):\n", m["tensors"].size());
     for (const auto& [name, t] : m["tensors"].items()) {
       const auto shape = t["shape"].get<std::vector<int64_t>>();
-      std::string s = "[";
-      for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? ", " : "", shape[i]);
-      params = size_error(cat("'", ck.path(), "': the parameter count"), cat("tensor ", name, " of shape ", s, "]"), [&] {
-        Size n = 1;
-        for (int64_t d : shape) n *= d;
-        return params + n;
-      });
+      params = add_elements(params, ck, "parameter count", name, shape);
       int pieces = 0;
       for (const auto& p : m["pieces"])
         if (p[0] == "weight" && p[1] == name) ++pieces;
-      std::printf("  %-48s %-16s %s, %d weight piece%s\n", name.c_str(), (s + "]").c_str(),
+      std::printf("  %-48s %-16s %s, %d weight piece%s\n", name.c_str(), shape_str(shape).c_str(),
                   t["dtype"].get<std::string>().c_str(), pieces, pieces == 1 ? "" : "s");
     }
     std::printf("parameters: %lld\n", (long long)params.get());
@@ -96,29 +112,12 @@ int ckpt_info(int argc, char** argv) {
   // The other forms: what the file headers say, checked against the config where there is one.
   std::string cfg_path = ck.config_path();
   if (cfg_path.empty()) {  // a bare .safetensors file
-    const auto shapes = ck.weight_shapes();
-    std::printf("tensors (%zu; no config.json to check them against):\n", shapes.size());
-    Size elements = 0;
-    for (const auto& [name, shape] : shapes) {
-      std::string s = "[";
-      for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? ", " : "", shape[i]);
-      std::printf("  %-48s %s\n", name.c_str(), (s + "]").c_str());
-      elements = size_error(cat("'", ck.path(), "': the element count"), cat("tensor ", name, " of shape ", s, "]"), [&] {
-        Size n = 1;
-        for (int64_t d : shape) n *= d;
-        return elements + n;
-      });
-    }
-    std::printf("elements: %lld\n", (long long)elements.get());
+    print_file_tensors(ck);
     return 0;
   }
   const ModelConfig cfg = load_model_config(cfg_path);
   ck.bind(cfg);
-  for (const ParamSpec& p : make_param_table(cfg)) {
-    std::string s = "[";
-    for (size_t i = 0; i < p.shape.size(); ++i) s += cat(i ? ", " : "", p.shape[i]);
-    std::printf("  %-48s %s\n", p.name.c_str(), (s + "]").c_str());
-  }
+  for (const ParamSpec& p : make_param_table(cfg)) std::printf("  %-48s %s\n", p.name.c_str(), shape_str(p.shape).c_str());
   std::printf("parameters: %lld\n", (long long)num_parameters(cfg));
   return 0;
 }

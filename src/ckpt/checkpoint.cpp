@@ -36,13 +36,13 @@ std::vector<ShardRun> shard_runs(const ParamSpec& spec, int tp, int tp_rank, int
   return out;
 }
 
-namespace {
-
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
   return r + "]";
 }
+
+namespace {
 
 // Tensors Hugging Face files may hold that are not parameters: GPT-2's attention masks, RoPE's
 // inverse frequencies (older llama-family conversions save the buffer), a tied lm_head.

@@ -48,6 +48,9 @@ std::vector<ShardRun> shard_runs(const ParamSpec& spec, int tp, int tp_rank, int
 // Error naming the directory if it cannot be listed.
 std::map<int64_t, std::string> committed_steps(const std::string& dir);
 
+// A shape as messages and `ckpt info` write it: "[2, 3]".
+std::string shape_str(const std::vector<int64_t>& shape);
+
 // A checkpoint opened for reading, in any of the forms origami reads:
 //   - a --save directory (its newest committed step: DIR/latest, else the highest step-N), or one
 //     step-N directory of it;
