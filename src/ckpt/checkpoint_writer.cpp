@@ -105,10 +105,11 @@ std::string CheckpointWriter::tmp_dir(int64_t step) const { return cat(dir_, "/.
 
 void restore_replaced_steps(const std::string& dir) {
   std::error_code ec;
+  const std::string_view suffix = ".replaced";  // replace_dir's (not --keep-last's .step-N.old, maybe half removed)
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
-    if (!n.starts_with(".step-") || !n.ends_with(".old")) continue;
-    const std::string step = n.substr(1, n.size() - 5);  // "step-N"
+    if (!n.starts_with(".step-") || !n.ends_with(suffix)) continue;
+    const std::string step = n.substr(1, n.size() - 1 - suffix.size());  // "step-N"
     const fs::path target = fs::path(dir) / step, fresh = fs::path(dir) / ("." + step + ".tmp");
     if (fs::exists(target)) continue;
     rename_file(fs::exists(fresh / "metadata.json") ? fresh.string() : it->path().string(), target.string());
@@ -119,8 +120,9 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
                               const std::map<std::string, std::string>& files, const nlohmann::json& layout) {
   Timer blocked;
   finish();
-  // A fresh temporary directory, before any rank writes; a crashed save's temporary directory and a
-  // half-removed old step (.step-N.tmp, .step-N.old: never committed or no longer named) go first.
+  // A fresh temporary directory, before any rank writes; a step a crashed replacement left out of sight
+  // is put back, then a crashed save's temporary directory and a half-removed or replaced old step
+  // (.step-N.tmp, .step-N.old, .step-N.replaced: never committed or no longer named) go.
   check_on_every_rank(world_, command_, [&] {
     if (world_.rank() != 0) return;
     std::error_code ec;
@@ -130,7 +132,8 @@ double CheckpointWriter::save(int64_t step, const std::vector<SavePiece>& pieces
     for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string n = it->path().filename().string();
       std::error_code rm;
-      if (n.starts_with(".step-") && (n.ends_with(".tmp") || n.ends_with(".old"))) fs::remove_all(it->path(), rm);
+      if (n.starts_with(".step-") && (n.ends_with(".tmp") || n.ends_with(".old") || n.ends_with(".replaced")))
+        fs::remove_all(it->path(), rm);
     }
     fs::create_directories(tmp_dir(step), ec);
     ORIGAMI_CHECK(!ec, "cannot create '", tmp_dir(step), "': ", ec.message());

@@ -48,8 +48,9 @@ void add_owned_pieces(const Params& params, const AdamW& opt, int replicas, int 
 
 // Puts back a step that a crash left out of sight in `dir` (a --save directory): where the two-rename
 // replacement of a step saved again (replace_dir) stopped between its renames, step-N is missing while
-// .step-N.old (the old step) and .step-N.tmp (the new one) are there: the new one when its
-// metadata.json shows it whole, else the old one, becomes step-N again. Error when a rename fails.
+// .step-N.replaced (the old step) and .step-N.tmp (the new one) are there: the new one when its
+// metadata.json shows it whole, else the old one, becomes step-N again. (--keep-last's .step-N.old,
+// which a crash may leave half removed, stays out of sight.) Error when a rename fails.
 void restore_replaced_steps(const std::string& dir);
 
 class CheckpointWriter {

@@ -46,7 +46,7 @@ void replace_dir(const std::string& from, const std::string& to, bool exchange) 
   ORIGAMI_CHECK(!exchange || errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, "cannot replace '", to,
                 "' with '", from, "': ", std::strerror(errno));
   const fs::path target(to);
-  const std::string aside = (target.parent_path() / ("." + target.filename().string() + ".old")).string();
+  const std::string aside = (target.parent_path() / ("." + target.filename().string() + ".replaced")).string();
   fs::remove_all(aside, ec);  // (left by a crash in a replacement before)
   rename_file(to, aside);
   try {

@@ -33,8 +33,8 @@ void rename_or_remove(const std::string& tmp, const std::string& to);
 // Puts directory `from` in the place of the existing directory `to` (in the same parent) and removes
 // the old one: atomically where the file system exchanges two names (renameat2 RENAME_EXCHANGE: `to`
 // is always whole), else (NFS, CephFS and Lustre clients refuse the flag, as `exchange` false does)
-// by moving `to` aside to .NAME.old and `from` into its place, where a crash between the two leaves
-// no `to`. Error naming both on failure.
+// by moving `to` aside to .NAME.replaced and `from` into its place, where a crash between the two
+// leaves no `to` (but .NAME.replaced whole). Error naming both on failure.
 void replace_dir(const std::string& from, const std::string& to, bool exchange = true);
 
 // The words of a std::filesystem error: the path it concerns and the system's reason ("'P': File name

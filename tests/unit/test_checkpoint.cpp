@@ -24,6 +24,12 @@ using origami::ShardRun;
 
 namespace {
 
+// Creates directory `dir` (and its parents) holding `file` with `text`.
+void dir_with_file(const std::filesystem::path& dir, const std::string& file, const std::string& text) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / file) << text;
+}
+
 std::string bytes(size_t n) {
   std::string s(n, '\0');
   for (size_t i = 0; i < n; ++i) s[i] = char((i * 131 + 7) & 0xff);
@@ -116,10 +122,8 @@ TEST(ReplaceDir, ExchangeAndTwoRenames) {
   const fs::path root = fs::temp_directory_path() / ("origami_test_replace_" + std::to_string(::getpid()));
   for (bool exchange : {true, false}) {
     fs::remove_all(root);
-    fs::create_directories(root / "step-4");
-    fs::create_directories(root / ".tmp-step-4");
-    std::ofstream(root / "step-4" / "old") << "old";
-    std::ofstream(root / ".tmp-step-4" / "new") << "new";
+    dir_with_file(root / "step-4", "old", "old");
+    dir_with_file(root / ".tmp-step-4", "new", "new");
     origami::replace_dir((root / ".tmp-step-4").string(), (root / "step-4").string(), exchange);
     EXPECT_TRUE(fs::exists(root / "step-4" / "new")) << exchange;
     EXPECT_FALSE(fs::exists(root / "step-4" / "old")) << exchange;
@@ -137,23 +141,24 @@ TEST(ReplaceDir, ExchangeAndTwoRenames) {
   fs::remove_all(root);
 }
 
-// A crash between replace_dir's two renames leaves .step-N.old (the old step) and .step-N.tmp (the
+// A crash between replace_dir's two renames leaves .step-N.replaced (the old step) and .step-N.tmp (the
 // new one) and no step-N: the new one comes back where its metadata.json shows it whole, else the old.
+// --keep-last's .step-M.old (a removal a crash may have cut short) is not brought back.
 TEST(ReplaceDir, ACrashBetweenTheRenamesIsRepaired) {
   namespace fs = std::filesystem;
   const fs::path root = fs::temp_directory_path() / ("origami_test_restore_" + std::to_string(::getpid()));
   for (bool new_whole : {true, false}) {
     fs::remove_all(root);
-    fs::create_directories(root / ".step-4.old");
-    fs::create_directories(root / ".step-4.tmp");
-    fs::create_directories(root / "step-2");
-    std::ofstream(root / ".step-4.old" / "metadata.json") << "old";
-    if (new_whole) std::ofstream(root / ".step-4.tmp" / "metadata.json") << "new";
+    dir_with_file(root / ".step-4.replaced", "metadata.json", "old");
+    dir_with_file(root / ".step-4.tmp", new_whole ? "metadata.json" : "rank-00000.safetensors", "new");
+    dir_with_file(root / "step-2", "metadata.json", "2");
+    dir_with_file(root / ".step-1.old", "metadata.json", "1");
     origami::restore_replaced_steps(root.string());
     std::string got;
     std::ifstream(root / "step-4" / "metadata.json") >> got;
     EXPECT_EQ(got, new_whole ? "new" : "old");
     EXPECT_TRUE(fs::exists(root / "step-2"));
+    EXPECT_FALSE(fs::exists(root / "step-1")) << "a step --keep-last was removing came back";
     origami::restore_replaced_steps(root.string());  // nothing left to do: no change, no error
     EXPECT_TRUE(fs::exists(root / "step-4" / "metadata.json"));
   }
