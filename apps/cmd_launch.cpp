@@ -19,7 +19,9 @@ int cmd_launch(int argc, char** argv) {
          "or --init-from until the job first saves (give them on train's command line, not in a --run-config),\n"
          "then from the latest checkpoint of its --save directory (a run's directory, not a file or checkpoint).\n"
          "A user error (exit 1), the non-finite stop (3) and a stop by signal (130) end the launch with that\n"
-         "code; a failure after the last step's save ends it as done (0).");
+         "code; a failure after the last step's save ends it as done (0). Giving up (--max-restarts spent, or\n"
+         "under --shrink no world left) ends it with 2. A job that does not stop after a stop request (SIGINT or\n"
+         "SIGTERM: the ranks save and stop) is killed when --step-timeout passes with no progress, or at a second.");
   a.option("np", "N", "ranks")
       .option("min-np", "M", "with --shrink, the fewest ranks to go on with", "1")
       .flag("shrink", "do not use a failed rank's slot (with --hostfile, its host) again: restart on the largest "
@@ -29,7 +31,7 @@ int cmd_launch(int argc, char** argv) {
                                  "layout of the smaller world")
       .option("max-restarts", "R", "restarts before giving up", "3")
       .option("hostfile", "FILE", "mpirun's hostfile (lines 'host slots=N')")
-      .option("events", "FILE", "append one JSON object per event: start, failure, hang, restart, finish, stop")
+      .option("events", "FILE", "append one JSON object per event: start, failure, hang, restart, finish, stop, give_up")
       .option("step-timeout", "S", "end a job whose ranks make no progress for S seconds (default: 10x the median "
                                    "step once 3 steps ran, at least 60 s; 600 s before)", "0")
       .option("backoff", "S", "seconds to wait before a restart", "5")

@@ -1,6 +1,7 @@
 #include "train/launch.h"
 
 #include <fcntl.h>
+#include <netdb.h>
 #include <poll.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -77,18 +78,6 @@ int64_t fewest_steps(const std::vector<RankProgress>& board) {
     if (r.pid > 0) fewest = fewest < 0 ? r.step : std::min(fewest, r.step);
   return fewest;
 }
-
-// The slots runs may use: the hostfile's hosts ("host slots=N", a bare host being one slot), or
-// anonymous slots on this node.
-struct Slots {
-  std::vector<std::pair<std::string, int>> hosts;  // empty: no hostfile
-  int anonymous = 0;
-  int total() const {
-    int n = anonymous;
-    for (const auto& [h, s] : hosts) n += s;
-    return n;
-  }
-};
 
 Slots read_hostfile(const std::string& path, int np) {
   Slots s;
@@ -276,7 +265,8 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
   Watchdog watchdog(timeout_s);
   std::vector<RankProgress> board;
   int status = 0, signalled = 0;
-  double killed_at = 0;  // when the watchdog ended the job: SIGKILL follows 10 s later
+  double killed_at = 0;  // when the job was killed (watchdog, second stop request): SIGKILL 10 s later
+  bool ending = false;   // this host's ranks were killed
   for (bool open = true;;) {
     pollfd p{fd, POLLIN, 0};
     if (open && ::poll(&p, 1, 200) > 0) {
@@ -294,17 +284,23 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       // Once politely (the ranks save and stop); a second request kills this host's ranks too (a hung
       // job's would outlive mpirun) and mpirun 10 s later, as the watchdog does.
       if (signalled == 1) ::kill(pid, SIGTERM);
-      else if (killed_at == 0) kill_job(pid, board), killed_at = steady_s();
+      else if (!ending) kill_job(pid, board), killed_at = steady_s(), ending = true;
     }
     if (killed_at > 0 && steady_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
-    if (!end.hung && !end.stopped && watchdog.stalled(board)) {
+    // The watchdog keeps watching a job asked to stop: a hung one cannot save and stop, and is ended
+    // as a second request would end it (the launch still ends as stopped, not restarted).
+    if (!ending && watchdog.stalled(board)) {
       const std::vector<int> late = did_not_arrive(board);
-      end.hung = true, end.why = hang_words(board, late, watchdog.timeout()), end.failed_ranks = late;
-      end.detected = unix_time_s();
-      for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
-      std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", end.why.c_str());
+      const std::string why = hang_words(board, late, watchdog.timeout());
+      if (end.stopped) {
+        std::fprintf(stderr, "origami launch: the job does not stop: %s; ending it\n", why.c_str());
+      } else {
+        end.hung = true, end.why = why, end.failed_ranks = late, end.detected = unix_time_s();
+        for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
+        std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", why.c_str());
+      }
       kill_job(pid, board);
-      killed_at = steady_s();
+      killed_at = steady_s(), ending = true;
     }
   }
   end.stopped = end.stopped || stop_requests > 0;  // (a request as mpirun exited, before the loop saw it)
@@ -469,6 +465,40 @@ void announce(Events& events, int attempt, const World& w, int np, const std::st
 
 }  // namespace
 
+bool same_host(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  const std::string& shorter = a.size() < b.size() ? a : b;
+  const std::string& longer = a.size() < b.size() ? b : a;
+  if (shorter.find('.') == std::string::npos && longer.starts_with(shorter + ".")) return true;
+  const auto addresses = [](const std::string& host) {
+    std::vector<std::string> out;
+    addrinfo hints{}, *list = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0) return out;
+    for (const addrinfo* p = list; p; p = p->ai_next)
+      out.emplace_back(reinterpret_cast<const char*>(p->ai_addr), p->ai_addrlen);
+    ::freeaddrinfo(list);
+    return out;
+  };
+  const std::vector<std::string> x = addresses(a), y = addresses(b);
+  return std::any_of(x.begin(), x.end(), [&](const std::string& e) { return std::find(y.begin(), y.end(), e) != y.end(); });
+}
+
+void drop_failed_slots(Slots& slots, const std::vector<int>& ranks, const std::vector<std::string>& hosts) {
+  if (slots.hosts.empty()) {
+    slots.anonymous -= std::max<int>(1, int(ranks.size()));
+    return;
+  }
+  const auto failed = [&](const std::string& host) {
+    return std::any_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return same_host(host, h); });
+  };
+  for (const std::string& h : hosts)
+    ORIGAMI_CHECK(std::any_of(slots.hosts.begin(), slots.hosts.end(), [&](const auto& e) { return same_host(e.first, h); }),
+                  "--shrink: the failed host '", h, "' is none of --hostfile's hosts by name or address, so its "
+                  "slots cannot be left out; name the hosts in the hostfile as mpirun reports them");
+  std::erase_if(slots.hosts, [&](const auto& e) { return failed(e.first); });
+}
+
 int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train) {
   struct sigaction on_stop {};
   on_stop.sa_handler = count_stop_request;  // (no SA_RESTART: the job's poll returns to look at it)
@@ -544,15 +574,24 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
       events.write({{"event", "finish"}, {"restarts", attempt}, {"world", w.size}, {"after_failure", end.why}});
       return 0;
     }
-    ORIGAMI_CHECK(attempt < o.max_restarts, "the job failed ", attempt + 1, " time", attempt ? "s" : "", " (", end.why,
-                  "); --max-restarts ", o.max_restarts, " reached");
+    // Giving up (the restarts spent, or no world left to shrink to) ends the launch as the job's failure: 2.
+    const auto give_up = [&](const std::string& why) {
+      std::fprintf(stderr, "origami launch: error: %s\n", why.c_str());
+      events.write({{"event", "give_up"}, {"why", why}, {"restarts", attempt}, {"exit_code", kExitRankFailed},
+                    {"steps_done", end.steps_done}});
+      return kExitRankFailed;
+    };
+    if (attempt >= o.max_restarts)
+      return give_up(cat("the job failed ", attempt + 1, " time", attempt ? "s" : "", " (", end.why, "); --max-restarts ",
+                         o.max_restarts, " reached"));
     // (a hang where no rank stands out names every rank: then no slot is blamed, the world stays)
     if (o.shrink && int(end.failed_ranks.size()) < w.size) {
-      const int lost = std::max<int>(1, int(end.failed_ranks.size()));
-      if (slots.hosts.empty()) slots.anonymous -= lost;
-      for (const std::string& h : end.failed_hosts)
-        std::erase_if(slots.hosts, [&](const auto& e) { return e.first == h; });
-      w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
+      try {
+        drop_failed_slots(slots, end.failed_ranks, end.failed_hosts);
+        w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
+      } catch (const Error& e) {
+        return give_up(e.what());
+      }
     }
     std::fprintf(stderr, "origami launch: %s; restarting in %g s (%d of %d)\n", end.why.c_str(), o.backoff_s,
                  attempt + 1, o.max_restarts);

@@ -6,7 +6,8 @@
 // world size, and the numerics do not depend on the layout).
 //
 // Exit codes of the job that end the launch at once, with the same code: 1 (a user error: every rank
-// reported it), 3 (the non-finite stop), 130 (stopped by SIGINT/SIGTERM); 0 ends it as finished.
+// reported it), 3 (the non-finite stop), 130 (stopped by SIGINT/SIGTERM); 0 ends it as finished. The
+// launch gives up with 2 when --max-restarts are spent or --shrink finds no world left.
 //
 // --shrink: the failed ranks' slots (with a hostfile, the failed hosts) are not used again; the next
 // world is the largest one not above the slots left and not below --min-np for which the run's layout
@@ -21,9 +22,14 @@
 // and the collective each last entered, and it restarts like a failed one.
 //
 // --events FILE (JSONL, appended): start, failure (rank, host, exit code or signal, steps done),
-// hang, restart (world, layout, the step resumed from), finish / stop.
+// hang, restart (world, layout, the step resumed from), finish / stop / give_up.
+//
+// A stop request (SIGINT/SIGTERM) goes to mpirun as SIGTERM: the ranks finish their step, save and exit.
+// The watchdog still watches: a job that makes no progress for its timeout then (a hung one cannot
+// stop) is killed, as a second request kills it at once.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/config.h"
@@ -44,6 +50,28 @@ struct LaunchOptions {
   std::string cluster;    // --shrink: a cluster.json whose cost model picks the fastest layout of a world
   std::vector<std::string> train_args;  // "train" and its arguments
 };
+
+// The slots runs may use: the hostfile's hosts ("host slots=N", a bare host being one slot), or
+// anonymous slots on this node.
+struct Slots {
+  std::vector<std::pair<std::string, int>> hosts;  // empty: no hostfile
+  int anonymous = 0;
+  int total() const {
+    int n = anonymous;
+    for (const auto& [h, s] : hosts) n += s;
+    return n;
+  }
+};
+
+// Whether two host names name one host: the same words; a short name and a full one that begins with
+// it ("node3", "node3.cluster.local"), as mpirun and a hostfile may each write; or names that resolve to
+// a common address.
+bool same_host(const std::string& a, const std::string& b);
+
+// --shrink: the slots left after a failure of `ranks` on `hosts` (mpirun's or the progress board's
+// names): without a hostfile, one fewer per failed rank (at least one); with one, without the failed
+// hosts. A failed host the hostfile does not name is an error (its slots would be used again).
+void drop_failed_slots(Slots& slots, const std::vector<int>& ranks, const std::vector<std::string>& hosts);
 
 // Runs the job to its end; returns the launch's exit code. `cfg` and `train` are the run's model and
 // options as `origami train` reads them from train_args (for re-planning a smaller world).

@@ -27,11 +27,13 @@ past it and writes its own.
     1 and a --resume of an earlier step rolls back to it (the start event's resumed_from says so); a
     run config giving --init-from is refused, and so are --shrink with a run config's --pp-schedule and
     a --save that is a file.
-  - Two stop requests to a hung job kill this host's ranks (exit 130); a stop request during the
-    backoff ends the launch without restarting; a failure after the last step's save ends it with 0.
+  - Two stop requests to a hung job kill this host's ranks (exit 130), and so does one once the
+    --step-timeout passes without progress; a stop request during the backoff ends the launch without
+    restarting; a failure after the last step's save ends it with 0.
   - --hostfile from a new --save directory, with the watchdog naming a stopped rank.
-  - --max-restarts 0 and a killed rank: the launch ends with exit 1 and says the limit was reached,
-    after one failure event and no restart.
+  - --max-restarts 0 and a killed rank: the launch gives up with exit 2 (the job's failure, not a
+    user error's 1) and says the limit was reached, after one failure event, no restart and a give_up
+    event.
   - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the
     MTBF and the step time it prints, and the checkpoints are at exactly those steps.
   - Under --batching documents the launch pins --tokens-per-step, and launched again without it keeps
@@ -253,31 +255,45 @@ def alive(pid):
         return False
 
 
-def stop_hung(tmp, data):
-    """Two stop requests to the launcher of a hung job (rank 1 stopped): the first asks the ranks to save
-    and stop, which the hung one cannot; the second kills this host's ranks, not mpirun alone (the hung
-    ranks outlived it), and the launch exits 130."""
-    save = os.path.join(tmp, "stophung_ck")
-    p = subprocess.Popen([h.BIN, "launch", "--np", "2", "--backoff", "0.2", "--mpirun", MPIRUN, "--",
-                          *train_args(data, os.path.join(tmp, "stophung.jsonl"), save)],
+def stop_hung(tmp, data, requests):
+    """Stop requests to the launcher of a hung job (rank 1 stopped with SIGSTOP) whose launcher does not
+    pass signals on (a wrapper script around mpirun; Open MPI's own mpirun would wake the stopped rank with
+    SIGCONT and kill the job a second after its SIGTERM): the first request asks the job to save and stop,
+    which it cannot; a second kills this host's ranks, not the launcher alone (the hung ranks outlived
+    it), and the launch exits 130. With one request the watchdog (--step-timeout 3) kills them the same way
+    once the timeout passes without progress (before, the launch waited for a second request for ever)."""
+    save = os.path.join(tmp, "stophung%d_ck" % requests)
+    wrapper, mpirun_pid = os.path.join(tmp, "deaf_mpirun%d" % requests), os.path.join(tmp, "mpirun%d.pid" % requests)
+    with open(wrapper, "w") as f:
+        f.write("#!/bin/sh\ntrap '' TERM INT\n%s \"$@\" &\necho $! > %s\nwait $!\n" % (MPIRUN, mpirun_pid))
+    os.chmod(wrapper, 0o755)
+    args = train_args(data, os.path.join(tmp, "stophung%d.jsonl" % requests), save)
+    args[args.index("--steps") + 1] = "1000000"  # (never ends by itself)
+    p = subprocess.Popen([h.BIN, "launch", "--np", "2", "--backoff", "0.2", "--step-timeout", "3", "--mpirun", wrapper,
+                          "--", *args],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=h.env(), stdin=subprocess.DEVNULL)
     pids = [wait_for_step(save, r, 50) for r in (0, 1)]
+    t0 = time.time()
     if None not in pids:
         os.kill(pids[1], signal.SIGSTOP)
-        p.send_signal(signal.SIGINT)
-        time.sleep(1)
-        p.send_signal(signal.SIGINT)
+        for i in range(requests):
+            time.sleep(i)
+            p.send_signal(signal.SIGINT)
     try:
         out = p.communicate(timeout=60)[0]
     except subprocess.TimeoutExpired:
         p.kill()
         out = p.communicate()[0] + "\n[timed out]"
+    waited = time.time() - t0
     time.sleep(0.5)
     left = [pid for pid in pids if pid is not None and alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    check(None not in pids and p.returncode == 130 and not left, "two stop requests to the launch of a hung job: exit %s, "
-          "ranks left %s %s" % (p.returncode, left, out[-300:] if p.returncode != 130 else ""))
+    for pid in left + [int(open(mpirun_pid).read())] if os.path.exists(mpirun_pid) else left:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    said = requests == 2 or "the job does not stop: no progress for 3 s; did not arrive: rank 1" in out
+    check(None not in pids and p.returncode == 130 and not left and said and waited < (5 if requests == 2 else 20),
+          "%d stop request(s) to the launch of a hung job: exit %s after %.1f s, ranks left %s %s" % (
+              requests, p.returncode, waited, left, out[-300:] if p.returncode != 130 or not said else ""))
 
 
 def hostfile_run(tmp, data, ref):
@@ -432,7 +448,8 @@ def restarts_exhausted(tmp, data):
             os.kill(board(save, 1)[0], signal.SIGKILL)
     rc, out, _, evs = launch(tmp, "exhausted", data, 2, ["--max-restarts", "0"], hit)
     names = [e["event"] for e in evs]
-    check(rc == 1 and "--max-restarts 0 reached" in out and names == ["start", "failure"],
+    check(rc == 2 and "--max-restarts 0 reached" in out and names == ["start", "failure", "give_up"] and
+          evs[-1]["exit_code"] == 2 and "--max-restarts 0 reached" in evs[-1]["why"],
           "--max-restarts 0: a killed rank ends the launch (exit %s, events %s)" % (rc, names))
 
 
@@ -494,7 +511,8 @@ def main():
         stop_runs(tmp, data)
         restarts_exhausted(tmp, data)
         own_start(tmp, data, ref)
-        stop_hung(tmp, data)
+        stop_hung(tmp, data, 2)
+        stop_hung(tmp, data, 1)
         stop_in_backoff(tmp, data)
         hostfile_run(tmp, data, ref)
         failed_after_last_save(tmp, data, ref)

@@ -1,0 +1,43 @@
+// origami launch --shrink: which hostfile slots a failure takes away (train/launch.h).
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "train/launch.h"
+
+namespace origami {
+namespace {
+
+TEST(Launch, SameHostByNameShortNameOrAddress) {
+  EXPECT_TRUE(same_host("node3", "node3"));
+  EXPECT_TRUE(same_host("node3", "node3.cluster.local"));   // mpirun's short name, the hostfile's full one
+  EXPECT_TRUE(same_host("node3.cluster.local", "node3"));
+  EXPECT_FALSE(same_host("node3", "node30.cluster.local"));  // a prefix of the first label is another host
+  EXPECT_FALSE(same_host("node3.a.invalid", "node3.b.invalid"));  // two full names, neither resolving
+  EXPECT_TRUE(same_host("localhost", "127.0.0.1"));          // by address
+}
+
+TEST(Launch, FailedHostsLeaveTheHostfile) {
+  Slots s;
+  s.hosts = {{"node1.cluster.local", 4}, {"node2.cluster.local", 4}, {"node3.cluster.local", 4}};
+  drop_failed_slots(s, {5, 6}, {"node2", "node2"});  // two ranks of one host, by its short name
+  ASSERT_EQ(s.hosts.size(), 2u);
+  EXPECT_EQ(s.hosts[0].first, "node1.cluster.local");
+  EXPECT_EQ(s.hosts[1].first, "node3.cluster.local");
+  EXPECT_EQ(s.total(), 8);
+  try {
+    drop_failed_slots(s, {0}, {"node9"});
+    FAIL() << "a failed host the hostfile does not name was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the failed host 'node9' is none of --hostfile's hosts"), std::string::npos)
+        << e.what();
+  }
+  Slots anonymous;
+  anonymous.anonymous = 4;
+  drop_failed_slots(anonymous, {}, {});  // a death mpirun named no rank of: one slot
+  EXPECT_EQ(anonymous.total(), 3);
+  drop_failed_slots(anonymous, {0, 2}, {"x", "x"});
+  EXPECT_EQ(anonymous.total(), 1);
+}
+
+}  // namespace
+}  // namespace origami
