@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <vector>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -45,7 +47,17 @@ Request& Request::operator=(Request&& o) noexcept {
 }
 
 Request::~Request() {
-  if (impl_) wait_or_exit(*impl_);
+  if (!impl_) return;
+  // Destroyed as an error leaves this rank's scope (this rank's alone: its command reports it and aborts
+  // the job), a request is abandoned, not waited for: its peer may itself wait for this rank (a pipeline
+  // stage's receive posted ahead, whose sender waits for the input this rank failed to compute). Kept
+  // where it stays reachable, as MPI may still use its handles until the abort.
+  if (std::uncaught_exceptions() > 0) {
+    static auto* abandoned = new std::vector<std::unique_ptr<Impl>>();
+    abandoned->push_back(std::move(impl_));
+    return;
+  }
+  wait_or_exit(*impl_);
 }
 
 bool Request::test() {

@@ -36,7 +36,8 @@ template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::i64; }
 
 // A pending non-blocking operation. wait() blocks until done; test() makes progress and says
-// whether it is done. Destroying an unfinished request waits for it (buffers must outlive it).
+// whether it is done. Destroying an unfinished request waits for it (buffers must outlive it), except
+// while an exception unwinds: then it is abandoned (the error ends the job; comm.cpp).
 class Request {
  public:
   struct Impl {

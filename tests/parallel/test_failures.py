@@ -6,6 +6,8 @@ naming the value and the rule, every rank exits non-zero — never a hang).
     and the offending values. Each rank runs under a tiny shell wrapper that records its own exit
     status, so the table also shows whether every rank exited non-zero by itself or was killed by
     mpirun (informative; mpirun's status is what is asserted).
+    The last case is an error on one rank in the middle of a pipeline step (token ids beyond the
+    vocabulary, in a dataset without its tokenizer file): that rank's message, then the job's abort.
 (b) A rank dies: a 2-rank TP2 run (every step needs both ranks) is started, and once a metrics
     line has appeared, rank 1's process (a child of mpirun, identified by OMPI_COMM_WORLD_RANK in
     /proc/PID/environ) gets SIGKILL. mpirun must exit non-zero within 60 s. The same with rank 0
@@ -70,7 +72,7 @@ def layout_error(tmp, data, label, np_, cfg_path, extra, keywords, values):
     except subprocess.TimeoutExpired as e:
         rc, out = None, str(e.stdout or "") + str(e.stderr or "")
     wall = time.time() - t0
-    lines = [l for l in out.splitlines() if "error:" in l]
+    lines = [l for l in out.splitlines() if re.search(r"error( \(rank \d+ of \d+\))?:", l)]  # (one rank's own)
     line = lines[0] if lines else ""
     low = line.lower()
     named = any(k.lower() in low for k in keywords) and all(re.search(r"(?<![\d.])%s(?![\d])" % re.escape(str(v)), line)
@@ -122,6 +124,16 @@ def part_a(tmp, data):
     layout_error(tmp, data, "--cp 0", 2, gpt2, ["--cp", "0"], ["cp"], [0])
     # ZeRO stage 4 does not exist.
     layout_error(tmp, data, "--zero 4", 2, gpt2, ["--zero", "4"], ["zero"], [4])
+    # An error on one rank mid-step, with a message in flight: token ids beyond a 100-token vocabulary in
+    # a dataset without its tokenizer file (so not found at open) fail stage 0's first forward under
+    # PP2, after it posted the receive of that micro-batch's gradient. The receive was waited for as the
+    # error left the step, while stage 1 waited for the activations: a hang instead of the message.
+    bare = os.path.join(tmp, "bare")
+    for ext in (".bin", ".idx"):
+        shutil.copy(data + ext, bare + ext)
+    layout_error(tmp, bare, "token id beyond the vocabulary under PP2", 2,
+                 cfg("vocab100", "gpt2_tiny", vocab_size=100, bos_token_id=1, eos_token_id=1), ["--pp", "2"],
+                 ["vocabulary"], [100])
 
 
 # ---------------------------------------------------------------------------------------------
