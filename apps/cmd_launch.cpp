@@ -57,6 +57,7 @@ int cmd_launch(int argc, char** argv) {
                 "command, for example 'mpirun --oversubscribe'");
   o.cluster = a.str("cluster");
   ORIGAMI_CHECK(o.cluster.empty() || o.shrink, "--cluster prices the worlds --shrink chooses between: give --shrink too");
+  ORIGAMI_CHECK(!a.given("min-np") || o.shrink, "--min-np bounds the worlds --shrink chooses between: give --shrink too");
   // "--name=value" as two words: launch drops and replaces some options by name (--resume, --dp, ...).
   for (int i = split + 1; i < argc; ++i) {
     const std::string w = argv[i];
@@ -70,7 +71,7 @@ int cmd_launch(int argc, char** argv) {
   std::vector<char*> targs;
   for (std::string& s : o.train_args) targs.push_back(s.data());
   const auto local = make_local_comm();
-  const std::optional<TrainCommand> cmd = parse_train_options(int(targs.size()), targs.data(), *local);
+  const std::optional<TrainCommand> cmd = parse_train_options(int(targs.size()), targs.data(), *local, o.np);
   if (!cmd) return 0;
   // Options launch rewrites on the command line, where a run config's value would stay beside launch's:
   // the run's start (replaced by --resume SAVE once the run resumes its own checkpoints; train refuses

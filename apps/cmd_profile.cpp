@@ -38,15 +38,19 @@
 #include "core/files.h"
 #include "core/memory.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "kernels/cpu/matmul.h"
 #include "model/config.h"
 #include "plan/cluster.h"
 #include "train/measure.h"
+#include "train/trainer.h"
 
 namespace origami {
 namespace {
 
 constexpr double kMaxMessageMb = 65536;  // --max-mb: the largest message a collective is timed with
+constexpr int64_t kMaxProfileSeqLen = 131072;      // --seq-len without --config
+constexpr int64_t kMaxProfileMicroBatch = 65536;   // --micro-batch
 
 // seconds = steps·latency + bytes/bandwidth from the points (bytes, seconds), smallest first: the
 // latency from the smallest message (its transfer time removed at the bandwidth of the largest),
@@ -79,6 +83,25 @@ struct ProfileCommand {
   int threads = 0;
 };
 
+// What one rank holds at once — the largest GEMM's operands with their cold copies, or the collectives'
+// two --max-mb buffers — against this machine's memory: an error now, not an allocation failing on one
+// rank after minutes of timing.
+void check_profile_memory(const ProfileCommand& cmd) {
+  const std::vector<GemmShape> shapes =
+      cmd.cfg ? model_gemm_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_gemm_shapes();
+  double gemm = 0;
+  for (const GemmShape& s : shapes)
+    for (const Precision p : {Precision::fp32, Precision::bf16})
+      gemm = std::max(gemm, double(cold_copies(s, p)) * double(gemm_call_bytes(s, p)));
+  const double collectives = 2 * cmd.max_mb * 1024 * 1024;
+  const AvailableMemory avail = available_memory();
+  ORIGAMI_CHECK(std::max(gemm, collectives) <= double(avail.bytes), "profile would hold ",
+                format_bytes(std::max(gemm, collectives)), " on a rank (",
+                gemm >= collectives ? "the largest GEMM at --micro-batch x --seq-len rows, with its copies"
+                                    : "two buffers of --max-mb for the collectives",
+                "), more than the ", format_bytes(double(avail.bytes)), " available (", avail.source, ")");
+}
+
 // nullopt when --help was asked for (the help text is then already printed).
 std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm& world) {
   Args a("profile",
@@ -106,7 +129,16 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
     ORIGAMI_CHECK(cmd.max_mb >= 0.004 && cmd.max_mb <= kMaxMessageMb, "--max-mb must be in [0.004, ", kMaxMessageMb,
                   "] (4 KiB to 64 GiB), got ", cmd.max_mb);
     cmd.threads = threads_option(a);
+    check_tile_gemm_env();  // (read at the first GEMM, minutes in)
+    check_bf16_gemm_env();
     if (a.has("config")) cmd.cfg = load_model_config(a.str("config"));
+    ORIGAMI_CHECK(!a.given("micro-batch") || cmd.cfg, "--micro-batch sizes the model's GEMM shapes: give --config too "
+                  "(without one the shapes are fixed squares and slabs)");
+    const int64_t most_t = cmd.cfg ? cmd.cfg->max_positions : kMaxProfileSeqLen;
+    ORIGAMI_CHECK(cmd.seq_len <= most_t && cmd.micro_batch <= kMaxProfileMicroBatch, "--seq-len must be at most ",
+                  most_t, cmd.cfg ? " (the model's maximum positions)" : " (the attention timed is quadratic in it)",
+                  " and --micro-batch at most ", kMaxProfileMicroBatch, ", got ", cmd.seq_len, " and ", cmd.micro_batch);
+    check_profile_memory(cmd);
     cmd.out = a.str("out");
     if (world.rank() == 0) require_writable_file(cmd.out, "--out");  // (rank 0 writes it, after minutes of timing)
     cmd.name = a.str("name");
@@ -323,13 +355,22 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
 
 }  // namespace
 
+// As train's: mistakes in the options are reported once and every rank exits 1; an error on one rank
+// while measuring (an allocation, a node's environment) prints that rank's message and aborts the job
+// with 2, so no rank is left waiting in a collective.
 int cmd_profile(int argc, char** argv) {
   CommRuntime runtime(&argc, &argv);
   Comm& world = runtime.world();
   if (world.rank() != 0 && !std::freopen("/dev/null", "w", stdout))
     std::fprintf(stderr, "rank %d: cannot silence stdout\n", world.rank());
   const std::optional<ProfileCommand> cmd = parse_profile_options(argc, argv, world);
-  return cmd ? run_profile(world, *cmd) : 0;
+  try {
+    return cmd ? run_profile(world, *cmd) : 0;
+  } catch (const std::exception& e) {
+    if (!runtime.distributed()) throw;
+    report_rank_error(world, e);
+    runtime.abort(kExitRankFailed);
+  }
 }
 
 }  // namespace origami

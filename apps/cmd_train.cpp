@@ -77,8 +77,9 @@ namespace {
 void add_input_options(Args& a) {
   a.option("config", "FILE", "model config.json (default: config.json of the --resume or --init-from checkpoint)")
       .option("run-config", "FILE", "JSON file with any of these options")
-      .option("plan", "FILE", "a layout written by 'origami plan --out': its parallel axes, micro-batch, global batch and "
-                              "sequence length (flags win; the plan wins over --run-config)")
+      .option("plan", "FILE", "a layout written by 'origami plan --out': its parallel axes, precision, micro-batch, "
+                              "global batch and sequence length (flags win; a --run-config key giving one of them "
+                              "another value is an error)")
       .option("data", "PREFIX", "dataset prefix (PREFIX.bin, PREFIX.idx), or a weighted blend in one argument: "
                                 "\"W1 PREFIX1 W2 PREFIX2 ...\" (weights normalised; sample i from the dataset furthest "
                                 "below its share)")
@@ -307,31 +308,39 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   o.mesh_order = a.str("mesh-order");
 }
 
-// Options not given on the command line from --plan (a layout for this job's ranks), then from --run-config.
-void fill_from_files(Args& a, const Comm& world) {
+// Options not given on the command line from --plan (a layout for a job of `ranks`), then from
+// --run-config (a key the plan gave another value is an error: Args::fill_from_json).
+void fill_from_files(Args& a, int ranks) {
+  const nlohmann::json run_config = a.has("run-config") ? read_json_file(a.str("run-config"), "run config")
+                                                        : nlohmann::json::object();
+  const JsonField rc(run_config, a.has("run-config") ? a.str("run-config") : "");
   if (a.has("plan")) {
     const nlohmann::json plan = read_json_file(a.str("plan"), "plan");
     const JsonField fields(plan, a.str("plan"));  // a plan file of 'origami plan --out'
     const int64_t devices = fields["devices"].integer(1, JsonField::kNoLimit);
-    ORIGAMI_CHECK(devices == world.size(), "--plan ", a.str("plan"), " lays out ", devices,
-                  " devices, and this job has ", world.size(), " rank", world.size() == 1 ? "" : "s");
-    // The plan's batch in windows gives way to a command line that sizes steps otherwise: rows by
-    // --micro-batch-tokens, or whole documents (--batching documents, where --global-batch is refused).
+    ORIGAMI_CHECK(devices == ranks, "--plan ", a.str("plan"), " lays out ", devices, " devices, and this job has ",
+                  ranks, " rank", ranks == 1 ? "" : "s");
+    // The plan's batch in windows gives way to options (on the command line or in the run config) that
+    // size steps otherwise: rows by --micro-batch-tokens, or whole documents (--batching documents,
+    // where --global-batch is refused).
+    const auto wants = [&](const char* key) {
+      return a.given(key) || (run_config.is_object() && run_config.contains(key));
+    };
+    const std::string batching = a.given("batching") || !wants("batching") ? a.str("batching")
+                                 : run_config["batching"].is_string() ? run_config["batching"].get<std::string>() : "";
     nlohmann::json kept = plan;
     if (kept.contains("layout") && kept["layout"].is_object()) {
-      if (a.given("micro-batch-tokens")) kept["layout"].erase("micro-batch");
-      if (a.given("batching") && a.str("batching") == "documents") kept["layout"].erase("global-batch");
+      if (wants("micro-batch-tokens")) kept["layout"].erase("micro-batch");
+      if (batching == "documents") kept["layout"].erase("global-batch");
     }
     a.fill_from_json(JsonField(kept, a.str("plan"))["layout"]);
   }
   if (a.has("run-config")) {
-    const nlohmann::json run_config = read_json_file(a.str("run-config"), "run config");
-    const JsonField fields(run_config, a.str("run-config"));
     // Read before this file, they cannot come from it: an error, not a key that does nothing.
     for (const char* key : {"run-config", "plan"})
-      ORIGAMI_CHECK(!fields[key].present(), fields[key].where(), ": names a file of options, which a run config cannot "
+      ORIGAMI_CHECK(!rc[key].present(), rc[key].where(), ": names a file of options, which a run config cannot "
                     "(it is read first): give --", key, " on the command line");
-    a.fill_from_json(fields);
+    a.fill_from_json(rc);
   }
 }
 
@@ -366,7 +375,7 @@ std::string model_config_path(const Args& a, const TrainOptions& o) {
 
 }  // namespace
 
-std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world) {
+std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world, int ranks) {
   Args a("train",
          "Train a gpt2, llama, mixtral or qwen2_moe model (Hugging Face config.json) on a dataset made by\n"
          "'origami data prepare'. Keys of a --run-config JSON file are these options without '--';\n"
@@ -380,7 +389,7 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
   TrainCommand cmd;
   check_on_every_rank(world, "train", [&] {
     if (!(parsed = a.parse(argc, argv))) return;
-    fill_from_files(a, world);
+    fill_from_files(a, ranks > 0 ? ranks : world.size());
     TrainOptions& o = cmd.options;
     read_input_options(a, o);
     read_optimizer_options(a, o);

@@ -21,12 +21,13 @@ void add_precision_option(Args& a);
 int threads_option(const Args& a);
 
 // The options of `origami train`, read and checked on every rank of `world`; the model config loaded.
-// nullopt when --help was asked for (the help text is then already printed).
+// nullopt when --help was asked for (the help text is then already printed). `ranks`: the job's ranks a
+// --plan must lay out (0: world's; origami launch reads the options on one rank for a job of --np).
 struct TrainCommand {
   ModelConfig cfg;
   TrainOptions options;
 };
-std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world);
+std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& world, int ranks = 0);
 
 int cmd_train(int argc, char** argv);     // apps/cmd_train.cpp
 int cmd_launch(int argc, char** argv);    // apps/cmd_launch.cpp

@@ -76,12 +76,21 @@ void Args::fill_from_json(const JsonField& obj) {
     ORIGAMI_CHECK(it != opts_.end(), obj.file(), ": unknown key '", key, "' (the keys are the options of '",
                   command_, " --help' without the leading --)");
     Opt& o = it->second;
-    if (o.set) return;  // flags win
-    if (o.is_flag) o.value = val.boolean() ? "1" : "";
-    else if (val.present() && val.json().is_string() && (o.empty_ok || !val.string().empty())) o.value = val.string();
+    // The file's value, of its option's type whether or not it is used (a broken file is found now,
+    // not once a flag that hid it is dropped).
+    std::string value;
+    if (o.is_flag) value = val.boolean() ? "1" : "";
+    else if (val.present() && val.json().is_string() && (o.empty_ok || !val.string().empty())) value = val.string();
     else if (val.present() && val.json().is_string()) val.fail_expected("a non-empty string");
-    else if (val.present() && val.json().is_number()) o.value = val.json().dump();
+    else if (val.present() && val.json().is_number()) value = val.json().dump();
     else val.fail_expected("a string or a number");
+    if (o.set) {  // flags win; an earlier file (a plan before a run config) wins too, but not silently
+      ORIGAMI_CHECK(o.origin.empty() || value == o.value, val.where(), " gives ", val.got(), ", and ", o.origin,
+                    " gives ", o.given, ": the first wins, so this one would be ignored; drop one, or give --", key,
+                    " on the command line");
+      return;
+    }
+    o.value = value;
     o.origin = val.where();
     o.given = val.got();
     o.set = true;

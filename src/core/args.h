@@ -31,7 +31,8 @@ class Args {
   // (the help text is then already printed).
   bool parse(int argc, char** argv);
   // Fills options not given on the command line from a JSON object (a run-config file, a plan's
-  // layout): a switch from true or false, an option from a string or a number.
+  // layout): a switch from true or false, an option from a string or a number. An option an earlier
+  // object set keeps its value, and another value for it is an Error naming both.
   void fill_from_json(const JsonField& obj);
 
   bool has(const std::string& name) const;  // given, from a file, or with a non-empty default

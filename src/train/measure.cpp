@@ -32,8 +32,13 @@ std::vector<GemmShape> default_gemm_shapes() {
   return out;
 }
 
+size_t gemm_call_bytes(const GemmShape& s, Precision p) {
+  return size_t(4 * (s.M * s.K + s.K * s.N + s.M * s.N) + (p == Precision::bf16 ? 2 * s.K * s.N : 0));
+}
+
 size_t cold_copies(const GemmShape& s, Precision p) {
-  const size_t call_bytes = size_t(4 * (s.M * s.K + s.K * s.N + 2 * s.M * s.N) + (p == Precision::bf16 ? 2 * s.K * s.N : 0));
+  // (C counted twice: the copies also stand for the outputs a step writes between two uses)
+  const size_t call_bytes = gemm_call_bytes(s, p) + size_t(4 * s.M * s.N);
   return std::clamp<size_t>((size_t(128) << 20) / std::max<size_t>(call_bytes, 1), 1, 1024);
 }
 

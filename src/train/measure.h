@@ -66,6 +66,8 @@ double time_gemm(Comm& world, const GemmShape& s, Precision p, double seconds, b
 // The copies of its operands a cold call of shape s cycles over: together 128 MiB (four times a 32 MiB
 // L3), at most 1024; 1 for a call whose operands alone fill that, which runs from memory either way.
 size_t cold_copies(const GemmShape& s, Precision p);
+// The bytes time_gemm holds for one copy of a call's operands (fp32 A, B, C and the bf16 weight copy).
+size_t gemm_call_bytes(const GemmShape& s, Precision p);
 
 // Seconds per forward + backward of the attention core over one row of T tokens, H query and KV
 // key/value heads of D, in precision p: one causal sequence (doc_len 0), or documents of doc_len

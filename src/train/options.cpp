@@ -174,8 +174,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK((save_every == 0 && !save_every_auto) || !save.empty(), "--save-every needs --save DIR");
   ORIGAMI_CHECK(mtbf_hours > 0 && std::isfinite(mtbf_hours), "--mtbf-hours must be positive, got ", mtbf_hours);
   ORIGAMI_CHECK(keep_last >= 0, "--keep-last must not be negative (0 keeps all), got ", keep_last);
-  ORIGAMI_CHECK((keep_last == 0 && !async_save) || !save.empty(), keep_last ? "--keep-last" : "--async-save",
-                " needs --save DIR");
+  ORIGAMI_CHECK((keep_last == 0 && !async_save && !overwrite_save) || !save.empty(),
+                keep_last ? "--keep-last" : async_save ? "--async-save" : "--overwrite-save", " needs --save DIR");
   ORIGAMI_CHECK(init_from.empty() || resume.empty(), "--init-from (weights only) and --resume (weights, optimizer "
                 "and step) exclude each other; give one");
   check_thread_count(threads);
@@ -239,6 +239,8 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   partition_layers(int(cfg.num_layers), pp, vpp, pp_layers);
   const ScheduleKind kind = schedule_kind();
   const int64_t m = micro_batches(world_size);
+  ORIGAMI_CHECK(vpp == 1 || pp >= 2, "--vpp ", vpp, " splits each pipeline stage into chunks and needs --pp >= 2, "
+                "got --pp ", pp);
   ORIGAMI_CHECK(kind != ScheduleKind::interleaved || pp >= 2, "--pp-schedule interleaved needs --pp >= 2, got --pp ", pp);
   ORIGAMI_CHECK(kind != ScheduleKind::interleaved || m % pp == 0, "--pp-schedule interleaved needs the micro-batches "
                 "per step (--global-batch / (--micro-batch x DP) = ", global_batch, " / (", micro_batch, " x ", dims.dp,
@@ -311,7 +313,10 @@ void TrainOptions::check_limits() const {
 
 ScheduleKind TrainOptions::schedule_kind() const {
   if (pp_schedule.empty()) return vpp > 1 ? ScheduleKind::interleaved : ScheduleKind::one_f_one_b;
-  return parse_schedule_kind(pp_schedule);
+  const ScheduleKind kind = parse_schedule_kind(pp_schedule);
+  // One stage runs each micro-batch's forward and backward back to back, whatever was asked (GPipe's
+  // order would only keep every micro-batch's activations at once); the trainer says it is unused.
+  return pp == 1 && kind == ScheduleKind::gpipe ? ScheduleKind::one_f_one_b : kind;
 }
 
 int64_t TrainOptions::micro_batches(int world_size) const {

@@ -22,7 +22,9 @@ late. Every case here failed before its fix:
 - `plan` never tried TP without sequence parallelism (so a --seq-len TP does not divide lost every TP
   layout), listed a dense model's dp1 layouts once per ZeRO stage, said "no layout" without the
   reason for `vocab` on one device; `train --plan` refused `--batching documents` and
-  `--micro-batch-tokens` given beside it;
+  `--micro-batch-tokens` given beside it, and from a run config still did; a run config's value for
+  a key the plan gives (`precision`) was ignored without a word, and one of the wrong type behind a
+  flag was not checked;
 - `--beta2 0.99999999` (1 as a float: the second moment never grew, the loss went to 4e7) and
   `--eps 1e-50` (0 as a float: NaN weights) were accepted;
 - `train --save DIR` without --resume, into a DIR an earlier run filled, replaced that run's steps
@@ -250,7 +252,43 @@ def main():
         for extra in ([], ["--micro-batch-tokens", "32"]):
             run("train", "--config", llama, "--data", data, "--seq-len", "16", "--threads", "1", "--quiet", "--plan",
                 plan1, "--steps", "1", "--batching", "documents", "--tokens-per-step", "64", *extra)
-        print("ok   train --plan with --batching documents and --micro-batch-tokens")
+            # the same options from a run config (they were read after the plan: its micro-batch and global
+            # batch stayed, and the error named a field the user never wrote)
+            rc = {"batching": "documents", "tokens-per-step": 64, **({"micro-batch-tokens": 32} if extra else {})}
+            run("train", "--config", llama, "--data", data, "--seq-len", "16", "--threads", "1", "--quiet", "--plan",
+                plan1, "--steps", "1", "--run-config", write(os.path.join(tmp, "docs_rc.json"), rc))
+        print("ok   train --plan with --batching documents and --micro-batch-tokens, on the command line or in a "
+              "run config")
+        # A run config's value for a key the plan gives was ignored without a word (the plan wins).
+        bf16_rc = write(os.path.join(tmp, "bf16_rc.json"), {"precision": "bf16"})
+        expect_error("a run config against its plan", ["train", "--config", llama, *short, "--plan", plan1,
+                     "--run-config", bf16_rc], "%s: field 'precision' gives \"bf16\", and %s: field "
+                     "'layout.precision' gives \"fp32\": the first wins, so this one would be ignored; drop one, or "
+                     "give --precision on the command line" % (bf16_rc, plan1))
+        run("train", "--config", llama, *short, "--plan", plan1, "--run-config", bf16_rc, "--precision", "bf16",
+            "--steps", "1")
+        # A run config's value of the wrong type was not checked while a flag hid it.
+        bad_rc = write(os.path.join(tmp, "bad_rc.json"), {"steps": [10]})
+        expect_error("a run config's broken value behind a flag", ["train", "--config", llama, *short, "--steps", "1",
+                     "--run-config", bad_rc], "%s: field 'steps': expected a string or a number, got [10]" % bad_rc)
+        # Accepted and ignored: --overwrite-save without --save, launch --min-np without --shrink; --vpp on
+        # one stage named --pp-schedule interleaved, which the user had not given.
+        expect_error("--overwrite-save without --save", ["train", "--config", llama, *short, "--overwrite-save"],
+                     "--overwrite-save needs --save DIR")
+        expect_error("launch --min-np without --shrink", ["launch", "--np", "2", "--min-np", "1", "--", "train",
+                     "--config", llama, *short, "--save", os.path.join(tmp, "minnp")],
+                     "--min-np bounds the worlds --shrink chooses between: give --shrink too")
+        expect_error("--vpp 2 on one stage", ["train", "--config", llama, *short, "--vpp", "2"],
+                     "--vpp 2 splits each pipeline stage into chunks and needs --pp >= 2, got --pp 1")
+        expect_error("profile --micro-batch without --config", ["profile", "--out", os.path.join(tmp, "c.json"),
+                     "--micro-batch", "8"], "--micro-batch sizes the model's GEMM shapes: give --config too (without "
+                     "one the shapes are fixed squares and slabs)")
+        # --max-mb's two buffers (128 GiB at its most) against this machine's memory, before minutes of timing.
+        if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 120 << 30:
+            p = run("profile", "--out", os.path.join(tmp, "c.json"), "--max-mb", "65536", expect_ok=False)
+            check(p.returncode == 1 and "origami profile: error: profile would hold 128 GiB on a rank (two buffers "
+                  "of --max-mb for the collectives), more than the" in p.stderr, "profile --max-mb 65536: %s" % p.stderr)
+            print("ok   profile --max-mb 65536 refused before timing: " + p.stderr.strip())
         expect_error("--imbalance for a dense model", plan + ["--imbalance", "1.5"],
                      "--imbalance prices the routing of experts, and this llama model has none")
         p = run("plan", "--config", moe, "--devices", "8", "--global-batch", "8", "--seq-len", "16", "--cluster",

@@ -36,6 +36,7 @@ past it and writes its own.
     event.
   - `train --save-every auto`: the interval it prints is Young's, recomputed from the save time, the
     MTBF and the step time it prints, and the checkpoints are at exactly those steps.
+  - `train --plan` of a 2-device layout runs under `launch --np 2` on the same curve.
   - Under --batching documents the launch pins --tokens-per-step, and launched again without it keeps
     the checkpoint's (not DP4's default).
 """
@@ -472,6 +473,23 @@ def auto_interval(tmp, data):
           "checkpoints %s" % (every, want, saved[:8]))
 
 
+def plan_run(tmp, data, ref):
+    """`train --plan` under launch: the plan lays out --np ranks (launch read train's options on one rank
+    and refused every plan but a one-device one), and the run finishes on the one-rank curve."""
+    plan = os.path.join(tmp, "plan2.json")
+    p = subprocess.run([h.BIN, "plan", "--config", os.path.join(h.CONFIGS, "gpt2_tiny.json"), "--devices", "2",
+                        "--global-batch", "8", "--seq-len", "32", "--cluster",
+                        os.path.join(h.ROOT, "configs", "clusters", "cpu-2core.json"), "--out", plan],
+                       capture_output=True, text=True, env=h.env(), timeout=120)
+    if not check(p.returncode == 0, "origami plan --devices 2 --out (exit %s) %s" % (p.returncode, p.stderr[-300:])):
+        return
+    rc, out, by_step, evs = launch(tmp, "plan", data, 2, [], extra_train=["--plan", plan])
+    check(rc == 0 and [e["event"] for e in evs] == ["start", "finish"],
+          "launch --np 2 -- train --plan (2 devices): exit %s, events %s %s" % (
+              rc, [e["event"] for e in evs], out[-300:] if rc else ""))
+    same_curve(ref, by_step, "train --plan under launch")
+
+
 def documents_run(tmp, data):
     """Under --batching documents the launch pins --tokens-per-step (a --global-batch would be refused);
     launched again on the same --save without it, the run keeps the checkpoint's 256 tokens a step, not
@@ -519,6 +537,7 @@ def main():
         one_rank_failure(tmp, data, ref)
         auto_interval(tmp, data)
         documents_run(tmp, data)
+        plan_run(tmp, data, ref)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     h.report(FAILS, "launch restarts failed and hung jobs on the same loss curve")

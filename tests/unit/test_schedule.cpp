@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "parallel/schedule.h"
+#include "train/trainer.h"
 
 using namespace origami;
 
@@ -488,4 +489,15 @@ TEST(ScheduleVocab, ReplayCatchesBrokenPasses) {
               for (auto& list : l) erase(list, embed_grad), list.insert(list.begin(), embed_grad);
             }).find("before the first virtual stage's backward"),
             std::string::npos);
+}
+
+// One stage runs each micro-batch's forward and backward back to back whatever --pp-schedule says:
+// GPipe's order on one stage (all forwards, then all backwards) only kept every micro-batch's
+// activations at once, while the trainer said the option changed nothing.
+TEST(Schedule, GpipeOnOneStageIsOneForwardOneBackward) {
+  TrainOptions o;
+  o.pp = 1, o.pp_schedule = "gpipe";
+  EXPECT_EQ(o.schedule_kind(), ScheduleKind::one_f_one_b);
+  o.pp = 2;
+  EXPECT_EQ(o.schedule_kind(), ScheduleKind::gpipe);
 }
