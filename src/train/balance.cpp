@@ -100,10 +100,15 @@ int64_t tokens_of(const std::vector<int64_t>& lengths, const std::vector<int32_t
 Filling lpt_fewest_rows(const std::vector<int64_t>& lengths, const std::vector<int32_t>& items, size_t workers,
                         int64_t row_len, double share, const std::vector<double>& load) {
   const int64_t total = tokens_of(lengths, items), room = int64_t(workers) * row_len;
+  // Fewer rows than either bound fit no packing, LPT's or another: the tokens over the room, and the
+  // items longer than half a row, no two of which share one (without the second, items all just over
+  // half a row tried about half as many row counts as items, each an LPT pass: seconds a step).
+  int64_t over_half = 0;
+  for (const int32_t i : items) over_half += 2 * lengths[size_t(i)] > row_len;
+  const int64_t least = std::max({int64_t(1), (total + room - 1) / room, (over_half + int64_t(workers) - 1) / int64_t(workers)});
   Filling f;
   // Ends: with one row per item every item fits.
-  for (int64_t rows = std::max<int64_t>(1, (total + room - 1) / room);
-       !lpt(lengths, items, std::vector<int64_t>(workers, rows), row_len, share, load, f); ++rows) {
+  for (int64_t rows = least; !lpt(lengths, items, std::vector<int64_t>(workers, rows), row_len, share, load, f); ++rows) {
   }
   return f;
 }
