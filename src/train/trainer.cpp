@@ -372,7 +372,13 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   TestHooks hooks;
   check_on_every_rank(world, "train", [&] {
     std::string note;
-    plan.emplace(make_plan(cfg, with_checkpoint_step_size(opts, &note), world.size()));
+    const TrainOptions o = with_checkpoint_step_size(opts, &note);
+    try {
+      plan.emplace(make_plan(cfg, o, world.size()));
+    } catch (const Error& e) {  // (a rule broken by the checkpoint's step size, which the user did not give)
+      if (note.empty()) throw;
+      fail(e.what(), "; ", note);
+    }
     if (!note.empty() && world.rank() == 0) std::fprintf(stderr, "origami train: %s\n", note.c_str());
     in = open_inputs(*plan);
     hooks = TestHooks::from_env(world.rank(), plan->model.is_moe());

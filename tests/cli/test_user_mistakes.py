@@ -283,6 +283,15 @@ def main():
         expect_error("profile --micro-batch without --config", ["profile", "--out", os.path.join(tmp, "c.json"),
                      "--micro-batch", "8"], "--micro-batch sizes the model's GEMM shapes: give --config too (without "
                      "one the shapes are fixed squares and slabs)")
+        # A rule broken by the checkpoint's global batch, which a resume keeps when none is given, named
+        # only --global-batch.
+        gb_ck = os.path.join(tmp, "gb_ck")
+        run("train", "--config", llama, *short, "--steps", "1", "--global-batch", "4", "--save", gb_ck)
+        short3 = [w if w != "2" or short[i - 1] != "--micro-batch" else "3" for i, w in enumerate(short)]
+        expect_error("a resume whose checkpoint's global batch breaks a rule", ["train", *short3, "--resume", gb_ck,
+                     "--save", gb_ck, "--steps", "2"], "--global-batch (4) must be a positive multiple of --micro-batch "
+                     "(3); resuming with the checkpoint's global batch 4 (--global-batch not given: the data position "
+                     "is replayed from the step)")
         # --max-mb's two buffers (128 GiB at its most) against this machine's memory, before minutes of timing.
         if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 120 << 30:
             p = run("profile", "--out", os.path.join(tmp, "c.json"), "--max-mb", "65536", expect_ok=False)
