@@ -57,7 +57,7 @@ const char* kPrepareSummary =
     "  fortune  records separated by lines holding only '%' (the fortune(6) format)\n"
     "  file     the whole file is one document\n"
     "  line     each line (without its line break) is one document\n"
-    "  auto     fortune for a file that has a '%' line, else file (a warning for a file over 16 MiB)\n"
+    "  auto     fortune for a file that has a '%' line, else file (a warning for a document over 16 MiB)\n"
     "Documents that are empty or only whitespace are skipped.\n"
     "\n"
     "--tokenizer FILE.json takes origami's own tokenizer JSON (what prepare writes as PREFIX.tokenizer.json)\n"
@@ -86,6 +86,14 @@ bool has_fortune_separator(std::string_view text) {
   for (size_t pos = 0, next; pos < text.size(); pos = next)
     if (is_fortune_separator(line_at(text, pos, next))) return true;
   return false;
+}
+
+// The largest record of a text between '%' lines (the whole text without one), in bytes.
+size_t largest_record(std::string_view text) {
+  size_t largest = 0, start = 0;
+  for (size_t pos = 0, next; pos < text.size(); pos = next)
+    if (is_fortune_separator(line_at(text, pos, next))) largest = std::max(largest, pos - start), start = next;
+  return std::max(largest, text.size() - start);
 }
 
 // Calls emit(document) for each document of one file's text, per the split mode.
@@ -286,11 +294,19 @@ int data_prepare(int argc, char** argv) {
   for (const auto& file : files) {
     texts.push_back(read_file_bytes(file));
     const std::string& text = texts.back();
-    // A large file taken whole under auto is more often one document per line than one document.
-    if (split == "auto" && text.size() > kWholeFileWarnBytes && !has_fortune_separator(text))
-      std::fprintf(stderr, "origami data: warning: %s (%.0f MB) has no '%%' line, so --split auto takes it as one "
-                   "document (one end-of-document token, encoded on one thread); --split line makes each line one\n",
-                   file.c_str(), double(text.size()) / 1e6);
+    // A large file taken whole under auto is more often one document per line than one document, and
+    // so is one cut by a few stray '%' lines into records of more than 16 MiB.
+    if (split == "auto" && text.size() > kWholeFileWarnBytes) {
+      const size_t record = largest_record(text);
+      if (record == text.size())
+        std::fprintf(stderr, "origami data: warning: %s (%.0f MB) has no '%%' line, so --split auto takes it as one "
+                     "document (one end-of-document token, encoded on one thread); --split line makes each line one\n",
+                     file.c_str(), double(text.size()) / 1e6);
+      else if (record > kWholeFileWarnBytes)
+        std::fprintf(stderr, "origami data: warning: %s has a '%%' line, so --split auto takes it as records between "
+                     "'%%' lines, and one record is %.0f MB (taken as one document); if its '%%' lines are text, "
+                     "--split line makes each line one document\n", file.c_str(), double(record) / 1e6);
+    }
     split_documents(text, split, [&](std::string_view doc) {
       docs.push_back(doc);
       batch_bytes += doc.size();

@@ -10,7 +10,8 @@
 (c) user mistakes (missing input, truncated or corrupt .idx, bad tokenizer files) fail with a
     non-zero exit and a message naming the file.
 (d) data info of a dataset holding token 2000000000 runs in a 1 GiB address space; a file over 16 MiB
-    that --split auto takes as one document gets a warning; a rerun whose
+    that --split auto takes as one document, or as '%' records one of which is over 16 MiB, gets a
+    warning; a rerun whose
     --output lies in its --input directory reads only the documents, and an --input naming one of
     --output's files is refused.
 
@@ -317,6 +318,13 @@ def main():
               in p.stderr and "--split line makes each line one" in p.stderr, f"auto on a large file:\n{p.stderr}")
         p = run("data", "prepare", "--input", lines, "--output", os.path.join(tmp, "lines_line"), "--split", "line")
         check("400000 documents" in p.stdout and "warning" not in p.stderr, f"--split line:\n{p.stdout}{p.stderr}")
+        # One stray '%' line makes auto take the file as two fortune records, one over 16 MiB: a warning too
+        # (before, none).
+        with open(lines, "a") as f:
+            f.write("%\nlast line\n")
+        p = run("data", "prepare", "--input", lines, "--output", os.path.join(tmp, "lines_stray"))
+        check("prepared 1 file, 2 documents" in p.stdout and "has a '%' line, so --split auto takes it as records "
+              "between '%' lines, and one record is 19 MB" in p.stderr, f"auto with a stray '%' line:\n{p.stderr}")
         print("ok")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
