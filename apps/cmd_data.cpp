@@ -405,14 +405,19 @@ int data_decode(int argc, char** argv) {
   IndexedDataset ds = IndexedDataset::open(prefix);
   auto tok = load_tokenizer_file(args.has("tokenizer") ? args.str("tokenizer") : prefix + ".tokenizer.json");
   ORIGAMI_CHECK(args.integer("first") >= 0, "--first must not be negative, got ", args.integer("first"));
-  uint64_t n = ds.num_sequences();
+  uint64_t n = ds.num_documents();
   if (args.integer("first") > 0) n = std::min<uint64_t>(n, uint64_t(args.integer("first")));
   std::vector<int32_t> ids;
-  uint64_t first = 0;
-  for (uint64_t i = 0; i < n; ++i) {
-    ids.resize(size_t(ds.sequence_length(i)));
-    ds.read_tokens(first, ids.size(), ids.data());
-    first += ids.size();
+  uint64_t first = 0;  // the next token of the .bin
+  // A document is its sequences (more than one in a Megatron dataset prepared with --split-sentences).
+  for (uint64_t d = 0; d < n; ++d) {
+    ids.clear();
+    for (int64_t i = ds.document_index(d); i < ds.document_index(d + 1); ++i) {
+      const size_t at = ids.size();
+      ids.resize(at + size_t(ds.sequence_length(uint64_t(i))));
+      ds.read_tokens(first, ids.size() - at, ids.data() + at);
+      first += ids.size() - at;
+    }
     std::string text = tok->decode_text(ids, args.on("skip-special"));
     if (args.on("json")) text = nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     std::fwrite(text.data(), 1, text.size(), stdout);

@@ -11,7 +11,8 @@
     non-zero exit and a message naming the file.
 (d) data info of a dataset holding token 2000000000 runs in a 1 GiB address space; a file over 16 MiB
     that --split auto takes as one document, or as '%' records one of which is over 16 MiB, gets a
-    warning; a rerun whose
+    warning; data decode of a Megatron dataset whose documents are several sequences (sentences) prints
+    documents, and --first counts them; a rerun whose
     --output lies in its --input directory reads only the documents, and an --input naming one of
     --output's files is refused.
 
@@ -318,6 +319,24 @@ def main():
               in p.stderr and "--split line makes each line one" in p.stderr, f"auto on a large file:\n{p.stderr}")
         p = run("data", "prepare", "--input", lines, "--output", os.path.join(tmp, "lines_line"), "--split", "line")
         check("400000 documents" in p.stdout and "warning" not in p.stderr, f"--split line:\n{p.stdout}{p.stderr}")
+        # A Megatron dataset prepared with --split-sentences holds a document as several sequences: data
+        # decode prints documents, and --first counts them (it printed each sentence as a document).
+        sent = os.path.join(tmp, "sentences")
+        parts = [b"First sentence.", b" Second one.", b"Other document."]
+        tokens = [list(parts[0]), list(parts[1]) + [256], list(parts[2]) + [256]]
+        with open(sent + ".bin", "wb") as f:
+            f.write(b"".join(struct.pack("<%dH" % len(t), *t) for t in tokens))
+        with open(sent + ".idx", "wb") as f:
+            f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + bytes([8]) + struct.pack("<QQ", 3, 3))
+            f.write(struct.pack("<3i", *(len(t) for t in tokens)))
+            f.write(struct.pack("<3q", 0, 2 * len(tokens[0]), 2 * (len(tokens[0]) + len(tokens[1]))))
+            f.write(struct.pack("<3q", 0, 2, 3))  # documents: sequences [0, 2) and [2, 3)
+        byte_prefix = os.path.join(tmp, "lines_line")  # (a byte-tokenizer dataset made above)
+        shutil.copy(byte_prefix + ".tokenizer.json", sent + ".tokenizer.json")
+        p = run("data", "decode", "--data", sent, "--skip-special")
+        check(p.stdout == "First sentence. Second one.\nOther document.\n", f"decode by documents: {p.stdout!r}")
+        p = run("data", "decode", "--data", sent, "--skip-special", "--first", "1")
+        check(p.stdout == "First sentence. Second one.\n", f"decode --first 1 of sentences: {p.stdout!r}")
         # One stray '%' line makes auto take the file as two fortune records, one over 16 MiB: a warning too
         # (before, none).
         with open(lines, "a") as f:
