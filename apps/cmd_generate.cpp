@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/io.h"
 #include "core/rng.h"
+#include "data/bpe.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/gemm.h"
 #include "model/model.h"
@@ -62,8 +63,16 @@ int cmd_generate(int argc, char** argv) {
     model.set_router_bias(ck.state().router_bias, cat("'", ck.path(), "/trainer_state.json'"));
   const Precision precision = parse_precision(a.str("precision"));
   model.set_precision(precision);
-  // Positions beyond the training sequence length were never trained: slide a window of that size.
-  const int64_t context = std::min(cfg.max_positions, ck.trained_integer("seq_len", cfg.max_positions));
+  // Positions beyond the training sequence length were never trained: slide a window of that size. On
+  // whole documents a sequence of --seq-len tokens predicts from its first seq-len - 1 only (its last
+  // token has no target), so the window is one shorter.
+  const int64_t trained = ck.trained_integer("seq_len", 0);
+  const int64_t context = trained == 0 ? cfg.max_positions
+                                       : std::min(cfg.max_positions, std::max<int64_t>(1, trained - whole_documents));
+  if (trained == 0)
+    std::fprintf(stderr, "origami generate: note: '%s' has no trainer state (an export without --optimizer): "
+                 "predicting from up to the model's %lld positions and across ends of documents, whatever it trained with\n",
+                 ck.path().c_str(), (long long)cfg.max_positions);
 
   std::vector<int32_t> ids = tok->encode_to_continue(a.str("prompt"));
   // (an empty text encodes to the tokenizer's own start, <s> under a template: only that is nothing)
@@ -87,6 +96,7 @@ int cmd_generate(int argc, char** argv) {
   std::vector<float> logits;
   std::vector<int32_t> window;
   size_t printed = prompt_len;
+  std::string pending;  // decoded bytes of an unfinished character
   for (int64_t i = 0; i < max_new; ++i) {
     // The last `context` tokens, plus one unused target slot. In bf16 the window is padded with
     // token 0 to a multiple of 32 positions: the bf16 GEMMs keep a path and a primitive per shape, and
@@ -106,12 +116,18 @@ int cmd_generate(int argc, char** argv) {
                                       uniform01(seed, 0x9e3779b9, uint64_t(i)));
     if (next == tok->eod() && (a.on("stop-at-eod") || whole_documents)) break;
     ids.push_back(next);
-    // Print whole decoded tokens as they come (the decoder handles multi-byte characters at the end).
-    std::string text = tok->decode(std::span<const int32_t>(ids.data() + printed, ids.size() - printed));
-    std::fwrite(text.data(), 1, text.size(), stdout);  // (a token may decode to a 0 byte)
-    std::fflush(stdout);
+    // Print decoded tokens as they come, up to the last whole character: a byte-level token may end in
+    // the middle of a multi-byte one, which the next completes.
+    pending += tok->decode(std::span<const int32_t>(ids.data() + printed, ids.size() - printed));
     printed = ids.size();
+    const size_t whole = utf8_whole_prefix(pending);
+    std::fwrite(pending.data(), 1, whole, stdout);  // (a token may decode to a 0 byte)
+    std::fflush(stdout);
+    pending.erase(0, whole);
   }
+  // A character the generation cut short is U+FFFD, as Hugging Face's decode prints it.
+  const std::string rest = utf8_lossy(pending);
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputs("\n", stdout);
   return 0;
 }

@@ -1,4 +1,5 @@
 // origami: the command. `origami <command> [options]`; `origami <command> --help` for each.
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -46,7 +47,15 @@ int main(int argc, char** argv) {
   for (const auto& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
     try {
-      return c.run(argc - 1, argv + 1);
+      const int rc = c.run(argc - 1, argv + 1);
+      // Output that could not be written (a full disk, /dev/full) is an error, not a success.
+      const bool flushed = std::fflush(stdout) == 0;
+      if (!flushed || std::ferror(stdout)) {
+        std::fprintf(stderr, "origami %s: error: writing the standard output failed%s%s\n", c.name,
+                     flushed ? "" : ": ", flushed ? "" : std::strerror(errno));
+        return rc == 0 ? 1 : rc;
+      }
+      return rc;
     } catch (const origami::ErrorReported&) {
       return 1;
     } catch (const origami::Error& e) {

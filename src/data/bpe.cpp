@@ -23,36 +23,50 @@ void append_utf8(std::string& out, char32_t cp) {
   }
 }
 
+namespace {
+// The bytes from s[i] that begin a well-formed UTF-8 character (Unicode Table 3-7: the length and the
+// range of the second byte of each lead byte), and in *len the length its lead byte calls for (0: not
+// a lead byte). A character is whole when they are equal; fewer at the end of the bytes may be one cut.
+size_t valid_prefix(const unsigned char* s, size_t i, size_t n, int* len) {
+  const unsigned char c = s[i];
+  unsigned char lo = 0x80, hi = 0xBF;
+  *len = 0;
+  if (c < 0x80) *len = 1;
+  else if (c >= 0xC2 && c <= 0xDF) *len = 2;
+  else if (c >= 0xE0 && c <= 0xEF) *len = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+  else if (c >= 0xF0 && c <= 0xF4) *len = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+  size_t k = 1;
+  for (; *len > 0 && k < size_t(*len) && i + k < n; ++k) {
+    const unsigned char b = s[i + k];
+    if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) break;
+  }
+  return k;
+}
+}  // namespace
+
 std::string utf8_lossy(std::string_view bytes) {
   std::string out;
   out.reserve(bytes.size());
   const auto* s = reinterpret_cast<const unsigned char*>(bytes.data());
-  const size_t n = bytes.size();
-  for (size_t i = 0; i < n;) {
-    unsigned char c = s[i];
-    if (c < 0x80) {
-      out += char(c);
-      ++i;
-      continue;
-    }
-    // Unicode Table 3-7: the length and the range of the second byte of each lead byte.
+  for (size_t i = 0; i < bytes.size();) {
     int len = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) len = 2;
-    else if (c >= 0xE0 && c <= 0xEF) len = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
-    else if (c >= 0xF0 && c <= 0xF4) len = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
-    size_t k = 1;  // bytes of a valid prefix
-    if (len > 0) {
-      for (; k < size_t(len) && i + k < n; ++k) {
-        unsigned char b = s[i + k];
-        if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) break;
-      }
-    }
-    if (len > 0 && k == size_t(len)) out.append(bytes.substr(i, k));
+    const size_t k = valid_prefix(s, i, bytes.size(), &len);
+    if (size_t(len) == k) out.append(bytes.substr(i, k));
     else out += "\xEF\xBF\xBD";  // U+FFFD for the maximal invalid subpart
     i += k;
   }
   return out;
+}
+
+size_t utf8_whole_prefix(std::string_view bytes) {
+  const auto* s = reinterpret_cast<const unsigned char*>(bytes.data());
+  for (size_t i = 0; i < bytes.size();) {
+    int len = 0;
+    const size_t k = valid_prefix(s, i, bytes.size(), &len);
+    if (i + k == bytes.size() && k < size_t(len)) return i;  // a character cut at the end
+    i += k;
+  }
+  return bytes.size();
 }
 
 const std::array<std::string, 256>& byte_level_symbols() {

@@ -53,6 +53,9 @@ void append_utf8(std::string& out, char32_t cp);
 // `bytes` with each maximal invalid UTF-8 subpart replaced by U+FFFD (Rust's from_utf8_lossy,
 // Python's errors="replace").
 std::string utf8_lossy(std::string_view bytes);
+// The length of `bytes` without a well-formed start of a multi-byte character cut at its end (bytes a
+// stream of decoded tokens holds back until the next token completes them).
+size_t utf8_whole_prefix(std::string_view bytes);
 
 // GPT-2's reversible byte -> printable code point map (also declared in data/tokenizer.h).
 const std::array<char32_t, 256>& gpt2_byte_to_unicode();

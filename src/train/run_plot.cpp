@@ -1,5 +1,6 @@
 #include "train/run_plot.h"
 
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -66,7 +67,11 @@ RunCurves read_run_curves(const std::string& path, PlotX x) {
   // A resumed run cuts the rows past its checkpoint's step before it appends (MetricsFile), so a step
   // has one row; files written before that rule can hold a step twice, and its last row is the run's.
   std::map<double, size_t> last;
-  for (size_t i = 0; i < rows.size(); ++i) last[metrics_number(rows[i], "step")] = i;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const double step = metrics_number(rows[i], "step");
+    ORIGAMI_CHECK(std::isfinite(step), rows[i].where, ": \"step\" is not a number");  // (null reads as NaN)
+    last[step] = i;
+  }
   double seconds = 0, tokens = 0;
   for (const auto& [step, i] : last) {
     const MetricsRow& r = rows[i];
@@ -85,7 +90,8 @@ RunCurves read_run_curves(const std::string& path, PlotX x) {
     if (c.label.empty() && r.row.contains("layout") && r.row["layout"].is_string())
       c.label = cat(std::filesystem::path(path).filename().string(), ": ", r.row["layout"].get<std::string>());
   }
-  ORIGAMI_CHECK(!c.x.empty(), "'", path, "' has no metrics rows");
+  ORIGAMI_CHECK(!c.x.empty(), "'", path, "' has no metrics rows", last.empty() ? "" : " of a step that updated the "
+                "model (every step was skipped)");
   if (c.label.empty()) c.label = std::filesystem::path(path).filename().string();
   return c;
 }

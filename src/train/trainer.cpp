@@ -673,6 +673,9 @@ void Run::print_startup() const {
                                    std::pair{o_.cp_comm != "p2p" && o_.cp == 1, "--cp-comm (--cp is 1)"},
                                    std::pair{!o_.pp_schedule.empty() && pp_.size() == 1, "--pp-schedule (--pp is 1)"}})
     if (idle) std::fprintf(stderr, "origami train: warning: %s changes nothing here\n", what);
+  if (o_.fssdp() && mesh_.degree("edp") == 1)  // (origami plan never proposes it)
+    std::fprintf(stderr, "origami train: warning: --expert-sharding fssdp has one expert-data-parallel rank here: "
+                 "nothing is sharded, and each layer's experts are copied to and from a staging area at every use\n");
   if (cfg_.document_eod >= 0)
     std::printf("attention within documents: token %d ends a document (positions restart after it)\n", cfg_.document_eod);
   const std::string& ck = start_.checkpoint;
@@ -942,7 +945,8 @@ int Run::step(int64_t step, StopSignals& signals) {
   take_measurements(r);  // (before a save, whose exchanges over the world are not the step's)
   if (writer_ && !too_many_skips && (fig.stop || r.step == o_.steps || save_due(r.step))) {
     r.save_blocked_s = save(r.step);
-    if (o_.save_every_auto && save_every_ == 0) plan_save_interval(r.save_blocked_s);
+    // (a save refused for non-finite state, -1, ends the run: no interval from it)
+    if (o_.save_every_auto && save_every_ == 0 && r.save_blocked_s >= 0) plan_save_interval(r.save_blocked_s);
   }
   // Validation after the step's own figures are taken (its forwards would add to them).
   if (in_.eval_data && !too_many_skips && (r.step == o_.steps || (o_.eval_every > 0 && r.step % o_.eval_every == 0))) {

@@ -12,7 +12,10 @@
   - a prompt that encodes to no token (a tokenizer of letters without an unknown token given "123") is
     an error, not a generation from nothing;
   - a copy whose record says --seq-len 8 samples other text (the window slides at the trained length);
+    on whole documents the window is --seq-len - 1 (a sequence's last position never predicts), and an
+    export without a trainer state says it predicts from all of the model's positions;
   - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
+  - text that cannot be written (stdout on /dev/full) exits 1 with the reason;
   - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
     scores and the biases (a Hugging Face config holds neither).
 Sampling is at temperature 1 with a fixed seed on one thread, so any change of the logits shows in the text.
@@ -20,11 +23,12 @@ Sampling is at temperature 1 with a fixed seed on one thread, so any change of t
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import LLAMA_TINY, byte_dataset, check, expect_error, run  # noqa: E402
+from cli_util import LLAMA_TINY, ORIGAMI, byte_dataset, check, expect_error, run  # noqa: E402
 
 ROOT = os.environ.get("ORIGAMI_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
 MIXTRAL = os.path.join(ROOT, "tests", "parallel", "configs", "mixtral_8e.json")
@@ -86,6 +90,18 @@ def main():
         check("warning: the run scored its routers with sigmoid" in err and "learned router selection biases" in err,
               f"ckpt export --hf says the export routes otherwise under transformers: {err!r}")
         print("ok   ckpt export --hf warns that transformers routes without the sigmoid scores and biases")
+        # Text that cannot be written (a full disk) is an error: exit 1, where it was 0 with nothing said.
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([ORIGAMI, "generate", "--checkpoint", moe, "--prompt", prompt, "--max-new-tokens", "4"],
+                               stdout=full, stderr=subprocess.PIPE, text=True)
+        check(p.returncode == 1 and "origami generate: error: writing the standard output failed: No space left on "
+              "device" in p.stderr, f"generate into /dev/full: exit {p.returncode}, {p.stderr!r}")
+        print("ok   generate into a full disk exits 1 and says so")
+        # An export without --optimizer has no record of the run: generate says what it assumes.
+        p = run("generate", "--checkpoint", os.path.join(tmp, "hf"), "--prompt", prompt, "--max-new-tokens", "2")
+        check("has no trainer state (an export without --optimizer): predicting from up to the model's 64 positions"
+              in p.stderr, f"generate from an export says it has no record of the trained length: {p.stderr!r}")
+        print("ok   generate from an export without a trainer state says what it assumes")
 
         cfg = os.path.join(tmp, "llama.json")
         json.dump(LLAMA_TINY, open(cfg, "w"))
@@ -105,6 +121,16 @@ def main():
         text = sample(packed, "fortune", "--max-new-tokens", "400")
         check(0 < len(text) < len("fortune") + 400, f"generation on whole documents stops at the end of one: {text!r}")
         print("ok   generate masks documents as trained (--attention-mask document, --batching documents)")
+        # On whole documents a sequence of --seq-len 32 predicts from its first 31 positions only: the window
+        # slides at 31, as a record of windows of 31 with document masking does (it slid at 32, where the
+        # last position had never predicted).
+        long_prompt = "fortune number 12 is a long prompt of more than 32 bytes"
+        at31 = edited(packed, os.path.join(tmp, "at31"),
+                      lambda s: s["options"].update(batching="windows", attention_mask="document", seq_len=31))
+        text = sample(packed, long_prompt, "--stop-at-eod")
+        check(text == sample(at31, long_prompt, "--stop-at-eod"),
+              f"on whole documents of --seq-len 32 the window is 31 positions: {text!r}")
+        print("ok   generate on whole documents slides a window of --seq-len - 1 positions")
 
         # A prompt whose characters the tokenizer drops (a vocabulary of letters, no unknown token, no
         # byte fallback, as the library encodes) is an error, not a generation from nothing.

@@ -331,6 +331,21 @@ def main():
         check(p.returncode == 0 and os.path.getsize(png) > 1000, "plot with standard input closed: exit %d, %s"
               % (p.returncode, p.stderr.strip()))
         print("ok   plot with standard input closed writes its PNG")
+        # FSSDP over one expert-data-parallel rank shards nothing and only copies experts: said (plan never
+        # proposes it; train took it without a word).
+        p = run("train", "--config", moe, *short, "--steps", "1", "--expert-sharding", "fssdp")
+        check("warning: --expert-sharding fssdp has one expert-data-parallel rank here: nothing is sharded" in p.stderr,
+              "FSSDP on one rank: %s" % p.stderr)
+        print("ok   --expert-sharding fssdp on one rank warns that it shards nothing")
+        # A row whose "step" is null (an edited or damaged file) was a NaN key of the steps' map: rows merged or
+        # dropped without a word.
+        rows = [json.loads(l) for l in open(metrics)]
+        rows[1]["step"] = None
+        null_step = write(os.path.join(tmp, "null_step.jsonl"), None)
+        with open(null_step, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        expect_error("plot of a row whose step is null", ["plot", null_step, "--out", os.path.join(tmp, "n.png")],
+                     "%s:2: \"step\" is not a number" % null_step)
         # A path that cannot be looked up says why (it said "no such file" for every reason).
         expect_error("--config under a file", ["train", "--config", os.path.join(metrics, "x.json"), *short],
                      "%s/x.json: Not a directory" % metrics)

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "data/bpe.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
 #include "data/hf_tokenizer.h"
@@ -92,6 +93,23 @@ TEST(DataByteTokenizer, RoundTripsEveryByte) {
   expect_error([&] { tok.decode(bad); }, {"257", "[0, 257)"});
   EXPECT_EQ(tok.to_json(), nlohmann::json({{"type", "byte"}}));
   EXPECT_EQ(tokenizer_from_json(tok.to_json())->name(), "byte");
+}
+
+// Decoded bytes as a stream prints them: a well-formed start of a multi-byte character at the end is held
+// back (the next token completes it), anything else printed as it is; at the end of the stream the
+// held-back start is one U+FFFD, as Python's errors="replace" reads it.
+TEST(DataUtf8, WholePrefixHoldsBackOnlyACutCharacter) {
+  EXPECT_EQ(utf8_whole_prefix("caf"), 3u);
+  EXPECT_EQ(utf8_whole_prefix("caf\xC3"), 3u);              // é cut after its lead byte
+  EXPECT_EQ(utf8_whole_prefix("caf\xC3\xA9"), 5u);
+  EXPECT_EQ(utf8_whole_prefix("\xE2\x82"), 0u);             // € cut after two bytes
+  EXPECT_EQ(utf8_whole_prefix("\xF0\x9F\x98"), 0u);         // an emoji cut after three
+  EXPECT_EQ(utf8_whole_prefix("a\xFF"), 2u);                // not a lead byte: never completed
+  EXPECT_EQ(utf8_whole_prefix("a\xC3("), 3u);               // a broken character, not a cut one
+  EXPECT_EQ(utf8_whole_prefix("\xE0\x80"), 2u);             // E0 80 starts no character (overlong)
+  EXPECT_EQ(utf8_lossy("caf\xC3"), "caf\xEF\xBF\xBD");
+  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), "\xEF\xBF\xBD");
+  EXPECT_EQ(utf8_lossy("a\xFF\xC3\xA9"), "a\xEF\xBF\xBD\xC3\xA9");
 }
 
 TEST(DataPretokenize, MatchesGpt2Regex) {
