@@ -96,6 +96,21 @@ size_t largest_record(std::string_view text) {
   return std::max(largest, text.size() - start);
 }
 
+// --split auto: a large file taken whole is more often one document per line than one document, and
+// so is one cut by a few stray '%' lines into records of more than 16 MiB.
+void warn_large_documents(const std::string& file, std::string_view text) {
+  if (text.size() <= kWholeFileWarnBytes) return;
+  const size_t record = largest_record(text);
+  if (record == text.size())
+    std::fprintf(stderr, "origami data: warning: %s (%.0f MB) has no '%%' line, so --split auto takes it as one "
+                 "document (one end-of-document token, encoded on one thread); --split line makes each line one\n",
+                 file.c_str(), double(text.size()) / 1e6);
+  else if (record > kWholeFileWarnBytes)
+    std::fprintf(stderr, "origami data: warning: %s has a '%%' line, so --split auto takes it as records between '%%' "
+                 "lines, and one record is %.0f MB (taken as one document); if its '%%' lines are text, --split line "
+                 "makes each line one document\n", file.c_str(), double(record) / 1e6);
+}
+
 // Calls emit(document) for each document of one file's text, per the split mode.
 template <typename Emit>
 void split_documents(std::string_view text, const std::string& split, Emit&& emit) {
@@ -294,19 +309,7 @@ int data_prepare(int argc, char** argv) {
   for (const auto& file : files) {
     texts.push_back(read_file_bytes(file));
     const std::string& text = texts.back();
-    // A large file taken whole under auto is more often one document per line than one document, and
-    // so is one cut by a few stray '%' lines into records of more than 16 MiB.
-    if (split == "auto" && text.size() > kWholeFileWarnBytes) {
-      const size_t record = largest_record(text);
-      if (record == text.size())
-        std::fprintf(stderr, "origami data: warning: %s (%.0f MB) has no '%%' line, so --split auto takes it as one "
-                     "document (one end-of-document token, encoded on one thread); --split line makes each line one\n",
-                     file.c_str(), double(text.size()) / 1e6);
-      else if (record > kWholeFileWarnBytes)
-        std::fprintf(stderr, "origami data: warning: %s has a '%%' line, so --split auto takes it as records between "
-                     "'%%' lines, and one record is %.0f MB (taken as one document); if its '%%' lines are text, "
-                     "--split line makes each line one document\n", file.c_str(), double(record) / 1e6);
-    }
+    if (split == "auto") warn_large_documents(file, text);
     split_documents(text, split, [&](std::string_view doc) {
       docs.push_back(doc);
       batch_bytes += doc.size();
