@@ -321,6 +321,11 @@ Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, 
   for (Transfer& t : sends) t.buf.resize(p > 1 ? size_t(n) : 0);
   size_t turn = 0;
   Losses out;
+  // Between layers the sends in flight are tested, so that they move while this stage computes (MPI moves a
+  // large message only while both sides call into it), as in a training step.
+  model_.on_progress([&] {
+    for (Transfer& t : sends) t.req.test();
+  });
   for (int m = 0; m < int(tokens.size()); ++m) {
     if (vocab_) model_.vocab_embed(m, tokens[size_t(m)], embed.empty() ? nullptr : embed.data());
     for (int c = 0; c < chunks_; ++c) {
@@ -337,6 +342,7 @@ Losses Pipeline::evaluate(const std::vector<const int32_t*>& tokens, int64_t B, 
     }
     if (vocab_) out += model_.vocab_head(m, tokens[size_t(m)], top.empty() ? nullptr : top.data(), nullptr, 1.f, false);
   }
+  model_.on_progress(nullptr);
   for (Transfer& t : sends) t.req.wait();
   return out;
 }
