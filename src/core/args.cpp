@@ -70,6 +70,16 @@ bool Args::parse(int argc, char** argv) {
   return true;
 }
 
+namespace {
+// Two option values alike: the same words, or the same number however written (2 and 2.0, 1e-3 and 0.001).
+bool same_value(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  char *end_a = nullptr, *end_b = nullptr;
+  const double x = std::strtod(a.c_str(), &end_a), y = std::strtod(b.c_str(), &end_b);
+  return !a.empty() && !b.empty() && *end_a == 0 && *end_b == 0 && x == y;
+}
+}  // namespace
+
 void Args::fill_from_json(const JsonField& obj) {
   obj.for_each_member([&](const std::string& key, const JsonField& val) {
     auto it = opts_.find(key);
@@ -85,7 +95,7 @@ void Args::fill_from_json(const JsonField& obj) {
     else if (val.present() && val.json().is_number()) value = val.json().dump();
     else val.fail_expected("a string or a number");
     if (o.set) {  // flags win; an earlier file (a plan before a run config) wins too, but not silently
-      ORIGAMI_CHECK(o.origin.empty() || value == o.value, val.where(), " gives ", val.got(), ", and ", o.origin,
+      ORIGAMI_CHECK(o.origin.empty() || same_value(value, o.value), val.where(), " gives ", val.got(), ", and ", o.origin,
                     " gives ", o.given, ": the first wins, so this one would be ignored; drop one, or give --", key,
                     " on the command line");
       return;

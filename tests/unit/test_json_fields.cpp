@@ -228,6 +228,36 @@ TEST(JsonFields, RunConfigValuesNameTheField) {
   EXPECT_EQ(error_of([&] { c.integer("tp"); }), "plan.json: field 'layout.tp': expected an integer, got 1.5");
 }
 
+// A run config after a plan: a key the plan gave keeps the plan's value; the same value however written
+// (2 and 2.0, true for a switch) passes, another is an error naming both; a flag wins over both.
+TEST(JsonFields, SecondFileAgreesWithTheFirst) {
+  auto make = [] {
+    origami::Args a("train", "test");
+    a.option("lr", "X", "learning rate", "3e-4").option("tp", "T", "tp", "1").option("precision", "P", "p", "fp32");
+    a.flag("sequence-parallel", "sp");
+    return a;
+  };
+  const json plan = {{"layout", {{"tp", 2}, {"lr", 0.001}, {"precision", "fp32"}, {"sequence-parallel", true}}}};
+  origami::Args a = make();
+  a.fill_from_json(JsonField(plan, "plan.json")["layout"]);
+  a.fill_from_json(JsonField(json{{"tp", 2.0}, {"lr", 1e-3}, {"precision", "fp32"}, {"sequence-parallel", true}}, "rc.json"));
+  EXPECT_EQ(a.integer("tp"), 2);
+  EXPECT_TRUE(a.on("sequence-parallel"));
+  EXPECT_EQ(error_of([&] {
+              origami::Args b = make();
+              b.fill_from_json(JsonField(plan, "plan.json")["layout"]);
+              b.fill_from_json(JsonField(json{{"tp", 4}}, "rc.json"));
+            }),
+            "rc.json: field 'tp' gives 4, and plan.json: field 'layout.tp' gives 2: the first wins, so this one would "
+            "be ignored; drop one, or give --tp on the command line");
+  origami::Args c = make();
+  const char* argv[] = {"train", "--tp", "8"};
+  c.parse(3, const_cast<char**>(argv));
+  c.fill_from_json(JsonField(plan, "plan.json")["layout"]);
+  c.fill_from_json(JsonField(json{{"tp", 4}}, "rc.json"));
+  EXPECT_EQ(c.integer("tp"), 8);
+}
+
 namespace {
 
 std::string config_error(const json& changes = json::object()) {
