@@ -8,7 +8,8 @@
 - Faults: kill -9 of one rank at random moments of 20 runs that save every step (each started with
   --resume DIR --save DIR, the first one in an empty DIR); after each, DIR/latest names a whole
   checkpoint and the next run resumes it on the same curve. A full disk (a tmpfs, else a
-  file-size limit) fails the save with one message and leaves the previous checkpoint.
+  file-size limit) fails the save with one message and leaves the previous checkpoint; under
+  --async-save too (on a tmpfs), when the failing save is the last step's.
 - Damaged, truncated and missing shard files are refused with a message naming the file.
 - Memory: rank 0's peak RSS with a save is within a quarter of the model's full state of the run
   without one (gathering on rank 0 would add several full states).
@@ -242,6 +243,15 @@ def disk_full(tmp, cfg, data):
               out[-500:])
         rc, out, _ = h.run(2, base(cfg, data, 4, os.path.join(tmp, "full3.jsonl")) + ["--ep", "2", "--resume", ck])
         check(rc == 0 and "at step 3" in out, "... and step-3 resumes", out[-300:])
+        if mounted:  # the same with --async-save: the last step's save fails in the background, found at its commit
+            shutil.rmtree(ck)
+            rc, out, _ = h.run(2, base(cfg, data, 6, os.path.join(tmp, "full4.jsonl")) + [
+                "--ep", "2", "--save", ck, "--save-every", "3", "--async-save"])
+            ok, latest, _ = committed_ok(ck)
+            msg = [l for l in out.splitlines() if "cannot save checkpoint step 6" in l]
+            check(rc == 1 and len(msg) == 1 and "step-3 is intact" in msg[0] and ok and latest == 3 and
+                  not [d for d in os.listdir(ck) if d.startswith(".")], "--async-save: a full disk during the last "
+                  "step's save: one message, exit %s, step-3 still latest, no temporary directory left" % rc, out[-500:])
     finally:
         if mounted:
             subprocess.run(["umount", mnt], capture_output=True)
