@@ -83,17 +83,18 @@ struct ProfileCommand {
   int threads = 0;
 };
 
-// What one rank holds at once — the largest GEMM's operands with their cold copies, or the collectives'
-// two --max-mb buffers — against this machine's memory: an error now, not an allocation failing on one
-// rank after minutes of timing.
-void check_profile_memory(const ProfileCommand& cmd) {
+// What one rank holds at once — the largest GEMM's operands with their cold copies, or (with more than
+// one rank) the collectives' two --max-mb buffers — against this node's memory: an error now, not an
+// allocation failing on one rank after minutes of timing. (Each rank against the whole node: ranks
+// sharing it can still need more together.)
+void check_profile_memory(const ProfileCommand& cmd, int ranks) {
   const std::vector<GemmShape> shapes =
       cmd.cfg ? model_gemm_shapes(*cmd.cfg, cmd.micro_batch, cmd.seq_len) : default_gemm_shapes();
   double gemm = 0;
   for (const GemmShape& s : shapes)
     for (const Precision p : {Precision::fp32, Precision::bf16})
       gemm = std::max(gemm, double(cold_copies(s, p)) * double(gemm_call_bytes(s, p)));
-  const double collectives = 2 * cmd.max_mb * 1024 * 1024;
+  const double collectives = ranks > 1 ? 2 * cmd.max_mb * 1024 * 1024 : 0;
   const AvailableMemory avail = available_memory();
   ORIGAMI_CHECK(std::max(gemm, collectives) <= double(avail.bytes), "profile would hold ",
                 format_bytes(std::max(gemm, collectives)), " on a rank (",
@@ -134,11 +135,11 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
     if (a.has("config")) cmd.cfg = load_model_config(a.str("config"));
     ORIGAMI_CHECK(!a.given("micro-batch") || cmd.cfg, "--micro-batch sizes the model's GEMM shapes: give --config too "
                   "(without one the shapes are fixed squares and slabs)");
-    const int64_t most_t = cmd.cfg ? cmd.cfg->max_positions : kMaxProfileSeqLen;
-    ORIGAMI_CHECK(cmd.seq_len <= most_t && cmd.micro_batch <= kMaxProfileMicroBatch, "--seq-len must be at most ",
-                  most_t, cmd.cfg ? " (the model's maximum positions)" : " (the attention timed is quadratic in it)",
-                  " and --micro-batch at most ", kMaxProfileMicroBatch, ", got ", cmd.seq_len, " and ", cmd.micro_batch);
-    check_profile_memory(cmd);
+    // (not the model's positions: the GEMMs and the attention core do not depend on them)
+    ORIGAMI_CHECK(cmd.seq_len <= kMaxProfileSeqLen && cmd.micro_batch <= kMaxProfileMicroBatch, "--seq-len must be at "
+                  "most ", kMaxProfileSeqLen, " (the attention timed is quadratic in it) and --micro-batch at most ",
+                  kMaxProfileMicroBatch, ", got ", cmd.seq_len, " and ", cmd.micro_batch);
+    check_profile_memory(cmd, world.size());
     cmd.out = a.str("out");
     if (world.rank() == 0) require_writable_file(cmd.out, "--out");  // (rank 0 writes it, after minutes of timing)
     cmd.name = a.str("name");
@@ -366,9 +367,11 @@ int cmd_profile(int argc, char** argv) {
   const std::optional<ProfileCommand> cmd = parse_profile_options(argc, argv, world);
   try {
     return cmd ? run_profile(world, *cmd) : 0;
+  } catch (const ErrorReported&) {
+    throw;  // (reported once, on every rank: exit 1)
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
-    report_rank_error(world, e);
+    report_rank_error("profile", world, e);
     runtime.abort(kExitRankFailed);
   }
 }

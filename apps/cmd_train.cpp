@@ -435,7 +435,7 @@ int cmd_train(int argc, char** argv) {
     throw;
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
-    report_rank_error(world, e);
+    report_rank_error("train", world, e);
     runtime.abort(kExitRankFailed);  // (1 means every rank reported a user error)
   }
 }

@@ -484,19 +484,23 @@ bool same_host(const std::string& a, const std::string& b) {
   return std::any_of(x.begin(), x.end(), [&](const std::string& e) { return std::find(y.begin(), y.end(), e) != y.end(); });
 }
 
-void drop_failed_slots(Slots& slots, const std::vector<int>& ranks, const std::vector<std::string>& hosts) {
+std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>& ranks,
+                                           const std::vector<std::string>& hosts) {
   if (slots.hosts.empty()) {
     slots.anonymous -= std::max<int>(1, int(ranks.size()));
-    return;
+    return {};
   }
-  const auto failed = [&](const std::string& host) {
-    return std::any_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return same_host(host, h); });
-  };
+  // Each named host once (a host's failed ranks name it each; a rank that hung before its progress
+  // record names none).
+  std::vector<std::string> failed, unknown;
   for (const std::string& h : hosts)
-    ORIGAMI_CHECK(std::any_of(slots.hosts.begin(), slots.hosts.end(), [&](const auto& e) { return same_host(e.first, h); }),
-                  "--shrink: the failed host '", h, "' is none of --hostfile's hosts by name or address, so its "
-                  "slots cannot be left out; name the hosts in the hostfile as mpirun reports them");
-  std::erase_if(slots.hosts, [&](const auto& e) { return failed(e.first); });
+    if (!h.empty() && std::find(failed.begin(), failed.end(), h) == failed.end()) failed.push_back(h);
+  for (const std::string& h : failed) {
+    const auto it = std::find_if(slots.hosts.begin(), slots.hosts.end(), [&](const auto& e) { return same_host(e.first, h); });
+    if (it == slots.hosts.end()) unknown.push_back(h);
+    else slots.hosts.erase(it);
+  }
+  return unknown;
 }
 
 int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train) {
@@ -522,7 +526,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   first.resume = attempt_resume(train, false);
   if (first.resume == save) first.init_from.clear();
   const SaveMark before = save_mark(save);  // (a later one: this launch saved)
-  const TrainOptions pinned = make_plan(cfg, with_checkpoint_step_size(first), o.np).options;
+  const TrainOptions pinned = make_resumed_plan(cfg, first, o.np).options;
   const bool docs = train.documents();
   const std::string step_flag = docs ? "--tokens-per-step" : "--global-batch";
   const std::string step_size = std::to_string(docs ? pinned.tokens_per_step : pinned.global_batch);
@@ -587,7 +591,9 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     // (a hang where no rank stands out names every rank: then no slot is blamed, the world stays)
     if (o.shrink && int(end.failed_ranks.size()) < w.size) {
       try {
-        drop_failed_slots(slots, end.failed_ranks, end.failed_hosts);
+        for (const std::string& h : drop_failed_slots(slots, end.failed_ranks, end.failed_hosts))
+          std::fprintf(stderr, "origami launch: warning: --shrink: the failed host '%s' is none of --hostfile's hosts "
+                       "by name or address, so its slots stay in use; name the hosts as mpirun reports them\n", h.c_str());
         w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
       } catch (const Error& e) {
         return give_up(e.what());

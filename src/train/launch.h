@@ -69,9 +69,11 @@ struct Slots {
 bool same_host(const std::string& a, const std::string& b);
 
 // --shrink: the slots left after a failure of `ranks` on `hosts` (mpirun's or the progress board's
-// names): without a hostfile, one fewer per failed rank (at least one); with one, without the failed
-// hosts. A failed host the hostfile does not name is an error (its slots would be used again).
-void drop_failed_slots(Slots& slots, const std::vector<int>& ranks, const std::vector<std::string>& hosts);
+// names, "" for a rank that named none): without a hostfile, one fewer per failed rank (at least one);
+// with one, without the failed hosts. Returns the failed hosts the hostfile does not name (their slots
+// stay in use: the launcher warns).
+std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>& ranks,
+                                           const std::vector<std::string>& hosts);
 
 // Runs the job to its end; returns the launch's exit code. `cfg` and `train` are the run's model and
 // options as `origami train` reads them from train_args (for re-planning a smaller world).

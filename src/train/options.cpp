@@ -236,11 +236,11 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
                 ") must be a multiple of --micro-batch x DP (", micro_batch, " x ", dims.dp, " = ",
                 micro_batch * dims.dp, ")");
   // Pipeline: the layer split, then the schedule against the micro-batches each step has.
+  ORIGAMI_CHECK(vpp == 1 || pp >= 2, "--vpp ", vpp, " splits each pipeline stage into chunks and needs --pp >= 2, "
+                "got --pp ", pp);
   partition_layers(int(cfg.num_layers), pp, vpp, pp_layers);
   const ScheduleKind kind = schedule_kind();
   const int64_t m = micro_batches(world_size);
-  ORIGAMI_CHECK(vpp == 1 || pp >= 2, "--vpp ", vpp, " splits each pipeline stage into chunks and needs --pp >= 2, "
-                "got --pp ", pp);
   ORIGAMI_CHECK(kind != ScheduleKind::interleaved || pp >= 2, "--pp-schedule interleaved needs --pp >= 2, got --pp ", pp);
   ORIGAMI_CHECK(kind != ScheduleKind::interleaved || m % pp == 0, "--pp-schedule interleaved needs the micro-batches "
                 "per step (--global-batch / (--micro-batch x DP) = ", global_batch, " / (", micro_batch, " x ", dims.dp,

@@ -25,4 +25,22 @@ ModelPart Plan::part(int stage) const {
   return ModelPart::of_stage(virtual_stages, mesh.degree("pp"), stage, options.vocab_parallel);
 }
 
+Plan make_resumed_plan(const ModelConfig& cfg, const TrainOptions& o, int world, std::string* note) {
+  std::string why;
+  const TrainOptions resumed = with_checkpoint_step_size(o, &why);
+  if (note) *note = why;
+  try {
+    return make_plan(cfg, resumed, world);
+  } catch (const Error& e) {
+    bool own = why.empty();  // (the options' own mistake, whatever the step size)
+    if (!own) try {
+        (void)make_plan(cfg, o, world);
+      } catch (const Error&) {
+        own = true;
+      }
+    if (own) throw;
+    fail(e.what(), "; ", why);
+  }
+}
+
 }  // namespace origami

@@ -6,6 +6,7 @@
 // here like any others.)
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -40,5 +41,9 @@ struct Plan {
 // Errors name the value and the rule (TrainOptions::validate's messages): options, and the layout
 // against the model and the world size.
 Plan make_plan(const ModelConfig& cfg, const TrainOptions& opts, int world_size);
+// make_plan of o with the checkpoint's step size where o gives none (with_checkpoint_step_size), whose
+// line `note` gets. An error that size alone causes (o plans without it) ends with that line, as the
+// user gave no such size.
+Plan make_resumed_plan(const ModelConfig& cfg, const TrainOptions& o, int world_size, std::string* note = nullptr);
 
 }  // namespace origami

@@ -372,13 +372,7 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   TestHooks hooks;
   check_on_every_rank(world, "train", [&] {
     std::string note;
-    const TrainOptions o = with_checkpoint_step_size(opts, &note);
-    try {
-      plan.emplace(make_plan(cfg, o, world.size()));
-    } catch (const Error& e) {  // (a rule broken by the checkpoint's step size, which the user did not give)
-      if (note.empty()) throw;
-      fail(e.what(), "; ", note);
-    }
+    plan.emplace(make_resumed_plan(cfg, opts, world.size(), &note));
     if (!note.empty() && world.rank() == 0) std::fprintf(stderr, "origami train: %s\n", note.c_str());
     in = open_inputs(*plan);
     hooks = TestHooks::from_env(world.rank(), plan->model.is_moe());
@@ -1154,15 +1148,15 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     throw;  // (reported once, on every rank)
   } catch (const std::exception& e) {
     if (world.size() == 1) throw;  // (no peers to tell: the command's own error path)
-    report_rank_error(world, e);
+    report_rank_error("train", world, e);
     failed = 1;
   }
   return world.all_reduce_value(failed, ReduceOp::max) ? kExitRankFailed : exit_code;
 }
 
-void report_rank_error(const Comm& world, const std::exception& e) {
+void report_rank_error(const char* command, const Comm& world, const std::exception& e) {
   const bool oom = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
-  std::fprintf(stderr, "origami train: error (rank %d of %d): %s\n", world.rank(), world.size(),
+  std::fprintf(stderr, "origami %s: error (rank %d of %d): %s\n", command, world.rank(), world.size(),
                oom ? "out of memory (in an allocation outside the checked buffers)" : e.what());
   std::fflush(stderr);
 }

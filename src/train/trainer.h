@@ -169,8 +169,8 @@ constexpr int kExitNonFinite = 3;
 // rank before training, it does not).
 constexpr int kExitRankFailed = 2;
 
-// Prints a rank's own error during training: "origami train: error (rank R of N): what".
-void report_rank_error(const Comm& world, const std::exception& e);
+// Prints a rank's own error during a command's work: "origami COMMAND: error (rank R of N): what".
+void report_rank_error(const char* command, const Comm& world, const std::exception& e);
 
 // Returns the process exit code (0, kExitSignal, kExitNonFinite, or kExitRankFailed where the end of the
 // run, after its last step, failed on some rank: that rank reports it). Collective over `world`: every

@@ -292,12 +292,21 @@ def main():
                      "--save", gb_ck, "--steps", "2"], "--global-batch (4) must be a positive multiple of --micro-batch "
                      "(3); resuming with the checkpoint's global batch 4 (--global-batch not given: the data position "
                      "is replayed from the step)")
-        # --max-mb's two buffers (128 GiB at its most) against this machine's memory, before minutes of timing.
-        if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 120 << 30:
-            p = run("profile", "--out", os.path.join(tmp, "c.json"), "--max-mb", "65536", expect_ok=False)
-            check(p.returncode == 1 and "origami profile: error: profile would hold 128 GiB on a rank (two buffers "
-                  "of --max-mb for the collectives), more than the" in p.stderr, "profile --max-mb 65536: %s" % p.stderr)
-            print("ok   profile --max-mb 65536 refused before timing: " + p.stderr.strip())
+        expect_error("... and under launch", ["launch", "--np", "1", "--", "train", *short3, "--resume", gb_ck, "--save",
+                     gb_ck, "--steps", "2"], "--global-batch (4) must be a positive multiple of --micro-batch (3); "
+                     "resuming with the checkpoint's global batch 4 (--global-batch not given: the data position is "
+                     "replayed from the step)")
+        p = run("train", *short, "--resume", gb_ck, "--save", gb_ck, "--steps", "2", "--tp", "3", expect_ok=False)
+        check(p.returncode == 1 and "not divisible by TP" in p.stderr and "checkpoint's global batch" not in p.stderr,
+              "a mistake of the options' own on a resume does not blame the checkpoint's global batch: %s" % p.stderr)
+        # The largest GEMM's operands (here the LM head's, 2^32 rows) against this machine's memory, before
+        # minutes of timing.
+        p = run("profile", "--out", os.path.join(tmp, "c.json"), "--config", llama, "--micro-batch", "65536",
+                "--seq-len", "65536", expect_ok=False)
+        check(p.returncode == 1 and "origami profile: error: profile would hold " in p.stderr and "on a rank (the "
+              "largest GEMM at --micro-batch x --seq-len rows, with its copies), more than the" in p.stderr,
+              "profile of 2^32 rows: %s" % p.stderr)
+        print("ok   profile of GEMMs larger than the memory refused before timing: " + p.stderr.strip())
         expect_error("--imbalance for a dense model", plan + ["--imbalance", "1.5"],
                      "--imbalance prices the routing of experts, and this llama model has none")
         p = run("plan", "--config", moe, "--devices", "8", "--global-batch", "8", "--seq-len", "16", "--cluster",
