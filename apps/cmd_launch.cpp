@@ -24,7 +24,7 @@ int cmd_launch(int argc, char** argv) {
          "SIGTERM: the ranks save and stop) is killed when --step-timeout passes with no progress, or at a second.");
   a.option("np", "N", "ranks")
       .option("min-np", "M", "with --shrink, the fewest ranks to go on with", "1")
-      .flag("shrink", "do not use a failed rank's slot (with --hostfile, its host) again: restart on the largest "
+      .flag("shrink", "do not use a failed rank's slot (with --hostfile, its host, as the hostfile names it) again: restart on the largest "
                       "world left whose layout (DP re-derived, fewer pipeline stages where needed) is valid and fits; "
                       "--vpp, --pp-layers and --pp-schedule then go on train's command line, not in a run config")
       .option("cluster", "FILE", "with --shrink: a cluster.json (see origami plan) whose cost model picks the fastest "

@@ -49,7 +49,7 @@ namespace origami {
 namespace {
 
 constexpr double kMaxMessageMb = 65536;  // --max-mb: the largest message a collective is timed with
-constexpr int64_t kMaxProfileSeqLen = 131072;      // --seq-len without --config
+constexpr int64_t kMaxProfileSeqLen = 131072;      // --seq-len
 constexpr int64_t kMaxProfileMicroBatch = 65536;   // --micro-batch
 
 // seconds = steps·latency + bytes/bandwidth from the points (bytes, seconds), smallest first: the
@@ -367,8 +367,6 @@ int cmd_profile(int argc, char** argv) {
   const std::optional<ProfileCommand> cmd = parse_profile_options(argc, argv, world);
   try {
     return cmd ? run_profile(world, *cmd) : 0;
-  } catch (const ErrorReported&) {
-    throw;  // (reported once, on every rank: exit 1)
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
     report_rank_error("profile", world, e);

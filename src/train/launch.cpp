@@ -490,15 +490,17 @@ std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>&
     slots.anonymous -= std::max<int>(1, int(ranks.size()));
     return {};
   }
-  // Each named host once (a host's failed ranks name it each; a rank that hung before its progress
-  // record names none).
-  std::vector<std::string> failed, unknown;
-  for (const std::string& h : hosts)
-    if (!h.empty() && std::find(failed.begin(), failed.end(), h) == failed.end()) failed.push_back(h);
-  for (const std::string& h : failed) {
-    const auto it = std::find_if(slots.hosts.begin(), slots.hosts.end(), [&](const auto& e) { return same_host(e.first, h); });
-    if (it == slots.hosts.end()) unknown.push_back(h);
-    else slots.hosts.erase(it);
+  // Each failed host once (a host's failed ranks name it each), every hostfile line of it (a hostfile may
+  // name a host on several lines); "" (a rank that hung before its progress record) matches none.
+  std::vector<std::string> seen, unknown;
+  for (const std::string& h : hosts) {
+    if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
+    seen.push_back(h);
+    const size_t removed = h.empty() ? 0 : std::erase_if(slots.hosts, [&](const auto& e) { return same_host(e.first, h); });
+    const bool dropped_before = std::any_of(seen.begin(), seen.end() - 1, [&](const std::string& s) {
+      return !h.empty() && !s.empty() && same_host(s, h);  // (another spelling of a host already left out)
+    });
+    if (removed == 0 && !dropped_before) unknown.push_back(h);
   }
   return unknown;
 }
@@ -592,8 +594,10 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     if (o.shrink && int(end.failed_ranks.size()) < w.size) {
       try {
         for (const std::string& h : drop_failed_slots(slots, end.failed_ranks, end.failed_hosts))
-          std::fprintf(stderr, "origami launch: warning: --shrink: the failed host '%s' is none of --hostfile's hosts "
-                       "by name or address, so its slots stay in use; name the hosts as mpirun reports them\n", h.c_str());
+          std::fprintf(stderr, "origami launch: warning: --shrink: %s, so its slots stay in use\n",
+                       h.empty() ? "a failed rank named no host (it hung before its progress record)"
+                                 : cat("the failed host '", h, "' is none of --hostfile's hosts by name or address "
+                                       "(name the hosts as mpirun reports them)").c_str());
         w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
       } catch (const Error& e) {
         return give_up(e.what());

@@ -70,8 +70,8 @@ bool same_host(const std::string& a, const std::string& b);
 
 // --shrink: the slots left after a failure of `ranks` on `hosts` (mpirun's or the progress board's
 // names, "" for a rank that named none): without a hostfile, one fewer per failed rank (at least one);
-// with one, without the failed hosts. Returns the failed hosts the hostfile does not name (their slots
-// stay in use: the launcher warns).
+// with one, without every line of each failed host. Returns the failed hosts the hostfile does not
+// name, "" among them for a rank that named none (their slots stay in use: the launcher warns).
 std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>& ranks,
                                            const std::vector<std::string>& hosts);
 

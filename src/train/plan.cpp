@@ -32,11 +32,12 @@ Plan make_resumed_plan(const ModelConfig& cfg, const TrainOptions& o, int world,
   try {
     return make_plan(cfg, resumed, world);
   } catch (const Error& e) {
-    bool own = why.empty();  // (the options' own mistake, whatever the step size)
+    // The options' own mistake when they break the same rule with their default size too.
+    bool own = why.empty();
     if (!own) try {
         (void)make_plan(cfg, o, world);
-      } catch (const Error&) {
-        own = true;
+      } catch (const Error& d) {
+        own = std::string(d.what()) == e.what();
       }
     if (own) throw;
     fail(e.what(), "; ", why);

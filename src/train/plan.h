@@ -42,8 +42,8 @@ struct Plan {
 // against the model and the world size.
 Plan make_plan(const ModelConfig& cfg, const TrainOptions& opts, int world_size);
 // make_plan of o with the checkpoint's step size where o gives none (with_checkpoint_step_size), whose
-// line `note` gets. An error that size alone causes (o plans without it) ends with that line, as the
-// user gave no such size.
+// line `note` gets. An error that size causes (o without it plans, or breaks another rule) ends with
+// that line, as the user gave no such size.
 Plan make_resumed_plan(const ModelConfig& cfg, const TrainOptions& o, int world_size, std::string* note = nullptr);
 
 }  // namespace origami

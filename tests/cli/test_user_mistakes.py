@@ -296,6 +296,13 @@ def main():
                      gb_ck, "--steps", "2"], "--global-batch (4) must be a positive multiple of --micro-batch (3); "
                      "resuming with the checkpoint's global batch 4 (--global-batch not given: the data position is "
                      "replayed from the step)")
+        # ... also where the default size would break another rule (one micro-batch a step, which the
+        # interleaved schedule refuses on 2 stages)
+        expect_error("... and where the default size breaks another rule", ["launch", "--np", "2", "--", "train",
+                     *short3, "--resume", gb_ck, "--save", gb_ck, "--steps", "2", "--pp", "2", "--pp-schedule",
+                     "interleaved"], "--global-batch (4) must be a positive multiple of --micro-batch (3); resuming with "
+                     "the checkpoint's global batch 4 (--global-batch not given: the data position is replayed from the "
+                     "step)")
         p = run("train", *short, "--resume", gb_ck, "--save", gb_ck, "--steps", "2", "--tp", "3", expect_ok=False)
         check(p.returncode == 1 and "not divisible by TP" in p.stderr and "checkpoint's global batch" not in p.stderr,
               "a mistake of the options' own on a resume does not blame the checkpoint's global batch: %s" % p.stderr)

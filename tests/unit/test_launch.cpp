@@ -23,10 +23,16 @@ TEST(Launch, FailedHostsLeaveTheHostfile) {
   EXPECT_EQ(s.hosts[0].first, "node1.cluster.local");
   EXPECT_EQ(s.hosts[1].first, "node3.cluster.local");
   EXPECT_EQ(s.total(), 8);
-  // A host the hostfile does not name is returned (its slots stay), and a rank that named no host (it hung
-  // before its progress record) blames none.
-  EXPECT_EQ(drop_failed_slots(s, {0, 1}, {"node9", ""}), std::vector<std::string>{"node9"});
+  // A host the hostfile does not name is returned (its slots stay), and so is "" for a rank that named no
+  // host (it hung before its progress record): it blames none.
+  EXPECT_EQ(drop_failed_slots(s, {0, 1}, {"node9", ""}), (std::vector<std::string>{"node9", ""}));
   EXPECT_EQ(s.total(), 8);
+  // A host on several lines leaves with all of them; a second spelling of it is no unknown host.
+  Slots lines;
+  lines.hosts = {{"node2", 1}, {"node2", 1}, {"node3", 1}, {"node3", 1}};
+  EXPECT_TRUE(drop_failed_slots(lines, {1, 2}, {"node2", "node2.cluster.local"}).empty());
+  ASSERT_EQ(lines.hosts.size(), 2u);
+  EXPECT_EQ(lines.hosts[0].first, "node3");
   Slots anonymous;
   anonymous.anonymous = 4;
   drop_failed_slots(anonymous, {}, {});  // a death mpirun named no rank of: one slot
