@@ -52,7 +52,7 @@ Request::~Request() {
   // the job), a request is abandoned, not waited for: its peer may itself wait for this rank (a pipeline
   // stage's receive posted ahead, whose sender waits for the input this rank failed to compute). Kept
   // where it stays reachable, as MPI may still use its handles until the abort.
-  if (std::uncaught_exceptions() > 0) {
+  if (std::uncaught_exceptions() > unwinding_) {
     static auto* abandoned = new std::vector<std::unique_ptr<Impl>>();
     abandoned->push_back(std::move(impl_));
     return;

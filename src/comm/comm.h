@@ -16,6 +16,7 @@
 //   send                 S
 #pragma once
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -37,7 +38,8 @@ template <> constexpr DType dtype_of<int64_t>() { return DType::i64; }
 
 // A pending non-blocking operation. wait() blocks until done; test() makes progress and says
 // whether it is done. Destroying an unfinished request waits for it (buffers must outlive it), except
-// while an exception unwinds: then it is abandoned (the error ends the job; comm.cpp).
+// when an exception thrown since it was made unwinds its scope: then it is abandoned (the error ends
+// the job: comm.cpp, run_training).
 class Request {
  public:
   struct Impl {
@@ -56,6 +58,7 @@ class Request {
 
  private:
   std::unique_ptr<Impl> impl_;
+  int unwinding_ = std::uncaught_exceptions();  // exceptions already in flight where it was made
 };
 
 // The accounting of the table above as functions of the sizes (Comm counts with them, and the planner

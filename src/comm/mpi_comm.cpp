@@ -57,8 +57,8 @@ void bf16_sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
   float a[kChunk], b[kChunk];
   const bf16* x = static_cast<const bf16*>(in);
   bf16* y = static_cast<bf16*>(inout);
-  for (int at = 0; at < *len; at += kChunk) {
-    const int n = std::min(kChunk, *len - at);
+  for (int at = 0, n; at < *len; at += n) {  // (steps of n: `at` never passes *len, which may be INT_MAX)
+    n = std::min(kChunk, *len - at);
     to_float(a, x + at, n);
     to_float(b, y + at, n);
     for (int i = 0; i < n; ++i) a[i] += b[i];
@@ -367,9 +367,14 @@ CommRuntime::~CommRuntime() {
   MPI_Finalize();
 }
 
-void CommRuntime::abort(int code) {
+void CommRuntime::abort(int code) { abort_job(code); }
+
+void abort_job(int code) {
   progress_entered("MPI_Abort", "world");
-  if (mpi_) MPI_Abort(MPI_COMM_WORLD, code);
+  int started = 0, finished = 0;
+  MPI_Initialized(&started);
+  MPI_Finalized(&finished);
+  if (started && !finished) MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);
 }
 

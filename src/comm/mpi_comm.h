@@ -25,6 +25,9 @@ class CommRuntime {
   std::unique_ptr<Comm> world_;
 };
 
+// Ends every rank of the job with `code` (MPI_Abort where MPI runs; else this process's exit).
+[[noreturn]] void abort_job(int code);
+
 // True when an MPI launcher started this process.
 bool launched_by_mpi();
 

@@ -1133,11 +1133,21 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
   Run run(open_run(model_cfg, opts, world), world);
   StopSignals stop_signals;
   int exit_code = 0;
-  for (int64_t step = run.start_step(); step < opts.steps && exit_code == 0; ++step) {
-    exit_code = run.step(step, stop_signals);
-    progress_step_done(step + 1);
+  try {
+    for (int64_t step = run.start_step(); step < opts.steps && exit_code == 0; ++step) {
+      exit_code = run.step(step, stop_signals);
+      progress_step_done(step + 1);
+    }
+    run.finish_saving();  // collective (the last save's commit): an error there ends the job as in a step
+  } catch (const ErrorReported&) {
+    throw;
+  } catch (const std::exception& e) {
+    // One rank's error in a step: the job ends here, while the run's buffers live (transfers in flight,
+    // abandoned as the error left their scope, may still read or write them until the abort).
+    if (world.size() == 1) throw;
+    report_rank_error("train", world, e);
+    abort_job(kExitRankFailed);
   }
-  run.finish_saving();  // collective (the last save's commit): an error there ends the job as in a step
   // After the last collective the end is agreed: where finishing fails on one rank alone, that rank
   // does not abort the job while the others are in MPI_Finalize (a race in which Open MPI can stall
   // until the launcher's watchdog); every rank learns of it and they exit together with kExitRankFailed.
