@@ -369,8 +369,7 @@ int cmd_profile(int argc, char** argv) {
     return cmd ? run_profile(world, *cmd) : 0;
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
-    report_rank_error("profile", world, e);
-    runtime.abort(kExitRankFailed);
+    abort_for_rank_error("profile", world, e);
   }
 }
 

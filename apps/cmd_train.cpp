@@ -324,14 +324,10 @@ void fill_from_files(Args& a, int ranks) {
     // The plan's batch in windows gives way to options (on the command line or in the run config) that
     // size steps otherwise: rows by --micro-batch-tokens, or whole documents (--batching documents,
     // where --global-batch is refused).
-    const auto wants = [&](const char* key) {
-      return a.given(key) || (run_config.is_object() && run_config.contains(key));
-    };
-    const std::string batching = a.given("batching") || !wants("batching") ? a.str("batching")
-                                 : run_config["batching"].is_string() ? run_config["batching"].get<std::string>() : "";
+    const std::string batching = a.given("batching") ? a.str("batching") : rc["batching"].string_or(a.str("batching"));
     nlohmann::json kept = plan;
     if (kept.contains("layout") && kept["layout"].is_object()) {
-      if (wants("micro-batch-tokens")) kept["layout"].erase("micro-batch");
+      if (a.given("micro-batch-tokens") || rc["micro-batch-tokens"].present()) kept["layout"].erase("micro-batch");
       if (batching == "documents") kept["layout"].erase("global-batch");
     }
     a.fill_from_json(JsonField(kept, a.str("plan"))["layout"]);
@@ -435,8 +431,7 @@ int cmd_train(int argc, char** argv) {
     throw;
   } catch (const std::exception& e) {
     if (!runtime.distributed()) throw;
-    report_rank_error("train", world, e);
-    runtime.abort(kExitRankFailed);  // (1 means every rank reported a user error)
+    abort_for_rank_error("train", world, e);  // (2: 1 means every rank reported a user error)
   }
 }
 

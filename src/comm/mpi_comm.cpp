@@ -367,8 +367,6 @@ CommRuntime::~CommRuntime() {
   MPI_Finalize();
 }
 
-void CommRuntime::abort(int code) { abort_job(code); }
-
 void abort_job(int code) {
   progress_entered("MPI_Abort", "world");
   int started = 0, finished = 0;

@@ -17,15 +17,14 @@ class CommRuntime {
 
   Comm& world() { return *world_; }
   bool distributed() const { return mpi_; }
-  // Ends every rank of the job with `code` (MPI_Abort); used when one rank fails on its own.
-  [[noreturn]] void abort(int code);
 
  private:
   bool mpi_ = false;
   std::unique_ptr<Comm> world_;
 };
 
-// Ends every rank of the job with `code` (MPI_Abort where MPI runs; else this process's exit).
+// Ends every rank of the job with `code` (MPI_Abort where MPI runs; else this process's exit); used when
+// one rank fails on its own.
 [[noreturn]] void abort_job(int code);
 
 // True when an MPI launcher started this process.

@@ -492,15 +492,16 @@ std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>&
   }
   // Each failed host once (a host's failed ranks name it each), every hostfile line of it (a hostfile may
   // name a host on several lines); "" (a rank that hung before its progress record) matches none.
-  std::vector<std::string> seen, unknown;
+  std::vector<std::string> dropped, unknown;
   for (const std::string& h : hosts) {
-    if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
-    seen.push_back(h);
-    const size_t removed = h.empty() ? 0 : std::erase_if(slots.hosts, [&](const auto& e) { return same_host(e.first, h); });
-    const bool dropped_before = std::any_of(seen.begin(), seen.end() - 1, [&](const std::string& s) {
-      return !h.empty() && !s.empty() && same_host(s, h);  // (another spelling of a host already left out)
-    });
-    if (removed == 0 && !dropped_before) unknown.push_back(h);
+    if (std::find(dropped.begin(), dropped.end(), h) != dropped.end() ||
+        std::find(unknown.begin(), unknown.end(), h) != unknown.end())
+      continue;
+    if (!h.empty() && std::erase_if(slots.hosts, [&](const auto& e) { return same_host(e.first, h); }) > 0)
+      dropped.push_back(h);
+    // (another spelling of a host already left out is no unknown host)
+    else if (h.empty() || std::none_of(dropped.begin(), dropped.end(), [&](const std::string& d) { return same_host(d, h); }))
+      unknown.push_back(h);
   }
   return unknown;
 }

@@ -1145,8 +1145,7 @@ int run_training(const ModelConfig& model_cfg, const TrainOptions& opts, Comm& w
     // One rank's error in a step: the job ends here, while the run's buffers live (transfers in flight,
     // abandoned as the error left their scope, may still read or write them until the abort).
     if (world.size() == 1) throw;
-    report_rank_error("train", world, e);
-    abort_job(kExitRankFailed);
+    abort_for_rank_error("train", world, e);
   }
   // After the last collective the end is agreed: where finishing fails on one rank alone, that rank
   // does not abort the job while the others are in MPI_Finalize (a race in which Open MPI can stall
@@ -1169,6 +1168,11 @@ void report_rank_error(const char* command, const Comm& world, const std::except
   std::fprintf(stderr, "origami %s: error (rank %d of %d): %s\n", command, world.rank(), world.size(),
                oom ? "out of memory (in an allocation outside the checked buffers)" : e.what());
   std::fflush(stderr);
+}
+
+void abort_for_rank_error(const char* command, const Comm& world, const std::exception& e) {
+  report_rank_error(command, world, e);
+  abort_job(kExitRankFailed);
 }
 
 TrainOptions with_checkpoint_step_size(const TrainOptions& opts, std::string* note) {

@@ -171,6 +171,8 @@ constexpr int kExitRankFailed = 2;
 
 // Prints a rank's own error during a command's work: "origami COMMAND: error (rank R of N): what".
 void report_rank_error(const char* command, const Comm& world, const std::exception& e);
+// Reports it and ends the job with kExitRankFailed (MPI_Abort), no rank left waiting in a collective.
+[[noreturn]] void abort_for_rank_error(const char* command, const Comm& world, const std::exception& e);
 
 // Returns the process exit code (0, kExitSignal, kExitNonFinite, or kExitRankFailed where the end of the
 // run, after its last step, failed on some rank: that rank reports it). Collective over `world`: every
