@@ -16,6 +16,7 @@
 
 #include "core/checksum.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/progress.h"
 #include "core/io.h"
 #include "core/json_fields.h"
@@ -442,14 +443,7 @@ WrittenFile write_safetensors(const std::string& path, const std::vector<TensorW
   ORIGAMI_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, "cannot rename ", quote_path(tmp.path),
                 " to ", quote_path(path), ": ", errno_text());
   tmp.committed = true;
-  // Persist the rename itself; best effort (not every file system supports syncing a directory).
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  sync_dir(std::filesystem::path(path).parent_path().string());  // the rename itself durable
   return {tmp.written, tmp.sum.hex()};
 }
 

@@ -111,16 +111,29 @@ class MpiRequests final : public Request::Impl {
   std::function<void()> then;
   bool test() override {
     int done = 0;
-    CHECK_MPI(MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
+    check(MPI_Testall(int(reqs.size()), reqs.data(), &done, statuses()), "MPI_Testall");
     if (done != 0) finish();
     return done != 0;
   }
   void wait() override {
-    CHECK_MPI(MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
+    check(MPI_Waitall(int(reqs.size()), reqs.data(), statuses()), "MPI_Waitall");
     finish();
   }
 
  private:
+  std::vector<MPI_Status> statuses_;
+  MPI_Status* statuses() {
+    statuses_.resize(reqs.size());
+    return statuses_.data();
+  }
+  // MPI_ERR_IN_STATUS says only that some piece failed: the failed piece's status holds its error.
+  void check(int rc, const char* call) {
+    if (rc == MPI_SUCCESS) return;
+    if (rc == MPI_ERR_IN_STATUS)
+      for (const MPI_Status& st : statuses_)
+        if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING) rc = st.MPI_ERROR;
+    fail("MPI error in ", call, " of a non-blocking transfer: ", mpi_error_string(rc));
+  }
   void finish() {
     if (then) std::exchange(then, nullptr)();
   }

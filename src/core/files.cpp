@@ -46,7 +46,7 @@ void replace_dir(const std::string& from, const std::string& to, bool exchange) 
   ORIGAMI_CHECK(!exchange || errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, "cannot replace '", to,
                 "' with '", from, "': ", std::strerror(errno));
   const fs::path target(to);
-  const std::string aside = (target.parent_path() / ("." + target.filename().string() + ".replaced")).string();
+  const std::string aside = (target.parent_path() / cat(".", target.filename().string(), ".replaced")).string();
   fs::remove_all(aside, ec);  // (left by a crash in a replacement before)
   rename_file(to, aside);
   try {
@@ -119,10 +119,14 @@ void require_writable_dir(const std::string& path, const std::string& option) {
 
 void sync_dir(const std::string& dir) {
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);  // best effort: not every file system can sync a directory
+  if (fd < 0) return;  // (a directory this process may not open: nothing it can do)
+  // Not every file system can sync a directory (EINVAL, ENOTSUP); any other error (EIO) means the
+  // entries just renamed into it may not survive a crash, which the caller must hear.
+  const int rc = ::fsync(fd), err = errno;
   progress_alive();
   ::close(fd);
+  ORIGAMI_CHECK(rc == 0 || err == EINVAL || err == ENOTSUP, "cannot make the entries of '", dir.empty() ? "." : dir,
+                "' durable: ", std::strerror(err));
 }
 
 std::string filesystem_words(const std::exception& e) {

@@ -22,7 +22,8 @@ void require_writable_file(const std::string& path, const std::string& option);
 // existing ancestor is a writable directory.
 void require_writable_dir(const std::string& path, const std::string& option);
 
-// Makes renames and new entries in `dir` durable (fsync of the directory; best effort).
+// Makes renames and new entries in `dir` durable (fsync of the directory): an Error when the sync
+// fails, except on file systems that cannot sync a directory.
 void sync_dir(const std::string& dir);
 
 // Renames `from` to `to` (replacing `to`); Error naming both on failure.

@@ -92,9 +92,9 @@ int64_t read_stat(const std::string& path, const std::string& key) {
 
 }  // namespace
 
-AvailableMemory available_memory() {
+AvailableMemory available_memory(const std::string& root) {
   AvailableMemory out{-1, "MemAvailable"};
-  std::ifstream f("/proc/meminfo");
+  std::ifstream f(root + "/proc/meminfo");
   std::string line;
   while (std::getline(f, line)) {
     std::istringstream is(line);
@@ -119,19 +119,25 @@ AvailableMemory available_memory() {
       dir = dir.substr(0, slash);
     }
   };
-  std::ifstream cg("/proc/self/cgroup");
+  const std::string sys = root + "/sys/fs/cgroup";
+  std::ifstream cg(root + "/proc/self/cgroup");
   while (std::getline(cg, line)) {
     if (line.rfind("0::", 0) == 0)
-      lower_by_groups("/sys/fs/cgroup", line.substr(3), "memory.max", "memory.current", "inactive_file",
+      lower_by_groups(sys, line.substr(3), "memory.max", "memory.current", "inactive_file",
                       "the cgroup's memory.max");
-    const size_t v1 = line.find(":memory:");
-    if (v1 != std::string::npos) {
-      std::string group = line.substr(v1 + 8);
-      // Inside a container the group's path is often not visible under the mount: use the mount's root.
-      if (!std::ifstream("/sys/fs/cgroup/memory" + group + "/memory.limit_in_bytes")) group = "/";
-      lower_by_groups("/sys/fs/cgroup/memory", group, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                      "total_inactive_file", "the cgroup's memory.limit_in_bytes");
-    }
+    // v1: "N:controllers:/path", the controllers comma-separated ("memory", or co-mounted as
+    // "cpu,memory", whose hierarchy is mounted under that name and often linked as "memory" too).
+    const size_t c0 = line.find(':'), c1 = c0 == std::string::npos ? c0 : line.find(':', c0 + 1);
+    if (c1 == std::string::npos) continue;
+    const std::string controllers = line.substr(c0 + 1, c1 - c0 - 1);
+    if (("," + controllers + ",").find(",memory,") == std::string::npos) continue;
+    std::string mount = sys + "/memory";
+    if (!std::ifstream(mount + "/memory.limit_in_bytes")) mount = sys + "/" + controllers;
+    std::string group = line.substr(c1 + 1);
+    // Inside a container the group's path is often not visible under the mount: use the mount's root.
+    if (!std::ifstream(mount + group + "/memory.limit_in_bytes")) group = "/";
+    lower_by_groups(mount, group, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file",
+                    "the cgroup's memory.limit_in_bytes");
   }
   if (out.bytes < 0) out = {INT64_MAX, "unknown"};
   return out;

@@ -55,12 +55,14 @@ std::string host_name();
 int64_t resident_bytes();
 
 // Memory this process may still take: MemAvailable (/proc/meminfo), lowered by the limits of its
-// cgroup v2 group and the group's ancestors (memory.max − (memory.current − inactive_file)) where
-// set. `source` says which bound applied.
+// cgroup group and the group's ancestors where set: v2's memory.max − (memory.current −
+// inactive_file), v1's memory.limit_in_bytes − (memory.usage_in_bytes − total_inactive_file), the
+// memory controller mounted alone or with others. `source` says which bound applied. `root` prefixes
+// /proc and /sys (a test's fake tree).
 struct AvailableMemory {
   int64_t bytes = 0;
   std::string source;
 };
-AvailableMemory available_memory();
+AvailableMemory available_memory(const std::string& root = "");
 
 }  // namespace origami
