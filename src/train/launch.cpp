@@ -237,12 +237,12 @@ pid_t spawn_job(const std::vector<std::string>& argv, const std::string& progres
   return pid;
 }
 
-// Ends a hung job: every rank on the board that runs on this host (a pid names a process of its own
-// host only; mpirun ends the others), then mpirun.
-void kill_job(pid_t mpirun, const std::vector<RankProgress>& board) {
+// Ends a hung job: every rank on the board that runs on this host and is still this job's (a pid
+// names a process of its own host only; mpirun ends the others), then mpirun.
+void kill_job(pid_t mpirun, const std::vector<RankProgress>& board, const std::string& progress_dir) {
   const std::string here = host_name();
   for (const RankProgress& r : board)
-    if (r.pid > 0 && r.host == here) ::kill(pid_t(r.pid), SIGKILL);
+    if (r.pid > 0 && r.host == here && is_job_process(r.pid, progress_dir)) ::kill(pid_t(r.pid), SIGKILL);
   ::kill(mpirun, SIGTERM);
 }
 
@@ -284,7 +284,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       // Once politely (the ranks save and stop); a second request kills this host's ranks too (a hung
       // job's would outlive mpirun) and mpirun 10 s later, as the watchdog does.
       if (signalled == 1) ::kill(pid, SIGTERM);
-      else if (!ending) kill_job(pid, board), killed_at = steady_s(), ending = true;
+      else if (!ending) kill_job(pid, board, progress_dir), killed_at = steady_s(), ending = true;
     }
     if (killed_at > 0 && steady_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
     // The watchdog keeps watching a job asked to stop: a hung one cannot save and stop, and is ended
@@ -299,7 +299,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
         for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
         std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", why.c_str());
       }
-      kill_job(pid, board);
+      kill_job(pid, board, progress_dir);
       killed_at = steady_s(), ending = true;
     }
   }
@@ -464,6 +464,14 @@ void announce(Events& events, int attempt, const World& w, int np, const std::st
 }
 
 }  // namespace
+
+bool is_job_process(int64_t pid, const std::string& progress_dir) {
+  std::ifstream f(cat("/proc/", pid, "/environ"), std::ios::binary);
+  const std::string mine = "ORIGAMI_PROGRESS_DIR=" + progress_dir;
+  for (std::string var; std::getline(f, var, '\0');)
+    if (var == mine) return true;
+  return false;
+}
 
 bool same_host(const std::string& a, const std::string& b) {
   if (a == b) return true;

@@ -1,5 +1,12 @@
-// origami launch --shrink: which hostfile slots a failure takes away (train/launch.h).
+// origami launch (train/launch.h): which hostfile slots a failure takes away (--shrink), and which
+// processes the watchdog may kill.
 #include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
 
 #include "train/launch.h"
 
@@ -39,6 +46,40 @@ TEST(Launch, FailedHostsLeaveTheHostfile) {
   EXPECT_EQ(anonymous.total(), 3);
   drop_failed_slots(anonymous, {0, 2}, {"x", "x"});
   EXPECT_EQ(anonymous.total(), 1);
+}
+
+// A rank's pid on the progress board names the job's process only while the rank lives: the
+// watchdog kills a pid only when that process's environment names the job's progress directory.
+TEST(Launch, KillsOnlyTheJobsProcesses) {
+  auto start_sleep = [](std::vector<std::string> env_text) {
+    std::vector<std::string> argv_text{"sleep", "30"};
+    std::vector<char*> argv, env;
+    for (auto& a : argv_text) argv.push_back(a.data());
+    for (auto& e : env_text) env.push_back(e.data());
+    argv.push_back(nullptr), env.push_back(nullptr);
+    pid_t pid = 0;
+    EXPECT_EQ(posix_spawnp(&pid, "sleep", nullptr, nullptr, argv.data(), env.data()), 0);
+    return pid;
+  };
+  auto end = [](pid_t pid) {
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+  };
+  const pid_t rank = start_sleep({"PATH=/usr/bin:/bin", "ORIGAMI_PROGRESS_DIR=/tmp/job.progress"});
+  const pid_t other = start_sleep({"PATH=/usr/bin:/bin", "ORIGAMI_PROGRESS_DIR=/tmp/job.progress.old"});
+  // (posix_spawn returns while exec still builds the new stack, whose environment reads empty until
+  // then: wait until each shows its own)
+  auto shows = [](pid_t pid, const std::string& dir) {
+    for (int i = 0; i < 1000 && !is_job_process(pid, dir); ++i) usleep(1000);
+    return is_job_process(pid, dir);
+  };
+  ASSERT_TRUE(shows(rank, "/tmp/job.progress"));
+  ASSERT_TRUE(shows(other, "/tmp/job.progress.old"));
+  EXPECT_FALSE(is_job_process(rank, "/tmp/job"));  // the whole value, not a prefix
+  EXPECT_FALSE(is_job_process(other, "/tmp/job.progress"));
+  end(rank), end(other);
+  EXPECT_FALSE(is_job_process(rank, "/tmp/job.progress"));  // gone (reaped): its pid is free for another
 }
 
 }  // namespace
