@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/json_fields.h"
@@ -72,11 +75,26 @@ bool Args::parse(int argc, char** argv) {
 
 namespace {
 // Two option values alike: the same words, or the same number however written (2 and 2.0, 1e-3 and 0.001).
+std::vector<std::string> comma_items(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+// Two spellings of one value: equal strings, the same number (2 and 2.0), or comma-separated lists
+// ("2,2" and "2, 2", as integers() reads them) whose items are so item by item.
 bool same_value(const std::string& a, const std::string& b) {
   if (a == b) return true;
-  char *end_a = nullptr, *end_b = nullptr;
-  const double x = std::strtod(a.c_str(), &end_a), y = std::strtod(b.c_str(), &end_b);
-  return !a.empty() && !b.empty() && *end_a == 0 && *end_b == 0 && x == y;
+  const std::vector<std::string> xs = comma_items(a), ys = comma_items(b);
+  if (xs.size() != ys.size()) return false;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    char *end_x = nullptr, *end_y = nullptr;
+    const double x = std::strtod(xs[i].c_str(), &end_x), y = std::strtod(ys[i].c_str(), &end_y);
+    const bool numbers = !xs[i].empty() && !ys[i].empty() && *end_x == 0 && *end_y == 0;
+    if (xs[i] != ys[i] && !(numbers && x == y)) return false;
+  }
+  return true;
 }
 }  // namespace
 

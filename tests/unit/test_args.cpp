@@ -54,6 +54,31 @@ TEST(Args, RunConfigFileFillsButFlagsWin) {
   EXPECT_THROW(a.fill_from_json(origami::JsonField(nlohmann::json{{"bogus", 1}}, "run.json")), origami::Error);
 }
 
+// A second file (a run config after a plan) may repeat the first's value in another spelling — the
+// same number, the same list with spaces after its commas — but a different value is an error
+// naming both (the first wins, so the second would be ignored).
+TEST(Args, LaterFileMayRepeatButNotContradict) {
+  auto with_plan = [] {
+    Args a("train", "test");
+    a.option("lr", "X", "learning rate").option("pp-layers", "N,N", "layers").option("name", "S", "run name");
+    EXPECT_TRUE(parse(a, {}));
+    a.fill_from_json(origami::JsonField(nlohmann::json{{"lr", 2}, {"pp-layers", "2,2"}, {"name", "a b"}}, "plan.json"));
+    return a;
+  };
+  for (const nlohmann::json& same : {nlohmann::json{{"lr", 2.0}}, nlohmann::json{{"lr", "2"}},
+                                     nlohmann::json{{"pp-layers", "2, 2"}}, nlohmann::json{{"name", "a b"}}}) {
+    Args a = with_plan();
+    EXPECT_NO_THROW(a.fill_from_json(origami::JsonField(same, "run.json"))) << same.dump();
+  }
+  for (const nlohmann::json& other : {nlohmann::json{{"lr", 3}}, nlohmann::json{{"pp-layers", "2,3"}},
+                                      nlohmann::json{{"pp-layers", "2,2,0"}}, nlohmann::json{{"name", "ab"}}}) {
+    Args a = with_plan();
+    EXPECT_THROW(a.fill_from_json(origami::JsonField(other, "run.json")), origami::Error) << other.dump();
+  }
+  Args a = with_plan();
+  EXPECT_EQ(a.integers("pp-layers"), (std::vector<int64_t>{2, 2}));
+}
+
 // The environment switches' one parser: unset and empty give the default (the first choice); a
 // value outside the choices is one error naming the variable, the value and every choice.
 TEST(EnvChoice, DefaultValidAndInvalid) {
