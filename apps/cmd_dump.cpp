@@ -72,7 +72,7 @@ int cmd_dump(int argc, char** argv) {
   for (int64_t r = 0; r < B; ++r) sampler.window(step * B + r, tokens.data() + r * (T + 1));
 
   Params params(make_param_table(cfg));
-  if (init.empty()) params.init(a.unsigned_integer("seed"), cfg.num_layers);
+  if (init.empty()) params.init(a.unsigned_integer("seed"), cfg.num_layers, cfg.init_std);
   else {
     Checkpoint ck = Checkpoint::open(init);
     ck.bind(cfg);

@@ -91,7 +91,7 @@ namespace {
 // Fields that never change the math of training or inference.
 const std::set<std::string> kBookkeeping = {
     "architectures", "torch_dtype", "transformers_version", "_name_or_path", "model_type",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
     "return_dict", "output_hidden_states", "output_attentions", "torchscript", "id2label",
     "label2id", "task_specific_params", "output_router_logits", "tokenizer_class", "prefix",
     "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
@@ -148,9 +148,14 @@ class Reader {
   std::set<std::string> used_;
 };
 
-// A model dimension with its default: a positive integer up to its limit (ModelLimits).
-int64_t dimension(Reader& r, const std::string& key, int64_t dflt, int64_t limit) {
-  return r[key].integer_or(dflt, 1, limit);
+// A model dimension with its default: a positive integer up to its limit (ModelLimits, or another
+// field: `bound` names it). The default is held to the limit too: a field left out must not take a
+// value the file's other fields rule out (2 experts a token of 1 expert).
+int64_t dimension(Reader& r, const std::string& key, int64_t dflt, int64_t limit, const char* bound = nullptr) {
+  const JsonField f = r[key];
+  ORIGAMI_CHECK(f.present() || dflt <= limit, r.source(), ": field '", key, "' is not given, and its default, ", dflt,
+                ", exceeds ", bound ? cat(bound, " (", limit, ")") : cat("the limit ", limit), ": give it");
+  return f.integer_or(dflt, 1, limit);
 }
 
 void parse_gpt2(Reader& r, ModelConfig& c, const std::string& src) {
@@ -192,7 +197,8 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
   c.hidden = dimension(r, "hidden_size", d.hidden, ModelLimits::hidden);
   c.num_layers = dimension(r, "num_hidden_layers", d.layers, ModelLimits::layers);
   c.num_heads = dimension(r, "num_attention_heads", d.heads, ModelLimits::heads);
-  c.num_kv_heads = dimension(r, "num_key_value_heads", d.kv_heads > 0 ? d.kv_heads : c.num_heads, c.num_heads);
+  c.num_kv_heads = dimension(r, "num_key_value_heads", d.kv_heads > 0 ? d.kv_heads : c.num_heads, c.num_heads,
+                             "num_attention_heads");
   c.ffn = dimension(r, "intermediate_size", d.ffn, ModelLimits::ffn);
   c.max_positions = dimension(r, "max_position_embeddings", d.positions, ModelLimits::positions);
   c.norm_eps = r["rms_norm_eps"].number_or(d.norm_eps, NumberRange::positive());
@@ -224,7 +230,8 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
   }
   if (c.is_moe()) {
     // Hugging Face's defaults: Mixtral routes each token to 2 experts, Qwen2-MoE to 4
-    c.top_k = dimension(r, "num_experts_per_tok", c.type == ModelType::qwen2_moe ? 4 : 2, c.num_experts);
+    c.top_k = dimension(r, "num_experts_per_tok", c.type == ModelType::qwen2_moe ? 4 : 2, c.num_experts,
+                        "the number of experts");
     c.routing.aux_coef = r["router_aux_loss_coef"].number_or(0.001, NumberRange::at_least(0));
     c.routing.z_coef = r["router_z_loss_coef"].number_or(0.0, NumberRange::at_least(0));
     r.require_zero("router_jitter_noise", "router jitter is not implemented");
@@ -274,6 +281,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   if (c.is_gpt2()) parse_gpt2(r, c, src);
   else parse_llama_like(r, c, src);
   check_eos_token_id(r);
+  // Hugging Face's default for every model type; a fresh run's weights are drawn with it (Params::init).
+  c.init_std = r["initializer_range"].number_or(0.02, NumberRange::between(1e-12, 1e3));
   if (c.head_dim == 0) {
     ORIGAMI_CHECK(c.hidden % c.num_heads == 0, src, ": the number of attention heads (", c.num_heads,
                   ") must divide the hidden size (", c.hidden, ")");

@@ -75,6 +75,7 @@ struct ModelConfig {
   int64_t max_positions = 0;  // longest sequence (gpt2: n_positions, llama: max_position_embeddings)
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  double init_std = 0.02;     // initializer_range: the standard deviation of the normal initialisation
   bool tied_embeddings = true;
   bool qkv_bias = false;       // q/k/v projection biases (gpt2's c_attn bias, qwen2_moe)
   // Mixture of experts (mixtral, qwen2_moe).

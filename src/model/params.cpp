@@ -330,8 +330,8 @@ float* Params::grad(const std::string& name) {
   return grad() + offsets_[size_t(i)];
 }
 
-void Params::init(uint64_t seed, int64_t num_layers) {
-  const double std_normal = 0.02, std_scaled = 0.02 / std::sqrt(2.0 * double(num_layers));
+void Params::init(uint64_t seed, int64_t num_layers, double std_dev) {
+  const double std_normal = std_dev, std_scaled = std_dev / std::sqrt(2.0 * double(num_layers));
   std::vector<std::vector<Range>> held(table_.size());  // each tensor's held elements, local offsets
   for (const Segment& seg : held_segments())
     held[seg.param].push_back({seg.begin - offsets_[seg.param], seg.end - offsets_[seg.param]});

@@ -202,8 +202,9 @@ class Params {
 
   // Deterministic init: element j of parameter `name` depends only on (seed, name, j), j the index
   // in the global tensor — never on the layout.
-  // normal: N(0, 0.02²); scaled_normal: N(0, (0.02/√(2L))²) (GPT-2 residual projections).
-  void init(uint64_t seed, int64_t num_layers);
+  // normal: N(0, σ²); scaled_normal: N(0, (σ/√(2L))²) (GPT-2 residual projections); σ is the
+  // config's initializer_range (ModelConfig::init_std, 0.02 by default).
+  void init(uint64_t seed, int64_t num_layers, double std_dev);
   void zero_grad();
   // ZeRO-3 and FSSDP keep only their shards of the values: from hold_only(shards) on, init(),
   // keep_bf16_copy() and a checkpoint's read_weights fill those ranges alone, so that a rank never

@@ -288,7 +288,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
   StartState start;
   Checkpoint* ck = in.checkpoint ? &*in.checkpoint : nullptr;
   if (!ck) {
-    for (ParamSet* set : sets) set->params.init(o.seed, plan.model.num_layers);
+    for (ParamSet* set : sets) set->params.init(o.seed, plan.model.num_layers, plan.model.init_std);
     return start;
   }
   // Every rank reads only its own shards (any layout wrote them) and checks the checksums of its

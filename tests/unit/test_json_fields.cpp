@@ -366,4 +366,29 @@ TEST(ModelConfig, TopKDefaults) {
   EXPECT_EQ(origami::parse_model_config(cfg, "config.json").top_k, 2);
   cfg["model_type"] = "qwen2_moe";
   EXPECT_EQ(origami::parse_model_config(cfg, "config.json").top_k, 4);
+  // A default the other fields rule out is an error naming the field left out, not a router that
+  // picks more experts than there are (it read and wrote out of bounds) or a message about a field
+  // the user never wrote.
+  cfg["num_experts"] = 2;
+  EXPECT_EQ(error_of([&] { origami::parse_model_config(cfg, "config.json"); }),
+            "config.json: field 'num_experts_per_tok' is not given, and its default, 4, exceeds the number of "
+            "experts (2): give it");
+  cfg["num_experts_per_tok"] = 2;
+  EXPECT_EQ(origami::parse_model_config(cfg, "config.json").top_k, 2);
+  json mixtral = {{"model_type", "mixtral"}, {"hidden_size", 48}, {"num_attention_heads", 4},
+                  {"intermediate_size", 40}, {"num_hidden_layers", 2}, {"vocab_size", 257}};
+  EXPECT_EQ(error_of([&] { origami::parse_model_config(mixtral, "config.json"); }),
+            "config.json: field 'num_key_value_heads' is not given, and its default, 8, exceeds "
+            "num_attention_heads (4): give it");
+}
+
+// initializer_range sets the standard deviation a fresh run draws its weights with (Hugging Face's
+// default 0.02); it is a positive number.
+TEST(ModelConfig, InitializerRange) {
+  EXPECT_DOUBLE_EQ(origami::parse_model_config(json{{"model_type", "gpt2"}}, "config.json").init_std, 0.02);
+  EXPECT_DOUBLE_EQ(
+      origami::parse_model_config(json{{"model_type", "gpt2"}, {"initializer_range", 0.006}}, "config.json").init_std,
+      0.006);
+  EXPECT_EQ(config_error({{"initializer_range", 0}}),
+            "config.json: field 'initializer_range': expected a number in [1e-12, 1000], got 0");
 }

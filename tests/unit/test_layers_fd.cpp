@@ -1309,6 +1309,30 @@ INSTANTIATE_TEST_SUITE_P(Configs, MoeFd,
                                            MoeCase{{12, 6, 4, 5, 3}, true, 0.7, 3}),
                          [](const ::testing::TestParamInfo<MoeCase>& info) { return moe_case_name(info.param); });
 
+// Sigmoid scores of logits far below zero are exactly 0: the chosen experts' weights (renormalised
+// over a sum of zeros) and the aux loss (over Σ p = 0) stay finite, as do their gradients — before
+// the floor on those sums they were 0/0.
+TEST(MoeRouting, SigmoidScoresThatUnderflowStayFinite) {
+  MoeSizes s{4, 3, 2, 5, 2};
+  MoeRouting r;
+  r.score = RouterScore::sigmoid, r.aux = AuxLoss::seq, r.aux_coef = 0.3, r.z_coef = 0;
+  s.cap = r.capacity(s.N, s.K, s.E);
+  const Vec x(size_t(s.N * s.C), 1.0), gate(size_t(s.E * s.C), -1000.0);  // every logit −3000: σ = 0
+  Rng rng(5);
+  const Vec experts = rng.vec(s.E * 3 * s.C * s.F), dout = rng.vec(s.N * s.C);
+  MoeCache<double> cache;
+  Vec out(size_t(s.N * s.C), 999.0);
+  moe_forward(out.data(), cache, x.data(), gate.data(), experts.data(), s, r);
+  for (double w : cache.weight_NK) EXPECT_EQ(w, 0.0);
+  for (double o : out) EXPECT_EQ(o, 0.0);
+  EXPECT_TRUE(std::isfinite(cache.aux));
+  Vec dx(size_t(s.N * s.C)), dgate(size_t(s.E * s.C), 0.0), dexperts(experts.size(), 0.0);
+  moe_backward(dx.data(), dgate.data(), dexperts.data(), dout.data(), cache, x.data(), gate.data(), experts.data(), s,
+               r, 1.0);
+  for (const Vec* v : {&dx, &dgate, &dexperts})
+    for (double g : *v) ASSERT_TRUE(std::isfinite(g));
+}
+
 // Document batching (MoeSequences): 12 tokens of 4 sequences (one of one token, one split by padding
 // from nothing) and 3 padding tokens. Padding routes to no expert, counts nowhere and gets no gradient;
 // the per-sequence aux loss and the z-loss over the real tokens, divided by the given `tokens`, match

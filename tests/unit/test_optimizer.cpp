@@ -72,7 +72,7 @@ TEST(AdamW, WritesTheBf16CopyOfItsCopyRangesOnly) {
   table[0].name = "h.0.mlp.c_fc.weight", table[0].shape = {30, 70};
   table[1].name = "h.0.mlp.c_fc.bias", table[1].shape = {70};
   Params p(table);
-  p.init(7, 1);
+  p.init(7, 1, 0.02);
   p.keep_bf16_copy();
   const std::vector<float> g = random_floats(size_t(p.size()), -1, 1, 9);
   std::copy(g.begin(), g.end(), p.grad());

@@ -198,3 +198,20 @@ TEST(SlotClasses, ChunksOfOneShapeShareAPool) {
   cfg.sparse_step = 2;  // layers 1 and 3 MoE: [0, 2) and [2, 4) alike, [1, 3) not
   EXPECT_EQ(slot_classes(cfg, {{0, 2}, {2, 4}, {1, 3}}), (std::vector<int>{0, 0, 1}));
 }
+
+// A fresh run's weights scale with the config's initializer_range: the same draws (seed, name, index)
+// times σ, and the residual projections' σ/√(2L) with them; norms' ones and biases' zeros stay.
+TEST(ParamsInit, StandardDeviationFromTheConfig) {
+  const ModelConfig cfg = config("gpt2_tiny");
+  Params wide(make_param_table(cfg)), narrow(make_param_table(cfg));
+  wide.init(3, cfg.num_layers, 0.02);
+  narrow.init(3, cfg.num_layers, 0.005);
+  int64_t drawn = 0;
+  for (int64_t i = 0; i < wide.size(); ++i) {
+    const float w = wide.data()[i];
+    const bool constant = w == 0.f || w == 1.f;  // (a draw times 0.02 is never exactly 0 or 1)
+    ASSERT_FLOAT_EQ(narrow.data()[i], constant ? w : float(0.25 * double(w))) << "element " << i;
+    drawn += !constant;
+  }
+  EXPECT_GT(drawn, wide.size() / 2);
+}

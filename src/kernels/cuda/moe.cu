@@ -15,6 +15,10 @@ __device__ float score_of(float logit, float lse, bool softmax) {
   return softmax ? expf(logit - lse) : 1.f / (1.f + expf(-logit));
 }
 
+// Added to a sum of sigmoid scores before dividing by it, as the CPU layer does (moe.cpp): scores of
+// logits below about −88 are exactly 0.
+constexpr float kScoreSumFloor = 1e-20f;
+
 // A thread per token: log-sum-exp of the logits, scores, the top K (ties: the lower expert), weights.
 __global__ void route_kernel(float* lse, int32_t* expert, float* score, float* weight, const float* logits, int64_t N,
                              int64_t E, int64_t K, bool softmax, bool renormalise) {
@@ -41,7 +45,7 @@ __global__ void route_kernel(float* lse, int32_t* expert, float* score, float* w
     psum += (score[n * K + k] = weight[n * K + k] = best_p);
   }
   if (renormalise)
-    for (int64_t k = 0; k < K; ++k) weight[n * K + k] /= psum;
+    for (int64_t k = 0; k < K; ++k) weight[n * K + k] /= psum + kScoreSumFloor;
 }
 
 // One block, a thread per expert: counts, their exclusive sum, then each assignment's row in token
@@ -73,7 +77,7 @@ __global__ void router_terms(double* terms, const float* logits, const float* ls
   if (n >= N) return;
   double a = 0;
   if (aux) {
-    double S = 0;
+    double S = kScoreSumFloor;
     for (int64_t e = 0; e < E; ++e) S += softmax ? 0.0 : score_of(logits[n * E + e], lse[n], false);
     if (softmax) S = 1;
     for (int64_t e = 0; e < E; ++e) a += double(frac[e]) * double(score_of(logits[n * E + e], lse[n], softmax)) / S;
@@ -94,7 +98,7 @@ __global__ void router_backward_kernel(float* dlogits, const float* logits, cons
   float* dp = dlogits + n * E;
   float S = 1.f;
   if (!softmax) {
-    S = 0.f;
+    S = kScoreSumFloor;
     for (int64_t e = 0; e < E; ++e) S += score_of(l[e], ls, false);
   }
   float dot = 0.f;
@@ -106,7 +110,7 @@ __global__ void router_backward_kernel(float* dlogits, const float* logits, cons
   if (renormalise) {
     float psum = 0.f, wdot = 0.f;
     for (int64_t k = 0; k < K; ++k) psum += score[n * K + k], wdot += dw[k] * weight[n * K + k];
-    for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (dw[k] - wdot) / psum;
+    for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (dw[k] - wdot) / (psum + kScoreSumFloor);
   } else {
     for (int64_t k = 0; k < K; ++k) dp[idx[k]] += dw[k];
   }

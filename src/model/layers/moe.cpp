@@ -41,11 +41,16 @@ void scores_backward(T* dp, const T* p, int64_t E, RouterScore score) {
   }
 }
 
-// Σ_e p (the sigmoid scores' normaliser of pa; 1 for softmax).
+// Added to a sum of sigmoid scores before dividing by it (DeepSeek-V3's 1e-20): a sigmoid of a logit
+// below about −88 (fp32) is exactly 0, and a sum of such scores would make the weights or the aux
+// loss 0/0. Below any sum that matters, so it changes no other result.
+constexpr double kScoreSumFloor = 1e-20;
+
+// Σ_e p (the sigmoid scores' normaliser of pa, with the floor; 1 for softmax).
 template <typename T>
 T score_sum(const T* p, int64_t E, RouterScore score) {
   if (score == RouterScore::softmax) return T(1);
-  T s = 0;
+  T s = T(kScoreSumFloor);
   for (int64_t e = 0; e < E; ++e) s += p[e];
   return s;
 }
@@ -102,7 +107,7 @@ void route_forward(MoeCache<T>& c, const T* x, const T* gate, const MoeSizes& s,
       if (std::find(idx, idx + K, int32_t(e)) == idx + K) rest = std::max(rest, key(e));
     near_ties += !padding(c, n) && key(idx[K - 1]) - rest < T(kNearTie);
     if (r.renormalise())
-      for (int64_t k = 0; k < K; ++k) w[k] /= psum;
+      for (int64_t k = 0; k < K; ++k) w[k] /= psum + T(kScoreSumFloor);
   }
   c.near_ties = near_ties;
 }
@@ -224,7 +229,7 @@ void moe_backward_router(T* dx, T* dgate, const MoeScratch<T>& scratch, const Mo
     if (r.renormalise()) {
       T psum = 0, wdot = 0;
       for (int64_t k = 0; k < K; ++k) psum += c.score_NK[size_t(n * K + k)], wdot += dw[k] * c.weight_NK[size_t(n * K + k)];
-      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (dw[k] - wdot) / psum;
+      for (int64_t k = 0; k < K; ++k) dp[idx[k]] += (dw[k] - wdot) / (psum + T(kScoreSumFloor));
     } else {
       for (int64_t k = 0; k < K; ++k) dp[idx[k]] += dw[k];
     }
