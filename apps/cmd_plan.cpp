@@ -31,6 +31,7 @@
 #include "core/gnuplot.h"
 #include "plan/plot.h"
 #include "train/memory_plan.h"
+#include "model/params.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -61,11 +62,11 @@ Fixed parse_layout(const std::string& spec) {
   std::istringstream in(spec);
   std::map<std::string, std::string> axis_word;  // each axis fixed once: "tp2 tp4" or "sp nosp" is a mistake
   for (std::string w; in >> w;) {
-    auto number = [&](size_t skip, int64_t least = 1) {
+    auto number = [&](size_t skip, int64_t least = 1, int64_t most = kMaxDegree) {
       const std::string digits = w.substr(skip);
-      ORIGAMI_CHECK(!digits.empty() && digits.size() < 10 && std::all_of(digits.begin(), digits.end(), is_digit) &&
-                        std::stoll(digits) >= least && std::stoll(digits) <= kMaxDegree,
-                    "--layout: '", w, "' needs an integer in [", least, ", ", kMaxDegree, "] after '", w.substr(0, skip),
+      ORIGAMI_CHECK(!digits.empty() && digits.size() < 12 && std::all_of(digits.begin(), digits.end(), is_digit) &&
+                        std::stoll(digits) >= least && std::stoll(digits) <= most,
+                    "--layout: '", w, "' needs an integer in [", least, ", ", most, "] after '", w.substr(0, skip),
                     "'");
       return std::stoll(digits);
     };
@@ -109,7 +110,7 @@ Fixed parse_layout(const std::string& spec) {
     else if (w.rfind("ep", 0) == 0) f.ep = int(number(2));
     else if (w.rfind("vpp", 0) == 0) f.vpp = int(number(3));
     else if (w.rfind("pp", 0) == 0) f.pp = int(number(2));
-    else if (w.rfind("mb", 0) == 0) f.mb = number(2);
+    else if (w.rfind("mb", 0) == 0) f.mb = number(2, 1, kMaxBatch);  // (train's bound on --micro-batch)
     else if (w.rfind("zero", 0) == 0) f.zero = int(number(4, 0));
     else fail("--layout: '", w, "' is not one of tpN cpN dpN epN etpN ppN vppN zeroN mbN sp nosp fssdp fssdp-keep nofssdp "
                 "vocab novocab recompute=MODE cp-comm=MODE pp-layers=N,N,...");
@@ -190,8 +191,9 @@ RoutingSkew parse_imbalance(const std::string& v, const ModelConfig& cfg) {
 // nullopt when --help was asked for (the help text is then already printed).
 std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   Args a("plan",
-         "Predict step time, memory per rank and MFU of training layouts (TP, CP, EP, ETP, DP with ZeRO, PP\n"
-         "and VPP, micro-batch, sequence parallelism, recomputation) on a cluster, and list the best that fit.\n"
+         "Predict step time, memory per rank and MFU of training layouts (TP, CP and its mechanism, EP or\n"
+         "FSSDP, ETP, DP with ZeRO, PP and VPP, micro-batch, sequence and vocabulary parallelism,\n"
+         "recomputation) on a cluster, and list the best that fit.\n"
          "Step time, memory and communication come from the runtime's own functions and the cluster's\n"
          "measured or documented rates (DESIGN.md, \"Planner\").");
   a.option("config", "FILE", "model config.json (Hugging Face)")
@@ -199,7 +201,9 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
       .option("devices", "N", "ranks of the run (default: every device of the cluster)")
       .option("global-batch", "G", "rows per optimizer step")
       .option("seq-len", "T", "tokens per row")
-      .option("layout", "AXES", "fix these axes and search the rest, e.g. \"tp2 pp4 zero1 mb1 recompute=selective\"")
+      .option("layout", "AXES", "fix these axes and search the rest, e.g. \"tp2 pp4 zero1 mb1 recompute=selective\"; "
+                                "the words: tpN cpN dpN epN etpN ppN vppN zeroN mbN, sp nosp, fssdp fssdp-keep "
+                                "nofssdp, vocab novocab, recompute=MODE, cp-comm=p2p|a2a, pp-layers=N,N,...")
       .option("top", "K", "layouts to print", "10")
       .option("nodes", "N", "size the cluster file's pod: N nodes of its devices_per_node (default: the file's nodes)")
       .option("precision", "fp32|bf16", "the run's --precision: bf16 GEMMs and attention at the cluster's bf16 rates "
@@ -255,6 +259,8 @@ std::optional<PlanCommand> parse_plan_options(int argc, char** argv) {
   cmd.fixed = parse_layout(cmd.layout);
   cmd.json = a.on("json");
   cmd.explain = a.on("explain");
+  ORIGAMI_CHECK(!(cmd.explain && cmd.json), "--explain prints each layout's step time by part after the table, which "
+                "--json does not print: its 'breakdown' field holds the same parts; drop one");
   cmd.any_memory = a.on("any-memory");
   cmd.out = a.str("out");
   cmd.plot = a.str("plot");
@@ -310,6 +316,7 @@ class LayoutSearch {
     base_.precision = cmd.precision;
     base_.grad_reduce_dtype = cmd.grad_reduce_dtype;
     base_.data = "plan";  // not read: validate() only asks that there is one
+    base_.threads = cmd.cluster.threads_per_rank;  // (the memory check's: each thread's attention scratch)
   }
 
   // First with `counting` (the meshes and splits only, nothing sized: work() before anything is built),
@@ -610,8 +617,10 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   if (!b.pp_layers.empty()) layout["pp-layers"] = join_layers(b.pp_layers);
   if (!cmd.cfg.is_moe())  // (train refuses expert options for a model without experts)
     for (const char* key : {"ep", "etp", "expert-sharding", "fssdp-keep"}) layout.erase(key);
+  // (the model too: train --plan refuses a plan made for another)
+  const nlohmann::json model = {{"model_type", cmd.cfg.model_type()}, {"parameters", num_parameters(cmd.cfg)}};
   const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
-                               {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
+                               {"model", model}, {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
   write_file_atomically(cmd.out, plan.dump(2) + "\n");
 }
 

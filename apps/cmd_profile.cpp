@@ -332,6 +332,7 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
   c.name = cmd.name;
   c.nodes = 1;
   c.devices_per_node = world.size();
+  c.threads_per_rank = num_threads();
   measure_gemms(world, cmd, Precision::fp32, c);
   c.attention_flops = measure_attention(world, cmd, Precision::fp32);
   // bf16: the GEMMs as its matmul runs them, the attention core with its bf16 products (DESIGN.md,

@@ -12,6 +12,7 @@
 #include "core/files.h"
 #include "core/io.h"
 #include "core/json_fields.h"
+#include "model/params.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -362,6 +363,19 @@ void pin_checkpoint_step(TrainOptions& o, Comm& world) {
 }
 
 // --config, else the config.json of the checkpoint the run resumes or starts from.
+// A plan lays out one model: the one `origami plan --out` names (its type and parameter count) must
+// be the run's. (A plan file without the entry, written before plans named their model, passes.)
+void check_plan_model(const std::string& path, const ModelConfig& cfg) {
+  const nlohmann::json plan = read_json_file(path, "plan");
+  const JsonField model = JsonField(plan, path)["model"];
+  if (!model.present()) return;
+  const std::string type = model["model_type"].string();
+  const int64_t parameters = model["parameters"].integer(1, JsonField::kNoLimit);
+  ORIGAMI_CHECK(type == cfg.model_type() && parameters == num_parameters(cfg), "--plan ", path, " was made for a ",
+                type, " of ", parameters, " parameters, and this run's model is a ", cfg.model_type(), " of ",
+                num_parameters(cfg), ": plan it with this run's --config");
+}
+
 std::string model_config_path(const Args& a, const TrainOptions& o) {
   std::string config = a.str("config");
   if (config.empty() && !(o.resume.empty() && o.init_from.empty()) && !o.fresh_start())
@@ -402,6 +416,7 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
   pin_checkpoint_step(cmd.options, world);
   check_on_every_rank(world, "train", [&] {
     cmd.cfg = load_model_config(model_config_path(a, cmd.options));
+    if (a.has("plan")) check_plan_model(a.str("plan"), cmd.cfg);  // (first: the cause of what follows)
     require_experts_for_given(a, cmd.cfg, true);
   });
   return cmd;

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/json_fields.h"
+#include "train/trainer.h"  // kMaxThreads
 
 namespace origami {
 
@@ -78,7 +79,7 @@ double Cluster::overlap_of(const std::string& kind) const {
   return kind == "dp" || kind == "cp" ? comm_overlap : 0.0;
 }
 
-double Cluster::transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective,
+double Cluster::transfer_seconds(double bytes, double steps, bool inter_node, const std::string& collective,
                                  double step_bytes) const {
   const auto own = collectives.find(collective);
   const LinkTier& t = inter_node ? inter : own != collectives.end() ? own->second : intra;
@@ -92,9 +93,9 @@ double LinkTier::bandwidth_at(double step_bytes) const {
   return by_size.empty() ? bandwidth : interpolated(by_size, step_bytes);
 }
 
-double Cluster::all_to_all_seconds(double bytes, int calls, int group, int in_node) const {
+double Cluster::all_to_all_seconds(double bytes, double calls, int group, int in_node) const {
   if (group <= 1) return 0;
-  const double message = bytes / (double(std::max(calls, 1)) * (group - 1));  // to one peer in one call
+  const double message = bytes / (std::max(calls, 1.0) * (group - 1));  // to one peer in one call
   if (in_node >= group) return transfer_seconds(bytes, calls, false, "all_to_all", message);
   const double local = bytes * double(in_node - 1) / double(group - 1),
                remote = bytes * double(group - in_node) / double(group - 1);
@@ -179,13 +180,14 @@ nlohmann::json rates_json(const ComputeRates& r) {
 
 Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   const JsonField f(j, source);
-  f.only_keys({"name", "source", "nodes", "devices_per_node", "device", "comm_overlap", "overlap", "intra_node",
+  f.only_keys({"name", "source", "nodes", "devices_per_node", "threads_per_rank", "device", "comm_overlap", "overlap", "intra_node",
                "inter_node", "collectives"});
   Cluster c;
   c.name = f["name"].string_or(source);
   c.source = f["source"].string_or("");
   c.nodes = int(f["nodes"].integer(1, kMaxNodes));
   c.devices_per_node = int(f["devices_per_node"].integer(1, kMaxDevicesPerNode));
+  c.threads_per_rank = int(f["threads_per_rank"].integer_or(1, 1, kMaxThreads));
   const JsonField d = f["device"];
   d.only_keys({"memory_gb", "memory_bandwidth_gb_s", "first_touch_gb_s", "bf16", "sms", "kernel_overhead_us",
                "peak_tflops", "attention_tflops", "gemm", "gemm_streaming_gb_s", "gemm_streaming_accumulating_gb_s",
@@ -246,7 +248,7 @@ nlohmann::json Cluster::to_json() const {
   nlohmann::json links = nlohmann::json::object();
   for (const auto& [name, t] : collectives) links[name] = link(t);
   nlohmann::json j = {{"name", name},         {"source", source},   {"nodes", nodes},
-                      {"devices_per_node", devices_per_node}, {"device", d}, {"comm_overlap", comm_overlap},
+                      {"devices_per_node", devices_per_node}, {"threads_per_rank", threads_per_rank}, {"device", d}, {"comm_overlap", comm_overlap},
                       {"overlap", overlap}, {"collectives", links}};
   if (intra.bandwidth > 0) j["intra_node"] = link(intra);  // (none measured on one rank)
   if (inter_given || nodes > 1) j["inter_node"] = link(inter);  // (one node without it: none to join nodes with)

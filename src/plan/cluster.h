@@ -83,6 +83,7 @@ struct ComputeRates {
 struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 as read, at(bf16) for bf16)
   std::string name, source;
   int nodes = 1, devices_per_node = 1;
+  int threads_per_rank = 1;           // a CPU rank's threads, as profiled (each may hold attention scratch)
   double memory_bytes = 0;            // per device
   double memory_bandwidth = 0;        // bytes/s (roofline, element-wise work, AdamW; 0: not known)
   double first_touch = 0;             // bytes/s written into fresh pages (0: not priced)
@@ -116,16 +117,16 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   // softmax work that does not scale with D, (D / (D + 32)) relative to D = 128.
   double attention_rate(double T, double D) const;
   // Seconds of a collective that sends `bytes` (as Comm counts them) in `steps` latency-bound
-  // message steps, over the tier the group spans: within a node at the collective's own measured
+  // message steps (a count; a double, as a huge layout's exceed 2^31), over the tier the group spans: within a node at the collective's own measured
   // rate ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv") where the file
   // gives one, else at the tier's; at the bandwidth of messages of `step_bytes` per step (0: bytes/steps,
   // or with steps 0 one message of all the bytes).
-  double transfer_seconds(double bytes, int steps, bool inter_node, const std::string& collective = "all_reduce",
+  double transfer_seconds(double bytes, double steps, bool inter_node, const std::string& collective = "all_reduce",
                           double step_bytes = 0) const;
   // An all-to-all over `group` ranks of which `in_node` share the sender's node: each peer gets an
   // equal part of `bytes`, the ones in the node over its links and the rest across nodes, both at once.
   // `calls`: the all-to-alls `bytes` is the sum of (each sends group − 1 messages, one latency step).
-  double all_to_all_seconds(double bytes, int calls, int group, int in_node) const;
+  double all_to_all_seconds(double bytes, double calls, int group, int in_node) const;
 
   // Errors name the file, the field and the rule.
   static Cluster from_json(const nlohmann::json& j, const std::string& source);

@@ -274,7 +274,7 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   auto tier = [&](const std::string& axes) { return spans_nodes(mesh, rank, axes, per_node); };
   // One micro-batch's share of a communicator's bytes, moved by `collective` ("gather+scatter": half
   // by all-gathers, half by reduce-scatters, each with half the steps).
-  auto per_micro = [&](const std::string& key, const std::string& axes, int steps, const std::string& collective) {
+  auto per_micro = [&](const std::string& key, const std::string& axes, double steps, const std::string& collective) {
     const auto it = bytes.find(key);
     if (it == bytes.end()) return 0.0;
     const double x = it->second / micro;
@@ -286,16 +286,16 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   const double layers = double(part.num_layers());
   const double tp_shown = 1 - cluster.overlap_of("tp"), ep_shown = 1 - cluster.overlap_of("ep");
   // TP regions: all-reduces, or under SP all-gathers and reduce-scatters (twice as many, half the steps).
-  exposed["tp"] = tp_shown * per_micro("tp", "tp", int(layers * 6 + 3) * 2 * (t - 1), sp ? "gather+scatter" : "all_reduce");
-  exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", int(layers) * 2 * (t * c - 1), "all_reduce");
+  exposed["tp"] = tp_shown * per_micro("tp", "tp", (layers * 6 + 3) * 2 * (t - 1), sp ? "gather+scatter" : "all_reduce");
+  exposed["tp-cp"] = tp_shown * per_micro("tp-cp", "tp-cp", layers * 2 * (double(t) * c - 1), "all_reduce");
   // The dispatcher's exchanges are all-to-alls: the peers in the node over its links, the others
   // across nodes at once; ETP's are ring collectives. Per MoE layer (comm_volume.cpp): the row counts
   // in each forward (again in full recomputation's), and the rows to the experts and back in each
   // forward and in backward.
-  int moe_layers = 0;
-  for (const LayerRange& r : part.chunks) moe_layers += int(cfg_.num_moe_layers(r.begin, r.end));
+  double moe_layers = 0;  // (the step counts below are doubles: a huge layout's pass 2^31)
+  for (const LayerRange& r : part.chunks) moe_layers += double(cfg_.num_moe_layers(r.begin, r.end));
   const int forwards = forward_passes(o);
-  const int exchanges = moe_layers * (forwards + 2 * (forwards + 1));
+  const double exchanges = moe_layers * (forwards + 2 * (forwards + 1));
   const auto dispatched = bytes.find("ep");
   const double dispatch = dispatched == bytes.end() ? 0.0
       : cluster.all_to_all_seconds(dispatched->second / micro, exchanges, m.ep, in_node(mesh, rank, "ep", per_node));
@@ -306,16 +306,18 @@ std::map<std::string, double> CostModel::stage_exposed(const TrainOptions& o, co
   if (o.fssdp()) {
     // (under keep only the step's first gathers move anything: the needs are exchanged every time)
     const double gathers = o.fssdp_keep ? 1.0 / micro : forwards + 1;
-    const int calls = int(std::lround(moe_layers * (forwards + 3 + gathers)));
+    const double calls = std::round(moe_layers * (forwards + 3 + gathers));
     const auto sparse = bytes.find("edp");
     exposed["edp"] = sparse == bytes.end() ? 0.0
         : cluster.all_to_all_seconds(sparse->second / micro, calls, m.edp, in_node(mesh, rank, "edp", per_node)) +
-              fssdp_staging_bytes(o, buffers(o, mesh, rank).experts, part, m.edp) / micro /
-                  std::max(cluster.memory_bandwidth, 1e-9);
+              // (unpriced, as every streamed term, where the file gives no memory bandwidth)
+              (cluster.memory_bandwidth > 0
+                   ? fssdp_staging_bytes(o, buffers(o, mesh, rank).experts, part, m.edp) / micro / cluster.memory_bandwidth
+                   : 0.0);
   }
   // The ring's transfers hide behind the attention core as far as the cluster overlaps; the
   // all-to-all (a2a) sits before and after it.
-  const double cp_s = per_micro("cp", "cp", int(layers) * 2 * c, o.cp_a2a() == c ? "all_to_all" : "send_recv");
+  const double cp_s = per_micro("cp", "cp", layers * 2 * c, o.cp_a2a() == c ? "all_to_all" : "send_recv");
   exposed["cp"] = o.cp_a2a() == c ? cp_s : std::max(0.0, cp_s - cluster.overlap_of("cp") * attention);
   // One message after each forward and backward of a chunk; under vocabulary parallelism also its
   // passes' collectives (two all-reduces, an all-gather, the broadcasts: their bytes, ~6 hops each).

@@ -15,7 +15,8 @@ global batch 8, T 32:
      --out writes the best layout and its prediction, and
      `origami train --plan plan.json` runs that layout (a plan for 2 devices on 1 rank is an error).
   4. Mistakes (a missing --cluster, an unknown --layout word, more devices than the cluster has,
-     --layout axes that leave no layout, each naming the rule, and degrees whose product overflows)
+     --layout axes that leave no layout, each naming the rule, and degrees whose product overflows;
+     --explain with --json; a plan made for another model under train --plan)
      exit 1 with one error line. A bf16 mixtral layout with ZeRO over the experts' data-parallel ranks
      only (TP2, EDP2) runs and agrees as in 2.
   5. --plot FILE.png writes a PNG (gnuplot) of the listed layouts; without gnuplot (said before
@@ -26,6 +27,7 @@ global batch 8, T 32:
      step's figure of the EP2 run (the same routing, unless a near tie went another way); the JSON
      names the figure per layout, and a layout priced from the file is priced as with that figure
      stated; a missing file and a file without routing are errors.
+  7. A cluster file's threads_per_rank adds each thread's bf16 attention scratch to the memory.
 """
 import json
 import os
@@ -91,6 +93,28 @@ def check_imbalance_from_run(tmp, data):
         _, _, failure = h.check_error(name, 0, plan + [value], lambda line, want=want: want in line)
         failures += [failure] if failure else []
     return failures
+
+
+def check_threads_per_rank(tmp):
+    """Section 7: a cluster file's threads_per_rank (what `origami profile` ran with) counts in the memory as
+    the memory check counts its run's threads: each holds the bf16 attention core's scratch, the same
+    bytes a thread, so 16 threads add 15 times what the second adds."""
+    cluster = json.load(open(CLUSTER))
+    memory = {}
+    for threads in (1, 2, 16):
+        path = os.path.join(tmp, "cluster_%d_threads.json" % threads)
+        json.dump(dict(cluster, threads_per_rank=threads), open(path, "w"))
+        rc, out, _ = h.run(0, ["plan", "--config", os.path.join(h.CONFIGS, "llama_tiny.json"), "--cluster", path,
+                               "--global-batch", "8", "--seq-len", "64", "--precision", "bf16", "--json", "--top", "1",
+                               "--layout", "tp1 cp1 pp1 zero0 mb4 nosp recompute=none"])
+        if rc != 0:
+            return ["threads_per_rank %d: plan exit %s: %s" % (threads, rc, out[-300:])]
+        memory[threads] = json.loads(out)[0]["memory_bytes_per_rank"]["workspace"]
+    one, two, many = memory[1], memory[2], memory[16]
+    if not (two > one and many - one == 15 * (two - one)):
+        return ["threads_per_rank: workspace %s with 1, 2 and 16 threads a rank; want a thread's scratch each" %
+                memory]
+    return []
 
 
 def main():
@@ -170,6 +194,7 @@ def main():
         if not ok:
             failures.append("%s: train --plan: exit %s, layout %s: %s" % (model, rc, row.get("layout"), text[-300:]))
     failures += check_imbalance_from_run(tmp, data)
+    failures += check_threads_per_rank(tmp)
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
     base = ["plan", "--config", cfg, "--global-batch", "8", "--seq-len", "32"]
     for name, args, want in [("no --cluster", base, "--cluster is required"),
@@ -198,6 +223,17 @@ def main():
                                   os.path.join(tmp, "plan.json"), "--steps", "1"],
                                   lambda line: "lays out 2 devices, and this job has 1 rank" in line)
     failures += [failure] if failure else []
+    # plan.json is mixtral_8e's (the loop's last model): a llama run refuses it, on every rank.
+    _, _, failure = h.check_error("plan made for another model", 2, ["train", "--config", cfg, "--data", data, "--plan",
+                                  os.path.join(tmp, "plan.json"), "--steps", "1"],
+                                  lambda line: "was made for a mixtral of " in line and "this run's model is a llama of " in line)
+    failures += [failure] if failure else []
+    for name, args, want in [("--explain with --json", base + ["--cluster", CLUSTER, "--explain", "--json"],
+                              "its 'breakdown' field holds the same parts"),
+                             ("--layout mb beyond train's bound", base + ["--cluster", CLUSTER, "--layout", "mb1073741825"],
+                              "needs an integer in [1, 1073741824] after 'mb'")]:
+        _, _, failure = h.check_error(name, 0, args, lambda line, want=want: want in line)
+        failures += [failure] if failure else []
 
     png = os.path.join(tmp, "p.png")
     rc, out, _ = h.run(0, base + ["--cluster", CLUSTER, "--top", "4", "--plot", png])

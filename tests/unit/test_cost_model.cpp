@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/io.h"
 #include "parallel/schedule.h"
 #include "plan/cost_model.h"
 #include "comm/comm.h"
@@ -443,4 +444,18 @@ TEST(CostModel, FssdpExchangesBlockInEachMoeLayer) {
     EXPECT_NEAR(p.exposed_s.at("edp"), micro * a2a + staging / c.memory_bandwidth, 1e-12 * p.step_s)
         << k.recompute << " " << k.precision << " wire " << k.wire << (k.keep ? " keep" : "");
   }
+  // A cluster file without a memory bandwidth (its measured GEMM rates instead: a profiled host)
+  // leaves the staging passes unpriced, as every streamed term: they had been divided by 1e-9 GB/s,
+  // 10^15 s a step, and FSSDP never chosen.
+  nlohmann::json measured = read_json_file(std::string(ORIGAMI_SOURCE_DIR) + "/configs/clusters/cpu-2core.json", "cluster");
+  measured["device"].erase("memory_bandwidth_gb_s");
+  const Cluster profiled = Cluster::from_json(measured, "cpu-2core.json without memory_bandwidth_gb_s");
+  CostModel unpriced(cfg, profiled, 2);
+  TrainOptions o;
+  o.data = "plan";
+  o.global_batch = 8, o.seq_len = 32, o.micro_batch = 2, o.expert_sharding = "fssdp", o.recompute = "none";
+  o.precision = "fp32", o.grad_reduce_dtype = "fp32";
+  const Prediction p = unpriced.predict(o);
+  EXPECT_NEAR(p.exposed_s.at("edp"), 2 * profiled.all_to_all_seconds(p.comm_bytes.at("edp") / 2, 12, 2, 2), 1e-12);
+  EXPECT_LT(p.step_s, 1.0);
 }
