@@ -146,9 +146,10 @@ void warn_routing_not_exported(const Checkpoint& ck, const ModelConfig& cfg) {
 int ckpt_export(int argc, char** argv) {
   Args a("ckpt export", "Write a Hugging Face model directory from any checkpoint: config.json, model.safetensors\n"
                         "(or shards with model.safetensors.index.json above --max-shard-gb, the Hub's layout) and\n"
-                        "tokenizer.json when the checkpoint has one. With --optimizer also optimizer.safetensors and\n"
-                        "trainer_state.json: the result is an origami checkpoint that --resume continues. With\n"
-                        "--dtype bf16 the weights are BF16 and config.json's torch_dtype \"bfloat16\".");
+                        "tokenizer.json with tokenizer_config.json when the checkpoint has one. With --optimizer also\n"
+                        "optimizer.safetensors and trainer_state.json: the result is an origami checkpoint that\n"
+                        "--resume continues. With --dtype bf16 the weights are BF16 and config.json's torch_dtype\n"
+                        "\"bfloat16\".");
   std::string path = take_checkpoint(argc, argv, a);
   a.option("hf", "OUT", "output directory")
       .option("max-shard-gb", "X", "largest weights file in GB (10^9 bytes)", "5")

@@ -23,9 +23,11 @@ int cmd_generate(int argc, char** argv) {
          "Sample a continuation of --prompt from a checkpoint written by 'origami train --save'\n"
          "(its tokenizer.json decodes the text).");
   a.option("checkpoint", "DIR", "checkpoint: a --save directory (its newest step), a step-N in it, or an exported one")
-      .option("prompt", "TEXT", "text to continue (empty: a new document); each token is predicted from the last "
-                                "--seq-len tokens the checkpoint trained at (at most the config's "
-                                "max_position_embeddings)", "")
+      .option("prompt", "TEXT", "text to continue (empty: a new document; an error after --batching documents, "
+                                "which never predicts a document's first token); each token is predicted from the "
+                                "last --seq-len tokens the checkpoint trained at (one less after --batching documents; "
+                                "at most the config's max_position_embeddings, all of them for an export without "
+                                "trainer state)", "")
       .allow_empty()
       .option("max-new-tokens", "N", "tokens to sample", "200")
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")

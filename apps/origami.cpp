@@ -40,9 +40,14 @@ void usage(FILE* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 1 : 0;  // (no command is a user mistake like any other: exit 1)
+  if (argc < 2) {  // no command is a user mistake like any other: one error line, exit 1
+    std::fprintf(stderr, "origami: error: no command given\n\n");
+    usage(stderr);
+    return 1;
+  }
+  if (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage(stdout);
+    return 0;
   }
   for (const auto& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
@@ -72,7 +77,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::fprintf(stderr, "origami: unknown command '%s'\n\n", argv[1]);
+  std::fprintf(stderr, "origami: error: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 1;
 }

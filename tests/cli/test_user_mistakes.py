@@ -420,8 +420,12 @@ def main():
         check(os.path.isdir(os.path.join(saved, "step-2")), "launch with --save=DIR saved step-2 there")
         print("ok   launch -- train --save=DIR")
         p = subprocess.run([ORIGAMI, "foo"], capture_output=True, text=True)
-        check(p.returncode == 1 and "unknown command 'foo'" in p.stderr, "origami foo: exit %d" % p.returncode)
-        print("ok   origami foo: exit 1, unknown command")
+        check(p.returncode == 1 and p.stderr.startswith("origami: error: unknown command 'foo'\n"),
+              "origami foo: exit %d, %r" % (p.returncode, p.stderr[:80]))
+        p = subprocess.run([ORIGAMI], capture_output=True, text=True)
+        check(p.returncode == 1 and p.stderr.startswith("origami: error: no command given\n"),
+              "origami: exit %d, %r" % (p.returncode, p.stderr[:80]))
+        print("ok   origami foo, origami: exit 1, one error line (unknown command, no command)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("all user-mistake checks passed")
