@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -18,12 +20,12 @@ namespace {
 // One rank's record, at the start of its file.
 struct Record {
   uint64_t magic;
-  int64_t pid, step;
+  int64_t pid, step, start;
   uint64_t beats;
   char host[64];
   char entered[96];
 };
-constexpr uint64_t kMagic = 0x6f72696761'6d6931ull;  // "origami1"
+constexpr uint64_t kMagic = 0x6f72696761'6d6932ull;  // "origami2"
 
 Record* mine = nullptr;
 
@@ -49,6 +51,7 @@ void progress_join(int world_rank) {
   ORIGAMI_CHECK(p != MAP_FAILED, "cannot map the progress record '", path, "' (", std::strerror(errno), ")");
   mine = static_cast<Record*>(p);
   mine->pid = ::getpid();
+  mine->start = process_start(mine->pid);
   mine->step = 0;
   copy_text(mine->host, sizeof mine->host, host_name());
   copy_text(mine->entered, sizeof mine->entered, "start-up");
@@ -87,9 +90,24 @@ std::vector<RankProgress> read_progress(const std::string& dir, int world) {
     ::close(fd);
     if (!whole || rec.magic != kMagic) continue;
     rec.host[sizeof rec.host - 1] = rec.entered[sizeof rec.entered - 1] = '\0';
-    out[size_t(r)] = {rec.pid, rec.step, rec.beats, rec.host, rec.entered};
+    out[size_t(r)] = {rec.pid, rec.step, rec.start, rec.beats, rec.host, rec.entered};
   }
   return out;
 }
+
+int64_t process_start(int64_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(f, text)) return -1;
+  const size_t paren = text.rfind(')');  // (the command name before it may hold spaces and parentheses)
+  if (paren == std::string::npos) return -1;
+  std::istringstream fields(text.substr(paren + 1));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i)  // fields 3 (state) .. 22 (starttime)
+    if (i == 22) return std::strtoll(field.c_str(), nullptr, 10);
+  return -1;
+}
+
+bool still_running(const RankProgress& r) { return r.start < 0 || process_start(r.pid) == r.start; }
 
 }  // namespace origami

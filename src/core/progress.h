@@ -24,12 +24,22 @@ void progress_entered(const char* what, const std::string& group);
 // watchdog does not take a slow disk for a hang (safe from any thread).
 void progress_alive();
 
+// When process `pid` started (field 22 of /proc/PID/stat: clock ticks since boot), −1 when it cannot
+// be read (no such process, no /proc). With the pid it names one process: a pid is reused only by a
+// process that starts later.
+int64_t process_start(int64_t pid);
+
 // Launcher side: the records of ranks 0 .. world-1 in dir (a rank that has not joined: pid 0).
+// `start` is the rank's process_start (−1: it could not read it).
 struct RankProgress {
-  int64_t pid = 0, step = -1;
+  int64_t pid = 0, step = -1, start = -1;
   uint64_t beats = 0;
   std::string host, entered;
 };
 std::vector<RankProgress> read_progress(const std::string& dir, int world);
+// Whether the record's process (on this host) is still the rank: the same pid and start time. A rank
+// that exited leaves its pid free for another process, which the watchdog must not kill. A rank that
+// could not read its start cannot be told from another: true.
+bool still_running(const RankProgress& r);
 
 }  // namespace origami

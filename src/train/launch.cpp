@@ -30,6 +30,7 @@
 #include "core/memory.h"
 #include "core/progress.h"
 #include "core/timer.h"
+#include "kernels/cpu/gemm.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "train/memory_plan.h"
@@ -237,12 +238,12 @@ pid_t spawn_job(const std::vector<std::string>& argv, const std::string& progres
   return pid;
 }
 
-// Ends a hung job: every rank on the board that runs on this host and is still this job's (a pid
-// names a process of its own host only; mpirun ends the others), then mpirun.
-void kill_job(pid_t mpirun, const std::vector<RankProgress>& board, const std::string& progress_dir) {
+// Ends a hung job: every rank on the board that runs on this host and still runs (a pid names a
+// process of its own host only; mpirun ends the others), then mpirun.
+void kill_job(pid_t mpirun, const std::vector<RankProgress>& board) {
   const std::string here = host_name();
   for (const RankProgress& r : board)
-    if (r.pid > 0 && r.host == here && is_job_process(r.pid, progress_dir)) ::kill(pid_t(r.pid), SIGKILL);
+    if (r.pid > 0 && r.host == here && still_running(r)) ::kill(pid_t(r.pid), SIGKILL);
   ::kill(mpirun, SIGTERM);
 }
 
@@ -284,7 +285,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       // Once politely (the ranks save and stop); a second request kills this host's ranks too (a hung
       // job's would outlive mpirun) and mpirun 10 s later, as the watchdog does.
       if (signalled == 1) ::kill(pid, SIGTERM);
-      else if (!ending) kill_job(pid, board, progress_dir), killed_at = steady_s(), ending = true;
+      else if (!ending) kill_job(pid, board), killed_at = steady_s(), ending = true;
     }
     if (killed_at > 0 && steady_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
     // The watchdog keeps watching a job asked to stop: a hung one cannot save and stop, and is ended
@@ -299,7 +300,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
         for (int r : late) end.failed_hosts.push_back(board[size_t(r)].host);
         std::fprintf(stderr, "origami launch: watchdog: %s; ending the job\n", why.c_str());
       }
-      kill_job(pid, board, progress_dir);
+      kill_job(pid, board);
       killed_at = steady_s(), ending = true;
     }
   }
@@ -386,6 +387,9 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, const Slot
     for (int pp = train.pp; pp >= 1; --pp) {
       TrainOptions o = train;
       o.dp = 0, o.pp = pp;
+      // (each rank's threads hold attention scratch, as its memory check counts: --threads 0 is every
+      // core, which this node's count stands for)
+      if (o.threads == 0) o.threads = num_threads();
       if (pp != train.pp) o.vpp = 1, o.pp_layers.clear(), o.pp_schedule.clear();
       try {
         const Plan plan = make_plan(cfg, o, w);
@@ -465,14 +469,6 @@ void announce(Events& events, int attempt, const World& w, int np, const std::st
 
 }  // namespace
 
-bool is_job_process(int64_t pid, const std::string& progress_dir) {
-  std::ifstream f(cat("/proc/", pid, "/environ"), std::ios::binary);
-  const std::string mine = "ORIGAMI_PROGRESS_DIR=" + progress_dir;
-  for (std::string var; std::getline(f, var, '\0');)
-    if (var == mine) return true;
-  return false;
-}
-
 bool same_host(const std::string& a, const std::string& b) {
   if (a == b) return true;
   const std::string& shorter = a.size() < b.size() ? a : b;
@@ -525,7 +521,10 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   ORIGAMI_CHECK(!save.empty(), "origami launch restarts from the run's checkpoints: give --save DIR to train");
   ORIGAMI_CHECK(!Checkpoint::is_checkpoint(save), "--save '", save,  // (a regular file is one too)
                 "' is a file or a checkpoint: give the run's directory (it holds DIR/step-N checkpoints)");
-  ORIGAMI_CHECK(!o.shrink || std::find(o.train_args.begin(), o.train_args.end(), "--plan") == o.train_args.end(),
+  const bool planned = std::any_of(o.train_args.begin(), o.train_args.end(), [](const std::string& a) {
+    return a == "--plan" || a.starts_with("--plan=");  // (Args reads both spellings)
+  });
+  ORIGAMI_CHECK(!o.shrink || !planned,
                 "--shrink lays the job out again on fewer ranks, and train's --plan fixes a layout for ", o.np,
                 " devices: give its options instead, or no --shrink");
   ORIGAMI_CHECK(o.np >= 1 && o.min_np >= 1 && o.min_np <= o.np, "--np ", o.np, " and --min-np ", o.min_np,

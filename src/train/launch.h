@@ -75,11 +75,6 @@ bool same_host(const std::string& a, const std::string& b);
 std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>& ranks,
                                            const std::vector<std::string>& hosts);
 
-// Whether process `pid` (of this host) is one the launcher started for the job whose ranks report to
-// `progress_dir` (its environment names that directory): a rank's pid on the progress board may have
-// been taken by another process since that rank exited, which the watchdog must not kill.
-bool is_job_process(int64_t pid, const std::string& progress_dir);
-
 // Runs the job to its end; returns the launch's exit code. `cfg` and `train` are the run's model and
 // options as `origami train` reads them from train_args (for re-planning a smaller world).
 int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOptions& train);

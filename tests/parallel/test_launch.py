@@ -81,7 +81,7 @@ def board(save, rank):
             head = f.read(24)
     except OSError:
         return None
-    if len(head) < 24 or struct.unpack("<Q", head[:8])[0] != 0x6f726967616d6931:
+    if len(head) < 24 or struct.unpack("<Q", head[:8])[0] != 0x6f726967616d6932:  # "origami2"
         return None
     return struct.unpack("<qq", head[8:24])
 
@@ -488,6 +488,14 @@ def plan_run(tmp, data, ref):
           "launch --np 2 -- train --plan (2 devices): exit %s, events %s %s" % (
               rc, [e["event"] for e in evs], out[-300:] if rc else ""))
     same_curve(ref, by_step, "train --plan under launch")
+    # --shrink would lay the job out again, which the plan's fixed layout forbids: refused in either
+    # spelling of --plan (--plan=FILE had passed the check).
+    args = ["launch", "--np", "2", "--shrink", "--", *train_args(data, os.path.join(tmp, "shrinkplan.jsonl"),
+                                                                  os.path.join(tmp, "shrinkplan_ck"))]
+    for spelling in (["--plan", plan], ["--plan=" + plan]):
+        ok, line, _ = h.check_error("launch --shrink, train " + spelling[0][:7], 0, args + spelling,
+                                    lambda l: "--shrink lays the job out again on fewer ranks, and train's --plan" in l)
+        check(ok, "launch --shrink refuses train %s: %s" % (spelling[0][:7], line))
 
 
 def documents_run(tmp, data):

@@ -1,13 +1,15 @@
 // origami launch (train/launch.h): which hostfile slots a failure takes away (--shrink), and which
-// processes the watchdog may kill.
+// processes the watchdog may kill (a rank's pid only while its process is still the rank).
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
+#include "core/progress.h"
 #include "train/launch.h"
 
 namespace origami {
@@ -48,17 +50,16 @@ TEST(Launch, FailedHostsLeaveTheHostfile) {
   EXPECT_EQ(anonymous.total(), 1);
 }
 
-// A rank's pid on the progress board names the job's process only while the rank lives: the
-// watchdog kills a pid only when that process's environment names the job's progress directory.
-TEST(Launch, KillsOnlyTheJobsProcesses) {
-  auto start_sleep = [](std::vector<std::string> env_text) {
+// A rank's pid on the progress board names its process only while the rank lives: the watchdog
+// kills a pid only while that process's start time is the one the rank recorded (still_running).
+TEST(Launch, KillsOnlyProcessesThatAreStillTheRanks) {
+  auto start_sleep = [] {
     std::vector<std::string> argv_text{"sleep", "30"};
-    std::vector<char*> argv, env;
+    std::vector<char*> argv;
     for (auto& a : argv_text) argv.push_back(a.data());
-    for (auto& e : env_text) env.push_back(e.data());
-    argv.push_back(nullptr), env.push_back(nullptr);
+    argv.push_back(nullptr);
     pid_t pid = 0;
-    EXPECT_EQ(posix_spawnp(&pid, "sleep", nullptr, nullptr, argv.data(), env.data()), 0);
+    EXPECT_EQ(posix_spawnp(&pid, "sleep", nullptr, nullptr, argv.data(), environ), 0);
     return pid;
   };
   auto end = [](pid_t pid) {
@@ -66,20 +67,35 @@ TEST(Launch, KillsOnlyTheJobsProcesses) {
     int status = 0;
     ::waitpid(pid, &status, 0);
   };
-  const pid_t rank = start_sleep({"PATH=/usr/bin:/bin", "ORIGAMI_PROGRESS_DIR=/tmp/job.progress"});
-  const pid_t other = start_sleep({"PATH=/usr/bin:/bin", "ORIGAMI_PROGRESS_DIR=/tmp/job.progress.old"});
-  // (posix_spawn returns while exec still builds the new stack, whose environment reads empty until
-  // then: wait until each shows its own)
-  auto shows = [](pid_t pid, const std::string& dir) {
-    for (int i = 0; i < 1000 && !is_job_process(pid, dir); ++i) usleep(1000);
-    return is_job_process(pid, dir);
-  };
-  ASSERT_TRUE(shows(rank, "/tmp/job.progress"));
-  ASSERT_TRUE(shows(other, "/tmp/job.progress.old"));
-  EXPECT_FALSE(is_job_process(rank, "/tmp/job"));  // the whole value, not a prefix
-  EXPECT_FALSE(is_job_process(other, "/tmp/job.progress"));
-  end(rank), end(other);
-  EXPECT_FALSE(is_job_process(rank, "/tmp/job.progress"));  // gone (reaped): its pid is free for another
+  const pid_t rank = start_sleep(), other = start_sleep();
+  RankProgress r;
+  r.pid = rank, r.start = process_start(rank);
+  ASSERT_GT(r.start, 0);
+  EXPECT_TRUE(still_running(r));
+  RankProgress reused = r;  // the rank's record, its pid now another process's (a later start)
+  reused.pid = other, reused.start = process_start(other) - 1;
+  EXPECT_FALSE(still_running(reused));
+  end(rank);
+  EXPECT_FALSE(still_running(r));  // gone (reaped): its pid is free for another
+  RankProgress unknown;  // a rank that could not read its start: not told from another
+  unknown.pid = other;
+  EXPECT_TRUE(still_running(unknown));
+  end(other);
+}
+
+// A rank joining the board records its pid and start time, which the launcher reads back.
+TEST(Launch, ARankRecordsItsStart) {
+  const std::string dir = ::testing::TempDir() + "origami_progress_" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  ::setenv("ORIGAMI_PROGRESS_DIR", dir.c_str(), 1);
+  progress_join(0);
+  ::unsetenv("ORIGAMI_PROGRESS_DIR");
+  const std::vector<RankProgress> board = read_progress(dir, 1);
+  ASSERT_EQ(board.size(), 1u);
+  EXPECT_EQ(board[0].pid, getpid());
+  EXPECT_EQ(board[0].start, process_start(getpid()));
+  EXPECT_TRUE(still_running(board[0]));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
