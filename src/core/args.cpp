@@ -7,8 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "core/error.h"
@@ -74,25 +75,45 @@ bool Args::parse(int argc, char** argv) {
 }
 
 namespace {
-// Two option values alike: the same words, or the same number however written (2 and 2.0, 1e-3 and 0.001).
+// The items of a comma-separated list, an empty one after a trailing comma kept ("2,2," is 3 items).
 std::vector<std::string> comma_items(const std::string& s) {
   std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  size_t at = 0;
+  for (size_t comma; (comma = s.find(',', at)) != std::string::npos; at = comma + 1) out.push_back(s.substr(at, comma - at));
+  out.push_back(s.substr(at));
   return out;
 }
 
-// Two spellings of one value: equal strings, the same number (2 and 2.0), or comma-separated lists
-// ("2,2" and "2, 2", as integers() reads them) whose items are so item by item.
+// One item as a number: an integer (exactly, beyond 2^53 too) or a decimal one; none for other text
+// (hex and infinities included, which no option reads as numbers).
+std::optional<std::variant<long long, double>> as_number(const std::string& item) {
+  const size_t first = item.find_first_not_of(' ');
+  if (first == std::string::npos || item.find_first_not_of("0123456789+-.eE ", first) != std::string::npos)
+    return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long i = std::strtoll(item.c_str(), &end, 10);
+  if (*end == 0 && errno == 0) return i;
+  const double x = std::strtod(item.c_str(), &end);
+  if (*end == 0) return x;
+  return std::nullopt;
+}
+
+// Two spellings of one value: equal strings, the same number (2 and 2.0, 1e-3 and 0.001), or
+// comma-separated lists ("2,2" and "2, 2", as integers() reads them) whose items are so item by item.
 bool same_value(const std::string& a, const std::string& b) {
   if (a == b) return true;
   const std::vector<std::string> xs = comma_items(a), ys = comma_items(b);
   if (xs.size() != ys.size()) return false;
   for (size_t i = 0; i < xs.size(); ++i) {
-    char *end_x = nullptr, *end_y = nullptr;
-    const double x = std::strtod(xs[i].c_str(), &end_x), y = std::strtod(ys[i].c_str(), &end_y);
-    const bool numbers = !xs[i].empty() && !ys[i].empty() && *end_x == 0 && *end_y == 0;
-    if (xs[i] != ys[i] && !(numbers && x == y)) return false;
+    if (xs[i] == ys[i]) continue;
+    const auto x = as_number(xs[i]), y = as_number(ys[i]);
+    if (!x || !y) return false;
+    const auto as_double = [](const std::variant<long long, double>& v) {
+      return std::visit([](auto n) { return double(n); }, v);
+    };
+    const bool both_integers = x->index() == 0 && y->index() == 0;
+    if (both_integers ? std::get<0>(*x) != std::get<0>(*y) : as_double(*x) != as_double(*y)) return false;
   }
   return true;
 }

@@ -106,16 +106,16 @@ AvailableMemory available_memory(const std::string& root) {
   // may set a limit; what the group uses counts against it, less the file cache the kernel reclaims
   // first. cgroup v2: "0::/path" in /proc/self/cgroup, memory.max / memory.current / inactive_file;
   // v1: "N:memory:/path", memory.limit_in_bytes / memory.usage_in_bytes / total_inactive_file.
-  auto lower_by_groups = [&](std::string root, const std::string& group, const char* max_file, const char* used_file,
+  auto lower_by_groups = [&](const std::string& mount, const std::string& group, const char* max_file, const char* used_file,
                              const char* inactive_key, const char* name) {
-    for (std::string dir = root + (group == "/" ? "" : group);;) {
+    for (std::string dir = mount + (group == "/" ? "" : group);;) {
       const int64_t max = read_number_file(dir + "/" + max_file), used = read_number_file(dir + "/" + used_file);
       if (max > 0 && max < (int64_t(1) << 60) && used >= 0) {
         const int64_t held = std::max<int64_t>(0, used - read_stat(dir + "/memory.stat", inactive_key));
         if (out.bytes < 0 || max - held < out.bytes) out = {std::max<int64_t>(0, max - held), name};
       }
       const size_t slash = dir.rfind('/');
-      if (dir == root || slash == std::string::npos) break;
+      if (dir == mount || slash == std::string::npos) break;
       dir = dir.substr(0, slash);
     }
   };

@@ -71,12 +71,21 @@ TEST(Args, LaterFileMayRepeatButNotContradict) {
     EXPECT_NO_THROW(a.fill_from_json(origami::JsonField(same, "run.json"))) << same.dump();
   }
   for (const nlohmann::json& other : {nlohmann::json{{"lr", 3}}, nlohmann::json{{"pp-layers", "2,3"}},
-                                      nlohmann::json{{"pp-layers", "2,2,0"}}, nlohmann::json{{"name", "ab"}}}) {
+                                      nlohmann::json{{"pp-layers", "2,2,0"}}, nlohmann::json{{"pp-layers", "2,2,"}},
+                                      nlohmann::json{{"lr", "0x2"}}, nlohmann::json{{"name", "ab"}}}) {
     Args a = with_plan();
     EXPECT_THROW(a.fill_from_json(origami::JsonField(other, "run.json")), origami::Error) << other.dump();
   }
   Args a = with_plan();
   EXPECT_EQ(a.integers("pp-layers"), (std::vector<int64_t>{2, 2}));
+  // Integers compare exactly, beyond a double's 53 bits (a --seed).
+  Args seeded("train", "test");
+  seeded.option("seed", "N", "seed");
+  EXPECT_TRUE(parse(seeded, {}));
+  seeded.fill_from_json(origami::JsonField(nlohmann::json{{"seed", "9007199254740993"}}, "plan.json"));
+  EXPECT_THROW(seeded.fill_from_json(origami::JsonField(nlohmann::json{{"seed", "9007199254740992"}}, "run.json")),
+               origami::Error);
+  EXPECT_NO_THROW(seeded.fill_from_json(origami::JsonField(nlohmann::json{{"seed", "9007199254740993"}}, "run.json")));
 }
 
 // The environment switches' one parser: unset and empty give the default (the first choice); a
