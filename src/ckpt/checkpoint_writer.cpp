@@ -265,7 +265,10 @@ void CheckpointWriter::commit() {
       write_file_atomically(dir_ + "/latest", cat("step-", step, "\n"));
     } catch (const std::exception& e) {
       std::error_code ec;
+      // After the commit's rename (tmp moved to step-N) only the step's durability failed (a sync).
+      const bool renamed = !fs::exists(tmp, ec) && fs::exists(final_dir, ec);
       fs::remove_all(tmp, ec);
+      if (renamed) fail("checkpoint step ", step, " is in '", final_dir, "', but a crash may lose it: ", e.what());
       fail("cannot save checkpoint step ", step, " in '", dir_, "': ", e.what(),
            last_committed_ >= 0 ? cat("; ", dir_, "/step-", last_committed_, " is intact") : std::string());
     }

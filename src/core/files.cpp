@@ -118,14 +118,19 @@ void require_writable_dir(const std::string& path, const std::string& option) {
 }
 
 void sync_dir(const std::string& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // (a directory this process may not open: nothing it can do)
-  // Not every file system can sync a directory (EINVAL, ENOTSUP); any other error (EIO) means the
-  // entries just renamed into it may not survive a crash, which the caller must hear.
-  const int rc = ::fsync(fd), err = errno;
+  const std::string path = dir.empty() ? "." : dir;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  // (a directory this process may write into but not read: nothing it can sync)
+  if (fd < 0 && (errno == EACCES || errno == EPERM)) return;
+  ORIGAMI_CHECK(fd >= 0, "cannot open '", path, "' to make its entries durable: ", std::strerror(errno));
+  // Not every file system can sync a directory (EINVAL, ENOTSUP, EBADF on some); any other error
+  // (EIO) means the entries just renamed into it may not survive a crash, which the caller must hear.
+  int rc = 0, err = 0;
+  do rc = ::fsync(fd), err = errno;
+  while (rc != 0 && err == EINTR);
   progress_alive();
   ::close(fd);
-  ORIGAMI_CHECK(rc == 0 || err == EINVAL || err == ENOTSUP, "cannot make the entries of '", dir.empty() ? "." : dir,
+  ORIGAMI_CHECK(rc == 0 || err == EINVAL || err == ENOTSUP || err == EBADF, "cannot make the entries of '", path,
                 "' durable: ", std::strerror(err));
 }
 
