@@ -31,7 +31,6 @@
 #include "core/gnuplot.h"
 #include "plan/plot.h"
 #include "train/memory_plan.h"
-#include "model/params.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -617,10 +616,11 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
   if (!b.pp_layers.empty()) layout["pp-layers"] = join_layers(b.pp_layers);
   if (!cmd.cfg.is_moe())  // (train refuses expert options for a model without experts)
     for (const char* key : {"ep", "etp", "expert-sharding", "fssdp-keep"}) layout.erase(key);
-  // (the model too: train --plan refuses a plan made for another)
-  const nlohmann::json model = {{"model_type", cmd.cfg.model_type()}, {"parameters", num_parameters(cmd.cfg)}};
+  // (the model too, whose config train --plan compares with its own, and the threads a rank the
+  // prediction priced, which it compares with its own)
   const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
-                               {"model", model}, {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
+                               {"model", cmd.cfg.math_fields()}, {"threads_per_rank", cmd.cluster.threads_per_rank},
+                               {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
   write_file_atomically(cmd.out, plan.dump(2) + "\n");
 }
 

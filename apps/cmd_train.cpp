@@ -12,7 +12,7 @@
 #include "core/files.h"
 #include "core/io.h"
 #include "core/json_fields.h"
-#include "model/params.h"
+#include "kernels/cpu/gemm.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -363,17 +363,33 @@ void pin_checkpoint_step(TrainOptions& o, Comm& world) {
 }
 
 // --config, else the config.json of the checkpoint the run resumes or starts from.
-// A plan lays out one model: the one `origami plan --out` names (its type and parameter count) must
-// be the run's. (A plan file without the entry, written before plans named their model, passes.)
-void check_plan_model(const std::string& path, const ModelConfig& cfg) {
+// A plan lays out one model: the config `origami plan --out` recorded (its fields that change the math)
+// must be the run's; a plan file without it (written before plans named their model) passes. A run
+// with other threads a rank than the plan priced is told its figures differ.
+void check_plan_model(const std::string& path, const ModelConfig& cfg, int threads, bool speak) {
   const nlohmann::json plan = read_json_file(path, "plan");
-  const JsonField model = JsonField(plan, path)["model"];
-  if (!model.present()) return;
-  const std::string type = model["model_type"].string();
-  const int64_t parameters = model["parameters"].integer(1, JsonField::kNoLimit);
-  ORIGAMI_CHECK(type == cfg.model_type() && parameters == num_parameters(cfg), "--plan ", path, " was made for a ",
-                type, " of ", parameters, " parameters, and this run's model is a ", cfg.model_type(), " of ",
-                num_parameters(cfg), ": plan it with this run's --config");
+  const JsonField fields(plan, path);
+  if (fields["model"].present()) {
+    const nlohmann::json planned = fields["model"].object().json(), mine = cfg.math_fields();
+    const std::string type = planned.value("model_type", std::string("?"));
+    ORIGAMI_CHECK(type == cfg.model_type(), "--plan ", path, " was made for a ", type, " model, and this run's is a ",
+                  cfg.model_type(), ": plan it with this run's --config");
+    nlohmann::json keys = planned;
+    keys.update(mine);
+    for (const auto& [key, unused] : keys.items()) {
+      const auto a = planned.find(key), b = mine.find(key);
+      const bool same = a != planned.end() && b != mine.end() && *a == *b;
+      ORIGAMI_CHECK(same, "--plan ", path, " was made for another model: its config's '", key, "' is ",
+                    a == planned.end() ? std::string("not given") : a->dump(), ", and this run's (",
+                    cfg.model_type(), ") is ", b == mine.end() ? std::string("not given") : b->dump(),
+                    ": plan it with this run's --config");
+    }
+  }
+  const int64_t priced = fields["threads_per_rank"].integer_or(threads, 1, JsonField::kNoLimit);
+  if (speak && priced != threads)
+    std::fprintf(stderr, "origami train: warning: --plan %s priced %lld thread%s a rank (its cluster file's), and this "
+                 "run has %d: its memory and step time differ from the plan's\n", path.c_str(), (long long)priced,
+                 priced == 1 ? "" : "s", threads);
 }
 
 std::string model_config_path(const Args& a, const TrainOptions& o) {
@@ -416,7 +432,9 @@ std::optional<TrainCommand> parse_train_options(int argc, char** argv, Comm& wor
   pin_checkpoint_step(cmd.options, world);
   check_on_every_rank(world, "train", [&] {
     cmd.cfg = load_model_config(model_config_path(a, cmd.options));
-    if (a.has("plan")) check_plan_model(a.str("plan"), cmd.cfg);  // (first: the cause of what follows)
+    if (a.has("plan"))  // (first: the cause of what follows)
+      check_plan_model(a.str("plan"), cmd.cfg, cmd.options.threads > 0 ? cmd.options.threads : num_threads(),
+                       world.rank() == 0);
     require_experts_for_given(a, cmd.cfg, true);
   });
   return cmd;

@@ -248,6 +248,17 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
   }
 }
 
+}  // namespace
+
+nlohmann::json ModelConfig::math_fields() const {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [key, value] : raw.items())
+    if (!kBookkeeping.count(key) || key == "model_type") out[key] = value;
+  return out;
+}
+
+namespace {
+
 // eos_token_id is bookkeeping, but --attention-mask document may take the end-of-document token
 // from it (TrainOptions): absent, null, an integer or a list of integers, each a 32-bit id.
 void check_eos_token_id(Reader& r) {

@@ -108,6 +108,9 @@ struct ModelConfig {
   bool has_dense_layers() const;                               // llama-style MLP layers (gpt2's included)
   bool is_gpt2() const { return type == ModelType::gpt2; }
   std::string model_type() const;
+  // The fields of the file that describe the model (raw less the bookkeeping that never changes the
+  // math): what a plan records of the model it laid out.
+  nlohmann::json math_fields() const;
 };
 
 // Layers [begin, end) of a model part (a pipeline stage's chunk).
