@@ -604,7 +604,7 @@ def route(cfg, opts, logits_NE, bias_E=None):
     top_i = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :K]
     w = p.gather(1, top_i)
     if renormalise_topk(cfg, opts["score"]):
-        w = w / w.sum(-1, keepdim=True)
+        w = w / (w.sum(-1, keepdim=True) + SCORE_SUM_FLOOR)
     counts = torch.bincount(top_i.reshape(-1), minlength=E)
     kept = torch.ones(N, K, dtype=torch.bool)
     cap = expert_capacity(opts, N, K, E)
@@ -699,9 +699,14 @@ def forward(cfg, params, tok_BT, routing=None, router_bias=None, eod=None):
     return logits, [r["logits"] for r in routes]
 
 
+# Added to a sum of router scores before dividing by it, as origami does (DeepSeek-V3's 1e-20): sigmoid
+# scores of logits below about -88 are exactly 0 in fp32.
+SCORE_SUM_FLOOR = 1e-20
+
+
 def _aux_probs(p_NE, score):
     """Probabilities entering the aux loss: softmax as is, sigmoid scores normalised per token."""
-    return p_NE if score == "softmax" else p_NE / p_NE.sum(-1, keepdim=True)
+    return p_NE if score == "softmax" else p_NE / (p_NE.sum(-1, keepdim=True) + SCORE_SUM_FLOOR)
 
 
 def router_losses(cfg, routes, routing=None, prev_counts=None, micro_index=0):

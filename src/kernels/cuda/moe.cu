@@ -15,7 +15,7 @@ __device__ float score_of(float logit, float lse, bool softmax) {
   return softmax ? expf(logit - lse) : 1.f / (1.f + expf(-logit));
 }
 
-// Added to a sum of sigmoid scores before dividing by it, as the CPU layer does (moe.cpp): scores of
+// Added to a sum of scores before dividing by it, as the CPU layer does (moe.cpp): sigmoid scores of
 // logits below about −88 are exactly 0.
 constexpr float kScoreSumFloor = 1e-20f;
 

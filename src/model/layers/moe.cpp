@@ -41,9 +41,10 @@ void scores_backward(T* dp, const T* p, int64_t E, RouterScore score) {
   }
 }
 
-// Added to a sum of sigmoid scores before dividing by it (DeepSeek-V3's 1e-20): a sigmoid of a logit
-// below about −88 (fp32) is exactly 0, and a sum of such scores would make the weights or the aux
-// loss 0/0. Below any sum that matters, so it changes no other result.
+// Added to a sum of scores before dividing by it — the chosen experts' in renormalising their weights,
+// the sigmoid scores' in the aux loss — as DeepSeek-V3 adds 1e-20: a sigmoid of a logit below about
+// −88 (fp32) is exactly 0, and a sum of such scores made the weights or the aux loss 0/0. (Softmax
+// sums are at least 1/E, where it changes nothing; it moves weights whose scores are below ~1e-15.)
 constexpr double kScoreSumFloor = 1e-20;
 
 // Σ_e p (the sigmoid scores' normaliser of pa, with the floor; 1 for softmax).

@@ -3,7 +3,7 @@
 // token group, Nt = N·ranks):
 //   route    logits_NE = x·gateᵀ; scores p = softmax(logits) or sigmoid(logits); the top K by p + bias
 //            (the bias of aux-loss-free balancing, for selection only; ties: the lower expert index);
-//            weights w_k = p[n, e_k], divided by Σ_k p[n, e_k] when renormalised (mixtral, sigmoid,
+//            weights w_k = p[n, e_k], divided by Σ_k p[n, e_k] + 1e-20 when renormalised (mixtral, sigmoid,
 //            qwen2_moe's norm_topk_prob)
 //   drop     with a capacity cap = ceil(factor·N·K/E), each expert keeps at most cap of its assignments:
 //            the highest p (ties: the earlier token) or the earliest tokens; a dropped assignment adds
@@ -18,7 +18,8 @@
 // Backward runs the phases in reverse; the dispatcher's two calls swap roles on the gradients.
 //
 // Router losses (DESIGN.md, "MoE routing"), all of the form coef·E/Nt · Σ_n Σ_e φ[n,e]·pa[n,e], where
-// pa = p (softmax) or p/Σ_e p (sigmoid) carries the gradient and φ, the assignment fractions, none:
+// pa = p (softmax) or p/(Σ_e p + 1e-20) (sigmoid; moe.cpp's floor) carries the gradient and φ, the
+// assignment fractions, none:
 //   micro   φ = f_e = count_e/(Nt·K), counted over the micro-batch (summed over the token group)
 //   seq     φ = f_{b,e} = count_{b,e}/(T·K) of the token's own sequence b (T = Nt/B its length)
 //   global  φ = f̄_e: the counts of the step's micro-batches so far, also summed over the data-parallel
