@@ -119,7 +119,7 @@ def main():
         sent[name] = got
         gathered[name] = row.get("gathered_bytes", [None])[0]
         reduced[name] = row.get("reduced_bytes", [None])[0]
-        bad = []
+        bad = [] if ranks < 2 or (got and want) else ["no bytes counted or predicted (%s, %s)" % (got, want)]
         for axis in sorted(set(got) | set(want)):
             g, w = got.get(axis, 0), want.get(axis, 0)
             if axis in ESTIMATED and "--moe-pad-to-capacity" not in flags:

@@ -69,9 +69,9 @@ def compare_dump(tag, cfg, params, sampler, step, dump, report, grads=True, rows
         if e is None:
             continue
         n += 1
-        if e > TOL:
+        if not e <= TOL:  # (a NaN error fails too)
             report.check(f"{tag}: grad {name}", e, TOL)
-        if e >= worst:
+        if not e < worst:  # (so does the worst: a NaN takes its place)
             worst, worst_name = e, name
     report.check(f"{tag}: {n}/{len(params)} gradients, worst {worst_name}", worst, TOL)
     return want

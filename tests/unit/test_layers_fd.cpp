@@ -94,8 +94,8 @@ void fd_check(const std::string& what, Vec& p, const Vec& analytic, const std::f
     p[i] = keep;
     const double num = (lp - lm) / (2 * h);
     const double err = std::abs(analytic[i] - num) / std::max(1.0, std::abs(num));
-    if (err > worst) worst = err, worst_i = i;
-    if (err > tol && fails++ < 5)
+    if (!(err <= worst)) worst = err, worst_i = i;  // (a NaN, analytic or numeric, is the worst and fails)
+    if (!(err <= tol) && fails++ < 5)
       ADD_FAILURE() << what << "[" << i << "]: analytic " << analytic[i] << " vs numeric " << num
                     << " (rel err " << err << ")";
   }
