@@ -121,9 +121,10 @@ int main(int argc, char** argv) {
       attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), o.B, o.T, o.H, o.KV, o.D, doc, p);
       if (round > 0) times[r].push_back(seconds_since(t0) * 1e3);
     }
-  auto median = [](std::vector<double> t) {
+  auto median = [](std::vector<double> t) {  // (of an even count, the mean of the middle two)
     std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+    const size_t n = t.size();
+    return n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
   };
   std::printf("attention forward + backward: B %lld, T %lld, %lld heads (%lld kv), head dim %lld, %d threads, "
               "median of %d rounds\n%s\n", (long long)o.B, (long long)o.T, (long long)o.H, (long long)o.KV,

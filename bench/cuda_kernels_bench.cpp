@@ -27,7 +27,7 @@ double median_ms(const std::function<void()>& f) {
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
-  return ms[5];
+  return (ms[4] + ms[5]) / 2;  // the median of 10 (as Python's statistics.median, the peer's)
 }
 
 cuda::Buffer<float> random_buffer(size_t n, float scale) {

@@ -138,6 +138,9 @@ def main():
         for k in range(args.rounds):
             for label, flags in confs[k % len(confs):] + confs[:k % len(confs)]:
                 results[label].append(run_once(tmp, args, cfg, data, ranks, label, flags))
+        # (the ratios are to round-robin (ii): --only must keep it)
+        if "(ii) documents, round-robin" not in results:
+            sys.exit("documents_bench: --only %s leaves out (ii), which every ratio is to" % args.only)
         base = statistics.median(r["tok_s"] for r in results["(ii) documents, round-robin"])
         for label, flags in confs:
             rs = results[label]
@@ -145,10 +148,9 @@ def main():
             fmt = lambda key: "%.3f" % statistics.median(r[key] for r in rs) if rs[0][key] is not None else ""
             table.append((ranks, label, "%.0f" % tok_s, "%.2fx" % (tok_s / base), fmt("rows"), fmt("est"),
                           fmt("bound"), fmt("measured"), busy_ms(rs)))
-        for c in [c for c in ([2, 4] if ranks >= 4 else [2]) if "(v) balanced, static CP%d" % c in results]:
-            iv, flex, v = (statistics.median(r["tok_s"] for r in results[k % c]) if k % c in results else 0
-                           for k in ("(iv) balanced, CP%d per sequence", "(iv') flex, CP%d per sequence",
-                                     "(v) balanced, static CP%d"))
+        wanted = ("(iv) balanced, CP%d per sequence", "(iv') flex, CP%d per sequence", "(v) balanced, static CP%d")
+        for c in [c for c in ([2, 4] if ranks >= 4 else [2]) if all(k % c in results for k in wanted)]:
+            iv, flex, v = (statistics.median(r["tok_s"] for r in results[k % c]) for k in wanted)
             print("%d ranks, CP%d: (iv) is %.2fx (ii) (target >= 1.3) and %.2fx (v) (target >= 1.2); (iv') %.2fx "
                   "and %.2fx" % (ranks, c, iv / base, iv / v, flex / base, flex / v))
         print(h.fmt_table(["ranks", "configuration", "tokens/s", "vs (ii)", "micro-batches", "est. max/mean",

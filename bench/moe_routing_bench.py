@@ -89,7 +89,8 @@ def main():
     K, L = cfg["num_experts_per_tok"], cfg["num_hidden_layers"]
     results = {}
     for r in range(a.rounds):
-        for name, flags in SPEED:
+        # each round in another order (rotated), so that a load that grows over the run falls on each setting alike
+        for name, flags in SPEED[r % len(SPEED):] + SPEED[:r % len(SPEED)]:
             recs = train(a, cfg_path, data, flags, a.warmup + a.steps, B, G, T, os.path.join(a.workdir, "speed.jsonl"))
             recs = recs[a.warmup:]
             res = results.setdefault(name, {"tok": [], "imb": [], "drop": []})

@@ -49,14 +49,17 @@ def main():
                 times.append(time.time() - t0)
                 out = p.stdout + p.stderr
             counts = COUNTS.search(out)
-            if counts:
+            # nothing fits: the error names the layouts the runtime accepts (exit 1, that message alone)
+            none_fit = re.search(r"none of the (\d+) layouts the runtime accepts", out)
+            if p.returncode == 0 and counts:
                 row = [l for l in out.splitlines() if l.startswith("| tp")][0].split("|")
                 best, step, mfu = row[1].strip(), row[2].strip(), row[4].strip()
                 figures = counts.groups()
-            else:  # nothing fits: the error names what was tried
-                tried = re.search(r"none of the (\d+) layouts", out)
+            elif p.returncode == 1 and none_fit:
                 best, step, mfu = "none fits in 80 GB", "-", "-"
-                figures = ("-", "-", tried.group(1) if tried else "?", "0")
+                figures = ("-", "-", none_fit.group(1), "0")
+            else:  # any other failure is the benchmark's, not a row
+                sys.exit("plan_search_bench: %s failed (exit %s): %s" % (" ".join(cmd), p.returncode, out[-600:]))
             print("| %s | %d | %d | %s | %s | %s | %s | %s | %s | %s | %.2f |" % (
                 name, devices, G, *figures, best, step, mfu, statistics.median(times)), flush=True)
     os.unlink(big.name)

@@ -26,9 +26,9 @@ for tool in memcheck racecheck; do
   [ $rc -eq 0 ] || status=1
 done
 echo "== benchmark: origami"
-"$bin/cuda_kernels_bench" | tee "$out/bench_origami.txt"
+"$bin/cuda_kernels_bench" | tee "$out/bench_origami.txt" || status=1
 if [ "${3:-}" != --no-torch ]; then
   echo "== benchmark: PyTorch"
-  python3 bench/cuda_kernels_torch.py | tee "$out/bench_torch.txt"
+  python3 bench/cuda_kernels_torch.py | tee "$out/bench_torch.txt" || status=1
 fi
 exit $status
