@@ -18,6 +18,56 @@
 
 namespace origami {
 
+namespace {
+
+// The logits of the token after `ids`, predicted from its last `context` tokens. With the KV cache
+// (Model::decode) the newest token alone runs through the layers while the window has room; once it
+// is full the window slides, every position shifts, and the cache is rebuilt from the window. Without
+// it the whole window runs every time; in bf16 padded with token 0 to a multiple of 32 positions (the
+// bf16 GEMMs keep a path and a primitive per shape; causal attention keeps the padding out of the
+// real positions' logits).
+class NextToken {
+ public:
+  NextToken(Model& model, int64_t context, bool cached)
+      : model_(model), context_(context), cached_(cached), vocab_(model.config().vocab_size) {
+    if (cached_) model_.start_decoding(context_), logits_.resize(size_t(vocab_));
+  }
+
+  float* logits(const std::vector<int32_t>& ids) {  // (the caller may mask tokens out)
+    const size_t T = std::min<size_t>(ids.size(), size_t(context_));
+    const int32_t* window = ids.data() + (ids.size() - T);
+    model_.reset_expert_counts();  // MoE: the per-step routing figures (training's), which grow per call
+    if (cached_) {
+      const int64_t held = model_.decoded();
+      if (held > 0 && held < context_ && size_t(held) + 1 == ids.size()) {
+        model_.decode(&ids.back(), 1, logits_.data());
+      } else {
+        model_.clear_decoding();
+        model_.decode(window, int64_t(T), logits_.data());
+      }
+      return logits_.data();
+    }
+    const size_t padded = model_.precision() == Precision::bf16
+                              ? std::min<size_t>((T + 31) / 32 * 32, size_t(model_.config().max_positions))
+                              : T;
+    window_.assign(window, window + T);
+    window_.resize(padded + 1, 0);  // (and one unused target slot)
+    logits_.resize(padded * size_t(vocab_));
+    model_.forward_backward(window_.data(), 1, int64_t(padded), 1.f, false, logits_.data());
+    return logits_.data() + (T - 1) * size_t(vocab_);
+  }
+
+ private:
+  Model& model_;
+  const int64_t context_;
+  const bool cached_;
+  const int64_t vocab_;
+  std::vector<float> logits_;
+  std::vector<int32_t> window_;
+};
+
+}  // namespace
+
 int cmd_generate(int argc, char** argv) {
   Args a("generate",
          "Sample a continuation of --prompt from a checkpoint written by 'origami train --save'\n"
@@ -35,7 +85,9 @@ int cmd_generate(int argc, char** argv) {
       .option("seed", "S", "sampling seed", "1")
       .option("threads", "N", "threads (default: all cores)", "0")
       .flag("stop-at-eod", "stop at the end-of-document token (always, for a checkpoint trained with --batching "
-                           "documents: nothing after it was trained)");
+                           "documents: nothing after it was trained)")
+      .flag("no-kv-cache", "run the whole window through the model for every token instead of keeping each layer's "
+                           "keys and values (the cache's reference; slower)");
   add_precision_option(a);
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
@@ -95,22 +147,11 @@ int cmd_generate(int argc, char** argv) {
   std::vector<int32_t> skipped;
   for (int32_t v = 0; v < int32_t(vocab); ++v)
     if (!tok->has_token(v)) skipped.push_back(v);
-  std::vector<float> logits;
-  std::vector<int32_t> window;
+  NextToken next(model, context, !a.on("no-kv-cache"));
   size_t printed = prompt_len;
   std::string pending;  // decoded bytes of an unfinished character
   for (int64_t i = 0; i < max_new; ++i) {
-    // The last `context` tokens, plus one unused target slot. In bf16 the window is padded with
-    // token 0 to a multiple of 32 positions: the bf16 GEMMs keep a path and a primitive per shape, and
-    // causal attention keeps the padding out of the real positions' logits.
-    const size_t T = std::min<size_t>(ids.size(), size_t(context));
-    const size_t padded = precision == Precision::bf16 ? std::min<size_t>((T + 31) / 32 * 32, size_t(cfg.max_positions)) : T;
-    window.assign(ids.end() - std::ptrdiff_t(T), ids.end());
-    window.resize(padded + 1, 0);
-    logits.resize(padded * size_t(cfg.vocab_size));
-    model.reset_expert_counts();  // MoE: the per-step routing figures (training's), which grow per call
-    model.forward_backward(window.data(), 1, int64_t(padded), 1.f, false, logits.data());
-    float* last = logits.data() + (T - 1) * size_t(cfg.vocab_size);
+    float* last = next.logits(ids);
     for (int32_t v : skipped) last[v] = -std::numeric_limits<float>::infinity();
     ORIGAMI_CHECK(std::any_of(last, last + vocab, [](float l) { return std::isfinite(l); }), "the model's logits are "
                   "not finite at token ", ids.size(), " ('", ck.path(), "' holds weights of a run that diverged?)");

@@ -254,6 +254,15 @@ struct Model::Scratch {
   MoeScratch<float> moe;
 };
 
+// Incremental decoding's cache (start_decoding): per layer the keys and values of `len` positions, and
+// per position its position id and document (document masking).
+struct Model::KvCache {
+  int64_t cap = 0, len = 0, width = 0;  // width: KV·D, a position's keys (and its values)
+  std::vector<float> k, v;              // [L][cap][width]
+  std::vector<int64_t> pos;             // [cap]
+  std::vector<int32_t> doc, token;      // [cap]
+};
+
 Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute,
              ExpertShard experts, ContextParallel cp)
     : cfg_(cfg), params_(params), experts_(experts.params ? *experts.params : params),
@@ -621,7 +630,7 @@ void Model::gather_tokens(int32_t* out, const int32_t* tokens, int64_t shift) co
 // Where each window's documents start: after an end-of-document token, or (packed sequences) after a
 // position without a target.
 void Model::set_documents(const int32_t* tokens) {
-  if (!cfg_.masks_documents()) return;
+  if (!cfg_.masks_documents() || kv_) return;  // (decoding: decode() continues the cache's)
   const int64_t T = T_ * row_cp(), stride = cfg_.row_stride(T);
   std::vector<int64_t> pos(static_cast<size_t>(T));  // position ids of the whole window's positions
   for (int64_t b = 0; b < B_; ++b) {
@@ -729,7 +738,8 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   float* ln1 = norm_gather(norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b));
   linear_forward(a.qkv, ln1, mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
-  cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
+  if (kv_) cached_attention(l, a.qkv, a.att, a.lse);
+  else cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);
@@ -1118,6 +1128,73 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
   if (backward) out += this->backward(0, 0, tokens, nullptr, loss_scale, logits_out);
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;
+}
+
+void Model::start_decoding(int64_t capacity) {
+  ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head && tp_.size() == 1 && cp_.size() == 1);
+  ORIGAMI_CHECK(capacity >= 1 && capacity <= cfg_.max_positions, "a KV cache of ", capacity,
+                " positions: the model has ", cfg_.max_positions);
+  kv_ = std::make_unique<KvCache>();
+  KvCache& c = *kv_;
+  c.cap = capacity, c.width = cfg_.num_kv_heads * cfg_.head_dim;
+  const int64_t floats = (Size(cfg_.num_layers) * capacity * c.width).get();  // (SizeOverflow beyond 64 bits)
+  allocating("the KV cache", (Size(8) * floats).get(), [&] {
+    c.k.resize(size_t(floats));
+    c.v.resize(size_t(floats));
+  });
+  c.pos.resize(size_t(capacity)), c.doc.resize(size_t(capacity)), c.token.resize(size_t(capacity));
+  // RoPE's angles for every position the cache holds (set_batch grows them to its rows' length only)
+  if (!cfg_.is_gpt2() && rope_.max_T < capacity) rope_ = RopeTable(capacity, cfg_.head_dim, cfg_.rope_theta);
+}
+
+int64_t Model::decoded() const { return kv_ ? kv_->len : 0; }
+
+void Model::clear_decoding() {
+  if (kv_) kv_->len = 0;
+}
+
+// Layer l's attention while decoding: the new tokens' keys and values (qkv [n, S], after RoPE) join the
+// cache, and their queries attend to every cached position up to their own (the block's diagonal
+// at the cache's length), in their own document under document masking.
+void Model::cached_attention(int64_t l, const float* qkv, float* att, float* lse) {
+  KvCache& c = *kv_;
+  const int64_t n = T_, H = Hl_, KV = KVl_, D = cfg_.head_dim, S = (H + 2 * KV) * D, W = c.width;
+  float* k = c.k.data() + l * c.cap * W;
+  float* v = c.v.data() + l * c.cap * W;
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(k + (c.len + t) * W, qkv + t * S + H * D, size_t(W) * sizeof(float));
+    std::memcpy(v + (c.len + t) * W, qkv + t * S + (H + KV) * D, size_t(W) * sizeof(float));
+  }
+  std::fill(att, att + n * H * D, 0.f);
+  std::fill(lse, lse + H * n, -std::numeric_limits<float>::infinity());
+  BlockDims d{1, n, c.len + n, H, KV, D, c.len};
+  if (cfg_.masks_documents()) d.qdoc = c.doc.data() + c.len, d.kdoc = c.doc.data();
+  d.precision = precision_;
+  attention_block_forward<float>({att, n * H * D, H * D}, {lse, H * n, n}, {qkv, n * S, S}, {k, c.cap * W, W},
+                                 {v, c.cap * W, W}, d);
+}
+
+void Model::decode(const int32_t* tokens, int64_t n, float* logits) {
+  ORIGAMI_ASSERT(kv_ && n >= 1);
+  KvCache& c = *kv_;
+  ORIGAMI_CHECK(c.len + n <= c.cap, "the KV cache holds ", c.cap, " positions: ", c.len, " and ", n, " more do not fit");
+  set_batch(1, n);
+  // The new positions continue the cache's: under document masking a document starts after the
+  // end-of-document token, at position 0.
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = c.len + t;
+    const bool starts = p > 0 && cfg_.masks_documents() && c.token[size_t(p - 1)] == cfg_.document_eod;
+    c.token[size_t(p)] = tokens[t];
+    c.doc[size_t(p)] = p == 0 ? 0 : c.doc[size_t(p - 1)] + (starts ? 1 : 0);
+    c.pos[size_t(p)] = p == 0 || starts ? 0 : c.pos[size_t(p - 1)] + 1;
+    pos_ids_[size_t(t)] = c.pos[size_t(p)];
+  }
+  std::vector<int32_t> row(tokens, tokens + n);
+  row.push_back(0);  // (the targets' row: read, never predicted from)
+  std::vector<float> all(size_t(n * cfg_.vocab_size));
+  forward_only(0, 0, row.data(), nullptr, nullptr, all.data());
+  c.len += n;
+  std::copy(all.end() - cfg_.vocab_size, all.end(), logits);
 }
 
 }  // namespace origami

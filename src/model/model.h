@@ -134,6 +134,18 @@ class Model {
   Losses forward_backward(const int32_t* tokens, int64_t B, int64_t T, float loss_scale, bool backward,
                           float* logits_BTV = nullptr);
 
+  // ---- Incremental decoding (origami generate: one rank, the whole model) ----
+  // A KV cache: every layer keeps the keys and values (after RoPE) of up to `capacity` positions, so
+  // that a new token runs the layers over itself alone and attends to the cached positions. Its
+  // position ids continue the cache's (under document masking they restart after the end-of-document
+  // token, and a token attends to its own document only).
+  void start_decoding(int64_t capacity);
+  // Appends `n` tokens at the cache's next positions (n > 1: a prompt) and writes the last one's
+  // logits [V] to `logits`.
+  void decode(const int32_t* tokens, int64_t n, float* logits);
+  int64_t decoded() const;  // positions the cache holds
+  void clear_decoding();    // the next decode starts at position 0
+
   // ---- Pipeline interface: one chunk of one micro-batch at a time ----
   // Sizes for the following calls: B windows of T positions (the whole sequence; under CP the rank
   // holds T/CP of them). Allocates the recomputation and work buffers.
@@ -281,6 +293,9 @@ class Model {
     int64_t B, T, N, Nl, C, D, H, KV, F, S, HD;
   };
   Dims dims() const;
+  struct KvCache;
+  std::unique_ptr<KvCache> kv_;  // while decoding (start_decoding)
+  void cached_attention(int64_t l, const float* qkv, float* att, float* lse);
   struct Slot;
   struct LayerActs;
   struct Scratch;

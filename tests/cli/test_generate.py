@@ -15,6 +15,10 @@
     on whole documents the window is --seq-len - 1 (a sequence's last position never predicts), and an
     export without a trainer state says it predicts from all of the model's positions;
   - --top-k beyond the vocabulary (even beyond 32 bits) samples among all tokens, as --top-k 0 does;
+  - the KV cache (every new token through the layers alone, attending to the cached keys and values)
+    samples the same text as --no-kv-cache (the whole window through the model for every token): the
+    mixtral in fp32 and bf16 past its window, the document-masked llama from an empty prompt, and the
+    whole-documents one;
   - text that cannot be written (stdout on /dev/full) exits 1 with the reason;
   - `ckpt export --hf` of the mixtral warns that transformers will route the weights without the sigmoid
     scores and the biases (a Hugging Face config holds neither).
@@ -72,6 +76,14 @@ def main():
                                 lambda s: s["options"].update(moe_router_score="softmax")), prompt)
         no_bias = sample(edited(moe, os.path.join(tmp, "no_bias"), lambda s: s.pop("router_bias")), prompt)
         check(text == same, f"an unchanged copy samples the same text:\n{text!r}\n{same!r}")
+        # The KV cache (each new token through the layers alone) samples what the whole window does, in
+        # fp32 and bf16, before and after the window (32 trained positions) fills and slides.
+        for precision in ("fp32", "bf16"):
+            cached = sample(moe, prompt, "--precision", precision)
+            whole = sample(moe, prompt, "--precision", precision, "--no-kv-cache")
+            check(cached == whole and len(cached) > len(prompt) + 32,
+                  f"{precision}: the KV cache samples what the whole window does:\n{cached!r}\n{whole!r}")
+        print("ok   generate's KV cache samples the whole window's text (mixtral, fp32 and bf16, past the window)")
         check(softmax != text, f"a record of softmax scores samples other text (the routers' score is read): {text!r}")
         check(no_bias != text, f"a record without biases samples other text (the biases are read): {text!r}")
         print("ok   generate routes as trained: sigmoid scores and the learned selection biases")
@@ -107,6 +119,8 @@ def main():
         json.dump(LLAMA_TINY, open(cfg, "w"))
         doc = train(tmp, "doc", cfg, data, "--attention-mask", "document")
         text = sample(doc, "")
+        check(text == sample(doc, "", "--no-kv-cache"),
+              f"under document masking the KV cache samples the whole window's text: {text!r}")
         causal = sample(edited(doc, os.path.join(tmp, "causal"), lambda s: s["options"].update(attention_mask="causal")), "")
         check(causal != text, f"a record of causal attention samples other text (document masking is read): {text!r}")
         packed = train(tmp, "packed", cfg, data, "--batching", "documents", "--tokens-per-step", "128")
@@ -120,6 +134,8 @@ def main():
         check(len(windows) > 0, "the same weights with a record of windows sample from an empty prompt")
         text = sample(packed, "fortune", "--max-new-tokens", "400")
         check(0 < len(text) < len("fortune") + 400, f"generation on whole documents stops at the end of one: {text!r}")
+        check(text == sample(packed, "fortune", "--max-new-tokens", "400", "--no-kv-cache"),
+              f"on whole documents the KV cache samples the whole window's text: {text!r}")
         print("ok   generate masks documents as trained (--attention-mask document, --batching documents)")
         # On whole documents a sequence of --seq-len 32 predicts from its first 31 positions only: the window
         # slides at 31, as a record of windows of 31 with document masking does (it slid at 32, where the
