@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import origami_ref as ref  # noqa: E402
 
 torch.set_num_threads(2)
-TOL = 1e-4
+TOL = 3e-5  # (fp32 against float64: the worst measured 3.6e-6 over these and the routing tests)
 B, T = 2, 16
 SCALARS = ("loss", "lm_loss", "aux_loss", "z_loss")
 

@@ -26,7 +26,7 @@ import test_forward_backward as fb  # noqa: E402
 import test_training as tt  # noqa: E402
 
 torch.set_num_threads(2)
-TOL = 1e-4
+TOL = 3e-5  # (the worst measured 3.6e-6)
 BIAS_TOL = 1e-6
 B, T = 2, 16
 MODELS = ("mixtral", "qwen2_moe")

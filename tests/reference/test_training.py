@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import origami_ref as ref  # noqa: E402
 
 torch.set_num_threads(2)
-TOL = 1e-4
+TOL = 3e-5  # (10 fp32 AdamW steps against float64: the worst measured 1.2e-6)
 SEQ_LEN = 16
 TRAIN_ARGS = dict(steps=10, micro_batch=2, global_batch=4, lr=3e-3, min_lr=3e-4, warmup=2,
                   schedule="cosine", weight_decay=0.1, grad_clip=1.0)
