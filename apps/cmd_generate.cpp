@@ -28,9 +28,11 @@ namespace {
 // real positions' logits).
 class NextToken {
  public:
-  NextToken(Model& model, int64_t context, bool cached)
-      : model_(model), context_(context), cached_(cached), vocab_(model.config().vocab_size) {
-    if (cached_) model_.start_decoding(context_), logits_.resize(size_t(vocab_));
+  // `most`: the most tokens there will be (prompt and new ones), which the cache need not exceed.
+  NextToken(Model& model, int64_t context, bool cached, int64_t most)
+      : model_(model), context_(context), cached_(cached), vocab_(model.config().vocab_size),
+        capacity_(std::max<int64_t>(1, std::min(context, most))) {
+    if (cached_) model_.start_decoding(capacity_), logits_.resize(size_t(vocab_));
   }
 
   float* logits(const std::vector<int32_t>& ids) {  // (the caller may mask tokens out)
@@ -39,7 +41,7 @@ class NextToken {
     model_.reset_expert_counts();  // MoE: the per-step routing figures (training's), which grow per call
     if (cached_) {
       const int64_t held = model_.decoded();
-      if (held > 0 && held < context_ && size_t(held) + 1 == ids.size()) {
+      if (held > 0 && held < capacity_ && size_t(held) + 1 == ids.size()) {
         model_.decode(&ids.back(), 1, logits_.data());
       } else {
         model_.clear_decoding();
@@ -61,7 +63,7 @@ class NextToken {
   Model& model_;
   const int64_t context_;
   const bool cached_;
-  const int64_t vocab_;
+  const int64_t vocab_, capacity_;
   std::vector<float> logits_;
   std::vector<int32_t> window_;
 };
@@ -147,7 +149,7 @@ int cmd_generate(int argc, char** argv) {
   std::vector<int32_t> skipped;
   for (int32_t v = 0; v < int32_t(vocab); ++v)
     if (!tok->has_token(v)) skipped.push_back(v);
-  NextToken next(model, context, !a.on("no-kv-cache"));
+  NextToken next(model, context, !a.on("no-kv-cache") && max_new > 0, int64_t(prompt_len) + std::min(max_new, context));
   size_t printed = prompt_len;
   std::string pending;  // decoded bytes of an unfinished character
   for (int64_t i = 0; i < max_new; ++i) {

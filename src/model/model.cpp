@@ -261,6 +261,8 @@ struct Model::KvCache {
   std::vector<float> k, v;              // [L][cap][width]
   std::vector<int64_t> pos;             // [cap]
   std::vector<int32_t> doc, token;      // [cap]
+  std::vector<int32_t> row;             // decode's tokens and their (unread) targets
+  std::vector<float> logits;            // decode's [n, V]
 };
 
 Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute,
@@ -1122,7 +1124,7 @@ Losses Model::forward_only(int mb, int chunk, const int32_t* tokens, const float
 
 Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, float loss_scale, bool backward,
                                float* logits_out) {
-  ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head);
+  ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head && !kv_);  // (decoding: decode())
   set_batch(B, T);
   Losses out = backward ? forward(0, 0, tokens, nullptr) : forward_only(0, 0, tokens, nullptr, nullptr, logits_out);
   if (backward) out += this->backward(0, 0, tokens, nullptr, loss_scale, logits_out);
@@ -1131,14 +1133,20 @@ Losses Model::forward_backward(const int32_t* tokens, int64_t B, int64_t T, floa
 }
 
 void Model::start_decoding(int64_t capacity) {
-  ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head && tp_.size() == 1 && cp_.size() == 1);
+  ORIGAMI_ASSERT(part_.chunks.size() == 1 && part_.embedding && part_.head && tp_.size() == 1 && cp_.size() == 1 &&
+                 levels_.empty() && !part_.vocab_parallel());
   ORIGAMI_CHECK(capacity >= 1 && capacity <= cfg_.max_positions, "a KV cache of ", capacity,
                 " positions: the model has ", cfg_.max_positions);
   kv_ = std::make_unique<KvCache>();
   KvCache& c = *kv_;
   c.cap = capacity, c.width = cfg_.num_kv_heads * cfg_.head_dim;
   const int64_t floats = (Size(cfg_.num_layers) * capacity * c.width).get();  // (SizeOverflow beyond 64 bits)
-  allocating("the KV cache", (Size(8) * floats).get(), [&] {
+  const int64_t bytes = (Size(8) * floats).get();
+  const AvailableMemory avail = available_memory();  // (checked: Linux lets a huge allocation through, then kills)
+  ORIGAMI_CHECK(bytes <= avail.bytes, "the KV cache of ", capacity, " positions x ", cfg_.num_layers, " layers needs ",
+                format_bytes(double(bytes)), ", more than the ", format_bytes(double(avail.bytes)), " available (",
+                avail.source, "): fewer --max-new-tokens, or --no-kv-cache");
+  allocating("the KV cache", bytes, [&] {
     c.k.resize(size_t(floats));
     c.v.resize(size_t(floats));
   });
@@ -1189,12 +1197,12 @@ void Model::decode(const int32_t* tokens, int64_t n, float* logits) {
     c.pos[size_t(p)] = p == 0 || starts ? 0 : c.pos[size_t(p - 1)] + 1;
     pos_ids_[size_t(t)] = c.pos[size_t(p)];
   }
-  std::vector<int32_t> row(tokens, tokens + n);
-  row.push_back(0);  // (the targets' row: read, never predicted from)
-  std::vector<float> all(size_t(n * cfg_.vocab_size));
-  forward_only(0, 0, row.data(), nullptr, nullptr, all.data());
+  c.row.assign(tokens, tokens + n);
+  c.row.push_back(0);  // (the targets' row: read, never predicted from)
+  c.logits.resize(size_t(n * cfg_.vocab_size));
+  forward_only(0, 0, c.row.data(), nullptr, nullptr, c.logits.data());
   c.len += n;
-  std::copy(all.end() - cfg_.vocab_size, all.end(), logits);
+  std::copy(c.logits.end() - cfg_.vocab_size, c.logits.end(), logits);
 }
 
 }  // namespace origami
