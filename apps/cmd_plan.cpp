@@ -315,7 +315,7 @@ class LayoutSearch {
     base_.precision = cmd.precision;
     base_.grad_reduce_dtype = cmd.grad_reduce_dtype;
     base_.data = "plan";  // not read: validate() only asks that there is one
-    base_.threads = cmd.cluster.threads_per_rank;  // (the memory check's: each thread's attention scratch)
+    base_.threads = std::max(1, cmd.cluster.threads_per_rank);  // (the memory check's: each thread's attention scratch)
   }
 
   // First with `counting` (the meshes and splits only, nothing sized: work() before anything is built),
@@ -618,9 +618,10 @@ void write_plan_file(const PlanCommand& cmd, const Candidate& best) {
     for (const char* key : {"ep", "etp", "expert-sharding", "fssdp-keep"}) layout.erase(key);
   // (the model too, whose config train --plan compares with its own, and the threads a rank the
   // prediction priced, which it compares with its own)
-  const nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
-                               {"model", cmd.cfg.math_fields()}, {"threads_per_rank", cmd.cluster.threads_per_rank},
-                               {"cluster", cmd.cluster.name}, {"prediction", best.p.as_json()}};
+  nlohmann::json plan = {{"layout", layout}, {"description", layout_name(b, cmd.devices)}, {"devices", cmd.devices},
+                         {"model", cmd.cfg.math_fields()}, {"cluster", cmd.cluster.name},
+                         {"prediction", best.p.as_json()}};
+  if (cmd.cluster.threads_per_rank > 0) plan["threads_per_rank"] = cmd.cluster.threads_per_rank;  // (stated: a CPU's)
   write_file_atomically(cmd.out, plan.dump(2) + "\n");
 }
 

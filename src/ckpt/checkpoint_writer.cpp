@@ -265,10 +265,13 @@ void CheckpointWriter::commit() {
       write_file_atomically(dir_ + "/latest", cat("step-", step, "\n"));
     } catch (const std::exception& e) {
       std::error_code ec;
-      // After the commit's rename (tmp moved to step-N) only the step's durability failed (a sync).
+      // After the commit's rename (tmp moved to step-N: replace_dir's own sync may fail after it) what
+      // failed is a sync or `latest`: the step is in place, neither known durable nor named by `latest`.
       const bool renamed = !fs::exists(tmp, ec) && fs::exists(final_dir, ec);
       fs::remove_all(tmp, ec);
-      if (renamed) fail("checkpoint step ", step, " is in '", final_dir, "', but a crash may lose it: ", e.what());
+      if (renamed)
+        fail("checkpoint step ", step, " is in '", final_dir, "', but its commit did not finish (", e.what(),
+             "): a crash may lose it, and ", dir_, "/latest may still name an earlier step");
       fail("cannot save checkpoint step ", step, " in '", dir_, "': ", e.what(),
            last_committed_ >= 0 ? cat("; ", dir_, "/step-", last_committed_, " is intact") : std::string());
     }

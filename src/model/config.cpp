@@ -253,7 +253,7 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
 nlohmann::json ModelConfig::math_fields() const {
   nlohmann::json out = nlohmann::json::object();
   for (const auto& [key, value] : raw.items())
-    if (!kBookkeeping.count(key) || key == "model_type") out[key] = value;
+    if ((!kBookkeeping.count(key) || key == "model_type") && !value.is_null()) out[key] = value;  // (null: absent)
   return out;
 }
 

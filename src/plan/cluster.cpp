@@ -187,7 +187,7 @@ Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   c.source = f["source"].string_or("");
   c.nodes = int(f["nodes"].integer(1, kMaxNodes));
   c.devices_per_node = int(f["devices_per_node"].integer(1, kMaxDevicesPerNode));
-  c.threads_per_rank = int(f["threads_per_rank"].integer_or(1, 1, kMaxThreads));
+  c.threads_per_rank = int(f["threads_per_rank"].integer_or(0, 1, kMaxThreads));
   const JsonField d = f["device"];
   d.only_keys({"memory_gb", "memory_bandwidth_gb_s", "first_touch_gb_s", "bf16", "sms", "kernel_overhead_us",
                "peak_tflops", "attention_tflops", "gemm", "gemm_streaming_gb_s", "gemm_streaming_accumulating_gb_s",
@@ -248,8 +248,9 @@ nlohmann::json Cluster::to_json() const {
   nlohmann::json links = nlohmann::json::object();
   for (const auto& [name, t] : collectives) links[name] = link(t);
   nlohmann::json j = {{"name", name},         {"source", source},   {"nodes", nodes},
-                      {"devices_per_node", devices_per_node}, {"threads_per_rank", threads_per_rank}, {"device", d}, {"comm_overlap", comm_overlap},
+                      {"devices_per_node", devices_per_node}, {"device", d}, {"comm_overlap", comm_overlap},
                       {"overlap", overlap}, {"collectives", links}};
+  if (threads_per_rank > 0) j["threads_per_rank"] = threads_per_rank;
   if (intra.bandwidth > 0) j["intra_node"] = link(intra);  // (none measured on one rank)
   if (inter_given || nodes > 1) j["inter_node"] = link(inter);  // (one node without it: none to join nodes with)
   return j;

@@ -83,7 +83,8 @@ struct ComputeRates {
 struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 as read, at(bf16) for bf16)
   std::string name, source;
   int nodes = 1, devices_per_node = 1;
-  int threads_per_rank = 1;           // a CPU rank's threads, as profiled (each may hold attention scratch)
+  int threads_per_rank = 0;           // a CPU rank's threads, as profiled (each may hold attention scratch; 0:
+                                      // not stated, priced as 1)
   double memory_bytes = 0;            // per device
   double memory_bandwidth = 0;        // bytes/s (roofline, element-wise work, AdamW; 0: not known)
   double first_touch = 0;             // bytes/s written into fresh pages (0: not priced)

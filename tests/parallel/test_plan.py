@@ -231,18 +231,26 @@ def main():
     # ... and one whose config differs in a field that changes the math (a llama of 3 layers).
     deeper = os.path.join(tmp, "llama_3_layers.json")
     json.dump(dict(json.load(open(cfg)), num_hidden_layers=3), open(deeper, "w"))
-    rc, out, _ = h.run(0, ["plan", "--config", cfg, "--cluster", CLUSTER, "--global-batch", "8", "--seq-len", "32",
+    stated = os.path.join(tmp, "cluster_1_threads.json")  # (check_threads_per_rank's: threads_per_rank 1)
+    rc, out, _ = h.run(0, ["plan", "--config", cfg, "--cluster", stated, "--global-batch", "8", "--seq-len", "32",
                            "--devices", "1", "--layout", "tp1 mb4", "--out", os.path.join(tmp, "llama_plan.json")])
     _, _, failure = h.check_error("plan made for another config", 0, ["train", "--config", deeper, "--data", data,
                                   "--plan", os.path.join(tmp, "llama_plan.json"), "--steps", "1"],
                                   lambda line: "its config's 'num_hidden_layers' is 2, and this run's (llama) is 3" in line)
     failures += [failure] if failure else []
-    # The plan priced the cluster file's threads a rank (1); a run with 2 is told its figures differ.
+    # The plan priced the cluster file's threads a rank (1); a run with 2 is told its figures differ. A
+    # plan from a file that states none (a datasheet's, or profiled before the field) warns of nothing.
     rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--plan", os.path.join(tmp, "llama_plan.json"),
                            "--steps", "1", "--threads", "2", "--quiet"])
     warned = "priced 1 thread a rank (its cluster file's), and this run has 2" in out
-    print("%-4s train --plan with other threads a rank than the plan priced warns" % ("ok" if rc == 0 and warned else "FAIL"))
-    failure = None if rc == 0 and warned else "train --plan --threads 2: exit %s, no warning: %s" % (rc, out[-300:])
+    h.run(0, ["plan", "--config", cfg, "--cluster", CLUSTER, "--global-batch", "8", "--seq-len", "32", "--devices", "1",
+              "--layout", "tp1 mb4", "--out", os.path.join(tmp, "unstated_plan.json")])
+    rc2, out2, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--plan", os.path.join(tmp, "unstated_plan.json"),
+                             "--steps", "1", "--threads", "2", "--quiet"])
+    ok = rc == 0 and warned and rc2 == 0 and "a rank (its cluster file" not in out2
+    print("%-4s train --plan with other threads a rank than the plan priced warns (and not when unstated)" %
+          ("ok" if ok else "FAIL"))
+    failure = None if ok else "train --plan --threads 2: exit %s/%s, warned %s: %s %s" % (rc, rc2, warned, out[-200:], out2[-200:])
     failures += [failure] if failure else []
     for name, args, want in [("--explain with --json", base + ["--cluster", CLUSTER, "--explain", "--json"],
                               "its 'breakdown' field holds the same parts"),
