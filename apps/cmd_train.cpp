@@ -378,10 +378,11 @@ void check_plan_model(const std::string& path, const ModelConfig& cfg, int threa
     keys.update(mine);
     for (const auto& [key, unused] : keys.items()) {
       const auto a = planned.find(key), b = mine.find(key);
-      const bool same = a != planned.end() && b != mine.end() && *a == *b;
+      const bool absent_a = a == planned.end() || a->is_null(), absent_b = b == mine.end();  // (null: absent)
+      const bool same = absent_a ? absent_b : !absent_b && *a == *b;
       ORIGAMI_CHECK(same, "--plan ", path, " was made for another model: its config's '", key, "' is ",
-                    a == planned.end() ? std::string("not given") : a->dump(), ", and this run's (",
-                    cfg.model_type(), ") is ", b == mine.end() ? std::string("not given") : b->dump(),
+                    absent_a ? std::string("not given") : a->dump(), ", and this run's (",
+                    cfg.model_type(), ") is ", absent_b ? std::string("not given") : b->dump(),
                     ": plan it with this run's --config");
     }
   }
