@@ -362,7 +362,6 @@ void pin_checkpoint_step(TrainOptions& o, Comm& world) {
   }
 }
 
-// --config, else the config.json of the checkpoint the run resumes or starts from.
 // A plan lays out one model: the config `origami plan --out` recorded (its fields that change the math)
 // must be the run's; a plan file without it (written before plans named their model) passes. A run
 // with other threads a rank than the plan priced is told its figures differ.
@@ -393,6 +392,7 @@ void check_plan_model(const std::string& path, const ModelConfig& cfg, int threa
                  priced == 1 ? "" : "s", threads);
 }
 
+// --config, else the config.json of the checkpoint the run resumes or starts from.
 std::string model_config_path(const Args& a, const TrainOptions& o) {
   std::string config = a.str("config");
   if (config.empty() && !(o.resume.empty() && o.init_from.empty()) && !o.fresh_start())

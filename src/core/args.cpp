@@ -7,9 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
-#include <variant>
 #include <vector>
 
 #include "core/error.h"
@@ -84,19 +82,21 @@ std::vector<std::string> comma_items(const std::string& s) {
   return out;
 }
 
-// One item as a number: an integer (exactly, beyond 2^53 too) or a decimal one; none for other text
-// (hex and infinities included, which no option reads as numbers).
-std::optional<std::variant<long long, double>> as_number(const std::string& item) {
-  const size_t first = item.find_first_not_of(' ');
-  if (first == std::string::npos || item.find_first_not_of("0123456789+-.eE ", first) != std::string::npos)
-    return std::nullopt;
-  char* end = nullptr;
+// Whether two list items are one number: compared as integers where both are (exactly, beyond 2^53
+// too), else as decimal numbers; other text (hex and infinities included, which no option reads as
+// numbers) is not a number.
+bool same_number(const std::string& x, const std::string& y) {
+  const auto numeric = [](const std::string& s) {
+    const size_t first = s.find_first_not_of(' ');
+    return first != std::string::npos && s.find_first_not_of("0123456789+-.eE ", first) == std::string::npos;
+  };
+  if (!numeric(x) || !numeric(y)) return false;
+  char *end_x = nullptr, *end_y = nullptr;
   errno = 0;
-  const long long i = std::strtoll(item.c_str(), &end, 10);
-  if (*end == 0 && errno == 0) return i;
-  const double x = std::strtod(item.c_str(), &end);
-  if (*end == 0) return x;
-  return std::nullopt;
+  const long long i = std::strtoll(x.c_str(), &end_x, 10), j = std::strtoll(y.c_str(), &end_y, 10);
+  if (*end_x == 0 && *end_y == 0 && errno == 0) return i == j;
+  const double a = std::strtod(x.c_str(), &end_x), b = std::strtod(y.c_str(), &end_y);
+  return *end_x == 0 && *end_y == 0 && a == b;
 }
 
 // Two spellings of one value: equal strings, the same number (2 and 2.0, 1e-3 and 0.001), or
@@ -105,16 +105,8 @@ bool same_value(const std::string& a, const std::string& b) {
   if (a == b) return true;
   const std::vector<std::string> xs = comma_items(a), ys = comma_items(b);
   if (xs.size() != ys.size()) return false;
-  for (size_t i = 0; i < xs.size(); ++i) {
-    if (xs[i] == ys[i]) continue;
-    const auto x = as_number(xs[i]), y = as_number(ys[i]);
-    if (!x || !y) return false;
-    const auto as_double = [](const std::variant<long long, double>& v) {
-      return std::visit([](auto n) { return double(n); }, v);
-    };
-    const bool both_integers = x->index() == 0 && y->index() == 0;
-    if (both_integers ? std::get<0>(*x) != std::get<0>(*y) : as_double(*x) != as_double(*y)) return false;
-  }
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (xs[i] != ys[i] && !same_number(xs[i], ys[i])) return false;
   return true;
 }
 }  // namespace

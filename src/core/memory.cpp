@@ -105,9 +105,9 @@ AvailableMemory available_memory(const std::string& root) {
   // Control groups (containers, batch schedulers): this process's group and each of its ancestors
   // may set a limit; what the group uses counts against it, less the file cache the kernel reclaims
   // first. cgroup v2: "0::/path" in /proc/self/cgroup, memory.max / memory.current / inactive_file;
-  // v1: "N:memory:/path", memory.limit_in_bytes / memory.usage_in_bytes / total_inactive_file.
-  auto lower_by_groups = [&](const std::string& mount, const std::string& group, const char* max_file, const char* used_file,
-                             const char* inactive_key, const char* name) {
+  // v1 (below): memory.limit_in_bytes / memory.usage_in_bytes / total_inactive_file.
+  auto lower_by_groups = [&](const std::string& mount, const std::string& group, const char* max_file,
+                             const char* used_file, const char* inactive_key, const char* name) {
     for (std::string dir = mount + (group == "/" ? "" : group);;) {
       const int64_t max = read_number_file(dir + "/" + max_file), used = read_number_file(dir + "/" + used_file);
       if (max > 0 && max < (int64_t(1) << 60) && used >= 0) {
@@ -132,11 +132,11 @@ AvailableMemory available_memory(const std::string& root) {
     const std::string controllers = line.substr(c0 + 1, c1 - c0 - 1);
     if (("," + controllers + ",").find(",memory,") == std::string::npos) continue;
     std::string mount = sys + "/memory";
-    if (!std::ifstream(mount + "/memory.limit_in_bytes")) mount = sys + "/" + controllers;
-    std::string group = line.substr(c1 + 1);
+    if (!std::ifstream(mount + "/memory.limit_in_bytes")) mount = cat(sys, "/", controllers);
+    const std::string group = line.substr(c1 + 1);
     // Inside a container the group's path is often not visible under the mount: use the mount's root.
-    if (!std::ifstream(mount + group + "/memory.limit_in_bytes")) group = "/";
-    lower_by_groups(mount, group, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file",
+    const bool visible = bool(std::ifstream(mount + group + "/memory.limit_in_bytes"));
+    lower_by_groups(mount, visible ? group : std::string("/"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file",
                     "the cgroup's memory.limit_in_bytes");
   }
   if (out.bytes < 0) out = {INT64_MAX, "unknown"};

@@ -254,13 +254,15 @@ struct Model::Scratch {
   MoeScratch<float> moe;
 };
 
-// Incremental decoding's cache (start_decoding): per layer the keys and values of `len` positions, and
-// per position its position id and document (document masking).
+// Incremental decoding's cache (start_decoding): per layer the keys and values of `len` positions, per
+// position its document (document masking), and the last position's id and token (the next continues
+// them).
 struct Model::KvCache {
   int64_t cap = 0, len = 0, width = 0;  // width: KV·D, a position's keys (and its values)
   std::vector<float> k, v;              // [L][cap][width]
-  std::vector<int64_t> pos;             // [cap]
-  std::vector<int32_t> doc, token;      // [cap]
+  std::vector<int32_t> doc;             // [cap]
+  int64_t last_pos = 0;
+  int32_t last_token = 0;
   std::vector<int32_t> row;             // decode's tokens and their (unread) targets
   std::vector<float> logits;            // decode's [n, V]
 };
@@ -1150,7 +1152,7 @@ void Model::start_decoding(int64_t capacity) {
     c.k.resize(size_t(floats));
     c.v.resize(size_t(floats));
   });
-  c.pos.resize(size_t(capacity)), c.doc.resize(size_t(capacity)), c.token.resize(size_t(capacity));
+  c.doc.resize(size_t(capacity));
   // RoPE's angles for every position the cache holds (set_batch grows them to its rows' length only)
   if (!cfg_.is_gpt2() && rope_.max_T < capacity) rope_ = RopeTable(capacity, cfg_.head_dim, cfg_.rope_theta);
 }
@@ -1191,11 +1193,11 @@ void Model::decode(const int32_t* tokens, int64_t n, float* logits) {
   // end-of-document token, at position 0.
   for (int64_t t = 0; t < n; ++t) {
     const int64_t p = c.len + t;
-    const bool starts = p > 0 && cfg_.masks_documents() && c.token[size_t(p - 1)] == cfg_.document_eod;
-    c.token[size_t(p)] = tokens[t];
+    const bool starts = p > 0 && cfg_.masks_documents() && c.last_token == cfg_.document_eod;
     c.doc[size_t(p)] = p == 0 ? 0 : c.doc[size_t(p - 1)] + (starts ? 1 : 0);
-    c.pos[size_t(p)] = p == 0 || starts ? 0 : c.pos[size_t(p - 1)] + 1;
-    pos_ids_[size_t(t)] = c.pos[size_t(p)];
+    c.last_pos = p == 0 || starts ? 0 : c.last_pos + 1;
+    c.last_token = tokens[t];
+    pos_ids_[size_t(t)] = c.last_pos;
   }
   c.row.assign(tokens, tokens + n);
   c.row.push_back(0);  // (the targets' row: read, never predicted from)

@@ -180,8 +180,8 @@ nlohmann::json rates_json(const ComputeRates& r) {
 
 Cluster Cluster::from_json(const nlohmann::json& j, const std::string& source) {
   const JsonField f(j, source);
-  f.only_keys({"name", "source", "nodes", "devices_per_node", "threads_per_rank", "device", "comm_overlap", "overlap", "intra_node",
-               "inter_node", "collectives"});
+  f.only_keys({"name", "source", "nodes", "devices_per_node", "threads_per_rank", "device", "comm_overlap", "overlap",
+               "intra_node", "inter_node", "collectives"});
   Cluster c;
   c.name = f["name"].string_or(source);
   c.source = f["source"].string_or("");

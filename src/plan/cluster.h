@@ -118,9 +118,9 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
   // softmax work that does not scale with D, (D / (D + 32)) relative to D = 128.
   double attention_rate(double T, double D) const;
   // Seconds of a collective that sends `bytes` (as Comm counts them) in `steps` latency-bound
-  // message steps (a count; a double, as a huge layout's exceed 2^31), over the tier the group spans: within a node at the collective's own measured
-  // rate ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv") where the file
-  // gives one, else at the tier's; at the bandwidth of messages of `step_bytes` per step (0: bytes/steps,
+  // message steps (a count; a double, as a huge layout's exceed 2^31), over the tier the group
+  // spans: within a node at the collective's own measured rate ("all_reduce", "all_gather",
+  // "reduce_scatter", "all_to_all", "send_recv") where the file gives one, else at the tier's; at the bandwidth of messages of `step_bytes` per step (0: bytes/steps,
   // or with steps 0 one message of all the bytes).
   double transfer_seconds(double bytes, double steps, bool inter_node, const std::string& collective = "all_reduce",
                           double step_bytes = 0) const;
