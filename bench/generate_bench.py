@@ -10,9 +10,13 @@ from a byte-level corpus (the fortunes, /usr/share/games/fortunes), then `genera
            both modes (the cache pays only before that);
   gpt2-124m  GPT-2 124M's shape (12 layers, hidden 768, 12 heads, byte vocabulary) trained at 1024
            positions: every new token fits the window.
+  gpt2-124m-slide  the same with GPT-2's 50257-row LM head (the byte tokenizer uses 257 of them) trained
+           at 256 positions: the window fills after ~250 tokens, and from then on each token recomputes
+           the window; the cache's path computes the LM head for the last position only, the
+           whole-window path for every position.
 Prints each mode's median seconds and new tokens/s, their ratio, and whether the texts agree.
 
-  /usr/bin/python3 bench/generate_bench.py [--rounds 3] [--new-tokens 400] [--threads 2] [--cases demo,gpt2-124m]
+  /usr/bin/python3 bench/generate_bench.py [--rounds 3] [--new-tokens 400] [--threads 2] [--cases demo,gpt2-124m,gpt2-124m-slide]
 """
 import argparse
 import json
@@ -58,7 +62,10 @@ def main():
     run(["data", "prepare", "--input", "/usr/share/games/fortunes", "--output", data, "--tokenizer", "byte"])
     big = os.path.join(tmp, "gpt2_124m.json")
     json.dump(GPT2_124M, open(big, "w"))
-    cases = {"demo": (os.path.join(ROOT, "configs", "demo_gpt2.json"), 128), "gpt2-124m": (big, 1024)}
+    big_vocab = os.path.join(tmp, "gpt2_124m_50k.json")
+    json.dump(dict(GPT2_124M, vocab_size=50257), open(big_vocab, "w"))
+    cases = {"demo": (os.path.join(ROOT, "configs", "demo_gpt2.json"), 128), "gpt2-124m": (big, 1024),
+             "gpt2-124m-slide": (big_vocab, 256)}
     print("| case | positions | new tokens | KV cache s | whole window s | speed-up | same text |")
     print("|---|---|---|---|---|---|---|")
     for name in a.cases.split(","):

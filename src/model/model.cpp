@@ -264,7 +264,6 @@ struct Model::KvCache {
   int64_t last_pos = 0;
   int32_t last_token = 0;
   std::vector<int32_t> row;             // decode's tokens and their (unread) targets
-  std::vector<float> logits;            // decode's [n, V]
 };
 
 Model::Model(const ModelConfig& cfg, Params& params, TensorParallel tp, ModelPart part, Recompute recompute,
@@ -964,8 +963,11 @@ double Model::lm_loss(float loss_scale, bool backward, float* logits_out) {
   // CP this rank's part of it (summed over CP).
   const int64_t N = B_ * T_;
   const double tokens_total = loss_tokens_ > 0 ? loss_tokens_ : double(N * row_cp());
-  return lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data(), mw(head_),
-                      s.targets.data(), N, cfg_.hidden, Vl_, loss_scale / float(tokens_total), s.head, shard) /
+  // Decoding reads the last position's logits alone (decode): the head skips the others' [V] rows.
+  const int64_t skip = kv_ ? N - 1 : 0;
+  return lm_head_loss(backward ? s.d_ln.data() : nullptr, g(head_), logits_out, s.lnf.data() + skip * cfg_.hidden,
+                      mw(head_), s.targets.data() + skip, N - skip, cfg_.hidden, Vl_,
+                      loss_scale / float(tokens_total), s.head, shard) /
          tokens_total;
 }
 
@@ -1201,10 +1203,8 @@ void Model::decode(const int32_t* tokens, int64_t n, float* logits) {
   }
   c.row.assign(tokens, tokens + n);
   c.row.push_back(0);  // (the targets' row: read, never predicted from)
-  c.logits.resize(size_t(n * cfg_.vocab_size));
-  forward_only(0, 0, c.row.data(), nullptr, nullptr, c.logits.data());
+  forward_only(0, 0, c.row.data(), nullptr, nullptr, logits);  // (the last position's logits only: lm_loss)
   c.len += n;
-  std::copy(c.logits.end() - cfg_.vocab_size, c.logits.end(), logits);
 }
 
 }  // namespace origami
