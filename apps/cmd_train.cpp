@@ -376,6 +376,7 @@ void check_plan_model(const std::string& path, const ModelConfig& cfg, int threa
     nlohmann::json keys = planned;
     keys.update(mine);
     for (const auto& [key, unused] : keys.items()) {
+      if (plan_neutral_field(key)) continue;
       const auto a = planned.find(key), b = mine.find(key);
       const bool absent_a = a == planned.end() || a->is_null(), absent_b = b == mine.end();  // (null: absent)
       const bool same = absent_a ? absent_b : !absent_b && *a == *b;

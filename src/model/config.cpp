@@ -257,6 +257,13 @@ nlohmann::json ModelConfig::math_fields() const {
   return out;
 }
 
+bool plan_neutral_field(const std::string& key) {
+  static const std::set<std::string> neutral = {"initializer_range",    "layer_norm_epsilon",  "rms_norm_eps",
+                                                "rope_theta",           "router_aux_loss_coef", "router_z_loss_coef",
+                                                "norm_topk_prob"};
+  return neutral.count(key) > 0;
+}
+
 namespace {
 
 // eos_token_id is bookkeeping, but --attention-mask document may take the end-of-document token

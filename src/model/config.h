@@ -113,6 +113,11 @@ struct ModelConfig {
   nlohmann::json math_fields() const;
 };
 
+// A math field that changes the model's values but neither its shapes nor its cost (initialisation,
+// norm epsilons, RoPE's base, loss coefficients, the top-k weights' normalisation): a plan laid out
+// for one config fits another that differs only in these.
+bool plan_neutral_field(const std::string& key);
+
 // Layers [begin, end) of a model part (a pipeline stage's chunk).
 struct LayerRange {
   int begin, end;

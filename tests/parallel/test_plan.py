@@ -238,6 +238,16 @@ def main():
                                   "--plan", os.path.join(tmp, "llama_plan.json"), "--steps", "1"],
                                   lambda line: "its config's 'num_hidden_layers' is 2, and this run's (llama) is 3" in line)
     failures += [failure] if failure else []
+    # A config that differs only in fields that change values, not shapes or cost, fits the plan.
+    retuned = os.path.join(tmp, "llama_retuned.json")
+    json.dump(dict(json.load(open(cfg)), initializer_range=0.01, rms_norm_eps=1e-5, rope_theta=500000.0),
+              open(retuned, "w"))
+    rc, out, _ = h.run(0, ["train", "--config", retuned, "--data", data, "--plan", os.path.join(tmp, "llama_plan.json"),
+                           "--steps", "1", "--quiet"])
+    ok = rc == 0
+    print("%-4s train --plan takes a config that differs in initializer_range, rms_norm_eps and rope_theta" %
+          ("ok" if ok else "FAIL"))
+    failures += [] if ok else ["train --plan, retuned config: exit %s: %s" % (rc, out[-300:])]
     # The plan priced the cluster file's threads a rank (1); a run with 2 is told its figures differ. A
     # plan from a file that states none (a datasheet's, or profiled before the field) warns of nothing.
     rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--plan", os.path.join(tmp, "llama_plan.json"),
