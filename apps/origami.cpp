@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "kernels/cpu/gemm.h"
 
 namespace {
 
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   }
   for (const auto& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
+    origami::flush_denormals();  // (kernels/cpu/gemm.h: why)
     try {
       const int rc = c.run(argc - 1, argv + 1);
       // Output that could not be written (a full disk, /dev/full) is an error, not a success.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <cblas.h>
+#include <immintrin.h>
 #include <dnnl.h>
 #include <omp.h>
 
@@ -142,6 +143,14 @@ void set_num_threads(int n) {
 }
 
 int num_threads() { return omp_get_max_threads(); }
+
+namespace {
+constexpr unsigned kFlushBits = 0x8040;  // MXCSR: FTZ (bit 15) and DAZ (bit 6)
+}
+
+void flush_denormals() { _mm_setcsr(_mm_getcsr() | kFlushBits); }
+
+bool flushing_denormals() { return (_mm_getcsr() & kFlushBits) == kFlushBits; }
 
 void warm_up_gemm() {
   tile_choice();
