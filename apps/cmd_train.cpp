@@ -212,7 +212,7 @@ void add_run_options(Args& a) {
       .flag("verbose", "print every rank's memory breakdown at startup")
       .option("max-skipped-steps", "N",
               "steps whose loss or gradient norm is not finite are skipped (no update); the run stops, without "
-              "saving, at the (N+1)-th such step (exit code 3)", "0")
+              "saving, at the (N+1)-th such step of the run, counted across resumes (exit code 3)", "0")
       .option("loss-spike-factor", "K",
               "warn when a step's loss is above K times the median of the last 100 steps (from the tenth, "
               "counted again from a resume; 0: off)", "0")

@@ -188,6 +188,8 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
   }
   state_.step = st["step"].integer(0, JsonField::kNoLimit);
   state_.adam_steps = st["adam_steps"].integer(0, JsonField::kNoLimit);
+  state_.skipped_steps = st["skipped_steps"].integer_or(0, 0, state_.step);
+  state_.last_update = st["last_update"].integer_or(state_.step, 0, state_.step);
   // One row per layer, each of the same length (the experts).
   const NumberRange a_float = NumberRange::between(-FLT_MAX, FLT_MAX);
   if (st["router_bias"].present())

@@ -85,6 +85,9 @@ class Checkpoint {
   // Its fields a resumed run takes, checked when the checkpoint is opened (zero and empty without one).
   struct TrainerState {
     int64_t step = 0, adam_steps = 0;
+    // Steps skipped for a non-finite loss or gradient up to `step`, and the last step that updated
+    // the weights (a checkpoint written before these were saved: 0 and `step`).
+    int64_t skipped_steps = 0, last_update = 0;
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
     std::vector<std::pair<int64_t, int64_t>> data_sizes;  // per dataset of --data: tokens, documents (empty: none saved)
   };

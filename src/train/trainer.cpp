@@ -217,6 +217,7 @@ Inputs open_inputs(Plan& plan) {
 // weights (--init-from) and, with --resume, its AdamW moments, step and router biases.
 struct StartState {
   int64_t step = 0;
+  int64_t skipped_steps = 0, last_update = 0;   // the resumed run's (Checkpoint::TrainerState)
   std::vector<std::vector<float>> router_bias;  // the router's selection biases of a resumed checkpoint
   double load_s = 0;                            // reading (and checking) the checkpoint: the slowest rank's
   std::string checkpoint;                       // the checkpoint's path ("" at step 0)
@@ -311,6 +312,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
       set->opt.set_steps_taken(ck->state().adam_steps);
     }
     start.step = ck->state().step;
+    start.skipped_steps = ck->state().skipped_steps, start.last_update = ck->state().last_update;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
       warn_changed_options(st["options"], o, ck->path());
     if (world.rank() == 0 && !o.resume.empty()) warn_changed_data(ck->state().data_sizes, *in.data, ck->path());
@@ -578,7 +580,8 @@ Run::Run(Opened opened, Comm& world)
   if (rank0_) print_startup();
   open_writer();
   if (!o_.documents()) size_rows(plan_.micro_batches);
-  last_update_ = start_.step;
+  // --max-skipped-steps counts the whole run's skips, across resumes.
+  skipped_ = start_.skipped_steps, last_update_ = start_.last_update;
   run_timer_.reset();
 }
 
@@ -1022,7 +1025,9 @@ double Run::save(int64_t steps_done) {
   last_saved_ = steps_done;
   std::map<std::string, std::string> files;
   if (rank0_) {
-    nlohmann::json st = {{"step", steps_done}, {"adam_steps", params_.dense.opt.steps_taken()}, {"options", o_.as_json()}};
+    nlohmann::json st = {{"step", steps_done},          {"adam_steps", params_.dense.opt.steps_taken()},
+                         {"skipped_steps", skipped_}, {"last_update", last_update_},
+                         {"options", o_.as_json()}};
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     st["data_sizes"] = data_sizes(*in_.data);
     files["trainer_state.json"] = st.dump(2) + "\n";

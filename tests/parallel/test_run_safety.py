@@ -163,6 +163,21 @@ def part_a(tmp, data):
               "NaN injected at step 3 on rank %d (%s): exit %s, ranks %s, stopped after step %s: %r"
               % (rank, what, rc, codes, rows[-1]["step"] if rows else None, errors))
 
+    # The skips count over the whole run, across a resume: with --max-skipped-steps 1, a skip at step 2,
+    # a resume from step 3 and a skip at step 4 end the run at step 4 (the resumed run had counted 1).
+    ck, mpath = os.path.join(tmp, "skip_ck"), os.path.join(tmp, "skip.jsonl")
+    rc1, out1, _ = h.run(0, train_args(cfg, data, 3, "--save", ck, "--save-every", "1", "--max-skipped-steps", "1",
+                                       "--metrics", mpath), extra_env={"ORIGAMI_TEST_NAN_GRAD": "2:0"})
+    state = json.load(open(os.path.join(h.latest_step_dir(ck), "trainer_state.json"))) if rc1 == 0 else {}
+    rc2, out2, _ = h.run(0, train_args(cfg, data, 6, "--resume", ck, "--save", ck, "--max-skipped-steps", "1",
+                                       "--metrics", mpath), extra_env={"ORIGAMI_TEST_NAN_GRAD": "4:0"})
+    errors = [l for l in out2.splitlines() if "error:" in l]
+    check(rc1 == 0 and state.get("skipped_steps") == 1 and state.get("last_update") == 3 and rc2 == 3
+          and len(errors) == 1 and "step 4" in errors[0] and "2 skipped steps exceed --max-skipped-steps 1" in errors[0]
+          and "the last update was step 3" in errors[0],
+          "skips counted across a resume: first run exit %s, saved skipped_steps %s, last_update %s; resumed "
+          "run exit %s: %r" % (rc1, state.get("skipped_steps"), state.get("last_update"), rc2, errors or out2[-300:]))
+
 
 # ---------------------------------------------------------------------------------------------
 # (b) the memory check
