@@ -225,7 +225,7 @@ struct StartState {
 
 // A resume continues the run: options that change what it learns from, or in what order, are worth a
 // word when changed (stderr, rank 0). `was`: the checkpoint's options (TrainOptions::as_json).
-void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, const std::string& path) {
+void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, bool moe, const std::string& path) {
   // (key, flag, value now, value of a checkpoint written before the key existed; null: none)
   using Option = std::tuple<const char*, const char*, nlohmann::json, nlohmann::json>;
   std::vector<Option> options = {
@@ -235,7 +235,19 @@ void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, cons
       {"lr", "--lr", o.lr.lr, nullptr}, {"min_lr", "--min-lr", o.lr.min_lr, nullptr},
       {"warmup", "--warmup", o.lr.warmup, nullptr},
       {"lr_schedule", "--lr-schedule", o.lr.schedule == LrSchedule::cosine ? "cosine" : "constant", nullptr},
-      {"seed", "--seed", o.seed, nullptr}, {"data_order", "--data-order", o.data_order, nullptr}};
+      {"seed", "--seed", o.seed, nullptr}, {"data_order", "--data-order", o.data_order, nullptr},
+      // the optimizer, the gradients' reduction and the router: the updates from here are not its
+      {"weight_decay", "--weight-decay", o.adam.weight_decay, nullptr}, {"beta1", "--beta1", o.adam.beta1, nullptr},
+      {"beta2", "--beta2", o.adam.beta2, nullptr}, {"eps", "--eps", o.adam.eps, nullptr},
+      {"grad_clip", "--grad-clip", o.grad_clip, nullptr}, {"grad_reduce_dtype", "--grad-reduce-dtype", o.grad_reduce_dtype, nullptr}};
+  if (moe)
+    options.insert(options.end(),
+                   {{"moe_aux_loss", "--moe-aux-loss", o.aux_loss(), nullptr},
+                    {"moe_aux_loss_coef", "--moe-aux-loss-coef", o.moe_aux_loss_coef, nullptr},
+                    {"moe_router_score", "--moe-router-score", o.moe_router_score, nullptr},
+                    {"moe_router_bias_update_rate", "--moe-router-bias-update-rate", o.moe_router_bias_update_rate, nullptr},
+                    {"moe_capacity_factor", "--moe-capacity-factor", o.moe_capacity_factor, nullptr},
+                    {"moe_drop_policy", "--moe-drop-policy", o.moe_drop_policy, nullptr}});
   if (o.lr.schedule == LrSchedule::cosine)  // the cosine spans --steps
     options.push_back({"steps", "--steps (the cosine schedule's length)", o.steps, nullptr});
   // The step size, within one batching (across two, the batching's own warning says it all); the data
@@ -314,7 +326,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     start.step = ck->state().step;
     start.skipped_steps = ck->state().skipped_steps, start.last_update = ck->state().last_update;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
-      warn_changed_options(st["options"], o, ck->path());
+      warn_changed_options(st["options"], o, plan.model.is_moe(), ck->path());
     if (world.rank() == 0 && !o.resume.empty()) warn_changed_data(ck->state().data_sizes, *in.data, ck->path());
     start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,

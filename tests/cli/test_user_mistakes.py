@@ -159,12 +159,14 @@ def main():
                      "--max-shard-gb must be positive and at most 9e9 (bytes in 64 bits), got 1e+300")
 
         # A resume that changes the learning rate's course or the data order says so (it still runs).
-        p = run("train", "--resume", ck, *short, "--steps", "4", "--seed", "9", "--lr", "1e-3")
+        p = run("train", "--resume", ck, *short, "--steps", "4", "--seed", "9", "--lr", "1e-3", "--grad-clip", "0",
+                "--weight-decay", "0.05")
         for flag, now, before in (("--steps (the cosine schedule's length)", "4", "2"), ("--seed", "9", "1234"),
-                                  ("--lr", "0.001", "0.0003")):
+                                  ("--lr", "0.001", "0.0003"), ("--grad-clip", "0.0", "1.0"),
+                                  ("--weight-decay", "0.05", "0.1")):
             want = "warning: resuming with %s '%s'; '%s' trained with '%s'" % (flag, now, step2, before)
             check(want in p.stderr, "resume warns of %s:\n%s" % (flag, p.stderr))
-        print("ok   resuming with another --steps (cosine), --seed and --lr warns of each")
+        print("ok   resuming with another --steps (cosine), --seed, --lr, --grad-clip and --weight-decay warns of each")
 
         # A dataset prepared again at the same prefix: the data position replayed from the step reads other data.
         redo = byte_dataset(tmp, 40, "redo")
