@@ -133,7 +133,8 @@ struct ScratchSizes {
 }  // namespace
 
 // bf16: the rounding scratch of the calling thread — two operand slots and a backward's rounded dy,
-// each at most the most rows of a GEMM (tokens, or the experts' rows) times its widest operand; the
+// and in an MoE model the experts' backward's rounded dye or dgu rows (moe.cpp), each at most the
+// most rows of a GEMM (tokens, or the experts' rows) times its widest operand; the
 // LM head's rounded dlogits and input chunk — gemm_bf16's portable widening scratch (16 MiB at most),
 // and every thread's attention scratch for windows of T tokens (a CP block is shorter).
 Size bf16_scratch_bytes(const ModelConfig& c, const LocalSizes& s, const ActivationShape& a, bool head_stage) {
@@ -141,7 +142,8 @@ Size bf16_scratch_bytes(const ModelConfig& c, const LocalSizes& s, const Activat
   const int64_t Vl = vocab_rows(c, a);
   const Size rows = std::max(s.N, s.moe_rows), widest = std::max({s.C, s.Sl, s.HDl, s.fa, 2 * Size(s.moe.F)});
   const Size chunk = head_stage ? lm_head_chunk_rows(s.N.get(), Vl) : 0;
-  return 2 * (3 * rows * widest + chunk * (Size(Vl) + s.C)) + (int64_t(16) << 20) +
+  const int64_t slots = c.is_moe() ? 4 : 3;
+  return 2 * (slots * rows * widest + chunk * (Size(Vl) + s.C)) + (int64_t(16) << 20) +
          Size(a.threads) * attention_scratch_bytes(a.T, c.head_dim, a.precision);
 }
 
