@@ -214,8 +214,8 @@ void add_run_options(Args& a) {
               "steps whose loss or gradient norm is not finite are skipped (no update); the run stops, without "
               "saving, at the (N+1)-th such step of the run, counted across resumes (exit code 3)", "0")
       .option("loss-spike-factor", "K",
-              "warn when a step's loss is above K times the median of the last 100 steps (from the tenth, "
-              "counted again from a resume; 0: off)", "0")
+              "warn when a step's loss is above K times the median of the last 100 steps (from the tenth; a "
+              "checkpoint keeps them, so a resume goes on checking; 0: off)", "0")
       .option("memory-limit-gb", "X",
               "memory each rank may use (GiB): a run that needs more is refused at startup; 0: what each node has "
               "available, shared by its ranks", "0");

@@ -190,6 +190,8 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
   state_.adam_steps = st["adam_steps"].integer(0, JsonField::kNoLimit);
   state_.skipped_steps = st["skipped_steps"].integer_or(0, 0, state_.step);
   state_.last_update = st["last_update"].integer_or(state_.step, 0, state_.step);
+  if (st["recent_losses"].present())
+    st["recent_losses"].for_each_element([&](const JsonField& loss) { state_.recent_losses.push_back(loss.number()); });
   // One row per layer, each of the same length (the experts).
   const NumberRange a_float = NumberRange::between(-FLT_MAX, FLT_MAX);
   if (st["router_bias"].present())

@@ -88,6 +88,7 @@ class Checkpoint {
     // Steps skipped for a non-finite loss or gradient up to `step`, and the last step that updated
     // the weights (a checkpoint written before these were saved: 0 and `step`).
     int64_t skipped_steps = 0, last_update = 0;
+    std::vector<double> recent_losses;  // the loss-spike check's history (train/metrics.h LossSpikes)
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
     std::vector<std::pair<int64_t, int64_t>> data_sizes;  // per dataset of --data: tokens, documents (empty: none saved)
   };

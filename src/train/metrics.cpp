@@ -99,9 +99,14 @@ void StepFigures::all_reduce(Comm& world) {
   for_each_field(Unpack{packed});
 }
 
+void LossSpikes::restore(const std::vector<double>& losses) {
+  const size_t keep = std::min(losses.size(), kWindow);
+  recent_.assign(losses.end() - long(keep), losses.end());
+}
+
 bool LossSpikes::check(int64_t step, double loss) {
   bool spike = false;
-  if (recent_.size() >= kMinSteps) {
+  if (factor_ > 0 && recent_.size() >= kMinSteps) {
     std::vector<double> sorted(recent_.begin(), recent_.end());
     std::nth_element(sorted.begin(), sorted.begin() + long(sorted.size() / 2), sorted.end());
     const double median = sorted[sorted.size() / 2];

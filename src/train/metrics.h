@@ -73,8 +73,13 @@ struct StepFigures {
 class LossSpikes {
  public:
   explicit LossSpikes(double factor) : factor_(factor) {}
-  // Records a finite loss; true (and a warning on stderr) when it is a spike.
+  // Records a finite loss; true (and a warning on stderr) when it is a spike (never with a factor of
+  // 0: the losses are still recorded, for a resume that turns the check on).
   bool check(int64_t step, double loss);
+  // The losses the median is taken over, oldest first: kept in a checkpoint, so that a resumed run
+  // checks its first steps as the uninterrupted run would.
+  std::vector<double> history() const { return {recent_.begin(), recent_.end()}; }
+  void restore(const std::vector<double>& losses);
 
  private:
   static constexpr size_t kWindow = 100, kMinSteps = 10;  // the median is over the last kWindow, from kMinSteps on

@@ -218,6 +218,7 @@ Inputs open_inputs(Plan& plan) {
 struct StartState {
   int64_t step = 0;
   int64_t skipped_steps = 0, last_update = 0;   // the resumed run's (Checkpoint::TrainerState)
+  std::vector<double> recent_losses;            // the same
   std::vector<std::vector<float>> router_bias;  // the router's selection biases of a resumed checkpoint
   double load_s = 0;                            // reading (and checking) the checkpoint: the slowest rank's
   std::string checkpoint;                       // the checkpoint's path ("" at step 0)
@@ -325,6 +326,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     }
     start.step = ck->state().step;
     start.skipped_steps = ck->state().skipped_steps, start.last_update = ck->state().last_update;
+    start.recent_losses = ck->state().recent_losses;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
       warn_changed_options(st["options"], o, plan.model.is_moe(), ck->path());
     if (world.rank() == 0 && !o.resume.empty()) warn_changed_data(ck->state().data_sizes, *in.data, ck->path());
@@ -594,6 +596,7 @@ Run::Run(Opened opened, Comm& world)
   if (!o_.documents()) size_rows(plan_.micro_batches);
   // --max-skipped-steps counts the whole run's skips, across resumes.
   skipped_ = start_.skipped_steps, last_update_ = start_.last_update;
+  spikes_.restore(start_.recent_losses);
   run_timer_.reset();
 }
 
@@ -936,7 +939,7 @@ int Run::step(int64_t step, StopSignals& signals) {
   r.gflops = (in_.docs ? doc_step_.flops : flops_per_token_ * double(r.tokens)) / (r.ms / 1000.0) / 1e9;
   r.eta_s = run_timer_.ms() / 1000.0 / double(r.step - start_.step) * double(o_.steps - r.step);
   if (rank0_) print_step_line(info_, r, !up.updated());
-  if (rank0_ && o_.loss_spike_factor > 0 && up.updated()) r.loss_spike = spikes_.check(r.step, fig.loss());
+  if (rank0_ && up.updated()) r.loss_spike = spikes_.check(r.step, fig.loss());
   if (up.skip()) r.skipped = report_skip(up, fig.loss(), r.step);
   if (up.no_targets && !up.skip()) {
     r.skipped = "no token to predict: every sequence of the step is one token long";
@@ -1039,6 +1042,7 @@ double Run::save(int64_t steps_done) {
   if (rank0_) {
     nlohmann::json st = {{"step", steps_done},          {"adam_steps", params_.dense.opt.steps_taken()},
                          {"skipped_steps", skipped_}, {"last_update", last_update_},
+                         {"recent_losses", spikes_.history()},
                          {"options", o_.as_json()}};
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     st["data_sizes"] = data_sizes(*in_.data);

@@ -354,6 +354,7 @@ def part_spikes(tmp, data):
     exactly those whose loss is above K x the median of the previous (up to 100) losses, from the
     11th step on — recomputed here from the metrics. An lr warmup to 2.0 makes the loss climb."""
     cfg = os.path.join(h.CONFIGS, "gpt2_tiny.json")
+    expected_at = {}
     for lr, want_spikes in (("2", True), ("0.5", False)):
         mpath = os.path.join(tmp, "spike%s.jsonl" % lr)
         rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--steps", "20", "--seq-len", "32",
@@ -366,11 +367,24 @@ def part_spikes(tmp, data):
             prev = sorted(losses[max(0, i - 100):i])
             if len(prev) >= 10 and l > 1.5 * prev[len(prev) // 2]:
                 expected.append(i + 1)
+        expected_at[lr] = expected
         flagged = [r["step"] for r in rows if r.get("loss_spike")]
         warned = [int(m) for m in re.findall(r"warning: step (\d+): loss spike", out)]
         check(rc == 0 and flagged == expected and warned == expected and bool(expected) == want_spikes,
               "--loss-spike-factor 1.5, lr warmup to %s: flagged %s, warned %s, recomputed %s" % (lr, flagged, warned,
                                                                                               expected))
+    # The same run stopped after step 12 and resumed (the check on only from the resume): the steps
+    # flagged after it are the uninterrupted run's, the checkpoint keeping the losses before.
+    mpath, ck = os.path.join(tmp, "spike_resumed.jsonl"), os.path.join(tmp, "spike_ck")
+    common = ["--config", cfg, "--data", data, "--seq-len", "32", "--micro-batch", "4", "--threads", "1", "--lr", "2",
+              "--warmup", "20", "--lr-schedule", "constant", "--metrics", mpath, "--save", ck]
+    rc1, _, _ = h.run(0, ["train", *common, "--steps", "12"])
+    rc2, out, _ = h.run(0, ["train", *common, "--steps", "20", "--resume", ck, "--loss-spike-factor", "1.5"])
+    flagged = [r["step"] for r in h.read_metrics(mpath) if r.get("loss_spike")]
+    want = [s for s in expected_at["2"] if s > 12]
+    check(rc1 == 0 and rc2 == 0 and flagged == want and bool(want),
+          "--loss-spike-factor from a resume at step 12 flags the uninterrupted run's steps after it: %s, want %s"
+          % (flagged, want))
 
 
 def main():
