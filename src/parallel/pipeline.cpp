@@ -44,6 +44,17 @@ int64_t Pipeline::vocab_bytes(const std::vector<Action>& actions, int stages, in
   return (4 * peak).get();
 }
 
+int64_t Pipeline::buffer_bytes(const std::vector<Action>& actions, int stages, int64_t floats) {
+  if (stages <= 1) return 0;
+  int64_t sends = 0, after_last_forward = 0;
+  for (const Action& a : actions) {
+    if (a.type == ActionType::forward) after_last_forward = 0;
+    if (a.type == ActionType::send_backward) ++sends, ++after_last_forward;
+  }
+  const int64_t in_flight = std::min(sends, after_last_forward + 1);
+  return (4 * Size(floats) * std::max<int64_t>(3, 2 + in_flight)).get();
+}
+
 void Pipeline::set_microbatches(int microbatches) {
   if (microbatches == microbatches_) return;
   check_tags(pp_.size(), microbatches, chunks_);

@@ -61,10 +61,16 @@ class Pipeline {
   // Returns the LM loss summed over the micro-batches on the last stage (0 elsewhere).
   Losses evaluate(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T);
 
-  // Bytes of the message buffers a stage of `stages` holds at most for messages of `floats` floats:
-  // a received input, the next receive posted ahead and a backward send in flight (forward sends
-  // go out of the model's slot). None without pipeline parallelism.
-  static int64_t buffer_bytes(int stages, int64_t floats) { return stages > 1 ? (12 * Size(floats)).get() : 0; }
+  // Bytes of the message buffers a stage of `stages` running `actions` (stage_actions) holds at most
+  // for messages of `floats` floats. In a step: a received input, the next receive posted ahead, and
+  // the backward sends in flight (forward sends go out of the model's slot). A backward send
+  // completes once the previous stage has posted its receive, which that stage does one action
+  // ahead of the backward that reads it; in the steady state its forwards keep it within one
+  // backward of this stage, but through the run of backwards after its last forward (1f1b's last
+  // steady one and its cooldown; all of GPipe's) this stage may run ahead of a slower previous
+  // stage, so its sends in flight are at most 1 + the backward sends of that run. In an evaluation: an input and
+  // two sends. None without pipeline parallelism.
+  static int64_t buffer_bytes(const std::vector<Action>& actions, int stages, int64_t floats);
   // Vocabulary parallelism: the most bytes its passes keep at once on stage `stage` of `stages` running
   // `actions` (with_vocab_passes), for messages of `local` floats ([Nl, C]) and rows of `full` ([N, C]):
   // the first stage's embeddings from vocab_embed until their forward and gradients from its first

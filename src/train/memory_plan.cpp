@@ -324,7 +324,11 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const Size row_ints = o.documents() ? 2 * Size(o.seq_len) : Size(o.seq_len) + 1;
   // RoPE's cos and sin tables: doubles for seq_len positions × head_dim / 2 frequencies (model/layers/rope.h)
   const Size rope = cfg.is_gpt2() ? Size(0) : 16 * Size(o.seq_len) * (cfg.head_dim / 2);
-  m.workspace = (workspace_bytes(cfg, shape, part) + Size(Pipeline::buffer_bytes(pp, (Size(Nl) * cfg.hidden).get())) +
+  const Size messages =
+      pp > 1 ? Size(Pipeline::buffer_bytes(stage_actions(o.schedule_kind(), pp, stage, micro, o.vpp, part.vocab_parallel()),
+                                            pp, (Size(Nl) * cfg.hidden).get()))
+             : Size(0);
+  m.workspace = (workspace_bytes(cfg, shape, part) + messages +
                  vocab + 4 * Size(micro) * o.micro_batch * row_ints + sampler + scratch + rope).get();
 
   // A synchronous save writes this rank's pieces straight from its buffers; an asynchronous one first

@@ -68,14 +68,22 @@ std::vector<float> rounding_patterns() {
 
 // The definition: the nearest bf16 to x, ties to the one with an even last bit; above the largest
 // finite bf16 the next candidate is 2^128 (inf), so overflow happens at the midpoint, as IEEE says.
+// The magnitude of a finite float, from its bits: converting a subnormal float to double would read
+// it as 0 (the process sets DAZ: kernels/cpu/gemm.h, flush_denormals).
+double magnitude_of(uint32_t u) {
+  const int e = int((u >> 23) & 0xff);
+  const uint32_t m = u & 0x7fffff;
+  return e == 0 ? std::ldexp(double(m), -149) : std::ldexp(double(m | 0x800000), e - 150);
+}
+
 uint16_t nearest_bf16(float x) {
   const uint32_t u = bits_of(x);
   if (std::isnan(x)) return uint16_t((u >> 16) | 0x40);
   if (std::isinf(x)) return uint16_t(u >> 16);
   const uint16_t down = uint16_t(u >> 16), up = uint16_t(down + 1);  // toward zero / away from zero
-  const double lo = std::fabs(double(float_of(uint32_t(down) << 16)));
-  const double hi = (up & 0x7fff) == 0x7f80 ? std::ldexp(1.0, 128) : std::fabs(double(float_of(uint32_t(up) << 16)));
-  const double ax = std::fabs(double(x));
+  const double lo = magnitude_of(uint32_t(down) << 16);
+  const double hi = (up & 0x7fff) == 0x7f80 ? std::ldexp(1.0, 128) : magnitude_of(uint32_t(up) << 16);
+  const double ax = magnitude_of(u);
   if (ax - lo < hi - ax) return down;
   if (ax - lo > hi - ax) return up;
   return (down & 1) ? up : down;
