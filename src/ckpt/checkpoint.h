@@ -8,7 +8,8 @@
 //   metadata.json           the step and the layout that saved it; per tensor its global shape, dtype
 //                           and TP split rule; per piece its file, key and place in the global tensor;
 //                           per file its size and checksum (core/checksum.h)
-//   config.json, trainer_state.json (step, AdamW's step count, options, router biases),
+//   config.json, trainer_state.json (step, AdamW's step count, options, router biases, the skip
+//                           count and last update, the loss-spike check's recent losses, the data's sizes),
 //   tokenizer.json (when the data has one)
 // and DIR/latest then names the newest committed step-N (ckpt/checkpoint_writer.h commits).
 //

@@ -225,8 +225,10 @@ struct StartState {
 };
 
 // A resume continues the run: options that change what it learns from, or in what order, are worth a
-// word when changed (stderr, rank 0). `was`: the checkpoint's options (TrainOptions::as_json).
-void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, bool moe, const std::string& path) {
+// word when changed (stderr, rank 0). `was`: the checkpoint's options (TrainOptions::as_json, with the
+// aux loss coefficient in effect: Run::save); `cfg`: this run's model with its routing options.
+void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, const ModelConfig& cfg,
+                          const std::string& path) {
   // (key, flag, value now, value of a checkpoint written before the key existed; null: none)
   using Option = std::tuple<const char*, const char*, nlohmann::json, nlohmann::json>;
   std::vector<Option> options = {
@@ -241,14 +243,18 @@ void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, bool
       {"weight_decay", "--weight-decay", o.adam.weight_decay, nullptr}, {"beta1", "--beta1", o.adam.beta1, nullptr},
       {"beta2", "--beta2", o.adam.beta2, nullptr}, {"eps", "--eps", o.adam.eps, nullptr},
       {"grad_clip", "--grad-clip", o.grad_clip, nullptr}, {"grad_reduce_dtype", "--grad-reduce-dtype", o.grad_reduce_dtype, nullptr}};
-  if (moe)
+  // (a checkpoint written before the coefficient in effect was saved holds -1 for the config's: unknown)
+  const bool coef_known = was.contains("moe_aux_loss_coef") && was["moe_aux_loss_coef"].is_number() &&
+                          was["moe_aux_loss_coef"].get<double>() >= 0;
+  if (cfg.is_moe())
     options.insert(options.end(),
                    {{"moe_aux_loss", "--moe-aux-loss", o.aux_loss(), nullptr},
-                    {"moe_aux_loss_coef", "--moe-aux-loss-coef", o.moe_aux_loss_coef, nullptr},
                     {"moe_router_score", "--moe-router-score", o.moe_router_score, nullptr},
                     {"moe_router_bias_update_rate", "--moe-router-bias-update-rate", o.moe_router_bias_update_rate, nullptr},
                     {"moe_capacity_factor", "--moe-capacity-factor", o.moe_capacity_factor, nullptr},
                     {"moe_drop_policy", "--moe-drop-policy", o.moe_drop_policy, nullptr}});
+  if (cfg.is_moe() && coef_known)
+    options.push_back({"moe_aux_loss_coef", "--moe-aux-loss-coef", cfg.routing.aux_coef, nullptr});
   if (o.lr.schedule == LrSchedule::cosine)  // the cosine spans --steps
     options.push_back({"steps", "--steps (the cosine schedule's length)", o.steps, nullptr});
   // The step size, within one batching (across two, the batching's own warning says it all); the data
@@ -328,7 +334,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     start.skipped_steps = ck->state().skipped_steps, start.last_update = ck->state().last_update;
     start.recent_losses = ck->state().recent_losses;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
-      warn_changed_options(st["options"], o, plan.model.is_moe(), ck->path());
+      warn_changed_options(st["options"], o, plan.model, ck->path());
     if (world.rank() == 0 && !o.resume.empty()) warn_changed_data(ck->state().data_sizes, *in.data, ck->path());
     start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,
@@ -951,7 +957,8 @@ int Run::step(int64_t step, StopSignals& signals) {
   // gradients: an --lr or --eps out of scale), no later step can recover (a skip keeps the weights).
   const bool broken = up.skip() && last_update_ == step && world_.all_reduce_value(non_finite_sets()) > 0;
   // Saves come before the step's metrics row, which records how long the loop was blocked.
-  const bool too_many_skips = skipped_ > o_.max_skipped_steps || broken;
+  // (a step that skipped: a resume under a lower --max-skipped-steps than its count stops at its next skip)
+  const bool too_many_skips = (up.skip() && skipped_ > o_.max_skipped_steps) || broken;
   if (fig.stop && rank0_) std::printf("stopping on signal after step %lld\n", (long long)r.step);
   if (o_.save_every_auto && save_every_ == 0) step_ms_.push_back(r.ms);
   take_measurements(r);  // (before a save, whose exchanges over the world are not the step's)
@@ -1044,6 +1051,7 @@ double Run::save(int64_t steps_done) {
                          {"skipped_steps", skipped_}, {"last_update", last_update_},
                          {"recent_losses", spikes_.history()},
                          {"options", o_.as_json()}};
+    if (cfg_.is_moe()) st["options"]["moe_aux_loss_coef"] = cfg_.routing.aux_coef;  // (the config's where not given)
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     st["data_sizes"] = data_sizes(*in_.data);
     files["trainer_state.json"] = st.dump(2) + "\n";
@@ -1127,8 +1135,9 @@ void Run::finish_saving() {
 void Run::finish(int exit_code) {
   if (exit_code == 0) hooks_.fail_once(o_.steps + 1);  // (a failure after the last step's save: its step is --steps + 1)
   if (rank0_ && skipped_ > 0 && exit_code != kExitNonFinite)
-    std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm\n",
-                 (long long)skipped_, skipped_ == 1 ? " was" : "s were");
+    std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm%s\n",
+                 (long long)skipped_, skipped_ == 1 ? " was" : "s were",
+                 start_.step > 0 ? " (counted from the run's first step, across resumes)" : "");
 }
 
 }  // namespace

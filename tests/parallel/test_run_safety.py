@@ -172,6 +172,11 @@ def part_a(tmp, data):
     rc2, out2, _ = h.run(0, train_args(cfg, data, 6, "--resume", ck, "--save", ck, "--max-skipped-steps", "1",
                                        "--metrics", mpath), extra_env={"ORIGAMI_TEST_NAN_GRAD": "4:0"})
     errors = [l for l in out2.splitlines() if "error:" in l]
+    # A resume under a lower limit than the count trains on until its next skip (before it stopped at
+    # its first step, an update, with an empty reason).
+    rc3, out3, _ = h.run(0, train_args(cfg, data, 5, "--resume", ck, "--save", os.path.join(tmp, "skip_ck2")))
+    check(rc3 == 0 and "error" not in out3,
+          "a resume with a lower --max-skipped-steps than its skip count trains on: exit %s: %s" % (rc3, out3[-300:]))
     check(rc1 == 0 and state.get("skipped_steps") == 1 and state.get("last_update") == 3 and rc2 == 3
           and len(errors) == 1 and "step 4" in errors[0] and "2 skipped steps exceed --max-skipped-steps 1" in errors[0]
           and "the last update was step 3" in errors[0],
