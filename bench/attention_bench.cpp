@@ -92,6 +92,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  origami::flush_denormals();  // as origami runs its kernels (kernels/cpu/gemm.h)
   const Options o = parse(argc, argv);
   if (o.threads > 0) set_num_threads(o.threads);
   const int64_t S = (o.H + 2 * o.KV) * o.D, HD = o.H * o.D, N = o.B * o.T;
