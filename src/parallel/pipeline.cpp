@@ -55,6 +55,11 @@ int64_t Pipeline::buffer_bytes(const std::vector<Action>& actions, int stages, i
   return (4 * Size(floats) * std::max<int64_t>(3, 2 + in_flight)).get();
 }
 
+int64_t Pipeline::message_buffers_bound() const {
+  const int p = pp_.size(), s = pp_.rank();
+  return (buffer_bytes(actions_, p, 1) + vocab_bytes(actions_, p, s, chunks_, 1, 0)) / 4;
+}
+
 void Pipeline::set_microbatches(int microbatches) {
   if (microbatches == microbatches_) return;
   check_tags(pp_.size(), microbatches, chunks_);
@@ -136,6 +141,7 @@ class Pipeline::Step {
   }
 
   const Losses& losses() const { return out_; }
+  int64_t allocated() const { return allocated_; }  // message buffers (transfer())
 
  private:
   void receive(size_t i) {
@@ -176,6 +182,7 @@ class Pipeline::Step {
       fwd_sends_.erase(f);
     }
     for (DataParallel* d : pipe_.dp_) d->begin_backward(pipe_.final_[i], a.chunk);
+    if (pipe_.before_backward_) pipe_.before_backward_();
     const double c0 = now();
     out_ += pipe_.model_.backward(a.microbatch, a.chunk, tok, d_out ? d_out->buf.data() : nullptr, loss_scale_);
     pipe_.times_.busy += now() - c0;
@@ -235,7 +242,7 @@ class Pipeline::Step {
 
   std::unique_ptr<Transfer> transfer() {
     std::unique_ptr<Transfer> t;
-    if (spare_.empty()) t = std::make_unique<Transfer>(), t->buf.resize(size_t(n_));
+    if (spare_.empty()) t = std::make_unique<Transfer>(), t->buf.resize(size_t(n_)), ++allocated_;
     else t = std::move(spare_.back()), spare_.pop_back();
     return t;
   }
@@ -293,6 +300,7 @@ class Pipeline::Step {
   std::map<int, std::unique_ptr<Transfer>> embeds_, d_tops_;
   std::map<int, std::vector<float>> embed_grads_;
   size_t pending_input_ = SIZE_MAX;  // the receive take_input() gives next
+  int64_t allocated_ = 0;
   Losses out_;
 };
 
@@ -311,6 +319,7 @@ Losses Pipeline::run(const std::vector<const int32_t*>& tokens, int64_t B, int64
   model_.on_progress(nullptr);
   step.finish();
   times_.total = now() - t0;
+  times_.message_buffers = step.allocated();
   Losses out = step.losses();
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   return out;

@@ -25,6 +25,7 @@
 // step's gradients are completed (DataParallel::complete_gradients).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "comm/comm.h"
@@ -41,6 +42,7 @@ struct PipelineTimes {
   double vocab = 0;  // vocabulary parallelism: in the embedding and output passes (their collectives included)
   double wait = 0;   // blocked on receives and send completion
   double total = 0;  // the whole schedule
+  int64_t message_buffers = 0;  // message buffers of [Nl, C] the step allocated (its peak: they are reused)
 };
 
 class Pipeline {
@@ -54,6 +56,8 @@ class Pipeline {
   // micro-batches differs from the last step's (document batching). Returns the losses summed over micro-batches as seen by this stage: the LM
   // loss on the last stage, router losses of this stage's MoE layers; `loss` is their sum.
   Losses run(const std::vector<const int32_t*>& tokens, int64_t B, int64_t T, float loss_scale);
+  // Called before each backward pass of a step (tests: a slow stage, train/test_hooks.h).
+  void before_backward(std::function<void()> f) { before_backward_ = std::move(f); }
 
   // Evaluation, forward only: micro-batch m reads tokens[m]; every stage runs its (micro-batch,
   // chunk) forwards in order — micro-batch by micro-batch, chunk by chunk, the order in which data
@@ -76,6 +80,10 @@ class Pipeline {
   // the first stage's embeddings from vocab_embed until their forward and gradients from its first
   // chunk's backward until vocab_embed_grad; the last stage's head gradients from vocab until their
   // backward.
+  // The message buffers of [Nl, C] a step of this stage may allocate: buffer_bytes' count, and
+  // vocabulary parallelism's embeddings and head gradients (vocab_bytes' [Nl, C] ones). A step that
+  // allocates more (PipelineTimes) means the memory check undercounts; the trainer says so.
+  int64_t message_buffers_bound() const;
   static int64_t vocab_bytes(const std::vector<Action>& actions, int stages, int stage, int chunks, int64_t local,
                              int64_t full);
 
@@ -105,6 +113,7 @@ class Pipeline {
   std::vector<Action> actions_;
   std::vector<uint8_t> final_;  // per action: a backward no later backward of its chunk follows
   PipelineTimes times_;
+  std::function<void()> before_backward_;
 };
 
 }  // namespace origami

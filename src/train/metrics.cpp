@@ -154,7 +154,7 @@ nlohmann::json metrics_row(const RunInfo& run, const StepReport& r) {
                       {"layout", run.layout}, {"comm_bytes", bytes},
                       {"act_bytes_peak", as_int(f.act_peak)}, {"act_bytes_computed", as_int(f.act_computed)},
                       {"pp_busy_ms", as_ms(f.busy_s)}, {"pp_ms", as_ms(f.total_s)}, {"pp_bytes", as_int(f.pp_bytes)},
-                      {"pp_rss_peak_bytes", as_int(f.rss_peak)}};
+                      {"pp_rss_peak_bytes", as_int(f.rss_peak)}, {"pp_message_buffers", as_int(f.pp_buffers)}};
   add_cp_group(j, r);
   if (!f.vocab_s.empty()) j["pp_vocab_ms"] = as_ms(f.vocab_s);
   if (!f.gathered_bytes.empty()) j["gathered_bytes"] = as_int(f.gathered_bytes), j["reduced_bytes"] = as_int(f.reduced_bytes);

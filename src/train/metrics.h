@@ -50,8 +50,8 @@ struct StepFigures {
   std::vector<int64_t> expert_gathers;
   // Per pipeline stage, from its first rank of TP x DP x CP: the measured and the computed activation
   // peak (bytes), the time it was busy and the schedule's time (s), the bytes it sent over pp, the
-  // process's peak resident memory so far (bytes).
-  std::vector<double> act_peak, act_computed, busy_s, total_s, pp_bytes, rss_peak;  // [stage]
+  // process's peak resident memory so far (bytes), the message buffers its step allocated.
+  std::vector<double> act_peak, act_computed, busy_s, total_s, pp_bytes, rss_peak, pp_buffers;  // [stage]
   std::vector<double> rank_busy_s;  // [rank], document batching: the time each rank's pipeline was busy
   std::vector<double> vocab_s;      // [stage], vocabulary parallelism: the time in its passes (PipelineTimes::vocab)
 
@@ -65,7 +65,8 @@ struct StepFigures {
     f(lm_loss), f(aux_loss), f(z_loss), f(cpu_s), f(stop);
     f(expert_tokens), f(expert_dropped), f(expert_near_ties), f(expert_rows), f(expert_busiest), f(cp_pairs);
     f(gathered_bytes), f(reduced_bytes), f(expert_gathers);
-    f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes), f(rss_peak), f(rank_busy_s), f(vocab_s);
+    f(act_peak), f(act_computed), f(busy_s), f(total_s), f(pp_bytes), f(rss_peak), f(pp_buffers), f(rank_busy_s),
+        f(vocab_s);
   }
 };
 

@@ -1,6 +1,8 @@
 #include "train/test_hooks.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +29,9 @@ TestHooks TestHooks::from_env(int world_rank, bool moe) {
                   "ORIGAMI_TEST_FAIL must be STEP:RANK:FILE (a step from 1, a world rank, a marker file), got '", e, "'");
     h.fail_file_ = file;
   }
+  if (const char* e = std::getenv("ORIGAMI_TEST_SLOW_BACKWARD"))
+    ORIGAMI_CHECK(std::sscanf(e, "%d:%d", &h.slow_rank_, &h.slow_ms_) == 2 && h.slow_rank_ >= 0 && h.slow_ms_ >= 0,
+                  "ORIGAMI_TEST_SLOW_BACKWARD must be RANK:MS (a world rank, milliseconds), got '", e, "'");
   if (const char* e = std::getenv("ORIGAMI_TEST_ROUTER_SKEW")) {
     char* end = nullptr;
     h.skew_ = std::strtod(e, &end);
@@ -40,6 +45,8 @@ TestHooks TestHooks::from_env(int world_rank, bool moe) {
 
 std::string TestHooks::describe() const {
   if (skew_ != 0) return cat("test router skew: experts 0 and 1 selected with a bias of ", skew_, " (ORIGAMI_TEST_ROUTER_SKEW)");
+  if (slow_rank_ >= 0)
+    return cat("test slow backward: rank ", slow_rank_, " sleeps ", slow_ms_, " ms before each backward (ORIGAMI_TEST_SLOW_BACKWARD)");
   if (nan_step_ < 1) return "";
   return cat("test fault injection: a NaN in rank ", nan_rank_, "'s gradient at step ", nan_step_,
              " (ORIGAMI_TEST_NAN_GRAD)");
@@ -49,6 +56,10 @@ void TestHooks::poison_gradient(int64_t step, float* grad) {
   if (step != nan_step_ || nan_rank_ != rank_ || injected_) return;
   *grad = std::numeric_limits<float>::quiet_NaN();
   injected_ = true;
+}
+
+void TestHooks::slow_backward() const {
+  if (rank_ == slow_rank_) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
 }
 
 void TestHooks::fail_once(int64_t step) const {

@@ -10,6 +10,9 @@
 //   ORIGAMI_TEST_ROUTING=DIR  every rank of a MoE run appends its own routed counts per step to
 //       DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently
 //       (tests/parallel/test_expert_parallel.py).
+//   ORIGAMI_TEST_SLOW_BACKWARD=RANK:MS  world rank RANK sleeps MS milliseconds before each backward
+//       pass of its pipeline stage: a slow stage, whose next stage then runs ahead of it and piles up
+//       backward sends (tests/parallel/test_pipeline.py, the memory check's count).
 //   ORIGAMI_TEST_ROUTER_SKEW=B  every MoE layer's router adds B to the selection scores of experts 0
 //       and 1 (as the aux-loss-free bias does; without --moe-router-bias-update-rate it stays put):
 //       the skewed routing of the FSSDP-against-EP benchmark (bench/fssdp_bench.py).
@@ -31,6 +34,9 @@ class TestHooks {
   std::string describe() const;
   // The gradient hook: makes *grad NaN once, in step `step` on the chosen rank.
   void poison_gradient(int64_t step, float* grad);
+  // Before each backward pass: sleeps on the chosen rank (ORIGAMI_TEST_SLOW_BACKWARD).
+  bool slows_backward() const { return slow_rank_ == rank_; }
+  void slow_backward() const;
   // As step `step` (from 1) starts: throws on the chosen rank, once (ORIGAMI_TEST_FAIL).
   void fail_once(int64_t step) const;
   // After the step's routing: this rank's counts per layer and expert.
@@ -47,6 +53,7 @@ class TestHooks {
   int fail_rank_ = -1;
   std::string fail_file_;
   double skew_ = 0;
+  int slow_rank_ = -1, slow_ms_ = 0;
   std::shared_ptr<std::ofstream> routing_log_;
 };
 

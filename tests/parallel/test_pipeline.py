@@ -93,6 +93,35 @@ def check_steps(got, word, want_bytes):
     return fails
 
 
+# Micro-batches of 4 windows of 64: messages of [256, 48] floats, 48 KiB, above MPI's eager limit, so
+# that a send completes only once its receive is posted.
+
+
+def check_message_buffers(tmp, data):
+    """The memory check counts a stage's backward sends in flight from its schedule (Pipeline::
+    buffer_bytes). With stage 0's backward slowed (ORIGAMI_TEST_SLOW_BACKWARD), stage 1 runs ahead
+    of it and its sends pile up until stage 0 posts its receives: each step's allocated buffers
+    ("pp_message_buffers") must stay within that count (the trainer warns otherwise), and under
+    GPipe stage 1 must show the pile-up (more than the three buffers counted before)."""
+    cfg_path = h.write_json(os.path.join(tmp, "gpt2_l4_buffers.json"), h.load_config("gpt2_tiny", n_layer=4))
+    failures = []
+    for name, flags in (("gpipe", ["--pp-schedule", "gpipe"]), ("1f1b", []), ("interleaved", ["--vpp", "2"])):
+        mpath = os.path.join(tmp, "buffers_%s.jsonl" % name)
+        args = ["train", "--config", cfg_path, "--data", data, "--steps", "2", "--micro-batch", "4", "--global-batch",
+                "32", "--seq-len", "64", "--threads", "1", "--quiet", "--metrics", mpath, "--pp", "2", *flags]
+        rc, out, _ = h.run(2, args, extra_env={"ORIGAMI_TEST_SLOW_BACKWARD": "0:30"})
+        rows = h.read_metrics(mpath) if rc == 0 else []
+        got = [r["pp_message_buffers"] for r in rows]
+        warned = "more than the" in out
+        piled = name != "gpipe" or (got and max(r[1] for r in got) > 3)
+        ok = rc == 0 and got and not warned and piled
+        print("%-4s message buffers with a slow stage 0, %s: per step and stage %s%s" % (
+            "ok" if ok else "FAIL", name, got, " (warned: more than counted)" if warned else ""), flush=True)
+        if not ok:
+            failures.append("message buffers, %s: exit %s, %s, warned %s: %s" % (name, rc, got, warned, out[-300:]))
+    return failures
+
+
 def main():
     models = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else ["gpt2", "mixtral", "llama"]
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
@@ -100,6 +129,8 @@ def main():
     rows, failures = [], []
     try:
         data = h.prepare_data(tmp)
+        if not only or "buffers" in only:
+            failures += check_message_buffers(tmp, data)
         for model in models:
             moe = model == "mixtral"
             layer_key = "n_layer" if model == "gpt2" else "num_hidden_layers"
