@@ -46,12 +46,14 @@ int64_t Pipeline::vocab_bytes(const std::vector<Action>& actions, int stages, in
 
 int64_t Pipeline::buffer_bytes(const std::vector<Action>& actions, int stages, int64_t floats) {
   if (stages <= 1) return 0;
-  int64_t sends = 0, after_last_forward = 0;
+  int64_t sends = 0;
+  bool backward_seen = false, forward_after_backward = false;
   for (const Action& a : actions) {
-    if (a.type == ActionType::forward) after_last_forward = 0;
-    if (a.type == ActionType::send_backward) ++sends, ++after_last_forward;
+    sends += a.type == ActionType::send_backward ? 1 : 0;
+    forward_after_backward = forward_after_backward || (backward_seen && a.type == ActionType::forward);
+    backward_seen = backward_seen || a.type == ActionType::backward;
   }
-  const int64_t in_flight = std::min(sends, after_last_forward + 1);
+  const int64_t in_flight = forward_after_backward ? std::min(sends, kMaxBackwardSends) : sends;
   return (4 * Size(floats) * std::max<int64_t>(3, 2 + in_flight)).get();
 }
 

@@ -69,11 +69,18 @@ class Pipeline {
   // for messages of `floats` floats. In a step: a received input, the next receive posted ahead, and
   // the backward sends in flight (forward sends go out of the model's slot). A backward send
   // completes once the previous stage has posted its receive, which that stage does one action
-  // ahead of the backward that reads it; in the steady state its forwards keep it within one
-  // backward of this stage, but through the run of backwards after its last forward (1f1b's last
-  // steady one and its cooldown; all of GPipe's) this stage may run ahead of a slower previous
-  // stage, so its sends in flight are at most 1 + the backward sends of that run. In an evaluation: an input and
-  // two sends. None without pipeline parallelism.
+  // ahead of the backward that reads it, so a stage that runs ahead of a slower previous one piles
+  // its sends up through its backwards after its last forward. Where every backward comes after
+  // every forward (GPipe) that is all of them, and they are counted. Elsewhere (1f1b, interleaved)
+  // the forwards between backwards keep balanced stages within kMaxBackwardSends (measured: 1f1b
+  // and interleaved PP2 with one stage slowed stayed within it), which is counted; the worst case,
+  // the cooldown's (1f1b's p − s + 1, interleaved's (p − s − 1)·2 + (v − 1)·p + 1), would refuse
+  // layouts that run (GPT-3's 530B at PP35 × VPP3 by 23 GB), and a step that allocates more says so
+  // (message_buffers_bound). The executor does not bound them: a wait for the previous stage's
+  // receive could close a cycle (the interleaved schedule's wrap-around, vocabulary parallelism's
+  // collectives, ZeRO-2's and ZeRO-3's blocking collectives among a stage's ranks). In an
+  // evaluation: an input and two sends. None without pipeline parallelism.
+  static constexpr int64_t kMaxBackwardSends = 2;
   static int64_t buffer_bytes(const std::vector<Action>& actions, int stages, int64_t floats);
   // Vocabulary parallelism: the most bytes its passes keep at once on stage `stage` of `stages` running
   // `actions` (with_vocab_passes), for messages of `local` floats ([Nl, C]) and rows of `full` ([N, C]):

@@ -98,11 +98,11 @@ def check_steps(got, word, want_bytes):
 
 
 def check_message_buffers(tmp, data):
-    """The memory check counts a stage's backward sends in flight from its schedule (Pipeline::
-    buffer_bytes). With stage 0's backward slowed (ORIGAMI_TEST_SLOW_BACKWARD), stage 1 runs ahead
-    of it and its sends pile up until stage 0 posts its receives: each step's allocated buffers
-    ("pp_message_buffers") must stay within that count (the trainer warns otherwise), and under
-    GPipe stage 1 must show the pile-up (more than the three buffers counted before)."""
+    """The memory check counts a stage's backward sends in flight (Pipeline::buffer_bytes). With
+    stage 0's backward slowed (ORIGAMI_TEST_SLOW_BACKWARD), stage 1 runs ahead of it and its sends
+    wait for stage 0's receives: each step's allocated buffers ("pp_message_buffers") must stay within
+    the count (the trainer warns otherwise), and GPipe's stage 1 must pile up more than the 3
+    buffers counted before (its count is all 8 sends)."""
     cfg_path = h.write_json(os.path.join(tmp, "gpt2_l4_buffers.json"), h.load_config("gpt2_tiny", n_layer=4))
     failures = []
     for name, flags in (("gpipe", ["--pp-schedule", "gpipe"]), ("1f1b", []), ("interleaved", ["--vpp", "2"])):
