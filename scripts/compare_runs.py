@@ -9,7 +9,8 @@ The set covers the layouts (TP+SP, DP with ZeRO 1 and 2, PP 1F1B and interleaved
 a2a and a2a+p2p with document masking, EP and ETP with MoE routing options, TP x PP), validation,
 blends, resume under another layout, asynchronous saves, fault injection, the routing log, a loss
 spike and user errors. What is masked as timing: wall times, rates, CPU seconds, peak RSS, the
-measured runtime memory (and the totals that include it), the checkpoint read time.
+measured runtime memory (and the totals that include it), the checkpoint read time, the pipeline
+message buffers a step allocated (when a send completes depends on the clock).
 Exit 0 when every case is equal; otherwise each difference is printed.
 """
 import argparse
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import harness  # noqa: E402
 
 TIMING_KEYS = {"ms", "tokens_per_s", "gflops", "cpu_s", "pp_busy_ms", "pp_ms", "rss_peak_bytes", "save_blocked_s",
-               "moe_times", "memory_bytes_per_rank", "pp_rss_peak_bytes"}
+               "moe_times", "memory_bytes_per_rank", "pp_rss_peak_bytes", "pp_message_buffers"}
 # Console text that depends on the clock or on the process's measured memory.
 MASKS = [(re.compile(r"\d+ tok/s \| [\d.]+ ms \| [\d.]+ GFLOP/s \| eta \S+"), "<timing>"),
          (re.compile(r"\| [\d.]+ ms$", re.M), "| <ms>"),

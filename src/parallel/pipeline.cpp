@@ -57,9 +57,8 @@ int64_t Pipeline::buffer_bytes(const std::vector<Action>& actions, int stages, i
   return (4 * Size(floats) * std::max<int64_t>(3, 2 + in_flight)).get();
 }
 
-int64_t Pipeline::message_buffers_bound() const {
-  const int p = pp_.size(), s = pp_.rank();
-  return (buffer_bytes(actions_, p, 1) + vocab_bytes(actions_, p, s, chunks_, 1, 0)) / 4;
+int64_t Pipeline::vocab_message_buffers() const {
+  return vocab_ ? vocab_bytes(actions_, pp_.size(), pp_.rank(), chunks_, 1, 0) / 4 : 0;
 }
 
 void Pipeline::set_microbatches(int microbatches) {

@@ -76,7 +76,7 @@ class Pipeline {
   // and interleaved PP2 with one stage slowed stayed within it), which is counted; the worst case,
   // the cooldown's (1f1b's p − s + 1, interleaved's (p − s − 1)·2 + (v − 1)·p + 1), would refuse
   // layouts that run (GPT-3's 530B at PP35 × VPP3 by 23 GB), and a step that allocates more says so
-  // (message_buffers_bound). The executor does not bound them: a wait for the previous stage's
+  // (train/memory_plan.h, pipeline_message_buffers). The executor does not bound them: a wait for the previous stage's
   // receive could close a cycle (the interleaved schedule's wrap-around, vocabulary parallelism's
   // collectives, ZeRO-2's and ZeRO-3's blocking collectives among a stage's ranks). In an
   // evaluation: an input and two sends. None without pipeline parallelism.
@@ -87,10 +87,9 @@ class Pipeline {
   // the first stage's embeddings from vocab_embed until their forward and gradients from its first
   // chunk's backward until vocab_embed_grad; the last stage's head gradients from vocab until their
   // backward.
-  // The message buffers of [Nl, C] a step of this stage may allocate: buffer_bytes' count, and
-  // vocabulary parallelism's embeddings and head gradients (vocab_bytes' [Nl, C] ones). A step that
-  // allocates more (PipelineTimes) means the memory check undercounts; the trainer says so.
-  int64_t message_buffers_bound() const;
+  // Vocabulary parallelism's embeddings and head gradients a step of this stage allocates as message
+  // buffers (vocab_bytes' [Nl, C] ones), beside buffer_bytes' (PipelineTimes::message_buffers counts both).
+  int64_t vocab_message_buffers() const;
   static int64_t vocab_bytes(const std::vector<Action>& actions, int stages, int stage, int chunks, int64_t local,
                              int64_t full);
 

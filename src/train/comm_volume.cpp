@@ -233,12 +233,12 @@ std::map<std::string, double> step_comm_bytes(const ModelConfig& cfg, const Trai
 
   // The world: the gradient norm's all-reduce (2 doubles) and the step's metrics (5 figures, the
   // expert counts, dropped assignments and near ties, every rank's expert rows and busiest rows, every rank's CP pairs, under
-  // ZeRO-3 or FSSDP every rank's gathered and reduced bytes, under FSSDP its expert gathers, 6 per stage
-  // (7 under vocabulary parallelism: its passes' time),
+  // ZeRO-3 or FSSDP every rank's gathered and reduced bytes, under FSSDP its expert gathers, 7 per stage
+  // (8 under vocabulary parallelism: its passes' time),
   // under document batching every rank's busy time).
   const double figures = 5 + double(cfg.is_moe() ? cfg.num_layers * E + 2 * cfg.num_layers + 2.0 * world : 0) +
                          (c > 1 ? world : 0) + (o.zero == 3 || o.fssdp() ? 2.0 * world : 0) +
-                         (o.fssdp() ? world : 0) + (part.vocab_parallel() ? 7.0 : 6.0) * p + (o.documents() ? world : 0);
+                         (o.fssdp() ? world : 0) + (part.vocab_parallel() ? 8.0 : 7.0) * p + (o.documents() ? world : 0);
   add("world", all_reduce_bytes(world, 16) + all_reduce_bytes(world, 8 * figures));
   return out;
 }

@@ -232,6 +232,15 @@ RankBuffers rank_buffers(const TrainOptions& o, int world_size, int rank, const 
                     [&] { return buffers_of(o, world_size, rank, tables, chunks); });
 }
 
+int64_t pipeline_message_buffers(const TrainOptions& o, int pp, int stage, int micro, bool vocab) {
+  if (pp <= 1) return 0;
+  const int stride = o.schedule_kind() == ScheduleKind::interleaved ? pp : 1;  // (its counts: multiples of pp)
+  int64_t most = 0;
+  for (int m = o.documents() ? stride : micro; m <= micro; m += stride)
+    most = std::max(most, Pipeline::buffer_bytes(stage_actions(o.schedule_kind(), pp, stage, m, o.vpp, vocab), pp, 1) / 4);
+  return most;
+}
+
 MemoryParts rank_memory(const ModelConfig& cfg, const TrainOptions& o, int world_size, int rank, int64_t runtime,
                         int64_t sampler) {
   return rank_memory(cfg, o, world_size, rank, rank_buffers(cfg, o, world_size, rank), runtime, sampler);
@@ -324,10 +333,7 @@ MemoryParts memory_of(const ModelConfig& cfg, const TrainOptions& options, int w
   const Size row_ints = o.documents() ? 2 * Size(o.seq_len) : Size(o.seq_len) + 1;
   // RoPE's cos and sin tables: doubles for seq_len positions × head_dim / 2 frequencies (model/layers/rope.h)
   const Size rope = cfg.is_gpt2() ? Size(0) : 16 * Size(o.seq_len) * (cfg.head_dim / 2);
-  const Size messages =
-      pp > 1 ? Size(Pipeline::buffer_bytes(stage_actions(o.schedule_kind(), pp, stage, micro, o.vpp, part.vocab_parallel()),
-                                            pp, (Size(Nl) * cfg.hidden).get()))
-             : Size(0);
+  const Size messages = 4 * Size(Nl) * cfg.hidden * pipeline_message_buffers(o, pp, stage, micro, part.vocab_parallel());
   m.workspace = (workspace_bytes(cfg, shape, part) + messages +
                  vocab + 4 * Size(micro) * o.micro_batch * row_ints + sampler + scratch + rope).get();
 

@@ -102,6 +102,13 @@ std::string size_inputs(const ModelConfig& cfg, const TrainOptions* o = nullptr)
 // The model's parameter count; an Error naming size_inputs when it overflows.
 int64_t checked_num_parameters(const ModelConfig& cfg);
 
+// The pipeline message buffers of [Nl, C] stage `stage` of `pp` holds at most in a step
+// (Pipeline::buffer_bytes' count, with or without vocabulary parallelism's passes) over every count of
+// micro-batches a step may take: `micro`, or under document batching any up to it (each step packs its
+// own, and the count is not monotone in it: a list with no forward after a backward counts all its
+// sends). What the memory check counts, and what the trainer holds each step to.
+int64_t pipeline_message_buffers(const TrainOptions& o, int pp, int stage, int micro, bool vocab);
+
 // Rank `rank` of a `world_size`-rank run with options `o`; `runtime` is that rank's measured resident
 // memory before the run (resident_bytes()), `sampler` what its WindowSampler will take
 // (WindowSampler::bytes()). Throws Error for an invalid layout, and naming size_inputs for a size that

@@ -85,10 +85,10 @@ splitting a tensor — each padded at its end to a multiple of d; P_padded = Σ 
 
 world (read from trainer.cpp / data_parallel.cpp): per step one all-reduce of the squared gradient
 norm and the count of ranks whose loss is not finite (the non-finite guard: 2 doubles) and one of the step metrics (lm, aux, z, cpu_s, stop flag, the L·E expert token
-counts and for MoE the L dropped counts and L near ties, 6 figures per pipeline stage — activation peak
-measured and computed, busy and schedule time, pp bytes, peak resident memory — and, for MoE, the
-expert-side rows of each rank and its EP group's busiest rows summed over the calls: 5 + L·E (+ 2L) +
-6·PP (+ 2n) doubles), over all n ranks: AR_n(8·(2 + 5 + L·E (+ 2L) + 6·PP (+ 2n))) bytes.
+counts and for MoE the L dropped counts and L near ties, 7 figures per pipeline stage — activation peak
+measured and computed, busy and schedule time, pp bytes, peak resident memory, message buffers — and,
+for MoE, the expert-side rows of each rank and its EP group's busiest rows summed over the calls:
+5 + L·E (+ 2L) + 7·PP (+ 2n) doubles), over all n ranks: AR_n(8·(2 + 5 + L·E (+ 2L) + 7·PP (+ 2n))) bytes.
 
 Usage: python3 tests/parallel/test_comm_bytes.py [gpt2,llama,mixtral]
 """
@@ -260,8 +260,8 @@ def expected(cfg, tp, dp, sp, zero, m, bucket_mb=16.0):
         out["edp"] = dp_terms(local_table(cfg, tp, True), tp * dp, zero, m, bucket_floats)[0]
     n = tp * dp
     if n > 1:
-        out["world"] = [("AR_n(8*(2+5+L*E%s+6*PP%s))" % ("+2L" if E else "", "+2n" if E else ""),
-                         2.0 * (n - 1) / n * 8 * (2 + 5 + L * E + (2 * L if E else 0) + 6 * 1 + (2 * n if E else 0)))]
+        out["world"] = [("AR_n(8*(2+5+L*E%s+7*PP%s))" % ("+2L" if E else "", "+2n" if E else ""),
+                         2.0 * (n - 1) / n * 8 * (2 + 5 + L * E + (2 * L if E else 0) + 7 * 1 + (2 * n if E else 0)))]
     return {k: (sum(b for _, b in v), v) for k, v in out.items()}
 
 

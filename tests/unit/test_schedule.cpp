@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "parallel/pipeline.h"
 #include "parallel/schedule.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 using namespace origami;
@@ -249,6 +250,19 @@ TEST(ScheduleMemory, MessageBuffersCountTheCooldownsSends) {
   EXPECT_EQ(messages(ScheduleKind::one_f_one_b, 4, 0, 8, 1), 3);      // no sends: an evaluation's 3
   EXPECT_EQ(messages(ScheduleKind::one_f_one_b, 1, 0, 8, 1), 0);      // no pipeline
   EXPECT_EQ(messages(ScheduleKind::interleaved, 4, 0, 8, 2), 2 + Pipeline::kMaxBackwardSends);  // (wrap-around)
+}
+
+// What the memory check counts (pipeline_message_buffers): under document batching every step packs
+// its own count of micro-batches, up to the planned one, and a small count can need more buffers
+// (1f1b at 3 micro-batches on stage 1 of 4 has no forward after a backward: all 3 sends) than the
+// planned one (6: the two counted).
+TEST(ScheduleMemory, DocumentBatchingCountsEveryMicroBatchCount) {
+  TrainOptions o;
+  o.pp = 4;
+  EXPECT_EQ(pipeline_message_buffers(o, 4, 1, 6, false), 2 + Pipeline::kMaxBackwardSends);
+  o.batching = "documents";
+  EXPECT_EQ(pipeline_message_buffers(o, 4, 1, 6, false), 2 + 3);
+  EXPECT_EQ(pipeline_message_buffers(o, 1, 0, 6, false), 0);
 }
 
 // The activation peak the planner computes from a stage's list: with equal slots, the in-flight
