@@ -87,11 +87,12 @@ class Pipeline {
   // the first stage's embeddings from vocab_embed until their forward and gradients from its first
   // chunk's backward until vocab_embed_grad; the last stage's head gradients from vocab until their
   // backward.
-  // Vocabulary parallelism's embeddings and head gradients a step of this stage allocates as message
-  // buffers (vocab_bytes' [Nl, C] ones), beside buffer_bytes' (PipelineTimes::message_buffers counts both).
-  int64_t vocab_message_buffers() const;
   static int64_t vocab_bytes(const std::vector<Action>& actions, int stages, int stage, int chunks, int64_t local,
                              int64_t full);
+  // Vocabulary parallelism's embeddings and head gradients the current list of this stage allocates as
+  // message buffers (vocab_bytes' [Nl, C] ones), beside buffer_bytes' (PipelineTimes::message_buffers
+  // counts both).
+  int64_t vocab_message_buffers() const;
 
   // Error naming the values when one step's messages would need more MPI tags than MPI guarantees
   // (one per micro-batch, chunk and direction: tag()); one stage sends no messages.

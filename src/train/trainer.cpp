@@ -246,15 +246,15 @@ void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, cons
   // (a checkpoint written before the coefficient in effect was saved holds -1 for the config's: unknown)
   const bool coef_known = was.contains("moe_aux_loss_coef") && was["moe_aux_loss_coef"].is_number() &&
                           was["moe_aux_loss_coef"].get<double>() >= 0;
-  if (cfg.is_moe())
+  if (cfg.is_moe()) {
     options.insert(options.end(),
                    {{"moe_aux_loss", "--moe-aux-loss", o.aux_loss(), nullptr},
                     {"moe_router_score", "--moe-router-score", o.moe_router_score, nullptr},
                     {"moe_router_bias_update_rate", "--moe-router-bias-update-rate", o.moe_router_bias_update_rate, nullptr},
                     {"moe_capacity_factor", "--moe-capacity-factor", o.moe_capacity_factor, nullptr},
                     {"moe_drop_policy", "--moe-drop-policy", o.moe_drop_policy, nullptr}});
-  if (cfg.is_moe() && coef_known)
-    options.push_back({"moe_aux_loss_coef", "--moe-aux-loss-coef", cfg.routing.aux_coef, nullptr});
+    if (coef_known) options.push_back({"moe_aux_loss_coef", "--moe-aux-loss-coef", cfg.routing.aux_coef, nullptr});
+  }
   if (o.lr.schedule == LrSchedule::cosine)  // the cosine spans --steps
     options.push_back({"steps", "--steps (the cosine schedule's length)", o.steps, nullptr});
   // The step size, within one batching (across two, the batching's own warning says it all); the data
@@ -550,7 +550,8 @@ class Run {
   DocumentStep doc_step_;  // document batching: the step's sequences
   Timer run_timer_;
   int64_t current_step_ = 0;                 // the step being computed (from 1), for the gradient hook
-  bool warned_buffers_ = false;              // figures(): a step allocated more pipeline buffers than counted
+  int64_t buffers_counted_ = 0;              // the memory check's pipeline message buffers (pipeline_message_buffers)
+  bool warned_buffers_ = false;              // figures(): a step allocated more than those
   int64_t skipped_ = 0, last_update_ = 0;    // steps skipped for a non-finite loss or gradient; last step updated
   LossSpikes spikes_{o_.loss_spike_factor};  // rank 0
 };
@@ -574,6 +575,8 @@ Run::Run(Opened opened, Comm& world)
   restore_router_bias();
   hooks_.skew_router(model_.router_bias(), cfg_.num_layers, cfg_.num_experts);
   if (hooks_.slows_backward()) pipeline_.before_backward([this] { hooks_.slow_backward(); });
+  buffers_counted_ = pipeline_message_buffers(o_, pp_.size(), pp_.rank(), int(o_.micro_batches(world.size())),
+                                              part_.vocab_parallel());
   model_.on_grads_ready([this](int64_t offset, int64_t expert_offset) {
     hooks_.poison_gradient(current_step_, params_.dense.params.grad() + offset);
     params_.dense.dp.grads_ready(offset);
@@ -916,9 +919,7 @@ StepFigures Run::figures(int64_t step, const Update& up, double cpu0, bool stop)
     v->assign(stages, 0.0);
     (*v)[stage] = mine * stage_weight;
   }
-  const int64_t counted = pipeline_message_buffers(o_, int(stages), int(stage), int(o_.micro_batches(world_.size())),
-                                                   part_.vocab_parallel()) +
-                          pipeline_.vocab_message_buffers();
+  const int64_t counted = buffers_counted_ + pipeline_.vocab_message_buffers();  // (the latter: this step's list)
   if (times.message_buffers > counted && !warned_buffers_ && stage_weight > 0) {
     warned_buffers_ = true;  // (once a run, from the stage's first rank)
     std::fprintf(stderr, "origami train: warning: rank %d: pipeline stage %zu allocated %lld message buffers in step %lld, "
