@@ -964,8 +964,9 @@ int Run::step(int64_t step, StopSignals& signals) {
   if (up.no_targets && !up.skip()) {
     r.skipped = "no token to predict: every sequence of the step is one token long";
     if (rank0_)
-      std::fprintf(stderr, "origami train: warning: step %lld: %s; no update (a --tokens-per-step above --seq-len "
-                   "leaves no such step unless every document is empty)\n", (long long)r.step, r.skipped.c_str());
+      std::fprintf(stderr, "origami train: warning: step %lld: %s; no update (a step can hold only one-token "
+                   "sequences, empty documents or the one-token ends of cut ones, where more than --tokens-per-step "
+                   "minus --seq-len of them come in a row)\n", (long long)r.step, r.skipped.c_str());
   }
   // A skip right after an update: if that update made the weights or moments non-finite (from finite
   // gradients: an --lr or --eps out of scale), no later step can recover (a skip keeps the weights).

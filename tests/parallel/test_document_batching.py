@@ -23,7 +23,8 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
      losses (steps 11..20), also when --tokens-per-step is not given (the resume keeps the checkpoint's
      N, not micro-batch x DP x L of its own layout). The same on a blend of two datasets (0.6 / 0.4, shuffled), which also runs
-     under DP2 and CP2xDP2 with the one-rank losses and tokens per dataset.
+     under DP2, CP2xDP2 and CP2xPP2 with the one-rank losses, tokens per dataset and validation losses
+     (every 5 steps, on a third dataset in the same batching).
   3. The balancer: under DP4 lpt's estimated max/mean busy time per rank is at most --balance none's on
      every step, and at most 1.05 on the steps' mean.
      With --balance-costs FILE (a profiled cluster's GEMM and attention rates) the estimate changes;
@@ -351,11 +352,14 @@ def check_short_data(tmp, failures):
 
 
 def check_blend(tmp, data, other, failures):
-    """A blend (0.6 / 0.4, shuffled orders): DP2 and CP2xDP2 give the one-rank run, tokens per dataset
-    included, and its step-10 checkpoint resumed under DP2 continues it."""
-    print("2b. a blend of two datasets, shuffled")
+    """A blend (0.6 / 0.4, shuffled orders) with validation every 5 steps (2 steps of documents of a
+    third dataset): DP2, CP2xDP2 and CP2xPP2 give the one-rank run, tokens per dataset and validation
+    losses included, and its step-10 checkpoint resumed under DP2 continues it."""
+    print("2b. a blend of two datasets, shuffled, with validation")
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
-    spec, blend = "0.6 %s 0.4 %s" % (data, other), ["--data-order", "shuffled"]
+    val = h.prepare_data(tmp, "val", n_docs=60, seed=9, words=(1, 14))
+    spec = "0.6 %s 0.4 %s" % (data, other)
+    blend = ["--data-order", "shuffled", "--eval-data", val, "--eval-every", "5", "--eval-iters", "2"]
     save = os.path.join(tmp, "ck_blend")
     one, err = train(tmp, "blend one rank", 0, cfg, spec, blend + ["--save", save, "--save-every", "10"])
     if err:
@@ -364,7 +368,11 @@ def check_blend(tmp, data, other, failures):
     tokens = [sum(m["data_tokens"][d] for m in one) for d in range(2)]
     if min(tokens) == 0 or len(one[0].get("data_tokens", [])) != 2:
         failures.append("blend: tokens per dataset %s" % tokens)
+    val_steps = [m["step"] for m in one if "val_loss" in m]
+    if val_steps != [5, 10, 15, 20]:
+        failures.append("blend one rank: validation at steps %s, expected 5, 10, 15 and 20" % val_steps)
     for name, ranks, flags, ref in (("DP2", 2, [], one), ("CP2xDP2", 4, ["--cp", "2"], one),
+                                    ("CP2xPP2", 4, ["--cp", "2", "--pp", "2"], one),
                                     ("resumed at step 10 under DP2", 2, ["--resume", os.path.join(save, "step-10")],
                                      one[10:])):
         got, err = train(tmp, "blend " + name, ranks, cfg, spec, blend + flags)
@@ -374,6 +382,11 @@ def check_blend(tmp, data, other, failures):
         worst, fails = compare(ref, got, moe=False)
         if [g.get("data_tokens") for g in got] != [r["data_tokens"] for r in ref]:
             fails.append("tokens per dataset differ from the one-rank run's")
+        for r, g in zip(ref, got):  # the validation loss: each rank's share of every validation step's sequences
+            if ("val_loss" in g) != ("val_loss" in r) or (
+                    "val_loss" in r and abs(g["val_loss"] - r["val_loss"]) > RTOL * abs(r["val_loss"])):
+                fails.append("step %d: validation loss %s vs one-rank %s" % (r["step"], g.get("val_loss"),
+                                                                             r.get("val_loss")))
         failures += ["blend %s: %s" % (name, f) for f in fails[:3]]
         print("  %-4s %-28s worst %.1e, tokens per dataset %s" % ("ok" if not fails else "FAIL", name, worst, tokens))
 
