@@ -276,10 +276,22 @@ BufferPlan plan_buffer(const std::vector<ParamSpec>& table, const ParamLayout& l
   return plan;
 }
 
+void Params::unread_after_copy(std::vector<Range> ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  unread_ = std::move(ranges);
+}
+
 void Params::keep_bf16_copy() {
   low_ = ReleasablePages(2 * size_, "the bf16 copy of the weights");
-  if (held_.empty()) return refresh_bf16_copy();
-  for (const Range& r : held_) refresh_bf16_copy(r);
+  if (!held_.empty()) {
+    for (const Range& r : held_) refresh_bf16_copy(r);
+    return;
+  }
+  for (const Range& b : buckets_) {
+    refresh_bf16_copy(b);
+    auto r = std::lower_bound(unread_.begin(), unread_.end(), b.begin, [](const Range& x, int64_t at) { return x.begin < at; });
+    for (; r != unread_.end() && r->begin < b.end; ++r) data_.release(r->begin * int64_t(sizeof(float)), r->end * int64_t(sizeof(float)));
+  }
 }
 
 void Params::refresh_bf16_copy(Range r) {

@@ -210,6 +210,11 @@ class Params {
   // keep_bf16_copy() and a checkpoint's read_weights fill those ranges alone, so that a rank never
   // holds its whole stage (the rest reads as zeros until a gather fills it).
   void hold_only(std::vector<Range> ranges) { held_ = std::move(ranges); }
+  // ZeRO 1/2 in mixed precision: values the rank never reads once their bf16 copy is made (the copy
+  // buckets' outside its shards, which DataParallel frees each step). keep_bf16_copy() frees them
+  // bucket by bucket as it copies, so an init's or a load's whole buffer and the whole copy are never
+  // resident together (the memory check counts neither).
+  void unread_after_copy(std::vector<Range> ranges);
   // The segments the rank holds values of: those of hold_only's ranges, else every parameter's.
   std::vector<Segment> held_segments() const { return segments(held_.empty() ? std::vector<Range>{{0, size_}} : held_); }
   // Mixed precision: a bf16 copy of the values (the GEMMs' weights), kept from keep_bf16_copy() on (made
@@ -242,6 +247,7 @@ class Params {
   ReleasablePages low_;  // the bf16 copy (mixed precision), else none
   ReleasablePages grad_;
   std::vector<Range> held_;  // hold_only's ranges (empty: everything)
+  std::vector<Range> unread_;  // unread_after_copy's ranges, by their beginning
 };
 
 template <typename Fn>

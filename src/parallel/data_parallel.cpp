@@ -40,6 +40,11 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
     for (int r = 0; r < dp.size(); ++r) rank_shards_.push_back(bucket_shards(params.buckets(), dp.size(), r));
   owned_ = zero_ == 0 ? std::vector<Range>{{0, params.size()}} : shards_;
   if (zero_ == 3) params.hold_only(shards_);  // from the start: an init or a load fills the shards alone
+  std::vector<Range> unread;  // ZeRO 1/2: the copy buckets' values outside the shard (drop_values)
+  for (size_t b = 0; b < shards_.size() && (zero_ == 1 || zero_ == 2); ++b)
+    if (params.copy_bucket(b))
+      unread.insert(unread.end(), {{params.buckets()[b].begin, shards_[b].begin}, {shards_[b].end, params.buckets()[b].end}});
+  params.unread_after_copy(std::move(unread));
   // The bf16 copy the update writes: all it updates where that is every value (ZeRO 0, or one rank),
   // else the copy buckets' shards, which their gathers send as they are. The other buckets' copies
   // are rounded from the gathered values (gather_params, use_weights).
