@@ -1,6 +1,8 @@
 // origami ckpt: look into checkpoints and convert them to Hugging Face directories.
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <string>
 
 #include "ckpt/checkpoint.h"
 #include "commands.h"
@@ -97,12 +99,13 @@ int ckpt_info(int argc, char** argv) {
     std::printf(" (%s in %zu file%s)\n", format_mb(total).c_str(), m["files"].size(), m["files"].size() == 1 ? "" : "s");
     Size params = 0;  // checked (core/checked.h): the shapes are the file's
     std::printf("tensors (%zu):\n", m["tensors"].size());
+    std::map<std::string, int> weight_pieces;  // by tensor (one pass: a large run saves many pieces of many tensors)
+    for (const auto& p : m["pieces"])
+      if (p[0].get_ref<const std::string&>() == "weight") ++weight_pieces[p[1].get<std::string>()];
     for (const auto& [name, t] : m["tensors"].items()) {
       const auto shape = t["shape"].get<std::vector<int64_t>>();
       params = add_elements(params, ck, "parameter count", name, shape);
-      int pieces = 0;
-      for (const auto& p : m["pieces"])
-        if (p[0] == "weight" && p[1] == name) ++pieces;
+      const int pieces = weight_pieces[name];
       std::printf("  %-48s %-16s %s, %d weight piece%s\n", name.c_str(), shape_str(shape).c_str(),
                   t["dtype"].get<std::string>().c_str(), pieces, pieces == 1 ? "" : "s");
     }

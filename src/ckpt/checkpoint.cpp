@@ -436,15 +436,17 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
   ORIGAMI_CHECK(!(optimizer && bf16), "--optimizer writes a checkpoint to resume, whose weights stay fp32: "
                 "export it without --dtype bf16");
   const int64_t elem_bytes = bf16 ? 2 : 4;
-  // Weights already there (an earlier export, sharded or not) would mix with these: refused.
-  for (const char* f : {"model.safetensors", "model.safetensors.index.json"})
-    ORIGAMI_CHECK(!fs::exists(fs::path(out) / f), "'", out, "' already holds model weights (", f,
-                  "): export into a new directory");
-  // Nor into a checkpoint (a step or the --save root): its config.json and tokenizer would be replaced.
+  // Not into a checkpoint (a step or the --save root): its config.json and tokenizer would be replaced.
   ORIGAMI_CHECK(!fs::exists(fs::path(out) / "metadata.json") && !Checkpoint::committed_in(out), "'", out,
                 "' is a checkpoint (",
                 fs::exists(fs::path(out) / "metadata.json") ? "a step of one" : "a --save directory",
                 "): export into a new directory");
+  // Nor where weights or optimizer state are already there (an earlier export, sharded or not) would mix with these
+  // (a resume would take one export's weights with the other's moments and step): refused.
+  for (const char* f : {"model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", "trainer_state.json"})
+    ORIGAMI_CHECK(!fs::exists(fs::path(out) / f), "'", out, "' already holds ",
+                  std::string_view(f).starts_with("model") ? "model weights" : "training state", " (", f,
+                  "): export into a new directory");
   fs::create_directories(out);
   const std::vector<ParamSpec> table = make_param_table(cfg);
   // Shards of whole tensors in table order, each at most max_shard_bytes (a larger tensor alone).
@@ -478,7 +480,10 @@ int export_checkpoint(Checkpoint& ck, const ModelConfig& cfg, const std::string&
     write_file_atomically(out + "/model.safetensors.index.json",
                           nlohmann::ordered_json({{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
   nlohmann::json hf_config = cfg.raw;
-  hf_config["torch_dtype"] = bf16 ? "bfloat16" : "float32";  // what from_pretrained(torch_dtype="auto") builds
+  // What from_pretrained(torch_dtype="auto") builds; transformers >= 4.56 names it "dtype" and takes that
+  // key first, so a config that carries one (a recent Hub file's) has it set to the same value.
+  hf_config["torch_dtype"] = bf16 ? "bfloat16" : "float32";
+  if (hf_config.contains("dtype")) hf_config["dtype"] = hf_config["torch_dtype"];
   write_file_atomically(out + "/config.json", hf_config.dump(2) + "\n");
   if (const std::string tok = ck.tokenizer_path(); !tok.empty()) {
     const HfExportTokenizer files = tokenizer_files_for_hf_export(tok);

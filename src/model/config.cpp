@@ -104,7 +104,7 @@ const std::set<std::string> kBookkeeping = {
     "typical_p", "encoder_no_repeat_ngram_size", "diversity_penalty", "num_beam_groups",
     "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
     "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "tf_legacy_loss", "mlp_bias_init", "use_return_dict", "attn_implementation",
+    "begin_suppress_tokens", "tf_legacy_loss", "mlp_bias_init", "use_return_dict", "attn_implementation", "dtype",
 };
 
 // The config's fields, read as JsonFields (core/json_fields.h). It remembers which were read, so
@@ -250,8 +250,9 @@ void parse_llama_like(Reader& r, ModelConfig& c, const std::string& src) {
 
 }  // namespace
 
-nlohmann::json ModelConfig::math_fields() const {
+nlohmann::json ModelConfig::model_math_fields(const nlohmann::json& raw) {
   nlohmann::json out = nlohmann::json::object();
+  if (!raw.is_object()) return out;
   for (const auto& [key, value] : raw.items())
     if ((!kBookkeeping.count(key) || key == "model_type") && !value.is_null()) out[key] = value;  // (null: absent)
   return out;

@@ -110,7 +110,9 @@ struct ModelConfig {
   std::string model_type() const;
   // The fields of the file that describe the model (raw less the bookkeeping that never changes the
   // math): what a plan records of the model it laid out.
-  nlohmann::json math_fields() const;
+  nlohmann::json math_fields() const { return model_math_fields(raw); }
+  // The same of a config file's JSON object as it is (one not parsed: a checkpoint's config.json).
+  static nlohmann::json model_math_fields(const nlohmann::json& raw);
 };
 
 // A math field that changes the model's values but neither its shapes nor its cost (initialisation,

@@ -276,6 +276,25 @@ void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, cons
   }
 }
 
+// A resume continues the checkpoint's model: a --config of the same shapes (bind refuses others) that
+// changes its math (RoPE's base, a norm's epsilon, top-k, ...) is worth a word. Its initialisation
+// does not matter any more; the aux loss coefficient in effect is warn_changed_options' to compare.
+void warn_changed_model(const std::string& saved_config, const ModelConfig& cfg, const std::string& path) {
+  if (saved_config.empty()) return;
+  const nlohmann::json was = ModelConfig::model_math_fields(parse_json_file(saved_config)),
+                       now = cfg.math_fields();
+  nlohmann::json keys = was;
+  keys.update(now);
+  for (const auto& [key, unused] : keys.items()) {
+    if (key == "initializer_range" || key == "router_aux_loss_coef") continue;
+    const nlohmann::json before = was.value(key, nlohmann::json()), after = now.value(key, nlohmann::json());
+    const auto text = [](const nlohmann::json& v) { return v.is_null() ? std::string("(not given)") : v.dump(); };
+    if (before != after)
+      std::fprintf(stderr, "origami train: warning: resuming with --config's '%s' = %s; '%s' trained with '%s' = %s\n",
+                   key.c_str(), text(after).c_str(), path.c_str(), key.c_str(), text(before).c_str());
+  }
+}
+
 // Each dataset of a blend with its tokens and documents, kept in trainer_state.json: a resume tells a
 // dataset prepared again at the same prefix, on which the data position replayed from the step reads
 // other data.
@@ -335,6 +354,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
     start.recent_losses = ck->state().recent_losses;
     if (world.rank() == 0 && st.contains("options") && st["options"].is_object())
       warn_changed_options(st["options"], o, plan.model, ck->path());
+    if (world.rank() == 0) warn_changed_model(ck->config_path(), plan.model, ck->path());
     if (world.rank() == 0 && !o.resume.empty()) warn_changed_data(ck->state().data_sizes, *in.data, ck->path());
     start.router_bias = ck->state().router_bias;
     ORIGAMI_CHECK(start.step < o.steps, "checkpoint '", ck->path(), "' is already at step ", start.step,

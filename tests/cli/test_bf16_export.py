@@ -26,7 +26,9 @@ as fp32 and as bf16 (single file, and sharded with model.safetensors.index.json)
   - the edge cases of the rounding through the whole export (ties to even, subnormals, the largest
     finite bf16 and the overflow to inf, inf, -0, NaN stays NaN) against torch's rounding;
   - `--dtype fp16` is refused with one error line, as is `--dtype bf16 --optimizer` (a checkpoint to
-    resume keeps fp32 weights).
+    resume keeps fp32 weights), and an export into a directory holding an earlier export's optimizer
+    state;
+  - a config's "dtype" key (transformers >= 4.56 reads it before torch_dtype) is set to the export's dtype.
 """
 import json
 import os
@@ -240,6 +242,35 @@ def check_edge_cases(tmp):
     print(f"ok   edge cases of the rounding ({len(bits)} values: ties, subnormals, overflow, inf, -0, NaN) = torch's bits")
 
 
+def check_dtype_key(data, tmp):
+    """A config carrying transformers >= 4.56's "dtype" key (which it reads before torch_dtype): origami
+    trains on it without a warning, and each export sets it to the export's dtype beside torch_dtype (it
+    kept the config's "float32" in a bf16 export, which such a transformers would build in fp32)."""
+    _, cfg, init, _ = ref.seeded_model("gpt2", tmp, seed=7, tag="_dtype")
+    cfg_path = os.path.join(tmp, "gpt2_dtype.json")
+    with open(cfg_path, "w") as f:
+        json.dump(dict(cfg, dtype="float32"), f)
+    save = os.path.join(tmp, "gpt2_dtype_ck")
+    p = cu.run("train", "--config", cfg_path, "--init-from", init, "--data", data, "--steps", "1", "--micro-batch", "2",
+               "--seq-len", "16", "--save", save, "--threads", "2", "--quiet")
+    cu.check("dtype" not in p.stderr, f"a config's dtype key drew a warning: {p.stderr}")
+    for dtype, want in (("fp32", "float32"), ("bf16", "bfloat16")):
+        out = export(save, os.path.join(tmp, "gpt2_dtype_" + dtype), "--dtype", dtype)
+        got = ref.load_config(os.path.join(out, "config.json"))
+        cu.check(got.get("dtype") == got.get("torch_dtype") == want,
+                 f"--dtype {dtype}: config.json dtype {got.get('dtype')!r}, torch_dtype {got.get('torch_dtype')!r}")
+    print("ok   a config's dtype key: no warning, set to the export's dtype beside torch_dtype")
+
+
+def check_stale_state(saved, tmp):
+    """An export into a directory holding an earlier --optimizer export's state (its weights removed) is
+    refused: a resume of it would take this export's weights with the earlier step's moments and step."""
+    out = export(saved, os.path.join(tmp, "stale"), "--optimizer")
+    os.remove(os.path.join(out, "model.safetensors"))
+    cu.expect_error("ckpt export over an earlier export's optimizer state", ["ckpt", "export", saved, "--hf", out],
+                    f"'{out}' already holds training state (optimizer.safetensors): export into a new directory")
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         data = ref.origami_prepare_data(ref.sample_text(os.path.join(tmp, "text.txt"), 4000), os.path.join(tmp, "data"))
@@ -252,6 +283,8 @@ def main():
                         ["ckpt", "export", saved[0], "--hf", out, "--dtype", "bf16", "--optimizer"],
                         "--optimizer writes a checkpoint to resume, whose weights stay fp32: export it without --dtype bf16")
         cu.check(not os.path.exists(out), "a refused export left its directory behind")
+        check_dtype_key(data, tmp)
+        check_stale_state(saved[0], tmp)
     print("all bf16 export checks passed")
     return 0
 

@@ -34,7 +34,8 @@ late. Every case here failed before its fix:
   tokenizer could not be resumed on its data, while the same Hub file with another end-of-document
   token could; a resume on a dataset prepared again at the same prefix, and `--eval-data` that is
   `--data`, said nothing; `--bucket-mb` below one float silently became one bucket of everything;
-  `ckpt export --max-shard-gb 1e300` overflowed to one tensor per file;
+  `ckpt export --max-shard-gb 1e300` overflowed to one tensor per file; a resume with another --config of
+  the same shapes (another RoPE base, norm epsilon, top-k) said nothing;
 - a dangling `latest` was reported as "no latest"; `ckpt info` with two checkpoints took one;
 - routing options at their default value on a dense model, `--mtbf-hours` without `--save-every
   auto` and `launch --cluster` without `--shrink` were accepted and did nothing; `launch` asked for
@@ -167,6 +168,19 @@ def main():
             want = "warning: resuming with %s '%s'; '%s' trained with '%s'" % (flag, now, step2, before)
             check(want in p.stderr, "resume warns of %s:\n%s" % (flag, p.stderr))
         print("ok   resuming with another --steps (cosine), --seed, --lr, --grad-clip and --weight-decay warns of each")
+        # ...and with another --config of the same shapes that changes the math (RoPE's base, the norm's
+        # epsilon); its initialisation no longer matters.
+        other_math = write(os.path.join(tmp, "llama_math.json"),
+                           dict(LLAMA_TINY, rope_theta=500000.0, rms_norm_eps=1e-5, initializer_range=0.01))
+        p = run("train", "--resume", ck, "--config", other_math, *short, "--steps", "3")
+        for key, now, before in (("rope_theta", "500000.0", "10000.0"), ("rms_norm_eps", "1e-05", "1e-06")):
+            want = "warning: resuming with --config's '%s' = %s; '%s' trained with '%s' = %s" % (key, now, step2, key,
+                                                                                                before)
+            check(want in p.stderr, "resume warns of the config's %s:\n%s" % (key, p.stderr))
+        check("initializer_range" not in p.stderr, "resume warns of the config's initializer_range:\n" + p.stderr)
+        p = run("train", "--resume", ck, "--config", llama, *short, "--steps", "3")  # (the defaults it left out, saved)
+        check("--config's" not in p.stderr, "a resume with the run's own --config warns:\n" + p.stderr)
+        print("ok   resuming with another --config of the same shapes warns of each field that changes the math")
 
         # A dataset prepared again at the same prefix: the data position replayed from the step reads other data.
         redo = byte_dataset(tmp, 40, "redo")
