@@ -113,6 +113,8 @@ struct JobEnd {
   int64_t steps_done = 0; // the fewest steps any rank had completed
   double detected = 0;    // hung: when the watchdog saw it (Unix time)
   bool stopped = false;   // the launcher got SIGINT or SIGTERM and passed it on to the job
+  bool user_error = false;  // the output has train's error line ("origami train: error: ...")
+  bool ran = false;         // a rank joined the progress board (mpirun started the job)
 };
 
 // SIGINT / SIGTERM to the launcher: the count received, which run_job passes on to mpirun (the first
@@ -199,6 +201,7 @@ class OutputScanner {
       static const std::regex died(R"(process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+))");
       std::smatch m;
       const std::string line = pending_.substr(0, nl);
+      if (line.find("origami train: error: ") != std::string::npos) end.user_error = true;  // (--tag-output prefixes it)
       if (std::regex_search(line, m, died)) {
         end.failed_ranks.push_back(std::stoi(m[1]));
         end.failed_hosts.push_back(m[2]);
@@ -247,6 +250,19 @@ void kill_job(pid_t mpirun, const std::vector<RankProgress>& board) {
   ::kill(mpirun, SIGTERM);
 }
 
+// Asks a job to save and stop: SIGTERM to this host's ranks that have finished a step (their stop
+// signals are taken by then: core/stop_signals.h), which combine the request in the step's all-reduce,
+// so every rank of every host stops after the same step and saves. Not through mpirun: Open MPI 4's
+// mpirun passes it on and kills the ranks odls_base_sigkill_timeout (1 s) later, mid-step or mid-save.
+// With no such rank here (none finished a step yet: nothing to save), mpirun itself.
+void ask_to_stop(pid_t mpirun, const std::vector<RankProgress>& board) {
+  const std::string here = host_name();
+  int asked = 0;
+  for (const RankProgress& r : board)
+    if (r.pid > 0 && r.step > 0 && r.host == here && still_running(r)) asked += ::kill(pid_t(r.pid), SIGTERM) == 0;
+  if (asked == 0) ::kill(mpirun, SIGTERM);
+}
+
 std::string hang_words(const std::vector<RankProgress>& board, const std::vector<int>& ranks, double timeout) {
   std::string s = cat("no progress for ", timeout, " s; did not arrive:");
   for (int r : ranks)
@@ -284,7 +300,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
       signalled = int(stop_requests), end.stopped = true;
       // Once politely (the ranks save and stop); a second request kills this host's ranks too (a hung
       // job's would outlive mpirun) and mpirun 10 s later, as the watchdog does.
-      if (signalled == 1) ::kill(pid, SIGTERM);
+      if (signalled == 1) ask_to_stop(pid, board);
       else if (!ending) kill_job(pid, board), killed_at = steady_s(), ending = true;
     }
     if (killed_at > 0 && steady_s() - killed_at > 10) ::kill(pid, SIGKILL), killed_at = 0;
@@ -317,6 +333,7 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
   ::close(fd);
   end.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   end.steps_done = std::max<int64_t>(0, fewest_steps(board));
+  end.ran = std::any_of(board.begin(), board.end(), [](const RankProgress& r) { return r.pid > 0; });
   if (!end.hung && end.code != 0)
     end.why = end.signal ? cat("rank ", end.failed_ranks.front(), " on ", end.failed_hosts.front(), " ended by signal ",
                                end.signal, " (", strsignal(end.signal), ")")
@@ -567,9 +584,13 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
       events.write({{"event", "finish"}, {"restarts", attempt}, {"world", w.size}});
       return 0;
     }
-    // A user error (every rank reported it: 1), the non-finite stop (3), a signal to the job (130) or
-    // to the launcher, which passed it on: not restarted. A failure on one rank (2) or a death is.
-    if (end.stopped || (!end.hung && (end.code == 1 || end.code == 3 || end.code == 130))) {
+    // A user error (every rank reported it: 1, with train's error line), the non-finite stop (3), a
+    // signal to the job (130) or to the launcher, which passed it on: not restarted. A failure on one
+    // rank (2) or a death is, and so is an exit 1 of Open MPI's own (its code for a lost daemon: a
+    // node that died) once the ranks ran; before any did, mpirun could not start the job (its
+    // options, too few slots), which it says, and a restart would not change.
+    const bool user_error = end.code == 1 && (end.user_error || !end.ran);
+    if (end.stopped || (!end.hung && (user_error || end.code == 3 || end.code == 130))) {
       const int code = end.stopped ? 130 : end.code;
       events.write({{"event", "stop"}, {"exit_code", code}, {"steps_done", end.steps_done}});
       return code;

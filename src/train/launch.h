@@ -6,7 +6,8 @@
 // world size, and the numerics do not depend on the layout).
 //
 // Exit codes of the job that end the launch at once, with the same code: 1 (a user error: every rank
-// reported it), 3 (the non-finite stop), 130 (stopped by SIGINT/SIGTERM); 0 ends it as finished. The
+// reported it, with train's error line; an exit 1 of Open MPI's own once the ranks ran is restarted),
+// 3 (the non-finite stop), 130 (stopped by SIGINT/SIGTERM); 0 ends it as finished. The
 // launch gives up with 2 when --max-restarts are spent or --shrink finds no world left.
 //
 // --shrink: the failed ranks' slots (with a hostfile, the failed hosts) are not used again; the next
@@ -24,7 +25,8 @@
 // --events FILE (JSONL, appended): start, failure (rank, host, exit code or signal, steps done),
 // hang, restart (world, layout, the step resumed from), finish / stop / give_up.
 //
-// A stop request (SIGINT/SIGTERM) goes to mpirun as SIGTERM: the ranks finish their step, save and exit.
+// A stop request (SIGINT/SIGTERM) goes as SIGTERM to this host's ranks (not through mpirun, which
+// kills them a second after passing it on): the ranks finish their step, save and exit.
 // The watchdog still watches: a job that makes no progress for its timeout then (a hung one cannot
 // stop) is killed, as a second request kills it at once.
 #pragma once

@@ -297,6 +297,58 @@ def stop_hung(tmp, data, requests):
               requests, p.returncode, waited, left, out[-300:] if p.returncode != 130 or not said else ""))
 
 
+def stop_slow(tmp, data):
+    """A stop request to the launch of a job whose steps take 3 s (rank 1 sleeps 1.5 s before each of its
+    two backward passes, ORIGAMI_TEST_SLOW_BACKWARD) and which has not saved yet: the ranks finish their
+    step, save it and exit, and the launch exits 130 with the checkpoint of the last step in its metrics.
+    Passed on to mpirun, the request killed the ranks a second later (Open MPI 4's
+    odls_base_sigkill_timeout), mid-step: no checkpoint at all."""
+    save, metrics = os.path.join(tmp, "stopslow_ck"), os.path.join(tmp, "stopslow.jsonl")
+    args = train_args(data, metrics, save)
+    args[args.index("--save-every") + 1] = "1000000"
+    p = subprocess.Popen([h.BIN, "launch", "--np", "2", "--backoff", "0.2", "--mpirun", MPIRUN, "--", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                         env={**h.env(), "ORIGAMI_TEST_SLOW_BACKWARD": "1:1500"})
+    if wait_for_step(save, 0, 2) is not None:
+        p.send_signal(signal.SIGINT)
+    try:
+        out = p.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out = p.communicate()[0] + "\n[timed out]"
+    latest = os.path.join(save, "latest")
+    saved = open(latest).read().strip() if os.path.exists(latest) else None
+    rows = h.read_metrics(metrics, tolerant=True) if os.path.exists(metrics) else []
+    last = "step-%d" % rows[-1]["step"] if rows else None
+    check(p.returncode == 130 and saved is not None and saved == last and rows[-1]["step"] >= 2 and
+          os.path.exists(os.path.join(save, saved, "metadata.json")),
+          "a stop request to the launch of a job of 3 s steps: exit %s, checkpoint %s, last metrics row %s %s" % (
+              p.returncode, saved, last, out[-500:] if p.returncode != 130 or saved != last else ""))
+
+
+def mpi_exit_one(tmp, data, ref):
+    """mpirun exiting 1 after the ranks ran, with no error line of train's: Open MPI's own code for a
+    failure (a lost daemon, as when a node dies), not a user error (every rank's exit 1 comes with
+    train's error line), so the launch restarts it. Simulated by a wrapper that hides the line naming
+    the killed rank and turns mpirun's failure into exit 1; the launch stopped with 1 before."""
+    wrapper = os.path.join(tmp, "exit1_mpirun")
+    with open(wrapper, "w") as f:
+        f.write("#!/bin/bash\n%s \"$@\" 2>&1 | grep --line-buffered -v 'exited on signal'\n"
+                "[ ${PIPESTATUS[0]} -eq 0 ] && exit 0\nexit 1\n" % MPIRUN)
+    os.chmod(wrapper, 0o755)
+
+    def hit(save):
+        if wait_for_step(save, 0, 40) is not None:
+            os.kill(board(save, 1)[0], signal.SIGKILL)
+    rc, out, by_step, evs = launch(tmp, "exit1", data, 2, ["--mpirun", wrapper], hit)
+    names = [e["event"] for e in evs]
+    failure = next((e for e in evs if e["event"] == "failure"), {})
+    check(rc == 0 and names == ["start", "failure", "restart", "finish"] and failure.get("exit_code") == 1,
+          "mpirun's exit 1 after the ranks ran, without train's error line, is restarted: exit %s, events %s" % (
+              rc, names))
+    same_curve(ref, by_step, "restarted after mpirun's exit 1")
+
+
 def hostfile_run(tmp, data, ref):
     """--hostfile: the job runs on its hosts' slots (this host's, here) from a new --save directory (the
     shrinkable copy of the hostfile is written there: before, into a directory not yet made, so the
@@ -540,6 +592,8 @@ def main():
         stop_hung(tmp, data, 2)
         stop_hung(tmp, data, 1)
         stop_in_backoff(tmp, data)
+        stop_slow(tmp, data)
+        mpi_exit_one(tmp, data, ref)
         hostfile_run(tmp, data, ref)
         failed_after_last_save(tmp, data, ref)
         one_rank_failure(tmp, data, ref)
