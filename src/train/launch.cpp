@@ -376,19 +376,6 @@ struct World {
   double predicted_s = 0;
 };
 
-// The most memory one node's ranks of a world of w need: mpirun fills the hostfile's hosts in order, slot
-// by slot (without one, every rank is on this node).
-double node_need(const ModelConfig& cfg, const TrainOptions& o, int w, const Slots& slots) {
-  double most = 0, node = 0;
-  size_t host = 0;
-  int left = slots.hosts.empty() ? w : slots.hosts[0].second;  // this host's slots not yet filled
-  for (int r = 0; r < w; ++r) {
-    if (left == 0 && host + 1 < slots.hosts.size())  // the next host
-      most = std::max(most, node), node = 0, left = slots.hosts[++host].second;
-    node += double(rank_memory(cfg, o, w, r, 0, 0).total()), --left;
-  }
-  return std::max(most, node);
-}
 
 // The largest world in [min_np, most] with a valid layout whose ranks on each node fit this node's
 // memory (the launcher's node standing for every node; each run checks its own nodes at start): DP
@@ -410,13 +397,11 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, const Slot
       if (pp != train.pp) o.vpp = 1, o.pp_layers.clear(), o.pp_schedule.clear();
       try {
         const Plan plan = make_plan(cfg, o, w);
-        const double need = node_need(cfg, plan.options, w, slots);
-        if (need > double(available)) {
-          why += cat("; ", w, " ranks (PP", pp, ") need ", format_bytes(need), slots.hosts.size() > 1 ? " on a node" : "",
-                     " of ", format_bytes(double(available)));
+        if (const std::string short_by = memory_shortfall(plan, w, slots, available); !short_by.empty()) {
+          why += cat("; ", w, " ranks (PP", pp, "): ", short_by);
           continue;
         }
-        const double s = cluster ? CostModel(cfg, *cluster, w).predict(plan.options).step_s : 0;
+        const double s = cluster ? CostModel(plan.model, *cluster, w).predict(plan.options).step_s : 0;
         fit.push_back({w, pp, plan.mesh.degree("dp"), plan.mesh.describe(cfg.is_moe()), s});
       } catch (const Error& e) {
         if (pp == train.pp) why += cat("; ", w, " ranks: ", e.what());
@@ -485,6 +470,26 @@ void announce(Events& events, int attempt, const World& w, int np, const std::st
 }
 
 }  // namespace
+
+std::string memory_shortfall(const Plan& plan, int w, const Slots& slots, int64_t available) {
+  double most = 0, node = 0, rank_most = 0;
+  size_t host = 0;
+  int left = slots.hosts.empty() ? w : slots.hosts[0].second;  // this host's slots not yet filled
+  for (int r = 0; r < w; ++r) {
+    if (left == 0 && host + 1 < slots.hosts.size())  // the next host
+      most = std::max(most, node), node = 0, left = slots.hosts[++host].second;
+    const double need = double(rank_memory(plan.model, plan.options, w, r, 0, 0).total());
+    node += need, rank_most = std::max(rank_most, need), --left;
+  }
+  most = std::max(most, node);
+  if (const double limit = plan.options.memory_limit_gb * double(1 << 30); limit > 0)
+    return rank_most > limit ? cat("a rank needs ", format_bytes(rank_most), ", more than --memory-limit-gb ",
+                                   plan.options.memory_limit_gb)
+                             : "";
+  return most > double(available) ? cat("need ", format_bytes(most), slots.hosts.size() > 1 ? " on a node" : "", " of ",
+                                        format_bytes(double(available)))
+                                  : "";
+}
 
 bool same_host(const std::string& a, const std::string& b) {
   if (a == b) return true;

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 
 namespace origami {
@@ -76,6 +77,14 @@ bool same_host(const std::string& a, const std::string& b);
 // name, "" among them for a rank that named none (their slots stay in use: the launcher warns).
 std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>& ranks,
                                            const std::vector<std::string>& hosts);
+
+// --shrink: what of a world of w ranks does not fit, as train's memory check would find it ("" when it
+// fits): under --memory-limit-gb each rank's need against it, else each node's ranks' against
+// `available` (mpirun fills the hostfile's hosts in order, slot by slot; without one, every rank is on
+// this node). The plan's model carries the run's routing options (a capacity factor bounds the
+// experts' rows). Not counted: each rank's runtime (libraries, MPI), which the check measures, and the
+// data sampler's order, which train adds (8 bytes a window a rank under --data-order shuffled).
+std::string memory_shortfall(const Plan& plan, int w, const Slots& slots, int64_t available);
 
 // Runs the job to its end; returns the launch's exit code. `cfg` and `train` are the run's model and
 // options as `origami train` reads them from train_args (for re-planning a smaller world).

@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "core/progress.h"
+#include "model/config.h"
 #include "train/launch.h"
+#include "train/memory_plan.h"
 
 namespace origami {
 namespace {
@@ -81,6 +83,28 @@ TEST(Launch, KillsOnlyProcessesThatAreStillTheRanks) {
   unknown.pid = other;
   EXPECT_TRUE(still_running(unknown));
   end(other);
+}
+
+// --shrink weighs a world as train's memory check would: under --memory-limit-gb each rank against it
+// (it compared the node's ranks with the node's memory), and with the run's routing options (it
+// priced a capacity-bounded MoE as dropless, up to EP times the experts' rows).
+TEST(Launch, ShrinkWeighsAWorldAsTrainsMemoryCheck) {
+  const ModelConfig cfg = load_model_config(std::string(ORIGAMI_SOURCE_DIR) + "/tests/parallel/configs/mixtral_8e.json");
+  TrainOptions o;
+  o.data = "launch";
+  o.micro_batch = 64, o.seq_len = 64, o.ep = 2, o.moe_capacity_factor = 1.0;
+  const Plan plan = make_plan(cfg, o, 2);
+  const int64_t need = rank_memory(plan.model, plan.options, 2, 0, 0, 0).total();
+  ASSERT_GT(rank_memory(cfg, plan.options, 2, 0, 0, 0).total(), need + (4 << 20));  // dropless would need more
+  const Slots here;  // no hostfile: both ranks on this node
+  EXPECT_EQ(memory_shortfall(plan, 2, here, 2 * need + (1 << 20)), "");
+  EXPECT_NE(memory_shortfall(plan, 2, here, 2 * need - (1 << 20)), "");
+  Plan limited = plan;
+  limited.options.memory_limit_gb = double(need) / double(1 << 30) * 0.9;  // under one rank's need
+  const std::string why = memory_shortfall(limited, 2, here, int64_t(1) << 50);
+  EXPECT_NE(why.find("more than --memory-limit-gb"), std::string::npos) << why;
+  limited.options.memory_limit_gb = double(need) / double(1 << 30) * 1.1;
+  EXPECT_EQ(memory_shortfall(limited, 2, here, 1), "");  // the limit, not the node's memory
 }
 
 // A rank joining the board records its pid and start time, which the launcher reads back.
