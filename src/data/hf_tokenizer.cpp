@@ -454,12 +454,31 @@ void HfTokenizer::find_model_symbols() {
 
 // ---- added tokens
 
+// The library does not take an added token's "id" as given: loading the file, it adds the tokens in
+// order, each with its vocabulary id where the vocabulary holds its text, else the next id after the
+// vocabulary's size and the added ones before it (AddedVocabulary::add_tokens), and only warns where
+// that differs. Such a file (hand-edited, ids with gaps) would encode to other ids here than there,
+// so it is refused.
 void HfTokenizer::read_added_tokens(const JsonField& hf) {
   if (!hf["added_tokens"].present()) return;
+  std::unordered_map<std::string, int32_t> assigned;  // the library's ids of the added tokens so far
+  int64_t max_assigned = -1;
+  const int64_t vocab = int64_t(vocab_.size());
   hf["added_tokens"].for_each_element([&](const JsonField& t) {
     added_.push_back({t["content"].string(), int32_t(t["id"].integer(0, kMaxTokenId)), t["single_word"].boolean_or(false),
                       t["lstrip"].boolean_or(false), t["rstrip"].boolean_or(false), t["normalized"].boolean_or(true),
                       t["special"].boolean_or(false)});
+    const AddedToken& a = added_.back();
+    if (a.content.empty()) return;  // (the library skips it)
+    int64_t id;
+    if (const auto known = assigned.find(a.content); known != assigned.end()) id = known->second;
+    else if (const auto in_vocab = vocab_.find(a.content); in_vocab != vocab_.end()) id = in_vocab->second;
+    else id = max_assigned < 0 ? vocab : (max_assigned >= vocab || vocab == 0 ? max_assigned + 1 : vocab);
+    ORIGAMI_CHECK(id == a.id, t.where(), ": added token '", a.content, "' has id ", a.id, ", but the tokenizers library "
+                  "gives it ", id, id < vocab ? " (the vocabulary's id of its text)" : " (the next id after the vocabulary "
+                  "and the added tokens before it)", ", and encodes with that one; renumber it in the file");
+    assigned.emplace(a.content, int32_t(id));
+    max_assigned = std::max(max_assigned, id);
   });
 }
 

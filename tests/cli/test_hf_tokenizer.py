@@ -501,6 +501,19 @@ def main():
         j["model"]["vocab"] = {k.replace("end_of_text", "eot"): v for k, v in j["model"]["vocab"].items()}
         expect_error("no end-of-document token", j, ["end-of-document", "--eod-token"])
         expect_error("--eod-token not in the file", j, ["'<nope>'", "not a token"], ["--eod-token", "<nope>"])
+        # An added token numbered past the id the library gives it (a gap, as a hand-edited file may have):
+        # the library encodes with its own id, so the file is refused, naming that id.
+        j = json.loads(json.dumps(base))
+        gap = {"id": max(t["id"] for t in j["added_tokens"]) + 40, "content": "<|pad|>", "single_word": False,
+               "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        j["added_tokens"].append(gap)
+        path = os.path.join(tmp, "gap.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(j, f)
+        given = Tokenizer.from_file(path).token_to_id("<|pad|>")
+        check(given != gap["id"], f"the library keeps the gap's id {gap['id']}")
+        expect_error("an added token's id the library does not give it", j,
+                     ["added token '<|pad|>' has id %d" % gap["id"], "gives it %d" % given, "renumber"])
         print(f"ok ({time.time() - t_start:.1f} s)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
