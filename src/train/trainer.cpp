@@ -388,18 +388,23 @@ struct Opened {
 
 // Every rank opened the datasets on its own (a node-local copy each, perhaps): they must hold the same
 // tokens and documents as rank 0's, else the ranks would train on different data or, under document
-// batching, pack their steps differently and stop matching each other's collectives.
-void require_same_data(const Inputs& in, Comm& world) {
+// batching, pack their steps differently and stop matching each other's collectives; and under
+// --attention-mask document end their documents at the same token (each rank's from its own copy's
+// tokenizer file, or the config's eos_token_id where a copy has none).
+void require_same_data(const Inputs& in, const ModelConfig& model, Comm& world) {
   std::vector<std::pair<const DataBlend*, const char*>> blends = {{&*in.data, "--data"}};
   if (in.eval_data) blends.push_back({&*in.eval_data, "--eval-data"});
-  std::vector<int64_t> mine;
+  std::vector<int64_t> mine = {model.document_eod};
   for (const auto& [blend, option] : blends)
     for (size_t d = 0; d < blend->parts().size(); ++d)
       mine.insert(mine.end(), {int64_t(blend->dataset(d).num_tokens()), int64_t(blend->dataset(d).num_documents())});
   std::vector<int64_t> first = mine;
   world.broadcast(first.data(), int64_t(first.size()), DType::i64, 0);
   check_on_every_rank(world, "train", [&] {
-    size_t at = 0;
+    ORIGAMI_CHECK(mine[0] == first[0], "--attention-mask document: rank ", world.rank(), " ends documents at token ",
+                  mine[0], ", rank 0 at ", first[0], " (each takes it from its copy of '", in.data->parts()[0].prefix,
+                  "'s tokenizer file, else the config's eos_token_id): every rank must read the same tokenizer file");
+    size_t at = 1;
     for (const auto& [blend, option] : blends)
       for (size_t d = 0; d < blend->parts().size(); ++d, at += 2)
         ORIGAMI_CHECK(mine[at] == first[at] && mine[at + 1] == first[at + 1], option, ": rank ", world.rank(),
@@ -421,7 +426,7 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
     check_tile_gemm_env();
     check_bf16_gemm_env();
   });
-  require_same_data(in, world);
+  require_same_data(in, plan->model, world);
   return {std::move(*plan), std::move(in), std::move(hooks)};
 }
 

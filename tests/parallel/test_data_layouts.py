@@ -21,6 +21,7 @@ several documents and many windows cut one; validation data of the same kind (an
      validation windows than the data has, and two ranks whose copies of --data differ (each rank
      opens it itself): one error line each, exit 1, on every rank.
 """
+import json
 import os
 import subprocess
 
@@ -110,6 +111,34 @@ def different_copies(tmp, cfg, data, other):
     print("%-4s error: ranks reading different copies of --data: exit %s: %s" % ("ok" if ok else "FAIL", p.returncode,
                                                                               lines[:1] or (p.stdout + p.stderr)[-300:]))
     return [] if ok else ["ranks reading different copies of --data: exit %s, %s" % (p.returncode, lines)]
+
+
+def different_eod(tmp, cfg, data):
+    """--attention-mask document with a copy of --data that has no tokenizer file on rank 1 (its .bin and
+    .idx alone, as a Megatron-style copy) and a config whose eos_token_id differs from the tokenizer's
+    end-of-document token: rank 0 would end documents at the tokenizer's, rank 1 at the config's, and
+    train masks differently on each (nothing compared them). One error naming both, exit 1."""
+    with open(cfg) as f:
+        c = json.load(f)
+    c["eos_token_id"] = 5
+    cfg5 = h.write_json(os.path.join(tmp, "eos5.json"), c)
+    ranks = []
+    for r, exts in enumerate(((".bin", ".idx", ".tokenizer.json"), (".bin", ".idx"))):
+        d = os.path.join(tmp, "eodcopy%d" % r)
+        os.makedirs(d)
+        for ext in exts:
+            os.link(data + ext, os.path.join(d, "corpus" + ext))
+        ranks += ([":"] if r else []) + ["-np", "1", "--wdir", d, h.BIN, "train", "--config", cfg5, "--data", "corpus",
+                                        "--steps", "1", "--seq-len", "16", "--micro-batch", "2", "--attention-mask",
+                                        "document"]
+    p = subprocess.run([h.MPIRUN, "--oversubscribe", "--bind-to", "none", *ranks], capture_output=True, text=True,
+                       timeout=120, env=h.env(), stdin=subprocess.DEVNULL)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if "error:" in l]
+    want = "--attention-mask document: rank 1 ends documents at token 5, rank 0 at 256"
+    ok = p.returncode == 1 and len(lines) == 1 and want in lines[0]
+    print("%-4s error: ranks ending documents at different tokens: exit %s: %s" % (
+        "ok" if ok else "FAIL", p.returncode, lines[:1] or (p.stdout + p.stderr)[-300:]))
+    return [] if ok else ["ranks ending documents at different tokens: exit %s, %s" % (p.returncode, lines)]
 
 
 def main():
@@ -208,6 +237,7 @@ def main():
         ("blend of two tokenizers", cfg, 2, ["--data", "0.5 %s 0.5 %s" % (data, renamed)], "different tokenizers"),
     ])
     failures += different_copies(tmp, cfg, data, other)
+    failures += different_eod(tmp, cfg, data)
     print("\n" + h.fmt_table(["model", "layout", "worst relative deviation", ""], rows))
     h.report(failures, "document masking, validation and blends: every layout gives the one-rank run")
 
