@@ -706,14 +706,14 @@ void HfTokenizer::split_added(const Matcher& m, std::string_view text, OnText&& 
       }
       start = s;
     }
-    if (tok.rstrip) {
+    if (tok.rstrip) {  // (the next match is still looked for from the token's own end, as the library does:
+                       // one that begins with whitespace inside this run is found, and its span overlaps)
       while (stop < n) {
         char32_t cp;
         int l = next_code_point(text, stop, cp);
         if (!is_whitespace(cp)) break;
         stop += size_t(l);
       }
-      pos = std::max(pos, stop);
     }
     if (start > start_offset) on_text(start_offset, start);
     on_token(tok.id);

@@ -449,6 +449,30 @@ def main():
         print("ok   RobertaProcessing: each document ends with one </s>; Split(a*, merged_with_next) as the library",
               flush=True)
 
+        # (g) An added token with rstrip takes the whitespace after it, and the library looks for the next
+        # added token from the end of the token's own text, so one that begins with whitespace inside
+        # that run is still found (origami looked from the end of the run, and encoded it as text).
+        j = json.load(open(os.path.join(tmp, "llama3", "tokenizer.json"), encoding="utf-8"))
+        top = max([t["id"] for t in j["added_tokens"]] + list(j["model"]["vocab"].values()))
+        for k, (content, rstrip) in enumerate((("<A>", True), (" <B>", False))):
+            j["added_tokens"].append({"id": top + 1 + k, "content": content, "single_word": False, "lstrip": False,
+                                      "rstrip": rstrip, "normalized": False, "special": False})
+        path = os.path.join(tmp, "rstrip.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(j, f, ensure_ascii=False)
+        tok = Tokenizer.from_file(path)
+        some = ["<A>   <B>x\n", "<A> <B>\n", "a<A>\t <B> b <A>c\n", "<A>\n", "x <B><A>  y\n"]
+        write_fortune(os.path.join(tmp, "rstrip.txt"), some)
+        run("data", "prepare", "--input", os.path.join(tmp, "rstrip.txt"), "--output", os.path.join(tmp, "rstrip"),
+            "--tokenizer", path, "--split", "fortune")
+        eod = tok.token_to_id("<|end_of_text|>")  # (data prepare ends each document with it)
+        expected = [e.ids + [eod] for e in tok.encode_batch(some)]
+        check(top + 2 in expected[0], "the library finds ' <B>' inside <A>'s stripped run")
+        compare_ids("rstrip (the next added token searched from the end of the match)", some,
+                    read_dataset(os.path.join(tmp, "rstrip")), expected)
+        print("ok   an rstrip added token: the next added token is found inside its stripped whitespace, as the library",
+              flush=True)
+
         # --eod-token overrides the default; a token the file lacks is an error.
         gpt2 = os.path.join(tmp, "gpt2", "tokenizer.json")
         p = run("data", "prepare", "--input", small, "--output", os.path.join(tmp, "eod"), "--tokenizer", gpt2,
