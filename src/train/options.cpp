@@ -242,6 +242,9 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   const ScheduleKind kind = schedule_kind();
   const int64_t m = micro_batches(world_size);
   ORIGAMI_CHECK(kind != ScheduleKind::interleaved || pp >= 2, "--pp-schedule interleaved needs --pp >= 2, got --pp ", pp);
+  ORIGAMI_CHECK(kind != ScheduleKind::interleaved || vpp >= 2, "--pp-schedule interleaved needs --vpp >= 2 model chunks a "
+                "stage, got --vpp ", vpp, " (with one chunk it is 1f1b with twice the warm-up forwards: give --pp-schedule "
+                "1f1b)");
   ORIGAMI_CHECK(kind != ScheduleKind::interleaved || m % pp == 0, "--pp-schedule interleaved needs the micro-batches "
                 "per step (--global-batch / (--micro-batch x DP) = ", global_batch, " / (", micro_batch, " x ", dims.dp,
                 ") = ", m, ") to be a multiple of --pp (", pp, ")");

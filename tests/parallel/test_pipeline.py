@@ -56,6 +56,9 @@ LAYOUTS = [
     ("PP2xDP2 z2", 4, ["--pp", "2", "--dp", "2", "--zero", "2"], ["none"], ["gpt2", "mixtral"], 4),
     ("PP2xDP2 z3", 4, ["--pp", "2", "--dp", "2", "--zero", "3"], ["none", "full"], ["gpt2", "mixtral"], 4),
     ("PP2 v2xDP2 z3", 4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--zero", "3"], ["none"], ["gpt2", "mixtral"], 4),
+    # Interleaving over more than two stages: the previous and the next stage are other ranks (under PP2
+    # both are the one peer, so a mix-up of the wrap-around's sender and receiver would pass there).
+    ("PP4 v2 interleaved", 4, ["--pp", "4", "--vpp", "2"], ["none"], ["gpt2"], 8),
 ]
 
 
@@ -200,6 +203,10 @@ def main():
                     shutil.rmtree(ck, ignore_errors=True)
                 if len(peaks) == 3 and not (peaks["full"] < peaks["selective"] < peaks["none"]):
                     failures.append("%s %s: stage-0 activation peaks not full < selective < none: %s" % (model, name, peaks))
+        if not only or "errors" in only:  # (the interleaved schedule with one chunk a stage ran as a longer 1f1b)
+            failures += h.check_error_cases(data, [
+                ("interleaved with one chunk a stage", os.path.join(h.CONFIGS, "gpt2_tiny.json"), 2,
+                 ["--pp", "2", "--pp-schedule", "interleaved"], "--pp-schedule interleaved needs --vpp >= 2")])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
