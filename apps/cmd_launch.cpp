@@ -32,8 +32,9 @@ int cmd_launch(int argc, char** argv) {
       .option("max-restarts", "R", "restarts before giving up", "3")
       .option("hostfile", "FILE", "mpirun's hostfile (lines 'host slots=N')")
       .option("events", "FILE", "append one JSON object per event: start, failure, hang, restart, finish, stop, give_up")
-      .option("step-timeout", "S", "end a job whose ranks make no progress for S seconds (default: 10x the median "
-                                   "step once 3 steps ran, at least 60 s; 600 s before)", "0")
+      .option("step-timeout", "S", "end a job whose ranks make no progress for S seconds once every rank finished "
+                                   "a step, at least 600 s before (default: 10x the median step once 3 steps ran, at "
+                                   "least 60 s; 600 s before)", "0")
       .option("backoff", "S", "seconds to wait before a restart", "5")
       .option("mpirun", "COMMAND", "the MPI launcher with its options, split at spaces", "mpirun");
   int split = 1;

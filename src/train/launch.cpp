@@ -139,8 +139,10 @@ class Watchdog {
     }
     return since(changed_) > timeout();
   }
+  // --step-timeout S from every rank's first step on; until then (MPI's start-up on many nodes, the
+  // data, the warm-up's timings, a load: no steps to pace them) at least 600 s, as in auto mode.
   double timeout() const {
-    if (fixed_ > 0) return fixed_;
+    if (fixed_ > 0) return step_ > 0 ? fixed_ : std::max(fixed_, 600.0);
     if (step_s_.size() < 3) return 600;
     std::vector<double> s = step_s_;
     std::nth_element(s.begin(), s.begin() + long(s.size() / 2), s.end());

@@ -349,6 +349,20 @@ def mpi_exit_one(tmp, data, ref):
     same_curve(ref, by_step, "restarted after mpirun's exit 1")
 
 
+def slow_start(tmp, data, ref):
+    """--step-timeout 2 on a job whose start takes 3 s (a wrapper sleeps before mpirun, as a start on many
+    nodes may): the timeout paces steps, not the start, so the job runs through; before, the watchdog
+    ended every attempt as a hang and the launch gave up."""
+    wrapper = os.path.join(tmp, "slow_mpirun")
+    with open(wrapper, "w") as f:
+        f.write("#!/bin/sh\nsleep 3\nexec %s \"$@\"\n" % MPIRUN)
+    os.chmod(wrapper, 0o755)
+    rc, out, by_step, evs = launch(tmp, "slowstart", data, 2, ["--mpirun", wrapper, "--step-timeout", "2"])
+    names = [e["event"] for e in evs]
+    check(rc == 0 and names == ["start", "finish"], "--step-timeout 2 with a 3 s start: exit %s, events %s" % (rc, names))
+    same_curve(ref, by_step, "a 3 s start under --step-timeout 2")
+
+
 def hostfile_run(tmp, data, ref):
     """--hostfile: the job runs on its hosts' slots (this host's, here) from a new --save directory (the
     shrinkable copy of the hostfile is written there: before, into a directory not yet made, so the
@@ -594,6 +608,7 @@ def main():
         stop_in_backoff(tmp, data)
         stop_slow(tmp, data)
         mpi_exit_one(tmp, data, ref)
+        slow_start(tmp, data, ref)
         hostfile_run(tmp, data, ref)
         failed_after_last_save(tmp, data, ref)
         one_rank_failure(tmp, data, ref)
