@@ -162,11 +162,14 @@ int cmd_generate(int argc, char** argv) {
     if (next == tok->eod() && (a.on("stop-at-eod") || whole_documents)) break;
     ids.push_back(next);
     // Print decoded tokens as they come, up to the last whole character: a byte-level token may end in
-    // the middle of a multi-byte one, which the next completes.
+    // the middle of a multi-byte one, which the next completes. Bytes that no later token can make a
+    // character (a lead byte the next token did not continue, a lone continuation byte) are U+FFFD
+    // there, as Hugging Face's decode prints them: the output stays UTF-8.
     pending += tok->decode(std::span<const int32_t>(ids.data() + printed, ids.size() - printed));
     printed = ids.size();
     const size_t whole = utf8_whole_prefix(pending);
-    std::fwrite(pending.data(), 1, whole, stdout);  // (a token may decode to a 0 byte)
+    const std::string out = utf8_lossy(std::string_view(pending).substr(0, whole));
+    std::fwrite(out.data(), 1, out.size(), stdout);  // (a token may decode to a 0 byte)
     std::fflush(stdout);
     pending.erase(0, whole);
   }

@@ -88,6 +88,22 @@ def main():
         check(no_bias != text, f"a record without biases samples other text (the biases are read): {text!r}")
         print("ok   generate routes as trained: sigmoid scores and the learned selection biases")
 
+        # A model of one step on the byte tokenizer samples bytes nearly at random: lead bytes the next token
+        # does not continue and lone continuation bytes, which the output prints as U+FFFD (it wrote them raw
+        # mid-stream, so stdout was not UTF-8; only a character cut at the end became U+FFFD).
+        run("train", "--config", MIXTRAL, "--data", data, "--seq-len", "32", "--micro-batch", "4", "--steps", "1",
+            "--threads", "1", "--quiet", "--save", os.path.join(tmp, "random"))
+        p = subprocess.run([ORIGAMI, "generate", "--checkpoint", os.path.join(tmp, "random", "step-1"), "--prompt", "a",
+                            "--max-new-tokens", "300", "--temperature", "1", "--top-k", "0", "--seed", "3",
+                            "--threads", "1"], capture_output=True)
+        try:
+            streamed, valid = p.stdout.decode("utf-8"), True
+        except UnicodeDecodeError as e:
+            streamed, valid = str(e), False
+        check(p.returncode == 0 and valid and "\ufffd" in streamed,
+              f"random bytes stream as UTF-8 with U+FFFD for what cannot be a character: exit {p.returncode}, {streamed[:200]!r}")
+        print("ok   generate's output stays UTF-8: bytes that cannot make a character are U+FFFD as they come")
+
         # 16 prompt tokens and 60 new ones pass the 32 trained positions: the window slides at seq_len
         short = sample(edited(moe, os.path.join(tmp, "short"), lambda s: s["options"].update(seq_len=8)), prompt)
         check(short != text, f"a record of --seq-len 8 samples other text (the trained length is read): {text!r}")
