@@ -132,7 +132,11 @@ bool cpu_has(Bf16Isa isa) {
     case Bf16Isa::scalar: return true;
     case Bf16Isa::avx2: return __builtin_cpu_supports("avx2") != 0;
     case Bf16Isa::avx512f: return __builtin_cpu_supports("avx512f") != 0;
-    case Bf16Isa::avx512bf16: return __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512bf16") != 0;
+    // (GCC's avx512bf16 target implies AVX512BW and VL, whose instructions its code uses: every such CPU
+    // has them, but a virtual CPU model may list AVX512-BF16 without them)
+    case Bf16Isa::avx512bf16:
+      return __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512bw") != 0 &&
+             __builtin_cpu_supports("avx512vl") != 0 && __builtin_cpu_supports("avx512bf16") != 0;
   }
   return false;
 }
