@@ -96,11 +96,12 @@ double LinkTier::bandwidth_at(double step_bytes) const {
 double Cluster::all_to_all_seconds(double bytes, double calls, int group, int in_node) const {
   if (group <= 1) return 0;
   const double message = bytes / (std::max(calls, 1.0) * (group - 1));  // to one peer in one call
-  if (in_node >= group) return transfer_seconds(bytes, calls, false, "all_to_all", message);
+  // A latency step per message, as `origami profile` fits it (its all-to-all's latency over n − 1 steps)
+  if (in_node >= group) return transfer_seconds(bytes, calls * (group - 1), false, "all_to_all", message);
   const double local = bytes * double(in_node - 1) / double(group - 1),
                remote = bytes * double(group - in_node) / double(group - 1);
-  const double local_s = local > 0 ? transfer_seconds(local, 0, false, "all_to_all", message) : 0.0;
-  return std::max(local_s, transfer_seconds(remote, calls, true, "all_reduce", message));
+  const double local_s = local > 0 ? transfer_seconds(local, calls * (in_node - 1), false, "all_to_all", message) : 0.0;
+  return std::max(local_s, transfer_seconds(remote, calls * (group - in_node), true, "all_reduce", message));
 }
 
 namespace {

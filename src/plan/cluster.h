@@ -126,7 +126,8 @@ struct Cluster : ComputeRates {  // (the rates of the precision it is at: fp32 a
                           double step_bytes = 0) const;
   // An all-to-all over `group` ranks of which `in_node` share the sender's node: each peer gets an
   // equal part of `bytes`, the ones in the node over its links and the rest across nodes, both at once.
-  // `calls`: the all-to-alls `bytes` is the sum of (each sends group − 1 messages, one latency step).
+  // `calls`: the all-to-alls `bytes` is the sum of (each sends group − 1 messages, a latency step each:
+  // the latency per message step that `origami profile` measures, as the rings' tiers give theirs).
   double all_to_all_seconds(double bytes, double calls, int group, int in_node) const;
 
   // Errors name the file, the field and the rule.

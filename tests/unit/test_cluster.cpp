@@ -172,9 +172,10 @@ TEST(Cluster, GpuShapeTerms) {
   EXPECT_NEAR(g.attention_rate(128, 128), 2e13, 1e3);
   EXPECT_NEAR(g.attention_rate(1e12, 64), 4e13 * (64.0 / 96) / 0.8, 1e4);
   EXPECT_EQ(Cluster::from_json(base(), "c.json").attention_rate(128, 64), 4e13);  // a CPU: as measured
-  // All-to-all over 8 ranks, 4 in the node: 3/7 of the bytes over 200 GB/s, 4/7 over 20 GB/s, at once.
-  EXPECT_NEAR(g.all_to_all_seconds(7e9, 2, 8, 4), 2 * 5e-6 + 4e9 / 2e10, 1e-12);
-  EXPECT_NEAR(g.all_to_all_seconds(7e9, 2, 8, 8), 2 * 2e-6 + 7e9 / 2e11, 1e-12);  // all in the node
+  // All-to-all over 8 ranks, 4 in the node: 3/7 of the bytes over 200 GB/s, 4/7 over 20 GB/s, at once,
+  // a latency step per message (2 calls, 4 messages each across nodes).
+  EXPECT_NEAR(g.all_to_all_seconds(7e9, 2, 8, 4), 2 * 4 * 5e-6 + 4e9 / 2e10, 1e-12);
+  EXPECT_NEAR(g.all_to_all_seconds(7e9, 2, 8, 8), 2 * 7 * 2e-6 + 7e9 / 2e11, 1e-12);  // all in the node
   EXPECT_EQ(g.all_to_all_seconds(7e9, 2, 1, 1), 0);
   // Kernel launches: microseconds in the file, seconds in the struct.
   j["device"]["kernel_overhead_us"] = 3;
@@ -190,7 +191,7 @@ TEST(Cluster, CollectivesAtTheirOwnRates) {
   EXPECT_NEAR(c.transfer_seconds(1e9, 4, false, "reduce_scatter"), 4e-6 + 1e9 / 1e11, 1e-15);
   EXPECT_NEAR(c.transfer_seconds(1e9, 4, false, "all_gather"), 4 * 2e-6 + 1e9 / 2e11, 1e-15);  // none given: intra's
   EXPECT_NEAR(c.transfer_seconds(1e9, 4, true, "reduce_scatter"), 4 * 5e-6 + 1e9 / 2e10, 1e-15);  // across nodes
-  EXPECT_NEAR(c.all_to_all_seconds(7e9, 2, 8, 8), 2 * 3e-6 + 7e9 / 4e11, 1e-15);
+  EXPECT_NEAR(c.all_to_all_seconds(7e9, 2, 8, 8), 2 * 7 * 3e-6 + 7e9 / 4e11, 1e-15);  // 7 messages a call
   EXPECT_EQ(Cluster::from_json(c.to_json(), "again").collectives.at("all_to_all").bandwidth, 4e11);
   j["collectives"] = {{"broadcast", {{"bandwidth_gb_s", 1}, {"latency_us", 1}}}};
   EXPECT_EQ(error_of(j), "c.json: field 'collectives.broadcast': not one of all_gather, reduce_scatter, all_to_all, "
