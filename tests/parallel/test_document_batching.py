@@ -11,7 +11,8 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      rank) and with --static-cp, CP2 with micro-batches of 3 rows, CP4, CP2 a2a with full recompute, CP2xPP2, CP2 --balance none,
      PP2xDP2 (1F1B), PP2 interleaved v2, PP2xDP2 and CP2xPP2 with --vocab-parallel, DP2 ZeRO-1, DP2 ZeRO-3, DP2 recompute full, DP2 --balance none
      and (mixtral) EP2, EP2xDP2, CP2xEP2, TP2 (its shares cut from whole rows), TP2xCP2+SP (lone micro-batches
-     count each sequence over TP alone) and EP2 with bias balancing instead (against its own one-rank run):
+     count each sequence over TP alone), DP2 FSSDP (each rank gathers the experts its own sequences reach) and
+     EP2 with bias balancing instead (against its own one-rank run):
      every step's loss
      within 1e-5 relative of the one-rank run, and its tokens, sequences and predicted tokens equal; for
      gpt2 and llama the first step's comm_bytes equal the prediction for its micro-batches.
@@ -79,6 +80,7 @@ LAYOUTS = [
     ("TP2", 2, ["--tp", "2"], True),
     ("TP2xCP2+SP", 4, ["--tp", "2", "--cp", "2", "--sequence-parallel"], True),
     ("EP2 bias balancing", 2, ["--ep", "2"] + BIAS, True),
+    ("DP2 FSSDP", 2, ["--expert-sharding", "fssdp"], True),
 ]
 MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
 
