@@ -73,6 +73,11 @@ RunCurves read_run_curves(const std::string& path, PlotX x) {
     last[step] = i;
   }
   double seconds = 0, tokens = 0;
+  // A file that starts mid-run (a resume into a new --metrics file): the steps before its first as
+  // many tokens as that step's own (exact for windows; under document batching an estimate), so the
+  // run sits where it trained on the tokens axis. (The time axis has no such record: from 0.)
+  if (!last.empty() && last.begin()->first > 1)
+    tokens = (last.begin()->first - 1) * metrics_number(rows[last.begin()->second], "tokens");
   for (const auto& [step, i] : last) {
     const MetricsRow& r = rows[i];
     seconds += metrics_number(r, "ms") / 1000;

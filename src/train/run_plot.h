@@ -10,8 +10,9 @@ namespace origami {
 enum class PlotX { step, tokens, time };
 PlotX parse_plot_x(const std::string& s);  // "step" | "tokens" | "time"; else an Error naming the value
 
-// One run's series. x: the step, the tokens trained (step × tokens per step) or the training time
-// so far (the sum of the steps' ms, in seconds).
+// One run's series. x: the step, the tokens trained (the steps' tokens summed; a file that starts at
+// step s > 1 counts s − 1 steps of its first step's tokens before it) or the training time so far (the
+// sum of the file's steps' ms, in seconds).
 struct RunCurves {
   std::string label;  // "FILE: layout"
   std::vector<double> x, loss, lr, tokens_per_s, grad_norm;

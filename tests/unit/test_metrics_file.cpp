@@ -62,3 +62,15 @@ TEST(RunCurves, SkippedStepsKeepTheirValidationAndRepeatedStepsCountOnce) {
   EXPECT_EQ(c.val_loss, (std::vector<double>{4.5}));
   std::filesystem::remove(path);
 }
+
+// A file that starts mid-run (a resume into a new --metrics file) sits where its steps trained on the
+// tokens axis: its first step, 11, after 10 steps of that step's tokens (it started at one step's).
+TEST(RunCurves, AFileThatStartsMidRunStartsAtItsTokens) {
+  const std::string path = temp_file(
+      "resumed.jsonl",
+      "{\"step\": 11, \"loss\": 3.0, \"lr\": 0.1, \"tokens_per_s\": 10, \"grad_norm\": 1, \"ms\": 1000, \"tokens\": 8}\n"
+      "{\"step\": 12, \"loss\": 2.9, \"lr\": 0.1, \"tokens_per_s\": 10, \"grad_norm\": 1, \"ms\": 1000, \"tokens\": 8}\n");
+  EXPECT_EQ(read_run_curves(path, PlotX::tokens).x, (std::vector<double>{88, 96}));
+  EXPECT_EQ(read_run_curves(path, PlotX::step).x, (std::vector<double>{11, 12}));
+  std::filesystem::remove(path);
+}
