@@ -99,6 +99,10 @@ int cmd_generate(int argc, char** argv) {
   ORIGAMI_CHECK(max_new >= 0, "--max-new-tokens must not be negative, got ", max_new);
   ORIGAMI_CHECK(temperature >= 0, "--temperature must not be negative, got ", temperature);
   ORIGAMI_CHECK(top_k >= 0, "--top-k must not be negative, got ", top_k);
+  // (temperature 0 takes the likeliest token: no draw, so nothing for a top-k or a seed to change)
+  for (const char* drawn : {"top-k", "seed"})
+    ORIGAMI_CHECK(temperature > 0 || !a.given(drawn), "--", drawn, " shapes the random draw, and --temperature 0 takes "
+                  "the likeliest token without one: drop --", drawn, " or give a temperature above 0");
   if (const int threads = threads_option(a)) set_num_threads(threads);
 
   ORIGAMI_CHECK(!ck.config_path().empty() && !ck.tokenizer_path().empty(), "checkpoint '", ck.path(),

@@ -53,6 +53,8 @@ void read_routing_options(const Args& a, TrainOptions& o, bool train) {
   }
   o.moe_capacity_factor = a.number("moe-capacity-factor");
   o.moe_drop_policy = a.str("moe-drop-policy");
+  ORIGAMI_CHECK(!a.given("moe-drop-policy") || o.moe_capacity_factor > 0, a.source("moe-drop-policy"),
+                " chooses what a capacity drops, and without --moe-capacity-factor F routing is dropless (drops nothing)");
   o.moe_pad_to_capacity = a.on("moe-pad-to-capacity");
   o.moe_router_score = a.str("moe-router-score");
   if (train) o.moe_router_bias_update_rate = a.number("moe-router-bias-update-rate");
@@ -103,9 +105,12 @@ void add_input_options(Args& a) {
                                           "first to the rank with the least estimated work (lpt); with a CP degree "
                                           "per sequence, flex also raises a sequence's degree where that balances "
                                           "the ranks", "lpt")
-      .option("balance-costs", "flops|measure|FILE", "documents: the balancer's cost of a sequence: its FLOPs, "
-                                                     "seconds timed at start on this machine (measure), or seconds at "
-                                                     "a cluster.json's GEMM and attention rates ('origami profile')",
+      .option("balance-costs", "flops|measure|FILE", "documents: how the balancer's estimate of each rank's busy time "
+                                                     "(the metrics' busy_estimated_ms and estimated imbalance) prices "
+                                                     "a sequence: its FLOPs, seconds timed at start on this machine "
+                                                     "(measure), or seconds at a cluster.json's GEMM and attention "
+                                                     "rates ('origami profile'); the placement itself weighs sequences "
+                                                     "by their FLOPs whatever this says, so every rank reaches it alike",
               "flops")
       .flag("static-cp", "documents with --cp C: every sequence over the CP group (default: each at the least degree "
                          "whose rows of degree x seq-len / C tokens hold it, among 1, the powers of two that divide "
@@ -331,7 +336,11 @@ void fill_from_files(Args& a, int ranks) {
       if (a.given("micro-batch-tokens") || rc["micro-batch-tokens"].present()) kept["layout"].erase("micro-batch");
       if (batching == "documents") kept["layout"].erase("global-batch");
     }
-    a.fill_from_json(JsonField(kept, a.str("plan"))["layout"]);
+    const JsonField layout = JsonField(kept, a.str("plan"))["layout"];
+    for (const char* key : {"run-config", "plan"})  // (read before the plan: it would do nothing)
+      ORIGAMI_CHECK(!layout.present() || !layout[key].present(), layout[key].where(), ": names a file of options, "
+                    "which a plan's layout cannot (it is read first): give --", key, " on the command line");
+    a.fill_from_json(layout);
   }
   if (a.has("run-config")) {
     // Read before this file, they cannot come from it: an error, not a key that does nothing.

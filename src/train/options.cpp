@@ -104,8 +104,13 @@ void TrainOptions::validate_routing(const ModelConfig& cfg) const {
   ORIGAMI_CHECK(moe_capacity_factor > 0 || (!moe_pad_to_capacity && drop == DropPolicy::probs),
                 moe_pad_to_capacity ? "--moe-pad-to-capacity" : "--moe-drop-policy position",
                 " needs --moe-capacity-factor F (without it routing is dropless)");
-  ORIGAMI_CHECK(moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must not be negative (0: off), got ",
+  // (the biases it moves lie beside scores in [0, 1]; a rate beyond 1 overflows them to inf within a
+  // few steps at 1e38, and a checkpoint with them could not be read back)
+  ORIGAMI_CHECK(moe_router_bias_update_rate >= 0 && moe_router_bias_update_rate <= 1,
+                "--moe-router-bias-update-rate must be in [0, 1] (0: off; the router's scores lie in [0, 1]), got ",
                 moe_router_bias_update_rate);
+  ORIGAMI_CHECK(aux != AuxLoss::none || moe_aux_loss_coef < 0, "--moe-aux-loss-coef ", moe_aux_loss_coef,
+                " weighs the load-balancing loss, which --moe-aux-loss none turns off: drop one");
   const bool any = (!moe_aux_loss.empty() && aux != AuxLoss::micro) || moe_aux_loss_coef >= 0 || moe_capacity_factor > 0 ||
                    score != RouterScore::softmax || moe_router_bias_update_rate > 0;
   ORIGAMI_CHECK(cfg.is_moe() || !any, "the --moe-* routing options need a mixture-of-experts model, and this ",
@@ -129,6 +134,8 @@ ModelConfig TrainOptions::with_routing(const ModelConfig& cfg) const {
 void TrainOptions::validate_optimizer() const {
   ORIGAMI_CHECK(lr.lr >= 0, "--lr must not be negative, got ", lr.lr);
   ORIGAMI_CHECK(lr.min_lr >= 0 && lr.min_lr <= lr.lr, "--min-lr must be in [0, --lr], got ", lr.min_lr);
+  ORIGAMI_CHECK(lr.schedule == LrSchedule::cosine || lr.min_lr == 0, "--min-lr ", lr.min_lr, " is the cosine "
+                "schedule's floor, and --lr-schedule constant has none: drop it");
   ORIGAMI_CHECK(lr.warmup >= 0, "--warmup must not be negative, got ", lr.warmup);
   ORIGAMI_CHECK(adam.weight_decay >= 0, "--weight-decay must not be negative, got ", adam.weight_decay);
   // (AdamW runs in float: a beta within 2^-25 of 1 rounds to 1, and its moment would stop updating;

@@ -113,6 +113,11 @@ def main():
                    "--top-k", k, "--seed", "3", "--threads", "1").stdout for k in ("0", "257", "4294967297")]
         check(top[0] == top[1] == top[2], f"--top-k 0, 257 (the vocabulary) and 4294967297 sample alike: {top}")
         print("ok   --top-k beyond the vocabulary (and beyond 32 bits) samples among all tokens")
+        for drawn, value in (("--top-k", "5"), ("--seed", "9")):  # (taken without a word before: no draw to shape)
+            expect_error(drawn + " at temperature 0", ["generate", "--checkpoint", moe, "--prompt", "x", "--temperature",
+                                                       "0", drawn, value],
+                         "%s shapes the random draw, and --temperature 0 takes the likeliest token without one: drop %s "
+                         "or give a temperature above 0" % (drawn, drawn))
 
         err = run("ckpt", "export", moe, "--hf", os.path.join(tmp, "hf")).stderr
         check("warning: the run scored its routers with sigmoid" in err and "learned router selection biases" in err,

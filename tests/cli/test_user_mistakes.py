@@ -222,6 +222,20 @@ def main():
             expect_error("a run config naming --%s" % key, ["train", "--config", llama, *short, "--run-config", rc],
                          "%s: field '%s': names a file of options, which a run config cannot (it is read first): give "
                          "--%s on the command line" % (rc, key, key))
+        # ... nor in a plan's layout (read after the run config, a "run-config" there did nothing).
+        plan_file = os.path.join(tmp, "named.plan.json")
+        run("plan", "--config", llama, "--cluster", CLUSTER, "--devices", "1", "--global-batch", "2", "--seq-len", "16",
+            "--out", plan_file)
+        doc = json.load(open(plan_file))
+        doc["layout"]["run-config"] = "x.json"
+        write(plan_file, doc)
+        expect_error("a plan's layout naming --run-config", ["train", "--config", llama, *short, "--plan", plan_file],
+                     "%s: field 'layout.run-config': names a file of options, which a plan's layout cannot (it is read "
+                     "first): give --run-config on the command line" % plan_file)
+        # Options that did nothing in their combination (accepted without a word before).
+        expect_error("--min-lr beside a constant schedule", ["train", "--config", llama, *short, "--lr-schedule",
+                     "constant", "--min-lr", "1e-5"], "--min-lr 1e-05 is the cosine schedule's floor, and "
+                     "--lr-schedule constant has none: drop it")
         bad = json.load(open(CLUSTER))
         bad["device"]["kernel_overhead_usec"] = 500
         bad_cluster = write(os.path.join(tmp, "cluster.json"), bad)

@@ -133,10 +133,18 @@ def run_errors(tmp, data):
     return h.check_error_cases(data, [
         ("padding without a capacity", CFG8, 2, ["--moe-pad-to-capacity"], "--moe-pad-to-capacity needs --moe-capacity-factor"),
         ("position policy without a capacity", CFG8, 2, ["--moe-drop-policy", "position"],
-         "--moe-drop-policy position needs --moe-capacity-factor"),
+         "--moe-drop-policy chooses what a capacity drops, and without --moe-capacity-factor F routing is dropless"),
+        # accepted and ignored before: a policy for drops that never happen, a coefficient of a loss turned off
+        ("probs policy without a capacity", CFG8, 2, ["--moe-drop-policy", "probs"],
+         "--moe-drop-policy chooses what a capacity drops, and without --moe-capacity-factor F routing is dropless"),
+        ("aux coefficient with the aux loss off", CFG8, 2, ["--moe-aux-loss", "none", "--moe-aux-loss-coef", "0.05"],
+         "--moe-aux-loss-coef 0.05 weighs the load-balancing loss, which --moe-aux-loss none turns off: drop one"),
         ("unknown aux loss", CFG8, 2, ["--moe-aux-loss", "batch"], "--moe-aux-loss must be none, micro, seq or global, got 'batch'"),
         ("unknown router score", CFG8, 2, ["--moe-router-score", "relu"], "--moe-router-score must be softmax or sigmoid"),
-        ("negative bias rate", CFG8, 2, ["--moe-router-bias-update-rate", "-1"], "--moe-router-bias-update-rate must not be negative"),
+        ("negative bias rate", CFG8, 2, ["--moe-router-bias-update-rate", "-1"], "--moe-router-bias-update-rate must be in [0, 1]"),
+        # (1e39 is inf as a float: the biases, and the checkpoints that held them, were unreadable)
+        ("huge bias rate", CFG8, 2, ["--moe-aux-loss", "none", "--moe-router-bias-update-rate", "1e39"],
+         "--moe-router-bias-update-rate must be in [0, 1]"),
         ("routing option on a dense model", dense, 2, ["--moe-capacity-factor", "1"], "this llama model has no experts"),
     ])
 

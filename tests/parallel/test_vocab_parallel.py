@@ -95,6 +95,7 @@ def resumes(data, cfg_path, tmp):
         a = tl.train_args(cfg_path, data, G, metrics, os.path.join(tmp, "unused"))
         a[a.index("--steps") + 1] = str(steps)
         a[a.index("--lr-schedule") + 1] = "constant"
+        del a[a.index("--min-lr"):a.index("--min-lr") + 2]  # (the cosine schedule's floor)
         return a[:a.index("--save")] + list(more)
 
     def train(ranks, a):

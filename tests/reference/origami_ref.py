@@ -1304,10 +1304,12 @@ def origami_train(config, init, data, metrics, steps, micro_batch, global_batch,
     """precision: "fp32" | "bf16" as --precision (None: the flag left out, the binary's default)."""
     args = ["train", "--config", config, "--init-from", init, "--data", data, "--steps", steps,
             "--micro-batch", micro_batch, "--global-batch", global_batch, "--seq-len", seq_len,
-            "--lr", repr(float(lr)), "--min-lr", repr(float(min_lr)), "--warmup", warmup,
+            "--lr", repr(float(lr)), "--warmup", warmup,
             "--lr-schedule", schedule, "--weight-decay", repr(float(weight_decay)),
             "--grad-clip", repr(float(grad_clip)), "--data-order", "sequential",
             "--metrics", metrics, "--threads", threads]
+    if schedule == "cosine":  # (the constant schedule has no floor: origami refuses --min-lr beside it)
+        args += ["--min-lr", repr(float(min_lr))]
     if save:
         args += ["--save", save]  # writes save/step-<steps>/ (one shard file per rank), save/latest
     if precision:
