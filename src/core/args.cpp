@@ -38,40 +38,6 @@ Args& Args::flag(const std::string& name, const std::string& help) {
   return *this;
 }
 
-bool Args::parse(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(help().c_str(), stdout);
-      return false;
-    }
-    ORIGAMI_CHECK(a.rfind("--", 0) == 0, "unexpected argument '", a,
-                  "' (options start with --; see --help)");
-    std::string name = a.substr(2), value;
-    auto eq = name.find('=');
-    bool inline_value = eq != std::string::npos;
-    if (inline_value) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-    }
-    auto it = opts_.find(name);
-    ORIGAMI_CHECK(it != opts_.end(), "unknown option --", name, " (see --help)");
-    Opt& o = it->second;
-    if (o.is_flag) {
-      ORIGAMI_CHECK(!inline_value, "--", name, " takes no value");
-      value = "1";
-    } else if (!inline_value) {
-      ORIGAMI_CHECK(i + 1 < argc, "--", name, " needs a value (", o.metavar, ")");
-      value = argv[++i];
-    }
-    ORIGAMI_CHECK(o.is_flag || o.empty_ok || !value.empty(), "--", name, " needs a value (", o.metavar,
-                  "), got an empty one");
-    o.value = value;
-    o.set = true;
-  }
-  return true;
-}
-
 namespace {
 // The items of a comma-separated list, an empty one after a trailing comma kept ("2,2," is 3 items).
 std::vector<std::string> comma_items(const std::string& s) {
@@ -110,6 +76,44 @@ bool same_value(const std::string& a, const std::string& b) {
   return true;
 }
 }  // namespace
+
+bool Args::parse(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(help().c_str(), stdout);
+      return false;
+    }
+    ORIGAMI_CHECK(a.rfind("--", 0) == 0, "unexpected argument '", a,
+                  "' (options start with --; see --help)");
+    std::string name = a.substr(2), value;
+    auto eq = name.find('=');
+    bool inline_value = eq != std::string::npos;
+    if (inline_value) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    auto it = opts_.find(name);
+    ORIGAMI_CHECK(it != opts_.end(), "unknown option --", name, " (see --help)");
+    Opt& o = it->second;
+    if (o.is_flag) {
+      ORIGAMI_CHECK(!inline_value, "--", name, " takes no value");
+      value = "1";
+    } else if (!inline_value) {
+      ORIGAMI_CHECK(i + 1 < argc, "--", name, " needs a value (", o.metavar, ")");
+      value = argv[++i];
+    }
+    ORIGAMI_CHECK(o.is_flag || o.empty_ok || !value.empty(), "--", name, " needs a value (", o.metavar,
+                  "), got an empty one");
+    // (one of two values would be ignored: as a run config's key against a plan's, an error)
+    ORIGAMI_CHECK(!o.set || same_value(value, o.value), "--", name, " is given twice, as '", o.value, "' and as '",
+                  value, "': the last would win and the first be ignored; give it once");
+    o.value = value;
+    o.set = true;
+  }
+  return true;
+}
+
 
 void Args::fill_from_json(const JsonField& obj) {
   obj.for_each_member([&](const std::string& key, const JsonField& val) {

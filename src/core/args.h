@@ -1,5 +1,6 @@
 // Command-line options for the `origami` subcommands: declared once with their help text,
-// parsed strictly (unknown flag, missing value or malformed number is an Error naming it).
+// parsed strictly (unknown flag, missing value, malformed number, or an option given twice with two
+// values is an Error naming it).
 // A run-config JSON file may supply the same keys (without the leading "--"); flags win. A value
 // from a file that is not of its option's type is an Error naming the file and the field
 // (core/json_fields.h).

@@ -55,3 +55,16 @@ def byte_dataset(tmp, docs, name="d"):
     prefix = os.path.join(tmp, name)
     run("data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte")
     return prefix
+
+
+def without(args, *flags):
+    """args less each of `flags` with its value (origami refuses an option given twice with two values)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out

@@ -88,7 +88,8 @@ def main():
         run("train", "--config", cfg_path, *common, "--lr", "-1", ok=False, contains="--lr must not be negative")
         run("train", "--config", cfg_path, *common, "--lr", "abc", ok=False, contains="'abc'")
         run("train", "--config", cfg_path, *common, "--global-batch", "3", ok=False, contains="multiple of --micro-batch")
-        run("train", "--config", cfg_path, *common, "--seq-len", "100", ok=False, contains="maximum positions")
+        run("train", "--config", cfg_path, "--data", data, "--micro-batch", "2", "--seq-len", "100", ok=False,
+            contains="maximum positions")
         run("train", "--config", cfg_path, *common, "--bogus", "1", ok=False, contains="--bogus")
         run("train", "--config", cfg_path, *common, "--grad-reduce-dtype", "fp16", ok=False,
             contains="--grad-reduce-dtype 'fp16' is not one of fp32, bf16")

@@ -429,7 +429,7 @@ def check_balance_costs(tmp, data, failures):
         return
     for name, source in (("cluster", CPU_CLUSTER), ("measure", "measure")):
         metrics = os.path.join(tmp, "costs_%s.jsonl" % name)
-        rc, out, _ = h.run(4, ["train", "--config", cfg, "--data", data, *COMMON, "--micro-batch", "1", "--steps", "8",
+        rc, out, _ = h.run(4, ["train", "--config", cfg, "--data", data, *COMMON[2:], "--micro-batch", "1", "--steps", "8",
                                "--balance-costs", source, "--metrics", metrics])
         if rc != 0:
             failures.append("balance costs %s: exit %s: %s" % (name, rc, out[-600:]))
@@ -460,7 +460,7 @@ def check_balance_costs(tmp, data, failures):
     args = list(COMMON)
     args[args.index("--seq-len") + 1], args[args.index("--tokens-per-step") + 1] = "128", "256"
     cfg128 = h.write_json(os.path.join(tmp, "llama_128.json"), h.load_config("llama_tiny", max_position_embeddings=128))
-    rc, out, _ = h.run(2, ["train", "--config", cfg128, "--data", data, *args, "--micro-batch", "1", "--steps", "2",
+    rc, out, _ = h.run(2, ["train", "--config", cfg128, "--data", data, *args[2:], "--micro-batch", "1", "--steps", "2",
                            "--balance-costs", "measure"])
     said = re.search(r"costs measured here: ([0-9.e+-]+) ns a token \+ ([0-9.e+-]+) ps a token pair \(b from the "
                      r"attention core\)", out)

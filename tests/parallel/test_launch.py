@@ -94,8 +94,8 @@ def launch(tmp, tag, data, np_, extra, hit=None, timeout=300, config=None, extra
     targs = train_args(data, metrics, save) + list(extra_train)
     if config:
         targs[targs.index("--config") + 1] = config
-    cmd = [h.BIN, "launch", "--np", str(np_), "--backoff", "0.2", "--events", events, "--mpirun", MPIRUN, *extra,
-           "--", *targs]
+    mpirun = [] if "--mpirun" in extra else ["--mpirun", MPIRUN]  # (an option is given once)
+    cmd = [h.BIN, "launch", "--np", str(np_), "--backoff", "0.2", "--events", events, *mpirun, *extra, "--", *targs]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**h.env(), **(env or {})},
                          stdin=subprocess.DEVNULL)
     if hit:

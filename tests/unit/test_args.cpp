@@ -45,6 +45,22 @@ TEST(Args, RejectsUnknownMissingAndMalformed) {
   EXPECT_THROW(c.integer("steps"), origami::Error);
 }
 
+// An option given twice with two values would keep the last silently: an error naming both. The same
+// value twice (however spelt) and a switch twice are one setting.
+TEST(Args, AnOptionTwiceWithTwoValuesIsAnError) {
+  Args a = make();
+  try {
+    parse(a, {"--lr", "1e-3", "--lr=3e-4"});
+    FAIL() << "no error";
+  } catch (const origami::Error& e) {
+    EXPECT_EQ(std::string(e.what()), "--lr is given twice, as '1e-3' and as '3e-4': the last would win and the first "
+                                     "be ignored; give it once");
+  }
+  Args b = make();
+  ASSERT_TRUE(parse(b, {"--lr", "1e-3", "--lr", "0.001", "--verbose", "--verbose"}));
+  EXPECT_DOUBLE_EQ(b.number("lr"), 1e-3);
+}
+
 TEST(Args, RunConfigFileFillsButFlagsWin) {
   Args a = make();
   ASSERT_TRUE(parse(a, {"--lr", "0.1"}));
