@@ -233,8 +233,15 @@ pid_t spawn_job(const std::vector<std::string>& argv, const std::string& progres
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   for (const std::string& e : env_text) env.push_back(const_cast<char*>(e.c_str()));
   args.push_back(nullptr), env.push_back(nullptr);
+  // A process group of its own: a terminal's Ctrl-C then reaches the launcher alone, which asks the
+  // ranks to save and stop (ask_to_stop); mpirun, sent it too, would kill them a second later.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
   pid_t pid = 0;
-  const int rc = posix_spawnp(&pid, args[0], &files, nullptr, args.data(), env.data());
+  const int rc = posix_spawnp(&pid, args[0], &files, &attr, args.data(), env.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&files);
   ::close(fds[1]);
   if (rc != 0) ::close(fds[0]);
@@ -539,6 +546,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   on_stop.sa_handler = count_stop_request;  // (no SA_RESTART: the job's poll returns to look at it)
   ::sigaction(SIGINT, &on_stop, nullptr);
   ::sigaction(SIGTERM, &on_stop, nullptr);
+  ::sigaction(SIGHUP, &on_stop, nullptr);  // (a closed terminal: mpirun, in its own group, does not hear it)
   ORIGAMI_CHECK(!o.train_args.empty() && o.train_args[0] == "train",
                 "give the training after '--': origami launch --np N -- train ARGS...");
   const std::string save = train.save;  // (from the command line or its --run-config)

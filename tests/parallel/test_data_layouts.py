@@ -56,7 +56,8 @@ MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
 
 def train(tmp, tag, ranks, cfg, data, flags, seq=32):
     metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
-    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(seq), *COMMON, *flags,
+    common = h.without(COMMON, *[f for f in flags if f.startswith("--")])  # (an option is given once)
+    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(seq), *common, *flags,
                                   "--metrics", metrics])
     if rc != 0:
         return None, h.why(rc, out, 600)
@@ -189,13 +190,12 @@ def main():
 
     print("2. blends under DP2 and across a resume")
     cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
-    blend = ["--data", "0.6 %s 0.4 %s" % (data, other)]
-    one, err1 = train(tmp, "blend one rank", 0, cfg, data, blend + eval_args)
-    dp2, err2 = train(tmp, "blend DP2", 2, cfg, data, blend + eval_args + ["--zero", "1"])
+    blend = "0.6 %s 0.4 %s" % (data, other)  # (as --data)
+    one, err1 = train(tmp, "blend one rank", 0, cfg, blend, eval_args)
+    dp2, err2 = train(tmp, "blend DP2", 2, cfg, blend, eval_args + ["--zero", "1"])
     save = os.path.join(tmp, "blend_ck")
-    _, err3 = train(tmp, "blend saved", 0, cfg, data, blend + eval_args + ["--save", save, "--save-every", "4"])
-    resumed, err4 = train(tmp, "blend resumed DP2", 2, cfg, data,
-                          blend + eval_args + ["--resume", os.path.join(save, "step-4")])
+    _, err3 = train(tmp, "blend saved", 0, cfg, blend, eval_args + ["--save", save, "--save-every", "4"])
+    resumed, err4 = train(tmp, "blend resumed DP2", 2, cfg, blend, eval_args + ["--resume", os.path.join(save, "step-4")])
     for err in (err1, err2, err3, err4):
         if err:
             failures.append("blend: " + err)

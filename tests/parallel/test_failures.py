@@ -62,8 +62,10 @@ def layout_error(tmp, data, label, np_, cfg_path, extra, keywords, values):
     error line; values: each must appear on it as a separate number."""
     rcdir = os.path.join(tmp, "rc_" + re.sub(r"\W", "_", label))
     os.makedirs(rcdir)
-    args = ["train", "--config", cfg_path, "--data", data, "--steps", "3", "--seq-len", "16", "--micro-batch", "2",
-            "--threads", "1", *extra]
+    base = ["--steps", "3", "--seq-len", "16", "--micro-batch", "2", "--threads", "1"]
+    given = [f for f in extra if f.startswith("--")]  # (an option is given once: extra's value replaces base's)
+    base = [a for k, a in enumerate(base) if a not in given and (k == 0 or base[k - 1] not in given)]
+    args = ["train", "--config", cfg_path, "--data", data, *base, *extra]
     t0 = time.time()
     cmd = [h.MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np_)] + wrapped(rcdir, args)
     try:
