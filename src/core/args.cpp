@@ -98,7 +98,7 @@ bool Args::parse(int argc, char** argv) {
     Opt& o = it->second;
     if (o.is_flag) {
       ORIGAMI_CHECK(!inline_value, "--", name, " takes no value");
-      value = "1";
+      value.assign(1, '1');  // (not = "1": GCC 12 warns of a false -Wrestrict overlap there)
     } else if (!inline_value) {
       ORIGAMI_CHECK(i + 1 < argc, "--", name, " needs a value (", o.metavar, ")");
       value = argv[++i];
