@@ -5,6 +5,8 @@ import sys
 import time
 
 ORIGAMI = os.environ.get("ORIGAMI_BIN", os.path.join(os.path.dirname(__file__), "../../build/origami"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
+from harness import without  # noqa: E402,F401  (args less some flags: for the tests here too)
 
 
 # The tests' small llama: byte-level vocabulary (256 bytes + end-of-document), 2 layers.
@@ -55,16 +57,3 @@ def byte_dataset(tmp, docs, name="d"):
     prefix = os.path.join(tmp, name)
     run("data", "prepare", "--input", text, "--output", prefix, "--tokenizer", "byte")
     return prefix
-
-
-def without(args, *flags):
-    """args less each of `flags` with its value (origami refuses an option given twice with two values)."""
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        else:
-            out.append(a)
-    return out

@@ -256,6 +256,15 @@ def alive(pid):
         return False
 
 
+def output_within(p, seconds):
+    """The output of launch process p once it ends, killing it after `seconds` ("[timed out]" then)."""
+    try:
+        return p.communicate(timeout=seconds)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.communicate()[0] + "\n[timed out]"
+
+
 def stop_hung(tmp, data, requests):
     """Stop requests to the launcher of a hung job (rank 1 stopped with SIGSTOP) whose launcher does not
     pass signals on (a wrapper script around mpirun; Open MPI's own mpirun would wake the stopped rank with
@@ -280,11 +289,7 @@ def stop_hung(tmp, data, requests):
         for i in range(requests):
             time.sleep(i)
             p.send_signal(signal.SIGINT)
-    try:
-        out = p.communicate(timeout=60)[0]
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out = p.communicate()[0] + "\n[timed out]"
+    out = output_within(p, 60)
     waited = time.time() - t0
     time.sleep(0.5)
     left = [pid for pid in pids if pid is not None and alive(pid)]
@@ -311,11 +316,7 @@ def stop_slow(tmp, data):
                          env={**h.env(), "ORIGAMI_TEST_SLOW_BACKWARD": "1:1500"})
     if wait_for_step(save, 0, 2) is not None:
         p.send_signal(signal.SIGINT)
-    try:
-        out = p.communicate(timeout=60)[0]
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out = p.communicate()[0] + "\n[timed out]"
+    out = output_within(p, 60)
     latest = os.path.join(save, "latest")
     saved = open(latest).read().strip() if os.path.exists(latest) else None
     rows = h.read_metrics(metrics, tolerant=True) if os.path.exists(metrics) else []
@@ -398,11 +399,7 @@ def stop_in_backoff(tmp, data):
         time.sleep(0.05)
     p.send_signal(signal.SIGINT)
     t1 = time.time()
-    try:
-        out = p.communicate(timeout=60)[0]
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out = p.communicate()[0] + "\n[timed out]"
+    out = output_within(p, 60)
     waited = time.time() - t1
     check(p.returncode == 130 and names() == ["start", "failure", "stop"] and waited < 10,
           "a stop request in the restart's backoff: exit %s after %.1f s, events %s %s" % (
