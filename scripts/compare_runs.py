@@ -143,27 +143,10 @@ def normalise_file(rel, path, async_save=False):
     return b
 
 
-def given_once(args):
-    """args with an option a case gives again (over its base list) kept at its last value only: origami
-    refuses an option given twice with two values."""
-    groups, j = [], 0
-    while j < len(args):
-        pair = args[j].startswith("--") and j + 1 < len(args) and not args[j + 1].startswith("--")
-        groups.append(args[j:j + 2] if pair else args[j:j + 1])
-        j += 2 if pair else 1
-    kept, seen = [], set()
-    for g in reversed(groups):
-        if len(g) == 2 and g[0] in seen:
-            continue
-        seen.add(g[0])
-        kept.append(g)
-    return [a for g in reversed(kept) for a in g]
-
-
 def run_case(binary, case, d):
     name, np_, args, env = case
     os.makedirs(d, exist_ok=True)
-    args = given_once([a.replace("{dir}", d) for a in args])
+    args = [a.replace("{dir}", d) for a in args]  # (harness.run gives each option once)
     env = {k: v.replace("{dir}", d) for k, v in env.items()}
     code, out, _ = harness.run(np_, args, timeout=300, binary=binary, extra_env=env)
     with open(os.path.join(d, "console.txt"), "w") as f:

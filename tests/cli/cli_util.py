@@ -6,7 +6,7 @@ import time
 
 ORIGAMI = os.environ.get("ORIGAMI_BIN", os.path.join(os.path.dirname(__file__), "../../build/origami"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
-from harness import without  # noqa: E402,F401  (args less some flags: for the tests here too)
+from harness import given_once, without  # noqa: E402,F401  (for the tests here too)
 
 
 # The tests' small llama: byte-level vocabulary (256 bytes + end-of-document), 2 layers.
@@ -24,19 +24,21 @@ def check(cond, msg):
         fail(msg)
 
 
-def run(*args, expect_ok=True):
+def run(*args, expect_ok=True, once=True):
     """`origami ARGS`, output decoded as UTF-8 (invalid bytes replaced); a failure ends the test
-    unless expect_ok is False."""
-    p = subprocess.run([ORIGAMI, *args], capture_output=True, text=True, encoding="utf-8", errors="replace")
+    unless expect_ok is False. once: an option given again over a base list kept at its last value
+    (harness.given_once)."""
+    p = subprocess.run([ORIGAMI, *(given_once(args) if once else args)], capture_output=True, text=True,
+                       encoding="utf-8", errors="replace")
     if expect_ok and p.returncode != 0:
         fail(f"origami {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return p
 
 
-def expect_error(what, args, message):
+def expect_error(what, args, message, once=True):
     """`origami ARGS` exits 1 within a second with one error line, `origami CMD: error: MESSAGE`."""
     t0 = time.time()
-    p = run(*args, expect_ok=False)
+    p = run(*args, expect_ok=False, once=once)
     wall = time.time() - t0
     out = p.stdout + p.stderr
     lines = [l for l in out.splitlines() if "error" in l.lower()]

@@ -236,7 +236,7 @@ def main():
         # An option given twice with two values kept the last without a word.
         expect_error("an option given twice", ["train", "--config", llama, *short, "--lr", "1e-3", "--lr", "3e-4"],
                      "--lr is given twice, as '1e-3' and as '3e-4': the last would win and the first be ignored; "
-                     "give it once")
+                     "give it once", once=False)
         # Options that did nothing in their combination (accepted without a word before).
         expect_error("--min-lr beside a constant schedule", ["train", "--config", llama, *short, "--lr-schedule",
                      "constant", "--min-lr", "1e-5"], "--min-lr 1e-05 is the cosine schedule's floor, and "

@@ -38,10 +38,31 @@ def env(single_copy="none"):
     return e
 
 
-def command(np_, args, binary=None):
+def given_once(args):
+    """args with an option given again (a case's flag over a base list's) kept at its last value only, as
+    the tests' lists mean it: origami refuses an option given twice with two values. Launch's options and
+    train's (after "--") each apart."""
+    if "--" in args:
+        k = args.index("--")
+        return given_once(args[:k]) + ["--"] + given_once(args[k + 1:])
+    groups, j = [], 0
+    while j < len(args):
+        pair = args[j].startswith("--") and j + 1 < len(args) and not args[j + 1].startswith("--")
+        groups.append(args[j:j + 2] if pair else args[j:j + 1])
+        j += 2 if pair else 1
+    kept, seen = [], set()
+    for g in reversed(groups):
+        if len(g) == 2 and g[0] in seen:
+            continue
+        seen.add(g[0])
+        kept.append(g)
+    return [a for g in reversed(kept) for a in g]
+
+
+def command(np_, args, binary=None, once=True):
     """The command line of `origami ARGS` on np_ ranks; np_ == 0 runs the binary without mpirun
-    (the one-rank reference)."""
-    b = [binary or BIN, *args]
+    (the one-rank reference). once: each option given once (given_once)."""
+    b = [binary or BIN, *(given_once(args) if once else args)]
     if np_ == 0:
         return b
     return [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(np_), *b]
