@@ -49,7 +49,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import LLAMA_TINY, ORIGAMI, byte_dataset, check, expect_error, run, without  # noqa: E402
+from cli_util import LLAMA_TINY, ORIGAMI, byte_dataset, check, expect_error, run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # launch runs mpirun (as root here, in CI's containers)
@@ -116,10 +116,10 @@ def main():
 
         # ...and onto its own data from an --optimizer export, whose tokenizer.json is the Hub file
         # itself (the dataset's wraps it): the same token ids, so it resumes.
-        run("train", "--config", llama, *without(short, "--data"), "--data", other, "--steps", "2", "--save", os.path.join(tmp, "hub"))
+        run("train", "--config", llama, *short, "--data", other, "--steps", "2", "--save", os.path.join(tmp, "hub"))
         hub_export = os.path.join(tmp, "hub_export")
         run("ckpt", "export", os.path.join(tmp, "hub"), "--hf", hub_export, "--optimizer")
-        run("train", "--resume", hub_export, *without(short, "--data"), "--data", other, "--steps", "3")
+        run("train", "--resume", hub_export, *short, "--data", other, "--steps", "3")
         print("ok   an --optimizer export of a run on a Hub tokenizer resumes on its data")
         # The same Hub file with another end-of-document token is another tokenizer.
         other_eod = os.path.join(tmp, "other_eod")
@@ -127,7 +127,7 @@ def main():
             "--eod-token", "a")
         hub2 = os.path.join(tmp, "hub", "step-2")
         expect_error("--resume onto data of another end-of-document token",
-                     ["train", "--resume", os.path.join(tmp, "hub"), *without(short, "--data"), "--data", other_eod, "--steps", "4"],
+                     ["train", "--resume", os.path.join(tmp, "hub"), *short, "--data", other_eod, "--steps", "4"],
                      "--resume '%s' trained on another tokenizer (%s/tokenizer.json) than --data's (%s.tokenizer.json); "
                      "to train its weights on this data, start from them with --init-from" % (hub2, hub2, other_eod))
 
@@ -186,11 +186,11 @@ def main():
         # A dataset prepared again at the same prefix: the data position replayed from the step reads other data.
         redo = byte_dataset(tmp, 40, "redo")
         redo_ck = os.path.join(tmp, "redo_ck")
-        run("train", "--config", llama, *without(short, "--data"), "--data", redo, "--steps", "2", "--save", redo_ck)
-        p = run("train", "--resume", redo_ck, *without(short, "--data"), "--data", redo, "--steps", "3")
+        run("train", "--config", llama, *short, "--data", redo, "--steps", "2", "--save", redo_ck)
+        p = run("train", "--resume", redo_ck, *short, "--data", redo, "--steps", "3")
         check("trained on" not in p.stderr, "a resume on the same data warns of nothing:\n" + p.stderr)
         byte_dataset(tmp, 30, "redo")
-        p = run("train", "--resume", redo_ck, *without(short, "--data"), "--data", redo, "--steps", "3")
+        p = run("train", "--resume", redo_ck, *short, "--data", redo, "--steps", "3")
         want = ("warning: resuming on data '%s' of 1940 tokens and 30 documents; '%s' trained on 2590 tokens and 40 "
                 "documents there" % (redo, os.path.join(redo_ck, "step-2")))
         check(want in p.stderr, "a resume on data prepared again warns:\n" + p.stderr)
@@ -402,10 +402,9 @@ def main():
                      "%s/x.json: Not a directory" % metrics)
         # Accumulation over more than the 16383 micro-batches a pipeline's MPI tags allow needs no tags on one
         # stage (it was refused); a bound on micro-batches a step remains.
-        run("train", "--config", llama, *without(short, "--micro-batch"), "--steps", "1", "--micro-batch", "1",
-            "--global-batch", "16400")
+        run("train", "--config", llama, *short, "--steps", "1", "--micro-batch", "1", "--global-batch", "16400")
         print("ok   one stage accumulates 16400 micro-batches a step")
-        expect_error("a document step of 2^30 tokens in rows of 1", ["train", "--config", llama, *without(short, "--seq-len"), "--seq-len", "1",
+        expect_error("a document step of 2^30 tokens in rows of 1", ["train", "--config", llama, *short, "--seq-len", "1",
                      "--batching", "documents", "--tokens-per-step", "1073741824", "--balance", "none"],
                      "a step of 1073741825 micro-batches a rank (at most) is more than 1048576: use a larger "
                      "--micro-batch or fewer --tokens-per-step")

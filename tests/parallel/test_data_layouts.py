@@ -56,8 +56,7 @@ MODELS = ["gpt2_tiny", "llama_gqa2", "mixtral_8e"]
 
 def train(tmp, tag, ranks, cfg, data, flags, seq=32):
     metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
-    common = h.without(COMMON, *[f for f in flags if f.startswith("--")])  # (an option is given once)
-    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(seq), *common, *flags,
+    rc, out, secs = h.run(ranks, ["train", "--config", cfg, "--data", data, "--seq-len", str(seq), *COMMON, *flags,
                                   "--metrics", metrics])
     if rc != 0:
         return None, h.why(rc, out, 600)

@@ -96,8 +96,7 @@ def document_lengths(prefix):
 def train(tmp, tag, ranks, cfg, data, flags):
     metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
     rows = [] if "--micro-batch" in flags else ["--micro-batch", "1"]
-    common = h.without(COMMON, *[f for f in flags if f.startswith("--")])  # (an option is given once)
-    rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, *common, *rows, *flags, "--metrics", metrics])
+    rc, out, _ = h.run(ranks, ["train", "--config", cfg, "--data", data, *COMMON, *rows, *flags, "--metrics", metrics])
     if rc != 0:
         return None, h.why(rc, out, 600)
     return h.read_metrics(metrics), None
