@@ -577,14 +577,15 @@ void residual_add(float* out, const float* res, const float* bias, int64_t N, in
 }  // namespace
 
 // A norm output kept for backward, [Nl, C] (SP: this rank's sequence shard): computed into its place,
-// or in a bf16 run where only GEMMs read it (kept null) into Scratch::ln_loc and kept as its bf16
-// rounding `low` — what those GEMMs read of it anyway, so no rounding point is added. Returns the
-// computed values (valid until ln_loc is next used), which forward's GEMMs read through norm_gather.
+// or in a bf16 run where only GEMMs read it (kept null) into Scratch::ln_loc, rounded there in place
+// and kept as its bf16 copy `low` — what those GEMMs read of it anyway, so no rounding point is
+// added. Returns the computed values (valid until ln_loc is next used), which forward's GEMMs read
+// through norm_gather.
 float* Model::norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off,
                         int64_t b_off) {
   float* y = kept ? kept : scratch_->ln_loc.data();
   norm_forward(y, mean, rstd, x, w_off, b_off);
-  if (low) round_to_bf16(low, y, tp_.local_tokens(B_ * T_) * cfg_.hidden);
+  if (low) round_in_place(y, low, tp_.local_tokens(B_ * T_) * cfg_.hidden);
   return y;
 }
 
@@ -741,7 +742,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   // norm output is kept as this rank's sequence shard and gathered for the GEMM (backward gathers it
   // again: Megatron's sequence parallelism keeps no [N, C] activation).
   float* ln1 = norm_gather(norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b));
-  linear_forward(a.qkv, ln1, mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  linear_forward(a.qkv, rounded_values<float>(ln1, a.ln1_low != nullptr), mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
   if (kv_) cached_attention(l, a.qkv, a.att, a.lse);
   else cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
@@ -751,7 +752,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   residual_add(a.mid, in, w(o.o_b), Nl, C);
   float* ln2 = norm_keep(a.ln2, a.ln2_low, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
   if (!c.is_moe_layer(l)) {
-    mlp_forward(out, norm_gather(ln2), a, o, F);
+    mlp_forward(out, rounded_values<float>(norm_gather(ln2), a.ln2_low != nullptr), a, o, F);
     residual_add(out, a.mid, w(o.proj_b), Nl, C);
     return;
   }
@@ -776,7 +777,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
 // y [Nl, C] ← the MLP of F features (this rank's) on ln2 = norm2(mid) of all tokens [N, C]
 // (norm_gather's): column-parallel up (gate|up),
 // row-parallel down; gpt2's GELU MLP or a SwiGLU one (llama, qwen2_moe's dense layers and shared expert).
-void Model::mlp_forward(float* y, const float* ln2, const LayerActs& a, const LayerOffsets& o, int64_t F) {
+void Model::mlp_forward(float* y, Operand<float> ln2, const LayerActs& a, const LayerOffsets& o, int64_t F) {
   Scratch& s = *scratch_;
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
@@ -799,15 +800,15 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
   const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
-  const float* ln2 = norm_read(a.ln2, a.ln2_low);  // SP: the kept shard gathered again
+  const Operand<float> ln2 = rounded_values<float>(norm_read(a.ln2, a.ln2_low), a.ln2_low != nullptr);  // SP: gathered again
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
   const int64_t Fa = cfg_.is_gpt2() ? F : 2 * F;
   mlp_activation_backward(cfg_.is_gpt2(), s.d_mlp_a.data(), s.d_mlp_b.data(), {a.mlp_a, a.mlp_b, a.mlp_a_low, a.mlp_b_low},
                           N, F);
-  linear_backward(d_full, g(o.fc_w), cfg_.is_gpt2() ? g(o.fc_b) : nullptr, s.d_mlp_a.data(), ln2, mw(o.fc_w), N, C, Fa,
-                  lay);
+  linear_backward_consuming(d_full, g(o.fc_w), cfg_.is_gpt2() ? g(o.fc_b) : nullptr, s.d_mlp_a.data(), ln2, mw(o.fc_w),
+                            N, C, Fa, lay);
   tp.enter_backward(d_local, d_full, B, T, C);
 }
 
@@ -854,8 +855,8 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, mw(o.o_w), N, HD, C, lay);
   cp_now().backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
-  linear_backward(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), norm_read(a.ln1, a.ln1_low), mw(o.qkv_w), N,
-                  C, S, lay);
+  linear_backward_consuming(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(),
+                            rounded_values<float>(norm_read(a.ln1, a.ln1_low), a.ln1_low != nullptr), mw(o.qkv_w), N, C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
 }

@@ -320,7 +320,7 @@ class Model {
   Weights<float> placed(const ExpertPlace& at) const { return {at.values, at.low, precision_}; }  // as GEMMs read it
   MoeSizes moe_sizes() const;  // this rank's share of the current batch
   int64_t moe_rows() const;    // the dispatcher's most expert-side rows for it
-  void mlp_forward(float* y, const float* ln2, const LayerActs& a, const LayerOffsets& o, int64_t F);
+  void mlp_forward(float* y, Operand<float> ln2, const LayerActs& a, const LayerOffsets& o, int64_t F);
   void mlp_backward(float* d_local, float* d_full, const float* d_y, const LayerActs& a, const LayerOffsets& o,
                     int64_t F);
   void moe_layer_forward(int64_t l, const LayerActs& a, float* out, Losses* losses);

@@ -201,6 +201,25 @@ TEST(Bf16Convert, WideningIsExactOnEveryPath) {
     if (!std::isnan(round_trip[i])) ASSERT_EQ(to_bf16(round_trip[i]).bits, i);  // bf16 -> fp32 -> bf16
 }
 
+// round_in_place: the values become their bf16 rounding (in fp32) and the copy their bf16 bits, over
+// lengths that end inside a vector and a block of the threads' split.
+TEST(Bf16Convert, RoundInPlaceKeepsTheValuesAndTheirCopy) {
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(37), int64_t(3 << 14) + 5}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    uint32_t s = uint32_t(n) + 1;
+    for (float& v : x) s = s * 1664525u + 1013904223u, v = float(double(s >> 8) / double(1 << 20) - 8.0);
+    std::vector<float> v = x, alone = x;
+    std::vector<bf16> low(static_cast<size_t>(n), bf16{0x7fff});
+    round_in_place(v.data(), low.data(), n);
+    round_in_place(alone.data(), nullptr, n);
+    for (size_t i = 0; i < size_t(n); ++i) {
+      ASSERT_EQ(low[i].bits, to_bf16(x[i]).bits) << "n " << n << " at " << i;
+      ASSERT_EQ(v[i], to_float(to_bf16(x[i]))) << "n " << n << " at " << i;
+      ASSERT_EQ(alone[i], v[i]) << "n " << n << " at " << i;
+    }
+  }
+}
+
 // ---- gemm_bf16 ---------------------------------------------------------------------------------
 
 namespace {
@@ -314,6 +333,14 @@ struct GemmCheck {
     return multiply(A, B);
   }
 
+  // The bf16 values widened to fp32 where a16 and b16 hold them, passed as exact fp32 operands (what a
+  // layer passes after round_in_place), with their bf16 copies where `with_copies`.
+  std::vector<float> call_exact(bool with_copies) const {
+    const std::vector<float> a = widened(a16, 0), b = widened(b16, 0);
+    return multiply({a.data() + offset, with_copies ? a16.data() + offset : nullptr, lda, true},
+                    {b.data() + offset, with_copies ? b16.data() + offset : nullptr, ldb, true});
+  }
+
   // The bf16 operands copied compactly (row stride = columns): what oneDNN's path reads when the call
   // rounds fp32 operands itself (gemm_bf16.h).
   std::vector<float> call_compact() const {
@@ -346,6 +373,27 @@ struct GemmCheck {
 };
 
 const char* path_name(Bf16GemmPath p) { return p == Bf16GemmPath::onednn ? "oneDNN" : "portable"; }
+
+// Exact fp32 operands, alone or with their bf16 copies, are within both bounds; where a call keeps
+// the path the bf16 operands took (C), the portable path reads the fp32 values in place whether or not
+// copies come with them (the same bits both ways), and oneDNN's reads the copies (C's bits).
+void check_exact_operands(const GemmCheck& check, const std::vector<float>& C, Bf16GemmPath path,
+                          const std::string& where) {
+  const std::vector<float> alone = check.call_exact(false);
+  const Bf16GemmPath alone_path = last_bf16_gemm_path();
+  const std::vector<float> with_copies = check.call_exact(true);
+  const Bf16GemmPath copies_path = last_bf16_gemm_path();
+  for (const std::vector<float>* got : {&alone, &with_copies}) {
+    const auto [r1, r2] = check.ratios(*got);
+    EXPECT_LE(r1, 1.0) << where << ", exact fp32 operands: against the bf16 inputs";
+    EXPECT_LE(r2, 1.0) << where << ", exact fp32 operands: against fp32";
+  }
+  const size_t bytes = C.size() * sizeof(float);
+  if (alone_path == Bf16GemmPath::portable && copies_path == Bf16GemmPath::portable)
+    EXPECT_EQ(0, std::memcmp(alone.data(), with_copies.data(), bytes)) << where << ": the portable path read a copy";
+  if (copies_path == Bf16GemmPath::onednn && path == Bf16GemmPath::onednn)
+    EXPECT_EQ(0, std::memcmp(C.data(), with_copies.data(), bytes)) << where << ": oneDNN did not read the copies";
+}
 
 // Runs every case on every path to check here — the timed choice, oneDNN wherever it has a bf16
 // matmul, the forced portable path — against both bounds, and prints each mode's worst ratios.
@@ -381,6 +429,7 @@ void check_every_path(const std::vector<Case>& cases) {
       const std::string where = cat(name(cases[i]), " (", modes[m].second, ", ", path_name(path), ")");
       EXPECT_LE(r1, 1.0) << where << ": against the bf16 inputs";
       EXPECT_LE(r2, 1.0) << where << ": against fp32";
+      check_exact_operands(check, C, path, where);
       onednn[m] += path == Bf16GemmPath::onednn;
       worst1[m] = std::max(worst1[m], r1), worst2[m] = std::max(worst2[m], r2);
     }

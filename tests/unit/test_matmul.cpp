@@ -159,54 +159,71 @@ TEST(Matmul, Fp32IsTheFloatGemm) {
   EXPECT_EQ(C, want);
 }
 
-// A linear layer in bf16, both weight layouts: y from round(x)·round(W) plus the fp32 bias; backward
-// dx = round(dy)·round(W), dW += round(x)ᵀ·round(dy) (fp32 accumulation onto what dW held), and db the
-// fp32 sum of the unrounded dy (a db from rounded dy would be off by up to 2^-9 of each term).
+// A linear layer in bf16: y from round(x)·round(W) plus the fp32 bias; backward dx = round(dy)·round(W),
+// dW += round(x)ᵀ·round(dy) (fp32 accumulation onto what dW held), and db the fp32 sum of the
+// unrounded dy (a db from rounded dy would be off by up to 2^-9 of each term). With x and dy as a
+// layer passes them: x plain or rounded in place (an exact operand, which the portable path
+// multiplies where it is), dy read-only (rounded into a copy) or consumed (linear_backward_consuming:
+// rounded in place for the GEMMs after db has read it).
+void check_linear_rounding(WeightLayout layout, bool exact_x, bool consuming) {
+  SCOPED_TRACE(cat(exact_x ? "x rounded in place" : "x plain", consuming ? ", dy consumed" : ", dy read-only"));
+  const int64_t N = 21, in = 48, out = 40;
+  const bool oi = layout == WeightLayout::out_in;
+  const std::vector<float> x = random_values(N * in, 5), w = random_values(in * out, 6),
+                           b = random_values(out, 7), dy = random_values(N * out, 8);
+  std::vector<bf16> w_low(w.size());
+  to_bf16(w_low.data(), w.data(), int64_t(w.size()));
+  const Weights<float> W(w.data(), w_low.data(), Precision::bf16);
+  std::vector<float> x_in = x, dy_in = dy;
+  if (exact_x) round_in_place(x_in.data(), nullptr, int64_t(x_in.size()));
+  const Operand<float> X = rounded_values<float>(x_in.data(), exact_x);
+  std::vector<float> y(size_t(N * out)), dx(size_t(N * in)), dw(w.size(), 0.5f), db(size_t(out), 0.25f);
+  linear_forward<float>(y.data(), X, W, b.data(), N, in, out, layout);
+  if (consuming) {
+    linear_backward_consuming<float>(dx.data(), dw.data(), db.data(), dy_in.data(), X, W, N, in, out, layout);
+    for (size_t i = 0; i < dy.size(); ++i) ASSERT_EQ(dy_in[i], to_float(to_bf16(dy[i]))) << "dy not rounded in place";
+  } else {
+    linear_backward<float>(dx.data(), dw.data(), db.data(), dy_in.data(), X, W, N, in, out, layout);
+    ASSERT_EQ(dy_in, dy) << "a read-only dy was written";
+  }
+
+  const auto xr = rounded(x), wr = rounded(w), dyr = rounded(dy), xm = rounded(x, true), wm = rounded(w, true),
+             dym = rounded(dy, true);
+  std::vector<double> want(y.size()), mag(y.size());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < out; ++o) want[size_t(n * out + o)] = b[size_t(o)], mag[size_t(n * out + o)] = std::fabs(b[size_t(o)]);
+  gemm<double>(false, oi, N, out, in, 1.0, xr.data(), in, wr.data(), oi ? in : out, 1.0, want.data(), out);
+  gemm<double>(false, oi, N, out, in, 1.0, xm.data(), in, wm.data(), oi ? in : out, 1.0, mag.data(), out);
+  EXPECT_LE(worst_ratio(y, want, mag, in), 1.0) << "y";
+
+  std::vector<double> dx_want(dx.size()), dx_mag(dx.size());
+  gemm<double>(false, !oi, N, in, out, 1.0, dyr.data(), out, wr.data(), oi ? in : out, 0.0, dx_want.data(), in);
+  gemm<double>(false, !oi, N, in, out, 1.0, dym.data(), out, wm.data(), oi ? in : out, 0.0, dx_mag.data(), in);
+  EXPECT_LE(worst_ratio(dx, dx_want, dx_mag, out), 1.0) << "dx";
+
+  std::vector<double> dw_want(w.size(), 0.5), dw_mag(w.size(), 0.5);
+  if (oi) {
+    gemm<double>(true, false, out, in, N, 1.0, dyr.data(), out, xr.data(), in, 1.0, dw_want.data(), in);
+    gemm<double>(true, false, out, in, N, 1.0, dym.data(), out, xm.data(), in, 1.0, dw_mag.data(), in);
+  } else {
+    gemm<double>(true, false, in, out, N, 1.0, xr.data(), in, dyr.data(), out, 1.0, dw_want.data(), out);
+    gemm<double>(true, false, in, out, N, 1.0, xm.data(), in, dym.data(), out, 1.0, dw_mag.data(), out);
+  }
+  EXPECT_LE(worst_ratio(dw, dw_want, dw_mag, N), 1.0) << "dW";
+
+  std::vector<double> db_want(size_t(out), 0.25), db_mag(size_t(out), 0.25);
+  const std::vector<double> dyd = as_double(dy);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < out; ++o)
+      db_want[size_t(o)] += dyd[size_t(n * out + o)], db_mag[size_t(o)] += std::fabs(dyd[size_t(n * out + o)]);
+  EXPECT_LE(worst_ratio(db, db_want, db_mag, N), 1.0) << "db";
+}
+
 TEST(Matmul, LinearLayerRoundsAtTheStatedPoints) {
   on_every_path([] {
-    const int64_t N = 21, in = 48, out = 40;
-    for (WeightLayout layout : {WeightLayout::out_in, WeightLayout::in_out}) {
-      const bool oi = layout == WeightLayout::out_in;
-      const std::vector<float> x = random_values(N * in, 5), w = random_values(in * out, 6),
-                               b = random_values(out, 7), dy = random_values(N * out, 8);
-      std::vector<bf16> w_low(w.size());
-      to_bf16(w_low.data(), w.data(), int64_t(w.size()));
-      const Weights<float> W(w.data(), w_low.data(), Precision::bf16);
-      std::vector<float> y(size_t(N * out)), dx(size_t(N * in)), dw(w.size(), 0.5f), db(size_t(out), 0.25f);
-      linear_forward<float>(y.data(), x.data(), W, b.data(), N, in, out, layout);
-      linear_backward<float>(dx.data(), dw.data(), db.data(), dy.data(), x.data(), W, N, in, out, layout);
-
-      const auto xr = rounded(x), wr = rounded(w), dyr = rounded(dy), xm = rounded(x, true), wm = rounded(w, true),
-                 dym = rounded(dy, true);
-      std::vector<double> want(y.size()), mag(y.size());
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t o = 0; o < out; ++o) want[size_t(n * out + o)] = b[size_t(o)], mag[size_t(n * out + o)] = std::fabs(b[size_t(o)]);
-      gemm<double>(false, oi, N, out, in, 1.0, xr.data(), in, wr.data(), oi ? in : out, 1.0, want.data(), out);
-      gemm<double>(false, oi, N, out, in, 1.0, xm.data(), in, wm.data(), oi ? in : out, 1.0, mag.data(), out);
-      EXPECT_LE(worst_ratio(y, want, mag, in), 1.0) << "y";
-
-      std::vector<double> dx_want(dx.size()), dx_mag(dx.size());
-      gemm<double>(false, !oi, N, in, out, 1.0, dyr.data(), out, wr.data(), oi ? in : out, 0.0, dx_want.data(), in);
-      gemm<double>(false, !oi, N, in, out, 1.0, dym.data(), out, wm.data(), oi ? in : out, 0.0, dx_mag.data(), in);
-      EXPECT_LE(worst_ratio(dx, dx_want, dx_mag, out), 1.0) << "dx";
-
-      std::vector<double> dw_want(w.size(), 0.5), dw_mag(w.size(), 0.5);
-      if (oi) {
-        gemm<double>(true, false, out, in, N, 1.0, dyr.data(), out, xr.data(), in, 1.0, dw_want.data(), in);
-        gemm<double>(true, false, out, in, N, 1.0, dym.data(), out, xm.data(), in, 1.0, dw_mag.data(), in);
-      } else {
-        gemm<double>(true, false, in, out, N, 1.0, xr.data(), in, dyr.data(), out, 1.0, dw_want.data(), out);
-        gemm<double>(true, false, in, out, N, 1.0, xm.data(), in, dym.data(), out, 1.0, dw_mag.data(), out);
-      }
-      EXPECT_LE(worst_ratio(dw, dw_want, dw_mag, N), 1.0) << "dW";
-
-      std::vector<double> db_want(size_t(out), 0.25), db_mag(size_t(out), 0.25);
-      const std::vector<double> dyd = as_double(dy);
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t o = 0; o < out; ++o)
-          db_want[size_t(o)] += dyd[size_t(n * out + o)], db_mag[size_t(o)] += std::fabs(dyd[size_t(n * out + o)]);
-      EXPECT_LE(worst_ratio(db, db_want, db_mag, N), 1.0) << "db";
-    }
+    for (WeightLayout layout : {WeightLayout::out_in, WeightLayout::in_out})
+      for (bool exact_x : {false, true})
+        for (bool consuming : {false, true}) check_linear_rounding(layout, exact_x, consuming);
   });
 }
 

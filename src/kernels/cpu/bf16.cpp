@@ -210,4 +210,11 @@ void widen_to_float(float* dst, const bf16* src, int64_t n) {
   over_blocks(n, [&](int64_t at, int64_t k) { to_float(dst + at, src + at, k); });
 }
 
+void round_in_place(float* v, bf16* low, int64_t n) {
+  over_blocks(n, [&](int64_t at, int64_t k) {
+    to_bf16_precision(v + at, v + at, k);
+    if (low) to_bf16(low + at, v + at, k);  // exact: the block is still in the cache
+  });
+}
+
 }  // namespace origami

@@ -52,6 +52,10 @@ void to_bf16_precision(float* out, const float* in, int64_t n);
 // The same over the threads (outside a parallel region; inside one, on the calling thread).
 void round_to_bf16(bf16* dst, const float* src, int64_t n);
 void widen_to_float(float* dst, const bf16* src, int64_t n);
+// v[i] = to_float(to_bf16(v[i])) in place and, where low is not null, low[i] = to_bf16(v[i]): a GEMM
+// operand that only GEMMs read from here on, at bf16 precision in fp32 (which the portable GEMM reads
+// where it is) and as its bf16 copy (which oneDNN's reads). Over the threads, like the two above.
+void round_in_place(float* v, bf16* low, int64_t n);
 
 // The conversion paths, for tests and benchmarks: each exists where the CPU has its instructions.
 // Widening has no AVX512-BF16 instruction; that path widens with AVX-512F (and rounds in fp32 with it).

@@ -55,25 +55,36 @@ float* scratch(int64_t floats) {
   return buffer.data();
 }
 
-// Widens rows i0 .. i0+ni and columns k0 .. k0+nk of a matrix seen as [I, K] into dst, compactly and
-// in the layout the matrix is stored in: X is [I, K] with row stride X.ld when k_contiguous, else
-// [K, I]. (A is op(A) = [M, K] stored untransposed when !ta; B is op(B)ᵀ = [N, K] stored that way when
-// tb.) An fp32 operand is rounded to bf16's precision on the way. Returns dst's row stride. Large
-// blocks spread their rows over the threads.
-int64_t widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i0, int64_t ni, int64_t k0,
-                    int64_t nk) {
+// A block of an operand as gemm<float> reads it: fp32 values at bf16 precision, row stride ld.
+struct Panel {
+  const float* v;
+  int64_t ld;
+};
+
+// The portable path reads an operand's fp32 values in place where they are exact, else converts.
+bool read_in_place(const Bf16Operand& X) { return X.values && X.exact; }
+
+// Rows i0 .. i0+ni and columns k0 .. k0+nk of a matrix seen as [I, K], in the layout the matrix is
+// stored in: X is [I, K] with row stride X.ld when k_contiguous, else [K, I]. (A is op(A) = [M, K]
+// stored untransposed when !ta; B is op(B)ᵀ = [N, K] stored that way when tb.) Exact fp32 values
+// are read where they are; else the block is widened compactly into dst (its bf16 values, or its
+// fp32 ones rounded to bf16's precision on the way), large blocks' rows spread over the threads.
+Panel widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i0, int64_t ni, int64_t k0,
+                  int64_t nk) {
   const int64_t at = k_contiguous ? i0 * X.ld + k0 : k0 * X.ld + i0;
+  if (read_in_place(X)) return {X.values + at, X.ld};
   const int64_t rows = k_contiguous ? ni : nk, cols = k_contiguous ? nk : ni;
 #pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16) && !omp_in_parallel())
   for (int64_t r = 0; r < rows; ++r) {
     if (X.low) to_float(dst + r * cols, X.low + at + r * X.ld, cols);
     else to_bf16_precision(dst + r * cols, X.values + at + r * X.ld, cols);
   }
-  return cols;
+  return {dst, cols};
 }
 
 // Every element is widened exactly once, and each widened block is multiplied by one gemm<float>
 // call — which packs both its operands again, so fewer, larger calls are better:
+//  - where both operands are read in place, one call;
 //  - where slices of K with both operands whole are deep enough (kc >= 256, or all of K), K is cut
 //    into such slices and each is one call (one call in all when both fit);
 //  - else (a side of tens of thousands: the LM head's vocabulary) the smaller operand's K-slice is
@@ -81,6 +92,8 @@ int64_t widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t
 //    that fill the rest, one call each.
 // Later slices accumulate into C with beta 1.
 void portable_gemm(const Shape& s, const Bf16Operand& A, const Bf16Operand& B, float* C) {
+  if (read_in_place(A) && read_in_place(B))
+    return gemm<float>(s.ta, s.tb, s.M, s.N, s.K, s.alpha, A.values, A.ld, B.values, B.ld, s.beta, C, s.ldc);
   const bool a_whole = s.M <= s.N;
   const int64_t small = a_whole ? s.M : s.N, large = a_whole ? s.N : s.M;
   const int64_t kc_both = kScratchFloats / (s.M + s.N);
@@ -94,16 +107,16 @@ void portable_gemm(const Shape& s, const Bf16Operand& A, const Bf16Operand& B, f
   for (int64_t k0 = 0; k0 < s.K; k0 += kc) {
     const int64_t kb = std::min(kc, s.K - k0);
     const float beta = k0 == 0 ? s.beta : 1.f;  // later slices add to the first one's result
-    const int64_t ld_small = a_whole ? widen_panel(small_buf, A, !s.ta, 0, s.M, k0, kb)
-                                     : widen_panel(small_buf, B, s.tb, 0, s.N, k0, kb);
+    const Panel whole = a_whole ? widen_panel(small_buf, A, !s.ta, 0, s.M, k0, kb)
+                                : widen_panel(small_buf, B, s.tb, 0, s.N, k0, kb);
     for (int64_t p0 = 0; p0 < large; p0 += piece) {
       const int64_t pb = std::min(piece, large - p0);
       if (a_whole) {
-        const int64_t ldb = widen_panel(piece_buf, B, s.tb, p0, pb, k0, kb);
-        gemm<float>(s.ta, s.tb, s.M, pb, kb, s.alpha, small_buf, ld_small, piece_buf, ldb, beta, C + p0, s.ldc);
+        const Panel b = widen_panel(piece_buf, B, s.tb, p0, pb, k0, kb);
+        gemm<float>(s.ta, s.tb, s.M, pb, kb, s.alpha, whole.v, whole.ld, b.v, b.ld, beta, C + p0, s.ldc);
       } else {
-        const int64_t lda = widen_panel(piece_buf, A, !s.ta, p0, pb, k0, kb);
-        gemm<float>(s.ta, s.tb, pb, s.N, kb, s.alpha, piece_buf, lda, small_buf, ld_small, beta, C + p0 * s.ldc, s.ldc);
+        const Panel a = widen_panel(piece_buf, A, !s.ta, p0, pb, k0, kb);
+        gemm<float>(s.ta, s.tb, pb, s.N, kb, s.alpha, a.v, a.ld, whole.v, whole.ld, beta, C + p0 * s.ldc, s.ldc);
       }
     }
   }
@@ -625,6 +638,10 @@ bool bf16_gemm_always_portable() {
     return !create_onednn(kLayerGemm, &impl);
   }();
   return mode() == Bf16GemmMode::portable || no_onednn;
+}
+
+bool bf16_gemm_reads_fp32() {
+  return bf16_gemm_always_portable() || (mode() == Bf16GemmMode::automatic && !onednn_is_faster_on_a_layer_gemm());
 }
 
 Bf16GemmPath last_bf16_gemm_path() { return last_path; }

@@ -14,8 +14,8 @@
 //     One primitive per (transposes, sizes, strides, alpha, beta), created at its first call and
 //     kept (a fixed-size one, or for a weight gradient possibly a runtime-size one: below); it runs
 //     on the OpenMP pool of our loops (oneDNN's OpenMP build).
-//   portable: op(A) and op(B) widened (an fp32 operand: rounded to bf16's precision) to fp32 block by
-//     block into a per-thread scratch buffer reused
+//   portable: op(A) and op(B) widened (an fp32 operand: rounded to bf16's precision; an exact one read
+//     where it is) to fp32 block by block into a per-thread scratch buffer reused
 //     across calls (16 MiB at most), each block pair multiplied by gemm<float>. Always available. Its
 //     cost over gemm<float> on fp32 inputs is the widening pass, about F/(2W)·(1/M + 1/N) for a GEMM
 //     rate F and a widening rate W (elements/s). On an AMX host's cores (bench/README.md, "bf16
@@ -48,13 +48,20 @@
 
 namespace origami {
 
-// A GEMM operand: bf16 values, or fp32 values to round (see above), with its row stride.
+// A GEMM operand: bf16 values, or fp32 values to round (see above), or both, with its row stride.
+// `exact` fp32 values are at bf16 precision already (round_in_place): the portable path multiplies
+// them where they are, without a copy; a path reads the bf16 values where it would otherwise
+// convert the fp32 ones. Both, where given, hold the same matrix in the same layout.
 struct Bf16Operand {
   const bf16* low = nullptr;
-  const float* values = nullptr;  // where low is null
+  const float* values = nullptr;
   int64_t ld = 0;
+  bool exact = false;
   Bf16Operand(const bf16* v, int64_t row_stride) : low(v), ld(row_stride) {}
-  Bf16Operand(const float* v, int64_t row_stride) : values(v), ld(row_stride) {}
+  Bf16Operand(const float* v, int64_t row_stride, bool at_bf16_precision = false)
+      : values(v), ld(row_stride), exact(at_bf16_precision) {}
+  Bf16Operand(const float* v, const bf16* copy, int64_t row_stride, bool at_bf16_precision)
+      : low(copy), values(v), ld(row_stride), exact(at_bf16_precision && v) {}
 };
 
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A,
@@ -75,9 +82,15 @@ Bf16GemmMode bf16_gemm_mode();
 void check_bf16_gemm_env();
 
 // Whether every bf16 GEMM takes the portable path: forced, or oneDNN has no bf16 matmul on this CPU
-// (below AVX-512). An operand that several GEMMs read is then better left in fp32 for each to round
-// while it copies its blocks than rounded once to bf16 and widened by each (matmul.h's `operand`).
+// (below AVX-512).
 bool bf16_gemm_always_portable();
+
+// Whether bf16 GEMMs here are best given fp32 operands rather than bf16 copies: where they all are
+// portable, or the layer-sized GEMM that small and varying shapes follow timed the portable path
+// faster (then a copy would only be widened again by each GEMM). An operand that several GEMMs read
+// is then better rounded in place once (round_in_place), or else left in fp32 for each to round while
+// it copies its blocks (matmul.h's `operand`). Speed only: either form gives the same products.
+bool bf16_gemm_reads_fp32();
 
 enum class Bf16GemmPath { portable, onednn };
 // The path this thread's last gemm_bf16 call took (tests).

@@ -25,15 +25,14 @@ void matmul<float>(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t 
                    Mat<float> B, float beta, float* C, int64_t ldc, Sizes sizes) {
   if (p == Precision::fp32) return gemm<float>(ta, tb, M, N, K, alpha, A.v, A.ld, B.v, B.ld, beta, C, ldc);
   // An operand without its bf16 copy is rounded by gemm_bf16, as its path reads it.
-  const Bf16Operand a = A.low ? Bf16Operand(A.low, A.ld) : Bf16Operand(A.v, A.ld);
-  const Bf16Operand b = B.low ? Bf16Operand(B.low, B.ld) : Bf16Operand(B.v, B.ld);
+  const Bf16Operand a(A.v, A.low, A.ld, A.exact), b(B.v, B.low, B.ld, B.exact);
   if (sizes == Sizes::varying) gemm_bf16_varying(ta, tb, M, N, K, alpha, a, b, beta, C, ldc);
   else gemm_bf16(ta, tb, M, N, K, alpha, a, b, beta, C, ldc);
 }
 
 template <>
 Mat<float> operand(Precision p, const float* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer) {
-  if (p == Precision::fp32 || bf16_gemm_always_portable()) return {v, cols};  // each GEMM rounds it
+  if (p == Precision::fp32 || bf16_gemm_reads_fp32()) return {v, cols};  // each GEMM rounds it
   if (buffer.size() < size_t(rows * cols)) buffer.resize(size_t(rows * cols));
   round_to_bf16(buffer.data(), v, rows * cols);
   return {v, cols, buffer.data()};
@@ -41,6 +40,26 @@ Mat<float> operand(Precision p, const float* v, int64_t rows, int64_t cols, std:
 
 template <>
 Mat<double> operand(Precision p, const double* v, int64_t, int64_t cols, std::vector<bf16>&) {
+  ORIGAMI_ASSERT(p == Precision::fp32);
+  return {v, cols};
+}
+
+bf16* in_place_copy(std::vector<bf16>& buffer, int64_t n) {
+  if (bf16_gemm_reads_fp32()) return nullptr;
+  if (buffer.size() < size_t(n)) buffer.resize(size_t(n));
+  return buffer.data();
+}
+
+template <>
+Mat<float> operand_in_place(Precision p, float* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer) {
+  if (p == Precision::fp32) return {v, cols};
+  bf16* copy = in_place_copy(buffer, rows * cols);
+  round_in_place(v, copy, rows * cols);
+  return {v, cols, copy, true};
+}
+
+template <>
+Mat<double> operand_in_place(Precision p, double* v, int64_t, int64_t cols, std::vector<bf16>&) {
   ORIGAMI_ASSERT(p == Precision::fp32);
   return {v, cols};
 }

@@ -4,10 +4,12 @@
 // Precision::fp32: gemm<T> (fp64 for double: the finite-difference tests).
 // Precision::bf16 (mixed precision, float only): both operands rounded to bf16 — a weight through its
 //   bf16 copy (refreshed after each optimizer update, ParamSet's job), an activation or a gradient
-//   rounded by gemm_bf16 the way its path reads it — products exact in fp32,
+//   rounded by gemm_bf16 the way its path reads it, or in place beforehand where only GEMMs read it
+//   (operand_in_place, round_in_place: an `exact` operand) — products exact in fp32,
 //   accumulation in fp32, C in fp32. The rounding points are the operands of the GEMM, nothing else:
 //   a bias is added in fp32 outside, and a backward rounds dy once for both of its GEMMs (the PyTorch
-//   oracle's bf16 mode rounds at the same points, tests/reference/origami_ref.py).
+//   oracle's bf16 mode rounds at the same points, tests/reference/origami_ref.py). Rounding is
+//   idempotent, so where it happens changes no value; in place it saves the portable path a copy.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -23,12 +25,14 @@ Precision parse_precision(const std::string& s);  // "fp32" | "bf16"; else an Er
 const char* precision_name(Precision p);
 
 // A GEMM operand as gemm.h passes it (values, row stride), and where it has one its bf16 copy in the
-// same layout (a weight's; null: the values are rounded at the call).
+// same layout (a weight's; null: the values are rounded at the call). `exact`: the values are at bf16
+// precision already (round_in_place), so a bf16 GEMM may read them as they are.
 template <typename T>
 struct Mat {
   const T* v;
   int64_t ld;
   const bf16* low = nullptr;
+  bool exact = false;
 };
 
 // Values as a layer passes them to its GEMMs, with their bf16 copy where one is kept (a weight's, or
@@ -38,11 +42,21 @@ template <typename T>
 struct Operand {
   const T* v = nullptr;
   const bf16* low = nullptr;
+  bool exact = false;  // as Mat's
   Operand() = default;
   Operand(const T* values) : v(values) {}  // NOLINT: implicit, a bare pointer is values alone
   Operand(const T* values, const bf16* copy) : v(values), low(copy) {}
-  Mat<T> mat(int64_t ld) const { return {v, ld, low}; }
+  Mat<T> mat(int64_t ld) const { return {v, ld, low, exact}; }
 };
+
+// Values that a bf16 run has rounded to bf16 precision where `rounded` (round_in_place, or widened
+// from a bf16 copy), else plain values.
+template <typename T>
+Operand<T> rounded_values(const T* v, bool rounded) {
+  Operand<T> o(v);
+  o.exact = rounded;
+  return o;
+}
 
 // A weight (or a block of them) as a layer reads it: an Operand with the precision its GEMMs run in
 // (in bf16, with its copy). A bare pointer is an fp32 (fp64) weight.
@@ -71,12 +85,24 @@ template <typename T>
 void matmul(Precision p, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, Mat<T> A, Mat<T> B,
             T beta, T* C, int64_t ldc, Sizes sizes = Sizes::fixed);
 
-// An operand [rows, cols] (compact) used by several GEMMs of one backward: in bf16, rounded once into
-// `buffer` (resized as needed) and carried as its copy — except where every bf16 GEMM is portable
-// (bf16_gemm_always_portable), which rounds it while copying its blocks: the same values, without a
-// pass through bf16 and back; in fp32 (or for double), the values alone.
+// An operand [rows, cols] (compact) used by several GEMMs of one backward and read elsewhere too (its
+// values stay as they are): in bf16, rounded once into `buffer` (resized as needed) and carried as
+// its copy — except where bf16 GEMMs read fp32 (bf16_gemm_reads_fp32), each of which rounds it while
+// copying its blocks: the same values, without a pass through bf16 and back; in fp32 (or for double),
+// the values alone.
 template <typename T>
 Mat<T> operand(Precision p, const T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
+
+// An operand [rows, cols] (compact) that only GEMMs read from here on (a work buffer, or rows about to
+// be overwritten): in bf16, rounded in place to bf16 precision, plus its bf16 copy in `buffer` where
+// bf16 GEMMs read bf16 (bf16_gemm_reads_fp32: not where they are portable, which read the values in
+// place); in fp32 (or for double), the values alone.
+template <typename T>
+Mat<T> operand_in_place(Precision p, T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
+
+// operand_in_place's bf16 copy of n elements: `buffer` sized for it, or null where bf16 GEMMs read
+// fp32 values (for a producer that rounds its output itself as it writes it).
+bf16* in_place_copy(std::vector<bf16>& buffer, int64_t n);
 
 // Bytes of the per-thread rounding scratch a bf16 matmul with operands of a and b elements holds
 // (the memory check adds the largest such call of a step).

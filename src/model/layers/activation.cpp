@@ -52,6 +52,12 @@ float* thread_floats(int64_t n) {
   return buffer.data();
 }
 
+// Row r of n values at v rounded in place to bf16 precision, and into copy's row where it has one.
+void round_row(float* v, bf16* copy, int64_t r, int64_t n) {
+  to_bf16_precision(v + r * n, v + r * n, n);
+  if (copy) to_bf16(copy + r * n, v + r * n, n);
+}
+
 }  // namespace
 
 template <typename T>
@@ -123,6 +129,23 @@ void swiglu_backward_bf16(float* dgu, const float* dh, const bf16* gu_low, int64
     to_float(v, gu_low + r * 2 * F, 2 * F);
     float* dg = dgu + r * 2 * F;
     swiglu_row_backward(dg, dg + F, dh + r * F, v, v + F, F);
+  }
+}
+
+void swiglu_forward_rounded(float* h, bf16* copy, const float* gu, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < N; ++r) {
+    swiglu_row(h + r * F, gu + r * 2 * F, gu + r * 2 * F + F, F);
+    round_row(h, copy, r, F);
+  }
+}
+
+void swiglu_backward_rounded(float* dgu, bf16* copy, const float* dh, const float* gu, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < N; ++r) {
+    float* dg = dgu + r * 2 * F;
+    swiglu_row_backward(dg, dg + F, dh + r * F, gu + r * 2 * F, gu + r * 2 * F + F, F);
+    round_row(dgu, copy, r, 2 * F);
   }
 }
 

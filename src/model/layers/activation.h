@@ -28,6 +28,13 @@ void gelu_backward_bf16(float* dx, const float* dy, const bf16* x_low, int64_t n
 void swiglu_forward_bf16(bf16* h_low_NF, bf16* gu_low_NF2, const float* gu_NF2, int64_t N, int64_t F);
 void swiglu_backward_bf16(float* dgu_NF2, const float* dh_NF, const bf16* gu_low_NF2, int64_t N, int64_t F);
 
+// SwiGLU in a bf16 run's MoE experts, whose outputs (forward's h, backward's dgu) only GEMMs read:
+// swiglu_forward / swiglu_backward with each output row then rounded in place to bf16 precision and,
+// where `copy` is not null, into it — round_in_place's result, a row at a time while it is in cache.
+void swiglu_forward_rounded(float* h_NF, bf16* copy_NF, const float* gu_NF2, int64_t N, int64_t F);
+void swiglu_backward_rounded(float* dgu_NF2, bf16* copy_NF2, const float* dh_NF, const float* gu_NF2, int64_t N,
+                             int64_t F);
+
 // A dense MLP's activation as a layer keeps it: fp32 runs keep the up projection's output `pre`
 // [N, F] (gelu) or [N, 2F] (swiglu) and the activation's output `act` [N, F]; bf16 runs keep both in
 // bf16 (pre_low, act_low; `pre` then only brings the up projection's output in, and act is unused).

@@ -18,8 +18,15 @@ template <typename T>
 void linear_forward(T* y, Id<Operand<T>> x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
                     WeightLayout layout);
 
+// dy is read, not written: in bf16 its rounding for the two GEMMs is a copy.
 template <typename T>
 void linear_backward(T* dx, T* dw, T* db, const T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                      int64_t out, WeightLayout layout, bool accumulate_dx = false);
+
+// The same for a dy nothing reads after the call (a work buffer): in bf16 it is rounded in place for
+// the two GEMMs (operand_in_place), after db has read its fp32 values.
+template <typename T>
+void linear_backward_consuming(T* dx, T* dw, T* db, T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
+                               int64_t out, WeightLayout layout);
 
 }  // namespace origami

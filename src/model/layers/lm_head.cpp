@@ -84,8 +84,8 @@ double lm_head_loss(T* dx, T* dw, T* logits_out, const T* x, Id<Weights<T>> w, c
       }
     }
     if (dx) {
-      thread_local std::vector<bf16> dlogits_low;  // dlogits rounded once for both GEMMs (bf16)
-      const Mat<T> g = operand(p, static_cast<const T*>(logits), n, V, dlogits_low);
+      thread_local std::vector<bf16> dlogits_low;  // dlogits rounded once, in place, for both GEMMs (bf16)
+      const Mat<T> g = operand_in_place(p, logits, n, V, dlogits_low);
       matmul<T>(p, false, false, n, C, V, T(1), g, w.mat(C), T(0), dx + n0 * C, C);  // dx = dlogits·W
       matmul<T>(p, true, false, V, C, n, T(1), g, {x + n0 * C, C}, T(1), dw, C);           // dW += dlogitsᵀ·x
     }

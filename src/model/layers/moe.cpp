@@ -317,24 +317,53 @@ void permute_backward(T* dx, const T* dxs, const MoeCache<T>& c, const MoeSizes&
 }
 
 // A kept expert-side tensor [rows, ld] from row r0 as its GEMMs read it: the values (fp32 runs) or
-// their bf16 copy (MoeSizes::low), or both while forward still holds the values.
+// their bf16 copy (MoeSizes::low), or both while forward still holds the values (keep_rounded has
+// rounded them: exact).
 template <typename T>
 Mat<T> kept_rows(const T* values, const std::vector<bf16>& low, int64_t r0, int64_t ld) {
-  return {values ? values + r0 * ld : nullptr, ld, low.empty() ? nullptr : low.data() + r0 * ld};
+  const bool kept_low = !low.empty();
+  return {values ? values + r0 * ld : nullptr, ld, kept_low ? low.data() + r0 * ld : nullptr, kept_low};
 }
 
-// Under MoeSizes::low: n values from `at` rounded into their kept copy (fp64 runs keep none).
+// Under MoeSizes::low: n values (read by the experts' GEMMs alone) rounded in place to bf16 precision
+// and into their kept copy from `at` (fp64 runs keep none).
 template <typename T>
-void keep_rounded(std::vector<bf16>& low, int64_t at, const T* v, int64_t n) {
+void keep_rounded(std::vector<bf16>& low, int64_t at, T* v, int64_t n) {
   if constexpr (std::is_same_v<T, float>)
-    if (!low.empty()) round_to_bf16(low.data() + at, v, n);
+    if (!low.empty()) round_in_place(v, low.data() + at, n);
+}
+
+// The SwiGLU of rows r0 .. r0+rn into act; under MoeSizes::low rounded in place and kept (keep_rounded's
+// work, done as each row is written).
+template <typename T>
+void expert_activation(T* act, MoeCache<T>& c, int64_t r0, int64_t rn, int64_t F) {
+  const T* gu = c.gu_R2F.data() + r0 * 2 * F;
+  if constexpr (std::is_same_v<T, float>)
+    if (!c.act_low.empty()) return swiglu_forward_rounded(act + r0 * F, c.act_low.data() + r0 * F, gu, rn, F);
+  swiglu_forward(act + r0 * F, gu, rn, F);
+}
+
+// Its backward into dgu [rn, 2F], as its two GEMMs read it (in bf16 rounded in place as each row is
+// written: operand_in_place's result).
+template <typename T>
+Mat<T> expert_activation_backward(Precision p, T* dgu, const T* dact, const T* gu, int64_t rn, int64_t F,
+                                  std::vector<bf16>& low) {
+  if constexpr (std::is_same_v<T, float>)
+    if (p == Precision::bf16) {
+      bf16* copy = in_place_copy(low, rn * 2 * F);
+      swiglu_backward_rounded(dgu, copy, dact, gu, rn, F);
+      return {dgu, 2 * F, copy, true};
+    }
+  swiglu_backward(dgu, dact, gu, rn, F);
+  return {dgu, 2 * F};
 }
 
 // Local experts: one GEMM pair per expert over its contiguous rows of xe [rows, C] (as received;
 // kept in the cache) (partial outputs over ETP) into ye [rows, C]; gate|up and the activations stay
-// in the cache (the activations computed into `act_work` [rows, F] first where the cache keeps them in bf16).
+// in the cache (the activations computed into `act_work` [rows, F] first where the cache keeps them in
+// bf16; then xe and the activations are rounded in place, as only the GEMMs read them).
 template <typename T>
-void experts_forward(T* ye, const T* xe, MoeCache<T>& c, Weights<T> experts, const MoeSizes& s, T* act_work) {
+void experts_forward(T* ye, T* xe, MoeCache<T>& c, Weights<T> experts, const MoeSizes& s, T* act_work) {
   const int64_t C = s.C, F = s.F;
   const Precision p = experts.p;
   keep_rounded(c.xe_low, 0, xe, c.plan.rows * C);
@@ -345,8 +374,7 @@ void experts_forward(T* ye, const T* xe, MoeCache<T>& c, Weights<T> experts, con
     const Weights<T> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
     matmul<T>(p, false, true, rn, 2 * F, C, T(1), kept_rows(xe, c.xe_low, r0, C), w13.mat(C), T(0),
               c.gu_R2F.data() + r0 * 2 * F, 2 * F, Sizes::varying);
-    swiglu_forward(act + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    keep_rounded(c.act_low, r0 * F, act + r0 * F, rn * F);
+    expert_activation(act, c, r0, rn, F);
     matmul<T>(p, false, true, rn, C, F, T(1), kept_rows<T>(act, c.act_low, r0, F), w2.mat(F), T(0), ye + r0 * C, C,
               Sizes::varying);
   }
@@ -354,7 +382,7 @@ void experts_forward(T* ye, const T* xe, MoeCache<T>& c, Weights<T> experts, con
 
 // The experts' backward overwrites dye with ∂/∂xe, expert by expert (its rows of dye are dead once
 // its dact and dw2 are computed); dexperts accumulates. scratch's dgu and dact are work buffers.
-// In bf16 each expert's dye and dgu rows are rounded once for their two GEMMs.
+// In bf16 each expert's dye and dgu rows are rounded once, in place, for their two GEMMs.
 template <typename T>
 void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCache<T>& c, Weights<T> experts,
                       const MoeSizes& s) {
@@ -371,11 +399,11 @@ void experts_backward(T* dye, T* dexperts, MoeScratch<T>& scratch, const MoeCach
     const Weights<T> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
     T* dw13 = dexperts + j * 3 * F * C;
     T* dw2 = dw13 + 2 * F * C;
-    const Mat<T> g = operand(p, static_cast<const T*>(dye + r0 * C), rn, C, low);
+    const Mat<T> g = operand_in_place(p, dye + r0 * C, rn, C, low);
     matmul<T>(p, false, false, rn, F, C, T(1), g, w2.mat(F), T(0), dact + r0 * F, F, vary);
     matmul<T>(p, true, false, C, F, rn, T(1), g, kept_rows(act, c.act_low, r0, F), T(1), dw2, F, vary);
-    swiglu_backward(dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn, F);
-    const Mat<T> ggu = operand(p, static_cast<const T*>(dgu + r0 * 2 * F), rn, 2 * F, low);
+    const Mat<T> ggu = expert_activation_backward(p, dgu + r0 * 2 * F, dact + r0 * F, c.gu_R2F.data() + r0 * 2 * F, rn,
+                                                  F, low);
     matmul<T>(p, false, false, rn, C, 2 * F, T(1), ggu, w13.mat(C), T(0), dye + r0 * C, C, vary);
     matmul<T>(p, true, false, 2 * F, C, rn, T(1), ggu, kept_rows(xe, c.xe_low, r0, C), T(1), dw13, C, vary);
   }
