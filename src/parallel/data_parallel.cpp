@@ -42,8 +42,10 @@ DataParallel::DataParallel(Params& params, Comm& dp, Comm& tp, int zero_stage, b
   if (zero_ == 3) params.hold_only(shards_);  // from the start: an init or a load fills the shards alone
   std::vector<Range> unread;  // ZeRO 1/2: the copy buckets' values outside the shard (drop_values)
   for (size_t b = 0; b < shards_.size() && (zero_ == 1 || zero_ == 2); ++b)
-    if (params.copy_bucket(b))
-      unread.insert(unread.end(), {{params.buckets()[b].begin, shards_[b].begin}, {shards_[b].end, params.buckets()[b].end}});
+    if (params.copy_bucket(b)) {
+      const std::array<Range, 2> outside = outside_shard(b);
+      unread.insert(unread.end(), outside.begin(), outside.end());
+    }
   params.unread_after_copy(std::move(unread));
   // The bf16 copy the update writes: all it updates where that is every value (ZeRO 0, or one rank),
   // else the copy buckets' shards, which their gathers send as they are. The other buckets' copies
@@ -294,12 +296,19 @@ void DataParallel::start_gather(size_t b) {
   if (!gathered_[b] && !gathers_[b].pending()) gathers_[b] = all_gather_bucket(b);
 }
 
+std::array<Range, 2> DataParallel::outside_shard(size_t b) const {
+  const Range &r = params_.buckets()[b], &s = shards_[b];
+  return {Range{r.begin, s.begin}, Range{s.end, r.end}};
+}
+
 void DataParallel::drop_values(size_t b, bool with_copy) {
   // A copy bucket keeps its shard's copy (what its gathers send); another's copy is made when it is gathered.
-  const Range &r = params_.buckets()[b], &s = shards_[b], none{r.end, r.end};
+  const Range& r = params_.buckets()[b];
+  const Range none{r.end, r.end};
+  const auto [before, after] = outside_shard(b);
   const bool copy = params_.copy_bucket(b);
-  params_.release_values({r.begin, s.begin}, !with_copy ? none : copy ? Range{r.begin, s.begin} : r);
-  params_.release_values({s.end, r.end}, with_copy && copy ? Range{s.end, r.end} : none);
+  params_.release_values(before, !with_copy ? none : copy ? before : r);
+  params_.release_values(after, with_copy && copy ? after : none);
   gathered_[b] = 0;
 }
 

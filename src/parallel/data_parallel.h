@@ -59,6 +59,7 @@
 // EP rank's experts, reduced over EDP). finish_gradients takes both and forms one global norm with
 // one all-reduce over the world, each element counted once under any folding.
 #pragma once
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -160,6 +161,8 @@ class DataParallel {
   // Returns bucket b's pages outside this rank's shard: its values, and with `with_copy` (ZeRO-3) its
   // bf16 copy (a copy bucket's outside the shard; another's whole, made again when it is gathered).
   void drop_values(size_t b, bool with_copy);
+  // Bucket b's two ranges outside this rank's shard: before it and after it (either may be empty).
+  std::array<Range, 2> outside_shard(size_t b) const;
   // FSSDP: calls fn(peer, begin, end) for each piece this rank sends in one exchange: outward (a
   // gather) the pieces of its shards that each peer's needed blocks cover; to the owners (a
   // reduction) the pieces of its own needed blocks each peer owns. With `to_owners` flipped it lists,
