@@ -334,11 +334,13 @@ struct GemmCheck {
   }
 
   // The bf16 values widened to fp32 where a16 and b16 hold them, passed as exact fp32 operands (what a
-  // layer passes after round_in_place), with their bf16 copies where `with_copies`.
-  std::vector<float> call_exact(bool with_copies) const {
+  // layer passes after round_in_place) for A, B or both (the other as bf16), with their bf16 copies
+  // where `with_copies`.
+  std::vector<float> call_exact(bool a_exact, bool b_exact, bool with_copies) const {
     const std::vector<float> a = widened(a16, 0), b = widened(b16, 0);
-    return multiply({a.data() + offset, with_copies ? a16.data() + offset : nullptr, lda, true},
-                    {b.data() + offset, with_copies ? b16.data() + offset : nullptr, ldb, true});
+    const bf16 *a_low = a16.data() + offset, *b_low = b16.data() + offset;
+    return multiply(a_exact ? Bf16Operand(a.data() + offset, with_copies ? a_low : nullptr, lda, true) : Bf16Operand(a_low, lda),
+                    b_exact ? Bf16Operand(b.data() + offset, with_copies ? b_low : nullptr, ldb, true) : Bf16Operand(b_low, ldb));
   }
 
   // The bf16 operands copied compactly (row stride = columns): what oneDNN's path reads when the call
@@ -374,25 +376,24 @@ struct GemmCheck {
 
 const char* path_name(Bf16GemmPath p) { return p == Bf16GemmPath::onednn ? "oneDNN" : "portable"; }
 
-// Exact fp32 operands, alone or with their bf16 copies, are within both bounds; where a call keeps
-// the path the bf16 operands took (C), the portable path reads the fp32 values in place whether or not
-// copies come with them (the same bits both ways), and oneDNN's reads the copies (C's bits).
+// Exact fp32 operands — A's, B's or both (the portable path reads them in place: its one-operand
+// blocking over K slices and pieces, or one call), alone or with their bf16 copies — are within both
+// bounds; where oneDNN's path takes a call with copies, as it took the bf16 operands (C), it reads the
+// copies: C's bits.
 void check_exact_operands(const GemmCheck& check, const std::vector<float>& C, Bf16GemmPath path,
                           const std::string& where) {
-  const std::vector<float> alone = check.call_exact(false);
-  const Bf16GemmPath alone_path = last_bf16_gemm_path();
-  const std::vector<float> with_copies = check.call_exact(true);
-  const Bf16GemmPath copies_path = last_bf16_gemm_path();
-  for (const std::vector<float>* got : {&alone, &with_copies}) {
-    const auto [r1, r2] = check.ratios(*got);
-    EXPECT_LE(r1, 1.0) << where << ", exact fp32 operands: against the bf16 inputs";
-    EXPECT_LE(r2, 1.0) << where << ", exact fp32 operands: against fp32";
-  }
-  const size_t bytes = C.size() * sizeof(float);
-  if (alone_path == Bf16GemmPath::portable && copies_path == Bf16GemmPath::portable)
-    EXPECT_EQ(0, std::memcmp(alone.data(), with_copies.data(), bytes)) << where << ": the portable path read a copy";
-  if (copies_path == Bf16GemmPath::onednn && path == Bf16GemmPath::onednn)
-    EXPECT_EQ(0, std::memcmp(C.data(), with_copies.data(), bytes)) << where << ": oneDNN did not read the copies";
+  for (const auto& [a_exact, b_exact] : {std::pair{true, false}, {false, true}, {true, true}})
+    for (bool copies : {false, true}) {
+      const std::vector<float> got = check.call_exact(a_exact, b_exact, copies);
+      const Bf16GemmPath got_path = last_bf16_gemm_path();
+      const std::string what = cat(where, ", exact fp32 ", a_exact && b_exact ? "A and B" : a_exact ? "A" : "B",
+                                   copies ? " with copies" : "");
+      const auto [r1, r2] = check.ratios(got);
+      EXPECT_LE(r1, 1.0) << what << ": against the bf16 inputs";
+      EXPECT_LE(r2, 1.0) << what << ": against fp32";
+      if (copies && got_path == Bf16GemmPath::onednn && path == Bf16GemmPath::onednn)
+        EXPECT_EQ(0, std::memcmp(C.data(), got.data(), C.size() * sizeof(float))) << what << ": oneDNN did not read the copies";
+    }
 }
 
 // Runs every case on every path to check here — the timed choice, oneDNN wherever it has a bf16
@@ -458,6 +459,10 @@ std::vector<Case> odd_size_cases() {
     out.push_back({t, t, 20000, 7, 300, 1.f, true});
     out.push_back({t, !t, 7, 20000, 300, 0.f, true});
   }
+  // K deeper than the portable path takes with both operands whole (M + N = 4200: 2^22 / 4200 = 998
+  // deep): cut into two slices of 750, the second accumulating (both operands exact: one call).
+  out.push_back({false, true, 4000, 200, 1500, 0.f, true});
+  out.push_back({true, false, 200, 4000, 1500, 1.f, true});
   // Accumulating into a C of 2^24 elements or more: oneDNN's path runs it in row blocks (16 of 965
   // rows and one of 960 here; the LM head's dW of model_cases is the transposed-A case).
   out.push_back({false, false, 16400, 1024, 17, 1.f, true});

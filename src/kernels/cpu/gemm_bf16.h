@@ -4,7 +4,8 @@
 // an operand's ld and ldc are row strides; beta = 0 ignores C (NaN there does not leak into the result).
 // An operand is bf16 values, or fp32 values that the call rounds to bf16 (to_bf16) the way its path
 // reads them: oneDNN's into a per-thread bf16 scratch, the portable path while it copies its blocks
-// (one pass instead of rounding, then widening).
+// (one pass instead of rounding, then widening) — or fp32 values already at bf16 precision (exact,
+// round_in_place), which the portable path multiplies where they are.
 //
 // Two paths:
 //   oneDNN: its matmul primitive, bf16 × bf16 -> f32, on whatever it has — AMX tiles

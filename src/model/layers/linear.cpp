@@ -41,13 +41,19 @@ void backward_gemms(T* dx, T* dw, Mat<T> g, Operand<T> x, Weights<T> w, int64_t 
   else matmul<T>(w.p, true, false, in, out, N, T(1), x.mat(in), g, T(1), dw, out);    // dW[in,out] += xᵀ·dy
 }
 
+// This thread's bf16 copy of a backward's dy, for both its GEMMs: one buffer for both entry points
+// below (the memory check counts one).
+std::vector<bf16>& dy_copy() {
+  thread_local std::vector<bf16> low;
+  return low;
+}
+
 }  // namespace
 
 template <typename T>
 void linear_backward(T* dx, T* dw, T* db, const T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                      int64_t out, WeightLayout layout, bool accumulate_dx) {
-  thread_local std::vector<bf16> dy_low;  // dy rounded once for both GEMMs (bf16)
-  backward_gemms(dx, dw, operand(w.p, dy, N, out, dy_low), x, w, N, in, out, layout, accumulate_dx);
+  backward_gemms(dx, dw, operand(w.p, dy, N, out, dy_copy()), x, w, N, in, out, layout, accumulate_dx);
   if (db) bias_backward(db, dy, N, out);
 }
 
@@ -55,8 +61,7 @@ template <typename T>
 void linear_backward_consuming(T* dx, T* dw, T* db, T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                                int64_t out, WeightLayout layout) {
   if (db) bias_backward(db, static_cast<const T*>(dy), N, out);
-  thread_local std::vector<bf16> dy_low;  // dy's bf16 copy where bf16 GEMMs read bf16
-  backward_gemms(dx, dw, operand_in_place(w.p, dy, N, out, dy_low), x, w, N, in, out, layout, false);
+  backward_gemms(dx, dw, operand_in_place(w.p, dy, N, out, dy_copy()), x, w, N, in, out, layout, false);
 }
 
 #define INSTANTIATE(T)                                                                                          \
