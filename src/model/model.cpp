@@ -744,8 +744,13 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   float* ln1 = norm_gather(norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b));
   linear_forward(a.qkv, rounded_values<float>(ln1, a.ln1_low != nullptr), mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
-  if (kv_) cached_attention(l, a.qkv, a.att, a.lse);
-  else cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
+  if (kv_) {
+    cached_attention(l, a.qkv, a.att, a.lse);
+  } else {
+    // bf16: the core rounds q, k and v to bf16 anyway and nothing else reads them (cp_shape).
+    if (precision_ == Precision::bf16) round_in_place(a.qkv, nullptr, N * S);
+    cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
+  }
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);
   tp.exit(a.mid, part, B, T, C);

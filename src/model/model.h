@@ -358,6 +358,7 @@ class Model {
   CpShape cp_shape() const {
     CpShape s = cp_now().shape(B_, T_, Hl_, KVl_, cfg_.head_dim);
     s.precision = precision_;
+    s.qkv_exact = precision_ == Precision::bf16;  // layer_forward rounds q|k|v in place
     return s;
   }
   // The current micro-batch's attention: over the CP group, or a subgroup's (set_cp_degrees).

@@ -166,7 +166,7 @@ void ContextParallel::for_each_block(const CpShape& s, const int32_t* doc, int k
           const int64_t cq = chunk(group * A + sq, eq), ck = chunk(kv_group * A + sk, ek);
           if (cq < ck) continue;
           BlockDims mask{B, m, m, s.Ha(), s.KVa(), s.D, cq == ck ? 0 : kAllKeys};
-          mask.precision = s.precision;
+          mask.precision = s.precision, mask.qkv_exact = s.qkv_exact;
           if (doc) mask.qdoc = doc + cq * m, mask.kdoc = doc + ck * m, mask.doc_row = 2 * size_ * m;
           fn(sq * B * Tl + eq * m, sk * B * Tl + ek * m, sq * B * s.Ha() * Tl + eq * m, mask);
           progress();
@@ -213,7 +213,7 @@ void pack_kv(float* kv, const float* qkv, const CpShape& s) {
 void ContextParallel::forward(float* out, float* lse, float* qkv_h, float* out_h, const float* qkv, const CpShape& s,
                               const int32_t* doc) {
   if (size_ == 1) {  // the whole sequence
-    counters_.tiles += attention_forward(out, lse, qkv, s.B, s.Tl, s.H, s.KV, s.D, doc, s.precision);
+    counters_.tiles += attention_forward(out, lse, qkv, s.B, s.Tl, s.H, s.KV, s.D, doc, s.precision, s.qkv_exact);
     counters_.pairs += s.B * s.H * s.Tl * (s.Tl + 1) / 2;
     return;
   }
@@ -274,7 +274,7 @@ void ContextParallel::forward(float* out, float* lse, float* qkv_h, float* out_h
 void ContextParallel::backward(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* qkv_h,
                                const float* out, const float* out_h, const CpShape& s, const int32_t* doc) {
   if (size_ == 1) {
-    attention_backward(dqkv, dout, qkv, out, lse, s.B, s.Tl, s.H, s.KV, s.D, doc, s.precision);
+    attention_backward(dqkv, dout, qkv, out, lse, s.B, s.Tl, s.H, s.KV, s.D, doc, s.precision, s.qkv_exact);
     return;
   }
   const int A = s.a2a, R = s.rings(), group = rank_ / A;

@@ -51,6 +51,7 @@ struct CpShape {
   int64_t B = 0, Tl = 0, H = 0, KV = 0, D = 0;
   int cp = 1, a2a = 1;  // C and A
   Precision precision = Precision::fp32;  // of the attention core's products (layers/attention.h)
+  bool qkv_exact = false;                 // bf16: q|k|v rounded already (BlockDims::qkv_exact)
   int64_t N() const { return B * Tl; }
   int64_t Ha() const { return H / a2a; }
   int64_t KVa() const { return KV >= a2a ? KV / a2a : 1; }

@@ -400,6 +400,31 @@ TEST(ActivationBf16, EqualTheFp32KernelsOnTheRoundedInput) {
   }
 }
 
+// The MoE experts' SwiGLU in a bf16 run: exactly the fp32 kernels' outputs rounded to bf16 precision,
+// in place and (where a copy is asked for) as bf16, forward and backward; rows across the threads.
+TEST(ActivationBf16, RoundedSwigluIsTheFp32KernelsRounded) {
+  Rng rng(35);
+  const int64_t N = 7, F = 300;
+  const std::vector<float> gu = to_f(rng.vec(N * 2 * F, -6, 6)), dh = to_f(rng.vec(N * F));
+  std::vector<float> h(N * F), dgu(N * 2 * F);
+  swiglu_forward(h.data(), gu.data(), N, F);
+  swiglu_backward(dgu.data(), dh.data(), gu.data(), N, F);
+  for (const bool copy : {false, true}) {
+    std::vector<float> h_r(N * F, 7.f), dgu_r(N * 2 * F, 7.f);
+    std::vector<bf16> h_low(N * F), dgu_low(N * 2 * F);
+    swiglu_forward_rounded(h_r.data(), copy ? h_low.data() : nullptr, gu.data(), N, F);
+    swiglu_backward_rounded(dgu_r.data(), copy ? dgu_low.data() : nullptr, dh.data(), gu.data(), N, F);
+    for (size_t i = 0; i < h.size(); ++i) {
+      ASSERT_EQ(h_r[i], to_float(to_bf16(h[i]))) << "h[" << i << "]";
+      if (copy) ASSERT_EQ(h_low[i].bits, to_bf16(h[i]).bits) << "h copy[" << i << "]";
+    }
+    for (size_t i = 0; i < dgu.size(); ++i) {
+      ASSERT_EQ(dgu_r[i], to_float(to_bf16(dgu[i]))) << "dgu[" << i << "]";
+      if (copy) ASSERT_EQ(dgu_low[i].bits, to_bf16(dgu[i]).bits) << "dgu copy[" << i << "]";
+    }
+  }
+}
+
 // ───────────────────────────── Embedding ─────────────────────────────
 
 class EmbeddingFd : public ::testing::TestWithParam<bool> {};
@@ -832,30 +857,35 @@ Attention bf16_attention_by_definition(const Vec& qkv, const Vec& dout, int64_t 
 // origami's bf16 core against its definition, out, lse and dqkv: the median error within 1e-6 (fp32
 // round-off) and the norm within 2e-4 (the flips above: up to 5e-5 measured). The fp32 core (no
 // rounding) measured against the same definition must miss the median bound by 100× — it sees the
-// rounding points. Three tiles a row (T = 150), GQA 2:1.
+// rounding points. Three tiles a row (T = 150), GQA 2:1. Also with q|k|v rounded in place first and
+// marked exact (qkv_exact, as the model passes them): the same bounds.
 TEST(AttentionBf16, MatchesItsDefinition) {
   const int64_t B = 2, Tn = 150, H = 4, KV = 2, D = 16, S = (H + 2 * KV) * D, HD = H * D;
   Rng rng(31);
   const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
   const Attention want = bf16_attention_by_definition(qkv, dout, B, Tn, H, KV, D);
-  auto run = [&](Precision p) {
+  auto run = [&](Precision p, bool exact) {
     std::vector<float> qf = to_f(qkv), rf = to_f(dout), out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
-    attention_forward(out.data(), lse.data(), qf.data(), B, Tn, H, KV, D, nullptr, p);
-    attention_backward(dqkv.data(), rf.data(), qf.data(), out.data(), lse.data(), B, Tn, H, KV, D, nullptr, p);
+    if (exact) round_in_place(qf.data(), nullptr, int64_t(qf.size()));
+    attention_forward(out.data(), lse.data(), qf.data(), B, Tn, H, KV, D, nullptr, p, exact);
+    attention_backward(dqkv.data(), rf.data(), qf.data(), out.data(), lse.data(), B, Tn, H, KV, D, nullptr, p, exact);
     return Attention{to_d(out), to_d(lse), to_d(dqkv)};
   };
-  const Attention fp32 = run(Precision::fp32);
+  const Attention fp32 = run(Precision::fp32, false);
   for_each_bf16_tile_path([&](Bf16Tiles) {
-    const Attention got = run(Precision::bf16);
-    for (auto [name, a, f, w] : {std::tuple{"out", &got.out, &fp32.out, &want.out},
-                                 std::tuple{"lse", &got.lse, &fp32.lse, &want.lse},
-                                 std::tuple{"dqkv", &got.dqkv, &fp32.dqkv, &want.dqkv}}) {
-      const Errors e = errors(*a, *w), e_fp32 = errors(*f, *w);
-      std::printf("  bf16 %-5s against its definition: median %.2e norm %.2e (fp32: median %.2e norm %.2e)\n", name,
-                  e.median, e.norm, e_fp32.median, e_fp32.norm);
-      EXPECT_LE(e.median, 1e-6) << name;
-      EXPECT_LE(e.norm, 2e-4) << name;
-      EXPECT_GE(e_fp32.median, 1e-4) << name;
+    for (const bool exact : {false, true}) {
+      SCOPED_TRACE(exact ? "q|k|v exact" : "q|k|v rounded by the core");
+      const Attention got = run(Precision::bf16, exact);
+      for (auto [name, a, f, w] : {std::tuple{"out", &got.out, &fp32.out, &want.out},
+                                   std::tuple{"lse", &got.lse, &fp32.lse, &want.lse},
+                                   std::tuple{"dqkv", &got.dqkv, &fp32.dqkv, &want.dqkv}}) {
+        const Errors e = errors(*a, *w), e_fp32 = errors(*f, *w);
+        std::printf("  bf16 %-5s against its definition: median %.2e norm %.2e (fp32: median %.2e norm %.2e)\n", name,
+                    e.median, e.norm, e_fp32.median, e_fp32.norm);
+        EXPECT_LE(e.median, 1e-6) << name;
+        EXPECT_LE(e.norm, 2e-4) << name;
+        EXPECT_GE(e_fp32.median, 1e-4) << name;
+      }
     }
   });
 }

@@ -142,10 +142,14 @@ struct Rows {
 // compactly, [n][D] — compact, as oneDNN's AMX kernels take their operands (strided ones get its
 // gemm:jit kernels, 5-10x slower here). A task rounds the rows it reads while they are in its
 // cache, rather than a pass over the whole block first.
+// With `exact` values (BlockDims::qkv_exact) fp32 tiles read them in place, as in fp32.
 template <bool kRound, typename S, typename T>
-Rows<S> head_rows(Heads<const T> x, int64_t b, int64_t h, int64_t n, int64_t D, std::vector<S>& copy) {
+Rows<S> head_rows(Heads<const T> x, int64_t b, int64_t h, int64_t n, int64_t D, std::vector<S>& copy,
+                  bool exact = false) {
   const T* p = x.p + b * x.row + h * D;
   if constexpr (kRound) {
+    if constexpr (std::is_same_v<S, T>)
+      if (exact) return {p, x.tok};
     if (copy.size() < size_t(n * D)) copy.resize(size_t(n * D));
     for (int64_t t = 0; t < n; ++t) round_into(copy.data() + t * D, p + t * x.tok, D);
     return {copy.data(), D};
@@ -174,9 +178,10 @@ int64_t forward_tiles(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T>
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t g = h / group;
-        const Rows<S> Q = head_rows<kRound>(q, b, h, Tq, D, q_copy);
+        const Rows<S> Q = head_rows<kRound>(q, b, h, Tq, D, q_copy, dm.qkv_exact);
         if (b * dm.KV + g != kv_at) {
-          K = head_rows<kRound>(k, b, g, Tk, D, k_copy), V = head_rows<kRound>(v, b, g, Tk, D, v_copy);
+          K = head_rows<kRound>(k, b, g, Tk, D, k_copy, dm.qkv_exact);
+          V = head_rows<kRound>(v, b, g, Tk, D, v_copy, dm.qkv_exact);
           kv_at = b * dm.KV + g;
         }
         T* O = out.p + b * out.row + h * D;
@@ -255,14 +260,16 @@ int64_t backward_tiles(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dou
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < KV; ++g) {
-        const Rows<S> K = head_rows<kRound>(k, b, g, Tk, D, k_copy), V = head_rows<kRound>(v, b, g, Tk, D, v_copy);
+        const Rows<S> K = head_rows<kRound>(k, b, g, Tk, D, k_copy, dm.qkv_exact),
+                      V = head_rows<kRound>(v, b, g, Tk, D, v_copy, dm.qkv_exact);
         T* dK = kRound ? acc_k.data() : dk.p + b * dk.row + g * D;
         T* dV = kRound ? acc_v.data() : dv.p + b * dv.row + g * D;
         std::fill(acc_k.begin(), acc_k.end(), T(0));
         std::fill(acc_v.begin(), acc_v.end(), T(0));
         const RowDocs docs(dm, b);
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const Rows<S> Q = head_rows<kRound>(q, b, h, Tq, D, q_copy), dO = head_rows<kRound>(dout, b, h, Tq, D, dout_copy);
+          const Rows<S> Q = head_rows<kRound>(q, b, h, Tq, D, q_copy, dm.qkv_exact),
+                        dO = head_rows<kRound>(dout, b, h, Tq, D, dout_copy);
           T* dQ = kRound ? acc_q.data() : dq.p + b * dq.row + h * D;
           std::fill(acc_q.begin(), acc_q.end(), T(0));
           const T* O = out.p + b * out.row + h * D;
@@ -350,30 +357,30 @@ int64_t attention_scratch_bytes(int64_t T, int64_t D, Precision p) {
 // The whole sequence is one causal block over the packed qkv rows (documents: the same ids for both).
 template <typename T>
 int64_t attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
-                          const int32_t* doc, Precision p) {
+                          const int32_t* doc, Precision p, bool qkv_exact) {
   const int64_t S = (H + 2 * KV) * D, HD = H * D;
   std::fill(out, out + B * Tn * HD, T(0));
   std::fill(lse, lse + B * H * Tn, -std::numeric_limits<T>::infinity());
   return attention_block_forward<T>({out, Tn * HD, HD}, {lse, H * Tn, Tn}, {qkv, Tn * S, S}, {qkv + H * D, Tn * S, S},
-                                    {qkv + (H + KV) * D, Tn * S, S}, {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p});
+                                    {qkv + (H + KV) * D, Tn * S, S}, {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p, qkv_exact});
 }
 
 template <typename T>
 int64_t attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const T* lse, int64_t B, int64_t Tn,
-                           int64_t H, int64_t KV, int64_t D, const int32_t* doc, Precision p) {
+                           int64_t H, int64_t KV, int64_t D, const int32_t* doc, Precision p, bool qkv_exact) {
   const int64_t S = (H + 2 * KV) * D, HD = H * D;
   std::fill(dqkv, dqkv + B * Tn * S, T(0));
   return attention_block_backward<T>({dqkv, Tn * S, S}, {dqkv + H * D, Tn * S, S}, {dqkv + (H + KV) * D, Tn * S, S},
                                      {dout, Tn * HD, HD}, {qkv, Tn * S, S}, {qkv + H * D, Tn * S, S},
                                      {qkv + (H + KV) * D, Tn * S, S}, {out, Tn * HD, HD}, {lse, H * Tn, Tn},
-                                     {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p});
+                                     {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p, qkv_exact});
 }
 
 #define ORIGAMI_ATTENTION(T)                                                                                        \
   template int64_t attention_forward<T>(T*, T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t,          \
-                                        const int32_t*, Precision);                                                 \
+                                        const int32_t*, Precision, bool);                                           \
   template int64_t attention_backward<T>(T*, const T*, const T*, const T*, const T*, int64_t, int64_t, int64_t,     \
-                                         int64_t, int64_t, const int32_t*, Precision);                              \
+                                         int64_t, int64_t, const int32_t*, Precision, bool);                        \
   template int64_t attention_block_forward<T>(Heads<T>, Lse<T>, Heads<const T>, Heads<const T>, Heads<const T>,     \
                                               const BlockDims&);                                                    \
   template int64_t attention_block_backward<T>(Heads<T>, Heads<T>, Heads<T>, Heads<const T>, Heads<const T>,        \

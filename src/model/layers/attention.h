@@ -23,9 +23,11 @@
 
 namespace origami {
 
+// qkv_exact (bf16): q, k and v hold bf16 values already (BlockDims::qkv_exact).
 template <typename T>
 int64_t attention_forward(T* out_BTHD, T* lse_BHT, const T* qkv_BTS, int64_t B, int64_t Tn, int64_t H,
-                          int64_t KV, int64_t D, const int32_t* doc_BT = nullptr, Precision p = Precision::fp32);
+                          int64_t KV, int64_t D, const int32_t* doc_BT = nullptr, Precision p = Precision::fp32,
+                          bool qkv_exact = false);
 
 // Bytes a thread holds while the core runs over windows of at most T tokens, head dim D, beyond the
 // fp32 core's few tiles: in bf16 its head's rows as the products read them (q, k, v, dout; 4 bytes an
@@ -35,7 +37,7 @@ int64_t attention_scratch_bytes(int64_t T, int64_t D, Precision p);
 template <typename T>
 int64_t attention_backward(T* dqkv_BTS, const T* dout_BTHD, const T* qkv_BTS, const T* out_BTHD,
                            const T* lse_BHT, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t D,
-                           const int32_t* doc_BT = nullptr, Precision p = Precision::fp32);
+                           const int32_t* doc_BT = nullptr, Precision p = Precision::fp32, bool qkv_exact = false);
 
 // ---- Blocks: attention of Tq query rows against Tk key rows, merged into a running result ----
 // The whole-sequence functions above are one block each; context parallelism (parallel/
@@ -66,6 +68,9 @@ struct BlockDims {
   const int32_t* kdoc = nullptr;
   int64_t doc_row = 0;
   Precision precision = Precision::fp32;
+  // bf16: q, k and v hold bf16 values already (the model rounds them in place once, as only the core
+  // reads them), so fp32 tiles read them where they are instead of rounding each head's rows.
+  bool qkv_exact = false;
 };
 
 // Merges the block into (out, lse): on entry they hold the attention over the keys seen so far
