@@ -747,9 +747,10 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   if (kv_) {
     cached_attention(l, a.qkv, a.att, a.lse);
   } else {
-    // bf16: the core rounds q, k and v to bf16 anyway and nothing else reads them (cp_shape).
-    if (precision_ == Precision::bf16) round_in_place(a.qkv, nullptr, N * S);
-    cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, cp_shape(), docs());
+    // bf16 on fp32 tiles: the core rounds q, k and v anyway and nothing else reads them (cp_shape).
+    const CpShape shape = cp_shape();
+    if (shape.qkv_exact) round_in_place(a.qkv, nullptr, N * S);
+    cp_now().forward(a.att, a.lse, a.qkv_h, a.att_h, a.qkv, shape, docs());
   }
   float* part = tp.full(a.mid, s.full.data());
   linear_forward(part, a.att, mw(o.o_w), static_cast<const float*>(nullptr), N, HD, C, lay);

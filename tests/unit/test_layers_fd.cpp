@@ -659,15 +659,19 @@ struct Chunked {
   std::vector<std::pair<Vec, Vec>> forward, backward;
 };
 template <typename T>
-Chunked any_chunking(const int32_t* doc, Precision precision) {
+Chunked any_chunking(const int32_t* doc, Precision precision, bool exact = false) {
   using TVec = std::vector<T>;
   const int64_t B = 2, Tn = 130, H = 6, KV = 2, D = 8, S = (H + 2 * KV) * D, HD = H * D, W = 2 * KV * D;
   Rng rng(97);
   const Vec qkv_d = rng.vec(B * Tn * S, -2, 2), dout_d = rng.vec(B * Tn * HD);
-  const TVec qkv(qkv_d.begin(), qkv_d.end()), dout(dout_d.begin(), dout_d.end());
+  TVec qkv(qkv_d.begin(), qkv_d.end());
+  const TVec dout(dout_d.begin(), dout_d.end());
+  if constexpr (std::is_same_v<T, float>)  // exact: q|k|v rounded in place first, as a bf16 model does
+    if (exact) round_in_place(qkv.data(), nullptr, int64_t(qkv.size()));
   TVec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
-  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc, precision);
-  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc, precision);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc, precision, exact);
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc, precision,
+                     exact);
   TVec kv(B * Tn * W);  // [B, T, k | v]
   for (int64_t n = 0; n < B * Tn; ++n)
     for (int64_t j = 0; j < W; ++j) kv[n * W + j] = qkv[n * S + H * D + j];
@@ -684,7 +688,7 @@ Chunked any_chunking(const int32_t* doc, Precision precision) {
         const int64_t q0 = edges[qc], k0 = edges[kc];
         BlockDims d{B, edges[qc + 1] - q0, edges[kc + 1] - k0, H, KV, D, kc == qc ? 0 : kAllKeys};
         if (doc) d.qdoc = doc + q0, d.kdoc = doc + k0, d.doc_row = Tn;
-        d.precision = precision;
+        d.precision = precision, d.qkv_exact = exact;
         const Heads<const T> q{qkv.data() + q0 * S, Tn * S, S}, k{kv.data() + k0 * W, Tn * W, W},
             v{kv.data() + k0 * W + KV * D, Tn * W, W};
         if (!backward) {
@@ -764,17 +768,18 @@ void for_each_bf16_tile_path(const std::function<void(Bf16Tiles)>& f) {
 TEST(AttentionBf16, AnyChunkingMergesToTheWhole) {
   const std::vector<int32_t> doc = document_ids(130, {{5, 17, 64, 65, 100, 128}, {30, 71, 129}});
   for_each_bf16_tile_path([&](Bf16Tiles) {
-    for (const int32_t* d : {static_cast<const int32_t*>(nullptr), doc.data()}) {
-      const Chunked c = any_chunking<float>(d, Precision::bf16);
-      expect_close("bf16 merged blocks: out", c.forward[0].first, c.forward[0].second, 1e-6);
-      expect_close("bf16 merged blocks: lse", c.forward[1].first, c.forward[1].second, 1e-6);
-      for (const auto& [chunked, whole] : c.backward) {
-        const Errors e = errors(chunked, whole);
-        std::printf("  bf16 merged blocks, backward: median %.2e norm %.2e\n", e.median, e.norm);
-        EXPECT_LE(e.median, 1e-6);
-        EXPECT_LE(e.norm, 2e-4);
+    for (const int32_t* d : {static_cast<const int32_t*>(nullptr), doc.data()})
+      for (const bool exact : {false, true}) {  // exact: k|v blocks read in place from the ring-like buffer
+        const Chunked c = any_chunking<float>(d, Precision::bf16, exact);
+        expect_close("bf16 merged blocks: out", c.forward[0].first, c.forward[0].second, 1e-6);
+        expect_close("bf16 merged blocks: lse", c.forward[1].first, c.forward[1].second, 1e-6);
+        for (const auto& [chunked, whole] : c.backward) {
+          const Errors e = errors(chunked, whole);
+          std::printf("  bf16 merged blocks, backward: median %.2e norm %.2e\n", e.median, e.norm);
+          EXPECT_LE(e.median, 1e-6);
+          EXPECT_LE(e.norm, 2e-4);
+        }
       }
-    }
   });
 }
 

@@ -64,7 +64,9 @@ void round_into(float* dst, const float* src, int64_t n) { to_bf16_precision(dst
 // backward's dS rounded for the products that read them; products exact, sums, softmax and
 // log-sum-exp in fp32.
 // A copy is stored as S: bf16 for oneDNN's bf16 tiles, or float holding bf16 values for the fp32
-// tiles where those are faster (bf16_tiles()) — the same values, so the same rounding points.
+// tiles where those are faster (bf16_tiles()) — the same values, so the same rounding points. A
+// model on fp32 tiles rounds q, k and v in place beforehand (BlockDims::qkv_exact), and their rows
+// are then read where they are.
 // The forward rounds P relative to a power of two (probabilities below): bf16 rounding commutes with
 // scaling by 2ⁿ, so P's rounded values do not depend on which keys came first (the tile order, a
 // context-parallel layout's blocks), and the PyTorch oracle rounds them the same way from its
@@ -349,6 +351,8 @@ int64_t attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<co
   ORIGAMI_ASSERT(dm.precision == Precision::fp32);
   return backward_tiles<T, T, false>(dq, dk, dv, dout, q, k, v, out, lse, dm);
 }
+
+bool bf16_qkv_in_place() { return bf16_tiles() == Bf16Tiles::fp32; }
 
 int64_t attention_scratch_bytes(int64_t T, int64_t D, Precision p) {
   return p == Precision::bf16 ? (4 + 3) * 4 * T * D : 0;
