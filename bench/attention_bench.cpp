@@ -8,9 +8,9 @@
 //
 // --precision bf16 runs the core as `train --precision bf16` does (layers/attention.h: bf16 products,
 // fp32 softmax), its tiles on the path bf16_tiles() chose (printed; ORIGAMI_BF16_GEMM=portable forces
-// fp32 tiles), on fp32 tiles with q|k|v rounded in place beforehand as a layer does. With both (fp32,bf16) each round times both, alternately, and each bf16 row also
-// gives its time relative to fp32's on the same window (round by round: a machine whose speed
-// drifts between rounds moves both).
+// fp32 tiles), on fp32 tiles with q|k|v rounded in place beforehand as a layer does. With both
+// (fp32,bf16) each round times both, alternately, and each bf16 row also gives its time relative to
+// fp32's on the same window (round by round: a machine whose speed drifts between rounds moves both).
 // Each round times, alternately, the causal window and each document count (forward, then
 // backward, on the same random q|k|v in fp32). Printed: per row the median of the rounds' times
 // (min and max beside it), the score tiles computed (forward, per call), and the time and tiles
@@ -103,7 +103,6 @@ int main(int argc, char** argv) {
   for (float& x : qkv) x = u(rng);
   for (float& x : dout) x = u(rng);
   // bf16 on fp32 tiles: q|k|v rounded in place once, as a layer gives them (Model::cp_shape).
-  const bool exact = bf16_qkv_in_place();
   std::vector<float> qkv_rounded = qkv;
   round_in_place(qkv_rounded.data(), nullptr, int64_t(qkv_rounded.size()));
   // Row 0 is causal (no mask); then one row per document count: equal documents (the last takes the rest).
@@ -122,10 +121,11 @@ int main(int argc, char** argv) {
       const Precision p = o.precisions[r / windows];
       const int32_t* doc = r % windows == 0 ? nullptr : masks[r % windows - 1].data();
       const auto t0 = std::chrono::steady_clock::now();
-      const bool in_place = p == Precision::bf16 && exact;
+      const bool in_place = qkv_rounded_in_place(p);
       const float* x = in_place ? qkv_rounded.data() : qkv.data();
       tiles[r] = attention_forward(out.data(), lse.data(), x, o.B, o.T, o.H, o.KV, o.D, doc, p, in_place);
-      attention_backward(dqkv.data(), dout.data(), x, out.data(), lse.data(), o.B, o.T, o.H, o.KV, o.D, doc, p, in_place);
+      attention_backward(dqkv.data(), dout.data(), x, out.data(), lse.data(), o.B, o.T, o.H, o.KV, o.D, doc, p,
+                         in_place);
       if (round > 0) times[r].push_back(seconds_since(t0) * 1e3);
     }
   auto median = [](std::vector<double> t) {  // (of an even count, the mean of the middle two)

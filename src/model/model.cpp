@@ -806,7 +806,8 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   TensorParallel& tp = tp_;
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
   const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
-  const Operand<float> ln2 = rounded_values<float>(norm_read(a.ln2, a.ln2_low), a.ln2_low != nullptr);  // SP: gathered again
+  // SP: the kept shard gathered again.
+  const Operand<float> ln2 = rounded_values<float>(norm_read(a.ln2, a.ln2_low), a.ln2_low != nullptr);
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
@@ -861,8 +862,8 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, mw(o.o_w), N, HD, C, lay);
   cp_now().backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
-  linear_backward_consuming(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(),
-                            rounded_values<float>(norm_read(a.ln1, a.ln1_low), a.ln1_low != nullptr), mw(o.qkv_w), N, C, S, lay);
+  const Operand<float> ln1 = rounded_values<float>(norm_read(a.ln1, a.ln1_low), a.ln1_low != nullptr);
+  linear_backward_consuming(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, mw(o.qkv_w), N, C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);
 }

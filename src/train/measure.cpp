@@ -69,7 +69,7 @@ double time_attention(Comm& world, int64_t T, int64_t H, int64_t KV, int64_t D, 
   std::vector<int32_t> doc;
   for (int64_t t = 0; doc_len > 0 && t < T; ++t) doc.push_back(int32_t(t / doc_len));
   const int32_t* d = doc.empty() ? nullptr : doc.data();
-  const bool exact = p == Precision::bf16 && bf16_qkv_in_place();  // as a layer gives them (Model::cp_shape)
+  const bool exact = qkv_rounded_in_place(p);  // as a layer gives them (Model::cp_shape)
   if (exact) round_in_place(qkv.data(), nullptr, int64_t(qkv.size()));
   return timed(world, seconds, 1, [&] {
     attention_forward(out.data(), lse.data(), qkv.data(), 1, T, H, KV, D, d, p, exact);

@@ -339,8 +339,11 @@ struct GemmCheck {
   std::vector<float> call_exact(bool a_exact, bool b_exact, bool with_copies) const {
     const std::vector<float> a = widened(a16, 0), b = widened(b16, 0);
     const bf16 *a_low = a16.data() + offset, *b_low = b16.data() + offset;
-    return multiply(a_exact ? Bf16Operand(a.data() + offset, with_copies ? a_low : nullptr, lda, true) : Bf16Operand(a_low, lda),
-                    b_exact ? Bf16Operand(b.data() + offset, with_copies ? b_low : nullptr, ldb, true) : Bf16Operand(b_low, ldb));
+    const Bf16Operand A = a_exact ? Bf16Operand(a.data() + offset, with_copies ? a_low : nullptr, lda, true)
+                                  : Bf16Operand(a_low, lda);
+    const Bf16Operand B = b_exact ? Bf16Operand(b.data() + offset, with_copies ? b_low : nullptr, ldb, true)
+                                  : Bf16Operand(b_low, ldb);
+    return multiply(A, B);
   }
 
   // The bf16 operands copied compactly (row stride = columns): what oneDNN's path reads when the call
@@ -392,7 +395,8 @@ void check_exact_operands(const GemmCheck& check, const std::vector<float>& C, B
       EXPECT_LE(r1, 1.0) << what << ": against the bf16 inputs";
       EXPECT_LE(r2, 1.0) << what << ": against fp32";
       if (copies && got_path == Bf16GemmPath::onednn && path == Bf16GemmPath::onednn)
-        EXPECT_EQ(0, std::memcmp(C.data(), got.data(), C.size() * sizeof(float))) << what << ": oneDNN did not read the copies";
+        EXPECT_EQ(0, std::memcmp(C.data(), got.data(), C.size() * sizeof(float)))
+            << what << ": oneDNN did not read the copies";
     }
 }
 

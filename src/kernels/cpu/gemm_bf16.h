@@ -59,8 +59,7 @@ struct Bf16Operand {
   int64_t ld = 0;
   bool exact = false;
   Bf16Operand(const bf16* v, int64_t row_stride) : low(v), ld(row_stride) {}
-  Bf16Operand(const float* v, int64_t row_stride, bool at_bf16_precision = false)
-      : values(v), ld(row_stride), exact(at_bf16_precision) {}
+  Bf16Operand(const float* v, int64_t row_stride) : values(v), ld(row_stride) {}
   Bf16Operand(const float* v, const bf16* copy, int64_t row_stride, bool at_bf16_precision)
       : low(copy), values(v), ld(row_stride), exact(at_bf16_precision && v) {}
 };

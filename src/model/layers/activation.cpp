@@ -52,10 +52,10 @@ float* thread_floats(int64_t n) {
   return buffer.data();
 }
 
-// Row r of n values at v rounded in place to bf16 precision, and into copy's row where it has one.
+// Row r of n values at v rounded in place to bf16 precision, and into copy's row where it has one
+// (round_in_place, on this thread inside the caller's parallel loop).
 void round_row(float* v, bf16* copy, int64_t r, int64_t n) {
-  to_bf16_precision(v + r * n, v + r * n, n);
-  if (copy) to_bf16(copy + r * n, v + r * n, n);
+  round_in_place(v + r * n, copy ? copy + r * n : nullptr, n);
 }
 
 }  // namespace

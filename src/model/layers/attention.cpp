@@ -352,7 +352,7 @@ int64_t attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<co
   return backward_tiles<T, T, false>(dq, dk, dv, dout, q, k, v, out, lse, dm);
 }
 
-bool bf16_qkv_in_place() { return bf16_tiles() == Bf16Tiles::fp32; }
+bool qkv_rounded_in_place(Precision p) { return p == Precision::bf16 && bf16_tiles() == Bf16Tiles::fp32; }
 
 int64_t attention_scratch_bytes(int64_t T, int64_t D, Precision p) {
   return p == Precision::bf16 ? (4 + 3) * 4 * T * D : 0;
@@ -366,7 +366,8 @@ int64_t attention_forward(T* out, T* lse, const T* qkv, int64_t B, int64_t Tn, i
   std::fill(out, out + B * Tn * HD, T(0));
   std::fill(lse, lse + B * H * Tn, -std::numeric_limits<T>::infinity());
   return attention_block_forward<T>({out, Tn * HD, HD}, {lse, H * Tn, Tn}, {qkv, Tn * S, S}, {qkv + H * D, Tn * S, S},
-                                    {qkv + (H + KV) * D, Tn * S, S}, {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p, qkv_exact});
+                                    {qkv + (H + KV) * D, Tn * S, S},
+                                    {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p, qkv_exact});
 }
 
 template <typename T>

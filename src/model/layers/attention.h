@@ -23,11 +23,12 @@
 
 namespace origami {
 
-// qkv_exact (bf16): q, k and v hold bf16 values already (BlockDims::qkv_exact).
-// Whether a bf16 run rounds q, k and v in place for the core (qkv_exact): where its tiles are fp32
-// ones (bf16_tiles()), which then read the rows where they are; oneDNN's bf16 tiles convert anyway.
-bool bf16_qkv_in_place();
+// Whether a run in precision p rounds q, k and v in place for the core (qkv_exact): in bf16 where its
+// tiles are fp32 ones (bf16_tiles()), which then read the rows where they are; oneDNN's bf16 tiles
+// convert them anyway.
+bool qkv_rounded_in_place(Precision p);
 
+// qkv_exact (bf16): q, k and v hold bf16 values already (BlockDims::qkv_exact).
 template <typename T>
 int64_t attention_forward(T* out_BTHD, T* lse_BHT, const T* qkv_BTS, int64_t B, int64_t Tn, int64_t H,
                           int64_t KV, int64_t D, const int32_t* doc_BT = nullptr, Precision p = Precision::fp32,
