@@ -34,7 +34,8 @@
 // It also measures the core's FP32 FMA ceiling, the most any kernel could reach: each of --threads
 // threads runs 12 independent chains of fused multiply-adds on registers only (no loads, no
 // stores; 512-bit where the CPU has AVX-512F, else 256-bit), best of 5 runs of ~0.2 s. On
-// Zen 4 this is 2 FMA pipes x 8 floats x 2 FLOP per cycle per core at either width.
+// Zen 4 this is 2 FMA pipes x 8 floats x 2 FLOP per cycle per core at either width. Where the CPU
+// has AVX512-BF16, the same for its dot product (bf16_dot_gflops; 0 elsewhere).
 // Prints one JSON object on stdout.
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -87,8 +88,25 @@ float fma_chains(long iters) {
   return out[0];
 }
 
-// GFLOP/s of `threads` threads each running fma_chains (best of 5).
-double fma_ceiling(int threads) {
+// The AVX512-BF16 dot product's ceiling, as fma_chains measures FMA's: 12 independent chains of
+// VDPBF16PS on registers only, each instruction 32 bf16 products added pairwise into 16 fp32 lanes
+// (64 FLOP). Compiled for that ISA whatever -march says, run only where the CPU has it. Its ratio to
+// fma_ceiling bounds what any AVX512-BF16 GEMM (oneDNN's brg:avx512_core_bf16) can gain over fp32
+// here: about 2 where the instruction issues as often as an FMA (Zen 4), 1 or less where it does not.
+__attribute__((target("avx512f,avx512bf16"))) float bf16_dot_chains(long iters) {
+  __m512 a[12];
+  for (int k = 0; k < 12; ++k) a[k] = _mm512_set1_ps(1.0f + 0.01f * float(k));
+  const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(-1e-3f));
+  for (long i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < 12; ++k) a[k] = _mm512_dpbf16_ps(a[k], x, x);
+  }
+  for (int k = 1; k < 12; ++k) a[0] = _mm512_add_ps(a[0], a[k]);
+  return _mm512_reduce_add_ps(a[0]);
+}
+
+// GFLOP/s of `threads` threads each running `chains` (best of 5), `flop` per iteration of a thread.
+double chains_ceiling(int threads, float (*chains)(long), double flop) {
   const long iters = 20'000'000;
   double best = 0;
   for (int rep = 0; rep < 5; ++rep) {
@@ -96,13 +114,20 @@ double fma_ceiling(int threads) {
     std::vector<std::thread> pool;
     auto t0 = std::chrono::steady_clock::now();
     for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] { sink[size_t(t)] = fma_chains(iters); });
+      pool.emplace_back([&, t] { sink[size_t(t)] = chains(iters); });
     for (auto& th : pool) th.join();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, 2.0 * 12 * kLanes * double(iters) * threads / s / 1e9);
+    best = std::max(best, flop * double(iters) * threads / s / 1e9);
     if (sink[0] == 12345.f) std::printf(" ");
   }
   return best;
+}
+
+double fma_ceiling(int threads) { return chains_ceiling(threads, fma_chains, 2.0 * 12 * kLanes); }
+
+// 0 where the CPU has no AVX512-BF16.
+double bf16_dot_ceiling(int threads) {
+  return __builtin_cpu_supports("avx512bf16") ? chains_ceiling(threads, bf16_dot_chains, 64.0 * 12) : 0;
 }
 
 // One library's row-major C = A·B (no transposes, alpha 1, beta 0); load_blas sets its threads.
@@ -394,7 +419,7 @@ int main(int argc, char** argv) {
     }
   }
   // {"threads": 2, "blas": {"openblas": {"sizes": {...}, "peak_gflops": x}, ...}, "peak_gflops": x,
-  //  "peak_blas": "...", "peak_n": "...", "missing": [...], "fma_gflops": x}; with --bf16 also
+  //  "peak_blas": "...", "peak_n": "...", "missing": [...], "fma_gflops": x, "bf16_dot_gflops": x}; with --bf16 also
   //  "bf16": {"lib": "onednn", "sizes": {...}, "impl": {...}, "peak_gflops": x, "peak_n": "..."}, or
   //  "bf16": null and "bf16_missing": "why".
   double peak = 0;
@@ -415,6 +440,6 @@ int main(int argc, char** argv) {
               peak, peak_blas.c_str(), peak_n.c_str(), missing.c_str());
   if (with_bf16) print_bf16_json(shapes, bf16_rate, bf16_impl);
   else if (!bf16_missing.empty()) std::printf("\"bf16\": null, \"bf16_missing\": \"%s\", ", bf16_missing.c_str());
-  std::printf("\"fma_gflops\": %.1f}\n", fma_ceiling(threads));
+  std::printf("\"fma_gflops\": %.1f, \"bf16_dot_gflops\": %.1f}\n", fma_ceiling(threads), bf16_dot_ceiling(threads));
   return 0;
 }

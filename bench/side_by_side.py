@@ -651,6 +651,10 @@ def main():
         print("  %s: %.1f GFLOP/s (best of its measurements)" % (lib, max(j["blas"][lib]["peak_gflops"] for j in sgemm_runs)))
     print("FP32 FMA ceiling on %d threads (register-only FMA chains, bench/sgemm_peak.cpp): %.1f GFLOP/s"
           % (a.threads, max(j["fma_gflops"] for j in sgemm_runs)))
+    dot = max(j.get("bf16_dot_gflops", 0) for j in sgemm_runs)
+    if dot > 0:  # the most any AVX512-BF16 GEMM (no AMX) can reach here
+        print("AVX512-BF16 dot-product ceiling on %d threads (register-only VDPBF16PS chains): %.1f GFLOP/s"
+              % (a.threads, dot))
     for tp in torches:
         print("torch.mm peak on %d threads (%s, torch %s): %.1f GFLOP/s" % (a.threads, tp, mm[tp]["torch"],
                                                                              mm[tp]["peak_gflops"]))
