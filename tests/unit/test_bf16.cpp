@@ -212,10 +212,21 @@ TEST(Bf16Convert, RoundInPlaceKeepsTheValuesAndTheirCopy) {
     std::vector<bf16> low(static_cast<size_t>(n), bf16{0x7fff});
     round_in_place(v.data(), low.data(), n);
     round_in_place(alone.data(), nullptr, n);
+    // From inside a parallel region (a kernel's row loop), each thread on its own copy: the blocks
+    // run on the calling thread.
+    const int threads = omp_get_max_threads();
+    std::vector<std::vector<float>> inside(static_cast<size_t>(threads), x);
+    std::vector<std::vector<bf16>> inside_low(static_cast<size_t>(threads), std::vector<bf16>(size_t(n)));
+#pragma omp parallel num_threads(threads)
+    round_in_place(inside[size_t(omp_get_thread_num())].data(), inside_low[size_t(omp_get_thread_num())].data(), n);
     for (size_t i = 0; i < size_t(n); ++i) {
       ASSERT_EQ(low[i].bits, to_bf16(x[i]).bits) << "n " << n << " at " << i;
       ASSERT_EQ(v[i], to_float(to_bf16(x[i]))) << "n " << n << " at " << i;
       ASSERT_EQ(alone[i], v[i]) << "n " << n << " at " << i;
+      for (int t = 0; t < threads; ++t) {
+        ASSERT_EQ(inside[size_t(t)][i], v[i]) << "thread " << t << ", n " << n << " at " << i;
+        ASSERT_EQ(inside_low[size_t(t)][i].bits, low[i].bits) << "thread " << t << ", n " << n << " at " << i;
+      }
     }
   }
 }
