@@ -8,8 +8,8 @@
 - Faults: kill -9 of one rank at random moments of 20 runs that save every step (each started with
   --resume DIR --save DIR, the first one in an empty DIR; one more run for each killed before its first
   step, at most 40); after each, DIR/latest names a whole checkpoint and the next run resumes it on the
-  same curve. A full disk (a tmpfs, else a file-size limit) fails the save with one message and leaves the previous checkpoint; under
-  --async-save too (on a tmpfs), when the failing save is the last step's.
+  same curve. A full disk (a tmpfs, else a file-size limit) fails the save with one message and leaves
+  the previous checkpoint; under --async-save too (on a tmpfs), when the failing save is the last step's.
 - Damaged, truncated and missing shard files are refused with a message naming the file.
 - Memory: rank 0's peak RSS with a save is within a quarter of the model's full state of the run
   without one (gathering on rank 0 would add several full states).
