@@ -47,26 +47,6 @@ struct Tile {
   __device__ __nv_bfloat16* row(int r) const { return p + r * ld; }
 };
 
-// Rows [r0, r0 + kTile) of one head (src: the head at t = 0, `tok` elements between tokens; 16-byte aligned)
-// into tile rows (zeros past T), or transposed (tile[d][r]); 8 elements per 16-byte load. Transposed,
-// neighbouring threads take neighbouring rows, so a warp's stores of one d fill one shared row.
-template <int D>
-__device__ void load_rows(Tile t, const __nv_bfloat16* src, int64_t r0, int64_t T, int64_t tok, bool transposed) {
-  constexpr int kVec = 8;
-  for (int e = threadIdx.x; e < kTile * D / kVec; e += blockDim.x) {
-    const int r = transposed ? e % kTile : e / (D / kVec), d = (transposed ? e / kTile : e % (D / kVec)) * kVec;
-    uint4 v = {0u, 0u, 0u, 0u};
-    if (r0 + r < T) v = *reinterpret_cast<const uint4*>(src + (r0 + r) * tok + d);
-    if (!transposed) {
-      *reinterpret_cast<uint4*>(t.row(r) + d) = v;
-    } else {
-      const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) t.row(d + i)[r] = x[i];
-    }
-  }
-}
-
 // A fragments of the warp's 16 rows [r0, r0+16) of one head, all D/16 steps, read from global memory.
 template <int D>
 __device__ void load_a(uint32_t a[D / 16][4], const __nv_bfloat16* src, int64_t r0, int64_t T, int64_t tok) {
@@ -77,19 +57,6 @@ __device__ void load_a(uint32_t a[D / 16][4], const __nv_bfloat16* src, int64_t 
     a[k][0] = at(r0 + g, 16 * k + 2 * t), a[k][1] = at(r0 + g + 8, 16 * k + 2 * t);
     a[k][2] = at(r0 + g, 16 * k + 2 * t + 8), a[k][3] = at(r0 + g + 8, 16 * k + 2 * t + 8);
   }
-}
-
-// acc[n][·] (16 rows × 8n columns) += A (16 × 16·K16) · Yᵀ, Y's rows y0.. of the tile (8 per n).
-template <int K16, int N8>
-__device__ void mma_rows(float acc[N8][4], const uint32_t a[K16][4], Tile y, int y0) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-#pragma unroll
-  for (int k = 0; k < K16; ++k)
-#pragma unroll
-    for (int n = 0; n < N8; ++n) {
-      const __nv_bfloat16* r = y.row(y0 + 8 * n + g) + 16 * k + 2 * t;
-      mma(acc[n], a[k], pair(r), pair(r + 8));
-    }
 }
 
 // The 16×64 fp32 tile c as A fragments (4 steps of 16 columns), rounded to bf16.
@@ -163,9 +130,10 @@ __device__ void mma_rows_ld(float acc[8][4], const uint32_t a[K16][4], Tile y) {
       mma(acc[n + 1], a[k], f[2], f[3]);
     }
 }
-// acc (16 × D) += P (16 × 64, as A fragments) · V, V a row-major [64 keys][D] tile: ldmatrix.trans.
+// acc (16 × D) += A (16 × 64, as fragments) · Y, Y a row-major [64][D] tile (the summed index along
+// its rows: V under P, K under dS, dout and q under Pᵀ and dSᵀ): B fragments by ldmatrix.trans.
 template <int D>
-__device__ void mma_pv(float acc[D / 8][4], const uint32_t p[4][4], Tile v) {
+__device__ void mma_tile(float acc[D / 8][4], const uint32_t p[4][4], Tile v) {
   const int l = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < 4; ++k)
@@ -213,44 +181,61 @@ __device__ void softmax_pv(float s[8][4], float o[D / 8][4], float mx[2], float 
   for (int n = 0; n < D / 8; ++n) o[n][0] *= keep[0], o[n][1] *= keep[0], o[n][2] *= keep[1], o[n][3] *= keep[1];
   uint32_t pa[4][4];
   to_a(pa, s);
-  mma_pv<D>(o, pa, v);
+  mma_tile<D>(o, pa, v);
 }
 
-// ---- Forward: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
-// K and V tiles in two stages: the next tile's copies run while this one is computed.
+// Tile `which` (0 or 1) of two-stage buffering in shared memory: four row-major [kTile][D + kPad] tiles,
+// stage s's pair at 2s and 2s + 1 (by arithmetic: an array of tiles indexed by the stage goes to local memory).
 template <int D>
-__global__ void __launch_bounds__(32 * kWarps) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
-  extern __shared__ __align__(16) __nv_bfloat16 smem[];
-  const int ld = D + kPad;
-  const Tile ks[2] = {{smem, ld}, {smem + 2 * kTile * ld, ld}}, vs[2] = {{smem + kTile * ld, ld}, {smem + 3 * kTile * ld, ld}};
-  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
-  const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
-  const __nv_bfloat16 *kh = qkv + m.k_at(b, 0, g), *vh = qkv + m.v_at(b, 0, g);
-  uint32_t qa[D / 16][4];
-  load_a<D>(qa, qkv + m.q_at(b, 0, h), w0, m.T, m.S);
-  float o[D / 8][4], mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
-  zero<D / 8>(o);
-  int64_t first = 0;  // the key tiles before the block's first document are empty (documents nondecreasing)
+__device__ Tile staged(__nv_bfloat16* smem, int64_t stage, int which) {
+  return {smem + (2 * stage + which) * kTile * (D + kPad), D + kPad};
+}
+
+// The key tiles a block of queries [i0, i1) sees, in order, K and V copied into shared memory in two
+// stages (the next tile's copies run while fn computes this one): fn(k tile, v tile, j0), between two
+// barriers. Tiles before the block's first document are empty (documents nondecreasing), the rest not.
+template <int D, typename Fn>
+__device__ void over_key_tiles(__nv_bfloat16* smem, const Dims& m, int64_t b, int64_t i0, int64_t i1,
+                               const __nv_bfloat16* kh, const __nv_bfloat16* vh, Fn&& fn) {
+  auto ks = [&](int64_t stage) { return staged<D>(smem, stage, 0); };
+  auto vs = [&](int64_t stage) { return staged<D>(smem, stage, 1); };
+  int64_t first = 0;
   while (first < i1 && m.empty(b, i0, i1, first, min(m.T, first + kTile))) first += kTile;
-  if (first < i1) copy_rows<D>(ks[0], kh, first, m.T, m.S), copy_rows<D>(vs[0], vh, first, m.T, m.S);
+  if (first < i1) copy_rows<D>(ks(0), kh, first, m.T, m.S), copy_rows<D>(vs(0), vh, first, m.T, m.S);
   copies_commit();
   for (int64_t j0 = first, stage = 0; j0 < i1; j0 += kTile, stage ^= 1) {
     if (j0 + kTile < i1) {
-      copy_rows<D>(ks[stage ^ 1], kh, j0 + kTile, m.T, m.S), copy_rows<D>(vs[stage ^ 1], vh, j0 + kTile, m.T, m.S);
+      copy_rows<D>(ks(stage ^ 1), kh, j0 + kTile, m.T, m.S), copy_rows<D>(vs(stage ^ 1), vh, j0 + kTile, m.T, m.S);
       copies_commit();
       copies_wait<1>();
     } else {
       copies_wait<0>();
     }
     __syncthreads();
-    if (w0 < m.T && j0 <= w0 + 15) {  // else the warp's queries see none of these keys
-      float s[8][4];
-      zero<8>(s);
-      mma_rows_ld<D / 16>(s, qa, ks[stage]);
-      softmax_pv<D>(s, o, mx, sum, m, b, w0, j0, vs[stage]);
-    }
+    fn(ks(stage), vs(stage), j0);
     __syncthreads();  // the stage is refilled next iteration
   }
+}
+
+// ---- Forward: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+// Heads up to 64 wide: at most 128 registers a thread, so two blocks share a multiprocessor (at 136,
+// one: 0.20 -> 0.25 ms at D = 64); 128 wide would spill there.
+template <int D>
+__global__ void __launch_bounds__(32 * kWarps, D <= 64 ? 2 : 1) forward_bf16(float* out, float* lse, const __nv_bfloat16* qkv, Dims m) {
+  extern __shared__ __align__(16) __nv_bfloat16 smem[];
+  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
+  const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
+  uint32_t qa[D / 16][4];
+  load_a<D>(qa, qkv + m.q_at(b, 0, h), w0, m.T, m.S);
+  float o[D / 8][4], mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
+  zero<D / 8>(o);
+  over_key_tiles<D>(smem, m, b, i0, i1, qkv + m.k_at(b, 0, g), qkv + m.v_at(b, 0, g), [&](Tile k, Tile v, int64_t j0) {
+    if (w0 >= m.T || j0 > w0 + 15) return;  // the warp's queries see none of these keys
+    float s[8][4];
+    zero<8>(s);
+    mma_rows_ld<D / 16>(s, qa, k);
+    softmax_pv<D>(s, o, mx, sum, m, b, w0, j0, v);
+  });
   const int gq = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -288,12 +273,11 @@ __device__ void probabilities(float s[8][4], float dp[8][4], const Dims& m, int6
     }
 }
 
-// ---- dq: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
+// ---- dq: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16; the forward's key tiles ----
 template <int D>
-__global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
-                                               const float* delta, Dims m) {
+__global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                                                       const float* lse, const float* delta, Dims m) {
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
-  const Tile ks{smem, D + kPad}, vs{ks.p + kTile * ks.ld, D + kPad}, kt{vs.p + kTile * vs.ld, kTile + kPad};
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / m.group, i0 = int64_t(blockIdx.x) * kRows;
   const int64_t i1 = min(m.T, i0 + kRows), w0 = i0 + 16 * (threadIdx.x >> 5);
   const int gq = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -306,24 +290,18 @@ __global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_b
     L[r] = i < m.T ? lse[m.l_at(b, i, h)] : 0.f, dl[r] = i < m.T ? delta[m.l_at(b, i, h)] : 0.f;
   }
   zero<D / 8>(dq);
-  for (int64_t j0 = 0; j0 < i1; j0 += kTile) {
-    if (m.empty(b, i0, i1, j0, min(m.T, j0 + kTile))) continue;
-    __syncthreads();
-    load_rows<D>(ks, qkv + m.k_at(b, 0, g), j0, m.T, m.S, false);
-    load_rows<D>(vs, qkv + m.v_at(b, 0, g), j0, m.T, m.S, false);
-    load_rows<D>(kt, qkv + m.k_at(b, 0, g), j0, m.T, m.S, true);
-    __syncthreads();
-    if (w0 >= m.T || j0 > w0 + 15) continue;
+  over_key_tiles<D>(smem, m, b, i0, i1, qkv + m.k_at(b, 0, g), qkv + m.v_at(b, 0, g), [&](Tile k, Tile v, int64_t j0) {
+    if (w0 >= m.T || j0 > w0 + 15) return;
     float s[8][4], dp[8][4];
     zero<8>(s), zero<8>(dp);
-    mma_rows<D / 16, 8>(s, qa, ks, 0);   // S = q·kᵀ
-    mma_rows<D / 16, 8>(dp, oa, vs, 0);  // dP = dout·vᵀ
+    mma_rows_ld<D / 16>(s, qa, k);   // S = q·kᵀ
+    mma_rows_ld<D / 16>(dp, oa, v);  // dP = dout·vᵀ
     probabilities(s, dp, m, b, w0, j0, true, !m.doc && j0 + kTile - 1 <= w0 && w0 + 15 < m.T, L, dl, nullptr,
                   nullptr);
     uint32_t da[4][4];
     to_a(da, dp);
-    mma_rows<4, D / 8>(dq, da, kt, 0);  // dq += dS·k
-  }
+    mma_tile<D>(dq, da, k);  // dq += dS·k
+  });
   for (int r = 0; r < 2; ++r) {
     const int64_t i = w0 + gq + 8 * r;
     if (i >= m.T) continue;
@@ -334,15 +312,29 @@ __global__ void __launch_bounds__(32 * kWarps) dq_bf16(float* dqkv, const __nv_b
   }
 }
 
+// The (query head, query tile) pairs that see a block of keys [j0, j1) of kv head g, in order (the
+// group's heads, each over the query tiles from j0 on; empty ones skipped): where (h, i0) is, or the
+// first after it; h reaches `end` after the last.
+struct QueryTiles {
+  const Dims& m;
+  int64_t b, j0, j1, end;
+  __device__ void settle(int64_t& h, int64_t& i0) const {
+    while (h < end && (i0 >= m.T || m.empty(b, i0, min(m.T, i0 + kTile), j0, j1)))
+      if ((i0 += kTile) >= m.T) ++h, i0 = j0;
+  }
+};
+
 // ---- dk, dv: grid (⌈T/128⌉, KV, B); warp w owns keys j0 + 16w .. +16, over the group's query heads ----
+// Each query tile's q and dout rows are copied in two stages (the next tile's during this one's
+// compute); both serve twice, along D for Sᵀ and dPᵀ and along the queries (ldmatrix.trans) for dk and
+// dv. The tile's lse and delta go into shared memory beside them.
 template <int D>
-__global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const float* lse,
-                                                const float* delta, Dims m) {
+__global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                                                        const float* lse, const float* delta, Dims m) {
   extern __shared__ __align__(16) __nv_bfloat16 smem[];
-  const Tile qs{smem, D + kPad}, os{qs.p + kTile * qs.ld, D + kPad}, qt{os.p + kTile * os.ld, kTile + kPad},
-      ot{qt.p + D * qt.ld, kTile + kPad};
-  float* col_lse = reinterpret_cast<float*>(ot.p + D * ot.ld);
-  float* col_delta = col_lse + kTile;
+  auto qs = [&](int stage) { return staged<D>(smem, stage, 0); };
+  auto os = [&](int stage) { return staged<D>(smem, stage, 1); };
+  float* cols = reinterpret_cast<float*>(smem + 4 * kTile * (D + kPad));  // [stage][lse kTile, delta kTile]
   const int64_t b = blockIdx.z, g = blockIdx.y, j0 = int64_t(blockIdx.x) * kRows;
   const int64_t j1 = min(m.T, j0 + kRows), w0 = j0 + 16 * (threadIdx.x >> 5);
   const int gk = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -351,31 +343,47 @@ __global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_
   load_a<D>(va, qkv + m.v_at(b, 0, g), w0, m.T, m.S);
   float dk[D / 8][4], dv[D / 8][4];
   zero<D / 8>(dk), zero<D / 8>(dv);
-  for (int64_t h = g * m.group; h < (g + 1) * m.group; ++h)
-    for (int64_t i0 = j0; i0 < m.T; i0 += kTile) {  // queries before j0 see no key here
-      if (m.empty(b, i0, min(m.T, i0 + kTile), j0, j1)) continue;
-      __syncthreads();
-      load_rows<D>(qs, qkv + m.q_at(b, 0, h), i0, m.T, m.S, false);
-      load_rows<D>(os, dout + m.o_at(b, 0, h), i0, m.T, m.H * m.D, false);
-      load_rows<D>(qt, qkv + m.q_at(b, 0, h), i0, m.T, m.S, true);
-      load_rows<D>(ot, dout + m.o_at(b, 0, h), i0, m.T, m.H * m.D, true);
-      for (int c = threadIdx.x; c < kTile; c += blockDim.x) {
-        const bool in = i0 + c < m.T;
-        col_lse[c] = in ? lse[m.l_at(b, i0 + c, h)] : 0.f, col_delta[c] = in ? delta[m.l_at(b, i0 + c, h)] : 0.f;
-      }
-      __syncthreads();
-      if (w0 >= m.T || i0 + kTile - 1 < w0) continue;  // every query of the tile precedes the warp's keys
+  const QueryTiles tiles{m, b, j0, j1, (g + 1) * m.group};
+  auto fetch = [&](int st, int64_t h, int64_t i0) {
+    copy_rows<D>(qs(st), qkv + m.q_at(b, 0, h), i0, m.T, m.S);
+    copy_rows<D>(os(st), dout + m.o_at(b, 0, h), i0, m.T, m.H * m.D);
+    copies_commit();
+    for (int c = threadIdx.x; c < kTile; c += blockDim.x) {
+      const bool in = i0 + c < m.T;
+      cols[st * 2 * kTile + c] = in ? lse[m.l_at(b, i0 + c, h)] : 0.f;
+      cols[st * 2 * kTile + kTile + c] = in ? delta[m.l_at(b, i0 + c, h)] : 0.f;
+    }
+  };
+  int64_t h = g * m.group, i0 = j0;
+  tiles.settle(h, i0);
+  if (h < tiles.end) fetch(0, h, i0);
+  for (int stage = 0; h < tiles.end; stage ^= 1) {
+    int64_t nh = h, ni = i0 + kTile;
+    if (ni >= m.T) ++nh, ni = j0;
+    tiles.settle(nh, ni);
+    if (nh < tiles.end) {
+      fetch(stage ^ 1, nh, ni);
+      copies_wait<1>();
+    } else {
+      copies_wait<0>();
+    }
+    __syncthreads();
+    if (w0 < m.T && i0 + kTile - 1 >= w0) {  // else every query of the tile precedes the warp's keys
       float s[8][4], dp[8][4];
       zero<8>(s), zero<8>(dp);
-      mma_rows<D / 16, 8>(s, ka, qs, 0);   // Sᵀ = k·qᵀ
-      mma_rows<D / 16, 8>(dp, va, os, 0);  // dPᵀ = v·doutᵀ
+      mma_rows_ld<D / 16>(s, ka, qs(stage));   // Sᵀ = k·qᵀ
+      mma_rows_ld<D / 16>(dp, va, os(stage));  // dPᵀ = v·doutᵀ
+      const float* col = cols + stage * 2 * kTile;
       probabilities(s, dp, m, b, w0, i0, false, !m.doc && w0 + 15 <= i0 && i0 + kTile - 1 < m.T, nullptr, nullptr,
-                    col_lse, col_delta);
+                    col, col + kTile);
       uint32_t pa[4][4], da[4][4];
       to_a(pa, s), to_a(da, dp);
-      mma_rows<4, D / 8>(dv, pa, ot, 0);  // dv += Pᵀ·dout
-      mma_rows<4, D / 8>(dk, da, qt, 0);  // dk += dSᵀ·q
+      mma_tile<D>(dv, pa, os(stage));  // dv += Pᵀ·dout
+      mma_tile<D>(dk, da, qs(stage));  // dk += dSᵀ·q
     }
+    __syncthreads();  // the stage is refilled next iteration
+    h = nh, i0 = ni;
+  }
   for (int r = 0; r < 2; ++r) {
     const int64_t j = w0 + gk + 8 * r;
     if (j >= m.T) continue;
@@ -434,10 +442,10 @@ void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, c
   attention_delta(delta, dout, out, B, m, true);
   const __nv_bfloat16 *q = rounded(qkv_low, qkv, B * T * m.S), *o = rounded(dout_low, dout, B * T * H * D);
   with_head_dim(D, [&]<int HD>() {
-    const size_t dq_smem = 2 * rows_bytes(kTile, HD + kPad) + rows_bytes(HD, kTile + kPad);
-    launch_with_smem(dq_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(H), unsigned(B)), dq_smem,
+    const size_t tiles = 4 * rows_bytes(kTile, HD + kPad);  // two stages of two tiles
+    launch_with_smem(dq_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(H), unsigned(B)), tiles,
                      "attention_backward_bf16 dq", dqkv, o, q, lse, static_cast<const float*>(delta), m);
-    const size_t dkv_smem = 2 * rows_bytes(kTile, HD + kPad) + 2 * rows_bytes(HD, kTile + kPad) + 2 * kTile * sizeof(float);
+    const size_t dkv_smem = tiles + 4 * kTile * sizeof(float);  // and two stages of lse, delta
     launch_with_smem(dkv_bf16<HD>, dim3(blocks_for(T, kRows), unsigned(KV), unsigned(B)), dkv_smem,
                      "attention_backward_bf16 dk dv", dqkv, o, q, lse, static_cast<const float*>(delta), m);
   });
