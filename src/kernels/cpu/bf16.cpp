@@ -2,6 +2,7 @@
 // a target attribute and runs only after the CPU reported it (__builtin_cpu_supports, which also
 // checks that the OS saves the vector registers); tails shorter than a vector use the scalar code.
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/parallel.h"
 
 // GCC 12 warns that the intrinsics' _mm512_undefined_* placeholders (self-initialised, `__Y = __Y`)
 // "may be used uninitialized" once inlined into a target-attribute function: a false positive.
@@ -9,8 +10,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
-
-#include <omp.h>
 
 #include <algorithm>
 #include <initializer_list>
@@ -192,20 +191,12 @@ void to_bf16_precision(float* out, const float* in, int64_t n) { to_bf16_precisi
 void to_float(float* out, const bf16* in, int64_t n) { to_float(best_bf16_isa(), out, in, n); }
 
 namespace {
-// fn(begin, count) over blocks of n elements, spread over the threads when there is more than one block.
-// One block, or a call from inside a parallel region (a row of a kernel's parallel loop), runs here
-// without entering a region at all: an `if` clause that is false still makes a team of one (~1 us
-// with an allocation, measured per row of the MoE experts' SwiGLU).
+// fn(begin, count) over blocks of n elements, spread over the threads when there is more than one
+// block and the caller is not inside a parallel region (over_rows).
 template <typename Fn>
 void over_blocks(int64_t n, Fn&& fn) {
   constexpr int64_t kBlock = int64_t(1) << 14;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  if (blocks <= 1 || omp_in_parallel()) {
-    for (int64_t at = 0; at < n; at += kBlock) fn(at, std::min(kBlock, n - at));
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) fn(b * kBlock, std::min(kBlock, n - b * kBlock));
+  over_rows((n + kBlock - 1) / kBlock, true, [&](int64_t b) { fn(b * kBlock, std::min(kBlock, n - b * kBlock)); });
 }
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/parallel.h"
 
 namespace origami {
 
@@ -74,11 +75,10 @@ Panel widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i
   const int64_t at = k_contiguous ? i0 * X.ld + k0 : k0 * X.ld + i0;
   if (read_in_place(X)) return {X.values + at, X.ld};
   const int64_t rows = k_contiguous ? ni : nk, cols = k_contiguous ? nk : ni;
-#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16) && !omp_in_parallel())
-  for (int64_t r = 0; r < rows; ++r) {
+  over_rows(rows, rows * cols >= (int64_t(1) << 16), [&](int64_t r) {
     if (X.low) to_float(dst + r * cols, X.low + at + r * X.ld, cols);
     else to_bf16_precision(dst + r * cols, X.values + at + r * X.ld, cols);
-  }
+  });
   return {dst, cols};
 }
 
@@ -412,8 +412,8 @@ const bf16* low_values(const Bf16Operand& X, int64_t rows, int64_t cols, int slo
   if (X.ld == cols) {
     round_to_bf16(s.data(), X.values, rows * cols);
   } else {
-#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16) && !omp_in_parallel())
-    for (int64_t r = 0; r < rows; ++r) to_bf16(s.data() + r * cols, X.values + r * X.ld, cols);
+    over_rows(rows, rows * cols >= (int64_t(1) << 16),
+              [&](int64_t r) { to_bf16(s.data() + r * cols, X.values + r * X.ld, cols); });
   }
   return s.data();
 }
