@@ -506,21 +506,27 @@ TEST(GemmBf16, OddSizesEveryTransposeStridedBeta0And1) { check_every_path(odd_si
 
 TEST(GemmBf16, Gpt2LayerAndLmHeadShapes) { check_every_path(model_cases(64)); }
 
+// Attention's dK-like tile in bf16; and operands in fp32, padded and large enough (over 2^16 elements)
+// that outside a region their widening and rounding would be spread over the threads: inside one, each
+// thread does all of its own rows (over_rows).
 TEST(GemmBf16, InsideParallelRegionPortableTilePerThread) {
   set_num_threads(2);
-  const Case c{true, false, 64, 64, 64, 1.f, true};  // attention's dK-like tile
-  std::vector<double> r1(2, -1), r2(2, -1);
-  std::vector<int> path(2, -1);
+  for (const auto& [c, fp32_operands] : {std::pair{Case{true, false, 64, 64, 64, 1.f, true}, false},
+                                        std::pair{Case{false, true, 300, 260, 280, 0.f, true}, true}}) {
+    std::vector<double> r1(2, -1), r2(2, -1);
+    std::vector<int> path(2, -1);
 #pragma omp parallel num_threads(2)
-  {
-    const int t = omp_get_thread_num();
-    const GemmCheck check(c, 7 + uint32_t(t));
-    std::tie(r1[size_t(t)], r2[size_t(t)]) = check.ratios(check.call(false));
-    path[size_t(t)] = int(last_bf16_gemm_path());
-  }
-  for (int t = 0; t < 2; ++t) {
-    EXPECT_TRUE(r1[size_t(t)] >= 0 && r1[size_t(t)] <= 1 && r2[size_t(t)] >= 0 && r2[size_t(t)] <= 1) << r1[size_t(t)];
-    EXPECT_EQ(path[size_t(t)], int(Bf16GemmPath::portable));
+    {
+      const int t = omp_get_thread_num();
+      const GemmCheck check(c, 7 + uint32_t(t));
+      std::tie(r1[size_t(t)], r2[size_t(t)]) = check.ratios(check.call(fp32_operands));
+      path[size_t(t)] = int(last_bf16_gemm_path());
+    }
+    for (int t = 0; t < 2; ++t) {
+      EXPECT_TRUE(r1[size_t(t)] >= 0 && r1[size_t(t)] <= 1 && r2[size_t(t)] >= 0 && r2[size_t(t)] <= 1)
+          << name(c) << ": " << r1[size_t(t)];
+      EXPECT_EQ(path[size_t(t)], int(Bf16GemmPath::portable));
+    }
   }
 }
 
