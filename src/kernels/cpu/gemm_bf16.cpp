@@ -49,6 +49,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // again) and against pieces that each thread widens and multiplies alone (cache-local, but more
 // sub-GEMMs): both cost more on one core, neither less on two.
 constexpr int64_t kScratchFloats = int64_t(1) << 22;
+// Conversions of at least this many elements (a panel, a strided operand) spread their rows over the threads.
+constexpr int64_t kThreadedConversion = int64_t(1) << 16;
 
 float* scratch(int64_t floats) {
   thread_local std::vector<float> buffer;  // grows to the largest need, kept for the next calls
@@ -75,7 +77,7 @@ Panel widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i
   const int64_t at = k_contiguous ? i0 * X.ld + k0 : k0 * X.ld + i0;
   if (read_in_place(X)) return {X.values + at, X.ld};
   const int64_t rows = k_contiguous ? ni : nk, cols = k_contiguous ? nk : ni;
-  over_rows(rows, rows * cols >= (int64_t(1) << 16), [&](int64_t r) {
+  over_rows(rows, rows * cols >= kThreadedConversion, [&](int64_t r) {
     if (X.low) to_float(dst + r * cols, X.low + at + r * X.ld, cols);
     else to_bf16_precision(dst + r * cols, X.values + at + r * X.ld, cols);
   });
@@ -412,7 +414,7 @@ const bf16* low_values(const Bf16Operand& X, int64_t rows, int64_t cols, int slo
   if (X.ld == cols) {
     round_to_bf16(s.data(), X.values, rows * cols);
   } else {
-    over_rows(rows, rows * cols >= (int64_t(1) << 16),
+    over_rows(rows, rows * cols >= kThreadedConversion,
               [&](int64_t r) { to_bf16(s.data() + r * cols, X.values + r * X.ld, cols); });
   }
   return s.data();
