@@ -191,30 +191,43 @@ __device__ Tile staged(__nv_bfloat16* smem, int64_t stage, int which) {
   return {smem + (2 * stage + which) * kTile * (D + kPad), D + kPad};
 }
 
-// The key tiles a block of queries [i0, i1) sees, in order, K and V copied into shared memory in two
-// stages (the next tile's copies run while fn computes this one): fn(k tile, v tile, j0), between two
-// barriers. Tiles before the block's first document are empty (documents nondecreasing), the rest not.
-template <int D, typename Fn>
-__device__ void over_key_tiles(__nv_bfloat16* smem, const Dims& m, int64_t b, int64_t i0, int64_t i1,
-                               const __nv_bfloat16* kh, const __nv_bfloat16* vh, Fn&& fn) {
-  auto ks = [&](int64_t stage) { return staged<D>(smem, stage, 0); };
-  auto vs = [&](int64_t stage) { return staged<D>(smem, stage, 1); };
-  int64_t first = 0;
-  while (first < i1 && m.empty(b, i0, i1, first, min(m.T, first + kTile))) first += kTile;
-  if (first < i1) copy_rows<D>(ks(0), kh, first, m.T, m.S), copy_rows<D>(vs(0), vh, first, m.T, m.S);
-  copies_commit();
-  for (int64_t j0 = first, stage = 0; j0 < i1; j0 += kTile, stage ^= 1) {
-    if (j0 + kTile < i1) {
-      copy_rows<D>(ks(stage ^ 1), kh, j0 + kTile, m.T, m.S), copy_rows<D>(vs(stage ^ 1), vh, j0 + kTile, m.T, m.S);
-      copies_commit();
+// A block's walk over its tiles in two stages of shared memory: the next item's asynchronous copies
+// run while this one is computed. `item` is the first (valid when `more`); advance(x) moves x to the
+// next item and says whether there is one; fetch(stage, x) issues x's copies into the stage and commits
+// them; fn(stage, x) runs between two barriers, its stage's copies complete.
+template <typename Item, typename Advance, typename Fetch, typename Fn>
+__device__ void staged_walk(Item item, bool more, Advance&& advance, Fetch&& fetch, Fn&& fn) {
+  if (more) fetch(0, item);
+  for (int stage = 0; more; stage ^= 1) {
+    Item after = item;
+    const bool next = advance(after);
+    if (next) {
+      fetch(stage ^ 1, after);
       copies_wait<1>();
     } else {
       copies_wait<0>();
     }
     __syncthreads();
-    fn(ks(stage), vs(stage), j0);
+    fn(stage, item);
     __syncthreads();  // the stage is refilled next iteration
+    item = after, more = next;
   }
+}
+
+// The key tiles a block of queries [i0, i1) sees, in order, K and V staged (staged_walk): fn(k tile,
+// v tile, j0). Tiles before the block's first document are empty (documents nondecreasing), the rest not.
+template <int D, typename Fn>
+__device__ void over_key_tiles(__nv_bfloat16* smem, const Dims& m, int64_t b, int64_t i0, int64_t i1,
+                               const __nv_bfloat16* kh, const __nv_bfloat16* vh, Fn&& fn) {
+  int64_t first = 0;
+  while (first < i1 && m.empty(b, i0, i1, first, min(m.T, first + kTile))) first += kTile;
+  staged_walk(
+      first, first < i1, [&](int64_t& j0) { return (j0 += kTile) < i1; },
+      [&](int stage, int64_t j0) {
+        copy_rows<D>(staged<D>(smem, stage, 0), kh, j0, m.T, m.S), copy_rows<D>(staged<D>(smem, stage, 1), vh, j0, m.T, m.S);
+        copies_commit();
+      },
+      [&](int stage, int64_t j0) { fn(staged<D>(smem, stage, 0), staged<D>(smem, stage, 1), j0); });
 }
 
 // ---- Forward: grid (⌈T/128⌉, H, B); warp w owns queries i0 + 16w .. +16 ----
@@ -316,14 +329,23 @@ __global__ void __launch_bounds__(32 * kWarps, D <= 64 ? 2 : 1) dq_bf16(float* d
 }
 
 // The (query head, query tile) pairs that see a block of keys [j0, j1) of kv head g, in order (the
-// group's heads, each over the query tiles from j0 on; empty ones skipped): where (h, i0) is, or the
-// first after it; h reaches `end` after the last.
+// group's heads, each over the query tiles from j0 on; empty ones skipped); h reaches `end` after the last.
 struct QueryTiles {
+  struct At {
+    int64_t h, i0;
+  };
   const Dims& m;
   int64_t b, j0, j1, end;
-  __device__ void settle(int64_t& h, int64_t& i0) const {
-    while (h < end && (i0 >= m.T || m.empty(b, i0, min(m.T, i0 + kTile), j0, j1)))
-      if ((i0 += kTile) >= m.T) ++h, i0 = j0;
+  // x where it is, or the first pair after it.
+  __device__ void settle(At& x) const {
+    while (x.h < end && (x.i0 >= m.T || m.empty(b, x.i0, min(m.T, x.i0 + kTile), j0, j1)))
+      if ((x.i0 += kTile) >= m.T) ++x.h, x.i0 = j0;
+  }
+  // x to the next pair; whether there is one.
+  __device__ bool advance(At& x) const {
+    if ((x.i0 += kTile) >= m.T) ++x.h, x.i0 = j0;
+    settle(x);
+    return x.h < end;
   }
 };
 
@@ -347,46 +369,34 @@ __global__ void __launch_bounds__(32 * kWarps) dkv_bf16(float* dqkv, const __nv_
   float dk[D / 8][4], dv[D / 8][4];
   zero<D / 8>(dk), zero<D / 8>(dv);
   const QueryTiles tiles{m, b, j0, j1, (g + 1) * m.group};
-  auto fetch = [&](int st, int64_t h, int64_t i0) {
-    copy_rows<D>(qs(st), qkv + m.q_at(b, 0, h), i0, m.T, m.S);
-    copy_rows<D>(os(st), dout + m.o_at(b, 0, h), i0, m.T, m.H * m.D);
+  using At = QueryTiles::At;
+  At first{g * m.group, j0};
+  tiles.settle(first);
+  auto fetch = [&](int stage, At x) {
+    copy_rows<D>(qs(stage), qkv + m.q_at(b, 0, x.h), x.i0, m.T, m.S);
+    copy_rows<D>(os(stage), dout + m.o_at(b, 0, x.h), x.i0, m.T, m.H * m.D);
     copies_commit();
     for (int c = threadIdx.x; c < kTile; c += blockDim.x) {
-      const bool in = i0 + c < m.T;
-      cols[st * 2 * kTile + c] = in ? lse[m.l_at(b, i0 + c, h)] : 0.f;
-      cols[st * 2 * kTile + kTile + c] = in ? delta[m.l_at(b, i0 + c, h)] : 0.f;
+      const bool in = x.i0 + c < m.T;
+      cols[stage * 2 * kTile + c] = in ? lse[m.l_at(b, x.i0 + c, x.h)] : 0.f;
+      cols[stage * 2 * kTile + kTile + c] = in ? delta[m.l_at(b, x.i0 + c, x.h)] : 0.f;
     }
   };
-  int64_t h = g * m.group, i0 = j0;
-  tiles.settle(h, i0);
-  if (h < tiles.end) fetch(0, h, i0);
-  for (int stage = 0; h < tiles.end; stage ^= 1) {
-    int64_t nh = h, ni = i0 + kTile;
-    if (ni >= m.T) ++nh, ni = j0;
-    tiles.settle(nh, ni);
-    if (nh < tiles.end) {
-      fetch(stage ^ 1, nh, ni);
-      copies_wait<1>();
-    } else {
-      copies_wait<0>();
-    }
-    __syncthreads();
-    if (w0 < m.T && i0 + kTile - 1 >= w0) {  // else every query of the tile precedes the warp's keys
-      float s[8][4], dp[8][4];
-      zero<8>(s), zero<8>(dp);
-      mma_rows_ld<D / 16>(s, ka, qs(stage));   // Sᵀ = k·qᵀ
-      mma_rows_ld<D / 16>(dp, va, os(stage));  // dPᵀ = v·doutᵀ
-      const float* col = cols + stage * 2 * kTile;
-      probabilities(s, dp, m, b, w0, i0, false, !m.doc && w0 + 15 <= i0 && i0 + kTile - 1 < m.T, nullptr, nullptr,
-                    col, col + kTile);
-      uint32_t pa[4][4], da[4][4];
-      to_a(pa, s), to_a(da, dp);
-      mma_tile<D>(dv, pa, os(stage));  // dv += Pᵀ·dout
-      mma_tile<D>(dk, da, qs(stage));  // dk += dSᵀ·q
-    }
-    __syncthreads();  // the stage is refilled next iteration
-    h = nh, i0 = ni;
-  }
+  staged_walk(first, first.h < tiles.end, [&](At& x) { return tiles.advance(x); }, fetch, [&](int stage, At x) {
+    const int64_t i0 = x.i0;
+    if (w0 >= m.T || i0 + kTile - 1 < w0) return;  // every query of the tile precedes the warp's keys
+    float s[8][4], dp[8][4];
+    zero<8>(s), zero<8>(dp);
+    mma_rows_ld<D / 16>(s, ka, qs(stage));   // Sᵀ = k·qᵀ
+    mma_rows_ld<D / 16>(dp, va, os(stage));  // dPᵀ = v·doutᵀ
+    const float* col = cols + stage * 2 * kTile;
+    probabilities(s, dp, m, b, w0, i0, false, !m.doc && w0 + 15 <= i0 && i0 + kTile - 1 < m.T, nullptr, nullptr,
+                  col, col + kTile);
+    uint32_t pa[4][4], da[4][4];
+    to_a(pa, s), to_a(da, dp);
+    mma_tile<D>(dv, pa, os(stage));  // dv += Pᵀ·dout
+    mma_tile<D>(dk, da, qs(stage));  // dk += dSᵀ·q
+  });
   for (int r = 0; r < 2; ++r) {
     const int64_t j = w0 + gk + 8 * r;
     if (j >= m.T) continue;
