@@ -206,6 +206,14 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
     st["data_sizes"].for_each_element([&](const JsonField& d) {
       state_.data_sizes.emplace_back(d["tokens"].integer(0, JsonField::kNoLimit), d["documents"].integer(0, JsonField::kNoLimit));
     });
+  const JsonField kernels = st["kernels"];
+  if (kernels.present()) kernels.only_keys({"attention_tiles", "bf16_tiles", "bf16_small_gemms"});
+  const auto kept = [&](const char* key, std::initializer_list<std::string_view> values) {
+    return kernels[key].present() ? std::optional<int>(int(kernels[key].one_of(values))) : std::nullopt;
+  };
+  state_.attention_tiles = kept("attention_tiles", {"openblas", "onednn"});
+  state_.bf16_tiles = kept("bf16_tiles", {"fp32", "onednn"});
+  state_.bf16_small_gemms = kept("bf16_small_gemms", {"portable", "onednn"});
 }
 
 // trainer_state.json's options[key], or null where the checkpoint has none.

@@ -9,7 +9,8 @@
 //                           and TP split rule; per piece its file, key and place in the global tensor;
 //                           per file its size and checksum (core/checksum.h)
 //   config.json, trainer_state.json (step, AdamW's step count, options, router biases, the skip
-//                           count and last update, the loss-spike check's recent losses, the data's sizes),
+//                           count and last update, the loss-spike check's recent losses, the data's sizes,
+//                           the timed kernel choices a resume keeps),
 //   tokenizer.json (when the data has one)
 // and DIR/latest then names the newest committed step-N (ckpt/checkpoint_writer.h commits).
 //
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -92,6 +94,10 @@ class Checkpoint {
     std::vector<double> recent_losses;  // the loss-spike check's history (train/metrics.h LossSpikes)
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
     std::vector<std::pair<int64_t, int64_t>> data_sizes;  // per dataset of --data: tokens, documents (empty: none saved)
+    // The timed kernel choices that fix an order of summation, as the run that saved kept them
+    // ("kernels": attention_tiles openblas|onednn, bf16_tiles fp32|onednn, bf16_small_gemms
+    // portable|onednn), each the index of its value in that list; none where not saved.
+    std::optional<int> attention_tiles, bf16_tiles, bf16_small_gemms;
   };
   const TrainerState& state() const { return state_; }
   // One of the training run's options (trainer_state.json's "options", as `train` wrote them), or

@@ -430,23 +430,48 @@ Opened open_run(const ModelConfig& cfg, const TrainOptions& opts, Comm& world) {
   return {std::move(*plan), std::move(in), std::move(hooks)};
 }
 
+// The timed kernel choices that fix an order of summation, the same on every rank: attention's tiles'
+// library and, in bf16, its tiles' and the small GEMMs' paths. Rank 0's, so that the job's processes
+// sum alike; on a resume, each choice the checkpoint kept where the environment forces none, so that
+// the run sums as the one that saved it (a timing near its threshold can flip between runs).
+void agree_on_kernels(const Plan& plan, const Inputs& in, Comm& world) {
+  const bool bf16 = plan.precision == Precision::bf16, auto_bf16 = bf16_gemm_mode() == Bf16GemmMode::automatic;
+  const Checkpoint::TrainerState* kept =
+      world.rank() == 0 && !plan.options.resume.empty() && in.checkpoint ? &in.checkpoint->state() : nullptr;
+  // Pairs of (choice, whether the checkpoint's): the tiles' library, bf16 tiles, bf16 small GEMMs.
+  int32_t c[6] = {int32_t(tile_gemm_library()), 0, 0, 0, 0, 0};
+  if (kept && kept->attention_tiles && !tile_gemm_forced()) c[0] = *kept->attention_tiles, c[1] = 1;
+  if (bf16) {
+    c[2] = int32_t(bf16_tiles());
+    if (kept && kept->bf16_tiles && auto_bf16) c[2] = *kept->bf16_tiles, c[3] = 1;
+    if (kept && kept->bf16_small_gemms && auto_bf16) c[4] = *kept->bf16_small_gemms, c[5] = 1;
+    else c[4] = world.rank() == 0 && bf16_small_gemms_onednn();  // timed on rank 0 alone: the others take its answer
+  }
+  world.broadcast(c, 6, DType::i32, 0);
+  const auto from = [](int32_t kept_flag) { return kept_flag ? ChoiceFrom::checkpoint : ChoiceFrom::rank0; };
+  set_tile_gemm_library(TileGemm(c[0]), from(c[1]));
+  if (!bf16) return;
+  set_bf16_tiles(Bf16Tiles(c[2]), from(c[3]));
+  set_bf16_small_gemms_onednn(c[4] != 0);
+}
+
+// trainer_state.json's "kernels": the choices above as this run made them, for a resume to keep.
+nlohmann::json kept_kernels(Precision precision) {
+  nlohmann::json k = nlohmann::json::object();
+  if (const auto tiles = tile_gemm_to_keep()) k["attention_tiles"] = *tiles == TileGemm::onednn ? "onednn" : "openblas";
+  if (precision != Precision::bf16) return k;
+  k["bf16_tiles"] = bf16_tiles() == Bf16Tiles::onednn ? "onednn" : "fp32";
+  if (const auto small = bf16_small_gemms_to_keep()) k["bf16_small_gemms"] = *small ? "onednn" : "portable";
+  return k;
+}
+
 // The memory check; the libraries' thread pools and buffers are set up first, so that the check
 // measures them as the runtime part.
 MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   const TrainOptions& o = plan.options;
   if (o.threads > 0) set_num_threads(o.threads);
   warm_up_gemm();
-  // Attention's tiles on rank 0's library on every rank: one summation order for the job.
-  int32_t tiles = int32_t(tile_gemm_library());
-  world.broadcast(&tiles, 1, DType::i32, 0);
-  set_tile_gemm_library(TileGemm(tiles));
-  if (plan.precision == Precision::bf16) {  // and its bf16 tiles' and small GEMMs' paths
-    // (the small GEMMs' layer-sized timing on rank 0 alone: the others take its answer untimed)
-    int32_t paths[2] = {int32_t(bf16_tiles()), int32_t(world.rank() == 0 && bf16_small_gemms_onednn())};
-    world.broadcast(paths, 2, DType::i32, 0);
-    set_bf16_tiles(Bf16Tiles(paths[0]));
-    set_bf16_small_gemms_onednn(paths[1] != 0);
-  }
+  agree_on_kernels(plan, in, world);
   const int64_t data_bytes =
       in.data->bytes(o.global_batch) + (in.eval_data ? in.eval_data->bytes(o.eval_iters * o.global_batch) : 0) +
       (in.docs ? in.docs->bytes() : 0) + (in.eval_docs ? in.eval_docs->bytes() : 0);
@@ -1094,6 +1119,7 @@ double Run::save(int64_t steps_done) {
     if (cfg_.is_moe()) st["options"]["moe_aux_loss_coef"] = cfg_.routing.aux_coef;  // (the config's where not given)
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     st["data_sizes"] = data_sizes(*in_.data);
+    st["kernels"] = kept_kernels(plan_.precision);
     files["trainer_state.json"] = st.dump(2) + "\n";
     files["config.json"] = cfg_.raw.dump(2) + "\n";
     if (!in_.data->tokenizer_bytes().empty()) files["tokenizer.json"] = in_.data->tokenizer_bytes();

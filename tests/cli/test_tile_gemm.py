@@ -8,7 +8,13 @@ Asserted, on the demo model over windows of 2 key tiles (128 positions) with doc
   - the two libraries train the same curve: every one of 4 steps' losses within 1e-5 relative in fp32
     (the same sums in two orders) and within 1e-3 in bf16, the bound of the bf16 layout tests (an fp32
     value that the order moves across a bf16 rounding boundary moves by 2^-8 after rounding);
-  - any other value is one clear error and exit 1.
+  - any other value is one clear error and exit 1;
+  - a checkpoint keeps the job's choices (trainer_state.json's "kernels") and a resume takes them, so
+    that it sums as the run that saved did: resumed from step 2 without ORIGAMI_TILE_GEMM, a run saved
+    under either forced library names "the checkpoint's choice" and repeats the uninterrupted run's
+    steps 3 and 4 bit for bit (whichever library this host's timing would pick, one of the two cases
+    resumes against it); ORIGAMI_TILE_GEMM given on the resume wins; a kept value that is not a
+    library is an error naming the field.
 """
 import json
 import os
@@ -25,14 +31,64 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(ROOT, "configs", "demo_gpt2.json")
 
 
-def train(tmp, data, library, precision):
-    metrics = os.path.join(tmp, "m_%s_%s.jsonl" % (library, precision))
-    env = {**os.environ, "OMP_WAIT_POLICY": "passive", "ORIGAMI_TILE_GEMM": library}
+def train(tmp, data, library, precision, *extra, name=None):
+    """A 4-step run; library None leaves ORIGAMI_TILE_GEMM unset."""
+    metrics = os.path.join(tmp, "m_%s.jsonl" % (name or "%s_%s" % (library, precision)))
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    env.pop("ORIGAMI_TILE_GEMM", None)
+    if library is not None:
+        env["ORIGAMI_TILE_GEMM"] = library
     p = subprocess.run([ORIGAMI, "train", "--config", CONFIG, "--data", data, "--steps", "4", "--micro-batch", "4",
                         "--seq-len", "128", "--threads", "2", "--lr", "5e-4", "--attention-mask", "document",
-                        "--precision", precision, "--metrics", metrics],
+                        "--precision", precision, "--metrics", metrics, *extra],
                        capture_output=True, text=True, env=env)
     return p, metrics
+
+
+def tile_line(p, what):
+    if p.returncode != 0:
+        fail("%s: exit %d\n%s" % (what, p.returncode, p.stdout[-2000:] + p.stderr[-2000:]))
+    line = [l for l in p.stdout.splitlines() if l.startswith("attention tiles:")]
+    check(len(line) == 1, "%s: one startup line naming the tile library, got %s" % (what, line))
+    return line[0]
+
+
+def check_resume_keeps_choice(tmp, data):
+    """A resume takes the checkpoint's tile library, not its own timing (bf16: every kept key)."""
+    names = {"openblas": "OpenBLAS", "onednn": "oneDNN"}
+    for library, name in names.items():
+        save = os.path.join(tmp, "save_" + library)
+        p, metrics = train(tmp, data, library, "bf16", "--save", save, "--save-every", "2", name="whole_" + library)
+        tile_line(p, "saving run, " + library)
+        whole = [json.loads(l) for l in open(metrics)]
+        kernels = json.load(open(os.path.join(save, "step-2", "trainer_state.json"))).get("kernels")
+        check(isinstance(kernels, dict) and kernels.get("attention_tiles") == library
+              and kernels.get("bf16_tiles") in ("fp32", "onednn"),
+              "%s: trainer_state.json keeps kernels %s" % (library, kernels))
+        p, metrics = train(tmp, data, None, "bf16", "--resume", os.path.join(save, "step-2"), name="resumed_" + library)
+        line = tile_line(p, "resumed run, " + library)
+        check(re.fullmatch(r"attention tiles: %s \(timed: OpenBLAS at [0-9.]+x oneDNN's time here; the checkpoint's "
+                           r"choice\)" % name, line) is not None, "%s: resumed startup line %r" % (library, line))
+        resumed = [json.loads(l) for l in open(metrics)]
+        check([r["step"] for r in resumed] == [3, 4] and [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]],
+              "%s: the resumed steps %s differ from the uninterrupted run's %s"
+              % (library, [(r["step"], r["loss"]) for r in resumed], [(r["step"], r["loss"]) for r in whole[2:]]))
+        print("ok   %s checkpoint: kernels %s; resumed without ORIGAMI_TILE_GEMM: %s; steps 3-4 bit for bit %s"
+              % (library, kernels, line, " ".join(repr(r["loss"]) for r in resumed)))
+    other = "onednn"
+    p, _ = train(tmp, data, other, "bf16", "--resume", os.path.join(tmp, "save_openblas", "step-2"), name="forced_resume")
+    line = tile_line(p, "resume under ORIGAMI_TILE_GEMM=" + other)
+    check(line == "attention tiles: oneDNN (forced by ORIGAMI_TILE_GEMM)", "the environment must win on a resume: %r" % line)
+    print("ok   ORIGAMI_TILE_GEMM=%s on a resume of an OpenBLAS checkpoint: %s" % (other, line))
+    state = os.path.join(tmp, "save_openblas", "step-2", "trainer_state.json")
+    st = json.load(open(state))
+    st["kernels"]["attention_tiles"] = "blas"
+    json.dump(st, open(state, "w"))
+    p, _ = train(tmp, data, None, "bf16", "--resume", os.path.dirname(state), name="bad_kernels")
+    errors = [l for l in (p.stdout + p.stderr).splitlines() if "error" in l]
+    check(p.returncode == 1 and len(errors) == 1 and "field 'kernels.attention_tiles'" in errors[0] and '"blas"' in errors[0],
+          "a kept library that is not one: exit %d, errors %s" % (p.returncode, errors))
+    print("ok   a damaged kept choice: " + errors[0])
 
 
 def main():
@@ -69,6 +125,7 @@ def main():
         check(p.returncode == 1 and errors == [want], "ORIGAMI_TILE_GEMM=blas: exit %d, errors %s, expected %r"
               % (p.returncode, errors, want))
         print("ok   ORIGAMI_TILE_GEMM=blas: " + want)
+        check_resume_keeps_choice(tmp, data)
 
 
 if __name__ == "__main__":

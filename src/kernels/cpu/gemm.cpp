@@ -55,7 +55,8 @@ double time_tiles(TileGemm lib) {
 struct TileChoice {
   TileGemm lib = TileGemm::openblas;
   double openblas_over_onednn = 0;  // measured time ratio (0: forced or one thread, not timed)
-  bool agreed = false;              // replaced by set_tile_gemm_library (rank 0's)
+  bool agreed = false;              // replaced by rank 0's (set_tile_gemm_library)
+  bool kept = false;                // the resumed checkpoint's (set_tile_gemm_library)
 };
 
 // ORIGAMI_TILE_GEMM: nullopt for auto.
@@ -87,10 +88,16 @@ thread_local int64_t tiles_on[2] = {0, 0};
 
 TileGemm tile_gemm_library() { return tile_choice().lib; }
 void check_tile_gemm_env() { forced_tiles(); }
-void set_tile_gemm_library(TileGemm lib) {
+void set_tile_gemm_library(TileGemm lib, ChoiceFrom from) {
   TileChoice& c = tile_choice();
-  c.agreed = c.agreed || lib != c.lib;
+  c.agreed = c.agreed || (from == ChoiceFrom::rank0 && lib != c.lib);
+  c.kept = c.kept || from == ChoiceFrom::checkpoint;
   c.lib = lib;
+}
+bool tile_gemm_forced() { return forced_tiles().has_value(); }
+std::optional<TileGemm> tile_gemm_to_keep() {
+  if (omp_get_max_threads() == 1) return std::nullopt;
+  return tile_choice().lib;
 }
 int64_t tiles_run(TileGemm lib) { return tiles_on[int(lib)]; }
 
@@ -102,7 +109,7 @@ std::string describe_tile_gemm() {
   char ratio[32];
   std::snprintf(ratio, sizeof ratio, "%.2f", c.openblas_over_onednn);
   return cat("attention tiles: ", name, " (timed: OpenBLAS at ", ratio, "x oneDNN's time here",
-             c.agreed ? "; rank 0's choice" : "", ")");
+             c.kept ? "; the checkpoint's choice" : c.agreed ? "; rank 0's choice" : "", ")");
 }
 
 template <typename T>

@@ -14,6 +14,7 @@
 // how the trainer keeps SIGINT/SIGTERM away from them).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace origami {
@@ -56,10 +57,17 @@ enum class TileGemm { openblas, onednn };
 TileGemm tile_gemm_library();
 // Reads ORIGAMI_TILE_GEMM: an invalid value throws (the trainer checks it on every rank at start).
 void check_tile_gemm_env();
-// Replaces the choice — a job takes rank 0's, so that its processes sum in one order — outside any
-// parallel region. A timing near 1.3 can still choose differently in two separate runs; forcing the
-// library makes them repeatable.
-void set_tile_gemm_library(TileGemm lib);
+// Where a choice that replaces this process's timing comes from (the startup line names it): rank 0's
+// timing, so that a job's processes sum in one order; or the checkpoint a run resumes, so that it sums
+// as the run that saved it did (a timing near a threshold can choose differently in two runs).
+enum class ChoiceFrom { rank0, checkpoint };
+// Replaces the choice, outside any parallel region. Forcing the library (ORIGAMI_TILE_GEMM) makes
+// separate fresh runs repeatable too.
+void set_tile_gemm_library(TileGemm lib, ChoiceFrom from = ChoiceFrom::rank0);
+// Whether ORIGAMI_TILE_GEMM names a library (a resume then takes it, not the checkpoint's).
+bool tile_gemm_forced();
+// The choice a checkpoint keeps: none with one thread (no tile ran on either library).
+std::optional<TileGemm> tile_gemm_to_keep();
 // How many tiles this thread has run on `lib` (tests).
 int64_t tiles_run(TileGemm lib);
 // The startup line's words for the choice, e.g. "attention tiles: oneDNN (timed: OpenBLAS at 4.20x

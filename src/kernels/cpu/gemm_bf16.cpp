@@ -530,7 +530,8 @@ class TilePrimitive {
 struct TileChoice {
   Bf16Tiles path = Bf16Tiles::fp32;
   double fp32_over_onednn = 0;  // measured time ratio (0: not timed)
-  bool agreed = false;          // replaced by set_bf16_tiles (rank 0's)
+  bool agreed = false;          // replaced by rank 0's (set_bf16_tiles)
+  bool kept = false;            // the resumed checkpoint's (set_bf16_tiles)
   bool lacks_onednn = false;    // rank 0's was oneDNN, which this CPU does not have: fp32 tiles
 };
 
@@ -600,11 +601,18 @@ void set_bf16_small_gemms_onednn(bool onednn) {
 
 Bf16Tiles bf16_tiles() { return tile_choice().path; }
 
-void set_bf16_tiles(Bf16Tiles tiles) {
+std::optional<bool> bf16_small_gemms_to_keep() {
+  if (bf16_gemm_always_portable()) return std::nullopt;
+  return mode() == Bf16GemmMode::onednn || bf16_small_gemms_onednn();
+}
+
+void set_bf16_tiles(Bf16Tiles tiles, ChoiceFrom from) {
   TileChoice& c = tile_choice();
-  c.lacks_onednn = tiles == Bf16Tiles::onednn && onednn_tile_impl().empty();  // a job of unlike CPUs
+  // oneDNN's where this CPU lacks it: a job of unlike CPUs, or a checkpoint saved on another host
+  c.lacks_onednn = tiles == Bf16Tiles::onednn && onednn_tile_impl().empty();
   if (c.lacks_onednn) tiles = Bf16Tiles::fp32;
-  c.agreed = c.agreed || tiles != c.path;
+  c.agreed = c.agreed || (from == ChoiceFrom::rank0 && tiles != c.path);
+  c.kept = c.kept || from == ChoiceFrom::checkpoint;
   c.path = tiles;
 }
 
@@ -612,12 +620,12 @@ std::string describe_bf16_tiles() {
   const TileChoice& c = tile_choice();
   char ratio[32];
   std::snprintf(ratio, sizeof ratio, "%.2f", c.fp32_over_onednn);
-  std::string why = c.lacks_onednn ? "rank 0 chose oneDNN's, which this CPU lacks"
+  std::string why = c.lacks_onednn ? cat(c.kept ? "the checkpoint's" : "rank 0's", " choice was oneDNN's, which this CPU lacks")
                     : mode() == Bf16GemmMode::portable ? "forced by ORIGAMI_BF16_GEMM=portable"
                     : onednn_tile_impl().empty()       ? "oneDNN has no bf16 matmul here"
                     : c.fp32_over_onednn == 0          ? "forced by ORIGAMI_BF16_GEMM=onednn"
                                                        : cat("timed: fp32 tiles at ", ratio, "x oneDNN's time");
-  if (c.agreed && !c.lacks_onednn) why += "; rank 0's choice";
+  if (!c.lacks_onednn) why += c.kept ? "; the checkpoint's choice" : c.agreed ? "; rank 0's choice" : "";
   if (c.path == Bf16Tiles::fp32) return cat("bf16 attention tiles: fp32 (", why, ")");
   return cat("bf16 attention tiles: ", isa_of(onednn_tile_impl()), " (oneDNN; ", why, ")");
 }

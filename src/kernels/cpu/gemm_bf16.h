@@ -43,9 +43,11 @@
 // portable path; onednn takes oneDNN wherever it creates a primitive, untimed (tests, benchmarks).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/gemm.h"
 
 namespace origami {
 
@@ -115,12 +117,15 @@ void tile_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
 // oneDNN cannot run takes the portable path whatever the choice.
 bool bf16_small_gemms_onednn();
 void set_bf16_small_gemms_onednn(bool onednn);
+// The small GEMMs' path a checkpoint keeps (set_tile_gemm_library's ChoiceFrom::checkpoint): oneDNN's
+// or the portable one as this run takes them; none where every bf16 GEMM is portable (nothing chosen).
+std::optional<bool> bf16_small_gemms_to_keep();
 
 enum class Bf16Tiles { fp32, onednn };
 Bf16Tiles bf16_tiles();
 // Replaces the choice (a job takes rank 0's, one summation order for all its processes); oneDNN's
 // where this CPU has no bf16 matmul (a job over unlike CPUs) gives fp32 tiles, and the startup line says so.
-void set_bf16_tiles(Bf16Tiles tiles);
+void set_bf16_tiles(Bf16Tiles tiles, ChoiceFrom from = ChoiceFrom::rank0);
 // The startup line's words, e.g. "bf16 attention tiles: AMX (oneDNN; timed: fp32 tiles at 1.70x oneDNN's time)".
 std::string describe_bf16_tiles();
 
