@@ -206,8 +206,9 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
     st["data_sizes"].for_each_element([&](const JsonField& d) {
       state_.data_sizes.emplace_back(d["tokens"].integer(0, JsonField::kNoLimit), d["documents"].integer(0, JsonField::kNoLimit));
     });
+  // (other keys are left alone: choices a later version may keep, which this one does not make)
   const JsonField kernels = st["kernels"];
-  if (kernels.present()) kernels.only_keys({"attention_tiles", "bf16_tiles", "bf16_small_gemms"});
+  if (kernels.present()) kernels.object();
   const auto kept = [&](const char* key, std::initializer_list<std::string_view> values) {
     return kernels[key].present() ? std::optional<int>(int(kernels[key].one_of(values))) : std::nullopt;
   };

@@ -10,10 +10,11 @@ Asserted, on the demo model over windows of 2 key tiles (128 positions) with doc
     value that the order moves across a bf16 rounding boundary moves by 2^-8 after rounding);
   - any other value is one clear error and exit 1;
   - a checkpoint keeps the job's choices (trainer_state.json's "kernels") and a resume takes them, so
-    that it sums as the run that saved did: resumed from step 2 without ORIGAMI_TILE_GEMM, a run saved
-    under either forced library names "the checkpoint's choice" and repeats the uninterrupted run's
-    steps 3 and 4 bit for bit (whichever library this host's timing would pick, one of the two cases
-    resumes against it); ORIGAMI_TILE_GEMM given on the resume wins; a kept value that is not a
+    that it sums as the run that saved did: resumed from step 2 without ORIGAMI_TILE_GEMM, a bf16 run
+    saved under either forced library (its GEMMs pinned portable, below) names "the checkpoint's
+    choice" and repeats the uninterrupted run's steps 3 and 4 bit for bit (whichever library this
+    host's timing would pick, one of the two cases resumes against it); a key this version does not
+    know is left alone; ORIGAMI_TILE_GEMM given on the resume wins; a kept value that is not a
     library is an error naming the field.
 """
 import json
@@ -31,10 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(ROOT, "configs", "demo_gpt2.json")
 
 
-def train(tmp, data, library, precision, *extra, name=None):
+def train(tmp, data, library, precision, *extra, name=None, env_extra=None):
     """A 4-step run; library None leaves ORIGAMI_TILE_GEMM unset."""
     metrics = os.path.join(tmp, "m_%s.jsonl" % (name or "%s_%s" % (library, precision)))
-    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive", **(env_extra or {})}
     env.pop("ORIGAMI_TILE_GEMM", None)
     if library is not None:
         env["ORIGAMI_TILE_GEMM"] = library
@@ -54,18 +55,27 @@ def tile_line(p, what):
 
 
 def check_resume_keeps_choice(tmp, data):
-    """A resume takes the checkpoint's tile library, not its own timing (bf16: every kept key)."""
+    """A resume takes the checkpoint's tile library, not its own timing. In bf16 with the GEMMs pinned
+    to the portable path: on a host whose oneDNN has a bf16 matmul, each run times the layer-sized bf16
+    GEMMs per shape (not kept), and its attention would multiply in oneDNN's bf16 tiles, not the fp32
+    tiles' library under test."""
     names = {"openblas": "OpenBLAS", "onednn": "oneDNN"}
+    portable = {"ORIGAMI_BF16_GEMM": "portable"}
     for library, name in names.items():
         save = os.path.join(tmp, "save_" + library)
-        p, metrics = train(tmp, data, library, "bf16", "--save", save, "--save-every", "2", name="whole_" + library)
+        p, metrics = train(tmp, data, library, "bf16", "--save", save, "--save-every", "2", name="whole_" + library,
+                           env_extra=portable)
         tile_line(p, "saving run, " + library)
         whole = [json.loads(l) for l in open(metrics)]
         kernels = json.load(open(os.path.join(save, "step-2", "trainer_state.json"))).get("kernels")
-        check(isinstance(kernels, dict) and kernels.get("attention_tiles") == library
-              and kernels.get("bf16_tiles") in ("fp32", "onednn"),
+        check(kernels == {"attention_tiles": library, "bf16_tiles": "fp32"},
               "%s: trainer_state.json keeps kernels %s" % (library, kernels))
-        p, metrics = train(tmp, data, None, "bf16", "--resume", os.path.join(save, "step-2"), name="resumed_" + library)
+        state = os.path.join(save, "step-2", "trainer_state.json")
+        st = json.load(open(state))
+        st["kernels"]["a_later_choice"] = "anything"  # (a later version's key: not this one's to judge)
+        json.dump(st, open(state, "w"))
+        p, metrics = train(tmp, data, None, "bf16", "--resume", os.path.join(save, "step-2"), name="resumed_" + library,
+                           env_extra=portable)
         line = tile_line(p, "resumed run, " + library)
         check(re.fullmatch(r"attention tiles: %s \(timed: OpenBLAS at [0-9.]+x oneDNN's time here; the checkpoint's "
                            r"choice\)" % name, line) is not None, "%s: resumed startup line %r" % (library, line))
@@ -76,7 +86,8 @@ def check_resume_keeps_choice(tmp, data):
         print("ok   %s checkpoint: kernels %s; resumed without ORIGAMI_TILE_GEMM: %s; steps 3-4 bit for bit %s"
               % (library, kernels, line, " ".join(repr(r["loss"]) for r in resumed)))
     other = "onednn"
-    p, _ = train(tmp, data, other, "bf16", "--resume", os.path.join(tmp, "save_openblas", "step-2"), name="forced_resume")
+    p, _ = train(tmp, data, other, "bf16", "--resume", os.path.join(tmp, "save_openblas", "step-2"), name="forced_resume",
+                 env_extra=portable)
     line = tile_line(p, "resume under ORIGAMI_TILE_GEMM=" + other)
     check(line == "attention tiles: oneDNN (forced by ORIGAMI_TILE_GEMM)", "the environment must win on a resume: %r" % line)
     print("ok   ORIGAMI_TILE_GEMM=%s on a resume of an OpenBLAS checkpoint: %s" % (other, line))
@@ -84,7 +95,7 @@ def check_resume_keeps_choice(tmp, data):
     st = json.load(open(state))
     st["kernels"]["attention_tiles"] = "blas"
     json.dump(st, open(state, "w"))
-    p, _ = train(tmp, data, None, "bf16", "--resume", os.path.dirname(state), name="bad_kernels")
+    p, _ = train(tmp, data, None, "bf16", "--resume", os.path.dirname(state), name="bad_kernels", env_extra=portable)
     errors = [l for l in (p.stdout + p.stderr).splitlines() if "error" in l]
     check(p.returncode == 1 and len(errors) == 1 and "field 'kernels.attention_tiles'" in errors[0] and '"blas"' in errors[0],
           "a kept library that is not one: exit %d, errors %s" % (p.returncode, errors))
