@@ -209,12 +209,12 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
   // (other keys are left alone: choices a later version may keep, which this one does not make)
   const JsonField kernels = st["kernels"];
   if (kernels.present()) kernels.object();
-  const auto kept = [&](const char* key, std::initializer_list<std::string_view> values) {
-    return kernels[key].present() ? std::optional<int>(int(kernels[key].one_of(values))) : std::nullopt;
+  const auto kept = [&](const char* key, const TrainerState::Names& values) {
+    return kernels[key].present() ? std::optional<int>(int(kernels[key].one_of({values[0], values[1]}))) : std::nullopt;
   };
-  state_.attention_tiles = kept("attention_tiles", {"openblas", "onednn"});
-  state_.bf16_tiles = kept("bf16_tiles", {"fp32", "onednn"});
-  state_.bf16_small_gemms = kept("bf16_small_gemms", {"portable", "onednn"});
+  state_.attention_tiles = kept("attention_tiles", TrainerState::kAttentionTiles);
+  state_.bf16_tiles = kept("bf16_tiles", TrainerState::kBf16Tiles);
+  state_.bf16_small_gemms = kept("bf16_small_gemms", TrainerState::kBf16SmallGemms);
 }
 
 // trainer_state.json's options[key], or null where the checkpoint has none.

@@ -18,6 +18,7 @@
 // split rule: ParamSpec::for_each_run maps those elements onto the global tensor's row-major offsets,
 // so a reader under any other layout finds, for every element it needs, the piece and byte that hold it.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -95,9 +96,13 @@ class Checkpoint {
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
     std::vector<std::pair<int64_t, int64_t>> data_sizes;  // per dataset of --data: tokens, documents (empty: none saved)
     // The timed kernel choices that fix an order of summation, as the run that saved kept them
-    // ("kernels": attention_tiles openblas|onednn, bf16_tiles fp32|onednn, bf16_small_gemms
-    // portable|onednn), each the index of its value in that list; none where not saved.
+    // ("kernels"), each the index of its value in the list below (the order of the kernels' enums,
+    // TileGemm, Bf16Tiles and the small GEMMs' portable/oneDNN, by which the trainer writes them); none
+    // where not saved.
     std::optional<int> attention_tiles, bf16_tiles, bf16_small_gemms;
+    using Names = std::array<const char*, 2>;
+    static constexpr Names kAttentionTiles{"openblas", "onednn"}, kBf16Tiles{"fp32", "onednn"},
+        kBf16SmallGemms{"portable", "onednn"};
   };
   const TrainerState& state() const { return state_; }
   // One of the training run's options (trainer_state.json's "options", as `train` wrote them), or

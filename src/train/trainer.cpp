@@ -457,11 +457,12 @@ void agree_on_kernels(const Plan& plan, const Inputs& in, Comm& world) {
 
 // trainer_state.json's "kernels": the choices above as this run made them, for a resume to keep.
 nlohmann::json kept_kernels(Precision precision) {
+  using State = Checkpoint::TrainerState;  // (the names a resume reads back)
   nlohmann::json k = nlohmann::json::object();
-  if (const auto tiles = tile_gemm_to_keep()) k["attention_tiles"] = *tiles == TileGemm::onednn ? "onednn" : "openblas";
+  if (const auto tiles = tile_gemm_to_keep()) k["attention_tiles"] = State::kAttentionTiles[int(*tiles)];
   if (precision != Precision::bf16) return k;
-  k["bf16_tiles"] = bf16_tiles() == Bf16Tiles::onednn ? "onednn" : "fp32";
-  if (const auto small = bf16_small_gemms_to_keep()) k["bf16_small_gemms"] = *small ? "onednn" : "portable";
+  k["bf16_tiles"] = State::kBf16Tiles[int(bf16_tiles())];
+  if (const auto small = bf16_small_gemms_to_keep()) k["bf16_small_gemms"] = State::kBf16SmallGemms[int(*small)];
   return k;
 }
 
