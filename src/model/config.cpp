@@ -60,10 +60,11 @@ const char* aux_loss_name(AuxLoss a) {
 
 int64_t MoeRouting::capacity(int64_t N, int64_t K, int64_t E) const {
   if (capacity_factor <= 0) return 0;
-  // ceil in exact arithmetic where factor·N·K/E is an integer (1e-9 absorbs the rounding of the product);
-  // at most N, the most an expert can be sent (a token picks an expert once): a larger factor drops nothing
-  // more and would only pad (and, as a double, could overflow the integer)
-  const double cap = std::ceil(capacity_factor * double(N * K) / double(E) - 1e-9);
+  // Megatron's get_capacity to the bit: ceil((N·K / E) · F) in doubles, so a factor of 1.1 over 50
+  // assignments an expert keeps 56 (the product is 55.00000000000001), as a Megatron run would.
+  // At most N, the most an expert can be sent (a token picks an expert once): a larger factor drops
+  // nothing more and would only pad (and, as a double, could overflow the integer).
+  const double cap = std::ceil(double(N * K) / double(E) * capacity_factor);
   return std::max<int64_t>(1, cap >= double(N) ? N : int64_t(cap));
 }
 

@@ -544,7 +544,7 @@ def swiglu(x, w_gate, w_up, w_down, keep=lambda t: t):
 # Options of the MoE layers (origami's --moe-* flags). The defaults are the plain
 # dropless top-K softmax routing with the per-micro-batch aux loss.
 ROUTING_DEFAULTS = {
-    "capacity_factor": 0.0,     # F > 0: cap = ceil(F*N*K/E) assignments per expert; 0 dropless
+    "capacity_factor": 0.0,     # F > 0: cap = ceil((N*K/E)*F) in floats (Megatron's); 0 dropless
     "drop_policy": "probs",     # probs: keep the highest p[n,e] (ties: lower n); position: lowest n
     "pad_to_capacity": False,   # no effect on the math
     "aux": "micro",             # none | micro | seq | global
@@ -576,12 +576,11 @@ def routing_options(cfg, routing=None):
 
 
 def expert_capacity(opts, N, K, E):
-    """ceil(F*N*K/E) in exact arithmetic on the binary value of F, or None (dropless)."""
-    from fractions import Fraction
+    """Megatron's get_capacity: ceil((N*K/E) * F) in floats, or None (dropless)."""
     F = opts["capacity_factor"]
     if not F or F <= 0:
         return None
-    return math.ceil(Fraction(F) * N * K / E)
+    return math.ceil((N * K / E) * F)
 
 
 def router_scores(logits_NE, score):

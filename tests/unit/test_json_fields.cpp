@@ -316,8 +316,8 @@ TEST(JsonFields, ModelConfigLimitsAndTypes) {
             "config.json: field 'model_type': missing");
 }
 
-// A capacity: ceil(factor·N·K/E), at least 1, at most N (an expert is sent each token at most once),
-// so a huge factor pads to N rows rather than overflowing into a capacity of 1.
+// A capacity: Megatron's ceil((N·K/E)·factor) in doubles, at least 1, at most N (an expert is sent
+// each token at most once), so a huge factor pads to N rows rather than overflowing into a capacity of 1.
 TEST(ModelConfig, MoeCapacityBounds) {
   origami::MoeRouting r;
   EXPECT_EQ(r.capacity(64, 2, 8), 0);  // dropless
@@ -325,6 +325,16 @@ TEST(ModelConfig, MoeCapacityBounds) {
   EXPECT_EQ(r.capacity(64, 2, 8), 16);
   r.capacity_factor = 1.1;
   EXPECT_EQ(r.capacity(64, 2, 8), 18);
+  // as Megatron's doubles round: 50 · 1.1 is 55.00000000000001, so 56 (not the decimal 55); 10 · 1.1 is
+  // 11 exactly (the product of the binary 1.1 is a half-ulp tie, to even), so 11
+  EXPECT_EQ(r.capacity(200, 2, 8), 56);
+  EXPECT_EQ(r.capacity(40, 2, 8), 11);
+  r.capacity_factor = 0.1;  // 24720 · 0.1 rounds to 2472.0 exactly (the binary 0.1's exact product is above it)
+  EXPECT_EQ(r.capacity(24720, 1, 1), 2472);
+  r.capacity_factor = 1.25;  // exact: 10 over 8, never 11
+  EXPECT_EQ(r.capacity(32, 2, 8), 10);
+  r.capacity_factor = 1.0;
+  EXPECT_EQ(r.capacity(40, 2, 8), 10);
   r.capacity_factor = 0.001;
   EXPECT_EQ(r.capacity(64, 2, 8), 1);
   r.capacity_factor = 8.0;
