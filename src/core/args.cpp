@@ -159,7 +159,8 @@ int64_t Args::integer(const std::string& name) const {
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != 0) bad_value(name, "an integer");
-  if (errno == ERANGE) bad_value(name, "an integer in [-9223372036854775808, 9223372036854775807]");
+  // (the side the value left by: a large --ep is not told that -2^63 would do)
+  if (errno == ERANGE) bad_value(name, x < 0 ? "an integer of at least -9223372036854775808" : "an integer of at most 9223372036854775807");
   return x;
 }
 
@@ -175,7 +176,8 @@ uint64_t Args::unsigned_integer(const std::string& name) const {
 
 int Args::small_integer(const std::string& name) const {
   const int64_t x = integer(name);
-  if (x < INT32_MIN || x > INT32_MAX) bad_value(name, "an integer in [-2147483648, 2147483647]");
+  if (x < INT32_MIN) bad_value(name, "an integer of at least -2147483648");
+  if (x > INT32_MAX) bad_value(name, "an integer of at most 2147483647");
   return int(x);
 }
 

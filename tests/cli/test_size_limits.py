@@ -123,10 +123,15 @@ def planner_and_options(tmp, data):
     expect_error("--layout vpp999999999", plan(MIXTRAL, "--layout", "vpp999999999"),
                  "--layout: 'vpp999999999' needs an integer in [1, 1048576] after 'vpp'")
     train = ["train", "--config", config(tmp, "opts", LLAMA), "--data", data, "--seq-len", "32"]
-    for flag, value, message in [("--tp", "4294967298", "--tp must be an integer in [-2147483648, 2147483647], got "
+    # (an out-of-type value is told the bound it passed, not the other side's: -2^31 is no --tp either)
+    for flag, value, message in [("--tp", "4294967298", "--tp must be an integer of at most 2147483647, got "
                                   "'4294967298'"),
-                                 ("--steps", "99999999999999999999", "--steps must be an integer in "
-                                  "[-9223372036854775808, 9223372036854775807], got '99999999999999999999'"),
+                                 ("--tp", "-4294967298", "--tp must be an integer of at least -2147483648, got "
+                                  "'-4294967298'"),
+                                 ("--steps", "99999999999999999999", "--steps must be an integer of at most "
+                                  "9223372036854775807, got '99999999999999999999'"),
+                                 ("--steps", "-99999999999999999999", "--steps must be an integer of at least "
+                                  "-9223372036854775808, got '-99999999999999999999'"),
                                  ("--steps", str(2**40), "--steps must be at most 4294967296, got 1099511627776"),
                                  ("--lr", "inf", "--lr must be a number, got 'inf'")]:
         expect_error(f"{flag} {value}", train + [flag, value], message)
