@@ -60,7 +60,10 @@ def wrapped(v, bits):
 
 
 def wrapped_number(text, numbers):
-    """A value written into the input that comes back wrapped to int32/int64 (or as the unsigned twin)."""
+    """A value written into the input that comes back wrapped to int32/int64 (or as the unsigned twin).
+    A bound a message states ("at most 2147483647", "in [-2^63, 2^63 - 1]") is the rule, not a value."""
+    rules = text
+    text = re.sub(r"\bat (?:most|least) -?\d+|\bin \[-?\d+, -?\d+\]", "BOUND", text)
     for v in numbers:
         for bits in (32, 64):
             w = wrapped(v, bits)
@@ -76,7 +79,7 @@ def wrapped_number(text, numbers):
                 continue
             if re.search(r"(?<![\d.e+-])%s(?![\d.])" % edge, text) and str(v) not in text:
                 return "%d came back as %s (saturated to int64)" % (v, edge)
-    m = re.search(r"in \[1, (0|-\d+)\]", text)
+    m = re.search(r"in \[1, (0|-\d+)\]", rules)
     if m:
         return "a range ends at %s" % m.group(1)
     return None
