@@ -29,6 +29,11 @@ TestHooks TestHooks::from_env(int world_rank, bool moe) {
                   "ORIGAMI_TEST_FAIL must be STEP:RANK:FILE (a step from 1, a world rank, a marker file), got '", e, "'");
     h.fail_file_ = file;
   }
+  if (const char* e = std::getenv("ORIGAMI_TEST_FAIL_IN")) {
+    ORIGAMI_CHECK(std::string(e) == "step" || std::string(e) == "validation",
+                  "ORIGAMI_TEST_FAIL_IN must be step or validation, got '", e, "'");
+    h.fail_in_ = std::string(e) == "validation" ? In::validation : In::step;
+  }
   if (const char* e = std::getenv("ORIGAMI_TEST_SLOW_BACKWARD"))
     ORIGAMI_CHECK(std::sscanf(e, "%d:%d", &h.slow_rank_, &h.slow_ms_) == 2 && h.slow_rank_ >= 0 && h.slow_ms_ >= 0,
                   "ORIGAMI_TEST_SLOW_BACKWARD must be RANK:MS (a world rank, milliseconds), got '", e, "'");
@@ -62,10 +67,11 @@ void TestHooks::slow_backward() const {
   if (rank_ == slow_rank_) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
 }
 
-void TestHooks::fail_once(int64_t step) const {
-  if (step != fail_step_ || rank_ != fail_rank_ || std::filesystem::exists(fail_file_)) return;
+void TestHooks::fail_once(int64_t step, In where) const {
+  if (where != fail_in_ || step != fail_step_ || rank_ != fail_rank_ || std::filesystem::exists(fail_file_)) return;
   std::ofstream(fail_file_) << "failed\n";
-  throw std::runtime_error(cat("test failure at step ", step, " (ORIGAMI_TEST_FAIL)"));
+  throw std::runtime_error(cat("test failure at step ", step, where == In::validation ? "'s validation" : "",
+                              " (ORIGAMI_TEST_FAIL)"));
 }
 
 void TestHooks::log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts) {

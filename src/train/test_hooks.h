@@ -7,6 +7,9 @@
 //       (from 1) starts — STEP = --steps + 1: after the last step and its save —, unless FILE exists,
 //       which it creates first: a failure once, which `origami launch` must restart, or end after the
 //       last save (tests/parallel/test_launch.py).
+//   ORIGAMI_TEST_FAIL_IN=validation  ORIGAMI_TEST_FAIL's throw comes as step STEP's validation starts
+//       instead: a run that fails there must resume without losing the step's metrics row
+//       (tests/cli/test_train_cli.py).
 //   ORIGAMI_TEST_ROUTING=DIR  every rank of a MoE run appends its own routed counts per step to
 //       DIR/routing.RANK.jsonl, from which a test derives the dispatcher's bytes independently
 //       (tests/parallel/test_expert_parallel.py).
@@ -37,8 +40,10 @@ class TestHooks {
   // Before each backward pass: sleeps on the chosen rank (ORIGAMI_TEST_SLOW_BACKWARD).
   bool slows_backward() const { return slow_rank_ == rank_; }
   void slow_backward() const;
-  // As step `step` (from 1) starts: throws on the chosen rank, once (ORIGAMI_TEST_FAIL).
-  void fail_once(int64_t step) const;
+  // As step `step` (from 1) or its validation starts (ORIGAMI_TEST_FAIL_IN): throws on the chosen rank,
+  // once (ORIGAMI_TEST_FAIL).
+  enum class In { step, validation };
+  void fail_once(int64_t step, In where) const;
   // After the step's routing: this rank's counts per layer and expert.
   void log_routing(int64_t step, const std::vector<std::vector<int64_t>>& counts);
   // At the start: the router skew added to the selection bias ([layers][experts], allocated if empty).
@@ -52,6 +57,7 @@ class TestHooks {
   long long fail_step_ = -1;
   int fail_rank_ = -1;
   std::string fail_file_;
+  In fail_in_ = In::step;
   double skew_ = 0;
   int slow_rank_ = -1, slow_ms_ = 0;
   std::shared_ptr<std::ofstream> routing_log_;

@@ -549,6 +549,7 @@ class Run {
   StepFigures figures(int64_t step, const Update& up, double cpu0, bool stop);
   std::string report_skip(const Update& up, double loss, int64_t done) const;
   void take_measurements(StepReport& r);
+  void validate(StepReport& r);
   double evaluate();
   double save(int64_t steps_done);
   bool save_due(int64_t steps_done) const;
@@ -994,7 +995,7 @@ std::string Run::report_skip(const Update& up, double loss, int64_t done) const 
 
 int Run::step(int64_t step, StopSignals& signals) {
   if (writer_) writer_->poll();  // commits an asynchronous save every rank has finished writing
-  hooks_.fail_once(step + 1);
+  hooks_.fail_once(step + 1, TestHooks::In::step);
   Timer step_timer;
   const double cpu0 = cpu_seconds();
   const Update up = train(step);
@@ -1028,17 +1029,18 @@ int Run::step(int64_t step, StopSignals& signals) {
   if (fig.stop && rank0_) std::printf("stopping on signal after step %lld\n", (long long)r.step);
   if (o_.save_every_auto && save_every_ == 0) step_ms_.push_back(r.ms);
   take_measurements(r);  // (before a save, whose exchanges over the world are not the step's)
+  // Validation after the step's own figures are taken (its forwards would add to them), and before its
+  // save: a run that fails in it resumes from the save before and replays the step, row and all (saved
+  // first, the step would resume past its row, never written). A stop saves first: its grace is short.
+  const bool eval_due =
+      in_.eval_data && !too_many_skips && (r.step == o_.steps || (o_.eval_every > 0 && r.step % o_.eval_every == 0));
+  if (eval_due && !fig.stop) validate(r);
   if (writer_ && !too_many_skips && (fig.stop || r.step == o_.steps || save_due(r.step))) {
     r.save_blocked_s = save(r.step);
     // (a save refused for non-finite state, -1, ends the run: no interval from it)
     if (o_.save_every_auto && save_every_ == 0 && r.save_blocked_s >= 0) plan_save_interval(r.save_blocked_s);
   }
-  // Validation after the step's own figures are taken (its forwards would add to them).
-  if (in_.eval_data && !too_many_skips && (r.step == o_.steps || (o_.eval_every > 0 && r.step % o_.eval_every == 0))) {
-    Timer eval_timer;
-    r.val_loss = evaluate();
-    if (rank0_) print_eval_line(info_, r.step, *r.val_loss, eval_timer.ms());
-  }
+  if (eval_due && fig.stop) validate(r);
   if (metrics_ || tensorboard_) write_metrics(r);
   return exit_code(r, too_many_skips, broken);
 }
@@ -1059,6 +1061,14 @@ void Run::take_measurements(StepReport& r) {
 // Validation: the mean per-token LM loss over the first eval_iters global batches of the validation
 // data, rows split over DP as a training step's, forward only; the same reduction as the step's LM
 // loss (one rank per TP group; the last stage's; each CP rank its part).
+// The step's validation loss, on its line and in its row.
+void Run::validate(StepReport& r) {
+  hooks_.fail_once(r.step, TestHooks::In::validation);
+  Timer eval_timer;
+  r.val_loss = evaluate();
+  if (rank0_) print_eval_line(info_, r.step, *r.val_loss, eval_timer.ms());
+}
+
 double Run::evaluate() {
   const int64_t G = o_.global_batch;
   const int dp = dp_.size();
@@ -1200,7 +1210,7 @@ void Run::finish_saving() {
 }
 
 void Run::finish(int exit_code) {
-  if (exit_code == 0) hooks_.fail_once(o_.steps + 1);  // (a failure after the last step's save: its step is --steps + 1)
+  if (exit_code == 0) hooks_.fail_once(o_.steps + 1, TestHooks::In::step);  // (a failure after the last step's save: its step is --steps + 1)
   if (rank0_ && skipped_ > 0 && exit_code != kExitNonFinite)
     std::fprintf(stderr, "origami train: warning: %lld step%s skipped for a non-finite loss or gradient norm%s\n",
                  (long long)skipped_, skipped_ == 1 ? " was" : "s were",

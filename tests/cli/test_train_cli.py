@@ -134,6 +134,29 @@ def main():
         # --resume DIR/step-N: that step, not the latest.
         resumes_equal(step4, "part2.jsonl", "resumed from DIR/step-4 equals the uninterrupted one")
 
+        # A run that fails in a step's validation loses no metrics row: validation comes before the
+        # step's save, so the resume replays the step from the save before (saved first, step 4 would
+        # resume at 5 with its row never written). Steps 2, 4, 6, 8 validate and save; step 4's
+        # validation throws on rank 0 (a test hook), once.
+        val = byte_dataset(tmp, 20, "val")
+        ev = [*opts, "--eval-data", val, "--eval-every", "2", "--eval-iters", "1", "--save-every", "2"]
+        ev_full, ev_part, ev_ck = (os.path.join(tmp, n) for n in ("ev_full.jsonl", "ev_part.jsonl", "ev_ck"))
+        run("train", "--config", cfg_path, *ev, "--steps", "8", "--metrics", ev_full, "--save", ev_ck + "_full")
+        env = {**os.environ, "ORIGAMI_TEST_FAIL": f"4:0:{os.path.join(tmp, 'ev_failed')}",
+               "ORIGAMI_TEST_FAIL_IN": "validation"}
+        p = subprocess.run([BIN, "train", "--config", cfg_path, *ev, "--steps", "8", "--metrics", ev_part, "--save",
+                            ev_ck], capture_output=True, text=True, timeout=300, env=env)
+        latest = open(os.path.join(ev_ck, "latest")).read() if os.path.exists(os.path.join(ev_ck, "latest")) else None
+        check(p.returncode != 0 and "step 4's validation" in p.stderr and latest == "step-2\n",
+              f"a failure in step 4's validation ends the run before step 4's save (exit {p.returncode}, "
+              f"latest {latest!r}): {p.stderr.strip()[-300:]}")
+        run("train", "--resume", ev_ck, *ev, "--steps", "8", "--metrics", ev_part, "--save", ev_ck, contains="resuming")
+        want, got = ([json.loads(l) for l in open(f)] if os.path.exists(f) else [] for f in (ev_full, ev_part))
+        check([r["step"] for r in got] == list(range(1, 9)) and [r.get("val_loss") for r in got] == [
+              r.get("val_loss") for r in want] and [r["loss"] for r in got] == [r["loss"] for r in want],
+              f"the resumed run's rows are the uninterrupted run's, every step once with its validation loss: "
+              f"{[(r['step'], r.get('val_loss')) for r in got]}")
+
         # ckpt export: a Hugging Face directory; with --optimizer the single-file checkpoint, which
         # --resume continues like the sharded one.
         exp = os.path.join(tmp, "exp")
