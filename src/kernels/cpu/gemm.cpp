@@ -66,6 +66,13 @@ std::optional<TileGemm> forced_tiles() {
   return s == "openblas" ? TileGemm::openblas : TileGemm::onednn;
 }
 
+// The timed ratio (OpenBLAS's time over oneDNN's) from which the tiles take oneDNN. It sits apart from
+// where the hosts measured fall, so that fresh runs of one command on one host take one library (the
+// two sum in different orders): Zen 4 about 0.85 (OpenBLAS's small-matrix kernels win), Zen 3 1.17–1.39
+// (40 starts; in the model the two within noise of each other), Zen 5 1.59, Emerald Rapids 3.7–5.3.
+// (It was 1.3, inside Zen 3's spread: 12 of 30 fresh starts there took the other library.)
+constexpr double kOnednnTilesFrom = 1.1;
+
 TileChoice choose_tiles() {
   if (const auto forced = forced_tiles()) return {*forced};
   if (omp_get_max_threads() == 1) return {TileGemm::onednn};  // no tiles inside active regions (gemm<float>)
@@ -75,7 +82,7 @@ TileChoice choose_tiles() {
       if (round > 0) t[int(lib)] = std::min(t[int(lib)], time_tiles(lib));
       else time_tiles(lib);
   const double ratio = t[0] / t[1];
-  return {ratio > 1.3 ? TileGemm::onednn : TileGemm::openblas, ratio};
+  return {ratio > kOnednnTilesFrom ? TileGemm::onednn : TileGemm::openblas, ratio};
 }
 
 TileChoice& tile_choice() {
