@@ -21,11 +21,12 @@ namespace {
 struct Record {
   uint64_t magic;
   int64_t pid, step, start;
+  int64_t runtime, sampler;
   uint64_t beats;
   char host[64];
   char entered[96];
 };
-constexpr uint64_t kMagic = 0x6f72696761'6d6932ull;  // "origami2"
+constexpr uint64_t kMagic = 0x6f72696761'6d6933ull;  // "origami3"
 
 Record* mine = nullptr;
 
@@ -68,6 +69,12 @@ void progress_step_done(int64_t step) {
   beat();
 }
 
+void progress_memory(int64_t runtime_bytes, int64_t sampler_bytes) {
+  if (!mine) return;
+  mine->runtime = runtime_bytes, mine->sampler = sampler_bytes;
+  beat();
+}
+
 void progress_alive() {
   if (mine) beat();
 }
@@ -90,7 +97,7 @@ std::vector<RankProgress> read_progress(const std::string& dir, int world) {
     ::close(fd);
     if (!whole || rec.magic != kMagic) continue;
     rec.host[sizeof rec.host - 1] = rec.entered[sizeof rec.entered - 1] = '\0';
-    out[size_t(r)] = {rec.pid, rec.step, rec.start, rec.beats, rec.host, rec.entered};
+    out[size_t(r)] = {rec.pid, rec.step, rec.start, rec.runtime, rec.sampler, rec.beats, rec.host, rec.entered};
   }
   return out;
 }

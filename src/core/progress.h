@@ -20,6 +20,10 @@ void progress_join(int world_rank);
 void progress_step_done(int64_t step);
 // `what` in the group `group`, e.g. ("all_reduce", "dp"); kept until the next note.
 void progress_entered(const char* what, const std::string& group);
+// The memory check's measured parts of this rank (train/memory_check.h): the runtime (the process's
+// resident bytes before the model's buffers) and the data samplers' bytes. --shrink weighs a smaller
+// world with the most any rank measured, as the next run's own check will.
+void progress_memory(int64_t runtime_bytes, int64_t sampler_bytes);
 // Progress without a change of place: a long checkpoint write beats after every 256 MiB, so that the
 // watchdog does not take a slow disk for a hang (safe from any thread).
 void progress_alive();
@@ -33,6 +37,7 @@ int64_t process_start(int64_t pid);
 // `start` is the rank's process_start (−1: it could not read it).
 struct RankProgress {
   int64_t pid = 0, step = -1, start = -1;
+  int64_t runtime = 0, sampler = 0;  // progress_memory's (0: not measured yet)
   uint64_t beats = 0;
   std::string host, entered;
 };

@@ -115,6 +115,7 @@ struct JobEnd {
   bool stopped = false;   // the launcher got SIGINT or SIGTERM and passed it on to the job
   bool user_error = false;  // the output has train's error line ("origami train: error: ...")
   bool ran = false;         // a rank joined the progress board (mpirun started the job)
+  MeasuredMemory measured;  // the most the ranks' memory checks recorded (0: none reached it)
 };
 
 // SIGINT / SIGTERM to the launcher: the count received, which run_job passes on to mpirun (the first
@@ -343,6 +344,10 @@ JobEnd run_job(const std::vector<std::string>& argv, int world, const std::strin
   end.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   end.steps_done = std::max<int64_t>(0, fewest_steps(board));
   end.ran = std::any_of(board.begin(), board.end(), [](const RankProgress& r) { return r.pid > 0; });
+  for (const RankProgress& r : board) {
+    end.measured.runtime = std::max(end.measured.runtime, r.runtime);
+    end.measured.sampler = std::max(end.measured.sampler, r.sampler);
+  }
   if (!end.hung && end.code != 0)
     end.why = end.signal ? cat("rank ", end.failed_ranks.front(), " on ", end.failed_hosts.front(), " ended by signal ",
                                end.signal, " (", strsignal(end.signal), ")")
@@ -383,16 +388,18 @@ struct World {
   int size = 0, pp = 1, dp = 1;
   std::string layout;
   double predicted_s = 0;
+  MeasuredMemory weighed_with;  // --shrink: the measured parts each rank's memory counted
 };
 
 
 // The largest world in [min_np, most] with a valid layout whose ranks on each node fit this node's
-// memory (the launcher's node standing for every node; each run checks its own nodes at start): DP
+// memory (the launcher's node standing for every node; each run checks its own nodes at start), each
+// rank counting the runtime and sampler bytes the failed job measured: DP
 // re-derived from the world, TP, CP and EP and the global batch kept (accumulation takes up the rest),
 // and the run's PP or fewer stages (an even split, no interleaving). With a cluster description the
 // planner's cost model picks the fastest of those; without, the most stages.
 World choose_world(const ModelConfig& cfg, const TrainOptions& train, const Slots& slots, int most, int min_np,
-                   const Cluster* cluster) {
+                   const Cluster* cluster, MeasuredMemory measured) {
   const int64_t available = available_memory().bytes;
   std::string why = "no world from " + std::to_string(most) + " down to --min-np " + std::to_string(min_np);
   for (int w = most; w >= min_np; --w) {
@@ -406,12 +413,12 @@ World choose_world(const ModelConfig& cfg, const TrainOptions& train, const Slot
       if (pp != train.pp) o.vpp = 1, o.pp_layers.clear(), o.pp_schedule.clear();
       try {
         const Plan plan = make_plan(cfg, o, w);
-        if (const std::string short_by = memory_shortfall(plan, w, slots, available); !short_by.empty()) {
+        if (const std::string short_by = memory_shortfall(plan, w, slots, available, measured); !short_by.empty()) {
           why += cat("; ", w, " ranks (PP", pp, "): ", short_by);
           continue;
         }
         const double s = cluster ? CostModel(plan.model, *cluster, w).predict(plan.options).step_s : 0;
-        fit.push_back({w, pp, plan.mesh.degree("dp"), plan.mesh.describe(cfg.is_moe()), s});
+        fit.push_back({w, pp, plan.mesh.degree("dp"), plan.mesh.describe(cfg.is_moe()), s, measured});
       } catch (const Error& e) {
         if (pp == train.pp) why += cat("; ", w, " ranks: ", e.what());
       }
@@ -471,6 +478,8 @@ void announce(Events& events, int attempt, const World& w, int np, const std::st
   nlohmann::json begin = {{"event", attempt == 0 ? "start" : "restart"}, {"attempt", attempt}, {"world", w.size},
                           {"layout", w.layout}, {"resumed_from", from}};
   if (w.predicted_s > 0) begin["predicted_step_s"] = w.predicted_s;
+  if (w.weighed_with.runtime > 0)
+    begin["memory_measured"] = {{"runtime_bytes", w.weighed_with.runtime}, {"sampler_bytes", w.weighed_with.sampler}};
   events.write(begin);
   std::printf("origami launch: %s %d rank%s (%s)%s%s\n", attempt == 0 ? "starting" : "restarting", w.size,
               w.size == 1 ? "" : "s", w.layout.c_str(), w.size != np ? cat(", shrunk from ", np).c_str() : "",
@@ -480,14 +489,14 @@ void announce(Events& events, int attempt, const World& w, int np, const std::st
 
 }  // namespace
 
-std::string memory_shortfall(const Plan& plan, int w, const Slots& slots, int64_t available) {
+std::string memory_shortfall(const Plan& plan, int w, const Slots& slots, int64_t available, MeasuredMemory measured) {
   double most = 0, node = 0, rank_most = 0;
   size_t host = 0;
   int left = slots.hosts.empty() ? w : slots.hosts[0].second;  // this host's slots not yet filled
   for (int r = 0; r < w; ++r) {
     if (left == 0 && host + 1 < slots.hosts.size())  // the next host
       most = std::max(most, node), node = 0, left = slots.hosts[++host].second;
-    const double need = double(rank_memory(plan.model, plan.options, w, r, 0, 0).total());
+    const double need = double(rank_memory(plan.model, plan.options, w, r, measured.runtime, measured.sampler).total());
     node += need, rank_most = std::max(rank_most, need), --left;
   }
   most = std::max(most, node);
@@ -587,6 +596,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                 " gives no link between devices (a one-rank profile measures none), so it cannot price --np ", o.np,
                 " ranks; profile on as many ranks as the job has");
   World w{o.np, train.pp, 1, make_plan(cfg, pinned, o.np).mesh.describe(cfg.is_moe()), 0};
+  MeasuredMemory measured;  // what the latest job whose ranks reached their memory check measured
   for (int attempt = 0;; ++attempt) {
     std::vector<std::string> args = job_command(mpirun, w.size, slots, progress);
     args.push_back(self);
@@ -642,7 +652,9 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
                        h.empty() ? "a failed rank named no host (it hung before its progress record)"
                                  : cat("the failed host '", h, "' is none of --hostfile's hosts by name or address "
                                        "(name the hosts as mpirun reports them)").c_str());
-        w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr);
+        if (end.measured.runtime > 0) measured = end.measured;  // (else an earlier job's, if any)
+        w = choose_world(cfg, pinned, slots, std::min(w.size, slots.total()), o.min_np, cluster ? &*cluster : nullptr,
+                         measured);
       } catch (const Error& e) {
         return give_up(e.what());
       }

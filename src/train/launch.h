@@ -13,7 +13,8 @@
 // --shrink: the failed ranks' slots (with a hostfile, the failed hosts) are not used again; the next
 // world is the largest one not above the slots left and not below --min-np for which the run's layout
 // with DP re-derived — TP, CP, EP and the global batch kept, gradient accumulation taking up the rest,
-// and the run's pipeline stages or fewer — is valid and fits this node's memory. With --cluster FILE
+// and the run's pipeline stages or fewer — is valid and fits this node's memory (with the runtime and
+// data-sampler bytes the failed job's ranks measured at start, as the next run's own check counts). With --cluster FILE
 // (a cluster.json, as `origami plan` reads) the planner's cost model picks the fastest of that world's
 // layouts; without, the one with the most stages.
 //
@@ -23,7 +24,8 @@
 // and the collective each last entered, and it restarts like a failed one.
 //
 // --events FILE (JSONL, appended): start, failure (rank, host, exit code or signal, steps done),
-// hang, restart (world, layout, the step resumed from), finish / stop / give_up.
+// hang, restart (world, layout, the step resumed from; after --shrink the runtime and sampler bytes a
+// rank's memory was weighed with), finish / stop / give_up.
 //
 // A stop request (SIGINT/SIGTERM) goes as SIGTERM to this host's ranks (not through mpirun, which
 // kills them a second after passing it on): the ranks finish their step, save and exit.
@@ -78,13 +80,19 @@ bool same_host(const std::string& a, const std::string& b);
 std::vector<std::string> drop_failed_slots(Slots& slots, const std::vector<int>& ranks,
                                            const std::vector<std::string>& hosts);
 
+// The parts of a rank's memory that train's memory check measures rather than computes — the runtime
+// (libraries, MPI, thread pools) and the data samplers — as the most any rank of the last job that
+// reached its check recorded on the progress board (0 where no rank did: then they are not counted).
+struct MeasuredMemory {
+  int64_t runtime = 0, sampler = 0;
+};
+
 // --shrink: what of a world of w ranks does not fit, as train's memory check would find it ("" when it
 // fits): under --memory-limit-gb each rank's need against it, else each node's ranks' against
 // `available` (mpirun fills the hostfile's hosts in order, slot by slot; without one, every rank is on
-// this node). The plan's model carries the run's routing options (a capacity factor bounds the
-// experts' rows). Not counted: each rank's runtime (libraries, MPI), which the check measures, and the
-// data sampler's order, which train adds (8 bytes a window a rank under --data-order shuffled).
-std::string memory_shortfall(const Plan& plan, int w, const Slots& slots, int64_t available);
+// this node), each rank's need counting `measured`. The plan's model carries the run's routing options
+// (a capacity factor bounds the experts' rows).
+std::string memory_shortfall(const Plan& plan, int w, const Slots& slots, int64_t available, MeasuredMemory measured);
 
 // Runs the job to its end; returns the launch's exit code. `cfg` and `train` are the run's model and
 // options as `origami train` reads them from train_args (for re-planning a smaller world).

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "core/progress.h"
 #include "kernels/cpu/gemm.h"
 
 namespace origami {
@@ -12,6 +13,7 @@ MemoryCheck check_memory(const Plan& plan, int64_t sampler, Comm& world) {
   TrainOptions o = plan.options;
   o.threads = num_threads();  // what --threads 0 (all cores) came to: each may hold attention scratch
   const int64_t runtime = resident_bytes();
+  progress_memory(runtime, sampler);  // (for origami launch --shrink)
   MemoryParts mine;
   check_on_every_rank(world, "train",
                       [&] { mine = rank_memory(plan.model, o, world.size(), world.rank(), runtime, sampler); });

@@ -13,7 +13,8 @@ past it and writes its own.
     the restart replays as it ran them) equals the one-rank run's within 1e-5 absolute (so no data row was skipped or read twice: a step's windows
     are its data, and another window moves a loss by far more).
   - --shrink --min-np 2: 4 ranks, one killed: the restart runs on 2 (3 cannot split the global batch
-    of 8 into micro-batches of 2), the events name the new world and layout, the same curve; and from
+    of 8 into micro-batches of 2), the events name the new world and layout and the runtime and
+    sampler bytes the killed job's ranks measured (which weighed it), the same curve; and from
     PP4 (a 4-layer gpt2) on 4 ranks: no layout of 3, and of 2 ranks' layouts (PP2, DP2) the one with
     the most stages, or with --cluster the one `origami plan` predicts faster for that cluster.
   - A rank stopped with SIGSTOP under --step-timeout 3: the watchdog ends the job within the timeout
@@ -81,7 +82,7 @@ def board(save, rank):
             head = f.read(24)
     except OSError:
         return None
-    if len(head) < 24 or struct.unpack("<Q", head[:8])[0] != 0x6f726967616d6932:  # "origami2"
+    if len(head) < 24 or struct.unpack("<Q", head[:8])[0] != 0x6f726967616d6933:  # "origami3" (core/progress.cpp)
         return None
     return struct.unpack("<qq", head[8:24])
 
@@ -170,6 +171,11 @@ def shrink_run(tmp, data, ref):
     ok = rc == 0 and len(restarts) == 1 and restarts[0]["world"] == 2 and restarts[0]["layout"] == "DP2"
     check(ok, "--shrink: 4 ranks, one killed, restart on %s (exit %s)" % (
         [(e["world"], e["layout"]) for e in restarts], rc))
+    # The smaller world was weighed with what the failed job's ranks measured at start, as train's memory
+    # check counts it: the runtime (a process with MPI and the BLAS libraries: 26 MiB here).
+    weighed = restarts[0].get("memory_measured", {}) if restarts else {}
+    check(weighed.get("runtime_bytes", 0) > 4 << 20 and weighed.get("sampler_bytes", -1) >= 0,
+          "--shrink weighs the next world with the failed ranks' measured runtime and sampler bytes: %s" % weighed)
     if not ok:
         print(out[-1500:])
     same_curve(ref, by_step, "--shrink 4 -> 2")

@@ -97,27 +97,38 @@ TEST(Launch, ShrinkWeighsAWorldAsTrainsMemoryCheck) {
   const int64_t need = rank_memory(plan.model, plan.options, 2, 0, 0, 0).total();
   ASSERT_GT(rank_memory(cfg, plan.options, 2, 0, 0, 0).total(), need + (4 << 20));  // dropless would need more
   const Slots here;  // no hostfile: both ranks on this node
-  EXPECT_EQ(memory_shortfall(plan, 2, here, 2 * need + (1 << 20)), "");
-  EXPECT_NE(memory_shortfall(plan, 2, here, 2 * need - (1 << 20)), "");
+  EXPECT_EQ(memory_shortfall(plan, 2, here, 2 * need + (1 << 20), {}), "");
+  EXPECT_NE(memory_shortfall(plan, 2, here, 2 * need - (1 << 20), {}), "");
+  // What the failed job's ranks measured (runtime, samplers) counts on every rank, as in train's check.
+  const MeasuredMemory measured{int64_t(3) << 20, int64_t(1) << 20};
+  EXPECT_EQ(rank_memory(plan.model, plan.options, 2, 0, measured.runtime, measured.sampler).total(),
+            need + (int64_t(4) << 20));
+  EXPECT_NE(memory_shortfall(plan, 2, here, 2 * need + (1 << 20), measured), "");
+  EXPECT_EQ(memory_shortfall(plan, 2, here, 2 * need + (9 << 20), measured), "");
   Plan limited = plan;
   limited.options.memory_limit_gb = double(need) / double(1 << 30) * 0.9;  // under one rank's need
-  const std::string why = memory_shortfall(limited, 2, here, int64_t(1) << 50);
+  const std::string why = memory_shortfall(limited, 2, here, int64_t(1) << 50, {});
   EXPECT_NE(why.find("more than --memory-limit-gb"), std::string::npos) << why;
   limited.options.memory_limit_gb = double(need) / double(1 << 30) * 1.1;
-  EXPECT_EQ(memory_shortfall(limited, 2, here, 1), "");  // the limit, not the node's memory
+  EXPECT_EQ(memory_shortfall(limited, 2, here, 1, {}), "");  // the limit, not the node's memory
 }
 
-// A rank joining the board records its pid and start time, which the launcher reads back.
+// A rank joining the board records its pid and start time, and later its memory check's measured parts,
+// which the launcher reads back.
 TEST(Launch, ARankRecordsItsStart) {
   const std::string dir = ::testing::TempDir() + "origami_progress_" + std::to_string(getpid());
   std::filesystem::create_directories(dir);
   ::setenv("ORIGAMI_PROGRESS_DIR", dir.c_str(), 1);
   progress_join(0);
   ::unsetenv("ORIGAMI_PROGRESS_DIR");
+  EXPECT_EQ(read_progress(dir, 1)[0].runtime, 0);  // (no memory check yet)
+  progress_memory(123 << 20, 5 << 20);  // what the memory check measured, for --shrink
   const std::vector<RankProgress> board = read_progress(dir, 1);
   ASSERT_EQ(board.size(), 1u);
   EXPECT_EQ(board[0].pid, getpid());
   EXPECT_EQ(board[0].start, process_start(getpid()));
+  EXPECT_EQ(board[0].runtime, 123 << 20);
+  EXPECT_EQ(board[0].sampler, 5 << 20);
   EXPECT_TRUE(still_running(board[0]));
   std::filesystem::remove_all(dir);
 }
