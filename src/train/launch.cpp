@@ -626,7 +626,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
     if (end.signal) failure["signal"] = end.signal;
     if (end.hung) failure["detected"] = end.detected;  // the job's teardown comes after it
     events.write(failure);
-    // The run had saved its last step (the failure came after: a final evaluation, the teardown):
+    // The run had saved its last step (the failure came after it, in the teardown):
     // done, as a restart would only be told the checkpoint is already at --steps.
     if (const SaveMark now = save_mark(save); now != before && Checkpoint::open(now.step).state().step >= train.steps) {
       std::fprintf(stderr, "origami launch: %s after the run saved its last step (%s): done\n", end.why.c_str(),
