@@ -160,7 +160,8 @@ int64_t Args::integer(const std::string& name) const {
   const long long x = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != 0) bad_value(name, "an integer");
   // (the side the value left by: a large --ep is not told that -2^63 would do)
-  if (errno == ERANGE) bad_value(name, x < 0 ? "an integer of at least -9223372036854775808" : "an integer of at most 9223372036854775807");
+  if (errno == ERANGE)
+    bad_value(name, x < 0 ? "an integer of at least -9223372036854775808" : "an integer of at most 9223372036854775807");
   return x;
 }
 

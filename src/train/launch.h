@@ -14,9 +14,9 @@
 // world is the largest one not above the slots left and not below --min-np for which the run's layout
 // with DP re-derived — TP, CP, EP and the global batch kept, gradient accumulation taking up the rest,
 // and the run's pipeline stages or fewer — is valid and fits this node's memory (with the runtime and
-// data-sampler bytes the failed job's ranks measured at start, as the next run's own check counts). With --cluster FILE
-// (a cluster.json, as `origami plan` reads) the planner's cost model picks the fastest of that world's
-// layouts; without, the one with the most stages.
+// data-sampler bytes the failed job's ranks measured at start, as the next run's own check counts).
+// With --cluster FILE (a cluster.json, as `origami plan` reads) the planner's cost model picks the
+// fastest of that world's layouts; without, the one with the most stages.
 //
 // Watchdog: the ranks keep their progress on a board the launcher reads (core/progress.h). When no
 // rank's record changes for --step-timeout seconds — by default 10× the median step once 3 steps

@@ -1058,9 +1058,6 @@ void Run::take_measurements(StepReport& r) {
   r.router_bias = &model_.router_bias();
 }
 
-// Validation: the mean per-token LM loss over the first eval_iters global batches of the validation
-// data, rows split over DP as a training step's, forward only; the same reduction as the step's LM
-// loss (one rank per TP group; the last stage's; each CP rank its part).
 // The step's validation loss, on its line and in its row.
 void Run::validate(StepReport& r) {
   hooks_.fail_once(r.step, TestHooks::In::validation);
@@ -1069,6 +1066,9 @@ void Run::validate(StepReport& r) {
   if (rank0_) print_eval_line(info_, r.step, *r.val_loss, eval_timer.ms());
 }
 
+// Validation: the mean per-token LM loss over the first eval_iters global batches of the validation
+// data, rows split over DP as a training step's, forward only; the same reduction as the step's LM
+// loss (one rank per TP group; the last stage's; each CP rank its part).
 double Run::evaluate() {
   const int64_t G = o_.global_batch;
   const int dp = dp_.size();

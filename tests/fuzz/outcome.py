@@ -59,6 +59,11 @@ def wrapped(v, bits):
     return w - m if w >= m // 2 else w
 
 
+def mentions(text, n):
+    """Whether `text` holds the number n whole: not inside a longer number, its decimals or exponent."""
+    return re.search(r"(?<![\d.e+-])%s(?!\d|\.\d|[eE][+-]?\d)" % re.escape(str(n)), text) is not None
+
+
 def wrapped_number(text, numbers):
     """A value written into the input that comes back wrapped to int32/int64 (or as the unsigned twin).
     A bound a message states ("at most 2147483647", "in [-2^63, 2^63 - 1]") is the rule, not a value;
@@ -70,15 +75,14 @@ def wrapped_number(text, numbers):
             w = wrapped(v, bits)
             if w == v or w in numbers or (abs(w) < 1000 and not (w < 0 < v)):  # (w itself given: an echo)
                 continue
-            if re.search(r"(?<![\d.e+-])%s(?!\d|\.\d|[eE][+-]?\d)" % re.escape(str(w)), text) and \
-                    not re.search(r"(?<![\d.e+-])%s(?!\d|\.\d|[eE][+-]?\d)" % re.escape(str(v)), text):
+            if mentions(text, w) and not mentions(text, v):
                 return "%d came back as %d (int%d)" % (v, w, bits)
     for v in numbers:  # strtoll saturates: a value beyond int64 taken as the largest one
         if v > 2**63 - 1 or v < -2**63:
             edge = str(2**63 - 1 if v > 0 else -2**63)
             if int(edge) in numbers:
                 continue
-            if re.search(r"(?<![\d.e+-])%s(?!\d|\.\d|[eE][+-]?\d)" % edge, text) and str(v) not in text:
+            if mentions(text, edge) and str(v) not in text:
                 return "%d came back as %s (saturated to int64)" % (v, edge)
     m = re.search(r"in \[1, (0|-\d+)\]", rules)
     if m:

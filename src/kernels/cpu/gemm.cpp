@@ -69,7 +69,7 @@ std::optional<TileGemm> forced_tiles() {
 // The timed ratio (OpenBLAS's time over oneDNN's) from which the tiles take oneDNN. It sits apart from
 // where the hosts measured fall, so that fresh runs of one command on one host take one library (the
 // two sum in different orders): Zen 4 about 0.85 (OpenBLAS's small-matrix kernels win), Zen 3 1.17–1.39
-// (40 starts; in the model the two within noise of each other), Zen 5 1.59, Emerald Rapids 3.7–5.3.
+// (44 starts; in the model the two within noise of each other), Zen 5 1.59, Emerald Rapids 3.7–5.3.
 // (It was 1.3, inside Zen 3's spread: 12 of 30 fresh starts there took the other library.)
 constexpr double kOnednnTilesFrom = 1.1;
 

@@ -49,8 +49,8 @@ bool flushing_denormals();
 // The library of the per-thread tiles (a gemm<float> call inside an active OpenMP parallel region),
 // chosen at its first call: ORIGAMI_TILE_GEMM=openblas|onednn forces one; auto (the default) times
 // 64×64×64 tiles (attention's scores and P·V) through both on every thread at once and keeps
-// OpenBLAS unless oneDNN is 1.1× faster (gemm.cpp, kOnednnTilesFrom: why there). With one thread there are no such tiles (a team of one is
-// not active: its calls take oneDNN, deterministically — a single thread's timing sits near the
+// OpenBLAS unless oneDNN is 1.1× faster (gemm.cpp, kOnednnTilesFrom: why there). With one thread
+// there are no such tiles (a team of one is not active: its calls take oneDNN, deterministically — a single thread's timing sits near the
 // margin, measured 1.39 on Emerald Rapids, and separate runs must sum alike); auto then times
 // nothing. Call it first outside a parallel region (the trainer's warm-up and attention do).
 enum class TileGemm { openblas, onednn };
