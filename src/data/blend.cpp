@@ -62,16 +62,22 @@ BlendRule::BlendRule(std::vector<double> weights) : weights_(std::move(weights))
   for (double& w : weights_) w /= total;
 }
 
-BlendChoice BlendRule::next() {
-  const double due = double(samples_ + 1);
+int BlendRule::choose() const {
+  const double due = double(taken_ + 1);
   int best = 0;
   double best_error = weights_[0] * due - double(given_[0]);
   for (size_t d = 1; d < weights_.size(); ++d) {
     const double error = weights_[d] * due - double(given_[d]);
     if (error > best_error) best = int(d), best_error = error;  // strict: the first on ties
   }
-  ++samples_;
-  return {best, given_[size_t(best)]++};
+  return best;
+}
+
+BlendChoice BlendRule::next() {
+  const int d = choose();
+  const BlendChoice c{d, given_[size_t(d)]};
+  take(d, 1);
+  return c;
 }
 
 namespace {

@@ -34,7 +34,8 @@ struct BlendPart {
 // flag in messages.
 std::vector<BlendPart> parse_blend(std::string_view spec, std::string_view option = "--data");
 
-// The rule above, one sample after the other.
+// The rule above, one sample after the other. Document batching (data/documents.h) counts tokens
+// instead of samples: choose() a document's dataset, then take() its tokens.
 struct BlendChoice {
   int dataset;
   int64_t index;  // n_d before this sample: the sample of dataset `dataset` it reads
@@ -42,14 +43,20 @@ struct BlendChoice {
 class BlendRule {
  public:
   explicit BlendRule(std::vector<double> weights);  // normalised to sum 1
-  BlendChoice next();                               // the choice for sample samples() of the run
-  int64_t samples() const { return samples_; }
+  // The d maximising w_d·(n + 1) − n_d, n the sum of the n_d (the first on ties). Each product is
+  // rounded before its subtraction, as Megatron's helper and the held-out checks compute it:
+  // blend.cpp is built without FMA contraction, which would break exact ties the other way
+  // (0.7·15 − 10 against 0.3·15 − 4) and make the data order depend on the build's flags.
+  int choose() const;
+  void take(int dataset, int64_t units) { given_[size_t(dataset)] += units, taken_ += units; }
+  BlendChoice next();  // one sample from choose(): the choice for sample samples() of the run
+  int64_t samples() const { return taken_; }                    // n
   const std::vector<int64_t>& given() const { return given_; }  // n_d
 
  private:
   std::vector<double> weights_;
   std::vector<int64_t> given_;
-  int64_t samples_ = 0;
+  int64_t taken_ = 0;
 };
 
 class DataBlend {

@@ -9,19 +9,17 @@ namespace origami {
 
 DocumentBatcher::DocumentBatcher(std::vector<const IndexedDataset*> datasets, std::vector<double> weights,
                                  int64_t max_len, int64_t step_tokens, SampleOrder order, uint64_t seed)
-    : max_len_(max_len), step_tokens_(step_tokens), order_(order), seed_(seed) {
+    : weights_(weights), rule_(weights), max_len_(max_len), step_tokens_(step_tokens), order_(order), seed_(seed) {
   ORIGAMI_CHECK(max_len >= 1, "--seq-len must be at least 1, got ", max_len);
   ORIGAMI_CHECK(step_tokens >= max_len, "--tokens-per-step (", step_tokens, ") must be at least --seq-len (", max_len,
                 "): a step must have room for the longest sequence");
   ORIGAMI_ASSERT(!datasets.empty() && datasets.size() == weights.size());
-  double total = 0;
-  for (const double w : weights) total += w;
   for (size_t d = 0; d < datasets.size(); ++d) {
     const IndexedDataset& ds = *datasets[d];
     ORIGAMI_CHECK(ds.num_tokens() > 0 && ds.num_documents() > 0, ds.prefix(),
                   ": the dataset has no tokens to make sequences of");
     const std::string name = d == 0 ? "data.documents" : "data.documents." + std::to_string(d);
-    parts_.push_back({&ds, weights[d] / total, hash_name(name), {}, 0, -1, {}});
+    parts_.push_back({&ds, hash_name(name), {}, -1, {}});
   }
 }
 
@@ -45,20 +43,8 @@ int64_t DocumentBatcher::document_at(Part& p, int64_t epoch, int64_t index) {
   return p.permutation[size_t(index)];
 }
 
-int DocumentBatcher::choose() const {
-  int64_t total = 0;
-  for (const Part& p : parts_) total += p.taken;
-  int best = 0;
-  double best_due = -1e300;
-  for (size_t d = 0; d < parts_.size(); ++d) {
-    const double due = parts_[d].weight * double(total + 1) - double(parts_[d].taken);
-    if (due > best_due) best = int(d), best_due = due;
-  }
-  return best;
-}
-
 Sequence DocumentBatcher::peek() {
-  if (parts_[size_t(current_)].cursor.offset == 0) current_ = choose();  // a new document
+  if (parts_[size_t(current_)].cursor.offset == 0) current_ = rule_.choose();  // a new document
   Part& p = parts_[size_t(current_)];
   Cursor& c = p.cursor;
   const int64_t documents = int64_t(p.dataset->num_documents());
@@ -84,7 +70,7 @@ bool DocumentBatcher::repeats(int64_t steps) {
 void DocumentBatcher::advance(const Sequence& q) {
   Part& p = parts_[size_t(q.part)];
   last_epoch_ = std::max(last_epoch_, p.cursor.epoch);
-  p.taken += q.length;
+  rule_.take(q.part, q.length);
   p.cursor.offset += q.length;
   peek();  // moves to the next document once this one is used up
 }
@@ -93,7 +79,8 @@ const std::vector<Sequence>& DocumentBatcher::step(int64_t s) {
   ORIGAMI_CHECK(s >= 0, "step must be >= 0, got ", s);
   if (s < step_) {
     step_ = -1, current_ = 0, last_epoch_ = 0, sequences_.clear();
-    for (Part& p : parts_) p.cursor = {}, p.taken = 0;
+    for (Part& p : parts_) p.cursor = {};
+    rule_ = BlendRule(weights_);
   }
   while (step_ < s) {
     sequences_.clear();

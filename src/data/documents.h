@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "data/blend.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
 
@@ -64,19 +65,18 @@ class DocumentBatcher {
   };
   struct Part {  // one dataset of the blend and where its order stands
     const IndexedDataset* dataset;
-    double weight;
     uint64_t stream;               // the shuffled order's stream name
     Cursor cursor;                 // after the sequences of step_
-    int64_t taken = 0;             // T_d: tokens taken so far
     int64_t cached_epoch = -1;
     std::vector<int64_t> permutation;  // of cached_epoch (shuffled)
   };
-  int choose() const;          // the dataset of the next document (the blend rule)
   Sequence peek();             // the next sequence (moves its dataset's cursor past empty documents)
   void advance(const Sequence& q);
   int64_t document_at(Part& p, int64_t epoch, int64_t index);  // the order's document
 
   std::vector<Part> parts_;
+  std::vector<double> weights_;
+  BlendRule rule_;               // T_d, the tokens taken from each dataset: picks each document's dataset
   int64_t max_len_, step_tokens_;
   SampleOrder order_;
   uint64_t seed_;

@@ -50,6 +50,16 @@ TEST(DataBlend, ChoosesTheLargestShortfallFirstOnTies) {
   EXPECT_EQ(equal.next().dataset, 1);
 }
 
+// Ties that are exact only once each product is rounded: 0.7·15 − 10 and 0.3·15 − 4 are both 0.5
+// (Megatron's helper, Python, and an unfused build), but a fused multiply-add keeps 0.7's and 0.3's
+// binary errors and makes the second larger. The rule must not depend on the compiler's contraction.
+TEST(DataBlend, TiesAfterRoundingGoToTheFirst) {
+  BlendRule rule({0.7, 0.3});
+  rule.take(0, 10), rule.take(1, 4);
+  EXPECT_EQ(rule.choose(), 0);
+  EXPECT_EQ(rule.next().dataset, 0);  // the same through next()
+}
+
 TEST(DataBlend, ParsesSpecsAndNamesMistakes) {
   const std::vector<BlendPart> one = parse_blend("data/web");
   ASSERT_EQ(one.size(), 1u);
