@@ -206,6 +206,14 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
     st["data_sizes"].for_each_element([&](const JsonField& d) {
       state_.data_sizes.emplace_back(d["tokens"].integer(0, JsonField::kNoLimit), d["documents"].integer(0, JsonField::kNoLimit));
     });
+  if (st["step_sizes"].present()) {  // [[first step, size], ...]
+    std::vector<StepSizes::Stretch> stretches;
+    st["step_sizes"].for_each_element([&](const JsonField& r) {
+      r.array(2, 2);
+      stretches.emplace_back(r[0].integer(0, state_.step), r[1].integer(1, JsonField::kNoLimit));
+    });
+    state_.step_sizes.emplace(std::move(stretches), state_path.c_str());
+  }
   // (other keys are left alone: choices a later version may keep, which this one does not make)
   const JsonField kernels = st["kernels"];
   if (kernels.present()) kernels.object();

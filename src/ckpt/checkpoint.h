@@ -30,6 +30,7 @@
 
 #include "ckpt/safetensors.h"
 #include "core/json_fields.h"
+#include "data/step_sizes.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -95,6 +96,8 @@ class Checkpoint {
     std::vector<double> recent_losses;  // the loss-spike check's history (train/metrics.h LossSpikes)
     std::vector<std::vector<float>> router_bias;  // [layers][experts] (empty: none saved)
     std::vector<std::pair<int64_t, int64_t>> data_sizes;  // per dataset of --data: tokens, documents (empty: none saved)
+    std::optional<StepSizes> step_sizes;  // the step size of each stretch up to `step` (none saved: a checkpoint
+                                          // older than them, whose options give the one size it trained with)
     // The timed kernel choices that fix an order of summation, as the run that saved kept them
     // ("kernels"), each the index of its value in the list below (the order of the kernels' enums,
     // TileGemm, Bf16Tiles and the small GEMMs' portable/oneDNN, by which the trainer writes them); none

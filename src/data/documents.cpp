@@ -8,11 +8,14 @@
 namespace origami {
 
 DocumentBatcher::DocumentBatcher(std::vector<const IndexedDataset*> datasets, std::vector<double> weights,
-                                 int64_t max_len, int64_t step_tokens, SampleOrder order, uint64_t seed)
-    : weights_(weights), rule_(weights), max_len_(max_len), step_tokens_(step_tokens), order_(order), seed_(seed) {
+                                 int64_t max_len, StepSizes step_tokens, SampleOrder order, uint64_t seed)
+    : weights_(weights), rule_(weights), max_len_(max_len), step_tokens_(std::move(step_tokens)), order_(order),
+      seed_(seed) {
   ORIGAMI_CHECK(max_len >= 1, "--seq-len must be at least 1, got ", max_len);
-  ORIGAMI_CHECK(step_tokens >= max_len, "--tokens-per-step (", step_tokens, ") must be at least --seq-len (", max_len,
-                "): a step must have room for the longest sequence");
+  for (const auto& [first, n] : step_tokens_.stretches())
+    ORIGAMI_CHECK(n >= max_len, "--tokens-per-step (", n, ") must be at least --seq-len (", max_len,
+                  "): a step must have room for the longest sequence",
+                  first > 0 || step_tokens_.stretches().size() > 1 ? cat(" (the steps from ", first + 1, " on)") : "");
   ORIGAMI_ASSERT(!datasets.empty() && datasets.size() == weights.size());
   for (size_t d = 0; d < datasets.size(); ++d) {
     const IndexedDataset& ds = *datasets[d];
@@ -31,7 +34,7 @@ int64_t DocumentBatcher::num_documents() const {
 
 int64_t DocumentBatcher::bytes() const {
   const int64_t order = order_ == SampleOrder::shuffled ? num_documents() * int64_t(sizeof(int64_t)) : 0;
-  return order + step_tokens_ * int64_t(sizeof(Sequence));  // a step holds at most N sequences
+  return order + step_tokens_.largest() * int64_t(sizeof(Sequence));  // a step holds at most N sequences
 }
 
 int64_t DocumentBatcher::document_at(Part& p, int64_t epoch, int64_t index) {
@@ -85,7 +88,8 @@ const std::vector<Sequence>& DocumentBatcher::step(int64_t s) {
   while (step_ < s) {
     sequences_.clear();
     int64_t tokens = 0;
-    for (Sequence q = peek(); tokens + q.length <= step_tokens_; q = peek()) {
+    const int64_t N = step_tokens_.size(step_ + 1);
+    for (Sequence q = peek(); tokens + q.length <= N; q = peek()) {
       sequences_.push_back(q);
       tokens += q.length;
       advance(q);

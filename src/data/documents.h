@@ -9,7 +9,7 @@
 //     (shuffled); a document's pieces follow each other;
 //   - step s takes the next sequences in that order while the step's token count stays <= N
 //     (--tokens-per-step); the first that does not fit opens step s + 1 (L <= N, so every step takes
-//     at least one);
+//     at least one); a run resumed under another N steps by each stretch's own (data/step_sizes.h);
 //   - a blend (weights w_d normalised to sum 1) interleaves its datasets' orders by document: each
 //     next document comes from the dataset d maximising w_d·(T + 1) − T_d, where T_d is the tokens
 //     taken from d so far and T their sum (the first on ties), and its pieces follow each other; each
@@ -25,6 +25,7 @@
 #include "data/blend.h"
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
+#include "data/step_sizes.h"
 
 namespace origami {
 
@@ -38,12 +39,13 @@ struct Sequence {
 class DocumentBatcher {
  public:
   // Keeps references to the datasets, which must outlive the batcher; `weights` (one per dataset,
-  // positive) are normalised. A dataset without tokens, L < 1 or N < L is an Error naming the value.
+  // positive) are normalised; `step_tokens`: N of each stretch of steps. A dataset without tokens,
+  // L < 1 or an N < L is an Error naming the value.
   DocumentBatcher(std::vector<const IndexedDataset*> datasets, std::vector<double> weights, int64_t max_len,
-                  int64_t step_tokens, SampleOrder order, uint64_t seed);
+                  StepSizes step_tokens, SampleOrder order, uint64_t seed);
   DocumentBatcher(const IndexedDataset& dataset, int64_t max_len, int64_t step_tokens, SampleOrder order,
                   uint64_t seed)
-      : DocumentBatcher({&dataset}, {1.0}, max_len, step_tokens, order, seed) {}
+      : DocumentBatcher({&dataset}, {1.0}, max_len, StepSizes(step_tokens), order, seed) {}
 
   // The sequences of step s, in data order. Steps in increasing order cost O(their sequences) each;
   // going back replays the rule from step 0 (a resumed run does that once).
@@ -77,7 +79,8 @@ class DocumentBatcher {
   std::vector<Part> parts_;
   std::vector<double> weights_;
   BlendRule rule_;               // T_d, the tokens taken from each dataset: picks each document's dataset
-  int64_t max_len_, step_tokens_;
+  int64_t max_len_;
+  StepSizes step_tokens_;
   SampleOrder order_;
   uint64_t seed_;
   int current_ = 0;              // the dataset whose document is under way (its cursor's offset > 0)

@@ -90,6 +90,7 @@ struct StageParams {
 struct Inputs {
   std::optional<DataBlend> data, eval_data;  // the training data and the validation data (if any)
   std::optional<DocumentBatcher> docs, eval_docs;  // --batching documents: their sequences, step by step
+  std::optional<StepSizes> step_sizes;              // the training data's, stretch by stretch (run_step_sizes)
   std::optional<Checkpoint> checkpoint;      // --resume or --init-from
   bool fresh_start = false;                  // --resume DIR --save DIR before DIR holds a checkpoint
 };
@@ -156,12 +157,27 @@ SequenceCost sequence_cost(Comm& world, const ModelConfig& cfg, const TrainOptio
   return {flops.a / c.gemm_rate(rows, C, C), flops.b / c.attention_rate(double(o.seq_len), double(cfg.head_dim))};
 }
 
-// Document batching over the blend's datasets, with its weights (data/documents.h).
-DocumentBatcher document_batcher(const DataBlend& data, const TrainOptions& o, SampleOrder order) {
+// Document batching over the blend's datasets, with its weights (data/documents.h), N of each stretch.
+DocumentBatcher document_batcher(const DataBlend& data, const TrainOptions& o, SampleOrder order, StepSizes sizes) {
   std::vector<const IndexedDataset*> datasets;
   std::vector<double> weights;
   for (size_t d = 0; d < data.parts().size(); ++d) datasets.push_back(&data.dataset(d)), weights.push_back(data.parts()[d].weight);
-  return DocumentBatcher(datasets, weights, o.seq_len, o.tokens_per_step, order, o.seed);
+  return DocumentBatcher(datasets, weights, o.seq_len, std::move(sizes), order, o.seed);
+}
+
+// The step size of each stretch of the run (data/step_sizes.h): a resume continues the checkpoint's
+// stretches (from a checkpoint older than them, the one size its options give) with this run's size
+// from its step, so the data position is where the trained run left it. Across batchings, or from
+// --init-from, this run's size from step 0: the position is replayed under it.
+StepSizes run_step_sizes(const TrainOptions& o, const Checkpoint* ck) {
+  const int64_t now = o.documents() ? o.tokens_per_step : o.global_batch;
+  if (!ck || o.resume.empty()) return StepSizes(now);
+  const int64_t step = ck->state().step;
+  if (ck->state().step_sizes) return ck->state().step_sizes->resumed(step, now);
+  const JsonField options = JsonField(ck->trainer_state(), ck->path() + " (trainer state)")["options"];
+  if (options["batching"].string_or("windows") != o.batching) return StepSizes(now);
+  const int64_t was = options[o.documents() ? "tokens_per_step" : "global_batch"].integer_or(0, 0, kMaxBatch);
+  return StepSizes(was > 0 ? was : now).resumed(step, now);
 }
 
 Inputs open_inputs(Plan& plan) {
@@ -178,7 +194,6 @@ Inputs open_inputs(Plan& plan) {
     ORIGAMI_CHECK(tok->vocab_size() <= cfg.vocab_size, "the dataset's tokenizer (", tokenizer_path, ") has ",
                   tok->vocab_size(), " tokens but the model's vocab_size is ", cfg.vocab_size);
   }
-  if (o.documents()) in.docs = document_batcher(*in.data, o, parse_sample_order(o.data_order));
   if (!o.eval_data.empty()) {
     // The validation windows (sequences), in order: the first eval_iters × G samples (steps), none read twice.
     in.eval_data.emplace(parse_blend(o.eval_data, "--eval-data"), windows, SampleOrder::sequential, o.seed,
@@ -188,7 +203,8 @@ Inputs open_inputs(Plan& plan) {
       in.eval_data->require_no_repeat(o.eval_iters * o.global_batch,
                                       cat("--eval-data: an evaluation (--eval-iters x global batch = ", o.eval_iters,
                                           " x ", o.global_batch, "; lower --eval-iters or give more validation data)"));
-    else if (in.eval_docs = document_batcher(*in.eval_data, o, SampleOrder::sequential); in.eval_docs->repeats(o.eval_iters))
+    else if (in.eval_docs = document_batcher(*in.eval_data, o, SampleOrder::sequential, StepSizes(o.tokens_per_step));
+             in.eval_docs->repeats(o.eval_iters))
       fail("--eval-data: an evaluation (--eval-iters x --tokens-per-step = ", o.eval_iters, " x ", o.tokens_per_step,
            " tokens) reads some document twice; lower --eval-iters or give more validation data");
   }
@@ -210,6 +226,8 @@ Inputs open_inputs(Plan& plan) {
                   "--resume '", o.resume, "' trained on another tokenizer (", saved, ") than --data's (",
                   in.data->tokenizer_path(), "); to train its weights on this data, start from them with --init-from");
   }
+  in.step_sizes = run_step_sizes(o, in.checkpoint ? &*in.checkpoint : nullptr);
+  if (o.documents()) in.docs = document_batcher(*in.data, o, parse_sample_order(o.data_order), *in.step_sizes);
   return in;
 }
 
@@ -257,8 +275,9 @@ void warn_changed_options(const nlohmann::json& was, const TrainOptions& o, cons
   }
   if (o.lr.schedule == LrSchedule::cosine)  // the cosine spans --steps
     options.push_back({"steps", "--steps (the cosine schedule's length)", o.steps, nullptr});
-  // The step size, within one batching (across two, the batching's own warning says it all); the data
-  // position is replayed from the step, under document batching from N and L too.
+  // The step size, within one batching (across two, the batching's own warning says it all): the data
+  // continue where the checkpoint left them (run_step_sizes), but the steps from here are not the
+  // uninterrupted run's; L changes what a window or a piece of a document is.
   const bool same_batching = (was.contains("batching") && was["batching"].is_string()
                                   ? was["batching"].get<std::string>() : std::string("windows")) == o.batching;
   if (o.documents() && same_batching)
@@ -296,8 +315,8 @@ void warn_changed_model(const std::string& saved_config, const ModelConfig& cfg,
 }
 
 // Each dataset of a blend with its tokens and documents, kept in trainer_state.json: a resume tells a
-// dataset prepared again at the same prefix, on which the data position replayed from the step reads
-// other data.
+// dataset prepared again at the same prefix, on which the data position the checkpoint's steps reach
+// reads other data.
 nlohmann::json data_sizes(const DataBlend& data) {
   nlohmann::json out = nlohmann::json::array();
   for (size_t d = 0; d < data.parts().size(); ++d)
@@ -315,7 +334,7 @@ void warn_changed_data(const std::vector<std::pair<int64_t, int64_t>>& was, cons
     const auto now = std::pair{int64_t(data.dataset(d).num_tokens()), int64_t(data.dataset(d).num_documents())};
     if (now != was[d])
       std::fprintf(stderr, "origami train: warning: resuming on data '%s' of %lld tokens and %lld documents; '%s' "
-                   "trained on %lld tokens and %lld documents there: the data position replayed from its step "
+                   "trained on %lld tokens and %lld documents there: the data position its steps reach "
                    "reads other data\n", data.parts()[d].prefix.c_str(), (long long)now.first, (long long)now.second,
                    path.c_str(), (long long)was[d].first, (long long)was[d].second);
   }
@@ -894,7 +913,8 @@ Run::Update Run::train(int64_t step) {
   mesh_.reset_bytes();
   model_.reset_attention_counters();
   Update up;
-  if (in_.data->parts().size() > 1 && !in_.docs) up.samples = in_.data->samples_per_dataset(step * G, G);
+  const int64_t first = in_.step_sizes->before(step);  // (windows: the step's first sample)
+  if (in_.data->parts().size() > 1 && !in_.docs) up.samples = in_.data->samples_per_dataset(first, G);
   if (embedding_comm_) embedding_comm_->reset_bytes();
   up.lr = lr_at(o_.lr, step);
   up.micro = plan_.micro_batches;
@@ -906,7 +926,7 @@ Run::Update Run::train(int64_t step) {
     model_.set_loss_tokens(double(std::max<int64_t>(1, doc_step_.predicted)) / double(up.micro * dp),
                            double(doc_step_.tokens) / double(up.micro * dp));
   } else {
-    read_rows(*in_.data, step * G + dp_.rank() * (G / dp));
+    read_rows(*in_.data, first + dp_.rank() * (G / dp));
   }
   for (ParamSet* set : params_.sets()) set->dp.begin_step();
   model_.reset_expert_counts();
@@ -1130,6 +1150,7 @@ double Run::save(int64_t steps_done) {
     if (cfg_.is_moe()) st["options"]["moe_aux_loss_coef"] = cfg_.routing.aux_coef;  // (the config's where not given)
     if (!model_.router_bias().empty()) st["router_bias"] = model_.router_bias();
     st["data_sizes"] = data_sizes(*in_.data);
+    st["step_sizes"] = in_.step_sizes->stretches();  // [[first step, size], ...]
     st["kernels"] = kept_kernels(plan_.precision);
     files["trainer_state.json"] = st.dump(2) + "\n";
     files["config.json"] = cfg_.raw.dump(2) + "\n";
@@ -1299,7 +1320,7 @@ TrainOptions with_checkpoint_step_size(const TrainOptions& opts, std::string* no
   (docs ? o.tokens_per_step : o.global_batch) = size;
   if (note)
     *note = cat("resuming with the checkpoint's ", docs ? "tokens per step " : "global batch ", size, " (",
-                docs ? "--tokens-per-step" : "--global-batch", " not given: the data position is replayed from the step)");
+                docs ? "--tokens-per-step" : "--global-batch", " not given: the run's steps stay the size they were)");
   return o;
 }
 

@@ -180,9 +180,10 @@ void report_rank_error(const char* command, const Comm& world, const std::except
 // (train/plan.h), in the order trainer.cpp lists above run_training.
 int run_training(const ModelConfig& cfg, const TrainOptions& opts, Comm& world);
 
-// A resume replays the data position from the step, so it keeps the trained run's step size unless
-// one is given: its --global-batch (windows) or --tokens-per-step (documents), which default to figures
-// of the layout (micro-batch x DP, x seq-len) and would move the position under another layout. o with
+// A resume keeps the trained run's step size unless one is given: its --global-batch (windows) or
+// --tokens-per-step (documents), which default to figures of the layout (micro-batch x DP, x seq-len)
+// and would change the steps under another layout (the data position is the checkpoint's either way:
+// StepSizes). o with
 // the checkpoint's size filled in (when o resumes a committed checkpoint of the same batching and gives
 // none); `note`, when not null, gets the line that says so (empty otherwise).
 TrainOptions with_checkpoint_step_size(const TrainOptions& o, std::string* note = nullptr);

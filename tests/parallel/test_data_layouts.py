@@ -92,6 +92,37 @@ def compare(ref, got, moe):
     return worst, fails
 
 
+def blend_rows(weights, first, n):
+    """Rows per dataset of samples first .. first+n−1 by the blend rule: sample i goes to the d
+    maximising w_d·(i+1) − n_d, the first on ties (each product rounded, as Python computes it)."""
+    total = sum(weights)
+    w, given, counts = [x / total for x in weights], [0] * len(weights), [0] * len(weights)
+    for i in range(first + n):
+        d = max(range(len(w)), key=lambda k: (w[k] * (i + 1) - given[k], -k))
+        given[d] += 1
+        if i >= first:
+            counts[d] += 1
+    return counts
+
+
+def check_resized_blend(tmp, cfg, blend, save, failures):
+    """The blend's step-4 checkpoint (global batch 8) resumed under --global-batch 4: a warning names
+    it, and steps 5..8 read samples 32..47, the rows per dataset the rule gives there."""
+    metrics = os.path.join(tmp, "blend_resized.jsonl")
+    common = [v if (k, v) != (COMMON.index("--global-batch") + 1, "8") else "4" for k, v in enumerate(COMMON)]
+    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", blend, "--seq-len", "32", *common, "--resume",
+                           os.path.join(save, "step-4"), "--metrics", metrics])
+    got, err = (h.read_metrics(metrics), None) if rc == 0 else (None, h.why(rc, out, 600))
+    if "warning: resuming with --global-batch '4'" not in out:
+        failures.append("blend resumed under global batch 4: no warning naming it:\n%s" % out[-500:])
+    want = [blend_rows([0.6, 0.4], 32 + 4 * k, 4) for k in range(4)]
+    counts = [m.get("data_samples") for m in got] if got else err
+    if counts != want:
+        failures.append("blend resumed under global batch 4: rows per dataset %s, the rule gives %s" % (counts, want))
+    print("  %-4s blend resumed under another global batch: rows per dataset %s (samples 32..47)" % (
+        "ok" if counts == want else "FAIL", counts), flush=True)
+
+
 def different_copies(tmp, cfg, data, other):
     """Each rank opens --data itself: two ranks whose working directories hold different datasets under
     the relative prefix 'corpus' (node-local copies that differ) stop at start with one error naming it."""
@@ -208,6 +239,8 @@ def main():
             failures += ["blend %s: %s" % (tag, f) for f in fails[:3]]
             print("  %-4s blend %-20s worst %.1e, rows per dataset %s" % (
                 "ok" if not fails else "FAIL", tag, worst, [m.get("data_samples") for m in got][:4]), flush=True)
+
+        check_resized_blend(tmp, cfg, blend, save, failures)
 
     # Resuming with other data or another mask is allowed, with a warning naming both.
     rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, "--resume", os.path.join(save, "step-4"),

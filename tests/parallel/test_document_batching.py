@@ -271,12 +271,7 @@ def check_resume(tmp, data, failures):
     worst, fails = compare(one[10:], resumed)
     failures += ["resumed under DP2: " + f for f in fails[:3]]
     print("  %-4s step 10 resumed under DP2: steps 11..20 worst %.1e" % ("ok" if not fails else "FAIL", worst))
-    # Another N replays other steps up to the resumed one: allowed, with a warning naming it.
-    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, *COMMON[2:-2], "--tokens-per-step", "128",
-                           "--resume", os.path.join(save, "step-10"), "--steps", "11"])
-    if rc != 0 or "warning: resuming with --tokens-per-step '128'" not in out:
-        failures.append("resume with another --tokens-per-step: exit %s, no warning naming it:\n%s" % (rc, out[-400:]))
-    print("  %-4s resuming with another --tokens-per-step warns" % ("ok" if rc == 0 and "warning" in out else "FAIL"))
+    check_resize(tmp, cfg, data, save, failures)
     # Without --tokens-per-step, N is micro-batch x DP x L: a resume keeps the checkpoint's, and says so.
     base = ["train", "--config", cfg, "--data", data, *COMMON[:-2], "--micro-batch", "2"]
     runs = {}
@@ -292,6 +287,45 @@ def check_resume(tmp, data, failures):
         failures.append("resume without --tokens-per-step under DP2: %s; note %s" % (fails[:3], note in out2))
     print("  %-4s no --tokens-per-step: resumed under DP2 with the checkpoint's N = %d, steps 11..20 worst %.1e" % (
         "ok" if not fails and note in out2 else "FAIL", 2 * L, worst))
+
+
+def rule_steps(lengths, L, sizes, steps):
+    """(tokens, sequences, predicted) of steps 1..steps by the rule (--data-order sequential), step s
+    under N = sizes(s): every piece in data order, none skipped or repeated whatever the sizes."""
+    pieces = [min(L, n - b) for n in lengths for b in range(0, n, L)]
+    out, i = [], 0
+    for s in range(1, steps + 1):
+        tokens = seqs = predicted = 0
+        while tokens + pieces[i % len(pieces)] <= sizes(s):
+            p = pieces[i % len(pieces)]
+            tokens, seqs, predicted, i = tokens + p, seqs + 1, predicted + p - 1, i + 1
+        out.append((tokens, seqs, predicted))
+    return out
+
+
+def check_resize(tmp, cfg, data, save, failures):
+    """Another N on resume: a warning names it, and the data go on where the checkpoint left them (the
+    rule under N for steps 1..10, then the new N), also in a second resume of that run."""
+    base = ["train", "--config", cfg, "--data", data, *COMMON[2:-2], "--tokens-per-step", "128", "--micro-batch", "1"]
+    resave = os.path.join(tmp, "ck_resized")
+    runs = {}
+    for tag, flags in (("resized", ["--resume", os.path.join(save, "step-10"), "--steps", "14", "--save", resave,
+                                    "--save-every", "2"]),
+                       ("resized again", ["--resume", os.path.join(resave, "step-12"), "--steps", "14"])):
+        metrics = os.path.join(tmp, tag.replace(" ", "_") + ".jsonl")
+        rc, out, _ = h.run(0, base + flags + ["--metrics", metrics])
+        runs[tag] = (rc, out, h.read_metrics(metrics) if rc == 0 else [])
+    (rc1, out1, resized), (rc2, _, again) = runs.values()
+    want = rule_steps(document_lengths(data), L, lambda s: N if s <= 10 else 128, 14)[10:]
+    got = [step_contents(m) for m in resized]
+    warned = "warning: resuming with --tokens-per-step '128'" in out1
+    ok = rc1 == 0 and rc2 == 0 and warned and got == want and [m["loss"] for m in again] == [m["loss"] for m in resized[2:]]
+    if not ok:
+        failures.append("resume with another --tokens-per-step: exit %s/%s, warned %s, steps 11..14 %s (rule: %s), "
+                        "resumed again %s vs %s" % (rc1, rc2, warned, got, want, [m["loss"] for m in again],
+                                                    [m["loss"] for m in resized[2:]]))
+    print("  %-4s resuming with another --tokens-per-step warns and continues the data (steps 11..14 as the rule "
+          "gives), also resumed again" % ("ok" if ok else "FAIL"))
 
 
 def first_step_without_targets(lengths, L, N):

@@ -9,8 +9,10 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "data/documents.h"
 #include "train/balance.h"
@@ -84,7 +86,7 @@ TEST(DocumentBatcher, ShuffledOrderIsAPermutationPerEpoch) {
 TEST(DocumentBatcher, BlendsInterleaveWholeDocumentsByTokens) {
   const IndexedDataset a = IndexedDataset::open(write_documents("origami_docs_blend_a", {4, 4, 6, 4}));
   const IndexedDataset b = IndexedDataset::open(write_documents("origami_docs_blend_b", {2, 2, 2, 2, 2}));
-  DocumentBatcher blend({&a, &b}, {1.0, 1.0}, 4, 4, SampleOrder::sequential, 1);
+  DocumentBatcher blend({&a, &b}, {1.0, 1.0}, 4, StepSizes(4), SampleOrder::sequential, 1);
   std::vector<std::pair<int32_t, int64_t>> got;  // (dataset, length) of steps 0..9, one step a sequence or two
   for (int64_t s = 0; s < 10; ++s)
     for (const Sequence& q : blend.step(s)) got.emplace_back(q.part, q.length);
@@ -93,7 +95,7 @@ TEST(DocumentBatcher, BlendsInterleaveWholeDocumentsByTokens) {
                                                          {1, 2}, {1, 2}, {0, 4}};
   EXPECT_EQ(got, want);
   // 0.75 / 0.25 over many steps: the running token counts stay within a document (6) of the shares.
-  DocumentBatcher uneven({&a, &b}, {3.0, 1.0}, 4, 8, SampleOrder::shuffled, 3);
+  DocumentBatcher uneven({&a, &b}, {3.0, 1.0}, 4, StepSizes(8), SampleOrder::shuffled, 3);
   int64_t taken[2] = {0, 0};
   for (int64_t s = 0; s < 200; ++s) {
     for (const Sequence& q : uneven.step(s)) taken[q.part] += q.length;
@@ -107,6 +109,59 @@ TEST(DocumentBatcher, BlendsInterleaveWholeDocumentsByTokens) {
 TEST(DocumentBatcher, RejectsAStepShorterThanASequence) {
   const IndexedDataset ds = IndexedDataset::open(write_documents("origami_docs_bad", {3}));
   EXPECT_THROW(DocumentBatcher(ds, 8, 4, SampleOrder::sequential, 1), Error);
+  // ... in any stretch of a resumed run's steps
+  EXPECT_THROW(DocumentBatcher({&ds}, {1.0}, 8, StepSizes({{0, 16}, {5, 4}}, "test"), SampleOrder::sequential, 1), Error);
+}
+
+// A run resumed under another N (stretches of step sizes) takes the same stream of sequences: none
+// skipped, none repeated; each step holds at most its own N and the next sequence did not fit.
+TEST(DocumentBatcher, AnotherStepSizeContinuesTheStream) {
+  const IndexedDataset a = IndexedDataset::open(write_documents("origami_docs_resize_a", {5, 9, 3, 12, 1, 7, 2, 8}));
+  const IndexedDataset b = IndexedDataset::open(write_documents("origami_docs_resize_b", {4, 6, 2, 10}));
+  for (const SampleOrder order : {SampleOrder::sequential, SampleOrder::shuffled}) {
+    DocumentBatcher one({&a, &b}, {2.0, 1.0}, 8, StepSizes(12), order, 5);
+    const StepSizes sizes({{0, 12}, {7, 20}, {15, 8}}, "test");
+    DocumentBatcher resized({&a, &b}, {2.0, 1.0}, 8, sizes, order, 5);
+    std::vector<std::tuple<int32_t, uint64_t, int64_t>> stream, got;
+    for (int64_t s = 0; s < 30; ++s) {
+      int64_t tokens = 0;
+      for (const Sequence& q : resized.step(s)) got.emplace_back(q.part, q.first, q.length), tokens += q.length;
+      EXPECT_LE(tokens, sizes.size(s)) << "step " << s;
+    }
+    for (int64_t s = 0; got.size() > stream.size(); ++s)
+      for (const Sequence& q : one.step(s)) stream.emplace_back(q.part, q.first, q.length);
+    stream.resize(got.size());
+    EXPECT_EQ(got, stream);
+    // Going back replays the stretches: step 20 again, after step 29.
+    std::vector<std::tuple<int32_t, uint64_t, int64_t>> again;
+    for (const Sequence& q : resized.step(20)) again.emplace_back(q.part, q.first, q.length);
+    DocumentBatcher fresh({&a, &b}, {2.0, 1.0}, 8, sizes, order, 5);
+    std::vector<std::tuple<int32_t, uint64_t, int64_t>> want;
+    for (const Sequence& q : fresh.step(20)) want.emplace_back(q.part, q.first, q.length);
+    EXPECT_EQ(again, want);
+  }
+}
+
+TEST(StepSizes, StretchesSumAndResume) {
+  const StepSizes s({{0, 4}, {3, 10}, {5, 2}}, "test");
+  EXPECT_EQ(s.size(0), 4);
+  EXPECT_EQ(s.size(2), 4);
+  EXPECT_EQ(s.size(3), 10);
+  EXPECT_EQ(s.size(100), 2);
+  EXPECT_EQ(s.before(0), 0);
+  EXPECT_EQ(s.before(3), 12);
+  EXPECT_EQ(s.before(5), 32);
+  EXPECT_EQ(s.before(7), 36);
+  EXPECT_EQ(s.largest(), 10);
+  // A resume at step 4 drops what came after it; the same size adds no stretch.
+  EXPECT_EQ(s.resumed(4, 6).stretches(), (std::vector<StepSizes::Stretch>{{0, 4}, {3, 10}, {4, 6}}));
+  EXPECT_EQ(s.resumed(4, 10).stretches(), (std::vector<StepSizes::Stretch>{{0, 4}, {3, 10}}));
+  EXPECT_EQ(s.resumed(3, 4).stretches(), (std::vector<StepSizes::Stretch>{{0, 4}}));
+  EXPECT_EQ(StepSizes(8).resumed(0, 6).stretches(), (std::vector<StepSizes::Stretch>{{0, 6}}));
+  EXPECT_THROW(StepSizes({{1, 4}}, "test"), Error);
+  EXPECT_THROW(StepSizes({{0, 4}, {0, 5}}, "test"), Error);
+  EXPECT_THROW(StepSizes({{0, 0}}, "test"), Error);
+  EXPECT_THROW(StepSizes({{0, int64_t(1) << 62}}, "test").before(5), SizeOverflow);
 }
 
 // Every sequence is placed once, rows hold at most row_len tokens, every rank has the same number of
