@@ -246,7 +246,7 @@ int data_prepare(int argc, char** argv) {
     ORIGAMI_CHECK(!args.has("vocab") && !args.has("merges"), "--vocab/--merges only apply to --tokenizer gpt2");
   ORIGAMI_CHECK(!args.has("eod-token") || args.str("tokenizer").ends_with(".json"),
                 "--eod-token only applies to a Hugging Face tokenizer file (--tokenizer FILE.json)");
-  if (const int threads = threads_option(args)) set_num_threads(threads);
+  use_threads(threads_option(args), "data prepare");
   const std::string prefix = args.str("output");
   ORIGAMI_CHECK(!prefix.empty() && prefix.back() != '/' && !fs::is_directory(prefix), "--output '", prefix,
                 "' is a directory: give a prefix such as DIR/NAME (it writes DIR/NAME.bin, .idx and .tokenizer.json)");

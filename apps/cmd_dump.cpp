@@ -41,7 +41,8 @@ int cmd_dump(int argc, char** argv) {
   std::string init = a.str("init-from"), config = a.str("config");
   if (config.empty() && !init.empty()) config = Checkpoint::config_of(init);
   ORIGAMI_CHECK(!config.empty(), "give --config config.json");
-  if (const int threads = threads_option(a)) set_num_threads(threads);
+  use_threads(threads_option(a), "dump");
+  const Precision precision = parse_precision(a.str("precision"));
 
   TrainOptions routing;
   read_routing_options(a, routing, false);
@@ -76,10 +77,11 @@ int cmd_dump(int argc, char** argv) {
   else {
     Checkpoint ck = Checkpoint::open(init);
     ck.bind(cfg);
+    ck.verify_checksums(0, 1);  // a damaged shard is refused, not run
     ck.read_weights(params);
   }
   Model model(cfg, params);
-  model.set_precision(parse_precision(a.str("precision")));
+  model.set_precision(precision);
   std::vector<float> logits(size_t(B * T * cfg.vocab_size));
   params.zero_grad();
   const Losses l = model.forward_backward(tokens.data(), B, T, 1.f, true, logits.data());

@@ -103,7 +103,9 @@ int cmd_generate(int argc, char** argv) {
   for (const char* drawn : {"top-k", "seed"})
     ORIGAMI_CHECK(temperature > 0 || !a.given(drawn), "--", drawn, " shapes the random draw, and --temperature 0 takes "
                   "the likeliest token without one: drop --", drawn, " or give a temperature above 0");
-  if (const int threads = threads_option(a)) set_num_threads(threads);
+  use_threads(threads_option(a), "generate");
+  const Precision precision = parse_precision(a.str("precision"));
+  const uint64_t seed = a.unsigned_integer("seed");  // (every option checked before any work or output)
 
   ORIGAMI_CHECK(!ck.config_path().empty() && !ck.tokenizer_path().empty(), "checkpoint '", ck.path(),
                 "' needs config.json and tokenizer.json (train on data with a tokenizer)");
@@ -117,11 +119,11 @@ int cmd_generate(int argc, char** argv) {
   if (parse_attention_mask(ck.trained_option("attention_mask", "causal")) || whole_documents) cfg.document_eod = tok->eod();
   Params params(make_param_table(cfg));
   ck.bind(cfg);
+  ck.verify_checksums(0, 1);  // a damaged shard is refused, not sampled from
   ck.read_weights(params);
   Model model(cfg, params);
   if (!ck.state().router_bias.empty())
     model.set_router_bias(ck.state().router_bias, cat("'", ck.path(), "/trainer_state.json'"));
-  const Precision precision = parse_precision(a.str("precision"));
   model.set_precision(precision);
   // Positions beyond the training sequence length were never trained: slide a window of that size. On
   // whole documents a sequence of --seq-len tokens predicts from its first seq-len - 1 only (its last
@@ -147,7 +149,6 @@ int cmd_generate(int argc, char** argv) {
   const size_t prompt_len = ids.size();
   std::fwrite(a.str("prompt").data(), 1, a.str("prompt").size(), stdout);
   std::fflush(stdout);
-  const uint64_t seed = a.unsigned_integer("seed");
   // The ids sampled from, and those among them the vocabulary skips (never drawn): found once.
   const int64_t vocab = std::min<int64_t>(cfg.vocab_size, tok->vocab_size());
   std::vector<int32_t> skipped;

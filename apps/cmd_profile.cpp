@@ -326,7 +326,7 @@ int run_profile(Comm& world, const ProfileCommand& cmd) {
   const AvailableMemory avail = available_memory();
   ORIGAMI_CHECK(avail.bytes > 0, "no memory is available to this process (", avail.source, "): a cluster file "
                 "of 0 bytes a device would plan nothing; free some and profile again");
-  if (cmd.threads > 0) set_num_threads(cmd.threads);
+  use_threads(cmd.threads, "profile", world.rank() == 0);
   warm_up_gemm();
   Cluster c;
   c.name = cmd.name;

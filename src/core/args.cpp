@@ -102,6 +102,11 @@ bool Args::parse(int argc, char** argv) {
     } else if (!inline_value) {
       ORIGAMI_CHECK(i + 1 < argc, "--", name, " needs a value (", o.metavar, ")");
       value = argv[++i];
+      // Another of this command's options in a value's place ("--metrics --quiet") is a forgotten value:
+      // taken as one, a file of that name would be written and the option dropped (--NAME=VALUE takes any).
+      const std::string next = value.rfind("--", 0) == 0 ? value.substr(2, value.find('=') - 2) : "";
+      ORIGAMI_CHECK(next.empty() || (!opts_.count(next) && next != "help"), "--", name, " needs a value (", o.metavar,
+                    "), got the option ", value, " (a value that starts with -- goes as --", name, "=VALUE)");
     }
     ORIGAMI_CHECK(o.is_flag || o.empty_ok || !value.empty(), "--", name, " needs a value (", o.metavar,
                   "), got an empty one");

@@ -18,7 +18,7 @@ nlohmann::json read_json_file(const std::string& path, const std::string& what) 
   ORIGAMI_CHECK(depth <= kMaxJsonDepth, what, " '", path, "' nests arrays and objects ", depth,
                 " levels deep; origami reads at most ", kMaxJsonDepth);
   try {
-    return nlohmann::json::parse(text);
+    return parse_json_keys_once(text, cat(what, " '", path, "'"));
   } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double's range
     fail(what, " '", path, "' is not valid JSON: ", e.what());
   }

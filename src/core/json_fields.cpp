@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <set>
+#include <string>
+#include <vector>
 #include <utility>
 
 #include "core/error.h"
@@ -29,12 +32,33 @@ int json_depth(std::string_view text) {
   return deepest;
 }
 
+nlohmann::json parse_json_keys_once(std::string_view text, const std::string& label) {
+  using Event = nlohmann::json::parse_event_t;
+  std::vector<std::set<std::string>> keys;  // of each object open, outermost first
+  std::vector<std::string> path;            // the key under way in each object open
+  const auto on_event = [&](int, Event event, nlohmann::json& parsed) {
+    if (event == Event::object_start) keys.emplace_back(), path.emplace_back();
+    if (event == Event::object_end) keys.pop_back(), path.pop_back();
+    if (event == Event::key) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      std::string where;
+      for (size_t i = 0; i + 1 < path.size(); ++i) where += (where.empty() ? "" : ".") + path[i];
+      ORIGAMI_CHECK(keys.back().insert(key).second, label, ": gives '", key, "' twice in one object (at ",
+                    where.empty() ? "the top level" : "'" + where + "'",
+                    "): the last would win and the first be ignored; give it once");
+      path.back() = key;
+    }
+    return true;
+  };
+  return nlohmann::json::parse(text.begin(), text.end(), on_event);
+}
+
 nlohmann::json parse_json(std::string_view text, const std::string& file) {
   const int depth = json_depth(text);
   ORIGAMI_CHECK(depth <= kMaxJsonDepth, file, ": nests arrays and objects ", depth, " levels deep; origami reads at most ",
                 kMaxJsonDepth);
   try {
-    return nlohmann::json::parse(text);
+    return parse_json_keys_once(text, file);
   } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double's range
     fail(file, ": not valid JSON (", e.what(), ")");
   }

@@ -41,6 +41,10 @@ constexpr int kMaxJsonDepth = 1000;
 int json_depth(std::string_view text);
 // Reads and parses a file (an unreadable file is an Error naming it, as read_file_bytes says).
 nlohmann::json parse_json_file(const std::string& path);
+// The parse both readers share: nlohmann keeps the last value of a key an object gives twice, silently;
+// here that is an Error, "LABEL: gives 'KEY' twice in one object (at PATH): the last would win and the
+// first be ignored; give it once". Parse errors are nlohmann's exceptions, for the caller to word.
+nlohmann::json parse_json_keys_once(std::string_view text, const std::string& label);
 
 // The bounds of a number field: [lo, hi], or (lo, hi] when lo_open. A number read is always finite.
 struct NumberRange {

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "data/blend.h"
 #include "data/sampler.h"
+#include "kernels/cpu/gemm.h"
 #include "plan/cluster.h"
 #include "train/balance.h"
 #include "parallel/context_parallel.h"
@@ -299,6 +300,14 @@ void TrainOptions::validate_experts(const ModelConfig& cfg, int world_size) cons
 void check_thread_count(int64_t threads) {
   ORIGAMI_CHECK(threads >= 0 && threads <= kMaxThreads, "--threads must be in [0, ", kMaxThreads,
                 "] (0: all cores), got ", threads);
+}
+
+void use_threads(int64_t threads, const char* command, bool say) {
+  if (threads == 0) return;
+  set_num_threads(int(threads));
+  if (say && num_threads() < threads)
+    std::fprintf(stderr, "origami %s: warning: --threads %lld: the OpenMP runtime runs at most %d threads in a "
+                 "process here, so %d run\n", command, (long long)threads, num_threads(), num_threads());
 }
 
 // Upper bounds (kMax* in trainer.h), after the lower ones validate() checks with their own words.

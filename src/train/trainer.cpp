@@ -489,7 +489,7 @@ nlohmann::json kept_kernels(Precision precision) {
 // measures them as the runtime part.
 MemoryCheck check_run_memory(const Plan& plan, const Inputs& in, Comm& world) {
   const TrainOptions& o = plan.options;
-  if (o.threads > 0) set_num_threads(o.threads);
+  use_threads(o.threads, "train", world.rank() == 0);
   warm_up_gemm();
   agree_on_kernels(plan, in, world);
   const int64_t data_bytes =
@@ -507,9 +507,15 @@ std::unique_ptr<Comm> embedding_group(Comm& pp) {
 }
 
 // --grad-reduce-dtype bf16 with a gradient reduction to apply it to (a DP x CP or EDP group of several ranks).
-bool reduces_in_bf16(const Plan& plan) {
+// Whether a gradient group has more than one rank: the dense tensors' DP x CP, an MoE model's experts' EDP
+// (ZeRO shards over them, --grad-reduce-dtype sets what they send).
+bool reduces_gradients(const Plan& plan) {
   const MeshDims& d = plan.mesh.dims();
-  return plan.options.grad_reduce_wire() == DType::bf16 && (d.dp * d.cp > 1 || d.edp > 1);
+  return d.dp * d.cp > 1 || (plan.model.is_moe() && d.edp > 1);
+}
+
+bool reduces_in_bf16(const Plan& plan) {
+  return plan.options.grad_reduce_wire() == DType::bf16 && reduces_gradients(plan);
 }
 
 // The layout in words: in the startup line, every metrics row and every checkpoint's metadata.
@@ -517,7 +523,7 @@ std::string describe_layout(const Plan& plan, const ContextParallel& cp) {
   const TrainOptions& o = plan.options;
   const MeshDims& dims = plan.mesh.dims();
   std::string name = plan.mesh.describe(plan.model.is_moe()) + (o.sequence_parallel && dims.tp > 1 ? " +SP" : "") +
-                     (o.zero > 0 && dims.dp > 1 ? " ZeRO-" + std::to_string(o.zero) : "");
+                     (o.zero > 0 && reduces_gradients(plan) ? " ZeRO-" + std::to_string(o.zero) : "");
   if (o.fssdp()) name += o.fssdp_keep ? " FSSDP keep" : " FSSDP";
   if (dims.cp > 1) name += cat(" cp ", cp.describe(plan.model.num_kv_heads / dims.tp));
   if (dims.pp > 1) name += cat(" ", schedule_kind_name(plan.schedule), o.vpp > 1 ? cat(" v", o.vpp) : "");
@@ -759,9 +765,13 @@ void Run::print_startup() const {
   if (plan_.precision == Precision::bf16)
     std::printf("precision: bf16 GEMMs with fp32 accumulation, fp32 master weights, gradients and optimizer state "
                 "| %s | %s\n", describe_bf16_gemm().c_str(), describe_bf16_tiles().c_str());
+  const char* no_group = "no DP or CP group (nor, in an MoE model, EDP group) has more than one rank";
   if (plan_.options.grad_reduce_wire() == DType::bf16 && !reduces_in_bf16(plan_))
-    std::fprintf(stderr, "origami train: warning: --grad-reduce-dtype bf16 changes nothing here: no DP, CP or EDP "
-                 "group has more than one rank, so no gradient is reduced\n");
+    std::fprintf(stderr, "origami train: warning: --grad-reduce-dtype bf16 changes nothing here: %s, so no gradient "
+                 "is reduced\n", no_group);
+  if (o_.zero > 0 && !reduces_gradients(plan_))
+    std::fprintf(stderr, "origami train: warning: --zero %d changes nothing here: %s, so nothing is sharded\n",
+                 o_.zero, no_group);
   // Options this layout gives nothing to do: accepted (a run config may serve several layouts), and said.
   for (const auto& [idle, what] : {std::pair{o_.sequence_parallel && tp_.size() == 1, "--sequence-parallel (--tp is 1)"},
                                    std::pair{o_.cp_comm != "p2p" && o_.cp == 1, "--cp-comm (--cp is 1)"},

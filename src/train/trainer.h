@@ -39,6 +39,9 @@ constexpr int kMaxDegree = 1 << 20;                    // every parallel degree
 constexpr int kMaxThreads = 4096;                      // --threads of every command (OpenMP starts them all)
 // --threads of every command: 0 (all cores) to kMaxThreads, else an Error naming the value and the rule.
 void check_thread_count(int64_t threads);
+// Sets the threads of our loops and the GEMM libraries to `threads` (0: leaves them at all cores); a
+// count the OpenMP runtime caps is a warning of `command` when `say` (one rank of a job).
+void use_threads(int64_t threads, const char* command, bool say = true);
 constexpr double kMaxBucketMb = double(1 << 20);       // --bucket-mb
 constexpr double kMaxMemoryGb = double(1 << 30);       // --memory-limit-gb
 

@@ -183,7 +183,7 @@ def main():
         check("--config's" not in p.stderr, "a resume with the run's own --config warns:\n" + p.stderr)
         print("ok   resuming with another --config of the same shapes warns of each field that changes the math")
 
-        # A dataset prepared again at the same prefix: the data position replayed from the step reads other data.
+        # A dataset prepared again at the same prefix: the data position the checkpoint's steps reach reads other data.
         redo = byte_dataset(tmp, 40, "redo")
         redo_ck = os.path.join(tmp, "redo_ck")
         run("train", "--config", llama, *short, "--data", redo, "--steps", "2", "--save", redo_ck)
@@ -237,6 +237,17 @@ def main():
         expect_error("an option given twice", ["train", "--config", llama, *short, "--lr", "1e-3", "--lr", "3e-4"],
                      "--lr is given twice, as '1e-3' and as '3e-4': the last would win and the first be ignored; "
                      "give it once", once=False)
+        # A path option followed by another option took its name as the path (a file named "--quiet").
+        expect_error("--metrics followed by an option", ["train", "--config", llama, *short, "--metrics", "--quiet"],
+                     "--metrics needs a value (FILE), got the option --quiet (a value that starts with -- goes as "
+                     "--metrics=VALUE)")
+        # A run config giving a key twice kept the last without a word.
+        twice = os.path.join(tmp, "twice.json")
+        with open(twice, "w") as f:
+            f.write('{"steps": 1, "steps": 2}')
+        expect_error("a run config giving a key twice", ["train", "--config", llama, *short, "--run-config", twice],
+                     "run config '%s': gives 'steps' twice in one object (at the top level): the last would win and "
+                     "the first be ignored; give it once" % twice)
         # Options that did nothing in their combination (accepted without a word before).
         expect_error("--min-lr beside a constant schedule", ["train", "--config", llama, *short, "--lr-schedule",
                      "constant", "--min-lr", "1e-5"], "--min-lr 1e-05 is the cosine schedule's floor, and "
@@ -325,19 +336,19 @@ def main():
         short3 = [w if w != "2" or short[i - 1] != "--micro-batch" else "3" for i, w in enumerate(short)]
         expect_error("a resume whose checkpoint's global batch breaks a rule", ["train", *short3, "--resume", gb_ck,
                      "--save", gb_ck, "--steps", "2"], "--global-batch (4) must be a positive multiple of --micro-batch "
-                     "(3); resuming with the checkpoint's global batch 4 (--global-batch not given: the data position "
-                     "is replayed from the step)")
+                     "(3); resuming with the checkpoint's global batch 4 (--global-batch not given: the run's steps "
+                     "stay the size they were)")
         expect_error("... and under launch", ["launch", "--np", "1", "--", "train", *short3, "--resume", gb_ck, "--save",
                      gb_ck, "--steps", "2"], "--global-batch (4) must be a positive multiple of --micro-batch (3); "
-                     "resuming with the checkpoint's global batch 4 (--global-batch not given: the data position is "
-                     "replayed from the step)")
+                     "resuming with the checkpoint's global batch 4 (--global-batch not given: the run's steps stay "
+                     "the size they were)")
         # ... also where the default size would break another rule (one micro-batch a step, which the
         # interleaved schedule refuses on 2 stages)
         expect_error("... and where the default size breaks another rule", ["launch", "--np", "2", "--", "train",
                      *short3, "--resume", gb_ck, "--save", gb_ck, "--steps", "2", "--pp", "2", "--pp-schedule",
                      "interleaved"], "--global-batch (4) must be a positive multiple of --micro-batch (3); resuming with "
-                     "the checkpoint's global batch 4 (--global-batch not given: the data position is replayed from the "
-                     "step)")
+                     "the checkpoint's global batch 4 (--global-batch not given: the run's steps stay the "
+                     "size they were)")
         p = run("train", *short, "--resume", gb_ck, "--save", gb_ck, "--steps", "2", "--tp", "3", expect_ok=False)
         check(p.returncode == 1 and "not divisible by TP" in p.stderr and "checkpoint's global batch" not in p.stderr,
               "a mistake of the options' own on a resume does not blame the checkpoint's global batch: %s" % p.stderr)

@@ -300,6 +300,11 @@ def damaged(tmp, cfg, data):
         check(rc not in (0, None) and len(errors) == 1 and want in errors[0],
               "a %s shard file is refused on resume with one message naming it" % what if what != "empty" else
               "--resume of a directory without a checkpoint is refused", out[-400:])
+        if what == "damaged":  # ... and by the commands that read weights only
+            for cmd in (["generate", "--checkpoint", d, "--prompt", "a", "--max-new-tokens", "2"],
+                        ["dump", "--init-from", d, "--data", data, "--seq-len", "16", "--out", os.path.join(tmp, "x")]):
+                rc, out, _ = h.run(0, cmd)
+                check(rc == 1 and want in out and "-> " not in out, "%s refuses a damaged shard file" % cmd[0], out[-400:])
 
 
 def memory(tmp, data):
