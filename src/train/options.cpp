@@ -171,6 +171,7 @@ void TrainOptions::validate(const ModelConfig& cfg, int world_size) const {
   ORIGAMI_CHECK(dp >= 0, "--dp must be at least 1 (or omitted), got ", dp);
   ORIGAMI_CHECK(steps > 0, "--steps must be positive, got ", steps);
   ORIGAMI_CHECK(micro_batch > 0, "--micro-batch must be positive, got ", micro_batch);
+  ORIGAMI_CHECK(micro_batch <= kMaxBatch, "--micro-batch must be at most ", kMaxBatch, ", got ", micro_batch);
   ORIGAMI_CHECK(global_batch > 0 && global_batch % micro_batch == 0, "--global-batch (", global_batch,
                 ") must be a positive multiple of --micro-batch (", micro_batch, ")");
   check_limits();

@@ -241,6 +241,9 @@ def main():
         expect_error("--metrics followed by an option", ["train", "--config", llama, *short, "--metrics", "--quiet"],
                      "--metrics needs a value (FILE), got the option --quiet (a value that starts with -- goes as "
                      "--metrics=VALUE)")
+        # A micro-batch past its bound was reported as a default global batch of 0.
+        expect_error("--micro-batch past its bound", ["train", "--config", llama, *short[:2], "--seq-len", "16",
+                     "--micro-batch", "10000000000"], "--micro-batch must be at most 1073741824, got 10000000000")
         # A run config giving a key twice kept the last without a word.
         twice = os.path.join(tmp, "twice.json")
         with open(twice, "w") as f:
