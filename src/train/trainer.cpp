@@ -173,9 +173,9 @@ StepSizes run_step_sizes(const TrainOptions& o, const Checkpoint* ck) {
   const int64_t now = o.documents() ? o.tokens_per_step : o.global_batch;
   if (!ck || o.resume.empty()) return StepSizes(now);
   const int64_t step = ck->state().step;
-  if (ck->state().step_sizes) return ck->state().step_sizes->resumed(step, now);
   const JsonField options = JsonField(ck->trainer_state(), ck->path() + " (trainer state)")["options"];
   if (options["batching"].string_or("windows") != o.batching) return StepSizes(now);
+  if (ck->state().step_sizes) return ck->state().step_sizes->resumed(step, now);
   const int64_t was = options[o.documents() ? "tokens_per_step" : "global_batch"].integer_or(0, 0, kMaxBatch);
   return StepSizes(was > 0 ? was : now).resumed(step, now);
 }
