@@ -171,7 +171,7 @@ void DataBlend::require_no_repeat(int64_t n, const std::string& what) const {
 
 void DataBlend::cover(int64_t first, int64_t n) {
   if (first < first_) {  // back before the kept choices: replay the rule from the start
-    rule_ = BlendRule(weights_of(parts_));
+    rule_.restart();
     first_ = 0;
     choices_.clear();
   }

@@ -10,6 +10,7 @@
 // dataset (Megatron's can drift past one for very uneven weights). The sequence depends on the
 // weights alone: every layout, and every resume, reads the same rows. Row r of step s is sample s·G + r.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -49,6 +50,7 @@ class BlendRule {
   // (0.7·15 − 10 against 0.3·15 − 4) and make the data order depend on the build's flags.
   int choose() const;
   void take(int dataset, int64_t units) { given_[size_t(dataset)] += units, taken_ += units; }
+  void restart() { std::fill(given_.begin(), given_.end(), 0), taken_ = 0; }  // back to the run's start
   BlendChoice next();  // one sample from choose(): the choice for sample samples() of the run
   int64_t samples() const { return taken_; }                    // n
   const std::vector<int64_t>& given() const { return given_; }  // n_d

@@ -9,7 +9,7 @@ namespace origami {
 
 DocumentBatcher::DocumentBatcher(std::vector<const IndexedDataset*> datasets, std::vector<double> weights,
                                  int64_t max_len, StepSizes step_tokens, SampleOrder order, uint64_t seed)
-    : weights_(weights), rule_(weights), max_len_(max_len), step_tokens_(std::move(step_tokens)), order_(order),
+    : rule_(weights), max_len_(max_len), step_tokens_(std::move(step_tokens)), order_(order),
       seed_(seed) {
   ORIGAMI_CHECK(max_len >= 1, "--seq-len must be at least 1, got ", max_len);
   for (const auto& [first, n] : step_tokens_.stretches())
@@ -83,7 +83,7 @@ const std::vector<Sequence>& DocumentBatcher::step(int64_t s) {
   if (s < step_) {
     step_ = -1, current_ = 0, last_epoch_ = 0, sequences_.clear();
     for (Part& p : parts_) p.cursor = {};
-    rule_ = BlendRule(weights_);
+    rule_.restart();
   }
   while (step_ < s) {
     sequences_.clear();

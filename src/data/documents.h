@@ -77,7 +77,6 @@ class DocumentBatcher {
   int64_t document_at(Part& p, int64_t epoch, int64_t index);  // the order's document
 
   std::vector<Part> parts_;
-  std::vector<double> weights_;
   BlendRule rule_;               // T_d, the tokens taken from each dataset: picks each document's dataset
   int64_t max_len_;
   StepSizes step_tokens_;
