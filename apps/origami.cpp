@@ -6,8 +6,10 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "commands.h"
+#include "core/args.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "kernels/cpu/gemm.h"
@@ -79,7 +81,11 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::fprintf(stderr, "origami: error: unknown command '%s'\n\n", argv[1]);
+  std::vector<std::string> names;
+  for (const auto& c : kCommands) names.push_back(c.name);
+  const std::string meant = origami::closest_name(argv[1], names);
+  std::fprintf(stderr, "origami: error: unknown command '%s'%s\n\n", argv[1],
+               meant.empty() ? "" : (" (did you mean '" + meant + "'?)").c_str());
   usage(stderr);
   return 1;
 }

@@ -1,5 +1,6 @@
 #include "core/args.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -77,6 +78,39 @@ bool same_value(const std::string& a, const std::string& b) {
 }
 }  // namespace
 
+// Edits (insertions, deletions, substitutions, swaps of neighbours) that turn a into b.
+static size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+std::string closest_name(const std::string& got, const std::vector<std::string>& names) {
+  if (got.empty()) return "";
+  const size_t most = std::min<size_t>(2, std::max<size_t>(1, got.size() / 4));
+  std::string best, prefixed;
+  size_t best_d = most + 1, starts = 0;
+  for (const std::string& n : names) {
+    const size_t d = edit_distance(got, n);
+    if (d < best_d) best_d = d, best = n;
+    if (n.rfind(got, 0) == 0) ++starts, prefixed = n;
+  }
+  return !best.empty() ? best : starts == 1 ? prefixed : "";
+}
+
+// " (did you mean --steps?)" for a name close to one of `names`, else "".
+static std::string did_you_mean(const std::string& got, const std::vector<std::string>& names, const char* before,
+                                const char* after) {
+  const std::string n = closest_name(got, names);
+  return n.empty() ? "" : cat(" (did you mean ", before, n, after, "?)");
+}
+
 bool Args::parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -94,7 +128,7 @@ bool Args::parse(int argc, char** argv) {
       name = name.substr(0, eq);
     }
     auto it = opts_.find(name);
-    ORIGAMI_CHECK(it != opts_.end(), "unknown option --", name, " (see --help)");
+    ORIGAMI_CHECK(it != opts_.end(), "unknown option --", name, did_you_mean(name, order_, "--", ""), " (see --help)");
     Opt& o = it->second;
     if (o.is_flag) {
       ORIGAMI_CHECK(!inline_value, "--", name, " takes no value");
@@ -123,7 +157,8 @@ bool Args::parse(int argc, char** argv) {
 void Args::fill_from_json(const JsonField& obj) {
   obj.for_each_member([&](const std::string& key, const JsonField& val) {
     auto it = opts_.find(key);
-    ORIGAMI_CHECK(it != opts_.end(), obj.file(), ": unknown key '", key, "' (the keys are the options of '",
+    ORIGAMI_CHECK(it != opts_.end(), obj.file(), ": unknown key '", key, "'", did_you_mean(key, order_, "'", "'"),
+                  " (the keys are the options of '",
                   command_, " --help' without the leading --)");
     Opt& o = it->second;
     // The file's value, of its option's type whether or not it is used (a broken file is found now,

@@ -14,6 +14,10 @@ namespace origami {
 
 class JsonField;
 
+// The name of `names` a user most likely meant by `got` (a typo: at most one edit in four characters,
+// and at most 2; or the one name that starts with `got`), or "" when none stands out.
+std::string closest_name(const std::string& got, const std::vector<std::string>& names);
+
 class Args {
  public:
   Args(std::string command, std::string summary);

@@ -1111,7 +1111,13 @@ double Run::evaluate() {
       sum += pipeline_.evaluate(micro_tokens_, o_.micro_batch, o_.seq_len).lm_loss;
       progress_alive();  // (without TP or PP an evaluation has no collective until its end: not a hang)
     }
-    return world_.all_reduce_value(tp_.rank() == 0 ? sum : 0.0) / double(std::max<int64_t>(1, predicted));
+    const double total = world_.all_reduce_value(tp_.rank() == 0 ? sum : 0.0);
+    if (predicted > 0) return total / double(predicted);
+    if (rank0_)  // (a mean over no token: reported as NaN, null in the metrics row, never as a loss of 0)
+      std::fprintf(stderr, "origami train: warning: validation has no token to predict: its first %lld step%s of "
+                   "--eval-data hold only one-token sequences; no validation loss\n", (long long)o_.eval_iters,
+                   o_.eval_iters == 1 ? "" : "s");
+    return std::numeric_limits<double>::quiet_NaN();
   }
   for (int64_t k = 0; k < o_.eval_iters; ++k) {
     read_rows(*in_.eval_data, k * G + dp_.rank() * (G / dp));

@@ -19,8 +19,9 @@ rows hold several sequences and padding. Steps of at most N = 160 tokens, micro-
      Under CP2xDP2 fewer sequences run over the CP group than with --static-cp, and fewer cp bytes move.
      In bf16 (llama), CP2xDP2 and DP2 ZeRO-1 stay within 1e-3 of the one-rank bf16 run (test_bf16_layouts.py's
      bound), which differs from the fp32 run.
-  2. (2c) A step whose sequences are all one token long (N = L) makes no update and says so; training
-     data shorter than one window trains.
+  2. (2c) A step whose sequences are all one token long (N = L) makes no update and says so, and a
+     validation of such steps reports no loss; training data shorter than one window trains.
+     A windows checkpoint resumed with document batching replays the documents under its N.
      The one-rank run's checkpoint of step 10 resumed under DP2 continues with the same sequences and
      losses (steps 11..20), also when --tokens-per-step is not given (the resume keeps the checkpoint's
      N, not micro-batch x DP x L of its own layout). The same on a blend of two datasets (0.6 / 0.4, shuffled), which also runs
@@ -272,6 +273,7 @@ def check_resume(tmp, data, failures):
     failures += ["resumed under DP2: " + f for f in fails[:3]]
     print("  %-4s step 10 resumed under DP2: steps 11..20 worst %.1e" % ("ok" if not fails else "FAIL", worst))
     check_resize(tmp, cfg, data, save, failures)
+    check_across_batchings(tmp, cfg, data, failures)
     # Without --tokens-per-step, N is micro-batch x DP x L: a resume keeps the checkpoint's, and says so.
     base = ["train", "--config", cfg, "--data", data, *COMMON[:-2], "--micro-batch", "2"]
     runs = {}
@@ -328,6 +330,26 @@ def check_resize(tmp, cfg, data, save, failures):
           "gives), also resumed again" % ("ok" if ok else "FAIL"))
 
 
+def check_across_batchings(tmp, cfg, data, failures):
+    """A windows checkpoint (its step sizes are global batches of windows) resumed with document batching:
+    the documents are replayed from the start under the new N (steps 11..14 as the rule gives them), not
+    placed after the windows run's sizes read as tokens."""
+    windows = os.path.join(tmp, "ck_windows")
+    rc0, out0, _ = h.run(0, ["train", "--config", cfg, "--data", data, *COMMON[2:-6], "--seq-len", str(L), "--steps",
+                             "10", "--global-batch", "4", "--micro-batch", "1", "--save", windows, "--save-every", "10"])
+    metrics = os.path.join(tmp, "across_batchings.jsonl")
+    rc1, out1, _ = h.run(0, ["train", "--config", cfg, "--data", data, *COMMON[2:-2], "--tokens-per-step", "128",
+                             "--micro-batch", "1", "--resume", os.path.join(windows, "step-10"), "--steps", "14",
+                             "--metrics", metrics])
+    got = [step_contents(m) for m in h.read_metrics(metrics)] if rc0 == 0 and rc1 == 0 else []
+    want = rule_steps(document_lengths(data), L, lambda s: 128, 14)[10:]
+    if got != want:
+        failures.append("windows checkpoint resumed with documents: exit %s/%s, steps 11..14 %s (rule: %s): %s" % (
+            rc0, rc1, got, want, (out0 + out1)[-400:]))
+    print("  %-4s a windows checkpoint resumed with document batching replays the documents under its N (steps "
+          "11..14 as the rule gives)" % ("ok" if got == want else "FAIL"))
+
+
 def first_step_without_targets(lengths, L, N):
     """The step rule (--data-order sequential): the first step whose sequences are all one token long."""
     step, tokens, predicted = 1, 0, 0
@@ -368,6 +390,18 @@ def check_no_targets(tmp, data, failures):
         failures.append("no targets: step %d: %s; adam steps %d of %d" % (at, row, adam_steps, at + 1))
     print("  %-4s step %d of one-token sequences: no update (AdamW steps %d of %d), 'skipped' in its row" % (
         "ok" if ok else "FAIL", at, adam_steps, at + 1))
+    # Validation of one-token sequences only (L = 1) has no mean to report: a warning and a null val_loss
+    # in the row, never a loss of 0.
+    metrics = os.path.join(tmp, "no_targets_eval.jsonl")
+    rc, out, _ = h.run(0, ["train", "--config", cfg, "--data", data, *COMMON[2:-4], "--seq-len", "1",
+                           "--tokens-per-step", "1", "--steps", "1", "--eval-data", data, "--eval-iters", "2",
+                           "--metrics", metrics])
+    rows = h.read_metrics(metrics) if rc == 0 else []
+    ok = "validation has no token to predict: its first 2 steps" in out and len(rows) == 1 and \
+        "val_loss" in rows[0] and rows[0]["val_loss"] is None
+    if not ok:
+        failures.append("validation without targets: exit %s, rows %s: %s" % (rc, rows, out[-400:]))
+    print("  %-4s a validation of one-token sequences warns and reports no loss (null), not 0" % ("ok" if ok else "FAIL"))
 
 
 def check_short_data(tmp, failures):

@@ -45,6 +45,33 @@ TEST(Args, RejectsUnknownMissingAndMalformed) {
   EXPECT_THROW(c.integer("steps"), origami::Error);
 }
 
+// A misspelt option, key or command is answered with the name most likely meant: a typo (one edit in
+// four characters, at most two; a swap of neighbours is one) or the one name it begins; else nothing.
+TEST(Args, UnknownNameSuggestsTheClosest) {
+  const std::vector<std::string> names = {"steps", "seq-len", "save", "save-every", "tokens-per-step", "lr"};
+  EXPECT_EQ(origami::closest_name("step", names), "steps");
+  EXPECT_EQ(origami::closest_name("seq-lne", names), "seq-len");     // neighbours swapped
+  EXPECT_EQ(origami::closest_name("tokens", names), "tokens-per-step");  // the one name it begins
+  EXPECT_EQ(origami::closest_name("sav", names), "save");            // one edit beats a prefix of two
+  EXPECT_EQ(origami::closest_name("lrr", names), "lr");              // (a short name: still one edit)
+  EXPECT_EQ(origami::closest_name("sepz", names), "");               // two edits in four characters: too far
+  EXPECT_EQ(origami::closest_name("learning-rate", names), "");
+  Args a = make();
+  try {
+    parse(a, {"--step", "3"});
+    FAIL() << "--step was accepted";
+  } catch (const origami::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown option --step (did you mean --steps?)"), std::string::npos) << e.what();
+  }
+  Args b = make();
+  try {
+    b.fill_from_json(origami::JsonField(nlohmann::json{{"verbos", true}}, "run.json"));
+    FAIL() << "key verbos was accepted";
+  } catch (const origami::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown key 'verbos' (did you mean 'verbose'?)"), std::string::npos) << e.what();
+  }
+}
+
 // An option given twice with two values would keep the last silently: an error naming both. The same
 // value twice (however spelt) and a switch twice are one setting.
 TEST(Args, AnOptionTwiceWithTwoValuesIsAnError) {
