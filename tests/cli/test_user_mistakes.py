@@ -471,10 +471,17 @@ def main():
         p = subprocess.run([ORIGAMI, "foo"], capture_output=True, text=True)
         check(p.returncode == 1 and p.stderr.startswith("origami: error: unknown command 'foo'\n"),
               "origami foo: exit %d, %r" % (p.returncode, p.stderr[:80]))
+        p = subprocess.run([ORIGAMI, "trian"], capture_output=True, text=True)
+        check(p.returncode == 1 and p.stderr.startswith("origami: error: unknown command 'trian' (did you mean "
+                                                        "'train'?)\n"), "origami trian: %r" % p.stderr[:80])
+        p = subprocess.run([ORIGAMI, "train", "--config", llama, "--seq-lne", "8"], capture_output=True, text=True)
+        check(p.returncode == 1 and "unknown option --seq-lne (did you mean --seq-len?)" in p.stderr,
+              "train --seq-lne: %r" % p.stderr[:120])
         p = subprocess.run([ORIGAMI], capture_output=True, text=True)
         check(p.returncode == 1 and p.stderr.startswith("origami: error: no command given\n"),
               "origami: exit %d, %r" % (p.returncode, p.stderr[:80]))
-        print("ok   origami foo, origami: exit 1, one error line (unknown command, no command)")
+        print("ok   origami foo, origami: exit 1, one error line (unknown command, no command); a typo names the "
+              "command or option meant")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("all user-mistake checks passed")
