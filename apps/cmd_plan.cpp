@@ -297,7 +297,7 @@ struct Shape {
 struct SearchResult {
   std::vector<Candidate> found;  // the best `top`
   int64_t layouts = 0, evaluated = 0, accepted = 0, fitting = 0;
-  std::string first_refusal;  // why the runtime refused the first layout it refused
+  std::map<std::string, int64_t> refusals;  // why the runtime refused layouts: how many for each reason
   double search_s = 0;
 };
 
@@ -442,7 +442,7 @@ void LayoutSearch::add_shapes_of_split(Shape shape, int dp, int stage) {
   const int64_t all = expansions * int64_t(mbs.size() * recompute_modes_.size());
   if (const std::string* why = model_.split_refusal(options(shape))) {  // its layers do not split over the stages
     result_.layouts += all, result_.evaluated += all;
-    if (result_.first_refusal.empty()) result_.first_refusal = *why;
+    result_.refusals[*why] += all;
     return;
   }
   for (int mb : mbs)
@@ -491,7 +491,7 @@ void LayoutSearch::evaluate(const Shape& shape) {
         try {
           c.p = model_.predict(c.o, cmd_.any_memory ? std::numeric_limits<double>::infinity() : cmd_.cluster.memory_bytes);
         } catch (const Error& e) {
-          if (r.first_refusal.empty()) r.first_refusal = e.what();
+          ++r.refusals[e.what()];
           continue;  // a layout the runtime refuses
         }
         ++r.accepted;
@@ -536,6 +536,20 @@ std::string why_no_layout(const PlanCommand& cmd) {
              "than one rank beside them (EDP)");
 }
 
+// The reasons most layouts were refused for, most first ("2000 layouts: REASON; 1000: REASON"): one
+// refused layout's reason can be a rule of an axis the others do not share (a pipeline split).
+std::string common_refusals(const std::map<std::string, int64_t>& refusals) {
+  std::vector<std::pair<int64_t, std::string>> by_count;
+  for (const auto& [why, n] : refusals) by_count.emplace_back(n, why);
+  std::stable_sort(by_count.begin(), by_count.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::string out;
+  for (size_t i = 0; i < std::min<size_t>(by_count.size(), 2); ++i)
+    out += cat(i ? "; " : "", by_count[i].first, i ? "" : by_count[i].first == 1 ? " layout" : " layouts", ": ",
+               by_count[i].second);
+  if (by_count.size() > 2) out += cat(" (and ", by_count.size() - 2, by_count.size() == 3 ? " other reason)" : " other reasons)");
+  return out;
+}
+
 // The search, timed; an Error when no layout is accepted or none fits.
 SearchResult search_layouts(const PlanCommand& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -553,8 +567,11 @@ SearchResult search_layouts(const PlanCommand& cmd) {
   const bool with_layout = !cmd.layout.empty();
   ORIGAMI_CHECK(r.evaluated > 0, "--layout '", cmd.layout, "' leaves no layout of ", cmd.devices, " devices: ",
                 why_no_layout(cmd));
-  ORIGAMI_CHECK(r.accepted > 0, "the runtime accepts none of the ", r.evaluated, " layouts",
-                with_layout ? " of --layout '" + cmd.layout + "'" : "", "; the first refused: ", r.first_refusal);
+  const std::string of_layout = with_layout ? " of --layout '" + cmd.layout + "'" : "";
+  ORIGAMI_CHECK(r.accepted > 0 || r.evaluated > 1, "the runtime refuses the one layout", of_layout, ": ",
+                r.refusals.begin()->first);
+  ORIGAMI_CHECK(r.accepted > 0, "the runtime accepts none of the ", r.evaluated, " layouts", of_layout, "; ",
+                common_refusals(r.refusals));
   ORIGAMI_CHECK(!r.found.empty(), "none of the ", r.accepted, " layouts the runtime accepts",
                 with_layout ? " with --layout '" + cmd.layout + "'" : "", " fits in ", format_bytes(cmd.cluster.memory_bytes),
                 " per device; more devices, a shorter --seq-len, fewer axes fixed by --layout, or a cluster with more memory");

@@ -79,8 +79,8 @@ def checked_sizes(tmp, data):
                   max_position_embeddings=2**24)
     expect_error("activations beyond 64 bits", plan(huge, "--layout", "tp1 cp1 pp1 mb1048576 recompute=none", devices="1",
                                                     batch="1048576", seq="16777216"),
-                 "the runtime accepts none of the 1 layouts of --layout 'tp1 cp1 pp1 mb1048576 recompute=none'; the "
-                 "first refused: the memory of this run overflows 64-bit arithmetic (hidden_size 1048576, "
+                 "the runtime refuses the one layout of --layout 'tp1 cp1 pp1 mb1048576 recompute=none': "
+                 "the memory of this run overflows 64-bit arithmetic (hidden_size 1048576, "
                  "intermediate_size 40, num_hidden_layers 2, num_attention_heads 8, vocab_size 257, --micro-batch "
                  "1048576, --seq-len 16777216)")
     ck = os.path.join(tmp, "ck")

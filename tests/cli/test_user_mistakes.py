@@ -291,6 +291,14 @@ def main():
               "--layout tp2 at --seq-len 63 lists TP2 layouts without SP, none twice (a dense model's dp1 layouts "
               "had zero0-3 copies): %s" % layouts)
         print("ok   plan tries TP without sequence parallelism: %s" % layouts[:2])
+        # Every layout refused: the reasons that refused the most, with their counts (the first refused had been
+        # one of a pipeline split the layouts without a pipeline do not share).
+        expect_error("plan --layout cp2 at --seq-len 31", ["plan", "--config", llama, "--devices", "4", "--global-batch",
+                     "4", "--seq-len", "31", "--cluster", os.path.join(ROOT, "configs", "clusters", "dgx-h100.json"),
+                     "--layout", "cp2"], "the runtime accepts none of the 408 layouts of --layout 'cp2'; 228 layouts: "
+                     "--cp 2 cuts each sequence into 2 x 2 chunks: --seq-len (31) must be a multiple of 4; 108: the "
+                     "model's 2 layers cannot be split evenly over 4 pipeline stages (2 stages x 2 chunks): give a "
+                     "multiple, or an explicit split with --pp-layers (and 1 other reason)")
         expect_error("--layout vocab on one device", ["plan", "--config", llama, "--devices", "1", "--global-batch", "8",
                      "--seq-len", "16", "--cluster", CLUSTER, "--layout", "vocab"], "--layout 'vocab' leaves no layout "
                      "of 1 devices: vocab: vocabulary parallelism needs a pipeline (pp2 or more)")
