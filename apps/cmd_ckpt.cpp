@@ -74,11 +74,14 @@ void print_file_tensors(const Checkpoint& ck) {
 
 int ckpt_info(int argc, char** argv) {
   Args a("ckpt info", "Print a checkpoint's step, the layout that saved it, every tensor's global shape and the\n"
-                      "bytes each rank wrote.");
+                      "bytes each rank wrote. A sharded checkpoint's files are checked: each there, with its\n"
+                      "recorded size and a readable header (--verify: and its recorded checksum).");
   std::string path = take_checkpoint(argc, argv, a);
+  a.flag("verify", "also read every shard file and check its checksum (as a resume does)");
   if (!a.parse(argc, argv)) return 0;
   path = checkpoint_of(path, a, "origami ckpt info DIR");
   Checkpoint ck = Checkpoint::open(path);
+  ck.warn_fallback(path, "ckpt info");
   const nlohmann::json& st = ck.trainer_state();
   std::printf("checkpoint %s\n", ck.path().c_str());
   std::printf("form: %s\n", ck.sharded() ? "origami sharded (one file per rank)"
@@ -89,7 +92,8 @@ int ckpt_info(int argc, char** argv) {
     const nlohmann::json& m = ck.metadata();
     const nlohmann::json& l = m["layout"];
     const int world = l.value("world", 0);
-    std::printf("saved by: %d rank%s, %s\n", world, world == 1 ? "" : "s", l.value("description", std::string("?")).c_str());
+    const std::string ranks = cat(world, world == 1 ? " rank" : " ranks"), layout = l.value("description", std::string("?"));
+    std::printf("saved by: %s\n", layout == ranks ? ranks.c_str() : (ranks + ", " + layout).c_str());
     int64_t total = 0;
     std::printf("bytes per rank:");
     for (const auto& f : m["files"]) {
@@ -97,6 +101,10 @@ int ckpt_info(int argc, char** argv) {
       total += f["bytes"].get<int64_t>();
     }
     std::printf(" (%s in %zu file%s)\n", format_mb(total).c_str(), m["files"].size(), m["files"].size() == 1 ? "" : "s");
+    ck.check_files();
+    if (a.on("verify")) ck.verify_checksums(0, 1);
+    std::printf("files: %s\n", a.on("verify") ? "each there with its recorded size and checksum"
+                                              : "each there with its recorded size (--verify: checksums too)");
     Size params = 0;  // checked (core/checked.h): the shapes are the file's
     std::printf("tensors (%zu):\n", m["tensors"].size());
     std::map<std::string, int> weight_pieces;  // by tensor (one pass: a large run saves many pieces of many tensors)
@@ -166,6 +174,7 @@ int ckpt_export(int argc, char** argv) {
   ORIGAMI_CHECK(gb > 0 && gb <= 9e9, "--max-shard-gb must be positive and at most 9e9 (bytes in 64 bits), got ", gb);
   const ExportDtype dtype = parse_export_dtype(a.str("dtype"));
   Checkpoint ck = Checkpoint::open(path);
+  ck.warn_fallback(path, "ckpt export");
   ORIGAMI_CHECK(!ck.config_path().empty(), "'", ck.path(), "' has no config.json beside it");
   const ModelConfig cfg = load_model_config(ck.config_path());
   ck.bind(cfg);

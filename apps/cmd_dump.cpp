@@ -76,6 +76,7 @@ int cmd_dump(int argc, char** argv) {
   if (init.empty()) params.init(a.unsigned_integer("seed"), cfg.num_layers, cfg.init_std);
   else {
     Checkpoint ck = Checkpoint::open(init);
+    ck.warn_fallback(init, "dump");
     ck.bind(cfg);
     ck.verify_checksums(0, 1);  // a damaged shard is refused, not run
     ck.read_weights(params);

@@ -94,6 +94,7 @@ int cmd_generate(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(a.has("checkpoint"), "give --checkpoint DIR");
   Checkpoint ck = Checkpoint::open(a.str("checkpoint"));
+  ck.warn_fallback(a.str("checkpoint"), "generate");
   const int64_t max_new = a.integer("max-new-tokens"), top_k = a.integer("top-k");
   const double temperature = a.number("temperature");
   ORIGAMI_CHECK(max_new >= 0, "--max-new-tokens must not be negative, got ", max_new);

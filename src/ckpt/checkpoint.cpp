@@ -76,10 +76,15 @@ std::map<int64_t, std::string> committed_steps(const std::string& dir) {
 
 namespace {
 
-// What `path` names, resolved to a file or a directory holding the checkpoint's files.
-fs::path resolve(const std::string& path) {
+// What `path` names, resolved to a file or a directory holding the checkpoint's files; `fallback`, where
+// given, says why a --save directory's newest step was taken instead of the one its latest names.
+fs::path resolve(const std::string& path, std::string* fallback = nullptr) {
   const fs::path p(path);
   ORIGAMI_CHECK(fs::exists(p), "checkpoint '", path, "' does not exist");
+  // (a rank's file of a sharded step holds some pieces of some tensors: not a checkpoint of its own)
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  ORIGAMI_CHECK(!fs::is_regular_file(p) || !is_step_dir(dir), "'", path, "' is a file of the sharded checkpoint '",
+                dir.string(), "', not a checkpoint of its own: give that directory");
   if (fs::is_regular_file(p) || is_step_dir(p)) return p;
   ORIGAMI_CHECK(fs::is_directory(p), "checkpoint '", path, "' is neither a file nor a directory");
   std::string latest;
@@ -90,6 +95,9 @@ fs::path resolve(const std::string& path) {
     // `latest` names a step removed by hand: fall back to the newest committed step.
   }
   const auto steps = committed_steps(p.string());
+  if (!steps.empty() && fallback && fs::exists(p / "latest"))
+    *fallback = cat("its latest names '", latest, "', which is not a committed step (no ", latest,
+                    "/metadata.json): opening the newest committed step, ", fs::path(steps.rbegin()->second).filename().string());
   if (!steps.empty()) return fs::path(steps.rbegin()->second);
   if (fs::exists(p / "model.safetensors") || fs::exists(p / "model.safetensors.index.json")) return p;
   if (fs::exists(p / "latest"))
@@ -148,7 +156,7 @@ nlohmann::json Checkpoint::trainer_state_of(const std::string& path) {
 
 Checkpoint Checkpoint::open(const std::string& path) {
   Checkpoint ck;
-  const fs::path p = resolve(path);
+  const fs::path p = resolve(path, &ck.fallback_);
   ck.path_ = p.string();
   if (fs::is_regular_file(p)) {
     ck.add_file_tensors(ck.path_, "", StateKind::weight);
@@ -438,6 +446,15 @@ void Checkpoint::verify_checksums(int rank, int world) {
     ORIGAMI_CHECK(sum == files_[i].checksum, "checkpoint '", path_, "': shard file '", files_[i].path,
                   "' is damaged: its checksum is ", sum, " but the metadata says ", files_[i].checksum);
   }
+}
+
+void Checkpoint::warn_fallback(const std::string& given, const char* command) const {
+  if (!fallback_.empty())
+    std::fprintf(stderr, "origami %s: warning: '%s': %s\n", command, given.c_str(), fallback_.c_str());
+}
+
+void Checkpoint::check_files() {
+  for (size_t i = 0; i < files_.size(); ++i) file(i);
 }
 
 ExportDtype parse_export_dtype(const std::string& s) {

@@ -127,6 +127,13 @@ class Checkpoint {
   void read_weights(Params& params);
   // Checks the checksums of the shard files i with i % world == rank (every file once over the world).
   void verify_checksums(int rank, int world);
+  // Checks that every shard file is there with its recorded size and a readable header (no checksums).
+  void check_files();
+  // Where `path` was a --save directory whose `latest` names no committed step, why the newest
+  // committed step was opened instead (for a warning); else "".
+  const std::string& fallback() const { return fallback_; }
+  // That warning on stderr, "origami COMMAND: warning: 'GIVEN': ..." (nothing where none).
+  void warn_fallback(const std::string& given, const char* command) const;
 
  private:
   const nlohmann::json* trained(const std::string& key) const;
@@ -155,7 +162,7 @@ class Checkpoint {
   void read_metadata(const std::string& meta_path);
   void read_piece(const JsonField& piece);  // one of the metadata's pieces
 
-  std::string path_;
+  std::string path_, fallback_;
   nlohmann::json metadata_, trainer_state_;
   TrainerState state_;
   bool has_optimizer_ = false;

@@ -352,6 +352,7 @@ StartState start_state(Inputs& in, const std::array<ParamSet*, 2>& sets, const P
   // Every rank reads only its own shards (any layout wrote them) and checks the checksums of its
   // share of the files; a damaged or missing file is one message and every rank exits 1.
   Timer load_timer;
+  if (world.rank() == 0) ck->warn_fallback(o.resume.empty() ? o.init_from : o.resume, "train");
   check_on_every_rank(world, "train", [&] {
     ck->verify_checksums(world.rank(), world.size());
     for (ParamSet* set : sets) ck->read_weights(set->params);

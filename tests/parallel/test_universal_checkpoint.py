@@ -300,11 +300,31 @@ def damaged(tmp, cfg, data):
         check(rc not in (0, None) and len(errors) == 1 and want in errors[0],
               "a %s shard file is refused on resume with one message naming it" % what if what != "empty" else
               "--resume of a directory without a checkpoint is refused", out[-400:])
+        if what in ("damaged", "truncated", "missing"):  # ckpt info checks sizes, and with --verify the checksums
+            rc, out, _ = h.run(0, ["ckpt", "info", d])
+            rc_v, out_v, _ = h.run(0, ["ckpt", "info", d, "--verify"])
+            found = (rc == 0 and "files: each there with its recorded size" in out) if what == "damaged" else \
+                (rc == 1 and want in out)
+            check(found and rc_v == 1 and want in out_v, "ckpt info finds a %s shard file (%s)" % (
+                what, "with --verify" if what == "damaged" else "by its size"), out[-300:] + out_v[-300:])
         if what == "damaged":  # ... and by the commands that read weights only
             for cmd in (["generate", "--checkpoint", d, "--prompt", "a", "--max-new-tokens", "2"],
                         ["dump", "--init-from", d, "--data", data, "--seq-len", "16", "--out", os.path.join(tmp, "x")]):
                 rc, out, _ = h.run(0, cmd)
                 check(rc == 1 and want in out and "-> " not in out, "%s refuses a damaged shard file" % cmd[0], out[-400:])
+    # A rank's file given for the checkpoint, and a latest naming a removed step (the newest step opens, with a warning).
+    shard = os.path.join(src, "step-2", "rank-00001.safetensors")
+    for cmd in (["ckpt", "info", shard], ["ckpt", "export", shard, "--hf", os.path.join(tmp, "dmg_hf")]):
+        rc, out, _ = h.run(0, cmd)
+        check(rc == 1 and "'%s' is a file of the sharded checkpoint '%s', not a checkpoint of its own: give that "
+              "directory" % (shard, os.path.dirname(shard)) in out, "ckpt %s of a rank's shard file names the "
+              "checkpoint it belongs to" % cmd[1], out[-400:])
+    with open(os.path.join(src, "latest"), "w") as f:
+        f.write("step-7\n")
+    rc, out, _ = h.run(0, ["ckpt", "info", src])
+    check(rc == 0 and "warning: '%s': its latest names 'step-7', which is not a committed step (no step-7/metadata.json):"
+          " opening the newest committed step, step-2" % src in out and "step: 2" in out,
+          "a latest naming a removed step: the newest step opens, with a warning", out[-400:])
 
 
 def memory(tmp, data):
