@@ -31,6 +31,7 @@
 #include "ckpt/safetensors.h"
 #include "core/json_fields.h"
 #include "data/step_sizes.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -103,6 +104,9 @@ class Checkpoint {
     // TileGemm, Bf16Tiles and the small GEMMs' portable/oneDNN, by which the trainer writes them); none
     // where not saved.
     std::optional<int> attention_tiles, bf16_tiles, bf16_small_gemms;
+    // The timed bf16 GEMM shapes' paths, one list per rank of the run that saved ("bf16_gemms").
+    std::vector<std::vector<KeptBf16Gemm>> bf16_gemms;
+    static constexpr std::array<const char*, 3> kBf16GemmPaths{"portable", "onednn", "onednn-runtime"};
     using Names = std::array<const char*, 2>;
     static constexpr Names kAttentionTiles{"openblas", "onednn"}, kBf16Tiles{"fp32", "onednn"},
         kBf16SmallGemms{"portable", "onednn"};

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <filesystem>
 #include <cstdio>
@@ -473,6 +474,11 @@ void agree_on_kernels(const Plan& plan, const Inputs& in, Comm& world) {
   if (!bf16) return;
   set_bf16_tiles(Bf16Tiles(c[2]), from(c[3]));
   set_bf16_small_gemms_onednn(c[4] != 0);
+  // The timed shapes' paths: each rank its own under the saving run's world size, else rank 0's.
+  const std::vector<std::vector<KeptBf16Gemm>>* gemms =
+      auto_bf16 && !plan.options.resume.empty() && in.checkpoint ? &in.checkpoint->state().bf16_gemms : nullptr;
+  if (gemms && !gemms->empty())
+    keep_bf16_gemms((*gemms)[int(gemms->size()) == world.size() ? size_t(world.rank()) : 0]);
 }
 
 // trainer_state.json's "kernels": the choices above as this run made them, for a resume to keep.
@@ -484,6 +490,32 @@ nlohmann::json kept_kernels(Precision precision) {
   k["bf16_tiles"] = State::kBf16Tiles[int(bf16_tiles())];
   if (const auto small = bf16_small_gemms_to_keep()) k["bf16_small_gemms"] = State::kBf16SmallGemms[int(*small)];
   return k;
+}
+
+// Every rank's timed bf16 GEMM paths (gemm_bf16.h), rank by rank, for trainer_state.json's "kernels"
+// (null where no rank has one): an all-gather over the world, at a save.
+nlohmann::json gathered_bf16_gemms(Comm& world) {
+  constexpr int64_t kFields = 11;  // ta, tb, M, N, K, lda, ldb, ldc, alpha's and beta's bits, path
+  std::vector<int64_t> mine, counts(size_t(world.size()));
+  auto bits = [](float x) { return int64_t(std::bit_cast<uint32_t>(x)); };
+  for (const KeptBf16Gemm& k : bf16_gemms_to_keep())
+    mine.insert(mine.end(), {k.ta, k.tb, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, bits(k.alpha), bits(k.beta), int64_t(k.path)});
+  const int64_t n = int64_t(mine.size());
+  world.all_gather(counts.data(), &n, 1, DType::i64);
+  std::vector<int64_t> all(size_t(std::accumulate(counts.begin(), counts.end(), int64_t(0))));
+  if (all.empty()) return nullptr;
+  world.all_gather_v(all.data(), mine.data(), counts.data(), DType::i64);
+  nlohmann::json ranks = nlohmann::json::array();
+  const int64_t* g = all.data();
+  for (int64_t count : counts) {
+    nlohmann::json& list = ranks.emplace_back(nlohmann::json::array());
+    for (const int64_t* end = g + count; g < end; g += kFields)
+      list.push_back({{"trans", std::string(g[0] ? "t" : "n") + (g[1] ? "t" : "n")}, {"mnk", {g[2], g[3], g[4]}},
+                      {"ld", {g[5], g[6], g[7]}}, {"alpha", std::bit_cast<float>(uint32_t(g[8]))},
+                      {"beta", std::bit_cast<float>(uint32_t(g[9]))},
+                      {"path", Checkpoint::TrainerState::kBf16GemmPaths[size_t(g[10])]}});
+  }
+  return ranks;
 }
 
 // The memory check; the libraries' thread pools and buffers are set up first, so that the check
@@ -1158,6 +1190,7 @@ double Run::save(int64_t steps_done) {
     return -1;
   }
   last_saved_ = steps_done;
+  const nlohmann::json gemms = plan_.precision == Precision::bf16 ? gathered_bf16_gemms(world_) : nlohmann::json();
   std::map<std::string, std::string> files;
   if (rank0_) {
     nlohmann::json st = {{"step", steps_done},          {"adam_steps", params_.dense.opt.steps_taken()},
@@ -1169,6 +1202,7 @@ double Run::save(int64_t steps_done) {
     st["data_sizes"] = data_sizes(*in_.data);
     st["step_sizes"] = in_.step_sizes->stretches();  // [[first step, size], ...]
     st["kernels"] = kept_kernels(plan_.precision);
+    if (!gemms.is_null()) st["kernels"]["bf16_gemms"] = gemms;  // [rank][shape]
     files["trainer_state.json"] = st.dump(2) + "\n";
     files["config.json"] = cfg_.raw.dump(2) + "\n";
     if (!in_.data->tokenizer_bytes().empty()) files["tokenizer.json"] = in_.data->tokenizer_bytes();

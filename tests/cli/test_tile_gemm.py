@@ -15,7 +15,8 @@ Asserted, on the demo model over windows of 2 key tiles (128 positions) with doc
     choice" and repeats the uninterrupted run's steps 3 and 4 bit for bit (whichever library this
     host's timing would pick, one of the two cases resumes against it); a key this version does not
     know is left alone; ORIGAMI_TILE_GEMM given on the resume wins; a kept value that is not a
-    library is an error naming the field.
+    library is an error naming the field;
+  - the same for the bf16 GEMM shapes' timed paths (each rank's, per shape), unpinned.
 """
 import json
 import os
@@ -102,6 +103,41 @@ def check_resume_keeps_choice(tmp, data):
     print("ok   a damaged kept choice: " + errors[0])
 
 
+def check_resume_keeps_gemm_paths(tmp, data):
+    """A bf16 checkpoint keeps each rank's timed GEMM paths ("bf16_gemms": per rank, per shape) and a resume
+    takes them (tests/unit/test_bf16.cpp: a kept path replaces the timing) and repeats the uninterrupted
+    steps bit for bit; a kept path that is not one is an error naming the field. Where every bf16 GEMM is
+    portable (no oneDNN bf16 matmul), nothing is timed and nothing kept."""
+    save = os.path.join(tmp, "save_gemm_paths")
+    p, metrics = train(tmp, data, None, "bf16", "--save", save, "--save-every", "2", name="gemm_paths_whole")
+    tile_line(p, "bf16 run saving its GEMM paths")
+    whole = [json.loads(l) for l in open(metrics)]
+    state = os.path.join(save, "step-2", "trainer_state.json")
+    st = json.load(open(state))
+    kept = st["kernels"].get("bf16_gemms")
+    if "bf16 GEMM: portable" in p.stdout and "oneDNN has no bf16 matmul here" in p.stdout:
+        check(kept is None, "every bf16 GEMM portable, yet paths kept: %s" % kept)
+        print("ok   no oneDNN bf16 matmul here: no GEMM paths kept")
+        return
+    shapes = kept[0] if kept and len(kept) == 1 else []
+    check(shapes and all(set(g) == {"trans", "mnk", "ld", "alpha", "beta", "path"} for g in shapes) and
+          any(g["mnk"][0] == 4 * 128 for g in shapes), "kept GEMM paths: one rank's list of the model's shapes "
+          "(512 rows a micro-batch), got %s" % kept)
+    p, metrics = train(tmp, data, None, "bf16", "--resume", os.path.join(save, "step-2"), name="gemm_paths_resumed")
+    resumed = [json.loads(l)["loss"] for l in open(metrics)] if p.returncode == 0 else []
+    check(resumed == [r["loss"] for r in whole[2:]], "resumed with the kept GEMM paths: steps 3-4 %s, uninterrupted %s"
+          % (resumed, [r["loss"] for r in whole[2:]]))
+    print("ok   a bf16 checkpoint keeps %d GEMM shapes' paths (%s); resumed, steps 3-4 bit for bit" % (
+        len(shapes), ", ".join(sorted({g["path"] for g in shapes}))))
+    shapes[0]["path"] = "fast"
+    json.dump(st, open(state, "w"))
+    p, _ = train(tmp, data, None, "bf16", "--resume", os.path.dirname(state), name="bad_gemm_path")
+    errors = [l for l in (p.stdout + p.stderr).splitlines() if "error" in l]
+    check(p.returncode == 1 and len(errors) == 1 and "kernels.bf16_gemms" in errors[0] and '"fast"' in errors[0],
+          "a kept GEMM path that is not one: exit %d, errors %s" % (p.returncode, errors))
+    print("ok   a damaged kept GEMM path: " + errors[0])
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         data = byte_dataset(tmp, 400)
@@ -134,6 +170,7 @@ def main():
               % (p.returncode, errors, want))
         print("ok   ORIGAMI_TILE_GEMM=blas: " + want)
         check_resume_keeps_choice(tmp, data)
+        check_resume_keeps_gemm_paths(tmp, data)
 
 
 if __name__ == "__main__":

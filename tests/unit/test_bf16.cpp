@@ -562,6 +562,40 @@ TEST(GemmBf16, DescribesThePath) {
   set_bf16_gemm_mode(Bf16GemmMode::automatic);
 }
 
+// A checkpoint's paths replace the timing (a resume sums as the saving run did): kept portable, a shape
+// oneDNN runs takes the portable path, and kept oneDNN (fixed-size or runtime-size kernel) the other;
+// the kept path is what bf16_gemms_to_keep reports again; a forced mode wins over it, and a shape too
+// small to time follows the small GEMMs' choice whatever is kept. Skipped where oneDNN has no bf16 matmul.
+TEST(GemmBf16, KeptPathsReplaceTheTiming) {
+  set_num_threads(2);
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+  if (bf16_gemm_always_portable()) GTEST_SKIP() << "oneDNN has no bf16 matmul here: every path is portable";
+  const int64_t M = 256, N = 384, K = 256;  // 2^25 multiply-adds: a timed shape
+  std::vector<bf16> A(size_t(M * K), to_bf16(0.5f)), B(size_t(K * N), to_bf16(0.25f));
+  std::vector<float> C(size_t(M * N));
+  auto run = [&](int64_t m, float beta) {
+    gemm_bf16(true, false, m, N, K, 1.f, {A.data(), m}, {B.data(), N}, beta, C.data(), N);  // C += Aᵀ·B (a dW)
+    return last_bf16_gemm_path();
+  };
+  auto kept_path = [&](int64_t m) {
+    for (const KeptBf16Gemm& k : bf16_gemms_to_keep())
+      if (k.ta && !k.tb && k.M == m && k.N == N && k.K == K && k.beta == 1.f) return std::optional<KeptBf16Path>(k.path);
+    return std::optional<KeptBf16Path>();
+  };
+  for (KeptBf16Path path : {KeptBf16Path::portable, KeptBf16Path::onednn, KeptBf16Path::onednn_runtime}) {
+    set_bf16_gemm_mode(Bf16GemmMode::automatic);
+    keep_bf16_gemms({{true, false, M, N, K, M, N, N, 1.f, 1.f, path}, {true, false, 8, N, K, 8, N, N, 1.f, 1.f, path}});
+    EXPECT_EQ(run(M, 1.f), path == KeptBf16Path::portable ? Bf16GemmPath::portable : Bf16GemmPath::onednn);
+    EXPECT_EQ(kept_path(M), path);
+    EXPECT_EQ(run(8, 1.f), bf16_small_gemms_onednn() ? Bf16GemmPath::onednn : Bf16GemmPath::portable);
+    EXPECT_FALSE(kept_path(8)) << "a shape too small to time is not kept (it follows bf16_small_gemms)";
+  }
+  set_bf16_gemm_mode(Bf16GemmMode::onednn);  // (forgets the kept paths too)
+  keep_bf16_gemms({{true, false, M, N, K, M, N, N, 1.f, 1.f, KeptBf16Path::portable}});
+  EXPECT_EQ(run(M, 1.f), Bf16GemmPath::onednn) << "a forced mode wins over a kept path";
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+}
+
 // The caps of tests/CMakeLists.txt's isa_cap runs take effect (else those runs repeat the host's own
 // paths and prove nothing about the lower ones): under AVX2 oneDNN 2.6 has no bf16 matmul, so the GEMMs
 // are portable; under AVX512_CORE_BF16 no oneDNN kernel is AMX's. Skipped outside those runs.

@@ -353,19 +353,41 @@ void take_runtime_kernel_if_faster_cold(const Shape& s, const bf16* A, const bf1
   c.onednn_impl = impl;
 }
 
-// The choice for key s (a call's shape, or a varying_key), made at its first call: sizes that vary,
-// and shapes too small to time, follow the layer-sized GEMM's timing; others are timed themselves
-// (a weight gradient also cold, take_runtime_kernel_if_faster_cold).
-Choice decide(const Shape& s, const bf16* A, const bf16* B) {
+bool is_timed(const Shape& s) { return s.M >= 0 && s.M * s.N * s.K >= kTimedWork; }
+
+// A kept path for a timed shape (keep_bf16_gemms) where it can be taken here: true and c set.
+bool take_kept(const Shape& s, const KeptBf16Path* kept, Choice& c) {
+  if (!kept || !is_timed(s) || mode() != Bf16GemmMode::automatic) return false;
+  if (*kept == KeptBf16Path::portable) {
+    c.onednn.reset();
+    return true;
+  }
+  if (*kept == KeptBf16Path::onednn_runtime) {
+    std::string impl;
+    auto runtime = create_onednn(varying_key(s), &impl);
+    if (!runtime) return false;
+    c.onednn = std::move(runtime), c.onednn_impl = impl;
+  }
+  c.path = Bf16GemmPath::onednn;
+  return true;
+}
+
+// The choice for key s (a call's shape, or a varying_key), made at its first call: a path kept by a
+// checkpoint; else sizes that vary, and shapes too small to time, follow the layer-sized GEMM's
+// timing; others are timed themselves (a weight gradient also cold, take_runtime_kernel_if_faster_cold).
+Choice decide(const Shape& s, const bf16* A, const bf16* B, const KeptBf16Path* kept) {
   std::string impl;
   Choice c{Bf16GemmPath::portable, create_onednn(s, &impl), impl, 0, std::nullopt};
   if (!c.onednn) return c;
-  const bool timed = s.M >= 0 && s.M * s.N * s.K >= kTimedWork;
-  if (mode() == Bf16GemmMode::onednn || (timed ? onednn_is_faster(s, A, B) : onednn_is_faster_on_a_layer_gemm()))
-    c.path = Bf16GemmPath::onednn;
-  else
-    c.onednn.reset();
-  if (c.onednn && timed && mode() != Bf16GemmMode::onednn) take_runtime_kernel_if_faster_cold(s, A, B, c);
+  const bool timed = is_timed(s);
+  if (!take_kept(s, kept, c)) {
+    if (mode() == Bf16GemmMode::onednn || (timed ? onednn_is_faster(s, A, B) : onednn_is_faster_on_a_layer_gemm())) {
+      c.path = Bf16GemmPath::onednn;
+      if (timed && mode() != Bf16GemmMode::onednn) take_runtime_kernel_if_faster_cold(s, A, B, c);
+    } else {
+      c.onednn.reset();
+    }
+  }
   if (const int64_t rows = row_block_rows(s); rows > 0 && c.onednn) {
     const int64_t last = s.M - (s.M - 1) / rows * rows;
     auto block = create_onednn(rows_of(s, rows), &impl);
@@ -381,6 +403,7 @@ Choice decide(const Shape& s, const bf16* A, const bf16* B) {
 struct Choices {
   std::mutex mutex;
   std::unordered_map<Shape, Choice, ShapeHash> by_shape;
+  std::unordered_map<Shape, KeptBf16Path, ShapeHash> kept;  // a checkpoint's paths (keep_bf16_gemms)
 };
 
 Choices& choices() {
@@ -390,14 +413,16 @@ Choices& choices() {
 
 // The shape's choice, made at its first call (A and B: its operands, for the timing), or where A is
 // null only looked up (null before the first call). Entries are never erased while GEMMs run (only
-// set_bf16_gemm_mode clears them), so the reference stays valid after the lock is released.
+// set_bf16_gemm_mode and keep_bf16_gemms, called between runs, erase them), so the reference stays
+// valid after the lock is released.
 const Choice* choice_for(const Shape& s, const bf16* A, const bf16* B) {
   Choices& c = choices();
   std::lock_guard<std::mutex> lock(c.mutex);
   auto it = c.by_shape.find(s);
   if (it == c.by_shape.end()) {
     if (!A) return nullptr;
-    it = c.by_shape.emplace(s, decide(s, A, B)).first;
+    const auto kept = c.kept.find(s);
+    it = c.by_shape.emplace(s, decide(s, A, B, kept == c.kept.end() ? nullptr : &kept->second)).first;
   }
   return &it->second;
 }
@@ -599,6 +624,31 @@ void set_bf16_small_gemms_onednn(bool onednn) {
   if (mode() == Bf16GemmMode::automatic) small_shapes_onednn() = onednn ? 1 : 0;
 }
 
+std::vector<KeptBf16Gemm> bf16_gemms_to_keep() {
+  std::vector<KeptBf16Gemm> out;
+  if (bf16_gemm_always_portable()) return out;
+  Choices& c = choices();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (const auto& [s, choice] : c.by_shape) {
+    if (!is_timed(s) || choice.onednn_impl.empty()) continue;  // (small shapes: bf16_small_gemms_to_keep)
+    const KeptBf16Path path = choice.path == Bf16GemmPath::portable ? KeptBf16Path::portable
+                              : choice.onednn->runtime_mk            ? KeptBf16Path::onednn_runtime
+                                                                     : KeptBf16Path::onednn;
+    out.push_back({s.ta, s.tb, s.M, s.N, s.K, s.lda, s.ldb, s.ldc, s.alpha, s.beta, path});
+  }
+  return out;
+}
+
+void keep_bf16_gemms(const std::vector<KeptBf16Gemm>& kept) {
+  Choices& c = choices();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (const KeptBf16Gemm& k : kept) {
+    const Shape s{k.ta, k.tb, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, k.alpha, k.beta};
+    c.kept[s] = k.path;
+    c.by_shape.erase(s);  // (decided already, by a timing at start: decided again at its next call)
+  }
+}
+
 Bf16Tiles bf16_tiles() { return tile_choice().path; }
 
 std::optional<bool> bf16_small_gemms_to_keep() {
@@ -635,6 +685,7 @@ void set_bf16_gemm_mode(Bf16GemmMode m) {
   std::lock_guard<std::mutex> lock(c.mutex);
   mode() = m;
   c.by_shape.clear();
+  c.kept.clear();
   tile_choice_slot().reset();
   small_shapes_onednn() = -1;
 }

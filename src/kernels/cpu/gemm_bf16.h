@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gemm.h"
@@ -120,6 +121,26 @@ void set_bf16_small_gemms_onednn(bool onednn);
 // The small GEMMs' path a checkpoint keeps (set_tile_gemm_library's ChoiceFrom::checkpoint): oneDNN's
 // or the portable one as this run takes them; none where every bf16 GEMM is portable (nothing chosen).
 std::optional<bool> bf16_small_gemms_to_keep();
+
+// A timed shape's path, for a checkpoint to keep (trainer_state.json's "kernels"): the shape's key
+// (gemm_bf16's arguments but the pointers, an fp32 operand's ld that of its compact rounded copy) and
+// its path. Two fresh processes can time a shape near the cuts differently (the cold weight gradients
+// on a Zen 5 host: oneDNN's fixed-size kernel at 1.1–1.5x its runtime-size one's time), and the paths
+// sum in different orders, so a resume takes the saving run's paths and repeats its steps bit for bit.
+enum class KeptBf16Path { portable, onednn, onednn_runtime };  // oneDNN's fixed-size or runtime-size kernel
+struct KeptBf16Gemm {
+  bool ta = false, tb = false;
+  int64_t M = 0, N = 0, K = 0, lda = 0, ldb = 0, ldc = 0;
+  float alpha = 1, beta = 0;
+  KeptBf16Path path = KeptBf16Path::portable;
+};
+// The paths of the shapes timed (or forced onto oneDNN) so far, in no particular order; none where
+// every bf16 GEMM is portable.
+std::vector<KeptBf16Gemm> bf16_gemms_to_keep();
+// A resume: these shapes' next calls take these paths instead of timing (under ORIGAMI_BF16_GEMM=auto
+// only; a forced mode wins). A path oneDNN cannot create here (another CPU) is timed as usual. Call it
+// while no bf16 GEMM runs (it forgets these shapes' choices made so far).
+void keep_bf16_gemms(const std::vector<KeptBf16Gemm>& kept);
 
 enum class Bf16Tiles { fp32, onednn };
 Bf16Tiles bf16_tiles();
