@@ -2,15 +2,17 @@
 
 #include <charconv>
 #include <cmath>
-#include <cstring>
 #include <algorithm>
 #include <numeric>
+
+#include <omp.h>
 
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/rng.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/optimizer.h"
 
 namespace origami {
 
@@ -370,6 +372,13 @@ void Params::init(uint64_t seed, int64_t num_layers, double std_dev) {
   }
 }
 
-void Params::zero_grad() { std::memset(grad(), 0, size_t(size_) * sizeof(float)); }
+void Params::zero_grad() {
+  float* g = grad();
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    zero_streaming(g + size_ * t / nt, size_ * (t + 1) / nt - size_ * t / nt);
+  }
+}
 
 }  // namespace origami

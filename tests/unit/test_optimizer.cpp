@@ -2,6 +2,7 @@
 // the reductions the element-wise kernels share (kernels/cpu/reduce.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -64,6 +65,27 @@ TEST(SumSquares, IsTheExactSumRoundedToDouble) {
   EXPECT_TRUE(std::isinf(sum_squares(x.data(), 100)));
   x[37] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(std::isnan(sum_squares(x.data(), 100)));
+}
+
+// Exactly x[0..n) is cleared, from any alignment (the head and tail before and after the streaming
+// stores' 32-byte lines), and no neighbour; Params::zero_grad, which splits it over the threads, too.
+TEST(ZeroStreaming, ClearsExactlyItsRange) {
+  std::vector<float> x(300);
+  for (int64_t start : {0, 1, 3, 7, 8, 9}) {
+    for (int64_t n : {0, 1, 5, 8, 15, 16, 17, 100, 255}) {
+      std::fill(x.begin(), x.end(), 2.f);
+      zero_streaming(x.data() + start, n);
+      for (int64_t i = 0; i < int64_t(x.size()); ++i)
+        ASSERT_EQ(x[size_t(i)], i >= start && i < start + n ? 0.f : 2.f) << "start " << start << " n " << n << " i " << i;
+    }
+  }
+  std::vector<ParamSpec> table(1);
+  table[0].name = "wte.weight", table[0].shape = {1001, 3};  // 3003 floats: odd shares over the threads
+  Params p(table);
+  p.init(1, 1, 0.02);
+  std::fill(p.grad(), p.grad() + p.size(), -1.f);
+  p.zero_grad();
+  EXPECT_EQ(std::count(p.grad(), p.grad() + p.size(), 0.f), p.size());
 }
 
 // The update writes the bf16 copy of the segments inside its copy ranges, and no other.

@@ -1,7 +1,10 @@
 #include "kernels/cpu/optimizer.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/cpu/reduce.h"
 
@@ -21,6 +24,14 @@ void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64
     }
     if (low != nullptr) to_bf16(low + b, w + b, e - b);
   }
+}
+
+void zero_streaming(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i < n && reinterpret_cast<uintptr_t>(x + i) % 32 != 0; ++i) x[i] = 0.f;
+  for (; i + 8 <= n; i += 8) _mm256_stream_ps(x + i, _mm256_setzero_ps());
+  for (; i < n; ++i) x[i] = 0.f;
+  _mm_sfence();  // (streaming stores are weakly ordered: visible to the other threads past the caller's barrier)
 }
 
 double sum_squares(const float* x, int64_t n) {
