@@ -235,7 +235,7 @@ int data_prepare(int argc, char** argv) {
       .option("merges", "FILE", "Hugging Face merges.txt of a GPT-2 byte-level BPE")
       .option("eod-token", "TEXT", "end-of-document token of a Hugging Face tokenizer file (see above)")
       .option("split", "MODE", "auto, fortune, file or line (see above)", "auto")
-      .option("threads", "N", "encoding threads (default: all cores)", "0");
+      .option("threads", "N", "encoding threads (0: all cores)", "0");
   if (!args.parse(argc, argv)) return 0;
   ORIGAMI_CHECK(args.has("input"), "--input is required (see 'origami data prepare --help')");
   ORIGAMI_CHECK(args.has("output"), "--output is required (see 'origami data prepare --help')");

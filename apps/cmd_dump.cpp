@@ -31,7 +31,7 @@ int cmd_dump(int argc, char** argv) {
       .option("seed", "S", "seed for initialisation and shuffling", "1234")
       .option("attention-mask", "causal|document", "document: attention within documents, positions restarting "
                                                    "(as 'origami train --attention-mask')", "causal")
-      .option("threads", "N", "threads (default: all cores)", "0")
+      .option("threads", "N", "threads (0: all cores)", "0")
       .option("out", "FILE", "output .safetensors file");
   add_routing_options(a, false);
   add_precision_option(a);

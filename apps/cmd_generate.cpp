@@ -85,7 +85,7 @@ int cmd_generate(int argc, char** argv) {
       .option("temperature", "X", "softmax temperature (0: greedy)", "0.8")
       .option("top-k", "K", "sample among the K most likely tokens (0, or K beyond the vocabulary: all)", "40")
       .option("seed", "S", "sampling seed", "1")
-      .option("threads", "N", "threads (default: all cores)", "0")
+      .option("threads", "N", "threads (0: all cores)", "0")
       .flag("stop-at-eod", "stop at the end-of-document token (always, for a checkpoint trained with --batching "
                            "documents: nothing after it was trained)")
       .flag("no-kv-cache", "run the whole window through the model for every token instead of keeping each layer's "

@@ -44,6 +44,7 @@ int cmd_launch(int argc, char** argv) {
   LaunchOptions o;
   ORIGAMI_CHECK(a.has("np"), "give the number of ranks: --np N");
   o.np = a.small_integer("np");
+  ORIGAMI_CHECK(o.np >= 1, "--np must be at least 1, got ", o.np);
   o.min_np = a.small_integer("min-np");
   o.shrink = a.on("shrink");
   o.max_restarts = a.small_integer("max-restarts");

@@ -113,7 +113,7 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
       .option("config", "FILE", "model config.json whose layer GEMMs are measured (default: squares and slabs)")
       .option("micro-batch", "B", "rows per micro-batch of the measured shapes (also timed at 1 row)", "4")
       .option("seq-len", "T", "tokens per row (GEMM rows B x T; the attention window)", "1024")
-      .option("threads", "N", "threads per rank (default: all cores)", "0")
+      .option("threads", "N", "threads per rank (0: all cores)", "0")
       .option("seconds", "S", "time per measurement and rank", "0.5")
       .option("max-mb", "M", "largest collective message (MiB)", "64")
       .option("name", "TEXT", "the cluster's name in the file", "this machine (origami profile)");

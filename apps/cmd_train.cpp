@@ -53,6 +53,7 @@ void read_routing_options(const Args& a, TrainOptions& o, bool train) {
   }
   o.moe_capacity_factor = a.number("moe-capacity-factor");
   o.moe_drop_policy = a.str("moe-drop-policy");
+  parse_drop_policy(o.moe_drop_policy);  // (a value that is none first, then whether it applies)
   ORIGAMI_CHECK(!a.given("moe-drop-policy") || o.moe_capacity_factor > 0, a.source("moe-drop-policy"),
                 " chooses what a capacity drops, and without --moe-capacity-factor F routing is dropless (drops nothing)");
   o.moe_pad_to_capacity = a.on("moe-pad-to-capacity");
@@ -212,7 +213,7 @@ void add_run_options(Args& a) {
       .flag("async-save", "write checkpoints from a background thread while training goes on")
       .flag("overwrite-save", "let a run that does not --resume DIR save into a --save DIR holding another "
                               "run's checkpoints (each step it saves replaces that run's; without it: an error)")
-      .option("threads", "N", "threads per rank for BLAS and kernels (default: all cores)", "0")
+      .option("threads", "N", "threads per rank for BLAS and kernels (0: all cores)", "0")
       .flag("quiet", "print every 50th step only")
       .flag("verbose", "print every rank's memory breakdown at startup")
       .option("max-skipped-steps", "N",
@@ -232,6 +233,8 @@ void read_run_options(const Args& a, TrainOptions& o) {
   o.tensorboard = a.str("tensorboard");
   o.save = a.str("save");
   o.save_every_auto = a.str("save-every") == "auto";
+  ORIGAMI_CHECK(o.save_every_auto || a.str("save-every").find_first_not_of("0123456789") == std::string::npos,
+                a.source("save-every"), " must be a step count N or auto, got '", a.str("save-every"), "'");
   o.save_every = o.save_every_auto ? 0 : a.integer("save-every");
   o.mtbf_hours = a.number("mtbf-hours");
   ORIGAMI_CHECK(!a.given("mtbf-hours") || o.save_every_auto, a.source("mtbf-hours"), " sizes --save-every auto's "
@@ -308,6 +311,8 @@ void read_parallel_options(const Args& a, TrainOptions& o) {
   o.cp = a.small_integer("cp");
   o.cp_comm = a.str("cp-comm");
   o.cp_a2a_size = a.has("cp-a2a-size") ? a.small_integer("cp-a2a-size") : 0;
+  ORIGAMI_CHECK(!a.has("cp-a2a-size") || o.cp_a2a_size >= 1, a.source("cp-a2a-size"),
+                " must be at least 1 (ranks per all-to-all group), got ", o.cp_a2a_size);
   o.sequence_parallel = a.on("sequence-parallel");
   o.zero = a.small_integer("zero");
   o.grad_reduce_dtype = a.str("grad-reduce-dtype");

@@ -40,7 +40,9 @@ late. Every case here failed before its fix:
 - a dangling `latest` was reported as "no latest"; `ckpt info` with two checkpoints took one;
 - routing options at their default value on a dense model, `--mtbf-hours` without `--save-every
   auto` and `launch --cluster` without `--shrink` were accepted and did nothing; `launch` asked for
-  --save when given `--save=DIR`; `origami foo` exited 2 (every other mistake exits 1)."""
+  --save when given `--save=DIR`; `origami foo` exited 2 (every other mistake exits 1);
+- `--save-every AUTO` was "must be an integer", `--cp-a2a-size 0` was taken as not given, `--moe-drop-policy x`
+  was told what a drop policy needs, and `launch --np 0` asked for --save."""
 import json
 import os
 import shutil
@@ -461,6 +463,15 @@ def main():
                      "--moe-capacity-factor is for a mixture-of-experts model, and this llama model has no experts")
         expect_error("--mtbf-hours without --save-every auto", ["train", "--config", llama, *short, "--mtbf-hours", "5"],
                      "--mtbf-hours sizes --save-every auto's interval, and --save-every is 0")
+        # A value that is none is named as such before what the option relates to.
+        expect_error("--save-every AUTO", ["train", "--config", llama, *short, "--save-every", "AUTO"],
+                     "--save-every must be a step count N or auto, got 'AUTO'")
+        expect_error("--cp-a2a-size 0", ["train", "--config", llama, *short, "--cp-a2a-size", "0"],
+                     "--cp-a2a-size must be at least 1 (ranks per all-to-all group), got 0")
+        expect_error("--moe-drop-policy x", ["train", "--config", moe, *short, "--moe-drop-policy", "x"],
+                     "--moe-drop-policy must be probs or position, got 'x'")
+        expect_error("launch --np 0", ["launch", "--np", "0", "--", "train", "--config", llama, *short],
+                     "--np must be at least 1, got 0")
         expect_error("launch --cluster without --shrink", ["launch", "--np", "1", "--cluster", CLUSTER, "--", "train",
                                                            "--config", llama, *short, "--save", ck],
                      "--cluster prices the worlds --shrink chooses between: give --shrink too")
