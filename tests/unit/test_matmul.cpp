@@ -221,6 +221,30 @@ void check_linear_rounding(WeightLayout layout, bool exact_x, bool consuming) {
   EXPECT_LE(worst_ratio(db, db_want, db_mag, N), 1.0) << "db";
 }
 
+// db += the column sums of dy, each column's fp32 adds in row order from db's value: bit for bit the
+// sequential sums, on one thread or two, for widths below, at and past a thread's run of 512 columns.
+TEST(Matmul, BiasGradientSumsEachColumnInRowOrder) {
+  const int64_t N = 37;
+  const int before = num_threads();
+  for (int64_t out : {3, 40, 512, 1030}) {
+    const std::vector<float> dy = random_values(N * out, 9), w = random_values(out, 10);
+    std::vector<float> want(static_cast<size_t>(out));
+    for (int64_t o = 0; o < out; ++o) {
+      float s = 0.5f;
+      for (int64_t n = 0; n < N; ++n) s += dy[size_t(n * out + o)];
+      want[size_t(o)] = s;
+    }
+    for (int threads : {1, 2}) {
+      set_num_threads(threads);
+      std::vector<float> db(size_t(out), 0.5f);
+      linear_backward<float>(nullptr, nullptr, db.data(), dy.data(), Operand<float>(w.data()),
+                             Weights<float>(w.data(), nullptr, Precision::fp32), N, 1, out, WeightLayout::in_out);
+      EXPECT_EQ(db, want) << "out " << out << ", " << threads << " threads";
+    }
+  }
+  set_num_threads(before);
+}
+
 TEST(Matmul, LinearLayerRoundsAtTheStatedPoints) {
   on_every_path([] {
     for (WeightLayout layout : {WeightLayout::out_in, WeightLayout::in_out})

@@ -1,6 +1,9 @@
 #include "model/layers/linear.h"
 
+#include <algorithm>
 #include <vector>
+
+#include <omp.h>
 
 namespace origami {
 
@@ -18,15 +21,28 @@ void linear_forward(T* y, Id<Operand<T>> x, Id<Weights<T>> w, const T* b, int64_
 
 namespace {
 
-// db += column sums of dy [N, out]. A thread owns a block of 64 columns and walks the rows in order
-// (contiguous reads, a fixed summation order).
+// db += column sums of dy [N, out], each column's fp32 adds in row order (the same bits under any
+// thread count). A thread owns an equal share of the columns and walks the rows over runs of up to
+// kRun of them, summed in a local block: each row a long contiguous read. (Blocks of 64 columns read
+// 256 B a row at a stride of a whole row, which the prefetchers did not follow: on an AMX host the
+// column sums of a GPT-2 L6 d384 bf16 step ran at about 5 GB/s, 3.7% of its time.)
 template <typename T>
 void bias_backward(T* db, const T* dy, int64_t N, int64_t out) {
-#pragma omp parallel for schedule(static)
-  for (int64_t o0 = 0; o0 < out; o0 += 64) {
-    const int64_t o1 = o0 + 64 < out ? o0 + 64 : out;
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t o = o0; o < o1; ++o) db[o] += dy[n * out + o];
+  constexpr int64_t kRun = 512;
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    T acc[kRun];
+    for (int64_t c0 = out * t / nt, end = out * (t + 1) / nt; c0 < end; c0 += kRun) {
+      const int64_t n_cols = std::min(kRun, end - c0);
+      std::copy(db + c0, db + c0 + n_cols, acc);
+      for (int64_t n = 0; n < N; ++n) {
+        const T* row = dy + n * out + c0;
+#pragma omp simd
+        for (int64_t o = 0; o < n_cols; ++o) acc[o] += row[o];
+      }
+      std::copy(acc, acc + n_cols, db + c0);
+    }
   }
 }
 
