@@ -11,9 +11,14 @@ float32 value and the reference's float64 one lie either side of a bf16 rounding
 round 2^-8 apart. At step 0 the weights are identical and only these rare flips differ; from step
 1 on the weights differ too (Adam turns small gradient differences into whole steps), and in the
 MoE models routing decisions flip as well. The reference's own float32 run, itself an exact
-float32 engine with these rounding points, differs from its float64 run (seeds 1..40) by up to
-  step 0:     loss 4e-5, grad_norm 8e-4
-  steps 1-9:  dense loss 4e-4, grad_norm 2e-3; MoE loss 3e-3, aux_loss 9e-3, grad_norm 3e-2
+float32 engine with these rounding points, differs from its float64 run by up to
+  step 0:     loss 9.8e-5, grad_norm 2.8e-4 (dense, at 2 of seeds 1..40: the step-0 tolerance holds
+              at the seeds below, which the self-test checks, not at every seed)
+  steps 1-9:  dense loss 8.2e-4 (median 3.1e-4), grad_norm 7.4e-3; MoE loss 3e-3, aux_loss 9e-3,
+              grad_norm 3e-2
+(the dense figures: seeds 1..40, both runs, on an AMX host under OpenBLAS's own kernel and under
+OPENBLAS_CORETYPE=Haswell, one thread; an earlier measurement had put them at 4e-4 and 2e-3, and on
+that AMX host the float32 run of gpt2/cosine at its seed below came to 6.0e-4 at 2 threads),
 so a fixed 1e-3 on every step is out of reach, and the tolerances below sit above those figures
 (test_reference_selftest.py checks that the reference's float32 run stays within half of them for
 these seeds). The same checks applied to the reference without rounding must fail by at least
@@ -36,9 +41,9 @@ RUNS = tt.RUNS
 SEEDS = dict(tt.SEEDS, qwen2_moe=26)
 FIELDS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr")
 # field: (step 0, later steps dense, later steps MoE)
-TOLS = {"loss": (1e-4, 1e-3, 1e-2), "lm_loss": (1e-4, 1e-3, 1e-2),
+TOLS = {"loss": (1e-4, 2e-3, 1e-2), "lm_loss": (1e-4, 2e-3, 1e-2),
         "aux_loss": (1e-4, 1e-3, 5e-2), "z_loss": (1e-4, 1e-3, 5e-2),
-        "grad_norm": (1e-3, 1e-2, 5e-2), "lr": (1e-6, 1e-6, 1e-6)}
+        "grad_norm": (1e-3, 2e-2, 5e-2), "lr": (1e-6, 1e-6, 1e-6)}
 FLAG_MARGIN = 1.5
 
 
