@@ -232,9 +232,10 @@ void read_run_options(const Args& a, TrainOptions& o) {
   o.metrics = a.str("metrics");
   o.tensorboard = a.str("tensorboard");
   o.save = a.str("save");
-  o.save_every_auto = a.str("save-every") == "auto";
-  ORIGAMI_CHECK(o.save_every_auto || a.str("save-every").find_first_not_of("0123456789") == std::string::npos,
-                a.source("save-every"), " must be a step count N or auto, got '", a.str("save-every"), "'");
+  const std::string save_every = a.str("save-every");
+  o.save_every_auto = save_every == "auto";
+  ORIGAMI_CHECK(o.save_every_auto || save_every.find_first_not_of("0123456789") == std::string::npos,
+                a.source("save-every"), " must be a step count N or auto, got '", save_every, "'");
   o.save_every = o.save_every_auto ? 0 : a.integer("save-every");
   o.mtbf_hours = a.number("mtbf-hours");
   ORIGAMI_CHECK(!a.given("mtbf-hours") || o.save_every_auto, a.source("mtbf-hours"), " sizes --save-every auto's "
