@@ -812,10 +812,9 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
   const int64_t Fa = cfg_.is_gpt2() ? F : 2 * F;
-  mlp_activation_backward(cfg_.is_gpt2(), s.d_mlp_a.data(), s.d_mlp_b.data(), {a.mlp_a, a.mlp_b, a.mlp_a_low, a.mlp_b_low},
-                          N, F);
-  linear_backward_consuming(d_full, g(o.fc_w), cfg_.is_gpt2() ? g(o.fc_b) : nullptr, s.d_mlp_a.data(), ln2, mw(o.fc_w),
-                            N, C, Fa, lay);
+  const Mat<float> d_pre = mlp_activation_backward(cfg_.is_gpt2(), s.d_mlp_a.data(), cfg_.is_gpt2() ? g(o.fc_b) : nullptr,
+                                                   s.d_mlp_b.data(), {a.mlp_a, a.mlp_b, a.mlp_a_low, a.mlp_b_low}, N, F);
+  linear_backward_gemms(d_full, g(o.fc_w), d_pre, ln2, mw(o.fc_w), N, C, Fa, lay);
   tp.enter_backward(d_local, d_full, B, T, C);
 }
 

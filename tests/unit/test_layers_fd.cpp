@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemm_bf16.h"
 #include "model/layers/activation.h"
 #include "model/layers/attention.h"
@@ -364,6 +365,9 @@ TEST(ActivationFd, SwiGLU) {
 
 // The bf16 kernels (a bf16 run's dense MLP) give exactly the fp32 kernels' results on the rounded
 // input, keep that input rounded, and round their output: sizes across several of their blocks.
+// Backward, as the up projection's GEMMs read it: the fp32 kernel's result rounded to bf16 precision,
+// its bf16 copy, and (GELU's, fused) the bias gradient summed from the unrounded values in row order,
+// on one thread and on two.
 TEST(ActivationBf16, EqualTheFp32KernelsOnTheRoundedInput) {
   auto rounded = [](const std::vector<float>& x) {
     std::vector<float> r(x.size());
@@ -375,29 +379,44 @@ TEST(ActivationBf16, EqualTheFp32KernelsOnTheRoundedInput) {
     for (size_t i = 0; i < x.size(); ++i) r[i] = to_bf16(x[i]);
     return r;
   };
-  auto same = [](const char* what, const std::vector<bf16>& a, const std::vector<bf16>& b) {
-    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i].bits, b[i].bits) << what << "[" << i << "]";
+  auto same = [](const char* what, const bf16* a, const std::vector<bf16>& b) {
+    for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(a[i].bits, b[i].bits) << what << "[" << i << "]";
   };
   Rng rng(33);
-  const int64_t n = 5000, N = 3, F = 1500;  // GELU: 3 blocks of 2048 and a part; SwiGLU: 3 rows
+  const int64_t N = 3, F = 1500;  // forward: 3 blocks of 2048 and a part (GELU); backward: runs of 512 and less
+  const int before = num_threads();
   for (const bool gelu : {true, false}) {
-    const int64_t pre_n = gelu ? n : N * 2 * F, act_n = gelu ? n : N * F;
+    const int64_t pre_n = gelu ? N * F : N * 2 * F, act_n = N * F, Fa = pre_n / N;
     const std::vector<float> x = to_f(rng.vec(pre_n, -6, 6)), dy = to_f(rng.vec(act_n));
     const std::vector<float> xr = rounded(x);
-    std::vector<float> y(act_n), dx(pre_n), dx_bf16(pre_n);
+    std::vector<float> y(act_n), dx(pre_n);
     std::vector<bf16> x_low(pre_n), y_low(act_n);
-    if (gelu) gelu_forward(y.data(), xr.data(), n);
+    if (gelu) gelu_forward(y.data(), xr.data(), N * F);
     else swiglu_forward(y.data(), xr.data(), N, F);
     std::vector<float> x_in = x;
-    mlp_activation_forward(gelu, {x_in.data(), nullptr, x_low.data(), y_low.data()}, gelu ? n : N, gelu ? 1 : F);
-    same(gelu ? "gelu x_low" : "swiglu gu_low", x_low, low_of(x));
-    same(gelu ? "gelu y_low" : "swiglu h_low", y_low, low_of(y));
-    if (gelu) gelu_backward(dx.data(), dy.data(), xr.data(), n);
+    mlp_activation_forward(gelu, {x_in.data(), nullptr, x_low.data(), y_low.data()}, N, F);
+    same(gelu ? "gelu x_low" : "swiglu gu_low", x_low.data(), low_of(x));
+    same(gelu ? "gelu y_low" : "swiglu h_low", y_low.data(), low_of(y));
+    if (gelu) gelu_backward(dx.data(), dy.data(), xr.data(), N * F);
     else swiglu_backward(dx.data(), dy.data(), xr.data(), N, F);
-    mlp_activation_backward(gelu, dx_bf16.data(), dy.data(), {nullptr, nullptr, x_low.data(), y_low.data()},
-                            gelu ? n : N, gelu ? 1 : F);
-    for (int64_t i = 0; i < pre_n; ++i) ASSERT_EQ(dx_bf16[size_t(i)], dx[size_t(i)]) << (gelu ? "gelu" : "swiglu") << " dx[" << i << "]";
+    std::vector<float> want_db(size_t(Fa), 0.25f);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < Fa; ++c) want_db[size_t(c)] += dx[size_t(n * Fa + c)];
+    for (int threads : {1, 2}) {
+      set_num_threads(threads);
+      std::vector<float> dx_bf16(pre_n), db(size_t(Fa), 0.25f);
+      const Mat<float> read = mlp_activation_backward(gelu, dx_bf16.data(), db.data(), dy.data(),
+                                                      {nullptr, nullptr, x_low.data(), y_low.data()}, N, F);
+      const std::string what = std::string(gelu ? "gelu" : "swiglu") + ", " + std::to_string(threads) + " threads";
+      EXPECT_EQ(db, want_db) << what;
+      EXPECT_EQ(read.v, dx_bf16.data()) << what;
+      EXPECT_EQ(read.ld, Fa) << what;
+      EXPECT_TRUE(read.exact) << what;
+      ASSERT_EQ(dx_bf16, rounded(dx)) << what;
+      if (!bf16_gemm_reads_fp32()) same(what.c_str(), read.low, low_of(dx));
+    }
   }
+  set_num_threads(before);
 }
 
 // The MoE experts' SwiGLU in a bf16 run: exactly the fp32 kernels' outputs rounded to bf16 precision,

@@ -4,7 +4,10 @@
 #include <cmath>
 #include <vector>
 
+#include <omp.h>
+
 #include "kernels/cpu/fast_math.h"
+#include "model/layers/linear.h"
 
 namespace origami {
 
@@ -100,14 +103,30 @@ void gelu_forward_bf16(bf16* y_low, bf16* x_low, const float* x, int64_t n) {
   }
 }
 
-void gelu_backward_bf16(float* dx, const float* dy, const bf16* x_low, int64_t n) {
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t k = std::min(kBlock, n - b);
-    float* v = thread_floats(kBlock);
-    to_float(v, x_low + b, k);
+void gelu_backward_rounded(float* dx, bf16* copy, float* db, const float* dy, const bf16* x_low, int64_t N,
+                           int64_t F) {
+  constexpr int64_t kRun = 512;
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    float acc[kRun], v[kRun];
+    for (int64_t c0 = F * t / nt, end = F * (t + 1) / nt; c0 < end; c0 += kRun) {
+      const int64_t k = std::min(kRun, end - c0);
+      if (db) std::copy(db + c0, db + c0 + k, acc);
+      for (int64_t r = 0; r < N; ++r) {
+        const int64_t at = r * F + c0;
+        float* d = dx + at;
+        to_float(v, x_low + at, k);
 #pragma omp simd
-    for (int64_t i = 0; i < k; ++i) dx[b + i] = dy[b + i] * gelu_slope(v[i]);
+        for (int64_t i = 0; i < k; ++i) d[i] = dy[at + i] * gelu_slope(v[i]);
+        if (db) {
+#pragma omp simd
+          for (int64_t i = 0; i < k; ++i) acc[i] += d[i];
+        }
+        round_in_place(d, copy ? copy + at : nullptr, k);  // on this thread: inside the region
+      }
+      if (db) std::copy(acc, acc + k, db + c0);
+    }
   }
 }
 
@@ -159,15 +178,19 @@ void mlp_activation_forward(bool gelu, const MlpActivations& a, int64_t N, int64
   }
 }
 
-void mlp_activation_backward(bool gelu, float* d_pre, const float* d_act, const MlpActivations& a, int64_t N,
-                             int64_t F) {
-  if (a.pre_low) {
-    if (gelu) gelu_backward_bf16(d_pre, d_act, a.pre_low, N * F);
-    else swiglu_backward_bf16(d_pre, d_act, a.pre_low, N, F);
-  } else {
-    if (gelu) gelu_backward(d_pre, d_act, a.pre, N * F);
-    else swiglu_backward(d_pre, d_act, a.pre, N, F);
+Mat<float> mlp_activation_backward(bool gelu, float* d_pre, float* db, const float* d_act, const MlpActivations& a,
+                                   int64_t N, int64_t F) {
+  if (a.pre_low && gelu) {
+    bf16* copy = in_place_copy(linear_dy_copy(), N * F);
+    gelu_backward_rounded(d_pre, copy, db, d_act, a.pre_low, N, F);
+    return {d_pre, F, copy, true};
   }
+  if (a.pre_low) swiglu_backward_bf16(d_pre, d_act, a.pre_low, N, F);
+  else if (gelu) gelu_backward(d_pre, d_act, a.pre, N * F);
+  else swiglu_backward(d_pre, d_act, a.pre, N, F);
+  const int64_t Fa = gelu ? F : 2 * F;
+  if (db) bias_backward(db, static_cast<const float*>(d_pre), N, Fa);
+  return operand_in_place(a.pre_low ? Precision::bf16 : Precision::fp32, d_pre, N, Fa, linear_dy_copy());
 }
 
 #define INSTANTIATE(T)                                                     \

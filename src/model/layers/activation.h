@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/matmul.h"
 
 namespace origami {
 
@@ -24,9 +25,14 @@ void swiglu_backward(T* dgu_NF2, const T* dh_NF, const T* gu_NF2, int64_t N, int
 // into y_low, a block at a time while the values are in cache; backward reads x_low. The results are
 // those of the fp32 kernels on the rounded values.
 void gelu_forward_bf16(bf16* y_low, bf16* x_low, const float* x, int64_t n);
-void gelu_backward_bf16(float* dx, const float* dy, const bf16* x_low, int64_t n);
 void swiglu_forward_bf16(bf16* h_low_NF, bf16* gu_low_NF2, const float* gu_NF2, int64_t N, int64_t F);
 void swiglu_backward_bf16(float* dgu_NF2, const float* dh_NF, const bf16* gu_low_NF2, int64_t N, int64_t F);
+// GELU's backward [N, F] in one pass with what the up projection's backward does to its result
+// first: dx ← dy·gelu'(x_low); db (where not null) += dx's column sums (bias_backward's sums: a
+// thread owns a share of the columns, each column's adds in row order); then dx rounded in place
+// with its copy (round_in_place; copy may be null). The bits of those three passes, in one.
+void gelu_backward_rounded(float* dx_NF, bf16* copy_NF, float* db_F, const float* dy_NF, const bf16* x_low_NF,
+                           int64_t N, int64_t F);
 
 // SwiGLU in a bf16 run's MoE experts, whose outputs (forward's h, backward's dgu) only GEMMs read:
 // swiglu_forward / swiglu_backward with each output row then rounded in place to bf16 precision and,
@@ -46,8 +52,11 @@ struct MlpActivations {
   bf16* act_low = nullptr;
 };
 void mlp_activation_forward(bool gelu, const MlpActivations& a, int64_t N, int64_t F);
-// d_pre ← d_act · activation'(pre) (overwritten).
-void mlp_activation_backward(bool gelu, float* d_pre, const float* d_act, const MlpActivations& a, int64_t N,
-                             int64_t F);
+// d_pre ← d_act · activation'(pre) (overwritten), then what the up projection's backward does to it
+// before its GEMMs (linear_backward_consuming): db (the up projection's bias, where not null) += its
+// column sums, and in bf16 it is rounded in place for the GEMMs (with its copy in linear_dy_copy).
+// Returns d_pre as those GEMMs read it (linear_backward_gemms).
+Mat<float> mlp_activation_backward(bool gelu, float* d_pre, float* db, const float* d_act, const MlpActivations& a,
+                                   int64_t N, int64_t F);
 
 }  // namespace origami

@@ -19,10 +19,7 @@ void linear_forward(T* y, Id<Operand<T>> x, Id<Weights<T>> w, const T* b, int64_
   matmul<T>(w.p, false, wt, N, out, in, T(1), x.mat(in), w.mat(wt ? in : out), b ? T(1) : T(0), y, out);
 }
 
-namespace {
-
-// db += column sums of dy [N, out], each column's fp32 adds in row order (the same bits under any
-// thread count). A thread owns an equal share of the columns and walks the rows over runs of up to
+// dy [N, out]: a thread owns an equal share of the columns and walks the rows over runs of up to
 // kRun of them, summed in a local block: each row a long contiguous read. (Blocks of 64 columns read
 // 256 B a row at a stride of a whole row, which the prefetchers did not follow: on an AMX host the
 // column sums of a GPT-2 L6 d384 bf16 step ran at about 5 GB/s, 3.7% of its time.)
@@ -46,6 +43,8 @@ void bias_backward(T* db, const T* dy, int64_t N, int64_t out) {
   }
 }
 
+namespace {
+
 // dx and dW from dy as its GEMMs read it (g).
 template <typename T>
 void backward_gemms(T* dx, T* dw, Mat<T> g, Operand<T> x, Weights<T> w, int64_t N, int64_t in, int64_t out,
@@ -57,19 +56,23 @@ void backward_gemms(T* dx, T* dw, Mat<T> g, Operand<T> x, Weights<T> w, int64_t 
   else matmul<T>(w.p, true, false, in, out, N, T(1), x.mat(in), g, T(1), dw, out);    // dW[in,out] += xᵀ·dy
 }
 
-// This thread's bf16 copy of a backward's dy, for both its GEMMs: one buffer for both entry points
-// below (the memory check counts one).
-std::vector<bf16>& dy_copy() {
+}  // namespace
+
+std::vector<bf16>& linear_dy_copy() {
   thread_local std::vector<bf16> low;
   return low;
 }
 
-}  // namespace
+template <typename T>
+void linear_backward_gemms(T* dx, T* dw, Mat<T> dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
+                           int64_t out, WeightLayout layout) {
+  backward_gemms(dx, dw, dy, x, w, N, in, out, layout, false);
+}
 
 template <typename T>
 void linear_backward(T* dx, T* dw, T* db, const T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                      int64_t out, WeightLayout layout, bool accumulate_dx) {
-  backward_gemms(dx, dw, operand(w.p, dy, N, out, dy_copy()), x, w, N, in, out, layout, accumulate_dx);
+  backward_gemms(dx, dw, operand(w.p, dy, N, out, linear_dy_copy()), x, w, N, in, out, layout, accumulate_dx);
   if (db) bias_backward(db, dy, N, out);
 }
 
@@ -77,7 +80,7 @@ template <typename T>
 void linear_backward_consuming(T* dx, T* dw, T* db, T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                                int64_t out, WeightLayout layout) {
   if (db) bias_backward(db, static_cast<const T*>(dy), N, out);
-  backward_gemms(dx, dw, operand_in_place(w.p, dy, N, out, dy_copy()), x, w, N, in, out, layout, false);
+  backward_gemms(dx, dw, operand_in_place(w.p, dy, N, out, linear_dy_copy()), x, w, N, in, out, layout, false);
 }
 
 #define INSTANTIATE(T)                                                                                          \
@@ -85,7 +88,10 @@ void linear_backward_consuming(T* dx, T* dw, T* db, T* dy, Id<Operand<T>> x, Id<
   template void linear_backward<T>(T*, T*, T*, const T*, Operand<T>, Weights<T>, int64_t, int64_t, int64_t,      \
                                    WeightLayout, bool);                                                          \
   template void linear_backward_consuming<T>(T*, T*, T*, T*, Operand<T>, Weights<T>, int64_t, int64_t, int64_t,  \
-                                             WeightLayout);
+                                             WeightLayout);                                               \
+  template void bias_backward<T>(T*, const T*, int64_t, int64_t);                                               \
+  template void linear_backward_gemms<T>(T*, T*, Mat<T>, Operand<T>, Weights<T>, int64_t, int64_t, int64_t,      \
+                                         WeightLayout);
 INSTANTIATE(float)
 INSTANTIATE(double)
 

@@ -6,6 +6,7 @@
 // bf16 copy), accumulation and dW in fp32; the bias and db use fp32 values.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/matmul.h"
 
@@ -28,5 +29,18 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, Id<Operand<T>> x, Id<Weig
 template <typename T>
 void linear_backward_consuming(T* dx, T* dw, T* db, T* dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
                                int64_t out, WeightLayout layout);
+
+// linear_backward_consuming's three steps, for a caller that produces dy and can do the first two
+// as it writes it (mlp_activation_backward's GELU):
+// db += dy's column sums, each column's fp32 adds in row order (the same bits under any thread count);
+template <typename T>
+void bias_backward(T* db, const T* dy, int64_t N, int64_t out);
+// dy rounded for the GEMMs (operand_in_place) with its bf16 copy in this buffer: this thread's, one
+// for every linear backward (the memory check counts one);
+std::vector<bf16>& linear_dy_copy();
+// and the two GEMMs, on dy as they read it.
+template <typename T>
+void linear_backward_gemms(T* dx, T* dw, Mat<T> dy, Id<Operand<T>> x, Id<Weights<T>> w, int64_t N, int64_t in,
+                           int64_t out, WeightLayout layout);
 
 }  // namespace origami
