@@ -153,7 +153,16 @@ Rows<S> head_rows(Heads<const T> x, int64_t b, int64_t h, int64_t n, int64_t D, 
     if constexpr (std::is_same_v<S, T>)
       if (exact) return {p, x.tok};
     if (copy.size() < size_t(n * D)) copy.resize(size_t(n * D));
-    for (int64_t t = 0; t < n; ++t) round_into(copy.data() + t * D, p + t * x.tok, D);
+    // Rows are a token apart (q, k and v of every head between: 4.5 KiB in GPT-2 L6 d384), a stride
+    // the hardware prefetchers do not follow: fetching rows kAhead ahead made the rounding of such
+    // rows from memory 1.4x faster on an AMX host.
+    constexpr int64_t kAhead = 4;
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + kAhead < n)
+        for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(p + (t + kAhead) * x.tok) + byte);
+      round_into(copy.data() + t * D, p + t * x.tok, D);
+    }
     return {copy.data(), D};
   } else {
     return {p, x.tok};
