@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <numeric>
 
-#include <omp.h>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -13,6 +12,7 @@
 #include "core/rng.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/parallel.h"
 
 namespace origami {
 
@@ -376,8 +376,8 @@ void Params::zero_grad() {
   float* g = grad();
 #pragma omp parallel
   {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    zero_streaming(g + size_ * t / nt, size_ * (t + 1) / nt - size_ * t / nt);
+    const Share mine = my_share(size_);
+    zero_streaming(g + mine.begin, mine.end - mine.begin);
   }
 }
 

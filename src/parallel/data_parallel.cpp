@@ -7,11 +7,11 @@
 #include <numeric>
 #include <type_traits>
 
-#include <omp.h>
 
 #include "core/error.h"
 #include "core/memory.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/parallel.h"
 
 namespace origami {
 
@@ -97,7 +97,11 @@ void DataParallel::begin_step() {
   traffic_ = {};
   for (auto& [begin, kept] : kept_) std::fill(kept.begin(), kept.end(), 0);  // values loaded or changed since
   if (sparse_) {  // FSSDP writes gradients to the shards only: clearing them keeps their pages
-    for (const Range& s : shards_) std::fill(params_.grad() + s.begin, params_.grad() + s.end, 0.f);
+#pragma omp parallel
+    for (const Range& s : shards_) {  // as Params::zero_grad, each thread its share of each shard
+      const Share mine = my_share(s.end - s.begin);
+      zero_streaming(params_.grad() + s.begin + mine.begin, mine.end - mine.begin);
+    }
   } else if (zero_ >= 2) {
     params_.release_grad();  // the shards accumulate from zero; nothing else is resident
   } else {
@@ -235,10 +239,9 @@ double DataParallel::complete_gradients() {
     double sq = 0;
 #pragma omp parallel reduction(+ : sq)
     {
-      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
       for (const Segment& s : segs) {
-        const int64_t n = s.end - s.begin, lo = s.begin + n * t / nt, hi = s.begin + n * (t + 1) / nt;
-        sq += origami::sum_squares(g + lo, hi - lo);
+        const Share mine = my_share(s.end - s.begin);
+        sq += origami::sum_squares(g + s.begin + mine.begin, mine.end - mine.begin);
       }
     }
     return sq;

@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <cmath>
 
-#include <omp.h>
 
 #include "core/error.h"
 #include "core/memory.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/parallel.h"
 
 namespace origami {
 
@@ -44,9 +44,9 @@ void AdamW::step(Params& params, double lr, float grad_scale) {
   // segment cost ~10% of the step's time in thread wake-ups. Each thread updates its share of each.
 #pragma omp parallel firstprivate(s)
   {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (size_t i = 0; i < segs_.size(); ++i) {
-      const int64_t n = segs_[i].end - segs_[i].begin, lo = n * t / nt, hi = n * (t + 1) / nt, at = segs_[i].begin + lo;
+      const auto [lo, hi] = my_share(segs_[i].end - segs_[i].begin);
+      const int64_t at = segs_[i].begin + lo;
       s.keep = decay_[i] ? decayed : 1.f;
       adamw_update(params.data() + at, copy_[i] && low != nullptr ? low + at : nullptr, params.grad() + at,
                    m_.data() + state_at_[i] + lo, v_.data() + state_at_[i] + lo, hi - lo, s);

@@ -1,4 +1,4 @@
-// One loop over rows, spread over the OpenMP threads only where that pays.
+// One loop over rows, spread over the OpenMP threads only where that pays; a thread's equal share of a range.
 #pragma once
 
 #include <omp.h>
@@ -19,6 +19,17 @@ void over_rows(int64_t rows, bool worth_threads, Fn&& fn) {
   }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) fn(r);
+}
+
+// [begin, end): the calling thread's part of [0, n) inside a parallel region, the threads' parts
+// equal (within one) and in thread order. A kernel whose threads each own such a part of its
+// columns (or of a segment) sums in an order that no schedule changes.
+struct Share {
+  int64_t begin, end;
+};
+inline Share my_share(int64_t n) {
+  const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+  return {n * t / nt, n * (t + 1) / nt};
 }
 
 }  // namespace origami

@@ -4,9 +4,8 @@
 #include <cmath>
 #include <vector>
 
-#include <omp.h>
-
 #include "kernels/cpu/fast_math.h"
+#include "kernels/cpu/parallel.h"
 #include "model/layers/linear.h"
 
 namespace origami {
@@ -108,9 +107,9 @@ void gelu_backward_rounded(float* dx, bf16* copy, float* db, const float* dy, co
   constexpr int64_t kRun = 512;
 #pragma omp parallel
   {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const Share mine = my_share(F);
     float acc[kRun], v[kRun];
-    for (int64_t c0 = F * t / nt, end = F * (t + 1) / nt; c0 < end; c0 += kRun) {
+    for (int64_t c0 = mine.begin, end = mine.end; c0 < end; c0 += kRun) {
       const int64_t k = std::min(kRun, end - c0);
       if (db) std::copy(db + c0, db + c0 + k, acc);
       for (int64_t r = 0; r < N; ++r) {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include <omp.h>
+#include "kernels/cpu/parallel.h"
 
 namespace origami {
 
@@ -28,9 +28,9 @@ void bias_backward(T* db, const T* dy, int64_t N, int64_t out) {
   constexpr int64_t kRun = 512;
 #pragma omp parallel
   {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const Share mine = my_share(out);
     T acc[kRun];
-    for (int64_t c0 = out * t / nt, end = out * (t + 1) / nt; c0 < end; c0 += kRun) {
+    for (int64_t c0 = mine.begin, end = mine.end; c0 < end; c0 += kRun) {
       const int64_t n_cols = std::min(kRun, end - c0);
       std::copy(db + c0, db + c0 + n_cols, acc);
       for (int64_t n = 0; n < N; ++n) {
