@@ -26,7 +26,7 @@ std::string ModelConfig::model_type() const {
 RouterScore parse_router_score(const std::string& s) {
   if (s == "softmax") return RouterScore::softmax;
   if (s == "sigmoid") return RouterScore::sigmoid;
-  fail("--moe-router-score must be softmax or sigmoid, got '", s, "'");
+  fail("--moe-router-score '", s, "' is not one of softmax, sigmoid");
 }
 
 AuxLoss parse_aux_loss(const std::string& s) {
@@ -34,13 +34,13 @@ AuxLoss parse_aux_loss(const std::string& s) {
   if (s == "micro") return AuxLoss::micro;
   if (s == "seq") return AuxLoss::seq;
   if (s == "global") return AuxLoss::global;
-  fail("--moe-aux-loss must be none, micro, seq or global, got '", s, "'");
+  fail("--moe-aux-loss '", s, "' is not one of none, micro, seq, global");
 }
 
 DropPolicy parse_drop_policy(const std::string& s) {
   if (s == "probs") return DropPolicy::probs;
   if (s == "position") return DropPolicy::position;
-  fail("--moe-drop-policy must be probs or position, got '", s, "'");
+  fail("--moe-drop-policy '", s, "' is not one of probs, position");
 }
 
 bool parse_attention_mask(const std::string& s) {

@@ -16,7 +16,7 @@ ScheduleKind parse_schedule_kind(const std::string& s) {
   if (s == "gpipe") return ScheduleKind::gpipe;
   if (s == "1f1b") return ScheduleKind::one_f_one_b;
   if (s == "interleaved") return ScheduleKind::interleaved;
-  fail("unknown pipeline schedule '", s, "' (expected gpipe, 1f1b or interleaved)");
+  fail("--pp-schedule '", s, "' is not one of gpipe, 1f1b, interleaved");
 }
 
 const char* schedule_kind_name(ScheduleKind k) {

@@ -469,7 +469,7 @@ def main():
         expect_error("--cp-a2a-size 0", ["train", "--config", llama, *short, "--cp-a2a-size", "0"],
                      "--cp-a2a-size must be at least 1 (ranks per all-to-all group), got 0")
         expect_error("--moe-drop-policy x", ["train", "--config", moe, *short, "--moe-drop-policy", "x"],
-                     "--moe-drop-policy must be probs or position, got 'x'")
+                     "--moe-drop-policy 'x' is not one of probs, position")
         expect_error("launch --np 0", ["launch", "--np", "0", "--", "train", "--config", llama, *short],
                      "--np must be at least 1, got 0")
         expect_error("launch --cluster without --shrink", ["launch", "--np", "1", "--cluster", CLUSTER, "--", "train",

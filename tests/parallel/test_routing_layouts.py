@@ -139,8 +139,8 @@ def run_errors(tmp, data):
          "--moe-drop-policy chooses what a capacity drops, and without --moe-capacity-factor F routing is dropless"),
         ("aux coefficient with the aux loss off", CFG8, 2, ["--moe-aux-loss", "none", "--moe-aux-loss-coef", "0.05"],
          "--moe-aux-loss-coef 0.05 weighs the load-balancing loss, which --moe-aux-loss none turns off: drop one"),
-        ("unknown aux loss", CFG8, 2, ["--moe-aux-loss", "batch"], "--moe-aux-loss must be none, micro, seq or global, got 'batch'"),
-        ("unknown router score", CFG8, 2, ["--moe-router-score", "relu"], "--moe-router-score must be softmax or sigmoid"),
+        ("unknown aux loss", CFG8, 2, ["--moe-aux-loss", "batch"], "--moe-aux-loss 'batch' is not one of none, micro, seq, global"),
+        ("unknown router score", CFG8, 2, ["--moe-router-score", "relu"], "--moe-router-score 'relu' is not one of softmax, sigmoid"),
         ("negative bias rate", CFG8, 2, ["--moe-router-bias-update-rate", "-1"], "--moe-router-bias-update-rate must be in [0, 1]"),
         # (1e39 is inf as a float: the biases, and the checkpoints that held them, were unreadable)
         ("huge bias rate", CFG8, 2, ["--moe-aux-loss", "none", "--moe-router-bias-update-rate", "1e39"],
