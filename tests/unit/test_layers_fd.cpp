@@ -365,9 +365,9 @@ TEST(ActivationFd, SwiGLU) {
 
 // The bf16 kernels (a bf16 run's dense MLP) give exactly the fp32 kernels' results on the rounded
 // input, keep that input rounded, and round their output: sizes across several of their blocks.
-// Backward, as the up projection's GEMMs read it: the fp32 kernel's result rounded to bf16 precision,
-// its bf16 copy, and (GELU's, fused) the bias gradient summed from the unrounded values in row order,
-// on one thread and on two.
+// Backward, as the up projection's GEMMs read it: the fp32 kernel's result as a bf16 copy (or, where
+// the bf16 GEMMs read fp32 values, rounded to bf16 precision in place), and the bias gradient summed
+// from the unrounded values in row order (GELU's fused into the same pass), on one thread and on two.
 TEST(ActivationBf16, EqualTheFp32KernelsOnTheRoundedInput) {
   auto rounded = [](const std::vector<float>& x) {
     std::vector<float> r(x.size());
@@ -409,18 +409,24 @@ TEST(ActivationBf16, EqualTheFp32KernelsOnTheRoundedInput) {
                                                       {nullptr, nullptr, x_low.data(), y_low.data()}, N, F);
       const std::string what = std::string(gelu ? "gelu" : "swiglu") + ", " + std::to_string(threads) + " threads";
       EXPECT_EQ(db, want_db) << what;
-      EXPECT_EQ(read.v, dx_bf16.data()) << what;
       EXPECT_EQ(read.ld, Fa) << what;
-      EXPECT_TRUE(read.exact) << what;
-      ASSERT_EQ(dx_bf16, rounded(dx)) << what;
-      if (!bf16_gemm_reads_fp32()) same(what.c_str(), read.low, low_of(dx));
+      if (bf16_gemm_reads_fp32()) {  // the values rounded in place, read where they are
+        EXPECT_EQ(read.v, dx_bf16.data()) << what;
+        EXPECT_TRUE(read.exact) << what;
+        EXPECT_EQ(read.low, nullptr) << what;
+        ASSERT_EQ(dx_bf16, rounded(dx)) << what;
+      } else {  // the bf16 copy alone
+        EXPECT_EQ(read.v, nullptr) << what;
+        same(what.c_str(), read.low, low_of(dx));
+      }
     }
   }
   set_num_threads(before);
 }
 
 // The MoE experts' SwiGLU in a bf16 run: exactly the fp32 kernels' outputs rounded to bf16 precision,
-// in place and (where a copy is asked for) as bf16, forward and backward; rows across the threads.
+// in place (where the values are asked for) and as bf16 (where a copy is), forward and backward; rows
+// across the threads. An output given as null is not written.
 TEST(ActivationBf16, RoundedSwigluIsTheFp32KernelsRounded) {
   Rng rng(35);
   const int64_t N = 7, F = 300;
@@ -428,18 +434,19 @@ TEST(ActivationBf16, RoundedSwigluIsTheFp32KernelsRounded) {
   std::vector<float> h(N * F), dgu(N * 2 * F);
   swiglu_forward(h.data(), gu.data(), N, F);
   swiglu_backward(dgu.data(), dh.data(), gu.data(), N, F);
-  for (const bool copy : {false, true}) {
+  for (const auto [values, copy] : {std::pair{true, false}, std::pair{true, true}, std::pair{false, true}}) {
     std::vector<float> h_r(N * F, 7.f), dgu_r(N * 2 * F, 7.f);
-    std::vector<bf16> h_low(N * F), dgu_low(N * 2 * F);
-    swiglu_forward_rounded(h_r.data(), copy ? h_low.data() : nullptr, gu.data(), N, F);
-    swiglu_backward_rounded(dgu_r.data(), copy ? dgu_low.data() : nullptr, dh.data(), gu.data(), N, F);
+    std::vector<bf16> h_low(N * F, bf16{7}), dgu_low(N * 2 * F, bf16{7});
+    swiglu_forward_rounded(values ? h_r.data() : nullptr, copy ? h_low.data() : nullptr, gu.data(), N, F);
+    swiglu_backward_rounded(values ? dgu_r.data() : nullptr, copy ? dgu_low.data() : nullptr, dh.data(), gu.data(), N,
+                            F);
     for (size_t i = 0; i < h.size(); ++i) {
-      ASSERT_EQ(h_r[i], to_float(to_bf16(h[i]))) << "h[" << i << "]";
-      if (copy) ASSERT_EQ(h_low[i].bits, to_bf16(h[i]).bits) << "h copy[" << i << "]";
+      ASSERT_EQ(h_r[i], values ? to_float(to_bf16(h[i])) : 7.f) << "h[" << i << "]";
+      ASSERT_EQ(h_low[i].bits, copy ? to_bf16(h[i]).bits : 7) << "h copy[" << i << "]";
     }
     for (size_t i = 0; i < dgu.size(); ++i) {
-      ASSERT_EQ(dgu_r[i], to_float(to_bf16(dgu[i]))) << "dgu[" << i << "]";
-      if (copy) ASSERT_EQ(dgu_low[i].bits, to_bf16(dgu[i]).bits) << "dgu copy[" << i << "]";
+      ASSERT_EQ(dgu_r[i], values ? to_float(to_bf16(dgu[i])) : 7.f) << "dgu[" << i << "]";
+      ASSERT_EQ(dgu_low[i].bits, copy ? to_bf16(dgu[i]).bits : 7) << "dgu copy[" << i << "]";
     }
   }
 }

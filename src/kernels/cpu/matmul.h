@@ -4,8 +4,8 @@
 // Precision::fp32: gemm<T> (fp64 for double: the finite-difference tests).
 // Precision::bf16 (mixed precision, float only): both operands rounded to bf16 — a weight through its
 //   bf16 copy (refreshed after each optimizer update, ParamSet's job), an activation or a gradient
-//   rounded by gemm_bf16 the way its path reads it, or in place beforehand where only GEMMs read it
-//   (operand_in_place, round_in_place: an `exact` operand) — products exact in fp32,
+//   rounded by gemm_bf16 the way its path reads it, or once beforehand where only GEMMs read it
+//   (operand_in_place: into its copy alone, or in place, an `exact` operand) — products exact in fp32,
 //   accumulation in fp32, C in fp32. The rounding points are the operands of the GEMM, nothing else:
 //   a bias is added in fp32 outside, and a backward rounds dy once for both of its GEMMs (the PyTorch
 //   oracle's bf16 mode rounds at the same points, tests/reference/origami_ref.py). Rounding is
@@ -94,14 +94,16 @@ template <typename T>
 Mat<T> operand(Precision p, const T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
 
 // An operand [rows, cols] (compact) that only GEMMs read from here on (a work buffer, or rows about to
-// be overwritten): in bf16, rounded in place to bf16 precision, plus its bf16 copy in `buffer` where
-// bf16 GEMMs read bf16 (bf16_gemm_reads_fp32: not where they are portable, which read the values in
-// place); in fp32 (or for double), the values alone.
+// be overwritten): in bf16, its bf16 copy in `buffer` alone (the values, which nothing reads again, are
+// not written back rounded: a whole pass saved) where bf16 GEMMs read bf16; else (bf16_gemm_reads_fp32:
+// where they are portable) the values rounded in place to bf16 precision, which those GEMMs read where
+// they are; in fp32 (or for double), the values alone.
 template <typename T>
 Mat<T> operand_in_place(Precision p, T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
 
 // operand_in_place's bf16 copy of n elements: `buffer` sized for it, or null where bf16 GEMMs read
-// fp32 values (for a producer that rounds its output itself as it writes it).
+// fp32 values (for a producer that rounds its output itself as it writes it: into the copy alone where
+// there is one, else in place).
 bf16* in_place_copy(std::vector<bf16>& buffer, int64_t n);
 
 // Bytes of the per-thread rounding scratch a bf16 matmul with operands of a and b elements holds

@@ -54,11 +54,20 @@ float* thread_floats(int64_t n) {
   return buffer.data();
 }
 
-// Row r of n values at v rounded in place to bf16 precision, and into copy's row where it has one
-// (round_in_place, on this thread inside the caller's parallel loop).
-void round_row(float* v, bf16* copy, int64_t r, int64_t n) {
-  round_in_place(v + r * n, copy ? copy + r * n : nullptr, n);
-}
+// Row r of an output [., n] rounded, on this thread inside the caller's parallel loop: `out` is null
+// or the output, `copy` null or its bf16 copy (not both null). The row is computed into out's row, or
+// where out is null into this thread's scratch (this function's result); done() then rounds it into
+// copy's row and to bf16 precision in place in out — a copy alone is written once, rounded.
+struct RoundedRow {
+  float* out;
+  bf16* copy;
+  int64_t r, n;
+  float* values() const { return out ? out + r * n : thread_floats(n); }
+  void done(float* v) const {
+    if (copy) to_bf16(copy + r * n, v, n);
+    if (out) to_bf16_precision(v, v, n);
+  }
+};
 
 }  // namespace
 
@@ -108,13 +117,12 @@ void gelu_backward_rounded(float* dx, bf16* copy, float* db, const float* dy, co
 #pragma omp parallel
   {
     const Share mine = my_share(F);
-    float acc[kRun], v[kRun];
+    float acc[kRun], v[kRun], d[kRun];
     for (int64_t c0 = mine.begin, end = mine.end; c0 < end; c0 += kRun) {
       const int64_t k = std::min(kRun, end - c0);
       if (db) std::copy(db + c0, db + c0 + k, acc);
       for (int64_t r = 0; r < N; ++r) {
         const int64_t at = r * F + c0;
-        float* d = dx + at;
         to_float(v, x_low + at, k);
 #pragma omp simd
         for (int64_t i = 0; i < k; ++i) d[i] = dy[at + i] * gelu_slope(v[i]);
@@ -122,7 +130,8 @@ void gelu_backward_rounded(float* dx, bf16* copy, float* db, const float* dy, co
 #pragma omp simd
           for (int64_t i = 0; i < k; ++i) acc[i] += d[i];
         }
-        round_in_place(d, copy ? copy + at : nullptr, k);  // on this thread: inside the region
+        if (copy) to_bf16(copy + at, d, k);
+        else to_bf16_precision(dx + at, d, k);
       }
       if (db) std::copy(acc, acc + k, db + c0);
     }
@@ -153,17 +162,20 @@ void swiglu_backward_bf16(float* dgu, const float* dh, const bf16* gu_low, int64
 void swiglu_forward_rounded(float* h, bf16* copy, const float* gu, int64_t N, int64_t F) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {
-    swiglu_row(h + r * F, gu + r * 2 * F, gu + r * 2 * F + F, F);
-    round_row(h, copy, r, F);
+    const RoundedRow row{h, copy, r, F};
+    float* v = row.values();
+    swiglu_row(v, gu + r * 2 * F, gu + r * 2 * F + F, F);
+    row.done(v);
   }
 }
 
 void swiglu_backward_rounded(float* dgu, bf16* copy, const float* dh, const float* gu, int64_t N, int64_t F) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {
-    float* dg = dgu + r * 2 * F;
+    const RoundedRow row{dgu, copy, r, 2 * F};
+    float* dg = row.values();
     swiglu_row_backward(dg, dg + F, dh + r * F, gu + r * 2 * F, gu + r * 2 * F + F, F);
-    round_row(dgu, copy, r, 2 * F);
+    row.done(dg);
   }
 }
 
@@ -182,7 +194,7 @@ Mat<float> mlp_activation_backward(bool gelu, float* d_pre, float* db, const flo
   if (a.pre_low && gelu) {
     bf16* copy = in_place_copy(linear_dy_copy(), N * F);
     gelu_backward_rounded(d_pre, copy, db, d_act, a.pre_low, N, F);
-    return {d_pre, F, copy, true};
+    return copy ? Mat<float>{nullptr, F, copy} : Mat<float>{d_pre, F, nullptr, true};
   }
   if (a.pre_low) swiglu_backward_bf16(d_pre, d_act, a.pre_low, N, F);
   else if (gelu) gelu_backward(d_pre, d_act, a.pre, N * F);

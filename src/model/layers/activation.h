@@ -28,15 +28,17 @@ void gelu_forward_bf16(bf16* y_low, bf16* x_low, const float* x, int64_t n);
 void swiglu_forward_bf16(bf16* h_low_NF, bf16* gu_low_NF2, const float* gu_NF2, int64_t N, int64_t F);
 void swiglu_backward_bf16(float* dgu_NF2, const float* dh_NF, const bf16* gu_low_NF2, int64_t N, int64_t F);
 // GELU's backward [N, F] in one pass with what the up projection's backward does to its result
-// first: dx ← dy·gelu'(x_low); db (where not null) += dx's column sums (bias_backward's sums: a
-// thread owns a share of the columns, each column's adds in row order); then dx rounded in place
-// with its copy (round_in_place; copy may be null). The bits of those three passes, in one.
+// first: dy·gelu'(x_low); db (where not null) += its column sums (bias_backward's sums: a thread owns
+// a share of the columns, each column's adds in row order); then rounded to bf16 into the copy alone,
+// or where copy is null into dx at bf16 precision (operand_in_place's result). The bits of those
+// passes, in one.
 void gelu_backward_rounded(float* dx_NF, bf16* copy_NF, float* db_F, const float* dy_NF, const bf16* x_low_NF,
                            int64_t N, int64_t F);
 
 // SwiGLU in a bf16 run's MoE experts, whose outputs (forward's h, backward's dgu) only GEMMs read:
-// swiglu_forward / swiglu_backward with each output row then rounded in place to bf16 precision and,
-// where `copy` is not null, into it — round_in_place's result, a row at a time while it is in cache.
+// swiglu_forward / swiglu_backward with each output row then rounded, a row at a time while it is in
+// cache: into `copy` where it is not null, and to bf16 precision in place in h / dgu where they are
+// not null (one of the two may be null: a copy alone is all oneDNN's GEMMs read).
 void swiglu_forward_rounded(float* h_NF, bf16* copy_NF, const float* gu_NF2, int64_t N, int64_t F);
 void swiglu_backward_rounded(float* dgu_NF2, bf16* copy_NF2, const float* dh_NF, const float* gu_NF2, int64_t N,
                              int64_t F);

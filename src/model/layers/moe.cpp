@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/layers/activation.h"
@@ -333,26 +334,33 @@ void keep_rounded(std::vector<bf16>& low, int64_t at, T* v, int64_t n) {
     if (!low.empty()) round_in_place(v, low.data() + at, n);
 }
 
-// The SwiGLU of rows r0 .. r0+rn into act; under MoeSizes::low rounded in place and kept (keep_rounded's
-// work, done as each row is written).
+// The SwiGLU of rows r0 .. r0+rn into act, as the down projection reads it. Under MoeSizes::low into
+// its kept bf16 copy as each row is written — and, only where the bf16 GEMMs read fp32 values
+// (bf16_gemm_reads_fp32), into act rounded in place too (keep_rounded's work).
 template <typename T>
-void expert_activation(T* act, MoeCache<T>& c, int64_t r0, int64_t rn, int64_t F) {
+Mat<T> expert_activation(T* act, MoeCache<T>& c, int64_t r0, int64_t rn, int64_t F) {
   const T* gu = c.gu_R2F.data() + r0 * 2 * F;
   if constexpr (std::is_same_v<T, float>)
-    if (!c.act_low.empty()) return swiglu_forward_rounded(act + r0 * F, c.act_low.data() + r0 * F, gu, rn, F);
+    if (!c.act_low.empty()) {
+      float* values = bf16_gemm_reads_fp32() ? act + r0 * F : nullptr;
+      bf16* low = c.act_low.data() + r0 * F;
+      swiglu_forward_rounded(values, low, gu, rn, F);
+      return {values, F, low, values != nullptr};
+    }
   swiglu_forward(act + r0 * F, gu, rn, F);
+  return {act + r0 * F, F};
 }
 
-// Its backward into dgu [rn, 2F], as its two GEMMs read it (in bf16 rounded in place as each row is
-// written: operand_in_place's result).
+// Its backward into dgu [rn, 2F], as its two GEMMs read it (in bf16 rounded as each row is written:
+// operand_in_place's result, into the copy alone where there is one).
 template <typename T>
 Mat<T> expert_activation_backward(Precision p, T* dgu, const T* dact, const T* gu, int64_t rn, int64_t F,
                                   std::vector<bf16>& low) {
   if constexpr (std::is_same_v<T, float>)
     if (p == Precision::bf16) {
       bf16* copy = in_place_copy(low, rn * 2 * F);
-      swiglu_backward_rounded(dgu, copy, dact, gu, rn, F);
-      return {dgu, 2 * F, copy, true};
+      swiglu_backward_rounded(copy ? nullptr : dgu, copy, dact, gu, rn, F);
+      return copy ? Mat<T>{nullptr, 2 * F, copy} : Mat<T>{dgu, 2 * F, nullptr, true};
     }
   swiglu_backward(dgu, dact, gu, rn, F);
   return {dgu, 2 * F};
@@ -360,8 +368,9 @@ Mat<T> expert_activation_backward(Precision p, T* dgu, const T* dact, const T* g
 
 // Local experts: one GEMM pair per expert over its contiguous rows of xe [rows, C] (as received;
 // kept in the cache) (partial outputs over ETP) into ye [rows, C]; gate|up and the activations stay
-// in the cache (the activations computed into `act_work` [rows, F] first where the cache keeps them in
-// bf16; then xe and the activations are rounded in place, as only the GEMMs read them).
+// in the cache (where the cache keeps the activations in bf16 they are written into it, `act_work`
+// [rows, F] holding their fp32 values only where the bf16 GEMMs read those; xe is rounded in place, as
+// only the GEMMs read it).
 template <typename T>
 void experts_forward(T* ye, T* xe, MoeCache<T>& c, Weights<T> experts, const MoeSizes& s, T* act_work) {
   const int64_t C = s.C, F = s.F;
@@ -374,8 +383,7 @@ void experts_forward(T* ye, T* xe, MoeCache<T>& c, Weights<T> experts, const Moe
     const Weights<T> w13 = experts.at(j * 3 * F * C), w2 = w13.at(2 * F * C);
     matmul<T>(p, false, true, rn, 2 * F, C, T(1), kept_rows(xe, c.xe_low, r0, C), w13.mat(C), T(0),
               c.gu_R2F.data() + r0 * 2 * F, 2 * F, Sizes::varying);
-    expert_activation(act, c, r0, rn, F);
-    matmul<T>(p, false, true, rn, C, F, T(1), kept_rows<T>(act, c.act_low, r0, F), w2.mat(F), T(0), ye + r0 * C, C,
+    matmul<T>(p, false, true, rn, C, F, T(1), expert_activation(act, c, r0, rn, F), w2.mat(F), T(0), ye + r0 * C, C,
               Sizes::varying);
   }
 }
