@@ -391,7 +391,6 @@ struct World {
   MeasuredMemory weighed_with;  // --shrink: the measured parts each rank's memory counted
 };
 
-
 // The largest world in [min_np, most] with a valid layout whose ranks on each node fit this node's
 // memory (the launcher's node standing for every node; each run checks its own nodes at start), each
 // rank counting the runtime and sampler bytes the failed job measured: DP
@@ -595,7 +594,7 @@ int run_launch(const LaunchOptions& o, const ModelConfig& cfg, const TrainOption
   ORIGAMI_CHECK(!cluster || o.np <= cluster->devices_per_node || cluster->inter.bandwidth > 0, "--cluster ", o.cluster,
                 " gives no link between devices (a one-rank profile measures none), so it cannot price --np ", o.np,
                 " ranks; profile on as many ranks as the job has");
-  World w{o.np, train.pp, 1, make_plan(cfg, pinned, o.np).mesh.describe(cfg.is_moe()), 0};
+  World w{o.np, train.pp, 1, make_plan(cfg, pinned, o.np).mesh.describe(cfg.is_moe()), 0, {}};
   MeasuredMemory measured;  // what the latest job whose ranks reached their memory check measured
   for (int attempt = 0;; ++attempt) {
     std::vector<std::string> args = job_command(mpirun, w.size, slots, progress);
