@@ -605,6 +605,23 @@ float* Model::norm_read(float* kept, const bf16* low) {
   return norm_gather(scratch_->ln_loc.data());
 }
 
+// A norm output's values for all tokens (norm_gather's result) as forward's GEMM reads them: where
+// a bf16 run keeps a copy and no gather was needed (no SP), with that copy (the same tokens), so
+// oneDNN's GEMMs read it rather than round the values again; else the values (exact where rounded).
+Operand<float> Model::norm_operand(const float* full, const bf16* low) const {
+  Operand<float> o = rounded_values<float>(full, low != nullptr);
+  if (!tp_.sp()) o.low = low;
+  return o;
+}
+
+// A kept norm output as backward's weight-gradient GEMM reads it, all tokens: a bf16 run's copy
+// itself where no gather is needed (no SP): not widened into fp32 for oneDNN's GEMM to round again;
+// else norm_read's values.
+Operand<float> Model::norm_kept(float* kept, const bf16* low) {
+  if (low && !tp_.sp()) return Operand<float>(nullptr, low);
+  return rounded_values<float>(norm_read(kept, low), low != nullptr);
+}
+
 // LayerNorm (gpt2) or RMSNorm over this rank's Nl tokens; mean is unused by RMSNorm.
 void Model::norm_forward(float* y, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off) {
   const Dims d = dims();
@@ -742,7 +759,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   // norm output is kept as this rank's sequence shard and gathered for the GEMM (backward gathers it
   // again: Megatron's sequence parallelism keeps no [N, C] activation).
   float* ln1 = norm_gather(norm_keep(a.ln1, a.ln1_low, a.mean1, a.rstd1, in, o.ln1_w, o.ln1_b));
-  linear_forward(a.qkv, rounded_values<float>(ln1, a.ln1_low != nullptr), mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
+  linear_forward(a.qkv, norm_operand(ln1, a.ln1_low), mw(o.qkv_w), w(o.qkv_b), N, C, S, lay);
   if (!gpt2) rope_forward(a.qkv, rope_, B, T, H, KV, D, pos_ids_.data());
   if (kv_) {
     cached_attention(l, a.qkv, a.att, a.lse);
@@ -758,7 +775,7 @@ void Model::layer_forward(int64_t l, const LayerActs& a, const float* in, float*
   residual_add(a.mid, in, w(o.o_b), Nl, C);
   float* ln2 = norm_keep(a.ln2, a.ln2_low, a.mean2, a.rstd2, a.mid, o.ln2_w, o.ln2_b);
   if (!c.is_moe_layer(l)) {
-    mlp_forward(out, rounded_values<float>(norm_gather(ln2), a.ln2_low != nullptr), a, o, F);
+    mlp_forward(out, norm_operand(norm_gather(ln2), a.ln2_low), a, o, F);
     residual_add(out, a.mid, w(o.proj_b), Nl, C);
     return;
   }
@@ -807,7 +824,7 @@ void Model::mlp_backward(float* d_local, float* d_full, const float* d_y, const 
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.hidden;
   const WeightLayout lay = cfg_.is_gpt2() ? WeightLayout::in_out : WeightLayout::out_in;
   // SP: the kept shard gathered again.
-  const Operand<float> ln2 = rounded_values<float>(norm_read(a.ln2, a.ln2_low), a.ln2_low != nullptr);
+  const Operand<float> ln2 = norm_kept(a.ln2, a.ln2_low);
   const float* d_out = tp.exit_backward(s.full.data(), d_y, B, T, C);  // all tokens
   linear_backward(s.d_mlp_b.data(), g(o.proj_w), g(o.proj_b), d_out, {a.mlp_b, a.mlp_b_low}, mw(o.proj_w), N, F, C,
                   lay);
@@ -861,7 +878,7 @@ void Model::layer_backward(int64_t l, const LayerActs& a, const float* in, float
   linear_backward(s.d_att.data(), g(o.o_w), g(o.o_b), d_out, a.att, mw(o.o_w), N, HD, C, lay);
   cp_now().backward(s.d_qkv.data(), s.d_att.data(), a.qkv, a.lse, a.qkv_h, a.att, a.att_h, cp_shape(), docs());
   if (!gpt2) rope_backward(s.d_qkv.data(), rope_, B, T, H, KV, D, pos_ids_.data());
-  const Operand<float> ln1 = rounded_values<float>(norm_read(a.ln1, a.ln1_low), a.ln1_low != nullptr);
+  const Operand<float> ln1 = norm_kept(a.ln1, a.ln1_low);
   linear_backward_consuming(s.d_ln.data(), g(o.qkv_w), g(o.qkv_b), s.d_qkv.data(), ln1, mw(o.qkv_w), N, C, S, lay);
   tp.enter_backward(d_ln_loc, s.d_ln.data(), B, T, C);
   norm_backward(d_res, d_ln_loc, in, a.mean1, a.rstd1, o.ln1_w, o.ln1_b);

@@ -374,6 +374,8 @@ class Model {
   float* norm_keep(float* kept, bf16* low, float* mean, float* rstd, const float* x, int64_t w_off, int64_t b_off);
   float* norm_gather(float* loc);
   float* norm_read(float* kept, const bf16* low);
+  Operand<float> norm_operand(const float* full, const bf16* low) const;
+  Operand<float> norm_kept(float* kept, const bf16* low);
   void norm_backward(float* dx, const float* dy, const float* x, const float* mean, const float* rstd,
                      int64_t w_off, int64_t b_off);
 
