@@ -100,28 +100,8 @@ TokenDispatcher::Counts TokenDispatcher::counts(const DispatchPlan& p, int64_t C
   return n;
 }
 
-// rows × C values from in to out, blocks of rows over the threads. Where this rank holds every expert
-// (EP = ETP = 1) the exchange is a copy and the rows are already in expert order: to_experts and
-// from_experts are this one copy (rather than a one-thread copy for the exchange and an identity
-// regroup: on an AMX host 4.6% of a Mixtral L4 d256 E8 bf16 step's CPU time, the other thread idle).
-namespace {
-
-template <typename T>
-void copy_rows(T* out, const T* in, int64_t rows, int64_t C) {
-  constexpr int64_t kRows = 64;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; r += kRows)
-    std::memcpy(out + r * C, in + r * C, size_t(std::min(kRows, rows - r) * C) * sizeof(T));
-}
-
-}  // namespace
-
 template <typename T>
 void TokenDispatcher::to_experts(T* out, const T* in, const DispatchPlan& p, int64_t C, DispatchBuffers<T>& buf) {
-  if (ep() == 1 && etp() == 1) {
-    const Stopwatch watch(times_.regroup_s);
-    return copy_rows(out, in, p.rows, C);
-  }
   const Counts n = counts(p, C);
   // The all-to-all lands this peer's rows at its place in the gathered buffer; the all-gather fills
   // in the other peers' rows around them (in place).
@@ -137,10 +117,6 @@ void TokenDispatcher::to_experts(T* out, const T* in, const DispatchPlan& p, int
 
 template <typename T>
 void TokenDispatcher::from_experts(T* out, const T* in, const DispatchPlan& p, int64_t C, DispatchBuffers<T>& buf) {
-  if (ep() == 1 && etp() == 1) {
-    const Stopwatch watch(times_.regroup_s);
-    return copy_rows(out, in, p.rows, C);
-  }
   const Counts n = counts(p, C);
   T* gathered = at_least(buf.gathered, p.rows * C);
   {

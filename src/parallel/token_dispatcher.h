@@ -60,6 +60,9 @@ class TokenDispatcher {
 
   int ep() const { return ep_->size(); }
   int etp() const { return etp_->size(); }
+  // EP = ETP = 1: this rank holds every expert, and its permuted rows are already the expert-side
+  // rows in their order (both calls below would only copy them): the layer skips the calls.
+  bool holds_every_expert() const { return ep() == 1 && etp() == 1; }
   int etp_rank() const { return etp_->rank(); }
   int64_t local_experts(int64_t E) const { return E / ep_->size(); }
   int64_t first_expert(int64_t E) const { return ep_->rank() * local_experts(E); }
