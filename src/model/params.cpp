@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <numeric>
 
-
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/memory.h"

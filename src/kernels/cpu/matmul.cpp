@@ -54,12 +54,9 @@ template <>
 Mat<float> operand_in_place(Precision p, float* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer) {
   if (p == Precision::fp32) return {v, cols};
   bf16* copy = in_place_copy(buffer, rows * cols);
-  if (!copy) {
-    round_in_place(v, nullptr, rows * cols);
-    return {v, cols, nullptr, true};
-  }
-  round_to_bf16(copy, v, rows * cols);
-  return {nullptr, cols, copy};
+  if (copy) round_to_bf16(copy, v, rows * cols);
+  else round_in_place(v, nullptr, rows * cols);
+  return rounded_once<float>(v, copy, cols);
 }
 
 template <>

@@ -101,6 +101,13 @@ Mat<T> operand(Precision p, const T* v, int64_t rows, int64_t cols, std::vector<
 template <typename T>
 Mat<T> operand_in_place(Precision p, T* v, int64_t rows, int64_t cols, std::vector<bf16>& buffer);
 
+// A compact operand [., ld] rounded once for its GEMMs, as operand_in_place leaves it: its bf16 copy
+// alone where there is one (the values not written back), else the values rounded in place (exact).
+template <typename T>
+Mat<T> rounded_once(const T* v, const bf16* copy, int64_t ld) {
+  return copy ? Mat<T>{nullptr, ld, copy} : Mat<T>{v, ld, nullptr, true};
+}
+
 // operand_in_place's bf16 copy of n elements: `buffer` sized for it, or null where bf16 GEMMs read
 // fp32 values (for a producer that rounds its output itself as it writes it: into the copy alone where
 // there is one, else in place).

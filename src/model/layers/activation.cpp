@@ -194,7 +194,7 @@ Mat<float> mlp_activation_backward(bool gelu, float* d_pre, float* db, const flo
   if (a.pre_low && gelu) {
     bf16* copy = in_place_copy(linear_dy_copy(), N * F);
     gelu_backward_rounded(d_pre, copy, db, d_act, a.pre_low, N, F);
-    return copy ? Mat<float>{nullptr, F, copy} : Mat<float>{d_pre, F, nullptr, true};
+    return rounded_once<float>(d_pre, copy, F);
   }
   if (a.pre_low) swiglu_backward_bf16(d_pre, d_act, a.pre_low, N, F);
   else if (gelu) gelu_backward(d_pre, d_act, a.pre, N * F);

@@ -56,7 +56,8 @@ struct MlpActivations {
 void mlp_activation_forward(bool gelu, const MlpActivations& a, int64_t N, int64_t F);
 // d_pre ← d_act · activation'(pre) (overwritten), then what the up projection's backward does to it
 // before its GEMMs (linear_backward_consuming): db (the up projection's bias, where not null) += its
-// column sums, and in bf16 it is rounded in place for the GEMMs (with its copy in linear_dy_copy).
+// column sums, and in bf16 it is rounded once for the GEMMs (operand_in_place: into its copy in
+// linear_dy_copy alone, or in place where the bf16 GEMMs read fp32).
 // Returns d_pre as those GEMMs read it (linear_backward_gemms).
 Mat<float> mlp_activation_backward(bool gelu, float* d_pre, float* db, const float* d_act, const MlpActivations& a,
                                    int64_t N, int64_t F);

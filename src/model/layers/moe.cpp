@@ -360,7 +360,7 @@ Mat<T> expert_activation_backward(Precision p, T* dgu, const T* dact, const T* g
     if (p == Precision::bf16) {
       bf16* copy = in_place_copy(low, rn * 2 * F);
       swiglu_backward_rounded(copy ? nullptr : dgu, copy, dact, gu, rn, F);
-      return copy ? Mat<T>{nullptr, 2 * F, copy} : Mat<T>{dgu, 2 * F, nullptr, true};
+      return rounded_once<T>(dgu, copy, 2 * F);
     }
   swiglu_backward(dgu, dact, gu, rn, F);
   return {dgu, 2 * F};
