@@ -694,7 +694,9 @@ Chunked any_chunking(const int32_t* doc, Precision precision, bool exact = false
   const TVec dout(dout_d.begin(), dout_d.end());
   if constexpr (std::is_same_v<T, float>)  // exact: q|k|v rounded in place first, as a bf16 model does
     if (exact) round_in_place(qkv.data(), nullptr, int64_t(qkv.size()));
-  TVec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
+  // dqkv NaN on entry: the whole-sequence backward writes every element (zeros first in fp32; in bf16
+  // each task stores its sums, BlockDims::overwrite), so none may survive — with documents too.
+  TVec out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S, std::numeric_limits<T>::quiet_NaN());
   attention_forward(out.data(), lse.data(), qkv.data(), B, Tn, H, KV, D, doc, precision, exact);
   attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, Tn, H, KV, D, doc, precision,
                      exact);
@@ -896,7 +898,8 @@ TEST(AttentionBf16, MatchesItsDefinition) {
   const Vec qkv = rng.vec(B * Tn * S, -2, 2), dout = rng.vec(B * Tn * HD);
   const Attention want = bf16_attention_by_definition(qkv, dout, B, Tn, H, KV, D);
   auto run = [&](Precision p, bool exact) {
-    std::vector<float> qf = to_f(qkv), rf = to_f(dout), out(B * Tn * HD), lse(B * H * Tn), dqkv(B * Tn * S);
+    std::vector<float> qf = to_f(qkv), rf = to_f(dout), out(B * Tn * HD), lse(B * H * Tn),
+        dqkv(B * Tn * S, std::numeric_limits<float>::quiet_NaN());  // (every element written: none survives)
     if (exact) round_in_place(qf.data(), nullptr, int64_t(qf.size()));
     attention_forward(out.data(), lse.data(), qf.data(), B, Tn, H, KV, D, nullptr, p, exact);
     attention_backward(dqkv.data(), rf.data(), qf.data(), out.data(), lse.data(), B, Tn, H, KV, D, nullptr, p, exact);

@@ -126,11 +126,16 @@ const bf16* stored(const float* values, bf16* low, int64_t n) {
   return low;
 }
 
-// dst[t·tok + d] += src[t·D + d] for t < rows, d < D.
+// dst[t·tok + d] += src[t·D + d] (or = where !add) for t < rows, d < D.
 template <typename T>
-void add_rows(T* dst, int64_t tok, const T* src, int64_t rows, int64_t D) {
-  for (int64_t t = 0; t < rows; ++t)
+void add_rows(T* dst, int64_t tok, const T* src, int64_t rows, int64_t D, bool add) {
+  for (int64_t t = 0; t < rows; ++t) {
+    if (!add) {
+      std::copy(src + t * D, src + (t + 1) * D, dst + t * tok);
+      continue;
+    }
     for (int64_t d = 0; d < D; ++d) dst[t * tok + d] += src[t * D + d];
+  }
 }
 
 // Rows of one head as the tile products read them: n rows of D values, ld apart.
@@ -322,11 +327,11 @@ int64_t backward_tiles(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dou
               tile(true, false, nk, D, nq, scale, dS, nk, Q.p + i0 * Q.ld, Q.ld, T(1), dK + j0 * ldk, ldk);
             }
           }
-          if constexpr (kRound) add_rows(dq.p + b * dq.row + h * D, dq.tok, acc_q.data(), Tq, D);
+          if constexpr (kRound) add_rows(dq.p + b * dq.row + h * D, dq.tok, acc_q.data(), Tq, D, !dm.overwrite);
         }
         if constexpr (kRound) {
-          add_rows(dk.p + b * dk.row + g * D, dk.tok, acc_k.data(), Tk, D);
-          add_rows(dv.p + b * dv.row + g * D, dv.tok, acc_v.data(), Tk, D);
+          add_rows(dk.p + b * dk.row + g * D, dk.tok, acc_k.data(), Tk, D, !dm.overwrite);
+          add_rows(dv.p + b * dv.row + g * D, dv.tok, acc_v.data(), Tk, D, !dm.overwrite);
         }
       }
   }
@@ -383,11 +388,12 @@ template <typename T>
 int64_t attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const T* lse, int64_t B, int64_t Tn,
                            int64_t H, int64_t KV, int64_t D, const int32_t* doc, Precision p, bool qkv_exact) {
   const int64_t S = (H + 2 * KV) * D, HD = H * D;
-  std::fill(dqkv, dqkv + B * Tn * S, T(0));
+  const bool overwrite = p == Precision::bf16;  // (BlockDims::overwrite)
+  if (!overwrite) std::fill(dqkv, dqkv + B * Tn * S, T(0));
   return attention_block_backward<T>({dqkv, Tn * S, S}, {dqkv + H * D, Tn * S, S}, {dqkv + (H + KV) * D, Tn * S, S},
                                      {dout, Tn * HD, HD}, {qkv, Tn * S, S}, {qkv + H * D, Tn * S, S},
                                      {qkv + (H + KV) * D, Tn * S, S}, {out, Tn * HD, HD}, {lse, H * Tn, Tn},
-                                     {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p, qkv_exact});
+                                     {B, Tn, Tn, H, KV, D, 0, doc, doc, Tn, p, qkv_exact, overwrite});
 }
 
 #define ORIGAMI_ATTENTION(T)                                                                                        \

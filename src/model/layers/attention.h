@@ -76,6 +76,10 @@ struct BlockDims {
   // bf16: q, k and v hold bf16 values already (the model rounds them in place once, as only the core
   // reads them), so fp32 tiles read them where they are instead of rounding each head's rows.
   bool qkv_exact = false;
+  // Backward in bf16: write dq, dk and dv instead of adding to them (the block is the whole sequence,
+  // attention_backward's), so they need no zeros first. (Each (batch row, kv head) task sums its
+  // gradients apart and stores them once; the fp32 products add into dq, dk and dv directly.)
+  bool overwrite = false;
 };
 
 // Merges the block into (out, lse): on entry they hold the attention over the keys seen so far
@@ -85,7 +89,7 @@ template <typename T>
 int64_t attention_block_forward(Heads<T> out, Lse<T> lse, Heads<const T> q, Heads<const T> k, Heads<const T> v,
                              const BlockDims& d);
 
-// The block's part of the gradients, accumulated (+=) into dq, dk, dv. out and lse are the final
+// The block's part of the gradients, accumulated (+=) into dq, dk, dv (or stored: d.overwrite). out and lse are the final
 // (fully merged) forward results of the query rows, dout their gradient. Returns the score tiles computed.
 template <typename T>
 int64_t attention_block_backward(Heads<T> dq, Heads<T> dk, Heads<T> dv, Heads<const T> dout, Heads<const T> q,
