@@ -235,14 +235,15 @@ void Checkpoint::read_trainer_state(const std::string& state_path) {
     kernels["bf16_gemms"].for_each_element([&](const JsonField& rank) {
       std::vector<KeptBf16Gemm>& list = state_.bf16_gemms.emplace_back();
       rank.for_each_element([&](const JsonField& g) {
-        g.only_keys({"trans", "mnk", "ld", "alpha", "beta", "path"});
+        g.only_keys({"trans", "mnk", "ld", "alpha", "beta", "path", "bias"});
         const size_t t = g["trans"].one_of({"nn", "nt", "tn", "tt"});
         g["mnk"].array(3, 3);
         g["ld"].array(3, 3);
         const std::vector<int64_t> mnk = g["mnk"].integers(1, JsonField::kNoLimit), ld = g["ld"].integers(1, JsonField::kNoLimit);
         const auto& paths = TrainerState::kBf16GemmPaths;
         list.push_back({t >= 2, t % 2 == 1, mnk[0], mnk[1], mnk[2], ld[0], ld[1], ld[2], float(g["alpha"].number()),
-                        float(g["beta"].number()), KeptBf16Path(g["path"].one_of({paths[0], paths[1], paths[2]}))});
+                        float(g["beta"].number()), KeptBf16Path(g["path"].one_of({paths[0], paths[1], paths[2]})),
+                        g["bias"].boolean_or(false)});
       });
     });
 }

@@ -495,11 +495,12 @@ nlohmann::json kept_kernels(Precision precision) {
 // Every rank's timed bf16 GEMM paths (gemm_bf16.h), rank by rank, for trainer_state.json's "kernels"
 // (null where no rank has one): an all-gather over the world, at a save.
 nlohmann::json gathered_bf16_gemms(Comm& world) {
-  constexpr int64_t kFields = 11;  // ta, tb, M, N, K, lda, ldb, ldc, alpha's and beta's bits, path
+  constexpr int64_t kFields = 12;  // ta, tb, M, N, K, lda, ldb, ldc, alpha's and beta's bits, path, bias
   std::vector<int64_t> mine, counts(size_t(world.size()));
   auto bits = [](float x) { return int64_t(std::bit_cast<uint32_t>(x)); };
   for (const KeptBf16Gemm& k : bf16_gemms_to_keep())
-    mine.insert(mine.end(), {k.ta, k.tb, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, bits(k.alpha), bits(k.beta), int64_t(k.path)});
+    mine.insert(mine.end(),
+                {k.ta, k.tb, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, bits(k.alpha), bits(k.beta), int64_t(k.path), k.bias});
   const int64_t n = int64_t(mine.size());
   world.all_gather(counts.data(), &n, 1, DType::i64);
   std::vector<int64_t> all(size_t(std::accumulate(counts.begin(), counts.end(), int64_t(0))));
@@ -509,11 +510,14 @@ nlohmann::json gathered_bf16_gemms(Comm& world) {
   const int64_t* g = all.data();
   for (int64_t count : counts) {
     nlohmann::json& list = ranks.emplace_back(nlohmann::json::array());
-    for (const int64_t* end = g + count; g < end; g += kFields)
-      list.push_back({{"trans", std::string(g[0] ? "t" : "n") + (g[1] ? "t" : "n")}, {"mnk", {g[2], g[3], g[4]}},
-                      {"ld", {g[5], g[6], g[7]}}, {"alpha", std::bit_cast<float>(uint32_t(g[8]))},
-                      {"beta", std::bit_cast<float>(uint32_t(g[9]))},
-                      {"path", Checkpoint::TrainerState::kBf16GemmPaths[size_t(g[10])]}});
+    for (const int64_t* end = g + count; g < end; g += kFields) {
+      nlohmann::json& shape = list.emplace_back(nlohmann::json{
+          {"trans", std::string(g[0] ? "t" : "n") + (g[1] ? "t" : "n")}, {"mnk", {g[2], g[3], g[4]}},
+          {"ld", {g[5], g[6], g[7]}}, {"alpha", std::bit_cast<float>(uint32_t(g[8]))},
+          {"beta", std::bit_cast<float>(uint32_t(g[9]))},
+          {"path", Checkpoint::TrainerState::kBf16GemmPaths[size_t(g[10])]}});
+      if (g[11]) shape["bias"] = true;  // (absent: none, as checkpoints saved before the bias epilogue)
+    }
   }
   return ranks;
 }

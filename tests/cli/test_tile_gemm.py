@@ -120,9 +120,11 @@ def check_resume_keeps_gemm_paths(tmp, data):
         print("ok   no oneDNN bf16 matmul here: no GEMM paths kept")
         return
     shapes = kept[0] if kept and len(kept) == 1 else []
-    check(shapes and all(set(g) == {"trans", "mnk", "ld", "alpha", "beta", "path"} for g in shapes) and
-          any(g["mnk"][0] == 4 * 128 for g in shapes), "kept GEMM paths: one rank's list of the model's shapes "
-          "(512 rows a micro-batch), got %s" % kept)
+    fields = {"trans", "mnk", "ld", "alpha", "beta", "path"}
+    check(shapes and all(set(g) in (fields, fields | {"bias"}) and g.get("bias", True) is True for g in shapes) and
+          any(g["mnk"][0] == 4 * 128 for g in shapes) and any(g.get("bias") for g in shapes),
+          "kept GEMM paths: one rank's list of the model's shapes (512 rows a micro-batch; GPT-2's q|k|v and fc "
+          "forward with their bias, \"bias\": true), got %s" % kept)
     p, metrics = train(tmp, data, None, "bf16", "--resume", os.path.join(save, "step-2"), name="gemm_paths_resumed")
     resumed = [json.loads(l)["loss"] for l in open(metrics)] if p.returncode == 0 else []
     check(resumed == [r["loss"] for r in whole[2:]], "resumed with the kept GEMM paths: steps 3-4 %s, uninterrupted %s"

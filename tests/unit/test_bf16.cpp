@@ -545,6 +545,56 @@ TEST(GemmBf16, EmptyAndZeroK) {
   EXPECT_EQ(C[0], 1.5f);
 }
 
+// A bias row (the q|k|v and fc layers'): C is its bias rows plus the product — on the portable path
+// bit for bit what writing the bias rows first and accumulating with beta 1 gives (it does just that);
+// on oneDNN's (the bias added in its epilogue, or with the sums: the order of the fp32 additions is
+// its kernel's) within fp32's rounding of the sums, (K + 2)·2⁻²³·(Σ|a·b| + |bias|) — on every transpose,
+// padded rows of C (left as they were), and K = 0 (C is the bias rows); NaN in C before the call does
+// not leak (beta 0).
+TEST(GemmBf16, BiasRowIsAddedAsTheBiasRowsThenTheProduct) {
+  set_num_threads(2);
+  for (Bf16GemmMode mode : {Bf16GemmMode::onednn, Bf16GemmMode::portable}) {
+    set_bf16_gemm_mode(mode);
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{7, 33, 19}, {300, 257, 384}, {5, 9, 0}}) {
+          const int64_t ldc = N + 3, lda = ta ? M : std::max<int64_t>(1, K), ldb = tb ? std::max<int64_t>(1, K) : N;
+          std::vector<bf16> A(size_t(std::max<int64_t>(1, M * K))), B(size_t(std::max<int64_t>(1, K * N)));
+          std::vector<float> bias(static_cast<size_t>(N));
+          for (size_t i = 0; i < A.size(); ++i) A[i] = to_bf16(std::sin(0.37f * float(i)));
+          for (size_t i = 0; i < B.size(); ++i) B[i] = to_bf16(std::cos(0.11f * float(i)));
+          for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.01f * float(i) - 0.5f;
+          std::vector<float> got(size_t(M * ldc), std::numeric_limits<float>::quiet_NaN()), want(got);
+          for (int64_t r = 0; r < M; ++r) std::copy(bias.begin(), bias.end(), want.begin() + r * ldc);
+          gemm_bf16(ta, tb, M, N, K, 1.f, {A.data(), lda}, {B.data(), ldb}, 1.f, want.data(), ldc);
+          gemm_bf16(ta, tb, M, N, K, 1.f, {A.data(), lda}, {B.data(), ldb}, 0.f, got.data(), ldc, bias.data());
+          const bool portable = last_bf16_gemm_path() == Bf16GemmPath::portable;
+          const std::string what = cat(portable ? "portable" : "oneDNN", " ", ta ? "t" : "n", tb ? "t" : "n", " ", M,
+                                       "x", N, "x", K);
+          double worst = 0;  // error / bound, over C
+          for (int64_t r = 0; r < M; ++r) {
+            EXPECT_TRUE(std::isnan(got[size_t(r * ldc + N)])) << what << ": padding written";
+            if (portable) {
+              EXPECT_EQ(0, std::memcmp(got.data() + r * ldc, want.data() + r * ldc, size_t(N) * sizeof(float)))
+                  << what << ", row " << r;
+              continue;
+            }
+            for (int64_t c = 0; c < N; ++c) {
+              double magnitude = std::fabs(bias[size_t(c)]);
+              for (int64_t k = 0; k < K; ++k)
+                magnitude += std::fabs(double(to_float(A[size_t(ta ? k * lda + r : r * lda + k)])) *
+                                       double(to_float(B[size_t(tb ? c * ldb + k : k * ldb + c)])));
+              const double bound = double(K + 2) * std::ldexp(1.0, -23) * magnitude;
+              worst = std::max(worst, std::fabs(double(got[size_t(r * ldc + c)]) - want[size_t(r * ldc + c)]) / bound);
+            }
+          }
+          EXPECT_LE(worst, 1.0) << what;
+          if (K == 0) EXPECT_EQ(got[size_t(ldc + 4)], bias[4]) << what;
+        }
+  }
+  set_bf16_gemm_mode(Bf16GemmMode::automatic);
+}
+
 TEST(GemmBf16, RejectsALeadingDimensionTooSmall) {
   std::vector<bf16> A(16), B(16);
   std::vector<float> C(16);

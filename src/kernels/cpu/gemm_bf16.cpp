@@ -29,6 +29,7 @@ struct Shape {
   bool ta, tb;
   int64_t M, N, K, lda, ldb, ldc;
   float alpha, beta;
+  bool bias = false;  // a bias row added to C's every row (beta 0)
   bool operator==(const Shape&) const = default;
 };
 
@@ -36,7 +37,7 @@ struct ShapeHash {
   size_t operator()(const Shape& s) const {
     size_t h = size_t(s.ta) * 2 + size_t(s.tb);
     for (int64_t v : {s.M, s.N, s.K, s.lda, s.ldb, s.ldc}) h = h * 1000003u ^ std::hash<int64_t>{}(v);
-    return h * 1000003u ^ std::hash<float>{}(s.alpha) * 31u ^ std::hash<float>{}(s.beta);
+    return (h * 1000003u ^ std::hash<float>{}(s.alpha) * 31u ^ std::hash<float>{}(s.beta)) * 2 + size_t(s.bias);
   }
 };
 
@@ -93,7 +94,17 @@ Panel widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i
 //    widened whole (all of K when it takes at most half the scratch) and the larger one in pieces
 //    that fill the rest, one call each.
 // Later slices accumulate into C with beta 1.
-void portable_gemm(const Shape& s, const Bf16Operand& A, const Bf16Operand& B, float* C) {
+// C's rows [M, N] set to the bias row.
+void bias_rows(const Shape& s, float* C, const float* bias) {
+  over_rows(s.M, s.M * s.N >= kThreadedConversion, [&](int64_t r) { std::copy(bias, bias + s.N, C + r * s.ldc); });
+}
+
+void portable_gemm(const Shape& call, const Bf16Operand& A, const Bf16Operand& B, float* C, const float* bias) {
+  Shape s = call;
+  if (s.bias) {  // C = the bias rows, then the product added to them
+    bias_rows(s, C, bias);
+    s.bias = false, s.beta = 1.f;
+  }
   if (read_in_place(A) && read_in_place(B))
     return gemm<float>(s.ta, s.tb, s.M, s.N, s.K, s.alpha, A.values, A.ld, B.values, B.ld, s.beta, C, s.ldc);
   const bool a_whole = s.M <= s.N;
@@ -133,14 +144,15 @@ dnnl::engine& cpu_engine() {
 
 // The operands' descriptors of a shape (M or K may be DNNL_RUNTIME_DIM_VAL).
 struct Descs {
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, bias;  // (bias: empty where none)
 };
-Descs describe(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+Descs describe(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool bias) {
   using dims = dnnl::memory::dims;
   using dt = dnnl::memory::data_type;
   return {dnnl::memory::desc({M, K}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1}),
           dnnl::memory::desc({K, N}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1}),
-          dnnl::memory::desc({M, N}, dt::f32, dims{ldc, 1})};
+          dnnl::memory::desc({M, N}, dt::f32, dims{ldc, 1}),
+          bias ? dnnl::memory::desc({1, N}, dt::f32, dims{N, 1}) : dnnl::memory::desc()};
 }
 
 struct OnednnMatmul {
@@ -158,7 +170,7 @@ struct OnednnMatmul {
 std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
   const bool runtime_mk = s.M < 0;
   const int64_t M = runtime_mk ? DNNL_RUNTIME_DIM_VAL : s.M, K = runtime_mk ? DNNL_RUNTIME_DIM_VAL : s.K;
-  const Descs d = describe(s.ta, s.tb, M, s.N, K, s.lda, s.ldb, s.ldc);
+  const Descs d = describe(s.ta, s.tb, M, s.N, K, s.lda, s.ldb, s.ldc, s.bias);
   dnnl::primitive_attr attr;
   if (!runtime_mk) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // a per-thread buffer, see run_onednn
   if (s.alpha != 1.f) attr.set_output_scales(0, {s.alpha});
@@ -168,7 +180,8 @@ std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
     attr.set_post_ops(ops);
   }
   try {
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(d.a, d.b, d.c), attr, cpu_engine());
+    const dnnl::matmul::desc md = s.bias ? dnnl::matmul::desc(d.a, d.b, d.bias, d.c) : dnnl::matmul::desc(d.a, d.b, d.c);
+    const dnnl::matmul::primitive_desc pd(md, attr, cpu_engine());
     *impl = pd.impl_info_str();
     if (impl->starts_with("ref")) return std::nullopt;
     return OnednnMatmul{dnnl::matmul(pd), d, pd.scratchpad_desc(), runtime_mk};
@@ -178,14 +191,15 @@ std::optional<OnednnMatmul> create_onednn(const Shape& s, std::string* impl) {
 }
 
 // Runs m on the call of shape s (whose M and K a runtime-dimension primitive takes from it).
-void run_onednn(const OnednnMatmul& m, const Shape& s, const bf16* A, const bf16* B, float* C) {
+void run_onednn(const OnednnMatmul& m, const Shape& s, const bf16* A, const bf16* B, float* C, const float* bias) {
   thread_local dnnl::stream stream(cpu_engine());
   thread_local std::vector<uint8_t> scratchpad;  // grows to the largest need, kept
   const dnnl::engine& e = cpu_engine();
-  const Descs d = m.runtime_mk ? describe(s.ta, s.tb, s.M, s.N, s.K, s.lda, s.ldb, s.ldc) : m.operands;
+  const Descs d = m.runtime_mk ? describe(s.ta, s.tb, s.M, s.N, s.K, s.lda, s.ldb, s.ldc, s.bias) : m.operands;
   std::unordered_map<int, dnnl::memory> args = {{DNNL_ARG_SRC, dnnl::memory(d.a, e, const_cast<bf16*>(A))},
                                                 {DNNL_ARG_WEIGHTS, dnnl::memory(d.b, e, const_cast<bf16*>(B))},
                                                 {DNNL_ARG_DST, dnnl::memory(d.c, e, C)}};
+  if (s.bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(d.bias, e, const_cast<float*>(bias)));
   if (!m.runtime_mk) {  // a user scratchpad (create_onednn)
     if (scratchpad.size() < m.scratchpad.get_size()) scratchpad.resize(m.scratchpad.get_size());
     args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(m.scratchpad, e, scratchpad.data()));
@@ -236,12 +250,12 @@ Shape rows_of(Shape s, int64_t rows) {
 }
 
 // The call s on oneDNN's path as its choice says: whole, or row block by row block.
-void run_choice(const Choice& c, const Shape& s, const bf16* A, const bf16* B, float* C) {
-  if (c.block_rows == 0) return run_onednn(*c.onednn, s, A, B, C);
+void run_choice(const Choice& c, const Shape& s, const bf16* A, const bf16* B, float* C, const float* bias) {
+  if (c.block_rows == 0) return run_onednn(*c.onednn, s, A, B, C, bias);
   for (int64_t m0 = 0; m0 < s.M; m0 += c.block_rows) {
     const int64_t rows = std::min(c.block_rows, s.M - m0);
     run_onednn(rows == c.block_rows ? *c.onednn : *c.last_block, rows_of(s, rows), s.ta ? A + m0 : A + m0 * s.lda,
-               B, C + m0 * s.ldc);
+               B, C + m0 * s.ldc, bias);
   }
 }
 
@@ -265,11 +279,11 @@ bool onednn_is_faster(const Shape& s, const bf16* A, const bf16* B) {
   std::string impl;
   const auto matmul = create_onednn(slab, &impl);
   if (!matmul) return false;
-  std::vector<float> C(size_t(slab.M * slab.N));
+  std::vector<float> C(size_t(slab.M * slab.N)), bias(size_t(s.bias ? s.N : 0), 0.f);
   double onednn = std::numeric_limits<double>::infinity(), portable = onednn, spent = 0;
   for (int run = 0; run < 7 && (run < 3 || spent < 0.05); ++run) {
-    const double t_onednn = seconds([&] { run_onednn(*matmul, slab, A, B, C.data()); });
-    const double t_portable = seconds([&] { portable_gemm(slab, {A, s.lda}, {B, s.ldb}, C.data()); });
+    const double t_onednn = seconds([&] { run_onednn(*matmul, slab, A, B, C.data(), bias.data()); });
+    const double t_portable = seconds([&] { portable_gemm(slab, {A, s.lda}, {B, s.ldb}, C.data(), bias.data()); });
     onednn = std::min(onednn, t_onednn), portable = std::min(portable, t_portable);
     spent += t_onednn + t_portable;
   }
@@ -307,7 +321,7 @@ bool onednn_is_faster_on_a_layer_gemm() {
 }
 
 // The key of a call whose M and K vary with the data: one choice and primitive for all of them.
-Shape varying_key(const Shape& s) { return {s.ta, s.tb, -1, s.N, -1, s.lda, s.ldb, s.ldc, s.alpha, s.beta}; }
+Shape varying_key(const Shape& s) { return {s.ta, s.tb, -1, s.N, -1, s.lda, s.ldb, s.ldc, s.alpha, s.beta, s.bias}; }
 
 // Evicts the lines of [p, p + bytes) from every cache level.
 void flush_from_caches(const void* p, size_t bytes) {
@@ -344,7 +358,7 @@ void take_runtime_kernel_if_faster_cold(const Shape& s, const bf16* A, const bf1
       b_bytes = stored_bytes(s.tb ? s.N : s.K, s.tb ? s.K : s.N, s.ldb, sizeof(bf16));
   auto cold = [&](const OnednnMatmul& m) {
     flush_from_caches(A, a_bytes), flush_from_caches(B, b_bytes), flush_from_caches(C.data(), C.size() * sizeof(float));
-    return seconds([&] { run_onednn(m, s, A, B, C.data()); });
+    return seconds([&] { run_onednn(m, s, A, B, C.data(), nullptr); });  // (beta ≠ 0: no bias)
   };
   double fixed = std::numeric_limits<double>::infinity(), runtime_s = fixed;
   for (int run = 0; run < 3; ++run) fixed = std::min(fixed, cold(*c.onednn)), runtime_s = std::min(runtime_s, cold(*runtime));
@@ -459,27 +473,27 @@ std::string isa_of(const std::string& impl) {
 // gemm_bf16 and gemm_bf16_varying: the path kept for the call's shape, or for its varying_key. The
 // shape's key has an fp32 operand's stride as oneDNN would see it, that of its compact rounded copy;
 // the portable path reads the operand where it is.
-void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B, float* C) {
+void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B, float* C, const float* bias) {
   if (s.M == 0 || s.N == 0) return;
   ORIGAMI_ASSERT(s.lda >= std::max<int64_t>(1, s.ta ? s.M : s.K) && s.ldb >= std::max<int64_t>(1, s.tb ? s.K : s.N) &&
                  s.ldc >= std::max<int64_t>(1, s.N));
   last_path = Bf16GemmPath::portable;
-  if (s.K == 0) return scale_matrix(s.M, s.N, s.beta, C, s.ldc);
-  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C);
+  if (s.K == 0) return s.bias ? bias_rows(s, C, bias) : scale_matrix(s.M, s.N, s.beta, C, s.ldc);
+  if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C, bias);
   const int64_t a_rows = s.ta ? s.K : s.M, a_cols = s.ta ? s.M : s.K;  // as stored
   const int64_t b_rows = s.tb ? s.N : s.K, b_cols = s.tb ? s.K : s.N;
   Shape key = s;
   key.lda = A.low ? A.ld : a_cols, key.ldb = B.low ? B.ld : b_cols;
   if (varying) key = varying_key(key);
   const Choice* c = choice_for(key, nullptr, nullptr);
-  if (c && c->path == Bf16GemmPath::portable) return portable_gemm(s, A, B, C);
+  if (c && c->path == Bf16GemmPath::portable) return portable_gemm(s, A, B, C, bias);
   Shape rounded = s;  // oneDNN's operands: bf16, an fp32 one rounded compactly
   const bf16* a = low_values(A, a_rows, a_cols, 0, &rounded.lda);
   const bf16* b = low_values(B, b_rows, b_cols, 1, &rounded.ldb);
   if (!c) c = choice_for(key, a, b);
   last_path = c->path;
-  if (c->path == Bf16GemmPath::onednn) run_choice(*c, rounded, a, b, C);
-  else portable_gemm(rounded, {a, rounded.lda}, {b, rounded.ldb}, C);
+  if (c->path == Bf16GemmPath::onednn) run_choice(*c, rounded, a, b, C, bias);
+  else portable_gemm(rounded, {a, rounded.lda}, {b, rounded.ldb}, C, bias);
 }
 
 // ---- attention's tiles ------------------------------------------------------------------------
@@ -591,13 +605,14 @@ TileChoice& tile_choice() {
 }  // namespace
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A, Bf16Operand B,
-               float beta, float* C, int64_t ldc) {
-  multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta}, false, A, B, C);
+               float beta, float* C, int64_t ldc, const float* bias) {
+  ORIGAMI_ASSERT(!bias || beta == 0.f);
+  multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta, bias != nullptr}, false, A, B, C, bias);
 }
 
 void gemm_bf16_varying(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A,
                        Bf16Operand B, float beta, float* C, int64_t ldc) {
-  multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta}, true, A, B, C);
+  multiply({ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta}, true, A, B, C, nullptr);
 }
 
 void tile_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
@@ -615,7 +630,7 @@ void tile_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alp
     it = primitives.emplace(s, m ? std::optional<TilePrimitive>(std::in_place, std::move(*m)) : std::nullopt).first;
   }
   if (it->second) it->second->run(A, B, C);
-  else portable_gemm(s, {A, lda}, {B, ldb}, C);
+  else portable_gemm(s, {A, lda}, {B, ldb}, C, nullptr);
 }
 
 bool bf16_small_gemms_onednn() { return mode() == Bf16GemmMode::automatic && onednn_is_faster_on_a_layer_gemm(); }
@@ -634,7 +649,7 @@ std::vector<KeptBf16Gemm> bf16_gemms_to_keep() {
     const KeptBf16Path path = choice.path == Bf16GemmPath::portable ? KeptBf16Path::portable
                               : choice.onednn->runtime_mk            ? KeptBf16Path::onednn_runtime
                                                                      : KeptBf16Path::onednn;
-    out.push_back({s.ta, s.tb, s.M, s.N, s.K, s.lda, s.ldb, s.ldc, s.alpha, s.beta, path});
+    out.push_back({s.ta, s.tb, s.M, s.N, s.K, s.lda, s.ldb, s.ldc, s.alpha, s.beta, path, s.bias});
   }
   return out;
 }
@@ -643,7 +658,7 @@ void keep_bf16_gemms(const std::vector<KeptBf16Gemm>& kept) {
   Choices& c = choices();
   std::lock_guard<std::mutex> lock(c.mutex);
   for (const KeptBf16Gemm& k : kept) {
-    const Shape s{k.ta, k.tb, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, k.alpha, k.beta};
+    const Shape s{k.ta, k.tb, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, k.alpha, k.beta, k.bias};
     c.kept[s] = k.path;
     c.by_shape.erase(s);  // (decided already, by a timing at start: decided again at its next call)
   }

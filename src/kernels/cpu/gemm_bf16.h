@@ -12,7 +12,7 @@
 //     (brg:avx512_core_amx_bf16), AVX512-BF16 dot products (brg:avx512_core_bf16, or gemm:jit for
 //     strides with padding), emulation on plain AVX-512; ONEDNN_MAX_CPU_ISA caps the choice, and below
 //     AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, or an AVX2-only CPU) oneDNN 2.6 creates no bf16 matmul.
-//     One primitive per (transposes, sizes, strides, alpha, beta), created at its first call and
+//     One primitive per (transposes, sizes, strides, alpha, beta, bias or not), created at its first call and
 //     kept (a fixed-size one, or for a weight gradient possibly a runtime-size one: below); it runs
 //     on the OpenMP pool of our loops (oneDNN's OpenMP build).
 //   portable: op(A) and op(B) widened (an fp32 operand: rounded to bf16's precision; an exact one read
@@ -67,8 +67,11 @@ struct Bf16Operand {
       : low(copy), values(v), ld(row_stride), exact(at_bf16_precision && v) {}
 };
 
+// With a bias [N] (beta 0), C = alpha·op(A)·op(B) + the bias on every row, in fp32: oneDNN adds it
+// in its kernel (no pass over C before or after; where in the sum is the kernel's choice), the
+// portable path writes the bias rows first and adds the product to them.
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand A,
-               Bf16Operand B, float beta, float* C, int64_t ldc);
+               Bf16Operand B, float beta, float* C, int64_t ldc, const float* bias = nullptr);
 
 // gemm_bf16 for M and K that vary with the data (an MoE expert's rows), which must not each cost a
 // cache entry and a timing: one oneDNN primitive per (transposes, N, strides, alpha, beta) with M
@@ -133,6 +136,7 @@ struct KeptBf16Gemm {
   int64_t M = 0, N = 0, K = 0, lda = 0, ldb = 0, ldc = 0;
   float alpha = 1, beta = 0;
   KeptBf16Path path = KeptBf16Path::portable;
+  bool bias = false;  // with a bias row (gemm_bf16's bias)
 };
 // The paths of the shapes timed (or forced onto oneDNN) so far, in no particular order; none where
 // every bf16 GEMM is portable.

@@ -1,5 +1,6 @@
 #include "kernels/cpu/matmul.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -28,6 +29,25 @@ void matmul<float>(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t 
   const Bf16Operand a(A.v, A.low, A.ld, A.exact), b(B.v, B.low, B.ld, B.exact);
   if (sizes == Sizes::varying) gemm_bf16_varying(ta, tb, M, N, K, alpha, a, b, beta, C, ldc);
   else gemm_bf16(ta, tb, M, N, K, alpha, a, b, beta, C, ldc);
+}
+
+namespace {
+
+template <typename T>
+void bias_rows_then_matmul(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, Mat<T> A, Mat<T> B,
+                           const T* bias, T* C, int64_t ldc) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < M; ++n) std::copy(bias, bias + N, C + n * ldc);
+  matmul<T>(p, ta, tb, M, N, K, T(1), A, B, T(1), C, ldc);
+}
+
+}  // namespace
+
+template <>
+void matmul_bias<float>(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, Mat<float> A, Mat<float> B,
+                        const float* bias, float* C, int64_t ldc) {
+  if (p == Precision::fp32) return bias_rows_then_matmul<float>(p, ta, tb, M, N, K, A, B, bias, C, ldc);
+  gemm_bf16(ta, tb, M, N, K, 1.f, {A.v, A.low, A.ld, A.exact}, {B.v, B.low, B.ld, B.exact}, 0.f, C, ldc, bias);
 }
 
 template <>
@@ -70,6 +90,12 @@ void matmul<double>(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t
                     Mat<double> B, double beta, double* C, int64_t ldc, Sizes) {
   ORIGAMI_ASSERT(p == Precision::fp32);  // fp64 is the finite-difference tests' precision
   gemm<double>(ta, tb, M, N, K, alpha, A.v, A.ld, B.v, B.ld, beta, C, ldc);
+}
+
+template <>
+void matmul_bias<double>(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, Mat<double> A,
+                         Mat<double> B, const double* bias, double* C, int64_t ldc) {
+  bias_rows_then_matmul<double>(p, ta, tb, M, N, K, A, B, bias, C, ldc);
 }
 
 }  // namespace origami

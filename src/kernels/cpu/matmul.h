@@ -7,7 +7,7 @@
 //   rounded by gemm_bf16 the way its path reads it, or once beforehand where only GEMMs read it
 //   (operand_in_place: into its copy alone, or in place, an `exact` operand) — products exact in fp32,
 //   accumulation in fp32, C in fp32. The rounding points are the operands of the GEMM, nothing else:
-//   a bias is added in fp32 outside, and a backward rounds dy once for both of its GEMMs (the PyTorch
+//   a bias is added in fp32 (matmul_bias), and a backward rounds dy once for both of its GEMMs (the PyTorch
 //   oracle's bf16 mode rounds at the same points, tests/reference/origami_ref.py). Rounding is
 //   idempotent, so where it happens changes no value; in place it saves the portable path a copy.
 #pragma once
@@ -84,6 +84,13 @@ enum class Sizes { fixed, varying };
 template <typename T>
 void matmul(Precision p, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, Mat<T> A, Mat<T> B,
             T beta, T* C, int64_t ldc, Sizes sizes = Sizes::fixed);
+
+// C = op(A)·op(B) + the bias row [N] on every row, in precision p: in bf16 gemm_bf16's bias (oneDNN
+// adds it in its kernel); elsewhere C is set to the bias rows and the product added to them. The bias
+// is added in fp32 either way (not a rounding point: matmul's rule).
+template <typename T>
+void matmul_bias(Precision p, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Mat<T> A, Mat<T> B,
+                 const T* bias, T* C, int64_t ldc);
 
 // An operand [rows, cols] (compact) used by several GEMMs of one backward and read elsewhere too (its
 // values stay as they are): in bf16, rounded once into `buffer` (resized as needed) and carried as

@@ -10,13 +10,9 @@ namespace origami {
 template <typename T>
 void linear_forward(T* y, Id<Operand<T>> x, Id<Weights<T>> w, const T* b, int64_t N, int64_t in, int64_t out,
                     WeightLayout layout) {
-  if (b) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t o = 0; o < out; ++o) y[n * out + o] = b[o];
-  }
   const bool wt = layout == WeightLayout::out_in;
-  matmul<T>(w.p, false, wt, N, out, in, T(1), x.mat(in), w.mat(wt ? in : out), b ? T(1) : T(0), y, out);
+  if (b) matmul_bias<T>(w.p, false, wt, N, out, in, x.mat(in), w.mat(wt ? in : out), b, y, out);
+  else matmul<T>(w.p, false, wt, N, out, in, T(1), x.mat(in), w.mat(wt ? in : out), T(0), y, out);
 }
 
 // dy [N, out]: a thread owns an equal share of the columns and walks the rows over runs of up to
