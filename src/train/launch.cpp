@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -80,6 +81,20 @@ int64_t fewest_steps(const std::vector<RankProgress>& board) {
   return fewest;
 }
 
+// A hostfile line's "slots=N" (Open MPI's word): N a whole number in [1, 2^20], digits only. (It had
+// been read with atoi: "slots=4x" gave 4 silently, "slots=x" "no slots", and a number past int's range
+// whatever the overflow left.)
+int hostfile_slots(const std::string& word, const std::string& path, const std::string& host) {
+  constexpr int64_t kMostSlots = int64_t(1) << 20;
+  const std::string n = word.substr(6);
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(n.data(), n.data() + n.size(), v);
+  ORIGAMI_CHECK(!n.empty() && n[0] != '-' && ec == std::errc() && end == n.data() + n.size() && v >= 1 && v <= kMostSlots,
+                "--hostfile ", path, ": host ", host, ": '", word, "' needs a whole number of slots in [1, ", kMostSlots,
+                "]");
+  return int(v);
+}
+
 Slots read_hostfile(const std::string& path, int np) {
   Slots s;
   if (path.empty()) {
@@ -94,8 +109,7 @@ Slots read_hostfile(const std::string& path, int np) {
     if (!(words >> host)) continue;
     int slots = 1;
     while (words >> word)
-      if (word.rfind("slots=", 0) == 0) slots = std::atoi(word.c_str() + 6);
-    ORIGAMI_CHECK(slots >= 1, "--hostfile ", path, ": host ", host, " has no slots");
+      if (word.rfind("slots=", 0) == 0) slots = hostfile_slots(word, path, host);
     s.hosts.emplace_back(host, slots);
   }
   ORIGAMI_CHECK(!s.hosts.empty(), "--hostfile ", path, " names no host");

@@ -481,6 +481,15 @@ def main():
         expect_error("launch --mpirun ' '", ["launch", "--np", "1", "--mpirun", " ", "--", "train", "--config", llama,
                                              *short, "--save", ck],
                      "--mpirun is empty: give the launcher's command, for example 'mpirun --oversubscribe'")
+        # A hostfile's slots=N is a whole number (it was read with atoi: "4x" gave 4 slots, "x" "no slots").
+        for slots in ("4x", "x", "", "-2", "0", "99999999999"):
+            bad_hosts = os.path.join(tmp, "hosts_bad")
+            with open(bad_hosts, "w") as f:
+                f.write("# a comment\nlocalhost slots=%s\n" % slots)
+            expect_error("launch --hostfile slots=%s" % slots, ["launch", "--np", "1", "--hostfile", bad_hosts, "--",
+                                                                 "train", "--config", llama, *short, "--save", ck],
+                         "--hostfile %s: host localhost: 'slots=%s' needs a whole number of slots in [1, 1048576]"
+                         % (bad_hosts, slots))
         # launch reads --save=DIR as train does (it had asked for --save DIR).
         saved = os.path.join(tmp, "launched")
         run("launch", "--np", "1", "--mpirun", "mpirun --oversubscribe", "--", "train", "--config", llama, *short,
