@@ -52,7 +52,8 @@ TEST(AdamWUpdate, MatchesItsFormulaInDoubleAndCopiesTheNewValues) {
 }
 
 TEST(SumSquares, IsTheExactSumRoundedToDouble) {
-  for (size_t n : {size_t(0), size_t(7), size_t(8), size_t(1000003)}) {
+  // (1 << 16 on: read as 8 parts in lockstep, and the rest)
+  for (size_t n : {size_t(0), size_t(7), size_t(8), size_t(65535), size_t(65536), size_t(1000003)}) {
     std::vector<float> x = random_floats(n, -2, 2, uint32_t(n));
     for (size_t i = 0; i < n; i += 97) x[i] *= 1e4f;  // magnitudes far apart
     long double exact = 0;
@@ -65,6 +66,12 @@ TEST(SumSquares, IsTheExactSumRoundedToDouble) {
   EXPECT_TRUE(std::isinf(sum_squares(x.data(), 100)));
   x[37] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(std::isnan(sum_squares(x.data(), 100)));
+  // ... in any of the parts or the rest of a long one.
+  for (size_t at : {size_t(0), size_t(70000), size_t(999999), size_t(1000002)}) {
+    std::vector<float> y(1000003, 1.f);
+    y[at] = std::numeric_limits<float>::infinity();
+    EXPECT_TRUE(std::isinf(sum_squares(y.data(), int64_t(y.size())))) << at;
+  }
 }
 
 // Exactly x[0..n) is cleared, from any alignment (the head and tail before and after the streaming

@@ -35,7 +35,19 @@ void zero_streaming(float* x, int64_t n) {
 }
 
 double sum_squares(const float* x, int64_t n) {
-  return lane_sum<double>(n, [x](int64_t i) { return double(x[i]) * double(x[i]); });
+  constexpr int kParts = 8;                          // read in lockstep (optimizer.h)
+  constexpr int64_t kInParts = int64_t(1) << 16;     // from this many elements on
+  auto square = [x](int64_t i) { return double(x[i]) * double(x[i]); };
+  if (n < kInParts) return lane_sum<double>(n, square);
+  const int64_t q = n / kParts / kReduceLanes * kReduceLanes;  // each part's elements, whole lane groups
+  double part[kParts][kReduceLanes] = {};
+  for (int64_t i = 0; i < q; i += kReduceLanes)
+    for (int p = 0; p < kParts; ++p)
+      for (int k = 0; k < kReduceLanes; ++k) part[p][k] += square(p * q + i + k);
+  double sum = 0;
+  for (const auto& lanes : part)
+    for (double v : lanes) sum += v;
+  return sum + lane_sum<double>(n - kParts * q, [&](int64_t i) { return square(kParts * q + i); });
 }
 
 }  // namespace origami

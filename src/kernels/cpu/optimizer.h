@@ -27,7 +27,11 @@ void adamw_update(float* w, bf16* low, const float* g, float* m, float* v, int64
 // 64 ms on an AMX host, two threads of this 16: 6% of a bf16 step).
 void zero_streaming(float* x, int64_t n);
 
-// Σ x[i]² in double: the clipping norm's part (lane_sum's order, kernels/cpu/reduce.h).
+// Σ x[i]² in double: the clipping norm's part (lane_sum's order, kernels/cpu/reduce.h). From 2^16
+// elements on, x is read as 8 equal parts in lockstep, each summed in its own lanes, then the parts
+// in order and the rest: more of a core's loads in flight (one stream leaves memory idle between its
+// misses). On an AMX host's two cores, over GPT-2 124M's gradients, 15 → 23.5 GB/s. The result
+// depends on n and the values only.
 double sum_squares(const float* x, int64_t n);
 
 }  // namespace origami
