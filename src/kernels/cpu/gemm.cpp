@@ -14,6 +14,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 
 namespace origami {
 
@@ -126,6 +127,13 @@ void scale_matrix(int64_t M, int64_t N, T beta, T* C, int64_t ldc) {
 }
 template void scale_matrix<float>(int64_t, int64_t, float, float*, int64_t);
 template void scale_matrix<double>(int64_t, int64_t, double, double*, int64_t);
+
+template <typename T>
+void fill_rows(int64_t M, int64_t N, const T* row, T* C, int64_t ldc) {
+  over_rows(M, M * N >= (int64_t(1) << 16), [&](int64_t r) { std::copy(row, row + N, C + r * ldc); });
+}
+template void fill_rows<float>(int64_t, int64_t, const float*, float*, int64_t);
+template void fill_rows<double>(int64_t, int64_t, const double*, double*, int64_t);
 
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,

@@ -28,6 +28,11 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
 template <typename T>
 void scale_matrix(int64_t M, int64_t N, T beta, T* C, int64_t ldc);
 
+// C's rows [M, N] (row stride ldc) each set to `row` [N]: a bias, for a GEMM to add its product to
+// (beta 1). Large ones over the threads, outside a parallel region (over_rows).
+template <typename T>
+void fill_rows(int64_t M, int64_t N, const T* row, T* C, int64_t ldc);
+
 // Sets the thread count of OpenMP (our loops, oneDNN) and OpenBLAS: one pool.
 void set_num_threads(int n);
 int num_threads();

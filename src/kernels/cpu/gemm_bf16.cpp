@@ -94,15 +94,10 @@ Panel widen_panel(float* dst, const Bf16Operand& X, bool k_contiguous, int64_t i
 //    widened whole (all of K when it takes at most half the scratch) and the larger one in pieces
 //    that fill the rest, one call each.
 // Later slices accumulate into C with beta 1.
-// C's rows [M, N] set to the bias row.
-void bias_rows(const Shape& s, float* C, const float* bias) {
-  over_rows(s.M, s.M * s.N >= kThreadedConversion, [&](int64_t r) { std::copy(bias, bias + s.N, C + r * s.ldc); });
-}
-
 void portable_gemm(const Shape& call, const Bf16Operand& A, const Bf16Operand& B, float* C, const float* bias) {
   Shape s = call;
   if (s.bias) {  // C = the bias rows, then the product added to them
-    bias_rows(s, C, bias);
+    fill_rows(s.M, s.N, bias, C, s.ldc);
     s.bias = false, s.beta = 1.f;
   }
   if (read_in_place(A) && read_in_place(B))
@@ -478,7 +473,7 @@ void multiply(Shape s, bool varying, const Bf16Operand& A, const Bf16Operand& B,
   ORIGAMI_ASSERT(s.lda >= std::max<int64_t>(1, s.ta ? s.M : s.K) && s.ldb >= std::max<int64_t>(1, s.tb ? s.K : s.N) &&
                  s.ldc >= std::max<int64_t>(1, s.N));
   last_path = Bf16GemmPath::portable;
-  if (s.K == 0) return s.bias ? bias_rows(s, C, bias) : scale_matrix(s.M, s.N, s.beta, C, s.ldc);
+  if (s.K == 0) return s.bias ? fill_rows(s.M, s.N, bias, C, s.ldc) : scale_matrix(s.M, s.N, s.beta, C, s.ldc);
   if (omp_in_parallel() || mode() == Bf16GemmMode::portable) return portable_gemm(s, A, B, C, bias);
   const int64_t a_rows = s.ta ? s.K : s.M, a_cols = s.ta ? s.M : s.K;  // as stored
   const int64_t b_rows = s.tb ? s.N : s.K, b_cols = s.tb ? s.K : s.N;

@@ -1,6 +1,5 @@
 #include "kernels/cpu/matmul.h"
 
-#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -36,8 +35,7 @@ namespace {
 template <typename T>
 void bias_rows_then_matmul(Precision p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, Mat<T> A, Mat<T> B,
                            const T* bias, T* C, int64_t ldc) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < M; ++n) std::copy(bias, bias + N, C + n * ldc);
+  fill_rows(M, N, bias, C, ldc);
   matmul<T>(p, ta, tb, M, N, K, T(1), A, B, T(1), C, ldc);
 }
 
