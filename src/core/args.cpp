@@ -66,6 +66,18 @@ bool same_number(const std::string& x, const std::string& y) {
   return *end_x == 0 && *end_y == 0 && a == b;
 }
 
+// A number as an option's value spells it: digits, a sign, a point and an exponent only — no blanks
+// (which strtod and strtoll would skip), no hex ("0x10", "0x1p3"), no "inf" or "nan".
+bool decimal_text(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("0123456789+-.eE") == std::string::npos;
+}
+
+// An item of a list without the blanks around it ("2, 2" is the list 2,2).
+std::string trimmed(const std::string& s) {
+  const size_t first = s.find_first_not_of(' ');
+  return first == std::string::npos ? std::string() : s.substr(first, s.find_last_not_of(' ') - first + 1);
+}
+
 // Two spellings of one value: equal strings, the same number (2 and 2.0, 1e-3 and 0.001), or
 // comma-separated lists ("2,2" and "2, 2", as integers() reads them) whose items are so item by item.
 bool same_value(const std::string& a, const std::string& b) {
@@ -198,7 +210,7 @@ int64_t Args::integer(const std::string& name) const {
   char* end = nullptr;
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != 0) bad_value(name, "an integer");
+  if (!decimal_text(v) || *end != 0) bad_value(name, "an integer");
   // (the side the value left by: a large --ep is not told that -2^63 would do)
   if (errno == ERANGE)
     bad_value(name, x < 0 ? "an integer of at least -9223372036854775808" : "an integer of at most 9223372036854775807");
@@ -228,11 +240,11 @@ std::vector<int64_t> Args::integers(const std::string& name) const {
   size_t at = 0;
   while (true) {
     const size_t comma = v.find(',', at);
-    const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    const std::string item = trimmed(v.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
     char* end = nullptr;
     errno = 0;
     const long long x = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != 0 || errno == ERANGE) bad_value(name, "comma-separated integers (like 5,6,6,5)");
+    if (!decimal_text(item) || *end != 0 || errno == ERANGE) bad_value(name, "comma-separated integers (like 5,6,6,5)");
     out.push_back(x);
     if (comma == std::string::npos) return out;
     at = comma + 1;
@@ -243,7 +255,7 @@ double Args::number(const std::string& name) const {
   const std::string& v = get(name).value;
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != 0 || !std::isfinite(x)) bad_value(name, "a number");
+  if (!decimal_text(v) || *end != 0 || !std::isfinite(x)) bad_value(name, "a number");
   return x;
 }
 

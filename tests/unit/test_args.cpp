@@ -45,6 +45,42 @@ TEST(Args, RejectsUnknownMissingAndMalformed) {
   EXPECT_THROW(c.integer("steps"), origami::Error);
 }
 
+// Numbers are read as written in decimal: strtod's and strtoll's leniencies (leading blanks, hex
+// integers and hex floats, infinities) are errors naming the option; a list's items may have blanks
+// around them ("2, 2"), nothing else.
+TEST(Args, NumbersAreDecimalWithoutBlanks) {
+  const auto with = [](const std::string& lr, const std::string& steps) {
+    Args a("train", "test");
+    a.option("lr", "X", "learning rate").option("steps", "N", "steps").option("pp-layers", "N,N", "layers");
+    EXPECT_TRUE(parse(a, {"--lr", lr, "--steps", steps, "--pp-layers", steps}));
+    return a;
+  };
+  for (const char* bad : {" 1", "1 ", "0x10", "0x1p3", "inf", "nan", "1e", "1,5"}) {
+    Args a = with(bad, "1");
+    EXPECT_THROW(a.number("lr"), origami::Error) << "'" << bad << "'";
+  }
+  for (const char* bad : {" 5", "5 ", "0x10", "5.0", "1e3", "+-5"}) {
+    Args a = with("1", bad);
+    EXPECT_THROW(a.integer("steps"), origami::Error) << "'" << bad << "'";
+  }
+  for (const char* bad : {"0x2,2", "2,,2", "2,2,", "2,2.5", "2 2"}) {
+    Args a = with("1", bad);
+    EXPECT_THROW(a.integers("pp-layers"), origami::Error) << "'" << bad << "'";
+  }
+  Args a = with("-2.5e-4", "-7");
+  EXPECT_DOUBLE_EQ(a.number("lr"), -2.5e-4);
+  EXPECT_EQ(a.integer("steps"), -7);
+  Args b = with(".5", "2, 3 ,4");
+  EXPECT_DOUBLE_EQ(b.number("lr"), 0.5);
+  EXPECT_EQ(b.integers("pp-layers"), (std::vector<int64_t>{2, 3, 4}));
+  try {
+    with("0x1p3", "1").number("lr");
+    ADD_FAILURE() << "0x1p3 was read as a number";
+  } catch (const origami::Error& e) {
+    EXPECT_STREQ(e.what(), "--lr must be a number, got '0x1p3'");
+  }
+}
+
 // A misspelt option, key or command is answered with the name most likely meant: a typo (one edit in
 // four characters, at most two; a swap of neighbours is one) or the one name it begins; else nothing.
 TEST(Args, UnknownNameSuggestsTheClosest) {
