@@ -117,15 +117,14 @@ void gelu_backward_rounded(float* dx, bf16* copy, float* db, const float* dy, co
 #pragma omp parallel
   {
     const Share mine = my_share(F);
-    float acc[kRun], v[kRun], d[kRun];
+    float acc[kRun], d[kRun];
     for (int64_t c0 = mine.begin, end = mine.end; c0 < end; c0 += kRun) {
       const int64_t k = std::min(kRun, end - c0);
       if (db) std::copy(db + c0, db + c0 + k, acc);
       for (int64_t r = 0; r < N; ++r) {
         const int64_t at = r * F + c0;
-        to_float(v, x_low + at, k);
-#pragma omp simd
-        for (int64_t i = 0; i < k; ++i) d[i] = dy[at + i] * gelu_slope(v[i]);
+#pragma omp simd  // (x widened in the lanes: no pass through a buffer)
+        for (int64_t i = 0; i < k; ++i) d[i] = dy[at + i] * gelu_slope(to_float(x_low[at + i]));
         if (db) {
 #pragma omp simd
           for (int64_t i = 0; i < k; ++i) acc[i] += d[i];
