@@ -49,23 +49,6 @@ std::vector<std::string> comma_items(const std::string& s) {
   return out;
 }
 
-// Whether two list items are one number: compared as integers where both are (exactly, beyond 2^53
-// too), else as decimal numbers; other text (hex and infinities included, which no option reads as
-// numbers) is not a number.
-bool same_number(const std::string& x, const std::string& y) {
-  const auto numeric = [](const std::string& s) {
-    const size_t first = s.find_first_not_of(' ');
-    return first != std::string::npos && s.find_first_not_of("0123456789+-.eE ", first) == std::string::npos;
-  };
-  if (!numeric(x) || !numeric(y)) return false;
-  char *end_x = nullptr, *end_y = nullptr;
-  errno = 0;
-  const long long i = std::strtoll(x.c_str(), &end_x, 10), j = std::strtoll(y.c_str(), &end_y, 10);
-  if (*end_x == 0 && *end_y == 0 && errno == 0) return i == j;
-  const double a = std::strtod(x.c_str(), &end_x), b = std::strtod(y.c_str(), &end_y);
-  return *end_x == 0 && *end_y == 0 && a == b;
-}
-
 // A number as an option's value spells it: digits, a sign, a point and an exponent only — no blanks
 // (which strtod and strtoll would skip), no hex ("0x10", "0x1p3"), no "inf" or "nan".
 bool decimal_text(const std::string& s) {
@@ -76,6 +59,20 @@ bool decimal_text(const std::string& s) {
 std::string trimmed(const std::string& s) {
   const size_t first = s.find_first_not_of(' ');
   return first == std::string::npos ? std::string() : s.substr(first, s.find_last_not_of(' ') - first + 1);
+}
+
+// Whether two list items, without the blanks around them (as integers() reads them), are one number:
+// compared as integers where both are (exactly, beyond 2^53 too), else as decimal numbers; other text
+// (hex and infinities included, which no option reads as numbers) is not a number.
+bool same_number(const std::string& x_item, const std::string& y_item) {
+  const std::string x = trimmed(x_item), y = trimmed(y_item);
+  if (!decimal_text(x) || !decimal_text(y)) return false;
+  char *end_x = nullptr, *end_y = nullptr;
+  errno = 0;
+  const long long i = std::strtoll(x.c_str(), &end_x, 10), j = std::strtoll(y.c_str(), &end_y, 10);
+  if (*end_x == 0 && *end_y == 0 && errno == 0) return i == j;
+  const double a = std::strtod(x.c_str(), &end_x), b = std::strtod(y.c_str(), &end_y);
+  return *end_x == 0 && *end_y == 0 && a == b;
 }
 
 // Two spellings of one value: equal strings, the same number (2 and 2.0, 1e-3 and 0.001), or
@@ -237,18 +234,15 @@ int Args::small_integer(const std::string& name) const {
 std::vector<int64_t> Args::integers(const std::string& name) const {
   const std::string& v = get(name).value;
   std::vector<int64_t> out;
-  size_t at = 0;
-  while (true) {
-    const size_t comma = v.find(',', at);
-    const std::string item = trimmed(v.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+  for (const std::string& raw : comma_items(v)) {
+    const std::string item = trimmed(raw);
     char* end = nullptr;
     errno = 0;
     const long long x = std::strtoll(item.c_str(), &end, 10);
     if (!decimal_text(item) || *end != 0 || errno == ERANGE) bad_value(name, "comma-separated integers (like 5,6,6,5)");
     out.push_back(x);
-    if (comma == std::string::npos) return out;
-    at = comma + 1;
   }
+  return out;
 }
 
 double Args::number(const std::string& name) const {

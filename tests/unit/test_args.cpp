@@ -145,7 +145,8 @@ TEST(Args, LaterFileMayRepeatButNotContradict) {
     return a;
   };
   for (const nlohmann::json& same : {nlohmann::json{{"lr", 2.0}}, nlohmann::json{{"lr", "2"}},
-                                     nlohmann::json{{"pp-layers", "2, 2"}}, nlohmann::json{{"name", "a b"}}}) {
+                                     nlohmann::json{{"pp-layers", "2, 2"}}, nlohmann::json{{"pp-layers", "2 ,2 "}},
+                                     nlohmann::json{{"name", "a b"}}}) {
     Args a = with_plan();
     EXPECT_NO_THROW(a.fill_from_json(origami::JsonField(same, "run.json"))) << same.dump();
   }
