@@ -10,10 +10,9 @@
      printed names every collective, and the file keeps the other four collectives' own rates;
      the bf16 rates (the same GEMM sizes, each at most the bf16 peak; attention's own, positive); the
      planner reads the file and plans bf16 with it.
-  2. On one rank (no mpirun): one device, no link or collectives measured, none written; the file
-     edited to two devices a node is refused by the planner (no link to price them with).
-     A MoE model with fewer routed rows than experts (2 tokens, top-2, 8 experts) profiles too, every
-     GEMM point positive.
+  2. On one rank (no mpirun), a MoE model with fewer routed rows than experts (2 tokens, top-2,
+     8 experts): one device, no link or collectives measured, none written, every GEMM point positive;
+     the file edited to two devices a node is refused by the planner (no link to price them with).
   3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
 """
 import json
@@ -86,32 +85,30 @@ def main():
         print("     (%.1f s; peak %.1f GFLOP/s per rank, all-reduce %.2f GB/s)" % (
             secs, d["peak_tflops"] * 1e3, c["intra_node"]["bandwidth_gb_s"]))
 
+    # On one rank (no mpirun), with a MoE model whose micro-batch routes fewer rows than it has experts
+    # (2 tokens x top-2 < 8 experts): one device and no link; each expert's GEMMs are timed on one row
+    # (zero rows stopped the job on an internal assert).
     one = os.path.join(tmp, "one.json")
-    rc, text, _ = h.run(0, ["profile", "--out", one, *QUICK[:-4], *QUICK[-2:]], timeout=300)  # (no --micro-batch:
-    # without --config it sizes nothing, an error)
-    ok = rc == 0 and json.load(open(one))["devices_per_node"] == 1 and "intra_node" not in json.load(open(one))
-    print("%-4s 1 rank: one device, no link" % ("ok" if ok else "FAIL"))
+    rc, text, _ = h.run(0, ["profile", "--out", one, "--config", os.path.join(h.CONFIGS, "mixtral_8e.json"),
+                            "--seconds", "0.01", "--seq-len", "2", "--micro-batch", "1", "--threads", "1"], timeout=300)
+    c = json.load(open(one)) if rc == 0 else {}
+    ok = rc == 0 and c["devices_per_node"] == 1 and "intra_node" not in c and not c["collectives"]
+    print("%-4s 1 rank: one device, no link or collectives" % ("ok" if ok else "FAIL"))
     if not ok:
         failures.append("profile on 1 rank: exit %s: %s" % (rc, text[-500:]))
-    else:  # a node of several devices made of it has no link to price their collectives with: refused
-        two = dict(json.load(open(one)), devices_per_node=2)
+    else:
+        dev = c["device"]
+        ok = all(f > 0 and r > 0 for f, r in dev["gemm"] + dev["bf16"]["gemm"])
+        print("%-4s 1 rank: mixtral with 2 tokens a micro-batch (fewer expert rows than experts)" % ("ok" if ok else "FAIL"))
+        if not ok:
+            failures.append("profile of mixtral_8e at --seq-len 2: GEMM points %s" % dev["gemm"])
+        # a node of several devices made of it has no link to price their collectives with: refused
         edited = os.path.join(tmp, "one_edited.json")
-        json.dump(two, open(edited, "w"))
+        json.dump(dict(c, devices_per_node=2), open(edited, "w"))
         _, _, failure = h.check_error("one-rank profile as 2 devices", 0,
                                       ["plan", "--config", cfg, "--cluster", edited, "--global-batch", "4", "--seq-len", "32"],
                                       lambda line: "'intra_node': missing (a node of 2 devices" in line)
         failures += [failure] if failure else []
-
-    # A MoE model whose micro-batch routes fewer rows than it has experts (2 tokens x top-2 < 8 experts):
-    # each expert's GEMMs are timed on one row (zero rows stopped the job on an internal assert).
-    few = os.path.join(tmp, "few_rows.json")
-    rc, text, _ = h.run(0, ["profile", "--out", few, "--config", os.path.join(h.CONFIGS, "mixtral_8e.json"),
-                            "--seconds", "0.01", "--seq-len", "2", "--micro-batch", "1", "--threads", "1"], timeout=300)
-    dev = json.load(open(few))["device"] if rc == 0 else {}
-    ok = rc == 0 and all(f > 0 and r > 0 for f, r in dev["gemm"] + dev["bf16"]["gemm"])
-    print("%-4s 1 rank: mixtral with 2 tokens a micro-batch (fewer expert rows than experts)" % ("ok" if ok else "FAIL"))
-    if not ok:
-        failures.append("profile of mixtral_8e at --seq-len 2: exit %s: %s" % (rc, text[-500:]))
 
     for name, args, want in [("no --out", [], "--out FILE is required"),
                              ("--seconds 0", ["--out", one, "--seconds", "0"], "--seconds must be positive"),
