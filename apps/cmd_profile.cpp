@@ -110,11 +110,13 @@ std::optional<ProfileCommand> parse_profile_options(int argc, char** argv, Comm&
          "collectives over the job's ranks) and write a cluster.json. Run it under mpirun with the ranks\n"
          "and threads a training run would use.");
   a.option("out", "FILE", "cluster.json to write")
-      .option("config", "FILE", "model config.json whose layer GEMMs are measured (default: squares and slabs)")
+      .option("config", "FILE", "model config.json whose layer GEMMs are measured (default: squares from 128 to 2048 "
+              "and slabs of a 1024 x 4096 weight at 256 to 4096 rows)")
       .option("micro-batch", "B", "rows per micro-batch of the measured shapes (also timed at 1 row)", "4")
       .option("seq-len", "T", "tokens per row (GEMM rows B x T; the attention window)", "1024")
       .option("threads", "N", "threads per rank (0: all cores)", "0")
-      .option("seconds", "S", "time per measurement and rank", "0.5")
+      .option("seconds", "S", "time per measurement and rank (large GEMMs take longer: each shape is timed in 3 trials "
+              "of at least 3 calls, hot and cold, per precision; the default shapes reach 34 GFLOP a call)", "0.5")
       .option("max-mb", "M", "largest collective message (MiB)", "64")
       .option("name", "TEXT", "the cluster's name in the file", "this machine (origami profile)");
   bool parsed = false;
