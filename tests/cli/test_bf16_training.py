@@ -72,14 +72,14 @@ def main():
         subprocess.run([ORIGAMI, "data", "prepare", "--input", CORPUS, "--output", os.path.join(tmp, "fortunes"),
                         "--tokenizer", "byte"], check=True, capture_output=True)
         for tag, config, steps, flags, final_rtol in RUNS:
-            runs = {p: start(tmp, tag, config, steps, flags, p) for p in ("fp32", "bf16")}
+            runs = {precision: start(tmp, tag, config, steps, flags, precision) for precision in ("fp32", "bf16")}
             try:
                 fp32, _, _ = finish(runs["fp32"], tag, steps, "fp32")
                 bf16, layout, out = finish(runs["bf16"], tag, steps, "bf16")
             finally:  # (a failed run leaves no other running)
-                for p, _ in runs.values():
-                    p.kill()
-                    p.wait()
+                for process, _ in runs.values():
+                    process.kill()
+                    process.wait()
             check("bf16" in layout, "%s: metrics layout %r does not name bf16" % (tag, layout))
             check("precision: bf16 GEMMs" in out and "bf16 GEMM: " in out,
                   "%s: the startup line does not name the precision and the GEMM path:\n%s" % (tag, out[:1500]))

@@ -411,9 +411,30 @@ void check_exact_operands(const GemmCheck& check, const std::vector<float>& C, B
     }
 }
 
+// The ONEDNN_MAX_CPU_ISA of this run (an isa_cap test's, tests/CMakeLists.txt), or "".
+std::string isa_cap() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  return cap ? cap : "";
+}
+
+// Why this run's cap takes none of the host's instructions away, or "" where it does: a cap at
+// AVX512_CORE_BF16 on a host without AMX (or AVX512-FP16, the ISA between them), at AVX2 on one without
+// AVX-512. oneDNN runs at the lower of the cap and the host, so such a run would repeat the uncapped one
+// call for call (about 30 s of check_every_path each on an AVX2 host).
+std::string cap_changes_nothing() {
+  const std::string isa = isa_cap();
+  if (isa == "AVX512_CORE_BF16" && !__builtin_cpu_supports("amx-bf16") && !__builtin_cpu_supports("avx512fp16"))
+    return "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on a host without AMX: the uncapped run checked these paths";
+  if (isa == "AVX2" && !__builtin_cpu_supports("avx512f"))
+    return "ONEDNN_MAX_CPU_ISA=AVX2 on a host without AVX-512: the uncapped run checked these paths";
+  return "";
+}
+
 // Runs every case on every path to check here — the timed choice, oneDNN wherever it has a bf16
-// matmul, the forced portable path — against both bounds, and prints each mode's worst ratios.
+// matmul, the forced portable path — against both bounds, and prints each mode's worst ratios. Skips
+// the test where the run's cap changes nothing.
 void check_every_path(const std::vector<Case>& cases) {
+  if (const std::string why = cap_changes_nothing(); !why.empty()) GTEST_SKIP() << why;
   set_num_threads(2);
   const std::pair<Bf16GemmMode, const char*> modes[] = {
       {Bf16GemmMode::automatic, "automatic"}, {Bf16GemmMode::onednn, "onednn"}, {Bf16GemmMode::portable, "portable"}};
@@ -502,29 +523,9 @@ std::vector<Case> model_cases(int64_t T) {
 
 }  // namespace
 
-// Why this run's ONEDNN_MAX_CPU_ISA (an isa_cap test's) takes none of the host's instructions away, or
-// "" where it does: a cap at AVX512_CORE_BF16 on a host without AMX (or AVX512-FP16, the ISA between
-// them), at AVX2 on one without AVX-512. oneDNN runs at the lower of the cap and the host, so such a run
-// would repeat the uncapped one call for call (about 30 s each on an AVX2 host).
-std::string cap_changes_nothing() {
-  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  const std::string isa = cap ? cap : "";
-  if (isa == "AVX512_CORE_BF16" && !__builtin_cpu_supports("amx-bf16") && !__builtin_cpu_supports("avx512fp16"))
-    return "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on a host without AMX: the uncapped run checked these paths";
-  if (isa == "AVX2" && !__builtin_cpu_supports("avx512f"))
-    return "ONEDNN_MAX_CPU_ISA=AVX2 on a host without AVX-512: the uncapped run checked these paths";
-  return "";
-}
+TEST(GemmBf16, OddSizesEveryTransposeStridedBeta0And1) { check_every_path(odd_size_cases()); }
 
-TEST(GemmBf16, OddSizesEveryTransposeStridedBeta0And1) {
-  if (const std::string why = cap_changes_nothing(); !why.empty()) GTEST_SKIP() << why;
-  check_every_path(odd_size_cases());
-}
-
-TEST(GemmBf16, Gpt2LayerAndLmHeadShapes) {
-  if (const std::string why = cap_changes_nothing(); !why.empty()) GTEST_SKIP() << why;
-  check_every_path(model_cases(64));
-}
+TEST(GemmBf16, Gpt2LayerAndLmHeadShapes) { check_every_path(model_cases(64)); }
 
 // Attention's dK-like tile in bf16; and operands in fp32, padded and large enough (over 2^16 elements)
 // that outside a region their widening and rounding would be spread over the threads: inside one, each
@@ -670,8 +671,7 @@ TEST(GemmBf16, KeptPathsReplaceTheTiming) {
 // paths and prove nothing about the lower ones): under AVX2 oneDNN 2.6 has no bf16 matmul, so the GEMMs
 // are portable; under AVX512_CORE_BF16 no oneDNN kernel is AMX's. Skipped outside those runs.
 TEST(GemmBf16, TheIsaCapOfThisRunApplies) {
-  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  const std::string isa = cap ? cap : "";
+  const std::string isa = isa_cap();
   if (isa != "AVX2" && isa != "AVX512_CORE_BF16") GTEST_SKIP() << "run by the isa_cap tests";
   set_bf16_gemm_mode(Bf16GemmMode::automatic);
   const std::string described = describe_bf16_gemm();
