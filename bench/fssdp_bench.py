@@ -2,13 +2,15 @@
 balance and under skew (a router bias that sends half of the assignments to experts 0 and 1).
 
     /usr/bin/python3 bench/fssdp_bench.py [--experts 16,64] [--ranks 2,4] [--steps 6] [--repeats 3]
-        [--hidden 256] [--ffn 512] [--kv-heads 8] [--seq-len 128] [--micro-batch 8] [--precision fp32]
+        [--hidden 256] [--ffn 512] [--kv-heads 8] [--seq-len 128] [--micro-batch 8] [--accumulate 1]
+        [--precision fp32]
         [--single-copy cma] [--dir bench/runs/fssdp]
 
 The model: 4 layers of hidden --hidden (256), 8 heads (--kv-heads of them for keys and values), experts
-of FFN --ffn (512), top-2, the byte vocabulary; one micro-batch of --micro-batch x --seq-len tokens per rank, one
-thread per rank. What FSSDP moves is the experts' weights and gradients, what EP moves is token rows,
-so their ratio is set by the rows each expert gets on a rank (tokens x top-k / experts) and by how
+of FFN --ffn (512), top-2, the byte vocabulary; per rank a step --accumulate micro-batches (1) of
+--micro-batch x --seq-len tokens, one thread per rank. What FSSDP moves is the experts' weights and
+gradients (under --fssdp-keep the values once a step, the gradients every micro-batch), what EP moves
+is token rows, so their ratio is set by the rows each expert gets on a rank (tokens x top-k / experts) and by how
 much of a step the experts are (Mixtral's proportions, FFN 3.5 x hidden and 4 query heads per
 key-value head, put 0.86 of the weight GEMMs' FLOPs of the README's shape in the experts, about 0.8
 counting attention's scores). Each layout is EP over
@@ -46,7 +48,8 @@ def train(d, a, cfg, data, ranks, flags, steps, skew, tag):
     if os.path.exists(m):
         os.remove(m)
     args = ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--micro-batch", str(a.micro_batch),
-            "--global-batch", str(a.micro_batch * max(ranks, 1)), "--seq-len", str(a.seq_len), "--threads", "1",
+            "--global-batch", str(a.micro_batch * max(ranks, 1) * a.accumulate), "--seq-len", str(a.seq_len),
+            "--threads", "1",
             "--quiet", "--metrics", m, "--precision", a.precision]
     env = {"OMP_NUM_THREADS": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": SINGLE_COPY[0]}
     if skew:
@@ -80,6 +83,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per rank a step")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=512, help="each expert's FFN width")
@@ -89,6 +93,8 @@ def main():
                     "messages (cma: the receiver copies straight from the sender; none: through shared buffers)")
     ap.add_argument("--dir", default=os.path.join(h.ROOT, "bench", "runs", "fssdp"))
     a = ap.parse_args()
+    if a.accumulate < 1:
+        ap.error("--accumulate must be at least 1, got %d" % a.accumulate)
     SINGLE_COPY[0] = a.single_copy
     os.makedirs(a.dir, exist_ok=True)
     data = h.prepare_data(a.dir, n_docs=2000)
