@@ -3,8 +3,7 @@ balance and under skew (a router bias that sends half of the assignments to expe
 
     /usr/bin/python3 bench/fssdp_bench.py [--experts 16,64] [--ranks 2,4] [--steps 6] [--repeats 3]
         [--hidden 256] [--ffn 512] [--kv-heads 8] [--seq-len 128] [--micro-batch 8] [--accumulate 1]
-        [--precision fp32]
-        [--single-copy cma] [--dir bench/runs/fssdp]
+        [--precision fp32] [--single-copy cma] [--dir bench/runs/fssdp]
 
 The model: 4 layers of hidden --hidden (256), 8 heads (--kv-heads of them for keys and values), experts
 of FFN --ffn (512), top-2, the byte vocabulary; per rank a step --accumulate micro-batches (1) of
@@ -49,8 +48,7 @@ def train(d, a, cfg, data, ranks, flags, steps, skew, tag):
         os.remove(m)
     args = ["train", "--config", cfg, "--data", data, "--steps", str(steps), "--micro-batch", str(a.micro_batch),
             "--global-batch", str(a.micro_batch * max(ranks, 1) * a.accumulate), "--seq-len", str(a.seq_len),
-            "--threads", "1",
-            "--quiet", "--metrics", m, "--precision", a.precision]
+            "--threads", "1", "--quiet", "--metrics", m, "--precision", a.precision]
     env = {"OMP_NUM_THREADS": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": SINGLE_COPY[0]}
     if skew:
         env["ORIGAMI_TEST_ROUTER_SKEW"] = repr(skew)
