@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -19,7 +20,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -203,9 +203,48 @@ std::vector<int> did_not_arrive(const std::vector<RankProgress>& board) {
   return behind;
 }
 
-// Forwards the job's output and finds Open MPI's report of a rank that died (until the watchdog
-// ends a hung job: then the ranks it killed are reported by it, not as failures):
+// Open MPI's report of a rank that died, anywhere in a line:
 // "mpirun noticed that process rank R with PID P on node H exited on signal S (...)".
+struct RankDeath {
+  int rank = 0, signal = 0;
+  std::string host;
+};
+
+// Reads up to 9 decimal digits at line[at] (at least one) into value, moving at past them.
+bool read_count(const std::string& line, size_t& at, int& value) {
+  const size_t end = std::min(line.size(), at + 9);
+  const auto [ptr, ec] = std::from_chars(line.data() + at, line.data() + end, value);
+  if (ec != std::errc() || value < 0) return false;
+  at = size_t(ptr - line.data());
+  return at == line.size() || !std::isdigit(static_cast<unsigned char>(line[at]));
+}
+
+// The report in line, if it holds one (H is a host name: no spaces).
+std::optional<RankDeath> parse_rank_death(const std::string& line) {
+  static const std::string lead = "process rank ";
+  for (size_t start = line.find(lead); start != std::string::npos; start = line.find(lead, start + 1)) {
+    size_t at = start + lead.size();
+    auto word = [&](const char* w) {
+      const size_t n = std::strlen(w);
+      if (line.compare(at, n, w) != 0) return false;
+      at += n;
+      return true;
+    };
+    RankDeath d;
+    int pid = 0;
+    if (!read_count(line, at, d.rank) || !word(" with PID ") || !read_count(line, at, pid) || !word(" on node "))
+      continue;
+    const size_t host_end = line.find_first_of(" \t", at);
+    if (host_end == std::string::npos || host_end == at) continue;
+    d.host = line.substr(at, host_end - at);
+    at = host_end;
+    if (word(" exited on signal ") && read_count(line, at, d.signal)) return d;
+  }
+  return std::nullopt;
+}
+
+// Forwards the job's output and finds Open MPI's reports of ranks that died (until the watchdog
+// ends a hung job: then the ranks it killed are reported by it, not as failures).
 class OutputScanner {
  public:
   void feed(const char* data, size_t n, JobEnd& end) {
@@ -215,14 +254,12 @@ class OutputScanner {
     for (size_t nl; (nl = pending_.find('\n')) != std::string::npos; pending_.erase(0, nl + 1)) {
       // Once the watchdog ended the job, the ranks it killed itself are no failures to report.
       if (end.hung) continue;
-      static const std::regex died(R"(process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+))");
-      std::smatch m;
       const std::string line = pending_.substr(0, nl);
       if (line.find("origami train: error: ") != std::string::npos) end.user_error = true;  // (--tag-output prefixes it)
-      if (std::regex_search(line, m, died)) {
-        end.failed_ranks.push_back(std::stoi(m[1]));
-        end.failed_hosts.push_back(m[2]);
-        end.signal = std::stoi(m[3]);
+      if (const auto died = parse_rank_death(line)) {
+        end.failed_ranks.push_back(died->rank);
+        end.failed_hosts.push_back(died->host);
+        end.signal = died->signal;
       }
     }
   }
