@@ -23,7 +23,7 @@ with FSSDP's throughput over EP's (step time of EP over FSSDP's), then a lone ra
 process with one rank's work, all experts local, no communication; as fast as FSSDP could be, or a
 little faster: it has the machine's caches and memory to itself; its runs come first for each
 expert count, not alternated with the others) and EP's over it, the most FSSDP
-could gain (where the ranks have a core each).
+could gain (where the ranks have a core each; when no --ranks entry has, the lone rank is not run).
 """
 import argparse
 import os
@@ -97,15 +97,19 @@ def main():
     os.makedirs(a.dir, exist_ok=True)
     data = h.prepare_data(a.dir, n_docs=2000)
     rows = []
+    cores = os.cpu_count() or 1
     for E in map(int, a.experts.split(",")):
         cfg = model(a.dir, a, E)
         bias = calibrate(a.dir, a, cfg, data)
+        # The lone rank bounds FSSDP only where every rank has a core; with none such, it is not run.
+        bounded = any(int(R) <= cores for R in a.ranks.split(","))
         lone = {routing: statistics.median(
                     statistics.median(r["ms"] for r in train(a.dir, a, cfg, data, 0, [], a.steps, skew, "run")[2:])
-                    for _ in range(a.repeats))
+                    for _ in range(a.repeats)) if bounded else None
                 for routing, skew in (("balanced", 0.0), ("skewed", bias))}
-        print("%d experts: a lone rank (one process, no communication) %s" %
-              (E, ", ".join("%s %.0f ms" % kv for kv in lone.items())), flush=True)
+        if bounded:
+            print("%d experts: a lone rank (one process, no communication) %s" %
+                  (E, ", ".join("%s %.0f ms" % kv for kv in lone.items())), flush=True)
         for R in map(int, a.ranks.split(",")):
             for routing, skew in (("balanced", 0.0), ("skewed", bias)):
                 layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]),
@@ -129,8 +133,8 @@ def main():
                 rows.append([E, R, routing + (" (B %.3f)" % skew if skew else ""), "%.0f" % ep[0], "%.0f" % fs[0],
                              "%.0f" % fk[0], "%.2f" % ep[1], "%.2f" % fs[1], "%.1f" % (ep[2] / 1e6),
                              "%.1f" % (fs[2] / 1e6), "%.1f" % (fk[2] / 1e6), "%.2f" % (ep[0] / fs[0]),
-                             "%.2f" % (ep[0] / fk[0]), "%.0f" % lone[routing],
-                             "%.2f" % (ep[0] / lone[routing]) if R <= (os.cpu_count() or 1) else "-"])
+                             "%.2f" % (ep[0] / fk[0]), "%.0f" % lone[routing] if bounded else "-",
+                             "%.2f" % (ep[0] / lone[routing]) if R <= cores else "-"])
     print()
     print(h.fmt_table(["experts", "ranks", "routing", "EP ms", "FSSDP ms", "keep ms", "EP busiest/mean",
                        "FSSDP busiest/mean", "EP MB/step", "FSSDP MB/step", "keep MB/step", "FSSDP / EP",
