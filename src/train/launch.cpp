@@ -210,13 +210,14 @@ struct RankDeath {
   std::string host;
 };
 
-// Reads up to 9 decimal digits at line[at] (at least one) into value, moving at past them.
+// Reads the decimal digits at line[at] (1 to 9 of them: no sign, no overflow) into value, moving at past them.
 bool read_count(const std::string& line, size_t& at, int& value) {
-  const size_t end = std::min(line.size(), at + 9);
-  const auto [ptr, ec] = std::from_chars(line.data() + at, line.data() + end, value);
-  if (ec != std::errc() || value < 0) return false;
-  at = size_t(ptr - line.data());
-  return at == line.size() || !std::isdigit(static_cast<unsigned char>(line[at]));
+  size_t end = at;
+  while (end < line.size() && std::isdigit(static_cast<unsigned char>(line[end]))) ++end;
+  if (end == at || end - at > 9) return false;
+  std::from_chars(line.data() + at, line.data() + end, value);
+  at = end;
+  return true;
 }
 
 // The report in line, if it holds one (H is a host name: no spaces).
@@ -234,7 +235,7 @@ std::optional<RankDeath> parse_rank_death(const std::string& line) {
     int pid = 0;
     if (!read_count(line, at, d.rank) || !word(" with PID ") || !read_count(line, at, pid) || !word(" on node "))
       continue;
-    const size_t host_end = line.find_first_of(" \t", at);
+    const size_t host_end = line.find(' ', at);
     if (host_end == std::string::npos || host_end == at) continue;
     d.host = line.substr(at, host_end - at);
     at = host_end;
