@@ -98,11 +98,11 @@ def main():
     data = h.prepare_data(a.dir, n_docs=2000)
     rows = []
     cores = os.cpu_count() or 1
+    # The lone rank bounds FSSDP only where every rank has a core; with none such, it is not run.
+    bounded = any(int(R) <= cores for R in a.ranks.split(","))
     for E in map(int, a.experts.split(",")):
         cfg = model(a.dir, a, E)
         bias = calibrate(a.dir, a, cfg, data)
-        # The lone rank bounds FSSDP only where every rank has a core; with none such, it is not run.
-        bounded = any(int(R) <= cores for R in a.ranks.split(","))
         lone = {routing: statistics.median(
                     statistics.median(r["ms"] for r in train(a.dir, a, cfg, data, 0, [], a.steps, skew, "run")[2:])
                     for _ in range(a.repeats)) if bounded else None
