@@ -3,7 +3,7 @@ balance and under skew (a router bias that sends half of the assignments to expe
 
     /usr/bin/python3 bench/fssdp_bench.py [--experts 16,64] [--ranks 2,4] [--steps 6] [--repeats 3]
         [--hidden 256] [--ffn 512] [--kv-heads 8] [--seq-len 128] [--micro-batch 8] [--accumulate 1]
-        [--precision fp32] [--single-copy cma] [--dir bench/runs/fssdp]
+        [--precision fp32] [--routing balanced,skewed] [--single-copy cma] [--dir bench/runs/fssdp]
 
 The model: 4 layers of hidden --hidden (256), 8 heads (--kv-heads of them for keys and values), experts
 of FFN --ffn (512), top-2, the byte vocabulary; per rank a step --accumulate micro-batches (1) of
@@ -87,12 +87,16 @@ def main():
     ap.add_argument("--ffn", type=int, default=512, help="each expert's FFN width")
     ap.add_argument("--kv-heads", type=int, default=8, help="of 8 heads")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--routing", default="balanced,skewed", help="which routings to run (skewed calibrates a bias)")
     ap.add_argument("--single-copy", default="cma", help="Open MPI shared-memory single-copy mechanism for large "
                     "messages (cma: the receiver copies straight from the sender; none: through shared buffers)")
     ap.add_argument("--dir", default=os.path.join(h.ROOT, "bench", "runs", "fssdp"))
     a = ap.parse_args()
     if a.accumulate < 1:
         ap.error("--accumulate must be at least 1, got %d" % a.accumulate)
+    routings = a.routing.split(",")
+    if not routings or any(r not in ("balanced", "skewed") for r in routings):
+        ap.error("--routing takes balanced, skewed or both (comma-separated), got %r" % a.routing)
     SINGLE_COPY[0] = a.single_copy
     os.makedirs(a.dir, exist_ok=True)
     data = h.prepare_data(a.dir, n_docs=2000)
@@ -102,16 +106,17 @@ def main():
     bounded = any(int(R) <= cores for R in a.ranks.split(","))
     for E in map(int, a.experts.split(",")):
         cfg = model(a.dir, a, E)
-        bias = calibrate(a.dir, a, cfg, data)
+        bias = calibrate(a.dir, a, cfg, data) if "skewed" in routings else 0.0
+        routes = [(r, bias if r == "skewed" else 0.0) for r in routings]
         lone = {routing: statistics.median(
                     statistics.median(r["ms"] for r in train(a.dir, a, cfg, data, 0, [], a.steps, skew, "run")[2:])
                     for _ in range(a.repeats)) if bounded else None
-                for routing, skew in (("balanced", 0.0), ("skewed", bias))}
+                for routing, skew in routes}
         if bounded:
             print("%d experts: a lone rank (one process, no communication) %s" %
                   (E, ", ".join("%s %.0f ms" % kv for kv in lone.items())), flush=True)
         for R in map(int, a.ranks.split(",")):
-            for routing, skew in (("balanced", 0.0), ("skewed", bias)):
+            for routing, skew in routes:
                 layouts = (("EP%d" % R, ["--ep", str(R)]), ("FSSDP DP%d" % R, ["--expert-sharding", "fssdp"]),
                            ("FSSDP keep DP%d" % R, ["--expert-sharding", "fssdp", "--fssdp-keep"]))
                 runs = {name: [] for name, _ in layouts}

@@ -13,7 +13,9 @@
   2. On one rank (no mpirun), a MoE model with fewer routed rows than experts (2 tokens, top-2,
      8 experts): one device, no link or collectives measured, none written, every GEMM point positive;
      the file edited to two devices a node is refused by the planner (no link to price them with).
-  3. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
+  3. On one rank without --config: the fixed squares and slabs, one fp32 and one bf16 rate per
+     distinct size, each in (0, peak]; the planner plans a model with the file.
+  4. Mistakes (no --out, a non-positive --seconds, a missing config): exit 1, one error line.
 """
 import json
 import os
@@ -32,11 +34,7 @@ def gemm_sizes(cfg, rows):
     return {2 * rows * i * o for i, o in linears}
 
 
-def main():
-    failures = []
-    tmp = h.tmpdir("origami_profile_")
-    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
-
+def two_ranks(tmp, cfg, failures):
     out = os.path.join(tmp, "two.json")
     rc, text, secs = h.run(2, ["profile", "--out", out, "--config", cfg, *QUICK], timeout=300)
     if rc != 0:
@@ -85,6 +83,9 @@ def main():
         print("     (%.1f s; peak %.1f GFLOP/s per rank, all-reduce %.2f GB/s)" % (
             secs, d["peak_tflops"] * 1e3, c["intra_node"]["bandwidth_gb_s"]))
 
+
+def one_rank_moe(tmp, cfg, failures):
+    """Returns the file written, for the mistakes' --out."""
     # On one rank (no mpirun), with a MoE model whose micro-batch routes fewer rows than it has experts
     # (2 tokens x top-2 < 8 experts): one device and no link; each expert's GEMMs are timed on one row
     # (zero rows stopped the job on an internal assert).
@@ -109,7 +110,44 @@ def main():
                                       ["plan", "--config", cfg, "--cluster", edited, "--global-batch", "4", "--seq-len", "32"],
                                       lambda line: "'intra_node': missing (a node of 2 devices" in line)
         failures += [failure] if failure else []
+    return one
 
+
+def without_config(tmp, cfg, failures):
+    # On one rank without --config: the fixed shapes, squares from 128 to 2048 and slabs of a 1024 x 4096
+    # weight (both ways round) at 256 to 4096 rows, one rate per distinct size (a 1024 square and the
+    # 256-row slab share one), in fp32 and bf16; and the planner prices a model with the file.
+    generic = os.path.join(tmp, "generic.json")
+    rc, text, secs = h.run(0, ["profile", "--out", generic, "--seconds", "0.01", "--seq-len", "64", "--threads", "2"],
+                           timeout=600)
+    if rc != 0:
+        failures.append("profile without --config: exit %s: %s" % (rc, text[-500:]))
+    else:
+        dev = json.load(open(generic))["device"]
+        want = sorted({2 * n ** 3 for n in (128, 256, 512, 1024, 2048)} | {2 * n * 1024 * 4096 for n in (256, 1024, 4096)})
+        sizes = [g[0] for g in dev["gemm"]]
+        checks = [(len(sizes) == len(want) and all(abs(a - b * 1e-9) <= 1e-9 * b * 1e-9 for a, b in zip(sizes, want)),
+                   "GEMM rates at the fixed shapes' %d distinct sizes: %s" % (len(want), sizes)),
+                  ([g[0] for g in dev["bf16"]["gemm"]] == sizes and
+                   all(0 < g[1] <= x["peak_tflops"] * (1 + 1e-9) for x in (dev, dev["bf16"]) for g in x["gemm"]),
+                   "fp32 and bf16 rates in (0, peak] at the same sizes: %s, %s" % (dev["gemm"], dev["bf16"]["gemm"]))]
+        rc2, planned, _ = h.run(0, ["plan", "--config", cfg, "--cluster", generic, "--global-batch", "4",
+                                    "--seq-len", "32", "--top", "1", "--json"])
+        checks.append((rc2 == 0 and json.loads(planned)[0]["step_time_s"] > 0, "the planner reads it: %s" % planned[-300:]))
+        for ok, what in checks:
+            print("%-4s no --config: %s" % ("ok" if ok else "FAIL", what[:160]))
+            if not ok:
+                failures.append("profile without --config: " + what)
+        print("     (%.1f s)" % secs)
+
+
+def main():
+    failures = []
+    tmp = h.tmpdir("origami_profile_")
+    cfg = os.path.join(h.CONFIGS, "llama_tiny.json")
+    two_ranks(tmp, cfg, failures)
+    one = one_rank_moe(tmp, cfg, failures)
+    without_config(tmp, cfg, failures)
     for name, args, want in [("no --out", [], "--out FILE is required"),
                              ("--seconds 0", ["--out", one, "--seconds", "0"], "--seconds must be positive"),
                              ("missing config", ["--out", one, "--config", os.path.join(tmp, "none.json")], "none.json")]:
