@@ -95,7 +95,7 @@ def main():
     if a.accumulate < 1:
         ap.error("--accumulate must be at least 1, got %d" % a.accumulate)
     routings = a.routing.split(",")
-    if not routings or any(r not in ("balanced", "skewed") for r in routings):
+    if any(r not in ("balanced", "skewed") for r in routings):
         ap.error("--routing takes balanced, skewed or both (comma-separated), got %r" % a.routing)
     SINGLE_COPY[0] = a.single_copy
     os.makedirs(a.dir, exist_ok=True)
