@@ -34,6 +34,26 @@ def gemm_sizes(cfg, rows):
     return {2 * rows * i * o for i, o in linears}
 
 
+def same_sizes(gflops, flops):
+    """Whether the file's GEMM sizes (GFLOP, ascending) are the distinct sizes `flops` (FLOP), in order."""
+    want = sorted(flops)
+    return len(gflops) == len(want) and all(abs(a - b * 1e-9) < 1e-9 * b * 1e-9 for a, b in zip(gflops, want))
+
+
+def plans(cfg, cluster, *extra):
+    """(whether the planner plans cfg with the cluster file, the end of its output)."""
+    rc, planned, _ = h.run(0, ["plan", "--config", cfg, "--cluster", cluster, "--global-batch", "4", "--seq-len", "32",
+                               *extra, "--top", "1", "--json"])
+    return rc == 0 and json.loads(planned)[0]["step_time_s"] > 0, planned[-300:]
+
+
+def record(checks, case, failures):
+    for ok, what in checks:
+        print("%-4s %s: %s" % ("ok" if ok else "FAIL", case, what[:160]))
+        if not ok:
+            failures.append("profile %s: %s" % (case, what))
+
+
 def two_ranks(tmp, cfg, failures):
     out = os.path.join(tmp, "two.json")
     rc, text, secs = h.run(2, ["profile", "--out", out, "--config", cfg, *QUICK], timeout=300)
@@ -45,11 +65,11 @@ def two_ranks(tmp, cfg, failures):
         gemm = d.get("gemm", [])
         sizes = [g[0] for g in gemm]
         model = json.load(open(cfg))
-        want = sorted(gemm_sizes(model, 64) | gemm_sizes(model, 2 * 64))
+        want = gemm_sizes(model, 64) | gemm_sizes(model, 2 * 64)
         checks = [
             (c["nodes"] == 1 and c["devices_per_node"] == 2, "one node of 2 devices: %s x %s" % (c["nodes"], c["devices_per_node"])),
-            (len(sizes) == len(want) and all(abs(a - b * 1e-9) < 1e-9 * b * 1e-9 for a, b in zip(sizes, want)),
-             "GEMM rates by distinct size, ascending, at 1 and 2 rows of 64: %s (want %s)" % (sizes, [w * 1e-9 for w in want])),
+            (same_sizes(sizes, want), "GEMM rates by distinct size, ascending, at 1 and 2 rows of 64: %s (want %s)" % (
+                sizes, [w * 1e-9 for w in sorted(want)])),
             (all(x.get(k, 1) > 0 for x in (d, d.get("bf16", {}))
                  for k in ("gemm_streaming_gb_s", "gemm_streaming_accumulating_gb_s")),
              "operands' streaming rates (and into weight gradients) positive where measured: %s, %s" % (
@@ -73,13 +93,9 @@ def two_ranks(tmp, cfg, failures):
              all(0 < g[1] <= d["bf16"]["peak_tflops"] * (1 + 1e-9) for g in d["bf16"]["gemm"]) and
              d["bf16"]["attention_tflops"] > 0, "bf16 rates: %s" % d.get("bf16")),
         ]
-        rc2, planned, _ = h.run(0, ["plan", "--config", cfg, "--cluster", out, "--global-batch", "4", "--seq-len", "32",
-                                    "--precision", "bf16", "--top", "1", "--json"])
-        checks.append((rc2 == 0 and json.loads(planned)[0]["step_time_s"] > 0, "the planner reads it (bf16): %s" % planned[-300:]))
-        for ok, what in checks:
-            print("%-4s 2 ranks: %s" % ("ok" if ok else "FAIL", what[:160]))
-            if not ok:
-                failures.append("profile on 2 ranks: " + what)
+        ok, planned = plans(cfg, out, "--precision", "bf16")
+        checks.append((ok, "the planner reads it (bf16): %s" % planned))
+        record(checks, "on 2 ranks", failures)
         print("     (%.1f s; peak %.1f GFLOP/s per rank, all-reduce %.2f GB/s)" % (
             secs, d["peak_tflops"] * 1e3, c["intra_node"]["bandwidth_gb_s"]))
 
@@ -124,20 +140,15 @@ def without_config(tmp, cfg, failures):
         failures.append("profile without --config: exit %s: %s" % (rc, text[-500:]))
     else:
         dev = json.load(open(generic))["device"]
-        want = sorted({2 * n ** 3 for n in (128, 256, 512, 1024, 2048)} | {2 * n * 1024 * 4096 for n in (256, 1024, 4096)})
+        want = {2 * n ** 3 for n in (128, 256, 512, 1024, 2048)} | {2 * n * 1024 * 4096 for n in (256, 1024, 4096)}
         sizes = [g[0] for g in dev["gemm"]]
-        checks = [(len(sizes) == len(want) and all(abs(a - b * 1e-9) <= 1e-9 * b * 1e-9 for a, b in zip(sizes, want)),
-                   "GEMM rates at the fixed shapes' %d distinct sizes: %s" % (len(want), sizes)),
+        checks = [(same_sizes(sizes, want), "GEMM rates at the fixed shapes' %d distinct sizes: %s" % (len(want), sizes)),
                   ([g[0] for g in dev["bf16"]["gemm"]] == sizes and
                    all(0 < g[1] <= x["peak_tflops"] * (1 + 1e-9) for x in (dev, dev["bf16"]) for g in x["gemm"]),
                    "fp32 and bf16 rates in (0, peak] at the same sizes: %s, %s" % (dev["gemm"], dev["bf16"]["gemm"]))]
-        rc2, planned, _ = h.run(0, ["plan", "--config", cfg, "--cluster", generic, "--global-batch", "4",
-                                    "--seq-len", "32", "--top", "1", "--json"])
-        checks.append((rc2 == 0 and json.loads(planned)[0]["step_time_s"] > 0, "the planner reads it: %s" % planned[-300:]))
-        for ok, what in checks:
-            print("%-4s no --config: %s" % ("ok" if ok else "FAIL", what[:160]))
-            if not ok:
-                failures.append("profile without --config: " + what)
+        ok, planned = plans(cfg, generic)
+        checks.append((ok, "the planner reads it: %s" % planned))
+        record(checks, "without --config", failures)
         print("     (%.1f s)" % secs)
 
 
